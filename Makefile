@@ -1,0 +1,50 @@
+SHELL := /bin/bash
+# Thin wrapper over CMake/CTest. `make check` is what CI runs (.ci/run).
+#   make deps | build | check | check SAN=address,undefined | check SAN=thread | format | bench | clean
+SAN ?=
+JOBS ?= $(shell nproc)
+ifeq ($(SAN),)
+BUILD_DIR ?= build
+else
+BUILD_DIR ?= build-$(subst $(comma),-,$(SAN))
+endif
+comma := ,
+CMAKE_FLAGS ?=
+CTEST_ARGS ?=
+FORMAT_FILES = $(shell git ls-files '*.c' '*.h' '*.cu' 2>/dev/null)
+
+.PHONY: all deps build check test format format-check bench clean
+
+all: build
+
+deps:
+	tools/install-deps.sh
+
+$(BUILD_DIR)/CMakeCache.txt:
+	cmake -S . -B $(BUILD_DIR) -DSAN=$(SAN) $(CMAKE_FLAGS)
+
+build: $(BUILD_DIR)/CMakeCache.txt
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+# deps + format check + build + every test; prints each Check suite's summary line and CTest's.
+check: deps format-check build
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS) 2>&1 | tee ctest.log; \
+	  rc=$${PIPESTATUS[0]}; grep -h '^[0-9]*%: Checks' Testing/Temporary/LastTest.log || true; exit $$rc
+
+test: build
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS)
+
+format:
+	clang-format -i $(FORMAT_FILES)
+
+format-check:
+	@out=$$(clang-format --dry-run $(FORMAT_FILES) 2>&1); \
+	if [ -n "$$out" ]; then echo "$$out" | grep 'warning:' | head -20; \
+	  echo "format-check: files above are not clang-formatted; run 'make format'"; exit 1; fi; \
+	echo "format-check: $(words $(FORMAT_FILES)) files clean"
+
+bench: build
+	tools/run-bench.sh $(BUILD_DIR)
+
+clean:
+	rm -rf build build-*

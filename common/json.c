@@ -1,0 +1,216 @@
+/* common/json.c — jansson helpers. */
+#include "common/json.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+
+const char *pd_json_type_name(const json_t *v)
+{
+    if (v == NULL) {
+        return "nothing";
+    }
+    switch (json_typeof(v)) {
+    case JSON_OBJECT: return "object";
+    case JSON_ARRAY: return "array";
+    case JSON_STRING: return "string";
+    case JSON_INTEGER: return "integer";
+    case JSON_REAL: return "number";
+    case JSON_TRUE:
+    case JSON_FALSE: return "boolean";
+    case JSON_NULL: return "null";
+    }
+    return "unknown";
+}
+
+pd_status_t pd_json_parse(const char *doc, const char *text, size_t len, json_t **root_out)
+{
+    json_error_t err;
+    json_t *root = json_loadb(text, len, JSON_REJECT_DUPLICATES, &err);
+    if (root == NULL) {
+        pd_log_error("%s:%d:%d: invalid JSON: %s", doc, err.line, err.column, err.text);
+        return PD_ERR_PARSE;
+    }
+    *root_out = root;
+    return PD_OK;
+}
+
+pd_status_t pd_json_load_file(const char *path, size_t max_bytes, json_t **root_out)
+{
+    FILE *f = fopen(path, "rb");
+    if (f == NULL) {
+        pd_log_error("cannot open %s: %s", path, strerror(errno));
+        return errno == ENOENT ? PD_ERR_NOT_FOUND : PD_ERR_IO;
+    }
+    pd_status_t st = PD_OK;
+    char *buf = NULL;
+    if (fseek(f, 0, SEEK_END) != 0) {
+        pd_log_error("cannot seek %s: %s", path, strerror(errno));
+        st = PD_ERR_IO;
+        goto out;
+    }
+    long size = ftell(f);
+    if (size < 0 || (size_t)size > max_bytes) {
+        pd_log_error("%s is %ld bytes, over the %zu byte limit", path, size, max_bytes);
+        st = PD_ERR_NO_SPACE;
+        goto out;
+    }
+    rewind(f);
+    buf = malloc((size_t)size + 1);
+    if (buf == NULL) {
+        pd_log_error("cannot allocate %ld bytes to read %s", size, path);
+        st = PD_ERR_NO_MEMORY;
+        goto out;
+    }
+    if (fread(buf, 1, (size_t)size, f) != (size_t)size) {
+        pd_log_error("short read on %s", path);
+        st = PD_ERR_IO;
+        goto out;
+    }
+    st = pd_json_parse(path, buf, (size_t)size, root_out);
+out:
+    free(buf);
+    fclose(f);
+    return st;
+}
+
+json_t *pd_json_path(const json_t *root, const char *path)
+{
+    const json_t *cur = root;
+    const char *p = path;
+    char part[128];
+    while (cur != NULL) {
+        const char *dot = strchr(p, '.');
+        size_t n = dot != NULL ? (size_t)(dot - p) : strlen(p);
+        if (n >= sizeof(part) || !json_is_object(cur)) {
+            return NULL;
+        }
+        memcpy(part, p, n);
+        part[n] = '\0';
+        cur = json_object_get(cur, part);
+        if (dot == NULL) {
+            return (json_t *)cur;
+        }
+        p = dot + 1;
+    }
+    return NULL;
+}
+
+static pd_status_t json_wrong(const char *doc, const char *path, const char *want, const json_t *v)
+{
+    pd_log_error("%s: field '%s': expected %s, got %s", doc, path, want, pd_json_type_name(v));
+    return PD_ERR_PARSE;
+}
+
+static pd_status_t json_missing(const char *doc, const char *path)
+{
+    pd_log_error("%s: required field '%s' is missing", doc, path);
+    return PD_ERR_NOT_FOUND;
+}
+
+pd_status_t pd_json_get_int(const json_t *root, const char *doc, const char *path, int64_t *out)
+{
+    json_t *v = pd_json_path(root, path);
+    if (v == NULL) {
+        return json_missing(doc, path);
+    }
+    if (json_is_real(v)) {
+        /* HF configs sometimes write 1e-05 style values for ints; accept integral reals only */
+        double d = json_real_value(v);
+        if (d != (double)(int64_t)d) {
+            return json_wrong(doc, path, "integer", v);
+        }
+        *out = (int64_t)d;
+        return PD_OK;
+    }
+    if (!json_is_integer(v)) {
+        return json_wrong(doc, path, "integer", v);
+    }
+    *out = json_integer_value(v);
+    return PD_OK;
+}
+
+pd_status_t pd_json_get_double(const json_t *root, const char *doc, const char *path, double *out)
+{
+    json_t *v = pd_json_path(root, path);
+    if (v == NULL) {
+        return json_missing(doc, path);
+    }
+    if (!json_is_number(v)) {
+        return json_wrong(doc, path, "number", v);
+    }
+    *out = json_number_value(v);
+    return PD_OK;
+}
+
+pd_status_t pd_json_get_bool(const json_t *root, const char *doc, const char *path, bool *out)
+{
+    json_t *v = pd_json_path(root, path);
+    if (v == NULL) {
+        return json_missing(doc, path);
+    }
+    if (!json_is_boolean(v)) {
+        return json_wrong(doc, path, "boolean", v);
+    }
+    *out = json_is_true(v);
+    return PD_OK;
+}
+
+pd_status_t pd_json_get_str(const json_t *root, const char *doc, const char *path, const char **out)
+{
+    json_t *v = pd_json_path(root, path);
+    if (v == NULL) {
+        return json_missing(doc, path);
+    }
+    if (!json_is_string(v)) {
+        return json_wrong(doc, path, "string", v);
+    }
+    *out = json_string_value(v);
+    return PD_OK;
+}
+
+static int json_absent(const json_t *root, const char *path)
+{
+    json_t *v = pd_json_path(root, path);
+    return v == NULL || json_is_null(v);
+}
+
+pd_status_t pd_json_opt_int(const json_t *root, const char *doc, const char *path, int64_t def, int64_t *out)
+{
+    if (json_absent(root, path)) {
+        *out = def;
+        return PD_OK;
+    }
+    return pd_json_get_int(root, doc, path, out);
+}
+
+pd_status_t pd_json_opt_double(const json_t *root, const char *doc, const char *path, double def, double *out)
+{
+    if (json_absent(root, path)) {
+        *out = def;
+        return PD_OK;
+    }
+    return pd_json_get_double(root, doc, path, out);
+}
+
+pd_status_t pd_json_opt_bool(const json_t *root, const char *doc, const char *path, bool def, bool *out)
+{
+    if (json_absent(root, path)) {
+        *out = def;
+        return PD_OK;
+    }
+    return pd_json_get_bool(root, doc, path, out);
+}
+
+pd_status_t pd_json_opt_str(const json_t *root, const char *doc, const char *path, const char *def,
+                            const char **out)
+{
+    if (json_absent(root, path)) {
+        *out = def;
+        return PD_OK;
+    }
+    return pd_json_get_str(root, doc, path, out);
+}

@@ -1,0 +1,140 @@
+/* kernels/backend.h — one function table per compute backend (DESIGN.md §4), ggml-backend style.
+ * The model calls only this table. Tensors are plain fp32 pointers in the backend's memory;
+ * the KV cache may be fp32, fp16 or bf16. Metadata arrays (positions, block tables, slot
+ * mappings, sampling parameters) are host memory; a device backend copies what it needs.
+ * Every op validates indices that could address memory (token ids, slots, block ids) and fails
+ * with PD_ERR_OUT_OF_RANGE, logged once, without writing anything. */
+#ifndef PD_KERNELS_BACKEND_H
+#define PD_KERNELS_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/rng.h"
+#include "common/status.h"
+#include "kernels/dtype_impl.h"
+
+typedef struct pd_backend pd_backend_t;
+
+/* One layer's view of the paged KV cache. */
+typedef struct pd_kv_view {
+    void *base; /* [num_blocks][2][block_size][num_kv_heads][head_size] of dtype */
+    pd_dtype_t dtype;
+    int32_t num_blocks;
+    int32_t block_size;
+    int32_t num_kv_heads;
+    int32_t head_size;
+} pd_kv_view_t;
+
+/* Attention metadata of one step (varlen: sequences of different query and context lengths). */
+typedef struct pd_attn_meta {
+    int32_t num_seqs;
+    int32_t num_tokens;          /* = cu_seqlens_q[num_seqs] */
+    const int32_t *cu_seqlens_q; /* [num_seqs + 1] prefix sums of new tokens per sequence */
+    const int32_t *seq_lens;     /* [num_seqs] context length including the new tokens */
+    const int32_t *block_tables; /* [num_seqs][max_blocks_per_seq] block ids */
+    int32_t max_blocks_per_seq;
+    const int32_t *slot_mapping; /* [num_tokens] cache slot of each new token; < 0 = padding */
+    int32_t sliding_window;      /* 0 = full attention */
+} pd_attn_meta_t;
+
+/* Per-sequence sampling parameters (vLLM semantics). */
+typedef struct pd_sampling_params {
+    float temperature; /* 0 = greedy (argmax, lowest id on ties) */
+    int32_t top_k;     /* <= 0 = off */
+    float top_p;       /* >= 1 = off */
+} pd_sampling_params_t;
+
+typedef enum pd_copy_kind {
+    PD_COPY_H2D,
+    PD_COPY_D2H,
+    PD_COPY_D2D,
+} pd_copy_kind_t;
+
+/* A run of bytes to gather from / scatter into a region: (region offset, length). */
+typedef struct pd_page_range {
+    uint64_t offset;
+    uint64_t length;
+} pd_page_range_t;
+
+typedef struct pd_backend_ops {
+    const char *name;
+
+    /* --- memory --- */
+    /* Allocates bytes (64-byte aligned) of backend memory. PD_ERR_NO_MEMORY when it cannot. */
+    pd_status_t (*alloc)(pd_backend_t *be, size_t bytes, void **ptr_out);
+    /* Frees what alloc returned; NULL is a no-op. */
+    void (*free)(pd_backend_t *be, void *ptr);
+    /* Copies bytes between host and backend memory (blocking). */
+    pd_status_t (*copy)(pd_backend_t *be, void *dst, const void *src, size_t bytes, pd_copy_kind_t kind);
+    /* Waits for every queued op. */
+    pd_status_t (*synchronize)(pd_backend_t *be);
+
+    /* --- ops (shapes in brackets; rows are contiguous) --- */
+    /* out[n][dim] = table[ids[i]][dim]; any id outside [0, vocab) fails. */
+    pd_status_t (*embed)(pd_backend_t *be, float *out, const float *table, const int32_t *ids, int n, int dim,
+                         int vocab);
+    /* y[m][n] = x[m][k] · w[n][k]ᵀ (+ bias[n]); w is a Linear weight [out][in]. */
+    pd_status_t (*matmul)(pd_backend_t *be, float *y, const float *x, const float *w, const float *bias,
+                          int m, int n, int k);
+    /* y[n] += x[n] (residual). */
+    pd_status_t (*add)(pd_backend_t *be, float *y, const float *x, size_t n);
+    /* out[rows][dim] = x / sqrt(mean(x²) + eps) · w. out may alias x. */
+    pd_status_t (*rmsnorm)(pd_backend_t *be, float *out, const float *x, const float *w, int rows, int dim,
+                           float eps);
+    /* out[rows][dim] = (x − mean) / sqrt(var + eps) · w + b. out may alias x. */
+    pd_status_t (*layernorm)(pd_backend_t *be, float *out, const float *x, const float *w, const float *b,
+                             int rows, int dim, float eps);
+    /* In place on x[num_tokens][num_heads][head_size]: HF rotate-half RoPE at positions[num_tokens]. */
+    pd_status_t (*rope)(pd_backend_t *be, float *x, const int32_t *positions, int num_tokens, int num_heads,
+                        int head_size, float theta);
+    /* In place x[n] = GELU(x) (tanh approximation, "gelu_new"). */
+    pd_status_t (*gelu)(pd_backend_t *be, float *x, size_t n);
+    /* out[rows][inter] = silu(gate_up[r][0:inter]) · gate_up[r][inter:2·inter]. */
+    pd_status_t (*silu_mul)(pd_backend_t *be, float *out, const float *gate_up, int rows, int inter);
+    /* In place row-wise softmax of x[rows][cols]. */
+    pd_status_t (*softmax)(pd_backend_t *be, float *x, int rows, int cols);
+    /* Writes k, v [num_tokens][num_kv_heads][head_size] into kv at slot_mapping[num_tokens]
+     * (slot < 0 skipped; a slot beyond the cache fails before anything is written). */
+    pd_status_t (*reshape_and_cache)(pd_backend_t *be, const pd_kv_view_t *kv, const float *k, const float *v,
+                                     const int32_t *slot_mapping, int num_tokens);
+    /* Varlen paged attention: out, q [num_tokens][num_heads][head_size]. Query i of sequence s sits
+     * at position seq_lens[s] − q_len + i and attends keys up to itself (causal, optional window),
+     * read through block_tables. Works for any mix of prefill chunks and decode tokens. */
+    pd_status_t (*paged_attention_prefill)(pd_backend_t *be, float *out, const float *q,
+                                           const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
+                                           float scale);
+    /* Same contract for a batch where every sequence has exactly one new token. */
+    pd_status_t (*paged_attention_decode)(pd_backend_t *be, float *out, const float *q,
+                                          const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
+                                          float scale);
+    /* Samples one token per row of logits[n][vocab] (overwritten as scratch) with params[n] and
+     * per-sequence generators rngs[n] (advanced once per sampled row; greedy rows draw nothing). */
+    pd_status_t (*sample)(pd_backend_t *be, int32_t *tokens_out, float *logits, int n, int vocab,
+                          const pd_sampling_params_t *params, pd_rng_t *rngs);
+    /* Copies ranges[n] of region into dst back to back (gather) / from src into region (scatter). */
+    pd_status_t (*gather_pages)(pd_backend_t *be, void *dst, const void *region,
+                                const pd_page_range_t *ranges, int n);
+    pd_status_t (*scatter_pages)(pd_backend_t *be, void *region, const void *src,
+                                 const pd_page_range_t *ranges, int n);
+} pd_backend_ops_t;
+
+struct pd_backend {
+    const pd_backend_ops_t *ops;
+    int num_threads;     /* CPU worker threads for ops (OpenMP) */
+    size_t bytes_in_use; /* allocator accounting, for memory profiling */
+    size_t bytes_peak;
+    void *impl; /* backend private state */
+};
+
+/* Creates a backend by name: "cpu" (optimized) or "cpu-ref" (plain reference ops, for tests).
+ * num_threads <= 0 means all cores. PD_ERR_NOT_FOUND for an unknown name. */
+pd_status_t pd_backend_create(const char *name, int num_threads, pd_backend_t **be_out);
+
+/* Frees the backend object (not memory it handed out; free that first). */
+void pd_backend_destroy(pd_backend_t *be);
+
+/* Resets bytes_peak to bytes_in_use (start of a profile window). */
+void pd_backend_reset_peak(pd_backend_t *be);
+
+#endif

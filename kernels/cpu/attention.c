@@ -1,0 +1,423 @@
+/* kernels/cpu/attention.c — writing new K/V into the paged cache and paged attention over it.
+ * Layout and index math: kernels/paged_impl.h (shared with the CUDA kernels). */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/simd.h"
+#include "kernels/paged_impl.h"
+
+/* ---------------------------------------------------------------- reshape_and_cache */
+
+static pd_status_t cache_check(const pd_kv_view_t *kv, const int32_t *slot_mapping, int num_tokens)
+{
+    int64_t num_slots = (int64_t)kv->num_blocks * kv->block_size;
+    for (int t = 0; t < num_tokens; t++) {
+        if (slot_mapping[t] >= num_slots) {
+            pd_log_error("reshape_and_cache: slot %d of token %d is outside the cache (%lld slots)",
+                         slot_mapping[t], t, (long long)num_slots);
+            return PD_ERR_OUT_OF_RANGE;
+        }
+    }
+    return PD_OK;
+}
+
+pd_status_t pd_cpu_reshape_and_cache_ref(pd_backend_t *be, const pd_kv_view_t *kv, const float *k,
+                                         const float *v, const int32_t *slot_mapping, int num_tokens)
+{
+    pd_status_t st = cache_check(kv, slot_mapping, num_tokens);
+    if (st != PD_OK) {
+        return st;
+    }
+    int H = kv->num_kv_heads, D = kv->head_size;
+    for (int t = 0; t < num_tokens; t++) {
+        int64_t slot = slot_mapping[t];
+        if (slot < 0) {
+            continue;
+        }
+        for (int h = 0; h < H; h++) {
+            int64_t ki = pd_slot_kv_index(slot, 0, h, kv->block_size, H, D);
+            int64_t vi = pd_slot_kv_index(slot, 1, h, kv->block_size, H, D);
+            for (int d = 0; d < D; d++) {
+                pd_dtype_store(kv->base, ki + d, kv->dtype, k[((size_t)t * H + h) * D + d]);
+                pd_dtype_store(kv->base, vi + d, kv->dtype, v[((size_t)t * H + h) * D + d]);
+            }
+        }
+    }
+    return PD_OK;
+}
+
+/* Stores n floats as dtype (same rounding as pd_dtype_store, vectorized). */
+PD_CPU_CLONES static void store_row(void *dst, const float *src, int n, pd_dtype_t dt)
+{
+    if (dt == PD_DTYPE_F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    } else if (dt == PD_DTYPE_BF16) {
+        uint16_t *d = dst;
+        for (int i = 0; i < n; i++) {
+            d[i] = pd_f32_to_bf16(src[i]);
+        }
+    } else {
+        _Float16 *d = dst;
+#pragma omp simd
+        for (int i = 0; i < n; i++) {
+            d[i] = (_Float16)src[i];
+        }
+    }
+}
+
+pd_status_t pd_cpu_reshape_and_cache(pd_backend_t *be, const pd_kv_view_t *kv, const float *k, const float *v,
+                                     const int32_t *slot_mapping, int num_tokens)
+{
+    pd_status_t st = cache_check(kv, slot_mapping, num_tokens);
+    if (st != PD_OK) {
+        return st;
+    }
+    int H = kv->num_kv_heads, D = kv->head_size, es = pd_dtype_size(kv->dtype);
+    /* a token's heads are contiguous in both the input and the cache row: one row of H·D */
+#pragma omp parallel for num_threads(be->num_threads) schedule(static) if (num_tokens > 64)
+    for (int t = 0; t < num_tokens; t++) {
+        int64_t slot = slot_mapping[t];
+        if (slot < 0) {
+            continue;
+        }
+        int64_t ki = pd_slot_kv_index(slot, 0, 0, kv->block_size, H, D);
+        int64_t vi = pd_slot_kv_index(slot, 1, 0, kv->block_size, H, D);
+        store_row((char *)kv->base + ki * es, k + (size_t)t * H * D, H * D, kv->dtype);
+        store_row((char *)kv->base + vi * es, v + (size_t)t * H * D, H * D, kv->dtype);
+    }
+    return PD_OK;
+}
+
+/* ---------------------------------------------------------------- validation */
+
+pd_status_t pd_cpu_attn_validate(const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
+                                 int decode_only)
+{
+    if (kv->num_kv_heads <= 0 || num_heads % kv->num_kv_heads != 0) {
+        pd_log_error("attention: %d query heads are not a multiple of %d kv heads", num_heads,
+                     kv->num_kv_heads);
+        return PD_ERR_INVALID_ARG;
+    }
+    if (meta->cu_seqlens_q[0] != 0 || meta->cu_seqlens_q[meta->num_seqs] != meta->num_tokens) {
+        pd_log_error("attention: cu_seqlens_q must run from 0 to num_tokens (%d)", meta->num_tokens);
+        return PD_ERR_INVALID_ARG;
+    }
+    for (int s = 0; s < meta->num_seqs; s++) {
+        int q_len = meta->cu_seqlens_q[s + 1] - meta->cu_seqlens_q[s];
+        int64_t seq_len = meta->seq_lens[s];
+        if (q_len < 0 || seq_len < q_len || (decode_only && q_len != 1)) {
+            pd_log_error("attention: sequence %d has %d new tokens and context length %lld", s, q_len,
+                         (long long)seq_len);
+            return PD_ERR_INVALID_ARG;
+        }
+        int64_t nblk = pd_blocks_for_tokens(seq_len, kv->block_size);
+        if (nblk > meta->max_blocks_per_seq) {
+            pd_log_error("attention: sequence %d needs %lld blocks, the block table holds %d", s,
+                         (long long)nblk, meta->max_blocks_per_seq);
+            return PD_ERR_OUT_OF_RANGE;
+        }
+        int64_t first =
+            q_len > 0 ? pd_attn_first_key(pd_query_pos(seq_len, q_len, 0), meta->sliding_window) : 0;
+        for (int64_t b = first / kv->block_size; b < nblk; b++) {
+            int32_t id = meta->block_tables[(int64_t)s * meta->max_blocks_per_seq + b];
+            if (id < 0 || id >= kv->num_blocks) {
+                pd_log_error("attention: sequence %d block %lld has id %d, outside [0, %d)", s, (long long)b,
+                             id, kv->num_blocks);
+                return PD_ERR_OUT_OF_RANGE;
+            }
+        }
+    }
+    return PD_OK;
+}
+
+/* ---------------------------------------------------------------- reference attention */
+
+pd_status_t pd_cpu_paged_attention_prefill_ref(pd_backend_t *be, float *out, const float *q,
+                                               const pd_kv_view_t *kv, const pd_attn_meta_t *meta,
+                                               int num_heads, float scale)
+{
+    pd_status_t st = pd_cpu_attn_validate(kv, meta, num_heads, 0);
+    if (st != PD_OK) {
+        return st;
+    }
+    int H = kv->num_kv_heads, D = kv->head_size, bs = kv->block_size;
+    int64_t max_len = 1;
+    for (int s = 0; s < meta->num_seqs; s++) {
+        max_len = meta->seq_lens[s] > max_len ? meta->seq_lens[s] : max_len;
+    }
+    float *scores = malloc((size_t)max_len * sizeof(float));
+    if (scores == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
+    for (int s = 0; s < meta->num_seqs; s++) {
+        int q0 = meta->cu_seqlens_q[s], q_len = meta->cu_seqlens_q[s + 1] - q0;
+        for (int i = 0; i < q_len; i++) {
+            int64_t pos = pd_query_pos(meta->seq_lens[s], q_len, i);
+            int64_t first = pd_attn_first_key(pos, meta->sliding_window);
+            for (int h = 0; h < num_heads; h++) {
+                int g = pd_gqa_kv_head(h, num_heads, H);
+                const float *qv = q + ((size_t)(q0 + i) * num_heads + h) * D;
+                float m = -INFINITY;
+                for (int64_t j = first; j <= pos; j++) {
+                    int64_t slot =
+                        pd_block_table_slot(meta->block_tables, meta->max_blocks_per_seq, s, j, bs);
+                    int64_t ki = pd_slot_kv_index(slot, 0, g, bs, H, D);
+                    double dot = 0;
+                    for (int d = 0; d < D; d++) {
+                        dot += (double)qv[d] * pd_dtype_load(kv->base, ki + d, kv->dtype);
+                    }
+                    scores[j] = (float)(dot * scale);
+                    m = scores[j] > m ? scores[j] : m;
+                }
+                double sum = 0;
+                for (int64_t j = first; j <= pos; j++) {
+                    sum += exp((double)scores[j] - m);
+                }
+                float *o = out + ((size_t)(q0 + i) * num_heads + h) * D;
+                for (int d = 0; d < D; d++) {
+                    double acc = 0;
+                    for (int64_t j = first; j <= pos; j++) {
+                        int64_t slot =
+                            pd_block_table_slot(meta->block_tables, meta->max_blocks_per_seq, s, j, bs);
+                        int64_t vi = pd_slot_kv_index(slot, 1, g, bs, H, D);
+                        acc += exp((double)scores[j] - m) / sum * pd_dtype_load(kv->base, vi + d, kv->dtype);
+                    }
+                    o[d] = (float)acc;
+                }
+            }
+        }
+    }
+    free(scores);
+    return PD_OK;
+}
+
+pd_status_t pd_cpu_paged_attention_decode_ref(pd_backend_t *be, float *out, const float *q,
+                                              const pd_kv_view_t *kv, const pd_attn_meta_t *meta,
+                                              int num_heads, float scale)
+{
+    pd_status_t st = pd_cpu_attn_validate(kv, meta, num_heads, 1);
+    if (st != PD_OK) {
+        return st;
+    }
+    return pd_cpu_paged_attention_prefill_ref(be, out, q, kv, meta, num_heads, scale);
+}
+
+/* ---------------------------------------------------------------- optimized attention
+ *
+ * Work item = (sequence, kv head, tile of up to ATTN_TILE_Q query tokens). The item walks the
+ * blocks its queries can see once, converts each block's K and V rows for its kv head to fp32
+ * in thread-local scratch, and updates an online softmax for every (query token, query head of
+ * the GQA group) pair: per block, scores → block max → rescale accumulator once → p·V. */
+
+#define ATTN_TILE_Q 8
+
+typedef struct attn_item {
+    int seq;
+    int kv_head;
+    int q_begin; /* index of the first query token within its sequence */
+    int q_end;
+} attn_item_t;
+
+typedef struct attn_scratch {
+    float *k;   /* [block_size][head_size] */
+    float *v;   /* [block_size][head_size] */
+    float *s;   /* [block_size] */
+    float *acc; /* [ATTN_TILE_Q · group][head_size] */
+    float *m;   /* [ATTN_TILE_Q · group] */
+    float *l;   /* [ATTN_TILE_Q · group] */
+} attn_scratch_t;
+
+/* Loads n elements of dtype at src as fp32 (exact conversions). */
+PD_CPU_CLONES static void load_row(float *dst, const void *src, int n, pd_dtype_t dt)
+{
+    if (dt == PD_DTYPE_F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    } else if (dt == PD_DTYPE_BF16) {
+        const uint16_t *s = src;
+#pragma omp simd
+        for (int i = 0; i < n; i++) {
+            uint32_t u = (uint32_t)s[i] << 16;
+            float f;
+            memcpy(&f, &u, 4);
+            dst[i] = f;
+        }
+    } else {
+        const _Float16 *s = src;
+#pragma omp simd
+        for (int i = 0; i < n; i++) {
+            dst[i] = (float)s[i];
+        }
+    }
+}
+
+PD_CPU_CLONES static void attn_item_run(const attn_item_t *it, float *out, const float *q,
+                                        const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
+                                        float scale, const attn_scratch_t *sc)
+{
+    const int H = kv->num_kv_heads, D = kv->head_size, bs = kv->block_size;
+    const int group = num_heads / H;
+    const int s = it->seq;
+    const int q0 = meta->cu_seqlens_q[s];
+    const int q_len = meta->cu_seqlens_q[s + 1] - q0;
+    const int64_t seq_len = meta->seq_lens[s];
+    const int nq = (it->q_end - it->q_begin) * group;
+    const int es = pd_dtype_size(kv->dtype);
+
+    for (int i = 0; i < nq; i++) {
+        sc->m[i] = -INFINITY;
+        sc->l[i] = 0;
+        memset(sc->acc + (size_t)i * D, 0, (size_t)D * sizeof(float));
+    }
+    int64_t pos_lo = pd_query_pos(seq_len, q_len, it->q_begin);
+    int64_t pos_hi = pd_query_pos(seq_len, q_len, it->q_end - 1);
+    int64_t key_lo = pd_attn_first_key(pos_lo, meta->sliding_window);
+
+    for (int64_t b = key_lo / bs; b <= pos_hi / bs; b++) {
+        int64_t block = pd_block_table_lookup(meta->block_tables, meta->max_blocks_per_seq, s, b * bs, bs);
+        int64_t j0 = b * bs;
+        int64_t j_end = j0 + bs - 1 < pos_hi ? j0 + bs - 1 : pos_hi; /* last key of this block in use */
+        int nk = (int)(j_end - j0 + 1);
+        for (int j = 0; j < nk; j++) {
+            int64_t ki = pd_kv_index(block, 0, j, it->kv_head, bs, H, D);
+            int64_t vi = pd_kv_index(block, 1, j, it->kv_head, bs, H, D);
+            load_row(sc->k + (size_t)j * D, (const char *)kv->base + ki * es, D, kv->dtype);
+            load_row(sc->v + (size_t)j * D, (const char *)kv->base + vi * es, D, kv->dtype);
+        }
+        for (int t = it->q_begin; t < it->q_end; t++) {
+            int64_t pos = pd_query_pos(seq_len, q_len, t);
+            int64_t first = pd_attn_first_key(pos, meta->sliding_window);
+            int lo = first > j0 ? (int)(first - j0) : 0;
+            int hi = pos < j_end ? (int)(pos - j0) : nk - 1; /* inclusive */
+            if (hi < lo) {
+                continue;
+            }
+            for (int r = 0; r < group; r++) {
+                int h = it->kv_head * group + r;
+                int qi = (t - it->q_begin) * group + r;
+                const float *qv = q + ((size_t)(q0 + t) * num_heads + h) * D;
+                float mb = -INFINITY;
+                for (int j = lo; j <= hi; j++) {
+                    const float *kr = sc->k + (size_t)j * D;
+                    float dot = 0;
+#pragma omp simd reduction(+ : dot)
+                    for (int d = 0; d < D; d++) {
+                        dot += qv[d] * kr[d];
+                    }
+                    sc->s[j] = dot * scale;
+                    mb = sc->s[j] > mb ? sc->s[j] : mb;
+                }
+                float *acc = sc->acc + (size_t)qi * D;
+                float m_new = mb > sc->m[qi] ? mb : sc->m[qi];
+                if (m_new > sc->m[qi] && sc->l[qi] > 0) {
+                    float alpha = pd_fast_expf(sc->m[qi] - m_new);
+                    sc->l[qi] *= alpha;
+#pragma omp simd
+                    for (int d = 0; d < D; d++) {
+                        acc[d] *= alpha;
+                    }
+                }
+                sc->m[qi] = m_new;
+                float lsum = 0;
+                for (int j = lo; j <= hi; j++) {
+                    float p = pd_fast_expf(sc->s[j] - m_new);
+                    lsum += p;
+                    const float *vr = sc->v + (size_t)j * D;
+#pragma omp simd
+                    for (int d = 0; d < D; d++) {
+                        acc[d] += p * vr[d];
+                    }
+                }
+                sc->l[qi] += lsum;
+            }
+        }
+    }
+    for (int t = it->q_begin; t < it->q_end; t++) {
+        for (int r = 0; r < group; r++) {
+            int h = it->kv_head * group + r;
+            int qi = (t - it->q_begin) * group + r;
+            float inv = sc->l[qi] > 0 ? 1.0f / sc->l[qi] : 0.0f;
+            float *o = out + ((size_t)(q0 + t) * num_heads + h) * D;
+            const float *acc = sc->acc + (size_t)qi * D;
+            for (int d = 0; d < D; d++) {
+                o[d] = acc[d] * inv;
+            }
+        }
+    }
+}
+
+static pd_status_t attn_run(pd_backend_t *be, float *out, const float *q, const pd_kv_view_t *kv,
+                            const pd_attn_meta_t *meta, int num_heads, float scale, int decode_only)
+{
+    pd_status_t st = pd_cpu_attn_validate(kv, meta, num_heads, decode_only);
+    if (st != PD_OK) {
+        return st;
+    }
+    const int H = kv->num_kv_heads, D = kv->head_size, bs = kv->block_size;
+    const int group = num_heads / H;
+    size_t n_items = 0;
+    for (int s = 0; s < meta->num_seqs; s++) {
+        int q_len = meta->cu_seqlens_q[s + 1] - meta->cu_seqlens_q[s];
+        n_items += (size_t)((q_len + ATTN_TILE_Q - 1) / ATTN_TILE_Q) * H;
+    }
+    if (n_items == 0) {
+        return PD_OK;
+    }
+    attn_item_t *items = malloc(n_items * sizeof(*items));
+    if (items == NULL) {
+        pd_log_error("attention: cannot allocate %zu work items", n_items);
+        return PD_ERR_NO_MEMORY;
+    }
+    size_t k = 0;
+    for (int s = 0; s < meta->num_seqs; s++) {
+        int q_len = meta->cu_seqlens_q[s + 1] - meta->cu_seqlens_q[s];
+        for (int t = 0; t < q_len; t += ATTN_TILE_Q) {
+            for (int g = 0; g < H; g++) {
+                items[k++] = (attn_item_t){s, g, t, t + ATTN_TILE_Q < q_len ? t + ATTN_TILE_Q : q_len};
+            }
+        }
+    }
+    size_t per_thread = (size_t)bs * D * 2 + (size_t)bs + (size_t)ATTN_TILE_Q * group * (D + 2);
+    int nthreads = be->num_threads < (int)n_items ? be->num_threads : (int)n_items;
+    float *scratch = malloc((size_t)nthreads * per_thread * sizeof(float));
+    if (scratch == NULL) {
+        free(items);
+        pd_log_error("attention: cannot allocate scratch for %d threads", nthreads);
+        return PD_ERR_NO_MEMORY;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *base = scratch + (size_t)omp_get_thread_num() * per_thread;
+        attn_scratch_t sc;
+        sc.k = base;
+        sc.v = sc.k + (size_t)bs * D;
+        sc.s = sc.v + (size_t)bs * D;
+        sc.acc = sc.s + bs;
+        sc.m = sc.acc + (size_t)ATTN_TILE_Q * group * D;
+        sc.l = sc.m + (size_t)ATTN_TILE_Q * group;
+#pragma omp for schedule(dynamic, 1)
+        for (size_t i = 0; i < n_items; i++) {
+            attn_item_run(&items[i], out, q, kv, meta, num_heads, scale, &sc);
+        }
+    }
+    free(scratch);
+    free(items);
+    return PD_OK;
+}
+
+pd_status_t pd_cpu_paged_attention_prefill(pd_backend_t *be, float *out, const float *q,
+                                           const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
+                                           float scale)
+{
+    return attn_run(be, out, q, kv, meta, num_heads, scale, 0);
+}
+
+pd_status_t pd_cpu_paged_attention_decode(pd_backend_t *be, float *out, const float *q,
+                                          const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
+                                          float scale)
+{
+    return attn_run(be, out, q, kv, meta, num_heads, scale, 1);
+}

@@ -1,0 +1,132 @@
+/* kernels/cpu/backend_cpu.c — the CPU backends' memory functions and their two tables:
+ * "cpu" (optimized ops) and "cpu-ref" (the reference ops, for tests and as a specification). */
+#include <cblas.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "kernels/cpu/cpu_ops.h"
+
+/* Every allocation carries a 64-byte header holding its size, for the peak accounting that the
+ * memory profiler reads (bytes_in_use / bytes_peak). */
+#define CPU_ALLOC_HEADER 64
+
+static pd_status_t cpu_alloc(pd_backend_t *be, size_t bytes, void **ptr_out)
+{
+    void *p = NULL;
+    if (bytes > SIZE_MAX - CPU_ALLOC_HEADER || posix_memalign(&p, 64, bytes + CPU_ALLOC_HEADER) != 0) {
+        pd_log_error("cpu backend: cannot allocate %zu bytes", bytes);
+        return PD_ERR_NO_MEMORY;
+    }
+    *(size_t *)p = bytes;
+    size_t in_use = __atomic_add_fetch(&be->bytes_in_use, bytes, __ATOMIC_RELAXED);
+    size_t peak = __atomic_load_n(&be->bytes_peak, __ATOMIC_RELAXED);
+    while (in_use > peak && !__atomic_compare_exchange_n(&be->bytes_peak, &peak, in_use, 1, __ATOMIC_RELAXED,
+                                                         __ATOMIC_RELAXED)) {
+    }
+    *ptr_out = (char *)p + CPU_ALLOC_HEADER;
+    return PD_OK;
+}
+
+static void cpu_free(pd_backend_t *be, void *ptr)
+{
+    if (ptr == NULL) {
+        return;
+    }
+    void *p = (char *)ptr - CPU_ALLOC_HEADER;
+    __atomic_sub_fetch(&be->bytes_in_use, *(size_t *)p, __ATOMIC_RELAXED);
+    free(p);
+}
+
+static pd_status_t cpu_copy(pd_backend_t *be, void *dst, const void *src, size_t bytes, pd_copy_kind_t kind)
+{
+    memmove(dst, src, bytes);
+    return PD_OK;
+}
+
+static pd_status_t cpu_synchronize(pd_backend_t *be)
+{
+    return PD_OK;
+}
+
+static const pd_backend_ops_t cpu_ops = {
+    .name = "cpu",
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .copy = cpu_copy,
+    .synchronize = cpu_synchronize,
+    .embed = pd_cpu_embed,
+    .matmul = pd_cpu_matmul,
+    .add = pd_cpu_add,
+    .rmsnorm = pd_cpu_rmsnorm,
+    .layernorm = pd_cpu_layernorm,
+    .rope = pd_cpu_rope,
+    .gelu = pd_cpu_gelu,
+    .silu_mul = pd_cpu_silu_mul,
+    .softmax = pd_cpu_softmax,
+    .reshape_and_cache = pd_cpu_reshape_and_cache,
+    .paged_attention_prefill = pd_cpu_paged_attention_prefill,
+    .paged_attention_decode = pd_cpu_paged_attention_decode,
+    .sample = pd_cpu_sample,
+    .gather_pages = pd_cpu_gather_pages,
+    .scatter_pages = pd_cpu_scatter_pages,
+};
+
+static const pd_backend_ops_t cpu_ref_ops = {
+    .name = "cpu-ref",
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .copy = cpu_copy,
+    .synchronize = cpu_synchronize,
+    .embed = pd_cpu_embed_ref,
+    .matmul = pd_cpu_matmul_ref,
+    .add = pd_cpu_add_ref,
+    .rmsnorm = pd_cpu_rmsnorm_ref,
+    .layernorm = pd_cpu_layernorm_ref,
+    .rope = pd_cpu_rope_ref,
+    .gelu = pd_cpu_gelu_ref,
+    .silu_mul = pd_cpu_silu_mul_ref,
+    .softmax = pd_cpu_softmax_ref,
+    .reshape_and_cache = pd_cpu_reshape_and_cache_ref,
+    .paged_attention_prefill = pd_cpu_paged_attention_prefill_ref,
+    .paged_attention_decode = pd_cpu_paged_attention_decode_ref,
+    .sample = pd_cpu_sample_ref,
+    .gather_pages = pd_cpu_gather_pages_ref,
+    .scatter_pages = pd_cpu_scatter_pages_ref,
+};
+
+pd_status_t pd_backend_create(const char *name, int num_threads, pd_backend_t **be_out)
+{
+    const pd_backend_ops_t *ops = NULL;
+    if (strcmp(name, "cpu") == 0) {
+        ops = &cpu_ops;
+    } else if (strcmp(name, "cpu-ref") == 0) {
+        ops = &cpu_ref_ops;
+    } else {
+        pd_log_error("unknown backend '%s' (this build has: cpu, cpu-ref)", name);
+        return PD_ERR_NOT_FOUND;
+    }
+    pd_backend_t *be = calloc(1, sizeof(*be));
+    if (be == NULL) {
+        pd_log_error("cannot allocate the backend object");
+        return PD_ERR_NO_MEMORY;
+    }
+    be->ops = ops;
+    be->num_threads = num_threads > 0 ? num_threads : omp_get_num_procs();
+    /* OpenBLAS and our OpenMP ops never run at the same time (ops are sequential), so both may
+     * use every thread; pinning OpenBLAS to the same count keeps them from oversubscribing. */
+    openblas_set_num_threads(be->num_threads);
+    *be_out = be;
+    return PD_OK;
+}
+
+void pd_backend_destroy(pd_backend_t *be)
+{
+    free(be);
+}
+
+void pd_backend_reset_peak(pd_backend_t *be)
+{
+    __atomic_store_n(&be->bytes_peak, __atomic_load_n(&be->bytes_in_use, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
+}

@@ -1,0 +1,45 @@
+/* kernels/cpu/cpu_ops.h — the CPU backend's ops: a plain reference (_ref) and an optimized
+ * version of each, with the signatures of pd_backend_ops_t (kernels/backend.h). The reference is
+ * the specification; tests compare the optimized op against it on random inputs. */
+#ifndef PD_KERNELS_CPU_OPS_H
+#define PD_KERNELS_CPU_OPS_H
+
+#include "kernels/backend.h"
+
+#define PD_CPU_OP_PAIR(ret, name, ...)                                                                       \
+    ret pd_cpu_##name##_ref(pd_backend_t *be, __VA_ARGS__);                                                  \
+    ret pd_cpu_##name(pd_backend_t *be, __VA_ARGS__)
+
+PD_CPU_OP_PAIR(pd_status_t, embed, float *out, const float *table, const int32_t *ids, int n, int dim,
+               int vocab);
+PD_CPU_OP_PAIR(pd_status_t, matmul, float *y, const float *x, const float *w, const float *bias, int m, int n,
+               int k);
+PD_CPU_OP_PAIR(pd_status_t, add, float *y, const float *x, size_t n);
+PD_CPU_OP_PAIR(pd_status_t, rmsnorm, float *out, const float *x, const float *w, int rows, int dim,
+               float eps);
+PD_CPU_OP_PAIR(pd_status_t, layernorm, float *out, const float *x, const float *w, const float *b, int rows,
+               int dim, float eps);
+PD_CPU_OP_PAIR(pd_status_t, rope, float *x, const int32_t *positions, int num_tokens, int num_heads,
+               int head_size, float theta);
+PD_CPU_OP_PAIR(pd_status_t, gelu, float *x, size_t n);
+PD_CPU_OP_PAIR(pd_status_t, silu_mul, float *out, const float *gate_up, int rows, int inter);
+PD_CPU_OP_PAIR(pd_status_t, softmax, float *x, int rows, int cols);
+PD_CPU_OP_PAIR(pd_status_t, reshape_and_cache, const pd_kv_view_t *kv, const float *k, const float *v,
+               const int32_t *slot_mapping, int num_tokens);
+PD_CPU_OP_PAIR(pd_status_t, paged_attention_prefill, float *out, const float *q, const pd_kv_view_t *kv,
+               const pd_attn_meta_t *meta, int num_heads, float scale);
+PD_CPU_OP_PAIR(pd_status_t, paged_attention_decode, float *out, const float *q, const pd_kv_view_t *kv,
+               const pd_attn_meta_t *meta, int num_heads, float scale);
+PD_CPU_OP_PAIR(pd_status_t, sample, int32_t *tokens_out, float *logits, int n, int vocab,
+               const pd_sampling_params_t *params, pd_rng_t *rngs);
+PD_CPU_OP_PAIR(pd_status_t, gather_pages, void *dst, const void *region, const pd_page_range_t *ranges,
+               int n);
+PD_CPU_OP_PAIR(pd_status_t, scatter_pages, void *region, const void *src, const pd_page_range_t *ranges,
+               int n);
+
+/* Checks attention metadata against the view: query/context lengths consistent, every block id the
+ * step will read inside [0, num_blocks), tables wide enough. Logs the first problem found. */
+pd_status_t pd_cpu_attn_validate(const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
+                                 int decode_only);
+
+#endif

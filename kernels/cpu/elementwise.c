@@ -1,0 +1,244 @@
+/* kernels/cpu/elementwise.c — embedding lookup, residual add, RoPE, GELU, SiLU×mul, softmax. */
+#include <math.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/simd.h"
+
+static pd_status_t embed_check(const int32_t *ids, int n, int vocab)
+{
+    for (int i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= vocab) {
+            pd_log_error("embed: token id %d at position %d is outside the vocabulary [0, %d)", ids[i], i,
+                         vocab);
+            return PD_ERR_OUT_OF_RANGE;
+        }
+    }
+    return PD_OK;
+}
+
+pd_status_t pd_cpu_embed_ref(pd_backend_t *be, float *out, const float *table, const int32_t *ids, int n,
+                             int dim, int vocab)
+{
+    pd_status_t st = embed_check(ids, n, vocab);
+    if (st != PD_OK) {
+        return st;
+    }
+    for (int i = 0; i < n; i++) {
+        for (int d = 0; d < dim; d++) {
+            out[(size_t)i * dim + d] = table[(size_t)ids[i] * dim + d];
+        }
+    }
+    return PD_OK;
+}
+
+pd_status_t pd_cpu_embed(pd_backend_t *be, float *out, const float *table, const int32_t *ids, int n, int dim,
+                         int vocab)
+{
+    pd_status_t st = embed_check(ids, n, vocab);
+    if (st != PD_OK) {
+        return st;
+    }
+    for (int i = 0; i < n; i++) {
+        memcpy(out + (size_t)i * dim, table + (size_t)ids[i] * dim, (size_t)dim * sizeof(float));
+    }
+    return PD_OK;
+}
+
+pd_status_t pd_cpu_add_ref(pd_backend_t *be, float *y, const float *x, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        y[i] = y[i] + x[i];
+    }
+    return PD_OK;
+}
+
+PD_CPU_CLONES static void add_range(float *y, const float *x, size_t n)
+{
+#pragma omp simd
+    for (size_t i = 0; i < n; i++) {
+        y[i] += x[i];
+    }
+}
+
+pd_status_t pd_cpu_add(pd_backend_t *be, float *y, const float *x, size_t n)
+{
+    add_range(y, x, n);
+    return PD_OK;
+}
+
+/* HF rotate_half: pairs (i, i + half); inv_freq_i = theta^(-2i / head_size); angles in double. */
+pd_status_t pd_cpu_rope_ref(pd_backend_t *be, float *x, const int32_t *positions, int num_tokens,
+                            int num_heads, int head_size, float theta)
+{
+    int half = head_size / 2;
+    for (int t = 0; t < num_tokens; t++) {
+        for (int h = 0; h < num_heads; h++) {
+            float *v = x + ((size_t)t * num_heads + h) * head_size;
+            for (int i = 0; i < half; i++) {
+                double inv_freq = 1.0 / pow((double)theta, (2.0 * i) / head_size);
+                double ang = positions[t] * inv_freq;
+                float c = (float)cos(ang), s = (float)sin(ang);
+                float x1 = v[i], x2 = v[i + half];
+                v[i] = x1 * c - x2 * s;
+                v[i + half] = x2 * c + x1 * s;
+            }
+        }
+    }
+    return PD_OK;
+}
+
+PD_CPU_CLONES static void rope_token(float *xt, int num_heads, int head_size, const float *cs,
+                                     const float *sn)
+{
+    int half = head_size / 2;
+    for (int h = 0; h < num_heads; h++) {
+        float *v = xt + (size_t)h * head_size;
+#pragma omp simd
+        for (int i = 0; i < half; i++) {
+            float x1 = v[i], x2 = v[i + half];
+            v[i] = x1 * cs[i] - x2 * sn[i];
+            v[i + half] = x2 * cs[i] + x1 * sn[i];
+        }
+    }
+}
+
+pd_status_t pd_cpu_rope(pd_backend_t *be, float *x, const int32_t *positions, int num_tokens, int num_heads,
+                        int head_size, float theta)
+{
+    int half = head_size / 2;
+    if (half > 512) {
+        return pd_cpu_rope_ref(be, x, positions, num_tokens, num_heads, head_size, theta);
+    }
+    double inv_freq[512];
+    for (int i = 0; i < half; i++) {
+        inv_freq[i] = 1.0 / pow((double)theta, (2.0 * i) / head_size);
+    }
+#pragma omp parallel for num_threads(be->num_threads) schedule(static) if (num_tokens > 16)
+    for (int t = 0; t < num_tokens; t++) {
+        float cs[512], sn[512];
+        for (int i = 0; i < half; i++) {
+            double ang = positions[t] * inv_freq[i];
+            cs[i] = (float)cos(ang);
+            sn[i] = (float)sin(ang);
+        }
+        rope_token(x + (size_t)t * num_heads * head_size, num_heads, head_size, cs, sn);
+    }
+    return PD_OK;
+}
+
+pd_status_t pd_cpu_gelu_ref(pd_backend_t *be, float *x, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        double v = x[i];
+        x[i] = (float)(0.5 * v * (1.0 + tanh(0.7978845608028654 * (v + 0.044715 * v * v * v))));
+    }
+    return PD_OK;
+}
+
+/* 0.5·(1 + tanh(u)) = σ(2u), so GELU(x) = x·σ(2u); σ from the vectorizable exp of −|2u| (no
+ * cancellation on either side of 0). */
+PD_CPU_CLONES static void gelu_range(float *x, size_t n)
+{
+#pragma omp simd
+    for (size_t i = 0; i < n; i++) {
+        float v = x[i];
+        float u2 = 1.5957691216f * (v + 0.044715f * v * v * v);
+        float e = pd_fast_expf(u2 < 0 ? u2 : -u2);
+        float sig = u2 < 0 ? e / (1.0f + e) : 1.0f / (1.0f + e);
+        x[i] = v * sig;
+    }
+}
+
+pd_status_t pd_cpu_gelu(pd_backend_t *be, float *x, size_t n)
+{
+    size_t chunk = 16384;
+    size_t nchunks = (n + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(be->num_threads) schedule(static) if (nchunks > 1)
+    for (size_t c = 0; c < nchunks; c++) {
+        size_t b = c * chunk;
+        gelu_range(x + b, n - b < chunk ? n - b : chunk);
+    }
+    return PD_OK;
+}
+
+pd_status_t pd_cpu_silu_mul_ref(pd_backend_t *be, float *out, const float *gate_up, int rows, int inter)
+{
+    for (int r = 0; r < rows; r++) {
+        const float *g = gate_up + (size_t)r * 2 * inter;
+        for (int i = 0; i < inter; i++) {
+            double gv = g[i];
+            out[(size_t)r * inter + i] = (float)(gv / (1.0 + exp(-gv)) * g[inter + i]);
+        }
+    }
+    return PD_OK;
+}
+
+PD_CPU_CLONES static void silu_mul_row(float *o, const float *g, int inter)
+{
+#pragma omp simd
+    for (int i = 0; i < inter; i++) {
+        float gv = g[i];
+        /* exp(−|g|) keeps the fast exp in its domain; silu(g) = g·σ(g) */
+        float e = pd_fast_expf(gv < 0 ? gv : -gv);
+        float sig = gv < 0 ? e / (1.0f + e) : 1.0f / (1.0f + e);
+        o[i] = gv * sig * g[inter + i];
+    }
+}
+
+pd_status_t pd_cpu_silu_mul(pd_backend_t *be, float *out, const float *gate_up, int rows, int inter)
+{
+#pragma omp parallel for num_threads(be->num_threads) schedule(static) if (rows > 4)
+    for (int r = 0; r < rows; r++) {
+        silu_mul_row(out + (size_t)r * inter, gate_up + (size_t)r * 2 * inter, inter);
+    }
+    return PD_OK;
+}
+
+pd_status_t pd_cpu_softmax_ref(pd_backend_t *be, float *x, int rows, int cols)
+{
+    for (int r = 0; r < rows; r++) {
+        float *v = x + (size_t)r * cols;
+        float m = -INFINITY;
+        for (int i = 0; i < cols; i++) {
+            m = v[i] > m ? v[i] : m;
+        }
+        double sum = 0;
+        for (int i = 0; i < cols; i++) {
+            sum += exp((double)v[i] - m);
+        }
+        for (int i = 0; i < cols; i++) {
+            v[i] = (float)(exp((double)v[i] - m) / sum);
+        }
+    }
+    return PD_OK;
+}
+
+PD_CPU_CLONES static void softmax_row(float *v, int cols)
+{
+    float m = -INFINITY;
+    for (int i = 0; i < cols; i++) {
+        m = v[i] > m ? v[i] : m;
+    }
+    float sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int i = 0; i < cols; i++) {
+        v[i] = pd_fast_expf(v[i] - m);
+        sum += v[i];
+    }
+    float inv = 1.0f / sum;
+#pragma omp simd
+    for (int i = 0; i < cols; i++) {
+        v[i] *= inv;
+    }
+}
+
+pd_status_t pd_cpu_softmax(pd_backend_t *be, float *x, int rows, int cols)
+{
+#pragma omp parallel for num_threads(be->num_threads) schedule(static) if (rows > 4)
+    for (int r = 0; r < rows; r++) {
+        softmax_row(x + (size_t)r * cols, cols);
+    }
+    return PD_OK;
+}

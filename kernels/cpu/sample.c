@@ -1,0 +1,210 @@
+/* kernels/cpu/sample.c — token sampling: greedy, temperature, top-k, top-p, seeded.
+ *
+ * Semantics (shared by every backend so seeded runs agree):
+ *   temperature < 1e-5 → argmax (lowest id on ties), no random draw.
+ *   otherwise: z = logits / T; order tokens by (z desc, id asc); keep the first top_k (if > 0);
+ *   p = softmax over the kept set (max-subtracted, summed in that order); keep the shortest
+ *   prefix whose mass before each token is < top_p; renormalise; draw u ∈ [0,1) once from the
+ *   sequence's generator and walk the kept tokens in ascending id order until the cumulative
+ *   mass exceeds u·total. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "kernels/cpu/cpu_ops.h"
+
+#define SAMPLING_EPS 1e-5f
+
+typedef struct cand {
+    float z;
+    int32_t id;
+} cand_t;
+
+/* (z desc, id asc) */
+static int cand_cmp(const void *a, const void *b)
+{
+    const cand_t *x = a, *y = b;
+    if (x->z != y->z) {
+        return x->z > y->z ? -1 : 1;
+    }
+    return x->id < y->id ? -1 : (x->id > y->id);
+}
+
+static int cand_id_cmp(const void *a, const void *b)
+{
+    const cand_t *x = a, *y = b;
+    return x->id < y->id ? -1 : (x->id > y->id);
+}
+
+static int32_t argmax_row(const float *z, int vocab)
+{
+    int32_t best = 0;
+    for (int32_t i = 1; i < vocab; i++) {
+        if (z[i] > z[best]) {
+            best = i;
+        }
+    }
+    return best;
+}
+
+/* Given kept candidates c[n] sorted by (z desc, id asc): applies top-p, then draws.
+ * c[].z is replaced by the probability. */
+static int32_t draw_from_sorted(cand_t *c, int n, float top_p, pd_rng_t *rng)
+{
+    float zmax = c[0].z;
+    double sum = 0;
+    for (int i = 0; i < n; i++) {
+        c[i].z = expf(c[i].z - zmax);
+        sum += c[i].z;
+    }
+    int keep = n;
+    if (top_p < 1.0f) {
+        double cum = 0;
+        for (int i = 0; i < n; i++) {
+            if (cum >= (double)top_p * sum) {
+                keep = i;
+                break;
+            }
+            cum += c[i].z;
+        }
+        if (keep < 1) {
+            keep = 1;
+        }
+    }
+    qsort(c, (size_t)keep, sizeof(cand_t), cand_id_cmp);
+    double total = 0;
+    for (int i = 0; i < keep; i++) {
+        total += c[i].z;
+    }
+    double target = pd_rng_uniform(rng) * total;
+    double cum = 0;
+    for (int i = 0; i < keep; i++) {
+        cum += c[i].z;
+        if (cum > target) {
+            return c[i].id;
+        }
+    }
+    return c[keep - 1].id;
+}
+
+static pd_status_t sample_check(const pd_sampling_params_t *p, int row)
+{
+    if (!(p->temperature >= 0) || !(p->top_p > 0) || isnan(p->top_p)) {
+        pd_log_error("sample: row %d has invalid parameters (temperature %g, top_p %g)", row, p->temperature,
+                     p->top_p);
+        return PD_ERR_INVALID_ARG;
+    }
+    return PD_OK;
+}
+
+pd_status_t pd_cpu_sample_ref(pd_backend_t *be, int32_t *tokens_out, float *logits, int n, int vocab,
+                              const pd_sampling_params_t *params, pd_rng_t *rngs)
+{
+    cand_t *c = malloc((size_t)vocab * sizeof(cand_t));
+    if (c == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
+    for (int r = 0; r < n; r++) {
+        const pd_sampling_params_t *p = &params[r];
+        pd_status_t st = sample_check(p, r);
+        if (st != PD_OK) {
+            free(c);
+            return st;
+        }
+        float *z = logits + (size_t)r * vocab;
+        if (p->temperature < SAMPLING_EPS) {
+            tokens_out[r] = argmax_row(z, vocab);
+            continue;
+        }
+        for (int i = 0; i < vocab; i++) {
+            c[i].z = z[i] / p->temperature;
+            c[i].id = i;
+        }
+        qsort(c, (size_t)vocab, sizeof(cand_t), cand_cmp);
+        int kept = p->top_k > 0 && p->top_k < vocab ? p->top_k : vocab;
+        tokens_out[r] = draw_from_sorted(c, kept, p->top_p, &rngs[r]);
+    }
+    free(c);
+    return PD_OK;
+}
+
+/* Min-heap on cand_cmp order (the root is the "smallest" = worst kept candidate). */
+static int cand_worse(const cand_t *a, const cand_t *b)
+{
+    return cand_cmp(a, b) > 0;
+}
+
+static void heap_sift_down(cand_t *h, int n, int i)
+{
+    for (;;) {
+        int l = 2 * i + 1, r = l + 1, w = i;
+        if (l < n && cand_worse(&h[l], &h[w])) {
+            w = l;
+        }
+        if (r < n && cand_worse(&h[r], &h[w])) {
+            w = r;
+        }
+        if (w == i) {
+            return;
+        }
+        cand_t t = h[i];
+        h[i] = h[w];
+        h[w] = t;
+        i = w;
+    }
+}
+
+/* Same result as the reference; selects the top-k with a heap (O(V log k)) instead of sorting
+ * the whole vocabulary. */
+pd_status_t pd_cpu_sample(pd_backend_t *be, int32_t *tokens_out, float *logits, int n, int vocab,
+                          const pd_sampling_params_t *params, pd_rng_t *rngs)
+{
+    cand_t *c = malloc((size_t)vocab * sizeof(cand_t));
+    if (c == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
+    for (int r = 0; r < n; r++) {
+        const pd_sampling_params_t *p = &params[r];
+        pd_status_t st = sample_check(p, r);
+        if (st != PD_OK) {
+            free(c);
+            return st;
+        }
+        float *z = logits + (size_t)r * vocab;
+        if (p->temperature < SAMPLING_EPS) {
+            tokens_out[r] = argmax_row(z, vocab);
+            continue;
+        }
+        float temp = p->temperature;
+        int k = p->top_k > 0 && p->top_k < vocab ? p->top_k : vocab;
+        if (k < vocab) {
+            for (int i = 0; i < k; i++) {
+                c[i].z = z[i] / temp;
+                c[i].id = i;
+            }
+            for (int i = k / 2 - 1; i >= 0; i--) {
+                heap_sift_down(c, k, i);
+            }
+            for (int i = k; i < vocab; i++) {
+                cand_t x = {z[i] / temp, i};
+                if (cand_worse(&c[0], &x)) {
+                    c[0] = x;
+                    heap_sift_down(c, k, 0);
+                }
+            }
+            qsort(c, (size_t)k, sizeof(cand_t), cand_cmp);
+        } else {
+            for (int i = 0; i < vocab; i++) {
+                c[i].z = z[i] / temp;
+                c[i].id = i;
+            }
+            /* the (z desc, id asc) order fixes the summation order, so it is part of the
+             * contract: sort the whole vocabulary as the reference does */
+            qsort(c, (size_t)vocab, sizeof(cand_t), cand_cmp);
+        }
+        tokens_out[r] = draw_from_sorted(c, k, p->top_p, &rngs[r]);
+    }
+    free(c);
+    return PD_OK;
+}

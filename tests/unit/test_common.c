@@ -1,0 +1,313 @@
+/* tests/unit/test_common.c — status, hashing, arena, strmap, json helpers, flags, rng. */
+#include <check.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/arena.h"
+#include "common/flags.h"
+#include "common/hash.h"
+#include "common/json.h"
+#include "common/log.h"
+#include "common/rng.h"
+#include "common/status.h"
+#include "common/strmap.h"
+#include "common/time.h"
+
+START_TEST(test_status_names)
+{
+    ck_assert_str_eq(pd_status_str(PD_OK), "PD_OK");
+    ck_assert_str_eq(pd_status_str(PD_ERR_TIMEOUT), "PD_ERR_TIMEOUT");
+    ck_assert_str_eq(pd_status_str(PD_ERR_OUT_OF_RANGE), "PD_ERR_OUT_OF_RANGE");
+    ck_assert_str_eq(pd_status_str((pd_status_t)-999), "PD_ERR_UNKNOWN");
+}
+END_TEST
+
+START_TEST(test_log_level_parse)
+{
+    ck_assert_int_eq(pd_log_level_parse("debug"), PD_LOG_DEBUG);
+    ck_assert_int_eq(pd_log_level_parse("WARN"), PD_LOG_WARN);
+    ck_assert_int_eq(pd_log_level_parse("off"), PD_LOG_OFF);
+    ck_assert_int_eq(pd_log_level_parse("loud"), -1);
+}
+END_TEST
+
+START_TEST(test_hash_chain)
+{
+    int32_t a[4] = {1, 2, 3, 4};
+    int32_t b[4] = {1, 2, 3, 5};
+    pd_hash128_t h1 = pd_hash128_chain(NULL, a, 4, NULL, 0);
+    pd_hash128_t h2 = pd_hash128_chain(NULL, a, 4, NULL, 0);
+    pd_hash128_t h3 = pd_hash128_chain(NULL, b, 4, NULL, 0);
+    ck_assert(pd_hash128_eq(h1, h2));
+    ck_assert(!pd_hash128_eq(h1, h3));
+    /* the parent is part of the hash: same tokens under different parents differ */
+    pd_hash128_t c1 = pd_hash128_chain(&h1, a, 4, NULL, 0);
+    pd_hash128_t c3 = pd_hash128_chain(&h3, a, 4, NULL, 0);
+    ck_assert(!pd_hash128_eq(c1, c3));
+    /* extra keys (e.g. a LoRA id) separate otherwise equal blocks */
+    uint32_t extra = 7;
+    pd_hash128_t e1 = pd_hash128_chain(NULL, a, 4, &extra, sizeof(extra));
+    ck_assert(!pd_hash128_eq(e1, h1));
+    ck_assert_uint_ne(pd_hash64("abc", 3, 0), pd_hash64("abd", 3, 0));
+    ck_assert_uint_eq(pd_hash64("abc", 3, 1), pd_hash64("abc", 3, 1));
+}
+END_TEST
+
+START_TEST(test_arena)
+{
+    pd_arena_t a;
+    pd_arena_init(&a, 256);
+    char *prev = NULL;
+    for (int i = 0; i < 1000; i++) {
+        size_t align = (size_t)1 << (i % 7);
+        char *p = pd_arena_alloc(&a, (size_t)(i % 50) + 1, align);
+        ck_assert_ptr_nonnull(p);
+        ck_assert_uint_eq((uintptr_t)p % align, 0);
+        memset(p, i & 0xff, (size_t)(i % 50) + 1);
+        if (prev != NULL) {
+            ck_assert_int_eq((unsigned char)prev[0], (unsigned char)((i - 1) & 0xff));
+        }
+        prev = p;
+    }
+    char *big = pd_arena_alloc(&a, 10000, 64);
+    ck_assert_ptr_nonnull(big);
+    memset(big, 1, 10000);
+    char *s = pd_arena_strndup(&a, "hello world", 5);
+    ck_assert_str_eq(s, "hello");
+    ck_assert_ptr_null(pd_arena_alloc(&a, 8, 3)); /* align must be a power of two */
+    int *z = pd_arena_calloc(&a, 100, sizeof(int));
+    for (int i = 0; i < 100; i++) {
+        ck_assert_int_eq(z[i], 0);
+    }
+    pd_arena_reset(&a);
+    ck_assert_uint_eq(a.bytes_used, 0);
+    ck_assert_ptr_nonnull(pd_arena_alloc(&a, 16, 8));
+    pd_arena_destroy(&a);
+}
+END_TEST
+
+START_TEST(test_strmap)
+{
+    pd_strmap_t m;
+    ck_assert_int_eq(pd_strmap_init(&m, 4), PD_OK);
+    char key[32];
+    for (int i = 0; i < 5000; i++) {
+        int n = snprintf(key, sizeof(key), "key-%d", i);
+        ck_assert_int_eq(pd_strmap_put(&m, key, (size_t)n, i * 3), PD_OK);
+    }
+    ck_assert_uint_eq(m.count, 5000);
+    for (int i = 0; i < 5000; i++) {
+        int n = snprintf(key, sizeof(key), "key-%d", i);
+        int64_t v = -1;
+        ck_assert_int_eq(pd_strmap_get(&m, key, (size_t)n, &v), 1);
+        ck_assert_int_eq(v, i * 3);
+    }
+    int64_t v = 0;
+    ck_assert_int_eq(pd_strmap_get(&m, "key-5000", 8, &v), 0);
+    /* keys are byte strings: embedded NULs are part of the key */
+    ck_assert_int_eq(pd_strmap_put(&m, "a\0b", 3, 42), PD_OK);
+    ck_assert_int_eq(pd_strmap_get(&m, "a\0b", 3, &v), 1);
+    ck_assert_int_eq(v, 42);
+    ck_assert_int_eq(pd_strmap_get(&m, "a", 1, &v), 0);
+    ck_assert_int_eq(pd_strmap_put(&m, "key-7", 5, -1), PD_OK); /* replace keeps count */
+    ck_assert_uint_eq(m.count, 5001);
+    ck_assert_int_eq(pd_strmap_get(&m, "key-7", 5, &v), 1);
+    ck_assert_int_eq(v, -1);
+    pd_strmap_destroy(&m);
+}
+END_TEST
+
+START_TEST(test_json_getters)
+{
+    const char *text = "{\"a\": 3, \"b\": {\"c\": 2.5, \"d\": \"x\", \"e\": true}, \"f\": 1e3, \"n\": null}";
+    json_t *root = NULL;
+    ck_assert_int_eq(pd_json_parse("doc", text, strlen(text), &root), PD_OK);
+    int64_t i = 0;
+    double d = 0;
+    bool b = false;
+    const char *s = NULL;
+    ck_assert_int_eq(pd_json_get_int(root, "doc", "a", &i), PD_OK);
+    ck_assert_int_eq(i, 3);
+    ck_assert_int_eq(pd_json_get_int(root, "doc", "f", &i), PD_OK); /* integral real */
+    ck_assert_int_eq(i, 1000);
+    ck_assert_int_eq(pd_json_get_double(root, "doc", "b.c", &d), PD_OK);
+    ck_assert_double_eq(d, 2.5);
+    ck_assert_int_eq(pd_json_get_str(root, "doc", "b.d", &s), PD_OK);
+    ck_assert_str_eq(s, "x");
+    ck_assert_int_eq(pd_json_get_bool(root, "doc", "b.e", &b), PD_OK);
+    ck_assert(b);
+    i = 77;
+    ck_assert_int_eq(pd_json_get_int(root, "doc", "b.d", &i), PD_ERR_PARSE);
+    ck_assert_int_eq(i, 77); /* untouched on error */
+    ck_assert_int_eq(pd_json_get_int(root, "doc", "b.c", &i), PD_ERR_PARSE);
+    ck_assert_int_eq(pd_json_get_int(root, "doc", "zz", &i), PD_ERR_NOT_FOUND);
+    ck_assert_int_eq(pd_json_get_int(root, "doc", "a.b", &i), PD_ERR_NOT_FOUND);
+    ck_assert_int_eq(pd_json_opt_int(root, "doc", "zz", 9, &i), PD_OK);
+    ck_assert_int_eq(i, 9);
+    ck_assert_int_eq(pd_json_opt_int(root, "doc", "n", 8, &i), PD_OK);
+    ck_assert_int_eq(i, 8);
+    ck_assert_int_eq(pd_json_opt_double(root, "doc", "b.d", 1.0, &d), PD_ERR_PARSE);
+    json_decref(root);
+    root = NULL;
+    ck_assert_int_eq(pd_json_parse("doc", "{\"a\": ", 6, &root), PD_ERR_PARSE);
+    ck_assert_ptr_null(root);
+    ck_assert_int_eq(pd_json_parse("doc", "{\"a\":1,\"a\":2}", 13, &root), PD_ERR_PARSE);
+}
+END_TEST
+
+START_TEST(test_json_file_limits)
+{
+    char path[] = "/tmp/pd_json_XXXXXX";
+    int fd = mkstemp(path);
+    ck_assert_int_ge(fd, 0);
+    const char *body = "{\"hidden_size\": 64}";
+    ck_assert_int_eq(write(fd, body, strlen(body)), (int)strlen(body));
+    close(fd);
+    json_t *root = NULL;
+    ck_assert_int_eq(pd_json_load_file(path, 4, &root), PD_ERR_NO_SPACE);
+    ck_assert_int_eq(pd_json_load_file(path, 1 << 20, &root), PD_OK);
+    int64_t h = 0;
+    ck_assert_int_eq(pd_json_get_int(root, path, "hidden_size", &h), PD_OK);
+    ck_assert_int_eq(h, 64);
+    json_decref(root);
+    unlink(path);
+    ck_assert_int_eq(pd_json_load_file(path, 1 << 20, &root), PD_ERR_NOT_FOUND);
+}
+END_TEST
+
+START_TEST(test_flags)
+{
+    int block = 16;
+    double util = 0.9;
+    bool prefix = true;
+    bool verbose = false;
+    size_t mem = 0;
+    const char *mode = "pull";
+    const char *model = NULL;
+    pd_flag_t flags[] = {
+        {"block-size", PD_FLAG_INT, &block, "tokens per KV block", NULL},
+        {"memory-utilization", PD_FLAG_DOUBLE, &util, "fraction of memory", NULL},
+        {"enable-prefix-caching", PD_FLAG_BOOL, &prefix, "prefix cache", NULL},
+        {"verbose", PD_FLAG_BOOL, &verbose, "talk more", NULL},
+        {"kv-cache-memory", PD_FLAG_SIZE, &mem, "KV budget", NULL},
+        {"kv-transfer-mode", PD_FLAG_CHOICE, &mode, "transfer mode", "pull|push"},
+        {"model", PD_FLAG_STR, &model, "model dir", NULL},
+    };
+    char *argv[] = {"prog",
+                    "--block-size",
+                    "32",
+                    "--memory-utilization=0.5",
+                    "--no-enable-prefix-caching",
+                    "--verbose",
+                    "--kv-cache-memory",
+                    "1.5GiB",
+                    "--kv-transfer-mode",
+                    "push",
+                    "--model",
+                    "/m",
+                    "rest"};
+    int first = 0;
+    ck_assert_int_eq(pd_flags_parse(flags, 7, 13, argv, "usage", &first), PD_OK);
+    ck_assert_int_eq(block, 32);
+    ck_assert_double_eq(util, 0.5);
+    ck_assert(!prefix);
+    ck_assert(verbose);
+    ck_assert_uint_eq(mem, (size_t)(1.5 * 1024 * 1024 * 1024));
+    ck_assert_str_eq(mode, "push");
+    ck_assert_str_eq(model, "/m");
+    ck_assert_int_eq(first, 12);
+
+    char *bad1[] = {"prog", "--block-size", "12x"};
+    ck_assert_int_eq(pd_flags_parse(flags, 7, 3, bad1, "usage", NULL), PD_ERR_INVALID_ARG);
+    char *bad2[] = {"prog", "--kv-transfer-mode", "teleport"};
+    ck_assert_int_eq(pd_flags_parse(flags, 7, 3, bad2, "usage", NULL), PD_ERR_INVALID_ARG);
+    char *bad3[] = {"prog", "--nope"};
+    ck_assert_int_eq(pd_flags_parse(flags, 7, 2, bad3, "usage", NULL), PD_ERR_INVALID_ARG);
+    char *bad4[] = {"prog", "--block-size"};
+    ck_assert_int_eq(pd_flags_parse(flags, 7, 2, bad4, "usage", NULL), PD_ERR_INVALID_ARG);
+    ck_assert_str_eq(mode, "push");
+
+    size_t sz = 0;
+    ck_assert_int_eq(pd_flags_parse_size("64K", &sz), PD_OK);
+    ck_assert_uint_eq(sz, 65536);
+    ck_assert_int_eq(pd_flags_parse_size("2M", &sz), PD_OK);
+    ck_assert_uint_eq(sz, 2u << 20);
+    ck_assert_int_eq(pd_flags_parse_size("-1", &sz), PD_ERR_INVALID_ARG);
+    ck_assert_int_eq(pd_flags_parse_size("5Q", &sz), PD_ERR_INVALID_ARG);
+
+    /* --help prints the table (with defaults) and asks the caller to exit */
+    FILE *saved = stdout;
+    char buf[4096] = {0};
+    stdout = fmemopen(buf, sizeof(buf) - 1, "w");
+    char *help[] = {"prog", "--help"};
+    pd_status_t st = pd_flags_parse(flags, 7, 2, help, "usage: prog", NULL);
+    fclose(stdout);
+    stdout = saved;
+    ck_assert_int_eq(st, PD_ERR_CANCELLED);
+    ck_assert_ptr_nonnull(strstr(buf, "--block-size VALUE"));
+    ck_assert_ptr_nonnull(strstr(buf, "(default: 32)"));
+    ck_assert_ptr_nonnull(strstr(buf, "--kv-transfer-mode {pull|push}"));
+}
+END_TEST
+
+START_TEST(test_rng)
+{
+    pd_rng_t a, b;
+    pd_rng_seed(&a, 1234);
+    pd_rng_seed(&b, 1234);
+    for (int i = 0; i < 100; i++) {
+        ck_assert_uint_eq(pd_rng_next(&a), pd_rng_next(&b));
+    }
+    double sum = 0, sum2 = 0;
+    int below[10] = {0};
+    const int n = 100000;
+    for (int i = 0; i < n; i++) {
+        double u = pd_rng_uniform(&a);
+        ck_assert(u >= 0.0 && u < 1.0);
+        sum += u;
+        double z = pd_rng_normal(&a);
+        sum2 += z * z;
+        below[pd_rng_below(&a, 10)]++;
+    }
+    ck_assert(sum / n > 0.49 && sum / n < 0.51);
+    ck_assert(sum2 / n > 0.97 && sum2 / n < 1.03);
+    for (int i = 0; i < 10; i++) {
+        ck_assert(below[i] > n / 10 - 600 && below[i] < n / 10 + 600);
+    }
+}
+END_TEST
+
+START_TEST(test_time_monotonic)
+{
+    uint64_t t0 = pd_time_now_ns();
+    usleep(2000);
+    uint64_t t1 = pd_time_now_ns();
+    ck_assert_uint_gt(t1, t0 + 1000000);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("common");
+    TCase *tc = tcase_create("core");
+    tcase_add_test(tc, test_status_names);
+    tcase_add_test(tc, test_log_level_parse);
+    tcase_add_test(tc, test_hash_chain);
+    tcase_add_test(tc, test_arena);
+    tcase_add_test(tc, test_strmap);
+    tcase_add_test(tc, test_json_getters);
+    tcase_add_test(tc, test_json_file_limits);
+    tcase_add_test(tc, test_flags);
+    tcase_add_test(tc, test_rng);
+    tcase_add_test(tc, test_time_monotonic);
+    suite_add_tcase(s, tc);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}

@@ -1,0 +1,606 @@
+/* tests/unit/test_kernels.c — every optimized CPU op against its reference on random inputs
+ * (never zeros), the shared index math, dtype conversions, and bad-index rejection. */
+#include <check.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/rng.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/paged_impl.h"
+
+static pd_backend_t *g_be;
+static pd_rng_t g_rng;
+
+static float *rand_buf(size_t n, float lo, float hi)
+{
+    float *p = malloc((n ? n : 1) * sizeof(float));
+    for (size_t i = 0; i < n; i++) {
+        p[i] = pd_rng_uniform_f(&g_rng, lo, hi);
+        if (p[i] == 0.0f) {
+            p[i] = 0.25f;
+        }
+    }
+    return p;
+}
+
+static float *copy_buf(const float *src, size_t n)
+{
+    float *p = malloc((n ? n : 1) * sizeof(float));
+    memcpy(p, src, n * sizeof(float));
+    return p;
+}
+
+/* max |a−b| / (|b| + atol) over n elements */
+static double max_rel_err(const float *a, const float *b, size_t n, double atol)
+{
+    double worst = 0;
+    for (size_t i = 0; i < n; i++) {
+        double e = fabs((double)a[i] - b[i]) / (fabs((double)b[i]) + atol);
+        if (!(e <= worst)) {
+            worst = e; /* NaN propagates as a failure */
+        }
+    }
+    return worst;
+}
+
+static void setup(void)
+{
+    pd_rng_seed(&g_rng, 20261122);
+    ck_assert_int_eq(pd_backend_create("cpu", 2, &g_be), PD_OK);
+}
+
+static void teardown(void)
+{
+    pd_backend_destroy(g_be);
+}
+
+/* ------------------------------------------------------------ dtype and index math */
+
+START_TEST(test_dtype_conversions)
+{
+    /* every half value round-trips through f32 exactly; f32 → f16 matches the compiler's */
+    for (uint32_t h = 0; h < 65536; h++) {
+        float f = pd_f16_to_f32((uint16_t)h);
+        _Float16 ref;
+        uint16_t hh = (uint16_t)h;
+        memcpy(&ref, &hh, 2);
+        if (isnan(f)) {
+            ck_assert(isnan((float)ref));
+            continue;
+        }
+        ck_assert_float_eq(f, (float)ref);
+        ck_assert_uint_eq(pd_f32_to_f16(f), h);
+    }
+    for (int i = 0; i < 200000; i++) {
+        float f = (float)(pd_rng_normal(&g_rng) * pow(2.0, (double)pd_rng_below(&g_rng, 60) - 40));
+        _Float16 ref = (_Float16)f;
+        uint16_t rb;
+        memcpy(&rb, &ref, 2);
+        ck_assert_uint_eq(pd_f32_to_f16(f), rb);
+        /* bf16: within half an ulp of 8 mantissa bits */
+        float b = pd_bf16_to_f32(pd_f32_to_bf16(f));
+        ck_assert(fabsf(b - f) <= fabsf(f) * (1.0f / 256));
+    }
+    ck_assert_uint_eq(pd_f32_to_bf16(1.0f), 0x3f80);
+    ck_assert_uint_eq(pd_f32_to_f16(65520.0f), 0x7c00);
+    ck_assert_uint_eq(pd_f32_to_f16(-2.0f), 0xc000);
+}
+END_TEST
+
+START_TEST(test_index_math)
+{
+    /* block_size 16, 2 kv heads, head 8: page = 2·16·2·8 elements */
+    ck_assert_int_eq(pd_page_elems(16, 2, 8), 512);
+    ck_assert_int_eq(pd_slot_block(37, 16), 2);
+    ck_assert_int_eq(pd_slot_offset_in_block(37, 16), 5);
+    /* slot 37 → block 2, offset 5; V plane; head 1 */
+    ck_assert_int_eq(pd_slot_kv_index(37, 1, 1, 16, 2, 8), ((2 * 2 + 1) * 16 + 5) * 2 * 8 + 1 * 8);
+    ck_assert_int_eq(pd_kv_index(3, 0, 0, 0, 16, 2, 8), 3 * 512);
+    /* GQA: 8 query heads on 2 kv heads */
+    ck_assert_int_eq(pd_gqa_kv_head(0, 8, 2), 0);
+    ck_assert_int_eq(pd_gqa_kv_head(3, 8, 2), 0);
+    ck_assert_int_eq(pd_gqa_kv_head(4, 8, 2), 1);
+    ck_assert_int_eq(pd_gqa_kv_head(7, 8, 8), 7);
+    int32_t table[2][4] = {{7, 3, 9, 1}, {2, 5, 0, 0}};
+    ck_assert_int_eq(pd_block_table_lookup(&table[0][0], 4, 0, 33, 16), 9);
+    ck_assert_int_eq(pd_block_table_slot(&table[0][0], 4, 1, 17, 16), 5 * 16 + 1);
+    ck_assert_int_eq(pd_blocks_for_tokens(0, 16), 0);
+    ck_assert_int_eq(pd_blocks_for_tokens(16, 16), 1);
+    ck_assert_int_eq(pd_blocks_for_tokens(17, 16), 2);
+    ck_assert_int_eq(pd_query_pos(10, 3, 0), 7);
+    ck_assert_int_eq(pd_attn_first_key(10, 0), 0);
+    ck_assert_int_eq(pd_attn_first_key(10, 4), 7);
+    ck_assert_int_eq(pd_attn_first_key(2, 4), 0);
+}
+END_TEST
+
+/* ------------------------------------------------------------ dense ops */
+
+START_TEST(test_matmul)
+{
+    int shapes[][3] = {{1, 7, 5}, {3, 64, 33}, {17, 129, 64}, {64, 96, 200}, {1, 1000, 64}};
+    for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+        int m = shapes[s][0], n = shapes[s][1], k = shapes[s][2];
+        float *x = rand_buf((size_t)m * k, -1, 1), *w = rand_buf((size_t)n * k, -1, 1);
+        float *bias = rand_buf((size_t)n, -1, 1);
+        float *y = rand_buf((size_t)m * n, -9, 9), *yr = rand_buf((size_t)m * n, -9, 9);
+        for (int with_bias = 0; with_bias < 2; with_bias++) {
+            const float *b = with_bias ? bias : NULL;
+            ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, w, b, m, n, k), PD_OK);
+            ck_assert_int_eq(pd_cpu_matmul_ref(g_be, yr, x, w, b, m, n, k), PD_OK);
+            /* error relative to the magnitude of a k-term dot product of values in [-1, 1] */
+            ck_assert_double_lt(max_rel_err(y, yr, (size_t)m * n, sqrt(k)), 1e-5);
+        }
+        free(x), free(w), free(bias), free(y), free(yr);
+    }
+}
+END_TEST
+
+START_TEST(test_norms)
+{
+    int rows = 13, dims[] = {1, 7, 64, 513};
+    for (int di = 0; di < 4; di++) {
+        int dim = dims[di];
+        size_t n = (size_t)rows * dim;
+        float *x = rand_buf(n, -3, 3), *w = rand_buf((size_t)dim, 0.5f, 1.5f),
+              *b = rand_buf((size_t)dim, -1, 1);
+        float *o = rand_buf(n, -9, 9), *oref = rand_buf(n, -9, 9);
+        ck_assert_int_eq(pd_cpu_rmsnorm(g_be, o, x, w, rows, dim, 1e-5f), PD_OK);
+        ck_assert_int_eq(pd_cpu_rmsnorm_ref(g_be, oref, x, w, rows, dim, 1e-5f), PD_OK);
+        ck_assert_double_lt(max_rel_err(o, oref, n, 1e-3), 1e-5);
+        if (dim > 1) { /* a 1-wide layernorm is 0 · w + b: nothing to compare but b */
+            ck_assert_int_eq(pd_cpu_layernorm(g_be, o, x, w, b, rows, dim, 1e-5f), PD_OK);
+            ck_assert_int_eq(pd_cpu_layernorm_ref(g_be, oref, x, w, b, rows, dim, 1e-5f), PD_OK);
+            ck_assert_double_lt(max_rel_err(o, oref, n, 1e-3), 1e-4);
+        }
+        /* in place (out aliases x) gives the same values */
+        float *xi = copy_buf(x, n);
+        ck_assert_int_eq(pd_cpu_rmsnorm(g_be, xi, xi, w, rows, dim, 1e-5f), PD_OK);
+        ck_assert_int_eq(pd_cpu_rmsnorm_ref(g_be, oref, x, w, rows, dim, 1e-5f), PD_OK);
+        ck_assert_double_lt(max_rel_err(xi, oref, n, 1e-3), 1e-5);
+        free(x), free(w), free(b), free(o), free(oref), free(xi);
+    }
+}
+END_TEST
+
+START_TEST(test_elementwise)
+{
+    size_t n = 100003;
+    float *x = rand_buf(n, -8, 8);
+    float *a = copy_buf(x, n), *b = copy_buf(x, n);
+    ck_assert_int_eq(pd_cpu_gelu(g_be, a, n), PD_OK);
+    ck_assert_int_eq(pd_cpu_gelu_ref(g_be, b, n), PD_OK);
+    ck_assert_double_lt(max_rel_err(a, b, n, 1e-3), 1e-5);
+
+    int rows = 9, inter = 301;
+    float *gu = rand_buf((size_t)rows * 2 * inter, -6, 6);
+    float *o1 = rand_buf((size_t)rows * inter, -1, 1), *o2 = rand_buf((size_t)rows * inter, -1, 1);
+    ck_assert_int_eq(pd_cpu_silu_mul(g_be, o1, gu, rows, inter), PD_OK);
+    ck_assert_int_eq(pd_cpu_silu_mul_ref(g_be, o2, gu, rows, inter), PD_OK);
+    ck_assert_double_lt(max_rel_err(o1, o2, (size_t)rows * inter, 1e-3), 1e-5);
+
+    int cols = 1031;
+    float *s1 = rand_buf((size_t)rows * cols, -20, 20), *s2 = copy_buf(s1, (size_t)rows * cols);
+    ck_assert_int_eq(pd_cpu_softmax(g_be, s1, rows, cols), PD_OK);
+    ck_assert_int_eq(pd_cpu_softmax_ref(g_be, s2, rows, cols), PD_OK);
+    ck_assert_double_lt(max_rel_err(s1, s2, (size_t)rows * cols, 1e-6), 1e-5);
+    for (int r = 0; r < rows; r++) {
+        double sum = 0;
+        for (int c = 0; c < cols; c++) {
+            sum += s1[(size_t)r * cols + c];
+        }
+        ck_assert_double_eq_tol(sum, 1.0, 1e-5);
+    }
+
+    float *y1 = rand_buf(n, -1, 1), *y2 = copy_buf(y1, n);
+    ck_assert_int_eq(pd_cpu_add(g_be, y1, x, n), PD_OK);
+    ck_assert_int_eq(pd_cpu_add_ref(g_be, y2, x, n), PD_OK);
+    ck_assert_int_eq(memcmp(y1, y2, n * sizeof(float)), 0);
+
+    int vocab = 50, dim = 24, ntok = 11;
+    float *table = rand_buf((size_t)vocab * dim, -1, 1);
+    int32_t ids[11] = {0, 49, 3, 3, 17, 25, 8, 1, 48, 30, 2};
+    float *e1 = rand_buf((size_t)ntok * dim, -1, 1), *e2 = rand_buf((size_t)ntok * dim, -1, 1);
+    ck_assert_int_eq(pd_cpu_embed(g_be, e1, table, ids, ntok, dim, vocab), PD_OK);
+    ck_assert_int_eq(pd_cpu_embed_ref(g_be, e2, table, ids, ntok, dim, vocab), PD_OK);
+    ck_assert_int_eq(memcmp(e1, e2, (size_t)ntok * dim * sizeof(float)), 0);
+    ck_assert_float_eq(e1[1 * dim + 5], table[49 * dim + 5]);
+    ids[4] = 50; /* out of the vocabulary: rejected, nothing written */
+    memcpy(e2, e1, (size_t)ntok * dim * sizeof(float));
+    ck_assert_int_eq(pd_cpu_embed(g_be, e1, table, ids, ntok, dim, vocab), PD_ERR_OUT_OF_RANGE);
+    ck_assert_int_eq(memcmp(e1, e2, (size_t)ntok * dim * sizeof(float)), 0);
+    ids[4] = -1;
+    ck_assert_int_eq(pd_cpu_embed_ref(g_be, e1, table, ids, ntok, dim, vocab), PD_ERR_OUT_OF_RANGE);
+
+    free(x), free(a), free(b), free(gu), free(o1), free(o2), free(s1), free(s2), free(y1), free(y2);
+    free(table), free(e1), free(e2);
+}
+END_TEST
+
+START_TEST(test_rope)
+{
+    int ntok = 19, heads = 6, hd = 64;
+    size_t n = (size_t)ntok * heads * hd;
+    float *x = rand_buf(n, -2, 2), *a = copy_buf(x, n), *b = copy_buf(x, n);
+    int32_t pos[19];
+    for (int i = 0; i < ntok; i++) {
+        pos[i] = (int32_t)pd_rng_below(&g_rng, 4096);
+    }
+    ck_assert_int_eq(pd_cpu_rope(g_be, a, pos, ntok, heads, hd, 10000.0f), PD_OK);
+    ck_assert_int_eq(pd_cpu_rope_ref(g_be, b, pos, ntok, heads, hd, 10000.0f), PD_OK);
+    ck_assert_double_lt(max_rel_err(a, b, n, 1.0), 1e-6);
+    /* rotation keeps each (i, i+half) pair's norm; position 0 is the identity */
+    pos[0] = 0;
+    memcpy(a, x, n * sizeof(float));
+    ck_assert_int_eq(pd_cpu_rope(g_be, a, pos, ntok, heads, hd, 500000.0f), PD_OK);
+    for (int d = 0; d < heads * hd; d++) {
+        ck_assert_float_eq(a[d], x[d]);
+    }
+    for (int t = 1; t < ntok; t++) {
+        float *v = a + (size_t)t * heads * hd, *u = x + (size_t)t * heads * hd;
+        for (int i = 0; i < hd / 2; i++) {
+            double n0 = u[i] * u[i] + u[i + hd / 2] * u[i + hd / 2];
+            double n1 = v[i] * v[i] + v[i + hd / 2] * v[i + hd / 2];
+            ck_assert_double_eq_tol(n0, n1, 1e-4 * (n0 + 1e-3));
+        }
+    }
+    free(x), free(a), free(b);
+}
+END_TEST
+
+/* ------------------------------------------------------------ paged KV cache and attention */
+
+typedef struct attn_case {
+    int num_seqs;
+    int q_lens[6];
+    int ctx_before[6]; /* tokens already cached before this step */
+    int block_size;
+    int num_heads;
+    int num_kv_heads;
+    int head_size;
+    pd_dtype_t dtype;
+    int window;
+} attn_case_t;
+
+/* Builds a random paged cache holding each sequence's history (blocks in shuffled order),
+ * writes the new tokens' K/V with reshape_and_cache (plus padding slots), and checks both
+ * attention entry points against the reference. */
+static void run_attn_case(const attn_case_t *c)
+{
+    int bs = c->block_size, H = c->num_kv_heads, D = c->head_size, NH = c->num_heads;
+    int max_blocks = 0, total_blocks = 1, num_tokens = 0, padding = 3;
+    int seq_lens[6], cu[7];
+    cu[0] = 0;
+    for (int s = 0; s < c->num_seqs; s++) {
+        seq_lens[s] = c->ctx_before[s] + c->q_lens[s];
+        int nb = (int)pd_blocks_for_tokens(seq_lens[s], bs);
+        max_blocks = nb > max_blocks ? nb : max_blocks;
+        total_blocks += nb;
+        num_tokens += c->q_lens[s];
+        cu[s + 1] = num_tokens;
+    }
+    total_blocks += 5; /* spare blocks nobody owns */
+    pd_kv_view_t kv = {NULL, c->dtype, total_blocks, bs, H, D};
+    size_t cache_elems = (size_t)pd_page_elems(bs, H, D) * total_blocks;
+    size_t cache_bytes = cache_elems * (size_t)pd_dtype_size(c->dtype);
+    kv.base = malloc(cache_bytes);
+    for (size_t i = 0; i < cache_elems; i++) {
+        pd_dtype_store(kv.base, (int64_t)i, c->dtype, pd_rng_uniform_f(&g_rng, -1, 1));
+    }
+    /* shuffled block ids 1..total_blocks-1 handed out to sequences */
+    int32_t *perm = malloc((size_t)total_blocks * sizeof(int32_t));
+    for (int i = 0; i < total_blocks; i++) {
+        perm[i] = i;
+    }
+    for (int i = total_blocks - 1; i > 1; i--) {
+        int j = 1 + (int)pd_rng_below(&g_rng, (uint64_t)i);
+        int32_t t = perm[i];
+        perm[i] = perm[j];
+        perm[j] = t;
+    }
+    int32_t *tables = calloc((size_t)c->num_seqs * (max_blocks > 0 ? max_blocks : 1), sizeof(int32_t));
+    int next = 1;
+    for (int s = 0; s < c->num_seqs; s++) {
+        for (int b = 0; b < pd_blocks_for_tokens(seq_lens[s], bs); b++) {
+            tables[s * max_blocks + b] = perm[next++];
+        }
+    }
+    /* new tokens (+ padding rows at the end with slot −1) */
+    int rows = num_tokens + padding;
+    float *k = rand_buf((size_t)rows * H * D, -1, 1), *v = rand_buf((size_t)rows * H * D, -1, 1);
+    int32_t *slots = malloc((size_t)rows * sizeof(int32_t));
+    for (int s = 0; s < c->num_seqs; s++) {
+        for (int i = 0; i < c->q_lens[s]; i++) {
+            slots[cu[s] + i] = (int32_t)pd_block_table_slot(tables, max_blocks, s,
+                                                            pd_query_pos(seq_lens[s], c->q_lens[s], i), bs);
+        }
+    }
+    for (int i = num_tokens; i < rows; i++) {
+        slots[i] = -1;
+    }
+    void *cache_ref = malloc(cache_bytes);
+    memcpy(cache_ref, kv.base, cache_bytes);
+    pd_kv_view_t kv_ref = kv;
+    kv_ref.base = cache_ref;
+    ck_assert_int_eq(pd_cpu_reshape_and_cache(g_be, &kv, k, v, slots, rows), PD_OK);
+    ck_assert_int_eq(pd_cpu_reshape_and_cache_ref(g_be, &kv_ref, k, v, slots, rows), PD_OK);
+    ck_assert_int_eq(memcmp(kv.base, cache_ref, cache_bytes), 0);
+    /* the written K row of the first new token reads back (after dtype rounding) */
+    if (num_tokens > 0) {
+        int64_t ki = pd_slot_kv_index(slots[0], 0, H - 1, bs, H, D);
+        float back = pd_dtype_load(kv.base, ki + D - 1, c->dtype);
+        float want = k[(size_t)(H - 1) * D + D - 1];
+        ck_assert(fabsf(back - want) <= fabsf(want) * 4e-3f);
+    }
+
+    pd_attn_meta_t meta = {c->num_seqs, num_tokens, cu, seq_lens, tables, max_blocks, slots, c->window};
+    float *q = rand_buf((size_t)num_tokens * NH * D, -1, 1);
+    float *o = rand_buf((size_t)num_tokens * NH * D, -5, 5),
+          *oref = rand_buf((size_t)num_tokens * NH * D, -5, 5);
+    float scale = 1.0f / sqrtf((float)D);
+    ck_assert_int_eq(pd_cpu_paged_attention_prefill(g_be, o, q, &kv, &meta, NH, scale), PD_OK);
+    ck_assert_int_eq(pd_cpu_paged_attention_prefill_ref(g_be, oref, q, &kv, &meta, NH, scale), PD_OK);
+    ck_assert_double_lt(max_rel_err(o, oref, (size_t)num_tokens * NH * D, 1e-2), 2e-5);
+    int all_decode = 1;
+    for (int s = 0; s < c->num_seqs; s++) {
+        all_decode &= c->q_lens[s] == 1;
+    }
+    if (all_decode) {
+        float *od = rand_buf((size_t)num_tokens * NH * D, -5, 5);
+        ck_assert_int_eq(pd_cpu_paged_attention_decode(g_be, od, q, &kv, &meta, NH, scale), PD_OK);
+        ck_assert_double_lt(max_rel_err(od, oref, (size_t)num_tokens * NH * D, 1e-2), 2e-5);
+        free(od);
+    } else {
+        ck_assert_int_eq(pd_cpu_paged_attention_decode(g_be, o, q, &kv, &meta, NH, scale),
+                         PD_ERR_INVALID_ARG);
+    }
+    free(kv.base), free(cache_ref), free(perm), free(tables), free(k), free(v), free(slots), free(q), free(o);
+    free(oref);
+}
+
+START_TEST(test_attention_random)
+{
+    int block_sizes[] = {1, 16, 32};
+    pd_dtype_t dtypes[] = {PD_DTYPE_F32, PD_DTYPE_F16, PD_DTYPE_BF16};
+    int gqa[][2] = {{4, 4}, {8, 2}, {6, 1}};
+    int head_sizes[] = {8, 64, 80};
+    for (int bi = 0; bi < 3; bi++) {
+        for (int di = 0; di < 3; di++) {
+            for (int gi = 0; gi < 3; gi++) {
+                /* mixed prefill chunk / decode / fresh prompt / exact block multiples */
+                attn_case_t c = {4,          {5, 1, 37, 16}, {0, 40, 19, 32},           block_sizes[bi],
+                                 gqa[gi][0], gqa[gi][1],     head_sizes[(bi + gi) % 3], dtypes[di],
+                                 0};
+                run_attn_case(&c);
+                attn_case_t d = {5,          {1, 1, 1, 1, 1}, {0, 15, 16, 100, 63},      block_sizes[bi],
+                                 gqa[gi][0], gqa[gi][1],      head_sizes[(bi + di) % 3], dtypes[di],
+                                 0};
+                run_attn_case(&d);
+            }
+        }
+    }
+    /* sliding window, prefill and decode */
+    attn_case_t w = {3, {20, 1, 9}, {30, 50, 0}, 16, 4, 2, 32, PD_DTYPE_F32, 24};
+    run_attn_case(&w);
+    attn_case_t wd = {2, {1, 1}, {70, 5}, 16, 4, 2, 32, PD_DTYPE_BF16, 16};
+    run_attn_case(&wd);
+    /* long decode context (split across many blocks) */
+    attn_case_t longc = {1, {1}, {3000}, 16, 8, 2, 64, PD_DTYPE_F16, 0};
+    run_attn_case(&longc);
+}
+END_TEST
+
+START_TEST(test_attention_rejects_bad_ids)
+{
+    int bs = 4, H = 1, D = 8;
+    pd_kv_view_t kv = {NULL, PD_DTYPE_F32, 3, bs, H, D};
+    kv.base = rand_buf((size_t)pd_page_elems(bs, H, D) * 3, -1, 1);
+    float *k = rand_buf((size_t)2 * D, -1, 1), *v = rand_buf((size_t)2 * D, -1, 1);
+    float *before = copy_buf(kv.base, (size_t)pd_page_elems(bs, H, D) * 3);
+    int32_t slots[2] = {1, 12}; /* 3 blocks × 4 = 12 slots: 12 is one past the end */
+    ck_assert_int_eq(pd_cpu_reshape_and_cache(g_be, &kv, k, v, slots, 2), PD_ERR_OUT_OF_RANGE);
+    ck_assert_int_eq(pd_cpu_reshape_and_cache_ref(g_be, &kv, k, v, slots, 2), PD_ERR_OUT_OF_RANGE);
+    ck_assert_int_eq(memcmp(kv.base, before, (size_t)pd_page_elems(bs, H, D) * 3 * sizeof(float)), 0);
+
+    int32_t cu[2] = {0, 1}, seq_lens[1] = {6}, table[2] = {1, 3}; /* block 3 does not exist */
+    pd_attn_meta_t meta = {1, 1, cu, seq_lens, table, 2, slots, 0};
+    float *q = rand_buf(D, -1, 1), *o = rand_buf(D, -1, 1);
+    ck_assert_int_eq(pd_cpu_paged_attention_decode(g_be, o, q, &kv, &meta, 1, 1.0f), PD_ERR_OUT_OF_RANGE);
+    ck_assert_int_eq(pd_cpu_paged_attention_prefill_ref(g_be, o, q, &kv, &meta, 1, 1.0f),
+                     PD_ERR_OUT_OF_RANGE);
+    table[1] = -2;
+    ck_assert_int_eq(pd_cpu_paged_attention_prefill(g_be, o, q, &kv, &meta, 1, 1.0f), PD_ERR_OUT_OF_RANGE);
+    table[1] = 2;
+    seq_lens[0] = 9; /* needs 3 blocks, the table has 2 */
+    ck_assert_int_eq(pd_cpu_paged_attention_prefill(g_be, o, q, &kv, &meta, 1, 1.0f), PD_ERR_OUT_OF_RANGE);
+    seq_lens[0] = 6;
+    /* 3 query heads cannot share 1 kv head... they can; 3 query heads on 2 kv heads cannot */
+    kv.num_kv_heads = 2;
+    ck_assert_int_eq(pd_cpu_paged_attention_prefill(g_be, o, q, &kv, &meta, 3, 1.0f), PD_ERR_INVALID_ARG);
+    kv.num_kv_heads = 1;
+    ck_assert_int_eq(pd_cpu_paged_attention_prefill(g_be, o, q, &kv, &meta, 1, 1.0f), PD_OK);
+    free(kv.base), free(k), free(v), free(before), free(q), free(o);
+}
+END_TEST
+
+/* ------------------------------------------------------------ sampling */
+
+START_TEST(test_sampling_matches_reference)
+{
+    int vocab = 777, rows = 6;
+    pd_sampling_params_t params[6] = {
+        {0.0f, 0, 1.0f}, {1.0f, 0, 1.0f},  {0.7f, 40, 1.0f},
+        {1.3f, 0, 0.9f}, {0.8f, 25, 0.5f}, {1.0f, 1, 1.0f},
+    };
+    for (int trial = 0; trial < 200; trial++) {
+        float *logits = rand_buf((size_t)rows * vocab, -6, 6);
+        float *l1 = copy_buf(logits, (size_t)rows * vocab), *l2 = copy_buf(logits, (size_t)rows * vocab);
+        pd_rng_t r1[6], r2[6];
+        for (int i = 0; i < rows; i++) {
+            pd_rng_seed(&r1[i], (uint64_t)(trial * 10 + i));
+            pd_rng_seed(&r2[i], (uint64_t)(trial * 10 + i));
+        }
+        int32_t t1[6], t2[6];
+        ck_assert_int_eq(pd_cpu_sample(g_be, t1, l1, rows, vocab, params, r1), PD_OK);
+        ck_assert_int_eq(pd_cpu_sample_ref(g_be, t2, l2, rows, vocab, params, r2), PD_OK);
+        for (int i = 0; i < rows; i++) {
+            ck_assert_int_eq(t1[i], t2[i]);
+            ck_assert(t1[i] >= 0 && t1[i] < vocab);
+        }
+        /* greedy and top_k = 1 are the argmax */
+        int32_t best = 0, best5 = 0;
+        for (int i = 1; i < vocab; i++) {
+            best = logits[i] > logits[best] ? i : best;
+            best5 = logits[5 * vocab + i] > logits[5 * vocab + best5] ? i : best5;
+        }
+        ck_assert_int_eq(t1[0], best);
+        ck_assert_int_eq(t1[5], best5);
+        /* top-k 40 picks one of the 40 largest */
+        int larger = 0;
+        for (int i = 0; i < vocab; i++) {
+            larger += logits[2 * vocab + i] > logits[2 * vocab + t1[2]];
+        }
+        ck_assert_int_lt(larger, 40);
+        free(logits), free(l1), free(l2);
+    }
+}
+END_TEST
+
+START_TEST(test_sampling_distribution)
+{
+    /* 4 tokens with probabilities 0.1/0.2/0.3/0.4 at T = 1: empirical frequencies match, and
+     * top_p 0.5 keeps only the two most likely tokens (0.4 + 0.3 crosses 0.5). */
+    int vocab = 4;
+    float base[4] = {logf(0.1f), logf(0.2f), logf(0.3f), logf(0.4f)};
+    pd_rng_t rng;
+    pd_rng_seed(&rng, 99);
+    int counts[4] = {0}, counts_p[4] = {0};
+    pd_sampling_params_t p = {1.0f, 0, 1.0f}, pp = {1.0f, 0, 0.5f};
+    const int n = 40000;
+    for (int i = 0; i < n; i++) {
+        float l[4];
+        int32_t t;
+        memcpy(l, base, sizeof(l));
+        ck_assert_int_eq(pd_cpu_sample(g_be, &t, l, 1, vocab, &p, &rng), PD_OK);
+        counts[t]++;
+        memcpy(l, base, sizeof(l));
+        ck_assert_int_eq(pd_cpu_sample(g_be, &t, l, 1, vocab, &pp, &rng), PD_OK);
+        counts_p[t]++;
+    }
+    for (int i = 0; i < 4; i++) {
+        ck_assert_double_eq_tol((double)counts[i] / n, 0.1 * (i + 1), 0.01);
+    }
+    ck_assert_int_eq(counts_p[0] + counts_p[1], 0);
+    ck_assert_double_eq_tol((double)counts_p[3] / n, 0.4 / 0.7, 0.015);
+    /* same seed, same tokens */
+    pd_rng_t a, b;
+    pd_rng_seed(&a, 5);
+    pd_rng_seed(&b, 5);
+    for (int i = 0; i < 100; i++) {
+        float l1[4], l2[4];
+        int32_t t1, t2;
+        memcpy(l1, base, sizeof(l1));
+        memcpy(l2, base, sizeof(l2));
+        pd_cpu_sample(g_be, &t1, l1, 1, vocab, &p, &a);
+        pd_cpu_sample(g_be, &t2, l2, 1, vocab, &p, &b);
+        ck_assert_int_eq(t1, t2);
+    }
+    pd_sampling_params_t bad = {-1.0f, 0, 1.0f};
+    int32_t t;
+    float l[4];
+    memcpy(l, base, sizeof(l));
+    ck_assert_int_eq(pd_cpu_sample(g_be, &t, l, 1, vocab, &bad, &rng), PD_ERR_INVALID_ARG);
+}
+END_TEST
+
+START_TEST(test_pages_gather_scatter)
+{
+    size_t region_bytes = 1 << 20;
+    unsigned char *region = malloc(region_bytes), *region2 = malloc(region_bytes);
+    for (size_t i = 0; i < region_bytes; i++) {
+        region[i] = (unsigned char)(pd_rng_next(&g_rng) | 1);
+    }
+    int counts[] = {3, 200};
+    for (int ci = 0; ci < 2; ci++) {
+        int n = counts[ci];
+        pd_page_range_t *r = malloc((size_t)n * sizeof(*r));
+        size_t total = 0;
+        for (int i = 0; i < n; i++) {
+            r[i].length = 64 + pd_rng_below(&g_rng, 2000);
+            r[i].offset = pd_rng_below(&g_rng, region_bytes - r[i].length);
+            total += r[i].length;
+        }
+        unsigned char *s1 = malloc(total), *s2 = malloc(total);
+        ck_assert_int_eq(pd_cpu_gather_pages(g_be, s1, region, r, n), PD_OK);
+        ck_assert_int_eq(pd_cpu_gather_pages_ref(g_be, s2, region, r, n), PD_OK);
+        ck_assert_int_eq(memcmp(s1, s2, total), 0);
+        ck_assert_int_eq(memcmp(s1, region + r[0].offset, r[0].length), 0);
+        /* scatter into a zeroed region: each range's bytes land at its offset (non-overlapping
+         * ranges only: make them disjoint by laying them out in order) */
+        uint64_t off = 0;
+        for (int i = 0; i < n; i++) {
+            r[i].offset = off;
+            off += r[i].length + 17;
+        }
+        memset(region2, 0, region_bytes);
+        ck_assert_int_eq(pd_cpu_scatter_pages(g_be, region2, s1, r, n), PD_OK);
+        size_t src = 0;
+        for (int i = 0; i < n; i++) {
+            ck_assert_int_eq(memcmp(region2 + r[i].offset, s1 + src, r[i].length), 0);
+            ck_assert_int_eq(region2[r[i].offset + r[i].length], 0);
+            src += r[i].length;
+        }
+        free(r), free(s1), free(s2);
+    }
+    free(region), free(region2);
+}
+END_TEST
+
+START_TEST(test_backend_accounting)
+{
+    pd_backend_t *ref = NULL;
+    ck_assert_int_eq(pd_backend_create("cpu-ref", 1, &ref), PD_OK);
+    ck_assert_str_eq(ref->ops->name, "cpu-ref");
+    ck_assert_int_eq(pd_backend_create("tpu", 1, &ref) == PD_ERR_NOT_FOUND, 1);
+    void *a = NULL, *b = NULL;
+    ck_assert_int_eq(g_be->ops->alloc(g_be, 1000, &a), PD_OK);
+    ck_assert_int_eq(g_be->ops->alloc(g_be, 3000, &b), PD_OK);
+    ck_assert_uint_eq((uintptr_t)a % 64, 0);
+    ck_assert_uint_eq(g_be->bytes_in_use, 4000);
+    g_be->ops->free(g_be, a);
+    ck_assert_uint_eq(g_be->bytes_in_use, 3000);
+    ck_assert_uint_eq(g_be->bytes_peak, 4000);
+    pd_backend_reset_peak(g_be);
+    ck_assert_uint_eq(g_be->bytes_peak, 3000);
+    g_be->ops->free(g_be, b);
+    ck_assert_uint_eq(g_be->bytes_in_use, 0);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("kernels");
+    TCase *tc = tcase_create("cpu");
+    tcase_add_checked_fixture(tc, setup, teardown);
+    tcase_set_timeout(tc, 300);
+    tcase_add_test(tc, test_dtype_conversions);
+    tcase_add_test(tc, test_index_math);
+    tcase_add_test(tc, test_matmul);
+    tcase_add_test(tc, test_norms);
+    tcase_add_test(tc, test_elementwise);
+    tcase_add_test(tc, test_rope);
+    tcase_add_test(tc, test_attention_random);
+    tcase_add_test(tc, test_attention_rejects_bad_ids);
+    tcase_add_test(tc, test_sampling_matches_reference);
+    tcase_add_test(tc, test_sampling_distribution);
+    tcase_add_test(tc, test_pages_gather_scatter);
+    tcase_add_test(tc, test_backend_accounting);
+    suite_add_tcase(s, tc);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# tools/install-deps.sh — install pdserve's build, test and benchmark dependencies (Debian, apt).
+# Idempotent: packages already installed are skipped; apt is not touched when nothing is missing.
+# Usage: tools/install-deps.sh [--print]   (--print lists the packages and exits)
+set -euo pipefail
+
+PKGS=(
+  cmake gcc g++ make pkg-config            # build
+  libucx-dev ucx-utils                     # transport (UCP) + ucx_perftest baseline
+  libprotobuf-c-dev protobuf-c-compiler    # control plane
+  libevent-dev                             # HTTP server/client, event loop
+  libjansson-dev                           # JSON
+  libopenblas-dev                          # CPU GEMM
+  libxxhash-dev                            # hashing
+  libpcre2-dev libutf8proc-dev             # tokenizer pre-tokenizer regex + normalizer
+  check                                    # unit tests
+  gnuplot-nox                              # benchmark plots
+  python3-numpy                            # independent reference implementation in tests
+  clang-format                             # make format / format check
+  nodejs npm                               # gpt-3-encoder / openai client peers in tests
+)
+
+if [[ "${1:-}" == "--print" ]]; then
+  printf '%s\n' "${PKGS[@]}"
+  exit 0
+fi
+
+missing=()
+for p in "${PKGS[@]}"; do
+  # node/npm may come from outside apt (e.g. a preinstalled toolchain); accept the command.
+  if [[ "$p" == nodejs && -x "$(command -v node || true)" ]]; then continue; fi
+  if [[ "$p" == npm && -x "$(command -v npm || true)" ]]; then continue; fi
+  if [[ "$p" == clang-format && -x "$(command -v clang-format || true)" ]]; then continue; fi
+  status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
+  [[ "$status" == "install ok installed" ]] || missing+=("$p")
+done
+
+if [[ ${#missing[@]} -eq 0 ]]; then
+  echo "install-deps: all ${#PKGS[@]} packages present"
+  exit 0
+fi
+
+echo "install-deps: installing ${missing[*]}"
+SUDO=""
+if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -q
+$SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+echo "install-deps: done"
