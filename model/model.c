@@ -1,0 +1,337 @@
+/* model/model.c — model loading (weights → fp32 on the backend) and the forward pass skeleton
+ * shared by every architecture. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "common/time.h"
+#include "model/model_impl.h"
+
+pd_status_t pd_model_alloc(pd_model_t *m, size_t bytes, void **out)
+{
+    if (m->num_allocs == m->cap_allocs) {
+        int cap = m->cap_allocs ? 2 * m->cap_allocs : 64;
+        void **a = realloc(m->allocs, (size_t)cap * sizeof(void *));
+        if (a == NULL) {
+            return PD_ERR_NO_MEMORY;
+        }
+        m->allocs = a;
+        m->cap_allocs = cap;
+    }
+    void *p = NULL;
+    PD_TRY(m->be->ops->alloc(m->be, bytes, &p));
+    m->allocs[m->num_allocs++] = p;
+    m->weight_bytes += bytes;
+    *out = p;
+    return PD_OK;
+}
+
+static void shape_str(char *buf, size_t len, int ndim, const int64_t *shape)
+{
+    int n = snprintf(buf, len, "[");
+    for (int i = 0; i < ndim && n < (int)len; i++) {
+        n += snprintf(buf + n, len - (size_t)n, i ? ", %lld" : "%lld", (long long)shape[i]);
+    }
+    if (n < (int)len) {
+        snprintf(buf + n, len - (size_t)n, "]");
+    }
+}
+
+static const pd_st_tensor_t *find_checked(const pd_st_set_t *set, const char *name, int ndim, const int64_t *shape)
+{
+    const pd_st_tensor_t *t = pd_st_set_find(set, name);
+    if (t == NULL) {
+        pd_log_error("model: tensor '%s' is missing from the checkpoint", name);
+        return NULL;
+    }
+    int ok = t->ndim == ndim;
+    for (int i = 0; ok && i < ndim; i++) {
+        ok = t->shape[i] == shape[i];
+    }
+    if (!ok) {
+        char have[128], want[128];
+        shape_str(have, sizeof(have), t->ndim, t->shape);
+        shape_str(want, sizeof(want), ndim, shape);
+        pd_log_error("model: tensor '%s' has shape %s, the config implies %s", name, have, want);
+        return NULL;
+    }
+    return t;
+}
+
+/* Converts t's elements to fp32 into dst (rows × cols, optionally transposed). */
+static void convert_tensor(float *dst, const pd_st_tensor_t *t, int transpose)
+{
+    if (!transpose || t->ndim != 2) {
+        for (int64_t i = 0; i < t->numel; i++) {
+            dst[i] = pd_dtype_load(t->data, i, t->dtype);
+        }
+        return;
+    }
+    int64_t rows = t->shape[0], cols = t->shape[1];
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t c = 0; c < cols; c++) {
+            dst[c * rows + r] = pd_dtype_load(t->data, r * cols + c, t->dtype);
+        }
+    }
+}
+
+pd_status_t pd_model_load_tensor(pd_model_t *m, const pd_st_set_t *set, const char *name, int ndim,
+                                 const int64_t *shape, int transpose, float **out)
+{
+    const pd_st_tensor_t *t = find_checked(set, name, ndim, shape);
+    if (t == NULL) {
+        return pd_st_set_find(set, name) == NULL ? PD_ERR_NOT_FOUND : PD_ERR_PARSE;
+    }
+    size_t bytes = (size_t)t->numel * sizeof(float);
+    float *host = malloc(bytes ? bytes : 1);
+    if (host == NULL) {
+        pd_log_error("model: cannot allocate %zu bytes to convert '%s'", bytes, name);
+        return PD_ERR_NO_MEMORY;
+    }
+    convert_tensor(host, t, transpose);
+    void *dev = NULL;
+    pd_status_t st = pd_model_alloc(m, bytes, &dev);
+    if (st == PD_OK) {
+        st = m->be->ops->copy(m->be, dev, host, bytes, PD_COPY_H2D);
+    }
+    free(host);
+    if (st == PD_OK) {
+        *out = dev;
+    }
+    return st;
+}
+
+pd_status_t pd_model_load_stacked(pd_model_t *m, const pd_st_set_t *set, const char *const *names, int n,
+                                  const int64_t *rows, int64_t cols, float **out)
+{
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) {
+        total += rows[i];
+    }
+    void *dev = NULL;
+    PD_TRY(pd_model_alloc(m, (size_t)(total * cols) * sizeof(float), &dev));
+    int64_t row0 = 0;
+    for (int i = 0; i < n; i++) {
+        int64_t shape[2] = {rows[i], cols};
+        const pd_st_tensor_t *t = find_checked(set, names[i], 2, shape);
+        if (t == NULL) {
+            return pd_st_set_find(set, names[i]) == NULL ? PD_ERR_NOT_FOUND : PD_ERR_PARSE;
+        }
+        size_t bytes = (size_t)t->numel * sizeof(float);
+        float *host = malloc(bytes);
+        if (host == NULL) {
+            return PD_ERR_NO_MEMORY;
+        }
+        convert_tensor(host, t, 0);
+        pd_status_t st = m->be->ops->copy(m->be, (float *)dev + row0 * cols, host, bytes, PD_COPY_H2D);
+        free(host);
+        PD_TRY(st);
+        row0 += rows[i];
+    }
+    *out = dev;
+    return PD_OK;
+}
+
+pd_status_t pd_model_load(const char *dir, pd_backend_t *be, pd_model_t **model_out)
+{
+    uint64_t t0 = pd_time_now_ns();
+    pd_model_t *m = calloc(1, sizeof(*m));
+    if (m == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
+    m->be = be;
+    pd_status_t st = pd_model_config_load(dir, &m->cfg);
+    if (st != PD_OK) {
+        goto err_model;
+    }
+    m->layers = calloc((size_t)m->cfg.num_layers, sizeof(pd_layer_weights_t));
+    if (m->layers == NULL) {
+        st = PD_ERR_NO_MEMORY;
+        goto err_model;
+    }
+    pd_log_info("loading %s from %s: %d layers, hidden %d, %d heads (%d kv), head size %d, vocab %d",
+                m->cfg.arch_name, dir, m->cfg.num_layers, m->cfg.hidden_size, m->cfg.num_heads,
+                m->cfg.num_kv_heads, m->cfg.head_size, m->cfg.vocab_size);
+    pd_st_set_t set;
+    st = pd_st_set_open_dir(dir, &set);
+    if (st != PD_OK) {
+        goto err_model;
+    }
+    st = m->cfg.arch == PD_ARCH_GPT2 ? pd_gpt2_load_weights(m, &set) : pd_llama_load_weights(m, &set);
+    pd_st_set_close(&set);
+    if (st != PD_OK) {
+        goto err_model;
+    }
+    pd_log_info("model loaded: %.1f MiB of fp32 weights on %s in %.2f s", (double)m->weight_bytes / (1 << 20),
+                be->ops->name, (double)(pd_time_now_ns() - t0) * 1e-9);
+    *model_out = m;
+    return PD_OK;
+
+err_model:
+    pd_model_free(m);
+    return st;
+}
+
+void pd_model_free(pd_model_t *m)
+{
+    if (m == NULL) {
+        return;
+    }
+    for (int i = m->num_allocs - 1; i >= 0; i--) {
+        m->be->ops->free(m->be, m->allocs[i]);
+    }
+    free(m->allocs);
+    free(m->layers);
+    free(m);
+}
+
+const pd_model_config_t *pd_model_config(const pd_model_t *m)
+{
+    return &m->cfg;
+}
+
+size_t pd_model_weight_bytes(const pd_model_t *m)
+{
+    return m->weight_bytes;
+}
+
+static pd_status_t call_hook(pd_status_t (*fn)(void *, int), void *ctx, int layer, const char *what)
+{
+    if (fn == NULL) {
+        return PD_OK;
+    }
+    pd_status_t st = fn(ctx, layer);
+    if (st != PD_OK) {
+        pd_log_warn("forward: %s hook failed at layer %d: %s", what, layer, pd_status_str(st));
+    }
+    return st;
+}
+
+pd_status_t pd_model_attention_block(pd_model_t *m, int layer, const pd_batch_t *batch, const pd_kv_view_t *kv,
+                                     const pd_attn_meta_t *meta, const pd_forward_hooks_t *hooks,
+                                     pd_activations_t *a)
+{
+    const pd_model_config_t *c = &m->cfg;
+    const pd_layer_weights_t *w = &m->layers[layer];
+    const pd_backend_ops_t *ops = m->be->ops;
+    pd_backend_t *be = m->be;
+    int T = batch->num_tokens, hid = c->hidden_size, hd = c->head_size;
+    int qdim = c->num_heads * hd, kvdim = c->num_kv_heads * hd;
+    PD_TRY(ops->matmul(be, a->q, a->h, w->wq, w->bq, T, qdim, hid));
+    PD_TRY(ops->matmul(be, a->k, a->h, w->wk, w->bk, T, kvdim, hid));
+    PD_TRY(ops->matmul(be, a->v, a->h, w->wv, w->bv, T, kvdim, hid));
+    if (c->arch == PD_ARCH_LLAMA) {
+        PD_TRY(ops->rope(be, a->q, batch->positions, T, c->num_heads, hd, c->rope_theta));
+        PD_TRY(ops->rope(be, a->k, batch->positions, T, c->num_kv_heads, hd, c->rope_theta));
+    }
+    PD_TRY(ops->reshape_and_cache(be, &kv[layer], a->k, a->v, meta->slot_mapping, T));
+    const void *ctx = hooks != NULL ? hooks->ctx : NULL;
+    if (hooks != NULL) {
+        PD_TRY(call_hook(hooks->after_cache_write, (void *)ctx, layer, "after_cache_write"));
+        PD_TRY(call_hook(hooks->before_attention, (void *)ctx, layer, "before_attention"));
+    }
+    int decode_only = meta->num_seqs == T;
+    for (int s = 0; decode_only && s < meta->num_seqs; s++) {
+        decode_only = meta->cu_seqlens_q[s + 1] - meta->cu_seqlens_q[s] == 1;
+    }
+    float scale = 1.0f / sqrtf((float)hd);
+    PD_TRY(decode_only ? ops->paged_attention_decode(be, a->attn, a->q, &kv[layer], meta, c->num_heads, scale)
+                       : ops->paged_attention_prefill(be, a->attn, a->q, &kv[layer], meta, c->num_heads, scale));
+    /* o-projection into h (free now), then residual */
+    PD_TRY(ops->matmul(be, a->h, a->attn, w->wo, w->bo, T, hid, qdim));
+    return ops->add(be, a->x, a->h, (size_t)T * hid);
+}
+
+static pd_status_t check_batch(const pd_model_t *m, const pd_batch_t *batch, const pd_attn_meta_t *meta,
+                               const int32_t *logits_indices, int num_logits)
+{
+    if (meta->num_tokens != batch->num_tokens) {
+        pd_log_error("forward: batch has %d tokens, attention metadata %d", batch->num_tokens, meta->num_tokens);
+        return PD_ERR_INVALID_ARG;
+    }
+    for (int i = 0; i < batch->num_tokens; i++) {
+        int32_t p = batch->positions[i];
+        if (p < 0 || (m->cfg.arch == PD_ARCH_GPT2 && p >= m->cfg.max_position_embeddings)) {
+            pd_log_error("forward: position %d of token %d is outside [0, %d)", p, i,
+                         m->cfg.max_position_embeddings);
+            return PD_ERR_OUT_OF_RANGE;
+        }
+    }
+    if (num_logits > batch->num_tokens) {
+        pd_log_error("forward: %d logits rows requested from a batch of %d tokens", num_logits, batch->num_tokens);
+        return PD_ERR_INVALID_ARG;
+    }
+    for (int i = 0; i < num_logits; i++) {
+        if (logits_indices[i] < 0 || logits_indices[i] >= batch->num_tokens) {
+            pd_log_error("forward: logits index %d is outside the batch of %d tokens", logits_indices[i],
+                         batch->num_tokens);
+            return PD_ERR_OUT_OF_RANGE;
+        }
+    }
+    return PD_OK;
+}
+
+pd_status_t pd_model_forward(pd_model_t *m, const pd_batch_t *batch, const pd_kv_view_t *kv,
+                             const pd_attn_meta_t *meta, const int32_t *logits_indices, int num_logits,
+                             const pd_forward_hooks_t *hooks, float *logits_out)
+{
+    const pd_model_config_t *c = &m->cfg;
+    pd_backend_t *be = m->be;
+    const pd_backend_ops_t *ops = be->ops;
+    PD_TRY(check_batch(m, batch, meta, logits_indices, num_logits));
+    size_t T = (size_t)batch->num_tokens, hid = (size_t)c->hidden_size;
+    size_t qdim = (size_t)c->num_heads * c->head_size, kvdim = (size_t)c->num_kv_heads * c->head_size;
+    size_t inter = (size_t)c->intermediate_size, V = (size_t)c->vocab_size, L = (size_t)num_logits;
+    size_t up_width = c->arch == PD_ARCH_LLAMA ? 2 * inter : inter;
+    /* one activation block per forward; the logits rows reuse the front of it */
+    size_t floats = T * (2 * hid + 2 * qdim + 2 * kvdim + up_width + inter);
+    size_t tail = L * (hid + V);
+    void *buf = NULL;
+    PD_TRY(ops->alloc(be, (floats > tail ? floats : tail) * sizeof(float) + 64, &buf));
+    pd_activations_t a;
+    a.x = buf;
+    a.h = a.x + T * hid;
+    a.q = a.h + T * hid;
+    a.k = a.q + T * qdim;
+    a.v = a.k + T * kvdim;
+    a.attn = a.v + T * kvdim;
+    a.up = a.attn + T * qdim;
+    a.act = a.up + T * up_width;
+
+    pd_status_t st = ops->embed(be, a.x, m->embed, batch->token_ids, (int)T, (int)hid, c->vocab_size);
+    if (st == PD_OK && c->arch == PD_ARCH_GPT2) {
+        st = ops->embed(be, a.h, m->pos_embed, batch->positions, (int)T, (int)hid, c->max_position_embeddings);
+        if (st == PD_OK) {
+            st = ops->add(be, a.x, a.h, T * hid);
+        }
+    }
+    for (int l = 0; st == PD_OK && l < c->num_layers; l++) {
+        st = c->arch == PD_ARCH_GPT2 ? pd_gpt2_layer(m, l, batch, kv, meta, hooks, &a)
+                                     : pd_llama_layer(m, l, batch, kv, meta, hooks, &a);
+    }
+    if (st == PD_OK && L > 0) {
+        /* gather the rows that need logits into h, norm them, project to the vocabulary */
+        float *rows = a.h;
+        for (size_t i = 0; st == PD_OK && i < L; i++) {
+            st = ops->copy(be, rows + i * hid, a.x + (size_t)logits_indices[i] * hid, hid * sizeof(float),
+                           PD_COPY_D2D);
+        }
+        float *normed = a.x; /* x is no longer needed */
+        if (st == PD_OK) {
+            st = c->arch == PD_ARCH_GPT2
+                     ? ops->layernorm(be, normed, rows, m->final_w, m->final_b, (int)L, (int)hid, c->norm_eps)
+                     : ops->rmsnorm(be, normed, rows, m->final_w, (int)L, (int)hid, c->norm_eps);
+        }
+        float *logits = a.x + L * hid; /* after the normed rows; the buffer holds L·(hid + V) */
+        if (st == PD_OK) {
+            st = ops->matmul(be, logits, normed, m->lm_head, NULL, (int)L, (int)V, (int)hid);
+        }
+        if (st == PD_OK) {
+            st = ops->copy(be, logits_out, logits, L * V * sizeof(float), PD_COPY_D2H);
+        }
+    }
+    ops->free(be, buf);
+    return st;
+}

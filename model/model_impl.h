@@ -1,0 +1,78 @@
+/* model/model_impl.h — the model's private layout, shared by model.c and the per-architecture
+ * files (gpt2.c, llama.c). Weights are fp32 in backend memory, Linear layout [out][in]. */
+#ifndef PD_MODEL_MODEL_IMPL_H
+#define PD_MODEL_MODEL_IMPL_H
+
+#include "model/model.h"
+#include "model/safetensors.h"
+
+typedef struct pd_layer_weights {
+    float *norm1_w, *norm1_b;        /* [hidden] (b: LayerNorm only) */
+    float *wq, *wk, *wv;             /* [heads·hd][hidden], [kv·hd][hidden], [kv·hd][hidden] */
+    float *bq, *bk, *bv;             /* optional biases */
+    float *wo, *bo;                  /* [hidden][heads·hd] */
+    float *norm2_w, *norm2_b;
+    float *w_up, *b_up;              /* GPT-2 c_fc [inter][hidden]; Llama gate‖up [2·inter][hidden] */
+    float *w_down, *b_down;          /* [hidden][inter] */
+} pd_layer_weights_t;
+
+/* Activations of one forward, all [num_tokens][...] fp32 in backend memory. */
+typedef struct pd_activations {
+    float *x;     /* [T][hidden] residual stream */
+    float *h;     /* [T][hidden] normed input of a block */
+    float *q;     /* [T][heads·hd] */
+    float *k;     /* [T][kv·hd] */
+    float *v;     /* [T][kv·hd] */
+    float *attn;  /* [T][heads·hd] */
+    float *up;    /* [T][2·inter] */
+    float *act;   /* [T][inter] */
+} pd_activations_t;
+
+struct pd_model {
+    pd_model_config_t cfg;
+    pd_backend_t *be;
+    float *embed;       /* [vocab][hidden] */
+    float *pos_embed;   /* GPT-2 [max_pos][hidden] */
+    float *final_w, *final_b;
+    float *lm_head;     /* [vocab][hidden]; == embed when tied */
+    pd_layer_weights_t *layers;
+    void **allocs;      /* every backend allocation, for pd_model_free */
+    int num_allocs, cap_allocs;
+    size_t weight_bytes;
+};
+
+/* Loads tensor name (shape must equal shape[ndim]) as fp32 onto the backend. With transpose,
+ * a 2-D [a][b] tensor is stored as [b][a]. Logs and fails on a missing tensor or wrong shape. */
+pd_status_t pd_model_load_tensor(pd_model_t *m, const pd_st_set_t *set, const char *name, int ndim,
+                                 const int64_t *shape, int transpose, float **out);
+
+/* Loads several same-width 2-D tensors stacked along rows into one buffer (fused weights). */
+pd_status_t pd_model_load_stacked(pd_model_t *m, const pd_st_set_t *set, const char *const *names, int n,
+                                  const int64_t *rows, int64_t cols, float **out);
+
+/* Allocates backend memory owned by the model. */
+pd_status_t pd_model_alloc(pd_model_t *m, size_t bytes, void **out);
+
+/* Per-architecture weight loading and transformer layer. */
+pd_status_t pd_gpt2_load_weights(pd_model_t *m, const pd_st_set_t *set);
+pd_status_t pd_llama_load_weights(pd_model_t *m, const pd_st_set_t *set);
+
+/* Shared attention block: h → q/k/v → (rope) → cache write + hooks → paged attention → wo → x += */
+pd_status_t pd_model_attention_block(pd_model_t *m, int layer, const pd_batch_t *batch, const pd_kv_view_t *kv,
+                                     const pd_attn_meta_t *meta, const pd_forward_hooks_t *hooks,
+                                     pd_activations_t *a);
+
+pd_status_t pd_gpt2_layer(pd_model_t *m, int layer, const pd_batch_t *batch, const pd_kv_view_t *kv,
+                          const pd_attn_meta_t *meta, const pd_forward_hooks_t *hooks, pd_activations_t *a);
+pd_status_t pd_llama_layer(pd_model_t *m, int layer, const pd_batch_t *batch, const pd_kv_view_t *kv,
+                           const pd_attn_meta_t *meta, const pd_forward_hooks_t *hooks, pd_activations_t *a);
+
+#define PD_TRY(expr)                                                                                         \
+    do {                                                                                                     \
+        pd_status_t st_ = (expr);                                                                            \
+        if (st_ != PD_OK) {                                                                                  \
+            return st_;                                                                                      \
+        }                                                                                                    \
+    } while (0)
+
+#endif
