@@ -11,7 +11,7 @@ endif
 comma := ,
 CMAKE_FLAGS ?=
 CTEST_ARGS ?=
-FORMAT_FILES = $(shell git ls-files '*.c' '*.h' '*.cu' 2>/dev/null)
+FORMAT_FILES = $(shell git ls-files --cached --others --exclude-standard '*.c' '*.h' '*.cu' 2>/dev/null)
 
 .PHONY: all deps build check test format format-check bench clean
 

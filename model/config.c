@@ -53,7 +53,8 @@ static pd_status_t parse_eos(const json_t *root, const char *doc, pd_model_confi
             return PD_OK;
         }
     }
-    pd_log_error("%s: field 'eos_token_id' must be an integer or a list of at most %d integers", doc, PD_MAX_EOS);
+    pd_log_error("%s: field 'eos_token_id' must be an integer or a list of at most %d integers", doc,
+                 PD_MAX_EOS);
     return PD_ERR_PARSE;
 }
 
@@ -107,8 +108,8 @@ static pd_status_t parse_llama(const json_t *root, const char *doc, pd_model_con
     }
     json_t *scaling = json_object_get(root, "rope_scaling");
     if (scaling != NULL && !json_is_null(scaling)) {
-        pd_log_error("%s: rope_scaling is set; scaled RoPE (llama3, yarn, linear, dynamic) is not supported yet",
-                     doc);
+        pd_log_error(
+            "%s: rope_scaling is set; scaled RoPE (llama3, yarn, linear, dynamic) is not supported yet", doc);
         return PD_ERR_UNSUPPORTED;
     }
     if (qwen2) {

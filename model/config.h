@@ -8,14 +8,14 @@
 #include "common/status.h"
 
 typedef enum pd_arch {
-    PD_ARCH_GPT2 = 0,   /* GPT2LMHeadModel: LayerNorm, absolute positions, fused c_attn, GELU */
-    PD_ARCH_LLAMA = 1,  /* LlamaForCausalLM / Qwen2ForCausalLM: RMSNorm, RoPE, GQA, SwiGLU */
+    PD_ARCH_GPT2 = 0,  /* GPT2LMHeadModel: LayerNorm, absolute positions, fused c_attn, GELU */
+    PD_ARCH_LLAMA = 1, /* LlamaForCausalLM / Qwen2ForCausalLM: RMSNorm, RoPE, GQA, SwiGLU */
 } pd_arch_t;
 
 #define PD_MAX_EOS 8
 
 typedef struct pd_model_config {
-    char arch_name[64];        /* architectures[0] as written */
+    char arch_name[64]; /* architectures[0] as written */
     pd_arch_t arch;
     int32_t hidden_size;
     int32_t num_layers;
@@ -28,11 +28,11 @@ typedef struct pd_model_config {
     float norm_eps;
     float rope_theta;
     bool tie_word_embeddings;
-    bool qkv_bias;             /* Llama attention_bias, always on for Qwen2 */
-    bool o_bias;               /* Llama attention_bias also biases o_proj */
+    bool qkv_bias; /* Llama attention_bias, always on for Qwen2 */
+    bool o_bias;   /* Llama attention_bias also biases o_proj */
     bool mlp_bias;
-    int32_t sliding_window;    /* 0 = none */
-    int32_t bos_token_id;      /* -1 = none */
+    int32_t sliding_window; /* 0 = none */
+    int32_t bos_token_id;   /* -1 = none */
     int32_t eos_token_ids[PD_MAX_EOS];
     int32_t num_eos;
 } pd_model_config_t;

@@ -39,7 +39,8 @@ static void shape_str(char *buf, size_t len, int ndim, const int64_t *shape)
     }
 }
 
-static const pd_st_tensor_t *find_checked(const pd_st_set_t *set, const char *name, int ndim, const int64_t *shape)
+static const pd_st_tensor_t *find_checked(const pd_st_set_t *set, const char *name, int ndim,
+                                          const int64_t *shape)
 {
     const pd_st_tensor_t *t = pd_st_set_find(set, name);
     if (t == NULL) {
@@ -60,19 +61,33 @@ static const pd_st_tensor_t *find_checked(const pd_st_set_t *set, const char *na
     return t;
 }
 
+/* Element i of a mapped tensor as fp32. The file decides the data's alignment (the header length
+ * is arbitrary), so elements are read with memcpy, never through a typed pointer. */
+static inline float st_load(const pd_st_tensor_t *t, int64_t i)
+{
+    if (t->dtype == PD_DTYPE_F32) {
+        float f;
+        memcpy(&f, (const char *)t->data + i * 4, 4);
+        return f;
+    }
+    uint16_t h;
+    memcpy(&h, (const char *)t->data + i * 2, 2);
+    return t->dtype == PD_DTYPE_BF16 ? pd_bf16_to_f32(h) : pd_f16_to_f32(h);
+}
+
 /* Converts t's elements to fp32 into dst (rows × cols, optionally transposed). */
 static void convert_tensor(float *dst, const pd_st_tensor_t *t, int transpose)
 {
     if (!transpose || t->ndim != 2) {
         for (int64_t i = 0; i < t->numel; i++) {
-            dst[i] = pd_dtype_load(t->data, i, t->dtype);
+            dst[i] = st_load(t, i);
         }
         return;
     }
     int64_t rows = t->shape[0], cols = t->shape[1];
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t c = 0; c < cols; c++) {
-            dst[c * rows + r] = pd_dtype_load(t->data, r * cols + c, t->dtype);
+            dst[c * rows + r] = st_load(t, r * cols + c);
         }
     }
 }
@@ -179,6 +194,7 @@ void pd_model_free(pd_model_t *m)
     if (m == NULL) {
         return;
     }
+    m->be->ops->free(m->be, m->work);
     for (int i = m->num_allocs - 1; i >= 0; i--) {
         m->be->ops->free(m->be, m->allocs[i]);
     }
@@ -209,9 +225,9 @@ static pd_status_t call_hook(pd_status_t (*fn)(void *, int), void *ctx, int laye
     return st;
 }
 
-pd_status_t pd_model_attention_block(pd_model_t *m, int layer, const pd_batch_t *batch, const pd_kv_view_t *kv,
-                                     const pd_attn_meta_t *meta, const pd_forward_hooks_t *hooks,
-                                     pd_activations_t *a)
+pd_status_t pd_model_attention_block(pd_model_t *m, int layer, const pd_batch_t *batch,
+                                     const pd_kv_view_t *kv, const pd_attn_meta_t *meta,
+                                     const pd_forward_hooks_t *hooks, pd_activations_t *a)
 {
     const pd_model_config_t *c = &m->cfg;
     const pd_layer_weights_t *w = &m->layers[layer];
@@ -237,8 +253,9 @@ pd_status_t pd_model_attention_block(pd_model_t *m, int layer, const pd_batch_t 
         decode_only = meta->cu_seqlens_q[s + 1] - meta->cu_seqlens_q[s] == 1;
     }
     float scale = 1.0f / sqrtf((float)hd);
-    PD_TRY(decode_only ? ops->paged_attention_decode(be, a->attn, a->q, &kv[layer], meta, c->num_heads, scale)
-                       : ops->paged_attention_prefill(be, a->attn, a->q, &kv[layer], meta, c->num_heads, scale));
+    PD_TRY(decode_only
+               ? ops->paged_attention_decode(be, a->attn, a->q, &kv[layer], meta, c->num_heads, scale)
+               : ops->paged_attention_prefill(be, a->attn, a->q, &kv[layer], meta, c->num_heads, scale));
     /* o-projection into h (free now), then residual */
     PD_TRY(ops->matmul(be, a->h, a->attn, w->wo, w->bo, T, hid, qdim));
     return ops->add(be, a->x, a->h, (size_t)T * hid);
@@ -248,7 +265,8 @@ static pd_status_t check_batch(const pd_model_t *m, const pd_batch_t *batch, con
                                const int32_t *logits_indices, int num_logits)
 {
     if (meta->num_tokens != batch->num_tokens) {
-        pd_log_error("forward: batch has %d tokens, attention metadata %d", batch->num_tokens, meta->num_tokens);
+        pd_log_error("forward: batch has %d tokens, attention metadata %d", batch->num_tokens,
+                     meta->num_tokens);
         return PD_ERR_INVALID_ARG;
     }
     for (int i = 0; i < batch->num_tokens; i++) {
@@ -260,7 +278,8 @@ static pd_status_t check_batch(const pd_model_t *m, const pd_batch_t *batch, con
         }
     }
     if (num_logits > batch->num_tokens) {
-        pd_log_error("forward: %d logits rows requested from a batch of %d tokens", num_logits, batch->num_tokens);
+        pd_log_error("forward: %d logits rows requested from a batch of %d tokens", num_logits,
+                     batch->num_tokens);
         return PD_ERR_INVALID_ARG;
     }
     for (int i = 0; i < num_logits; i++) {
@@ -288,8 +307,17 @@ pd_status_t pd_model_forward(pd_model_t *m, const pd_batch_t *batch, const pd_kv
     /* one activation block per forward; the logits rows reuse the front of it */
     size_t floats = T * (2 * hid + 2 * qdim + 2 * kvdim + up_width + inter);
     size_t tail = L * (hid + V);
-    void *buf = NULL;
-    PD_TRY(ops->alloc(be, (floats > tail ? floats : tail) * sizeof(float) + 64, &buf));
+    /* the workspace persists across steps (a fresh allocation per step costs page faults on
+     * every step); it only grows, and through the backend allocator so profiling sees it */
+    size_t need = (floats > tail ? floats : tail) * sizeof(float) + 64;
+    if (need > m->work_bytes) {
+        ops->free(be, m->work);
+        m->work = NULL;
+        m->work_bytes = 0;
+        PD_TRY(ops->alloc(be, need, &m->work));
+        m->work_bytes = need;
+    }
+    void *buf = m->work;
     pd_activations_t a;
     a.x = buf;
     a.h = a.x + T * hid;
@@ -302,7 +330,8 @@ pd_status_t pd_model_forward(pd_model_t *m, const pd_batch_t *batch, const pd_kv
 
     pd_status_t st = ops->embed(be, a.x, m->embed, batch->token_ids, (int)T, (int)hid, c->vocab_size);
     if (st == PD_OK && c->arch == PD_ARCH_GPT2) {
-        st = ops->embed(be, a.h, m->pos_embed, batch->positions, (int)T, (int)hid, c->max_position_embeddings);
+        st =
+            ops->embed(be, a.h, m->pos_embed, batch->positions, (int)T, (int)hid, c->max_position_embeddings);
         if (st == PD_OK) {
             st = ops->add(be, a.x, a.h, T * hid);
         }
@@ -332,6 +361,5 @@ pd_status_t pd_model_forward(pd_model_t *m, const pd_batch_t *batch, const pd_kv
             st = ops->copy(be, logits_out, logits, L * V * sizeof(float), PD_COPY_D2H);
         }
     }
-    ops->free(be, buf);
     return st;
 }

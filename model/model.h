@@ -20,16 +20,16 @@ typedef struct pd_model pd_model_t;
 /* New tokens of one step. */
 typedef struct pd_batch {
     int32_t num_tokens;
-    const int32_t *token_ids;  /* [num_tokens] host */
-    const int32_t *positions;  /* [num_tokens] host: absolute positions (offset by computed tokens) */
+    const int32_t *token_ids; /* [num_tokens] host */
+    const int32_t *positions; /* [num_tokens] host: absolute positions (offset by computed tokens) */
 } pd_batch_t;
 
 /* Per-layer callbacks for the KV connector (DESIGN.md §3). A non-PD_OK return aborts the forward
  * with that status. Either pointer may be NULL. */
 typedef struct pd_forward_hooks {
     void *ctx;
-    pd_status_t (*after_cache_write)(void *ctx, int layer);  /* save_kv_layer */
-    pd_status_t (*before_attention)(void *ctx, int layer);   /* wait_for_layer_load */
+    pd_status_t (*after_cache_write)(void *ctx, int layer); /* save_kv_layer */
+    pd_status_t (*before_attention)(void *ctx, int layer);  /* wait_for_layer_load */
 } pd_forward_hooks_t;
 
 /* Loads config.json and the safetensors weights of dir onto be (converted to fp32; GPT-2 Conv1D
@@ -47,8 +47,9 @@ size_t pd_model_weight_bytes(const pd_model_t *model);
 
 /* Runs one forward. kv[num_layers] are the per-layer cache views; meta describes the batch's
  * sequences (meta->num_tokens == batch->num_tokens). logits_out[num_logits][vocab] receives the
- * logits of the rows logits_indices[num_logits]. Activations are allocated from the backend for
- * the duration of the call (so a profile run sees them in bytes_peak). Fails on out-of-range
+ * logits of the rows logits_indices[num_logits]. Activations live in a workspace allocated from
+ * the backend that grows to the largest batch seen and is kept (a profile run at the largest
+ * batch sees it in bytes_in_use / bytes_peak). Not thread-safe: one forward at a time. Fails on out-of-range
  * token ids, positions beyond max_position_embeddings (GPT-2), bad block ids or hook errors. */
 pd_status_t pd_model_forward(pd_model_t *model, const pd_batch_t *batch, const pd_kv_view_t *kv,
                              const pd_attn_meta_t *meta, const int32_t *logits_indices, int num_logits,

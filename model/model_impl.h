@@ -7,36 +7,38 @@
 #include "model/safetensors.h"
 
 typedef struct pd_layer_weights {
-    float *norm1_w, *norm1_b;        /* [hidden] (b: LayerNorm only) */
-    float *wq, *wk, *wv;             /* [heads·hd][hidden], [kv·hd][hidden], [kv·hd][hidden] */
-    float *bq, *bk, *bv;             /* optional biases */
-    float *wo, *bo;                  /* [hidden][heads·hd] */
+    float *norm1_w, *norm1_b; /* [hidden] (b: LayerNorm only) */
+    float *wq, *wk, *wv;      /* [heads·hd][hidden], [kv·hd][hidden], [kv·hd][hidden] */
+    float *bq, *bk, *bv;      /* optional biases */
+    float *wo, *bo;           /* [hidden][heads·hd] */
     float *norm2_w, *norm2_b;
-    float *w_up, *b_up;              /* GPT-2 c_fc [inter][hidden]; Llama gate‖up [2·inter][hidden] */
-    float *w_down, *b_down;          /* [hidden][inter] */
+    float *w_up, *b_up;     /* GPT-2 c_fc [inter][hidden]; Llama gate‖up [2·inter][hidden] */
+    float *w_down, *b_down; /* [hidden][inter] */
 } pd_layer_weights_t;
 
 /* Activations of one forward, all [num_tokens][...] fp32 in backend memory. */
 typedef struct pd_activations {
-    float *x;     /* [T][hidden] residual stream */
-    float *h;     /* [T][hidden] normed input of a block */
-    float *q;     /* [T][heads·hd] */
-    float *k;     /* [T][kv·hd] */
-    float *v;     /* [T][kv·hd] */
-    float *attn;  /* [T][heads·hd] */
-    float *up;    /* [T][2·inter] */
-    float *act;   /* [T][inter] */
+    float *x;    /* [T][hidden] residual stream */
+    float *h;    /* [T][hidden] normed input of a block */
+    float *q;    /* [T][heads·hd] */
+    float *k;    /* [T][kv·hd] */
+    float *v;    /* [T][kv·hd] */
+    float *attn; /* [T][heads·hd] */
+    float *up;   /* [T][2·inter] */
+    float *act;  /* [T][inter] */
 } pd_activations_t;
 
 struct pd_model {
     pd_model_config_t cfg;
     pd_backend_t *be;
-    float *embed;       /* [vocab][hidden] */
-    float *pos_embed;   /* GPT-2 [max_pos][hidden] */
+    float *embed;     /* [vocab][hidden] */
+    float *pos_embed; /* GPT-2 [max_pos][hidden] */
     float *final_w, *final_b;
-    float *lm_head;     /* [vocab][hidden]; == embed when tied */
+    float *lm_head; /* [vocab][hidden]; == embed when tied */
     pd_layer_weights_t *layers;
-    void **allocs;      /* every backend allocation, for pd_model_free */
+    void *work; /* activation workspace, grown to the largest batch seen (backend memory) */
+    size_t work_bytes;
+    void **allocs; /* every weight allocation, for pd_model_free */
     int num_allocs, cap_allocs;
     size_t weight_bytes;
 };
@@ -58,9 +60,9 @@ pd_status_t pd_gpt2_load_weights(pd_model_t *m, const pd_st_set_t *set);
 pd_status_t pd_llama_load_weights(pd_model_t *m, const pd_st_set_t *set);
 
 /* Shared attention block: h → q/k/v → (rope) → cache write + hooks → paged attention → wo → x += */
-pd_status_t pd_model_attention_block(pd_model_t *m, int layer, const pd_batch_t *batch, const pd_kv_view_t *kv,
-                                     const pd_attn_meta_t *meta, const pd_forward_hooks_t *hooks,
-                                     pd_activations_t *a);
+pd_status_t pd_model_attention_block(pd_model_t *m, int layer, const pd_batch_t *batch,
+                                     const pd_kv_view_t *kv, const pd_attn_meta_t *meta,
+                                     const pd_forward_hooks_t *hooks, pd_activations_t *a);
 
 pd_status_t pd_gpt2_layer(pd_model_t *m, int layer, const pd_batch_t *batch, const pd_kv_view_t *kv,
                           const pd_attn_meta_t *meta, const pd_forward_hooks_t *hooks, pd_activations_t *a);

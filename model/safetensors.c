@@ -19,7 +19,7 @@ struct pd_st_file {
     char *path;
     void *map;
     size_t size;
-    json_t *header;  /* owns the name strings */
+    json_t *header; /* owns the name strings */
     pd_st_tensor_t *tensors;
     int count;
 };
@@ -43,11 +43,12 @@ const char *pd_st_dtype_name(pd_dtype_t dt)
     return dt == PD_DTYPE_F32 ? "F32" : dt == PD_DTYPE_F16 ? "F16" : "BF16";
 }
 
-static pd_status_t st_parse_tensor(const char *path, const char *name, json_t *desc, const unsigned char *data,
-                                   size_t data_len, pd_st_tensor_t *t)
+static pd_status_t st_parse_tensor(const char *path, const char *name, json_t *desc,
+                                   const unsigned char *data, size_t data_len, pd_st_tensor_t *t)
 {
     if (!json_is_object(desc)) {
-        pd_log_error("%s: tensor '%s': descriptor is a %s, not an object", path, name, pd_json_type_name(desc));
+        pd_log_error("%s: tensor '%s': descriptor is a %s, not an object", path, name,
+                     pd_json_type_name(desc));
         return PD_ERR_PARSE;
     }
     json_t *dt = json_object_get(desc, "dtype");
@@ -66,7 +67,8 @@ static pd_status_t st_parse_tensor(const char *path, const char *name, json_t *d
     }
     size_t ndim = json_array_size(shape);
     if (ndim > PD_ST_MAX_DIMS) {
-        pd_log_error("%s: tensor '%s': %zu dimensions, at most %d supported", path, name, ndim, PD_ST_MAX_DIMS);
+        pd_log_error("%s: tensor '%s': %zu dimensions, at most %d supported", path, name, ndim,
+                     PD_ST_MAX_DIMS);
         return PD_ERR_PARSE;
     }
     int64_t numel = 1;
@@ -364,8 +366,8 @@ pd_status_t pd_st_write(const char *path, const pd_st_write_tensor_t *tensors, i
         }
         uint64_t bytes = (uint64_t)numel * (uint64_t)pd_dtype_size(t->dtype);
         json_object_set_new(hdr, t->name,
-                            json_pack("{s:s, s:o, s:[I,I]}", "dtype", pd_st_dtype_name(t->dtype), "shape", shape,
-                                      "data_offsets", (json_int_t)off, (json_int_t)(off + bytes)));
+                            json_pack("{s:s, s:o, s:[I,I]}", "dtype", pd_st_dtype_name(t->dtype), "shape",
+                                      shape, "data_offsets", (json_int_t)off, (json_int_t)(off + bytes)));
         off += bytes;
     }
     char *text = json_dumps(hdr, JSON_COMPACT | JSON_SORT_KEYS);

@@ -12,8 +12,8 @@
 #include "common/strmap.h"
 #include "kernels/dtype_impl.h"
 
-#define PD_ST_MAX_DIMS 8
-#define PD_ST_MAX_HEADER (100u << 20)  /* the format's own limit on the JSON header */
+#define PD_ST_MAX_DIMS   8
+#define PD_ST_MAX_HEADER (100u << 20) /* the format's own limit on the JSON header */
 
 typedef struct pd_st_tensor {
     const char *name;
@@ -21,7 +21,7 @@ typedef struct pd_st_tensor {
     int ndim;
     int64_t shape[PD_ST_MAX_DIMS];
     int64_t numel;
-    const void *data;  /* inside the mapping; valid until the file is closed */
+    const void *data; /* inside the mapping; valid until the file is closed */
     size_t nbytes;
 } pd_st_tensor_t;
 
@@ -41,7 +41,7 @@ const pd_st_tensor_t *pd_st_file_tensor(const pd_st_file_t *file, int i);
 typedef struct pd_st_set {
     pd_st_file_t **files;
     int num_files;
-    pd_strmap_t by_name;  /* name → (file index << 32 | tensor index) */
+    pd_strmap_t by_name; /* name → (file index << 32 | tensor index) */
 } pd_st_set_t;
 
 /* Opens the weights of model directory dir. PD_ERR_NOT_FOUND when neither form exists. */

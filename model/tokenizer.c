@@ -31,15 +31,15 @@ typedef struct added_token {
 
 struct pd_tokenizer {
     int32_t vocab_size;
-    const char **id_str;          /* [vocab_size] token string as in the vocab (NULL = hole) */
+    const char **id_str; /* [vocab_size] token string as in the vocab (NULL = hole) */
     uint32_t *id_str_len;
     const unsigned char **id_bytes; /* [vocab_size] decoded bytes */
     uint32_t *id_bytes_len;
     bool *id_special;
     size_t max_token_bytes;
-    pd_strmap_t vocab;            /* token string → id */
-    pd_strmap_t merges;           /* (left id, right id) as 8 bytes → rank << 32 | merged id */
-    added_token_t *added;         /* sorted longest first */
+    pd_strmap_t vocab;    /* token string → id */
+    pd_strmap_t merges;   /* (left id, right id) as 8 bytes → rank << 32 | merged id */
+    added_token_t *added; /* sorted longest first */
     int num_added;
     bool added_first_byte[256];
     int normalize_options[TOK_MAX_STEPS]; /* utf8proc option sets applied in order */
@@ -50,9 +50,9 @@ struct pd_tokenizer {
     bool ignore_merges;
     int32_t prefix[TOK_MAX_AFFIX], suffix[TOK_MAX_AFFIX];
     int num_prefix, num_suffix;
-    int32_t byte_id[256];          /* id of the one-byte token for each byte */
-    uint16_t byte_cp[256];         /* byte → code point (GPT-2 bytes_to_unicode) */
-    int16_t cp_byte[324];          /* code point → byte, -1 if not a byte-level char */
+    int32_t byte_id[256];  /* id of the one-byte token for each byte */
+    uint16_t byte_cp[256]; /* byte → code point (GPT-2 bytes_to_unicode) */
+    int16_t cp_byte[324];  /* code point → byte, -1 if not a byte-level char */
     pd_arena_t arena;
 };
 
@@ -214,15 +214,15 @@ static pd_status_t tok_set_token(pd_tokenizer_t *t, int32_t id, const char *s, s
     return pd_strmap_put(&t->vocab, s, len, id);
 }
 
-static pd_status_t tok_add_merge(pd_tokenizer_t *t, const char *doc, const char *a, size_t alen, const char *b,
-                                 size_t blen, int64_t rank)
+static pd_status_t tok_add_merge(pd_tokenizer_t *t, const char *doc, const char *a, size_t alen,
+                                 const char *b, size_t blen, int64_t rank)
 {
     int64_t ia, ib, im;
     char buf[1024];
     if (alen + blen >= sizeof(buf) || !pd_strmap_get(&t->vocab, a, alen, &ia) ||
         !pd_strmap_get(&t->vocab, b, blen, &ib)) {
-        pd_log_error("%s: merge %lld ('%.*s' '%.*s') uses a token missing from the vocab", doc, (long long)rank,
-                     (int)alen, a, (int)blen, b);
+        pd_log_error("%s: merge %lld ('%.*s' '%.*s') uses a token missing from the vocab", doc,
+                     (long long)rank, (int)alen, a, (int)blen, b);
         return PD_ERR_PARSE;
     }
     memcpy(buf, a, alen);
@@ -289,8 +289,8 @@ static pd_status_t tok_finish(pd_tokenizer_t *t, const char *doc)
         int l = utf8_put(t->byte_cp[b], u);
         int64_t id;
         if (!pd_strmap_get(&t->vocab, (const char *)u, (size_t)l, &id)) {
-            pd_log_error("%s: the vocab has no byte-level token for byte 0x%02x; not a byte-level BPE vocab", doc,
-                         b);
+            pd_log_error("%s: the vocab has no byte-level token for byte 0x%02x; not a byte-level BPE vocab",
+                         doc, b);
             return PD_ERR_PARSE;
         }
         t->byte_id[b] = (int32_t)id;
@@ -310,8 +310,8 @@ static pd_status_t add_split_regex(pd_tokenizer_t *t, const char *doc, const cha
     }
     int err;
     PCRE2_SIZE off;
-    pcre2_code *re = pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP | extra, &err,
-                                   &off, NULL);
+    pcre2_code *re = pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP | extra,
+                                   &err, &off, NULL);
     if (re == NULL) {
         PCRE2_UCHAR msg[256];
         pcre2_get_error_message(err, msg, sizeof(msg));
@@ -435,7 +435,8 @@ static pd_status_t affix_token(pd_tokenizer_t *t, const char *doc, json_t *speci
     if (json_is_array(ids) && json_array_size(ids) == 1) {
         id = json_integer_value(json_array_get(ids, 0));
     } else if (!pd_strmap_get(&t->vocab, name, strlen(name), &id)) {
-        pd_log_error("%s: post_processor names special token '%s' that the tokenizer does not know", doc, name);
+        pd_log_error("%s: post_processor names special token '%s' that the tokenizer does not know", doc,
+                     name);
         return PD_ERR_PARSE;
     }
     if (*count == TOK_MAX_AFFIX || id < 0 || id >= t->vocab_size) {
@@ -482,7 +483,7 @@ static pd_status_t parse_postprocessor(pd_tokenizer_t *t, const char *doc, json_
                 const char *name = json_string_value(json_object_get(sp, "id"));
                 pd_status_t st = name == NULL ? PD_ERR_PARSE
                                  : seen_seq   ? affix_token(t, doc, specials, name, t->suffix, &t->num_suffix)
-                                              : affix_token(t, doc, specials, name, t->prefix, &t->num_prefix);
+                                            : affix_token(t, doc, specials, name, t->prefix, &t->num_prefix);
                 if (st != PD_OK) {
                     return st;
                 }
@@ -576,8 +577,8 @@ static pd_status_t parse_tokenizer_json(pd_tokenizer_t *t, const char *doc, json
                 return PD_ERR_PARSE;
             }
             st = tok_add_merge(t, doc, s, (size_t)(sp - s), sp + 1, strlen(sp + 1), (int64_t)i);
-        } else if (json_is_array(val) && json_array_size(val) == 2 && json_is_string(json_array_get(val, 0)) &&
-                   json_is_string(json_array_get(val, 1))) {
+        } else if (json_is_array(val) && json_array_size(val) == 2 &&
+                   json_is_string(json_array_get(val, 0)) && json_is_string(json_array_get(val, 1))) {
             json_t *a = json_array_get(val, 0), *b = json_array_get(val, 1);
             st = tok_add_merge(t, doc, json_string_value(a), json_string_length(a), json_string_value(b),
                                json_string_length(b), (int64_t)i);
@@ -661,13 +662,14 @@ pd_status_t pd_tokenizer_load_vocab_merges(const char *vocab_path, const char *m
     }
     free(line);
     fclose(f);
-    json_t *root = json_pack("{s:{s:s, s:O, s:o}, s:{s:s, s:b, s:b}, s:[]}", "model", "type", "BPE", "vocab", vocab,
-                             "merges", merges, "pre_tokenizer", "type", "ByteLevel", "add_prefix_space", 0,
-                             "use_regex", 1, "added_tokens");
+    json_t *root = json_pack("{s:{s:s, s:O, s:o}, s:{s:s, s:b, s:b}, s:[]}", "model", "type", "BPE", "vocab",
+                             vocab, "merges", merges, "pre_tokenizer", "type", "ByteLevel",
+                             "add_prefix_space", 0, "use_regex", 1, "added_tokens");
     json_t *eot = json_object_get(vocab, "<|endoftext|>");
     if (json_is_integer(eot)) {
-        json_array_append_new(json_object_get(root, "added_tokens"),
-                              json_pack("{s:O, s:s, s:b}", "id", eot, "content", "<|endoftext|>", "special", 1));
+        json_array_append_new(
+            json_object_get(root, "added_tokens"),
+            json_pack("{s:O, s:s, s:b}", "id", eot, "content", "<|endoftext|>", "special", 1));
     }
     json_decref(vocab);
     pd_tokenizer_t *t = tok_new();
@@ -855,7 +857,8 @@ static pd_status_t bpe_piece(const pd_tokenizer_t *t, const unsigned char *s, si
 }
 
 /* Applies split level k (Isolated: matches and the gaps between them are pieces). */
-static pd_status_t split_level(const pd_tokenizer_t *t, int k, const unsigned char *s, size_t n, ids_buf_t *out)
+static pd_status_t split_level(const pd_tokenizer_t *t, int k, const unsigned char *s, size_t n,
+                               ids_buf_t *out)
 {
     if (n == 0) {
         return PD_OK;
@@ -910,7 +913,8 @@ static pd_status_t encode_segment(const pd_tokenizer_t *t, const char *text, siz
     size_t n = len;
     for (int i = 0; i < t->num_normalizers; i++) {
         utf8proc_uint8_t *mapped = NULL;
-        utf8proc_ssize_t r = utf8proc_map(s, (utf8proc_ssize_t)n, &mapped, (utf8proc_option_t)t->normalize_options[i]);
+        utf8proc_ssize_t r =
+            utf8proc_map(s, (utf8proc_ssize_t)n, &mapped, (utf8proc_option_t)t->normalize_options[i]);
         if (r < 0) {
             free(norm);
             pd_log_warn("tokenizer: normalization failed: %s", utf8proc_errmsg(r));
@@ -956,7 +960,8 @@ pd_status_t pd_tokenizer_encode(const pd_tokenizer_t *t, const char *text, size_
         const added_token_t *hit = NULL;
         if (t->added_first_byte[(unsigned char)text[i]]) {
             for (int a = 0; a < t->num_added; a++) {
-                if (t->added[a].len <= len - i && memcmp(text + i, t->added[a].content, t->added[a].len) == 0) {
+                if (t->added[a].len <= len - i &&
+                    memcmp(text + i, t->added[a].content, t->added[a].len) == 0) {
                     hit = &t->added[a];
                     break;
                 }

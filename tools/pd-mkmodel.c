@@ -32,6 +32,7 @@ typedef struct mk_opts {
 
 /* ------------------------------------------------------------------ corpus + BPE training */
 
+// clang-format off
 static const char *WORDS[] = {
     "the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not",
     "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "had", "they", "you", "were",
@@ -50,11 +51,12 @@ static const char *WORDS[] = {
     "city", "village", "garden", "window", "door", "kitchen", "morning", "evening", "night", "summer", "winter",
     "music", "story", "letter", "paper", "book", "science", "history", "language", "computer", "machine",
     "learning", "research", "energy", "light", "water", "fire", "earth", "air", "stone", "metal", "glass",
-    "caf\xc3\xa9", "na\xc3\xafve", "stra\xc3\x9f" "e", "\xc3\xa9t\xc3\xa9", "\xe6\x97\xa5\xe6\x9c\xac",
+    "caf\xc3\xa9", "na\xc3\xafve", "stra\303\237e", "\xc3\xa9t\xc3\xa9", "\xe6\x97\xa5\xe6\x9c\xac",
     "\xe4\xb8\xad\xe6\x96\x87", "\xd0\xbc\xd0\xb8\xd1\x80", "\xce\xbb\xcf\x8c\xce\xb3\xce\xbf\xcf\x82",
     "\xf0\x9f\x99\x82", "\xf0\x9f\x9a\x80",
 };
 static const char *PUNCT[] = {".", ",", "!", "?", ";", ":", "()", "{}", "==", "->", "'s", "'t", "'ll", "\"", "..."};
+// clang-format on
 
 /* Words (pre-tokens) of the corpus: " word", " 123", ".", "\n" — the shapes the GPT-2 and
  * Llama-3 pre-tokenizer regexes produce for this text. */
@@ -88,9 +90,9 @@ static pd_status_t corpus_words(pd_rng_t *rng, pd_strmap_t *words)
 }
 
 typedef struct bpe_state {
-    char **tok;          /* token strings (byte-level alphabet), index = id */
+    char **tok; /* token strings (byte-level alphabet), index = id */
     int ntok, cap;
-    char **merges;       /* "a b" */
+    char **merges; /* "a b" */
     int nmerges;
     int32_t **word_syms; /* per distinct word, its current symbol ids */
     int *word_len;
@@ -194,8 +196,8 @@ static void bpe_train(bpe_state_t *b, pd_strmap_t *words, int target, pd_rng_t *
                 pd_strmap_get(&pairs, (const char *)key, sizeof(key), &c);
                 c += b->word_count[w];
                 pd_strmap_put(&pairs, (const char *)key, sizeof(key), c);
-                if (c > best || (c == best && (key[0] < best_key[0] ||
-                                               (key[0] == best_key[0] && key[1] < best_key[1])))) {
+                if (c > best || (c == best &&
+                                 (key[0] < best_key[0] || (key[0] == best_key[0] && key[1] < best_key[1])))) {
                     best = c;
                     best_key[0] = key[0];
                     best_key[1] = key[1];
@@ -239,6 +241,21 @@ static void bpe_train(bpe_state_t *b, pd_strmap_t *words, int target, pd_rng_t *
     }
 }
 
+static void bpe_free(bpe_state_t *b)
+{
+    for (int i = 0; i < b->ntok; i++) {
+        free(b->tok[i]);
+    }
+    for (int i = 0; i < b->nmerges; i++) {
+        free(b->merges[i]);
+    }
+    for (int w = 0; w < b->nwords; w++) {
+        free(b->word_syms[w]);
+    }
+    free(b->tok), free(b->merges), free(b->word_syms), free(b->word_len), free(b->word_count);
+    pd_strmap_destroy(&b->tok_ids);
+}
+
 /* ------------------------------------------------------------------ files */
 
 static json_t *tokenizer_json(const bpe_state_t *b, int is_gpt2, int is_llama, int32_t *bos, int32_t *eos)
@@ -262,42 +279,44 @@ static json_t *tokenizer_json(const bpe_state_t *b, int is_gpt2, int is_llama, i
     }
     for (int i = 0; i < nspecial; i++) {
         json_array_append_new(added, json_pack("{s:i, s:s, s:b, s:b, s:b, s:b, s:b}", "id", b->ntok + i,
-                                               "content", specials[i], "single_word", 0, "lstrip", 0, "rstrip", 0,
-                                               "normalized", 0, "special", 1));
+                                               "content", specials[i], "single_word", 0, "lstrip", 0,
+                                               "rstrip", 0, "normalized", 0, "special", 1));
     }
     *bos = b->ntok;
     *eos = b->ntok + nspecial - 1;
-    json_t *model = json_pack("{s:s, s:n, s:n, s:n, s:n, s:b, s:b, s:b, s:o, s:o}", "type", "BPE", "dropout",
-                              "unk_token", "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk", 0,
-                              "byte_fallback", 0, "ignore_merges", !is_gpt2, "vocab", vocab, "merges", merges);
+    json_t *model =
+        json_pack("{s:s, s:n, s:n, s:n, s:n, s:b, s:b, s:b, s:o, s:o}", "type", "BPE", "dropout", "unk_token",
+                  "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk", 0, "byte_fallback", 0,
+                  "ignore_merges", !is_gpt2, "vocab", vocab, "merges", merges);
     json_t *pre, *norm, *post;
     if (is_gpt2) {
         pre = json_pack("{s:s, s:b, s:b, s:b}", "type", "ByteLevel", "add_prefix_space", 0, "trim_offsets", 1,
                         "use_regex", 1);
         norm = json_null();
-        post = json_pack("{s:s, s:b, s:b, s:b}", "type", "ByteLevel", "add_prefix_space", 1, "trim_offsets", 0,
-                         "use_regex", 1);
+        post = json_pack("{s:s, s:b, s:b, s:b}", "type", "ByteLevel", "add_prefix_space", 1, "trim_offsets",
+                         0, "use_regex", 1);
     } else {
         const char *re = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| "
                          "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
         pre = json_pack("{s:s, s:[{s:s, s:{s:s}, s:s, s:b}, {s:s, s:b, s:b, s:b}]}", "type", "Sequence",
-                        "pretokenizers", "type", "Split", "pattern", "Regex", re, "behavior", "Isolated", "invert",
-                        0, "type", "ByteLevel", "add_prefix_space", 0, "trim_offsets", 1, "use_regex", 0);
+                        "pretokenizers", "type", "Split", "pattern", "Regex", re, "behavior", "Isolated",
+                        "invert", 0, "type", "ByteLevel", "add_prefix_space", 0, "trim_offsets", 1,
+                        "use_regex", 0);
         norm = json_pack("{s:s}", "type", "NFC");
         if (is_llama) {
-            post = json_pack("{s:s, s:[{s:{s:s, s:i}}, {s:{s:s, s:i}}], s:[], s:{s:{s:s, s:[i], s:[s]}}}", "type",
-                             "TemplateProcessing", "single", "SpecialToken", "id", "<|begin_of_text|>", "type_id",
-                             0, "Sequence", "id", "A", "type_id", 0, "pair", "special_tokens",
-                             "<|begin_of_text|>", "id", "<|begin_of_text|>", "ids", *bos, "tokens",
-                             "<|begin_of_text|>");
+            post = json_pack("{s:s, s:[{s:{s:s, s:i}}, {s:{s:s, s:i}}], s:[], s:{s:{s:s, s:[i], s:[s]}}}",
+                             "type", "TemplateProcessing", "single", "SpecialToken", "id",
+                             "<|begin_of_text|>", "type_id", 0, "Sequence", "id", "A", "type_id", 0, "pair",
+                             "special_tokens", "<|begin_of_text|>", "id", "<|begin_of_text|>", "ids", *bos,
+                             "tokens", "<|begin_of_text|>");
         } else {
             post = json_null();
         }
     }
     return json_pack("{s:s, s:n, s:n, s:o, s:o, s:o, s:o, s:{s:s, s:b, s:b, s:b}, s:o}", "version", "1.0",
                      "truncation", "padding", "added_tokens", added, "normalizer", norm, "pre_tokenizer", pre,
-                     "post_processor", post, "decoder", "type", "ByteLevel", "add_prefix_space", 1, "trim_offsets",
-                     1, "use_regex", 1, "model", model);
+                     "post_processor", post, "decoder", "type", "ByteLevel", "add_prefix_space", 1,
+                     "trim_offsets", 1, "use_regex", 1, "model", model);
 }
 
 typedef struct tensor_list {
@@ -331,6 +350,15 @@ static void add_tensor(tensor_list_t *l, pd_rng_t *rng, const char *name, pd_dty
     t->shape[1] = d1;
     t->data = data;
     l->bytes += (size_t)numel * (size_t)pd_dtype_size(dt);
+}
+
+static void tensor_list_free(tensor_list_t *l)
+{
+    for (int i = 0; i < l->n; i++) {
+        free((char *)l->t[i].name);
+        free((void *)l->t[i].data);
+    }
+    free(l->t);
 }
 
 static pd_status_t write_json(const char *dir, const char *file, json_t *j)
@@ -371,8 +399,9 @@ static pd_status_t write_weights(const mk_opts_t *o, tensor_list_t *l)
             return st;
         }
     }
-    return write_json(o->out, "model.safetensors.index.json",
-                      json_pack("{s:{s:I}, s:o}", "metadata", "total_size", (json_int_t)l->bytes, "weight_map", map));
+    return write_json(
+        o->out, "model.safetensors.index.json",
+        json_pack("{s:{s:I}, s:o}", "metadata", "total_size", (json_int_t)l->bytes, "weight_map", map));
 }
 
 static void apply_preset(mk_opts_t *o)
@@ -408,7 +437,8 @@ int main(int argc, char **argv)
         {"preset", PD_FLAG_CHOICE, &o.preset, "size preset (none: give every size)", "tiny|demo|none"},
         {"arch", PD_FLAG_CHOICE, &o.arch, "architecture", "gpt2|llama|qwen2"},
         {"out", PD_FLAG_STR, &o.out, "output directory (created)", NULL},
-        {"dtype", PD_FLAG_CHOICE, &o.dtype, "weight dtype (preset default: tiny f32, demo bf16)", "f32|f16|bf16"},
+        {"dtype", PD_FLAG_CHOICE, &o.dtype, "weight dtype (preset default: tiny f32, demo bf16)",
+         "f32|f16|bf16"},
         {"hidden", PD_FLAG_INT, &o.hidden, "hidden size (0 = preset)", NULL},
         {"layers", PD_FLAG_INT, &o.layers, "layers (0 = preset)", NULL},
         {"heads", PD_FLAG_INT, &o.heads, "attention heads (0 = preset)", NULL},
@@ -421,9 +451,9 @@ int main(int argc, char **argv)
         {"shards", PD_FLAG_INT, &o.shards, "number of safetensors shards (> 1 writes an index)", NULL},
         {"seed", PD_FLAG_INT64, &o.seed, "random seed", NULL},
     };
-    pd_status_t st = pd_flags_parse(flags, sizeof(flags) / sizeof(flags[0]), argc, argv,
-                                    "usage: pd-mkmodel --out DIR [--preset tiny|demo] [--arch gpt2|llama|qwen2]",
-                                    NULL);
+    pd_status_t st =
+        pd_flags_parse(flags, sizeof(flags) / sizeof(flags[0]), argc, argv,
+                       "usage: pd-mkmodel --out DIR [--preset tiny|demo] [--arch gpt2|llama|qwen2]", NULL);
     if (st == PD_ERR_CANCELLED) {
         return 0;
     }
@@ -440,12 +470,13 @@ int main(int argc, char **argv)
     if (o.hidden <= 0 || o.layers <= 0 || o.heads <= 0 || o.kv_heads <= 0 || o.intermediate <= 0 ||
         o.vocab < 257 || o.max_pos <= 0 || o.hidden % o.heads != 0 || o.heads % o.kv_heads != 0 ||
         (gpt2 && o.kv_heads != o.heads) || o.shards < 1) {
-        pd_log_error("inconsistent sizes: hidden %d, layers %d, heads %d, kv heads %d, intermediate %d, vocab %d "
-                     "(>= 257), max-pos %d, shards %d (gpt2 needs kv heads == heads)",
-                     o.hidden, o.layers, o.heads, o.kv_heads, o.intermediate, o.vocab, o.max_pos, o.shards);
+        pd_log_error(
+            "inconsistent sizes: hidden %d, layers %d, heads %d, kv heads %d, intermediate %d, vocab %d "
+            "(>= 257), max-pos %d, shards %d (gpt2 needs kv heads == heads)",
+            o.hidden, o.layers, o.heads, o.kv_heads, o.intermediate, o.vocab, o.max_pos, o.shards);
         return 2;
     }
-    pd_dtype_t dt = strcmp(o.dtype, "bf16") == 0 ? PD_DTYPE_BF16
+    pd_dtype_t dt = strcmp(o.dtype, "bf16") == 0  ? PD_DTYPE_BF16
                     : strcmp(o.dtype, "f16") == 0 ? PD_DTYPE_F16
                                                   : PD_DTYPE_F32;
     if (mkdir(o.out, 0755) != 0 && errno != EEXIST) {
@@ -464,7 +495,9 @@ int main(int argc, char **argv)
     bpe_train(&bpe, &words, o.vocab, &rng);
     int32_t bos, eos;
     json_t *tok = tokenizer_json(&bpe, gpt2, llama, &bos, &eos);
-    int vocab = eos + 1;
+    int vocab = eos + 1, nmerges = bpe.nmerges;
+    bpe_free(&bpe);
+    pd_strmap_destroy(&words);
     if (write_json(o.out, "tokenizer.json", tok) != PD_OK) {
         return 1;
     }
@@ -536,7 +569,10 @@ int main(int argc, char **argv)
             add_tensor(&l, &rng, "lm_head.weight", dt, 2, vocab, H, 0, 0.5);
         }
     }
-    if (write_weights(&o, &l) != PD_OK) {
+    size_t weight_bytes = l.bytes;
+    st = write_weights(&o, &l);
+    tensor_list_free(&l);
+    if (st != PD_OK) {
         return 1;
     }
 
@@ -544,26 +580,29 @@ int main(int argc, char **argv)
     json_t *cfg;
     const char *torch_dtype = dt == PD_DTYPE_BF16 ? "bfloat16" : dt == PD_DTYPE_F16 ? "float16" : "float32";
     if (gpt2) {
-        cfg = json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:s, s:b, s:i, s:i, s:s}", "architectures",
-                        "GPT2LMHeadModel", "model_type", "gpt2", "n_embd", H, "n_layer", o.layers, "n_head", o.heads,
-                        "n_inner", I, "n_positions", o.max_pos, "vocab_size", vocab, "layer_norm_epsilon", 1e-5,
-                        "activation_function", "gelu_new", "tie_word_embeddings", o.tie, "bos_token_id", bos,
-                        "eos_token_id", eos, "torch_dtype", torch_dtype);
+        cfg = json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:s, s:b, s:i, s:i, s:s}",
+                        "architectures", "GPT2LMHeadModel", "model_type", "gpt2", "n_embd", H, "n_layer",
+                        o.layers, "n_head", o.heads, "n_inner", I, "n_positions", o.max_pos, "vocab_size",
+                        vocab, "layer_norm_epsilon", 1e-5, "activation_function", "gelu_new",
+                        "tie_word_embeddings", o.tie, "bos_token_id", bos, "eos_token_id", eos, "torch_dtype",
+                        torch_dtype);
     } else {
-        cfg = json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:b, s:i, s:i, s:s, s:s}",
-                        "architectures", llama ? "LlamaForCausalLM" : "Qwen2ForCausalLM", "model_type",
-                        llama ? "llama" : "qwen2", "hidden_size", H, "num_hidden_layers", o.layers,
-                        "num_attention_heads", o.heads, "num_key_value_heads", o.kv_heads, "intermediate_size", I,
-                        "max_position_embeddings", o.max_pos, "vocab_size", vocab, "rms_norm_eps", 1e-5,
-                        "rope_theta", o.rope_theta, "tie_word_embeddings", o.tie, "bos_token_id", bos,
-                        "eos_token_id", eos, "torch_dtype", torch_dtype, "hidden_act", "silu");
+        cfg =
+            json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:b, s:i, s:i, s:s, s:s}",
+                      "architectures", llama ? "LlamaForCausalLM" : "Qwen2ForCausalLM", "model_type",
+                      llama ? "llama" : "qwen2", "hidden_size", H, "num_hidden_layers", o.layers,
+                      "num_attention_heads", o.heads, "num_key_value_heads", o.kv_heads, "intermediate_size",
+                      I, "max_position_embeddings", o.max_pos, "vocab_size", vocab, "rms_norm_eps", 1e-5,
+                      "rope_theta", o.rope_theta, "tie_word_embeddings", o.tie, "bos_token_id", bos,
+                      "eos_token_id", eos, "torch_dtype", torch_dtype, "hidden_act", "silu");
     }
     if (write_json(o.out, "config.json", cfg) != PD_OK) {
         return 1;
     }
-    pd_log_info("wrote %s model to %s: %d layers, hidden %d, %d heads (%d kv), vocab %d (%d merges), %.1f MiB "
-                "of %s weights",
-                o.arch, o.out, o.layers, H, o.heads, o.kv_heads, vocab, bpe.nmerges, (double)l.bytes / (1 << 20),
-                o.dtype);
+    pd_log_info(
+        "wrote %s model to %s: %d layers, hidden %d, %d heads (%d kv), vocab %d (%d merges), %.1f MiB "
+        "of %s weights",
+        o.arch, o.out, o.layers, H, o.heads, o.kv_heads, vocab, nmerges, (double)weight_bytes / (1 << 20),
+        o.dtype);
     return 0;
 }

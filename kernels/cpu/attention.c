@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "kernels/cpu/attention_decode.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/simd.h"
 #include "kernels/paged_impl.h"
@@ -415,9 +416,186 @@ pd_status_t pd_cpu_paged_attention_prefill(pd_backend_t *be, float *out, const f
     return attn_run(be, out, q, kv, meta, num_heads, scale, 0);
 }
 
+/* ---------------------------------------------------------------- optimized decode (split-K) */
+
+static int g_allow_x86 = 1;
+
+void pd_cpu_attn_allow_x86(int allow)
+{
+    g_allow_x86 = allow;
+}
+
+/* Portable twin of pd_cpu_attn_decode_x86_item (same work split and results), compiled with
+ * runtime-dispatched clones; used where AVX2 is missing or the shape does not fit the vector
+ * kernel (head size not a multiple of 8, very large heads or groups). */
+PD_CPU_CLONES static void attn_decode_item_portable(const pd_attn_decode_item_t *it, const float *q,
+                                                    const pd_kv_view_t *kv, const pd_attn_meta_t *meta,
+                                                    int num_heads, float scale, pd_attn_partial_t *part,
+                                                    float *scratch)
+{
+    const int H = kv->num_kv_heads, D = kv->head_size, bs = kv->block_size, group = num_heads / H;
+    const int s = it->seq;
+    const int64_t pos = meta->seq_lens[s] - 1;
+    const int64_t first = pd_attn_first_key(pos, meta->sliding_window);
+    const int row = H * D, es = pd_dtype_size(kv->dtype);
+    const float *qs = q + (size_t)meta->cu_seqlens_q[s] * num_heads * D;
+    float *kbuf = scratch, *vbuf = scratch + (size_t)bs * row, *sc = vbuf + (size_t)bs * row;
+    for (int h = 0; h < num_heads; h++) {
+        part->m[h] = -INFINITY;
+        part->l[h] = 0;
+        memset(part->acc + (size_t)h * D, 0, (size_t)D * sizeof(float));
+    }
+    for (int64_t b = it->block_begin; b < it->block_end; b++) {
+        int64_t j0 = b * bs;
+        int lo = first > j0 ? (int)(first - j0) : 0;
+        int hi = pos < j0 + bs - 1 ? (int)(pos - j0) : bs - 1;
+        if (hi < lo) {
+            continue;
+        }
+        int64_t block = meta->block_tables[(int64_t)s * meta->max_blocks_per_seq + b];
+        const char *base = kv->base;
+        const float *kp, *vp;
+        if (kv->dtype == PD_DTYPE_F32) {
+            kp = (const float *)kv->base + pd_kv_index(block, 0, 0, 0, bs, H, D);
+            vp = (const float *)kv->base + pd_kv_index(block, 1, 0, 0, bs, H, D);
+        } else {
+            load_row(kbuf, base + pd_kv_index(block, 0, 0, 0, bs, H, D) * es, (hi + 1) * row, kv->dtype);
+            load_row(vbuf, base + pd_kv_index(block, 1, 0, 0, bs, H, D) * es, (hi + 1) * row, kv->dtype);
+            kp = kbuf;
+            vp = vbuf;
+        }
+        for (int h = 0; h < num_heads; h++) {
+            int g = h / group;
+            const float *qh = qs + (size_t)h * D;
+            float mb = -INFINITY;
+            for (int j = lo; j <= hi; j++) {
+                const float *kr = kp + (size_t)j * row + (size_t)g * D;
+                float dot = 0;
+#pragma omp simd reduction(+ : dot)
+                for (int d = 0; d < D; d++) {
+                    dot += qh[d] * kr[d];
+                }
+                sc[j] = dot * scale;
+                mb = sc[j] > mb ? sc[j] : mb;
+            }
+            float *acc = part->acc + (size_t)h * D;
+            float m_new = mb > part->m[h] ? mb : part->m[h];
+            if (m_new > part->m[h] && part->l[h] > 0) {
+                float alpha = expf(part->m[h] - m_new);
+                part->l[h] *= alpha;
+                for (int d = 0; d < D; d++) {
+                    acc[d] *= alpha;
+                }
+            }
+            part->m[h] = m_new;
+            for (int j = lo; j <= hi; j++) {
+                float p = pd_fast_expf(sc[j] - m_new);
+                part->l[h] += p;
+                const float *vr = vp + (size_t)j * row + (size_t)g * D;
+#pragma omp simd
+                for (int d = 0; d < D; d++) {
+                    acc[d] += p * vr[d];
+                }
+            }
+        }
+    }
+}
+
+/* Splits each sequence's visible blocks into partitions so that there are about 4 items per
+ * thread (at least 8 blocks per partition), runs them, and merges the partitions of each
+ * sequence with log-sum-exp weights: out = Σ_p acc_p·e^(m_p−M) / Σ_p l_p·e^(m_p−M). */
 pd_status_t pd_cpu_paged_attention_decode(pd_backend_t *be, float *out, const float *q,
                                           const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
                                           float scale)
 {
-    return attn_run(be, out, q, kv, meta, num_heads, scale, 1);
+    pd_status_t st = pd_cpu_attn_validate(kv, meta, num_heads, 1);
+    if (st != PD_OK) {
+        return st;
+    }
+    const int H = kv->num_kv_heads, D = kv->head_size, bs = kv->block_size, S = meta->num_seqs;
+    if (S == 0) {
+        return PD_OK;
+    }
+    const int use_x86 =
+        g_allow_x86 && bs <= PD_ATTN_MAX_BLOCK && pd_cpu_attn_decode_x86_usable(D, num_heads / H);
+    int64_t total_blocks = 0;
+    for (int s = 0; s < S; s++) {
+        int64_t pos = meta->seq_lens[s] - 1;
+        total_blocks += pos / bs - pd_attn_first_key(pos, meta->sliding_window) / bs + 1;
+    }
+    int64_t want_items = 4 * (int64_t)be->num_threads;
+    int64_t per_part = total_blocks / want_items;
+    per_part = per_part < 8 ? 8 : per_part;
+    size_t n_items = 0;
+    for (int s = 0; s < S; s++) {
+        int64_t pos = meta->seq_lens[s] - 1;
+        int64_t nb = pos / bs - pd_attn_first_key(pos, meta->sliding_window) / bs + 1;
+        n_items += (size_t)((nb + per_part - 1) / per_part);
+    }
+    pd_attn_decode_item_t *items = malloc(n_items * sizeof(*items));
+    int *first_item = malloc((size_t)(S + 1) * sizeof(int));
+    size_t part_floats = (size_t)num_heads * (D + 2);
+    size_t scratch_floats = (size_t)2 * bs * H * D + (size_t)bs + 8;
+    int nthreads = be->num_threads < (int)n_items ? be->num_threads : (int)n_items;
+    float *parts = malloc(n_items * part_floats * sizeof(float));
+    float *scratch = malloc((size_t)nthreads * scratch_floats * sizeof(float));
+    if (items == NULL || first_item == NULL || parts == NULL || scratch == NULL) {
+        free(items), free(first_item), free(parts), free(scratch);
+        pd_log_error("attention: cannot allocate decode work space for %zu items", n_items);
+        return PD_ERR_NO_MEMORY;
+    }
+    size_t k = 0;
+    for (int s = 0; s < S; s++) {
+        first_item[s] = (int)k;
+        int64_t pos = meta->seq_lens[s] - 1;
+        int64_t b0 = pd_attn_first_key(pos, meta->sliding_window) / bs, b1 = pos / bs + 1;
+        for (int64_t b = b0; b < b1; b += per_part) {
+            items[k++] = (pd_attn_decode_item_t){s, b, b + per_part < b1 ? b + per_part : b1};
+        }
+    }
+    first_item[S] = (int)k;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *my_scratch = scratch + (size_t)omp_get_thread_num() * scratch_floats;
+#pragma omp for schedule(dynamic, 1)
+        for (size_t i = 0; i < n_items; i++) {
+            float *p = parts + i * part_floats;
+            pd_attn_partial_t part = {p, p + num_heads, p + 2 * num_heads};
+            if (use_x86) {
+                pd_cpu_attn_decode_x86_item(&items[i], q, kv, meta, num_heads, scale, &part, my_scratch);
+            } else {
+                attn_decode_item_portable(&items[i], q, kv, meta, num_heads, scale, &part, my_scratch);
+            }
+        }
+#pragma omp for schedule(static)
+        for (int sh = 0; sh < S * num_heads; sh++) {
+            int s = sh / num_heads, h = sh % num_heads;
+            float M = -INFINITY;
+            for (int i = first_item[s]; i < first_item[s + 1]; i++) {
+                float m = parts[(size_t)i * part_floats + h];
+                M = m > M ? m : M;
+            }
+            float L = 0;
+            float *o = out + ((size_t)meta->cu_seqlens_q[s] * num_heads + h) * D;
+            memset(o, 0, (size_t)D * sizeof(float));
+            for (int i = first_item[s]; i < first_item[s + 1]; i++) {
+                const float *p = parts + (size_t)i * part_floats;
+                if (p[num_heads + h] == 0) {
+                    continue; /* a partition with no visible key */
+                }
+                float w = expf(p[h] - M);
+                L += p[num_heads + h] * w;
+                const float *acc = p + 2 * num_heads + (size_t)h * D;
+                for (int d = 0; d < D; d++) {
+                    o[d] += acc[d] * w;
+                }
+            }
+            float inv = L > 0 ? 1.0f / L : 0.0f;
+            for (int d = 0; d < D; d++) {
+                o[d] *= inv;
+            }
+        }
+    }
+    free(items), free(first_item), free(parts), free(scratch);
+    return PD_OK;
 }

@@ -114,9 +114,17 @@ pd_status_t pd_backend_create(const char *name, int num_threads, pd_backend_t **
     }
     be->ops = ops;
     be->num_threads = num_threads > 0 ? num_threads : omp_get_num_procs();
-    /* OpenBLAS and our OpenMP ops never run at the same time (ops are sequential), so both may
-     * use every thread; pinning OpenBLAS to the same count keeps them from oversubscribing. */
-    openblas_set_num_threads(be->num_threads);
+#if defined(__SANITIZE_THREAD__)
+    /* libgomp and OpenBLAS are not TSan-instrumented: their internal synchronisation shows up as
+     * false races. TSan builds run ops on one thread and check pdserve's own threads. */
+    if (be->num_threads > 1) {
+        pd_log_info(
+            "cpu backend: TSan build, ops run single-threaded (OpenMP/OpenBLAS are not instrumented)");
+        be->num_threads = 1;
+    }
+#endif
+    /* one thread pool (OpenMP): OpenBLAS runs single-threaded inside it (kernels/cpu/matmul.c) */
+    openblas_set_num_threads(1);
     *be_out = be;
     return PD_OK;
 }

