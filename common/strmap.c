@@ -23,7 +23,6 @@ pd_status_t pd_strmap_init(pd_strmap_t *map, size_t expected)
         cap <<= 1;
     }
     map->count = 0;
-    pd_arena_init(&map->keys, 0);
     return strmap_alloc(map, cap);
 }
 
@@ -71,7 +70,7 @@ pd_status_t pd_strmap_put(pd_strmap_t *map, const char *key, size_t len, int64_t
     size_t i = strmap_find(map->slots, map->cap, key, (uint32_t)len, h);
     pd_strmap_slot_t *s = &map->slots[i];
     if (s->key == NULL) {
-        char *copy = pd_arena_alloc(&map->keys, len + 1, 1);
+        char *copy = malloc(len + 1);
         if (copy == NULL) {
             return PD_ERR_NO_MEMORY;
         }
@@ -100,11 +99,48 @@ int pd_strmap_get(const pd_strmap_t *map, const char *key, size_t len, int64_t *
     return 1;
 }
 
+int pd_strmap_del(pd_strmap_t *map, const char *key, size_t len, int64_t *value_out)
+{
+    if (len > UINT32_MAX || map->slots == NULL) {
+        return 0;
+    }
+    uint32_t h = (uint32_t)pd_hash64(key, len, 0);
+    size_t mask = map->cap - 1;
+    size_t i = strmap_find(map->slots, map->cap, key, (uint32_t)len, h);
+    if (map->slots[i].key == NULL) {
+        return 0;
+    }
+    if (value_out != NULL) {
+        *value_out = map->slots[i].value;
+    }
+    free((char *)map->slots[i].key);
+    map->slots[i].key = NULL;
+    map->count--;
+    /* backward shift: pull later entries of the probe run into the hole when their home slot
+     * is not between the hole and them */
+    size_t j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (map->slots[j].key == NULL) {
+            break;
+        }
+        size_t home = map->slots[j].hash32 & mask;
+        if ((i <= j) ? (home <= i || home > j) : (home <= i && home > j)) {
+            map->slots[i] = map->slots[j];
+            map->slots[j].key = NULL;
+            i = j;
+        }
+    }
+    return 1;
+}
+
 void pd_strmap_destroy(pd_strmap_t *map)
 {
+    for (size_t i = 0; map->slots != NULL && i < map->cap; i++) {
+        free((char *)map->slots[i].key);
+    }
     free(map->slots);
     map->slots = NULL;
     map->cap = 0;
     map->count = 0;
-    pd_arena_destroy(&map->keys);
 }

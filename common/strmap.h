@@ -1,12 +1,12 @@
 /* common/strmap.h — open-addressing hash map from byte strings to int64 values.
- * Keys are copied into the map; lookups never allocate. */
+ * Keys are copied into the map (one allocation each, freed on delete); lookups never allocate;
+ * deletion shifts entries back (no tombstones), so a long-lived map with churn stays fast. */
 #ifndef PD_COMMON_STRMAP_H
 #define PD_COMMON_STRMAP_H
 
 #include <stddef.h>
 #include <stdint.h>
 
-#include "common/arena.h"
 #include "common/status.h"
 
 typedef struct pd_strmap_slot {
@@ -20,7 +20,6 @@ typedef struct pd_strmap {
     pd_strmap_slot_t *slots;
     size_t cap; /* power of two */
     size_t count;
-    pd_arena_t keys;
 } pd_strmap_t;
 
 /* Initialises an empty map sized for about expected entries. PD_ERR_NO_MEMORY on failure. */
@@ -31,6 +30,9 @@ pd_status_t pd_strmap_put(pd_strmap_t *map, const char *key, size_t len, int64_t
 
 /* Looks key[len] up; returns 1 and sets *value_out when present, else 0. */
 int pd_strmap_get(const pd_strmap_t *map, const char *key, size_t len, int64_t *value_out);
+
+/* Removes key[len]; returns 1 if it was present (its value in *value_out when not NULL). */
+int pd_strmap_del(pd_strmap_t *map, const char *key, size_t len, int64_t *value_out);
 
 /* Frees the table and the copied keys. */
 void pd_strmap_destroy(pd_strmap_t *map);

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "common/rng.h"
+#include "common/sampling.h"
 #include "common/status.h"
 #include "kernels/dtype_impl.h"
 
@@ -37,13 +38,6 @@ typedef struct pd_attn_meta {
     const int32_t *slot_mapping; /* [num_tokens] cache slot of each new token; < 0 = padding */
     int32_t sliding_window;      /* 0 = full attention */
 } pd_attn_meta_t;
-
-/* Per-sequence sampling parameters (vLLM semantics). */
-typedef struct pd_sampling_params {
-    float temperature; /* 0 = greedy (argmax, lowest id on ties) */
-    int32_t top_k;     /* <= 0 = off */
-    float top_p;       /* >= 1 = off */
-} pd_sampling_params_t;
 
 typedef enum pd_copy_kind {
     PD_COPY_H2D,

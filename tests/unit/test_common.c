@@ -117,6 +117,29 @@ START_TEST(test_strmap)
     ck_assert_uint_eq(m.count, 5001);
     ck_assert_int_eq(pd_strmap_get(&m, "key-7", 5, &v), 1);
     ck_assert_int_eq(v, -1);
+    /* delete every third key; the rest stay reachable (backward shift keeps probe runs intact) */
+    for (int i = 0; i < 5000; i += 3) {
+        int n = snprintf(key, sizeof(key), "key-%d", i);
+        ck_assert_int_eq(pd_strmap_del(&m, key, (size_t)n, NULL), 1);
+        ck_assert_int_eq(pd_strmap_del(&m, key, (size_t)n, NULL), 0);
+    }
+    for (int i = 0; i < 5000; i++) {
+        int n = snprintf(key, sizeof(key), "key-%d", i);
+        int present = pd_strmap_get(&m, key, (size_t)n, &v);
+        ck_assert_int_eq(present, i % 3 != 0);
+        if (present && i != 7) {
+            ck_assert_int_eq(v, i * 3);
+        }
+    }
+    ck_assert_uint_eq(m.count, 5001 - 1667);
+    /* churn: insert/delete many distinct keys; the table does not fill up */
+    for (int i = 0; i < 100000; i++) {
+        int n = snprintf(key, sizeof(key), "churn-%d", i);
+        ck_assert_int_eq(pd_strmap_put(&m, key, (size_t)n, i), PD_OK);
+        ck_assert_int_eq(pd_strmap_del(&m, key, (size_t)n, &v), 1);
+        ck_assert_int_eq(v, i);
+    }
+    ck_assert_uint_eq(m.count, 5001 - 1667);
     pd_strmap_destroy(&m);
 }
 END_TEST

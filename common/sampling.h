@@ -1,0 +1,14 @@
+/* common/sampling.h — per-sequence sampling parameters (vLLM semantics), shared by the request
+ * type (scheduler/) and the sampling op (kernels/). */
+#ifndef PD_COMMON_SAMPLING_H
+#define PD_COMMON_SAMPLING_H
+
+#include <stdint.h>
+
+typedef struct pd_sampling_params {
+    float temperature; /* 0 = greedy (argmax, lowest id on ties) */
+    int32_t top_k;     /* <= 0 = off */
+    float top_p;       /* >= 1 = off */
+} pd_sampling_params_t;
+
+#endif

@@ -1,0 +1,78 @@
+/* connector/connector.h — the KV connector interface (DESIGN.md §5; vLLM V1 KVConnector
+ * semantics). One object has a scheduler half, called by the scheduler on the engine thread, and
+ * a worker half, called by the model runner around and inside the forward. The scheduler runs
+ * with no connector (NULL) and then never enters WAITING_FOR_REMOTE_KV.
+ *
+ * Contracts:
+ *  - get_num_new_matched_tokens has no side effects and may be called repeatedly for a request.
+ *  - update_state_after_alloc follows a successful allocation for that request, with all its
+ *    block ids and how many tokens the connector will load.
+ *  - request_finished is called exactly once per request; returning true (delay free) keeps the
+ *    request's blocks until its id is reported in finished_sending.
+ *  - get_finished reports ids whose sends/receives completed since the last call; blocks that
+ *    failed to load are reported by get_block_ids_with_load_errors no later than the step in
+ *    which their request appears in finished_recving. */
+#ifndef PD_CONNECTOR_CONNECTOR_H
+#define PD_CONNECTOR_CONNECTOR_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "common/status.h"
+#include "scheduler/request.h"
+
+typedef struct pd_connector pd_connector_t;
+struct pd_scheduler_output;
+
+/* Request ids completed since the last get_finished (arrays owned by the connector, valid until
+ * the next call). */
+typedef struct pd_connector_finished {
+    const char *const *sending;
+    int32_t num_sending;
+    const char *const *recving;
+    int32_t num_recving;
+} pd_connector_finished_t;
+
+/* Where the KV cache lives, for registration with a pipe (one region, per-layer views). */
+typedef struct pd_kv_region_desc {
+    void *base;
+    size_t bytes;
+    int32_t num_layers;
+    size_t layer_offset[256]; /* byte offset of each layer's view */
+    size_t page_bytes;        /* one (layer, block) page */
+    uint32_t num_blocks;
+    int32_t block_size;
+} pd_kv_region_desc_t;
+
+typedef struct pd_connector_ops {
+    const char *name;
+    /* --- scheduler half --- */
+    pd_status_t (*get_num_new_matched_tokens)(pd_connector_t *c, const pd_request_t *req,
+                                              int32_t num_computed, int32_t *num_external_out,
+                                              bool *load_async_out);
+    void (*update_state_after_alloc)(pd_connector_t *c, pd_request_t *req, const uint32_t *block_ids,
+                                     int32_t num_blocks, int32_t num_external_tokens);
+    /* Builds this step's metadata for the worker half; owned by the connector. */
+    void *(*build_connector_meta)(pd_connector_t *c, const struct pd_scheduler_output *out);
+    /* Returns delay_free; may set *kv_transfer_params_out (json_t*, ownership to the caller). */
+    bool (*request_finished)(pd_connector_t *c, pd_request_t *req, const uint32_t *block_ids,
+                             int32_t num_blocks, void **kv_transfer_params_out);
+    /* --- worker half --- */
+    pd_status_t (*register_kv_caches)(pd_connector_t *c, const pd_kv_region_desc_t *region);
+    pd_status_t (*bind_connector_metadata)(pd_connector_t *c, void *meta);
+    pd_status_t (*start_load_kv)(pd_connector_t *c);
+    pd_status_t (*wait_for_layer_load)(pd_connector_t *c, int32_t layer);
+    pd_status_t (*save_kv_layer)(pd_connector_t *c, int32_t layer);
+    pd_status_t (*wait_for_save)(pd_connector_t *c);
+    pd_status_t (*get_finished)(pd_connector_t *c, pd_connector_finished_t *out);
+    /* Writes up to max block ids whose load failed since the last call; returns the count. */
+    int32_t (*get_block_ids_with_load_errors)(pd_connector_t *c, uint32_t *ids_out, int32_t max);
+    void (*destroy)(pd_connector_t *c);
+} pd_connector_ops_t;
+
+struct pd_connector {
+    const pd_connector_ops_t *ops;
+    void *impl;
+};
+
+#endif

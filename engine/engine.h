@@ -1,0 +1,144 @@
+/* engine/engine.h — the engine core of one node (DESIGN.md §3): model, KV cache, scheduler,
+ * model runner, optional KV connector, and the request/output plumbing to a frontend.
+ *
+ * Two ways to drive it:
+ *   - synchronously (offline CLI, tests): pd_engine_add, then pd_engine_step until idle;
+ *   - from a frontend thread: pd_engine_start runs the step loop on its own thread;
+ *     pd_engine_submit / pd_engine_abort_async queue work (thread-safe, bounded by --max-queue)
+ *     and pd_engine_take_outputs collects results after the notify callback fires.
+ * Every step does bounded work: at most max_num_batched_tokens tokens, max_num_seqs sequences. */
+#ifndef PD_ENGINE_ENGINE_H
+#define PD_ENGINE_ENGINE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/flags.h"
+#include "connector/connector.h"
+#include "engine/kv_init.h"
+#include "model/model.h"
+#include "model/tokenizer.h"
+#include "scheduler/request.h"
+
+typedef struct pd_engine_config {
+    const char *model_dir;
+    const char *device; /* "cpu" */
+    int threads;        /* 0 = all cores */
+    int block_size;
+    int max_num_seqs;
+    int max_num_batched_tokens;
+    int max_model_len;          /* 0 = the model's max_position_embeddings */
+    const char *kv_cache_dtype; /* auto (= fp32 compute dtype) | fp32 | fp16 | bf16 */
+    double memory_utilization;
+    size_t kv_cache_memory; /* CPU: bytes to plan the KV cache in; 0 = physical RAM */
+    bool enable_prefix_caching;
+    bool enable_chunked_prefill;
+    const char *load_failure_policy; /* recompute | fail */
+    int max_queue;                   /* submitted-but-not-admitted requests before 503s */
+    int num_blocks_override;         /* > 0: KV blocks regardless of profiling (vLLM's override) */
+    pd_connector_t *connector;       /* NULL: no KV transfer (pd-serve) */
+    const pd_kv_region_allocator_t *kv_allocator;
+} pd_engine_config_t;
+
+/* vLLM-like defaults (block 16, 256 seqs → 64 on CPU, 2048 batched tokens, prefix caching on). */
+void pd_engine_config_defaults(pd_engine_config_t *cfg);
+
+/* The engine's flags (vLLM names) for a binary's flag table: writes at most max entries to out
+ * and returns how many. */
+size_t pd_engine_flags(pd_engine_config_t *cfg, pd_flag_t *out, size_t max);
+
+#define PD_MAX_STOP_STRINGS 8
+
+/* A request as a frontend submits it (copied by the engine). */
+typedef struct pd_engine_request {
+    const char *id;
+    const int32_t *prompt;
+    int32_t num_prompt;
+    pd_request_params_t params; /* max_tokens 0 = up to max_model_len */
+    const char *stop[PD_MAX_STOP_STRINGS];
+    int32_t num_stop;
+    void *kv_transfer_params; /* json_t* (a reference is taken), may be NULL */
+    void *user;
+} pd_engine_request_t;
+
+/* One request's progress in one step. */
+typedef struct pd_engine_output pd_engine_output_t;
+struct pd_engine_output {
+    char id[PD_REQ_ID_MAX];
+    void *user;
+    int32_t token; /* the new token, or -1 (finished without one) */
+    char *text;    /* new text (NUL-terminated, may be empty) */
+    size_t text_len;
+    const char *finish_reason; /* "stop" | "length" | "abort" | "error", NULL while running */
+    int32_t prompt_tokens, completion_tokens, cached_tokens;
+    float logprob; /* of token, when logprobs were asked */
+    int32_t num_top;
+    int32_t top_ids[20];
+    float top_logprobs[20];
+    double queue_time, ttft, e2e; /* seconds (finished outputs) */
+    char *kv_transfer_params;     /* JSON text (finished outputs of a connector), or NULL */
+    pd_engine_output_t *next;
+};
+
+void pd_engine_output_free(pd_engine_output_t *list);
+
+typedef struct pd_engine pd_engine_t;
+
+/* Loads the model and tokenizer, initialises the KV cache (profiling), creates the scheduler.
+ * Fails with the status of whichever step failed (logged there). */
+pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine_out);
+
+/* Stops the engine thread if running and frees everything. */
+void pd_engine_destroy(pd_engine_t *e);
+
+const pd_tokenizer_t *pd_engine_tokenizer(const pd_engine_t *e);
+const pd_model_config_t *pd_engine_model_config(const pd_engine_t *e);
+int32_t pd_engine_max_model_len(const pd_engine_t *e);
+const pd_kv_cache_t *pd_engine_kv(const pd_engine_t *e);
+const char *pd_engine_model_name(const pd_engine_t *e);
+
+/* Validates and admits a request (engine thread / offline). PD_ERR_INVALID_ARG with a message for
+ * the client in err (empty prompt, prompt ≥ max_model_len, token id outside the vocabulary, bad
+ * sampling values, duplicate id). */
+pd_status_t pd_engine_add(pd_engine_t *e, const pd_engine_request_t *req, char *err, size_t err_len);
+
+/* Aborts a request (engine thread / offline); its final output says "abort". */
+bool pd_engine_abort(pd_engine_t *e, const char *id);
+
+/* Runs one step; appends this step's outputs to *outputs (caller frees with pd_engine_output_free). */
+pd_status_t pd_engine_step(pd_engine_t *e, pd_engine_output_t **outputs);
+
+/* Whether any request is waiting, running or holding blocks. */
+bool pd_engine_has_work(const pd_engine_t *e);
+
+/* --- threaded use --- */
+
+/* Starts the engine thread; notify(ctx) is called from it whenever outputs are ready. */
+pd_status_t pd_engine_start(pd_engine_t *e, void (*notify)(void *ctx), void *ctx);
+
+/* Stops and joins the engine thread (in-flight requests stay as they are). */
+void pd_engine_stop(pd_engine_t *e);
+
+/* Queues a request (copied). PD_ERR_NO_SPACE when --max-queue requests are already queued. */
+pd_status_t pd_engine_submit(pd_engine_t *e, const pd_engine_request_t *req);
+
+/* Queues an abort by id. */
+void pd_engine_abort_async(pd_engine_t *e, const char *id);
+
+/* Takes every output produced since the last call (NULL if none). */
+pd_engine_output_t *pd_engine_take_outputs(pd_engine_t *e);
+
+typedef struct pd_engine_stats {
+    int32_t num_running, num_waiting, num_waiting_for_remote_kv, num_holding, num_queued;
+    double kv_usage;
+    uint32_t blocks_free, blocks_cached_free, blocks_used, num_blocks;
+    uint64_t prefix_queries, prefix_hits, preemptions;
+    uint64_t prompt_tokens, generation_tokens, steps, requests_finished;
+    double last_step_s, last_forward_s;
+} pd_engine_stats_t;
+
+/* A consistent snapshot (thread-safe). */
+void pd_engine_get_stats(pd_engine_t *e, pd_engine_stats_t *out);
+
+#endif

@@ -1,0 +1,177 @@
+/* engine/model_runner.c — one step of the model with the connector's worker hooks. */
+#include "engine/model_runner.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "common/time.h"
+
+pd_status_t pd_model_runner_init(pd_model_runner_t *r, pd_model_t *model, pd_backend_t *be, pd_kv_cache_t *kv,
+                                 pd_connector_t *conn, int32_t max_reqs, int32_t max_tokens,
+                                 int32_t max_model_len)
+{
+    memset(r, 0, sizeof(*r));
+    r->model = model;
+    r->be = be;
+    r->kv = kv;
+    r->conn = conn;
+    r->vocab = pd_model_config(model)->vocab_size;
+    int32_t bs = kv->cfg.block_size;
+    pd_status_t st =
+        pd_input_batch_init(&r->batch, max_reqs, (max_model_len + bs - 1) / bs + 1, max_tokens, bs);
+    if (st != PD_OK) {
+        return st;
+    }
+    size_t R = (size_t)max_reqs;
+    r->logits = malloc(R * (size_t)r->vocab * sizeof(float));
+    r->params = malloc(R * sizeof(pd_sampling_params_t));
+    r->rngs = malloc(R * sizeof(pd_rng_t));
+    r->row_tokens = malloc(R * sizeof(int32_t));
+    r->sampled = malloc(R * sizeof(int32_t));
+    r->sampled_logprob = malloc(R * sizeof(float));
+    r->top_ids = malloc(R * PD_MAX_LOGPROBS * sizeof(int32_t));
+    r->top_logprobs = malloc(R * PD_MAX_LOGPROBS * sizeof(float));
+    if (!r->logits || !r->params || !r->rngs || !r->row_tokens || !r->sampled || !r->sampled_logprob ||
+        !r->top_ids || !r->top_logprobs) {
+        pd_model_runner_destroy(r);
+        return PD_ERR_NO_MEMORY;
+    }
+    return PD_OK;
+}
+
+void pd_model_runner_destroy(pd_model_runner_t *r)
+{
+    pd_input_batch_destroy(&r->batch);
+    free(r->logits), free(r->params), free(r->rngs), free(r->row_tokens), free(r->sampled);
+    free(r->sampled_logprob), free(r->top_ids), free(r->top_logprobs);
+    r->logits = NULL;
+}
+
+static pd_status_t hook_save(void *ctx, int layer)
+{
+    pd_connector_t *c = ctx;
+    return c->ops->save_kv_layer(c, layer);
+}
+
+static pd_status_t hook_wait(void *ctx, int layer)
+{
+    pd_connector_t *c = ctx;
+    return c->ops->wait_for_layer_load(c, layer);
+}
+
+/* log-softmax of row: the sampled token's logprob and the top n (ties: lower id first). */
+static void logprobs_row(const float *row, int32_t vocab, int32_t tok, int32_t n, float *tok_lp, int32_t *ids,
+                         float *lps)
+{
+    float m = -INFINITY;
+    for (int32_t v = 0; v < vocab; v++) {
+        m = row[v] > m ? row[v] : m;
+    }
+    double sum = 0;
+    for (int32_t v = 0; v < vocab; v++) {
+        sum += exp((double)row[v] - m);
+    }
+    float lse = m + (float)log(sum);
+    *tok_lp = row[tok] - lse;
+    for (int32_t k = 0; k < n; k++) {
+        ids[k] = -1;
+    }
+    for (int32_t v = 0; v < vocab; v++) {
+        /* insertion into a sorted top-n list */
+        int32_t k = n;
+        while (k > 0 && (ids[k - 1] < 0 || row[v] > row[ids[k - 1]])) {
+            k--;
+        }
+        if (k < n) {
+            memmove(ids + k + 1, ids + k, (size_t)(n - k - 1) * sizeof(int32_t));
+            ids[k] = v;
+        }
+    }
+    for (int32_t k = 0; k < n; k++) {
+        lps[k] = row[ids[k]] - lse;
+    }
+}
+
+pd_status_t pd_model_runner_execute(pd_model_runner_t *r, const pd_scheduler_output_t *out,
+                                    pd_model_output_t *mo)
+{
+    memset(mo, 0, sizeof(*mo));
+    for (int32_t i = 0; i < out->num_items; i++) {
+        r->sampled[i] = -1;
+    }
+    mo->sampled = r->sampled;
+    pd_input_batch_t *b = &r->batch;
+    pd_status_t st = pd_input_batch_prepare(b, out, pd_model_config(r->model)->sliding_window);
+    if (st != PD_OK) {
+        return st;
+    }
+    pd_forward_hooks_t hooks = {r->conn, hook_save, hook_wait};
+    if (r->conn != NULL) {
+        st = r->conn->ops->bind_connector_metadata(r->conn, out->connector_meta);
+        if (st == PD_OK) {
+            st = r->conn->ops->start_load_kv(r->conn);
+        }
+        if (st != PD_OK) {
+            pd_log_warn("model runner: connector failed to start loading: %s", pd_status_str(st));
+        }
+    }
+    double t0 = pd_time_now_s();
+    if (b->num_tokens > 0 && st == PD_OK) {
+        st = pd_model_forward(r->model, &b->batch, r->kv->views, &b->meta, b->logits_indices, b->num_logits,
+                              r->conn != NULL ? &hooks : NULL, r->logits);
+    }
+    r->last_forward_s = pd_time_now_s() - t0;
+    if (r->conn != NULL) {
+        pd_status_t ws = r->conn->ops->wait_for_save(r->conn);
+        if (ws != PD_OK) {
+            pd_log_warn("model runner: connector wait_for_save: %s", pd_status_str(ws));
+        }
+        r->conn->ops->get_finished(r->conn, &mo->finished);
+        mo->num_load_error_blocks =
+            r->conn->ops->get_block_ids_with_load_errors(r->conn, r->load_errors, 1024);
+        mo->load_error_blocks = r->load_errors;
+    }
+    if (st != PD_OK) {
+        return st;
+    }
+    r->steps++;
+    if (b->num_logits == 0) {
+        return PD_OK;
+    }
+    /* logprobs first: sampling overwrites the logits */
+    for (int32_t k = 0; k < b->num_logits; k++) {
+        const pd_request_t *req = out->items[b->logits_item[k]].req;
+        r->params[k] = req->params.sampling;
+        r->rngs[k] = req->rng;
+    }
+    float *lp_rows = NULL;
+    int any_lp = 0;
+    for (int32_t k = 0; k < b->num_logits; k++) {
+        any_lp |= out->items[b->logits_item[k]].req->params.logprobs > 0;
+    }
+    if (any_lp) {
+        lp_rows = malloc((size_t)b->num_logits * (size_t)r->vocab * sizeof(float));
+        if (lp_rows == NULL) {
+            return PD_ERR_NO_MEMORY;
+        }
+        memcpy(lp_rows, r->logits, (size_t)b->num_logits * (size_t)r->vocab * sizeof(float));
+    }
+    st = r->be->ops->sample(r->be, r->row_tokens, r->logits, b->num_logits, r->vocab, r->params, r->rngs);
+    for (int32_t k = 0; st == PD_OK && k < b->num_logits; k++) {
+        int32_t item = b->logits_item[k];
+        pd_request_t *req = out->items[item].req;
+        req->rng = r->rngs[k];
+        r->sampled[item] = r->row_tokens[k];
+        int32_t n = req->params.logprobs;
+        if (n > 0) {
+            n = n > PD_MAX_LOGPROBS ? PD_MAX_LOGPROBS : n;
+            logprobs_row(lp_rows + (size_t)k * r->vocab, r->vocab, r->row_tokens[k], n,
+                         &r->sampled_logprob[item], r->top_ids + (size_t)item * PD_MAX_LOGPROBS,
+                         r->top_logprobs + (size_t)item * PD_MAX_LOGPROBS);
+        }
+    }
+    free(lp_rows);
+    return st;
+}

@@ -1,0 +1,45 @@
+/* engine/model_runner.h — runs one scheduled step: input batch → connector start_load_kv →
+ * forward (per layer: save_kv_layer after the cache write, wait_for_layer_load before attention)
+ * → wait_for_save → get_finished → sampling (+ logprobs) for the sequences that completed. */
+#ifndef PD_ENGINE_MODEL_RUNNER_H
+#define PD_ENGINE_MODEL_RUNNER_H
+
+#include "connector/connector.h"
+#include "engine/input_batch.h"
+#include "engine/kv_init.h"
+#include "model/model.h"
+#include "scheduler/scheduler.h"
+
+#define PD_MAX_LOGPROBS 20
+
+typedef struct pd_model_runner {
+    pd_model_t *model;
+    pd_backend_t *be;
+    pd_kv_cache_t *kv;
+    pd_connector_t *conn;
+    pd_input_batch_t batch;
+    int32_t vocab;
+    float *logits;                /* [max_reqs][vocab] */
+    pd_sampling_params_t *params; /* [max_reqs] */
+    pd_rng_t *rngs;               /* [max_reqs] */
+    int32_t *row_tokens;          /* [max_reqs] */
+    int32_t *sampled;             /* [max_reqs] by scheduler item */
+    float *sampled_logprob;       /* [max_reqs] by item (when the request asked for logprobs) */
+    int32_t *top_ids;             /* [max_reqs][PD_MAX_LOGPROBS] by item */
+    float *top_logprobs;          /* [max_reqs][PD_MAX_LOGPROBS] by item */
+    uint32_t load_errors[1024];
+    uint64_t steps;
+    double last_forward_s;
+} pd_model_runner_t;
+
+pd_status_t pd_model_runner_init(pd_model_runner_t *r, pd_model_t *model, pd_backend_t *be, pd_kv_cache_t *kv,
+                                 pd_connector_t *conn, int32_t max_reqs, int32_t max_tokens,
+                                 int32_t max_model_len);
+void pd_model_runner_destroy(pd_model_runner_t *r);
+
+/* Executes out and fills mo (pointers into the runner, valid until the next execute). A failing
+ * forward (bad ids, a hook error) returns its status with nothing sampled. */
+pd_status_t pd_model_runner_execute(pd_model_runner_t *r, const pd_scheduler_output_t *out,
+                                    pd_model_output_t *mo);
+
+#endif

@@ -1,0 +1,104 @@
+/* scheduler/request.h — one generation request and its states (DESIGN.md §3).
+ *
+ *   WAITING → RUNNING → FINISHED_{STOPPED, LENGTH, ABORTED, ERROR}
+ *   RUNNING → PREEMPTED → WAITING (re-queued at the front, recomputed)
+ *   WAITING → WAITING_FOR_REMOTE_KV → WAITING (KV arrived, or load failed with policy recompute)
+ *                                  → FINISHED_ERROR (load failed with policy fail)
+ * A request's tokens are its prompt followed by its output; blocks cover its computed tokens. */
+#ifndef PD_SCHEDULER_REQUEST_H
+#define PD_SCHEDULER_REQUEST_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "common/hash.h"
+#include "common/rng.h"
+#include "common/sampling.h"
+#include "common/status.h"
+
+typedef enum pd_request_state {
+    PD_REQ_WAITING = 0,
+    PD_REQ_WAITING_FOR_REMOTE_KV,
+    PD_REQ_RUNNING,
+    PD_REQ_PREEMPTED,
+    PD_REQ_FINISHED_STOPPED,
+    PD_REQ_FINISHED_LENGTH,
+    PD_REQ_FINISHED_ABORTED,
+    PD_REQ_FINISHED_ERROR,
+} pd_request_state_t;
+
+#define PD_REQ_ID_MAX         64
+#define PD_MAX_STOP_TOKEN_IDS 16
+
+/* What a client asks for; copied into the request. */
+typedef struct pd_request_params {
+    int32_t max_tokens; /* output tokens at most (> 0) */
+    bool ignore_eos;
+    int32_t stop_token_ids[PD_MAX_STOP_TOKEN_IDS];
+    int32_t num_stop_token_ids;
+    pd_sampling_params_t sampling;
+    bool has_seed;
+    uint64_t seed;
+    int32_t logprobs; /* top logprobs per sampled token (0 = none) */
+} pd_request_params_t;
+
+typedef struct pd_request pd_request_t;
+struct pd_request {
+    char id[PD_REQ_ID_MAX];
+    uint64_t arrival_seq; /* admission order (FCFS) */
+    pd_request_state_t state;
+    pd_request_params_t params;
+    pd_rng_t rng; /* per-request generator: seeded runs do not depend on batching */
+
+    int32_t *tokens; /* [cap_tokens]: prompt, then output */
+    int32_t num_prompt_tokens;
+    int32_t num_tokens;
+    int32_t cap_tokens;
+    int32_t num_computed_tokens; /* tokens whose KV is in the cache */
+    int32_t num_cached_tokens;   /* prefix-cache hit when first scheduled, -1 before */
+
+    uint32_t *block_ids; /* [cap_blocks] this request's KV blocks in order */
+    int32_t num_blocks, cap_blocks;
+    pd_hash128_t *block_hashes; /* chained hashes of its full blocks, computed lazily */
+    int32_t num_hashes;
+    int32_t num_cached_blocks; /* leading blocks registered in the prefix cache */
+
+    void *kv_transfer_params;       /* json_t*, owned (connector parameters), may be NULL */
+    int32_t num_external_tokens;    /* tokens the connector loads from a remote peer */
+    bool holds_blocks_after_finish; /* finished, blocks held for a remote reader (delay free) */
+
+    int32_t num_preemptions;
+    double arrival_time, first_scheduled_time, first_token_time, finish_time;
+    pd_request_t *prev, *next; /* scheduler queue links */
+    int32_t batch_slot;        /* persistent input batch slot, -1 when absent */
+    void *user;                /* frontend context */
+};
+
+/* Creates a request with prompt[n] (n >= 1) whose tokens may grow to max_len (prompt + output).
+ * The id is copied (truncated to PD_REQ_ID_MAX − 1). PD_ERR_INVALID_ARG for an empty prompt,
+ * a prompt not shorter than max_len or max_tokens < 1. */
+pd_status_t pd_request_create(const char *id, const int32_t *prompt, int32_t n,
+                              const pd_request_params_t *params, int32_t max_len, pd_request_t **req_out);
+
+/* Frees the request and its kv_transfer_params (its blocks must have been released already). */
+void pd_request_free(pd_request_t *req);
+
+/* Appends one output token. PD_ERR_NO_SPACE if the request is at its length limit. */
+pd_status_t pd_request_append_token(pd_request_t *req, int32_t token);
+
+static inline int32_t pd_request_num_output(const pd_request_t *req)
+{
+    return req->num_tokens - req->num_prompt_tokens;
+}
+
+static inline bool pd_request_is_finished(const pd_request_t *req)
+{
+    return req->state >= PD_REQ_FINISHED_STOPPED;
+}
+
+/* "stop", "length", "abort", "error" or NULL while not finished (OpenAI finish_reason names). */
+const char *pd_request_finish_reason(const pd_request_t *req);
+
+const char *pd_request_state_name(pd_request_state_t state);
+
+#endif

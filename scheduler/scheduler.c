@@ -1,0 +1,571 @@
+/* scheduler/scheduler.c — the V1-style scheduler: running first, then waiting (FCFS). */
+#include "scheduler/scheduler.h"
+
+#include <jansson.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "common/time.h"
+
+struct pd_scheduler {
+    pd_scheduler_config_t cfg;
+    pd_connector_t *conn;
+    pd_kv_cache_manager_t kv;
+    pd_strmap_t by_id;     /* id → pd_request_t* of every live request */
+    pd_strmap_t recv_done; /* ids the connector reported in finished_recving, not yet applied */
+    pd_request_t *wait_head, *wait_tail;
+    int32_t num_waiting;
+    pd_request_t **running; /* [max_num_seqs] in admission order */
+    int32_t num_running;
+    int32_t num_holding;
+    uint64_t arrivals, preemptions;
+    /* per-step buffers */
+    pd_sched_item_t *items;
+    pd_request_t **preempted;
+    pd_request_t **with_token;
+    pd_request_t **finished;
+    int32_t num_finished, cap_finished;
+    pd_request_t **release; /* finished this step and not holding: freed at the next schedule */
+    int32_t num_release, cap_release;
+    uint32_t *hits; /* [max blocks per request] prefix-hit scratch */
+    void (*on_release)(void *, pd_request_t *);
+    void *on_release_arg;
+    int32_t max_blocks_per_req;
+    pd_scheduler_output_t out;
+};
+
+/* ------------------------------------------------------------------ queues */
+
+static void wait_push_back(pd_scheduler_t *s, pd_request_t *r)
+{
+    r->next = NULL;
+    r->prev = s->wait_tail;
+    if (s->wait_tail != NULL) {
+        s->wait_tail->next = r;
+    } else {
+        s->wait_head = r;
+    }
+    s->wait_tail = r;
+    s->num_waiting++;
+}
+
+static void wait_push_front(pd_scheduler_t *s, pd_request_t *r)
+{
+    r->prev = NULL;
+    r->next = s->wait_head;
+    if (s->wait_head != NULL) {
+        s->wait_head->prev = r;
+    } else {
+        s->wait_tail = r;
+    }
+    s->wait_head = r;
+    s->num_waiting++;
+}
+
+static void wait_remove(pd_scheduler_t *s, pd_request_t *r)
+{
+    if (r->prev != NULL) {
+        r->prev->next = r->next;
+    } else {
+        s->wait_head = r->next;
+    }
+    if (r->next != NULL) {
+        r->next->prev = r->prev;
+    } else {
+        s->wait_tail = r->prev;
+    }
+    r->prev = r->next = NULL;
+    s->num_waiting--;
+}
+
+static bool running_remove(pd_scheduler_t *s, pd_request_t *r)
+{
+    for (int32_t i = 0; i < s->num_running; i++) {
+        if (s->running[i] == r) {
+            memmove(&s->running[i], &s->running[i + 1],
+                    (size_t)(s->num_running - i - 1) * sizeof(pd_request_t *));
+            s->num_running--;
+            return true;
+        }
+    }
+    return false;
+}
+
+static bool push_ptr(pd_request_t ***arr, int32_t *n, int32_t *cap, pd_request_t *r)
+{
+    if (*n == *cap) {
+        int32_t c = *cap ? 2 * *cap : 64;
+        pd_request_t **a = realloc(*arr, (size_t)c * sizeof(pd_request_t *));
+        if (a == NULL) {
+            return false;
+        }
+        *arr = a;
+        *cap = c;
+    }
+    (*arr)[(*n)++] = r;
+    return true;
+}
+
+/* ------------------------------------------------------------------ lifecycle */
+
+pd_status_t pd_scheduler_create(const pd_scheduler_config_t *cfg, pd_connector_t *connector,
+                                pd_scheduler_t **sched_out)
+{
+    if (cfg->max_num_seqs < 1 || cfg->max_num_batched_tokens < 1 || cfg->max_model_len < 2 ||
+        cfg->block_size < 1 || cfg->num_blocks < 2) {
+        pd_log_error(
+            "scheduler: invalid limits (max_num_seqs %d, max_num_batched_tokens %d, max_model_len %d, "
+            "block_size %d, blocks %u)",
+            cfg->max_num_seqs, cfg->max_num_batched_tokens, cfg->max_model_len, cfg->block_size,
+            cfg->num_blocks);
+        return PD_ERR_INVALID_ARG;
+    }
+    if (!cfg->enable_chunked_prefill && cfg->max_num_batched_tokens < cfg->max_model_len) {
+        pd_log_error("scheduler: without chunked prefill --max-num-batched-tokens (%d) must be >= "
+                     "--max-model-len (%d)",
+                     cfg->max_num_batched_tokens, cfg->max_model_len);
+        return PD_ERR_INVALID_ARG;
+    }
+    pd_scheduler_t *s = calloc(1, sizeof(*s));
+    if (s == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
+    s->cfg = *cfg;
+    s->conn = connector;
+    s->max_blocks_per_req = (cfg->max_model_len + cfg->block_size - 1) / cfg->block_size + 1;
+    pd_status_t st = pd_kv_manager_init(&s->kv, cfg->num_blocks, cfg->block_size, cfg->enable_prefix_caching);
+    if (st != PD_OK) {
+        free(s);
+        return st;
+    }
+    s->running = calloc((size_t)cfg->max_num_seqs, sizeof(pd_request_t *));
+    s->items = calloc((size_t)cfg->max_num_seqs, sizeof(pd_sched_item_t));
+    s->preempted = calloc((size_t)cfg->max_num_seqs, sizeof(pd_request_t *));
+    s->with_token = calloc((size_t)cfg->max_num_seqs, sizeof(pd_request_t *));
+    s->hits = calloc((size_t)s->max_blocks_per_req, sizeof(uint32_t));
+    if (s->running == NULL || s->items == NULL || s->preempted == NULL || s->with_token == NULL ||
+        s->hits == NULL || pd_strmap_init(&s->by_id, 256) != PD_OK ||
+        pd_strmap_init(&s->recv_done, 16) != PD_OK) {
+        pd_scheduler_destroy(s);
+        return PD_ERR_NO_MEMORY;
+    }
+    *sched_out = s;
+    return PD_OK;
+}
+
+void pd_scheduler_set_release_hook(pd_scheduler_t *s, void (*fn)(void *arg, pd_request_t *req), void *arg)
+{
+    s->on_release = fn;
+    s->on_release_arg = arg;
+}
+
+static void release_now(pd_scheduler_t *s, pd_request_t *r)
+{
+    pd_strmap_del(&s->by_id, r->id, strlen(r->id), NULL);
+    if (s->on_release != NULL) {
+        s->on_release(s->on_release_arg, r);
+    }
+    pd_request_free(r);
+}
+
+void pd_scheduler_destroy(pd_scheduler_t *s)
+{
+    if (s == NULL) {
+        return;
+    }
+    for (size_t i = 0; s->by_id.slots != NULL && i < s->by_id.cap; i++) {
+        if (s->by_id.slots[i].key != NULL) {
+            pd_request_t *r = (pd_request_t *)(intptr_t)s->by_id.slots[i].value;
+            pd_kv_manager_free(&s->kv, r);
+            if (s->on_release != NULL) {
+                s->on_release(s->on_release_arg, r);
+            }
+            pd_request_free(r);
+        }
+    }
+    pd_strmap_destroy(&s->by_id);
+    pd_strmap_destroy(&s->recv_done);
+    pd_kv_manager_destroy(&s->kv);
+    free(s->running), free(s->items), free(s->preempted), free(s->with_token), free(s->hits);
+    free(s->finished), free(s->release);
+    free(s);
+}
+
+pd_status_t pd_scheduler_add_request(pd_scheduler_t *s, pd_request_t *r)
+{
+    int64_t v;
+    if (pd_strmap_get(&s->by_id, r->id, strlen(r->id), &v)) {
+        pd_log_warn("scheduler: request id %s is already in use", r->id);
+        return PD_ERR_INVALID_ARG;
+    }
+    pd_status_t st = pd_strmap_put(&s->by_id, r->id, strlen(r->id), (int64_t)(intptr_t)r);
+    if (st != PD_OK) {
+        return st;
+    }
+    r->state = PD_REQ_WAITING;
+    r->arrival_seq = s->arrivals++;
+    if (r->arrival_time == 0) {
+        r->arrival_time = pd_time_now_s();
+    }
+    wait_push_back(s, r);
+    return PD_OK;
+}
+
+pd_request_t *pd_scheduler_find(const pd_scheduler_t *s, const char *id)
+{
+    int64_t v;
+    return pd_strmap_get(&s->by_id, id, strlen(id), &v) ? (pd_request_t *)(intptr_t)v : NULL;
+}
+
+/* Ends r in state st: out of the queues, connector told once, blocks freed or held. */
+static void finish_request(pd_scheduler_t *s, pd_request_t *r, pd_request_state_t st)
+{
+    if (pd_request_is_finished(r)) {
+        return;
+    }
+    if (r->state == PD_REQ_RUNNING) {
+        running_remove(s, r);
+    } else {
+        wait_remove(s, r);
+    }
+    r->state = st;
+    r->finish_time = pd_time_now_s();
+    bool delay = false;
+    if (s->conn != NULL) {
+        void *params = NULL;
+        delay = s->conn->ops->request_finished(s->conn, r, r->block_ids, r->num_blocks, &params);
+        if (params != NULL) {
+            json_decref(r->kv_transfer_params);
+            r->kv_transfer_params = params;
+        }
+    }
+    push_ptr(&s->finished, &s->num_finished, &s->cap_finished, r);
+    if (delay && r->num_blocks > 0) {
+        r->holds_blocks_after_finish = true;
+        s->num_holding++;
+        return;
+    }
+    pd_kv_manager_free(&s->kv, r);
+    push_ptr(&s->release, &s->num_release, &s->cap_release, r);
+}
+
+/* A held request's peer is done with its blocks: free them and release the request. */
+static void end_hold(pd_scheduler_t *s, pd_request_t *r)
+{
+    if (!r->holds_blocks_after_finish) {
+        return;
+    }
+    r->holds_blocks_after_finish = false;
+    s->num_holding--;
+    pd_kv_manager_free(&s->kv, r);
+    push_ptr(&s->release, &s->num_release, &s->cap_release, r);
+}
+
+pd_request_t *pd_scheduler_abort(pd_scheduler_t *s, const char *id)
+{
+    pd_request_t *r = pd_scheduler_find(s, id);
+    if (r == NULL || pd_request_is_finished(r)) {
+        return NULL;
+    }
+    finish_request(s, r, PD_REQ_FINISHED_ABORTED);
+    return r;
+}
+
+void pd_scheduler_finish(pd_scheduler_t *s, pd_request_t *r, pd_request_state_t st)
+{
+    finish_request(s, r, st);
+}
+
+/* ------------------------------------------------------------------ schedule */
+
+static void preempt(pd_scheduler_t *s, pd_request_t *r)
+{
+    pd_kv_manager_free(&s->kv, r);
+    r->num_computed_tokens = 0;
+    r->num_preemptions++;
+    r->state = PD_REQ_WAITING; /* PREEMPTED → WAITING at once: re-queued at the front */
+    wait_push_front(s, r);
+    s->preemptions++;
+    s->out.preempted[s->out.num_preempted++] = r;
+    pd_log_debug("scheduler: preempted %s (%d tokens) to free KV blocks", r->id, r->num_tokens);
+}
+
+/* Remote KV arrived (or ended): the request computes from what it has. */
+static void finish_remote_wait(pd_scheduler_t *s, pd_request_t *r)
+{
+    int32_t computed = r->num_computed_tokens + r->num_external_tokens;
+    if (computed >= r->num_tokens) {
+        computed = r->num_tokens - 1; /* the last prompt token is recomputed for its logits */
+    }
+    r->num_computed_tokens = computed;
+    r->num_external_tokens = 0;
+    pd_kv_manager_cache_blocks(&s->kv, r, computed);
+    r->state = PD_REQ_WAITING;
+}
+
+static void schedule_waiting(pd_scheduler_t *s, int32_t *budget)
+{
+    pd_request_t *r = s->wait_head;
+    while (r != NULL && *budget > 0 && s->num_running < s->cfg.max_num_seqs) {
+        pd_request_t *next = r->next;
+        if (r->state == PD_REQ_WAITING_FOR_REMOTE_KV) {
+            if (!pd_strmap_del(&s->recv_done, r->id, strlen(r->id), NULL)) {
+                r = next;
+                continue; /* still loading: later requests may go ahead */
+            }
+            finish_remote_wait(s, r);
+        }
+        bool fresh = r->num_blocks == 0;
+        int32_t n_hits = 0, local = 0, external = 0;
+        bool async = false;
+        if (fresh) {
+            n_hits = pd_kv_manager_get_computed_blocks(&s->kv, r, s->hits, s->max_blocks_per_req,
+                                                       r->num_cached_tokens < 0, &local);
+            if (s->conn != NULL) {
+                pd_status_t st =
+                    s->conn->ops->get_num_new_matched_tokens(s->conn, r, local, &external, &async);
+                if (st != PD_OK || external < 0) {
+                    external = 0;
+                    async = false;
+                }
+                if (local + external >= r->num_tokens && !async) {
+                    external = r->num_tokens - 1 - local; /* keep one token to compute */
+                    external = external > 0 ? external : 0;
+                }
+            }
+        }
+        int32_t computed = fresh ? local + (async ? 0 : external) : r->num_computed_tokens;
+        int32_t num_new = async ? 0 : r->num_tokens - computed;
+        if (num_new > *budget) {
+            if (!s->cfg.enable_chunked_prefill) {
+                break;
+            }
+            num_new = *budget;
+        }
+        bool ok = fresh ? pd_kv_manager_allocate_slots(&s->kv, r, num_new, s->hits, n_hits, external, async)
+                        : pd_kv_manager_allocate_slots(&s->kv, r, num_new, NULL, 0, 0, false);
+        if (!ok) {
+            break; /* FCFS: nothing behind it jumps the queue for space */
+        }
+        if (fresh && s->conn != NULL) {
+            s->conn->ops->update_state_after_alloc(s->conn, r, r->block_ids, r->num_blocks, external);
+        }
+        if (r->num_cached_tokens < 0) {
+            r->num_cached_tokens = local;
+        }
+        if (async) {
+            r->num_computed_tokens = local;
+            r->num_external_tokens = external;
+            r->state = PD_REQ_WAITING_FOR_REMOTE_KV;
+            r = next;
+            continue;
+        }
+        wait_remove(s, r);
+        r->num_computed_tokens = computed;
+        r->state = PD_REQ_RUNNING;
+        if (r->first_scheduled_time == 0) {
+            r->first_scheduled_time = pd_time_now_s();
+        }
+        s->running[s->num_running++] = r;
+        s->out.items[s->out.num_items++] = (pd_sched_item_t){r, num_new};
+        *budget -= num_new;
+        r = next;
+    }
+}
+
+const pd_scheduler_output_t *pd_scheduler_schedule(pd_scheduler_t *s)
+{
+    for (int32_t i = 0; i < s->num_release; i++) {
+        release_now(s, s->release[i]);
+    }
+    s->num_release = 0;
+    s->num_finished = 0;
+    s->out = (pd_scheduler_output_t){s->items, 0, 0, s->preempted, 0, NULL};
+    int32_t budget = s->cfg.max_num_batched_tokens;
+
+    for (int32_t i = 0; i < s->num_running && budget > 0; i++) {
+        pd_request_t *r = s->running[i];
+        int32_t num_new = r->num_tokens - r->num_computed_tokens;
+        if (num_new > budget) {
+            if (!s->cfg.enable_chunked_prefill) {
+                continue;
+            }
+            num_new = budget;
+        }
+        if (num_new <= 0) {
+            continue;
+        }
+        bool ok = true;
+        while (!pd_kv_manager_allocate_slots(&s->kv, r, num_new, NULL, 0, 0, false)) {
+            pd_request_t *victim = s->running[s->num_running - 1]; /* newest first */
+            s->num_running--;
+            preempt(s, victim);
+            if (victim == r) {
+                ok = false;
+                break;
+            }
+        }
+        if (!ok) {
+            break;
+        }
+        s->out.items[s->out.num_items++] = (pd_sched_item_t){r, num_new};
+        budget -= num_new;
+    }
+    if (s->out.num_preempted == 0) {
+        schedule_waiting(s, &budget);
+    }
+    s->out.total_tokens = s->cfg.max_num_batched_tokens - budget;
+    if (s->conn != NULL) {
+        s->out.connector_meta = s->conn->ops->build_connector_meta(s->conn, &s->out);
+    }
+    return &s->out;
+}
+
+/* ------------------------------------------------------------------ update */
+
+static bool stop_check(const pd_scheduler_t *s, pd_request_t *r, int32_t tok, pd_request_state_t *st)
+{
+    if (!r->params.ignore_eos) {
+        for (int32_t i = 0; i < s->cfg.num_eos; i++) {
+            if (tok == s->cfg.eos_token_ids[i]) {
+                *st = PD_REQ_FINISHED_STOPPED;
+                return true;
+            }
+        }
+    }
+    for (int32_t i = 0; i < r->params.num_stop_token_ids; i++) {
+        if (tok == r->params.stop_token_ids[i]) {
+            *st = PD_REQ_FINISHED_STOPPED;
+            return true;
+        }
+    }
+    if (pd_request_num_output(r) >= r->params.max_tokens || r->num_tokens >= s->cfg.max_model_len ||
+        r->num_tokens >= r->cap_tokens) {
+        *st = PD_REQ_FINISHED_LENGTH;
+        return true;
+    }
+    return false;
+}
+
+/* Blocks that failed to load: the policy decides for each request waiting on them. */
+static void apply_load_errors(pd_scheduler_t *s, const uint32_t *bad, int32_t n_bad)
+{
+    if (n_bad == 0) {
+        return;
+    }
+    for (pd_request_t *r = s->wait_head, *next; r != NULL; r = next) {
+        next = r->next;
+        if (r->state != PD_REQ_WAITING_FOR_REMOTE_KV) {
+            continue;
+        }
+        int32_t first_bad = -1;
+        for (int32_t b = 0; b < r->num_blocks && first_bad < 0; b++) {
+            for (int32_t k = 0; k < n_bad; k++) {
+                if (r->block_ids[b] == bad[k]) {
+                    first_bad = b;
+                    break;
+                }
+            }
+        }
+        if (first_bad < 0) {
+            continue;
+        }
+        if (s->cfg.load_failure_policy == PD_LOAD_FAILURE_FAIL) {
+            pd_log_warn("request %s: remote KV load failed at block %d; policy fail", r->id, first_bad);
+            pd_strmap_del(&s->recv_done, r->id, strlen(r->id), NULL);
+            finish_request(s, r, PD_REQ_FINISHED_ERROR);
+            continue;
+        }
+        /* recompute: keep what arrived before the first bad block */
+        int32_t valid = first_bad * s->cfg.block_size - r->num_computed_tokens;
+        r->num_external_tokens = valid > 0 ? valid : 0;
+        pd_log_warn("request %s: remote KV load failed at block %d; recomputing from token %d", r->id,
+                    first_bad, r->num_computed_tokens + r->num_external_tokens);
+    }
+}
+
+void pd_scheduler_update(pd_scheduler_t *s, const pd_scheduler_output_t *out, const pd_model_output_t *mo,
+                         pd_scheduler_update_result_t *res)
+{
+    int32_t n_tok = 0;
+    for (int32_t i = 0; i < out->num_items; i++) {
+        pd_request_t *r = out->items[i].req;
+        if (pd_request_is_finished(r)) {
+            continue; /* aborted between schedule and update */
+        }
+        r->num_computed_tokens += out->items[i].num_new_tokens;
+        if (r->num_computed_tokens < r->num_tokens || mo->sampled == NULL || mo->sampled[i] < 0) {
+            continue; /* a prompt chunk: no token yet */
+        }
+        int32_t tok = mo->sampled[i];
+        if (pd_request_append_token(r, tok) != PD_OK) {
+            finish_request(s, r, PD_REQ_FINISHED_LENGTH);
+            continue;
+        }
+        double now = pd_time_now_s();
+        if (r->first_token_time == 0) {
+            r->first_token_time = now;
+        }
+        s->with_token[n_tok++] = r;
+        pd_request_state_t st;
+        if (stop_check(s, r, tok, &st)) {
+            finish_request(s, r, st);
+        }
+    }
+    apply_load_errors(s, mo->load_error_blocks, mo->num_load_error_blocks);
+    for (int32_t i = 0; i < mo->finished.num_recving; i++) {
+        pd_request_t *r = pd_scheduler_find(s, mo->finished.recving[i]);
+        if (r == NULL) {
+            continue;
+        }
+        if (r->holds_blocks_after_finish) {
+            end_hold(s, r); /* aborted while loading: the transfer is over now */
+        } else if (r->state == PD_REQ_WAITING_FOR_REMOTE_KV) {
+            pd_strmap_put(&s->recv_done, r->id, strlen(r->id), 1);
+        }
+    }
+    for (int32_t i = 0; i < mo->finished.num_sending; i++) {
+        pd_request_t *r = pd_scheduler_find(s, mo->finished.sending[i]);
+        if (r != NULL) {
+            end_hold(s, r);
+        }
+    }
+    res->with_new_token = s->with_token;
+    res->num_with_new_token = n_tok;
+    res->finished = s->finished;
+    res->num_finished = s->num_finished;
+}
+
+/* ------------------------------------------------------------------ stats */
+
+void pd_scheduler_get_stats(const pd_scheduler_t *s, pd_scheduler_stats_t *o)
+{
+    memset(o, 0, sizeof(*o));
+    o->num_running = s->num_running;
+    for (const pd_request_t *r = s->wait_head; r != NULL; r = r->next) {
+        if (r->state == PD_REQ_WAITING_FOR_REMOTE_KV) {
+            o->num_waiting_for_remote_kv++;
+        } else {
+            o->num_waiting++;
+        }
+    }
+    o->num_holding = s->num_holding;
+    o->num_preemptions = s->preemptions;
+    o->prefix_queries = s->kv.prefix_queries;
+    o->prefix_hits = s->kv.prefix_hits;
+    o->kv_usage = pd_kv_manager_usage(&s->kv);
+    o->blocks_free = pd_block_pool_num_free(s->kv.pool);
+    o->blocks_cached_free = pd_block_pool_num_cached_free(s->kv.pool);
+    o->blocks_used = pd_block_pool_num_used(s->kv.pool);
+}
+
+bool pd_scheduler_idle(const pd_scheduler_t *s)
+{
+    return s->num_running == 0 && s->num_waiting == 0 && s->num_holding == 0;
+}
+
+pd_kv_cache_manager_t *pd_scheduler_kv(pd_scheduler_t *s)
+{
+    return &s->kv;
+}

@@ -1,0 +1,125 @@
+/* scheduler/scheduler.h — continuous batching with a token budget, chunked prefill, preemption by
+ * recompute, prefix caching, and the KV connector hooks at the points vLLM's V1 scheduler calls
+ * them. One scheduler per engine; not thread-safe (the engine thread owns it).
+ *
+ * Step protocol:
+ *   out = pd_scheduler_schedule(s)           — which requests run, how many new tokens each
+ *   ... model runs out.items ...
+ *   pd_scheduler_update(s, out, &model_out)  — append sampled tokens, stop checks, free blocks,
+ *                                              connector completions; finished requests are
+ *                                              listed in the update result */
+#ifndef PD_SCHEDULER_SCHEDULER_H
+#define PD_SCHEDULER_SCHEDULER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "common/strmap.h"
+#include "connector/connector.h"
+#include "scheduler/kv_cache_manager.h"
+#include "scheduler/request.h"
+
+typedef enum pd_load_failure_policy {
+    PD_LOAD_FAILURE_RECOMPUTE = 0, /* compute locally what could not be loaded */
+    PD_LOAD_FAILURE_FAIL = 1,      /* finish the request with an error */
+} pd_load_failure_policy_t;
+
+typedef struct pd_scheduler_config {
+    int32_t max_num_seqs;
+    int32_t max_num_batched_tokens;
+    int32_t max_model_len;
+    int32_t block_size;
+    uint32_t num_blocks;
+    bool enable_prefix_caching;
+    bool enable_chunked_prefill;
+    int32_t eos_token_ids[8];
+    int32_t num_eos;
+    pd_load_failure_policy_t load_failure_policy;
+} pd_scheduler_config_t;
+
+typedef struct pd_sched_item {
+    pd_request_t *req;
+    int32_t num_new_tokens; /* tokens computed this step, from req->num_computed_tokens on */
+} pd_sched_item_t;
+
+typedef struct pd_scheduler_output {
+    pd_sched_item_t *items;
+    int32_t num_items;
+    int32_t total_tokens;
+    pd_request_t **preempted; /* left the running set this step (drop them from the input batch) */
+    int32_t num_preempted;
+    void *connector_meta;
+} pd_scheduler_output_t;
+
+/* Per scheduled item: the sampled token, or -1 when the step computed only part of a prompt. */
+typedef struct pd_model_output {
+    const int32_t *sampled;            /* [num_items] */
+    pd_connector_finished_t finished;  /* from the connector's get_finished, or empty */
+    const uint32_t *load_error_blocks; /* from get_block_ids_with_load_errors */
+    int32_t num_load_error_blocks;
+} pd_model_output_t;
+
+/* What an update changed, for the frontend. */
+typedef struct pd_scheduler_update_result {
+    pd_request_t **with_new_token; /* requests that got one token this step */
+    int32_t num_with_new_token;
+    pd_request_t **finished; /* requests that finished this step (valid until the next schedule) */
+    int32_t num_finished;
+} pd_scheduler_update_result_t;
+
+typedef struct pd_scheduler pd_scheduler_t;
+
+/* Creates a scheduler; connector may be NULL. PD_ERR_INVALID_ARG for impossible limits. */
+pd_status_t pd_scheduler_create(const pd_scheduler_config_t *cfg, pd_connector_t *connector,
+                                pd_scheduler_t **sched_out);
+
+/* Calls fn(arg, req) just before the scheduler frees a request (finished and released, or at
+ * destroy), so a frontend can free what it attached to req->user. */
+void pd_scheduler_set_release_hook(pd_scheduler_t *s, void (*fn)(void *arg, pd_request_t *req), void *arg);
+
+/* Frees the scheduler and every request it still owns. */
+void pd_scheduler_destroy(pd_scheduler_t *s);
+
+/* Hands req (state WAITING) to the scheduler, which owns it from now on. PD_ERR_INVALID_ARG on a
+ * duplicate id (the caller keeps ownership then). */
+pd_status_t pd_scheduler_add_request(pd_scheduler_t *s, pd_request_t *req);
+
+/* Aborts a request in any state: it finishes as ABORTED, its blocks are freed (or held while the
+ * connector says a peer may still use them). Returns the request (valid until the next schedule,
+ * so a frontend can drop it from its batch) or NULL for an unknown or already finished id. */
+pd_request_t *pd_scheduler_abort(pd_scheduler_t *s, const char *id);
+
+/* Finishes a running request from outside the stop checks (stop strings found by the frontend).
+ * Same lifetime rules as abort. */
+void pd_scheduler_finish(pd_scheduler_t *s, pd_request_t *req, pd_request_state_t state);
+
+/* Plans one step. The output is owned by the scheduler and valid until the next schedule. */
+const pd_scheduler_output_t *pd_scheduler_schedule(pd_scheduler_t *s);
+
+/* Applies the step's results. *result is owned by the scheduler, valid until the next schedule. */
+void pd_scheduler_update(pd_scheduler_t *s, const pd_scheduler_output_t *out,
+                         const pd_model_output_t *model_out, pd_scheduler_update_result_t *result);
+
+/* Looks a live (not yet released) request up by id. */
+pd_request_t *pd_scheduler_find(const pd_scheduler_t *s, const char *id);
+
+typedef struct pd_scheduler_stats {
+    int32_t num_running;
+    int32_t num_waiting;
+    int32_t num_waiting_for_remote_kv;
+    int32_t num_holding; /* finished, blocks held for a remote reader */
+    uint64_t num_preemptions;
+    uint64_t prefix_queries, prefix_hits;
+    double kv_usage;
+    uint32_t blocks_free, blocks_cached_free, blocks_used;
+} pd_scheduler_stats_t;
+
+void pd_scheduler_get_stats(const pd_scheduler_t *s, pd_scheduler_stats_t *out);
+
+/* True when nothing is waiting, running or held. */
+bool pd_scheduler_idle(const pd_scheduler_t *s);
+
+/* The KV cache manager (tests and metrics read the pool through it). */
+pd_kv_cache_manager_t *pd_scheduler_kv(pd_scheduler_t *s);
+
+#endif

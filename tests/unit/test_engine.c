@@ -1,0 +1,442 @@
+/* tests/unit/test_engine.c — the engine core on a real (tiny) model: continuous batching gives each
+ * request exactly the tokens it gets alone (greedy and seeded), preemption and prefix caching do
+ * not change outputs, aborts free blocks, stop strings cut text, bad requests are refused, and
+ * the threaded submit/output path delivers everything. */
+#include "test_util.h"
+
+#include <check.h>
+#include <pthread.h>
+
+#include "common/log.h"
+#include "common/rng.h"
+#include "common/time.h"
+#include "engine/engine.h"
+
+static char *g_model;
+
+typedef struct gen {
+    int32_t tokens[256];
+    int32_t n;
+    char text[4096];
+    size_t text_len;
+    const char *finish;
+    int32_t cached;
+    int32_t completion;
+} gen_t;
+
+static pd_engine_t *make_engine(int num_blocks_override, bool prefix, int max_seqs)
+{
+    pd_engine_config_t c;
+    pd_engine_config_defaults(&c);
+    c.model_dir = g_model;
+    c.threads = 2;
+    c.kv_cache_memory = 256u << 20;
+    c.max_num_batched_tokens = 256;
+    c.max_num_seqs = max_seqs;
+    c.max_model_len = 512;
+    c.enable_prefix_caching = prefix;
+    c.num_blocks_override = num_blocks_override;
+    pd_engine_t *e = NULL;
+    ck_assert_int_eq(pd_engine_create(&c, &e), PD_OK);
+    return e;
+}
+
+static void collect(pd_engine_output_t *outs)
+{
+    for (pd_engine_output_t *o = outs; o != NULL; o = o->next) {
+        gen_t *g = o->user;
+        if (o->token >= 0) {
+            ck_assert_int_lt(g->n, 256);
+            g->tokens[g->n++] = o->token;
+        }
+        ck_assert_uint_lt(g->text_len + o->text_len, sizeof(g->text));
+        memcpy(g->text + g->text_len, o->text, o->text_len);
+        g->text_len += o->text_len;
+        if (o->finish_reason != NULL) {
+            ck_assert_ptr_null(g->finish); /* exactly one final output */
+            g->finish = o->finish_reason;
+            g->cached = o->cached_tokens;
+            g->completion = o->completion_tokens;
+        }
+    }
+}
+
+static void run_until_idle(pd_engine_t *e)
+{
+    int steps = 0;
+    while (pd_engine_has_work(e)) {
+        pd_engine_output_t *outs = NULL;
+        ck_assert_int_eq(pd_engine_step(e, &outs), PD_OK);
+        collect(outs);
+        pd_engine_output_free(outs);
+        ck_assert_int_lt(++steps, 20000);
+    }
+    pd_engine_output_t *outs = NULL; /* releases the last finished requests */
+    pd_engine_step(e, &outs);
+    collect(outs);
+    pd_engine_output_free(outs);
+}
+
+typedef struct spec {
+    int32_t prompt[200];
+    int32_t n;
+    int32_t max_tokens;
+    float temperature;
+    uint64_t seed;
+} spec_t;
+
+static void make_specs(spec_t *s, int count, float temperature, int vocab)
+{
+    pd_rng_t r;
+    pd_rng_seed(&r, 2024);
+    for (int i = 0; i < count; i++) {
+        /* lengths: tiny, under a block, exact block multiples, several blocks */
+        int lens[] = {1, 5, 15, 16, 17, 32, 48, 63, 64, 100, 150};
+        s[i].n = lens[i % 11] + (i / 11);
+        for (int k = 0; k < s[i].n; k++) {
+            s[i].prompt[k] = (int32_t)pd_rng_below(&r, (uint64_t)vocab - 2);
+        }
+        s[i].max_tokens = 1 + (int32_t)pd_rng_below(&r, 24);
+        s[i].temperature = temperature;
+        s[i].seed = 1000 + (uint64_t)i;
+    }
+}
+
+static void add_spec(pd_engine_t *e, const spec_t *s, int i, gen_t *g, const char *const *stop, int nstop)
+{
+    char id[32], err[256];
+    snprintf(id, sizeof(id), "req-%d", i);
+    pd_engine_request_t rq;
+    memset(&rq, 0, sizeof(rq));
+    rq.id = id;
+    rq.prompt = s->prompt;
+    rq.num_prompt = s->n;
+    rq.params.max_tokens = s->max_tokens;
+    rq.params.ignore_eos = true;
+    rq.params.sampling = (pd_sampling_params_t){s->temperature, 0, s->temperature > 0 ? 0.9f : 1.0f};
+    rq.params.has_seed = true;
+    rq.params.seed = s->seed;
+    for (int k = 0; k < nstop; k++) {
+        rq.stop[k] = stop[k];
+    }
+    rq.num_stop = nstop;
+    rq.user = g;
+    ck_assert_msg(pd_engine_add(e, &rq, err, sizeof(err)) == PD_OK, "%s", err);
+}
+
+static void assert_same(const gen_t *a, const gen_t *b, int i)
+{
+    ck_assert_msg(a->n == b->n, "request %d: %d vs %d tokens", i, a->n, b->n);
+    for (int k = 0; k < a->n; k++) {
+        ck_assert_msg(a->tokens[k] == b->tokens[k], "request %d token %d: %d vs %d", i, k, a->tokens[k],
+                      b->tokens[k]);
+    }
+    ck_assert_uint_eq(a->text_len, b->text_len);
+    ck_assert_int_eq(memcmp(a->text, b->text, a->text_len), 0);
+}
+
+static void assert_pool_free(pd_engine_t *e)
+{
+    pd_engine_stats_t st;
+    pd_engine_get_stats(e, &st);
+    ck_assert_uint_eq(st.blocks_used, 0);
+    ck_assert_uint_eq(st.blocks_free + st.blocks_cached_free, st.num_blocks - 1);
+}
+
+static void batch_vs_alone(float temperature)
+{
+    enum { N = 32 };
+    spec_t *s = calloc(N, sizeof(spec_t));
+    gen_t *alone = calloc(N, sizeof(gen_t)), *batched = calloc(N, sizeof(gen_t));
+    pd_engine_t *e = make_engine(0, false, 32);
+    make_specs(s, N, temperature, pd_engine_model_config(e)->vocab_size);
+    for (int i = 0; i < N; i++) {
+        add_spec(e, &s[i], i, &alone[i], NULL, 0);
+        run_until_idle(e);
+        ck_assert_str_eq(alone[i].finish, "length");
+        ck_assert_int_eq(alone[i].n, s[i].max_tokens);
+    }
+    for (int i = 0; i < N; i++) {
+        add_spec(e, &s[i], i, &batched[i], NULL, 0);
+    }
+    run_until_idle(e);
+    for (int i = 0; i < N; i++) {
+        assert_same(&batched[i], &alone[i], i);
+        ck_assert_int_eq(batched[i].completion, s[i].max_tokens);
+    }
+    assert_pool_free(e);
+    pd_engine_destroy(e);
+    free(s), free(alone), free(batched);
+}
+
+START_TEST(test_batched_equals_alone_greedy)
+{
+    batch_vs_alone(0.0f);
+}
+END_TEST
+
+START_TEST(test_batched_equals_alone_seeded)
+{
+    batch_vs_alone(0.8f);
+}
+END_TEST
+
+START_TEST(test_preemption_keeps_outputs)
+{
+    enum { N = 8 };
+    spec_t *s = calloc(N, sizeof(spec_t));
+    gen_t *ref = calloc(N, sizeof(gen_t)), *tight = calloc(N, sizeof(gen_t));
+    pd_engine_t *big = make_engine(0, false, 16);
+    make_specs(s, N, 0.0f, pd_engine_model_config(big)->vocab_size);
+    for (int i = 0; i < N; i++) {
+        s[i].n = 60 + i;
+        s[i].max_tokens = 40;
+        add_spec(big, &s[i], i, &ref[i], NULL, 0);
+    }
+    run_until_idle(big);
+    pd_engine_destroy(big);
+    /* 40 blocks × 16 tokens = 640 slots for 8 × 100 tokens: requests must be preempted */
+    pd_engine_t *e = make_engine(40, false, 16);
+    for (int i = 0; i < N; i++) {
+        add_spec(e, &s[i], i, &tight[i], NULL, 0);
+    }
+    run_until_idle(e);
+    pd_engine_stats_t st;
+    pd_engine_get_stats(e, &st);
+    ck_assert_uint_gt(st.preemptions, 0);
+    for (int i = 0; i < N; i++) {
+        assert_same(&tight[i], &ref[i], i);
+    }
+    assert_pool_free(e);
+    pd_engine_destroy(e);
+    free(s), free(ref), free(tight);
+}
+END_TEST
+
+START_TEST(test_prefix_cache_reuse)
+{
+    pd_engine_t *e = make_engine(0, true, 8);
+    spec_t s;
+    make_specs(&s, 1, 0.0f, pd_engine_model_config(e)->vocab_size);
+    s.n = 80;
+    s.max_tokens = 10;
+    gen_t a, b;
+    memset(&a, 0, sizeof(a));
+    memset(&b, 0, sizeof(b));
+    add_spec(e, &s, 0, &a, NULL, 0);
+    run_until_idle(e);
+    add_spec(e, &s, 1, &b, NULL, 0);
+    run_until_idle(e);
+    ck_assert_int_eq(a.cached, 0);
+    ck_assert_int_eq(b.cached, 64); /* (80 − 1) / 16 full blocks */
+    assert_same(&b, &a, 0);
+    pd_engine_stats_t st;
+    pd_engine_get_stats(e, &st);
+    ck_assert_uint_eq(st.prefix_hits, 64);
+    ck_assert_uint_eq(st.prefix_queries, 160);
+    assert_pool_free(e);
+    pd_engine_destroy(e);
+}
+END_TEST
+
+START_TEST(test_abort_and_stop_strings)
+{
+    pd_engine_t *e = make_engine(0, true, 2);
+    spec_t s[4];
+    make_specs(s, 4, 0.0f, pd_engine_model_config(e)->vocab_size);
+    gen_t g[4];
+    memset(g, 0, sizeof(g));
+    for (int i = 0; i < 4; i++) {
+        s[i].max_tokens = 50;
+        add_spec(e, &s[i], i, &g[i], NULL, 0);
+    }
+    for (int k = 0; k < 3; k++) { /* max_num_seqs 2: two run, two wait */
+        pd_engine_output_t *outs = NULL;
+        pd_engine_step(e, &outs);
+        collect(outs);
+        pd_engine_output_free(outs);
+    }
+    ck_assert(pd_engine_abort(e, "req-0")); /* running */
+    ck_assert(pd_engine_abort(e, "req-3")); /* waiting */
+    ck_assert(!pd_engine_abort(e, "req-3"));
+    ck_assert(!pd_engine_abort(e, "nope"));
+    run_until_idle(e);
+    ck_assert_str_eq(g[0].finish, "abort");
+    ck_assert_str_eq(g[3].finish, "abort");
+    ck_assert_int_eq(g[3].n, 0);
+    ck_assert_str_eq(g[1].finish, "length");
+    assert_pool_free(e);
+
+    /* stop strings: take a piece of a greedy completion's text; the same request with that stop
+     * string ends just before it, with finish_reason "stop" */
+    gen_t full, cut;
+    memset(&full, 0, sizeof(full));
+    memset(&cut, 0, sizeof(cut));
+    s[1].max_tokens = 30;
+    add_spec(e, &s[1], 10, &full, NULL, 0);
+    run_until_idle(e);
+    ck_assert_uint_gt(full.text_len, 12);
+    /* a 3-byte stop string starting at a character boundary near the middle */
+    size_t at = full.text_len / 2;
+    while (at > 0 && ((unsigned char)full.text[at] & 0xc0) == 0x80) {
+        at--;
+    }
+    char stop[4];
+    memcpy(stop, full.text + at, 3);
+    stop[3] = '\0';
+    const char *first = strstr(full.text, stop);
+    ck_assert_ptr_nonnull(first);
+    const char *stops[1] = {stop};
+    add_spec(e, &s[1], 11, &cut, stops, 1);
+    run_until_idle(e);
+    ck_assert_str_eq(cut.finish, "stop");
+    ck_assert_uint_eq(cut.text_len, (size_t)(first - full.text));
+    ck_assert_int_eq(memcmp(cut.text, full.text, cut.text_len), 0);
+    assert_pool_free(e);
+    pd_engine_destroy(e);
+}
+END_TEST
+
+START_TEST(test_bad_requests)
+{
+    pd_engine_t *e = make_engine(0, true, 4);
+    int32_t vocab = pd_engine_model_config(e)->vocab_size;
+    int32_t prompt[600];
+    for (int i = 0; i < 600; i++) {
+        prompt[i] = i % vocab;
+    }
+    char err[256];
+    pd_engine_request_t rq;
+    memset(&rq, 0, sizeof(rq));
+    rq.id = "x";
+    rq.prompt = prompt;
+    rq.num_prompt = 512; /* == max_model_len */
+    rq.params.sampling.top_p = 1;
+    ck_assert_int_eq(pd_engine_add(e, &rq, err, sizeof(err)), PD_ERR_INVALID_ARG);
+    ck_assert_ptr_nonnull(strstr(err, "maximum context length is 512"));
+    rq.num_prompt = 0;
+    ck_assert_int_eq(pd_engine_add(e, &rq, err, sizeof(err)), PD_ERR_INVALID_ARG);
+    rq.num_prompt = 3;
+    prompt[1] = vocab;
+    ck_assert_int_eq(pd_engine_add(e, &rq, err, sizeof(err)), PD_ERR_INVALID_ARG);
+    ck_assert_ptr_nonnull(strstr(err, "outside the vocabulary"));
+    prompt[1] = 1;
+    rq.params.sampling.temperature = -1;
+    ck_assert_int_eq(pd_engine_add(e, &rq, err, sizeof(err)), PD_ERR_INVALID_ARG);
+    rq.params.sampling.temperature = 0;
+    gen_t g;
+    memset(&g, 0, sizeof(g));
+    rq.user = &g;
+    rq.num_prompt = 400; /* max_tokens 0: room for 112 more tokens */
+    ck_assert_int_eq(pd_engine_add(e, &rq, err, sizeof(err)), PD_OK);
+    ck_assert_int_eq(pd_engine_add(e, &rq, err, sizeof(err)), PD_ERR_INVALID_ARG); /* duplicate id */
+    run_until_idle(e);
+    /* max_tokens 0 means "up to max_model_len", and the request ends with "length" there */
+    ck_assert_str_eq(g.finish, g.completion == 512 - 400 ? "length" : "stop");
+    ck_assert_int_le(g.completion, 112);
+    assert_pool_free(e);
+    pd_engine_destroy(e);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ threaded */
+
+typedef struct waiter {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int signals;
+} waiter_t;
+
+static void notify(void *ctx)
+{
+    waiter_t *w = ctx;
+    pthread_mutex_lock(&w->mu);
+    w->signals++;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+}
+
+START_TEST(test_threaded_submit)
+{
+    enum { N = 16 };
+    spec_t *s = calloc(N, sizeof(spec_t));
+    gen_t *sync = calloc(N, sizeof(gen_t)), *thr = calloc(N, sizeof(gen_t));
+    pd_engine_t *e = make_engine(0, true, 8);
+    make_specs(s, N, 0.0f, pd_engine_model_config(e)->vocab_size);
+    for (int i = 0; i < N; i++) {
+        add_spec(e, &s[i], i, &sync[i], NULL, 0);
+    }
+    run_until_idle(e);
+    waiter_t w = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0};
+    ck_assert_int_eq(pd_engine_start(e, notify, &w), PD_OK);
+    for (int i = 0; i < N; i++) {
+        char id[32];
+        snprintf(id, sizeof(id), "t-%d", i);
+        pd_engine_request_t rq;
+        memset(&rq, 0, sizeof(rq));
+        rq.id = id;
+        rq.prompt = s[i].prompt;
+        rq.num_prompt = s[i].n;
+        rq.params.max_tokens = s[i].max_tokens;
+        rq.params.ignore_eos = true;
+        rq.params.sampling = (pd_sampling_params_t){0, 0, 1};
+        rq.user = &thr[i];
+        ck_assert_int_eq(pd_engine_submit(e, &rq), PD_OK);
+    }
+    pd_engine_abort_async(e, "never-existed");
+    int done = 0;
+    double deadline = pd_time_now_s() + 120;
+    while (done < N) {
+        pthread_mutex_lock(&w.mu);
+        while (w.signals == 0) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_sec += 1;
+            pthread_cond_timedwait(&w.cv, &w.mu, &ts);
+            ck_assert(pd_time_now_s() < deadline);
+        }
+        w.signals = 0;
+        pthread_mutex_unlock(&w.mu);
+        pd_engine_output_t *outs = pd_engine_take_outputs(e);
+        for (pd_engine_output_t *o = outs; o != NULL; o = o->next) {
+            done += o->finish_reason != NULL;
+        }
+        collect(outs);
+        pd_engine_output_free(outs);
+    }
+    pd_engine_stop(e);
+    for (int i = 0; i < N; i++) {
+        assert_same(&thr[i], &sync[i], i);
+    }
+    pd_engine_destroy(e);
+    free(s), free(sync), free(thr);
+}
+END_TEST
+
+int main(void)
+{
+    pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_WARN);
+    g_model = tu_make_model("--preset tiny --arch llama");
+    if (g_model == NULL) {
+        fprintf(stderr, "cannot make the tiny model\n");
+        return 1;
+    }
+    Suite *s = suite_create("engine");
+    TCase *tc = tcase_create("engine");
+    tcase_set_timeout(tc, 600);
+    tcase_add_test(tc, test_batched_equals_alone_greedy);
+    tcase_add_test(tc, test_batched_equals_alone_seeded);
+    tcase_add_test(tc, test_preemption_keeps_outputs);
+    tcase_add_test(tc, test_prefix_cache_reuse);
+    tcase_add_test(tc, test_abort_and_stop_strings);
+    tcase_add_test(tc, test_bad_requests);
+    tcase_add_test(tc, test_threaded_submit);
+    suite_add_tcase(s, tc);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    tu_rmrf(g_model);
+    free(g_model);
+    return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}

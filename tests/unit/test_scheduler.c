@@ -1,0 +1,759 @@
+/* tests/unit/test_scheduler.c — block pool, prefix cache, KV cache specs/config, KV cache
+ * manager, and the scheduler (token budget, chunked prefill, preemption, aborts, and the connector
+ * hooks driven by a fake connector). No model runs here: "sampled" tokens come from the test. */
+#include <check.h>
+#include <jansson.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "common/rng.h"
+#include "scheduler/block_pool.h"
+#include "scheduler/kv_cache_manager.h"
+#include "scheduler/kv_cache_spec.h"
+#include "scheduler/scheduler.h"
+
+/* ------------------------------------------------------------------ block pool */
+
+START_TEST(test_block_pool_basic)
+{
+    pd_block_pool_t *p = NULL;
+    ck_assert_int_eq(pd_block_pool_create(10, true, &p), PD_OK);
+    ck_assert_uint_eq(pd_block_pool_num_free(p), 9);
+    uint32_t ids[9];
+    ck_assert_int_eq(pd_block_pool_take(p, 3, ids), PD_OK);
+    ck_assert_uint_eq(ids[0], 1);
+    ck_assert_uint_eq(ids[2], 3);
+    ck_assert_uint_eq(pd_block_pool_num_used(p), 3);
+    ck_assert_int_eq(pd_block_pool_take(p, 7, ids + 3), PD_ERR_NO_SPACE); /* only 6 left: nothing taken */
+    ck_assert_uint_eq(pd_block_pool_num_free(p), 6);
+    pd_hash128_t h = {11, 22};
+    pd_block_pool_cache(p, 2, h);
+    ck_assert_int_eq(pd_block_pool_lookup(p, h), 2);
+    uint32_t rev[3] = {3, 2, 1};
+    ck_assert_int_eq(pd_block_pool_free(p, rev, 3), PD_OK);
+    ck_assert_uint_eq(pd_block_pool_num_free(p) + pd_block_pool_num_cached_free(p), 9);
+    ck_assert_uint_eq(pd_block_pool_num_cached_free(p), 1);
+    ck_assert_int_eq(pd_block_pool_lookup(p, h), 2); /* free but still cached */
+    /* a prefix hit revives the cached free block */
+    uint32_t two = 2;
+    ck_assert_int_eq(pd_block_pool_touch(p, &two, 1), PD_OK);
+    ck_assert_int_eq(pd_block_pool_ref_count(p, 2), 1);
+    ck_assert_uint_eq(pd_block_pool_num_cached_free(p), 0);
+    ck_assert_int_eq(pd_block_pool_free(p, &two, 1), PD_OK);
+    /* taking every block reuses block 2 last-ish and evicts its hash when it is popped */
+    ck_assert_int_eq(pd_block_pool_take(p, 9, ids), PD_OK);
+    ck_assert_int_eq(pd_block_pool_lookup(p, h), -1);
+    ck_assert_uint_eq(pd_block_pool_num_evictions(p), 1);
+    ck_assert_int_eq(pd_block_pool_check(p), PD_OK);
+    /* bad ids are refused and change nothing */
+    uint32_t bad[2] = {4, 0};
+    ck_assert_int_eq(pd_block_pool_free(p, bad, 2), PD_ERR_OUT_OF_RANGE);
+    ck_assert_int_eq(pd_block_pool_ref_count(p, 4), 1);
+    uint32_t big = 10;
+    ck_assert_int_eq(pd_block_pool_touch(p, &big, 1), PD_ERR_OUT_OF_RANGE);
+    ck_assert_int_eq(pd_block_pool_free(p, ids, 9), PD_OK);
+    ck_assert_int_eq(pd_block_pool_free(p, ids, 1), PD_ERR_OUT_OF_RANGE); /* double free */
+    ck_assert_uint_eq(pd_block_pool_num_free(p) + pd_block_pool_num_cached_free(p), 9);
+    pd_block_pool_destroy(p);
+}
+END_TEST
+
+/* The pool against a plain model: ref counts, a free list (LRU order) and a hash map. */
+START_TEST(test_block_pool_random_vs_model)
+{
+    enum { N = 64 };
+    pd_block_pool_t *p = NULL;
+    ck_assert_int_eq(pd_block_pool_create(N, true, &p), PD_OK);
+    int32_t ref[N] = {0};
+    int64_t hash_of[N]; /* model: content hash of a block, -1 none */
+    uint32_t order[N];  /* model free queue */
+    int nq = 0;
+    for (int i = 1; i < N; i++) {
+        order[nq++] = (uint32_t)i;
+        hash_of[i] = -1;
+    }
+    pd_rng_t r;
+    pd_rng_seed(&r, 77);
+    for (int op = 0; op < 30000; op++) {
+        int kind = (int)pd_rng_below(&r, 4);
+        if (kind == 0) { /* take k */
+            uint32_t k = (uint32_t)pd_rng_below(&r, 5), ids[5];
+            pd_status_t st = pd_block_pool_take(p, k, ids);
+            if ((int)k > nq) {
+                ck_assert_int_eq(st, PD_ERR_NO_SPACE);
+                continue;
+            }
+            ck_assert_int_eq(st, PD_OK);
+            for (uint32_t i = 0; i < k; i++) {
+                ck_assert_uint_eq(ids[i], order[i]); /* LRU: front of the queue */
+                ref[ids[i]] = 1;
+                hash_of[ids[i]] = -1;
+            }
+            memmove(order, order + k, (size_t)(nq - (int)k) * sizeof(uint32_t));
+            nq -= (int)k;
+        } else if (kind == 1) { /* free one in-use block */
+            uint32_t id = 1 + (uint32_t)pd_rng_below(&r, N - 1);
+            if (ref[id] == 0) {
+                ck_assert_int_eq(pd_block_pool_free(p, &id, 1), PD_ERR_OUT_OF_RANGE);
+                continue;
+            }
+            ck_assert_int_eq(pd_block_pool_free(p, &id, 1), PD_OK);
+            if (--ref[id] == 0) {
+                order[nq++] = id;
+            }
+        } else if (kind == 2) { /* cache a block under one of 40 contents */
+            uint32_t id = 1 + (uint32_t)pd_rng_below(&r, N - 1);
+            int64_t content = (int64_t)pd_rng_below(&r, 40);
+            pd_hash128_t h = {(uint64_t)content, 99};
+            bool taken = false;
+            for (int i = 1; i < N; i++) {
+                taken |= hash_of[i] == content;
+            }
+            pd_block_pool_cache(p, id, h);
+            if (hash_of[id] < 0 && !taken) {
+                hash_of[id] = content;
+            }
+        } else { /* prefix hit: look a content up and touch it */
+            int64_t content = (int64_t)pd_rng_below(&r, 40);
+            pd_hash128_t h = {(uint64_t)content, 99};
+            int64_t want = -1;
+            for (int i = 1; i < N; i++) {
+                if (hash_of[i] == content) {
+                    want = i;
+                }
+            }
+            int64_t got = pd_block_pool_lookup(p, h);
+            ck_assert_int_eq(got, want);
+            if (got > 0) {
+                uint32_t id = (uint32_t)got;
+                ck_assert_int_eq(pd_block_pool_touch(p, &id, 1), PD_OK);
+                if (ref[id]++ == 0) {
+                    int j = 0;
+                    while (order[j] != id) {
+                        j++;
+                    }
+                    memmove(order + j, order + j + 1, (size_t)(nq - j - 1) * sizeof(uint32_t));
+                    nq--;
+                }
+            }
+        }
+        int cached_free = 0;
+        for (int i = 0; i < nq; i++) {
+            cached_free += hash_of[order[i]] >= 0;
+        }
+        ck_assert_uint_eq(pd_block_pool_num_free(p) + pd_block_pool_num_cached_free(p), (uint32_t)nq);
+        ck_assert_uint_eq(pd_block_pool_num_cached_free(p), (uint32_t)cached_free);
+        if (op % 1000 == 0) {
+            ck_assert_int_eq(pd_block_pool_check(p), PD_OK);
+        }
+    }
+    for (uint32_t id = 1; id < N; id++) {
+        while (ref[id] > 0) {
+            ck_assert_int_eq(pd_block_pool_free(p, &id, 1), PD_OK);
+            ref[id]--;
+        }
+    }
+    ck_assert_uint_eq(pd_block_pool_num_free(p) + pd_block_pool_num_cached_free(p), N - 1);
+    ck_assert_int_eq(pd_block_pool_check(p), PD_OK);
+    pd_block_pool_destroy(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ KV cache manager */
+
+static pd_request_t *make_req(const char *id, const int32_t *toks, int32_t n, int32_t max_tokens)
+{
+    pd_request_params_t params;
+    memset(&params, 0, sizeof(params));
+    params.max_tokens = max_tokens;
+    params.sampling.top_p = 1.0f;
+    pd_request_t *r = NULL;
+    ck_assert_int_eq(pd_request_create(id, toks, n, &params, 4096, &r), PD_OK);
+    return r;
+}
+
+START_TEST(test_prefix_hit_after_repeat)
+{
+    /* Two requests with the same 3-block prompt: the second reuses the 2 cacheable full blocks
+     * (the last token is always recomputed) and allocates only its tail. */
+    enum { BLOCK = 4, NUM_BLOCKS = 16 };
+    pd_kv_cache_manager_t m;
+    ck_assert_int_eq(pd_kv_manager_init(&m, NUM_BLOCKS, BLOCK, true), PD_OK);
+    int32_t prompt[12] = {5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+    pd_request_t *a = make_req("a", prompt, 12, 4);
+    uint32_t hits[8];
+    int32_t hit_tokens = -1;
+    ck_assert_int_eq(pd_kv_manager_get_computed_blocks(&m, a, hits, 8, true, &hit_tokens), 0);
+    ck_assert(pd_kv_manager_allocate_slots(&m, a, 12, NULL, 0, 0, false));
+    ck_assert_int_eq(a->num_blocks, 3);
+    uint32_t a_blocks[3];
+    memcpy(a_blocks, a->block_ids, sizeof(a_blocks));
+    pd_kv_manager_free(&m, a);
+    pd_request_t *b = make_req("b", prompt, 12, 4);
+    int32_t n = pd_kv_manager_get_computed_blocks(&m, b, hits, 8, true, &hit_tokens);
+    ck_assert_int_eq(n, 2);
+    ck_assert_int_eq(hit_tokens, 2 * BLOCK);
+    ck_assert_uint_eq(hits[0], a_blocks[0]);
+    ck_assert_uint_eq(hits[1], a_blocks[1]);
+    b->num_computed_tokens = 0;
+    ck_assert(pd_kv_manager_allocate_slots(&m, b, 12 - hit_tokens, hits, n, 0, false));
+    ck_assert_int_eq(b->num_blocks, 3);
+    ck_assert_uint_eq(b->block_ids[0], a_blocks[0]);
+    /* a different third block: prefix shared, tail not */
+    int32_t other[12] = {5, 6, 7, 8, 9, 10, 11, 12, 99, 98, 97, 96};
+    pd_request_t *c = make_req("c", other, 12, 4);
+    ck_assert_int_eq(pd_kv_manager_get_computed_blocks(&m, c, hits, 8, true, &hit_tokens), 2);
+    int32_t first[12] = {1, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}; /* differs in block 0: no hit */
+    pd_request_t *d = make_req("d", first, 12, 4);
+    ck_assert_int_eq(pd_kv_manager_get_computed_blocks(&m, d, hits, 8, true, &hit_tokens), 0);
+    pd_kv_manager_free(&m, b);
+    ck_assert_uint_eq(pd_block_pool_num_free(m.pool) + pd_block_pool_num_cached_free(m.pool), NUM_BLOCKS - 1);
+    ck_assert_uint_eq(m.prefix_hits, 2 * 2 * BLOCK); /* b and c hit 8 tokens each */
+    pd_request_free(a), pd_request_free(b), pd_request_free(c), pd_request_free(d);
+    pd_kv_manager_destroy(&m);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ KV specs and config */
+
+static pd_kv_spec_t full_spec(int32_t heads, int32_t hd, int32_t bytes, int32_t bs)
+{
+    pd_kv_spec_t s = {PD_KV_FULL, bs, heads, hd, bytes, 0, -1};
+    return s;
+}
+
+START_TEST(test_kv_config_llama31_8b)
+{
+    /* 32 layers, 8 kv heads, head 128, bf16, block 16: 64 KiB per layer per block, 2 MiB per block
+     * over all layers; "Available KV cache memory: 4.93 GiB" ⇒ "KV cache size: 40,416 tokens". */
+    pd_kv_spec_t specs[32];
+    for (int i = 0; i < 32; i++) {
+        specs[i] = full_spec(8, 128, 2, 16);
+    }
+    ck_assert_uint_eq(pd_kv_spec_page_bytes(&specs[0]), 64 * 1024);
+    size_t mib2 = 2u << 20;
+    size_t probes[] = {2526 * mib2, 2526 * mib2 + 1, 2526 * mib2 + mib2 / 2, 2527 * mib2 - 1};
+    for (int i = 0; i < 4; i++) {
+        pd_kv_cache_config_t c;
+        ck_assert_int_eq(pd_kv_cache_config_compute(specs, 32, probes[i], 8192, &c), PD_OK);
+        ck_assert_uint_eq(c.num_blocks, 2526);
+        ck_assert_int_eq((int64_t)c.num_blocks * c.block_size, 40416);
+        ck_assert_int_eq(c.num_tensors, 32);
+        ck_assert_uint_eq(c.region_bytes, (size_t)2526 * mib2);
+        ck_assert_uint_eq(c.tensors[31].offset, (size_t)31 * 2526 * 64 * 1024);
+        ck_assert_int_eq(c.num_groups, 1);
+        ck_assert_int_eq(c.groups[0].num_layers, 32);
+    }
+    pd_kv_cache_config_t c;
+    ck_assert_int_eq(pd_kv_cache_config_compute(specs, 32, 2527 * mib2, 8192, &c), PD_OK);
+    ck_assert_uint_eq(c.num_blocks, 2527);
+    /* a 128k-token context does not fit in 2526 blocks: refused, not silently truncated */
+    ck_assert_int_eq(pd_kv_cache_config_compute(specs, 32, 2526 * mib2, 131072, &c), PD_ERR_NO_SPACE);
+}
+END_TEST
+
+START_TEST(test_kv_config_kinds_and_sharing)
+{
+    /* layer 0 full fp16, layer 1 sliding window, layer 2 MLA (one vector), layer 3 shares layer 0 */
+    pd_kv_spec_t specs[4] = {
+        {PD_KV_FULL, 16, 4, 64, 2, 0, -1},
+        {PD_KV_SLIDING_WINDOW, 16, 4, 64, 2, 128, -1},
+        {PD_KV_MLA, 16, 1, 576, 2, 0, -1},
+        {PD_KV_SHARED, 16, 4, 64, 2, 0, 0},
+    };
+    ck_assert_uint_eq(pd_kv_spec_page_bytes(&specs[0]), 2 * 16 * 4 * 64 * 2);
+    ck_assert_uint_eq(pd_kv_spec_page_bytes(&specs[2]), 1 * 16 * 1 * 576 * 2);
+    ck_assert_uint_eq(pd_kv_spec_page_bytes(&specs[3]), 0);
+    size_t per_block = 2 * 16384 + 18432;    /* the shared layer costs nothing */
+    size_t avail = per_block * 1000 + 12345; /* an odd size: rounds down */
+    pd_kv_cache_config_t c;
+    ck_assert_int_eq(pd_kv_cache_config_compute(specs, 4, avail, 4096, &c), PD_OK);
+    ck_assert_uint_eq(c.num_blocks, 1000);
+    ck_assert_int_eq(c.num_tensors, 3);
+    ck_assert_int_eq(c.layer_tensor[3], c.layer_tensor[0]);
+    ck_assert_int_eq(c.tensors[0].num_shared, 2);
+    ck_assert_int_eq(c.tensors[0].shared_by[0], 0);
+    ck_assert_int_eq(c.tensors[0].shared_by[1], 3);
+    ck_assert_uint_eq(c.region_bytes, per_block * 1000);
+    ck_assert_int_eq(c.num_groups, 2); /* 16 KiB pages (layers 0, 1) and 18 KiB (layer 2) */
+    /* too little memory for one max-length request */
+    ck_assert_int_eq(pd_kv_cache_config_compute(specs, 4, per_block * 10, 4096, &c), PD_ERR_NO_SPACE);
+    /* sharing a layer that itself shares, or a missing layer */
+    pd_kv_spec_t bad[3] = {
+        full_spec(4, 64, 2, 16), {PD_KV_SHARED, 16, 4, 64, 2, 0, 2}, {PD_KV_SHARED, 16, 4, 64, 2, 0, 0}};
+    ck_assert_int_eq(pd_kv_cache_config_compute(bad, 3, avail, 64, &c), PD_ERR_INVALID_ARG);
+    bad[1].shared_with = 7;
+    ck_assert_int_eq(pd_kv_cache_config_compute(bad, 3, avail, 64, &c), PD_ERR_INVALID_ARG);
+    /* block sizes must agree */
+    pd_kv_spec_t mixed[2] = {full_spec(4, 64, 2, 16), full_spec(4, 64, 2, 32)};
+    ck_assert_int_eq(pd_kv_cache_config_compute(mixed, 2, avail, 64, &c), PD_ERR_INVALID_ARG);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ a fake connector */
+
+typedef struct fake_conn {
+    pd_connector_t base;
+    int matched_calls, finished_calls, alloc_calls;
+    char recving[8][PD_REQ_ID_MAX];
+    const char *recv_ptrs[8];
+    int num_recving;
+    char sending[8][PD_REQ_ID_MAX];
+    const char *send_ptrs[8];
+    int num_sending;
+    uint32_t bad_blocks[8];
+    int num_bad;
+    int32_t external_tokens; /* what "remote-" requests get from the peer */
+} fake_conn_t;
+
+static pd_status_t fake_matched(pd_connector_t *c, const pd_request_t *r, int32_t local, int32_t *ext,
+                                bool *async)
+{
+    fake_conn_t *f = (fake_conn_t *)c;
+    f->matched_calls++;
+    *ext = 0;
+    *async = false;
+    if (strncmp(r->id, "remote-", 7) == 0 && r->num_preemptions == 0) {
+        *ext = r->num_prompt_tokens - local;
+        *async = true;
+    }
+    return PD_OK;
+}
+
+static void fake_after_alloc(pd_connector_t *c, pd_request_t *r, const uint32_t *ids, int32_t n, int32_t ext)
+{
+    fake_conn_t *f = (fake_conn_t *)c;
+    f->alloc_calls++;
+    if (strncmp(r->id, "remote-", 7) == 0) {
+        ck_assert_int_eq(ext, r->num_prompt_tokens);
+        ck_assert_int_ge(n * 4, ext); /* blocks for every external token (block size 4) */
+    }
+}
+
+static void *fake_meta(pd_connector_t *c, const struct pd_scheduler_output *o)
+{
+    return c;
+}
+
+static bool fake_finished(pd_connector_t *c, pd_request_t *r, const uint32_t *ids, int32_t n, void **params)
+{
+    fake_conn_t *f = (fake_conn_t *)c;
+    f->finished_calls++;
+    *params = json_pack("{s:s}", "remote_engine_id", "fake");
+    /* hold the blocks of "hold-" requests (a peer will read them) and of aborted remote loads */
+    return strncmp(r->id, "hold-", 5) == 0 ||
+           (strncmp(r->id, "remote-", 7) == 0 && r->state == PD_REQ_FINISHED_ABORTED);
+}
+
+static const pd_connector_ops_t fake_ops = {
+    .name = "fake",
+    .get_num_new_matched_tokens = fake_matched,
+    .update_state_after_alloc = fake_after_alloc,
+    .build_connector_meta = fake_meta,
+    .request_finished = fake_finished,
+};
+
+/* ------------------------------------------------------------------ scheduler driving */
+
+typedef struct driver {
+    pd_scheduler_t *s;
+    fake_conn_t *conn;
+    int32_t budget, max_seqs;
+    int finished;
+    int steps;
+} driver_t;
+
+static pd_scheduler_config_t sched_cfg(int32_t seqs, int32_t budget, uint32_t blocks)
+{
+    pd_scheduler_config_t c;
+    memset(&c, 0, sizeof(c));
+    c.max_num_seqs = seqs;
+    c.max_num_batched_tokens = budget;
+    c.max_model_len = 1024;
+    c.block_size = 4;
+    c.num_blocks = blocks;
+    c.enable_prefix_caching = true;
+    c.enable_chunked_prefill = true;
+    c.eos_token_ids[0] = 0;
+    c.num_eos = 1;
+    return c;
+}
+
+/* One step; the token "sampled" for a request is 1000 + its number of tokens (never EOS). */
+static const pd_scheduler_output_t *drive_step(driver_t *d, pd_scheduler_update_result_t *res)
+{
+    const pd_scheduler_output_t *o = pd_scheduler_schedule(d->s);
+    ck_assert_int_le(o->total_tokens, d->budget);
+    ck_assert_int_le(o->num_items, d->max_seqs);
+    int32_t sampled[64];
+    int32_t sum = 0;
+    for (int32_t i = 0; i < o->num_items; i++) {
+        pd_request_t *r = o->items[i].req;
+        ck_assert_int_gt(o->items[i].num_new_tokens, 0);
+        sum += o->items[i].num_new_tokens;
+        /* every scheduled token has a block */
+        ck_assert_int_ge(r->num_blocks * 4, r->num_computed_tokens + o->items[i].num_new_tokens);
+        sampled[i] = 1000 + r->num_tokens;
+    }
+    ck_assert_int_eq(sum, o->total_tokens);
+    pd_model_output_t mo;
+    memset(&mo, 0, sizeof(mo));
+    mo.sampled = sampled;
+    if (d->conn != NULL) {
+        mo.finished.recving = d->conn->recv_ptrs;
+        mo.finished.num_recving = d->conn->num_recving;
+        mo.finished.sending = d->conn->send_ptrs;
+        mo.finished.num_sending = d->conn->num_sending;
+        mo.load_error_blocks = d->conn->bad_blocks;
+        mo.num_load_error_blocks = d->conn->num_bad;
+    }
+    pd_scheduler_update(d->s, o, &mo, res);
+    if (d->conn != NULL) {
+        d->conn->num_recving = d->conn->num_sending = d->conn->num_bad = 0;
+    }
+    d->finished += res->num_finished;
+    d->steps++;
+    return o;
+}
+
+static void add(pd_scheduler_t *s, const char *id, int32_t prompt_len, int32_t max_tokens, int32_t salt)
+{
+    int32_t toks[1024];
+    for (int32_t i = 0; i < prompt_len; i++) {
+        toks[i] = 1 + (i * 31 + salt * 7) % 500;
+    }
+    ck_assert_int_eq(pd_scheduler_add_request(s, make_req(id, toks, prompt_len, max_tokens)), PD_OK);
+}
+
+static void assert_pool_clean(pd_scheduler_t *s)
+{
+    pd_block_pool_t *p = pd_scheduler_kv(s)->pool;
+    ck_assert_int_eq(pd_block_pool_check(p), PD_OK);
+    ck_assert_uint_eq(pd_block_pool_num_free(p) + pd_block_pool_num_cached_free(p),
+                      pd_block_pool_num_blocks(p) - 1);
+}
+
+START_TEST(test_budget_and_max_seqs_random)
+{
+    driver_t d = {NULL, NULL, 48, 6, 0, 0};
+    pd_scheduler_config_t c = sched_cfg(6, 48, 200);
+    ck_assert_int_eq(pd_scheduler_create(&c, NULL, &d.s), PD_OK);
+    pd_rng_t r;
+    pd_rng_seed(&r, 5);
+    int added = 0;
+    char id[32];
+    pd_scheduler_update_result_t res;
+    while (d.finished < 60) {
+        if (added < 60 && pd_rng_below(&r, 3) == 0) {
+            snprintf(id, sizeof(id), "r%d", added);
+            add(d.s, id, 1 + (int32_t)pd_rng_below(&r, 120), 1 + (int32_t)pd_rng_below(&r, 12), added);
+            added++;
+        }
+        drive_step(&d, &res);
+        for (int32_t i = 0; i < res.num_finished; i++) {
+            pd_request_t *q = res.finished[i];
+            ck_assert_int_eq(q->state, PD_REQ_FINISHED_LENGTH);
+            ck_assert_int_eq(pd_request_num_output(q), q->params.max_tokens);
+            /* outputs are exactly the tokens the driver sampled, in order */
+            for (int32_t k = q->num_prompt_tokens; k < q->num_tokens; k++) {
+                ck_assert_int_eq(q->tokens[k], 1000 + k);
+            }
+        }
+        ck_assert_int_lt(d.steps, 5000);
+    }
+    pd_scheduler_schedule(d.s); /* releases the last finished */
+    ck_assert(pd_scheduler_idle(d.s));
+    assert_pool_clean(d.s);
+    pd_scheduler_destroy(d.s);
+}
+END_TEST
+
+START_TEST(test_chunked_prefill)
+{
+    driver_t d = {NULL, NULL, 32, 4, 0, 0};
+    pd_scheduler_config_t c = sched_cfg(4, 32, 100);
+    ck_assert_int_eq(pd_scheduler_create(&c, NULL, &d.s), PD_OK);
+    add(d.s, "long", 100, 3, 1);
+    pd_scheduler_update_result_t res;
+    int32_t chunks[4] = {32, 32, 32, 4};
+    for (int i = 0; i < 4; i++) {
+        const pd_scheduler_output_t *o = drive_step(&d, &res);
+        ck_assert_int_eq(o->num_items, 1);
+        ck_assert_int_eq(o->items[0].num_new_tokens, chunks[i]);
+        ck_assert_int_eq(res.num_with_new_token, i == 3 ? 1 : 0); /* no token until the prompt is done */
+    }
+    /* a second request arriving mid-prefill shares the budget: running first, then waiting */
+    add(d.s, "short", 10, 2, 2);
+    const pd_scheduler_output_t *o = drive_step(&d, &res);
+    ck_assert_int_eq(o->num_items, 2);
+    ck_assert_int_eq(o->items[0].num_new_tokens, 1);  /* long: decode */
+    ck_assert_int_eq(o->items[1].num_new_tokens, 10); /* short: whole prompt */
+    while (!pd_scheduler_idle(d.s)) {
+        drive_step(&d, &res);
+    }
+    pd_scheduler_schedule(d.s);
+    assert_pool_clean(d.s);
+    pd_scheduler_destroy(d.s);
+}
+END_TEST
+
+START_TEST(test_preemption_recomputes)
+{
+    /* 15 usable blocks of 4 tokens: three 16-token prompts fit (12 blocks) but cannot all grow, so
+     * the newest running request is preempted, re-queued at the front and recomputed later */
+    driver_t d = {NULL, NULL, 64, 4, 0, 0};
+    pd_scheduler_config_t c = sched_cfg(4, 64, 16);
+    c.max_model_len = 48;
+    ck_assert_int_eq(pd_scheduler_create(&c, NULL, &d.s), PD_OK);
+    add(d.s, "a", 16, 12, 1);
+    add(d.s, "b", 16, 12, 2);
+    add(d.s, "c", 16, 12, 3);
+    pd_scheduler_update_result_t res;
+    int preempted = 0;
+    pd_request_t *victim = NULL;
+    while (!pd_scheduler_idle(d.s)) {
+        const pd_scheduler_output_t *o = drive_step(&d, &res);
+        if (o->num_preempted > 0) {
+            preempted += o->num_preempted;
+            victim = o->preempted[0];
+            ck_assert_str_eq(victim->id, "c"); /* newest first */
+            ck_assert_int_eq(victim->num_computed_tokens, 0);
+            ck_assert_int_eq(victim->num_blocks, 0);
+            ck_assert_int_eq(victim->state, PD_REQ_WAITING);
+        }
+        for (int32_t i = 0; i < res.num_finished; i++) {
+            pd_request_t *q = res.finished[i];
+            ck_assert_int_eq(pd_request_num_output(q), 12);
+            for (int32_t k = q->num_prompt_tokens; k < q->num_tokens; k++) {
+                ck_assert_int_eq(q->tokens[k], 1000 + k); /* identical to an unpreempted run */
+            }
+        }
+        ck_assert_int_lt(d.steps, 500);
+    }
+    ck_assert_int_gt(preempted, 0);
+    pd_scheduler_stats_t st;
+    pd_scheduler_get_stats(d.s, &st);
+    ck_assert_uint_eq(st.num_preemptions, (uint64_t)preempted);
+    pd_scheduler_schedule(d.s);
+    assert_pool_clean(d.s);
+    pd_scheduler_destroy(d.s);
+}
+END_TEST
+
+START_TEST(test_abort_in_every_state)
+{
+    fake_conn_t f;
+    memset(&f, 0, sizeof(f));
+    f.base.ops = &fake_ops;
+    driver_t d = {NULL, &f, 64, 4, 0, 0};
+    pd_scheduler_config_t c = sched_cfg(2, 64, 64);
+    ck_assert_int_eq(pd_scheduler_create(&c, &f.base, &d.s), PD_OK);
+    add(d.s, "run", 20, 50, 1);
+    add(d.s, "remote-x", 12, 5, 2);
+    add(d.s, "wait", 8, 5, 3);
+    pd_scheduler_update_result_t res;
+    drive_step(&d, &res);
+    /* run is RUNNING, remote-x WAITING_FOR_REMOTE_KV, wait is WAITING (2 seqs max incl. remote? no:
+     * remote-x does not count as running) */
+    ck_assert_int_eq(pd_scheduler_find(d.s, "run")->state, PD_REQ_RUNNING);
+    ck_assert_int_eq(pd_scheduler_find(d.s, "remote-x")->state, PD_REQ_WAITING_FOR_REMOTE_KV);
+    pd_request_t *w = pd_scheduler_find(d.s, "wait");
+    ck_assert(w->state == PD_REQ_RUNNING || w->state == PD_REQ_WAITING);
+    add(d.s, "queued", 8, 5, 4);
+    ck_assert_int_eq(pd_scheduler_find(d.s, "queued")->state, PD_REQ_WAITING);
+
+    ck_assert_ptr_nonnull(pd_scheduler_abort(d.s, "queued")); /* WAITING */
+    ck_assert_ptr_nonnull(pd_scheduler_abort(d.s, "run"));    /* RUNNING */
+    pd_request_t *rx = pd_scheduler_abort(d.s, "remote-x");   /* WAITING_FOR_REMOTE_KV */
+    ck_assert_ptr_nonnull(rx);
+    ck_assert(rx->holds_blocks_after_finish);           /* a peer may still write them: held */
+    ck_assert_ptr_null(pd_scheduler_abort(d.s, "run")); /* already finished */
+    ck_assert_ptr_null(pd_scheduler_abort(d.s, "nope"));
+    ck_assert_int_eq(f.finished_calls, 3); /* exactly once each */
+    drive_step(&d, &res);
+    pd_scheduler_stats_t st;
+    pd_scheduler_get_stats(d.s, &st);
+    ck_assert_int_eq(st.num_holding, 1);
+    ck_assert_uint_gt(st.blocks_used, 0);
+    /* the peer's transfer ends: the held blocks come back */
+    snprintf(f.recving[0], PD_REQ_ID_MAX, "remote-x");
+    f.recv_ptrs[0] = f.recving[0];
+    f.num_recving = 1;
+    while (!pd_scheduler_idle(d.s)) {
+        drive_step(&d, &res);
+        ck_assert_int_lt(d.steps, 200);
+    }
+    pd_scheduler_schedule(d.s);
+    assert_pool_clean(d.s);
+    ck_assert_int_eq(f.finished_calls, 4);
+    pd_scheduler_destroy(d.s);
+}
+END_TEST
+
+START_TEST(test_connector_remote_load_and_delay_free)
+{
+    fake_conn_t f;
+    memset(&f, 0, sizeof(f));
+    f.base.ops = &fake_ops;
+    driver_t d = {NULL, &f, 64, 4, 0, 0};
+    pd_scheduler_config_t c = sched_cfg(4, 64, 64);
+    ck_assert_int_eq(pd_scheduler_create(&c, &f.base, &d.s), PD_OK);
+    add(d.s, "remote-a", 14, 3, 1);
+    add(d.s, "local", 6, 2, 2);
+    pd_scheduler_update_result_t res;
+    const pd_scheduler_output_t *o = drive_step(&d, &res);
+    pd_request_t *ra = pd_scheduler_find(d.s, "remote-a");
+    ck_assert_int_eq(ra->state, PD_REQ_WAITING_FOR_REMOTE_KV);
+    ck_assert_int_eq(ra->num_blocks, 4); /* 14 tokens in blocks of 4 */
+    ck_assert_int_eq(o->num_items, 1);   /* only "local" computes; the remote one does not block it */
+    ck_assert_str_eq(o->items[0].req->id, "local");
+    int calls = f.matched_calls;
+    drive_step(&d, &res);
+    ck_assert_int_eq(f.matched_calls, calls); /* not asked again while loading */
+    pd_scheduler_stats_t st;
+    pd_scheduler_get_stats(d.s, &st);
+    ck_assert_int_eq(st.num_waiting_for_remote_kv, 1);
+    /* KV arrived: the request computes only its last prompt token, then decodes */
+    snprintf(f.recving[0], PD_REQ_ID_MAX, "remote-a");
+    f.recv_ptrs[0] = f.recving[0];
+    f.num_recving = 1;
+    drive_step(&d, &res); /* update applies recving */
+    o = drive_step(&d, &res);
+    ck_assert_int_eq(ra->state, PD_REQ_RUNNING);
+    ck_assert_int_eq(o->num_items, 1);
+    ck_assert_int_eq(o->items[0].num_new_tokens, 1);
+    ck_assert_int_eq(ra->num_tokens, 15); /* and got its first token */
+    while (!pd_scheduler_idle(d.s)) {
+        drive_step(&d, &res);
+        ck_assert_int_lt(d.steps, 100);
+    }
+    ck_assert_str_eq(json_string_value(json_object_get(ra->kv_transfer_params, "remote_engine_id")), "fake");
+
+    /* delay free: a finished "hold-" request keeps its blocks until finished_sending names it */
+    add(d.s, "hold-p", 9, 1, 7);
+    drive_step(&d, &res);
+    ck_assert_int_eq(res.num_finished, 1);
+    pd_request_t *hp = res.finished[0];
+    ck_assert(hp->holds_blocks_after_finish);
+    drive_step(&d, &res);
+    drive_step(&d, &res);
+    pd_scheduler_get_stats(d.s, &st);
+    ck_assert_int_eq(st.num_holding, 1);
+    ck_assert_uint_eq(st.blocks_used, 3);
+    ck_assert(!pd_scheduler_idle(d.s));
+    snprintf(f.sending[0], PD_REQ_ID_MAX, "hold-p");
+    f.send_ptrs[0] = f.sending[0];
+    f.num_sending = 1;
+    drive_step(&d, &res);
+    ck_assert(pd_scheduler_idle(d.s));
+    pd_scheduler_schedule(d.s);
+    assert_pool_clean(d.s);
+    pd_scheduler_destroy(d.s);
+}
+END_TEST
+
+static void load_error_case(pd_load_failure_policy_t policy)
+{
+    fake_conn_t f;
+    memset(&f, 0, sizeof(f));
+    f.base.ops = &fake_ops;
+    driver_t d = {NULL, &f, 64, 4, 0, 0};
+    pd_scheduler_config_t c = sched_cfg(4, 64, 64);
+    c.load_failure_policy = policy;
+    ck_assert_int_eq(pd_scheduler_create(&c, &f.base, &d.s), PD_OK);
+    add(d.s, "remote-e", 16, 2, 1);
+    pd_scheduler_update_result_t res;
+    drive_step(&d, &res);
+    pd_request_t *r = pd_scheduler_find(d.s, "remote-e");
+    ck_assert_int_eq(r->state, PD_REQ_WAITING_FOR_REMOTE_KV);
+    /* block 2 (tokens 8..11) failed; reported with the completion, as the contract requires */
+    f.bad_blocks[0] = r->block_ids[2];
+    f.num_bad = 1;
+    snprintf(f.recving[0], PD_REQ_ID_MAX, "remote-e");
+    f.recv_ptrs[0] = f.recving[0];
+    f.num_recving = 1;
+    drive_step(&d, &res);
+    if (policy == PD_LOAD_FAILURE_FAIL) {
+        ck_assert_int_eq(res.num_finished, 1);
+        ck_assert_int_eq(res.finished[0]->state, PD_REQ_FINISHED_ERROR);
+    } else {
+        const pd_scheduler_output_t *o = drive_step(&d, &res);
+        ck_assert_int_eq(o->num_items, 1);
+        ck_assert_int_eq(r->state, PD_REQ_RUNNING);
+        ck_assert_int_eq(o->items[0].num_new_tokens, 8); /* recomputes blocks 2 and 3 */
+    }
+    while (!pd_scheduler_idle(d.s)) {
+        drive_step(&d, &res);
+        ck_assert_int_lt(d.steps, 100);
+    }
+    pd_scheduler_schedule(d.s);
+    assert_pool_clean(d.s);
+    pd_scheduler_destroy(d.s);
+}
+
+START_TEST(test_load_errors_recompute)
+{
+    load_error_case(PD_LOAD_FAILURE_RECOMPUTE);
+}
+END_TEST
+
+START_TEST(test_load_errors_fail)
+{
+    load_error_case(PD_LOAD_FAILURE_FAIL);
+}
+END_TEST
+
+START_TEST(test_stop_conditions)
+{
+    driver_t d = {NULL, NULL, 64, 4, 0, 0};
+    pd_scheduler_config_t c = sched_cfg(4, 64, 64);
+    ck_assert_int_eq(pd_scheduler_create(&c, NULL, &d.s), PD_OK);
+    int32_t toks[5] = {3, 4, 5, 6, 7};
+    pd_request_params_t p;
+    memset(&p, 0, sizeof(p));
+    p.max_tokens = 10;
+    p.sampling.top_p = 1;
+    p.stop_token_ids[0] = 1000 + 7; /* the driver samples 1000 + num_tokens: after 2 outputs */
+    p.num_stop_token_ids = 1;
+    pd_request_t *r = NULL;
+    ck_assert_int_eq(pd_request_create("stopid", toks, 5, &p, 1024, &r), PD_OK);
+    ck_assert_int_eq(pd_scheduler_add_request(d.s, r), PD_OK);
+    pd_scheduler_update_result_t res;
+    while (!pd_scheduler_idle(d.s)) {
+        drive_step(&d, &res);
+    }
+    ck_assert_int_eq(r->state, PD_REQ_FINISHED_STOPPED);
+    ck_assert_int_eq(pd_request_num_output(r), 3);
+    ck_assert_str_eq(pd_request_finish_reason(r), "stop");
+    ck_assert_int_eq(pd_scheduler_add_request(d.s, make_req("stopid", toks, 5, 2)) == PD_ERR_INVALID_ARG, 1);
+    pd_scheduler_destroy(d.s);
+}
+END_TEST
+
+int main(void)
+{
+    pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_ERROR);
+    Suite *s = suite_create("scheduler");
+    TCase *tc = tcase_create("scheduler");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, test_block_pool_basic);
+    tcase_add_test(tc, test_block_pool_random_vs_model);
+    tcase_add_test(tc, test_prefix_hit_after_repeat);
+    tcase_add_test(tc, test_kv_config_llama31_8b);
+    tcase_add_test(tc, test_kv_config_kinds_and_sharing);
+    tcase_add_test(tc, test_budget_and_max_seqs_random);
+    tcase_add_test(tc, test_chunked_prefill);
+    tcase_add_test(tc, test_preemption_recomputes);
+    tcase_add_test(tc, test_abort_in_every_state);
+    tcase_add_test(tc, test_connector_remote_load_and_delay_free);
+    tcase_add_test(tc, test_load_errors_recompute);
+    tcase_add_test(tc, test_load_errors_fail);
+    tcase_add_test(tc, test_stop_conditions);
+    suite_add_tcase(s, tc);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}
