@@ -497,7 +497,9 @@ static void emit_text(req_ctx_t *c, pd_engine_output_t *o, bool finished)
     o->text_len = upto - c->emitted;
     o->text = malloc(o->text_len + 1);
     if (o->text != NULL) {
-        memcpy(o->text, c->text + c->emitted, o->text_len);
+        if (o->text_len > 0) { /* c->text is NULL until the first text arrives */
+            memcpy(o->text, c->text + c->emitted, o->text_len);
+        }
         o->text[o->text_len] = '\0';
     } else {
         o->text_len = 0;

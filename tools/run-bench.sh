@@ -13,4 +13,6 @@ if [[ ! -f "$models/demo/config.json" ]]; then
 fi
 echo "run-bench: pd-bench-ops (memcpy, paged attention, matmul, model decode)"
 "$build/bin/pd-bench-ops" --model "$models/demo" --results bench/RESULTS.md
+echo "run-bench: pd-bench-sched (scheduler step overhead, block pool)"
+"$build/bin/pd-bench-sched" --results bench/RESULTS.md
 echo "run-bench: results appended to bench/RESULTS.md"
