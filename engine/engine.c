@@ -51,6 +51,7 @@ struct pd_engine {
     pd_engine_output_t *aborted_head; /* closing outputs of aborts made between steps */
     pd_engine_output_t **aborted_tail;
     double last_step_s;
+    pd_metric_t *step_hist;
     /* threading */
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -226,6 +227,11 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
     if (st != PD_OK) {
         pd_engine_destroy(e);
         return st;
+    }
+    if (cfg->metrics != NULL) {
+        e->step_hist = pd_metrics_add(cfg->metrics, PD_METRIC_HISTOGRAM, "pd:engine_step_duration_seconds",
+                                      "Duration of one engine step (schedule, forward, update).", NULL,
+                                      PD_LATENCY_BUCKETS, PD_LATENCY_NUM_BUCKETS);
     }
     pd_log_info("engine ready: %s, max_model_len %d, %u KV blocks of %d tokens, max_num_seqs %d, "
                 "max_num_batched_tokens %d, prefix caching %s",
@@ -639,6 +645,9 @@ pd_status_t pd_engine_step(pd_engine_t *e, pd_engine_output_t **outputs)
         }
     }
     e->last_step_s = pd_time_now_s() - t0;
+    if (so->num_items > 0) {
+        pd_metric_observe(e->step_hist, e->last_step_s);
+    }
     return st;
 }
 

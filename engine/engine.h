@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "common/flags.h"
+#include "common/metrics.h"
 #include "connector/connector.h"
 #include "engine/kv_init.h"
 #include "model/model.h"
@@ -39,6 +40,7 @@ typedef struct pd_engine_config {
     int num_blocks_override;         /* > 0: KV blocks regardless of profiling (vLLM's override) */
     pd_connector_t *connector;       /* NULL: no KV transfer (pd-serve) */
     const pd_kv_region_allocator_t *kv_allocator;
+    pd_metrics_t *metrics; /* optional: the engine adds its step-duration histogram */
 } pd_engine_config_t;
 
 /* vLLM-like defaults (block 16, 256 seqs → 64 on CPU, 2048 batched tokens, prefix caching on). */

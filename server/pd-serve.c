@@ -1,8 +1,6 @@
 /* server/pd-serve.c — pd-serve: both phases on one node, no connector (the colocated baseline).
- * Offline mode (this binary today): generates for the prompts given as arguments, prints each
- * completion and timing.
- *
- *   pd-serve --model DIR --kv-cache-memory 2G --max-tokens 32 "Hello" "The cache"  */
+ *   server:  pd-serve --model DIR --port 8000 [--kv-cache-memory 2G]      (OpenAI API over HTTP)
+ *   offline: pd-serve --model DIR --max-tokens 32 "Hello" "The cache"     (prompts as arguments) */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,6 +9,7 @@
 #include "common/log.h"
 #include "common/time.h"
 #include "engine/engine.h"
+#include "server/http_server.h"
 
 typedef struct result {
     char *text;
@@ -29,8 +28,11 @@ int main(int argc, char **argv)
     double temperature = 0.0, top_p = 1.0;
     int64_t seed = -1;
     bool ignore_eos = false;
-    pd_flag_t flags[40];
+    pd_http_config_t hcfg;
+    pd_http_config_defaults(&hcfg);
+    pd_flag_t flags[48];
     size_t n = pd_engine_flags(&cfg, flags, 30);
+    n += pd_http_flags(&hcfg, flags + n, 10);
     flags[n++] = (pd_flag_t){"max-tokens", PD_FLAG_INT, &max_tokens, "tokens to generate per prompt", NULL};
     flags[n++] =
         (pd_flag_t){"temperature", PD_FLAG_DOUBLE, &temperature, "sampling temperature (0 = greedy)", NULL};
@@ -39,24 +41,40 @@ int main(int argc, char **argv)
     flags[n++] = (pd_flag_t){"seed", PD_FLAG_INT64, &seed, "sampling seed (-1 = unseeded)", NULL};
     flags[n++] = (pd_flag_t){"ignore-eos", PD_FLAG_BOOL, &ignore_eos, "keep generating past EOS", NULL};
     int first = 0;
-    pd_status_t st = pd_flags_parse(flags, n, argc, argv,
-                                    "usage: pd-serve --model DIR [options] PROMPT...\n"
-                                    "Generates a completion for each PROMPT on one node (prefill + decode).",
-                                    &first);
+    pd_status_t st =
+        pd_flags_parse(flags, n, argc, argv,
+                       "usage: pd-serve --model DIR [options] [PROMPT...]\n"
+                       "Serves the OpenAI completions API on one node (prefill + decode), or, given "
+                       "PROMPTs, generates a completion for each and exits.",
+                       &first);
     if (st == PD_ERR_CANCELLED) {
         return 0;
     }
     if (st != PD_OK) {
         return 2;
     }
-    if (first >= argc) {
-        pd_log_error("give at least one prompt (see --help)");
-        return 2;
+    pd_metrics_t *metrics = NULL;
+    if (pd_metrics_create(&metrics) != PD_OK) {
+        return 1;
     }
+    cfg.metrics = metrics;
     pd_engine_t *e = NULL;
     st = pd_engine_create(&cfg, &e);
     if (st != PD_OK) {
+        pd_metrics_destroy(metrics);
         return 1;
+    }
+    if (first >= argc) {
+        pd_http_server_t *srv = NULL;
+        st = pd_http_server_create(&hcfg, e, metrics, &srv);
+        if (st == PD_OK) {
+            st = pd_http_server_run(srv);
+        }
+        pd_http_server_destroy(srv);
+        pd_engine_destroy(e);
+        pd_metrics_destroy(metrics);
+        pd_log_info("pd-serve exiting (%s)", pd_status_str(st));
+        return st == PD_OK ? 0 : 1;
     }
     int nprompts = argc - first;
     result_t *res = calloc((size_t)nprompts, sizeof(*res));
@@ -119,5 +137,6 @@ int main(int argc, char **argv)
            dt, (double)total / dt);
     free(res);
     pd_engine_destroy(e);
+    pd_metrics_destroy(metrics);
     return 0;
 }

@@ -115,3 +115,74 @@ static inline int tu_write_file(const char *path, const void *data, size_t len)
 }
 
 #endif
+
+/* ------------------------------------------------------------------ processes */
+#include <signal.h>
+#include <sys/wait.h>
+#include <time.h>
+
+/* Starts argv[0] (a path) with argv; stdout/stderr go to log_path. Returns the pid or -1. */
+static inline pid_t tu_spawn(char *const argv[], const char *log_path)
+{
+    pid_t pid = fork();
+    if (pid == 0) {
+        FILE *f = fopen(log_path, "w");
+        if (f != NULL) {
+            dup2(fileno(f), 1);
+            dup2(fileno(f), 2);
+        }
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    return pid;
+}
+
+static inline double tu_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Waits for a port file to appear (the process must still be alive); returns the port or -1. */
+static inline int tu_wait_port(pid_t pid, const char *port_file, double timeout_s)
+{
+    double end = tu_now() + timeout_s;
+    while (tu_now() < end) {
+        FILE *f = fopen(port_file, "r");
+        if (f != NULL) {
+            int port = -1;
+            int n = fscanf(f, "%d", &port);
+            fclose(f);
+            if (n == 1 && port > 0) {
+                return port;
+            }
+        }
+        int status;
+        if (waitpid(pid, &status, WNOHANG) == pid) {
+            return -1;
+        }
+        usleep(20000);
+    }
+    return -1;
+}
+
+/* SIGTERM, wait up to timeout_s, then SIGKILL. Returns the exit status (or 128 + signal). */
+static inline int tu_stop(pid_t pid, double timeout_s)
+{
+    if (pid <= 0) {
+        return -1;
+    }
+    kill(pid, SIGTERM);
+    double end = tu_now() + timeout_s;
+    int status = 0;
+    while (tu_now() < end) {
+        if (waitpid(pid, &status, WNOHANG) == pid) {
+            return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        }
+        usleep(20000);
+    }
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+    return 128 + SIGKILL;
+}

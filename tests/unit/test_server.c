@@ -1,0 +1,778 @@
+#define _GNU_SOURCE /* strcasestr, strndup: before any system header */
+/* tests/unit/test_server.c — the HTTP front on real pd-serve processes (loopback, ports from
+ * --port-file, every process stopped at the end): completions equal the engine's offline output,
+ * logprobs equal a log-softmax recomputed here, streaming concatenates to the same text, every
+ * error code with its shape, the official openai npm client, 200 concurrent streams, 50 clients
+ * disconnecting mid-stream leave the pool free, /metrics parses and counters only go up. */
+#include "http_client.h"
+#include "test_util.h"
+
+#include <check.h>
+#include <ctype.h>
+#include <jansson.h>
+#include <math.h>
+#include <pthread.h>
+
+#include "common/log.h"
+#include "engine/engine.h"
+#include "kernels/paged_impl.h"
+#include "model/model.h"
+
+static char *g_model;
+static char *g_dir;
+static pid_t g_pid = -1;
+static int g_port = -1;
+
+#define MAX_MODEL_LEN "512"
+
+static pid_t start_server_model(const char *model, const char *tag, char *const extra[], int *port_out);
+
+static pid_t start_server(const char *tag, char *const extra[], int *port_out)
+{
+    return start_server_model(g_model, tag, extra, port_out);
+}
+
+static pid_t start_server_model(const char *model, const char *tag, char *const extra[], int *port_out)
+{
+    char port_file[512], log_file[512], bin[512];
+    snprintf(port_file, sizeof(port_file), "%s/%s.port", g_dir, tag);
+    snprintf(log_file, sizeof(log_file), "%s/%s.log", g_dir, tag);
+    snprintf(bin, sizeof(bin), "%s/bin/pd-serve", tu_binary_dir());
+    unlink(port_file);
+    char *argv[40] = {bin,    "--model",         (char *)model, "--port",
+                      "0",    "--port-file",     port_file,     "--kv-cache-memory",
+                      "256M", "--max-model-len", MAX_MODEL_LEN, "--threads",
+                      "2",    "--max-num-seqs",  "64",          "--max-num-batched-tokens",
+                      "512"};
+    int n = 17;
+    for (int i = 0; extra != NULL && extra[i] != NULL; i++) {
+        argv[n++] = extra[i];
+    }
+    argv[n] = NULL;
+    pid_t pid = tu_spawn(argv, log_file);
+    ck_assert_int_gt(pid, 0);
+    *port_out = tu_wait_port(pid, port_file, 120);
+    ck_assert_msg(*port_out > 0, "pd-serve (%s) did not start; see %s", tag, log_file);
+    return pid;
+}
+
+static void suite_setup(void)
+{
+    pd_log_set_level(PD_LOG_WARN);
+    g_model = tu_make_model("--preset tiny --arch llama");
+    g_dir = tu_mkdtemp("server");
+    ck_assert_ptr_nonnull(g_model);
+    char *extra[] = {"--max-request-bytes", "65536", NULL};
+    g_pid = start_server("main", extra, &g_port);
+}
+
+static void suite_teardown(void)
+{
+    int rc = tu_stop(g_pid, 30);
+    if (rc != 0) {
+        fprintf(stderr, "pd-serve exited with %d\n", rc);
+    }
+    tu_rmrf(g_model);
+    tu_rmrf(g_dir);
+}
+
+static json_t *post_json(int port, const char *body, int *status)
+{
+    http_resp_t r;
+    ck_assert_int_eq(http_request(port, "POST", "/v1/completions", NULL, body, &r, 60000), 0);
+    *status = r.status;
+    json_t *j = json_loads(r.body, 0, NULL);
+    ck_assert_msg(j != NULL, "not JSON: %s", r.body);
+    http_resp_free(&r);
+    return j;
+}
+
+/* ------------------------------------------------------------------ equivalence */
+
+/* Runs prompt through an in-process engine with the same settings (offline output). */
+static void engine_offline(const int32_t *prompt, int n, int max_tokens, float temp, int64_t seed,
+                           int32_t *ids, int *nids, char *text, size_t *tlen)
+{
+    pd_engine_config_t c;
+    pd_engine_config_defaults(&c);
+    c.model_dir = g_model;
+    c.threads = 2;
+    c.kv_cache_memory = 256u << 20;
+    c.max_model_len = 512;
+    pd_engine_t *e = NULL;
+    ck_assert_int_eq(pd_engine_create(&c, &e), PD_OK);
+    pd_engine_request_t rq;
+    memset(&rq, 0, sizeof(rq));
+    rq.id = "offline";
+    rq.prompt = prompt;
+    rq.num_prompt = n;
+    rq.params.max_tokens = max_tokens;
+    rq.params.sampling = (pd_sampling_params_t){temp, 0, 1.0f};
+    rq.params.has_seed = seed >= 0;
+    rq.params.seed = (uint64_t)seed;
+    char err[128];
+    ck_assert_int_eq(pd_engine_add(e, &rq, err, sizeof(err)), PD_OK);
+    *nids = 0;
+    *tlen = 0;
+    while (pd_engine_has_work(e)) {
+        pd_engine_output_t *o = NULL;
+        pd_engine_step(e, &o);
+        for (pd_engine_output_t *x = o; x != NULL; x = x->next) {
+            if (x->token >= 0) {
+                ids[(*nids)++] = x->token;
+            }
+            memcpy(text + *tlen, x->text, x->text_len);
+            *tlen += x->text_len;
+        }
+        pd_engine_output_free(o);
+    }
+    text[*tlen] = '\0';
+    pd_engine_destroy(e);
+}
+
+static void check_equivalence(float temp, int64_t seed)
+{
+    const char *prompt = "The prefill node computes the cache; the decode node streams tokens.";
+    char body[1024];
+    snprintf(
+        body, sizeof(body),
+        "{\"model\": \"%s\", \"prompt\": \"%s\", \"max_tokens\": 24, \"temperature\": %g, \"seed\": %lld, "
+        "\"return_token_ids\": true}",
+        strrchr(g_model, '/') + 1, prompt, temp, (long long)seed);
+    int status;
+    json_t *j = post_json(g_port, body, &status);
+    ck_assert_int_eq(status, 200);
+    json_t *ch = json_array_get(json_object_get(j, "choices"), 0);
+    json_t *pids = json_object_get(ch, "prompt_token_ids"), *tids = json_object_get(ch, "token_ids");
+    int32_t prompt_ids[256], want[64];
+    int np = (int)json_array_size(pids), nw = 0;
+    for (int i = 0; i < np; i++) {
+        prompt_ids[i] = (int32_t)json_integer_value(json_array_get(pids, i));
+    }
+    char text[4096];
+    size_t tlen;
+    engine_offline(prompt_ids, np, 24, temp, seed, want, &nw, text, &tlen);
+    ck_assert_int_eq((int)json_array_size(tids), nw);
+    for (int i = 0; i < nw; i++) {
+        ck_assert_int_eq(json_integer_value(json_array_get(tids, i)), want[i]);
+    }
+    ck_assert_str_eq(json_string_value(json_object_get(ch, "text")), text);
+    json_t *u = json_object_get(j, "usage");
+    ck_assert_int_eq(json_integer_value(json_object_get(u, "prompt_tokens")), np);
+    ck_assert_int_eq(json_integer_value(json_object_get(u, "completion_tokens")), nw);
+    ck_assert_int_eq(json_integer_value(json_object_get(u, "total_tokens")), np + nw);
+    ck_assert_str_eq(json_string_value(json_object_get(j, "object")), "text_completion");
+    json_decref(j);
+
+    /* the same request streamed: chunks concatenate to the same text, usage is exact */
+    snprintf(
+        body, sizeof(body),
+        "{\"prompt\": \"%s\", \"max_tokens\": 24, \"temperature\": %g, \"seed\": %lld, \"stream\": true, "
+        "\"stream_options\": {\"include_usage\": true}}",
+        prompt, temp, (long long)seed);
+    http_resp_t r;
+    ck_assert_int_eq(http_request(g_port, "POST", "/v1/completions", NULL, body, &r, 60000), 0);
+    ck_assert_int_eq(r.status, 200);
+    ck_assert_ptr_nonnull(strcasestr(r.head, "text/event-stream"));
+    char acc[4096] = {0};
+    int chunks = 0, done = 0, usage_seen = 0;
+    for (char *line = strtok(r.body, "\n"); line != NULL; line = strtok(NULL, "\n")) {
+        if (strncmp(line, "data: ", 6) != 0) {
+            continue;
+        }
+        if (strcmp(line + 6, "[DONE]") == 0) {
+            done++;
+            continue;
+        }
+        json_t *c = json_loads(line + 6, 0, NULL);
+        ck_assert_ptr_nonnull(c);
+        json_t *chs = json_object_get(c, "choices");
+        if (json_array_size(chs) > 0) {
+            strcat(acc, json_string_value(json_object_get(json_array_get(chs, 0), "text")));
+            chunks++;
+        }
+        json_t *us = json_object_get(c, "usage");
+        if (us != NULL && !json_is_null(us)) {
+            usage_seen++;
+            ck_assert_int_eq(json_integer_value(json_object_get(us, "completion_tokens")), nw);
+        }
+        json_decref(c);
+    }
+    ck_assert_str_eq(acc, text);
+    ck_assert_int_eq(chunks, nw);
+    ck_assert_int_eq(done, 1);
+    ck_assert_int_eq(usage_seen, 1);
+    http_resp_free(&r);
+}
+
+START_TEST(test_completion_equals_engine_greedy)
+{
+    check_equivalence(0.0f, 0);
+}
+END_TEST
+
+START_TEST(test_completion_equals_engine_seeded)
+{
+    check_equivalence(0.9f, 1234);
+}
+END_TEST
+
+/* logprobs: recompute the logits of prompt + generated tokens with one forward here */
+START_TEST(test_logprobs_match_recomputed)
+{
+    int status;
+    json_t *j = post_json(g_port,
+                          "{\"prompt\": [5, 77, 300, 12, 9, 100, 41], \"max_tokens\": 6, \"temperature\": 0, "
+                          "\"logprobs\": 3, \"return_token_ids\": true}",
+                          &status);
+    ck_assert_int_eq(status, 200);
+    json_t *ch = json_array_get(json_object_get(j, "choices"), 0);
+    json_t *lp = json_object_get(ch, "logprobs");
+    json_t *tids = json_object_get(ch, "token_ids");
+    int n = (int)json_array_size(tids);
+    ck_assert_int_eq(n, 6);
+    int32_t all[32] = {5, 77, 300, 12, 9, 100, 41};
+    int np = 7;
+    for (int i = 0; i < n; i++) {
+        all[np + i] = (int32_t)json_integer_value(json_array_get(tids, i));
+    }
+    pd_backend_t *be = NULL;
+    ck_assert_int_eq(pd_backend_create("cpu", 2, &be), PD_OK);
+    pd_model_t *m = NULL;
+    ck_assert_int_eq(pd_model_load(g_model, be, &m), PD_OK);
+    const pd_model_config_t *mc = pd_model_config(m);
+    int T = np + n - 1, V = mc->vocab_size, bs = 16, nb = (T + bs - 1) / bs + 1;
+    pd_kv_view_t *views = calloc((size_t)mc->num_layers, sizeof(pd_kv_view_t));
+    for (int l = 0; l < mc->num_layers; l++) {
+        views[l] = (pd_kv_view_t){NULL, PD_DTYPE_F32, nb, bs, mc->num_kv_heads, mc->head_size};
+        be->ops->alloc(be, (size_t)pd_page_elems(bs, mc->num_kv_heads, mc->head_size) * nb * 4,
+                       &views[l].base);
+    }
+    int32_t pos[32], slots[32], lidx[32], table[8], cu[2] = {0, T}, lens[1] = {T};
+    for (int b = 0; b < nb; b++) {
+        table[b] = b + 1;
+    }
+    for (int t = 0; t < T; t++) {
+        pos[t] = t;
+        slots[t] = table[t / bs] * bs + t % bs;
+        lidx[t] = t;
+    }
+    float *logits = malloc((size_t)T * V * sizeof(float));
+    pd_batch_t batch = {T, all, pos};
+    pd_attn_meta_t meta = {1, T, cu, lens, table, nb, slots, 0};
+    ck_assert_int_eq(pd_model_forward(m, &batch, views, &meta, lidx, T, NULL, logits), PD_OK);
+    for (int i = 0; i < n; i++) {
+        const float *row = logits + (size_t)(np - 1 + i) * V; /* predicts token np + i */
+        double mx = -INFINITY, sum = 0;
+        for (int v = 0; v < V; v++) {
+            mx = row[v] > mx ? row[v] : mx;
+        }
+        for (int v = 0; v < V; v++) {
+            sum += exp(row[v] - mx);
+        }
+        double want = row[all[np + i]] - mx - log(sum);
+        double got = json_real_value(json_array_get(json_object_get(lp, "token_logprobs"), (size_t)i));
+        ck_assert_msg(fabs(got - want) < 1e-4, "token %d: logprob %g vs recomputed %g", i, got, want);
+        /* greedy: the sampled token is the most likely one. top_logprobs is keyed by token text
+         * (OpenAI's format), so byte tokens that render alike (U+FFFD) share a key: 1..3 keys */
+        json_t *top = json_array_get(json_object_get(lp, "top_logprobs"), (size_t)i);
+        ck_assert_uint_ge(json_object_size(top), 1);
+        ck_assert_uint_le(json_object_size(top), 3);
+        const char *k;
+        json_t *v;
+        double best = -INFINITY;
+        json_object_foreach(top, k, v)
+        {
+            best = json_real_value(v) > best ? json_real_value(v) : best;
+        }
+        ck_assert(fabs(best - want) < 1e-4);
+    }
+    ck_assert_uint_eq(json_array_size(json_object_get(lp, "text_offset")), (size_t)n);
+    ck_assert_int_eq(json_integer_value(json_array_get(json_object_get(lp, "text_offset"), 0)), 0);
+    for (int l = 0; l < mc->num_layers; l++) {
+        be->ops->free(be, views[l].base);
+    }
+    free(views), free(logits);
+    pd_model_free(m);
+    pd_backend_destroy(be);
+    json_decref(j);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ errors */
+
+static void expect_error(int port, const char *method, const char *path, const char *headers,
+                         const char *body, int status, const char *type, const char *msg_part)
+{
+    http_resp_t r;
+    int fd = http_send(port, method, path, headers, body, body ? strlen(body) : 0, 30000);
+    ck_assert_int_ge(fd, 0);
+    ck_assert_int_eq(http_read_response(fd, &r), 0);
+    ck_assert_msg(r.status == status, "%s %s: status %d, want %d (%s)", method, path, r.status, status,
+                  r.body);
+    json_t *j = json_loads(r.body, 0, NULL);
+    ck_assert_msg(j != NULL, "error body is not JSON: %s", r.body);
+    json_t *e = json_object_get(j, "error");
+    ck_assert(json_is_object(e));
+    ck_assert(json_is_string(json_object_get(e, "message")));
+    ck_assert_str_eq(json_string_value(json_object_get(e, "type")), type);
+    ck_assert(json_object_get(e, "param") != NULL);
+    ck_assert_int_eq(json_integer_value(json_object_get(e, "code")), status);
+    if (msg_part != NULL) {
+        ck_assert_msg(strstr(json_string_value(json_object_get(e, "message")), msg_part) != NULL,
+                      "message: %s", json_string_value(json_object_get(e, "message")));
+    }
+    json_decref(j);
+    http_resp_free(&r);
+}
+
+START_TEST(test_error_codes)
+{
+    const char *P = "/v1/completions";
+    expect_error(g_port, "POST", P, NULL, "{\"prompt\": ", 400, "BadRequestError", "invalid JSON");
+    expect_error(g_port, "POST", P, NULL, "[1, 2]", 400, "BadRequestError", "JSON object");
+    expect_error(g_port, "POST", P, NULL, "{\"prompt\": \"x\", \"max_tokens\": \"ten\"}", 400,
+                 "BadRequestError", "max_tokens");
+    expect_error(g_port, "POST", P, NULL, "{\"prompt\": \"x\", \"temperature\": 9}", 400, "BadRequestError",
+                 "temperature");
+    expect_error(g_port, "POST", P, NULL, "{\"prompt\": \"x\", \"n\": 3}", 400, "BadRequestError", "n = 1");
+    expect_error(g_port, "POST", P, NULL, "{\"prompt\": 17}", 400, "BadRequestError", "prompt");
+    expect_error(g_port, "POST", P, NULL, "{\"prompt\": [1, 2, 999999]}", 400, "BadRequestError",
+                 "outside the vocabulary");
+    expect_error(g_port, "POST", P, NULL, "{\"prompt\": [1, 2, -1]}", 400, "BadRequestError",
+                 "outside the vocabulary");
+    char *longp = malloc(40000);
+    strcpy(longp, "{\"prompt\": [");
+    for (int i = 0; i < 600; i++) {
+        strcat(longp, i ? ",7" : "7");
+    }
+    strcat(longp, "]}");
+    expect_error(g_port, "POST", P, NULL, longp, 400, "BadRequestError", "maximum context length is 512");
+    expect_error(g_port, "POST", P, NULL, "{\"prompt\": [1, 2], \"max_tokens\": 600}", 400, "BadRequestError",
+                 "maximum context length");
+    /* deep nesting is refused before parsing */
+    char deep[400] = "{\"prompt\": \"x\", \"a\": ";
+    for (int i = 0; i < 100; i++) {
+        strcat(deep, "[");
+    }
+    for (int i = 0; i < 100; i++) {
+        strcat(deep, "]");
+    }
+    strcat(deep, "}");
+    expect_error(g_port, "POST", P, NULL, deep, 400, "BadRequestError", "nests deeper");
+    expect_error(g_port, "POST", P, NULL, "{\"prompt\": \"x\", \"model\": \"gpt-17\"}", 404, "NotFoundError",
+                 "does not exist");
+    expect_error(g_port, "GET", "/v2/whatever", NULL, NULL, 404, "NotFoundError", NULL);
+    expect_error(g_port, "GET", P, NULL, NULL, 405, "MethodNotAllowedError", NULL);
+    expect_error(g_port, "POST", "/v1/models", NULL, "{}", 405, "MethodNotAllowedError", NULL);
+    /* 413: over --max-request-bytes (64 KiB here) */
+    size_t big = 70000;
+    char *huge = malloc(big + 64);
+    snprintf(huge, 32, "{\"prompt\": \"");
+    memset(huge + strlen(huge), 'a', big - 20);
+    strcpy(huge + big - 20 + 12, "\"}");
+    expect_error(g_port, "POST", P, NULL, huge, 413, "RequestTooLargeError", "exceeds");
+    free(huge);
+    free(longp);
+    /* the server is still fine */
+    http_resp_t r;
+    ck_assert_int_eq(http_request(g_port, "GET", "/health", NULL, NULL, &r, 10000), 0);
+    ck_assert_int_eq(r.status, 200);
+    http_resp_free(&r);
+}
+END_TEST
+
+START_TEST(test_api_key_and_queue_limit)
+{
+    int port;
+    char *extra[] = {"--api-key", "sekret", "--max-queue", "1", "--max-num-seqs", "1", NULL};
+    pid_t pid = start_server("auth", extra, &port);
+    expect_error(port, "POST", "/v1/completions", NULL, "{\"prompt\": \"x\"}", 401, "AuthenticationError",
+                 NULL);
+    expect_error(port, "POST", "/v1/completions", "Authorization: Bearer wrong\r\n", "{\"prompt\": \"x\"}",
+                 401, "AuthenticationError", NULL);
+    expect_error(port, "GET", "/v1/models", NULL, NULL, 401, "AuthenticationError", NULL);
+    http_resp_t r;
+    ck_assert_int_eq(
+        http_request(port, "GET", "/v1/models", "Authorization: Bearer sekret\r\n", NULL, &r, 10000), 0);
+    ck_assert_int_eq(r.status, 200);
+    http_resp_free(&r);
+    ck_assert_int_eq(http_request(port, "GET", "/health", NULL, NULL, &r, 10000),
+                     0); /* /health needs no key */
+    ck_assert_int_eq(r.status, 200);
+    http_resp_free(&r);
+    /* one seat, a queue of one: a burst of 12 long requests sees 503s, the rest complete */
+    int fds[12];
+    const char *body = "{\"prompt\": \"queue\", \"max_tokens\": 200, \"ignore_eos\": true}";
+    for (int i = 0; i < 12; i++) {
+        fds[i] = http_send(port, "POST", "/v1/completions", "Authorization: Bearer sekret\r\n", body,
+                           strlen(body), 120000);
+        ck_assert_int_ge(fds[i], 0);
+    }
+    int ok = 0, busy = 0;
+    for (int i = 0; i < 12; i++) {
+        ck_assert_int_eq(http_read_response(fds[i], &r), 0);
+        if (r.status == 503) {
+            busy++;
+            ck_assert_ptr_nonnull(strstr(r.body, "ServiceUnavailableError"));
+        } else {
+            ck_assert_int_eq(r.status, 200);
+            ok++;
+        }
+        http_resp_free(&r);
+    }
+    ck_assert_int_gt(busy, 0);
+    ck_assert_int_gt(ok, 0);
+    ck_assert_int_eq(tu_stop(pid, 60), 0);
+}
+END_TEST
+
+/* SIGTERM: /health turns 503, new requests get 503, the in-flight one completes, exit code 0 */
+typedef struct bg_req {
+    int port;
+    const char *body;
+    http_resp_t resp;
+    int rc;
+} bg_req_t;
+
+static void *bg_post(void *arg)
+{
+    bg_req_t *b = arg;
+    b->rc = http_request(b->port, "POST", "/v1/completions", NULL, b->body, &b->resp, 120000);
+    return NULL;
+}
+
+START_TEST(test_graceful_drain)
+{
+    /* a model slow enough (~100+ ms per 20 tokens here) that the request is still generating when
+     * SIGTERM and the late request arrive */
+    char *slow = tu_make_model("--preset tiny --arch llama --hidden 512 --layers 6 --intermediate 1408");
+    ck_assert_ptr_nonnull(slow);
+    int port;
+    char *extra[] = {"--drain-timeout", "60", "--threads", "1", NULL};
+    pid_t pid = start_server_model(slow, "drain", extra, &port);
+    bg_req_t b = {port, "{\"prompt\": \"drain me\", \"max_tokens\": 300, \"ignore_eos\": true}", {0}, -1};
+    pthread_t t;
+    pthread_create(&t, NULL, bg_post, &b);
+    /* wait until it is running */
+    for (int i = 0; i < 200; i++) {
+        http_resp_t m;
+        http_request(port, "GET", "/metrics", NULL, NULL, &m, 5000);
+        bool running = m.body != NULL && strstr(m.body, "pd:num_requests_running 1") != NULL;
+        http_resp_free(&m);
+        if (running) {
+            break;
+        }
+        usleep(10000);
+    }
+    kill(pid, SIGTERM);
+    usleep(100000);
+    expect_error(port, "POST", "/v1/completions", NULL, "{\"prompt\": \"late\"}", 503,
+                 "ServiceUnavailableError", NULL);
+    http_resp_t h;
+    ck_assert_int_eq(http_request(port, "GET", "/health", NULL, NULL, &h, 5000), 0);
+    ck_assert_int_eq(h.status, 503);
+    http_resp_free(&h);
+    pthread_join(t, NULL);
+    ck_assert_int_eq(b.rc, 0);
+    ck_assert_int_eq(b.resp.status, 200);
+    ck_assert_ptr_nonnull(strstr(b.resp.body, "\"completion_tokens\":300"));
+    http_resp_free(&b.resp);
+    int status = 0;
+    double end = tu_now() + 30;
+    int rc = -1;
+    while (tu_now() < end) {
+        if (waitpid(pid, &status, WNOHANG) == pid) {
+            rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+            break;
+        }
+        usleep(20000);
+    }
+    ck_assert_int_eq(rc, 0);
+    tu_rmrf(slow);
+    free(slow);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ load and disconnects */
+
+typedef struct stream_job {
+    int port;
+    int max_tokens;
+    int disconnect_after; /* 0: read to the end */
+    int tokens;
+    int done;
+    int status;
+} stream_job_t;
+
+static void *stream_worker(void *arg)
+{
+    stream_job_t *j = arg;
+    char body[256];
+    snprintf(body, sizeof(body),
+             "{\"prompt\": \"stream %p\", \"max_tokens\": %d, \"stream\": true, \"ignore_eos\": true}",
+             (void *)j, j->max_tokens);
+    int fd = http_send(j->port, "POST", "/v1/completions", NULL, body, strlen(body), 120000);
+    if (fd < 0) {
+        return NULL;
+    }
+    if (j->disconnect_after > 0) {
+        char buf[4096];
+        int seen = 0;
+        while (seen < j->disconnect_after) {
+            ssize_t r = read(fd, buf, sizeof(buf) - 1);
+            if (r <= 0) {
+                break;
+            }
+            buf[r] = 0;
+            for (char *p = buf; (p = strstr(p, "data: {")) != NULL; p++) {
+                seen++;
+            }
+        }
+        j->tokens = seen;
+        close(fd); /* gone mid-stream */
+        return NULL;
+    }
+    http_resp_t r;
+    if (http_read_response(fd, &r) == 0) {
+        j->status = r.status;
+        for (char *p = r.body; (p = strstr(p, "\"finish_reason\"")) != NULL; p++) {
+            j->tokens++;
+        }
+        j->done = strstr(r.body, "data: [DONE]") != NULL;
+        http_resp_free(&r);
+    }
+    return NULL;
+}
+
+static double metric_value(const char *text, const char *name)
+{
+    const char *p = text;
+    size_t n = strlen(name);
+    while ((p = strstr(p, name)) != NULL) {
+        if ((p == text || p[-1] == '\n') && (p[n] == ' ')) {
+            return strtod(p + n + 1, NULL);
+        }
+        p += n;
+    }
+    return NAN;
+}
+
+START_TEST(test_200_concurrent_streams)
+{
+    enum { N = 200 };
+    stream_job_t *jobs = calloc(N, sizeof(stream_job_t));
+    pthread_t *t = calloc(N, sizeof(pthread_t));
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, 256 * 1024);
+    for (int i = 0; i < N; i++) {
+        jobs[i] = (stream_job_t){g_port, 8, 0, 0, 0, 0};
+        ck_assert_int_eq(pthread_create(&t[i], &attr, stream_worker, &jobs[i]), 0);
+    }
+    int ok = 0;
+    for (int i = 0; i < N; i++) {
+        pthread_join(t[i], NULL);
+        ok += jobs[i].status == 200 && jobs[i].done && jobs[i].tokens == 8;
+    }
+    ck_assert_int_eq(ok, N); /* no request lost */
+    free(jobs), free(t);
+}
+END_TEST
+
+START_TEST(test_disconnects_free_the_pool)
+{
+    enum { N = 50 };
+    stream_job_t *jobs = calloc(N, sizeof(stream_job_t));
+    pthread_t *t = calloc(N, sizeof(pthread_t));
+    http_resp_t m;
+    ck_assert_int_eq(http_request(g_port, "GET", "/metrics", NULL, NULL, &m, 10000), 0);
+    double aborts_before = metric_value(m.body, "pd:request_success_total{finished_reason=\"abort\"}");
+    http_resp_free(&m);
+    for (int i = 0; i < N; i++) {
+        jobs[i] = (stream_job_t){g_port, 400, 2, 0, 0, 0};
+        pthread_create(&t[i], NULL, stream_worker, &jobs[i]);
+    }
+    for (int i = 0; i < N; i++) {
+        pthread_join(t[i], NULL);
+        ck_assert_int_ge(jobs[i].tokens, 1); /* each saw the stream start */
+    }
+    /* within a bounded time every aborted request is gone and every block is free again */
+    double used = -1, running = -1, waiting = -1, aborts = 0, free_b = 0, cached = 0;
+    double end = tu_now() + 60;
+    while (tu_now() < end) {
+        ck_assert_int_eq(http_request(g_port, "GET", "/metrics", NULL, NULL, &m, 10000), 0);
+        used = metric_value(m.body, "pd:kv_blocks_used");
+        running = metric_value(m.body, "pd:num_requests_running");
+        waiting = metric_value(m.body, "pd:num_requests_waiting");
+        aborts = metric_value(m.body, "pd:request_success_total{finished_reason=\"abort\"}");
+        free_b = metric_value(m.body, "pd:kv_blocks_free");
+        cached = metric_value(m.body, "pd:kv_blocks_cached_free");
+        http_resp_free(&m);
+        if (used == 0 && running == 0 && waiting == 0 && aborts - aborts_before >= N) {
+            break;
+        }
+        usleep(50000);
+    }
+    ck_assert_double_eq(used, 0);
+    ck_assert_double_eq(running, 0);
+    ck_assert_double_eq(waiting, 0);
+    ck_assert_double_ge(aborts - aborts_before, N);
+    ck_assert_double_gt(free_b + cached, 0);
+    free(jobs), free(t);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ metrics */
+
+/* A small Prometheus text parser: every line is a comment (# HELP/# TYPE) or
+ * name{labels} value; returns the number of samples, -1 on a malformed line. */
+static int prom_parse(const char *text, json_t *samples)
+{
+    int n = 0;
+    char *copy = strdup(text);
+    for (char *line = strtok(copy, "\n"); line != NULL; line = strtok(NULL, "\n")) {
+        if (line[0] == '#') {
+            if (strncmp(line, "# HELP ", 7) != 0 && strncmp(line, "# TYPE ", 7) != 0) {
+                free(copy);
+                return -1;
+            }
+            continue;
+        }
+        char *sp = strrchr(line, ' ');
+        if (sp == NULL) {
+            free(copy);
+            return -1;
+        }
+        *sp = '\0';
+        char *endp;
+        double v = strtod(sp + 1, &endp);
+        if (*endp != '\0' && strcmp(sp + 1, "+Inf") != 0) {
+            free(copy);
+            return -1;
+        }
+        for (char *c = line; *c && *c != '{'; c++) {
+            if (!(isalnum((unsigned char)*c) || *c == '_' || *c == ':')) {
+                free(copy);
+                return -1;
+            }
+        }
+        json_object_set_new(samples, line, json_real(v));
+        n++;
+    }
+    free(copy);
+    return n;
+}
+
+START_TEST(test_metrics_parse_and_monotonic)
+{
+    http_resp_t a, b;
+    ck_assert_int_eq(http_request(g_port, "GET", "/metrics", NULL, NULL, &a, 10000), 0);
+    ck_assert_ptr_nonnull(strcasestr(a.head, "text/plain"));
+    int status;
+    json_t *j =
+        post_json(g_port, "{\"prompt\": \"count me\", \"max_tokens\": 5, \"ignore_eos\": true}", &status);
+    ck_assert_int_eq(status, 200);
+    json_decref(j);
+    ck_assert_int_eq(http_request(g_port, "GET", "/metrics", NULL, NULL, &b, 10000), 0);
+    json_t *sa = json_object(), *sb = json_object();
+    ck_assert_int_gt(prom_parse(a.body, sa), 20);
+    ck_assert_int_gt(prom_parse(b.body, sb), 20);
+    const char *key;
+    json_t *v;
+    int counters = 0;
+    json_object_foreach(sa, key, v)
+    {
+        bool counter = strstr(key, "_total") != NULL || strstr(key, "_bucket") != NULL ||
+                       strstr(key, "_count") != NULL || strstr(key, "_sum") != NULL;
+        if (!counter) {
+            continue;
+        }
+        json_t *after = json_object_get(sb, key);
+        ck_assert_msg(after != NULL, "%s disappeared", key);
+        ck_assert_msg(json_real_value(after) >= json_real_value(v), "%s went down", key);
+        counters++;
+    }
+    ck_assert_int_gt(counters, 30);
+    ck_assert_double_ge(json_real_value(json_object_get(sb, "pd:generation_tokens_total")) -
+                            json_real_value(json_object_get(sa, "pd:generation_tokens_total")),
+                        5);
+    ck_assert_ptr_nonnull(json_object_get(sb, "pd:time_to_first_token_seconds_bucket{le=\"+Inf\"}"));
+    ck_assert_ptr_nonnull(json_object_get(sb, "pd:engine_step_duration_seconds_count"));
+    json_decref(sa), json_decref(sb);
+    http_resp_free(&a), http_resp_free(&b);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ the official openai client */
+
+START_TEST(test_openai_npm_client)
+{
+    if (tu_run(10, "command -v node >/dev/null && command -v npm >/dev/null") != 0) {
+        fprintf(stderr, "SKIP: node/npm not installed; openai client test not run\n");
+        return;
+    }
+    char dir[1024], probe[1200];
+    snprintf(dir, sizeof(dir), "%s/npm-openai", tu_binary_dir());
+    snprintf(probe, sizeof(probe), "%s/node_modules/openai/package.json", dir);
+    if (access(probe, R_OK) != 0) {
+        int rc = tu_run(
+            300, "mkdir -p %s && cd %s && npm install --no-audit --no-fund --silent openai@4 >npm.log 2>&1",
+            dir, dir);
+        ck_assert_msg(rc == 0, "npm install openai failed (see %s/npm.log)", dir);
+    }
+    char out[512];
+    snprintf(out, sizeof(out), "%s/openai.json", g_dir);
+    const char *model = strrchr(g_model, '/') + 1;
+    ck_assert_int_eq(
+        tu_run(120,
+               "node %s/tests/reference/openai_client.mjs %s/node_modules http://127.0.0.1:%d/v1 %s "
+               "\"Tell me about caches\" 12 > %s",
+               tu_source_dir(), dir, g_port, model, out),
+        0);
+    json_t *res = json_load_file(out, 0, NULL);
+    ck_assert_ptr_nonnull(res);
+    /* the same request through our client */
+    int status;
+    char body[256];
+    snprintf(body, sizeof(body),
+             "{\"model\": \"%s\", \"prompt\": \"Tell me about caches\", \"max_tokens\": 12, "
+             "\"temperature\": 0}",
+             model);
+    json_t *mine = post_json(g_port, body, &status);
+    const char *text =
+        json_string_value(json_object_get(json_array_get(json_object_get(mine, "choices"), 0), "text"));
+    ck_assert_str_eq(json_string_value(json_object_get(res, "text")), text);
+    ck_assert_str_eq(json_string_value(json_object_get(res, "stream_text")), text);
+    ck_assert_str_eq(json_string_value(json_object_get(res, "finish")), "length");
+    ck_assert_int_eq(json_integer_value(json_object_get(json_object_get(res, "usage"), "completion_tokens")),
+                     12);
+    ck_assert_int_eq(
+        json_integer_value(json_object_get(json_object_get(res, "stream_usage"), "completion_tokens")), 12);
+    json_decref(res), json_decref(mine);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("server");
+    TCase *tc = tcase_create("http");
+    tcase_add_unchecked_fixture(tc, suite_setup, suite_teardown);
+    tcase_set_timeout(tc, 300);
+    tcase_add_test(tc, test_completion_equals_engine_greedy);
+    tcase_add_test(tc, test_completion_equals_engine_seeded);
+    tcase_add_test(tc, test_logprobs_match_recomputed);
+    tcase_add_test(tc, test_error_codes);
+    tcase_add_test(tc, test_metrics_parse_and_monotonic);
+    tcase_add_test(tc, test_200_concurrent_streams);
+    tcase_add_test(tc, test_disconnects_free_the_pool);
+    tcase_add_test(tc, test_openai_npm_client);
+    tcase_add_test(tc, test_api_key_and_queue_limit);
+    tcase_add_test(tc, test_graceful_drain);
+    suite_add_tcase(s, tc);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}
