@@ -13,6 +13,7 @@
 #include "common/json.h"
 #include "common/log.h"
 #include "common/rng.h"
+#include "common/sha256.h"
 #include "common/status.h"
 #include "common/strmap.h"
 #include "common/time.h"
@@ -313,6 +314,56 @@ START_TEST(test_time_monotonic)
 }
 END_TEST
 
+static void hex(const uint8_t *d, size_t n, char *out)
+{
+    for (size_t i = 0; i < n; i++) {
+        sprintf(out + 2 * i, "%02x", d[i]);
+    }
+}
+
+START_TEST(test_sha256_hmac_vectors)
+{
+    uint8_t d[32];
+    char h[65];
+    pd_sha256("abc", 3, d);
+    hex(d, 32, h);
+    ck_assert_str_eq(h, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    pd_sha256("", 0, d);
+    hex(d, 32, h);
+    ck_assert_str_eq(h, "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+    const char *two = "abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq";
+    pd_sha256(two, strlen(two), d);
+    hex(d, 32, h);
+    ck_assert_str_eq(h, "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+    /* streaming in odd pieces equals one shot */
+    pd_sha256_t s;
+    pd_sha256_init(&s);
+    for (size_t i = 0; i < strlen(two); i += 7) {
+        pd_sha256_update(&s, two + i, strlen(two) - i < 7 ? strlen(two) - i : 7);
+    }
+    uint8_t d2[32];
+    pd_sha256_final(&s, d2);
+    ck_assert(pd_ct_equal(d, d2, 32));
+    /* RFC 4231 test cases 1 and 2 */
+    uint8_t key1[20];
+    memset(key1, 0x0b, 20);
+    pd_hmac_sha256(key1, 20, "Hi There", 8, d);
+    hex(d, 32, h);
+    ck_assert_str_eq(h, "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7");
+    pd_hmac_sha256("Jefe", 4, "what do ya want for nothing?", 28, d);
+    hex(d, 32, h);
+    ck_assert_str_eq(h, "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+    /* RFC 4231 case 6: a key longer than the block is hashed first */
+    uint8_t key6[131];
+    memset(key6, 0xaa, sizeof(key6));
+    const char *m6 = "Test Using Larger Than Block-Size Key - Hash Key First";
+    pd_hmac_sha256(key6, sizeof(key6), m6, strlen(m6), d);
+    hex(d, 32, h);
+    ck_assert_str_eq(h, "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
+    ck_assert(!pd_ct_equal(d, d2, 32));
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("common");
@@ -327,6 +378,7 @@ int main(void)
     tcase_add_test(tc, test_flags);
     tcase_add_test(tc, test_rng);
     tcase_add_test(tc, test_time_monotonic);
+    tcase_add_test(tc, test_sha256_hmac_vectors);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);

@@ -1,0 +1,438 @@
+/* pipe/control.c — control-plane frames and the token handshake. */
+#define _GNU_SOURCE
+#include "pipe/control.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/log.h"
+#include "common/sha256.h"
+#include "common/time.h"
+
+const ProtobufCMessageDescriptor *pd_ctl_descriptor(pd_msg_type_t type)
+{
+    switch (type) {
+    case PD_MSG_HELLO: return &pd__hello__descriptor;
+    case PD_MSG_HELLO_ACK: return &pd__hello_ack__descriptor;
+    case PD_MSG_HELLO_FINISH: return &pd__hello_finish__descriptor;
+    case PD_MSG_REJECT: return &pd__reject__descriptor;
+    case PD_MSG_HEARTBEAT: return &pd__heartbeat__descriptor;
+    case PD_MSG_TRANSFER_GRANT: return &pd__transfer_grant__descriptor;
+    case PD_MSG_RESERVATION: return &pd__reservation__descriptor;
+    case PD_MSG_READ_DONE: return &pd__read_done__descriptor;
+    case PD_MSG_WRITE_DONE: return &pd__write_done__descriptor;
+    case PD_MSG_TRANSFER_ACK: return &pd__transfer_ack__descriptor;
+    case PD_MSG_ABORT: return &pd__abort__descriptor;
+    }
+    return NULL;
+}
+
+void pd_ctl_msg_free(pd_ctl_msg_t *m)
+{
+    if (m->msg != NULL) {
+        protobuf_c_message_free_unpacked(m->msg, NULL);
+    }
+    m->msg = NULL;
+}
+
+pd_status_t pd_ctl_encode(pd_msg_type_t type, const ProtobufCMessage *msg, uint8_t **frame_out,
+                          size_t *len_out)
+{
+    const ProtobufCMessageDescriptor *d = pd_ctl_descriptor(type);
+    if (d == NULL || msg->descriptor != d) {
+        pd_log_error("control: message does not match type %d", type);
+        return PD_ERR_INVALID_ARG;
+    }
+    size_t n = protobuf_c_message_get_packed_size(msg);
+    if (n > UINT32_MAX) {
+        return PD_ERR_NO_SPACE;
+    }
+    uint8_t *f = malloc(PD_CTL_HEADER + n);
+    if (f == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
+    f[0] = (uint8_t)(n >> 24);
+    f[1] = (uint8_t)(n >> 16);
+    f[2] = (uint8_t)(n >> 8);
+    f[3] = (uint8_t)n;
+    f[4] = PD_PROTOCOL_VERSION;
+    f[5] = (uint8_t)type;
+    f[6] = f[7] = 0;
+    protobuf_c_message_pack(msg, f + PD_CTL_HEADER);
+    *frame_out = f;
+    *len_out = PD_CTL_HEADER + n;
+    return PD_OK;
+}
+
+void pd_ctl_reader_init(pd_ctl_reader_t *r, size_t max_frame)
+{
+    memset(r, 0, sizeof(*r));
+    r->max_frame = max_frame ? max_frame : PD_CTL_DEFAULT_MAX_FRAME;
+}
+
+void pd_ctl_reader_destroy(pd_ctl_reader_t *r)
+{
+    free(r->buf);
+    memset(r, 0, sizeof(*r));
+}
+
+pd_status_t pd_ctl_reader_feed(pd_ctl_reader_t *r, const void *data, size_t n)
+{
+    if (r->len + n > r->max_frame + PD_CTL_HEADER + 65536) {
+        pd_log_warn("control: %zu unparsed bytes buffered; refusing more", r->len + n);
+        return PD_ERR_NO_SPACE;
+    }
+    if (r->len + n > r->cap) {
+        size_t cap = r->cap ? r->cap * 2 : 4096;
+        while (cap < r->len + n) {
+            cap *= 2;
+        }
+        uint8_t *b = realloc(r->buf, cap);
+        if (b == NULL) {
+            return PD_ERR_NO_MEMORY;
+        }
+        r->buf = b;
+        r->cap = cap;
+    }
+    memcpy(r->buf + r->len, data, n);
+    r->len += n;
+    return PD_OK;
+}
+
+pd_status_t pd_ctl_reader_next(pd_ctl_reader_t *r, pd_ctl_msg_t *out)
+{
+    if (r->len < PD_CTL_HEADER) {
+        return PD_ERR_NOT_FOUND;
+    }
+    const uint8_t *h = r->buf;
+    uint32_t n = (uint32_t)h[0] << 24 | (uint32_t)h[1] << 16 | (uint32_t)h[2] << 8 | h[3];
+    if (n > r->max_frame) {
+        pd_log_warn("control: frame of %u bytes exceeds the %zu byte limit", n, r->max_frame);
+        return PD_ERR_PARSE;
+    }
+    if (h[4] != PD_PROTOCOL_VERSION) {
+        pd_log_warn("control: frame version %u, this build speaks %u", h[4], PD_PROTOCOL_VERSION);
+        return PD_ERR_UNSUPPORTED;
+    }
+    const ProtobufCMessageDescriptor *d = pd_ctl_descriptor((pd_msg_type_t)h[5]);
+    if (d == NULL || h[6] != 0 || h[7] != 0) {
+        pd_log_warn("control: unknown message type %u (or reserved bits set)", h[5]);
+        return PD_ERR_PARSE;
+    }
+    if (r->len < PD_CTL_HEADER + (size_t)n) {
+        return PD_ERR_NOT_FOUND;
+    }
+    ProtobufCMessage *m = protobuf_c_message_unpack(d, NULL, n, r->buf + PD_CTL_HEADER);
+    if (m == NULL) {
+        pd_log_warn("control: malformed %s message (%u bytes)", d->short_name, n);
+        return PD_ERR_PARSE;
+    }
+    out->type = (pd_msg_type_t)h[5];
+    out->msg = m;
+    memmove(r->buf, r->buf + PD_CTL_HEADER + n, r->len - PD_CTL_HEADER - n);
+    r->len -= PD_CTL_HEADER + n;
+    return PD_OK;
+}
+
+static int remaining_ms(uint64_t deadline)
+{
+    uint64_t now = pd_time_now_ns();
+    return now >= deadline ? 0 : (int)((deadline - now) / 1000000 + 1);
+}
+
+pd_status_t pd_ctl_send(int fd, pd_msg_type_t type, const ProtobufCMessage *msg, int timeout_ms)
+{
+    uint8_t *f = NULL;
+    size_t len = 0;
+    pd_status_t st = pd_ctl_encode(type, msg, &f, &len);
+    if (st != PD_OK) {
+        return st;
+    }
+    uint64_t deadline = pd_time_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+    size_t off = 0;
+    while (off < len) {
+        ssize_t w = send(fd, f + off, len - off, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w > 0) {
+            off += (size_t)w;
+            continue;
+        }
+        if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+            struct pollfd p = {fd, POLLOUT, 0};
+            int ms = remaining_ms(deadline);
+            if (ms == 0 || poll(&p, 1, ms) == 0) {
+                st = PD_ERR_TIMEOUT;
+                break;
+            }
+            continue;
+        }
+        st = PD_ERR_PEER_GONE;
+        break;
+    }
+    free(f);
+    return st;
+}
+
+pd_status_t pd_ctl_recv(int fd, pd_ctl_reader_t *r, pd_ctl_msg_t *out, int timeout_ms)
+{
+    uint64_t deadline = pd_time_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+    for (;;) {
+        pd_status_t st = pd_ctl_reader_next(r, out);
+        if (st != PD_ERR_NOT_FOUND) {
+            return st;
+        }
+        struct pollfd p = {fd, POLLIN, 0};
+        int ms = remaining_ms(deadline);
+        if (ms == 0 || poll(&p, 1, ms) == 0) {
+            return PD_ERR_TIMEOUT;
+        }
+        uint8_t buf[16384];
+        ssize_t n = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+        if (n == 0) {
+            return PD_ERR_PEER_GONE;
+        }
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EINTR) {
+                continue;
+            }
+            return PD_ERR_PEER_GONE;
+        }
+        st = pd_ctl_reader_feed(r, buf, (size_t)n);
+        if (st != PD_OK) {
+            return PD_ERR_PARSE;
+        }
+    }
+}
+
+bool pd_ctl_fingerprint_equal(const Pd__Fingerprint *a, const Pd__Fingerprint *b, char *why, size_t why_len)
+{
+    if (a == NULL || b == NULL) {
+        snprintf(why, why_len, "fingerprint missing");
+        return false;
+    }
+#define CMP_STR(f)                                                                                           \
+    if (strcmp(a->f != NULL ? a->f : "", b->f != NULL ? b->f : "") != 0) {                                   \
+        snprintf(why, why_len, "fingerprint mismatch: " #f " '%s' vs '%s'", a->f, b->f);                     \
+        return false;                                                                                        \
+    }
+#define CMP_INT(f)                                                                                           \
+    if (a->f != b->f) {                                                                                      \
+        snprintf(why, why_len, "fingerprint mismatch: " #f " %u vs %u", a->f, b->f);                         \
+        return false;                                                                                        \
+    }
+    CMP_STR(model)
+    CMP_STR(kv_dtype)
+    CMP_STR(layout)
+    CMP_INT(block_size)
+    CMP_INT(num_kv_heads)
+    CMP_INT(head_size)
+    CMP_INT(num_layers)
+    CMP_INT(protocol_version)
+#undef CMP_STR
+#undef CMP_INT
+    return true;
+}
+
+static void proof(const pd_ctl_identity_t *me, const char *label, const uint8_t *n1, size_t l1,
+                  const uint8_t *n2, size_t l2, uint8_t out[32])
+{
+    uint8_t msg[9 + 64 + 64];
+    size_t k = 0;
+    memcpy(msg, label, 9);
+    k = 9;
+    l1 = l1 > 64 ? 64 : l1;
+    l2 = l2 > 64 ? 64 : l2;
+    memcpy(msg + k, n1, l1);
+    k += l1;
+    memcpy(msg + k, n2, l2);
+    k += l2;
+    pd_hmac_sha256(me->token, me->token_len, msg, k, out);
+}
+
+static void send_reject(int fd, pd_reject_code_t code, const char *reason, int timeout_ms)
+{
+    Pd__Reject rj = PD__REJECT__INIT;
+    rj.reason = (char *)reason;
+    rj.code = code;
+    pd_ctl_send(fd, PD_MSG_REJECT, &rj.base, timeout_ms);
+}
+
+static pd_status_t expect(int fd, pd_ctl_reader_t *r, pd_msg_type_t want, int timeout_ms, pd_ctl_msg_t *out,
+                          char *reason, size_t reason_len)
+{
+    pd_status_t st = pd_ctl_recv(fd, r, out, timeout_ms);
+    if (st != PD_OK) {
+        snprintf(reason, reason_len, "handshake: %s while waiting for the peer", pd_status_str(st));
+        return st;
+    }
+    if (out->type == PD_MSG_REJECT) {
+        Pd__Reject *rj = (Pd__Reject *)out->msg;
+        snprintf(reason, reason_len, "rejected by peer: %s", rj->reason != NULL ? rj->reason : "");
+        pd_ctl_msg_free(out);
+        return PD_ERR_REJECTED;
+    }
+    if (out->type != want) {
+        snprintf(reason, reason_len, "handshake: unexpected message type %d (wanted %d)", out->type, want);
+        pd_ctl_msg_free(out);
+        return PD_ERR_PARSE;
+    }
+    return PD_OK;
+}
+
+pd_status_t pd_ctl_handshake_client(int fd, const pd_ctl_identity_t *me, int timeout_ms,
+                                    pd_ctl_msg_t *peer_out, char *reason, size_t reason_len)
+{
+    uint8_t nonce[32];
+    if (getrandom(nonce, sizeof(nonce), 0) != (ssize_t)sizeof(nonce)) {
+        snprintf(reason, reason_len, "no randomness for the handshake nonce");
+        return PD_ERR_IO;
+    }
+    Pd__Hello h = PD__HELLO__INIT;
+    h.protocol_version = PD_PROTOCOL_VERSION;
+    h.engine_id = (char *)me->engine_id;
+    h.role = me->role;
+    h.fingerprint = (Pd__Fingerprint *)me->fingerprint;
+    h.nonce.data = nonce;
+    h.nonce.len = sizeof(nonce);
+    h.pipe_kind = me->pipe_kind;
+    h.pipe_address.data = (uint8_t *)me->pipe_address;
+    h.pipe_address.len = me->pipe_address_len;
+    h.regions = me->regions;
+    h.n_regions = me->num_regions;
+    pd_status_t st = pd_ctl_send(fd, PD_MSG_HELLO, &h.base, timeout_ms);
+    if (st != PD_OK) {
+        snprintf(reason, reason_len, "handshake: cannot send Hello (%s)", pd_status_str(st));
+        return st;
+    }
+    pd_ctl_reader_t r;
+    pd_ctl_reader_init(&r, 0);
+    pd_ctl_msg_t ack = {0, NULL};
+    st = expect(fd, &r, PD_MSG_HELLO_ACK, timeout_ms, &ack, reason, reason_len);
+    if (st != PD_OK) {
+        pd_ctl_reader_destroy(&r);
+        return st;
+    }
+    Pd__HelloAck *a = (Pd__HelloAck *)ack.msg;
+    uint8_t want[32];
+    proof(me, "pd-server", nonce, sizeof(nonce), a->nonce.data, a->nonce.len, want);
+    if (a->proof.len != 32 || !pd_ct_equal(want, a->proof.data, 32)) {
+        snprintf(reason, reason_len, "the peer does not know the cluster token");
+        send_reject(fd, PD_REJECT_TOKEN, "wrong cluster token", timeout_ms);
+        pd_ctl_msg_free(&ack);
+        pd_ctl_reader_destroy(&r);
+        return PD_ERR_REJECTED;
+    }
+    if (!pd_ctl_fingerprint_equal(me->fingerprint, a->fingerprint, reason, reason_len)) {
+        send_reject(fd, PD_REJECT_FINGERPRINT, reason, timeout_ms);
+        pd_ctl_msg_free(&ack);
+        pd_ctl_reader_destroy(&r);
+        return PD_ERR_REJECTED;
+    }
+    uint8_t mine[32];
+    proof(me, "pd-client", a->nonce.data, a->nonce.len, nonce, sizeof(nonce), mine);
+    Pd__HelloFinish fin = PD__HELLO_FINISH__INIT;
+    fin.proof.data = mine;
+    fin.proof.len = 32;
+    st = pd_ctl_send(fd, PD_MSG_HELLO_FINISH, &fin.base, timeout_ms);
+    pd_ctl_msg_t ok = {0, NULL};
+    if (st == PD_OK) {
+        st = expect(fd, &r, PD_MSG_HEARTBEAT, timeout_ms, &ok, reason, reason_len);
+    }
+    pd_ctl_msg_free(&ok);
+    pd_ctl_reader_destroy(&r);
+    if (st != PD_OK) {
+        pd_ctl_msg_free(&ack);
+        return st;
+    }
+    *peer_out = ack;
+    return PD_OK;
+}
+
+pd_status_t pd_ctl_handshake_server(int fd, const pd_ctl_identity_t *me, int timeout_ms,
+                                    pd_ctl_msg_t *peer_out, char *reason, size_t reason_len)
+{
+    pd_ctl_reader_t r;
+    pd_ctl_reader_init(&r, 0);
+    pd_ctl_msg_t hello = {0, NULL};
+    pd_status_t st = expect(fd, &r, PD_MSG_HELLO, timeout_ms, &hello, reason, reason_len);
+    if (st != PD_OK) {
+        if (st == PD_ERR_PARSE || st == PD_ERR_UNSUPPORTED) {
+            send_reject(fd, PD_REJECT_PROTOCOL, reason, timeout_ms);
+        }
+        pd_ctl_reader_destroy(&r);
+        return st;
+    }
+    Pd__Hello *h = (Pd__Hello *)hello.msg;
+    if (h->protocol_version != PD_PROTOCOL_VERSION) {
+        snprintf(reason, reason_len, "protocol version %u, this engine speaks %u", h->protocol_version,
+                 PD_PROTOCOL_VERSION);
+        send_reject(fd, PD_REJECT_VERSION, reason, timeout_ms);
+        st = PD_ERR_REJECTED;
+        goto fail;
+    }
+    if (!pd_ctl_fingerprint_equal(me->fingerprint, h->fingerprint, reason, reason_len)) {
+        send_reject(fd, PD_REJECT_FINGERPRINT, reason, timeout_ms);
+        st = PD_ERR_REJECTED;
+        goto fail;
+    }
+    uint8_t nonce[32], mine[32];
+    if (getrandom(nonce, sizeof(nonce), 0) != (ssize_t)sizeof(nonce)) {
+        st = PD_ERR_IO;
+        goto fail;
+    }
+    proof(me, "pd-server", h->nonce.data, h->nonce.len, nonce, sizeof(nonce), mine);
+    Pd__HelloAck a = PD__HELLO_ACK__INIT;
+    a.engine_id = (char *)me->engine_id;
+    a.role = me->role;
+    a.fingerprint = (Pd__Fingerprint *)me->fingerprint;
+    a.nonce.data = nonce;
+    a.nonce.len = sizeof(nonce);
+    a.proof.data = mine;
+    a.proof.len = 32;
+    a.pipe_kind = me->pipe_kind;
+    a.pipe_address.data = (uint8_t *)me->pipe_address;
+    a.pipe_address.len = me->pipe_address_len;
+    a.regions = me->regions;
+    a.n_regions = me->num_regions;
+    st = pd_ctl_send(fd, PD_MSG_HELLO_ACK, &a.base, timeout_ms);
+    if (st != PD_OK) {
+        snprintf(reason, reason_len, "handshake: cannot send HelloAck (%s)", pd_status_str(st));
+        goto fail;
+    }
+    pd_ctl_msg_t fin = {0, NULL};
+    st = expect(fd, &r, PD_MSG_HELLO_FINISH, timeout_ms, &fin, reason, reason_len);
+    if (st != PD_OK) {
+        goto fail;
+    }
+    uint8_t want[32];
+    proof(me, "pd-client", nonce, sizeof(nonce), h->nonce.data, h->nonce.len, want);
+    Pd__HelloFinish *f = (Pd__HelloFinish *)fin.msg;
+    bool good = f->proof.len == 32 && pd_ct_equal(want, f->proof.data, 32);
+    pd_ctl_msg_free(&fin);
+    if (!good) {
+        snprintf(reason, reason_len, "the peer does not know the cluster token");
+        send_reject(fd, PD_REJECT_TOKEN, "wrong cluster token", timeout_ms);
+        st = PD_ERR_REJECTED;
+        goto fail;
+    }
+    Pd__Heartbeat hb = PD__HEARTBEAT__INIT;
+    hb.seq = 0;
+    hb.unix_ms = (uint64_t)time(NULL) * 1000;
+    st = pd_ctl_send(fd, PD_MSG_HEARTBEAT, &hb.base, timeout_ms);
+    if (st != PD_OK) {
+        goto fail;
+    }
+    pd_ctl_reader_destroy(&r);
+    *peer_out = hello;
+    return PD_OK;
+fail:
+    pd_ctl_msg_free(&hello);
+    pd_ctl_reader_destroy(&r);
+    return st;
+}

@@ -1,0 +1,109 @@
+/* pipe/control.h — the control plane's wire format and handshake (DESIGN.md §6).
+ *
+ * Frame: u32 payload length (big-endian) | u8 version | u8 type | u16 reserved (0) | payload
+ * (a protobuf-c message of proto/pd.proto). Frames above max_frame, an unknown version or type,
+ * a non-zero reserved field or an undecodable payload are errors: the connection is closed.
+ *
+ * Handshake (client = the side that connects):
+ *   C → S  Hello{version, engine id, role, fingerprint, nonce_c, pipe address, regions}
+ *   S → C  HelloAck{..., nonce_s, proof_s = HMAC(token, "pd-server" | nonce_c | nonce_s)}  or Reject
+ *   C → S  HelloFinish{proof_c = HMAC(token, "pd-client" | nonce_s | nonce_c)}           or Reject
+ *   S → C  Heartbeat{seq 0} (accepted)                                                   or Reject
+ * The token never crosses the wire; each side proves it knows it over the other's fresh nonce. */
+#ifndef PD_PIPE_CONTROL_H
+#define PD_PIPE_CONTROL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/status.h"
+#include "pd.pb-c.h"
+
+#define PD_PROTOCOL_VERSION      1
+#define PD_CTL_HEADER            8
+#define PD_CTL_DEFAULT_MAX_FRAME (1u << 20)
+
+typedef enum pd_msg_type {
+    PD_MSG_HELLO = 1,
+    PD_MSG_HELLO_ACK = 2,
+    PD_MSG_HELLO_FINISH = 3,
+    PD_MSG_REJECT = 4,
+    PD_MSG_HEARTBEAT = 5,
+    PD_MSG_TRANSFER_GRANT = 6,
+    PD_MSG_RESERVATION = 7,
+    PD_MSG_READ_DONE = 8,
+    PD_MSG_WRITE_DONE = 9,
+    PD_MSG_TRANSFER_ACK = 10,
+    PD_MSG_ABORT = 11,
+} pd_msg_type_t;
+
+typedef enum pd_reject_code {
+    PD_REJECT_VERSION = 1,
+    PD_REJECT_FINGERPRINT = 2,
+    PD_REJECT_TOKEN = 3,
+    PD_REJECT_PROTOCOL = 4,
+} pd_reject_code_t;
+
+/* A decoded message; msg is the protobuf-c object (cast by type). */
+typedef struct pd_ctl_msg {
+    pd_msg_type_t type;
+    ProtobufCMessage *msg;
+} pd_ctl_msg_t;
+
+void pd_ctl_msg_free(pd_ctl_msg_t *m);
+
+/* The protobuf-c descriptor of a message type, or NULL for an unknown type. */
+const ProtobufCMessageDescriptor *pd_ctl_descriptor(pd_msg_type_t type);
+
+/* Encodes msg (whose descriptor must match type) into a malloc'd frame. */
+pd_status_t pd_ctl_encode(pd_msg_type_t type, const ProtobufCMessage *msg, uint8_t **frame_out,
+                          size_t *len_out);
+
+/* Incremental decoder over a byte stream. */
+typedef struct pd_ctl_reader {
+    uint8_t *buf;
+    size_t len, cap;
+    size_t max_frame;
+} pd_ctl_reader_t;
+
+void pd_ctl_reader_init(pd_ctl_reader_t *r, size_t max_frame);
+void pd_ctl_reader_destroy(pd_ctl_reader_t *r);
+/* Appends received bytes. PD_ERR_NO_SPACE if that would buffer more than one maximal frame. */
+pd_status_t pd_ctl_reader_feed(pd_ctl_reader_t *r, const void *data, size_t n);
+/* Decodes the next complete frame: PD_OK (*out set), PD_ERR_NOT_FOUND (need more bytes),
+ * PD_ERR_PARSE / PD_ERR_UNSUPPORTED (a bad frame: close the connection; logged with why). */
+pd_status_t pd_ctl_reader_next(pd_ctl_reader_t *r, pd_ctl_msg_t *out);
+
+/* Sends one message on a blocking or non-blocking fd, waiting at most timeout_ms. */
+pd_status_t pd_ctl_send(int fd, pd_msg_type_t type, const ProtobufCMessage *msg, int timeout_ms);
+/* Receives one message (reading through r), waiting at most timeout_ms. PD_ERR_PEER_GONE on EOF. */
+pd_status_t pd_ctl_recv(int fd, pd_ctl_reader_t *r, pd_ctl_msg_t *out, int timeout_ms);
+
+/* What this engine says about itself in a handshake. */
+typedef struct pd_ctl_identity {
+    const char *engine_id;
+    Pd__Role role;
+    const Pd__Fingerprint *fingerprint;
+    Pd__PipeKind pipe_kind;
+    const uint8_t *pipe_address;
+    size_t pipe_address_len;
+    Pd__RegionDesc **regions;
+    size_t num_regions;
+    const uint8_t *token; /* cluster token (may be empty: then both sides must have none) */
+    size_t token_len;
+} pd_ctl_identity_t;
+
+/* Client side of the handshake on a connected fd. On PD_OK *peer_out holds the peer's HelloAck.
+ * PD_ERR_REJECTED (reason filled) when either side refuses: version, fingerprint, token. */
+pd_status_t pd_ctl_handshake_client(int fd, const pd_ctl_identity_t *me, int timeout_ms,
+                                    pd_ctl_msg_t *peer_out, char *reason, size_t reason_len);
+
+/* Server side; on PD_OK *peer_out holds the peer's Hello. */
+pd_status_t pd_ctl_handshake_server(int fd, const pd_ctl_identity_t *me, int timeout_ms,
+                                    pd_ctl_msg_t *peer_out, char *reason, size_t reason_len);
+
+/* Compares fingerprints field by field; on a mismatch writes which field differs to why. */
+bool pd_ctl_fingerprint_equal(const Pd__Fingerprint *a, const Pd__Fingerprint *b, char *why, size_t why_len);
+
+#endif
