@@ -1,0 +1,1222 @@
+/* pipe/tcp.c — the TCP pipe: two-sided emulation of page writes/reads over plain sockets.
+ *
+ * Each peer pair uses two connections, one per direction (A's outgoing socket is B's incoming
+ * one). Per pipe, a receiver thread reads every incoming socket and never writes (so it always
+ * drains, whatever the other side does), and a sender thread drains a queue of frames (API calls
+ * and the receiver's replies enqueue; nothing else writes). The receiver validates every page of
+ * a write — region exported to that peer with write permission, offset and length inside it —
+ * before a byte lands; bad pages are consumed and refused with an error ack.
+ *
+ * Frame: hdr_t, then per type: WRITE count × desc_t + data; READ_REQ count × desc_t; READ_RESP
+ * data; TENSOR hdr bytes + payload; HELLO / WRITE_ACK nothing. */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "common/log.h"
+#include "pipe/pipe.h"
+
+#define TCP_MAGIC         0x50445450u /* "PDTP" */
+#define TCP_MAX_PAGES     (1u << 20)
+#define TCP_RCV_TIMEOUT_S 30
+
+enum { M_HELLO = 1, M_WRITE = 2, M_WRITE_ACK = 3, M_READ_REQ = 4, M_READ_RESP = 5, M_TENSOR = 6 };
+
+typedef struct hdr {
+    uint32_t magic;
+    uint8_t type;
+    uint8_t pad[3];
+    uint64_t op_id;     /* HELLO: sender pipe id; TENSOR: tag */
+    uint32_t region_id; /* WRITE / READ_REQ: the receiver's region */
+    int32_t status;     /* WRITE_ACK / READ_RESP */
+    uint32_t count;     /* WRITE / READ_REQ: descriptors; TENSOR: header bytes */
+    uint32_t pad2;
+    uint64_t len; /* data bytes that follow */
+} hdr_t;
+
+typedef struct desc {
+    uint64_t off;
+    uint64_t len;
+} desc_t;
+
+typedef struct tcp_region {
+    struct pd_pipe_region pub;
+    uint32_t id;
+    bool owned;
+} tcp_region_t;
+
+struct pd_pipe_remote {
+    pd_pipe_peer_t *peer;
+    uint32_t region_id;
+    uint64_t len;
+};
+
+typedef struct perm {
+    uint32_t region_id;
+    pd_pipe_peer_t *peer;
+    bool write;
+    struct perm *next;
+} perm_t;
+
+typedef struct unexpected {
+    uint64_t tag;
+    uint8_t *hdr;
+    size_t hdr_len;
+    uint8_t *payload;
+    size_t payload_len;
+    struct unexpected *next;
+} unexpected_t;
+
+enum { OP_WRITE, OP_READ, OP_SEND, OP_RECV };
+
+typedef struct op op_t;
+struct op {
+    uint64_t id;
+    int kind;
+    pd_pipe_peer_t *peer;
+    pd_pipe_done_cb done;
+    pd_pipe_recv_cb recv_cb;
+    void *arg;
+    tcp_region_t *local; /* OP_READ: where the response lands */
+    desc_t *pages;       /* OP_READ: local offsets and lengths */
+    int n;
+    uint64_t total;
+    uint64_t tag; /* OP_RECV */
+    void *hbuf, *pbuf;
+    size_t hcap, pcap;
+    op_t *next;
+};
+
+struct pd_pipe_peer {
+    uint64_t id;
+    int out_fd, in_fd;
+    bool dead;
+    unexpected_t *unexpected;
+    pd_pipe_peer_t *next;
+};
+
+typedef struct job {
+    pd_pipe_peer_t *peer;
+    struct iovec *iov;
+    int niov;
+    void *owned;            /* freed after sending (header + descriptors) */
+    op_t *complete_on_send; /* OP_SEND */
+    struct job *next;
+} job_t;
+
+typedef struct completion {
+    pd_pipe_done_cb done;
+    pd_pipe_recv_cb recv_cb;
+    pd_pipe_peer_error_cb peer_cb;
+    pd_pipe_peer_t *peer;
+    void *arg;
+    pd_status_t st;
+    uint64_t tag;
+    size_t hlen, plen;
+    struct completion *next;
+} completion_t;
+
+typedef struct tcp_pipe {
+    pd_pipe_t base;
+    uint64_t id;
+    char host[64];
+    int port;
+    int listen_fd, epfd, wake_fd;
+    size_t max_msg;
+    pthread_t rx, tx;
+    bool threads;
+    pthread_mutex_t mu;
+    pthread_cond_t tx_cv;
+    bool stop;
+    pd_pipe_peer_t *peers;
+    tcp_region_t **regions;
+    uint32_t num_regions, cap_regions;
+    perm_t *perms;
+    op_t *ops; /* pending: waiting for an ack, a response or a matching tensor */
+    uint64_t next_op;
+    job_t *jq_head, *jq_tail;
+    completion_t *cq_head, *cq_tail;
+    pd_pipe_peer_error_cb peer_cb;
+    void *peer_cb_arg;
+} tcp_pipe_t;
+
+/* ------------------------------------------------------------------ small helpers (mu held) */
+
+static void complete(tcp_pipe_t *t, completion_t c)
+{
+    completion_t *n = malloc(sizeof(*n));
+    if (n == NULL) {
+        return;
+    }
+    *n = c;
+    n->next = NULL;
+    if (t->cq_tail != NULL) {
+        t->cq_tail->next = n;
+    } else {
+        t->cq_head = n;
+    }
+    t->cq_tail = n;
+}
+
+static void complete_op(tcp_pipe_t *t, op_t *o, pd_status_t st, size_t hlen, size_t plen)
+{
+    completion_t c = {o->done, o->recv_cb, NULL, NULL, o->arg, st, o->tag, hlen, plen, NULL};
+    complete(t, c);
+    free(o->pages);
+    free(o);
+}
+
+static op_t *take_op(tcp_pipe_t *t, uint64_t id, pd_pipe_peer_t *peer, int kind)
+{
+    for (op_t **pp = &t->ops; *pp != NULL; pp = &(*pp)->next) {
+        op_t *o = *pp;
+        if (o->id == id && o->peer == peer && o->kind == kind) {
+            *pp = o->next;
+            return o;
+        }
+    }
+    return NULL;
+}
+
+static void mark_dead(tcp_pipe_t *t, pd_pipe_peer_t *peer, pd_status_t st)
+{
+    if (peer->dead) {
+        return;
+    }
+    peer->dead = true;
+    pd_log_warn("tcp pipe: peer %016llx is gone (%s)", (unsigned long long)peer->id, pd_status_str(st));
+    for (op_t **pp = &t->ops; *pp != NULL;) {
+        op_t *o = *pp;
+        if (o->peer == peer) {
+            *pp = o->next;
+            complete_op(t, o, st, 0, 0);
+        } else {
+            pp = &o->next;
+        }
+    }
+    if (t->peer_cb != NULL) {
+        completion_t c = {NULL, NULL, t->peer_cb, peer, t->peer_cb_arg, st, 0, 0, 0, NULL};
+        complete(t, c);
+    }
+    if (peer->out_fd >= 0) {
+        shutdown(peer->out_fd, SHUT_RDWR);
+    }
+    if (peer->in_fd >= 0) {
+        shutdown(peer->in_fd, SHUT_RDWR);
+    }
+}
+
+static tcp_region_t *region_by_id(tcp_pipe_t *t, uint32_t id)
+{
+    return id < t->num_regions ? t->regions[id] : NULL;
+}
+
+static bool allowed(tcp_pipe_t *t, uint32_t region_id, pd_pipe_peer_t *peer, bool write)
+{
+    for (perm_t *p = t->perms; p != NULL; p = p->next) {
+        if (p->region_id == region_id && p->peer == peer && (!write || p->write)) {
+            return true;
+        }
+    }
+    return false;
+}
+
+static pd_pipe_peer_t *peer_by_id(tcp_pipe_t *t, uint64_t id, bool create)
+{
+    for (pd_pipe_peer_t *p = t->peers; p != NULL; p = p->next) {
+        if (p->id == id) {
+            return p;
+        }
+    }
+    if (!create) {
+        return NULL;
+    }
+    pd_pipe_peer_t *p = calloc(1, sizeof(*p));
+    if (p == NULL) {
+        return NULL;
+    }
+    p->id = id;
+    p->out_fd = p->in_fd = -1;
+    p->next = t->peers;
+    t->peers = p;
+    return p;
+}
+
+static void enqueue(tcp_pipe_t *t, job_t *j)
+{
+    j->next = NULL;
+    if (t->jq_tail != NULL) {
+        t->jq_tail->next = j;
+    } else {
+        t->jq_head = j;
+    }
+    t->jq_tail = j;
+    pthread_cond_signal(&t->tx_cv);
+}
+
+static job_t *job_new(pd_pipe_peer_t *peer, int niov, size_t owned_bytes)
+{
+    job_t *j = calloc(1, sizeof(*j));
+    if (j == NULL) {
+        return NULL;
+    }
+    j->peer = peer;
+    j->iov = calloc((size_t)niov, sizeof(struct iovec));
+    j->owned = owned_bytes > 0 ? calloc(1, owned_bytes) : NULL;
+    if (j->iov == NULL || (owned_bytes > 0 && j->owned == NULL)) {
+        free(j->iov);
+        free(j->owned);
+        free(j);
+        return NULL;
+    }
+    j->niov = niov;
+    return j;
+}
+
+static void job_free(job_t *j)
+{
+    free(j->iov);
+    free(j->owned);
+    free(j);
+}
+
+/* ------------------------------------------------------------------ socket I/O */
+
+static int read_full(int fd, void *buf, size_t n)
+{
+    char *p = buf;
+    while (n > 0) {
+        ssize_t r = read(fd, p, n > (1u << 30) ? (1u << 30) : n);
+        if (r > 0) {
+            p += r;
+            n -= (size_t)r;
+        } else if (r < 0 && errno == EINTR) {
+            continue;
+        } else {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int discard(int fd, uint64_t n)
+{
+    char buf[65536];
+    while (n > 0) {
+        size_t k = n > sizeof(buf) ? sizeof(buf) : (size_t)n;
+        if (read_full(fd, buf, k) != 0) {
+            return -1;
+        }
+        n -= k;
+    }
+    return 0;
+}
+
+static int writev_full(int fd, struct iovec *iov, int n)
+{
+    while (n > 0) {
+        ssize_t w = writev(fd, iov, n > IOV_MAX ? IOV_MAX : n);
+        if (w < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            return -1;
+        }
+        while (n > 0 && (size_t)w >= iov->iov_len) {
+            w -= (ssize_t)iov->iov_len;
+            iov++;
+            n--;
+        }
+        if (n > 0) {
+            iov->iov_base = (char *)iov->iov_base + w;
+            iov->iov_len -= (size_t)w;
+        }
+    }
+    return 0;
+}
+
+static void tune_socket(int fd)
+{
+    int one = 1, buf = 8 << 20;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof(buf));
+}
+
+/* ------------------------------------------------------------------ sender thread */
+
+static void *tx_main(void *arg)
+{
+    tcp_pipe_t *t = arg;
+    pthread_mutex_lock(&t->mu);
+    for (;;) {
+        while (!t->stop && t->jq_head == NULL) {
+            pthread_cond_wait(&t->tx_cv, &t->mu);
+        }
+        if (t->stop) {
+            break;
+        }
+        job_t *j = t->jq_head;
+        t->jq_head = j->next;
+        if (t->jq_head == NULL) {
+            t->jq_tail = NULL;
+        }
+        pd_pipe_peer_t *peer = j->peer;
+        int fd = peer->out_fd;
+        bool dead = peer->dead || fd < 0;
+        pthread_mutex_unlock(&t->mu);
+        int rc = dead ? -1 : writev_full(fd, j->iov, j->niov);
+        pthread_mutex_lock(&t->mu);
+        if (rc != 0) {
+            mark_dead(t, peer, PD_ERR_PEER_GONE);
+            if (j->complete_on_send != NULL) {
+                complete_op(t, j->complete_on_send, PD_ERR_PEER_GONE, 0, 0);
+            }
+        } else if (j->complete_on_send != NULL) {
+            complete_op(t, j->complete_on_send, PD_OK, 0, 0);
+        }
+        job_free(j);
+    }
+    pthread_mutex_unlock(&t->mu);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ receiver thread */
+
+static void send_reply(tcp_pipe_t *t, pd_pipe_peer_t *peer, int type, uint64_t op_id, int32_t status,
+                       const tcp_region_t *r, const desc_t *d, uint32_t n, uint64_t total)
+{
+    job_t *j = job_new(peer, 1 + (int)n, sizeof(hdr_t));
+    if (j == NULL) {
+        return;
+    }
+    hdr_t *h = j->owned;
+    *h = (hdr_t){TCP_MAGIC, (uint8_t)type, {0}, op_id, 0, status, 0, 0, r != NULL ? total : 0};
+    j->iov[0] = (struct iovec){h, sizeof(*h)};
+    j->niov = 1;
+    for (uint32_t i = 0; r != NULL && i < n; i++) {
+        j->iov[j->niov++] = (struct iovec){(char *)r->pub.base + d[i].off, d[i].len};
+    }
+    enqueue(t, j);
+}
+
+/* Validates descriptors against a region: all inside, sum equal to expected (when non-zero). */
+static bool descs_ok(const tcp_region_t *r, const desc_t *d, uint32_t n, uint64_t expect_total)
+{
+    uint64_t sum = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (d[i].len > r->pub.len || d[i].off > r->pub.len - d[i].len) {
+            return false;
+        }
+        sum += d[i].len;
+    }
+    return expect_total == UINT64_MAX || sum == expect_total;
+}
+
+/* Handles one frame from peer's incoming socket; returns -1 when the connection is unusable. */
+static int rx_frame(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd)
+{
+    hdr_t h;
+    if (read_full(fd, &h, sizeof(h)) != 0) {
+        return -1;
+    }
+    if (h.magic != TCP_MAGIC) {
+        pd_log_warn("tcp pipe: bad frame magic from peer %016llx", (unsigned long long)peer->id);
+        return -1;
+    }
+    desc_t *d = NULL;
+    if (h.type == M_WRITE || h.type == M_READ_REQ) {
+        if (h.count > TCP_MAX_PAGES || h.len > t->max_msg) {
+            pd_log_warn("tcp pipe: frame of %u pages / %llu bytes over the limits", h.count,
+                        (unsigned long long)h.len);
+            return -1;
+        }
+        d = malloc((size_t)h.count * sizeof(desc_t) + 1);
+        if (d == NULL || read_full(fd, d, (size_t)h.count * sizeof(desc_t)) != 0) {
+            free(d);
+            return -1;
+        }
+    }
+    int rc = 0;
+    pthread_mutex_lock(&t->mu);
+    switch (h.type) {
+    case M_WRITE: {
+        tcp_region_t *r = region_by_id(t, h.region_id);
+        bool ok = r != NULL && allowed(t, h.region_id, peer, true) && descs_ok(r, d, h.count, h.len);
+        pthread_mutex_unlock(&t->mu);
+        if (!ok) {
+            pd_log_warn(
+                "tcp pipe: refused a write of %u pages from peer %016llx (region %u not writable by it or "
+                "pages outside it)",
+                h.count, (unsigned long long)peer->id, h.region_id);
+            rc = discard(fd, h.len);
+        } else {
+            for (uint32_t i = 0; rc == 0 && i < h.count; i++) {
+                rc = read_full(fd, (char *)r->pub.base + d[i].off, d[i].len);
+            }
+        }
+        pthread_mutex_lock(&t->mu);
+        if (rc == 0) {
+            send_reply(t, peer, M_WRITE_ACK, h.op_id, ok ? PD_OK : PD_ERR_OUT_OF_RANGE, NULL, NULL, 0, 0);
+        }
+        break;
+    }
+    case M_READ_REQ: {
+        tcp_region_t *r = region_by_id(t, h.region_id);
+        bool ok = r != NULL && allowed(t, h.region_id, peer, false) && descs_ok(r, d, h.count, UINT64_MAX);
+        uint64_t total = 0;
+        for (uint32_t i = 0; ok && i < h.count; i++) {
+            total += d[i].len;
+        }
+        send_reply(t, peer, M_READ_RESP, h.op_id, ok ? PD_OK : PD_ERR_OUT_OF_RANGE, ok ? r : NULL, d, h.count,
+                   total);
+        if (!ok) {
+            pd_log_warn("tcp pipe: refused a read of region %u by peer %016llx", h.region_id,
+                        (unsigned long long)peer->id);
+        }
+        break;
+    }
+    case M_WRITE_ACK: {
+        op_t *o = take_op(t, h.op_id, peer, OP_WRITE);
+        if (o != NULL) {
+            complete_op(t, o, (pd_status_t)h.status, 0, 0);
+        }
+        break;
+    }
+    case M_READ_RESP: {
+        op_t *o = take_op(t, h.op_id, peer, OP_READ);
+        pthread_mutex_unlock(&t->mu);
+        pd_status_t st = (pd_status_t)h.status;
+        if (o == NULL || (st == PD_OK && h.len != o->total) || (st != PD_OK && h.len != 0)) {
+            rc = discard(fd, h.len);
+            st = PD_ERR_PARSE;
+        } else if (st == PD_OK) {
+            for (int i = 0; rc == 0 && i < o->n; i++) {
+                rc = read_full(fd, (char *)o->local->pub.base + o->pages[i].off, o->pages[i].len);
+            }
+        }
+        pthread_mutex_lock(&t->mu);
+        if (o != NULL) {
+            complete_op(t, o, rc == 0 ? st : PD_ERR_PEER_GONE, 0, 0);
+        }
+        break;
+    }
+    case M_TENSOR: {
+        if (h.count > t->max_msg || h.len > t->max_msg) {
+            rc = -1;
+            break;
+        }
+        op_t *o = NULL;
+        for (op_t **pp = &t->ops; *pp != NULL; pp = &(*pp)->next) {
+            if ((*pp)->kind == OP_RECV && (*pp)->peer == peer && (*pp)->tag == h.op_id) {
+                o = *pp;
+                *pp = o->next;
+                break;
+            }
+        }
+        pthread_mutex_unlock(&t->mu);
+        if (o != NULL && h.count <= o->hcap && h.len <= o->pcap) {
+            rc = read_full(fd, o->hbuf, h.count);
+            if (rc == 0) {
+                rc = read_full(fd, o->pbuf, h.len);
+            }
+            pthread_mutex_lock(&t->mu);
+            complete_op(t, o, rc == 0 ? PD_OK : PD_ERR_PEER_GONE, h.count, h.len);
+            break;
+        }
+        if (o != NULL) {
+            rc = discard(fd, (uint64_t)h.count + h.len);
+            pthread_mutex_lock(&t->mu);
+            complete_op(t, o, PD_ERR_NO_SPACE, h.count, h.len);
+            break;
+        }
+        unexpected_t *u = calloc(1, sizeof(*u));
+        if (u != NULL) {
+            u->tag = h.op_id;
+            u->hdr = malloc(h.count + 1);
+            u->payload = malloc(h.len + 1);
+            u->hdr_len = h.count;
+            u->payload_len = h.len;
+        }
+        if (u == NULL || u->hdr == NULL || u->payload == NULL || read_full(fd, u->hdr, h.count) != 0 ||
+            read_full(fd, u->payload, h.len) != 0) {
+            if (u != NULL) {
+                free(u->hdr), free(u->payload), free(u);
+            }
+            rc = -1;
+            pthread_mutex_lock(&t->mu);
+            break;
+        }
+        pthread_mutex_lock(&t->mu);
+        /* a receive may have been posted while the payload was arriving: hand it over now */
+        for (op_t **pp = &t->ops; *pp != NULL; pp = &(*pp)->next) {
+            if ((*pp)->kind == OP_RECV && (*pp)->peer == peer && (*pp)->tag == u->tag) {
+                o = *pp;
+                *pp = o->next;
+                break;
+            }
+        }
+        if (o != NULL) {
+            pd_status_t st = PD_ERR_NO_SPACE;
+            if (u->hdr_len <= o->hcap && u->payload_len <= o->pcap) {
+                memcpy(o->hbuf, u->hdr, u->hdr_len);
+                memcpy(o->pbuf, u->payload, u->payload_len);
+                st = PD_OK;
+            }
+            complete_op(t, o, st, u->hdr_len, u->payload_len);
+            free(u->hdr), free(u->payload), free(u);
+            break;
+        }
+        unexpected_t **tail = &peer->unexpected;
+        while (*tail != NULL) {
+            tail = &(*tail)->next;
+        }
+        *tail = u;
+        break;
+    }
+    default:
+        pd_log_warn("tcp pipe: unknown frame type %u from peer %016llx", h.type,
+                    (unsigned long long)peer->id);
+        rc = -1;
+    }
+    pthread_mutex_unlock(&t->mu);
+    free(d);
+    return rc;
+}
+
+static void *rx_main(void *arg)
+{
+    tcp_pipe_t *t = arg;
+    struct epoll_event evs[32];
+    for (;;) {
+        int n = epoll_wait(t->epfd, evs, 32, 1000);
+        pthread_mutex_lock(&t->mu);
+        bool stop = t->stop;
+        pthread_mutex_unlock(&t->mu);
+        if (stop) {
+            break;
+        }
+        for (int i = 0; i < n; i++) {
+            void *ptr = evs[i].data.ptr;
+            if (ptr == NULL) { /* the listener */
+                int fd = accept4(t->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+                if (fd < 0) {
+                    continue;
+                }
+                tune_socket(fd);
+                struct timeval tv = {TCP_RCV_TIMEOUT_S, 0};
+                setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+                hdr_t h;
+                if (read_full(fd, &h, sizeof(h)) != 0 || h.magic != TCP_MAGIC || h.type != M_HELLO) {
+                    close(fd);
+                    continue;
+                }
+                pthread_mutex_lock(&t->mu);
+                pd_pipe_peer_t *peer = peer_by_id(t, h.op_id, true);
+                if (peer == NULL || peer->in_fd >= 0) {
+                    pthread_mutex_unlock(&t->mu);
+                    close(fd);
+                    continue;
+                }
+                peer->in_fd = fd;
+                pthread_mutex_unlock(&t->mu);
+                struct epoll_event ev = {EPOLLIN, {.ptr = peer}};
+                epoll_ctl(t->epfd, EPOLL_CTL_ADD, fd, &ev);
+                continue;
+            }
+            if (ptr == (void *)t) { /* wake */
+                continue;
+            }
+            pd_pipe_peer_t *peer = ptr;
+            if (peer->dead) {
+                continue;
+            }
+            if (rx_frame(t, peer, peer->in_fd) != 0) {
+                epoll_ctl(t->epfd, EPOLL_CTL_DEL, peer->in_fd, NULL);
+                pthread_mutex_lock(&t->mu);
+                mark_dead(t, peer, PD_ERR_PEER_GONE);
+                pthread_mutex_unlock(&t->mu);
+            }
+        }
+    }
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ API */
+
+static pd_status_t tcp_create(const pd_pipe_config_t *cfg, pd_pipe_t **out)
+{
+    tcp_pipe_t *t = calloc(1, sizeof(*t));
+    if (t == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
+    t->base.ops = &pd_pipe_tcp_ops;
+    t->listen_fd = t->epfd = t->wake_fd = -1;
+    t->max_msg = cfg->max_message_bytes ? cfg->max_message_bytes : (1ull << 30);
+    snprintf(t->host, sizeof(t->host), "%s", cfg->host != NULL ? cfg->host : "127.0.0.1");
+    pthread_mutex_init(&t->mu, NULL);
+    pthread_cond_init(&t->tx_cv, NULL);
+    if (getrandom(&t->id, sizeof(t->id), 0) != (ssize_t)sizeof(t->id)) {
+        t->id = (uint64_t)(uintptr_t)t ^ 0x9e3779b97f4a7c15ull;
+    }
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof(a));
+    a.sin_family = AF_INET;
+    a.sin_port = htons((uint16_t)cfg->port);
+    t->listen_fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int one = 1;
+    setsockopt(t->listen_fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    socklen_t sl = sizeof(a);
+    if (t->listen_fd < 0 || inet_pton(AF_INET, t->host, &a.sin_addr) != 1 ||
+        bind(t->listen_fd, (struct sockaddr *)&a, sizeof(a)) != 0 || listen(t->listen_fd, 64) != 0 ||
+        getsockname(t->listen_fd, (struct sockaddr *)&a, &sl) != 0) {
+        pd_log_error("tcp pipe: cannot listen on %s:%d: %s", t->host, cfg->port, strerror(errno));
+        pd_pipe_tcp_ops.destroy(&t->base);
+        return PD_ERR_IO;
+    }
+    t->port = ntohs(a.sin_port);
+    t->epfd = epoll_create1(EPOLL_CLOEXEC);
+    t->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    struct epoll_event ev = {EPOLLIN, {.ptr = NULL}};
+    epoll_ctl(t->epfd, EPOLL_CTL_ADD, t->listen_fd, &ev);
+    struct epoll_event wev = {EPOLLIN, {.ptr = t}};
+    epoll_ctl(t->epfd, EPOLL_CTL_ADD, t->wake_fd, &wev);
+    if (pthread_create(&t->rx, NULL, rx_main, t) != 0 || pthread_create(&t->tx, NULL, tx_main, t) != 0) {
+        pd_log_error("tcp pipe: cannot start its threads");
+        pd_pipe_tcp_ops.destroy(&t->base);
+        return PD_ERR_INTERNAL;
+    }
+    t->threads = true;
+    *out = &t->base;
+    return PD_OK;
+}
+
+static int tcp_progress(pd_pipe_t *p)
+{
+    tcp_pipe_t *t = (tcp_pipe_t *)p;
+    pthread_mutex_lock(&t->mu);
+    completion_t *c = t->cq_head;
+    t->cq_head = t->cq_tail = NULL;
+    pthread_mutex_unlock(&t->mu);
+    int n = 0;
+    while (c != NULL) {
+        completion_t *next = c->next;
+        if (c->peer_cb != NULL) {
+            c->peer_cb(c->arg, c->peer, c->st);
+        } else if (c->recv_cb != NULL) {
+            c->recv_cb(c->arg, c->st, c->tag, c->hlen, c->plen);
+        } else if (c->done != NULL) {
+            c->done(c->arg, c->st);
+        }
+        free(c);
+        c = next;
+        n++;
+    }
+    return n;
+}
+
+static void tcp_destroy(pd_pipe_t *p)
+{
+    tcp_pipe_t *t = (tcp_pipe_t *)p;
+    pthread_mutex_lock(&t->mu);
+    t->stop = true;
+    pthread_cond_broadcast(&t->tx_cv);
+    for (pd_pipe_peer_t *pe = t->peers; pe != NULL; pe = pe->next) {
+        if (pe->out_fd >= 0) {
+            shutdown(pe->out_fd, SHUT_RDWR); /* unblocks a sender stuck on a full socket */
+        }
+        if (pe->in_fd >= 0) {
+            shutdown(pe->in_fd, SHUT_RDWR);
+        }
+    }
+    pthread_mutex_unlock(&t->mu);
+    if (t->wake_fd >= 0) {
+        uint64_t one = 1;
+        ssize_t w = write(t->wake_fd, &one, sizeof(one));
+        (void)w;
+    }
+    if (t->threads) {
+        pthread_join(t->tx, NULL);
+        pthread_join(t->rx, NULL);
+    }
+    /* every pending operation ends now */
+    pthread_mutex_lock(&t->mu);
+    while (t->ops != NULL) {
+        op_t *o = t->ops;
+        t->ops = o->next;
+        complete_op(t, o, PD_ERR_CANCELLED, 0, 0);
+    }
+    while (t->jq_head != NULL) {
+        job_t *j = t->jq_head;
+        t->jq_head = j->next;
+        if (j->complete_on_send != NULL) {
+            complete_op(t, j->complete_on_send, PD_ERR_CANCELLED, 0, 0);
+        }
+        job_free(j);
+    }
+    t->peer_cb = NULL;
+    pthread_mutex_unlock(&t->mu);
+    tcp_progress(p);
+    while (t->peers != NULL) {
+        pd_pipe_peer_t *pe = t->peers;
+        t->peers = pe->next;
+        if (pe->out_fd >= 0) {
+            close(pe->out_fd);
+        }
+        if (pe->in_fd >= 0) {
+            close(pe->in_fd);
+        }
+        while (pe->unexpected != NULL) {
+            unexpected_t *u = pe->unexpected;
+            pe->unexpected = u->next;
+            free(u->hdr), free(u->payload), free(u);
+        }
+        free(pe);
+    }
+    for (uint32_t i = 0; i < t->num_regions; i++) {
+        if (t->regions[i] != NULL) {
+            if (t->regions[i]->owned) {
+                free(t->regions[i]->pub.base);
+            }
+            free(t->regions[i]);
+        }
+    }
+    free(t->regions);
+    while (t->perms != NULL) {
+        perm_t *pm = t->perms;
+        t->perms = pm->next;
+        free(pm);
+    }
+    if (t->listen_fd >= 0) {
+        close(t->listen_fd);
+    }
+    if (t->epfd >= 0) {
+        close(t->epfd);
+    }
+    if (t->wake_fd >= 0) {
+        close(t->wake_fd);
+    }
+    pthread_mutex_destroy(&t->mu);
+    pthread_cond_destroy(&t->tx_cv);
+    free(t);
+}
+
+static pd_status_t tcp_address(pd_pipe_t *p, uint8_t *buf, size_t *len)
+{
+    tcp_pipe_t *t = (tcp_pipe_t *)p;
+    int n = snprintf((char *)buf, *len, "tcp:%s:%d:%016llx", t->host, t->port, (unsigned long long)t->id);
+    if (n < 0 || (size_t)n >= *len) {
+        return PD_ERR_NO_SPACE;
+    }
+    *len = (size_t)n;
+    return PD_OK;
+}
+
+static pd_status_t tcp_connect(pd_pipe_t *p, const uint8_t *addr, size_t len, pd_pipe_peer_t **peer_out)
+{
+    tcp_pipe_t *t = (tcp_pipe_t *)p;
+    char s[256], host[64];
+    int port;
+    unsigned long long id;
+    if (len >= sizeof(s)) {
+        return PD_ERR_INVALID_ARG;
+    }
+    memcpy(s, addr, len);
+    s[len] = '\0';
+    if (sscanf(s, "tcp:%63[^:]:%d:%llx", host, &port, &id) != 3 || port <= 0 || port > 65535) {
+        pd_log_error("tcp pipe: '%s' is not a tcp pipe address", s);
+        return PD_ERR_INVALID_ARG;
+    }
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof(a));
+    a.sin_family = AF_INET;
+    a.sin_port = htons((uint16_t)port);
+    if (fd < 0 || inet_pton(AF_INET, host, &a.sin_addr) != 1 ||
+        connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+        pd_log_error("tcp pipe: cannot connect to %s:%d: %s", host, port, strerror(errno));
+        if (fd >= 0) {
+            close(fd);
+        }
+        return PD_ERR_PEER_GONE;
+    }
+    tune_socket(fd);
+    hdr_t h = {TCP_MAGIC, M_HELLO, {0}, t->id, 0, 0, 0, 0, 0};
+    struct iovec iov = {&h, sizeof(h)};
+    if (writev_full(fd, &iov, 1) != 0) {
+        close(fd);
+        return PD_ERR_PEER_GONE;
+    }
+    pthread_mutex_lock(&t->mu);
+    pd_pipe_peer_t *peer = peer_by_id(t, (uint64_t)id, true);
+    if (peer == NULL || peer->out_fd >= 0) {
+        pthread_mutex_unlock(&t->mu);
+        close(fd);
+        return peer == NULL ? PD_ERR_NO_MEMORY : PD_ERR_INVALID_ARG;
+    }
+    peer->out_fd = fd;
+    pthread_mutex_unlock(&t->mu);
+    *peer_out = peer;
+    return PD_OK;
+}
+
+static pd_status_t add_region(tcp_pipe_t *t, void *base, size_t len, bool owned, pd_pipe_region_t **out)
+{
+    tcp_region_t *r = calloc(1, sizeof(*r));
+    if (r == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
+    r->pub = (struct pd_pipe_region){base, len, PD_MEM_HOST};
+    r->owned = owned;
+    pthread_mutex_lock(&t->mu);
+    if (t->num_regions == t->cap_regions) {
+        uint32_t cap = t->cap_regions ? 2 * t->cap_regions : 8;
+        tcp_region_t **rs = realloc(t->regions, cap * sizeof(*rs));
+        if (rs == NULL) {
+            pthread_mutex_unlock(&t->mu);
+            free(r);
+            return PD_ERR_NO_MEMORY;
+        }
+        t->regions = rs;
+        t->cap_regions = cap;
+    }
+    r->id = t->num_regions;
+    t->regions[t->num_regions++] = r;
+    pthread_mutex_unlock(&t->mu);
+    *out = &r->pub;
+    return PD_OK;
+}
+
+static pd_status_t tcp_alloc_region(pd_pipe_t *p, size_t len, pd_pipe_region_t **out)
+{
+    void *base = NULL;
+    if (posix_memalign(&base, 4096, len ? len : 1) != 0) {
+        return PD_ERR_NO_MEMORY;
+    }
+    pd_status_t st = add_region((tcp_pipe_t *)p, base, len, true, out);
+    if (st != PD_OK) {
+        free(base);
+    }
+    return st;
+}
+
+static pd_status_t tcp_register_region(pd_pipe_t *p, void *base, size_t len, pd_mem_type_t mem,
+                                       pd_pipe_region_t **out)
+{
+    if (mem != PD_MEM_HOST) {
+        pd_log_error("tcp pipe: only host memory can be registered (stage device memory through host)");
+        return PD_ERR_UNSUPPORTED;
+    }
+    return add_region((tcp_pipe_t *)p, base, len, false, out);
+}
+
+static void tcp_deregister_region(pd_pipe_t *p, pd_pipe_region_t *r)
+{
+    tcp_pipe_t *t = (tcp_pipe_t *)p;
+    tcp_region_t *tr = (tcp_region_t *)r;
+    pthread_mutex_lock(&t->mu);
+    t->regions[tr->id] = NULL;
+    for (perm_t **pp = &t->perms; *pp != NULL;) {
+        if ((*pp)->region_id == tr->id) {
+            perm_t *x = *pp;
+            *pp = x->next;
+            free(x);
+        } else {
+            pp = &(*pp)->next;
+        }
+    }
+    pthread_mutex_unlock(&t->mu);
+    if (tr->owned) {
+        free(tr->pub.base);
+    }
+    free(tr);
+}
+
+static pd_status_t tcp_export_region(pd_pipe_t *p, pd_pipe_region_t *r, pd_pipe_peer_t *peer,
+                                     bool allow_write, uint8_t *buf, size_t *len)
+{
+    tcp_pipe_t *t = (tcp_pipe_t *)p;
+    tcp_region_t *tr = (tcp_region_t *)r;
+    if (*len < 12) {
+        return PD_ERR_NO_SPACE;
+    }
+    perm_t *pm = calloc(1, sizeof(*pm));
+    if (pm == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
+    pm->region_id = tr->id;
+    pm->peer = peer;
+    pm->write = allow_write;
+    pthread_mutex_lock(&t->mu);
+    pm->next = t->perms;
+    t->perms = pm;
+    pthread_mutex_unlock(&t->mu);
+    uint64_t l = r->len;
+    memcpy(buf, &tr->id, 4);
+    memcpy(buf + 4, &l, 8);
+    *len = 12;
+    return PD_OK;
+}
+
+static pd_status_t tcp_import_region(pd_pipe_t *p, pd_pipe_peer_t *peer, const uint8_t *buf, size_t len,
+                                     pd_pipe_remote_t **out)
+{
+    if (len != 12) {
+        pd_log_error("tcp pipe: region descriptor of %zu bytes (want 12)", len);
+        return PD_ERR_PARSE;
+    }
+    pd_pipe_remote_t *rr = calloc(1, sizeof(*rr));
+    if (rr == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
+    rr->peer = peer;
+    memcpy(&rr->region_id, buf, 4);
+    memcpy(&rr->len, buf + 4, 8);
+    *out = rr;
+    return PD_OK;
+}
+
+static void tcp_release_remote(pd_pipe_t *p, pd_pipe_remote_t *rr)
+{
+    free(rr);
+}
+
+/* Queues an op whose peer is already dead: it completes at the next progress. */
+static pd_status_t fail_now(tcp_pipe_t *t, pd_pipe_done_cb cb, pd_pipe_recv_cb rcb, void *arg, uint64_t tag)
+{
+    completion_t c = {cb, rcb, NULL, NULL, arg, PD_ERR_PEER_GONE, tag, 0, 0, NULL};
+    complete(t, c);
+    return PD_OK;
+}
+
+static pd_status_t post_pages(bool write, pd_pipe_t *p, pd_pipe_peer_t *peer, pd_pipe_region_t *local,
+                              pd_pipe_remote_t *remote, const pd_page_xfer_t *pages, int n,
+                              pd_pipe_done_cb cb, void *arg)
+{
+    tcp_pipe_t *t = (tcp_pipe_t *)p;
+    pd_status_t st = pd_pipe_check_pages(pages, n, local->len, remote->len);
+    if (st != PD_OK) {
+        return st;
+    }
+    op_t *o = calloc(1, sizeof(*o));
+    job_t *j = job_new(peer, 1 + (write ? n : 0), sizeof(hdr_t) + (size_t)n * sizeof(desc_t));
+    if (o == NULL || j == NULL) {
+        free(o);
+        if (j != NULL) {
+            job_free(j);
+        }
+        return PD_ERR_NO_MEMORY;
+    }
+    uint64_t total = 0;
+    hdr_t *h = j->owned;
+    desc_t *d = (desc_t *)(h + 1);
+    for (int i = 0; i < n; i++) {
+        d[i] = (desc_t){pages[i].remote_off, pages[i].len};
+        total += pages[i].len;
+    }
+    o->kind = write ? OP_WRITE : OP_READ;
+    o->peer = peer;
+    o->done = cb;
+    o->arg = arg;
+    if (!write) {
+        o->local = (tcp_region_t *)local;
+        o->pages = malloc((size_t)(n > 0 ? n : 1) * sizeof(desc_t));
+        if (o->pages == NULL) {
+            free(o);
+            job_free(j);
+            return PD_ERR_NO_MEMORY;
+        }
+        for (int i = 0; i < n; i++) {
+            o->pages[i] = (desc_t){pages[i].local_off, pages[i].len};
+        }
+        o->n = n;
+        o->total = total;
+    }
+    pthread_mutex_lock(&t->mu);
+    if (peer->dead || peer->out_fd < 0) {
+        free(o->pages), free(o);
+        job_free(j);
+        fail_now(t, cb, NULL, arg, 0);
+        pthread_mutex_unlock(&t->mu);
+        return PD_OK;
+    }
+    o->id = ++t->next_op;
+    *h = (hdr_t){TCP_MAGIC,
+                 (uint8_t)(write ? M_WRITE : M_READ_REQ),
+                 {0},
+                 o->id,
+                 remote->region_id,
+                 0,
+                 (uint32_t)n,
+                 0,
+                 write ? total : 0};
+    j->iov[0] = (struct iovec){h, sizeof(*h) + (size_t)n * sizeof(desc_t)};
+    for (int i = 0; write && i < n; i++) {
+        j->iov[1 + i] = (struct iovec){(char *)local->base + pages[i].local_off, pages[i].len};
+    }
+    o->next = t->ops;
+    t->ops = o;
+    enqueue(t, j);
+    pthread_mutex_unlock(&t->mu);
+    return PD_OK;
+}
+
+static pd_status_t tcp_write_pages(pd_pipe_t *p, pd_pipe_peer_t *peer, pd_pipe_region_t *local,
+                                   pd_pipe_remote_t *remote, const pd_page_xfer_t *pages, int n,
+                                   pd_pipe_done_cb cb, void *arg)
+{
+    return post_pages(true, p, peer, local, remote, pages, n, cb, arg);
+}
+
+static pd_status_t tcp_read_pages(pd_pipe_t *p, pd_pipe_peer_t *peer, pd_pipe_region_t *local,
+                                  pd_pipe_remote_t *remote, const pd_page_xfer_t *pages, int n,
+                                  pd_pipe_done_cb cb, void *arg)
+{
+    return post_pages(false, p, peer, local, remote, pages, n, cb, arg);
+}
+
+static pd_status_t tcp_send_tensor(pd_pipe_t *p, pd_pipe_peer_t *peer, uint64_t tag, const void *hdr,
+                                   size_t hdr_len, const void *payload, size_t payload_len,
+                                   pd_pipe_done_cb cb, void *arg)
+{
+    tcp_pipe_t *t = (tcp_pipe_t *)p;
+    if (hdr_len > UINT32_MAX || hdr_len > t->max_msg || payload_len > t->max_msg) {
+        return PD_ERR_INVALID_ARG;
+    }
+    op_t *o = calloc(1, sizeof(*o));
+    job_t *j = job_new(peer, 3, sizeof(hdr_t));
+    if (o == NULL || j == NULL) {
+        free(o);
+        if (j != NULL) {
+            job_free(j);
+        }
+        return PD_ERR_NO_MEMORY;
+    }
+    o->kind = OP_SEND;
+    o->peer = peer;
+    o->done = cb;
+    o->arg = arg;
+    hdr_t *h = j->owned;
+    *h = (hdr_t){TCP_MAGIC, M_TENSOR, {0}, tag, 0, 0, (uint32_t)hdr_len, 0, payload_len};
+    j->iov[0] = (struct iovec){h, sizeof(*h)};
+    j->iov[1] = (struct iovec){(void *)hdr, hdr_len};
+    j->iov[2] = (struct iovec){(void *)payload, payload_len};
+    j->complete_on_send = o;
+    pthread_mutex_lock(&t->mu);
+    if (peer->dead || peer->out_fd < 0) {
+        free(o);
+        job_free(j);
+        fail_now(t, cb, NULL, arg, tag);
+    } else {
+        enqueue(t, j);
+    }
+    pthread_mutex_unlock(&t->mu);
+    return PD_OK;
+}
+
+static pd_status_t tcp_recv_tensor(pd_pipe_t *p, pd_pipe_peer_t *peer, uint64_t tag, void *hdr,
+                                   size_t hdr_cap, void *payload, size_t payload_cap, pd_pipe_recv_cb cb,
+                                   void *arg)
+{
+    tcp_pipe_t *t = (tcp_pipe_t *)p;
+    pthread_mutex_lock(&t->mu);
+    for (unexpected_t **pp = &peer->unexpected; *pp != NULL; pp = &(*pp)->next) {
+        unexpected_t *u = *pp;
+        if (u->tag != tag) {
+            continue;
+        }
+        *pp = u->next;
+        pd_status_t st = PD_OK;
+        if (u->hdr_len <= hdr_cap && u->payload_len <= payload_cap) {
+            memcpy(hdr, u->hdr, u->hdr_len);
+            memcpy(payload, u->payload, u->payload_len);
+        } else {
+            st = PD_ERR_NO_SPACE;
+        }
+        completion_t c = {NULL, cb, NULL, NULL, arg, st, tag, u->hdr_len, u->payload_len, NULL};
+        complete(t, c);
+        free(u->hdr), free(u->payload), free(u);
+        pthread_mutex_unlock(&t->mu);
+        return PD_OK;
+    }
+    if (peer->dead) {
+        fail_now(t, NULL, cb, arg, tag);
+        pthread_mutex_unlock(&t->mu);
+        return PD_OK;
+    }
+    op_t *o = calloc(1, sizeof(*o));
+    if (o == NULL) {
+        pthread_mutex_unlock(&t->mu);
+        return PD_ERR_NO_MEMORY;
+    }
+    o->kind = OP_RECV;
+    o->peer = peer;
+    o->recv_cb = cb;
+    o->arg = arg;
+    o->tag = tag;
+    o->hbuf = hdr;
+    o->hcap = hdr_cap;
+    o->pbuf = payload;
+    o->pcap = payload_cap;
+    /* FIFO among posted receives of the same tag: append */
+    op_t **tail = &t->ops;
+    while (*tail != NULL) {
+        tail = &(*tail)->next;
+    }
+    *tail = o;
+    pthread_mutex_unlock(&t->mu);
+    return PD_OK;
+}
+
+static void tcp_set_peer_error_cb(pd_pipe_t *p, pd_pipe_peer_error_cb cb, void *arg)
+{
+    tcp_pipe_t *t = (tcp_pipe_t *)p;
+    pthread_mutex_lock(&t->mu);
+    t->peer_cb = cb;
+    t->peer_cb_arg = arg;
+    pthread_mutex_unlock(&t->mu);
+}
+
+static void tcp_fail_peer(pd_pipe_t *p, pd_pipe_peer_t *peer, pd_status_t st)
+{
+    tcp_pipe_t *t = (tcp_pipe_t *)p;
+    pthread_mutex_lock(&t->mu);
+    mark_dead(t, peer, st);
+    pthread_mutex_unlock(&t->mu);
+}
+
+const pd_pipe_ops_t pd_pipe_tcp_ops = {
+    .name = "tcp",
+    .create = tcp_create,
+    .destroy = tcp_destroy,
+    .address = tcp_address,
+    .connect = tcp_connect,
+    .alloc_region = tcp_alloc_region,
+    .register_region = tcp_register_region,
+    .deregister_region = tcp_deregister_region,
+    .export_region = tcp_export_region,
+    .import_region = tcp_import_region,
+    .release_remote = tcp_release_remote,
+    .write_pages = tcp_write_pages,
+    .read_pages = tcp_read_pages,
+    .send_tensor = tcp_send_tensor,
+    .recv_tensor = tcp_recv_tensor,
+    .progress = tcp_progress,
+    .set_peer_error_cb = tcp_set_peer_error_cb,
+    .fail_peer = tcp_fail_peer,
+};
