@@ -10,7 +10,9 @@
  * pd_pipe_progress on the caller's thread (backends with internal threads queue completions).
  * An operation on a dead peer completes with PD_ERR_PEER_GONE; pd_pipe_destroy completes every
  * pending operation with PD_ERR_CANCELLED before it returns. Page lists are coalesced (adjacent
- * local and remote ranges merged) before they are posted. */
+ * local and remote ranges merged) before they are posted. A tensor send may not complete until
+ * the peer posts the matching receive (large UCX messages use rendezvous, as MPI does); tensors
+ * with the same tag from one peer are matched in order. */
 #ifndef PD_PIPE_PIPE_H
 #define PD_PIPE_PIPE_H
 
