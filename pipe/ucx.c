@@ -189,6 +189,15 @@ static void op_step(ucx_pipe_t *u, op_t *o, ucs_status_t s)
     free(o);
 }
 
+/* The posting function keeps one reference on its op until it has finished posting, so a
+ * callback on the progress thread cannot complete and free the op under it. */
+static void release_hold(ucx_pipe_t *u, op_t *o)
+{
+    pthread_mutex_lock(&u->mu);
+    op_step(u, o, UCS_OK);
+    pthread_mutex_unlock(&u->mu);
+}
+
 static op_t *op_new(ucx_pipe_t *u, int kind, pd_pipe_peer_t *peer, int pending)
 {
     op_t *o = calloc(1, sizeof(*o));
@@ -695,7 +704,7 @@ static pd_status_t post_pages(bool write, pd_pipe_t *p, pd_pipe_peer_t *peer, pd
         pthread_mutex_unlock(&u->mu);
         return PD_OK;
     }
-    op_t *o = op_new(u, OP_PAGES, peer, 1);
+    op_t *o = op_new(u, OP_PAGES, peer, 2); /* the flush callback + this function's hold */
     if (o == NULL) {
         pthread_mutex_unlock(&u->mu);
         return PD_ERR_NO_MEMORY;
@@ -727,6 +736,7 @@ static pd_status_t post_pages(bool write, pd_pipe_t *p, pd_pipe_peer_t *peer, pd
     if (!UCS_PTR_IS_PTR(f)) {
         cb_send(NULL, UCS_PTR_STATUS(f), o); /* completed (or failed) at once */
     }
+    release_hold(u, o);
     return PD_OK;
 }
 
@@ -771,7 +781,7 @@ static pd_status_t ucx_send_tensor(pd_pipe_t *p, pd_pipe_peer_t *peer, uint64_t 
         free(msg);
         return PD_OK;
     }
-    op_t *o = op_new(u, OP_SEND, peer, 2);
+    op_t *o = op_new(u, OP_SEND, peer, 3); /* two parts + this function's hold */
     if (o == NULL) {
         pthread_mutex_unlock(&u->mu);
         free(msg);
@@ -796,6 +806,7 @@ static pd_status_t ucx_send_tensor(pd_pipe_t *p, pd_pipe_peer_t *peer, uint64_t 
             cb_send(NULL, UCS_PTR_STATUS(r), o);
         }
     }
+    release_hold(u, o);
     return PD_OK;
 }
 
@@ -818,7 +829,7 @@ static pd_status_t ucx_recv_tensor(pd_pipe_t *p, pd_pipe_peer_t *peer, uint64_t 
         free(buf);
         return PD_OK;
     }
-    op_t *o = op_new(u, OP_RECV, peer, 2);
+    op_t *o = op_new(u, OP_RECV, peer, 3); /* two parts + this function's hold */
     if (o == NULL) {
         pthread_mutex_unlock(&u->mu);
         free(buf);
@@ -856,6 +867,7 @@ static pd_status_t ucx_recv_tensor(pd_pipe_t *p, pd_pipe_peer_t *peer, uint64_t 
             pthread_mutex_unlock(&u->mu);
         }
     }
+    release_hold(u, o);
     return PD_OK;
 }
 

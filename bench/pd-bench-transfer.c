@@ -1,0 +1,394 @@
+/* bench/pd-bench-transfer.c — pipe throughput and latency between two processes on this host,
+ * with page lists shaped like KV transfers, against baselines measured in the same run:
+ *   memcpy of the same page pattern, `ucx_perftest -t ucp_put_bw` at the same message size
+ *   (ucx-utils), and a plain TCP socket stream.
+ * Goals (issue #5): ucx ≥ 0.9× ucx_perftest and ≥ 0.8× memcpy at ≥ 1 MiB per request; tcp ≥ 0.8×
+ * the plain socket; one 16 KiB page write round trip < 50 µs. */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/utsname.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/flags.h"
+#include "common/log.h"
+#include "common/rng.h"
+#include "common/time.h"
+#include "pipe/pipe.h"
+
+#define REGION (256u << 20)
+
+static char g_rows[64][200];
+static int g_nrows;
+
+static void row(const char *name, double v, const char *unit, const char *base_name, double base,
+                bool ratio_inv)
+{
+    char b[64] = "", r[16] = "-";
+    if (base > 0) {
+        snprintf(b, sizeof(b), "%s %.2f %s", base_name, base, unit);
+        snprintf(r, sizeof(r), "%.2fx", ratio_inv ? base / v : v / base);
+    }
+    snprintf(g_rows[g_nrows++], sizeof(g_rows[0]), "| %s | %.2f %s | %s | %s |", name, v, unit, b, r);
+    printf("%-52s %10.2f %-5s %-34s %8s\n", name, v, unit, b, r);
+    fflush(stdout);
+}
+
+static int xfer_all(int fd, void *buf, size_t n, bool wr)
+{
+    char *p = buf;
+    while (n > 0) {
+        ssize_t k = wr ? write(fd, p, n) : read(fd, p, n);
+        if (k <= 0) {
+            return -1;
+        }
+        p += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
+/* Target process: a pipe with one region, exported read+write; serves until the control socket
+ * closes. */
+static void target_main(const char *kind, int ctl)
+{
+    pd_pipe_config_t c = {kind, "127.0.0.1", 0, "none", 0};
+    pd_pipe_t *p = NULL;
+    if (pd_pipe_create(&c, &p) != PD_OK) {
+        _exit(1);
+    }
+    uint8_t a[PD_PIPE_ADDR_MAX], pa[PD_PIPE_ADDR_MAX], d[PD_PIPE_RKEY_MAX];
+    size_t al = sizeof(a), dl = sizeof(d);
+    p->ops->address(p, a, &al);
+    uint32_t l = (uint32_t)al;
+    xfer_all(ctl, &l, 4, true);
+    xfer_all(ctl, a, al, true);
+    xfer_all(ctl, &l, 4, false);
+    xfer_all(ctl, pa, l, false);
+    pd_pipe_peer_t *peer = NULL;
+    p->ops->connect(p, pa, l, &peer);
+    pd_pipe_region_t *r = NULL;
+    p->ops->alloc_region(p, REGION, &r);
+    memset(r->base, 1, REGION);
+    p->ops->export_region(p, r, peer, true, d, &dl);
+    l = (uint32_t)dl;
+    xfer_all(ctl, &l, 4, true);
+    xfer_all(ctl, d, dl, true);
+    char x;
+    while (read(ctl, &x, 1) > 0) {
+    }
+    pd_pipe_destroy(p);
+    _exit(0);
+}
+
+typedef struct link {
+    pid_t child;
+    int ctl;
+    pd_pipe_t *p;
+    pd_pipe_peer_t *peer;
+    pd_pipe_region_t *local;
+    pd_pipe_remote_t *remote;
+} link_t;
+
+static int link_open(const char *kind, link_t *L)
+{
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) {
+        return -1;
+    }
+    L->child = fork();
+    if (L->child == 0) {
+        close(sv[0]);
+        target_main(kind, sv[1]);
+    }
+    close(sv[1]);
+    L->ctl = sv[0];
+    pd_pipe_config_t c = {kind, "127.0.0.1", 0, "none", 0};
+    if (pd_pipe_create(&c, &L->p) != PD_OK) {
+        return -1;
+    }
+    uint8_t a[PD_PIPE_ADDR_MAX], ta[PD_PIPE_ADDR_MAX], d[PD_PIPE_RKEY_MAX];
+    uint32_t l;
+    xfer_all(L->ctl, &l, 4, false);
+    xfer_all(L->ctl, ta, l, false);
+    if (L->p->ops->connect(L->p, ta, l, &L->peer) != PD_OK) {
+        return -1;
+    }
+    size_t al = sizeof(a);
+    L->p->ops->address(L->p, a, &al);
+    l = (uint32_t)al;
+    xfer_all(L->ctl, &l, 4, true);
+    xfer_all(L->ctl, a, al, true);
+    xfer_all(L->ctl, &l, 4, false);
+    xfer_all(L->ctl, d, l, false);
+    if (L->p->ops->import_region(L->p, L->peer, d, l, &L->remote) != PD_OK) {
+        return -1;
+    }
+    L->p->ops->alloc_region(L->p, REGION, &L->local);
+    memset(L->local->base, 2, REGION);
+    return 0;
+}
+
+static void link_close(link_t *L)
+{
+    L->p->ops->release_remote(L->p, L->remote);
+    close(L->ctl);
+    waitpid(L->child, NULL, 0);
+    pd_pipe_destroy(L->p);
+}
+
+static void on_done(void *arg, pd_status_t st)
+{
+    int *n = arg;
+    (*n)++;
+    if (st != PD_OK) {
+        pd_log_error("transfer failed: %s", pd_status_str(st));
+    }
+}
+
+/* Page list: n pages of size psz, contiguous or at random block slots of the region. */
+static void make_pages(pd_page_xfer_t *pg, int n, size_t psz, bool random_ids, pd_rng_t *r)
+{
+    int slots = (int)(REGION / psz);
+    for (int i = 0; i < n; i++) {
+        uint64_t s = random_ids ? pd_rng_below(r, (uint64_t)slots) : (uint64_t)i;
+        uint64_t d = random_ids ? pd_rng_below(r, (uint64_t)slots) : (uint64_t)i;
+        pg[i] = (pd_page_xfer_t){s * psz, d * psz, psz};
+    }
+}
+
+/* GB/s of repeated transfers of pg[n] (4 in flight), for about 0.4 s. */
+static double pipe_gbps(link_t *L, bool write, const pd_page_xfer_t *pg, int n)
+{
+    size_t bytes = 0;
+    for (int i = 0; i < n; i++) {
+        bytes += pg[i].len;
+    }
+    int done = 0, posted = 0;
+    double t0 = pd_time_now_s(), end = t0 + 0.4;
+    while (pd_time_now_s() < end || done < posted) {
+        while (posted - done < 4 && pd_time_now_s() < end) {
+            pd_status_t st =
+                write ? pd_pipe_write_pages(L->p, L->peer, L->local, L->remote, pg, n, on_done, &done)
+                      : pd_pipe_read_pages(L->p, L->peer, L->local, L->remote, pg, n, on_done, &done);
+            if (st != PD_OK) {
+                return -1;
+            }
+            posted++;
+        }
+        pd_pipe_progress(L->p);
+    }
+    return (double)bytes * posted / (pd_time_now_s() - t0) / 1e9;
+}
+
+static double memcpy_gbps(const pd_page_xfer_t *pg, int n, uint8_t *src, uint8_t *dst)
+{
+    size_t bytes = 0;
+    for (int i = 0; i < n; i++) {
+        bytes += pg[i].len;
+    }
+    int iters = 0;
+    double t0 = pd_time_now_s();
+    while (pd_time_now_s() - t0 < 0.3) {
+        for (int i = 0; i < n; i++) {
+            memcpy(dst + pg[i].remote_off, src + pg[i].local_off, pg[i].len);
+        }
+        iters++;
+    }
+    return (double)bytes * iters / (pd_time_now_s() - t0) / 1e9;
+}
+
+/* Round trip of one 16 KiB page write, µs (mean of 2000). */
+static double latency_us(link_t *L)
+{
+    pd_page_xfer_t pg = {0, 0, 16384};
+    int done = 0;
+    for (int i = 0; i < 100; i++) {
+        pd_pipe_write_pages(L->p, L->peer, L->local, L->remote, &pg, 1, on_done, &done);
+        while (done < i + 1) {
+            pd_pipe_progress(L->p);
+        }
+    }
+    done = 0;
+    double t0 = pd_time_now_s();
+    for (int i = 0; i < 2000; i++) {
+        pd_pipe_write_pages(L->p, L->peer, L->local, L->remote, &pg, 1, on_done, &done);
+        while (done < i + 1) {
+            pd_pipe_progress(L->p);
+        }
+    }
+    return (pd_time_now_s() - t0) / 2000 * 1e6;
+}
+
+/* ucx_perftest ucp_put_bw at message size sz: GB/s, or 0 when the tool is missing. */
+static double perftest_gbps(size_t sz)
+{
+    static int port = 13400;
+    port++;
+    char cmd[256];
+    snprintf(cmd, sizeof(cmd), "timeout 60 ucx_perftest -p %d >/dev/null 2>&1 &", port);
+    if (system(cmd) != 0) {
+        return 0;
+    }
+    usleep(300000);
+    int iters = sz >= (16u << 20) ? 200 : sz >= (1u << 20) ? 2000 : 20000;
+    snprintf(cmd, sizeof(cmd),
+             "timeout 60 ucx_perftest 127.0.0.1 -p %d -t ucp_put_bw -s %zu -n %d 2>/dev/null", port, sz,
+             iters);
+    FILE *f = popen(cmd, "r");
+    if (f == NULL) {
+        return 0;
+    }
+    char line[512];
+    double mbs = 0;
+    while (fgets(line, sizeof(line), f) != NULL) {
+        double v[8];
+        if (strncmp(line, "Final:", 6) == 0 && sscanf(line + 6, "%lf %lf %lf %lf %lf %lf %lf %lf", &v[0],
+                                                      &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], &v[7]) >= 5) {
+            mbs = v[4]; /* average bandwidth, MB/s (2^20 bytes) */
+        }
+    }
+    pclose(f);
+    return mbs * 1048576.0 / 1e9;
+}
+
+/* A plain TCP stream over loopback: GB/s of 1 MiB writes for about 0.5 s. */
+static double socket_gbps(void)
+{
+    int ls = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof(a));
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t sl = sizeof(a);
+    if (bind(ls, (struct sockaddr *)&a, sizeof(a)) != 0 || listen(ls, 1) != 0 ||
+        getsockname(ls, (struct sockaddr *)&a, &sl) != 0) {
+        return 0;
+    }
+    pid_t child = fork();
+    if (child == 0) {
+        int c = accept(ls, NULL, NULL);
+        static char buf[1 << 20];
+        while (read(c, buf, sizeof(buf)) > 0) {
+        }
+        _exit(0);
+    }
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    int bufsz = 8 << 20;
+    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bufsz, sizeof(bufsz));
+    if (connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+        return 0;
+    }
+    char *buf = calloc(1, 1 << 20);
+    size_t total = 0;
+    double t0 = pd_time_now_s();
+    while (pd_time_now_s() - t0 < 0.5) {
+        if (xfer_all(fd, buf, 1 << 20, true) != 0) {
+            break;
+        }
+        total += 1 << 20;
+    }
+    double gbps = (double)total / (pd_time_now_s() - t0) / 1e9;
+    close(fd);
+    close(ls);
+    waitpid(child, NULL, 0);
+    free(buf);
+    return gbps;
+}
+
+int main(int argc, char **argv)
+{
+    const char *results = NULL;
+    pd_flag_t flags[] = {{"results", PD_FLAG_STR, &results, "append the table to this markdown file", NULL}};
+    pd_status_t st =
+        pd_flags_parse(flags, 1, argc, argv, "usage: pd-bench-transfer [--results bench/RESULTS.md]", NULL);
+    if (st == PD_ERR_CANCELLED) {
+        return 0;
+    }
+    if (st != PD_OK) {
+        return 2;
+    }
+    pd_log_set_level(PD_LOG_WARN);
+    signal(SIGPIPE, SIG_IGN);
+    uint8_t *src = malloc(REGION), *dst = malloc(REGION);
+    memset(src, 3, REGION);
+    memset(dst, 4, REGION);
+    pd_rng_t rng;
+    pd_rng_seed(&rng, 1);
+    pd_page_xfer_t *pg = malloc(4096 * sizeof(*pg));
+    struct {
+        size_t psz;
+        int n;
+        bool random_ids;
+    } cases[] = {{16384, 1, false},  {16384, 64, true},    {16384, 4096, true},  {16384, 4096, false},
+                 {262144, 64, true}, {1u << 20, 16, true}, {1u << 20, 64, false}};
+    const char *kinds[] = {"ucx", "tcp"};
+    printf("%-52s %10s %-5s %-34s %8s\n", "benchmark", "result", "", "baseline (same run)", "ratio");
+    double sock = socket_gbps();
+    for (int k = 0; k < 2; k++) {
+        link_t L;
+        memset(&L, 0, sizeof(L));
+        if (link_open(kinds[k], &L) != 0) {
+            pd_log_error("cannot set up the %s link", kinds[k]);
+            continue;
+        }
+        for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+            make_pages(pg, cases[c].n, cases[c].psz, cases[c].random_ids, &rng);
+            size_t msg = cases[c].random_ids ? cases[c].psz : cases[c].psz * (size_t)cases[c].n;
+            for (int w = 1; w >= 0; w--) {
+                char name[128];
+                snprintf(name, sizeof(name), "%s %s %d x %zu KiB %s", kinds[k], w ? "write" : "read",
+                         cases[c].n, cases[c].psz / 1024, cases[c].random_ids ? "random" : "contiguous");
+                double g = pipe_gbps(&L, w, pg, cases[c].n);
+                if (k == 0) {
+                    double m = memcpy_gbps(pg, cases[c].n, src, dst);
+                    row(name, g, "GB/s", "memcpy", m, false);
+                    if (w && msg <= (64u << 20)) {
+                        double pt = perftest_gbps(msg > (16u << 20) ? (16u << 20) : msg);
+                        char n2[128];
+                        snprintf(n2, sizeof(n2), "  vs ucx_perftest put_bw at %zu KiB", msg / 1024);
+                        row(n2, g, "GB/s", "ucx_perftest", pt, false);
+                    }
+                } else {
+                    row(name, g, "GB/s", "plain socket", sock, false);
+                }
+            }
+        }
+        char lname[64];
+        snprintf(lname, sizeof(lname), "%s 1 x 16 KiB write round trip", kinds[k]);
+        row(lname, latency_us(&L), "us", "goal", 50.0, true);
+        link_close(&L);
+    }
+    if (results != NULL) {
+        FILE *f = fopen(results, "a");
+        if (f != NULL) {
+            time_t now = time(NULL);
+            char date[64];
+            strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", gmtime(&now));
+            struct utsname u;
+            uname(&u);
+            fprintf(f, "\n## pd-bench-transfer — %s\n\nCommand: `", date);
+            for (int i = 0; i < argc; i++) {
+                fprintf(f, "%s%s", i ? " " : "", argv[i]);
+            }
+            fprintf(f,
+                    "`  \nMachine: %s %s, %ld cores; two processes on this host; ucx error mode none. Plain "
+                    "socket stream %.2f GB/s.\n\n| benchmark | result | baseline (same run) | ratio "
+                    "|\n|---|---|---|---|\n",
+                    u.sysname, u.machine, sysconf(_SC_NPROCESSORS_ONLN), sock);
+            for (int i = 0; i < g_nrows; i++) {
+                fprintf(f, "%s\n", g_rows[i]);
+            }
+            fclose(f);
+        }
+    }
+    free(src), free(dst), free(pg);
+    return 0;
+}
