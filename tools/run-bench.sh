@@ -15,4 +15,6 @@ echo "run-bench: pd-bench-ops (memcpy, paged attention, matmul, model decode)"
 "$build/bin/pd-bench-ops" --model "$models/demo" --results bench/RESULTS.md
 echo "run-bench: pd-bench-sched (scheduler step overhead, block pool)"
 "$build/bin/pd-bench-sched" --results bench/RESULTS.md
+echo "run-bench: pd-bench-transfer (pipe throughput and round trip vs memcpy, ucx_perftest, a plain socket)"
+"$build/bin/pd-bench-transfer" --results bench/RESULTS.md
 echo "run-bench: results appended to bench/RESULTS.md"
