@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include "common/log.h"
+#include "pipe/completion.h"
 #include "pipe/pipe.h"
 
 #define TCP_MAGIC         0x50445450u /* "PDTP" */
@@ -119,18 +120,6 @@ typedef struct job {
     struct job *next;
 } job_t;
 
-typedef struct completion {
-    pd_pipe_done_cb done;
-    pd_pipe_recv_cb recv_cb;
-    pd_pipe_peer_error_cb peer_cb;
-    pd_pipe_peer_t *peer;
-    void *arg;
-    pd_status_t st;
-    uint64_t tag;
-    size_t hlen, plen;
-    struct completion *next;
-} completion_t;
-
 typedef struct tcp_pipe {
     pd_pipe_t base;
     uint64_t id;
@@ -150,32 +139,21 @@ typedef struct tcp_pipe {
     op_t *ops; /* pending: waiting for an ack, a response or a matching tensor */
     uint64_t next_op;
     job_t *jq_head, *jq_tail;
-    completion_t *cq_head, *cq_tail;
+    pd_pipe_cq_t cq;
     pd_pipe_peer_error_cb peer_cb;
     void *peer_cb_arg;
 } tcp_pipe_t;
 
 /* ------------------------------------------------------------------ small helpers (mu held) */
 
-static void complete(tcp_pipe_t *t, completion_t c)
+static void complete(tcp_pipe_t *t, pd_pipe_completion_t c)
 {
-    completion_t *n = malloc(sizeof(*n));
-    if (n == NULL) {
-        return;
-    }
-    *n = c;
-    n->next = NULL;
-    if (t->cq_tail != NULL) {
-        t->cq_tail->next = n;
-    } else {
-        t->cq_head = n;
-    }
-    t->cq_tail = n;
+    pd_pipe_cq_push(&t->cq, &c);
 }
 
 static void complete_op(tcp_pipe_t *t, op_t *o, pd_status_t st, size_t hlen, size_t plen)
 {
-    completion_t c = {o->done, o->recv_cb, NULL, NULL, o->arg, st, o->tag, hlen, plen, NULL};
+    pd_pipe_completion_t c = {o->done, o->recv_cb, NULL, NULL, o->arg, st, o->tag, hlen, plen, NULL};
     complete(t, c);
     free(o->pages);
     free(o);
@@ -210,7 +188,7 @@ static void mark_dead(tcp_pipe_t *t, pd_pipe_peer_t *peer, pd_status_t st)
         }
     }
     if (t->peer_cb != NULL) {
-        completion_t c = {NULL, NULL, t->peer_cb, peer, t->peer_cb_arg, st, 0, 0, 0, NULL};
+        pd_pipe_completion_t c = {NULL, NULL, t->peer_cb, peer, t->peer_cb_arg, st, 0, 0, 0, NULL};
         complete(t, c);
     }
     if (peer->out_fd >= 0) {
@@ -710,24 +688,9 @@ static int tcp_progress(pd_pipe_t *p)
 {
     tcp_pipe_t *t = (tcp_pipe_t *)p;
     pthread_mutex_lock(&t->mu);
-    completion_t *c = t->cq_head;
-    t->cq_head = t->cq_tail = NULL;
+    pd_pipe_completion_t *c = pd_pipe_cq_take(&t->cq);
     pthread_mutex_unlock(&t->mu);
-    int n = 0;
-    while (c != NULL) {
-        completion_t *next = c->next;
-        if (c->peer_cb != NULL) {
-            c->peer_cb(c->arg, c->peer, c->st);
-        } else if (c->recv_cb != NULL) {
-            c->recv_cb(c->arg, c->st, c->tag, c->hlen, c->plen);
-        } else if (c->done != NULL) {
-            c->done(c->arg, c->st);
-        }
-        free(c);
-        c = next;
-        n++;
-    }
-    return n;
+    return pd_pipe_cq_run(c);
 }
 
 static void tcp_destroy(pd_pipe_t *p)
@@ -999,7 +962,7 @@ static void tcp_release_remote(pd_pipe_t *p, pd_pipe_remote_t *rr)
 /* Queues an op whose peer is already dead: it completes at the next progress. */
 static pd_status_t fail_now(tcp_pipe_t *t, pd_pipe_done_cb cb, pd_pipe_recv_cb rcb, void *arg, uint64_t tag)
 {
-    completion_t c = {cb, rcb, NULL, NULL, arg, PD_ERR_PEER_GONE, tag, 0, 0, NULL};
+    pd_pipe_completion_t c = {cb, rcb, NULL, NULL, arg, PD_ERR_PEER_GONE, tag, 0, 0, NULL};
     complete(t, c);
     return PD_OK;
 }
@@ -1148,7 +1111,7 @@ static pd_status_t tcp_recv_tensor(pd_pipe_t *p, pd_pipe_peer_t *peer, uint64_t 
         } else {
             st = PD_ERR_NO_SPACE;
         }
-        completion_t c = {NULL, cb, NULL, NULL, arg, st, tag, u->hdr_len, u->payload_len, NULL};
+        pd_pipe_completion_t c = {NULL, cb, NULL, NULL, arg, st, tag, u->hdr_len, u->payload_len, NULL};
         complete(t, c);
         free(u->hdr), free(u->payload), free(u);
         pthread_mutex_unlock(&t->mu);

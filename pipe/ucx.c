@@ -28,6 +28,7 @@
 #include "common/hash.h"
 #include "common/log.h"
 #include "common/time.h"
+#include "pipe/completion.h"
 #include "pipe/pipe.h"
 
 #define TAG_USER_MASK ((1ull << 47) - 1)
@@ -86,18 +87,6 @@ struct op {
     op_t *prev, *next;
 };
 
-typedef struct completion {
-    pd_pipe_done_cb done;
-    pd_pipe_recv_cb recv_cb;
-    pd_pipe_peer_error_cb peer_cb;
-    pd_pipe_peer_t *peer;
-    void *arg;
-    pd_status_t st;
-    uint64_t tag;
-    size_t hlen, plen;
-    struct completion *next;
-} completion_t;
-
 struct ucx_pipe {
     pd_pipe_t base;
     uint64_t id;
@@ -113,7 +102,7 @@ struct ucx_pipe {
     pd_pipe_peer_t *peers;
     ucx_region_t *regions;
     op_t *ops;
-    completion_t *cq_head, *cq_tail;
+    pd_pipe_cq_t cq;
     pd_pipe_peer_error_cb peer_cb;
     void *peer_cb_arg;
 };
@@ -135,20 +124,9 @@ static pd_status_t from_ucs(ucs_status_t s)
 
 /* ------------------------------------------------------------------ completions (mu held) */
 
-static void queue_completion(ucx_pipe_t *u, completion_t c)
+static void queue_completion(ucx_pipe_t *u, pd_pipe_completion_t c)
 {
-    completion_t *n = malloc(sizeof(*n));
-    if (n == NULL) {
-        return;
-    }
-    *n = c;
-    n->next = NULL;
-    if (u->cq_tail != NULL) {
-        u->cq_tail->next = n;
-    } else {
-        u->cq_head = n;
-    }
-    u->cq_tail = n;
+    pd_pipe_cq_push(&u->cq, &c);
 }
 
 static void op_unlink(ucx_pipe_t *u, op_t *o)
@@ -170,7 +148,7 @@ static void op_report(ucx_pipe_t *u, op_t *o, pd_status_t st)
         return;
     }
     o->reported = true;
-    completion_t c = {o->done, o->recv_cb, NULL, NULL, o->arg, st, o->tag, o->hlen, o->plen, NULL};
+    pd_pipe_completion_t c = {o->done, o->recv_cb, NULL, NULL, o->arg, st, o->tag, o->hlen, o->plen, NULL};
     queue_completion(u, c);
 }
 
@@ -267,7 +245,8 @@ static void cb_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status)
         pd_log_warn("ucx pipe: peer %016llx failed: %s", (unsigned long long)peer->id,
                     ucs_status_string(status));
         if (u->peer_cb != NULL) {
-            completion_t c = {NULL, NULL, u->peer_cb, peer, u->peer_cb_arg, PD_ERR_PEER_GONE, 0, 0, 0, NULL};
+            pd_pipe_completion_t c = {NULL, NULL, u->peer_cb, peer, u->peer_cb_arg, PD_ERR_PEER_GONE,
+                                      0,    0,    0,          NULL};
             queue_completion(u, c);
         }
     }
@@ -308,24 +287,9 @@ static int ucx_progress(pd_pipe_t *p)
     ucx_pipe_t *u = (ucx_pipe_t *)p;
     ucp_worker_progress(u->worker);
     pthread_mutex_lock(&u->mu);
-    completion_t *c = u->cq_head;
-    u->cq_head = u->cq_tail = NULL;
+    pd_pipe_completion_t *c = pd_pipe_cq_take(&u->cq);
     pthread_mutex_unlock(&u->mu);
-    int n = 0;
-    while (c != NULL) {
-        completion_t *next = c->next;
-        if (c->peer_cb != NULL) {
-            c->peer_cb(c->arg, c->peer, c->st);
-        } else if (c->recv_cb != NULL) {
-            c->recv_cb(c->arg, c->st, c->tag, c->hlen, c->plen);
-        } else if (c->done != NULL) {
-            c->done(c->arg, c->st);
-        }
-        free(c);
-        c = next;
-        n++;
-    }
-    return n;
+    return pd_pipe_cq_run(c);
 }
 
 /* ------------------------------------------------------------------ lifecycle */
@@ -685,7 +649,7 @@ static void ucx_release_remote(pd_pipe_t *p, pd_pipe_remote_t *rr)
 
 static void fail_at_once(ucx_pipe_t *u, pd_pipe_done_cb cb, pd_pipe_recv_cb rcb, void *arg, uint64_t tag)
 {
-    completion_t c = {cb, rcb, NULL, NULL, arg, PD_ERR_PEER_GONE, tag, 0, 0, NULL};
+    pd_pipe_completion_t c = {cb, rcb, NULL, NULL, arg, PD_ERR_PEER_GONE, tag, 0, 0, NULL};
     queue_completion(u, c);
 }
 

@@ -351,9 +351,9 @@ PD_CPU_CLONES static void attn_item_run(const attn_item_t *it, float *out, const
 }
 
 static pd_status_t attn_run(pd_backend_t *be, float *out, const float *q, const pd_kv_view_t *kv,
-                            const pd_attn_meta_t *meta, int num_heads, float scale, int decode_only)
+                            const pd_attn_meta_t *meta, int num_heads, float scale)
 {
-    pd_status_t st = pd_cpu_attn_validate(kv, meta, num_heads, decode_only);
+    pd_status_t st = pd_cpu_attn_validate(kv, meta, num_heads, 0);
     if (st != PD_OK) {
         return st;
     }
@@ -413,7 +413,7 @@ pd_status_t pd_cpu_paged_attention_prefill(pd_backend_t *be, float *out, const f
                                            const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
                                            float scale)
 {
-    return attn_run(be, out, q, kv, meta, num_heads, scale, 0);
+    return attn_run(be, out, q, kv, meta, num_heads, scale);
 }
 
 /* ---------------------------------------------------------------- optimized decode (split-K) */

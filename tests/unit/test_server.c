@@ -454,17 +454,19 @@ START_TEST(test_graceful_drain)
     bg_req_t b = {port, "{\"prompt\": \"drain me\", \"max_tokens\": 300, \"ignore_eos\": true}", {0}, -1};
     pthread_t t;
     pthread_create(&t, NULL, bg_post, &b);
-    /* wait until it is running */
-    for (int i = 0; i < 200; i++) {
+    /* wait (bounded) until it is running: SIGTERM must find it in flight */
+    bool running = false;
+    double until = tu_now() + 60;
+    while (!running && tu_now() < until) {
         http_resp_t m;
         http_request(port, "GET", "/metrics", NULL, NULL, &m, 5000);
-        bool running = m.body != NULL && strstr(m.body, "pd:num_requests_running 1") != NULL;
+        running = m.body != NULL && strstr(m.body, "pd:num_requests_running 1") != NULL;
         http_resp_free(&m);
-        if (running) {
-            break;
+        if (!running) {
+            usleep(10000);
         }
-        usleep(10000);
     }
+    ck_assert_msg(running, "the long request never started running");
     kill(pid, SIGTERM);
     usleep(100000);
     expect_error(port, "POST", "/v1/completions", NULL, "{\"prompt\": \"late\"}", 503,
