@@ -63,6 +63,7 @@ struct pd_http_server {
     uint64_t next_id;
     creq_t *inflight;
     int num_inflight;
+    int unsent; /* replies handed to libevent and not yet written out */
     bool draining;
     double drain_deadline;
     bool aborted_rest;
@@ -99,8 +100,23 @@ size_t pd_http_flags(pd_http_config_t *c, pd_flag_t *out, size_t max)
 
 /* ------------------------------------------------------------------ replies */
 
-static void send_json(struct evhttp_request *req, int status, json_t *body)
+static void on_reply_sent(struct evhttp_request *req, void *arg)
 {
+    pd_http_server_t *s = arg;
+    s->unsent--;
+}
+
+/* Every reply is counted until libevent has written it, so a drain does not exit with replies
+ * still sitting in a connection's output buffer. */
+static void track_reply(pd_http_server_t *s, struct evhttp_request *req)
+{
+    s->unsent++;
+    evhttp_request_set_on_complete_cb(req, on_reply_sent, s);
+}
+
+static void send_json(pd_http_server_t *s, struct evhttp_request *req, int status, json_t *body)
+{
+    track_reply(s, req);
     char *text = json_dumps(body, JSON_COMPACT);
     struct evbuffer *buf = evbuffer_new();
     evbuffer_add(buf, text, strlen(text));
@@ -121,7 +137,7 @@ static void send_json(struct evhttp_request *req, int status, json_t *body)
 static void send_error(pd_http_server_t *s, struct evhttp_request *req, const pd_http_error_t *err)
 {
     json_t *j = pd_openai_error_json(err);
-    send_json(req, err->status, j);
+    send_json(s, req, err->status, j);
     json_decref(j);
     pd_metric_inc(s->m.http_errors, 1);
 }
@@ -368,6 +384,7 @@ static void handle_output(pd_http_server_t *s, const pd_engine_output_t *o)
             evhttp_send_reply_chunk(c->req, buf);
             evbuffer_free(buf);
             detach_close_cb(c);
+            track_reply(s, c->req);
             evhttp_send_reply_end(c->req);
             c->req = NULL;
             creq_free(c);
@@ -395,7 +412,7 @@ static void handle_output(pd_http_server_t *s, const pd_engine_output_t *o)
         } else {
             json_object_set_new(body, "kv_transfer_params", json_null());
         }
-        send_json(c->req, 200, body);
+        send_json(s, c->req, 200, body);
         json_decref(body);
     }
     c->req = NULL;
@@ -507,7 +524,7 @@ static void handle_models(pd_http_server_t *s, struct evhttp_request *req)
     json_t *j = json_pack("{s:s, s:[{s:s, s:s, s:I, s:s, s:i}]}", "object", "list", "data", "id",
                           s->model_name, "object", "model", "created", (json_int_t)s->started_at, "owned_by",
                           "pdserve", "max_model_len", pd_engine_max_model_len(s->engine));
-    send_json(req, 200, j);
+    send_json(s, req, 200, j);
     json_decref(j);
 }
 
@@ -544,6 +561,7 @@ static void handle_metrics(pd_http_server_t *s, struct evhttp_request *req)
     struct evbuffer *buf = evbuffer_new();
     evbuffer_add(buf, text, len);
     evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type", "text/plain; version=0.0.4");
+    track_reply(s, req);
     evhttp_send_reply(req, 200, "OK", buf);
     evbuffer_free(buf);
     free(text);
@@ -575,7 +593,7 @@ static void on_request(struct evhttp_request *req, void *arg)
             return;
         }
         json_t *j = json_pack("{s:s}", "status", s->draining ? "draining" : "ok");
-        send_json(req, s->draining ? 503 : 200, j);
+        send_json(s, req, s->draining ? 503 : 200, j);
         json_decref(j);
         return;
     }
@@ -603,9 +621,16 @@ static void on_request(struct evhttp_request *req, void *arg)
 static void on_drain_tick(evutil_socket_t fd, short what, void *arg)
 {
     pd_http_server_t *s = arg;
-    if (s->num_inflight == 0) {
+    if (s->num_inflight == 0 && s->unsent <= 0) {
         pd_log_info("drain complete");
         event_base_loopexit(s->base, NULL);
+        return;
+    }
+    if (s->num_inflight == 0) {
+        if (pd_time_now_s() >= s->drain_deadline) {
+            pd_log_warn("drain: %d replies not written by the deadline; exiting", s->unsent);
+            event_base_loopexit(s->base, NULL);
+        }
         return;
     }
     if (!s->aborted_rest && pd_time_now_s() >= s->drain_deadline) {
