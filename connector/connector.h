@@ -73,6 +73,10 @@ typedef struct pd_connector_ops {
 struct pd_connector {
     const pd_connector_ops_t *ops;
     void *impl;
+    /* Set by the engine: a connector thread calls wake(wake_arg) when get_finished has news, so an
+     * engine with nothing runnable sleeps instead of polling. */
+    void (*wake)(void *arg);
+    void *wake_arg;
 };
 
 #endif

@@ -60,6 +60,8 @@ struct pd_engine {
     pd_engine_output_t *out_head, *out_tail;
     pthread_t thread;
     bool running, stop;
+    bool woken;         /* the connector has news since the engine last looked */
+    int32_t last_items; /* requests the last step ran */
     void (*notify)(void *);
     void *notify_ctx;
     pd_engine_stats_t stats; /* snapshot under mu */
@@ -550,6 +552,7 @@ pd_status_t pd_engine_step(pd_engine_t *e, pd_engine_output_t **outputs)
         e->aborted_tail = &e->aborted_head;
     }
     const pd_scheduler_output_t *so = pd_scheduler_schedule(e->sched);
+    e->last_items = so->num_items;
     pd_model_output_t mo;
     pd_status_t st = pd_model_runner_execute(&e->runner, so, &mo);
     if (st != PD_OK) {
@@ -743,6 +746,19 @@ static void *engine_thread(void *arg)
             }
             pthread_cond_timedwait(&e->cv, &e->mu, &ts);
         }
+        if (!e->stop && e->inbox_head == NULL && !e->woken && e->last_items == 0 && e->aborted_head == NULL) {
+            /* work exists but nothing could run (remote KV loading, blocks held for a reader, no
+             * free blocks): sleep until the connector or a submission wakes us, bounded */
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_nsec += 20 * 1000000L;
+            if (ts.tv_nsec >= 1000000000L) {
+                ts.tv_sec++;
+                ts.tv_nsec -= 1000000000L;
+            }
+            pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+        }
+        e->woken = false;
         bool stop = e->stop;
         pthread_mutex_unlock(&e->mu);
         if (stop) {
@@ -776,8 +792,22 @@ static void *engine_thread(void *arg)
     return NULL;
 }
 
+/* The connector's wake hook: transfers finished, step again now. */
+static void engine_wake(void *arg)
+{
+    pd_engine_t *e = arg;
+    pthread_mutex_lock(&e->mu);
+    e->woken = true;
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
 pd_status_t pd_engine_start(pd_engine_t *e, void (*notify)(void *ctx), void *ctx)
 {
+    if (e->cfg.connector != NULL) {
+        e->cfg.connector->wake = engine_wake;
+        e->cfg.connector->wake_arg = e;
+    }
     e->notify = notify;
     e->notify_ctx = ctx;
     pthread_mutex_lock(&e->mu);

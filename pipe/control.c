@@ -30,6 +30,7 @@ const ProtobufCMessageDescriptor *pd_ctl_descriptor(pd_msg_type_t type)
     case PD_MSG_WRITE_DONE: return &pd__write_done__descriptor;
     case PD_MSG_TRANSFER_ACK: return &pd__transfer_ack__descriptor;
     case PD_MSG_ABORT: return &pd__abort__descriptor;
+    case PD_MSG_REGIONS: return &pd__regions__descriptor;
     }
     return NULL;
 }
@@ -285,7 +286,7 @@ static pd_status_t expect(int fd, pd_ctl_reader_t *r, pd_msg_type_t want, int ti
     return PD_OK;
 }
 
-pd_status_t pd_ctl_handshake_client(int fd, const pd_ctl_identity_t *me, int timeout_ms,
+pd_status_t pd_ctl_handshake_client(int fd, pd_ctl_reader_t *r, const pd_ctl_identity_t *me, int timeout_ms,
                                     pd_ctl_msg_t *peer_out, char *reason, size_t reason_len)
 {
     uint8_t nonce[32];
@@ -310,12 +311,9 @@ pd_status_t pd_ctl_handshake_client(int fd, const pd_ctl_identity_t *me, int tim
         snprintf(reason, reason_len, "handshake: cannot send Hello (%s)", pd_status_str(st));
         return st;
     }
-    pd_ctl_reader_t r;
-    pd_ctl_reader_init(&r, 0);
     pd_ctl_msg_t ack = {0, NULL};
-    st = expect(fd, &r, PD_MSG_HELLO_ACK, timeout_ms, &ack, reason, reason_len);
+    st = expect(fd, r, PD_MSG_HELLO_ACK, timeout_ms, &ack, reason, reason_len);
     if (st != PD_OK) {
-        pd_ctl_reader_destroy(&r);
         return st;
     }
     Pd__HelloAck *a = (Pd__HelloAck *)ack.msg;
@@ -325,13 +323,11 @@ pd_status_t pd_ctl_handshake_client(int fd, const pd_ctl_identity_t *me, int tim
         snprintf(reason, reason_len, "the peer does not know the cluster token");
         send_reject(fd, PD_REJECT_TOKEN, "wrong cluster token", timeout_ms);
         pd_ctl_msg_free(&ack);
-        pd_ctl_reader_destroy(&r);
         return PD_ERR_REJECTED;
     }
     if (!pd_ctl_fingerprint_equal(me->fingerprint, a->fingerprint, reason, reason_len)) {
         send_reject(fd, PD_REJECT_FINGERPRINT, reason, timeout_ms);
         pd_ctl_msg_free(&ack);
-        pd_ctl_reader_destroy(&r);
         return PD_ERR_REJECTED;
     }
     uint8_t mine[32];
@@ -342,10 +338,9 @@ pd_status_t pd_ctl_handshake_client(int fd, const pd_ctl_identity_t *me, int tim
     st = pd_ctl_send(fd, PD_MSG_HELLO_FINISH, &fin.base, timeout_ms);
     pd_ctl_msg_t ok = {0, NULL};
     if (st == PD_OK) {
-        st = expect(fd, &r, PD_MSG_HEARTBEAT, timeout_ms, &ok, reason, reason_len);
+        st = expect(fd, r, PD_MSG_HEARTBEAT, timeout_ms, &ok, reason, reason_len);
     }
     pd_ctl_msg_free(&ok);
-    pd_ctl_reader_destroy(&r);
     if (st != PD_OK) {
         pd_ctl_msg_free(&ack);
         return st;
@@ -354,18 +349,15 @@ pd_status_t pd_ctl_handshake_client(int fd, const pd_ctl_identity_t *me, int tim
     return PD_OK;
 }
 
-pd_status_t pd_ctl_handshake_server(int fd, const pd_ctl_identity_t *me, int timeout_ms,
+pd_status_t pd_ctl_handshake_server(int fd, pd_ctl_reader_t *r, const pd_ctl_identity_t *me, int timeout_ms,
                                     pd_ctl_msg_t *peer_out, char *reason, size_t reason_len)
 {
-    pd_ctl_reader_t r;
-    pd_ctl_reader_init(&r, 0);
     pd_ctl_msg_t hello = {0, NULL};
-    pd_status_t st = expect(fd, &r, PD_MSG_HELLO, timeout_ms, &hello, reason, reason_len);
+    pd_status_t st = expect(fd, r, PD_MSG_HELLO, timeout_ms, &hello, reason, reason_len);
     if (st != PD_OK) {
         if (st == PD_ERR_PARSE || st == PD_ERR_UNSUPPORTED) {
             send_reject(fd, PD_REJECT_PROTOCOL, reason, timeout_ms);
         }
-        pd_ctl_reader_destroy(&r);
         return st;
     }
     Pd__Hello *h = (Pd__Hello *)hello.msg;
@@ -406,7 +398,7 @@ pd_status_t pd_ctl_handshake_server(int fd, const pd_ctl_identity_t *me, int tim
         goto fail;
     }
     pd_ctl_msg_t fin = {0, NULL};
-    st = expect(fd, &r, PD_MSG_HELLO_FINISH, timeout_ms, &fin, reason, reason_len);
+    st = expect(fd, r, PD_MSG_HELLO_FINISH, timeout_ms, &fin, reason, reason_len);
     if (st != PD_OK) {
         goto fail;
     }
@@ -428,11 +420,9 @@ pd_status_t pd_ctl_handshake_server(int fd, const pd_ctl_identity_t *me, int tim
     if (st != PD_OK) {
         goto fail;
     }
-    pd_ctl_reader_destroy(&r);
     *peer_out = hello;
     return PD_OK;
 fail:
     pd_ctl_msg_free(&hello);
-    pd_ctl_reader_destroy(&r);
     return st;
 }

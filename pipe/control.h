@@ -36,6 +36,7 @@ typedef enum pd_msg_type {
     PD_MSG_WRITE_DONE = 9,
     PD_MSG_TRANSFER_ACK = 10,
     PD_MSG_ABORT = 11,
+    PD_MSG_REGIONS = 12,
 } pd_msg_type_t;
 
 typedef enum pd_reject_code {
@@ -94,13 +95,15 @@ typedef struct pd_ctl_identity {
     size_t token_len;
 } pd_ctl_identity_t;
 
-/* Client side of the handshake on a connected fd. On PD_OK *peer_out holds the peer's HelloAck.
- * PD_ERR_REJECTED (reason filled) when either side refuses: version, fingerprint, token. */
-pd_status_t pd_ctl_handshake_client(int fd, const pd_ctl_identity_t *me, int timeout_ms,
+/* Client side of the handshake on a connected fd, reading through r (initialised by the caller;
+ * bytes the peer sent after the handshake stay buffered in it). On PD_OK *peer_out holds the
+ * peer's HelloAck. PD_ERR_REJECTED (reason filled) when either side refuses: version,
+ * fingerprint, token. */
+pd_status_t pd_ctl_handshake_client(int fd, pd_ctl_reader_t *r, const pd_ctl_identity_t *me, int timeout_ms,
                                     pd_ctl_msg_t *peer_out, char *reason, size_t reason_len);
 
-/* Server side; on PD_OK *peer_out holds the peer's Hello. */
-pd_status_t pd_ctl_handshake_server(int fd, const pd_ctl_identity_t *me, int timeout_ms,
+/* Server side (same reader rule); on PD_OK *peer_out holds the peer's Hello. */
+pd_status_t pd_ctl_handshake_server(int fd, pd_ctl_reader_t *r, const pd_ctl_identity_t *me, int timeout_ms,
                                     pd_ctl_msg_t *peer_out, char *reason, size_t reason_len);
 
 /* Compares fingerprints field by field; on a mismatch writes which field differs to why. */

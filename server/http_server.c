@@ -587,6 +587,15 @@ static void on_request(struct evhttp_request *req, void *arg)
         {"/v1/models", EVHTTP_REQ_GET, handle_models},
         {"/metrics", EVHTTP_REQ_GET, handle_metrics},
     };
+    if (strcmp(path, "/pd/info") == 0 && s->cfg.info_json != NULL && cmd == EVHTTP_REQ_GET) {
+        struct evbuffer *buf = evbuffer_new();
+        evbuffer_add(buf, s->cfg.info_json, strlen(s->cfg.info_json));
+        evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type", "application/json");
+        track_reply(s, req);
+        evhttp_send_reply(req, 200, "OK", buf);
+        evbuffer_free(buf);
+        return;
+    }
     if (strcmp(path, "/health") == 0) {
         if (cmd != EVHTTP_REQ_GET) {
             reply_error(s, req, 405, "MethodNotAllowedError", NULL, "use GET");

@@ -22,6 +22,7 @@ typedef struct pd_http_config {
     double drain_timeout;          /* seconds in-flight requests get after SIGTERM */
     const char *served_model_name; /* default: the model directory's name */
     int max_json_depth;
+    const char *info_json; /* P/D nodes: served at GET /pd/info (role, engine id, KV address) */
 } pd_http_config_t;
 
 void pd_http_config_defaults(pd_http_config_t *cfg);

@@ -268,7 +268,10 @@ typedef struct side {
 static void *run_server(void *arg)
 {
     side_t *s = arg;
-    s->st = pd_ctl_handshake_server(s->fd, &s->id, s->timeout_ms, &s->peer, s->reason, sizeof(s->reason));
+    pd_ctl_reader_t r;
+    pd_ctl_reader_init(&r, 0);
+    s->st = pd_ctl_handshake_server(s->fd, &r, &s->id, s->timeout_ms, &s->peer, s->reason, sizeof(s->reason));
+    pd_ctl_reader_destroy(&r);
     return NULL;
 }
 
@@ -285,7 +288,10 @@ static void *run_client(void *arg)
         (void)w;
         return NULL;
     }
-    s->st = pd_ctl_handshake_client(s->fd, &s->id, s->timeout_ms, &s->peer, s->reason, sizeof(s->reason));
+    pd_ctl_reader_t r;
+    pd_ctl_reader_init(&r, 0);
+    s->st = pd_ctl_handshake_client(s->fd, &r, &s->id, s->timeout_ms, &s->peer, s->reason, sizeof(s->reason));
+    pd_ctl_reader_destroy(&r);
     return NULL;
 }
 
@@ -388,7 +394,10 @@ START_TEST(test_handshake_outcomes)
     ck_assert_int_eq(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
     init_side(&s, sv[1], "pre-1", "demo", "t");
     close(sv[0]);
-    s.st = pd_ctl_handshake_server(sv[1], &s.id, 500, &s.peer, s.reason, sizeof(s.reason));
+    pd_ctl_reader_t rd;
+    pd_ctl_reader_init(&rd, 0);
+    s.st = pd_ctl_handshake_server(sv[1], &rd, &s.id, 500, &s.peer, s.reason, sizeof(s.reason));
+    pd_ctl_reader_destroy(&rd);
     ck_assert_int_eq(s.st, PD_ERR_PEER_GONE);
     close(sv[1]);
 }

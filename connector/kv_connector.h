@@ -1,0 +1,92 @@
+/* connector/kv_connector.h — the P/D KV connector over a pipe (DESIGN.md §5): moves a request's
+ * prompt KV from a prefill engine to a decode engine, in one of two modes.
+ *
+ *   pull  the prefill finishes (max_tokens 1), holds its blocks under a lease and returns
+ *         kv_transfer_params naming them; the decode allocates, waits in WAITING_FOR_REMOTE_KV,
+ *         reads only the blocks it lacks (one-sided on UCX), sends READ_DONE; the prefill answers
+ *         ACK while the lease holds (else STALE: the decode discards the KV) and frees the blocks.
+ *   push  the decode reserves blocks and sends the prefill a Reservation; the prefill writes each
+ *         layer's pages into them as soon as that layer is computed (wait_for_save bounds the
+ *         step) and sends WRITE_DONE; a reservation that arrives after the prefill ran is served
+ *         from the held blocks.
+ *
+ * Threads: the scheduler and worker halves run on the engine thread; one control thread
+ * ("kv-ctl") owns the pipe, the control connections (handshake, heartbeats, notifications) and
+ * every timeout. They share state under one mutex; the control thread wakes the engine through
+ * pd_connector_t.wake when transfers finish.
+ *
+ * Load-wise, not layer-wise: a decode's load completes before the request is scheduled, so
+ * wait_for_layer_load has nothing to wait for (as vLLM's NIXL connector). */
+#ifndef PD_CONNECTOR_KV_CONNECTOR_H
+#define PD_CONNECTOR_KV_CONNECTOR_H
+
+#include <jansson.h>
+#include <stddef.h>
+
+#include "common/flags.h"
+#include "common/metrics.h"
+#include "connector/connector.h"
+#include "engine/kv_init.h"
+#include "pd.pb-c.h"
+
+typedef struct pd_kv_connector_config {
+    const char *role;                /* prefill | decode */
+    const char *mode;                /* pull | push (--kv-transfer-mode) */
+    const char *pipe;                /* ucx | tcp | nccl (--kv-pipe) */
+    const char *listen;              /* HOST:PORT of the control listener (port 0 = any free) */
+    const char *advertise_host;      /* host peers dial (default: the listen host) */
+    const char *ucx_err_mode;        /* none | peer */
+    const char *cluster_token_file;  /* secret shared by the cluster (empty file or NULL = none) */
+    double hold_timeout;             /* s a prefill holds blocks for a reader / a reservation */
+    double load_timeout;             /* s a decode waits for remote KV */
+    double handshake_timeout;        /* s for dial + handshake + region exchange */
+    double heartbeat_interval;       /* s between heartbeats */
+    int heartbeat_misses;            /* silent intervals before a peer is declared dead */
+    double save_timeout;             /* s wait_for_save waits for one step's writes */
+    const char *load_failure_policy; /* the engine's (for the policy-action metric) */
+} pd_kv_connector_config_t;
+
+void pd_kv_connector_config_defaults(pd_kv_connector_config_t *cfg);
+
+/* The connector's flags (--kv-transfer-mode, --kv-pipe, --kv-listen, ...) for a binary's table;
+ * returns how many were written (at most max). */
+size_t pd_kv_connector_flags(pd_kv_connector_config_t *cfg, pd_flag_t *out, size_t max);
+
+/* Creates the connector and its pipe (not yet listening). Metrics are registered in m (may be
+ * NULL). PD_ERR_INVALID_ARG for a bad role/mode/listen address, PD_ERR_NOT_FOUND for a pipe kind
+ * this build lacks, PD_ERR_IO for an unreadable token file. */
+pd_status_t pd_kv_connector_create(const pd_kv_connector_config_t *cfg, pd_metrics_t *m,
+                                   pd_connector_t **out);
+
+/* The allocator the engine must use for its KV region (the pipe owns the memory, so UCX can put
+ * into it over shared memory). Valid for the connector's lifetime. */
+const pd_kv_region_allocator_t *pd_kv_connector_allocator(pd_connector_t *c);
+
+/* Binds the control listener and starts the control thread; fp is copied. Call after the engine
+ * registered its KV caches. PD_ERR_IO when the address cannot be bound. */
+pd_status_t pd_kv_connector_start(pd_connector_t *c, const Pd__Fingerprint *fp);
+
+/* The bound control port (after start). */
+int pd_kv_connector_port(const pd_connector_t *c);
+
+/* This engine's id (random per process start). */
+const char *pd_kv_connector_engine_id(const pd_connector_t *c);
+
+/* {role, engine_id, kv_host, kv_port, transfer_mode, pipe} for /pd/info (caller owns). */
+json_t *pd_kv_connector_info(const pd_connector_t *c);
+
+/* Stops the control thread and destroys the pipe (pending transfers complete as cancelled); the
+ * engine may then free its KV region. Idempotent. */
+void pd_kv_connector_stop(pd_connector_t *c);
+
+/* Stops (if needed) and frees everything (also via ops->destroy). */
+void pd_kv_connector_destroy(pd_connector_t *c);
+
+/* The compatibility fingerprint of a model directory served with these KV settings: model =
+ * "<model_type>:<xxh3 of config.json, every tensor's name/dtype/shape and its first and last
+ * 4 KiB>". */
+pd_status_t pd_kv_fingerprint(const char *model_dir, const char *kv_dtype, int32_t block_size,
+                              int32_t num_kv_heads, int32_t head_size, int32_t num_layers,
+                              Pd__Fingerprint *fp_out, char *model_buf, size_t model_buf_len);
+
+#endif

@@ -1,0 +1,244 @@
+/* connector/kv_internal.h — state shared by the P/D connector's engine-thread half
+ * (kv_connector.c) and its control thread (kv_ctl.c). Everything below `mu` is protected by it
+ * unless marked "engine thread" or "ctl thread". */
+#ifndef PD_CONNECTOR_KV_INTERNAL_H
+#define PD_CONNECTOR_KV_INTERNAL_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "common/metrics.h"
+#include "common/strmap.h"
+#include "connector/kv_connector.h"
+#include "pipe/control.h"
+#include "pipe/pipe.h"
+
+#define KV_MAX_LAYERS 256
+
+/* A peer engine's KV geometry, from its Regions message. */
+typedef struct kv_geom {
+    uint64_t length, page_bytes;
+    uint32_t num_blocks;
+    uint32_t num_layers;
+    uint64_t layer_offset[KV_MAX_LAYERS];
+} kv_geom_t;
+
+typedef enum kv_peer_state {
+    KV_PEER_WAIT_REGIONS = 0, /* handshake done, waiting for the peer's Regions */
+    KV_PEER_READY,
+    KV_PEER_DEAD,
+} kv_peer_state_t;
+
+/* A connected engine (ctl thread). */
+typedef struct kv_peer kv_peer_t;
+struct kv_peer {
+    char dial[128]; /* "host:port" we dialled ("" for a peer that dialled us) */
+    char engine_id[64];
+    int fd;
+    pd_ctl_reader_t rd;
+    kv_peer_state_t state;
+    pd_pipe_peer_t *pp;
+    pd_pipe_remote_t *remote; /* its KV region, NULL until Regions */
+    kv_geom_t geom;
+    double last_rx, last_hb, since;
+    uint64_t hb_seq;
+    kv_peer_t *next;
+};
+
+typedef enum kv_xfer_kind {
+    KV_X_PULL_LOAD = 0, /* decode: read from the prefill, then READ_DONE */
+    KV_X_PUSH_LOAD,     /* decode: reserve, wait for WRITE_DONE */
+    KV_X_PUSH_SAVE,     /* prefill: write into a reservation after the request finished */
+} kv_xfer_kind_t;
+
+typedef enum kv_xfer_state {
+    KV_XS_QUEUED = 0, /* not started (needs a peer) */
+    KV_XS_POSTED,     /* pages in flight on the pipe */
+    KV_XS_WAIT_PEER,  /* waiting for the peer's ACK / WRITE_DONE */
+    KV_XS_DONE,
+} kv_xfer_state_t;
+
+/* One transfer the control thread drives. */
+typedef struct kv_xfer kv_xfer_t;
+struct kv_xfer {
+    kv_xfer_kind_t kind;
+    kv_xfer_state_t state;
+    char req_id[PD_REQ_ID_MAX];     /* local request id */
+    char remote_req[PD_REQ_ID_MAX]; /* pull: the prefill's request id; push: the transfer id */
+    char dial[128];                 /* decode side: the prefill's control address */
+    char remote_engine[64];         /* expected engine id ("" = any) */
+    uint64_t lease_id;
+    uint32_t *local_blocks;
+    int32_t num_local;
+    uint32_t *remote_blocks;
+    int32_t num_remote;
+    int32_t first_block, end_block; /* block indexes to move: [first, end) */
+    int32_t num_tokens;
+    double started, deadline;
+    kv_peer_t *peer;
+    bool cancelled; /* the request was aborted: no load errors, just release */
+    bool redialed;  /* the cached peer had another engine id: dialled once more */
+    struct kv_conn *conn;
+    struct kv_resv *resv; /* push save: the reservation written into */
+    size_t bytes;
+    int32_t pages;
+    kv_xfer_t *next;
+};
+
+/* Prefill, pull: blocks held for a reader. */
+typedef struct kv_lease kv_lease_t;
+struct kv_lease {
+    char req_id[PD_REQ_ID_MAX];
+    uint64_t lease_id;
+    double expires;
+    bool expired; /* blocks released; kept a while to answer STALE */
+    kv_lease_t *next;
+};
+
+/* Prefill, push: a decode's reservation (from the network; validated). */
+typedef struct kv_resv kv_resv_t;
+struct kv_resv {
+    char transfer_id[PD_REQ_ID_MAX];
+    uint64_t lease_id;
+    kv_peer_t *peer;
+    uint32_t *blocks;
+    int32_t num_blocks;
+    int32_t skip_blocks;
+    int32_t num_tokens;
+    double expires;
+    bool taken;    /* bound to a local request (engine thread) */
+    bool released; /* the request is done with it: the ctl thread frees it */
+    bool dead;     /* its peer died: nothing may be written */
+    kv_resv_t *next;
+};
+
+/* Prefill, push: one request being saved (engine thread, except `job` counters under mu). */
+typedef struct kv_push kv_push_t;
+struct kv_push {
+    char req_id[PD_REQ_ID_MAX];
+    char transfer_id[PD_REQ_ID_MAX];
+    kv_resv_t *resv; /* bound reservation, NULL until one arrived */
+    bool streaming;  /* every step so far wrote its layers */
+    bool failed;
+    int32_t next_block; /* first block not yet completely written */
+    int32_t steps;
+    kv_push_t *next;
+};
+
+/* A batch of page writes posted by save_kv_layer (engine thread → ctl thread). */
+typedef struct kv_write_job kv_write_job_t;
+struct kv_write_job {
+    kv_peer_t *peer;
+    pd_page_xfer_t *pages;
+    int32_t num_pages;
+    size_t bytes;
+    uint64_t gen; /* the step that posted it (completions of older steps are not counted) */
+    struct kv_conn *conn;
+    kv_write_job_t *next;
+};
+
+/* Notification the ctl thread must send (engine thread → ctl thread). */
+typedef struct kv_notice kv_notice_t;
+struct kv_notice {
+    pd_msg_type_t type; /* WRITE_DONE or ABORT */
+    kv_peer_t *peer;
+    char request_id[PD_REQ_ID_MAX];
+    uint64_t lease_id;
+    int32_t status;
+    kv_notice_t *next;
+};
+
+/* One step's connector metadata (scheduler half → worker half). */
+typedef struct kv_save_item {
+    char req_id[PD_REQ_ID_MAX];
+    char transfer_id[PD_REQ_ID_MAX];
+    const uint32_t *blocks; /* the request's block ids (valid during the step) */
+    int32_t num_blocks;
+    int32_t start_token, end_token; /* tokens computed this step */
+    int32_t prompt_len;
+} kv_save_item_t;
+
+typedef struct kv_meta {
+    kv_xfer_t *loads; /* loads to start */
+    kv_save_item_t *saves;
+    int32_t num_saves, cap_saves;
+} kv_meta_t;
+
+typedef struct kv_metrics {
+    pd_metric_t *started[3], *completed[3], *failed[3]; /* pull_load, push_load, push_save */
+    pd_metric_t *bytes, *latency, *pages, *leases_held, *leases_expired, *handshakes_ok, *handshakes_failed;
+    pd_metric_t *policy_recompute, *policy_fail, *stale, *peers;
+} kv_metrics_t;
+
+typedef struct kv_conn {
+    pd_connector_t pub;
+    pd_kv_connector_config_t cfg;
+    bool is_prefill, push;
+    char engine_id[64];
+    char listen_host[64];
+    int listen_port;
+    char advertise_host[64];
+    uint8_t token[256];
+    size_t token_len;
+    Pd__Fingerprint fp;
+    char fp_model[160], fp_dtype[16], fp_layout[16];
+    kv_metrics_t m;
+
+    /* the pipe and this engine's KV region */
+    pd_pipe_t *pipe;
+    Pd__PipeKind pipe_kind;
+    pd_pipe_region_t *region;
+    pd_kv_region_allocator_t alloc;
+    kv_geom_t geom;
+    int32_t block_size;
+
+    /* engine thread only */
+    kv_meta_t meta_build, *meta_bound;
+    kv_xfer_t *sched_pending; /* built in update_state_after_alloc, handed over in build_meta */
+    kv_push_t *pushes;
+    const char **rep_sending, **rep_recving; /* what get_finished returned last */
+    int32_t num_rep_sending, num_rep_recving;
+    int32_t step_jobs; /* write jobs posted this step */
+
+    /* control thread */
+    pthread_t thread;
+    bool thread_started;
+    int listen_fd, wake_fd;
+    kv_peer_t *peers;
+
+    pthread_mutex_t mu;
+    pthread_cond_t cv; /* write jobs completing (wait_for_save) */
+    bool stop;
+    kv_xfer_t *xfers;   /* started transfers */
+    kv_xfer_t *handoff; /* loads handed to the ctl thread, not yet started */
+    kv_lease_t *leases;
+    kv_resv_t *resvs;
+    kv_write_job_t *jobs;
+    kv_notice_t *notices;
+    uint64_t gen;                   /* step generation of write jobs */
+    int32_t jobs_done, jobs_failed; /* of this step's jobs */
+    char **fin_sending, **fin_recving;
+    int32_t num_fin_sending, cap_fin_sending, num_fin_recving, cap_fin_recving;
+    uint32_t *load_errors;
+    int32_t num_load_errors, cap_load_errors;
+} kv_conn_t;
+
+/* --- kv_ctl.c --- */
+pd_status_t kv_ctl_start(kv_conn_t *k);
+void kv_ctl_stop(kv_conn_t *k);
+/* Wakes the control thread (any thread). */
+void kv_ctl_wake(kv_conn_t *k);
+
+/* --- kv_connector.c, called by the ctl thread with mu held --- */
+void kv_report_sending(kv_conn_t *k, const char *req_id);
+void kv_report_recving(kv_conn_t *k, const char *req_id);
+void kv_report_load_errors(kv_conn_t *k, const uint32_t *blocks, int32_t n);
+void kv_xfer_free(kv_xfer_t *x);
+/* Whether an xfer of this kind reads (pull) or waits for writes (push) on the decode. */
+static inline int kv_kind_index(kv_xfer_kind_t k)
+{
+    return (int)k;
+}
+
+#endif

@@ -1,0 +1,44 @@
+/* proxy/proxy.h — pd-proxy: the OpenAI front of a disaggregated deployment (DESIGN.md §7).
+ *
+ * For each /v1/completions it picks a prefill and a decode node and runs the mode's sequence:
+ *   pull  POST the prompt to the prefill (max_tokens 1, kv_transfer_params.do_remote_decode),
+ *         then POST the original request plus the prefill's kv_transfer_params to the decode and
+ *         stream its answer back;
+ *   push  POST both at once: the decode gets {do_remote_prefill, transfer_mode push, transfer_id,
+ *         the prefill's KV address}, the prefill {do_remote_decode, transfer_mode push,
+ *         transfer_id}; the decode's answer streams back.
+ * A prefill that fails before producing KV (connection refused, 5xx) is retried on another
+ * prefill; in pull mode a decode that cannot be reached is retried on another decode. A client
+ * disconnect closes the upstream connections, so both nodes abort. Nodes are probed every
+ * --health-interval (/health, /pd/info, /metrics) and marked unhealthy and back.
+ * Everything runs on one libevent loop. */
+#ifndef PD_PROXY_PROXY_H
+#define PD_PROXY_PROXY_H
+
+#include "common/flags.h"
+#include "common/status.h"
+
+typedef struct pd_proxy_config {
+    const char *host;
+    int port;
+    const char *port_file;
+    const char *prefill; /* comma-separated base URLs: http://127.0.0.1:8100,... */
+    const char *decode;
+    const char *discover_prefill; /* DNS name:port of a headless service (A records) */
+    const char *discover_decode;
+    double discover_interval;
+    const char *policy; /* round-robin | least-loaded | prefix-affinity */
+    double health_interval;
+    double upstream_timeout; /* s an upstream request may take */
+    int affinity_prefix_chars;
+    size_t max_request_bytes;
+} pd_proxy_config_t;
+
+void pd_proxy_config_defaults(pd_proxy_config_t *cfg);
+size_t pd_proxy_flags(pd_proxy_config_t *cfg, pd_flag_t *out, size_t max);
+
+/* Serves until SIGTERM/SIGINT. PD_ERR_INVALID_ARG for a bad node list, PD_ERR_IO when the port
+ * cannot be bound. */
+pd_status_t pd_proxy_run(const pd_proxy_config_t *cfg);
+
+#endif

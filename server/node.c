@@ -1,0 +1,94 @@
+/* server/node.c — the body of pd-prefill and pd-decode: engine flags + HTTP flags + KV
+ * connector flags; builds the connector first (the pipe owns the KV region), then the engine,
+ * then starts the control plane and serves. Shutdown runs in reverse: HTTP drain, control plane
+ * (pending transfers cancelled), engine, connector. */
+#include "server/node.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "connector/kv_connector.h"
+#include "engine/engine.h"
+#include "server/http_server.h"
+
+int pd_node_main(int argc, char **argv, const char *role)
+{
+    pd_engine_config_t cfg;
+    pd_engine_config_defaults(&cfg);
+    pd_http_config_t hcfg;
+    pd_http_config_defaults(&hcfg);
+    pd_kv_connector_config_t kcfg;
+    pd_kv_connector_config_defaults(&kcfg);
+    kcfg.role = role;
+    pd_flag_t flags[64];
+    size_t n = pd_engine_flags(&cfg, flags, 30);
+    n += pd_http_flags(&hcfg, flags + n, 12);
+    n += pd_kv_connector_flags(&kcfg, flags + n, 20);
+    char usage[512];
+    snprintf(usage, sizeof(usage),
+             "usage: pd-%s --model DIR [--port P] [--kv-listen HOST:PORT] [--kv-pipe ucx|tcp] "
+             "[--kv-transfer-mode pull|push] [options]\n"
+             "The %s half of a disaggregated deployment: the OpenAI completions API plus the KV connector.",
+             role, role);
+    int first = 0;
+    pd_status_t st = pd_flags_parse(flags, n, argc, argv, usage, &first);
+    if (st == PD_ERR_CANCELLED) {
+        return 0;
+    }
+    if (st != PD_OK) {
+        return 2;
+    }
+    if (first < argc) {
+        pd_log_error("pd-%s: unexpected argument '%s'", role, argv[first]);
+        return 2;
+    }
+    kcfg.load_failure_policy = cfg.load_failure_policy;
+    pd_metrics_t *metrics = NULL;
+    if (pd_metrics_create(&metrics) != PD_OK) {
+        return 1;
+    }
+    pd_connector_t *conn = NULL;
+    st = pd_kv_connector_create(&kcfg, metrics, &conn);
+    if (st != PD_OK) {
+        pd_metrics_destroy(metrics);
+        return 1;
+    }
+    cfg.connector = conn;
+    cfg.kv_allocator = pd_kv_connector_allocator(conn);
+    cfg.metrics = metrics;
+    pd_engine_t *e = NULL;
+    st = pd_engine_create(&cfg, &e);
+    pd_http_server_t *srv = NULL;
+    char *info = NULL;
+    if (st == PD_OK) {
+        const pd_model_config_t *mc = pd_engine_model_config(e);
+        const char *dtype = strcmp(cfg.kv_cache_dtype, "auto") == 0 ? "fp32" : cfg.kv_cache_dtype;
+        Pd__Fingerprint fp;
+        char model_id[160];
+        st = pd_kv_fingerprint(cfg.model_dir, dtype, cfg.block_size, mc->num_kv_heads, mc->head_size,
+                               mc->num_layers, &fp, model_id, sizeof(model_id));
+        if (st == PD_OK) {
+            st = pd_kv_connector_start(conn, &fp);
+        }
+    }
+    if (st == PD_OK) {
+        json_t *j = pd_kv_connector_info(conn);
+        info = json_dumps(j, JSON_COMPACT);
+        json_decref(j);
+        hcfg.info_json = info;
+        st = pd_http_server_create(&hcfg, e, metrics, &srv);
+    }
+    if (st == PD_OK) {
+        st = pd_http_server_run(srv);
+    }
+    pd_http_server_destroy(srv);
+    pd_kv_connector_stop(conn);
+    pd_engine_destroy(e);
+    pd_kv_connector_destroy(conn);
+    pd_metrics_destroy(metrics);
+    free(info);
+    pd_log_info("pd-%s exiting (%s)", role, pd_status_str(st));
+    return st == PD_OK ? 0 : 1;
+}
