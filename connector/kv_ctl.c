@@ -534,6 +534,12 @@ static void drive_queued(kv_conn_t *k)
         }
         if (x->kind == KV_X_PUSH_SAVE) {
             if (x->resv == NULL && !bind_resv(k, x)) {
+                for (kv_resv_t *rv = k->resvs; rv != NULL; rv = rv->next) {
+                    if (rv->dead && strcmp(rv->transfer_id, x->remote_req) == 0) {
+                        fail_xfer(k, x, "the decode that reserved blocks for it is gone");
+                        break;
+                    }
+                }
                 continue; /* the reservation has not arrived */
             }
             if (x->peer->state == KV_PEER_READY) {
@@ -916,7 +922,9 @@ static void run_timers(kv_conn_t *k)
             peer_send(k, rv->peer, PD_MSG_WRITE_DONE, &wd.base);
             rv->released = true;
         }
-        if (rv->released && !rv->taken) {
+        if (rv->released && !rv->taken && (!rv->dead || now > rv->expires)) {
+            /* a dead peer's reservation stays until it would have expired, so a prefill request
+             * for its transfer learns at once that nobody is waiting */
             *rp = rv->next;
             free(rv->blocks);
             free(rv);

@@ -108,6 +108,9 @@ size_t pd_engine_flags(pd_engine_config_t *c, pd_flag_t *out, size_t max)
         {"max-queue", PD_FLAG_INT, &c->max_queue, "queued requests before new ones are refused", NULL},
         {"num-blocks-override", PD_FLAG_INT, &c->num_blocks_override,
          "use this many KV blocks instead of the profiled number (0 = profile)", NULL},
+        {"kv-load-failure-policy", PD_FLAG_CHOICE, &c->load_failure_policy,
+         "when remote KV cannot be loaded: recompute the prompt locally, or fail the request",
+         "recompute|fail"},
     };
     size_t n = sizeof(f) / sizeof(f[0]);
     n = n < max ? n : max;

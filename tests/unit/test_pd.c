@@ -1,0 +1,615 @@
+#define _GNU_SOURCE /* strndup: before any system header */
+/* tests/unit/test_pd.c — disaggregated serving on real processes (loopback, ports from
+ * --port-file, every process stopped at the end): pd-proxy → pd-prefill → pd-decode answers
+ * token-for-token like pd-serve for 64 prompts (greedy and seeded), in pull and push modes, over
+ * tcp and ucx; a decode-side prefix hit moves only the missing blocks (none for a full hit);
+ * fault paths (prefill gone before the read, killed under load, lease expired → STALE, decode
+ * killed holding a reservation, wrong cluster token, different model) complete by recompute or
+ * fail cleanly per policy; afterwards every surviving node's block pool is free. */
+#include "http_client.h"
+#include "test_util.h"
+
+#include <check.h>
+#include <jansson.h>
+#include <pthread.h>
+#include <stdbool.h>
+
+#include "common/log.h"
+
+#define NUM_PROMPTS 64
+#define MAX_TOKENS  8
+#define MODEL_NAME  "m"
+
+static char *g_model, *g_model2, *g_dir;
+static int32_t *g_prompts[NUM_PROMPTS];
+static int g_lens[NUM_PROMPTS];
+static char *g_ref[2][NUM_PROMPTS]; /* pd-serve's token ids: [greedy|seeded][prompt] */
+
+/* ------------------------------------------------------------------ processes */
+
+typedef struct node {
+    pid_t pid;
+    int port;
+    char log[512];
+} node_t;
+
+static void start(node_t *n, const char *bin, const char *tag, const char *model, char *const extra[])
+{
+    char port_file[512], path[512];
+    snprintf(port_file, sizeof(port_file), "%s/%s.port", g_dir, tag);
+    snprintf(n->log, sizeof(n->log), "%s/%s.log", g_dir, tag);
+    snprintf(path, sizeof(path), "%s/bin/%s", tu_binary_dir(), bin);
+    unlink(port_file);
+    char *argv[64] = {path, "--port", "0", "--port-file", port_file};
+    int k = 5;
+    if (model != NULL) {
+        char *more[] = {"--model",
+                        (char *)model,
+                        "--served-model-name",
+                        MODEL_NAME,
+                        "--kv-cache-memory",
+                        "256M",
+                        "--threads",
+                        "1",
+                        "--max-model-len",
+                        "512",
+                        "--max-num-batched-tokens",
+                        "64",
+                        "--max-num-seqs",
+                        "32",
+                        NULL};
+        for (int i = 0; more[i] != NULL; i++) {
+            argv[k++] = more[i];
+        }
+    }
+    for (int i = 0; extra != NULL && extra[i] != NULL; i++) {
+        argv[k++] = extra[i];
+    }
+    argv[k] = NULL;
+    n->pid = tu_spawn(argv, n->log);
+    ck_assert_int_gt(n->pid, 0);
+    n->port = tu_wait_port(n->pid, port_file, 120);
+    ck_assert_msg(n->port > 0, "%s did not start; see %s", bin, n->log);
+}
+
+static void stop(node_t *n)
+{
+    if (n->pid > 0) {
+        tu_stop(n->pid, 30);
+        n->pid = -1;
+    }
+}
+
+typedef struct cluster {
+    node_t p, d, x;
+} cluster_t;
+
+#define FAST_TIMEOUTS                                                                                        \
+    "--kv-heartbeat-interval", "0.2", "--kv-heartbeat-misses", "5", "--kv-handshake-timeout", "2",           \
+        "--kv-load-timeout", "10"
+
+static void start_proxy(cluster_t *c, const char *policy)
+{
+    char pre[64], dec[64];
+    snprintf(pre, sizeof(pre), "http://127.0.0.1:%d", c->p.port);
+    snprintf(dec, sizeof(dec), "http://127.0.0.1:%d", c->d.port);
+    char *x[] = {"--prefill", pre,        "--decode",     dec, "--health-interval",
+                 "0.2",       "--policy", (char *)policy, NULL};
+    start(&c->x, "pd-proxy", "proxy", NULL, x);
+    /* the proxy learns the prefill's KV address from its first probe round */
+    usleep(600 * 1000);
+}
+
+static void cluster_start(cluster_t *c, const char *mode, const char *pipe, char *const pext[],
+                          char *const dext[])
+{
+    memset(c, 0, sizeof(*c));
+    char *common[32] = {"--kv-transfer-mode", (char *)mode, "--kv-pipe", (char *)pipe, FAST_TIMEOUTS};
+    int n = 12;
+    char *pa[40], *da[40];
+    memcpy(pa, common, sizeof(common));
+    memcpy(da, common, sizeof(common));
+    int np = n, nd = n;
+    for (int i = 0; pext != NULL && pext[i] != NULL; i++) {
+        pa[np++] = pext[i];
+    }
+    for (int i = 0; dext != NULL && dext[i] != NULL; i++) {
+        da[nd++] = dext[i];
+    }
+    pa[np] = da[nd] = NULL;
+    start(&c->p, "pd-prefill", "prefill", g_model, pa);
+    start(&c->d, "pd-decode", "decode", g_model, da);
+    start_proxy(c, "round-robin");
+}
+
+static void cluster_stop(cluster_t *c)
+{
+    stop(&c->x);
+    stop(&c->d);
+    stop(&c->p);
+}
+
+/* ------------------------------------------------------------------ HTTP helpers */
+
+/* A series' value from a node's /metrics ("name" or "name{label=\"v\"}"); -1 when absent. */
+static double metric(int port, const char *series)
+{
+    http_resp_t r;
+    if (http_request(port, "GET", "/metrics", NULL, NULL, &r, 5000) != 0 || r.status != 200) {
+        http_resp_free(&r);
+        return -1;
+    }
+    double v = -1;
+    size_t sl = strlen(series);
+    for (char *line = r.body; line != NULL && *line;
+         line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
+        if (strncmp(line, series, sl) == 0 && line[sl] == ' ') {
+            v = atof(line + sl + 1);
+            break;
+        }
+    }
+    http_resp_free(&r);
+    return v;
+}
+
+/* Waits until a node's pool holds no block for any request (finished holds included). */
+static void assert_pool_free(int port, const char *who)
+{
+    double used = -1, hold = -1;
+    double end = tu_now() + 15;
+    while (tu_now() < end) {
+        used = metric(port, "pd:kv_blocks_used");
+        hold = metric(port, "pd:num_requests_running") + metric(port, "pd:num_requests_waiting") +
+               metric(port, "pd:num_requests_waiting_for_remote_kv");
+        if (used == 0 && hold == 0) {
+            return;
+        }
+        usleep(50 * 1000);
+    }
+    ck_abort_msg("%s's block pool is not free: %.0f blocks used, %.0f requests live", who, used, hold);
+}
+
+static char *body_for(int i, bool seeded)
+{
+    json_t *ids = json_array();
+    for (int t = 0; t < g_lens[i]; t++) {
+        json_array_append_new(ids, json_integer(g_prompts[i][t]));
+    }
+    json_t *b = json_pack("{s:s, s:o, s:i, s:b, s:b}", "model", MODEL_NAME, "prompt", ids, "max_tokens",
+                          MAX_TOKENS, "return_token_ids", 1, "ignore_eos", 1);
+    if (seeded) {
+        json_object_set_new(b, "temperature", json_real(0.9));
+        json_object_set_new(b, "top_p", json_real(0.95));
+        json_object_set_new(b, "seed", json_integer(1000 + i));
+    } else {
+        json_object_set_new(b, "temperature", json_real(0));
+    }
+    char *s = json_dumps(b, JSON_COMPACT);
+    json_decref(b);
+    return s;
+}
+
+/* POSTs a completion; returns the token ids as compact JSON (caller frees) or NULL with *status. */
+static char *complete(int port, const char *body, int *status)
+{
+    http_resp_t r;
+    int rc =
+        http_request(port, "POST", "/v1/completions", "Content-Type: application/json\r\n", body, &r, 60000);
+    *status = rc == 0 ? r.status : -1;
+    char *out = NULL;
+    if (rc == 0 && r.status == 200) {
+        json_t *j = json_loads(r.body, 0, NULL);
+        json_t *ids = json_object_get(json_array_get(json_object_get(j, "choices"), 0), "token_ids");
+        out = ids != NULL ? json_dumps(ids, JSON_COMPACT) : NULL;
+        json_decref(j);
+    }
+    http_resp_free(&r);
+    return out;
+}
+
+/* Prompt i through port must equal pd-serve's answer. */
+static void expect_same(int port, int i, bool seeded)
+{
+    char *b = body_for(i, seeded);
+    int st;
+    char *got = complete(port, b, &st);
+    free(b);
+    ck_assert_msg(got != NULL, "prompt %d (len %d, %s): HTTP %d", i, g_lens[i], seeded ? "seeded" : "greedy",
+                  st);
+    ck_assert_msg(strcmp(got, g_ref[seeded][i]) == 0, "prompt %d (len %d, %s): %s != pd-serve %s", i,
+                  g_lens[i], seeded ? "seeded" : "greedy", got, g_ref[seeded][i]);
+    free(got);
+}
+
+/* ------------------------------------------------------------------ fixture */
+
+static void suite_setup(void)
+{
+    g_dir = tu_mkdtemp("pd");
+    g_model = tu_make_model("--preset tiny --arch llama --seed 3");
+    g_model2 = tu_make_model("--preset tiny --arch llama --seed 4");
+    ck_assert(g_dir != NULL && g_model != NULL && g_model2 != NULL);
+    /* lengths: below one block, exact multiples of 16, around the 64-token step budget, long */
+    static const int lens[] = {1,  2,  3,  7,  15, 16, 17, 31,  32,  33,  47,
+                               48, 49, 63, 64, 65, 80, 96, 127, 128, 129, 200};
+    uint64_t s = 42;
+    for (int i = 0; i < NUM_PROMPTS; i++) {
+        g_lens[i] = lens[i % (int)(sizeof(lens) / sizeof(lens[0]))] + (i / 22) * 3;
+        g_prompts[i] = malloc((size_t)g_lens[i] * sizeof(int32_t));
+        for (int t = 0; t < g_lens[i]; t++) {
+            s = s * 6364136223846793005ull + 1442695040888963407ull;
+            g_prompts[i][t] = 3 + (int32_t)((s >> 33) % 250);
+        }
+    }
+    node_t serve;
+    start(&serve, "pd-serve", "serve", g_model, NULL);
+    for (int seeded = 0; seeded < 2; seeded++) {
+        for (int i = 0; i < NUM_PROMPTS; i++) {
+            char *b = body_for(i, seeded);
+            int st;
+            g_ref[seeded][i] = complete(serve.port, b, &st);
+            free(b);
+            ck_assert_msg(g_ref[seeded][i] != NULL, "pd-serve failed prompt %d: HTTP %d", i, st);
+        }
+    }
+    stop(&serve);
+}
+
+static void suite_teardown(void)
+{
+    for (int i = 0; i < NUM_PROMPTS; i++) {
+        free(g_prompts[i]);
+        free(g_ref[0][i]), free(g_ref[1][i]);
+    }
+    tu_rmrf(g_model), tu_rmrf(g_model2), tu_rmrf(g_dir);
+    free(g_model), free(g_model2), free(g_dir);
+}
+
+/* ------------------------------------------------------------------ equivalence */
+
+static void equivalence(const char *mode, const char *pipe)
+{
+    cluster_t c;
+    cluster_start(&c, mode, pipe, NULL, NULL);
+    for (int seeded = 0; seeded < 2; seeded++) {
+        for (int i = 0; i < NUM_PROMPTS; i++) {
+            expect_same(c.x.port, i, seeded);
+        }
+    }
+    const char *kind = strcmp(mode, "pull") == 0 ? "pd:kv_transfers_completed_total{kind=\"pull_load\"}"
+                                                 : "pd:kv_transfers_completed_total{kind=\"push_load\"}";
+    double done = metric(c.d.port, kind);
+    ck_assert_msg(done == 2 * NUM_PROMPTS, "%s/%s: %.0f transfers completed, want %d", mode, pipe, done,
+                  2 * NUM_PROMPTS);
+    ck_assert_int_eq((int)metric(c.d.port, "pd:kv_transfers_failed_total{kind=\"pull_load\"}"), 0);
+    ck_assert_int_eq((int)metric(c.d.port, "pd:kv_transfers_failed_total{kind=\"push_load\"}"), 0);
+    ck_assert_msg(metric(c.d.port, "pd:kv_transfer_bytes_total") > 0 || strcmp(mode, "push") == 0,
+                  "no bytes were read");
+    assert_pool_free(c.p.port, "the prefill");
+    assert_pool_free(c.d.port, "the decode");
+    cluster_stop(&c);
+}
+
+START_TEST(test_equivalence_tcp_pull)
+{
+    equivalence("pull", "tcp");
+}
+END_TEST
+START_TEST(test_equivalence_tcp_push)
+{
+    equivalence("push", "tcp");
+}
+END_TEST
+START_TEST(test_equivalence_ucx_pull)
+{
+    equivalence("pull", "ucx");
+}
+END_TEST
+START_TEST(test_equivalence_ucx_push)
+{
+    equivalence("push", "ucx");
+}
+END_TEST
+
+/* ------------------------------------------------------------------ prefix hits */
+
+static char *ids_body(const int32_t *ids, int n)
+{
+    json_t *a = json_array();
+    for (int i = 0; i < n; i++) {
+        json_array_append_new(a, json_integer(ids[i]));
+    }
+    json_t *b = json_pack("{s:s, s:o, s:i, s:f, s:b, s:b}", "model", MODEL_NAME, "prompt", a, "max_tokens", 4,
+                          "temperature", 0.0, "return_token_ids", 1, "ignore_eos", 1);
+    char *s = json_dumps(b, JSON_COMPACT);
+    json_decref(b);
+    return s;
+}
+
+START_TEST(test_prefix_hit_moves_only_missing_blocks)
+{
+    const char *pages = "pd:kv_transfer_pages_sum";
+    for (int m = 0; m < 2; m++) {
+        const char *mode = m == 0 ? "pull" : "push";
+        cluster_t c;
+        cluster_start(&c, mode, "tcp", NULL, NULL);
+        int layers = 2; /* the tiny preset */
+        int32_t a[97], b[97];
+        for (int i = 0; i < 97; i++) {
+            a[i] = b[i] = 5 + (i * 7) % 200;
+        }
+        for (int i = 48; i < 97; i++) {
+            b[i] = 9 + (i * 3) % 180; /* b shares a's first 48 tokens = 3 blocks */
+        }
+        int st;
+        char *body = ids_body(a, 97);
+        free(complete(c.x.port, body, &st)); /* cold: 96 tokens' KV = 6 blocks move */
+        ck_assert_int_eq(st, 200);
+        double p0 = metric(c.d.port, pages);
+        ck_assert_msg(p0 == 6 * layers, "%s cold: %.0f pages moved, want %d", mode, p0, 6 * layers);
+        free(complete(c.x.port, body, &st)); /* full hit: the decode has all 6 blocks */
+        free(body);
+        double p1 = metric(c.d.port, pages);
+        ck_assert_msg(p1 == p0, "%s full hit moved %.0f pages", mode, p1 - p0);
+        body = ids_body(b, 97);
+        free(complete(c.x.port, body, &st)); /* partial: blocks 3..5 move */
+        free(body);
+        double p2 = metric(c.d.port, pages);
+        ck_assert_msg(p2 - p1 == 3 * layers, "%s partial hit: %.0f pages moved, want %d", mode, p2 - p1,
+                      3 * layers);
+        const char *kind = m == 0 ? "pd:kv_transfers_completed_total{kind=\"pull_load\"}"
+                                  : "pd:kv_transfers_completed_total{kind=\"push_load\"}";
+        ck_assert_int_eq((int)metric(c.d.port, kind), 3);
+        assert_pool_free(c.p.port, "the prefill");
+        assert_pool_free(c.d.port, "the decode");
+        cluster_stop(&c);
+    }
+}
+END_TEST
+
+/* ------------------------------------------------------------------ faults */
+
+/* Sends a pull prefill directly and returns its kv_transfer_params (JSON text). */
+static char *prefill_only(int port, int i)
+{
+    char *b = body_for(i, false);
+    json_t *j = json_loads(b, 0, NULL);
+    free(b);
+    json_object_set_new(j, "max_tokens", json_integer(1));
+    json_object_set_new(j, "kv_transfer_params", json_pack("{s:b}", "do_remote_decode", 1));
+    char *body = json_dumps(j, JSON_COMPACT);
+    json_decref(j);
+    http_resp_t r;
+    int rc =
+        http_request(port, "POST", "/v1/completions", "Content-Type: application/json\r\n", body, &r, 60000);
+    free(body);
+    ck_assert_int_eq(rc, 0);
+    ck_assert_int_eq(r.status, 200);
+    json_t *resp = json_loads(r.body, 0, NULL);
+    char *ktp = json_dumps(json_object_get(resp, "kv_transfer_params"), JSON_COMPACT);
+    json_decref(resp);
+    http_resp_free(&r);
+    ck_assert_ptr_nonnull(ktp);
+    return ktp;
+}
+
+/* Sends prompt i to a decode node directly with the given kv_transfer_params. */
+static char *decode_with(int port, int i, const char *ktp, int *status)
+{
+    char *b = body_for(i, false);
+    json_t *j = json_loads(b, 0, NULL);
+    free(b);
+    json_object_set_new(j, "kv_transfer_params", json_loads(ktp, 0, NULL));
+    char *body = json_dumps(j, JSON_COMPACT);
+    json_decref(j);
+    char *out = complete(port, body, status);
+    free(body);
+    return out;
+}
+
+START_TEST(test_prefill_gone_before_read)
+{
+    cluster_t c;
+    char *fail[] = {"--kv-load-failure-policy", "fail", NULL};
+    cluster_start(&c, "pull", "tcp", NULL, NULL);
+    node_t d2;
+    char *d2a[] = {"--kv-transfer-mode", "pull", "--kv-pipe", "tcp", FAST_TIMEOUTS, fail[0], fail[1], NULL};
+    start(&d2, "pd-decode", "decode-fail", g_model, d2a);
+    char *ktp1 = prefill_only(c.p.port, 20);
+    char *ktp2 = prefill_only(c.p.port, 21);
+    kill(c.p.pid, SIGKILL);
+    waitpid(c.p.pid, NULL, 0);
+    c.p.pid = -1;
+    int st;
+    double t0 = tu_now();
+    char *got = decode_with(c.d.port, 20, ktp1, &st); /* recompute: same answer */
+    ck_assert_msg(got != NULL && strcmp(got, g_ref[0][20]) == 0, "recompute gave %s (HTTP %d)", got, st);
+    ck_assert_msg(tu_now() - t0 < 10, "recovery took %.1f s", tu_now() - t0);
+    free(got);
+    ck_assert_int_eq((int)metric(c.d.port, "pd:kv_load_failure_policy_actions_total{policy=\"recompute\"}"),
+                     1);
+    got = decode_with(d2.port, 21, ktp2, &st); /* policy fail: the client sees an error */
+    ck_assert_ptr_null(got);
+    ck_assert_msg(st == 200 || st >= 500, "HTTP %d", st);
+    assert_pool_free(c.d.port, "the decode");
+    assert_pool_free(d2.port, "the failing decode");
+    free(ktp1), free(ktp2);
+    stop(&d2);
+    cluster_stop(&c);
+}
+END_TEST
+
+START_TEST(test_lease_expiry_is_stale)
+{
+    cluster_t c;
+    char *pe[] = {"--kv-hold-timeout", "0.3", NULL};
+    cluster_start(&c, "pull", "tcp", pe, NULL);
+    char *ktp = prefill_only(c.p.port, 30);
+    usleep(900 * 1000); /* the lease expires; the prefill frees the blocks */
+    assert_pool_free(c.p.port, "the prefill");
+    int st;
+    char *got = decode_with(c.d.port, 30, ktp, &st);
+    ck_assert_msg(got != NULL && strcmp(got, g_ref[0][30]) == 0, "after STALE: %s (HTTP %d)", got, st);
+    free(got);
+    free(ktp);
+    ck_assert_int_eq((int)metric(c.p.port, "pd:kv_leases_expired_total"), 1);
+    ck_assert_int_eq((int)metric(c.p.port, "pd:kv_stale_reads_total"), 1);
+    ck_assert_int_eq((int)metric(c.d.port, "pd:kv_transfers_failed_total{kind=\"pull_load\"}"), 1);
+    assert_pool_free(c.d.port, "the decode");
+    cluster_stop(&c);
+}
+END_TEST
+
+START_TEST(test_wrong_token_and_other_model_recompute)
+{
+    char tok_a[600], tok_b[600];
+    snprintf(tok_a, sizeof(tok_a), "%s/token-a", g_dir);
+    snprintf(tok_b, sizeof(tok_b), "%s/token-b", g_dir);
+    ck_assert_int_eq(tu_write_file(tok_a, "secret-a\n", 9), 0);
+    ck_assert_int_eq(tu_write_file(tok_b, "secret-b\n", 9), 0);
+    for (int which = 0; which < 2; which++) {
+        cluster_t c;
+        memset(&c, 0, sizeof(c));
+        /* nobody can read the prefill's KV: it frees its blocks when the (short) leases end */
+        char *pa[] = {"--kv-transfer-mode",   "pull", "--kv-pipe",         "tcp", FAST_TIMEOUTS,
+                      "--cluster-token-file", tok_b,  "--kv-hold-timeout", "2",   NULL};
+        char *da[] = {"--kv-transfer-mode",   "pull", "--kv-pipe",         "tcp", FAST_TIMEOUTS,
+                      "--cluster-token-file", tok_a,  "--kv-hold-timeout", "2",   NULL};
+        /* 0: same model, wrong token; 1: right token, different model */
+        start(&c.p, "pd-prefill", "prefill", which == 0 ? g_model : g_model2, which == 0 ? pa : da);
+        start(&c.d, "pd-decode", "decode", g_model, da);
+        start_proxy(&c, "round-robin");
+        for (int i = 0; i < 3; i++) {
+            expect_same(c.x.port, i + 10, false);
+        }
+        ck_assert_int_ge((int)metric(c.d.port, "pd:kv_handshakes_total{result=\"failed\"}"), 1);
+        ck_assert_int_eq((int)metric(c.d.port, "pd:kv_transfers_completed_total{kind=\"pull_load\"}"), 0);
+        assert_pool_free(c.p.port, "the prefill");
+        assert_pool_free(c.d.port, "the decode");
+        cluster_stop(&c);
+    }
+}
+END_TEST
+
+typedef struct load_arg {
+    int port, first, n, ok, errors, wrong;
+} load_arg_t;
+
+static void *load_thread(void *arg)
+{
+    load_arg_t *a = arg;
+    for (int k = 0; k < a->n; k++) {
+        int i = (a->first + k) % NUM_PROMPTS;
+        char *b = body_for(i, false);
+        int st;
+        char *got = complete(a->port, b, &st);
+        free(b);
+        if (got == NULL) {
+            a->errors += st >= 500 ? 1 : 100; /* a clean 5xx, or something worse */
+        } else {
+            a->ok++;
+            a->wrong += strcmp(got, g_ref[0][i]) != 0;
+        }
+        free(got);
+    }
+    return NULL;
+}
+
+START_TEST(test_prefill_killed_under_load)
+{
+    for (int m = 0; m < 2; m++) {
+        cluster_t c;
+        cluster_start(&c, m == 0 ? "pull" : "push", "tcp", NULL, NULL);
+        load_arg_t a[4];
+        pthread_t th[4];
+        for (int t = 0; t < 4; t++) {
+            a[t] = (load_arg_t){c.x.port, t * 16, 16, 0, 0, 0};
+            pthread_create(&th[t], NULL, load_thread, &a[t]);
+        }
+        usleep(150 * 1000);
+        kill(c.p.pid, SIGKILL); /* mid-flight: some requests are prefilling, loading or decoding */
+        waitpid(c.p.pid, NULL, 0);
+        c.p.pid = -1;
+        int ok = 0, err = 0, wrong = 0;
+        for (int t = 0; t < 4; t++) {
+            pthread_join(th[t], NULL);
+            ok += a[t].ok, err += a[t].errors, wrong += a[t].wrong;
+        }
+        ck_assert_msg(err < 100, "a request ended in something other than an answer or a clean 5xx");
+        ck_assert_msg(wrong == 0, "%d completed answers differ from pd-serve's", wrong);
+        ck_assert_msg(ok + err == 64, "%d answers + %d errors", ok, err);
+        assert_pool_free(c.d.port, "the decode");
+        cluster_stop(&c);
+    }
+}
+END_TEST
+
+START_TEST(test_decode_killed_holding_reservation)
+{
+    cluster_t c;
+    cluster_start(&c, "push", "tcp", NULL, NULL);
+    /* the decode reserves blocks and sends the reservation; then it dies */
+    char *b = body_for(40, false);
+    json_t *j = json_loads(b, 0, NULL);
+    free(b);
+    json_t *pinfo = NULL;
+    http_resp_t r;
+    ck_assert_int_eq(http_request(c.p.port, "GET", "/pd/info", NULL, NULL, &r, 5000), 0);
+    pinfo = json_loads(r.body, 0, NULL);
+    http_resp_free(&r);
+    json_object_set_new(j, "kv_transfer_params",
+                        json_pack("{s:b, s:s, s:s, s:O, s:O}", "do_remote_prefill", 1, "transfer_mode",
+                                  "push", "transfer_id", "xfer-test-1", "remote_host",
+                                  json_object_get(pinfo, "kv_host"), "remote_port",
+                                  json_object_get(pinfo, "kv_port")));
+    char *body = json_dumps(j, JSON_COMPACT);
+    int fd = http_send(c.d.port, "POST", "/v1/completions", "Content-Type: application/json\r\n", body,
+                       strlen(body), 5000);
+    ck_assert_int_ge(fd, 0);
+    usleep(400 * 1000);
+    kill(c.d.pid, SIGKILL);
+    waitpid(c.d.pid, NULL, 0);
+    c.d.pid = -1;
+    close(fd);
+    /* the prefill request for that transfer finishes and must not hold its blocks */
+    json_object_set_new(j, "max_tokens", json_integer(1));
+    json_object_set_new(j, "kv_transfer_params",
+                        json_pack("{s:b, s:s, s:s}", "do_remote_decode", 1, "transfer_mode", "push",
+                                  "transfer_id", "xfer-test-1"));
+    free(body);
+    body = json_dumps(j, JSON_COMPACT);
+    int st;
+    free(complete(c.p.port, body, &st));
+    ck_assert_int_eq(st, 200);
+    assert_pool_free(c.p.port, "the prefill");
+    free(body);
+    json_decref(j);
+    json_decref(pinfo);
+    cluster_stop(&c);
+}
+END_TEST
+
+int main(void)
+{
+    pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_OFF);
+    Suite *s = suite_create("pd");
+    TCase *tc = tcase_create("pd");
+    tcase_add_unchecked_fixture(tc, suite_setup, suite_teardown);
+    tcase_set_timeout(tc, 300);
+    tcase_add_test(tc, test_equivalence_tcp_pull);
+    tcase_add_test(tc, test_equivalence_tcp_push);
+    tcase_add_test(tc, test_equivalence_ucx_pull);
+    tcase_add_test(tc, test_equivalence_ucx_push);
+    tcase_add_test(tc, test_prefix_hit_moves_only_missing_blocks);
+    tcase_add_test(tc, test_prefill_gone_before_read);
+    tcase_add_test(tc, test_lease_expiry_is_stale);
+    tcase_add_test(tc, test_wrong_token_and_other_model_recompute);
+    tcase_add_test(tc, test_prefill_killed_under_load);
+    tcase_add_test(tc, test_decode_killed_holding_reservation);
+    suite_add_tcase(s, tc);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed == 0 ? 0 : 1;
+}
