@@ -1,6 +1,6 @@
 SHELL := /bin/bash
 # Thin wrapper over CMake/CTest. `make check` is what CI runs (.ci/run).
-#   make deps | build | check | check SAN=address,undefined | check SAN=thread | format | bench | clean
+#   make demo | deps | build | check | check SAN=address,undefined | check SAN=thread | format | bench | clean
 SAN ?=
 JOBS ?= $(shell nproc)
 ifeq ($(SAN),)
@@ -13,7 +13,7 @@ CMAKE_FLAGS ?=
 CTEST_ARGS ?=
 FORMAT_FILES = $(shell git ls-files --cached --others --exclude-standard '*.c' '*.h' '*.cu' 2>/dev/null)
 
-.PHONY: all deps build check test format format-check bench clean
+.PHONY: all deps build check test demo format format-check bench clean
 
 all: build
 
@@ -45,6 +45,11 @@ format-check:
 
 bench: build
 	tools/run-bench.sh $(BUILD_DIR)
+
+# deps + build, then 1 prefill + 1 decode + proxy on loopback under pd-bench load (~30 s)
+demo: deps
+	$(MAKE) build
+	tools/demo.sh $(BUILD_DIR)
 
 clean:
 	rm -rf build build-*

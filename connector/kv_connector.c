@@ -691,9 +691,11 @@ static int32_t kv_get_block_ids_with_load_errors(pd_connector_t *c, uint32_t *id
     kv_conn_t *k = (kv_conn_t *)c;
     pthread_mutex_lock(&k->mu);
     int32_t n = k->num_load_errors < max ? k->num_load_errors : max;
-    memcpy(ids, k->load_errors, (size_t)n * sizeof(uint32_t));
-    memmove(k->load_errors, k->load_errors + n, (size_t)(k->num_load_errors - n) * sizeof(uint32_t));
-    k->num_load_errors -= n;
+    if (n > 0) {
+        memcpy(ids, k->load_errors, (size_t)n * sizeof(uint32_t));
+        memmove(k->load_errors, k->load_errors + n, (size_t)(k->num_load_errors - n) * sizeof(uint32_t));
+        k->num_load_errors -= n;
+    }
     pthread_mutex_unlock(&k->mu);
     return n;
 }

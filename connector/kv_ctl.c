@@ -53,6 +53,7 @@ static int count_ready(const kv_conn_t *k)
 }
 
 static void peer_dead(kv_conn_t *k, kv_peer_t *p, const char *why);
+static void parse_frames(kv_conn_t *k, kv_peer_t *p);
 
 static pd_status_t peer_send(kv_conn_t *k, kv_peer_t *p, pd_msg_type_t type, const ProtobufCMessage *msg)
 {
@@ -387,6 +388,8 @@ static void on_pages_done(void *arg, pd_status_t st)
         fail_xfer(x->conn, x, pd_status_str(st));
         return;
     }
+    pd_log_debug("kv connector: request %s: %d pages moved %.3f ms after the transfer was queued", x->req_id,
+                 x->pages, (pd_time_now_s() - x->started) * 1e3);
     after_pages(x->conn, x);
 }
 
@@ -454,6 +457,9 @@ static void start_xfer(kv_conn_t *k, kv_xfer_t *x)
         }
     }
     pd_metric_inc(k->m.started[kv_kind_index(x->kind)], 1);
+    pd_log_debug("kv connector: request %s: starting %s of blocks [%d, %d) %.3f ms after it was queued",
+                 x->req_id, x->kind == KV_X_PULL_LOAD ? "a read" : "a write", x->first_block, x->end_block,
+                 (pd_time_now_s() - x->started) * 1e3);
     x->state = KV_XS_POSTED;
     int32_t n_blocks = x->end_block - x->first_block;
     if (n_blocks <= 0) {
@@ -570,6 +576,7 @@ static void drive_queued(kv_conn_t *k)
                     }
                     continue;
                 }
+                parse_frames(k, np);
                 p = np;
             }
             x->peer = p;
@@ -673,7 +680,9 @@ static void on_reservation(kv_conn_t *k, kv_peer_t *p, const Pd__Reservation *m)
     snprintf(rv->transfer_id, sizeof(rv->transfer_id), "%s", m->request_id);
     rv->lease_id = m->lease_id;
     rv->peer = p;
-    memcpy(rv->blocks, m->block_ids, m->n_block_ids * sizeof(uint32_t));
+    if (m->n_block_ids > 0) {
+        memcpy(rv->blocks, m->block_ids, m->n_block_ids * sizeof(uint32_t));
+    }
     rv->num_blocks = (int32_t)m->n_block_ids;
     rv->skip_blocks = (int32_t)m->skip_blocks;
     rv->num_tokens = (int32_t)m->num_tokens;
@@ -744,6 +753,24 @@ static void on_message(kv_conn_t *k, kv_peer_t *p, const pd_ctl_msg_t *msg)
     }
 }
 
+/* Handles every complete frame already buffered (a handshake may have read past its end). */
+static void parse_frames(kv_conn_t *k, kv_peer_t *p)
+{
+    while (p->state != KV_PEER_DEAD) {
+        pd_ctl_msg_t m = {0, NULL};
+        pd_status_t st = pd_ctl_reader_next(&p->rd, &m);
+        if (st == PD_ERR_NOT_FOUND) {
+            return;
+        }
+        if (st != PD_OK) {
+            peer_dead(k, p, "malformed control frame");
+            return;
+        }
+        on_message(k, p, &m);
+        pd_ctl_msg_free(&m);
+    }
+}
+
 static void read_peer(kv_conn_t *k, kv_peer_t *p)
 {
     uint8_t buf[16384];
@@ -762,22 +789,7 @@ static void read_peer(kv_conn_t *k, kv_peer_t *p)
         }
         p->last_rx = pd_time_now_s();
     }
-    for (;;) {
-        pd_ctl_msg_t m = {0, NULL};
-        pd_status_t st = pd_ctl_reader_next(&p->rd, &m);
-        if (st == PD_ERR_NOT_FOUND) {
-            return;
-        }
-        if (st != PD_OK) {
-            peer_dead(k, p, "malformed control frame");
-            return;
-        }
-        on_message(k, p, &m);
-        pd_ctl_msg_free(&m);
-        if (p->state == KV_PEER_DEAD) {
-            return;
-        }
-    }
+    parse_frames(k, p);
 }
 
 /* ------------------------------------------------------------------ write jobs and notices */
@@ -850,6 +862,11 @@ static void send_notices(kv_conn_t *k)
 static void run_timers(kv_conn_t *k)
 {
     double now = pd_time_now_s();
+    int held = 0;
+    for (kv_lease_t *l = k->leases; l != NULL; l = l->next) {
+        held += !l->expired;
+    }
+    pd_metric_set(k->m.leases_now, held);
     double dead_after = k->cfg.heartbeat_interval * k->cfg.heartbeat_misses;
     for (kv_peer_t *p = k->peers; p != NULL; p = p->next) {
         if (p->state == KV_PEER_DEAD) {
@@ -1015,6 +1032,11 @@ static void *ctl_main(void *arg)
                 read_peer(k, pp[j]);
             }
         }
+        for (kv_peer_t *p = k->peers; p != NULL; p = p->next) {
+            if (p->state != KV_PEER_DEAD && p->rd.len > 0) {
+                parse_frames(k, p); /* frames that arrived with a handshake */
+            }
+        }
         pd_pipe_progress(k->pipe);
         while (k->handoff != NULL) {
             kv_xfer_t *x = k->handoff;
@@ -1088,6 +1110,12 @@ void kv_ctl_stop(kv_conn_t *k)
     }
     /* the pipe completes every pending operation (CANCELLED) before it goes */
     pthread_mutex_lock(&k->mu);
+    for (kv_peer_t *p = k->peers; p != NULL && k->pipe != NULL; p = p->next) {
+        if (p->remote != NULL) {
+            k->pipe->ops->release_remote(k->pipe, p->remote);
+            p->remote = NULL;
+        }
+    }
     pd_pipe_destroy(k->pipe);
     k->pipe = NULL;
     k->region = NULL;

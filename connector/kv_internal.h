@@ -167,7 +167,8 @@ typedef struct kv_meta {
 
 typedef struct kv_metrics {
     pd_metric_t *started[3], *completed[3], *failed[3]; /* pull_load, push_load, push_save */
-    pd_metric_t *bytes, *latency, *pages, *leases_held, *leases_expired, *handshakes_ok, *handshakes_failed;
+    pd_metric_t *bytes, *latency, *pages, *leases_held, *leases_now, *leases_expired, *handshakes_ok,
+        *handshakes_failed;
     pd_metric_t *policy_recompute, *policy_fail, *stale, *peers;
 } kv_metrics_t;
 

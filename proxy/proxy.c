@@ -448,7 +448,7 @@ static void start_decode(preq_t *q)
 
 /* ------------------------------------------------------------------ the prefill phase */
 
-static void start_prefill(preq_t *q);
+static bool start_prefill(preq_t *q);
 
 static void on_p_done(struct evhttp_request *r, void *arg)
 {
@@ -475,8 +475,8 @@ static void on_p_done(struct evhttp_request *r, void *arg)
             }
         }
         json_decref(resp);
-        if (q->d_done) {
-            preq_free(q);
+        if (q->d_conn == NULL) {
+            preq_free(q); /* the decode phase is over (answered or failed) */
         }
         return;
     }
@@ -512,13 +512,14 @@ static void on_p_done(struct evhttp_request *r, void *arg)
     start_decode(q);
 }
 
-static void start_prefill(preq_t *q)
+/* Sends the prefill request; false when q ended (and was freed) instead. */
+static bool start_prefill(preq_t *q)
 {
     proxy_t *px = q->px;
     node_t *p = pick(px, true, q->tried_p, q->affinity, q->push);
     if (p == NULL) {
         fail_request(q, 503, "no healthy prefill node");
-        return;
+        return false;
     }
     q->tried_p[p - px->nodes] = true;
     q->p = p;
@@ -537,9 +538,10 @@ static void start_prefill(preq_t *q)
     json_decref(body);
     if (q->p_conn == NULL) {
         fail_request(q, 502, "cannot reach the prefill node");
-        return;
+        return false;
     }
     p->inflight++;
+    return true;
 }
 
 /* ------------------------------------------------------------------ client routes */
@@ -614,8 +616,7 @@ static void handle_completions(proxy_t *px, struct evhttp_request *req)
     /* the mode is the prefill pool's: push needs a prefill whose KV address is known */
     node_t *p = pick(px, true, q->tried_p, q->affinity, false);
     q->push = p != NULL && p->info_ok && strcmp(p->mode, "push") == 0;
-    start_prefill(q);
-    if (q->push && q->client != NULL && q->p_conn != NULL) {
+    if (start_prefill(q) && q->push) {
         start_decode(q);
     }
 }
@@ -742,7 +743,7 @@ static void on_probe(struct evhttp_request *r, void *arg)
     int code = r != NULL ? evhttp_request_get_response_code(r) : 0;
     struct evbuffer *in = r != NULL ? evhttp_request_get_input_buffer(r) : NULL;
     size_t len = in != NULL ? evbuffer_get_length(in) : 0;
-    char *text = in != NULL ? strndup((const char *)evbuffer_pullup(in, (ev_ssize_t)len), len) : NULL;
+    char *text = len > 0 ? strndup((const char *)evbuffer_pullup(in, (ev_ssize_t)len), len) : NULL;
     if (pr->kind == 0) {
         set_health(n, code == 200, code == 0 ? "connection failed" : "health probe failed");
     } else if (pr->kind == 1 && code == 200 && text != NULL) {

@@ -1,0 +1,59 @@
+/* bench/bench_load.h — pd-bench's workloads: datasets (random, prefix-repetition, ShareGPT) and
+ * the request arrival process, both as vLLM's serving benchmark defines them. */
+#ifndef PD_BENCH_BENCH_LOAD_H
+#define PD_BENCH_BENCH_LOAD_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/rng.h"
+#include "common/status.h"
+
+/* One request of a workload: a prompt as token ids or text, and the output length asked for. */
+typedef struct pd_bench_prompt {
+    int32_t *ids; /* token ids, or NULL when text is set */
+    int32_t num_ids;
+    char *text;
+    int32_t input_len; /* tokens (ids: exact; text: the dataset's estimate) */
+    int32_t output_len;
+} pd_bench_prompt_t;
+
+typedef struct pd_bench_dataset {
+    pd_bench_prompt_t *prompts;
+    size_t n;
+} pd_bench_dataset_t;
+
+void pd_bench_dataset_free(pd_bench_dataset_t *d);
+
+/* random: n prompts of input_len·U[1−r, 1+r] random token ids in [0, vocab) after a shared
+ * random prefix of prefix_len ids; output_len·U[1−r, 1+r] tokens each (vLLM's RandomDataset). */
+pd_status_t pd_bench_dataset_random(uint64_t seed, size_t n, int32_t input_len, int32_t output_len,
+                                    double range_ratio, int32_t prefix_len, int32_t vocab,
+                                    pd_bench_dataset_t *out);
+
+/* prefix-repetition: num_prefixes random prefixes of prefix_len ids, each followed by a random
+ * suffix of suffix_len ids, n prompts cycled over the prefixes and shuffled. */
+pd_status_t pd_bench_dataset_prefix_repetition(uint64_t seed, size_t n, int32_t prefix_len,
+                                               int32_t suffix_len, int32_t num_prefixes, int32_t output_len,
+                                               int32_t vocab, pd_bench_dataset_t *out);
+
+/* ShareGPT JSON (a list of {conversations: [{from, value}, ...]}): the first human turn is the
+ * prompt, the next turn's length is the output length; pairs are filtered as vLLM does
+ * (prompt ≥ 4 and output ≥ 4 tokens, prompt ≤ 1024, prompt + output ≤ 2048), with a length
+ * estimate of one token per 4 bytes (no tokenizer in the client); output_len > 0 overrides.
+ * Shuffled with seed, then the first n kept. PD_ERR_PARSE (logged) on a malformed file. */
+pd_status_t pd_bench_dataset_sharegpt(const char *path, uint64_t seed, size_t n, int32_t output_len,
+                                      pd_bench_dataset_t *out);
+
+/* Filters one ShareGPT pair (token counts): whether vLLM's sample_sharegpt_requests keeps it. */
+bool pd_bench_sharegpt_keep(int32_t prompt_len, int32_t output_len);
+
+/* Gaps between arrivals for rate requests/s: gamma(shape = burstiness, scale = 1/(rate·burstiness)),
+ * mean 1/rate, coefficient of variation 1/√burstiness (1 = Poisson). rate ≤ 0 or inf → 0. */
+double pd_bench_next_gap(pd_rng_t *rng, double rate, double burstiness);
+
+/* A gamma(shape, 1) sample (Marsaglia–Tsang). */
+double pd_bench_gamma(pd_rng_t *rng, double shape);
+
+#endif

@@ -1,0 +1,253 @@
+#define _GNU_SOURCE
+/* tests/unit/test_bench.c — pd-bench: the metric formulas on hand-computed synthetic timestamps
+ * (output_len 1, a failed request, goodput with each SLO kind, peak concurrency), the arrival
+ * generator's mean and coefficient of variation for burstiness 1 and 0.5, the ShareGPT filter,
+ * and an end-to-end run of 20 requests against a real pd-serve whose token counts are exact. */
+#include "test_util.h"
+
+#include <check.h>
+#include <jansson.h>
+#include <math.h>
+
+#include "bench/bench_load.h"
+#include "bench/bench_stats.h"
+#include "common/log.h"
+
+START_TEST(test_metric_formulas)
+{
+    double ta[] = {0.10, 0.15, 0.25}, tb[] = {1.2};
+    pd_bench_record_t r[3];
+    memset(r, 0, sizeof(r));
+    r[0] = (pd_bench_record_t){true, 10, 3, 0.0, ta, 3, 0.25, ""};
+    r[1] = (pd_bench_record_t){true, 5, 1, 1.0, tb, 1, 1.2, ""};
+    r[2] = (pd_bench_record_t){false, 7, 0, 0.2, NULL, 0, 0.3, "HTTP 503"};
+    double pct[] = {50, 99};
+    pd_bench_summary_t s;
+    pd_bench_summarize(r, 3, 2.0, NULL, pct, 2, &s);
+    ck_assert_int_eq(s.completed, 2);
+    ck_assert_int_eq(s.failed, 1);
+    ck_assert_int_eq(s.total_input_tokens, 15);
+    ck_assert_int_eq(s.total_output_tokens, 4);
+    ck_assert_double_eq_tol(s.request_throughput, 1.0, 1e-12);
+    ck_assert_double_eq_tol(s.output_throughput, 2.0, 1e-12);
+    ck_assert_double_eq_tol(s.total_token_throughput, 9.5, 1e-12);
+    /* ttft: 100 and 200 ms */
+    ck_assert_double_eq_tol(s.ttft.mean, 150, 1e-9);
+    ck_assert_double_eq_tol(s.ttft.median, 150, 1e-9);
+    ck_assert_double_eq_tol(s.ttft.std, 50, 1e-9);
+    ck_assert_double_eq_tol(s.ttft.pct[1], 199, 1e-9); /* numpy: 100 + 0.99 · 100 */
+    /* tpot only for output_len > 1: (250 − 100) / 2 */
+    ck_assert_int_eq(s.tpot.n, 1);
+    ck_assert_double_eq_tol(s.tpot.mean, 75, 1e-9);
+    /* itl pooled: 50 and 100 ms; the one-chunk request adds none */
+    ck_assert_int_eq(s.itl.n, 2);
+    ck_assert_double_eq_tol(s.itl.mean, 75, 1e-9);
+    ck_assert_double_eq_tol(s.e2el.mean, 225, 1e-9);
+    /* requests 0 and 2 overlap in [0.2, 0.25] */
+    ck_assert_int_eq(s.max_concurrent_requests, 2);
+    /* goodput, one SLO kind at a time */
+    pd_bench_slo_t slo = {150, 0, 0};
+    pd_bench_summarize(r, 3, 2.0, &slo, pct, 2, &s);
+    ck_assert_int_eq(s.good, 1); /* A: 100 ≤ 150; B: 200 > 150 */
+    ck_assert_double_eq_tol(s.request_goodput, 0.5, 1e-12);
+    slo = (pd_bench_slo_t){0, 50, 0};
+    pd_bench_summarize(r, 3, 2.0, &slo, pct, 2, &s);
+    ck_assert_int_eq(s.good, 1); /* A: tpot 75 > 50; B has no tpot and passes */
+    slo = (pd_bench_slo_t){0, 0, 220};
+    pd_bench_summarize(r, 3, 2.0, &slo, pct, 2, &s);
+    ck_assert_int_eq(s.good, 1); /* A: 250 > 220; B: 200 */
+    slo = (pd_bench_slo_t){300, 80, 300};
+    pd_bench_summarize(r, 3, 2.0, &slo, pct, 2, &s);
+    ck_assert_int_eq(s.good, 2);
+    /* duration derived from the records when not given: 0 → 1.2 s */
+    pd_bench_summarize(r, 3, 0, NULL, pct, 2, &s);
+    ck_assert_double_eq_tol(s.duration, 1.2, 1e-12);
+    /* parsers */
+    char err[128];
+    ck_assert(pd_bench_parse_goodput("ttft:500 tpot:50", &slo, err, sizeof(err)));
+    ck_assert_double_eq(slo.ttft_ms, 500);
+    ck_assert_double_eq(slo.tpot_ms, 50);
+    ck_assert(!pd_bench_parse_goodput("ttft:-1", &slo, err, sizeof(err)));
+    ck_assert(!pd_bench_parse_goodput("latency:5", &slo, err, sizeof(err)));
+    double p[8];
+    ck_assert_int_eq(pd_bench_parse_percentiles("50,90,99", p), 3);
+    ck_assert_int_eq(pd_bench_parse_percentiles("0", p), -1);
+    ck_assert_int_eq(pd_bench_parse_percentiles("50,x", p), -1);
+}
+END_TEST
+
+static void gap_stats(double rate, double burst, double *mean, double *cv)
+{
+    pd_rng_t rng;
+    pd_rng_seed(&rng, 1234);
+    int n = 40000;
+    double s = 0, ss = 0;
+    for (int i = 0; i < n; i++) {
+        double g = pd_bench_next_gap(&rng, rate, burst);
+        s += g;
+        ss += g * g;
+    }
+    *mean = s / n;
+    double var = ss / n - *mean * *mean;
+    *cv = sqrt(var) / *mean;
+}
+
+START_TEST(test_arrivals)
+{
+    double mean, cv;
+    gap_stats(10, 1.0, &mean, &cv);
+    ck_assert_msg(fabs(mean - 0.1) < 0.003, "Poisson mean gap %g", mean);
+    ck_assert_msg(fabs(cv - 1.0) < 0.03, "Poisson CV %g", cv);
+    gap_stats(10, 0.5, &mean, &cv);
+    ck_assert_msg(fabs(mean - 0.1) < 0.004, "burstiness 0.5 mean gap %g", mean);
+    ck_assert_msg(fabs(cv - sqrt(2.0)) < 0.06, "burstiness 0.5 CV %g (want 1.414)", cv);
+    gap_stats(10, 4.0, &mean, &cv);
+    ck_assert_msg(fabs(cv - 0.5) < 0.02, "burstiness 4 CV %g", cv);
+    pd_rng_t rng;
+    pd_rng_seed(&rng, 1);
+    ck_assert_double_eq(pd_bench_next_gap(&rng, INFINITY, 1), 0);
+}
+END_TEST
+
+START_TEST(test_datasets)
+{
+    ck_assert(pd_bench_sharegpt_keep(4, 4));
+    ck_assert(!pd_bench_sharegpt_keep(3, 100));
+    ck_assert(!pd_bench_sharegpt_keep(100, 3));
+    ck_assert(pd_bench_sharegpt_keep(1024, 1024));
+    ck_assert(!pd_bench_sharegpt_keep(1025, 10));
+    ck_assert(!pd_bench_sharegpt_keep(1000, 1049));
+    char *dir = tu_mkdtemp("bench");
+    char path[512];
+    snprintf(path, sizeof(path), "%s/sharegpt.json", dir);
+    char *long_prompt = malloc(5000);
+    memset(long_prompt, 'x', 4999);
+    long_prompt[4999] = '\0';
+    json_t *a = json_pack(
+        "[{s:[{s:s,s:s}]}, {s:[{s:s,s:s},{s:s,s:s}]}, {s:[{s:s,s:s},{s:s,s:s}]}, {s:[{s:s,s:s},{s:s,s:s}]},"
+        " {s:[{s:s,s:s},{s:s,s:s}]}]",
+        "conversations", "from", "human", "value", "only one turn", /* dropped: one turn */
+        "conversations", "from", "human", "value", "hi", "from", "gpt", "value", "a long enough answer here",
+        "conversations", "from", "human", "value", "a question of enough length", "from", "gpt", "value",
+        "an answer of enough length too", "conversations", "from", "human", "value", long_prompt, "from",
+        "gpt", "value", "an answer of enough length", "conversations", "from", "human", "value",
+        "another question, long enough", "from", "gpt", "value", "and its answer, long enough");
+    ck_assert_ptr_nonnull(a);
+    ck_assert_int_eq(json_dump_file(a, path, 0), 0);
+    json_decref(a);
+    free(long_prompt);
+    pd_bench_dataset_t d;
+    ck_assert_int_eq(pd_bench_dataset_sharegpt(path, 7, 100, 0, &d), PD_OK);
+    ck_assert_int_eq(d.n, 2); /* one turn, a 1-token prompt and a 1250-token prompt are filtered */
+    for (size_t i = 0; i < d.n; i++) {
+        ck_assert(strstr(d.prompts[i].text, "question") != NULL);
+        ck_assert_int_ge(d.prompts[i].output_len, 4);
+    }
+    pd_bench_dataset_free(&d);
+    ck_assert_int_eq(pd_bench_dataset_sharegpt(path, 7, 100, 16, &d), PD_OK);
+    ck_assert_int_eq(d.prompts[0].output_len, 16);
+    pd_bench_dataset_free(&d);
+    /* a malformed file is an error */
+    ck_assert_int_eq(tu_write_file(path, "{\"not\": \"a list\"}", 17), 0);
+    ck_assert_int_eq(pd_bench_dataset_sharegpt(path, 7, 100, 0, &d), PD_ERR_PARSE);
+    /* random: lengths in range, a shared prefix */
+    ck_assert_int_eq(pd_bench_dataset_random(3, 50, 100, 20, 0.5, 8, 500, &d), PD_OK);
+    for (size_t i = 0; i < d.n; i++) {
+        ck_assert_int_ge(d.prompts[i].input_len, 8 + 50);
+        ck_assert_int_le(d.prompts[i].input_len, 8 + 150);
+        ck_assert_int_ge(d.prompts[i].output_len, 10);
+        ck_assert_int_le(d.prompts[i].output_len, 30);
+        ck_assert_int_eq(memcmp(d.prompts[i].ids, d.prompts[0].ids, 8 * sizeof(int32_t)), 0);
+        for (int32_t t = 0; t < d.prompts[i].num_ids; t++) {
+            ck_assert(d.prompts[i].ids[t] >= 0 && d.prompts[i].ids[t] < 500);
+        }
+    }
+    pd_bench_dataset_free(&d);
+    /* prefix repetition: every prompt starts with one of 3 prefixes */
+    ck_assert_int_eq(pd_bench_dataset_prefix_repetition(3, 30, 16, 8, 3, 4, 500, &d), PD_OK);
+    int distinct = 0;
+    for (size_t i = 0; i < d.n; i++) {
+        bool seen = false;
+        for (size_t j = 0; j < i && !seen; j++) {
+            seen = memcmp(d.prompts[i].ids, d.prompts[j].ids, 16 * sizeof(int32_t)) == 0;
+        }
+        distinct += !seen;
+    }
+    ck_assert_int_eq(distinct, 3);
+    pd_bench_dataset_free(&d);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
+START_TEST(test_end_to_end_against_pd_serve)
+{
+    char *model = tu_make_model("--preset tiny --arch llama");
+    char *dir = tu_mkdtemp("bench-e2e");
+    ck_assert(model != NULL && dir != NULL);
+    char port_file[512], log[512], bin[512], result[512];
+    snprintf(port_file, sizeof(port_file), "%s/serve.port", dir);
+    snprintf(log, sizeof(log), "%s/serve.log", dir);
+    snprintf(bin, sizeof(bin), "%s/bin/pd-serve", tu_binary_dir());
+    snprintf(result, sizeof(result), "%s/result.json", dir);
+    char *argv[] = {bin,       "--model",           model,  "--port",    "0", "--port-file",
+                    port_file, "--kv-cache-memory", "256M", "--threads", "1", NULL};
+    pid_t pid = tu_spawn(argv, log);
+    int port = tu_wait_port(pid, port_file, 120);
+    ck_assert_msg(port > 0, "pd-serve did not start; see %s", log);
+    int rc =
+        tu_run(120,
+               "%s/bin/pd-bench --base-url http://127.0.0.1:%d --num-prompts 20 --random-input-len 32 "
+               "--random-output-len 8 --ignore-eos --request-rate 50 --max-concurrency 8 --seed 5 "
+               "--num-warmups 2 --no-progress --save-result --result-filename %s --metric-percentiles 50,99 "
+               "--goodput ttft:60000 > %s/bench.out 2>&1",
+               tu_binary_dir(), port, result, dir);
+    ck_assert_int_eq(tu_stop(pid, 30), 0);
+    ck_assert_msg(rc == 0, "pd-bench failed; see %s/bench.out", dir);
+    json_error_t e;
+    json_t *j = json_load_file(result, 0, &e);
+    ck_assert_ptr_nonnull(j);
+    ck_assert_int_eq(json_integer_value(json_object_get(j, "completed")), 20);
+    ck_assert_int_eq(json_integer_value(json_object_get(j, "failed")), 0);
+    ck_assert_int_eq(json_integer_value(json_object_get(j, "total_input_tokens")), 20 * 32);
+    ck_assert_int_eq(json_integer_value(json_object_get(j, "total_output_tokens")), 20 * 8);
+    json_t *outs = json_object_get(j, "output_lens");
+    ck_assert_int_eq(json_array_size(outs), 20);
+    for (size_t i = 0; i < 20; i++) {
+        ck_assert_int_eq(json_integer_value(json_array_get(outs, i)), 8);
+        ck_assert_int_eq(json_array_size(json_array_get(json_object_get(j, "itls"), i)), 7);
+    }
+    ck_assert(json_real_value(json_object_get(j, "request_goodput")) > 0);
+    ck_assert_int_le(json_integer_value(json_object_get(j, "max_concurrent_requests")), 8);
+    ck_assert(json_real_value(json_object_get(j, "p99_ttft_ms")) >=
+              json_real_value(json_object_get(j, "median_ttft_ms")));
+    json_decref(j);
+    char out[600];
+    snprintf(out, sizeof(out), "%s/bench.out", dir);
+    size_t len = 0;
+    char *text = tu_read_file(out, &len);
+    ck_assert(text != NULL && strstr(text, "Serving Benchmark Result") != NULL);
+    ck_assert(strstr(text, "Successful requests:                     20") != NULL);
+    free(text);
+    tu_rmrf(dir), tu_rmrf(model);
+    free(dir), free(model);
+}
+END_TEST
+
+int main(void)
+{
+    pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_OFF);
+    Suite *s = suite_create("bench");
+    TCase *tc = tcase_create("bench");
+    tcase_set_timeout(tc, 300);
+    tcase_add_test(tc, test_metric_formulas);
+    tcase_add_test(tc, test_arrivals);
+    tcase_add_test(tc, test_datasets);
+    tcase_add_test(tc, test_end_to_end_against_pd_serve);
+    suite_add_tcase(s, tc);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed == 0 ? 0 : 1;
+}
