@@ -214,8 +214,10 @@ static node_t *pick(proxy_t *px, bool prefill, const bool *tried, uint64_t affin
     if (strcmp(px->cfg.policy, "round-robin") == 0) {
         return &px->nodes[cands[px->rr[prefill]++ % (uint64_t)nc]];
     }
-    for (int c = 0; c < nc; c++) {
-        node_t *n = &px->nodes[cands[c]];
+    /* ties (idle nodes) rotate, so equal load spreads */
+    uint64_t start = px->rr[prefill]++;
+    for (int k = 0; k < nc; k++) {
+        node_t *n = &px->nodes[cands[(start + (uint64_t)k) % (uint64_t)nc]];
         double v = strcmp(px->cfg.policy, "least-loaded") == 0 ? -(n->inflight + n->load)
                                                                : (double)(node_score(n, affinity) >> 11);
         if (best == NULL || v > best_v) {
@@ -613,9 +615,14 @@ static void handle_completions(proxy_t *px, struct evhttp_request *req)
     px->inflight = q;
     q->client_conn = evhttp_request_get_connection(req);
     evhttp_connection_set_closecb(q->client_conn, on_client_close, q);
-    /* the mode is the prefill pool's: push needs a prefill whose KV address is known */
-    node_t *p = pick(px, true, q->tried_p, q->affinity, false);
-    q->push = p != NULL && p->info_ok && strcmp(p->mode, "push") == 0;
+    /* the mode is the prefill pool's (from /pd/info); push needs a prefill whose KV address is known */
+    for (int i = 0; i < px->num_nodes; i++) {
+        const node_t *n = &px->nodes[i];
+        if (n->prefill && n->healthy && !n->removed && n->info_ok) {
+            q->push = strcmp(n->mode, "push") == 0;
+            break;
+        }
+    }
     if (start_prefill(q) && q->push) {
         start_decode(q);
     }

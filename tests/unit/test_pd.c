@@ -589,6 +589,126 @@ START_TEST(test_decode_killed_holding_reservation)
 }
 END_TEST
 
+/* ------------------------------------------------------------------ the proxy */
+
+/* Proxy over two prefills and one decode. */
+typedef struct pool2 {
+    node_t p[2], d, x;
+} pool2_t;
+
+static void pool2_start(pool2_t *c, const char *policy)
+{
+    memset(c, 0, sizeof(*c));
+    char *a[] = {"--kv-transfer-mode", "pull", "--kv-pipe", "tcp", FAST_TIMEOUTS, NULL};
+    start(&c->p[0], "pd-prefill", "prefill0", g_model, a);
+    start(&c->p[1], "pd-prefill", "prefill1", g_model, a);
+    start(&c->d, "pd-decode", "decode", g_model, a);
+    char pre[160], dec[64];
+    snprintf(pre, sizeof(pre), "http://127.0.0.1:%d,http://127.0.0.1:%d", c->p[0].port, c->p[1].port);
+    snprintf(dec, sizeof(dec), "http://127.0.0.1:%d", c->d.port);
+    char *x[] = {"--prefill", pre,        "--decode",     dec, "--health-interval",
+                 "0.2",       "--policy", (char *)policy, NULL};
+    start(&c->x, "pd-proxy", "proxy", NULL, x);
+    usleep(600 * 1000);
+}
+
+static void pool2_stop(pool2_t *c)
+{
+    stop(&c->x);
+    stop(&c->d);
+    stop(&c->p[1]);
+    stop(&c->p[0]);
+}
+
+static double served(int port)
+{
+    return metric(port, "pd:request_success_total{finished_reason=\"length\"}");
+}
+
+START_TEST(test_proxy_prefix_affinity_and_failover)
+{
+    pool2_t c;
+    pool2_start(&c, "prefix-affinity");
+    for (int k = 0; k < 6; k++) {
+        expect_same(c.x.port, 50, false); /* one prompt: one prefill serves it every time */
+    }
+    double a = served(c.p[0].port), b = served(c.p[1].port);
+    ck_assert_msg((a == 6 && b == 0) || (a == 0 && b == 6), "prefix-affinity split one prompt %g/%g", a, b);
+    for (int i = 0; i < 16; i++) {
+        expect_same(c.x.port, i, false); /* different prompts spread over both */
+    }
+    ck_assert_msg(served(c.p[0].port) > a && served(c.p[1].port) > b, "16 prompts all went to one prefill");
+    /* kill the prefill that owns prompt 50: its requests fail over to the other */
+    int victim = a == 6 ? 0 : 1;
+    kill(c.p[victim].pid, SIGKILL);
+    waitpid(c.p[victim].pid, NULL, 0);
+    c.p[victim].pid = -1;
+    for (int k = 0; k < 3; k++) {
+        expect_same(c.x.port, 50, false);
+    }
+    usleep(800 * 1000);
+    char series[160];
+    snprintf(series, sizeof(series), "pd_proxy:node_healthy{node=\"prefill http://127.0.0.1:%d\"}",
+             c.p[victim].port);
+    ck_assert_msg(metric(c.x.port, series) == 0, "the dead prefill is not marked unhealthy");
+    ck_assert_int_ge((int)metric(c.x.port, "pd_proxy:requests_total{result=\"ok\"}"), 6 + 16 + 3);
+    assert_pool_free(c.p[1 - victim].port, "the surviving prefill");
+    assert_pool_free(c.d.port, "the decode");
+    pool2_stop(&c);
+}
+END_TEST
+
+START_TEST(test_proxy_least_loaded_and_client_disconnect)
+{
+    pool2_t c;
+    pool2_start(&c, "least-loaded");
+    for (int i = 0; i < 8; i++) {
+        expect_same(c.x.port, i, true);
+    }
+    ck_assert_msg(served(c.p[0].port) > 0 && served(c.p[1].port) > 0, "least-loaded used one prefill only");
+    /* clients that go away mid-stream: both nodes abort, nothing stays allocated */
+    for (int k = 0; k < 10; k++) {
+        char *b = body_for(k, false);
+        json_t *j = json_loads(b, 0, NULL);
+        free(b);
+        json_object_set_new(j, "stream", json_true());
+        json_object_set_new(j, "max_tokens", json_integer(400));
+        char *body = json_dumps(j, JSON_COMPACT);
+        json_decref(j);
+        int fd = http_send(c.x.port, "POST", "/v1/completions", "Content-Type: application/json\r\n", body,
+                           strlen(body), 5000);
+        free(body);
+        ck_assert_int_ge(fd, 0);
+        char buf[256];
+        ssize_t n = read(fd, buf, sizeof(buf)); /* the first bytes of the stream */
+        ck_assert_int_gt(n, 0);
+        close(fd);
+    }
+    usleep(300 * 1000);
+    ck_assert_int_ge((int)metric(c.x.port, "pd_proxy:requests_total{result=\"client_gone\"}"), 1);
+    assert_pool_free(c.d.port, "the decode");
+    assert_pool_free(c.p[0].port, "prefill 0");
+    assert_pool_free(c.p[1].port, "prefill 1");
+    /* bad input: not JSON, not an object */
+    http_resp_t r;
+    ck_assert_int_eq(http_request(c.x.port, "POST", "/v1/completions", NULL, "{oops", &r, 5000), 0);
+    ck_assert_int_eq(r.status, 400);
+    ck_assert(strstr(r.body, "\"error\"") != NULL);
+    http_resp_free(&r);
+    ck_assert_int_eq(http_request(c.x.port, "GET", "/v1/completions", NULL, NULL, &r, 5000), 0);
+    ck_assert_int_eq(r.status, 405);
+    http_resp_free(&r);
+    ck_assert_int_eq(http_request(c.x.port, "GET", "/health", NULL, NULL, &r, 5000), 0);
+    ck_assert_int_eq(r.status, 200);
+    http_resp_free(&r);
+    ck_assert_int_eq(http_request(c.x.port, "GET", "/v1/models", NULL, NULL, &r, 5000), 0);
+    ck_assert_int_eq(r.status, 200);
+    ck_assert(strstr(r.body, MODEL_NAME) != NULL);
+    http_resp_free(&r);
+    pool2_stop(&c);
+}
+END_TEST
+
 int main(void)
 {
     pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_OFF);
@@ -606,6 +726,8 @@ int main(void)
     tcase_add_test(tc, test_wrong_token_and_other_model_recompute);
     tcase_add_test(tc, test_prefill_killed_under_load);
     tcase_add_test(tc, test_decode_killed_holding_reservation);
+    tcase_add_test(tc, test_proxy_prefix_affinity_and_failover);
+    tcase_add_test(tc, test_proxy_least_loaded_and_client_disconnect);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
