@@ -709,6 +709,83 @@ START_TEST(test_proxy_least_loaded_and_client_disconnect)
 }
 END_TEST
 
+START_TEST(test_dns_discovery_and_prefill_restart)
+{
+    /* pools from DNS ("localhost" resolves to 127.0.0.1), and a prefill that restarts on the same
+     * addresses with a new engine id: the decode's cached connection is refreshed */
+    cluster_t c;
+    memset(&c, 0, sizeof(c));
+    char *a[] = {"--kv-transfer-mode", "pull", "--kv-pipe", "tcp", FAST_TIMEOUTS, NULL};
+    start(&c.p, "pd-prefill", "prefill", g_model, a);
+    start(&c.d, "pd-decode", "decode", g_model, a);
+    char pre[64], dec[64];
+    snprintf(pre, sizeof(pre), "localhost:%d", c.p.port);
+    snprintf(dec, sizeof(dec), "localhost:%d", c.d.port);
+    char *x[] = {"--discover-prefill",
+                 pre,
+                 "--discover-decode",
+                 dec,
+                 "--discover-interval",
+                 "0.5",
+                 "--health-interval",
+                 "0.2",
+                 NULL};
+    start(&c.x, "pd-proxy", "proxy", NULL, x);
+    usleep(800 * 1000);
+    expect_same(c.x.port, 5, false);
+    http_resp_t r;
+    ck_assert_int_eq(http_request(c.p.port, "GET", "/pd/info", NULL, NULL, &r, 5000), 0);
+    json_t *info = json_loads(r.body, 0, NULL);
+    http_resp_free(&r);
+    char kv[64], port[16], old_id[80];
+    snprintf(kv, sizeof(kv), "127.0.0.1:%lld",
+             (long long)json_integer_value(json_object_get(info, "kv_port")));
+    snprintf(old_id, sizeof(old_id), "%s", json_string_value(json_object_get(info, "engine_id")));
+    json_decref(info);
+    snprintf(port, sizeof(port), "%d", c.p.port);
+    kill(c.p.pid, SIGKILL);
+    waitpid(c.p.pid, NULL, 0);
+    /* same HTTP and KV ports, new process */
+    char *again[] = {"--kv-transfer-mode", "pull",        "--kv-pipe", "tcp",
+                     FAST_TIMEOUTS,        "--kv-listen", kv,          NULL};
+    node_t p2;
+    char port_file[512], path[512];
+    snprintf(port_file, sizeof(port_file), "%s/prefill2.port", g_dir);
+    snprintf(p2.log, sizeof(p2.log), "%s/prefill2.log", g_dir);
+    snprintf(path, sizeof(path), "%s/bin/pd-prefill", tu_binary_dir());
+    char *argv[48] = {path,       "--port",
+                      port,       "--port-file",
+                      port_file,  "--model",
+                      g_model,    "--served-model-name",
+                      MODEL_NAME, "--kv-cache-memory",
+                      "256M",     "--threads",
+                      "1",        "--max-model-len",
+                      "512",      "--max-num-batched-tokens",
+                      "64"};
+    int k = 17;
+    for (int i = 0; again[i] != NULL; i++) {
+        argv[k++] = again[i];
+    }
+    argv[k] = NULL;
+    p2.pid = tu_spawn(argv, p2.log);
+    p2.port = tu_wait_port(p2.pid, port_file, 60);
+    ck_assert_msg(p2.port == c.p.port, "the prefill did not come back on port %d; see %s", c.p.port, p2.log);
+    c.p = p2;
+    usleep(800 * 1000); /* the proxy's probes see it healthy again */
+    for (int i = 0; i < 3; i++) {
+        expect_same(c.x.port, 6 + i, false);
+    }
+    ck_assert_int_eq(http_request(c.p.port, "GET", "/pd/info", NULL, NULL, &r, 5000), 0);
+    ck_assert(strstr(r.body, old_id) == NULL);
+    http_resp_free(&r);
+    ck_assert_int_eq((int)metric(c.d.port, "pd:kv_transfers_completed_total{kind=\"pull_load\"}"), 4);
+    ck_assert_int_ge((int)metric(c.d.port, "pd:kv_handshakes_total{result=\"ok\"}"), 2);
+    assert_pool_free(c.p.port, "the prefill");
+    assert_pool_free(c.d.port, "the decode");
+    cluster_stop(&c);
+}
+END_TEST
+
 int main(void)
 {
     pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_OFF);
@@ -728,6 +805,7 @@ int main(void)
     tcase_add_test(tc, test_decode_killed_holding_reservation);
     tcase_add_test(tc, test_proxy_prefix_affinity_and_failover);
     tcase_add_test(tc, test_proxy_least_loaded_and_client_disconnect);
+    tcase_add_test(tc, test_dns_discovery_and_prefill_restart);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
