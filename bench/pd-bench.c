@@ -702,10 +702,49 @@ static void print_kv_metrics(struct event_base *base, const char *url)
     free(g.body);
 }
 
+/* pd-bench table RESULT.json...: one markdown row per result (for bench/RESULTS.md). */
+static int table(int argc, char **argv)
+{
+    printf("| run | rate (req/s) | done/failed | req/s | goodput (req/s) | out tok/s | TTFT p50 / p99 (ms) | "
+           "TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) | E2EL p50 (ms) |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|\n");
+    for (int i = 0; i < argc; i++) {
+        json_error_t e;
+        json_t *j = json_load_file(argv[i], 0, &e);
+        if (j == NULL) {
+            pd_log_error("%s:%d: %s", argv[i], e.line, e.text);
+            return 1;
+        }
+#define NUM(k) json_number_value(json_object_get(j, k))
+        const char *label = json_string_value(json_object_get(j, "label"));
+        json_t *rr = json_object_get(j, "request_rate");
+        char rate[32];
+        if (json_is_number(rr)) {
+            snprintf(rate, sizeof(rate), "%g", json_number_value(rr));
+        } else {
+            snprintf(rate, sizeof(rate), "inf");
+        }
+        printf(
+            "| %s | %s | %lld/%lld | %.2f | %.2f | %.1f | %.0f / %.0f | %.1f / %.1f | %.1f / %.1f | %.0f |\n",
+            label != NULL ? label : argv[i], rate,
+            (long long)json_integer_value(json_object_get(j, "completed")),
+            (long long)json_integer_value(json_object_get(j, "failed")), NUM("request_throughput"),
+            NUM("request_goodput"), NUM("output_throughput"), NUM("median_ttft_ms"), NUM("p99_ttft_ms"),
+            NUM("median_tpot_ms"), NUM("p99_tpot_ms"), NUM("median_itl_ms"), NUM("p99_itl_ms"),
+            NUM("median_e2el_ms"));
+#undef NUM
+        json_decref(j);
+    }
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc > 1 && strcmp(argv[1], "plot") == 0) {
         return plot(argc - 2, argv + 2);
+    }
+    if (argc > 1 && strcmp(argv[1], "table") == 0) {
+        return table(argc - 2, argv + 2);
     }
     cfg_t c = {0};
     c.base_url = "http://127.0.0.1:8000";
@@ -769,12 +808,12 @@ int main(int argc, char **argv)
          "a P/D node (http://HOST:PORT) whose KV transfer totals are printed after the run", NULL},
     };
     int first = 0;
-    pd_status_t st =
-        pd_flags_parse(flags, sizeof(flags) / sizeof(flags[0]), argc, argv,
-                       "usage: pd-bench [--base-url URL] [--dataset-name random|prefix-repetition|sharegpt] "
-                       "[options]\n       pd-bench plot OUT_DIR RESULT.json...\n"
-                       "Benchmarks an OpenAI-compatible completions server (vLLM's serving metrics).",
-                       &first);
+    pd_status_t st = pd_flags_parse(
+        flags, sizeof(flags) / sizeof(flags[0]), argc, argv,
+        "usage: pd-bench [--base-url URL] [--dataset-name random|prefix-repetition|sharegpt] "
+        "[options]\n       pd-bench plot OUT_DIR RESULT.json...\n       pd-bench table RESULT.json...\n"
+        "Benchmarks an OpenAI-compatible completions server (vLLM's serving metrics).",
+        &first);
     if (st == PD_ERR_CANCELLED) {
         return 0;
     }

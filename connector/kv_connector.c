@@ -792,6 +792,21 @@ static void metrics_register(kv_conn_t *k, pd_metrics_t *m)
         pd_metrics_add(m, PD_METRIC_COUNTER, "pd:kv_load_failure_policy_actions_total",
                        "KV load failures handed to the failure policy.", "policy=fail", NULL, 0);
     k->m.peers = pd_metrics_add(m, PD_METRIC_GAUGE, "pd:kv_peers", "Connected KV peers.", NULL, NULL, 0);
+    static const char *help =
+        "Phases of a completed decode-side transfer: queue (scheduled to posted, incl. a "
+        "handshake), transfer (pages moving), notify (pages landed to ACK), remote (push: "
+        "reservation sent to WRITE_DONE).";
+    k->m.phase_queue = pd_metrics_add(m, PD_METRIC_HISTOGRAM, "pd:kv_transfer_phase_seconds", help,
+                                      "phase=queue", PD_LATENCY_BUCKETS, PD_LATENCY_NUM_BUCKETS);
+    k->m.phase_transfer = pd_metrics_add(m, PD_METRIC_HISTOGRAM, "pd:kv_transfer_phase_seconds", help,
+                                         "phase=transfer", PD_LATENCY_BUCKETS, PD_LATENCY_NUM_BUCKETS);
+    k->m.phase_notify = pd_metrics_add(m, PD_METRIC_HISTOGRAM, "pd:kv_transfer_phase_seconds", help,
+                                       "phase=notify", PD_LATENCY_BUCKETS, PD_LATENCY_NUM_BUCKETS);
+    k->m.phase_remote = pd_metrics_add(m, PD_METRIC_HISTOGRAM, "pd:kv_transfer_phase_seconds", help,
+                                       "phase=remote", PD_LATENCY_BUCKETS, PD_LATENCY_NUM_BUCKETS);
+    k->m.handshake_s = pd_metrics_add(m, PD_METRIC_HISTOGRAM, "pd:kv_handshake_seconds",
+                                      "Dial + authenticate + region exchange start, per outbound handshake.",
+                                      NULL, PD_LATENCY_BUCKETS, PD_LATENCY_NUM_BUCKETS);
 }
 
 static pd_status_t read_token(kv_conn_t *k, const char *path)

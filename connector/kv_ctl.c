@@ -261,6 +261,7 @@ static kv_peer_t *dial_peer(kv_conn_t *k, const char *addr)
         return NULL;
     }
     int tmo = ms_of(k->cfg.handshake_timeout);
+    double t0 = pd_time_now_s();
     int fd = dial_tcp(host, port, tmo);
     if (fd < 0) {
         pd_log_warn("kv connector: cannot reach the KV control port %s: %s", addr, strerror(errno));
@@ -296,6 +297,7 @@ static kv_peer_t *dial_peer(kv_conn_t *k, const char *addr)
         return NULL;
     }
     pd_metric_inc(k->m.handshakes_ok, 1);
+    pd_metric_observe(k->m.handshake_s, pd_time_now_s() - t0);
     pd_log_info("kv connector: connected to %s engine %s at %s", prefill ? "prefill" : "decode", p->engine_id,
                 addr);
     return p;
@@ -345,6 +347,16 @@ static void accept_peer(kv_conn_t *k)
 
 static void observe_done(kv_conn_t *k, kv_xfer_t *x)
 {
+    double now = pd_time_now_s();
+    if (x->kind != KV_X_PUSH_SAVE && x->t_posted > 0) {
+        pd_metric_observe(k->m.phase_queue, x->t_posted - x->started);
+        if (x->kind == KV_X_PULL_LOAD && x->t_moved > 0) {
+            pd_metric_observe(k->m.phase_transfer, x->t_moved - x->t_posted);
+            pd_metric_observe(k->m.phase_notify, now - x->t_moved);
+        } else if (x->kind == KV_X_PUSH_LOAD) {
+            pd_metric_observe(k->m.phase_remote, now - x->t_posted);
+        }
+    }
     pd_metric_inc(k->m.completed[kv_kind_index(x->kind)], 1);
     pd_metric_observe(k->m.latency, pd_time_now_s() - x->started);
     pd_metric_observe(k->m.pages, (double)x->pages);
@@ -388,6 +400,7 @@ static void on_pages_done(void *arg, pd_status_t st)
         fail_xfer(x->conn, x, pd_status_str(st));
         return;
     }
+    x->t_moved = pd_time_now_s();
     pd_log_debug("kv connector: request %s: %d pages moved %.3f ms after the transfer was queued", x->req_id,
                  x->pages, (pd_time_now_s() - x->started) * 1e3);
     after_pages(x->conn, x);
@@ -439,6 +452,7 @@ static void start_xfer(kv_conn_t *k, kv_xfer_t *x)
         r.skip_blocks = (uint32_t)x->first_block;
         pd_metric_inc(k->m.started[KV_X_PUSH_LOAD], 1);
         x->state = KV_XS_WAIT_PEER;
+        x->t_posted = pd_time_now_s();
         if (peer_send(k, p, PD_MSG_RESERVATION, &r.base) != PD_OK) {
             fail_xfer(k, x, "cannot send the reservation");
         }
@@ -461,8 +475,10 @@ static void start_xfer(kv_conn_t *k, kv_xfer_t *x)
                  x->req_id, x->kind == KV_X_PULL_LOAD ? "a read" : "a write", x->first_block, x->end_block,
                  (pd_time_now_s() - x->started) * 1e3);
     x->state = KV_XS_POSTED;
+    x->t_posted = pd_time_now_s();
     int32_t n_blocks = x->end_block - x->first_block;
     if (n_blocks <= 0) {
+        x->t_moved = x->t_posted;
         after_pages(k, x); /* a full local hit: nothing to move, just notify */
         return;
     }

@@ -76,6 +76,7 @@ struct kv_xfer {
     int32_t first_block, end_block; /* block indexes to move: [first, end) */
     int32_t num_tokens;
     double started, deadline;
+    double t_posted, t_moved; /* pages posted (or reservation sent), pages landed */
     kv_peer_t *peer;
     bool cancelled; /* the request was aborted: no load errors, just release */
     bool redialed;  /* the cached peer had another engine id: dialled once more */
@@ -170,6 +171,7 @@ typedef struct kv_metrics {
     pd_metric_t *bytes, *latency, *pages, *leases_held, *leases_now, *leases_expired, *handshakes_ok,
         *handshakes_failed;
     pd_metric_t *policy_recompute, *policy_fail, *stale, *peers;
+    pd_metric_t *phase_queue, *phase_transfer, *phase_notify, *phase_remote, *handshake_s;
 } kv_metrics_t;
 
 typedef struct kv_conn {
