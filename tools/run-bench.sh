@@ -17,4 +17,6 @@ echo "run-bench: pd-bench-sched (scheduler step overhead, block pool)"
 "$build/bin/pd-bench-sched" --results bench/RESULTS.md
 echo "run-bench: pd-bench-transfer (pipe throughput and round trip vs memcpy, ucx_perftest, a plain socket)"
 "$build/bin/pd-bench-transfer" --results bench/RESULTS.md
+echo "run-bench: tools/bench-pd.sh (handover overhead; 1P1D vs colocated sweep)"
+tools/bench-pd.sh "$build"
 echo "run-bench: results appended to bench/RESULTS.md"

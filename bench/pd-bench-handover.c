@@ -1,0 +1,321 @@
+/* bench/pd-bench-handover.c — what disaggregation adds to time-to-first-token (issue #8, item 2).
+ * For each prompt length: TTFT of the prefill node alone (a 1-token completion sent straight to
+ * it) and TTFT through the proxy (prefill + handover + the decode's first step), one request at
+ * a time, fresh prompts (no prefix hits); the difference is the handover overhead, split with
+ * the decode node's pd:kv_transfer_phase_seconds (queue, transfer, notify) and handshake
+ * histograms. Baseline in the same run: the pipe's own read bandwidth between two endpoints
+ * of this process (pages of the same size), giving "transfer time at the pipe's bandwidth";
+ * goal: overhead ≤ that + 2 ms.
+ *   pd-bench-handover --proxy http://127.0.0.1:8000 --prefill http://127.0.0.1:8100 \
+ *       --decode http://127.0.0.1:8200 --lens 512,2048,8192 --kv-bytes-per-token 8192 --pipe ucx */
+#define _GNU_SOURCE
+#include <event2/buffer.h>
+#include <event2/event.h>
+#include <event2/http.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/flags.h"
+#include "common/log.h"
+#include "common/rng.h"
+#include "common/time.h"
+#include "pipe/pipe.h"
+
+typedef struct url {
+    char host[128];
+    int port;
+} url_t;
+
+static bool parse_url(const char *s, url_t *u)
+{
+    return s != NULL && sscanf(s, "http://%127[^:/]:%d", u->host, &u->port) == 2;
+}
+
+typedef struct resp {
+    int status;
+    char *body;
+} resp_t;
+
+static void on_done(struct evhttp_request *hr, void *arg)
+{
+    resp_t *r = arg;
+    r->status = hr != NULL ? evhttp_request_get_response_code(hr) : 0;
+    if (hr != NULL) {
+        struct evbuffer *in = evhttp_request_get_input_buffer(hr);
+        size_t n = evbuffer_get_length(in);
+        r->body = malloc(n + 1);
+        evbuffer_remove(in, r->body, n);
+        r->body[n] = '\0';
+    }
+}
+
+/* One blocking request; returns the seconds it took (status in *r). */
+static double request(struct event_base *b, const url_t *u, enum evhttp_cmd_type m, const char *path,
+                      const char *body, resp_t *r)
+{
+    memset(r, 0, sizeof(*r));
+    struct evhttp_connection *c = evhttp_connection_base_new(b, NULL, u->host, (ev_uint16_t)u->port);
+    evhttp_connection_set_timeout(c, 600);
+    struct evhttp_request *hr = evhttp_request_new(on_done, r);
+    evhttp_add_header(evhttp_request_get_output_headers(hr), "Host", u->host);
+    if (body != NULL) {
+        evhttp_add_header(evhttp_request_get_output_headers(hr), "Content-Type", "application/json");
+        evbuffer_add(evhttp_request_get_output_buffer(hr), body, strlen(body));
+    }
+    double t0 = pd_time_now_s();
+    if (evhttp_make_request(c, hr, m, path) == 0) {
+        event_base_dispatch(b);
+    }
+    double dt = pd_time_now_s() - t0;
+    evhttp_connection_free(c);
+    return dt;
+}
+
+static double series(const char *text, const char *name)
+{
+    size_t nl = strlen(name);
+    for (const char *p = text; p != NULL && *p; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL) {
+        if (strncmp(p, name, nl) == 0 && p[nl] == ' ') {
+            return atof(p + nl + 1);
+        }
+    }
+    return 0;
+}
+
+typedef struct phases {
+    double sum[5], count[5]; /* queue, transfer, notify, remote, handshake */
+    double bytes;
+} phases_t;
+
+static void scrape(struct event_base *b, const url_t *dec, phases_t *p)
+{
+    static const char *names[5] = {"pd:kv_transfer_phase_seconds_sum{phase=\"queue\"}",
+                                   "pd:kv_transfer_phase_seconds_sum{phase=\"transfer\"}",
+                                   "pd:kv_transfer_phase_seconds_sum{phase=\"notify\"}",
+                                   "pd:kv_transfer_phase_seconds_sum{phase=\"remote\"}",
+                                   "pd:kv_handshake_seconds_sum"};
+    static const char *counts[5] = {"pd:kv_transfer_phase_seconds_count{phase=\"queue\"}",
+                                    "pd:kv_transfer_phase_seconds_count{phase=\"transfer\"}",
+                                    "pd:kv_transfer_phase_seconds_count{phase=\"notify\"}",
+                                    "pd:kv_transfer_phase_seconds_count{phase=\"remote\"}",
+                                    "pd:kv_handshake_seconds_count"};
+    resp_t r;
+    request(b, dec, EVHTTP_REQ_GET, "/metrics", NULL, &r);
+    memset(p, 0, sizeof(*p));
+    if (r.status == 200) {
+        for (int i = 0; i < 5; i++) {
+            p->sum[i] = series(r.body, names[i]);
+            p->count[i] = series(r.body, counts[i]);
+        }
+        p->bytes = series(r.body, "pd:kv_transfer_bytes_total");
+    }
+    free(r.body);
+}
+
+static char *prompt_body(pd_rng_t *rng, int len, int vocab, int max_tokens, bool remote_decode)
+{
+    json_t *ids = json_array();
+    for (int i = 0; i < len; i++) {
+        json_array_append_new(ids, json_integer((json_int_t)pd_rng_below(rng, (uint64_t)vocab)));
+    }
+    json_t *b = json_pack("{s:o, s:i, s:f, s:b}", "prompt", ids, "max_tokens", max_tokens, "temperature", 0.0,
+                          "ignore_eos", 1);
+    if (remote_decode) {
+        json_object_set_new(b, "kv_transfer_params", json_pack("{s:b}", "do_remote_decode", 1));
+    }
+    char *s = json_dumps(b, JSON_COMPACT);
+    json_decref(b);
+    return s;
+}
+
+static void done_cb(void *arg, pd_status_t st)
+{
+    *(int *)arg = st == PD_OK ? 1 : -1;
+}
+
+/* The pipe's read bandwidth for page-sized ranges between two endpoints of this process. */
+static double pipe_read_gbps(const char *kind, size_t page, size_t bytes)
+{
+    pd_pipe_config_t c;
+    memset(&c, 0, sizeof(c));
+    c.kind = kind;
+    pd_pipe_t *a = NULL, *b = NULL;
+    if (pd_pipe_create(&c, &a) != PD_OK || pd_pipe_create(&c, &b) != PD_OK) {
+        pd_pipe_destroy(a);
+        return 0;
+    }
+    uint8_t aa[PD_PIPE_ADDR_MAX], ba[PD_PIPE_ADDR_MAX], d[PD_PIPE_RKEY_MAX];
+    size_t al = sizeof(aa), bl = sizeof(ba), dl = sizeof(d);
+    pd_pipe_peer_t *ab = NULL, *bpa = NULL;
+    pd_pipe_region_t *ra = NULL, *rb = NULL;
+    pd_pipe_remote_t *rr = NULL;
+    double gbps = 0;
+    if (a->ops->address(a, aa, &al) == PD_OK && b->ops->address(b, ba, &bl) == PD_OK &&
+        a->ops->connect(a, ba, bl, &ab) == PD_OK && b->ops->connect(b, aa, al, &bpa) == PD_OK &&
+        a->ops->alloc_region(a, bytes, &ra) == PD_OK && b->ops->alloc_region(b, bytes, &rb) == PD_OK &&
+        b->ops->export_region(b, rb, bpa, false, d, &dl) == PD_OK &&
+        a->ops->import_region(a, ab, d, dl, &rr) == PD_OK) {
+        memset(ra->base, 1, bytes);
+        memset(rb->base, 2, bytes);
+        int n = (int)(bytes / page);
+        pd_page_xfer_t *pg = malloc((size_t)n * sizeof(*pg));
+        for (int i = 0; i < n; i++) {
+            /* remote pages in another order: ranges do not coalesce (the worst case for a block list) */
+            int j = (i * 2) % n + (i * 2 >= n);
+            pg[i] = (pd_page_xfer_t){(uint64_t)i * page, (uint64_t)j * page, page};
+        }
+        double best = 0;
+        for (int rep = 0; rep < 5; rep++) {
+            int done = 0;
+            double t0 = pd_time_now_s();
+            if (pd_pipe_read_pages(a, ab, ra, rr, pg, n, done_cb, &done) != PD_OK) {
+                break;
+            }
+            while (done == 0) {
+                pd_pipe_progress(a);
+                pd_pipe_progress(b);
+            }
+            double dt = pd_time_now_s() - t0;
+            double g = (double)bytes / dt / 1e9;
+            best = g > best ? g : best;
+        }
+        gbps = best;
+        free(pg);
+    }
+    pd_pipe_destroy(a);
+    pd_pipe_destroy(b);
+    return gbps;
+}
+
+int main(int argc, char **argv)
+{
+    const char *proxy = "http://127.0.0.1:8000", *prefill = NULL, *decode = NULL, *lens = "512,2048,8192";
+    const char *pipe = "ucx", *results = NULL, *label = "";
+    int repeat = 3, vocab = 256, kv_bytes_per_token = 0, page_bytes = 16384;
+    int64_t seed = 1;
+    const pd_flag_t flags[] = {
+        {"proxy", PD_FLAG_STR, &proxy, "pd-proxy URL", NULL},
+        {"prefill", PD_FLAG_STR, &prefill, "the prefill node behind it", NULL},
+        {"decode", PD_FLAG_STR, &decode, "the decode node behind it (its /metrics)", NULL},
+        {"lens", PD_FLAG_STR, &lens, "prompt lengths, comma-separated", NULL},
+        {"repeat", PD_FLAG_INT, &repeat, "requests per length and path", NULL},
+        {"vocab-size", PD_FLAG_INT, &vocab, "prompt ids are drawn below this", NULL},
+        {"kv-bytes-per-token", PD_FLAG_INT, &kv_bytes_per_token, "KV bytes one token occupies (all layers)",
+         NULL},
+        {"page-bytes", PD_FLAG_INT, &page_bytes, "one (layer, block) page, for the pipe baseline", NULL},
+        {"pipe", PD_FLAG_STR, &pipe, "pipe kind the nodes use (for the baseline)", NULL},
+        {"seed", PD_FLAG_INT64, &seed, "prompt seed", NULL},
+        {"label", PD_FLAG_STR, &label, "a name for this run (mode, pipe)", NULL},
+        {"results", PD_FLAG_STR, &results, "append the table to this markdown file", NULL},
+    };
+    int first = 0;
+    pd_status_t st =
+        pd_flags_parse(flags, sizeof(flags) / sizeof(flags[0]), argc, argv,
+                       "usage: pd-bench-handover --proxy URL --prefill URL --decode URL [options]\n"
+                       "TTFT through a P/D pair minus TTFT of the prefill alone, by phase.",
+                       &first);
+    if (st == PD_ERR_CANCELLED) {
+        return 0;
+    }
+    url_t px, pf, dc;
+    if (st != PD_OK || !parse_url(proxy, &px) || !parse_url(prefill, &pf) || !parse_url(decode, &dc) ||
+        kv_bytes_per_token <= 0) {
+        pd_log_error("give --proxy, --prefill, --decode as http://HOST:PORT and --kv-bytes-per-token");
+        return 2;
+    }
+    pd_log_set_level(PD_LOG_WARN);
+    struct event_base *b = event_base_new();
+    pd_rng_t rng;
+    pd_rng_seed(&rng, (uint64_t)seed);
+    char table[8192];
+    size_t tl = 0;
+    tl += (size_t)snprintf(
+        table + tl, sizeof(table) - tl,
+        "| prompt | KV MiB | TTFT prefill alone (ms) | TTFT via P/D (ms) | overhead (ms) | queue | "
+        "transfer | notify | remote (push) | pipe-bandwidth time + 2 ms | goal |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n");
+    /* one warm-up through the proxy: the decode's first handshake is reported separately */
+    char *w = prompt_body(&rng, 64, vocab, 1, false);
+    resp_t r;
+    request(b, &px, EVHTTP_REQ_POST, "/v1/completions", w, &r);
+    free(w), free(r.body);
+    phases_t h0;
+    scrape(b, &dc, &h0);
+    char *list = strdup(lens), *save = NULL;
+    bool all_ok = true;
+    for (char *t = strtok_r(list, ",", &save); t != NULL; t = strtok_r(NULL, ",", &save)) {
+        int len = atoi(t);
+        double alone = 0, pd = 0;
+        int ok = 0;
+        phases_t before, after;
+        for (int k = 0; k < repeat; k++) {
+            char *body = prompt_body(&rng, len, vocab, 1, false);
+            alone += request(b, &pf, EVHTTP_REQ_POST, "/v1/completions", body, &r);
+            ok += r.status == 200;
+            free(body), free(r.body);
+        }
+        scrape(b, &dc, &before);
+        for (int k = 0; k < repeat; k++) {
+            char *body = prompt_body(&rng, len, vocab, 1, false);
+            pd += request(b, &px, EVHTTP_REQ_POST, "/v1/completions", body, &r);
+            ok += r.status == 200;
+            free(body), free(r.body);
+        }
+        scrape(b, &dc, &after);
+        if (ok != 2 * repeat) {
+            pd_log_error("prompt %d: %d of %d requests failed", len, 2 * repeat - ok, 2 * repeat);
+            all_ok = false;
+        }
+        alone = alone / repeat * 1e3;
+        pd = pd / repeat * 1e3;
+        double ph[4];
+        for (int i = 0; i < 4; i++) {
+            double n = after.count[i] - before.count[i];
+            ph[i] = n > 0 ? (after.sum[i] - before.sum[i]) / n * 1e3 : 0;
+        }
+        double kv = (double)len * kv_bytes_per_token;
+        double gbps = pipe_read_gbps(pipe, (size_t)page_bytes, (size_t)(kv < 1 << 20 ? 1 << 20 : kv));
+        double bound = gbps > 0 ? kv / (gbps * 1e9) * 1e3 + 2 : 0;
+        double over = pd - alone;
+        fprintf(
+            stderr,
+            "pd-bench-handover: %d tokens: alone %.1f ms, P/D %.1f ms, overhead %.1f ms (bound %.1f ms at "
+            "%.2f GB/s)\n",
+            len, alone, pd, over, bound, gbps);
+        tl += (size_t)snprintf(
+            table + tl, sizeof(table) - tl,
+            "| %d | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.2f | %.2f | %.1f (%.2f GB/s) | %s |\n", len,
+            kv / (1 << 20), alone, pd, over, ph[0], ph[1], ph[2], ph[3], bound, gbps,
+            over <= bound ? "met" : "NOT met");
+    }
+    free(list);
+    phases_t end;
+    scrape(b, &dc, &end);
+    double hs = end.count[4] > 0 ? end.sum[4] / end.count[4] * 1e3 : 0;
+    printf("%s\nhandshake (first contact, once per peer): %.2f ms mean over %.0f\n", table, hs, end.count[4]);
+    if (results != NULL) {
+        FILE *f = fopen(results, "a");
+        if (f != NULL) {
+            char date[64];
+            time_t now = time(NULL);
+            strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", gmtime(&now));
+            long cores = sysconf(_SC_NPROCESSORS_ONLN);
+            fprintf(f, "\n## pd-bench-handover %s — %s\n\n", label, date);
+            fprintf(f,
+                    "Command: `pd-bench-handover --proxy %s --prefill %s --decode %s --lens %s --repeat %d "
+                    "--kv-bytes-per-token %d --pipe %s` (via tools/bench-pd.sh). Machine: %ld cores.\n"
+                    "Phase columns are the decode's mean ms per transfer (pd:kv_transfer_phase_seconds); "
+                    "the baseline reads the same bytes in %d-byte pages between two %s endpoints of one "
+                    "process. Handshake on first contact: %.2f ms.\n\n%s",
+                    proxy, prefill, decode, lens, repeat, kv_bytes_per_token, pipe, cores, page_bytes, pipe,
+                    hs, table);
+            fclose(f);
+        }
+    }
+    event_base_free(b);
+    return all_ok ? 0 : 1;
+}

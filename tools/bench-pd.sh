@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# tools/bench-pd.sh BUILD_DIR — the disaggregation benchmarks (part of `make bench`):
+#   1. handover overhead: TTFT via prefill→decode minus TTFT of the prefill alone, for 512, 2048
+#      and 8192-token prompts, by phase, against the pipe's own bandwidth (pd-bench-handover);
+#   2. disaggregated 1P1D (pull and push, ucx) vs colocated pd-serve with the same total threads
+#      (2), the demo model, a sweep of request rates for a long-prompt/short-output workload and a
+#      mixed one: goodput at a TPOT SLO and TTFT/TPOT/ITL percentiles (pd-bench), plots in
+#      bench/plots/.
+# Results are appended to bench/RESULTS.md with the commands, machine and date.
+# PD_BENCH_QUICK=1 runs a smaller sweep (fewer prompts and rates).
+set -euo pipefail
+build=${1:-build}
+cd "$(dirname "$0")/.."
+bin="$build/bin"
+models="$build/models"
+results=bench/RESULTS.md
+mkdir -p "$models" bench/plots
+if [[ ! -f "$models/demo/config.json" ]]; then
+  "$bin/pd-mkmodel" --preset demo --out "$models/demo"
+fi
+work=$(mktemp -d /tmp/pd-bench-XXXXXX)
+pids=()
+stop_all() {
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "${pids[@]}"; do
+    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  done
+  pids=()
+}
+trap 'stop_all; rm -rf "$work"' EXIT
+
+# start NAME BINARY ARGS... — starts a server with a port file; sets $port
+start() {
+  local name=$1 exe=$2; shift 2
+  rm -f "$work/$name.port"
+  "$bin/$exe" "$@" --port 0 --port-file "$work/$name.port" >"$work/$name.log" 2>&1 &
+  local pid=$!
+  pids+=("$pid")
+  for _ in $(seq 600); do
+    if [[ -s "$work/$name.port" ]]; then port=$(cat "$work/$name.port"); return 0; fi
+    if ! kill -0 "$pid" 2>/dev/null; then echo "bench-pd: $name died:" >&2; cat "$work/$name.log" >&2; exit 1; fi
+    sleep 0.2
+  done
+  echo "bench-pd: $name did not start" >&2; exit 1
+}
+
+model=(--model "$models/demo" --served-model-name demo --kv-cache-memory 3G --max-model-len 8192
+       --max-num-batched-tokens 2048)
+# start_pd MODE — 1 prefill + 1 decode (1 thread each) + proxy; sets pport dport xport
+start_pd() {
+  local kv=(--threads 1 --kv-pipe ucx --kv-transfer-mode "$1" --kv-listen 127.0.0.1:0)
+  start prefill pd-prefill "${model[@]}" "${kv[@]}"; pport=$port
+  start decode pd-decode "${model[@]}" "${kv[@]}"; dport=$port
+  start proxy pd-proxy --health-interval 0.5 --prefill "http://127.0.0.1:$pport" --decode "http://127.0.0.1:$dport"
+  xport=$port
+}
+
+machine="$(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
+
+# ---- 1. handover overhead --------------------------------------------------------------------
+for mode in pull push; do
+  echo "bench-pd: handover overhead ($mode, ucx)"
+  start_pd "$mode"
+  "$bin/pd-bench" --base-url "http://127.0.0.1:$xport" --wait-ready 60 --num-prompts 1 \
+    --random-input-len 16 --random-output-len 1 --no-progress >/dev/null
+  "$bin/pd-bench-handover" --proxy "http://127.0.0.1:$xport" --prefill "http://127.0.0.1:$pport" \
+    --decode "http://127.0.0.1:$dport" --lens 512,2048,8192 --repeat 2 --kv-bytes-per-token 8192 \
+    --page-bytes 16384 --pipe ucx --label "($mode, ucx, demo model)" --results "$results"
+  stop_all
+done
+
+# ---- 2. disaggregated vs colocated sweep ------------------------------------------------------
+if [[ -n "${PD_BENCH_QUICK:-}" ]]; then rates=(1 2); n=12; else rates=(0.5 1 2 4); n=24; fi
+slo="tpot:40 ttft:3000"
+declare -A wl
+wl[long]="--random-input-len 1024 --random-output-len 16 --random-range-ratio 0.2"
+wl[mixed]="--random-input-len 256 --random-output-len 96 --random-range-ratio 0.5"
+files_long=(); files_mixed=()
+for config in colocated pull push; do
+  if [[ $config == colocated ]]; then
+    start serve pd-serve "${model[@]}" --threads 2; url="http://127.0.0.1:$port"; kvurl=()
+  else
+    start_pd "$config"; url="http://127.0.0.1:$xport"; kvurl=(--kv-metrics-url "http://127.0.0.1:$dport")
+  fi
+  for w in long mixed; do
+    for rate in "${rates[@]}"; do
+      f="$work/$config-$w-$rate.json"
+      echo "bench-pd: $config, $w workload, $rate req/s"
+      # shellcheck disable=SC2086
+      "$bin/pd-bench" --base-url "$url" --wait-ready 60 --dataset-name random ${wl[$w]} --num-prompts "$n" \
+        --request-rate "$rate" --seed 7 --ignore-eos --goodput "$slo" --metric-percentiles 50,99 --no-progress \
+        --label "$config $w" --save-result --result-filename "$f" "${kvurl[@]}" >"$work/$config-$w-$rate.out"
+      if [[ $w == long ]]; then files_long+=("$f"); else files_mixed+=("$f"); fi
+    done
+  done
+  stop_all
+done
+{
+  echo
+  echo "## pd-bench: 1P1D (pull, push; ucx) vs colocated pd-serve — $(date -u '+%Y-%m-%d %H:%M UTC')"
+  echo
+  echo "Command: \`tools/bench-pd.sh\` (\`make bench\`). Machine: $machine. Demo model (8 layers, hidden 512,"
+  echo "random bf16 weights, fp32 KV), same total threads: pd-serve --threads 2 vs prefill 1 + decode 1."
+  echo "$n requests per point, Poisson arrivals, --ignore-eos; goodput SLO: \`$slo\` (ms)."
+  echo "long = 1024±20% prompt tokens, 16 output; mixed = 256±50% prompt, 96±50% output."
+  echo
+  "$bin/pd-bench" table "${files_long[@]}" "${files_mixed[@]}"
+  echo
+  echo "Plots: bench/plots/pd_long/, bench/plots/pd_mixed/ (latency vs rate, CDF)."
+} >>"$results"
+"$bin/pd-bench" plot bench/plots/pd_long "${files_long[@]}" || true
+"$bin/pd-bench" plot bench/plots/pd_mixed "${files_mixed[@]}" || true
+echo "bench-pd: results appended to $results"
