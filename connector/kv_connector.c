@@ -850,6 +850,13 @@ pd_status_t pd_kv_connector_create(const pd_kv_connector_config_t *cfg, pd_metri
         pd_log_error("kv connector: every --kv-*-timeout and the heartbeat settings must be positive");
         return PD_ERR_INVALID_ARG;
     }
+    if (strcmp(cfg->pipe, "nccl") == 0) {
+        /* NCCL moves device memory; this node's KV cache lives in host memory (CPU backend) */
+        pd_log_error(
+            "kv connector: --kv-pipe nccl needs the KV cache in GPU memory (--device cuda); this build's "
+            "engine computes on the CPU — use --kv-pipe ucx or tcp");
+        return PD_ERR_UNSUPPORTED;
+    }
     kv_conn_t *k = calloc(1, sizeof(*k));
     if (k == NULL) {
         return PD_ERR_NO_MEMORY;

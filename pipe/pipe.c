@@ -8,7 +8,9 @@
 
 const char *pd_pipe_kinds(void)
 {
-#ifdef PD_HAVE_UCX
+#if defined(PD_HAVE_UCX) && defined(PD_HAVE_NCCL)
+    return "tcp,ucx,nccl";
+#elif defined(PD_HAVE_UCX)
     return "tcp,ucx";
 #else
     return "tcp";
@@ -24,6 +26,11 @@ pd_status_t pd_pipe_create(const pd_pipe_config_t *cfg, pd_pipe_t **pipe_out)
 #ifdef PD_HAVE_UCX
     if (strcmp(kind, "ucx") == 0) {
         return pd_pipe_ucx_ops.create(cfg, pipe_out);
+    }
+#endif
+#ifdef PD_HAVE_NCCL
+    if (strcmp(kind, "nccl") == 0) {
+        return pd_pipe_nccl_ops.create(cfg, pipe_out);
     }
 #endif
     pd_log_error("pipe: kind '%s' is not available in this build (%s)", kind, pd_pipe_kinds());

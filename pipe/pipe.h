@@ -138,5 +138,6 @@ pd_status_t pd_pipe_read_pages(pd_pipe_t *p, pd_pipe_peer_t *peer, pd_pipe_regio
 /* Backends. */
 extern const pd_pipe_ops_t pd_pipe_tcp_ops;
 extern const pd_pipe_ops_t pd_pipe_ucx_ops;
+extern const pd_pipe_ops_t pd_pipe_nccl_ops; /* builds with CUDA + NCCL (PD_HAVE_NCCL) */
 
 #endif
