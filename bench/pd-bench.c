@@ -579,6 +579,7 @@ static int plot(int argc, char **argv)
 typedef struct get_result {
     int status;
     char *body;
+    struct event_base *base;
 } get_result_t;
 
 static void on_get(struct evhttp_request *hr, void *arg)
@@ -594,12 +595,13 @@ static void on_get(struct evhttp_request *hr, void *arg)
             g->body[len] = '\0';
         }
     }
+    event_base_loopexit(g->base, NULL); /* a kept-alive connection would hold the loop */
 }
 
 /* A blocking GET on the benchmark's event base (before or after the run). */
 static get_result_t http_get(struct event_base *base, const char *host, int port, const char *path)
 {
-    get_result_t g = {0, NULL};
+    get_result_t g = {0, NULL, base};
     struct evhttp_connection *c = evhttp_connection_base_new(base, NULL, host, (ev_uint16_t)port);
     evhttp_connection_set_timeout(c, 10);
     struct evhttp_request *hr = evhttp_request_new(on_get, &g);

@@ -32,6 +32,7 @@ void pd_kv_connector_config_defaults(pd_kv_connector_config_t *c)
     c->heartbeat_misses = 5;
     c->save_timeout = 30;
     c->load_failure_policy = "recompute";
+    c->prefault = true;
 }
 
 size_t pd_kv_connector_flags(pd_kv_connector_config_t *c, pd_flag_t *out, size_t max)
@@ -65,6 +66,10 @@ size_t pd_kv_connector_flags(pd_kv_connector_config_t *c, pd_flag_t *out, size_t
          "silent heartbeat intervals before a peer is declared dead", NULL},
         {"kv-save-timeout", PD_FLAG_DOUBLE, &c->save_timeout,
          "seconds a prefill step waits for its layer writes (push)", NULL},
+        {"kv-prefault", PD_FLAG_BOOL, &c->prefault,
+         "touch every page of the KV region in a background thread at start (first-touch faults stay out of "
+         "transfers)",
+         NULL},
     };
     size_t n = sizeof(f) / sizeof(f[0]);
     n = n < max ? n : max;
@@ -724,6 +729,22 @@ static const pd_connector_ops_t KV_OPS = {
 
 /* ------------------------------------------------------------------ lifecycle */
 
+static void *prefault_main(void *arg)
+{
+    kv_conn_t *k = arg;
+    char *p = k->region->base;
+    size_t len = k->region->len;
+    double t0 = pd_time_now_s();
+    for (size_t off = 0; off < len && !__atomic_load_n(&k->prefault_stop, __ATOMIC_RELAXED); off += 4096) {
+        /* an atomic add of 0 is a write access (the page is faulted in writable) that cannot lose a
+         * value the engine stores into the same byte meanwhile (a locked RMW is indivisible) */
+        __atomic_fetch_add(p + off, 0, __ATOMIC_RELAXED);
+    }
+    pd_log_info("kv connector: pre-faulted the %.2f GiB KV region in %.1f s (background)",
+                (double)len / (1u << 30), pd_time_now_s() - t0);
+    return NULL;
+}
+
 static pd_status_t region_alloc(void *ctx, size_t bytes, void **ptr_out)
 {
     kv_conn_t *k = ctx;
@@ -737,6 +758,12 @@ static pd_status_t region_alloc(void *ctx, size_t bytes, void **ptr_out)
         return st;
     }
     *ptr_out = k->region->base;
+    if (k->cfg.prefault) {
+        /* touch every page in the background: a first-touch fault per 4 KiB page inside a transfer
+         * costs more than the copy (measured here: ~18 µs per fault; 4 MiB of fresh blocks read in
+         * ~8 ms instead of ~3 ms) */
+        k->prefault_started = pthread_create(&k->prefault_thread, NULL, prefault_main, k) == 0;
+    }
     return PD_OK;
 }
 
@@ -952,9 +979,16 @@ json_t *pd_kv_connector_info(const pd_connector_t *c)
 
 void pd_kv_connector_stop(pd_connector_t *c)
 {
-    if (c != NULL) {
-        kv_ctl_stop((kv_conn_t *)c);
+    if (c == NULL) {
+        return;
     }
+    kv_conn_t *k = (kv_conn_t *)c;
+    if (k->prefault_started) {
+        __atomic_store_n(&k->prefault_stop, true, __ATOMIC_RELAXED);
+        pthread_join(k->prefault_thread, NULL);
+        k->prefault_started = false;
+    }
+    kv_ctl_stop(k);
 }
 
 void pd_kv_connector_destroy(pd_connector_t *c)
@@ -963,7 +997,7 @@ void pd_kv_connector_destroy(pd_connector_t *c)
         return;
     }
     kv_conn_t *k = (kv_conn_t *)c;
-    kv_ctl_stop(k); /* destroys the pipe: every pending operation completes first */
+    pd_kv_connector_stop(c); /* destroys the pipe: every pending operation completes first */
     while (k->sched_pending != NULL) {
         kv_xfer_t *x = k->sched_pending;
         k->sched_pending = x->next;

@@ -44,6 +44,7 @@ typedef struct pd_kv_connector_config {
     int heartbeat_misses;            /* silent intervals before a peer is declared dead */
     double save_timeout;             /* s wait_for_save waits for one step's writes */
     const char *load_failure_policy; /* the engine's (for the policy-action metric) */
+    bool prefault;                   /* touch the KV region's pages in a background thread */
 } pd_kv_connector_config_t;
 
 void pd_kv_connector_config_defaults(pd_kv_connector_config_t *cfg);

@@ -814,6 +814,7 @@ static void on_job_done(void *arg, pd_status_t st)
 {
     kv_write_job_t *j = arg;
     kv_conn_t *k = j->conn;
+    k->jobs_posted--;
     if (j->gen == k->gen) {
         if (st == PD_OK) {
             k->jobs_done++;
@@ -837,6 +838,7 @@ static void post_jobs(kv_conn_t *k)
     while (j != NULL) {
         kv_write_job_t *next = j->next;
         pd_status_t st = PD_ERR_PEER_GONE;
+        k->jobs_posted++;
         if (j->peer->state == KV_PEER_READY) {
             st = pd_pipe_write_pages(k->pipe, j->peer->pp, k->region, j->peer->remote, j->pages, j->num_pages,
                                      on_job_done, j);
@@ -1023,8 +1025,10 @@ static void *ctl_main(void *arg)
         }
         pthread_mutex_lock(&k->mu);
         bool busy = k->jobs != NULL || k->handoff != NULL || k->notices != NULL;
-        for (kv_xfer_t *x = k->xfers; x != NULL && !busy; x = x->next) {
-            busy = x->state == KV_XS_POSTED || x->state == KV_XS_QUEUED;
+        bool moving = k->jobs_posted > 0;
+        for (kv_xfer_t *x = k->xfers; x != NULL && !moving; x = x->next) {
+            moving = x->state == KV_XS_POSTED;
+            busy = busy || x->state == KV_XS_QUEUED;
         }
         bool stop = k->stop;
         pthread_mutex_unlock(&k->mu);
@@ -1032,7 +1036,9 @@ static void *ctl_main(void *arg)
             break;
         }
         /* the pipe's completions arrive through progress: poll it often while pages move */
-        struct timespec ts = {0, busy ? 200 * 1000 : 50 * 1000 * 1000};
+        /* while pages move, UCX wants its worker progressed continuously (a bounded number of
+         * operations advance per call): spin without sleeping until they land */
+        struct timespec ts = {0, moving ? 0 : busy ? 200 * 1000 : 50 * 1000 * 1000};
         int rc = ppoll(pf, i, &ts, NULL);
         if (rc > 0 && (pf[1].revents & POLLIN)) {
             uint64_t v;

@@ -204,6 +204,9 @@ typedef struct kv_conn {
     int32_t num_rep_sending, num_rep_recving;
     int32_t step_jobs; /* write jobs posted this step */
 
+    pthread_t prefault_thread;
+    bool prefault_started, prefault_stop;
+
     /* control thread */
     pthread_t thread;
     bool thread_started;
@@ -220,6 +223,7 @@ typedef struct kv_conn {
     kv_write_job_t *jobs;
     kv_notice_t *notices;
     uint64_t gen;                   /* step generation of write jobs */
+    int32_t jobs_posted;            /* write jobs on the pipe (ctl thread) */
     int32_t jobs_done, jobs_failed; /* of this step's jobs */
     char **fin_sending, **fin_recving;
     int32_t num_fin_sending, cap_fin_sending, num_fin_recving, cap_fin_recving;

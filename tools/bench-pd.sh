@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tools/bench-pd.sh BUILD_DIR — the disaggregation benchmarks (part of `make bench`):
 #   1. handover overhead: TTFT via prefill→decode minus TTFT of the prefill alone, for 512, 2048
-#      and 8192-token prompts, by phase, against the pipe's own bandwidth (pd-bench-handover);
+#      and 8176-token prompts (the demo model's 8192 positions minus one block), by phase, against the pipe's own bandwidth (pd-bench-handover);
 #   2. disaggregated 1P1D (pull and push, ucx) vs colocated pd-serve with the same total threads
 #      (2), the demo model, a sweep of request rates for a long-prompt/short-output workload and a
 #      mixed one: goodput at a TPOT SLO and TTFT/TPOT/ITL percentiles (pd-bench), plots in
@@ -66,7 +66,7 @@ for mode in pull push; do
   "$bin/pd-bench" --base-url "http://127.0.0.1:$xport" --wait-ready 60 --num-prompts 1 \
     --random-input-len 16 --random-output-len 1 --no-progress >/dev/null
   "$bin/pd-bench-handover" --proxy "http://127.0.0.1:$xport" --prefill "http://127.0.0.1:$pport" \
-    --decode "http://127.0.0.1:$dport" --lens 512,2048,8192 --repeat 2 --kv-bytes-per-token 8192 \
+    --decode "http://127.0.0.1:$dport" --lens 512,2048,8176 --repeat 2 --kv-bytes-per-token 8192 \
     --page-bytes 16384 --pipe ucx --label "($mode, ucx, demo model)" --results "$results"
   stop_all
 done

@@ -86,7 +86,7 @@ typedef struct cluster {
 
 #define FAST_TIMEOUTS                                                                                        \
     "--kv-heartbeat-interval", "0.2", "--kv-heartbeat-misses", "5", "--kv-handshake-timeout", "2",           \
-        "--kv-load-timeout", "10"
+        "--kv-load-timeout", "10", "--no-kv-prefault"
 
 static void start_proxy(cluster_t *c, const char *policy)
 {
@@ -105,7 +105,7 @@ static void cluster_start(cluster_t *c, const char *mode, const char *pipe, char
 {
     memset(c, 0, sizeof(*c));
     char *common[32] = {"--kv-transfer-mode", (char *)mode, "--kv-pipe", (char *)pipe, FAST_TIMEOUTS};
-    int n = 12;
+    int n = 13;
     char *pa[40], *da[40];
     memcpy(pa, common, sizeof(common));
     memcpy(da, common, sizeof(common));
