@@ -2,6 +2,10 @@
 #define _GNU_SOURCE
 #include "engine/engine.h"
 
+#ifdef PD_HAVE_CUDA
+#include "kernels/cuda/backend_cuda.h"
+#endif
+
 #include <jansson.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -72,7 +76,7 @@ static void on_release(void *arg, pd_request_t *r);
 void pd_engine_config_defaults(pd_engine_config_t *c)
 {
     memset(c, 0, sizeof(*c));
-    c->device = "cpu";
+    c->device = "auto";
     c->block_size = 16;
     c->max_num_seqs = 64;
     c->max_num_batched_tokens = 2048;
@@ -89,7 +93,8 @@ size_t pd_engine_flags(pd_engine_config_t *c, pd_flag_t *out, size_t max)
     pd_flag_t f[] = {
         {"model", PD_FLAG_STR, &c->model_dir, "HF model directory (config.json, safetensors, tokenizer.json)",
          NULL},
-        {"device", PD_FLAG_CHOICE, &c->device, "compute backend", "cpu"},
+        {"device", PD_FLAG_CHOICE, &c->device,
+         "compute backend (auto: cuda when a device is present, else cpu)", "auto|cpu|cuda"},
         {"threads", PD_FLAG_INT, &c->threads, "compute threads (0 = all cores)", NULL},
         {"block-size", PD_FLAG_INT, &c->block_size, "tokens per KV cache block", NULL},
         {"max-num-seqs", PD_FLAG_INT, &c->max_num_seqs, "sequences per step at most", NULL},
@@ -150,7 +155,16 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
     pthread_cond_init(&e->cv, NULL);
     const char *base = strrchr(cfg->model_dir, '/');
     snprintf(e->model_name, sizeof(e->model_name), "%s", base != NULL && base[1] ? base + 1 : cfg->model_dir);
-    pd_status_t st = pd_backend_create(cfg->device, cfg->threads, &e->be);
+    const char *device = cfg->device != NULL ? cfg->device : "auto";
+    if (strcmp(device, "auto") == 0) {
+#ifdef PD_HAVE_CUDA
+        device = pd_cuda_device_count() > 0 ? "cuda" : "cpu";
+#else
+        device = "cpu";
+#endif
+        pd_log_info("engine: --device auto → %s", device);
+    }
+    pd_status_t st = pd_backend_create(device, cfg->threads, &e->be);
     if (st == PD_OK) {
         st = pd_model_load(cfg->model_dir, e->be, &e->model);
     }

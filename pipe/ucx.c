@@ -56,7 +56,29 @@ struct pd_pipe_remote {
     uint64_t base;
     uint64_t len;
     ucp_rkey_h rkey;
+    /* shared-memory rkeys map the peer's region here; a thread touches every page once so
+     * transfers do not pay a first-access fault per 4 KiB (measured: ~5 µs each on this VM,
+     * which held reads of fresh KV blocks to ~1 GB/s) */
+    const char *mapped;
+    pthread_t warm;
+    bool warming, warm_stop;
 };
+
+static void *warm_main(void *arg)
+{
+    pd_pipe_remote_t *rr = arg;
+    volatile const char *p = rr->mapped;
+    double t0 = pd_time_now_s();
+    uint64_t off = 0;
+    for (; off < rr->len && !__atomic_load_n(&rr->warm_stop, __ATOMIC_RELAXED); off += 4096) {
+        (void)p[off];
+    }
+    if (off >= rr->len) {
+        pd_log_info("ucx pipe: mapped %.2f GiB of a peer's region in %.1f s", (double)rr->len / (1u << 30),
+                    pd_time_now_s() - t0);
+    }
+    return NULL;
+}
 
 enum { OP_PAGES, OP_SEND, OP_RECV };
 
@@ -633,6 +655,11 @@ static pd_status_t ucx_import_region(pd_pipe_t *p, pd_pipe_peer_t *peer, const u
         free(rr);
         return PD_ERR_PARSE;
     }
+    void *lp = NULL;
+    if (rr->len >= (1u << 20) && ucp_rkey_ptr(rr->rkey, rr->base, &lp) == UCS_OK && lp != NULL) {
+        rr->mapped = lp;
+        rr->warming = pthread_create(&rr->warm, NULL, warm_main, rr) == 0;
+    }
     *out = rr;
     return PD_OK;
 }
@@ -640,6 +667,10 @@ static pd_status_t ucx_import_region(pd_pipe_t *p, pd_pipe_peer_t *peer, const u
 static void ucx_release_remote(pd_pipe_t *p, pd_pipe_remote_t *rr)
 {
     if (rr != NULL) {
+        if (rr->warming) {
+            __atomic_store_n(&rr->warm_stop, true, __ATOMIC_RELAXED);
+            pthread_join(rr->warm, NULL);
+        }
         ucp_rkey_destroy(rr->rkey);
         free(rr);
     }

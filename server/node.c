@@ -45,6 +45,15 @@ int pd_node_main(int argc, char **argv, const char *role)
         return 2;
     }
     kcfg.load_failure_policy = cfg.load_failure_policy;
+    /* the connector registers a host KV region with the pipe: device KV (and the pinned-staging
+     * path for pipes without device memory) is not built yet, so P/D nodes compute on the CPU */
+    if (strcmp(cfg.device, "cuda") == 0) {
+        pd_log_error("pd-%s: --device cuda is not supported on P/D nodes yet (the KV connector moves host "
+                     "memory); use pd-serve for a GPU, or --device cpu",
+                     role);
+        return 2;
+    }
+    cfg.device = "cpu";
     pd_metrics_t *metrics = NULL;
     if (pd_metrics_create(&metrics) != PD_OK) {
         return 1;

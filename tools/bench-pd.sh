@@ -55,6 +55,11 @@ start_pd() {
   start decode pd-decode "${model[@]}" "${kv[@]}"; dport=$port
   start proxy pd-proxy --health-interval 0.5 --prefill "http://127.0.0.1:$pport" --decode "http://127.0.0.1:$dport"
   xport=$port
+  # measure after both nodes finished pre-faulting their KV regions (a background thread)
+  for _ in $(seq 600); do
+    if grep -q "pre-faulted" "$work/prefill.log" && grep -q "pre-faulted" "$work/decode.log"; then return 0; fi
+    sleep 0.2
+  done
 }
 
 machine="$(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"

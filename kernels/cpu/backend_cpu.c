@@ -7,6 +7,9 @@
 
 #include "common/log.h"
 #include "kernels/cpu/cpu_ops.h"
+#ifdef PD_HAVE_CUDA
+#include "kernels/cuda/backend_cuda.h"
+#endif
 
 /* Every allocation carries a 64-byte header holding its size, for the peak accounting that the
  * memory profiler reads (bytes_in_use / bytes_peak). */
@@ -103,8 +106,29 @@ pd_status_t pd_backend_create(const char *name, int num_threads, pd_backend_t **
         ops = &cpu_ops;
     } else if (strcmp(name, "cpu-ref") == 0) {
         ops = &cpu_ref_ops;
+#ifdef PD_HAVE_CUDA
+    } else if (strcmp(name, "cuda") == 0) {
+        pd_backend_t *be = calloc(1, sizeof(*be));
+        if (be == NULL) {
+            return PD_ERR_NO_MEMORY;
+        }
+        be->num_threads = 1;
+        pd_status_t st = pd_cuda_backend_init(be, 0);
+        if (st != PD_OK) {
+            free(be);
+            return st;
+        }
+        *be_out = be;
+        return PD_OK;
+#endif
     } else {
-        pd_log_error("unknown backend '%s' (this build has: cpu, cpu-ref)", name);
+        pd_log_error("unknown backend '%s' (this build has: cpu, cpu-ref%s)", name,
+#ifdef PD_HAVE_CUDA
+                     ", cuda"
+#else
+                     ""
+#endif
+        );
         return PD_ERR_NOT_FOUND;
     }
     pd_backend_t *be = calloc(1, sizeof(*be));
@@ -131,6 +155,11 @@ pd_status_t pd_backend_create(const char *name, int num_threads, pd_backend_t **
 
 void pd_backend_destroy(pd_backend_t *be)
 {
+#ifdef PD_HAVE_CUDA
+    if (be != NULL && be->ops == &pd_cuda_backend_ops) {
+        pd_cuda_backend_fini(be);
+    }
+#endif
     free(be);
 }
 
