@@ -249,11 +249,13 @@ int main(int argc, char **argv)
     pd_rng_seed(&rng, (uint64_t)seed);
     char table[8192];
     size_t tl = 0;
-    tl += (size_t)snprintf(
-        table + tl, sizeof(table) - tl,
-        "| prompt | KV MiB | TTFT prefill alone (ms) | TTFT via P/D (ms) | overhead (ms) | queue | "
-        "transfer | notify | remote (push) | pipe-bandwidth time + 2 ms | goal |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|\n");
+    tl += (size_t)snprintf(table + tl, sizeof(table) - tl,
+                           "| prompt | KV MiB | TTFT prefill alone (ms) | TTFT via P/D (ms) | difference "
+                           "(ms) | decode phase (ms) | "
+                           "KV handover (ms) | queue | transfer | notify | remote (push) | pipe-bandwidth "
+                           "time + 2 ms | goal (KV "
+                           "handover) |\n"
+                           "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     /* one warm-up through the proxy: the decode's first handshake is reported separately */
     char *w = prompt_body(&rng, 64, vocab, 1, false);
     resp_t r;
@@ -337,7 +339,10 @@ int main(int argc, char **argv)
                     "notify (+ remote for push), the decode's mean ms per transfer "
                     "(pd:kv_transfer_phase_seconds); the goal compares it with the same bytes read in "
                     "%d-byte pages between two %s endpoints of one process, + 2 ms. Handshake on first "
-                    "contact: %.2f ms.\n\n%s",
+                    "contact: %.2f ms. In push mode the decode's request goes out with the prefill's, so its "
+                    "decode phase and the remote column (reservation to WRITE_DONE) contain the prefill's "
+                    "compute: "
+                    "read the TTFT difference there.\n\n%s",
                     proxy, prefill, decode, lens, repeat, kv_bytes_per_token, pipe, cores, page_bytes, pipe,
                     hs, table);
             fclose(f);
