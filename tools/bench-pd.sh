@@ -7,7 +7,8 @@
 #      mixed one: goodput at a TPOT SLO and TTFT/TPOT/ITL percentiles (pd-bench), plots in
 #      bench/plots/.
 # Results are appended to bench/RESULTS.md with the commands, machine and date.
-# PD_BENCH_QUICK=1 runs a smaller sweep (fewer prompts and rates).
+# PD_BENCH_QUICK=1 runs a smaller sweep (fewer prompts and rates); PD_BENCH_ONLY=handover|sweep
+# runs one part.
 set -euo pipefail
 build=${1:-build}
 cd "$(dirname "$0")/.."
@@ -66,6 +67,7 @@ machine="$(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | s
 
 # ---- 1. handover overhead --------------------------------------------------------------------
 for mode in pull push; do
+  [[ ${PD_BENCH_ONLY:-handover} == handover ]] || break
   echo "bench-pd: handover overhead ($mode, ucx)"
   start_pd "$mode"
   "$bin/pd-bench" --base-url "http://127.0.0.1:$xport" --wait-ready 60 --num-prompts 1 \
@@ -77,6 +79,7 @@ for mode in pull push; do
 done
 
 # ---- 2. disaggregated vs colocated sweep ------------------------------------------------------
+if [[ ${PD_BENCH_ONLY:-sweep} != sweep ]]; then exit 0; fi
 if [[ -n "${PD_BENCH_QUICK:-}" ]]; then rates=(1 2); n=12; else rates=(0.5 1 2 4); n=24; fi
 slo="tpot:40 ttft:3000"
 declare -A wl
@@ -89,13 +92,16 @@ for config in colocated pull push; do
   else
     start_pd "$config"; url="http://127.0.0.1:$xport"; kvurl=(--kv-metrics-url "http://127.0.0.1:$dport")
   fi
+  seed=7
   for w in long mixed; do
     for rate in "${rates[@]}"; do
+      seed=$((seed + 1)) # fresh prompts per point: no prefix-cache hits from the previous point
       f="$work/$config-$w-$rate.json"
       echo "bench-pd: $config, $w workload, $rate req/s"
       # shellcheck disable=SC2086
       "$bin/pd-bench" --base-url "$url" --wait-ready 60 --dataset-name random ${wl[$w]} --num-prompts "$n" \
-        --request-rate "$rate" --seed 7 --ignore-eos --goodput "$slo" --metric-percentiles 50,99 --no-progress \
+        --request-rate "$rate" --seed "$seed" --num-warmups 2 --ignore-eos --goodput "$slo" --metric-percentiles 50,99 \
+        --no-progress \
         --label "$config $w" --save-result --result-filename "$f" "${kvurl[@]}" >"$work/$config-$w-$rate.out"
       if [[ $w == long ]]; then files_long+=("$f"); else files_mixed+=("$f"); fi
     done
@@ -108,7 +114,8 @@ done
   echo
   echo "Command: \`tools/bench-pd.sh\` (\`make bench\`). Machine: $machine. Demo model (8 layers, hidden 512,"
   echo "random bf16 weights, fp32 KV), same total threads: pd-serve --threads 2 vs prefill 1 + decode 1."
-  echo "$n requests per point, Poisson arrivals, --ignore-eos; goodput SLO: \`$slo\` (ms)."
+  echo "$n requests per point (+2 unmeasured warmups), fresh prompts per point (seed), Poisson arrivals,"
+  echo "--ignore-eos; goodput SLO: \`$slo\` (ms)."
   echo "long = 1024±20% prompt tokens, 16 output; mixed = 256±50% prompt, 96±50% output."
   echo
   "$bin/pd-bench" table "${files_long[@]}" "${files_mixed[@]}"

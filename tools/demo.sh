@@ -57,6 +57,11 @@ dport=$(wait_port "$work/decode.port" "$dpid" decode)
   --prefill "http://127.0.0.1:$pport" --decode "http://127.0.0.1:$dport" >"$work/proxy.log" 2>&1 &
 pids+=($!); xpid=$!
 xport=$(wait_port "$work/proxy.port" "$xpid" proxy)
+echo "demo: waiting for both nodes to pre-fault their KV regions (--kv-prefault, a background thread)"
+for _ in $(seq 600); do
+  grep -q "pre-faulted" "$work/prefill.log" && grep -q "pre-faulted" "$work/decode.log" && break
+  sleep 0.2
+done
 echo "demo: prefill :$pport, decode :$dport, proxy http://127.0.0.1:$xport"
 echo "demo: $prompts requests (256-token prompts, 32 output tokens) at $rate req/s through the proxy"
 "$bin/pd-bench" --base-url "http://127.0.0.1:$xport" --wait-ready 60 --dataset-name random \
