@@ -320,7 +320,10 @@ int main(int argc, char **argv)
             "| %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.2f | %.2f | %.2f | %.1f (%.2f "
             "GB/s) | %s |\n",
             len, kv / (1 << 20), alone, pd, over, dphase, handover, ph[0], ph[1], ph[2], ph[3], bound, gbps,
-            handover <= bound ? "met" : "NOT met");
+            after.count[0] + after.count[3] <= before.count[0] + before.count[3]
+                ? "n/a: no transfer completed"
+            : handover <= bound ? "met"
+                                : "NOT met");
     }
     free(list);
     phases_t end;

@@ -51,7 +51,8 @@ model=(--model "$models/demo" --served-model-name demo --kv-cache-memory 3G --ma
        --max-num-batched-tokens 2048)
 # start_pd MODE — 1 prefill + 1 decode (1 thread each) + proxy; sets pport dport xport
 start_pd() {
-  local kv=(--threads 1 --kv-pipe ucx --kv-transfer-mode "$1" --kv-listen 127.0.0.1:0)
+  # push: the decode waits for the whole prefill (70+ s for 8k tokens on one thread here)
+  local kv=(--threads 1 --kv-pipe ucx --kv-transfer-mode "$1" --kv-listen 127.0.0.1:0 --kv-load-timeout 600)
   start prefill pd-prefill "${model[@]}" "${kv[@]}"; pport=$port
   start decode pd-decode "${model[@]}" "${kv[@]}"; dport=$port
   start proxy pd-proxy --health-interval 0.5 --prefill "http://127.0.0.1:$pport" --decode "http://127.0.0.1:$dport"
