@@ -32,9 +32,6 @@
 #include "pipe/pipe.h"
 
 #define TAG_USER_MASK ((1ull << 47) - 1)
-/* Largest single put/get posted (bigger coalesced ranges are split): measured here, 2 MiB gets
- * between processes ran at ~3 GB/s where 512 KiB ones ran at ~7 GB/s. */
-#define UCX_MAX_RMA (256u << 10)
 
 typedef struct ucx_pipe ucx_pipe_t;
 
@@ -181,7 +178,9 @@ static void op_report(ucx_pipe_t *u, op_t *o, pd_status_t st)
 static void op_step(ucx_pipe_t *u, op_t *o, ucs_status_t s)
 {
     if (s != UCS_OK && o->st == PD_OK) {
-        o->st = from_ucs(s);
+        /* on a peer already declared dead, whatever UCX reports (an I/O or cancel status for a
+         * chunk posted into a failed endpoint) is the peer being gone */
+        o->st = o->peer != NULL && o->peer->dead ? PD_ERR_PEER_GONE : from_ucs(s);
     }
     if (--o->pending > 0) {
         return;
@@ -722,18 +721,14 @@ static pd_status_t post_pages(bool write, pd_pipe_t *p, pd_pipe_peer_t *peer, pd
     memset(&none, 0, sizeof(none));
     ucs_status_t bad = UCS_OK;
     for (int i = 0; i < n && bad == UCS_OK; i++) {
-        /* coalesced ranges are posted in chunks of at most UCX_MAX_RMA bytes */
-        for (uint64_t done = 0; done < pages[i].len && bad == UCS_OK; done += UCX_MAX_RMA) {
-            uint64_t len = pages[i].len - done < UCX_MAX_RMA ? pages[i].len - done : UCX_MAX_RMA;
-            void *lp = (char *)local->base + pages[i].local_off + done;
-            uint64_t ra = remote->base + pages[i].remote_off + done;
-            ucs_status_ptr_t r = write ? ucp_put_nbx(peer->ep, lp, len, ra, remote->rkey, &none)
-                                       : ucp_get_nbx(peer->ep, lp, len, ra, remote->rkey, &none);
-            if (UCS_PTR_IS_ERR(r)) {
-                bad = UCS_PTR_STATUS(r);
-            } else if (r != NULL) {
-                ucp_request_free(r);
-            }
+        void *lp = (char *)local->base + pages[i].local_off;
+        uint64_t ra = remote->base + pages[i].remote_off;
+        ucs_status_ptr_t r = write ? ucp_put_nbx(peer->ep, lp, pages[i].len, ra, remote->rkey, &none)
+                                   : ucp_get_nbx(peer->ep, lp, pages[i].len, ra, remote->rkey, &none);
+        if (UCS_PTR_IS_ERR(r)) {
+            bad = UCS_PTR_STATUS(r);
+        } else if (r != NULL) {
+            ucp_request_free(r);
         }
     }
     ucp_request_param_t prm;
