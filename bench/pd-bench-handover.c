@@ -19,8 +19,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench/bench_http.h"
 #include "common/flags.h"
 #include "common/log.h"
+#include "common/metrics.h"
 #include "common/rng.h"
 #include "common/time.h"
 #include "pipe/pipe.h"
@@ -35,58 +37,13 @@ static bool parse_url(const char *s, url_t *u)
     return s != NULL && sscanf(s, "http://%127[^:/]:%d", u->host, &u->port) == 2;
 }
 
-typedef struct resp {
-    int status;
-    char *body;
-    struct event_base *base;
-} resp_t;
-
-static void on_done(struct evhttp_request *hr, void *arg)
-{
-    resp_t *r = arg;
-    r->status = hr != NULL ? evhttp_request_get_response_code(hr) : 0;
-    if (hr != NULL) {
-        struct evbuffer *in = evhttp_request_get_input_buffer(hr);
-        size_t n = evbuffer_get_length(in);
-        r->body = malloc(n + 1);
-        evbuffer_remove(in, r->body, n);
-        r->body[n] = '\0';
-    }
-    event_base_loopexit(r->base, NULL); /* a kept-alive connection would hold the loop */
-}
+typedef pd_bench_http_resp_t resp_t;
 
 /* One blocking request; returns the seconds it took (status in *r). */
 static double request(struct event_base *b, const url_t *u, enum evhttp_cmd_type m, const char *path,
                       const char *body, resp_t *r)
 {
-    memset(r, 0, sizeof(*r));
-    r->base = b;
-    struct evhttp_connection *c = evhttp_connection_base_new(b, NULL, u->host, (ev_uint16_t)u->port);
-    evhttp_connection_set_timeout(c, 600);
-    struct evhttp_request *hr = evhttp_request_new(on_done, r);
-    evhttp_add_header(evhttp_request_get_output_headers(hr), "Host", u->host);
-    if (body != NULL) {
-        evhttp_add_header(evhttp_request_get_output_headers(hr), "Content-Type", "application/json");
-        evbuffer_add(evhttp_request_get_output_buffer(hr), body, strlen(body));
-    }
-    double t0 = pd_time_now_s();
-    if (evhttp_make_request(c, hr, m, path) == 0) {
-        event_base_dispatch(b);
-    }
-    double dt = pd_time_now_s() - t0;
-    evhttp_connection_free(c);
-    return dt;
-}
-
-static double series(const char *text, const char *name)
-{
-    size_t nl = strlen(name);
-    for (const char *p = text; p != NULL && *p; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL) {
-        if (strncmp(p, name, nl) == 0 && p[nl] == ' ') {
-            return atof(p + nl + 1);
-        }
-    }
-    return 0;
+    return pd_bench_http(b, u->host, u->port, m, path, body, 600, r);
 }
 
 typedef struct phases {
@@ -111,10 +68,10 @@ static void scrape(struct event_base *b, const url_t *dec, phases_t *p)
     memset(p, 0, sizeof(*p));
     if (r.status == 200) {
         for (int i = 0; i < 5; i++) {
-            p->sum[i] = series(r.body, names[i]);
-            p->count[i] = series(r.body, counts[i]);
+            p->sum[i] = pd_metrics_text_value(r.body, names[i], 0);
+            p->count[i] = pd_metrics_text_value(r.body, counts[i], 0);
         }
-        p->bytes = series(r.body, "pd:kv_transfer_bytes_total");
+        p->bytes = pd_metrics_text_value(r.body, "pd:kv_transfer_bytes_total", 0);
     }
     free(r.body);
 }
@@ -126,8 +83,8 @@ static void scrape_proxy(struct event_base *b, const url_t *px, double *sum, dou
     request(b, px, EVHTTP_REQ_GET, "/metrics", NULL, &r);
     *sum = *count = 0;
     if (r.status == 200) {
-        *sum = series(r.body, "pd_proxy:decode_first_byte_seconds_sum");
-        *count = series(r.body, "pd_proxy:decode_first_byte_seconds_count");
+        *sum = pd_metrics_text_value(r.body, "pd_proxy:decode_first_byte_seconds_sum", 0);
+        *count = pd_metrics_text_value(r.body, "pd_proxy:decode_first_byte_seconds_count", 0);
     }
     free(r.body);
 }

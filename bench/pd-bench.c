@@ -20,10 +20,12 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench/bench_http.h"
 #include "bench/bench_load.h"
 #include "bench/bench_stats.h"
 #include "common/flags.h"
 #include "common/log.h"
+#include "common/metrics.h"
 #include "common/time.h"
 
 typedef struct cfg {
@@ -576,47 +578,11 @@ static int plot(int argc, char **argv)
 
 /* ------------------------------------------------------------------ main */
 
-typedef struct get_result {
-    int status;
-    char *body;
-    struct event_base *base;
-} get_result_t;
-
-static void on_get(struct evhttp_request *hr, void *arg)
-{
-    get_result_t *g = arg;
-    g->status = hr != NULL ? evhttp_request_get_response_code(hr) : 0;
-    if (hr != NULL) {
-        struct evbuffer *in = evhttp_request_get_input_buffer(hr);
-        size_t len = evbuffer_get_length(in);
-        g->body = malloc(len + 1);
-        if (g->body != NULL) {
-            evbuffer_remove(in, g->body, len);
-            g->body[len] = '\0';
-        }
-    }
-    event_base_loopexit(g->base, NULL); /* a kept-alive connection would hold the loop */
-}
-
-/* A blocking GET on the benchmark's event base (before or after the run). */
-static get_result_t http_get(struct event_base *base, const char *host, int port, const char *path)
-{
-    get_result_t g = {0, NULL, base};
-    struct evhttp_connection *c = evhttp_connection_base_new(base, NULL, host, (ev_uint16_t)port);
-    evhttp_connection_set_timeout(c, 10);
-    struct evhttp_request *hr = evhttp_request_new(on_get, &g);
-    evhttp_add_header(evhttp_request_get_output_headers(hr), "Host", host);
-    if (evhttp_make_request(c, hr, EVHTTP_REQ_GET, path) == 0) {
-        event_base_dispatch(base);
-    }
-    evhttp_connection_free(c);
-    return g;
-}
-
 /* Asks the server for its first model's name (when --model is not given). */
 static char *fetch_model(run_t *r)
 {
-    get_result_t g = http_get(r->base, r->host, r->port, "/v1/models");
+    pd_bench_http_resp_t g;
+    pd_bench_http(r->base, r->host, r->port, EVHTTP_REQ_GET, "/v1/models", NULL, 10, &g);
     char *model = NULL;
     if (g.status == 200 && g.body != NULL) {
         json_t *j = json_loads(g.body, 0, NULL);
@@ -635,7 +601,8 @@ static bool wait_ready(run_t *r, double timeout_s)
     double end = pd_time_now_s() + timeout_s;
     int dots = 0;
     while (pd_time_now_s() < end) {
-        get_result_t g = http_get(r->base, r->host, r->port, "/health");
+        pd_bench_http_resp_t g;
+        pd_bench_http(r->base, r->host, r->port, EVHTTP_REQ_GET, "/health", NULL, 10, &g);
         free(g.body);
         if (g.status == 200) {
             if (dots > 0) {
@@ -654,17 +621,6 @@ static bool wait_ready(run_t *r, double timeout_s)
     return false;
 }
 
-static double series(const char *text, const char *name)
-{
-    size_t nl = strlen(name);
-    for (const char *p = text; p != NULL && *p; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL) {
-        if (strncmp(p, name, nl) == 0 && p[nl] == ' ') {
-            return atof(p + nl + 1);
-        }
-    }
-    return 0;
-}
-
 /* The KV transfer totals of a P/D node (its /metrics), after the run. */
 static void print_kv_metrics(struct event_base *base, const char *url)
 {
@@ -674,7 +630,8 @@ static void print_kv_metrics(struct event_base *base, const char *url)
         pd_log_error("--kv-metrics-url '%s' is not http://HOST:PORT", url);
         return;
     }
-    get_result_t g = http_get(base, host, port, "/metrics");
+    pd_bench_http_resp_t g;
+    pd_bench_http(base, host, port, EVHTTP_REQ_GET, "/metrics", NULL, 10, &g);
     if (g.status != 200 || g.body == NULL) {
         pd_log_error("cannot read %s/metrics", url);
         free(g.body);
@@ -685,14 +642,14 @@ static void print_kv_metrics(struct event_base *base, const char *url)
     for (int i = 0; i < 3; i++) {
         char name[96];
         snprintf(name, sizeof(name), "pd:kv_transfers_completed_total{kind=\"%s\"}", kinds[i]);
-        done += series(g.body, name);
+        done += pd_metrics_text_value(g.body, name, 0);
         snprintf(name, sizeof(name), "pd:kv_transfers_failed_total{kind=\"%s\"}", kinds[i]);
-        failed += series(g.body, name);
+        failed += pd_metrics_text_value(g.body, name, 0);
     }
-    double bytes = series(g.body, "pd:kv_transfer_bytes_total");
-    double secs = series(g.body, "pd:kv_transfer_seconds_sum");
-    double n = series(g.body, "pd:kv_transfer_seconds_count");
-    double pages = series(g.body, "pd:kv_transfer_pages_sum");
+    double bytes = pd_metrics_text_value(g.body, "pd:kv_transfer_bytes_total", 0);
+    double secs = pd_metrics_text_value(g.body, "pd:kv_transfer_seconds_sum", 0);
+    double n = pd_metrics_text_value(g.body, "pd:kv_transfer_seconds_count", 0);
+    double pages = pd_metrics_text_value(g.body, "pd:kv_transfer_pages_sum", 0);
     printf("%s\n", "----------------KV transfers (node)---------------");
     printf("%-40s %-10.0f\n", "Transfers completed:", done);
     printf("%-40s %-10.0f\n", "Transfers failed:", failed);

@@ -240,3 +240,16 @@ char *pd_metrics_render(pd_metrics_t *m, size_t *len_out)
     *len_out = b.len;
     return b.p;
 }
+
+double pd_metrics_text_value(const char *text, const char *series, double def)
+{
+    size_t n = strlen(series);
+    for (const char *line = text; line != NULL && *line != '\0';) {
+        if (strncmp(line, series, n) == 0 && line[n] == ' ') {
+            return strtod(line + n + 1, NULL);
+        }
+        line = strchr(line, '\n');
+        line = line != NULL ? line + 1 : NULL;
+    }
+    return def;
+}

@@ -35,6 +35,10 @@ void pd_metric_observe(pd_metric_t *h, double v);
 /* Renders every series; the caller frees the returned NUL-terminated text. */
 char *pd_metrics_render(pd_metrics_t *m, size_t *len_out);
 
+/* The value of one series in Prometheus text: the line "SERIES VALUE", where series is a name or
+ * name{labels} exactly as rendered ("pd:kv_peers", "pd:x_total{kind=\"pull\"}"); def when absent. */
+double pd_metrics_text_value(const char *text, const char *series, double def);
+
 /* Latency buckets in seconds used by the TTFT / ITL / e2e / queue / step histograms. */
 extern const double PD_LATENCY_BUCKETS[];
 extern const int PD_LATENCY_NUM_BUCKETS;

@@ -357,7 +357,7 @@ static void observe_done(kv_conn_t *k, kv_xfer_t *x)
             pd_metric_observe(k->m.phase_remote, now - x->t_posted);
         }
     }
-    pd_metric_inc(k->m.completed[kv_kind_index(x->kind)], 1);
+    pd_metric_inc(k->m.completed[x->kind], 1);
     pd_metric_observe(k->m.latency, pd_time_now_s() - x->started);
     pd_metric_observe(k->m.pages, (double)x->pages);
     pd_metric_inc(k->m.bytes, (double)x->bytes);
@@ -379,7 +379,7 @@ static void fail_xfer(kv_conn_t *k, kv_xfer_t *x, const char *why)
         return;
     }
     pd_log_warn("kv connector: transfer for request %s failed: %s", x->req_id, why);
-    pd_metric_inc(k->m.failed[kv_kind_index(x->kind)], 1);
+    pd_metric_inc(k->m.failed[x->kind], 1);
     if (x->kind == KV_X_PUSH_SAVE) {
         kv_report_sending(k, x->req_id);
         x->state = KV_XS_DONE;
@@ -470,7 +470,7 @@ static void start_xfer(kv_conn_t *k, kv_xfer_t *x)
             return;
         }
     }
-    pd_metric_inc(k->m.started[kv_kind_index(x->kind)], 1);
+    pd_metric_inc(k->m.started[x->kind], 1);
     pd_log_debug("kv connector: request %s: starting %s of blocks [%d, %d) %.3f ms after it was queued",
                  x->req_id, x->kind == KV_X_PULL_LOAD ? "a read" : "a write", x->first_block, x->end_block,
                  (pd_time_now_s() - x->started) * 1e3);

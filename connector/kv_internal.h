@@ -242,10 +242,5 @@ void kv_report_sending(kv_conn_t *k, const char *req_id);
 void kv_report_recving(kv_conn_t *k, const char *req_id);
 void kv_report_load_errors(kv_conn_t *k, const uint32_t *blocks, int32_t n);
 void kv_xfer_free(kv_xfer_t *x);
-/* Whether an xfer of this kind reads (pull) or waits for writes (push) on the decode. */
-static inline int kv_kind_index(kv_xfer_kind_t k)
-{
-    return (int)k;
-}
 
 #endif

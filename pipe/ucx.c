@@ -178,9 +178,10 @@ static void op_report(ucx_pipe_t *u, op_t *o, pd_status_t st)
 static void op_step(ucx_pipe_t *u, op_t *o, ucs_status_t s)
 {
     if (s != UCS_OK && o->st == PD_OK) {
-        /* on a peer already declared dead, whatever UCX reports (an I/O or cancel status for a
-         * chunk posted into a failed endpoint) is the peer being gone */
-        o->st = o->peer != NULL && o->peer->dead ? PD_ERR_PEER_GONE : from_ucs(s);
+        /* pages are bounds-checked and local regions stay mapped, so an RMA op can only fail
+         * because of the peer — whatever status UCX picks while purging a failed endpoint (cancel,
+         * I/O error, reset); destroy has already reported its own CANCELLED (o->reported) */
+        o->st = o->kind == OP_PAGES || (o->peer != NULL && o->peer->dead) ? PD_ERR_PEER_GONE : from_ucs(s);
     }
     if (--o->pending > 0) {
         return;

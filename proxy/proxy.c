@@ -729,20 +729,6 @@ typedef struct probe {
     struct evhttp_connection *conn;
 } probe_t;
 
-static double metric_value(const char *text, const char *name)
-{
-    const char *p = text;
-    size_t nl = strlen(name);
-    while ((p = strstr(p, name)) != NULL) {
-        if ((p == text || p[-1] == '\n') && (p[nl] == ' ' || p[nl] == '{')) {
-            const char *sp = strchr(p, ' ');
-            return sp != NULL ? atof(sp + 1) : 0;
-        }
-        p += nl;
-    }
-    return 0;
-}
-
 static void on_probe(struct evhttp_request *r, void *arg)
 {
     probe_t *pr = arg;
@@ -771,8 +757,8 @@ static void on_probe(struct evhttp_request *r, void *arg)
         }
         json_decref(j);
     } else if (pr->kind == 2 && code == 200 && text != NULL) {
-        n->load =
-            metric_value(text, "pd:num_requests_running") + metric_value(text, "pd:num_requests_waiting");
+        n->load = pd_metrics_text_value(text, "pd:num_requests_running", 0) +
+                  pd_metrics_text_value(text, "pd:num_requests_waiting", 0);
     }
     free(text);
     n->probes--;

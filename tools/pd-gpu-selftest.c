@@ -334,12 +334,8 @@ static double engine_run(const char *model, const char *device, int batch, int m
         pd_engine_step(e, &outs);
         for (pd_engine_output_t *o = outs; o != NULL; o = o->next) {
             if (o->token >= 0 && tokens_out != NULL) {
-                int b = atoi(o->id);
-                int i = o->completion_tokens > 0 ? o->completion_tokens - 1 : 0;
-                (void)i;
-                tokens_out[n] = o->token;
+                tokens_out[n] = o->token; /* same order on both devices: the schedule is the same */
                 lps_out[n] = o->logprob;
-                (void)b;
             }
             n += o->token >= 0;
         }

@@ -336,6 +336,47 @@ __device__ void tile_scores(const pd_kv_view_t &kv, const pd_attn_meta_t &m, int
     }
 }
 
+/* Online softmax of one query row over keys [from, to), ATTN_TILE keys at a time. run_max,
+ * run_sum and acc carry over between calls; acc[i] is output element threadIdx.x + i·blockDim.x,
+ * unnormalised (Σ exp(score − run_max) · v). Every thread of the block calls it. */
+__device__ void attend_keys(const pd_kv_view_t &kv, const pd_attn_meta_t &m, int seq, int g, const float *qs,
+                            float scale, int64_t from, int64_t to, float *sc, float &run_max, float &run_sum,
+                            float *acc)
+{
+    int D = kv.head_size;
+    for (int64_t k0 = from; k0 < to; k0 += ATTN_TILE) {
+        int64_t k1 = k0 + ATTN_TILE < to ? k0 + ATTN_TILE : to;
+        tile_scores(kv, m, seq, g, qs, scale, k0, k1, sc);
+        __syncthreads();
+        float tm = -INFINITY;
+        for (int64_t j = threadIdx.x; j < k1 - k0; j += blockDim.x) {
+            tm = fmaxf(tm, sc[j]);
+        }
+        tm = block_max(tm);
+        float new_max = fmaxf(run_max, tm), corr = expf(run_max - new_max), ts = 0;
+        for (int64_t j = threadIdx.x; j < k1 - k0; j += blockDim.x) {
+            float p = expf(sc[j] - new_max);
+            sc[j] = p;
+            ts += p;
+        }
+        ts = block_sum(ts); /* also orders the sc[] writes before the reads below */
+        run_sum = run_sum * corr + ts;
+        run_max = new_max;
+        for (int i = 0; i * (int)blockDim.x + (int)threadIdx.x < D; i++) {
+            int d = i * blockDim.x + threadIdx.x;
+            float a = acc[i] * corr;
+            for (int64_t j = k0; j < k1; j++) {
+                int64_t slot =
+                    pd_block_table_slot(m.block_tables, m.max_blocks_per_seq, seq, j, kv.block_size);
+                int64_t vi = pd_slot_kv_index(slot, 1, g, kv.block_size, kv.num_kv_heads, D);
+                a += sc[j - k0] * pd_dtype_load(kv.base, vi + d, kv.dtype);
+            }
+            acc[i] = a;
+        }
+        __syncthreads();
+    }
+}
+
 /* Varlen prefill: one block per (query token, head), online softmax over key tiles. */
 __global__ void __launch_bounds__(ATTN_THREADS)
     attn_prefill_kernel(float *out, const float *q, pd_kv_view_t kv, pd_attn_meta_t m, int num_heads,
@@ -366,39 +407,7 @@ __global__ void __launch_bounds__(ATTN_THREADS)
     __syncthreads();
     float run_max = -INFINITY, run_sum = 0;
     float acc[MAX_HEAD / ATTN_THREADS] = {0}; /* this thread's output elements d = threadIdx.x + i·blockDim */
-    for (int64_t k0 = first; k0 <= pos; k0 += ATTN_TILE) {
-        int64_t k1 = k0 + ATTN_TILE <= pos + 1 ? k0 + ATTN_TILE : pos + 1;
-        tile_scores(kv, m, seq, g, qs, scale, k0, k1, sc);
-        __syncthreads();
-        float tm = -INFINITY;
-        for (int64_t j = threadIdx.x; j < k1 - k0; j += blockDim.x) {
-            tm = fmaxf(tm, sc[j]);
-        }
-        tm = block_max(tm);
-        float new_max = fmaxf(run_max, tm);
-        float corr = expf(run_max - new_max);
-        float ts = 0;
-        for (int64_t j = threadIdx.x; j < k1 - k0; j += blockDim.x) {
-            float p = expf(sc[j] - new_max);
-            sc[j] = p;
-            ts += p;
-        }
-        ts = block_sum(ts); /* also orders the sc[] writes before the reads below */
-        run_sum = run_sum * corr + ts;
-        run_max = new_max;
-        for (int i = 0; i * (int)blockDim.x + (int)threadIdx.x < D; i++) {
-            int d = i * blockDim.x + threadIdx.x;
-            float a = acc[i] * corr;
-            for (int64_t j = k0; j < k1; j++) {
-                int64_t slot =
-                    pd_block_table_slot(m.block_tables, m.max_blocks_per_seq, seq, j, kv.block_size);
-                int64_t vi = pd_slot_kv_index(slot, 1, g, kv.block_size, kv.num_kv_heads, D);
-                a += sc[j - k0] * pd_dtype_load(kv.base, vi + d, kv.dtype);
-            }
-            acc[i] = a;
-        }
-        __syncthreads();
-    }
+    attend_keys(kv, m, seq, g, qs, scale, first, pos + 1, sc, run_max, run_sum, acc);
     float *o = out + ((size_t)t * num_heads + h) * D;
     for (int i = 0; i * (int)blockDim.x + (int)threadIdx.x < D; i++) {
         o[i * blockDim.x + threadIdx.x] = acc[i] / run_sum;
@@ -435,37 +444,7 @@ __global__ void __launch_bounds__(ATTN_THREADS)
     __syncthreads();
     float run_max = -INFINITY, run_sum = 0;
     float acc[MAX_HEAD / ATTN_THREADS] = {0};
-    for (int64_t k0 = p0; k0 < p1; k0 += ATTN_TILE) {
-        int64_t k1 = k0 + ATTN_TILE < p1 ? k0 + ATTN_TILE : p1;
-        tile_scores(kv, m, seq, g, qs, scale, k0, k1, sc);
-        __syncthreads();
-        float tm = -INFINITY;
-        for (int64_t j = threadIdx.x; j < k1 - k0; j += blockDim.x) {
-            tm = fmaxf(tm, sc[j]);
-        }
-        tm = block_max(tm);
-        float new_max = fmaxf(run_max, tm), corr = expf(run_max - new_max), ts = 0;
-        for (int64_t j = threadIdx.x; j < k1 - k0; j += blockDim.x) {
-            float p = expf(sc[j] - new_max);
-            sc[j] = p;
-            ts += p;
-        }
-        ts = block_sum(ts);
-        run_sum = run_sum * corr + ts;
-        run_max = new_max;
-        for (int i = 0; i * (int)blockDim.x + (int)threadIdx.x < D; i++) {
-            int d = i * blockDim.x + threadIdx.x;
-            float a = acc[i] * corr;
-            for (int64_t j = k0; j < k1; j++) {
-                int64_t slot =
-                    pd_block_table_slot(m.block_tables, m.max_blocks_per_seq, seq, j, kv.block_size);
-                int64_t vi = pd_slot_kv_index(slot, 1, g, kv.block_size, kv.num_kv_heads, D);
-                a += sc[j - k0] * pd_dtype_load(kv.base, vi + d, kv.dtype);
-            }
-            acc[i] = a;
-        }
-        __syncthreads();
-    }
+    attend_keys(kv, m, seq, g, qs, scale, p0, p1, sc, run_max, run_sum, acc);
     float *o = tmp_out + slot_out * D;
     for (int i = 0; i * (int)blockDim.x + (int)threadIdx.x < D; i++) {
         o[i * blockDim.x + threadIdx.x] = acc[i]; /* unnormalised: Σ exp(s − max) · v */

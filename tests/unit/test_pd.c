@@ -15,6 +15,7 @@
 #include <stdbool.h>
 
 #include "common/log.h"
+#include "common/metrics.h"
 
 #define NUM_PROMPTS 64
 #define MAX_TOKENS  8
@@ -139,15 +140,7 @@ static double metric(int port, const char *series)
         http_resp_free(&r);
         return -1;
     }
-    double v = -1;
-    size_t sl = strlen(series);
-    for (char *line = r.body; line != NULL && *line;
-         line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
-        if (strncmp(line, series, sl) == 0 && line[sl] == ' ') {
-            v = atof(line + sl + 1);
-            break;
-        }
-    }
+    double v = pd_metrics_text_value(r.body, series, -1);
     http_resp_free(&r);
     return v;
 }

@@ -14,6 +14,7 @@
 #include <pthread.h>
 
 #include "common/log.h"
+#include "common/metrics.h"
 #include "engine/engine.h"
 #include "kernels/paged_impl.h"
 #include "model/model.h"
@@ -547,19 +548,6 @@ static void *stream_worker(void *arg)
     return NULL;
 }
 
-static double metric_value(const char *text, const char *name)
-{
-    const char *p = text;
-    size_t n = strlen(name);
-    while ((p = strstr(p, name)) != NULL) {
-        if ((p == text || p[-1] == '\n') && (p[n] == ' ')) {
-            return strtod(p + n + 1, NULL);
-        }
-        p += n;
-    }
-    return NAN;
-}
-
 START_TEST(test_200_concurrent_streams)
 {
     enum { N = 200 };
@@ -589,7 +577,8 @@ START_TEST(test_disconnects_free_the_pool)
     pthread_t *t = calloc(N, sizeof(pthread_t));
     http_resp_t m;
     ck_assert_int_eq(http_request(g_port, "GET", "/metrics", NULL, NULL, &m, 10000), 0);
-    double aborts_before = metric_value(m.body, "pd:request_success_total{finished_reason=\"abort\"}");
+    double aborts_before =
+        pd_metrics_text_value(m.body, "pd:request_success_total{finished_reason=\"abort\"}", NAN);
     http_resp_free(&m);
     for (int i = 0; i < N; i++) {
         jobs[i] = (stream_job_t){g_port, 400, 2, 0, 0, 0};
@@ -604,12 +593,12 @@ START_TEST(test_disconnects_free_the_pool)
     double end = tu_now() + 60;
     while (tu_now() < end) {
         ck_assert_int_eq(http_request(g_port, "GET", "/metrics", NULL, NULL, &m, 10000), 0);
-        used = metric_value(m.body, "pd:kv_blocks_used");
-        running = metric_value(m.body, "pd:num_requests_running");
-        waiting = metric_value(m.body, "pd:num_requests_waiting");
-        aborts = metric_value(m.body, "pd:request_success_total{finished_reason=\"abort\"}");
-        free_b = metric_value(m.body, "pd:kv_blocks_free");
-        cached = metric_value(m.body, "pd:kv_blocks_cached_free");
+        used = pd_metrics_text_value(m.body, "pd:kv_blocks_used", NAN);
+        running = pd_metrics_text_value(m.body, "pd:num_requests_running", NAN);
+        waiting = pd_metrics_text_value(m.body, "pd:num_requests_waiting", NAN);
+        aborts = pd_metrics_text_value(m.body, "pd:request_success_total{finished_reason=\"abort\"}", NAN);
+        free_b = pd_metrics_text_value(m.body, "pd:kv_blocks_free", NAN);
+        cached = pd_metrics_text_value(m.body, "pd:kv_blocks_cached_free", NAN);
         http_resp_free(&m);
         if (used == 0 && running == 0 && waiting == 0 && aborts - aborts_before >= N) {
             break;
