@@ -33,9 +33,13 @@ typedef struct pd_connector_finished {
     int32_t num_recving;
 } pd_connector_finished_t;
 
+struct pd_backend;
+
 /* Where the KV cache lives, for registration with a pipe (one region, per-layer views). */
 typedef struct pd_kv_region_desc {
     void *base;
+    struct pd_backend *backend; /* owns base: copies pages in and out when the KV is staged */
+    bool host_memory;           /* base is host memory (else device memory of backend) */
     size_t bytes;
     int32_t num_layers;
     size_t layer_offset[256]; /* byte offset of each layer's view */

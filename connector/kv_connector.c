@@ -13,6 +13,7 @@
 #include "common/log.h"
 #include "common/time.h"
 #include "connector/kv_internal.h"
+#include "kernels/backend.h"
 #include "scheduler/scheduler.h"
 
 /* ------------------------------------------------------------------ configuration */
@@ -33,6 +34,7 @@ void pd_kv_connector_config_defaults(pd_kv_connector_config_t *c)
     c->save_timeout = 30;
     c->load_failure_policy = "recompute";
     c->prefault = true;
+    c->staging = "auto";
 }
 
 size_t pd_kv_connector_flags(pd_kv_connector_config_t *c, pd_flag_t *out, size_t max)
@@ -70,6 +72,10 @@ size_t pd_kv_connector_flags(pd_kv_connector_config_t *c, pd_flag_t *out, size_t
          "touch every page of the KV region in a background thread at start (first-touch faults stay out of "
          "transfers)",
          NULL},
+        {"kv-staging", PD_FLAG_CHOICE, &c->staging,
+         "auto: copy KV through a host mirror only when the pipe cannot register the KV's memory (device KV "
+         "over ucx/tcp); always: also for host KV (tests the GPU path's copies on a CPU)",
+         "auto|always"},
     };
     size_t n = sizeof(f) / sizeof(f[0]);
     n = n < max ? n : max;
@@ -78,6 +84,9 @@ size_t pd_kv_connector_flags(pd_kv_connector_config_t *c, pd_flag_t *out, size_t
 }
 
 /* ------------------------------------------------------------------ helpers */
+
+/* staging (host mirror of a device KV), defined below */
+static bool stage_failed_take(kv_conn_t *k, const char *req_id);
 
 static bool jbool(const json_t *o, const char *key)
 {
@@ -296,8 +305,9 @@ static void *kv_build_connector_meta(pd_connector_t *c, const pd_scheduler_outpu
     for (int32_t i = 0; i < out->num_items; i++) {
         const pd_request_t *r = out->items[i].req;
         const json_t *p = r->kv_transfer_params;
-        if (p == NULL || !jbool(p, "do_remote_decode") || !wants_push(k, p) ||
-            jstr(p, "transfer_id") == NULL) {
+        bool remote_decode = p != NULL && jbool(p, "do_remote_decode");
+        bool push = remote_decode && wants_push(k, p) && jstr(p, "transfer_id") != NULL;
+        if (!push && !(remote_decode && k->staged)) {
             continue;
         }
         if (m->num_saves == m->cap_saves) {
@@ -311,7 +321,9 @@ static void *kv_build_connector_meta(pd_connector_t *c, const pd_scheduler_outpu
         }
         kv_save_item_t *s = &m->saves[m->num_saves++];
         snprintf(s->req_id, sizeof(s->req_id), "%s", r->id);
-        snprintf(s->transfer_id, sizeof(s->transfer_id), "%s", jstr(p, "transfer_id"));
+        snprintf(s->transfer_id, sizeof(s->transfer_id), "%s", push ? jstr(p, "transfer_id") : "");
+        s->push = push;
+        s->cached_tokens = r->num_cached_tokens;
         s->blocks = r->block_ids;
         s->num_blocks = r->num_blocks;
         s->start_token = r->num_computed_tokens;
@@ -435,6 +447,12 @@ static bool kv_request_finished(pd_connector_t *c, pd_request_t *req, const uint
         }
         return hold;
     }
+    if (stage_failed_take(k, req->id)) {
+        pd_log_warn("kv connector: request %s: its KV could not be staged to host memory; no KV is "
+                    "offered (no kv_transfer_params: the request fails cleanly instead of decoding garbage)",
+                    req->id);
+        return false;
+    }
     if (!ok || num_blocks == 0) {
         return false;
     }
@@ -469,6 +487,120 @@ static bool kv_request_finished(pd_connector_t *c, pd_request_t *req, const uint
     return true;
 }
 
+/* ------------------------------------------------------------------ staging (host mirror) */
+
+static void start_prefault(kv_conn_t *k);
+
+/* Page ranges of blocks[n] in layers [l0, l1) of the KV layout, adjacent pages merged; *out is
+ * malloc'd. Returns the count, -1 when out of memory. */
+static int32_t stage_ranges(const kv_conn_t *k, int32_t l0, int32_t l1, const uint32_t *blocks, int32_t n,
+                            pd_page_range_t **out)
+{
+    pd_page_range_t *r = malloc(((size_t)(l1 - l0) * (size_t)n + 1) * sizeof(*r));
+    *out = r;
+    if (r == NULL) {
+        return -1;
+    }
+    int32_t m = 0;
+    for (int32_t l = l0; l < l1; l++) {
+        for (int32_t b = 0; b < n; b++) {
+            uint64_t off = k->geom.layer_offset[l] + (uint64_t)blocks[b] * k->geom.page_bytes;
+            if (m > 0 && r[m - 1].offset + r[m - 1].length == off) {
+                r[m - 1].length += k->geom.page_bytes;
+            } else {
+                r[m++] = (pd_page_range_t){off, k->geom.page_bytes};
+            }
+        }
+    }
+    return m;
+}
+
+/* Copies ranges between the engine's KV and the host mirror (to_host: device→host). */
+static pd_status_t stage_copy(kv_conn_t *k, const pd_page_range_t *r, int32_t n, bool to_host)
+{
+    double t0 = pd_time_now_s();
+    pd_status_t st = to_host ? k->be->ops->copy_pages(k->be, k->region->base, k->kv_base, r, n, PD_COPY_D2H)
+                             : k->be->ops->copy_pages(k->be, k->kv_base, k->region->base, r, n, PD_COPY_H2D);
+    if (st != PD_OK) {
+        pd_log_warn("kv connector: staging copy %s failed: %s", to_host ? "device→host" : "host→device",
+                    pd_status_str(st));
+        return st;
+    }
+    uint64_t bytes = 0;
+    for (int32_t i = 0; i < n; i++) {
+        bytes += r[i].length;
+    }
+    pd_metric_inc(to_host ? k->m.staged_d2h : k->m.staged_h2d, (double)bytes);
+    pd_metric_observe(k->m.staged_seconds, pd_time_now_s() - t0);
+    return PD_OK;
+}
+
+/* Prefill: copies the pages layer `layer` wrote this step for save item s into the mirror. The
+ * first step also copies the prefix-cache hit's pages (another request computed them, maybe one
+ * that was never staged). */
+static pd_status_t stage_save_layer(kv_conn_t *k, const kv_save_item_t *s, int32_t layer)
+{
+    int32_t b0 = s->start_token <= s->cached_tokens ? 0 : s->start_token / k->block_size;
+    int32_t b1 = (s->end_token + k->block_size - 1) / k->block_size;
+    b1 = b1 < s->num_blocks ? b1 : s->num_blocks;
+    if (b0 >= b1) {
+        return PD_OK;
+    }
+    pd_page_range_t *r;
+    int32_t n = stage_ranges(k, layer, layer + 1, s->blocks + b0, b1 - b0, &r);
+    pd_status_t st = n < 0 ? PD_ERR_NO_MEMORY : stage_copy(k, r, n, true);
+    free(r);
+    return st;
+}
+
+/* Pull-mode requests whose staging failed (engine thread): request_finished offers no KV. */
+static void stage_failed_add(kv_conn_t *k, const char *req_id)
+{
+    if (k->stage_failed.slots != NULL || pd_strmap_init(&k->stage_failed, 16) == PD_OK) {
+        pd_strmap_put(&k->stage_failed, req_id, strlen(req_id), 1);
+    }
+}
+
+static bool stage_failed_take(kv_conn_t *k, const char *req_id)
+{
+    return k->stage_failed.slots != NULL &&
+           pd_strmap_del(&k->stage_failed, req_id, strlen(req_id), NULL) == 1;
+}
+
+void kv_stage_load_done(kv_conn_t *k, const uint32_t *blocks, int32_t n)
+{
+    kv_staged_load_t *sl = calloc(1, sizeof(*sl));
+    if (sl == NULL || (sl->blocks = malloc((size_t)n * sizeof(uint32_t))) == NULL) {
+        free(sl);
+        kv_report_load_errors(k, blocks, n);
+        return;
+    }
+    memcpy(sl->blocks, blocks, (size_t)n * sizeof(uint32_t));
+    sl->num_blocks = n;
+    sl->next = k->staged_loads;
+    k->staged_loads = sl;
+}
+
+/* Decode: copies finished loads from the mirror into the engine's KV (engine thread, mu not held);
+ * a failed copy turns into load errors reported in this same step. */
+static void stage_finish_loads(kv_conn_t *k, kv_staged_load_t *sl)
+{
+    while (sl != NULL) {
+        kv_staged_load_t *next = sl->next;
+        pd_page_range_t *r;
+        int32_t n = stage_ranges(k, 0, (int32_t)k->geom.num_layers, sl->blocks, sl->num_blocks, &r);
+        if (n < 0 || stage_copy(k, r, n, false) != PD_OK) {
+            pthread_mutex_lock(&k->mu);
+            kv_report_load_errors(k, sl->blocks, sl->num_blocks);
+            pthread_mutex_unlock(&k->mu);
+        }
+        free(r);
+        free(sl->blocks);
+        free(sl);
+        sl = next;
+    }
+}
+
 /* ------------------------------------------------------------------ worker half */
 
 static pd_status_t kv_register_kv_caches(pd_connector_t *c, const pd_kv_region_desc_t *rd)
@@ -478,7 +610,41 @@ static pd_status_t kv_register_kv_caches(pd_connector_t *c, const pd_kv_region_d
         pd_log_error("kv connector: %d layers, at most %d supported", rd->num_layers, KV_MAX_LAYERS);
         return PD_ERR_UNSUPPORTED;
     }
-    if (k->region == NULL || k->region->base != rd->base) {
+    bool stage = !rd->host_memory || strcmp(k->cfg.staging, "always") == 0;
+    if (stage) {
+        /* ucx (this build) and tcp move host memory only: mirror the KV in host memory the pipe
+         * allocates (same layout, so peers see the usual geometry) and copy pages through it */
+        if (k->region != NULL || rd->backend == NULL || rd->backend->ops->copy_pages == NULL) {
+            pd_log_error("kv connector: cannot stage the KV region (it was allocated by the pipe, or the "
+                         "backend cannot copy pages)");
+            return PD_ERR_INVALID_ARG;
+        }
+        pd_status_t st = k->pipe->ops->alloc_region(k->pipe, rd->bytes, &k->region);
+        if (st != PD_OK) {
+            pd_log_error("kv connector: the %s pipe cannot allocate a %.1f MiB host mirror of the KV",
+                         k->cfg.pipe, (double)rd->bytes / (1 << 20));
+            return st;
+        }
+        k->staged = true;
+        k->kv_base = rd->base;
+        k->be = rd->backend;
+        const char *pin = "pageable";
+        if (k->be->ops->pin_host != NULL) {
+            if (k->be->ops->pin_host(k->be, k->region->base, k->region->len) == PD_OK) {
+                k->pinned = true;
+                pin = "pinned";
+            } else {
+                pd_log_warn(
+                    "kv connector: cannot page-lock the KV host mirror; copies run from pageable memory");
+            }
+        }
+        pd_log_info("kv connector: %s; staging KV through a %.1f MiB %s host mirror registered with the %s "
+                    "pipe (prefill: device→host after each layer; decode: host→device after each load)",
+                    rd->host_memory ? "--kv-staging always"
+                                    : "the KV is in device memory, which this pipe cannot register",
+                    (double)rd->bytes / (1 << 20), pin, k->cfg.pipe);
+        start_prefault(k);
+    } else if (k->region == NULL || k->region->base != rd->base) {
         pd_status_t st = k->pipe->ops->register_region(k->pipe, rd->base, rd->bytes, PD_MEM_HOST, &k->region);
         if (st != PD_OK) {
             pd_log_error("kv connector: cannot register the KV region with the %s pipe", k->cfg.pipe);
@@ -583,6 +749,13 @@ static pd_status_t kv_save_kv_layer(pd_connector_t *c, int32_t layer)
     }
     for (int32_t i = 0; i < m->num_saves; i++) {
         const kv_save_item_t *s = &m->saves[i];
+        bool staged_ok = !k->staged || stage_save_layer(k, s, layer) == PD_OK;
+        if (!s->push) {
+            if (!staged_ok) {
+                stage_failed_add(k, s->req_id);
+            }
+            continue;
+        }
         kv_push_t *ps = push_find(k, s->req_id, false);
         if (ps == NULL) {
             ps = calloc(1, sizeof(*ps));
@@ -614,6 +787,7 @@ static pd_status_t kv_save_kv_layer(pd_connector_t *c, int32_t layer)
             pthread_mutex_unlock(&k->mu);
             ps->steps++;
         }
+        ps->failed |= !staged_ok;
         if (ps->streaming && !ps->failed) {
             int32_t end_block = (s->end_token + k->block_size - 1) / k->block_size;
             post_layer_pages(k, ps, s, layer, ps->next_block, end_block);
@@ -683,7 +857,10 @@ static pd_status_t kv_get_finished(pd_connector_t *c, pd_connector_finished_t *o
     k->num_rep_recving = k->num_fin_recving;
     k->fin_sending = k->fin_recving = NULL;
     k->num_fin_sending = k->cap_fin_sending = k->num_fin_recving = k->cap_fin_recving = 0;
+    kv_staged_load_t *staged = k->staged_loads;
+    k->staged_loads = NULL;
     pthread_mutex_unlock(&k->mu);
+    stage_finish_loads(k, staged); /* the KV is on the device before the scheduler hears of it */
     out->sending = k->rep_sending;
     out->num_sending = k->num_rep_sending;
     out->recving = k->rep_recving;
@@ -745,6 +922,20 @@ static void *prefault_main(void *arg)
     return NULL;
 }
 
+/* Starts the pre-fault thread over k->region (when --kv-prefault). */
+static void start_prefault(kv_conn_t *k)
+{
+#if defined(__SANITIZE_THREAD__)
+    k->cfg.prefault = false; /* its atomic touches of pages the engine writes plainly would be reported */
+#endif
+    if (k->cfg.prefault && !k->prefault_started) {
+        /* touch every page in the background: a first-touch fault per 4 KiB page inside a transfer
+         * costs more than the copy (measured here: ~18 µs per fault; 4 MiB of fresh blocks read in
+         * ~8 ms instead of ~3 ms) */
+        k->prefault_started = pthread_create(&k->prefault_thread, NULL, prefault_main, k) == 0;
+    }
+}
+
 static pd_status_t region_alloc(void *ctx, size_t bytes, void **ptr_out)
 {
     kv_conn_t *k = ctx;
@@ -758,15 +949,7 @@ static pd_status_t region_alloc(void *ctx, size_t bytes, void **ptr_out)
         return st;
     }
     *ptr_out = k->region->base;
-#if defined(__SANITIZE_THREAD__)
-    k->cfg.prefault = false; /* its atomic touches of pages the engine writes plainly would be reported */
-#endif
-    if (k->cfg.prefault) {
-        /* touch every page in the background: a first-touch fault per 4 KiB page inside a transfer
-         * costs more than the copy (measured here: ~18 µs per fault; 4 MiB of fresh blocks read in
-         * ~8 ms instead of ~3 ms) */
-        k->prefault_started = pthread_create(&k->prefault_thread, NULL, prefault_main, k) == 0;
-    }
+    start_prefault(k);
     return PD_OK;
 }
 
@@ -837,6 +1020,15 @@ static void metrics_register(kv_conn_t *k, pd_metrics_t *m)
     k->m.handshake_s = pd_metrics_add(m, PD_METRIC_HISTOGRAM, "pd:kv_handshake_seconds",
                                       "Dial + authenticate + region exchange start, per outbound handshake.",
                                       NULL, PD_LATENCY_BUCKETS, PD_LATENCY_NUM_BUCKETS);
+    const char *sh = "Bytes copied between the KV cache and its host staging mirror (--kv-staging).";
+    k->m.staged_d2h =
+        pd_metrics_add(m, PD_METRIC_COUNTER, "pd:kv_staging_bytes_total", sh, "dir=d2h", NULL, 0);
+    k->m.staged_h2d =
+        pd_metrics_add(m, PD_METRIC_COUNTER, "pd:kv_staging_bytes_total", sh, "dir=h2d", NULL, 0);
+    k->m.staged_seconds =
+        pd_metrics_add(m, PD_METRIC_HISTOGRAM, "pd:kv_staging_copy_seconds",
+                       "One staging copy (a layer's new pages on a prefill, a load's pages on a decode).",
+                       NULL, PD_LATENCY_BUCKETS, PD_LATENCY_NUM_BUCKETS);
 }
 
 static pd_status_t read_token(kv_conn_t *k, const char *path)
@@ -942,7 +1134,8 @@ pd_status_t pd_kv_connector_create(const pd_kv_connector_config_t *cfg, pd_metri
 
 const pd_kv_region_allocator_t *pd_kv_connector_allocator(pd_connector_t *c)
 {
-    return &((kv_conn_t *)c)->alloc;
+    kv_conn_t *k = (kv_conn_t *)c;
+    return strcmp(k->cfg.staging, "always") == 0 ? NULL : &k->alloc;
 }
 
 pd_status_t pd_kv_connector_start(pd_connector_t *c, const Pd__Fingerprint *fp)
@@ -975,9 +1168,9 @@ const char *pd_kv_connector_engine_id(const pd_connector_t *c)
 json_t *pd_kv_connector_info(const pd_connector_t *c)
 {
     const kv_conn_t *k = (const kv_conn_t *)c;
-    return json_pack("{s:s, s:s, s:s, s:i, s:s, s:s}", "role", k->cfg.role, "engine_id", k->engine_id,
+    return json_pack("{s:s, s:s, s:s, s:i, s:s, s:s, s:b}", "role", k->cfg.role, "engine_id", k->engine_id,
                      "kv_host", k->advertise_host, "kv_port", k->listen_port, "transfer_mode", k->cfg.mode,
-                     "pipe", k->cfg.pipe);
+                     "pipe", k->cfg.pipe, "kv_staged", k->staged);
 }
 
 void pd_kv_connector_stop(pd_connector_t *c)
@@ -990,6 +1183,10 @@ void pd_kv_connector_stop(pd_connector_t *c)
         __atomic_store_n(&k->prefault_stop, true, __ATOMIC_RELAXED);
         pthread_join(k->prefault_thread, NULL);
         k->prefault_started = false;
+    }
+    if (k->pinned) {
+        k->be->ops->unpin_host(k->be, k->region->base); /* before the pipe frees the mirror */
+        k->pinned = false;
     }
     kv_ctl_stop(k);
 }
@@ -1031,6 +1228,15 @@ void pd_kv_connector_destroy(pd_connector_t *c)
         free(k->fin_recving[i]);
     }
     free(k->fin_sending), free(k->fin_recving), free(k->load_errors);
+    while (k->staged_loads != NULL) {
+        kv_staged_load_t *sl = k->staged_loads;
+        k->staged_loads = sl->next;
+        free(sl->blocks);
+        free(sl);
+    }
+    if (k->stage_failed.slots != NULL) {
+        pd_strmap_destroy(&k->stage_failed);
+    }
     pthread_mutex_destroy(&k->mu);
     pthread_cond_destroy(&k->cv);
     free(k);

@@ -15,6 +15,13 @@
  * every timeout. They share state under one mutex; the control thread wakes the engine through
  * pd_connector_t.wake when transfers finish.
  *
+ * Staging: when the pipe cannot register the KV's memory (device KV over ucx/tcp), or with
+ * --kv-staging always, the pipe allocates a host mirror of the KV region (same layout, page-locked
+ * by the backend when it can) and the connector copies pages through it: the prefill copies each
+ * layer's new pages device→host in save_kv_layer, right after the layer wrote them; the decode
+ * copies a finished load's pages host→device in get_finished, before the scheduler hears of it.
+ * Peers see only the mirror, so the wire protocol does not change.
+ *
  * Load-wise, not layer-wise: a decode's load completes before the request is scheduled, so
  * wait_for_layer_load has nothing to wait for (as vLLM's NIXL connector). */
 #ifndef PD_CONNECTOR_KV_CONNECTOR_H
@@ -45,6 +52,7 @@ typedef struct pd_kv_connector_config {
     double save_timeout;             /* s wait_for_save waits for one step's writes */
     const char *load_failure_policy; /* the engine's (for the policy-action metric) */
     bool prefault;                   /* touch the KV region's pages in a background thread */
+    const char *staging;             /* auto | always (--kv-staging) */
 } pd_kv_connector_config_t;
 
 void pd_kv_connector_config_defaults(pd_kv_connector_config_t *cfg);
@@ -59,8 +67,9 @@ size_t pd_kv_connector_flags(pd_kv_connector_config_t *cfg, pd_flag_t *out, size
 pd_status_t pd_kv_connector_create(const pd_kv_connector_config_t *cfg, pd_metrics_t *m,
                                    pd_connector_t **out);
 
-/* The allocator the engine must use for its KV region (the pipe owns the memory, so UCX can put
- * into it over shared memory). Valid for the connector's lifetime. */
+/* The allocator the engine must use for a host KV region (the pipe owns the memory, so UCX can put
+ * into it over shared memory); NULL with --kv-staging always (the backend allocates the KV and the
+ * pipe a mirror). The engine ignores it for device KV. Valid for the connector's lifetime. */
 const pd_kv_region_allocator_t *pd_kv_connector_allocator(pd_connector_t *c);
 
 /* Binds the control listener and starts the control thread; fp is copied. Call after the engine

@@ -369,6 +369,9 @@ static void end_load(kv_conn_t *k, kv_xfer_t *x, bool ok)
     if (!ok && !x->cancelled && x->end_block > x->first_block) {
         kv_report_load_errors(k, x->local_blocks + x->first_block, x->end_block - x->first_block);
     }
+    if (ok && !x->cancelled && k->staged && x->end_block > x->first_block) {
+        kv_stage_load_done(k, x->local_blocks + x->first_block, x->end_block - x->first_block);
+    }
     kv_report_recving(k, x->req_id);
     x->state = KV_XS_DONE;
 }

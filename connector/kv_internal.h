@@ -150,6 +150,15 @@ struct kv_notice {
     kv_notice_t *next;
 };
 
+/* A finished load of a staged decode: pages [first, end) of these blocks (every layer) are in the
+ * host mirror and must be copied to the device KV before the scheduler hears of the request. */
+typedef struct kv_staged_load kv_staged_load_t;
+struct kv_staged_load {
+    uint32_t *blocks;
+    int32_t num_blocks;
+    kv_staged_load_t *next;
+};
+
 /* One step's connector metadata (scheduler half → worker half). */
 typedef struct kv_save_item {
     char req_id[PD_REQ_ID_MAX];
@@ -158,6 +167,9 @@ typedef struct kv_save_item {
     int32_t num_blocks;
     int32_t start_token, end_token; /* tokens computed this step */
     int32_t prompt_len;
+    int32_t
+        cached_tokens; /* prefix-cache hit when first scheduled (staged: those pages may lack a mirror copy) */
+    bool push;         /* false: staged only (pull mode) */
 } kv_save_item_t;
 
 typedef struct kv_meta {
@@ -172,6 +184,7 @@ typedef struct kv_metrics {
         *handshakes_failed;
     pd_metric_t *policy_recompute, *policy_fail, *stale, *peers;
     pd_metric_t *phase_queue, *phase_transfer, *phase_notify, *phase_remote, *handshake_s;
+    pd_metric_t *staged_d2h, *staged_h2d, *staged_seconds;
 } kv_metrics_t;
 
 typedef struct kv_conn {
@@ -191,8 +204,14 @@ typedef struct kv_conn {
     /* the pipe and this engine's KV region */
     pd_pipe_t *pipe;
     Pd__PipeKind pipe_kind;
-    pd_pipe_region_t *region;
+    pd_pipe_region_t *region; /* the KV region, or its host mirror when staged */
     pd_kv_region_allocator_t alloc;
+    bool staged;                    /* region is a mirror of the engine's KV at kv_base */
+    void *kv_base;                  /* the engine's KV region (staged) */
+    struct pd_backend *be;          /* owns kv_base (staged) */
+    bool pinned;                    /* region is page-locked by be */
+    kv_staged_load_t *staged_loads; /* finished loads whose pages wait for the H2D copy (mu) */
+    pd_strmap_t stage_failed;       /* prefill, pull: requests whose staging failed (engine thread) */
     kv_geom_t geom;
     int32_t block_size;
 
@@ -241,6 +260,9 @@ void kv_ctl_wake(kv_conn_t *k);
 void kv_report_sending(kv_conn_t *k, const char *req_id);
 void kv_report_recving(kv_conn_t *k, const char *req_id);
 void kv_report_load_errors(kv_conn_t *k, const uint32_t *blocks, int32_t n);
+/* A staged decode's load landed in the host mirror: queue its pages for the H2D copy that
+ * get_finished makes before the request is reported (a failed allocation reports load errors). */
+void kv_stage_load_done(kv_conn_t *k, const uint32_t *blocks, int32_t n);
 void kv_xfer_free(kv_xfer_t *x);
 
 #endif

@@ -191,14 +191,10 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
     }
     e->max_token_bytes = pd_tokenizer_max_token_bytes(e->tok);
     int32_t max_tokens = cfg->max_num_batched_tokens;
-    pd_kv_init_params_t kp = {cfg->block_size,
-                              parse_kv_dtype(cfg->kv_cache_dtype),
-                              cfg->memory_utilization,
-                              cfg->kv_cache_memory,
-                              max_tokens,
-                              cfg->max_num_seqs,
-                              e->max_model_len,
-                              cfg->kv_allocator,
+    pd_kv_init_params_t kp = {cfg->block_size, parse_kv_dtype(cfg->kv_cache_dtype), cfg->memory_utilization,
+                              cfg->kv_cache_memory, max_tokens, cfg->max_num_seqs, e->max_model_len,
+                              /* a device KV is the backend's; the connector stages it */
+                              e->be->host_memory ? cfg->kv_allocator : NULL,
                               (uint32_t)(cfg->num_blocks_override > 0 ? cfg->num_blocks_override : 0)};
     st = pd_kv_cache_init(e->model, e->be, &kp, &e->kv);
     if (st != PD_OK) {
@@ -209,6 +205,8 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
         pd_kv_region_desc_t rd;
         memset(&rd, 0, sizeof(rd));
         rd.base = e->kv->region;
+        rd.backend = e->be;
+        rd.host_memory = e->be->host_memory;
         rd.bytes = e->kv->cfg.region_bytes;
         rd.num_layers = mc->num_layers;
         for (int32_t l = 0; l < mc->num_layers && l < 256; l++) {

@@ -7,6 +7,7 @@
 #ifndef PD_KERNELS_BACKEND_H
 #define PD_KERNELS_BACKEND_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -111,11 +112,21 @@ typedef struct pd_backend_ops {
                                 const pd_page_range_t *ranges, int n);
     pd_status_t (*scatter_pages)(pd_backend_t *be, void *region, const void *src,
                                  const pd_page_range_t *ranges, int n);
+    /* Copies ranges[n] from src to dst at the same offsets (two regions of one layout, e.g. the
+     * KV cache and its host staging mirror); kind says which side is backend memory. Returns
+     * when the bytes have landed. */
+    pd_status_t (*copy_pages)(pd_backend_t *be, void *dst, const void *src, const pd_page_range_t *ranges,
+                              int n, pd_copy_kind_t kind);
+    /* Page-locks host memory the backend copies to/from often (a pipe's staging region), so copies
+     * run at full speed; NULL when the backend has no use for it. unpin before freeing. */
+    pd_status_t (*pin_host)(pd_backend_t *be, void *ptr, size_t bytes);
+    void (*unpin_host)(pd_backend_t *be, void *ptr);
 } pd_backend_ops_t;
 
 struct pd_backend {
     const pd_backend_ops_t *ops;
     int num_threads;     /* CPU worker threads for ops (OpenMP) */
+    bool host_memory;    /* alloc returns memory the CPU (and so a host pipe) can address */
     size_t bytes_in_use; /* allocator accounting, for memory profiling */
     size_t bytes_peak;
     void *impl; /* backend private state */

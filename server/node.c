@@ -1,5 +1,6 @@
 /* server/node.c — the body of pd-prefill and pd-decode: engine flags + HTTP flags + KV
- * connector flags; builds the connector first (the pipe owns the KV region), then the engine,
+ * connector flags; builds the connector first (the pipe owns a host KV region, or the host mirror
+ * of a device one), then the engine,
  * then starts the control plane and serves. Shutdown runs in reverse: HTTP drain, control plane
  * (pending transfers cancelled), engine, connector. */
 #include "server/node.h"
@@ -45,15 +46,8 @@ int pd_node_main(int argc, char **argv, const char *role)
         return 2;
     }
     kcfg.load_failure_policy = cfg.load_failure_policy;
-    /* the connector registers a host KV region with the pipe: device KV (and the pinned-staging
-     * path for pipes without device memory) is not built yet, so P/D nodes compute on the CPU */
-    if (strcmp(cfg.device, "cuda") == 0) {
-        pd_log_error("pd-%s: --device cuda is not supported on P/D nodes yet (the KV connector moves host "
-                     "memory); use pd-serve for a GPU, or --device cpu",
-                     role);
-        return 2;
-    }
-    cfg.device = "cpu";
+    /* --device as pd-serve: a device KV (cuda) is staged by the connector through a pinned host
+     * mirror the pipe registers (ucx and tcp move host memory) */
     pd_metrics_t *metrics = NULL;
     if (pd_metrics_create(&metrics) != PD_OK) {
         return 1;

@@ -74,6 +74,7 @@ static const pd_backend_ops_t cpu_ops = {
     .sample = pd_cpu_sample,
     .gather_pages = pd_cpu_gather_pages,
     .scatter_pages = pd_cpu_scatter_pages,
+    .copy_pages = pd_cpu_copy_pages,
 };
 
 static const pd_backend_ops_t cpu_ref_ops = {
@@ -97,6 +98,7 @@ static const pd_backend_ops_t cpu_ref_ops = {
     .sample = pd_cpu_sample_ref,
     .gather_pages = pd_cpu_gather_pages_ref,
     .scatter_pages = pd_cpu_scatter_pages_ref,
+    .copy_pages = pd_cpu_copy_pages,
 };
 
 pd_status_t pd_backend_create(const char *name, int num_threads, pd_backend_t **be_out)
@@ -138,6 +140,7 @@ pd_status_t pd_backend_create(const char *name, int num_threads, pd_backend_t **
     }
     be->ops = ops;
     be->num_threads = num_threads > 0 ? num_threads : omp_get_num_procs();
+    be->host_memory = true;
 #if defined(__SANITIZE_THREAD__)
     /* libgomp and OpenBLAS are not TSan-instrumented: their internal synchronisation shows up as
      * false races. TSan builds run ops on one thread and check pdserve's own threads. */

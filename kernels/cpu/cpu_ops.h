@@ -36,6 +36,9 @@ PD_CPU_OP_PAIR(pd_status_t, gather_pages, void *dst, const void *region, const p
                int n);
 PD_CPU_OP_PAIR(pd_status_t, scatter_pages, void *region, const void *src, const pd_page_range_t *ranges,
                int n);
+/* Mirror copy (pd_backend_ops_t.copy_pages): host to host, so one version. */
+pd_status_t pd_cpu_copy_pages(pd_backend_t *be, void *dst, const void *src, const pd_page_range_t *ranges,
+                              int n, pd_copy_kind_t kind);
 
 /* Checks attention metadata against the view: query/context lengths consistent, every block id the
  * step will read inside [0, num_blocks), tables wide enough. Logs the first problem found. */

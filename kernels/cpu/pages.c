@@ -72,3 +72,14 @@ pd_status_t pd_cpu_scatter_pages(pd_backend_t *be, void *region, const void *src
     free(src_off);
     return PD_OK;
 }
+
+pd_status_t pd_cpu_copy_pages(pd_backend_t *be, void *dst, const void *src, const pd_page_range_t *ranges,
+                              int n, pd_copy_kind_t kind)
+{
+    (void)kind;
+#pragma omp parallel for num_threads(n >= 64 ? be->num_threads : 1) schedule(static)
+    for (int i = 0; i < n; i++) {
+        memcpy((char *)dst + ranges[i].offset, (const char *)src + ranges[i].offset, ranges[i].length);
+    }
+    return PD_OK;
+}

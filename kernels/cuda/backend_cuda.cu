@@ -834,15 +834,45 @@ pd_status_t cu_scatter(pd_backend_t *be, void *region, const void *src, const pd
     return cu_sync(be);
 }
 
+/* Mirror copy between the device KV region and its host staging region: one async copy per
+ * range on the compute stream (ordered after the kernels that wrote the pages), one sync. */
+pd_status_t cu_copy_pages(pd_backend_t *be, void *dst, const void *src, const pd_page_range_t *r, int n,
+                          pd_copy_kind_t kind)
+{
+    cudaMemcpyKind k = kind == PD_COPY_H2D   ? cudaMemcpyHostToDevice
+                       : kind == PD_COPY_D2H ? cudaMemcpyDeviceToHost
+                                             : cudaMemcpyDeviceToDevice;
+    for (int i = 0; i < n; i++) {
+        TRY(check(cudaMemcpyAsync(static_cast<char *>(dst) + r[i].offset,
+                                  static_cast<const char *>(src) + r[i].offset, r[i].length, k,
+                                  S(be)->stream),
+                  "copy_pages"));
+    }
+    return cu_sync(be);
+}
+
+pd_status_t cu_pin_host(pd_backend_t *be, void *p, size_t bytes)
+{
+    (void)be;
+    return check(cudaHostRegister(p, bytes, cudaHostRegisterDefault), "cudaHostRegister");
+}
+
+void cu_unpin_host(pd_backend_t *be, void *p)
+{
+    (void)be;
+    cudaHostUnregister(p);
+}
+
 } /* namespace */
 
 extern "C" {
 
 const pd_backend_ops_t pd_cuda_backend_ops = {
-    "cuda",          cu_alloc,       cu_free,     cu_copy,    cu_sync,
-    cu_embed,        cu_matmul,      cu_add,      cu_rmsnorm, cu_layernorm,
-    cu_rope,         cu_gelu,        cu_silu_mul, cu_softmax, cu_reshape_and_cache,
-    cu_attn_prefill, cu_attn_decode, cu_sample,   cu_gather,  cu_scatter,
+    "cuda",          cu_alloc,       cu_free,       cu_copy,    cu_sync,
+    cu_embed,        cu_matmul,      cu_add,        cu_rmsnorm, cu_layernorm,
+    cu_rope,         cu_gelu,        cu_silu_mul,   cu_softmax, cu_reshape_and_cache,
+    cu_attn_prefill, cu_attn_decode, cu_sample,     cu_gather,  cu_scatter,
+    cu_copy_pages,   cu_pin_host,    cu_unpin_host,
 };
 
 int pd_cuda_device_count(void)
@@ -879,6 +909,7 @@ pd_status_t pd_cuda_backend_init(pd_backend_t *be, int device)
         return PD_ERR_BACKEND;
     }
     be->impl = s;
+    be->host_memory = false; /* cudaMalloc: a host pipe stages through pinned memory */
     be->ops = &pd_cuda_backend_ops;
     cudaDeviceProp p;
     if (cudaGetDeviceProperties(&p, device) == cudaSuccess) {

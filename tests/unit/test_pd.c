@@ -260,10 +260,22 @@ static void suite_teardown(void)
 
 /* ------------------------------------------------------------------ equivalence */
 
-static void equivalence(const char *mode, const char *pipe)
+static void equivalence(const char *mode, const char *pipe, bool staged)
 {
     cluster_t c;
-    cluster_start(&c, mode, pipe, NULL, NULL);
+    char *st_args[] = {"--kv-staging", "always", NULL};
+    cluster_start(&c, mode, pipe, staged ? st_args : NULL, staged ? st_args : NULL);
+    if (staged) {
+        /* plain requests to the prefill first: later P/D requests hit prefix blocks that no staged
+         * request computed, so the mirror must be filled for cache hits too */
+        for (int i = 0; i < 16; i++) {
+            char *b = body_for(i, false);
+            int st;
+            char *out = complete(c.p.port, b, &st);
+            ck_assert_msg(out != NULL, "direct prefill request %d: HTTP %d", i, st);
+            free(out), free(b);
+        }
+    }
     for (int seeded = 0; seeded < 2; seeded++) {
         for (int i = 0; i < NUM_PROMPTS; i++) {
             expect_same(c.x.port, i, seeded);
@@ -278,6 +290,16 @@ static void equivalence(const char *mode, const char *pipe)
     ck_assert_int_eq((int)metric(c.d.port, "pd:kv_transfers_failed_total{kind=\"push_load\"}"), 0);
     ck_assert_msg(metric(c.d.port, "pd:kv_transfer_bytes_total") > 0 || strcmp(mode, "push") == 0,
                   "no bytes were read");
+    if (staged) {
+        /* the KV went through the mirrors: every moved byte was copied out on the prefill and in on
+         * the decode */
+        double d2h = metric(c.p.port, "pd:kv_staging_bytes_total{dir=\"d2h\"}");
+        double h2d = metric(c.d.port, "pd:kv_staging_bytes_total{dir=\"h2d\"}");
+        double moved = metric(c.d.port, "pd:kv_transfer_bytes_total");
+        ck_assert_msg(h2d > 0 && d2h >= h2d, "staging copies: d2h %.0f, h2d %.0f", d2h, h2d);
+        ck_assert_msg(strcmp(mode, "push") == 0 || h2d == moved, "decode copied %.0f B in, read %.0f B", h2d,
+                      moved);
+    }
     assert_pool_free(c.p.port, "the prefill");
     assert_pool_free(c.d.port, "the decode");
     cluster_stop(&c);
@@ -285,22 +307,33 @@ static void equivalence(const char *mode, const char *pipe)
 
 START_TEST(test_equivalence_tcp_pull)
 {
-    equivalence("pull", "tcp");
+    equivalence("pull", "tcp", false);
 }
 END_TEST
 START_TEST(test_equivalence_tcp_push)
 {
-    equivalence("push", "tcp");
+    equivalence("push", "tcp", false);
 }
 END_TEST
 START_TEST(test_equivalence_ucx_pull)
 {
-    equivalence("pull", "ucx");
+    equivalence("pull", "ucx", false);
 }
 END_TEST
 START_TEST(test_equivalence_ucx_push)
 {
-    equivalence("push", "ucx");
+    equivalence("push", "ucx", false);
+}
+END_TEST
+/* the device-KV path (host mirror + page copies) with the CPU backend standing in for the GPU */
+START_TEST(test_equivalence_staged_ucx_pull)
+{
+    equivalence("pull", "ucx", true);
+}
+END_TEST
+START_TEST(test_equivalence_staged_tcp_push)
+{
+    equivalence("push", "tcp", true);
 }
 END_TEST
 
@@ -790,6 +823,8 @@ int main(void)
     tcase_add_test(tc, test_equivalence_tcp_push);
     tcase_add_test(tc, test_equivalence_ucx_pull);
     tcase_add_test(tc, test_equivalence_ucx_push);
+    tcase_add_test(tc, test_equivalence_staged_ucx_pull);
+    tcase_add_test(tc, test_equivalence_staged_tcp_push);
     tcase_add_test(tc, test_prefix_hit_moves_only_missing_blocks);
     tcase_add_test(tc, test_prefill_gone_before_read);
     tcase_add_test(tc, test_lease_expiry_is_stale);
