@@ -77,6 +77,7 @@ void pd_engine_config_defaults(pd_engine_config_t *c)
 {
     memset(c, 0, sizeof(*c));
     c->device = "auto";
+    c->matmul_precision = "fp32";
     c->block_size = 16;
     c->max_num_seqs = 64;
     c->max_num_batched_tokens = 2048;
@@ -96,6 +97,9 @@ size_t pd_engine_flags(pd_engine_config_t *c, pd_flag_t *out, size_t max)
         {"device", PD_FLAG_CHOICE, &c->device,
          "compute backend (auto: cuda when a device is present, else cpu)", "auto|cpu|cuda"},
         {"threads", PD_FLAG_INT, &c->threads, "compute threads (0 = all cores)", NULL},
+        {"matmul-precision", PD_FLAG_CHOICE, &c->matmul_precision,
+         "cuda: input rounding of matmuls on tensor cores (fp32 accumulate); cpu: always fp32",
+         "fp32|tf32|bf16|fp16"},
         {"block-size", PD_FLAG_INT, &c->block_size, "tokens per KV cache block", NULL},
         {"max-num-seqs", PD_FLAG_INT, &c->max_num_seqs, "sequences per step at most", NULL},
         {"max-num-batched-tokens", PD_FLAG_INT, &c->max_num_batched_tokens, "tokens per step at most", NULL},
@@ -165,6 +169,16 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
         pd_log_info("engine: --device auto → %s", device);
     }
     pd_status_t st = pd_backend_create(device, cfg->threads, &e->be);
+    if (st == PD_OK) {
+        const char *mp = cfg->matmul_precision != NULL ? cfg->matmul_precision : "fp32";
+        e->be->matmul_precision = strcmp(mp, "bf16") == 0   ? PD_MATMUL_BF16
+                                  : strcmp(mp, "fp16") == 0 ? PD_MATMUL_FP16
+                                  : strcmp(mp, "tf32") == 0 ? PD_MATMUL_TF32
+                                                            : PD_MATMUL_FP32;
+        if (e->be->matmul_precision != PD_MATMUL_FP32 && e->be->host_memory) {
+            pd_log_warn("engine: --matmul-precision %s has no effect on the %s backend (fp32)", mp, device);
+        }
+    }
     if (st == PD_OK) {
         st = pd_model_load(cfg->model_dir, e->be, &e->model);
     }

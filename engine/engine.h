@@ -24,8 +24,9 @@
 
 typedef struct pd_engine_config {
     const char *model_dir;
-    const char *device; /* "cpu" */
-    int threads;        /* 0 = all cores */
+    const char *device;           /* "cpu" */
+    const char *matmul_precision; /* fp32 | tf32 | bf16 | fp16 (--matmul-precision) */
+    int threads;                  /* 0 = all cores */
     int block_size;
     int max_num_seqs;
     int max_num_batched_tokens;

@@ -18,6 +18,16 @@
 
 typedef struct pd_backend pd_backend_t;
 
+/* Math of matmul: fp32 inputs in memory, accumulation always fp32. BF16/FP16/TF32 let a device
+ * round the inputs to that type for tensor-core math (cuBLAS COMPUTE_32F_FAST_*); relative error
+ * ~1e-2 (bf16), ~1e-3 (fp16, tf32) instead of ~1e-6. */
+typedef enum pd_matmul_precision {
+    PD_MATMUL_FP32 = 0,
+    PD_MATMUL_TF32,
+    PD_MATMUL_BF16,
+    PD_MATMUL_FP16,
+} pd_matmul_precision_t;
+
 /* One layer's view of the paged KV cache. */
 typedef struct pd_kv_view {
     void *base; /* [num_blocks][2][block_size][num_kv_heads][head_size] of dtype */
@@ -125,9 +135,10 @@ typedef struct pd_backend_ops {
 
 struct pd_backend {
     const pd_backend_ops_t *ops;
-    int num_threads;     /* CPU worker threads for ops (OpenMP) */
-    bool host_memory;    /* alloc returns memory the CPU (and so a host pipe) can address */
-    size_t bytes_in_use; /* allocator accounting, for memory profiling */
+    int num_threads;  /* CPU worker threads for ops (OpenMP) */
+    bool host_memory; /* alloc returns memory the CPU (and so a host pipe) can address */
+    pd_matmul_precision_t matmul_precision; /* set before the first op; the CPU backend is always fp32 */
+    size_t bytes_in_use;                    /* allocator accounting, for memory profiling */
     size_t bytes_peak;
     void *impl; /* backend private state */
 };

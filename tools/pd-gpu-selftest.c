@@ -185,8 +185,69 @@ static void test_elementwise(void)
                 (size_t)rows * n, 1e-5);
         g_gpu->ops->free(g_gpu, dmy);
     }
+    /* reduced-precision tensor-core inputs (--matmul-precision), fp32 accumulate */
+    static const struct {
+        pd_matmul_precision_t p;
+        const char *name;
+        double tol;
+    } precs[] = {{PD_MATMUL_TF32, "matmul, tf32 inputs", 5e-3},
+                 {PD_MATMUL_FP16, "matmul, fp16 inputs", 5e-3},
+                 {PD_MATMUL_BF16, "matmul, bf16 inputs", 1e-2}};
+    for (size_t i = 0; i < sizeof(precs) / sizeof(precs[0]); i++) {
+        float *dmy = poisoned((size_t)rows * n * 4);
+        g_gpu->matmul_precision = precs[i].p;
+        check_status("matmul (reduced precision)", g_cpu->ops->matmul(g_cpu, ref, mx, mw, NULL, rows, n, k),
+                     g_gpu->ops->matmul(g_gpu, dmy, dmx, dmw, NULL, rows, n, k));
+        g_gpu->matmul_precision = PD_MATMUL_FP32;
+        from_gpu(got, dmy, (size_t)rows * n * 4);
+        compare(precs[i].name, got, ref, (size_t)rows * n, precs[i].tol);
+        g_gpu->ops->free(g_gpu, dmy);
+    }
     free(x), free(w), free(b), free(ref), free(got), free(y), free(gu), free(table), free(mx), free(mw),
         free(mb);
+}
+
+/* Sampling of device logits vs the CPU sampler with identically seeded generators: greedy,
+ * temperature, top-k, top-p and their mixes, rows of one batch with different parameters. */
+static void test_sample(void)
+{
+    enum { ROWS = 48, VOCAB = 5003 };
+    float *logits = malloc((size_t)ROWS * VOCAB * 4), *scratch = malloc((size_t)ROWS * VOCAB * 4);
+    for (size_t i = 0; i < (size_t)ROWS * VOCAB; i++) {
+        logits[i] = pd_rng_uniform_f(&g_rng, -8.0f, 8.0f);
+    }
+    logits[7 * VOCAB + 11] = logits[7 * VOCAB + 12] = 40.0f; /* a tie: lowest id first */
+    pd_sampling_params_t params[ROWS];
+    for (int r = 0; r < ROWS; r++) {
+        static const float temps[] = {0.0f, 0.7f, 1.0f, 1.5f};
+        static const int ks[] = {0, 1, 5, 50, 4999};
+        static const float ps[] = {1.0f, 0.9f, 0.5f, 0.05f};
+        params[r] = (pd_sampling_params_t){temps[r % 4], ks[(r / 4) % 5], ps[(r / 2) % 4]};
+    }
+    pd_rng_t rc[ROWS], rg[ROWS];
+    for (int r = 0; r < ROWS; r++) {
+        pd_rng_seed(&rc[r], 1000 + (uint64_t)r);
+        pd_rng_seed(&rg[r], 1000 + (uint64_t)r);
+    }
+    float *dl = to_gpu(logits, (size_t)ROWS * VOCAB * 4);
+    int32_t want[ROWS], got[ROWS];
+    int same = 0;
+    for (int round = 0; round < 4; round++) { /* the generators advance: four draws per row */
+        memcpy(scratch, logits, (size_t)ROWS * VOCAB * 4);
+        check_status("sample", g_cpu->ops->sample(g_cpu, want, scratch, ROWS, VOCAB, params, rc),
+                     g_gpu->ops->sample(g_gpu, got, dl, ROWS, VOCAB, params, rg));
+        for (int r = 0; r < ROWS; r++) {
+            same += want[r] == got[r];
+        }
+    }
+    /* a token exactly on a top-p or draw boundary may differ (sums in another order): allow 1 */
+    bool ok = same >= 4 * ROWS - 1;
+    g_checks++;
+    g_failed += !ok;
+    printf("%-44s %s  %d of %d tokens equal to the CPU sampler\n", "sample (greedy/T/top-k/top-p)",
+           ok ? "ok  " : "FAIL", same, 4 * ROWS);
+    g_gpu->ops->free(g_gpu, dl);
+    free(logits), free(scratch);
 }
 
 /* Attention over a random paged cache: block tables shuffled, GQA 8 on 2, lengths up to 1300. */
@@ -443,6 +504,7 @@ int main(int argc, char **argv)
     }
     printf("== ops: CUDA vs the CPU reference ==\n");
     test_elementwise();
+    test_sample();
     test_attention(PD_DTYPE_F32, "fp32");
     test_attention(PD_DTYPE_F16, "fp16");
     test_attention(PD_DTYPE_BF16, "bf16");

@@ -22,6 +22,7 @@
 #include <mutex>
 #include <new>
 #include <unordered_map>
+#include <vector>
 
 extern "C" {
 #include "common/log.h"
@@ -316,6 +317,38 @@ constexpr int ATTN_THREADS = 128;
 constexpr int ATTN_TILE = 256; /* keys per tile (shared scores) */
 constexpr int MAX_HEAD = 256;
 
+/* q · key row (D elements of kv.dtype at element index ki), the lanes of a warp splitting the row;
+ * the caller sums over the warp. Rows whose bytes are 16-byte aligned (D·size a multiple of 16,
+ * as for every head size we serve) are read with one 16-byte load per lane per chunk (4 fp32 or
+ * 8 fp16/bf16), converted by the shared dtype_impl.h functions; others element by element. */
+__device__ __forceinline__ float key_dot(const pd_kv_view_t &kv, int64_t ki, const float *qs, int D, int lane)
+{
+    const int es = pd_dtype_size(kv.dtype), vec = 16 / es;
+    const char *row = static_cast<const char *>(kv.base) + ki * es;
+    float dot = 0;
+    if (D % vec == 0 && (reinterpret_cast<uintptr_t>(row) & 15) == 0) {
+        for (int c = lane; c * vec < D; c += 32) {
+            const uint4 raw = *reinterpret_cast<const uint4 *>(row + (size_t)c * 16);
+            const float *qc = qs + c * vec;
+            if (kv.dtype == PD_DTYPE_F32) {
+                dot += qc[0] * __uint_as_float(raw.x) + qc[1] * __uint_as_float(raw.y) +
+                       qc[2] * __uint_as_float(raw.z) + qc[3] * __uint_as_float(raw.w);
+            } else {
+                const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+                for (int e = 0; e < 8; e++) {
+                    uint16_t h = (uint16_t)(w[e >> 1] >> ((e & 1) * 16));
+                    dot += qc[e] * (kv.dtype == PD_DTYPE_BF16 ? pd_bf16_to_f32(h) : pd_f16_to_f32(h));
+                }
+            }
+        }
+        return dot;
+    }
+    for (int d = lane; d < D; d += 32) {
+        dot += qs[d] * pd_dtype_load(kv.base, ki + d, kv.dtype);
+    }
+    return dot;
+}
+
 /* Scores of keys [k0, k1) for one query row into sc[]: a warp per key, lanes over the head dim. */
 __device__ void tile_scores(const pd_kv_view_t &kv, const pd_attn_meta_t &m, int seq, int g, const float *qs,
                             float scale, int64_t k0, int64_t k1, float *sc)
@@ -325,11 +358,7 @@ __device__ void tile_scores(const pd_kv_view_t &kv, const pd_attn_meta_t &m, int
     for (int64_t j = k0 + w; j < k1; j += nw) {
         int64_t slot = pd_block_table_slot(m.block_tables, m.max_blocks_per_seq, seq, j, kv.block_size);
         int64_t ki = pd_slot_kv_index(slot, 0, g, kv.block_size, kv.num_kv_heads, D);
-        float dot = 0;
-        for (int d = lane; d < D; d += 32) {
-            dot += qs[d] * pd_dtype_load(kv.base, ki + d, kv.dtype);
-        }
-        dot = warp_sum(dot);
+        float dot = warp_sum(key_dot(kv, ki, qs, D, lane));
         if (lane == 0) {
             sc[j - k0] = dot * scale;
         }
@@ -515,6 +544,205 @@ __global__ void argmax_kernel(int32_t *out, const float *logits, int vocab)
     }
 }
 
+/* Sampling of device logits with the CPU sampler's semantics (kernels/cpu/sample.c): z = logit/T,
+ * candidates ordered by (z desc, id asc), top-k, softmax over the kept set (max subtracted), the
+ * shortest prefix whose mass before each token is < top_p, then the first token in ascending id
+ * order whose cumulative mass exceeds u·total, u drawn on the host from the sequence's generator
+ * (so seeded runs agree across backends). No sort: the order is a unique 64-bit key per token and
+ * both cut-offs are found by radix descent over it, one block of SAMPLE_THREADS per row. Sums are
+ * double, as on the CPU (their order differs: a token exactly on a boundary may differ). */
+#define SAMPLE_THREADS 1024
+
+struct sample_row {
+    int32_t row;   /* row of logits */
+    int32_t top_k; /* kept candidates, 1..vocab (greedy rows: 1) */
+    float temperature;
+    float top_p; /* >= 1: off */
+    double u;    /* uniform draw in [0, 1) */
+};
+
+/* ascending key = (z desc, id asc); -0 is folded into +0 (equal as floats on the CPU) */
+__device__ __forceinline__ uint64_t cand_key(float z, int id)
+{
+    uint32_t b = __float_as_uint(z == 0.0f ? 0.0f : z);
+    uint32_t ord = (b & 0x80000000u) ? ~b : (b | 0x80000000u); /* ascending with z */
+    return ((uint64_t)(~ord) << 32) | (uint32_t)id;
+}
+
+/* One row of sample_row per block: writes the sampled token id to out[blockIdx.x]. */
+__global__ void sample_kernel(int32_t *out, const float *logits, int vocab, const sample_row *rows)
+{
+    __shared__ unsigned int hc[256];
+    __shared__ double hm[256];
+    __shared__ double red[SAMPLE_THREADS];
+    __shared__ uint64_t s_prefix;
+    __shared__ double s_acc;
+    __shared__ float s_zmax;
+    __shared__ int s_tok, s_last;
+    const sample_row rp = rows[blockIdx.x];
+    const float *lg = logits + (size_t)rp.row * vocab;
+    const float temp = rp.temperature;
+    const int tid = threadIdx.x;
+#define ZOF(j) (temp > 0.0f ? lg[j] / temp : lg[j])
+
+    /* 1. the top_k-th smallest key (every key is unique: the id is in it) */
+    uint64_t kth = ~0ull;
+    if (rp.top_k < vocab) {
+        uint64_t prefix = 0, mask = 0;
+        unsigned int remaining = (unsigned int)rp.top_k;
+        for (int shift = 56; shift >= 0; shift -= 8) {
+            for (int b = tid; b < 256; b += blockDim.x) {
+                hc[b] = 0;
+            }
+            __syncthreads();
+            for (int j = tid; j < vocab; j += blockDim.x) {
+                uint64_t key = cand_key(ZOF(j), j);
+                if ((key & mask) == prefix) {
+                    atomicAdd(&hc[(key >> shift) & 255], 1u);
+                }
+            }
+            __syncthreads();
+            if (tid == 0) {
+                int d = 255;
+                for (int b = 0; b < 256; b++) {
+                    if (remaining <= hc[b]) {
+                        d = b;
+                        break;
+                    }
+                    remaining -= hc[b];
+                }
+                s_prefix = prefix | ((uint64_t)d << shift);
+            }
+            __syncthreads();
+            prefix = s_prefix;
+            mask |= 0xffull << shift;
+            __syncthreads();
+        }
+        kth = prefix;
+    }
+    /* 2. zmax (the best candidate is always kept) */
+    float zm = -INFINITY;
+    for (int j = tid; j < vocab; j += blockDim.x) {
+        zm = fmaxf(zm, ZOF(j));
+    }
+    red[tid] = zm;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (tid < s) {
+            red[tid] = fmax(red[tid], red[tid + s]);
+        }
+        __syncthreads();
+    }
+    if (tid == 0) {
+        s_zmax = (float)red[0];
+    }
+    __syncthreads();
+    const float zmax = s_zmax;
+#define PROB(j, key, thr) ((key) <= (thr) ? (double)expf(ZOF(j) - zmax) : 0.0)
+    /* 3. top-p: the largest kept key t whose mass before it is < top_p · sum */
+    uint64_t thr = kth;
+    if (rp.top_p < 1.0f) {
+        double sum = 0;
+        for (int j = tid; j < vocab; j += blockDim.x) {
+            uint64_t key = cand_key(ZOF(j), j);
+            sum += PROB(j, key, kth);
+        }
+        red[tid] = sum;
+        __syncthreads();
+        for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+            if (tid < s) {
+                red[tid] += red[tid + s];
+            }
+            __syncthreads();
+        }
+        const double P = (double)rp.top_p * red[0];
+        uint64_t prefix = 0, mask = 0;
+        if (tid == 0) {
+            s_acc = 0; /* mass of keys below the current prefix range (always < P) */
+        }
+        for (int shift = 56; shift >= 0; shift -= 8) {
+            for (int b = tid; b < 256; b += blockDim.x) {
+                hc[b] = 0;
+                hm[b] = 0;
+            }
+            __syncthreads();
+            for (int j = tid; j < vocab; j += blockDim.x) {
+                uint64_t key = cand_key(ZOF(j), j);
+                if (key <= kth && (key & mask) == prefix) {
+                    atomicAdd(&hc[(key >> shift) & 255], 1u);
+                    atomicAdd(&hm[(key >> shift) & 255], PROB(j, key, kth));
+                }
+            }
+            __syncthreads();
+            if (tid == 0) {
+                double below = s_acc;
+                int d = 0;
+                for (int b = 0; b < 256; b++) {
+                    if (hc[b] > 0 && below < P) {
+                        d = b;
+                        s_acc = below;
+                    }
+                    below += hm[b];
+                }
+                s_prefix = prefix | ((uint64_t)d << shift);
+            }
+            __syncthreads();
+            prefix = s_prefix;
+            mask |= 0xffull << shift;
+            __syncthreads();
+        }
+        thr = prefix;
+    }
+    /* 4. draw: walk the kept tokens in ascending id order; each thread owns a contiguous id chunk */
+    const int chunk = (vocab + (int)blockDim.x - 1) / (int)blockDim.x;
+    const int j0 = tid * chunk, j1 = min(vocab, j0 + chunk);
+    double mine = 0;
+    int last = -1;
+    for (int j = j0; j < j1; j++) {
+        uint64_t key = cand_key(ZOF(j), j);
+        double p = PROB(j, key, thr);
+        mine += p;
+        last = key <= thr ? j : last;
+    }
+    red[tid] = mine;
+    if (tid == 0) {
+        s_tok = 0x7fffffff;
+        s_last = -1;
+    }
+    __syncthreads();
+    if (last >= 0) {
+        atomicMax(&s_last, last);
+    }
+    if (tid == 0) { /* exclusive scan of the chunk sums (serial: 1024 adds) */
+        double acc = 0;
+        for (int t = 0; t < (int)blockDim.x; t++) {
+            double v = red[t];
+            red[t] = acc;
+            acc += v;
+        }
+        s_acc = acc * rp.u; /* target */
+    }
+    __syncthreads();
+    const double target = s_acc;
+    double cum = red[tid];
+    if (cum <= target && cum + mine > target) {
+        for (int j = j0; j < j1; j++) {
+            uint64_t key = cand_key(ZOF(j), j);
+            cum += PROB(j, key, thr);
+            if (cum > target) {
+                atomicMin(&s_tok, j);
+                break;
+            }
+        }
+    }
+    __syncthreads();
+    if (tid == 0) {
+        out[blockIdx.x] = s_tok != 0x7fffffff ? s_tok : s_last; /* rounding past the end: last kept id */
+    }
+#undef PROB
+#undef ZOF
+}
+
 /* ------------------------------------------------------------------ the table */
 
 int blocks_for(size_t n, int threads)
@@ -599,9 +827,12 @@ pd_status_t cu_matmul(pd_backend_t *be, float *y, const float *x, const float *w
     const float one = 1.0f, zero = 0.0f;
     /* row-major y[m][n] = x·wᵀ is column-major yᵀ (n×m) = w·xᵀ: w row-major [n][k] read column-major is
      * k×n (so op T), x row-major [m][k] read column-major is xᵀ (k×m, op N) */
-    cublasStatus_t s =
-        cublasGemmEx(S(be)->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, CUDA_R_32F, k, x, CUDA_R_32F, k,
-                     &zero, y, CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    const cublasComputeType_t ct = be->matmul_precision == PD_MATMUL_BF16   ? CUBLAS_COMPUTE_32F_FAST_16BF
+                                   : be->matmul_precision == PD_MATMUL_FP16 ? CUBLAS_COMPUTE_32F_FAST_16F
+                                   : be->matmul_precision == PD_MATMUL_TF32 ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                                                            : CUBLAS_COMPUTE_32F;
+    cublasStatus_t s = cublasGemmEx(S(be)->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, CUDA_R_32F, k, x,
+                                    CUDA_R_32F, k, &zero, y, CUDA_R_32F, n, ct, CUBLAS_GEMM_DEFAULT);
     if (s != CUBLAS_STATUS_SUCCESS) {
         pd_log_error("cuda matmul: cublasGemmEx failed (%d) for %dx%dx%d", (int)s, m, n, k);
         return PD_ERR_BACKEND;
@@ -790,17 +1021,41 @@ pd_status_t cu_sample(pd_backend_t *be, int32_t *tokens, float *logits, int n, i
     }
     bool greedy = true;
     for (int i = 0; i < n; i++) {
-        greedy = greedy && params[i].temperature <= 0.0f;
-    }
-    if (!greedy) {
-        pd_log_error(
-            "cuda sample: non-greedy sampling of device logits is not implemented (copy them to the host)");
-        return PD_ERR_UNSUPPORTED;
+        const pd_sampling_params_t *p = &params[i];
+        if (!(p->temperature >= 0) || !(p->top_p > 0) || isnan(p->top_p)) {
+            pd_log_error("sample: row %d has invalid parameters (temperature %g, top_p %g)", i,
+                         p->temperature, p->top_p);
+            return PD_ERR_INVALID_ARG;
+        }
+        greedy = greedy && p->temperature < 1e-5f;
     }
     int32_t *d_tok = nullptr;
     TRY(cu_alloc(be, (size_t)n * sizeof(int32_t), reinterpret_cast<void **>(&d_tok)));
-    argmax_kernel<<<n, 1024, 0, S(be)->stream>>>(d_tok, logits, vocab);
-    pd_status_t st = check_launch("argmax");
+    pd_status_t st = PD_OK;
+    if (greedy) {
+        argmax_kernel<<<n, 1024, 0, S(be)->stream>>>(d_tok, logits, vocab);
+        st = check_launch("argmax");
+    } else {
+        /* the draws happen here, in row order, one per non-greedy row (as the CPU sampler) */
+        std::vector<sample_row> rows((size_t)n);
+        for (int i = 0; i < n; i++) {
+            const pd_sampling_params_t *p = &params[i];
+            bool g = p->temperature < 1e-5f;
+            int k = p->top_k > 0 && p->top_k < vocab ? p->top_k : vocab;
+            rows[(size_t)i] = sample_row{i, g ? 1 : k, g ? 0.0f : p->temperature, g ? 1.0f : p->top_p,
+                                         g ? 0.0 : pd_rng_uniform(&rngs[i])};
+        }
+        sample_row *d_rows = nullptr;
+        st = cu_alloc(be, (size_t)n * sizeof(sample_row), reinterpret_cast<void **>(&d_rows));
+        if (st == PD_OK) {
+            st = cu_copy(be, d_rows, rows.data(), (size_t)n * sizeof(sample_row), PD_COPY_H2D);
+        }
+        if (st == PD_OK) {
+            sample_kernel<<<n, SAMPLE_THREADS, 0, S(be)->stream>>>(d_tok, logits, vocab, d_rows);
+            st = check_launch("sample");
+        }
+        cu_free(be, d_rows);
+    }
     if (st == PD_OK) {
         st = cu_copy(be, tokens, d_tok, (size_t)n * sizeof(int32_t), PD_COPY_D2H);
     }
