@@ -1038,10 +1038,12 @@ static void *ctl_main(void *arg)
         if (stop) {
             break;
         }
-        /* the pipe's completions arrive through progress: poll it often while pages move */
-        /* while pages move, UCX wants its worker progressed continuously (a bounded number of
-         * operations advance per call): spin without sleeping until they land */
-        struct timespec ts = {0, moving ? 0 : busy ? 200 * 1000 : 50 * 1000 * 1000};
+        /* the pipe's completions arrive through progress: poll it often while pages move. UCX
+         * wants its worker progressed continuously (a bounded number of operations advance per
+         * call): spin until they land. The TCP pipe moves bytes on its own threads: a spin would
+         * take a core from them, so wake every 50 µs instead. */
+        bool spin = moving && k->pipe_kind != PD__PIPE_KIND__PIPE_TCP;
+        struct timespec ts = {0, spin ? 0 : moving ? 50 * 1000 : busy ? 200 * 1000 : 50 * 1000 * 1000};
         int rc = ppoll(pf, i, &ts, NULL);
         if (rc > 0 && (pf[1].revents & POLLIN)) {
             uint64_t v;

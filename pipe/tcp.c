@@ -337,6 +337,40 @@ static int read_full(int fd, void *buf, size_t n)
     return 0;
 }
 
+/* Reads the pages d[n] (offsets into base) in order, up to 64 pages per readv: one syscall per
+ * batch instead of per page (a 16 KiB page per read() costs ~30% of the stream rate here). */
+static int read_pages(int fd, char *base, const desc_t *d, uint32_t n)
+{
+    struct iovec iov[64];
+    for (uint32_t i = 0; i < n;) {
+        int k = 0;
+        for (; k < 64 && i + (uint32_t)k < n; k++) {
+            iov[k] = (struct iovec){base + d[i + (uint32_t)k].off, d[i + (uint32_t)k].len};
+        }
+        i += (uint32_t)k;
+        struct iovec *v = iov;
+        while (k > 0) {
+            ssize_t r = readv(fd, v, k);
+            if (r < 0 && errno == EINTR) {
+                continue;
+            }
+            if (r <= 0) {
+                return -1;
+            }
+            while (k > 0 && (size_t)r >= v->iov_len) {
+                r -= (ssize_t)v->iov_len;
+                v++;
+                k--;
+            }
+            if (k > 0) {
+                v->iov_base = (char *)v->iov_base + r;
+                v->iov_len -= (size_t)r;
+            }
+        }
+    }
+    return 0;
+}
+
 static int discard(int fd, uint64_t n)
 {
     char buf[65536];
@@ -491,9 +525,7 @@ static int rx_frame(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd)
                 h.count, (unsigned long long)peer->id, h.region_id);
             rc = discard(fd, h.len);
         } else {
-            for (uint32_t i = 0; rc == 0 && i < h.count; i++) {
-                rc = read_full(fd, (char *)r->pub.base + d[i].off, d[i].len);
-            }
+            rc = read_pages(fd, r->pub.base, d, h.count);
         }
         pthread_mutex_lock(&t->mu);
         if (rc == 0) {
@@ -531,9 +563,7 @@ static int rx_frame(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd)
             rc = discard(fd, h.len);
             st = PD_ERR_PARSE;
         } else if (st == PD_OK) {
-            for (int i = 0; rc == 0 && i < o->n; i++) {
-                rc = read_full(fd, (char *)o->local->pub.base + o->pages[i].off, o->pages[i].len);
-            }
+            rc = read_pages(fd, o->local->pub.base, o->pages, (uint32_t)o->n);
         }
         pthread_mutex_lock(&t->mu);
         if (o != NULL) {
