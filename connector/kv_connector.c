@@ -44,7 +44,9 @@ size_t pd_kv_connector_flags(pd_kv_connector_config_t *c, pd_flag_t *out, size_t
          "pull: decode reads the prefill's held blocks; push: prefill writes each layer into the decode's "
          "reserved blocks",
          "pull|push"},
-        {"kv-pipe", PD_FLAG_CHOICE, &c->pipe, "transport for KV pages", "ucx|tcp|nccl"},
+        {"kv-pipe", PD_FLAG_CHOICE, &c->pipe,
+         "transport for KV pages (nccl: a GPU build with --device cuda; moves device KV in place)",
+         "ucx|tcp|nccl"},
         {"kv-listen", PD_FLAG_STR, &c->listen, "HOST:PORT of the KV control listener (port 0 = any free)",
          NULL},
         {"kv-advertise-host", PD_FLAG_STR, &c->advertise_host,
@@ -610,8 +612,21 @@ static pd_status_t kv_register_kv_caches(pd_connector_t *c, const pd_kv_region_d
         pd_log_error("kv connector: %d layers, at most %d supported", rd->num_layers, KV_MAX_LAYERS);
         return PD_ERR_UNSUPPORTED;
     }
-    bool stage = !rd->host_memory || strcmp(k->cfg.staging, "always") == 0;
-    if (stage) {
+    bool nccl = k->pipe_kind == PD__PIPE_KIND__PIPE_NCCL;
+    bool stage = !nccl && (!rd->host_memory || strcmp(k->cfg.staging, "always") == 0);
+    if (nccl) {
+        /* NCCL reads and writes the device KV in place: no mirror */
+        if (rd->host_memory) {
+            pd_log_error("kv connector: --kv-pipe nccl moves GPU memory and this node's KV cache is in host "
+                         "memory (--device cpu): use --kv-pipe ucx or tcp, or --device cuda");
+            return PD_ERR_UNSUPPORTED;
+        }
+        pd_status_t st = k->pipe->ops->register_region(k->pipe, rd->base, rd->bytes, PD_MEM_CUDA, &k->region);
+        if (st != PD_OK) {
+            pd_log_error("kv connector: cannot register the device KV region with the nccl pipe");
+            return st;
+        }
+    } else if (stage) {
         /* ucx (this build) and tcp move host memory only: mirror the KV in host memory the pipe
          * allocates (same layout, so peers see the usual geometry) and copy pages through it */
         if (k->region != NULL || rd->backend == NULL || rd->backend->ops->copy_pages == NULL) {
@@ -1072,12 +1087,10 @@ pd_status_t pd_kv_connector_create(const pd_kv_connector_config_t *cfg, pd_metri
         pd_log_error("kv connector: every --kv-*-timeout and the heartbeat settings must be positive");
         return PD_ERR_INVALID_ARG;
     }
-    if (strcmp(cfg->pipe, "nccl") == 0) {
-        /* NCCL moves device memory; this node's KV cache lives in host memory (CPU backend) */
-        pd_log_error(
-            "kv connector: --kv-pipe nccl needs the KV cache in GPU memory (--device cuda); this build's "
-            "engine computes on the CPU — use --kv-pipe ucx or tcp");
-        return PD_ERR_UNSUPPORTED;
+    if (strcmp(cfg->pipe, "nccl") == 0 && strcmp(cfg->staging, "always") == 0) {
+        pd_log_error("kv connector: --kv-pipe nccl moves device memory itself; --kv-staging always is for "
+                     "host pipes (ucx, tcp)");
+        return PD_ERR_INVALID_ARG;
     }
     kv_conn_t *k = calloc(1, sizeof(*k));
     if (k == NULL) {
@@ -1135,7 +1148,9 @@ pd_status_t pd_kv_connector_create(const pd_kv_connector_config_t *cfg, pd_metri
 const pd_kv_region_allocator_t *pd_kv_connector_allocator(pd_connector_t *c)
 {
     kv_conn_t *k = (kv_conn_t *)c;
-    return strcmp(k->cfg.staging, "always") == 0 ? NULL : &k->alloc;
+    /* nccl: the pipe's regions are device memory, never a host engine's KV */
+    return strcmp(k->cfg.staging, "always") == 0 || k->pipe_kind == PD__PIPE_KIND__PIPE_NCCL ? NULL
+                                                                                             : &k->alloc;
 }
 
 pd_status_t pd_kv_connector_start(pd_connector_t *c, const Pd__Fingerprint *fp)

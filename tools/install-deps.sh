@@ -15,7 +15,7 @@ PKGS=(
   libpcre2-dev libutf8proc-dev             # tokenizer pre-tokenizer regex + normalizer
   check                                    # unit tests
   gnuplot-nox                              # benchmark plots
-  python3-numpy                            # independent reference implementation in tests
+  python3-numpy python3-yaml              # reference implementation; deploy manifest checks
   clang-format                             # make format / format check
   nodejs npm                               # gpt-3-encoder / openai client peers in tests
 )

@@ -337,6 +337,28 @@ START_TEST(test_equivalence_staged_tcp_push)
 }
 END_TEST
 
+/* A node whose KV cannot use the pipe refuses to start with a reason (no crash, no half-started
+ * server): nccl with a host KV (or, without NCCL in the build, nccl at all). */
+START_TEST(test_nccl_with_host_kv_refused)
+{
+    char log[600];
+    snprintf(log, sizeof(log), "%s/nccl.log", g_dir);
+    int rc =
+        tu_run(60,
+               "%s/bin/pd-prefill --model %s --device cpu --kv-pipe nccl --port 0 --kv-listen 127.0.0.1:0 "
+               "--no-kv-prefault >%s 2>&1",
+               tu_binary_dir(), g_model, log);
+    size_t n = 0;
+    char *text = tu_read_file(log, &n);
+    ck_assert_msg(rc == 1, "pd-prefill --kv-pipe nccl on a CPU KV exited %d, want 1", rc);
+    ck_assert_ptr_nonnull(text);
+    ck_assert_msg(strstr(text, "moves GPU memory") != NULL ||
+                      strstr(text, "cannot create a nccl pipe") != NULL,
+                  "no reason in the log:\n%s", text);
+    free(text);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ prefix hits */
 
 static char *ids_body(const int32_t *ids, int n)
@@ -825,6 +847,7 @@ int main(void)
     tcase_add_test(tc, test_equivalence_ucx_push);
     tcase_add_test(tc, test_equivalence_staged_ucx_pull);
     tcase_add_test(tc, test_equivalence_staged_tcp_push);
+    tcase_add_test(tc, test_nccl_with_host_kv_refused);
     tcase_add_test(tc, test_prefix_hit_moves_only_missing_blocks);
     tcase_add_test(tc, test_prefill_gone_before_read);
     tcase_add_test(tc, test_lease_expiry_is_stale);
