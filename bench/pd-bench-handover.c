@@ -279,6 +279,7 @@ int main(int argc, char **argv)
             len, kv / (1 << 20), alone, pd, over, dphase, handover, ph[0], ph[1], ph[2], ph[3], bound, gbps,
             after.count[0] + after.count[3] <= before.count[0] + before.count[3]
                 ? "n/a: no transfer completed"
+            : ph[3] > 0         ? "n/a (push: contains the prefill; read the TTFT difference)"
             : handover <= bound ? "met"
                                 : "NOT met");
     }

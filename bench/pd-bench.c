@@ -470,8 +470,10 @@ static int cmp_double(const void *x, const void *y)
     return a < b ? -1 : a > b;
 }
 
-/* pd-bench plot OUT_DIR RESULT.json...: latency percentiles vs request rate across files, and
- * the TTFT / E2EL CDF of each file. */
+/* pd-bench plot OUT_DIR RESULT.json...: latency percentiles vs request rate, one series per
+ * result label (e.g. "colocated long", "pull long"; the file name without one), p50 solid and
+ * p99 dashed in the label's colour; and the TTFT / E2EL CDF of each file. Data files and the
+ * gnuplot script stay in OUT_DIR. */
 static int plot(int argc, char **argv)
 {
     if (argc < 2) {
@@ -488,26 +490,51 @@ static int plot(int argc, char **argv)
         return 1;
     }
     fprintf(dat, "# label rate p50_ttft p99_ttft p50_tpot p99_tpot p50_itl p99_itl goodput\n");
-    int nfiles = 0;
+    enum { MAX_SERIES = 16 };
+    char series[MAX_SERIES][128];
+    char *titles[256];
+    int nseries = 0, nfiles = 0;
+    FILE *sdat[MAX_SERIES] = {NULL};
+    bool bad = false;
     for (int i = 1; i < argc; i++) {
         json_error_t e;
         json_t *j = json_load_file(argv[i], 0, &e);
         if (j == NULL) {
             pd_log_error("%s:%d: %s", argv[i], e.line, e.text);
-            fclose(dat);
-            return 1;
+            bad = true;
+            break;
         }
         json_t *rr = json_object_get(j, "request_rate");
         double rate = json_is_number(rr) ? json_number_value(rr) : 0;
         const char *label = json_string_value(json_object_get(j, "label"));
-        fprintf(dat, "\"%s\" %g %g %g %g %g %g %g %g\n", label != NULL ? label : argv[i], rate,
-                json_number_value(json_object_get(j, "median_ttft_ms")),
-                json_number_value(json_object_get(j, "p99_ttft_ms")),
-                json_number_value(json_object_get(j, "median_tpot_ms")),
-                json_number_value(json_object_get(j, "p99_tpot_ms")),
-                json_number_value(json_object_get(j, "median_itl_ms")),
-                json_number_value(json_object_get(j, "p99_itl_ms")),
-                json_number_value(json_object_get(j, "request_goodput")));
+        label = label != NULL && label[0] != '\0' ? label : argv[i];
+        int s = 0;
+        while (s < nseries && strcmp(series[s], label) != 0) {
+            s++;
+        }
+        if (s == nseries && nseries < MAX_SERIES) {
+            snprintf(series[nseries], sizeof(series[0]), "%s", label);
+            snprintf(path, sizeof(path), "%s/rate_%d.dat", dir, nseries);
+            sdat[nseries++] = fopen(path, "w");
+        }
+        char row[512];
+        snprintf(row, sizeof(row), "\"%s\" %g %g %g %g %g %g %g %g\n", label, rate,
+                 json_number_value(json_object_get(j, "median_ttft_ms")),
+                 json_number_value(json_object_get(j, "p99_ttft_ms")),
+                 json_number_value(json_object_get(j, "median_tpot_ms")),
+                 json_number_value(json_object_get(j, "p99_tpot_ms")),
+                 json_number_value(json_object_get(j, "median_itl_ms")),
+                 json_number_value(json_object_get(j, "p99_itl_ms")),
+                 json_number_value(json_object_get(j, "request_goodput")));
+        fputs(row, dat);
+        if (s < nseries && sdat[s] != NULL) {
+            fputs(row, sdat[s]);
+        }
+        if (nfiles < 256) {
+            char t[200];
+            snprintf(t, sizeof(t), "%s @ %g req/s", label, rate);
+            titles[nfiles] = strdup(t);
+        }
         /* CDF of this file's TTFT and E2EL */
         snprintf(path, sizeof(path), "%s/cdf_%d.dat", dir, nfiles);
         FILE *cdf = fopen(path, "w");
@@ -534,23 +561,34 @@ static int plot(int argc, char **argv)
         nfiles++;
     }
     fclose(dat);
+    for (int s = 0; s < nseries; s++) {
+        if (sdat[s] != NULL) {
+            fclose(sdat[s]);
+        }
+    }
     snprintf(path, sizeof(path), "%s/plot.gp", dir);
-    FILE *gp = fopen(path, "w");
+    FILE *gp = bad ? NULL : fopen(path, "w");
     if (gp == NULL) {
+        for (int f = 0; f < nfiles && f < 256; f++) {
+            free(titles[f]);
+        }
         return 1;
     }
-    fprintf(gp, "set terminal pngcairo size 900,600 noenhanced\nset grid\nset key outside right\n");
+    fprintf(gp, "set terminal pngcairo size 1100,800 noenhanced\nset grid\nset key outside right\n");
     fprintf(gp,
             "set output '%s/latency_vs_rate.png'\nset multiplot layout 3,1 title 'latency vs request rate'\n",
             dir);
     fprintf(gp, "set xlabel 'request rate (req/s)'\n");
     const char *names[3] = {"TTFT", "TPOT", "ITL"};
     for (int k = 0; k < 3; k++) {
-        fprintf(
-            gp,
-            "set ylabel '%s (ms)'\nplot '%s/latency_vs_rate.dat' using 2:%d with linespoints title 'p50', "
-            "'' using 2:%d with linespoints title 'p99'\n",
-            names[k], dir, 3 + 2 * k, 4 + 2 * k);
+        fprintf(gp, "set ylabel '%s (ms)'\nplot ", names[k]);
+        for (int s = 0; s < nseries; s++) {
+            fprintf(gp,
+                    "%s'%s/rate_%d.dat' using 2:%d with linespoints lc %d dt 1 title '%s p50', "
+                    "'' using 2:%d with linespoints lc %d dt 2 title '%s p99'",
+                    s ? ", " : "", dir, s, 3 + 2 * k, s + 1, series[s], 4 + 2 * k, s + 1, series[s]);
+        }
+        fprintf(gp, "\n");
     }
     fprintf(gp, "unset multiplot\n");
     fprintf(gp,
@@ -561,9 +599,12 @@ static int plot(int argc, char **argv)
         fprintf(
             gp,
             "%s'%s/cdf_%d.dat' using 1:3 with lines title '%s TTFT', '' using 2:3 with lines title '%s E2EL'",
-            f ? ", " : "", dir, f, argv[1 + f], argv[1 + f]);
+            f ? ", " : "", dir, f, f < 256 ? titles[f] : argv[1 + f], f < 256 ? titles[f] : argv[1 + f]);
     }
     fprintf(gp, "\n");
+    for (int f = 0; f < nfiles && f < 256; f++) {
+        free(titles[f]);
+    }
     fclose(gp);
     char cmd[4200];
     snprintf(cmd, sizeof(cmd), "gnuplot '%s/plot.gp'", dir);

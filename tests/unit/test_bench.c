@@ -234,6 +234,58 @@ START_TEST(test_end_to_end_against_pd_serve)
 }
 END_TEST
 
+/* pd-bench plot: one series per result label (two labels × two rates here), each with its own
+ * data file and legend entries, and a CDF per file titled by label and rate; PNGs written. */
+START_TEST(test_plot_series_per_label)
+{
+    char *dir = tu_mkdtemp("bench-plot");
+    ck_assert_ptr_nonnull(dir);
+    const char *labels[2] = {"colocated long", "pull long"};
+    char files[1024] = "";
+    for (int i = 0; i < 4; i++) {
+        json_t *j = json_pack("{s:s, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:[f,f,f], s:[f,f,f]}", "label",
+                              labels[i / 2], "request_rate", (double)(1 + i % 2), "median_ttft_ms", 100.0 + i,
+                              "p99_ttft_ms", 200.0 + i, "median_tpot_ms", 10.0, "p99_tpot_ms", 20.0,
+                              "median_itl_ms", 10.0, "p99_itl_ms", 30.0, "request_goodput", 1.0, "ttfts", 0.1,
+                              0.2, 0.3, "e2els", 1.0, 2.0, 3.0);
+        char f[600];
+        snprintf(f, sizeof(f), "%s/r%d.json", dir, i);
+        ck_assert_int_eq(json_dump_file(j, f, 0), 0);
+        json_decref(j);
+        strcat(files, " "), strcat(files, f);
+    }
+    int rc = tu_run(60, "%s/bin/pd-bench plot %s/out%s > %s/plot.log 2>&1", tu_binary_dir(), dir, files, dir);
+    ck_assert_msg(rc == 0, "pd-bench plot failed: see %s/plot.log", dir);
+    char p[700];
+    size_t n = 0;
+    snprintf(p, sizeof(p), "%s/out/plot.gp", dir);
+    char *gp = tu_read_file(p, &n);
+    ck_assert_ptr_nonnull(gp);
+    ck_assert_msg(strstr(gp, "title 'colocated long p50'") && strstr(gp, "title 'pull long p99'") &&
+                      strstr(gp, "rate_1.dat") && !strstr(gp, "rate_2.dat") &&
+                      strstr(gp, "title 'pull long @ 2 req/s TTFT'"),
+                  "plot.gp lacks the per-label series:\n%s", gp);
+    free(gp);
+    snprintf(p, sizeof(p), "%s/out/rate_1.dat", dir);
+    char *d1 = tu_read_file(p, &n);
+    ck_assert_ptr_nonnull(d1);
+    ck_assert_msg(strstr(d1, "\"pull long\" 1 ") && strstr(d1, "\"pull long\" 2 ") &&
+                      !strstr(d1, "colocated"),
+                  "rate_1.dat:\n%s", d1);
+    free(d1);
+    const char *pngs[2] = {"latency_vs_rate.png", "latency_cdf.png"};
+    for (int i = 0; i < 2; i++) {
+        snprintf(p, sizeof(p), "%s/out/%s", dir, pngs[i]);
+        char *png = tu_read_file(p, &n);
+        ck_assert_msg(png != NULL && n > 1000 && memcmp(png, "\x89PNG", 4) == 0, "%s missing or not a PNG",
+                      p);
+        free(png);
+    }
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 int main(void)
 {
     pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_OFF);
@@ -244,6 +296,7 @@ int main(void)
     tcase_add_test(tc, test_arrivals);
     tcase_add_test(tc, test_datasets);
     tcase_add_test(tc, test_end_to_end_against_pd_serve);
+    tcase_add_test(tc, test_plot_series_per_label);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
