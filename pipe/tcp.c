@@ -237,6 +237,21 @@ static pd_pipe_peer_t *peer_by_id(tcp_pipe_t *t, uint64_t id, bool create)
     return p;
 }
 
+/* Consumes `done` bytes from the front of iov[*n]: entries fully done are skipped, a partly done
+ * one is trimmed. */
+static void iov_advance(struct iovec **iov, int *n, size_t done)
+{
+    while (*n > 0 && done >= (*iov)->iov_len) {
+        done -= (*iov)->iov_len;
+        (*iov)++;
+        (*n)--;
+    }
+    if (*n > 0) {
+        (*iov)->iov_base = (char *)(*iov)->iov_base + done;
+        (*iov)->iov_len -= done;
+    }
+}
+
 /* Writes as much of j as the socket takes now, without blocking; advances j. Returns 1 when
  * all of it is written, 0 when some remains, -1 when the connection failed. */
 static int write_some(int fd, job_t *j)
@@ -250,14 +265,10 @@ static int write_some(int fd, job_t *j)
         if (w < 0) {
             return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : -1;
         }
-        while (j->first < j->niov && (size_t)w >= j->iov[j->first].iov_len) {
-            w -= (ssize_t)j->iov[j->first].iov_len;
-            j->first++;
-        }
-        if (j->first < j->niov) {
-            j->iov[j->first].iov_base = (char *)j->iov[j->first].iov_base + w;
-            j->iov[j->first].iov_len -= (size_t)w;
-        }
+        struct iovec *v = j->iov + j->first;
+        int left = j->niov - j->first;
+        iov_advance(&v, &left, (size_t)w);
+        j->first = j->niov - left;
     }
     return 1;
 }
@@ -357,15 +368,7 @@ static int read_pages(int fd, char *base, const desc_t *d, uint32_t n)
             if (r <= 0) {
                 return -1;
             }
-            while (k > 0 && (size_t)r >= v->iov_len) {
-                r -= (ssize_t)v->iov_len;
-                v++;
-                k--;
-            }
-            if (k > 0) {
-                v->iov_base = (char *)v->iov_base + r;
-                v->iov_len -= (size_t)r;
-            }
+            iov_advance(&v, &k, (size_t)r);
         }
     }
     return 0;
@@ -394,15 +397,7 @@ static int writev_full(int fd, struct iovec *iov, int n)
             }
             return -1;
         }
-        while (n > 0 && (size_t)w >= iov->iov_len) {
-            w -= (ssize_t)iov->iov_len;
-            iov++;
-            n--;
-        }
-        if (n > 0) {
-            iov->iov_base = (char *)iov->iov_base + w;
-            iov->iov_len -= (size_t)w;
-        }
+        iov_advance(&iov, &n, (size_t)w);
     }
     return 0;
 }
