@@ -605,6 +605,43 @@ static void stage_finish_loads(kv_conn_t *k, kv_staged_load_t *sl)
 
 /* ------------------------------------------------------------------ worker half */
 
+/* Mirrors the engine's KV in host memory the pipe allocates (same layout, so peers see the usual
+ * geometry), page-locked by the backend when it can; pages are copied through it (see the file
+ * comment of kv_connector.h). */
+static pd_status_t stage_kv(kv_conn_t *k, const pd_kv_region_desc_t *rd)
+{
+    if (k->region != NULL || rd->backend == NULL || rd->backend->ops->copy_pages == NULL) {
+        pd_log_error("kv connector: cannot stage the KV region (it was allocated by the pipe, or the backend "
+                     "cannot copy pages)");
+        return PD_ERR_INVALID_ARG;
+    }
+    pd_status_t st = k->pipe->ops->alloc_region(k->pipe, rd->bytes, &k->region);
+    if (st != PD_OK) {
+        pd_log_error("kv connector: the %s pipe cannot allocate a %.1f MiB host mirror of the KV",
+                     k->cfg.pipe, (double)rd->bytes / (1 << 20));
+        return st;
+    }
+    k->staged = true;
+    k->kv_base = rd->base;
+    k->be = rd->backend;
+    const char *pin = "pageable";
+    if (k->be->ops->pin_host != NULL) {
+        if (k->be->ops->pin_host(k->be, k->region->base, k->region->len) == PD_OK) {
+            k->pinned = true;
+            pin = "pinned";
+        } else {
+            pd_log_warn("kv connector: cannot page-lock the KV host mirror; copies run from pageable memory");
+        }
+    }
+    pd_log_info("kv connector: %s; staging KV through a %.1f MiB %s host mirror registered with the %s pipe "
+                "(prefill: device→host after each layer; decode: host→device after each load)",
+                rd->host_memory ? "--kv-staging always"
+                                : "the KV is in device memory, which this pipe cannot register",
+                (double)rd->bytes / (1 << 20), pin, k->cfg.pipe);
+    start_prefault(k);
+    return PD_OK;
+}
+
 static pd_status_t kv_register_kv_caches(pd_connector_t *c, const pd_kv_region_desc_t *rd)
 {
     kv_conn_t *k = (kv_conn_t *)c;
@@ -613,58 +650,32 @@ static pd_status_t kv_register_kv_caches(pd_connector_t *c, const pd_kv_region_d
         return PD_ERR_UNSUPPORTED;
     }
     bool nccl = k->pipe_kind == PD__PIPE_KIND__PIPE_NCCL;
-    bool stage = !nccl && (!rd->host_memory || strcmp(k->cfg.staging, "always") == 0);
-    if (nccl) {
-        /* NCCL reads and writes the device KV in place: no mirror */
-        if (rd->host_memory) {
-            pd_log_error("kv connector: --kv-pipe nccl moves GPU memory and this node's KV cache is in host "
-                         "memory (--device cpu): use --kv-pipe ucx or tcp, or --device cuda");
-            return PD_ERR_UNSUPPORTED;
-        }
-        pd_status_t st = k->pipe->ops->register_region(k->pipe, rd->base, rd->bytes, PD_MEM_CUDA, &k->region);
-        if (st != PD_OK) {
-            pd_log_error("kv connector: cannot register the device KV region with the nccl pipe");
-            return st;
-        }
-    } else if (stage) {
-        /* ucx (this build) and tcp move host memory only: mirror the KV in host memory the pipe
-         * allocates (same layout, so peers see the usual geometry) and copy pages through it */
-        if (k->region != NULL || rd->backend == NULL || rd->backend->ops->copy_pages == NULL) {
-            pd_log_error("kv connector: cannot stage the KV region (it was allocated by the pipe, or the "
-                         "backend cannot copy pages)");
-            return PD_ERR_INVALID_ARG;
-        }
-        pd_status_t st = k->pipe->ops->alloc_region(k->pipe, rd->bytes, &k->region);
-        if (st != PD_OK) {
-            pd_log_error("kv connector: the %s pipe cannot allocate a %.1f MiB host mirror of the KV",
-                         k->cfg.pipe, (double)rd->bytes / (1 << 20));
-            return st;
-        }
-        k->staged = true;
-        k->kv_base = rd->base;
-        k->be = rd->backend;
-        const char *pin = "pageable";
-        if (k->be->ops->pin_host != NULL) {
-            if (k->be->ops->pin_host(k->be, k->region->base, k->region->len) == PD_OK) {
-                k->pinned = true;
-                pin = "pinned";
-            } else {
-                pd_log_warn(
-                    "kv connector: cannot page-lock the KV host mirror; copies run from pageable memory");
-            }
-        }
-        pd_log_info("kv connector: %s; staging KV through a %.1f MiB %s host mirror registered with the %s "
-                    "pipe (prefill: device→host after each layer; decode: host→device after each load)",
-                    rd->host_memory ? "--kv-staging always"
-                                    : "the KV is in device memory, which this pipe cannot register",
-                    (double)rd->bytes / (1 << 20), pin, k->cfg.pipe);
-        start_prefault(k);
-    } else if (k->region == NULL || k->region->base != rd->base) {
-        pd_status_t st = k->pipe->ops->register_region(k->pipe, rd->base, rd->bytes, PD_MEM_HOST, &k->region);
+    pd_status_t st;
+    if (rd->host_memory && nccl) {
+        pd_log_error(
+            "kv connector: --kv-pipe nccl moves GPU memory and this node's KV cache is in host memory "
+            "(--device cpu): use --kv-pipe ucx or tcp, or --device cuda");
+        return PD_ERR_UNSUPPORTED;
+    } else if (rd->host_memory && strcmp(k->cfg.staging, "always") != 0) {
+        st = k->region != NULL && k->region->base == rd->base
+                 ? PD_OK /* the pipe allocated it (pd_kv_connector_allocator) */
+                 : k->pipe->ops->register_region(k->pipe, rd->base, rd->bytes, PD_MEM_HOST, &k->region);
         if (st != PD_OK) {
             pd_log_error("kv connector: cannot register the KV region with the %s pipe", k->cfg.pipe);
-            return st;
         }
+    } else if (!rd->host_memory && (nccl || k->pipe_kind == PD__PIPE_KIND__PIPE_UCX) &&
+               (st = k->pipe->ops->register_region(k->pipe, rd->base, rd->bytes, PD_MEM_CUDA, &k->region)) ==
+                   PD_OK) {
+        /* NCCL, or a UCX built with CUDA support, moves the device KV in place: no mirror */
+        pd_log_info("kv connector: the device KV is registered with the %s pipe in place (no staging)",
+                    k->cfg.pipe);
+    } else if (nccl) {
+        pd_log_error("kv connector: cannot register the device KV region with the nccl pipe");
+    } else {
+        st = stage_kv(k, rd);
+    }
+    if (st != PD_OK) {
+        return st;
     }
     k->geom.length = rd->bytes;
     k->geom.page_bytes = rd->page_bytes;

@@ -543,7 +543,8 @@ static pd_status_t ucx_connect(pd_pipe_t *p, const uint8_t *addr, size_t len, pd
 
 /* ------------------------------------------------------------------ memory */
 
-static pd_status_t map_region(ucx_pipe_t *u, void *base, size_t len, bool allocate, pd_pipe_region_t **out)
+static pd_status_t map_region(ucx_pipe_t *u, void *base, size_t len, bool allocate, pd_mem_type_t mem,
+                              pd_pipe_region_t **out)
 {
     ucx_region_t *r = calloc(1, sizeof(*r));
     if (r == NULL) {
@@ -556,6 +557,10 @@ static pd_status_t map_region(ucx_pipe_t *u, void *base, size_t len, bool alloca
     mp.address = allocate ? NULL : base;
     mp.length = len > 0 ? len : 1;
     mp.flags = allocate ? UCP_MEM_MAP_ALLOCATE : 0;
+    if (mem == PD_MEM_CUDA) {
+        mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+        mp.memory_type = UCS_MEMORY_TYPE_CUDA;
+    }
     ucs_status_t s = ucp_mem_map(u->ctx, &mp, &r->memh);
     if (s != UCS_OK) {
         pd_log_error("ucx pipe: ucp_mem_map of %zu bytes failed: %s", len, ucs_status_string(s));
@@ -568,7 +573,7 @@ static pd_status_t map_region(ucx_pipe_t *u, void *base, size_t len, bool alloca
         ucp_mem_query(r->memh, &attr);
         base = attr.address;
     }
-    r->pub = (struct pd_pipe_region){base, len, PD_MEM_HOST};
+    r->pub = (struct pd_pipe_region){base, len, mem};
     r->owned = allocate;
     pthread_mutex_lock(&u->mu);
     r->next = u->regions;
@@ -583,17 +588,25 @@ static pd_status_t map_region(ucx_pipe_t *u, void *base, size_t len, bool alloca
 
 static pd_status_t ucx_alloc_region(pd_pipe_t *p, size_t len, pd_pipe_region_t **out)
 {
-    return map_region((ucx_pipe_t *)p, NULL, len, true, out);
+    return map_region((ucx_pipe_t *)p, NULL, len, true, PD_MEM_HOST, out);
 }
 
 static pd_status_t ucx_register_region(pd_pipe_t *p, void *base, size_t len, pd_mem_type_t mem,
                                        pd_pipe_region_t **out)
 {
-    if (mem != PD_MEM_HOST) {
-        pd_log_error("ucx pipe: this UCX build registers host memory only; stage device memory through host");
-        return PD_ERR_UNSUPPORTED;
+    ucx_pipe_t *u = (ucx_pipe_t *)p;
+    if (mem == PD_MEM_CUDA) {
+        /* only a UCX built with CUDA support (cuda_copy/cuda_ipc, GPUDirect RDMA) can move device
+         * memory; Debian's cannot, and the caller then stages through host memory */
+        ucp_context_attr_t attr;
+        attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+        if (ucp_context_query(u->ctx, &attr) != UCS_OK ||
+            !(attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA))) {
+            pd_log_debug("ucx pipe: this UCX build has no CUDA memory support");
+            return PD_ERR_UNSUPPORTED;
+        }
     }
-    return map_region((ucx_pipe_t *)p, base, len, false, out);
+    return map_region(u, base, len, false, mem, out);
 }
 
 static void ucx_deregister_region(pd_pipe_t *p, pd_pipe_region_t *r)
