@@ -101,7 +101,7 @@ def http(port, path, body=None, timeout=60):
         return r.status, r.read()
 
 
-def wait_ready(port, proc, what, secs=120):
+def wait_ready(port, proc, secs=120):
     end = time.time() + secs
     while time.time() < end:
         if proc.poll() is not None:
@@ -162,7 +162,7 @@ def live(deps, secrets, bindir):
             log = open(os.path.join(tmp, role + ".log"), "w")
             p = subprocess.Popen([os.path.join(bindir, c["command"][0])] + args, stdout=log, stderr=log)
             procs.append((role, p))
-            ok = wait_ready(ports[role], p, role)
+            ok = wait_ready(ports[role], p)
             if not ok:
                 with open(os.path.join(tmp, role + ".log")) as f:
                     sys.stdout.write(f.read()[-3000:])

@@ -305,35 +305,17 @@ static void equivalence(const char *mode, const char *pipe, bool staged)
     cluster_stop(&c);
 }
 
-START_TEST(test_equivalence_tcp_pull)
+/* Every mode × pipe, plus the device-KV path (host mirror + page copies) with the CPU backend
+ * standing in for the GPU (--kv-staging always). */
+static const struct {
+    const char *mode, *pipe;
+    bool staged;
+} EQUIV[] = {{"pull", "tcp", false}, {"push", "tcp", false}, {"pull", "ucx", false},
+             {"push", "ucx", false}, {"pull", "ucx", true},  {"push", "tcp", true}};
+
+START_TEST(test_equivalence)
 {
-    equivalence("pull", "tcp", false);
-}
-END_TEST
-START_TEST(test_equivalence_tcp_push)
-{
-    equivalence("push", "tcp", false);
-}
-END_TEST
-START_TEST(test_equivalence_ucx_pull)
-{
-    equivalence("pull", "ucx", false);
-}
-END_TEST
-START_TEST(test_equivalence_ucx_push)
-{
-    equivalence("push", "ucx", false);
-}
-END_TEST
-/* the device-KV path (host mirror + page copies) with the CPU backend standing in for the GPU */
-START_TEST(test_equivalence_staged_ucx_pull)
-{
-    equivalence("pull", "ucx", true);
-}
-END_TEST
-START_TEST(test_equivalence_staged_tcp_push)
-{
-    equivalence("push", "tcp", true);
+    equivalence(EQUIV[_i].mode, EQUIV[_i].pipe, EQUIV[_i].staged);
 }
 END_TEST
 
@@ -841,12 +823,7 @@ int main(void)
     TCase *tc = tcase_create("pd");
     tcase_add_unchecked_fixture(tc, suite_setup, suite_teardown);
     tcase_set_timeout(tc, 300);
-    tcase_add_test(tc, test_equivalence_tcp_pull);
-    tcase_add_test(tc, test_equivalence_tcp_push);
-    tcase_add_test(tc, test_equivalence_ucx_pull);
-    tcase_add_test(tc, test_equivalence_ucx_push);
-    tcase_add_test(tc, test_equivalence_staged_ucx_pull);
-    tcase_add_test(tc, test_equivalence_staged_tcp_push);
+    tcase_add_loop_test(tc, test_equivalence, 0, (int)(sizeof(EQUIV) / sizeof(EQUIV[0])));
     tcase_add_test(tc, test_nccl_with_host_kv_refused);
     tcase_add_test(tc, test_prefix_hit_moves_only_missing_blocks);
     tcase_add_test(tc, test_prefill_gone_before_read);
