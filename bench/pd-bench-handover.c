@@ -5,7 +5,9 @@
  * the decode node's pd:kv_transfer_phase_seconds (queue, transfer, notify) and handshake
  * histograms. Baseline in the same run: the pipe's own read bandwidth between two endpoints
  * of this process (pages of the same size), giving "transfer time at the pipe's bandwidth";
- * goal: overhead ≤ that + 2 ms.
+ * goal: overhead ≤ that + 2 ms. A second same-run baseline: one memcpy of the same bytes between
+ * buffers filled when the run began and idle until that prompt's P/D requests finished (this
+ * VM's idle memory is slow to touch: see idle_pair_t).
  *   pd-bench-handover --proxy http://127.0.0.1:8000 --prefill http://127.0.0.1:8100 \
  *       --decode http://127.0.0.1:8200 --lens 512,2048,8192 --kv-bytes-per-token 8192 --pipe ucx */
 #define _GNU_SOURCE
@@ -16,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -108,6 +111,49 @@ static char *prompt_body(pd_rng_t *rng, int len, int vocab, int max_tokens, bool
 static void done_cb(void *arg, pd_status_t st)
 {
     *(int *)arg = st == PD_OK ? 1 : -1;
+}
+
+/* A buffer pair of `bytes` filled now and left alone until idle_copy_ms copies it: the same-run
+ * baseline for this VM's memory, which gets slower to touch the longer it sits idle (a 64 MiB
+ * memcpy between buffers idle for 120 s took 10-105 ms here vs 8 ms fresh), as a decode's
+ * free KV blocks and a prefill's finished ones do while a long prefill runs. Shared anonymous
+ * memory, like the nodes' shared-memory KV regions. */
+typedef struct idle_pair {
+    uint8_t *src, *dst;
+    size_t bytes;
+    double since;
+} idle_pair_t;
+
+static void idle_pair_init(idle_pair_t *ip, size_t bytes)
+{
+    memset(ip, 0, sizeof(*ip));
+    void *s = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    void *d = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (s == MAP_FAILED || d == MAP_FAILED) {
+        return;
+    }
+    ip->src = s, ip->dst = d, ip->bytes = bytes;
+    memset(ip->src, 1, bytes);
+    memset(ip->dst, 2, bytes);
+    __asm__ volatile("" : : "r"(ip->src), "r"(ip->dst) : "memory");
+    ip->since = pd_time_now_s();
+}
+
+/* Copies the pair once (ms; 0 when it could not be allocated) and frees it; *idle_s: how long it sat. */
+static double idle_copy_ms(idle_pair_t *ip, double *idle_s)
+{
+    *idle_s = 0;
+    if (ip->src == NULL) {
+        return 0;
+    }
+    *idle_s = pd_time_now_s() - ip->since;
+    double t0 = pd_time_now_s();
+    memcpy(ip->dst, ip->src, ip->bytes);
+    __asm__ volatile("" : : "r"(ip->dst) : "memory");
+    double ms = (pd_time_now_s() - t0) * 1e3;
+    munmap(ip->src, ip->bytes), munmap(ip->dst, ip->bytes);
+    ip->src = ip->dst = NULL;
+    return ms;
 }
 
 /* The pipe's read bandwidth for page-sized ranges between two endpoints of this process. */
@@ -211,8 +257,8 @@ int main(int argc, char **argv)
                            "(ms) | decode phase (ms) | "
                            "KV handover (ms) | queue | transfer | notify | remote (push) | pipe-bandwidth "
                            "time + 2 ms | goal (KV "
-                           "handover) |\n"
-                           "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+                           "handover) | memcpy of idle memory (ms, idle s) |\n"
+                           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     /* one warm-up through the proxy: the decode's first handshake is reported separately */
     char *w = prompt_body(&rng, 64, vocab, 1, false);
     resp_t r;
@@ -222,6 +268,16 @@ int main(int argc, char **argv)
     scrape(b, &dc, &h0);
     char *list = strdup(lens), *save = NULL;
     bool all_ok = true;
+    idle_pair_t idle[16];
+    int nidle = 0;
+    {
+        char *l2 = strdup(lens), *s2 = NULL;
+        for (char *t = strtok_r(l2, ",", &s2); t != NULL && nidle < 16; t = strtok_r(NULL, ",", &s2)) {
+            idle_pair_init(&idle[nidle++], (size_t)atoi(t) * (size_t)kv_bytes_per_token);
+        }
+        free(l2);
+    }
+    int li = 0;
     for (char *t = strtok_r(list, ",", &save); t != NULL; t = strtok_r(NULL, ",", &save)) {
         int len = atoi(t);
         double alone = 0, pd = 0;
@@ -250,6 +306,8 @@ int main(int argc, char **argv)
         }
         scrape(b, &dc, &after);
         scrape_proxy(b, &px, &ds1, &dc1);
+        double idle_s = 0, idle_ms = li < nidle ? idle_copy_ms(&idle[li], &idle_s) : 0;
+        li++;
         double dphase = dc1 > dc0 ? (ds1 - ds0) / (dc1 - dc0) * 1e3 : 0;
         if (ok != 2 * repeat) {
             pd_log_error("prompt %d: %d of %d requests failed", len, 2 * repeat - ok, 2 * repeat);
@@ -270,18 +328,19 @@ int main(int argc, char **argv)
         fprintf(stderr,
                 "pd-bench-handover: %d tokens: alone %.1f ms, P/D %.1f ms, decode phase %.1f ms, KV handover "
                 "%.2f ms "
-                "(bound %.1f ms at %.2f GB/s)\n",
-                len, alone, pd, dphase, handover, bound, gbps);
+                "(bound %.1f ms at %.2f GB/s; memcpy of the same bytes idle %.0f s: %.1f ms)\n",
+                len, alone, pd, dphase, handover, bound, gbps, idle_s, idle_ms);
         tl += (size_t)snprintf(
             table + tl, sizeof(table) - tl,
             "| %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.2f | %.2f | %.2f | %.1f (%.2f "
-            "GB/s) | %s |\n",
+            "GB/s) | %s | %.1f (%.0f s) |\n",
             len, kv / (1 << 20), alone, pd, over, dphase, handover, ph[0], ph[1], ph[2], ph[3], bound, gbps,
             after.count[0] + after.count[3] <= before.count[0] + before.count[3]
                 ? "n/a: no transfer completed"
             : ph[3] > 0         ? "n/a (push: contains the prefill; read the TTFT difference)"
             : handover <= bound ? "met"
-                                : "NOT met");
+                                : "NOT met",
+            idle_ms, idle_s);
     }
     free(list);
     phases_t end;
@@ -309,7 +368,9 @@ int main(int argc, char **argv)
                     "contact: %.2f ms. In push mode the decode's request goes out with the prefill's, so its "
                     "decode phase and the remote column (reservation to WRITE_DONE) contain the prefill's "
                     "compute: "
-                    "read the TTFT difference there.\n\n%s",
+                    "read the TTFT difference there. Last column: one memcpy of the same bytes between two "
+                    "buffers filled when the run began and left idle until that prompt's P/D requests "
+                    "finished (this VM's idle memory is slow to touch).\n\n%s",
                     proxy, prefill, decode, lens, repeat, kv_bytes_per_token, pipe, cores, page_bytes, pipe,
                     hs, table);
             fclose(f);

@@ -6,8 +6,10 @@
  * the plain socket; one 16 KiB page write round trip < 50 µs. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
+#include <errno.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdio.h>
@@ -99,7 +101,7 @@ typedef struct link {
     pd_pipe_peer_t *peer;
     pd_pipe_region_t *local;
     pd_pipe_remote_t *remote;
-    bool tcp; /* bytes move on the pipe's own threads: waiting callers must not spin */
+    int wait_fd; /* >= 0: bytes move on the pipe's own threads; wait on this, do not spin */
 } link_t;
 
 static int link_open(const char *kind, link_t *L)
@@ -119,7 +121,7 @@ static int link_open(const char *kind, link_t *L)
     if (pd_pipe_create(&c, &L->p) != PD_OK) {
         return -1;
     }
-    L->tcp = strcmp(kind, "tcp") == 0;
+    L->wait_fd = pd_pipe_wait_fd(L->p);
     uint8_t a[PD_PIPE_ADDR_MAX], ta[PD_PIPE_ADDR_MAX], d[PD_PIPE_RKEY_MAX];
     uint32_t l;
     xfer_all(L->ctl, &l, 4, false);
@@ -171,12 +173,22 @@ static void make_pages(pd_page_xfer_t *pg, int n, size_t psz, bool random_ids, p
 }
 
 /* Waits a little for completions. UCX moves bytes inside progress: spin. The TCP pipe moves them on
- * its own threads: a spinning caller would take a core from them (2 cores here), so nap 20 µs
- * when nothing completed, as an application thread blocked on its own work would. */
-static void link_wait(link_t *L)
+ * its own threads: a spinning caller would take a core from them (2 cores here), so poll its wait
+ * fd (yielding the core) for up to spin_s, then sleep on it, as the connector's control thread
+ * does (spin_s 0). The spin matters on this VM only for round trips: a sleeping vCPU's wake-up
+ * costs 50-150 µs here (guest halt polling is off), more than the round trip itself. */
+static void link_wait(link_t *L, double spin_s)
 {
-    if (pd_pipe_progress(L->p) == 0 && L->tcp) {
-        usleep(20);
+    if (pd_pipe_progress(L->p) == 0 && L->wait_fd >= 0) {
+        struct pollfd pf = {L->wait_fd, POLLIN, 0};
+        double t0 = spin_s > 0 ? pd_time_now_s() : 0;
+        while (spin_s > 0 && pd_time_now_s() - t0 < spin_s) {
+            if (poll(&pf, 1, 0) == 1) {
+                return;
+            }
+            sched_yield();
+        }
+        poll(&pf, 1, 10);
     }
 }
 
@@ -199,7 +211,7 @@ static double pipe_gbps(link_t *L, bool write, const pd_page_xfer_t *pg, int n)
             }
             posted++;
         }
-        link_wait(L);
+        link_wait(L, 0);
     }
     return (double)bytes * posted / (pd_time_now_s() - t0) / 1e9;
 }
@@ -255,7 +267,7 @@ static double kv_once_gbps(link_t *L, int nb, int trials, uint8_t *src, uint8_t 
             break;
         }
         while (done < 1) {
-            link_wait(L);
+            link_wait(L, 0);
         }
         t_pipe += pd_time_now_s() - t0;
         t0 = pd_time_now_s();
@@ -271,16 +283,14 @@ static double kv_once_gbps(link_t *L, int nb, int trials, uint8_t *src, uint8_t 
 }
 
 /* Round trip of one 16 KiB page write, µs (mean of 2000). */
-static double latency_us(link_t *L)
+static double latency_us(link_t *L, double spin_s)
 {
     pd_page_xfer_t pg = {0, 0, 16384};
     int done = 0;
     for (int i = 0; i < 100; i++) {
         pd_pipe_write_pages(L->p, L->peer, L->local, L->remote, &pg, 1, on_done, &done);
         while (done < i + 1) {
-            if (pd_pipe_progress(L->p) == 0 && L->tcp) {
-                sched_yield(); /* let the pipe's threads run (2 cores) */
-            }
+            link_wait(L, spin_s);
         }
     }
     done = 0;
@@ -288,9 +298,7 @@ static double latency_us(link_t *L)
     for (int i = 0; i < 2000; i++) {
         pd_pipe_write_pages(L->p, L->peer, L->local, L->remote, &pg, 1, on_done, &done);
         while (done < i + 1) {
-            if (pd_pipe_progress(L->p) == 0 && L->tcp) {
-                sched_yield(); /* let the pipe's threads run (2 cores) */
-            }
+            link_wait(L, spin_s);
         }
     }
     return (pd_time_now_s() - t0) / 2000 * 1e6;
@@ -397,9 +405,29 @@ static double socket_gbps(void)
     return gbps;
 }
 
+/* Reads n bytes, polling the socket without blocking (yielding the core between tries). */
+static int read_polling(int fd, void *buf, size_t n)
+{
+    char *p = buf;
+    while (n > 0) {
+        ssize_t k = recv(fd, p, n, MSG_DONTWAIT);
+        if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) {
+            return -1;
+        }
+        if (k < 0) {
+            sched_yield();
+            continue;
+        }
+        p += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
 /* Round trip of a plain TCP ping-pong over loopback: 16 KiB one way, 8 bytes back (what one page
- * write and its ack carry), TCP_NODELAY, both ends blocking in read; µs, mean of 2000. */
-static double socket_rtt_us(void)
+ * write and its ack carry), TCP_NODELAY, both ends blocking in read (or, `polling`, both polling
+ * their socket without sleeping); µs, mean of 2000. */
+static double socket_rtt_us(bool polling)
 {
     struct sockaddr_in a;
     int ls = loopback_listener(&a);
@@ -412,7 +440,9 @@ static double socket_rtt_us(void)
     if (child == 0) {
         int c = accept(ls, NULL, NULL);
         setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-        while (xfer_all(c, page, sizeof(page), false) == 0 && xfer_all(c, ack, sizeof(ack), true) == 0) {
+        while ((polling ? read_polling(c, page, sizeof(page)) : xfer_all(c, page, sizeof(page), false)) ==
+                   0 &&
+               xfer_all(c, ack, sizeof(ack), true) == 0) {
         }
         _exit(0);
     }
@@ -425,7 +455,8 @@ static double socket_rtt_us(void)
             if (i == 100) {
                 t0 = pd_time_now_s();
             }
-            if (xfer_all(fd, page, sizeof(page), true) != 0 || xfer_all(fd, ack, sizeof(ack), false) != 0) {
+            if (xfer_all(fd, page, sizeof(page), true) != 0 ||
+                (polling ? read_polling(fd, ack, sizeof(ack)) : xfer_all(fd, ack, sizeof(ack), false)) != 0) {
                 break;
             }
         }
@@ -441,13 +472,18 @@ int main(int argc, char **argv)
 {
     const char *results = NULL;
     int region_mib = 256;
+    bool latency_only = false;
     pd_flag_t flags[] = {
         {"results", PD_FLAG_STR, &results, "append the table to this markdown file", NULL},
         {"region-mib", PD_FLAG_INT, &region_mib, "MiB of each side's pipe region (a demo-model node: 2616)",
          NULL},
+        {"latency-only", PD_FLAG_BOOL, &latency_only, "only the round-trip rows (and their socket baseline)",
+         NULL},
     };
-    pd_status_t st = pd_flags_parse(
-        flags, 2, argc, argv, "usage: pd-bench-transfer [--results bench/RESULTS.md] [--region-mib N]", NULL);
+    pd_status_t st = pd_flags_parse(flags, 3, argc, argv,
+                                    "usage: pd-bench-transfer [--results bench/RESULTS.md] [--region-mib N] "
+                                    "[--latency-only]",
+                                    NULL);
     if (st == PD_ERR_CANCELLED) {
         return 0;
     }
@@ -479,7 +515,7 @@ int main(int argc, char **argv)
                  {1u << 20, 16, true}, {1u << 20, 16, false}, {1u << 20, 64, false}};
     const char *kinds[] = {"ucx", "tcp"};
     printf("%-52s %10s %-5s %-34s %8s\n", "benchmark", "result", "", "baseline (same run)", "ratio");
-    double sock = socket_gbps();
+    double sock = latency_only ? 0 : socket_gbps();
     for (int k = 0; k < 2; k++) {
         link_t L;
         memset(&L, 0, sizeof(L));
@@ -487,7 +523,7 @@ int main(int argc, char **argv)
             pd_log_error("cannot set up the %s link", kinds[k]);
             continue;
         }
-        for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        for (size_t c = 0; !latency_only && c < sizeof(cases) / sizeof(cases[0]); c++) {
             make_pages(pg, cases[c].n, cases[c].psz, cases[c].random_ids, &rng);
             /* ucx_perftest moves one message of the request's size, again and again from one buffer:
              * a 1 MiB message stays in cache while a request's pages walk the region (see RESULTS) */
@@ -514,19 +550,29 @@ int main(int argc, char **argv)
             }
         }
         /* last, so the pipe's background warm-up of the peer mapping has long finished */
-        for (int nb = 127; nb <= 511; nb += 384) {
+        for (int nb = 127; !latency_only && nb <= 511; nb += 384) {
             double m = 0, g = kv_once_gbps(&L, nb, 4, src, dst, &m);
             char name[128];
             snprintf(name, sizeof(name), "%s read once, 8 layers x %d x 16 KiB (%.0f MiB), fresh blocks",
                      kinds[k], nb, nb * 8 * 16384.0 / 1048576);
             row(name, g, "GB/s", "memcpy once", m, false);
         }
-        char lname[64];
-        snprintf(lname, sizeof(lname), "%s 1 x 16 KiB write round trip", kinds[k]);
-        double rt = latency_us(&L);
-        row(lname, rt, "us", "goal", 50.0, true);
-        if (k == 1) {
-            row("  vs a plain socket 16 KiB ping-pong", rt, "us", "socket", socket_rtt_us(), true);
+        /* tcp twice: the caller polling the wait fd (yielding) as a UCX caller polls its worker,
+         * and sleeping on it as the connector's control thread does, each beside the plain socket
+         * ping-pong waiting the same way */
+        for (int sleeping = 0; sleeping <= (k == 1); sleeping++) {
+            char lname[96];
+            snprintf(lname, sizeof(lname), "%s 1 x 16 KiB write round trip%s", kinds[k],
+                     k == 0     ? ""
+                     : sleeping ? ", caller sleeps"
+                                : ", caller polls");
+            double rt = latency_us(&L, sleeping ? 0 : 0.001);
+            row(lname, rt, "us", "goal", 50.0, true);
+            if (k == 1) {
+                row(sleeping ? "  vs a plain socket 16 KiB ping-pong, both ends blocking"
+                             : "  vs a plain socket 16 KiB ping-pong, both ends polling",
+                    rt, "us", "socket", socket_rtt_us(!sleeping), true);
+            }
         }
         link_close(&L);
     }
@@ -538,15 +584,18 @@ int main(int argc, char **argv)
             strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", gmtime(&now));
             struct utsname u;
             uname(&u);
+            char sockline[64] = "";
+            if (!latency_only) {
+                snprintf(sockline, sizeof(sockline), " Plain socket stream %.2f GB/s.", sock);
+            }
             fprintf(f, "\n## pd-bench-transfer — %s\n\nCommand: `", date);
             for (int i = 0; i < argc; i++) {
                 fprintf(f, "%s%s", i ? " " : "", argv[i]);
             }
             fprintf(f,
-                    "`  \nMachine: %s %s, %ld cores; two processes on this host; ucx error mode none. Plain "
-                    "socket stream %.2f GB/s.\n\n| benchmark | result | baseline (same run) | ratio "
-                    "|\n|---|---|---|---|\n",
-                    u.sysname, u.machine, sysconf(_SC_NPROCESSORS_ONLN), sock);
+                    "`  \nMachine: %s %s, %ld cores; two processes on this host; ucx error mode none.%s\n\n"
+                    "| benchmark | result | baseline (same run) | ratio |\n|---|---|---|---|\n",
+                    u.sysname, u.machine, sysconf(_SC_NPROCESSORS_ONLN), sockline);
             for (int i = 0; i < g_nrows; i++) {
                 fprintf(f, "%s\n", g_rows[i]);
             }

@@ -1003,8 +1003,9 @@ static void *ctl_main(void *arg)
     struct pollfd *pf = NULL;
     kv_peer_t **pp = NULL;
     size_t cap = 0;
+    int pipe_fd = pd_pipe_wait_fd(k->pipe); /* -1: the pipe moves bytes inside progress */
     for (;;) {
-        size_t n = 2;
+        size_t n = 3;
         for (kv_peer_t *p = k->peers; p != NULL; p = p->next) {
             n += p->fd >= 0;
         }
@@ -1019,7 +1020,8 @@ static void *ctl_main(void *arg)
         }
         pf[0] = (struct pollfd){k->listen_fd, POLLIN, 0};
         pf[1] = (struct pollfd){k->wake_fd, POLLIN, 0};
-        size_t i = 2;
+        pf[2] = (struct pollfd){pipe_fd, POLLIN, 0}; /* ignored by poll when -1 */
+        size_t i = 3;
         for (kv_peer_t *p = k->peers; p != NULL; p = p->next) {
             if (p->fd >= 0) {
                 pp[i] = p;
@@ -1038,12 +1040,13 @@ static void *ctl_main(void *arg)
         if (stop) {
             break;
         }
-        /* the pipe's completions arrive through progress: poll it often while pages move. UCX
-         * wants its worker progressed continuously (a bounded number of operations advance per
-         * call): spin until they land. The TCP pipe moves bytes on its own threads: a spin would
-         * take a core from them, so wake every 50 µs instead. */
-        bool spin = moving && k->pipe_kind != PD__PIPE_KIND__PIPE_TCP;
-        struct timespec ts = {0, spin ? 0 : moving ? 50 * 1000 : busy ? 200 * 1000 : 50 * 1000 * 1000};
+        /* the pipe's completions arrive through progress. UCX (and NCCL's event checks) want it
+         * called continuously while pages move (a bounded number of operations advance per call):
+         * spin until they land. The TCP pipe moves bytes on its own threads and its wait fd turns
+         * readable when a completion is queued: sleep on it (a spin would take a core from those
+         * threads; 2 cores here), with a 10 ms bound as a backstop. */
+        bool spin = moving && pipe_fd < 0;
+        struct timespec ts = {0, spin ? 0 : moving ? 10 * 1000 * 1000 : busy ? 200 * 1000 : 50 * 1000 * 1000};
         int rc = ppoll(pf, i, &ts, NULL);
         if (rc > 0 && (pf[1].revents & POLLIN)) {
             uint64_t v;
@@ -1054,7 +1057,7 @@ static void *ctl_main(void *arg)
             accept_peer(k);
         }
         pthread_mutex_lock(&k->mu);
-        for (size_t j = 2; rc > 0 && j < i; j++) {
+        for (size_t j = 3; rc > 0 && j < i; j++) {
             if (pf[j].revents != 0 && pp[j]->state != KV_PEER_DEAD) {
                 read_peer(k, pp[j]);
             }

@@ -6,6 +6,8 @@
 
 #include "pipe/pipe.h"
 
+#include <stdbool.h>
+
 typedef struct pd_pipe_completion pd_pipe_completion_t;
 struct pd_pipe_completion {
     pd_pipe_done_cb done; /* one of done / recv_cb / peer_cb is set */
@@ -21,7 +23,17 @@ struct pd_pipe_completion {
 
 typedef struct pd_pipe_cq {
     pd_pipe_completion_t *head, *tail;
+    bool has_fd; /* efd is readable while the queue is not empty (pd_pipe_cq_open_fd) */
+    int efd;
 } pd_pipe_cq_t;
+
+/* Gives q an eventfd that polls readable from the push that makes the queue non-empty to the next
+ * take: what a backend whose bytes move on its own threads returns as its wait_fd, so a caller can
+ * sleep until a completion is queued instead of napping. PD_ERR_IO (logged) when none can be made. */
+pd_status_t pd_pipe_cq_open_fd(pd_pipe_cq_t *q);
+
+/* Closes the eventfd, if any (the queue's entries are the backend's to drain). */
+void pd_pipe_cq_close_fd(pd_pipe_cq_t *q);
 
 /* Appends a copy of c (the caller holds the lock protecting q). Drops it if memory runs out. */
 void pd_pipe_cq_push(pd_pipe_cq_t *q, const pd_pipe_completion_t *c);

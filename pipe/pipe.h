@@ -82,6 +82,11 @@ typedef struct pd_pipe_ops {
     pd_status_t (*recv_tensor)(pd_pipe_t *p, pd_pipe_peer_t *peer, uint64_t tag, void *hdr, size_t hdr_cap,
                                void *payload, size_t payload_cap, pd_pipe_recv_cb cb, void *arg);
     int (*progress)(pd_pipe_t *p);
+    /* Optional. An fd that polls readable while completions wait for progress, for backends that
+     * move bytes on their own threads (tcp): a caller sleeps in poll() on it instead of napping
+     * between progress calls. NULL (pd_pipe_wait_fd: -1) for backends that move bytes inside
+     * progress (ucx): progress those continuously while operations are pending. */
+    int (*wait_fd)(pd_pipe_t *p);
     void (*set_peer_error_cb)(pd_pipe_t *p, pd_pipe_peer_error_cb cb, void *arg);
     /* Declares peer dead (the control channel's heartbeat missed, or it closed): every pending
      * operation with it completes with st, later ones fail at once. Needed where the transport
@@ -125,6 +130,12 @@ static inline void pd_pipe_destroy(pd_pipe_t *p)
 static inline int pd_pipe_progress(pd_pipe_t *p)
 {
     return p->ops->progress(p);
+}
+
+/* The backend's wait_fd, or -1 when it has none (see pd_pipe_ops_t). */
+static inline int pd_pipe_wait_fd(pd_pipe_t *p)
+{
+    return p->ops->wait_fd != NULL ? p->ops->wait_fd(p) : -1;
 }
 
 /* Writes (or reads) the coalesced pages; see pd_pipe_ops_t. */

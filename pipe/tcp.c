@@ -742,6 +742,11 @@ static pd_status_t tcp_create(const pd_pipe_config_t *cfg, pd_pipe_t **out)
     t->port = ntohs(a.sin_port);
     t->epfd = epoll_create1(EPOLL_CLOEXEC);
     t->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (t->epfd < 0 || t->wake_fd < 0 || pd_pipe_cq_open_fd(&t->cq) != PD_OK) {
+        pd_log_error("tcp pipe: cannot create its epoll/eventfd descriptors: %s", strerror(errno));
+        pd_pipe_tcp_ops.destroy(&t->base);
+        return PD_ERR_IO;
+    }
     struct epoll_event ev = {EPOLLIN, {.ptr = NULL}};
     epoll_ctl(t->epfd, EPOLL_CTL_ADD, t->listen_fd, &ev);
     struct epoll_event wev = {EPOLLIN, {.ptr = t}};
@@ -763,6 +768,12 @@ static int tcp_progress(pd_pipe_t *p)
     pd_pipe_completion_t *c = pd_pipe_cq_take(&t->cq);
     pthread_mutex_unlock(&t->mu);
     return pd_pipe_cq_run(c);
+}
+
+static int tcp_wait_fd(pd_pipe_t *p)
+{
+    tcp_pipe_t *t = (tcp_pipe_t *)p;
+    return t->cq.has_fd ? t->cq.efd : -1;
 }
 
 static void tcp_destroy(pd_pipe_t *p)
@@ -846,6 +857,7 @@ static void tcp_destroy(pd_pipe_t *p)
     if (t->wake_fd >= 0) {
         close(t->wake_fd);
     }
+    pd_pipe_cq_close_fd(&t->cq);
     pthread_mutex_destroy(&t->mu);
     pthread_cond_destroy(&t->tx_cv);
     free(t);
@@ -1252,6 +1264,7 @@ const pd_pipe_ops_t pd_pipe_tcp_ops = {
     .send_tensor = tcp_send_tensor,
     .recv_tensor = tcp_recv_tensor,
     .progress = tcp_progress,
+    .wait_fd = tcp_wait_fd,
     .set_peer_error_cb = tcp_set_peer_error_cb,
     .fail_peer = tcp_fail_peer,
 };

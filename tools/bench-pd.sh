@@ -8,7 +8,7 @@
 #      bench/plots/.
 # Results are appended to bench/RESULTS.md with the commands, machine and date.
 # PD_BENCH_QUICK=1 runs a smaller sweep (fewer prompts and rates); PD_BENCH_ONLY=handover|sweep
-# runs one part.
+# runs one part; PD_BENCH_MODES=pull (or push) runs the handover for one mode.
 set -euo pipefail
 build=${1:-build}
 cd "$(dirname "$0")/.."
@@ -67,7 +67,7 @@ start_pd() {
 machine="$(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
 
 # ---- 1. handover overhead --------------------------------------------------------------------
-for mode in pull push; do
+for mode in ${PD_BENCH_MODES:-pull push}; do
   [[ ${PD_BENCH_ONLY:-handover} == handover ]] || break
   echo "bench-pd: handover overhead ($mode, ucx)"
   start_pd "$mode"

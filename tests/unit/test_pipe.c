@@ -1,11 +1,12 @@
 /* tests/unit/test_pipe.c — one conformance suite run against every pipe backend available here
  * (tcp; ucx with error mode none and peer): tensors of many sizes (0 B .. 256 MiB), thousands of
  * random page lists in both directions checked byte for byte, many operations in flight
- * completing in any order, two peers writing at once, permission and bounds refusals, close
+ * completing in any order, two peers writing at once, the wait fd's contract, permission and bounds refusals, close
  * during a transfer, and a peer killed with SIGKILL mid-transfer (noticed through the control
  * socket, as the heartbeat does in production). */
 #define _GNU_SOURCE
 #include <check.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -329,6 +330,56 @@ static void run_in_flight_and_two_peers(void)
     pd_pipe_destroy(b);
 }
 
+static bool fd_readable(int fd, int timeout_ms)
+{
+    struct pollfd pf = {fd, POLLIN, 0};
+    return poll(&pf, 1, timeout_ms) == 1 && (pf.revents & POLLIN);
+}
+
+/* The wait fd, where a backend has one (tcp; ucx moves bytes inside progress and has none): it is
+ * quiet while nothing is queued, turns readable when a completion waits, without anyone calling
+ * progress, and quiet again once progress ran it. A caller sleeping on it misses nothing. */
+static void run_wait_fd(void)
+{
+    pd_pipe_t *a = mk(), *b = mk();
+    int fd = pd_pipe_wait_fd(a);
+    if (strcmp(BACKENDS[g_b].kind, "tcp") == 0) {
+        ck_assert_int_ge(fd, 0);
+    } else {
+        ck_assert_int_eq(fd, -1);
+    }
+    if (fd >= 0) {
+        pd_pipe_peer_t *ab, *ba;
+        link2(a, b, &ab, &ba);
+        pd_pipe_region_t *ra, *rb;
+        ck_assert_int_eq(a->ops->alloc_region(a, 1 << 20, &ra), PD_OK);
+        ck_assert_int_eq(b->ops->alloc_region(b, 1 << 20, &rb), PD_OK);
+        fill(ra->base, 1 << 20, 21);
+        pd_pipe_remote_t *b_at_a = share(b, rb, ba, true, a, ab);
+        pd_pipe_progress(a);
+        bool quiet = !fd_readable(fd, 0);
+        counter_t c = {0, 0, PD_OK};
+        for (int round = 0; round < 20; round++) {
+            pd_page_xfer_t pg = {(uint64_t)round * 16384, (uint64_t)round * 16384, 16384};
+            ck_assert_int_eq(pd_pipe_write_pages(a, ab, ra, b_at_a, &pg, 1, on_done, &c), PD_OK);
+            bool woke = fd_readable(fd, 10000); /* b's threads ack; a's receiver queues it */
+            int ran = pd_pipe_progress(a);
+            bool quiet_after = !fd_readable(fd, 0);
+            if (!woke || ran != 1 || !quiet_after) {
+                ck_abort_msg("round %d: woke %d, progress ran %d, quiet after %d", round, woke, ran,
+                             quiet_after);
+            }
+        }
+        ck_assert(quiet);
+        ck_assert_int_eq(c.done, 20);
+        ck_assert_int_eq(c.errors, 0);
+        ck_assert_int_eq(memcmp(rb->base, ra->base, 20 * 16384), 0);
+        a->ops->release_remote(a, b_at_a);
+    }
+    pd_pipe_destroy(a);
+    pd_pipe_destroy(b);
+}
+
 /* Destroying a pipe with a transfer in flight completes it with an error; nothing hangs. */
 static void run_close_during_transfer(void)
 {
@@ -496,6 +547,7 @@ START_TEST(test_conformance)
     run_tensors();
     run_random_pages();
     run_in_flight_and_two_peers();
+    run_wait_fd();
     run_permissions();
     run_close_during_transfer();
     run_peer_killed();
