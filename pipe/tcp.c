@@ -197,6 +197,9 @@ static void mark_dead(tcp_pipe_t *t, pd_pipe_peer_t *peer, pd_status_t st)
         shutdown(peer->out_fd, SHUT_RDWR);
     }
     if (peer->in_fd >= 0) {
+        /* out of the receiver's epoll set first: a shut-down socket polls readable (EOF) forever,
+         * and the receiver skips dead peers, so it would spin */
+        epoll_ctl(t->epfd, EPOLL_CTL_DEL, peer->in_fd, NULL);
         shutdown(peer->in_fd, SHUT_RDWR);
     }
 }
@@ -678,26 +681,28 @@ static void *rx_main(void *arg)
                 }
                 pthread_mutex_lock(&t->mu);
                 pd_pipe_peer_t *peer = peer_by_id(t, h.op_id, true);
-                if (peer == NULL || peer->in_fd >= 0) {
+                if (peer == NULL || peer->in_fd >= 0 || peer->dead) {
                     pthread_mutex_unlock(&t->mu);
                     close(fd);
                     continue;
                 }
                 peer->in_fd = fd;
-                pthread_mutex_unlock(&t->mu);
                 struct epoll_event ev = {EPOLLIN, {.ptr = peer}};
-                epoll_ctl(t->epfd, EPOLL_CTL_ADD, fd, &ev);
+                epoll_ctl(t->epfd, EPOLL_CTL_ADD, fd, &ev); /* under mu: mark_dead removes it again */
+                pthread_mutex_unlock(&t->mu);
                 continue;
             }
             if (ptr == (void *)t) { /* wake */
                 continue;
             }
             pd_pipe_peer_t *peer = ptr;
-            if (peer->dead) {
+            pthread_mutex_lock(&t->mu);
+            bool dead = peer->dead; /* declared by fail_peer since this event was reported */
+            pthread_mutex_unlock(&t->mu);
+            if (dead) {
                 continue;
             }
             if (rx_frame(t, peer, peer->in_fd) != 0) {
-                epoll_ctl(t->epfd, EPOLL_CTL_DEL, peer->in_fd, NULL);
                 pthread_mutex_lock(&t->mu);
                 mark_dead(t, peer, PD_ERR_PEER_GONE);
                 pthread_mutex_unlock(&t->mu);

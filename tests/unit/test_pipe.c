@@ -1,7 +1,8 @@
 /* tests/unit/test_pipe.c — one conformance suite run against every pipe backend available here
  * (tcp; ucx with error mode none and peer): tensors of many sizes (0 B .. 256 MiB), thousands of
  * random page lists in both directions checked byte for byte, many operations in flight
- * completing in any order, two peers writing at once, the wait fd's contract, permission and bounds refusals, close
+ * completing in any order, two peers writing at once, the wait fd's contract, no spinning after
+ * fail_peer, permission and bounds refusals, close
  * during a transfer, and a peer killed with SIGKILL mid-transfer (noticed through the control
  * socket, as the heartbeat does in production). */
 #define _GNU_SOURCE
@@ -13,6 +14,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common/hash.h"
@@ -264,7 +266,10 @@ static void run_random_pages(void)
         ck_assert_int_eq(st, PD_OK);
         target++;
         wait_for(&c, target, both, 2, 60);
-        ck_assert_int_eq(c.errors, 0);
+        if (c.errors != 0) {
+            ck_abort_msg("iteration %d (%s, %d pages): %s", iter, write ? "write" : "read", n,
+                         pd_status_str(c.last));
+        }
         for (int i = 0; i < n; i++) {
             const uint8_t *src = (uint8_t *)ra->base + pages[i].local_off;
             const uint8_t *dst = (uint8_t *)rb->base + pages[i].remote_off;
@@ -376,6 +381,45 @@ static void run_wait_fd(void)
         ck_assert_int_eq(memcmp(rb->base, ra->base, 20 * 16384), 0);
         a->ops->release_remote(a, b_at_a);
     }
+    pd_pipe_destroy(a);
+    pd_pipe_destroy(b);
+}
+
+/* A peer declared dead (the heartbeat's fail_peer) leaves nothing spinning: the pipes' threads use
+ * well under a core while idle afterwards (a receiver polling a shut-down socket used a whole one),
+ * and operations to it fail at once. */
+static void run_fail_peer_idle(void)
+{
+    pd_pipe_t *a = mk(), *b = mk();
+    pd_pipe_peer_t *ab, *ba;
+    link2(a, b, &ab, &ba);
+    pd_pipe_region_t *ra, *rb;
+    ck_assert_int_eq(a->ops->alloc_region(a, 1 << 20, &ra), PD_OK);
+    ck_assert_int_eq(b->ops->alloc_region(b, 1 << 20, &rb), PD_OK);
+    pd_pipe_remote_t *b_at_a = share(b, rb, ba, true, a, ab);
+    counter_t c = {0, 0, PD_OK};
+    pd_page_xfer_t pg = {0, 0, 16384};
+    ck_assert_int_eq(pd_pipe_write_pages(a, ab, ra, b_at_a, &pg, 1, on_done, &c), PD_OK);
+    pd_pipe_t *both[2] = {a, b};
+    wait_for(&c, 1, both, 2, 30);
+    a->ops->fail_peer(a, ab, PD_ERR_PEER_GONE);
+    b->ops->fail_peer(b, ba, PD_ERR_PEER_GONE);
+    pd_pipe_progress(a);
+    pd_pipe_progress(b);
+    struct timespec c0, c1;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c0);
+    usleep(1000 * 1000);
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c1);
+    double cpu = (double)(c1.tv_sec - c0.tv_sec) + (double)(c1.tv_nsec - c0.tv_nsec) * 1e-9;
+    if (cpu > 0.3) {
+        ck_abort_msg("%.2f s of CPU in 1 s idle after fail_peer: a thread is spinning", cpu);
+    }
+    pd_status_t st = pd_pipe_write_pages(a, ab, ra, b_at_a, &pg, 1, on_done, &c);
+    if (st == PD_OK) {
+        wait_for(&c, 2, both, 2, 30);
+        ck_assert_int_ne(c.last, PD_OK);
+    }
+    a->ops->release_remote(a, b_at_a);
     pd_pipe_destroy(a);
     pd_pipe_destroy(b);
 }
@@ -548,6 +592,7 @@ START_TEST(test_conformance)
     run_random_pages();
     run_in_flight_and_two_peers();
     run_wait_fd();
+    run_fail_peer_idle();
     run_permissions();
     run_close_during_transfer();
     run_peer_killed();
