@@ -1,7 +1,8 @@
 /* pipe/ucx.c — the UCX pipe (UCP nbx API, UCX 1.13): one-sided page writes/reads with
  * ucp_put_nbx / ucp_get_nbx on memory mapped with ucp_mem_map (allocated by UCX when the pipe
  * owns the region, so shared-memory transports can put without the target progressing), packed
- * rkeys, completion on ucp_ep_flush_nbx; tensors as two tagged messages (lengths + header, then
+ * rkeys, completion on ucp_ep_flush_nbx — or, when UCX maps the peer's region here (ucp_rkey_ptr,
+ * shared memory), plain copies through that mapping, done at once; tensors as two tagged messages (lengths + header, then
  * payload). A progress thread sleeps on the worker's event fd (ucp_worker_get_efd / arm: no spin
  * when idle); callbacks only queue completions, which pd_pipe_progress delivers.
  *
@@ -60,6 +61,9 @@ struct pd_pipe_remote {
      * transfers do not pay a first-access fault per 4 KiB (measured: ~5 µs each on this VM,
      * which held reads of fresh KV blocks to ~1 GB/s) */
     const char *mapped;
+    /* the same mapping, when UCX gives one (shared memory): pages are copied straight through it,
+     * without a UCX operation per page (NULL: puts/gets + flush) */
+    char *direct;
     pthread_t warm;
     bool warming, warm_stop;
 };
@@ -679,7 +683,10 @@ static pd_status_t ucx_import_region(pd_pipe_t *p, pd_pipe_peer_t *peer, const u
 #else
     bool warm = true;
 #endif
-    if (warm && rr->len >= (1u << 20) && ucp_rkey_ptr(rr->rkey, rr->base, &lp) == UCS_OK && lp != NULL) {
+    if (ucp_rkey_ptr(rr->rkey, rr->base, &lp) == UCS_OK && lp != NULL) {
+        rr->direct = lp;
+    }
+    if (warm && rr->len >= (1u << 20) && rr->direct != NULL) {
         rr->mapped = lp;
         rr->warming = pthread_create(&rr->warm, NULL, warm_main, rr) == 0;
     }
@@ -719,6 +726,23 @@ static pd_status_t post_pages(bool write, pd_pipe_t *p, pd_pipe_peer_t *peer, pd
     pthread_mutex_lock(&u->mu);
     if (peer->dead || peer->ep == NULL) {
         fail_at_once(u, cb, NULL, arg, 0);
+        pthread_mutex_unlock(&u->mu);
+        return PD_OK;
+    }
+    if (remote->direct != NULL) {
+        /* shared memory mapped here (ucp_rkey_ptr): what ucp_put_nbx / ucp_get_nbx would do for
+         * each page (a copy inside the call), minus the per-operation cost — 64 scattered 16 KiB
+         * pages ran at ~0.8x memcpy through puts. Done when the copies return; the release fence
+         * orders them before whatever notification the caller sends next. */
+        pthread_mutex_unlock(&u->mu);
+        for (int i = 0; i < n; i++) {
+            char *lp = (char *)local->base + pages[i].local_off, *rp = remote->direct + pages[i].remote_off;
+            memcpy(write ? rp : lp, write ? lp : rp, pages[i].len);
+        }
+        __atomic_thread_fence(__ATOMIC_RELEASE);
+        pthread_mutex_lock(&u->mu);
+        pd_pipe_completion_t c = {cb, NULL, NULL, NULL, arg, PD_OK, 0, 0, 0, NULL};
+        queue_completion(u, c);
         pthread_mutex_unlock(&u->mu);
         return PD_OK;
     }
