@@ -2,7 +2,7 @@
  * ucp_put_nbx / ucp_get_nbx on memory mapped with ucp_mem_map (allocated by UCX when the pipe
  * owns the region, so shared-memory transports can put without the target progressing), packed
  * rkeys, completion on ucp_ep_flush_nbx — or, when UCX maps the peer's region here (ucp_rkey_ptr,
- * shared memory), plain copies through that mapping, done at once; tensors as two tagged messages (lengths + header, then
+ * shared memory), copies through that mapping in bounded slices per progress call; tensors as two tagged messages (lengths + header, then
  * payload). A progress thread sleeps on the worker's event fd (ucp_worker_get_efd / arm: no spin
  * when idle); callbacks only queue completions, which pd_pipe_progress delivers.
  *
@@ -113,6 +113,25 @@ struct op {
     op_t *prev, *next;
 };
 
+/* A page list copied through a peer region mapped here (shared memory), a bounded slice per
+ * progress call so a caller that holds its own lock around progress (the connector's control
+ * thread) releases it between slices, as it would between UCX progress calls. */
+typedef struct copy_job {
+    pd_pipe_peer_t *peer;
+    pd_pipe_remote_t *remote;
+    bool write;
+    char *local_base;
+    pd_page_xfer_t *pages; /* coalesced */
+    int n, next;           /* page count; the first page not yet fully copied */
+    uint64_t next_done;    /* bytes of pages[next] already copied */
+    pd_pipe_done_cb cb;
+    void *arg;
+    struct copy_job *link;
+} copy_job_t;
+
+/* bytes one progress call copies at most (~0.5 ms at this host's memcpy rate) */
+#define UCX_COPY_SLICE (4u << 20)
+
 struct ucx_pipe {
     pd_pipe_t base;
     uint64_t id;
@@ -128,6 +147,8 @@ struct ucx_pipe {
     pd_pipe_peer_t *peers;
     ucx_region_t *regions;
     op_t *ops;
+    copy_job_t *cj_head, *cj_tail; /* direct copies, in posting order */
+    bool copying;                  /* a progress call is copying cj_head's slice (outside mu) */
     pd_pipe_cq_t cq;
     pd_pipe_peer_error_cb peer_cb;
     void *peer_cb_arg;
@@ -311,9 +332,84 @@ static void *progress_main(void *arg)
     return NULL;
 }
 
+/* Ends the head copy job with st (mu held). */
+static void copy_job_end(ucx_pipe_t *u, copy_job_t *j, pd_status_t st)
+{
+    copy_job_t **pp = &u->cj_head;
+    while (*pp != j) {
+        pp = &(*pp)->link;
+    }
+    *pp = j->link;
+    if (u->cj_tail == j) {
+        u->cj_tail = NULL;
+        for (copy_job_t *t = u->cj_head; t != NULL; t = t->link) {
+            u->cj_tail = t;
+        }
+    }
+    pd_pipe_completion_t c = {j->cb, NULL, NULL, NULL, j->arg, st, 0, 0, 0, NULL};
+    queue_completion(u, c);
+    free(j->pages);
+    free(j);
+}
+
+/* Copies up to UCX_COPY_SLICE bytes of the queued direct copies, oldest first; a job whose last
+ * byte is copied completes (release fence first: its bytes are visible before whatever the
+ * caller sends next). Jobs of a peer declared dead end with PD_ERR_PEER_GONE. */
+static void run_copies(ucx_pipe_t *u)
+{
+    uint64_t budget = UCX_COPY_SLICE;
+    pthread_mutex_lock(&u->mu);
+    if (u->copying) {
+        pthread_mutex_unlock(&u->mu);
+        return;
+    }
+    while (budget > 0 && u->cj_head != NULL) {
+        copy_job_t *j = u->cj_head;
+        if (j->peer->dead) {
+            copy_job_end(u, j, PD_ERR_PEER_GONE);
+            continue;
+        }
+        u->copying = true;
+        pthread_mutex_unlock(&u->mu);
+        while (budget > 0 && j->next < j->n) {
+            const pd_page_xfer_t *pg = &j->pages[j->next];
+            uint64_t len = pg->len - j->next_done;
+            len = len < budget ? len : budget;
+            char *lp = j->local_base + pg->local_off + j->next_done;
+            char *rp = j->remote->direct + pg->remote_off + j->next_done;
+            memcpy(j->write ? rp : lp, j->write ? lp : rp, len);
+            budget -= len;
+            j->next_done += len;
+            if (j->next_done == pg->len) {
+                j->next++;
+                j->next_done = 0;
+            }
+        }
+        pthread_mutex_lock(&u->mu);
+        u->copying = false;
+        if (j->next == j->n) {
+            __atomic_thread_fence(__ATOMIC_RELEASE);
+            copy_job_end(u, j, PD_OK);
+        }
+    }
+    pthread_mutex_unlock(&u->mu);
+}
+
+/* Ends every queued copy job (of `remote` only, when not NULL) with st (mu held). */
+static void cancel_copies(ucx_pipe_t *u, pd_pipe_remote_t *remote, pd_status_t st)
+{
+    for (copy_job_t *j = u->cj_head, *next; j != NULL; j = next) {
+        next = j->link;
+        if (remote == NULL || j->remote == remote) {
+            copy_job_end(u, j, st);
+        }
+    }
+}
+
 static int ucx_progress(pd_pipe_t *p)
 {
     ucx_pipe_t *u = (ucx_pipe_t *)p;
+    run_copies(u);
     ucp_worker_progress(u->worker);
     pthread_mutex_lock(&u->mu);
     pd_pipe_completion_t *c = pd_pipe_cq_take(&u->cq);
@@ -455,6 +551,7 @@ static void ucx_destroy(pd_pipe_t *p)
     for (op_t *o = u->ops; o != NULL; o = o->next) {
         op_report(u, o, PD_ERR_CANCELLED);
     }
+    cancel_copies(u, NULL, PD_ERR_CANCELLED);
     pthread_mutex_unlock(&u->mu);
     ucx_progress(p); /* deliver every pending completion before returning */
     while (u->ops != NULL) {
@@ -697,6 +794,10 @@ static pd_status_t ucx_import_region(pd_pipe_t *p, pd_pipe_peer_t *peer, const u
 static void ucx_release_remote(pd_pipe_t *p, pd_pipe_remote_t *rr)
 {
     if (rr != NULL) {
+        ucx_pipe_t *u = (ucx_pipe_t *)p;
+        pthread_mutex_lock(&u->mu);
+        cancel_copies(u, rr, PD_ERR_CANCELLED); /* the mapping goes with the rkey */
+        pthread_mutex_unlock(&u->mu);
         if (rr->warming) {
             __atomic_store_n(&rr->warm_stop, true, __ATOMIC_RELAXED);
             pthread_join(rr->warm, NULL);
@@ -731,18 +832,23 @@ static pd_status_t post_pages(bool write, pd_pipe_t *p, pd_pipe_peer_t *peer, pd
     }
     if (remote->direct != NULL) {
         /* shared memory mapped here (ucp_rkey_ptr): what ucp_put_nbx / ucp_get_nbx would do for
-         * each page (a copy inside the call), minus the per-operation cost — 64 scattered 16 KiB
-         * pages ran at ~0.8x memcpy through puts. Done when the copies return; the release fence
-         * orders them before whatever notification the caller sends next. */
-        pthread_mutex_unlock(&u->mu);
-        for (int i = 0; i < n; i++) {
-            char *lp = (char *)local->base + pages[i].local_off, *rp = remote->direct + pages[i].remote_off;
-            memcpy(write ? rp : lp, write ? lp : rp, pages[i].len);
+         * each page (a copy), minus UCX's cost per operation — 64 scattered 16 KiB pages ran at
+         * ~0.8x memcpy through puts. The copies run in progress calls (run_copies). */
+        copy_job_t *j = calloc(1, sizeof(*j));
+        pd_page_xfer_t *pg = j != NULL ? malloc((size_t)(n > 0 ? n : 1) * sizeof(*pg)) : NULL;
+        if (pg == NULL) {
+            free(j);
+            pthread_mutex_unlock(&u->mu);
+            return PD_ERR_NO_MEMORY;
         }
-        __atomic_thread_fence(__ATOMIC_RELEASE);
-        pthread_mutex_lock(&u->mu);
-        pd_pipe_completion_t c = {cb, NULL, NULL, NULL, arg, PD_OK, 0, 0, 0, NULL};
-        queue_completion(u, c);
+        memcpy(pg, pages, (size_t)n * sizeof(*pg));
+        *j = (copy_job_t){peer, remote, write, (char *)local->base, pg, n, 0, 0, cb, arg, NULL};
+        if (u->cj_tail != NULL) {
+            u->cj_tail->link = j;
+        } else {
+            u->cj_head = j;
+        }
+        u->cj_tail = j;
         pthread_mutex_unlock(&u->mu);
         return PD_OK;
     }
@@ -931,6 +1037,12 @@ static void ucx_fail_peer(pd_pipe_t *p, pd_pipe_peer_t *peer, pd_status_t st)
     for (op_t *o = u->ops; o != NULL; o = o->next) {
         if (o->peer == peer) {
             op_report(u, o, st);
+        }
+    }
+    for (copy_job_t *j = u->cj_head, *next; j != NULL; j = next) {
+        next = j->link;
+        if (j->peer == peer && !(u->copying && j == u->cj_head)) { /* that one ends after its slice */
+            copy_job_end(u, j, st);
         }
     }
     pthread_mutex_unlock(&u->mu);

@@ -323,6 +323,19 @@ static void run_in_flight_and_two_peers(void)
     }
     ck_assert_int_eq(ca.done, 64);
     ck_assert_int_eq(cc.done, 64);
+    /* one request far bigger than a progress call's copy slice (ucx shared memory), its pages
+     * unaligned to the slice: lands whole, completes once */
+    fill(ra->base, REGION, 13);
+    pd_page_xfer_t big[3] = {{0, 4096, 5000000}, {5000000, 5004096, 7}, {6000000, 6004096, REGION - 6004096}};
+    ck_assert_int_eq(pd_pipe_write_pages(a, ab, ra, b_at_a, big, 3, on_done, &ca), PD_OK);
+    wait_for(&ca, 65, all, 3, 120);
+    ck_assert_int_eq(ca.errors, 0);
+    for (int i = 0; i < 3; i++) {
+        if (memcmp((uint8_t *)rb->base + big[i].remote_off, (uint8_t *)ra->base + big[i].local_off,
+                   big[i].len)) {
+            ck_abort_msg("big write: page %d differs", i);
+        }
+    }
     /* pages outside the remote region are refused before anything is posted */
     pd_page_xfer_t bad = {0, REGION - 8, 16};
     ck_assert_int_eq(pd_pipe_write_pages(a, ab, ra, b_at_a, &bad, 1, on_done, &ca), PD_ERR_OUT_OF_RANGE);
