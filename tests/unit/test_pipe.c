@@ -65,6 +65,30 @@ static pd_pipe_remote_t *share(pd_pipe_t *owner, pd_pipe_region_t *r, pd_pipe_pe
     return rr;
 }
 
+/* Two linked pipes, a 1 MiB region each, b's exported to a (writable or not). */
+typedef struct pair {
+    pd_pipe_t *a, *b;
+    pd_pipe_peer_t *ab, *ba;
+    pd_pipe_region_t *ra, *rb;
+    pd_pipe_remote_t *b_at_a;
+} pair_t;
+
+static void pair_open(pair_t *p, bool b_writable)
+{
+    p->a = mk(), p->b = mk();
+    link2(p->a, p->b, &p->ab, &p->ba);
+    ck_assert_int_eq(p->a->ops->alloc_region(p->a, 1 << 20, &p->ra), PD_OK);
+    ck_assert_int_eq(p->b->ops->alloc_region(p->b, 1 << 20, &p->rb), PD_OK);
+    p->b_at_a = share(p->b, p->rb, p->ba, b_writable, p->a, p->ab);
+}
+
+static void pair_close(pair_t *p)
+{
+    p->a->ops->release_remote(p->a, p->b_at_a);
+    pd_pipe_destroy(p->a);
+    pd_pipe_destroy(p->b);
+}
+
 typedef struct counter {
     int done;
     int errors;
@@ -359,43 +383,34 @@ static bool fd_readable(int fd, int timeout_ms)
  * progress, and quiet again once progress ran it. A caller sleeping on it misses nothing. */
 static void run_wait_fd(void)
 {
-    pd_pipe_t *a = mk(), *b = mk();
-    int fd = pd_pipe_wait_fd(a);
-    if (strcmp(BACKENDS[g_b].kind, "tcp") == 0) {
-        ck_assert_int_ge(fd, 0);
-    } else {
+    pair_t P;
+    pair_open(&P, true);
+    int fd = pd_pipe_wait_fd(P.a);
+    if (strcmp(BACKENDS[g_b].kind, "tcp") != 0) {
         ck_assert_int_eq(fd, -1);
+        pair_close(&P);
+        return;
     }
-    if (fd >= 0) {
-        pd_pipe_peer_t *ab, *ba;
-        link2(a, b, &ab, &ba);
-        pd_pipe_region_t *ra, *rb;
-        ck_assert_int_eq(a->ops->alloc_region(a, 1 << 20, &ra), PD_OK);
-        ck_assert_int_eq(b->ops->alloc_region(b, 1 << 20, &rb), PD_OK);
-        fill(ra->base, 1 << 20, 21);
-        pd_pipe_remote_t *b_at_a = share(b, rb, ba, true, a, ab);
-        pd_pipe_progress(a);
-        bool quiet = !fd_readable(fd, 0);
-        counter_t c = {0, 0, PD_OK};
-        for (int round = 0; round < 20; round++) {
-            pd_page_xfer_t pg = {(uint64_t)round * 16384, (uint64_t)round * 16384, 16384};
-            ck_assert_int_eq(pd_pipe_write_pages(a, ab, ra, b_at_a, &pg, 1, on_done, &c), PD_OK);
-            bool woke = fd_readable(fd, 10000); /* b's threads ack; a's receiver queues it */
-            int ran = pd_pipe_progress(a);
-            bool quiet_after = !fd_readable(fd, 0);
-            if (!woke || ran != 1 || !quiet_after) {
-                ck_abort_msg("round %d: woke %d, progress ran %d, quiet after %d", round, woke, ran,
-                             quiet_after);
-            }
+    ck_assert_int_ge(fd, 0);
+    fill(P.ra->base, 1 << 20, 21);
+    pd_pipe_progress(P.a);
+    bool quiet = !fd_readable(fd, 0);
+    counter_t c = {0, 0, PD_OK};
+    for (int round = 0; round < 20; round++) {
+        pd_page_xfer_t pg = {(uint64_t)round * 16384, (uint64_t)round * 16384, 16384};
+        ck_assert_int_eq(pd_pipe_write_pages(P.a, P.ab, P.ra, P.b_at_a, &pg, 1, on_done, &c), PD_OK);
+        bool woke = fd_readable(fd, 10000); /* b's threads ack; a's receiver queues it */
+        int ran = pd_pipe_progress(P.a);
+        bool quiet_after = !fd_readable(fd, 0);
+        if (!woke || ran != 1 || !quiet_after) {
+            ck_abort_msg("round %d: woke %d, progress ran %d, quiet after %d", round, woke, ran, quiet_after);
         }
-        ck_assert(quiet);
-        ck_assert_int_eq(c.done, 20);
-        ck_assert_int_eq(c.errors, 0);
-        ck_assert_int_eq(memcmp(rb->base, ra->base, 20 * 16384), 0);
-        a->ops->release_remote(a, b_at_a);
     }
-    pd_pipe_destroy(a);
-    pd_pipe_destroy(b);
+    ck_assert(quiet);
+    ck_assert_int_eq(c.done, 20);
+    ck_assert_int_eq(c.errors, 0);
+    ck_assert_int_eq(memcmp(P.rb->base, P.ra->base, 20 * 16384), 0);
+    pair_close(&P);
 }
 
 /* A peer declared dead (the heartbeat's fail_peer) leaves nothing spinning: the pipes' threads use
@@ -403,22 +418,17 @@ static void run_wait_fd(void)
  * and operations to it fail at once. */
 static void run_fail_peer_idle(void)
 {
-    pd_pipe_t *a = mk(), *b = mk();
-    pd_pipe_peer_t *ab, *ba;
-    link2(a, b, &ab, &ba);
-    pd_pipe_region_t *ra, *rb;
-    ck_assert_int_eq(a->ops->alloc_region(a, 1 << 20, &ra), PD_OK);
-    ck_assert_int_eq(b->ops->alloc_region(b, 1 << 20, &rb), PD_OK);
-    pd_pipe_remote_t *b_at_a = share(b, rb, ba, true, a, ab);
+    pair_t P;
+    pair_open(&P, true);
     counter_t c = {0, 0, PD_OK};
     pd_page_xfer_t pg = {0, 0, 16384};
-    ck_assert_int_eq(pd_pipe_write_pages(a, ab, ra, b_at_a, &pg, 1, on_done, &c), PD_OK);
-    pd_pipe_t *both[2] = {a, b};
+    ck_assert_int_eq(pd_pipe_write_pages(P.a, P.ab, P.ra, P.b_at_a, &pg, 1, on_done, &c), PD_OK);
+    pd_pipe_t *both[2] = {P.a, P.b};
     wait_for(&c, 1, both, 2, 30);
-    a->ops->fail_peer(a, ab, PD_ERR_PEER_GONE);
-    b->ops->fail_peer(b, ba, PD_ERR_PEER_GONE);
-    pd_pipe_progress(a);
-    pd_pipe_progress(b);
+    P.a->ops->fail_peer(P.a, P.ab, PD_ERR_PEER_GONE);
+    P.b->ops->fail_peer(P.b, P.ba, PD_ERR_PEER_GONE);
+    pd_pipe_progress(P.a);
+    pd_pipe_progress(P.b);
     struct timespec c0, c1;
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c0);
     usleep(1000 * 1000);
@@ -427,14 +437,12 @@ static void run_fail_peer_idle(void)
     if (cpu > 0.3) {
         ck_abort_msg("%.2f s of CPU in 1 s idle after fail_peer: a thread is spinning", cpu);
     }
-    pd_status_t st = pd_pipe_write_pages(a, ab, ra, b_at_a, &pg, 1, on_done, &c);
+    pd_status_t st = pd_pipe_write_pages(P.a, P.ab, P.ra, P.b_at_a, &pg, 1, on_done, &c);
     if (st == PD_OK) {
         wait_for(&c, 2, both, 2, 30);
         ck_assert_int_ne(c.last, PD_OK);
     }
-    a->ops->release_remote(a, b_at_a);
-    pd_pipe_destroy(a);
-    pd_pipe_destroy(b);
+    pair_close(&P);
 }
 
 /* Destroying a pipe with a transfer in flight completes it with an error; nothing hangs. */
@@ -564,32 +572,26 @@ static void run_peer_killed(void)
 /* Writing into a region exported read-only is refused by the owner, and the writer is told. */
 static void run_permissions(void)
 {
-    pd_pipe_t *a = mk(), *b = mk();
-    pd_pipe_peer_t *ab, *ba;
-    link2(a, b, &ab, &ba);
-    pd_pipe_region_t *ra, *rb;
-    ck_assert_int_eq(a->ops->alloc_region(a, 1 << 20, &ra), PD_OK);
-    ck_assert_int_eq(b->ops->alloc_region(b, 1 << 20, &rb), PD_OK);
-    memset(rb->base, 0x5a, 1 << 20);
-    fill(ra->base, 1 << 20, 5);
-    pd_pipe_remote_t *ro = share(b, rb, ba, false, a, ab);
+    pair_t P;
+    pair_open(&P, false);
+    memset(P.rb->base, 0x5a, 1 << 20);
+    fill(P.ra->base, 1 << 20, 5);
     counter_t c = {0, 0, PD_OK};
     pd_page_xfer_t pg = {0, 0, 4096};
-    ck_assert_int_eq(pd_pipe_read_pages(a, ab, ra, ro, &pg, 1, on_done, &c), PD_OK); /* reading is allowed */
-    pd_pipe_t *both[2] = {a, b};
+    ck_assert_int_eq(pd_pipe_read_pages(P.a, P.ab, P.ra, P.b_at_a, &pg, 1, on_done, &c),
+                     PD_OK); /* reading is allowed */
+    pd_pipe_t *both[2] = {P.a, P.b};
     wait_for(&c, 1, both, 2, 30);
     ck_assert_int_eq(c.errors, 0);
     if (strcmp(BACKENDS[g_b].kind, "tcp") == 0) {
         /* the TCP receiver enforces write permission (UCX rkeys grant both: enforced by the
          * connector's block ownership checks instead) */
-        ck_assert_int_eq(pd_pipe_write_pages(a, ab, ra, ro, &pg, 1, on_done, &c), PD_OK);
+        ck_assert_int_eq(pd_pipe_write_pages(P.a, P.ab, P.ra, P.b_at_a, &pg, 1, on_done, &c), PD_OK);
         wait_for(&c, 2, both, 2, 30);
         ck_assert_int_eq(c.last, PD_ERR_OUT_OF_RANGE);
-        ck_assert_int_eq(((uint8_t *)rb->base)[100], 0x5a); /* nothing landed */
+        ck_assert_int_eq(((uint8_t *)P.rb->base)[100], 0x5a); /* nothing landed */
     }
-    a->ops->release_remote(a, ro);
-    pd_pipe_destroy(a);
-    pd_pipe_destroy(b);
+    pair_close(&P);
 }
 
 START_TEST(test_conformance)
