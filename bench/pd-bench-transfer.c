@@ -465,7 +465,9 @@ static double socket_rtt_us(bool polling)
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     double us = 0;
-    if (connect(fd, (struct sockaddr *)&a, sizeof(a)) == 0) {
+    if (connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+        kill(child, SIGKILL); /* still in accept */
+    } else {
         double t0 = 0;
         for (int i = 0; i < 2100; i++) {
             if (i == 100) {
@@ -607,7 +609,7 @@ int main(int argc, char **argv)
             struct utsname u;
             uname(&u);
             char sockline[64] = "";
-            if (!latency_only && only == NULL) {
+            if (sock > 0) { /* measured unless the run was narrowed */
                 snprintf(sockline, sizeof(sockline), " Plain socket stream %.2f GB/s.", sock);
             }
             fprintf(f, "\n## pd-bench-transfer — %s\n\nCommand: `", date);

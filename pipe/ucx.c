@@ -2,8 +2,8 @@
  * ucp_put_nbx / ucp_get_nbx on memory mapped with ucp_mem_map (allocated by UCX when the pipe
  * owns the region, so shared-memory transports can put without the target progressing), packed
  * rkeys, completion on ucp_ep_flush_nbx — or, when UCX maps the peer's region here (ucp_rkey_ptr,
- * shared memory), copies through that mapping in bounded slices per progress call; tensors as two tagged messages (lengths + header, then
- * payload). A progress thread sleeps on the worker's event fd (ucp_worker_get_efd / arm: no spin
+ * shared memory), copies through that mapping in bounded slices per progress call; tensors as two
+ * tagged messages (lengths + header, then payload). A progress thread sleeps on the worker's event fd (ucp_worker_get_efd / arm: no spin
  * when idle); callbacks only queue completions, which pd_pipe_progress delivers.
  *
  * Error mode (pd_pipe_config_t.ucx_err_mode): "none" (default) lets UCX use shared memory but a
@@ -57,12 +57,10 @@ struct pd_pipe_remote {
     uint64_t base;
     uint64_t len;
     ucp_rkey_h rkey;
-    /* shared-memory rkeys map the peer's region here; a thread touches every page once so
-     * transfers do not pay a first-access fault per 4 KiB (measured: ~5 µs each on this VM,
-     * which held reads of fresh KV blocks to ~1 GB/s) */
-    const char *mapped;
-    /* the same mapping, when UCX gives one (shared memory): pages are copied straight through it,
-     * without a UCX operation per page (NULL: puts/gets + flush) */
+    /* shared-memory rkeys map the peer's region here (ucp_rkey_ptr): host pages are copied
+     * straight through it, without a UCX operation per page (NULL: puts/gets + flush). A thread
+     * touches every page once so transfers do not pay a first-access fault per 4 KiB (measured:
+     * ~5 µs each on this VM, which held reads of fresh KV blocks to ~1 GB/s). */
     char *direct;
     pthread_t warm;
     bool warming, warm_stop;
@@ -71,7 +69,7 @@ struct pd_pipe_remote {
 static void *warm_main(void *arg)
 {
     pd_pipe_remote_t *rr = arg;
-    volatile const char *p = rr->mapped;
+    volatile const char *p = rr->direct;
     double t0 = pd_time_now_s();
     uint64_t off = 0;
     for (; off < rr->len && !__atomic_load_n(&rr->warm_stop, __ATOMIC_RELAXED); off += 4096) {
@@ -333,19 +331,12 @@ static void *progress_main(void *arg)
     return NULL;
 }
 
-/* Ends the head copy job with st (mu held). */
-static void copy_job_end(ucx_pipe_t *u, copy_job_t *j, pd_status_t st)
+/* Unlinks copy job j (queued after prev, NULL for the head) and completes it with st (mu held). */
+static void copy_job_end(ucx_pipe_t *u, copy_job_t *prev, copy_job_t *j, pd_status_t st)
 {
-    copy_job_t **pp = &u->cj_head;
-    while (*pp != j) {
-        pp = &(*pp)->link;
-    }
-    *pp = j->link;
+    *(prev != NULL ? &prev->link : &u->cj_head) = j->link;
     if (u->cj_tail == j) {
-        u->cj_tail = NULL;
-        for (copy_job_t *t = u->cj_head; t != NULL; t = t->link) {
-            u->cj_tail = t;
-        }
+        u->cj_tail = prev;
     }
     pd_pipe_completion_t c = {j->cb, NULL, NULL, NULL, j->arg, st, 0, 0, 0, NULL};
     queue_completion(u, c);
@@ -367,7 +358,7 @@ static void run_copies(ucx_pipe_t *u)
     while (budget > 0 && u->cj_head != NULL) {
         copy_job_t *j = u->cj_head;
         if (j->peer->dead) {
-            copy_job_end(u, j, PD_ERR_PEER_GONE);
+            copy_job_end(u, NULL, j, PD_ERR_PEER_GONE);
             continue;
         }
         u->copying = true;
@@ -391,19 +382,24 @@ static void run_copies(ucx_pipe_t *u)
         if (j->next == j->n) {
             /* a full barrier (a locked RMW; TSan supports it where it rejects bare fences) */
             __atomic_fetch_add(&u->copies_done, 1, __ATOMIC_SEQ_CST);
-            copy_job_end(u, j, PD_OK);
+            copy_job_end(u, NULL, j, PD_OK);
         }
     }
     pthread_mutex_unlock(&u->mu);
 }
 
-/* Ends every queued copy job (of `remote` only, when not NULL) with st (mu held). */
-static void cancel_copies(ucx_pipe_t *u, pd_pipe_remote_t *remote, pd_status_t st)
+/* Ends with st every queued copy job of `peer` and of `remote` (NULL: any), except one a progress
+ * call is copying right now, which ends after its slice (mu held). */
+static void end_copies(ucx_pipe_t *u, pd_pipe_peer_t *peer, pd_pipe_remote_t *remote, pd_status_t st)
 {
+    copy_job_t *prev = NULL;
     for (copy_job_t *j = u->cj_head, *next; j != NULL; j = next) {
         next = j->link;
-        if (remote == NULL || j->remote == remote) {
-            copy_job_end(u, j, st);
+        bool busy = u->copying && j == u->cj_head;
+        if (!busy && (peer == NULL || j->peer == peer) && (remote == NULL || j->remote == remote)) {
+            copy_job_end(u, prev, j, st);
+        } else {
+            prev = j;
         }
     }
 }
@@ -553,7 +549,7 @@ static void ucx_destroy(pd_pipe_t *p)
     for (op_t *o = u->ops; o != NULL; o = o->next) {
         op_report(u, o, PD_ERR_CANCELLED);
     }
-    cancel_copies(u, NULL, PD_ERR_CANCELLED);
+    end_copies(u, NULL, NULL, PD_ERR_CANCELLED);
     pthread_mutex_unlock(&u->mu);
     ucx_progress(p); /* deliver every pending completion before returning */
     while (u->ops != NULL) {
@@ -786,7 +782,6 @@ static pd_status_t ucx_import_region(pd_pipe_t *p, pd_pipe_peer_t *peer, const u
         rr->direct = lp;
     }
     if (warm && rr->len >= (1u << 20) && rr->direct != NULL) {
-        rr->mapped = lp;
         rr->warming = pthread_create(&rr->warm, NULL, warm_main, rr) == 0;
     }
     *out = rr;
@@ -798,7 +793,7 @@ static void ucx_release_remote(pd_pipe_t *p, pd_pipe_remote_t *rr)
     if (rr != NULL) {
         ucx_pipe_t *u = (ucx_pipe_t *)p;
         pthread_mutex_lock(&u->mu);
-        cancel_copies(u, rr, PD_ERR_CANCELLED); /* the mapping goes with the rkey */
+        end_copies(u, NULL, rr, PD_ERR_CANCELLED); /* the mapping goes with the rkey */
         pthread_mutex_unlock(&u->mu);
         if (rr->warming) {
             __atomic_store_n(&rr->warm_stop, true, __ATOMIC_RELAXED);
@@ -832,8 +827,8 @@ static pd_status_t post_pages(bool write, pd_pipe_t *p, pd_pipe_peer_t *peer, pd
         pthread_mutex_unlock(&u->mu);
         return PD_OK;
     }
-    if (remote->direct != NULL) {
-        /* shared memory mapped here (ucp_rkey_ptr): what ucp_put_nbx / ucp_get_nbx would do for
+    if (remote->direct != NULL && local->mem == PD_MEM_HOST) {
+        /* shared memory mapped here (ucp_rkey_ptr), host memory on this side: what ucp_put_nbx / ucp_get_nbx would do for
          * each page (a copy), minus UCX's cost per operation — 64 scattered 16 KiB pages ran at
          * ~0.8x memcpy through puts. The copies run in progress calls (run_copies). */
         copy_job_t *j = calloc(1, sizeof(*j));
@@ -1041,12 +1036,7 @@ static void ucx_fail_peer(pd_pipe_t *p, pd_pipe_peer_t *peer, pd_status_t st)
             op_report(u, o, st);
         }
     }
-    for (copy_job_t *j = u->cj_head, *next; j != NULL; j = next) {
-        next = j->link;
-        if (j->peer == peer && !(u->copying && j == u->cj_head)) { /* that one ends after its slice */
-            copy_job_end(u, j, st);
-        }
-    }
+    end_copies(u, peer, NULL, st);
     pthread_mutex_unlock(&u->mu);
 }
 
