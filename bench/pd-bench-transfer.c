@@ -21,6 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/copy.h"
 #include "common/flags.h"
 #include "common/log.h"
 #include "common/rng.h"
@@ -492,6 +493,7 @@ int main(int argc, char **argv)
     int region_mib = 256;
     bool latency_only = false;
     const char *only = NULL;
+    const char *copy = NULL;
     pd_flag_t flags[] = {
         {"results", PD_FLAG_STR, &results, "append the table to this markdown file", NULL},
         {"region-mib", PD_FLAG_INT, &region_mib, "MiB of each side's pipe region (a demo-model node: 2616)",
@@ -500,10 +502,14 @@ int main(int argc, char **argv)
          NULL},
         {"only", PD_FLAG_STR, &only,
          "only the page-list rows whose name contains this (e.g. \"tcp write 4096\")", NULL},
+        {"copy", PD_FLAG_STR, &copy,
+         "how the ucx pipe copies requests of >= 4 MiB through shared memory: avx2 | sse2 | memcpy "
+         "(default: the best the CPU has)",
+         NULL},
     };
     pd_status_t st = pd_flags_parse(flags, sizeof(flags) / sizeof(flags[0]), argc, argv,
                                     "usage: pd-bench-transfer [--results bench/RESULTS.md] [--region-mib N] "
-                                    "[--latency-only] [--only TEXT]",
+                                    "[--latency-only] [--only TEXT] [--copy avx2|sse2|memcpy]",
                                     NULL);
     if (st == PD_ERR_CANCELLED) {
         return 0;
@@ -516,6 +522,10 @@ int main(int argc, char **argv)
         return 2;
     }
     REGION = (size_t)region_mib << 20;
+    if (copy != NULL && pd_copy_stream_select(copy) != 0) {
+        fprintf(stderr, "pd-bench-transfer: --copy %s is unknown or this CPU cannot run it\n", copy);
+        return 2;
+    }
     pd_log_set_level(PD_LOG_WARN);
     signal(SIGPIPE, SIG_IGN);
     uint8_t *src = malloc(REGION), *dst = malloc(REGION);
@@ -617,9 +627,10 @@ int main(int argc, char **argv)
                 fprintf(f, "%s%s", i ? " " : "", argv[i]);
             }
             fprintf(f,
-                    "`  \nMachine: %s %s, %ld cores; two processes on this host; ucx error mode none.%s\n\n"
+                    "`  \nMachine: %s %s, %ld cores; two processes on this host; ucx error mode none; ucx "
+                    "copies of >= 4 MiB: %s.%s\n\n"
                     "| benchmark | result | baseline (same run) | ratio |\n|---|---|---|---|\n",
-                    u.sysname, u.machine, sysconf(_SC_NPROCESSORS_ONLN), sockline);
+                    u.sysname, u.machine, sysconf(_SC_NPROCESSORS_ONLN), pd_copy_stream_kind(), sockline);
             for (int i = 0; i < g_nrows; i++) {
                 fprintf(f, "%s\n", g_rows[i]);
             }

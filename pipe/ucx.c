@@ -26,6 +26,7 @@
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
+#include "common/copy.h"
 #include "common/hash.h"
 #include "common/log.h"
 #include "common/time.h"
@@ -122,6 +123,7 @@ typedef struct copy_job {
     pd_page_xfer_t *pages; /* coalesced */
     int n, next;           /* page count; the first page not yet fully copied */
     uint64_t next_done;    /* bytes of pages[next] already copied */
+    bool stream;           /* the request is >= PD_COPY_STREAM_MIN: copy past the cache */
     pd_pipe_done_cb cb;
     void *arg;
     struct copy_job *link;
@@ -369,7 +371,11 @@ static void run_copies(ucx_pipe_t *u)
             len = len < budget ? len : budget;
             char *lp = j->local_base + pg->local_off + j->next_done;
             char *rp = j->remote->direct + pg->remote_off + j->next_done;
-            memcpy(j->write ? rp : lp, j->write ? lp : rp, len);
+            if (j->stream) {
+                pd_copy_stream(j->write ? rp : lp, j->write ? lp : rp, len);
+            } else {
+                memcpy(j->write ? rp : lp, j->write ? lp : rp, len);
+            }
             budget -= len;
             j->next_done += len;
             if (j->next_done == pg->len) {
@@ -839,7 +845,12 @@ static pd_status_t post_pages(bool write, pd_pipe_t *p, pd_pipe_peer_t *peer, pd
             return PD_ERR_NO_MEMORY;
         }
         memcpy(pg, pages, (size_t)n * sizeof(*pg));
-        *j = (copy_job_t){peer, remote, write, (char *)local->base, pg, n, 0, 0, cb, arg, NULL};
+        uint64_t total = 0;
+        for (int i = 0; i < n; i++) {
+            total += pages[i].len;
+        }
+        *j = (copy_job_t){peer, remote, write, (char *)local->base, pg, n, 0, 0, total >= PD_COPY_STREAM_MIN,
+                          cb,   arg,    NULL};
         if (u->cj_tail != NULL) {
             u->cj_tail->link = j;
         } else {
