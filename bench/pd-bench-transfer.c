@@ -64,9 +64,9 @@ static int xfer_all(int fd, void *buf, size_t n, bool wr)
 
 /* Target process: a pipe with one region, exported read+write; serves until the control socket
  * closes. */
-static void target_main(const char *kind, int ctl)
+static void target_main(const char *kind, int busy_us, int ctl)
 {
-    pd_pipe_config_t c = {kind, "127.0.0.1", 0, "none", 0};
+    pd_pipe_config_t c = {kind, "127.0.0.1", 0, "none", 0, busy_us};
     pd_pipe_t *p = NULL;
     if (pd_pipe_create(&c, &p) != PD_OK) {
         _exit(1);
@@ -105,7 +105,8 @@ typedef struct link {
     int wait_fd; /* >= 0: bytes move on the pipe's own threads; wait on this, do not spin */
 } link_t;
 
-static int link_open(const char *kind, link_t *L)
+/* A pipe of `kind` to a target process; tcp receivers on both sides busy-poll busy_us. */
+static int link_open(const char *kind, int busy_us, link_t *L)
 {
     int sv[2];
     if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) {
@@ -114,11 +115,11 @@ static int link_open(const char *kind, link_t *L)
     L->child = fork();
     if (L->child == 0) {
         close(sv[0]);
-        target_main(kind, sv[1]);
+        target_main(kind, busy_us, sv[1]);
     }
     close(sv[1]);
     L->ctl = sv[0];
-    pd_pipe_config_t c = {kind, "127.0.0.1", 0, "none", 0};
+    pd_pipe_config_t c = {kind, "127.0.0.1", 0, "none", 0, busy_us};
     if (pd_pipe_create(&c, &L->p) != PD_OK) {
         return -1;
     }
@@ -174,17 +175,18 @@ static void make_pages(pd_page_xfer_t *pg, int n, size_t psz, bool random_ids, p
 }
 
 /* Waits a little for completions. UCX moves bytes inside progress: spin. The TCP pipe moves them on
- * its own threads: a spinning caller would take a core from them (2 cores here), so poll its wait
- * fd (yielding the core) for up to spin_s, then sleep on it, as the connector's control thread
- * does (spin_s 0). The spin matters on this VM only for round trips: a sleeping vCPU's wake-up
- * costs 50-150 µs here (guest halt polling is off), more than the round trip itself. */
+ * its own threads: a spinning caller would take a core from them (2 cores here), so call progress
+ * (which also takes acks off the sockets) yielding the core in between for up to spin_s, then
+ * sleep on the wait fd, as the connector's control thread does (spin_s 0). The spin matters on
+ * this VM only for round trips: a sleeping vCPU's wake-up costs 50-150 µs here (guest halt
+ * polling is off), more than the round trip itself. */
 static void link_wait(link_t *L, double spin_s)
 {
     if (pd_pipe_progress(L->p) == 0 && L->wait_fd >= 0) {
         struct pollfd pf = {L->wait_fd, POLLIN, 0};
         double t0 = spin_s > 0 ? pd_time_now_s() : 0;
         while (spin_s > 0 && pd_time_now_s() - t0 < spin_s) {
-            if (poll(&pf, 1, 0) == 1) {
+            if (pd_pipe_progress(L->p) > 0) { /* what a UCX caller does with its worker */
                 return;
             }
             sched_yield();
@@ -442,9 +444,10 @@ static int read_polling(int fd, void *buf, size_t n)
 }
 
 /* Round trip of a plain TCP ping-pong over loopback: 16 KiB one way, 8 bytes back (what one page
- * write and its ack carry), TCP_NODELAY, both ends blocking in read (or, `polling`, both polling
- * their socket without sleeping); µs, mean of 2000. */
-static double socket_rtt_us(bool polling)
+ * write and its ack carry), TCP_NODELAY; each end either blocks in read or polls its socket
+ * without sleeping (client_polls: the caller's end; server_polls: the echoing end); µs, mean of
+ * 2000. */
+static double socket_rtt_us(bool client_polls, bool server_polls)
 {
     struct sockaddr_in a;
     int ls = loopback_listener(&a);
@@ -457,8 +460,8 @@ static double socket_rtt_us(bool polling)
     if (child == 0) {
         int c = accept(ls, NULL, NULL);
         setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-        while ((polling ? read_polling(c, page, sizeof(page)) : xfer_all(c, page, sizeof(page), false)) ==
-                   0 &&
+        while ((server_polls ? read_polling(c, page, sizeof(page))
+                             : xfer_all(c, page, sizeof(page), false)) == 0 &&
                xfer_all(c, ack, sizeof(ack), true) == 0) {
         }
         _exit(0);
@@ -475,7 +478,8 @@ static double socket_rtt_us(bool polling)
                 t0 = pd_time_now_s();
             }
             if (xfer_all(fd, page, sizeof(page), true) != 0 ||
-                (polling ? read_polling(fd, ack, sizeof(ack)) : xfer_all(fd, ack, sizeof(ack), false)) != 0) {
+                (client_polls ? read_polling(fd, ack, sizeof(ack)) : xfer_all(fd, ack, sizeof(ack), false)) !=
+                    0) {
                 break;
             }
         }
@@ -494,6 +498,7 @@ int main(int argc, char **argv)
     bool latency_only = false;
     const char *only = NULL;
     const char *copy = NULL;
+    int busy_us = 100;
     pd_flag_t flags[] = {
         {"results", PD_FLAG_STR, &results, "append the table to this markdown file", NULL},
         {"region-mib", PD_FLAG_INT, &region_mib, "MiB of each side's pipe region (a demo-model node: 2616)",
@@ -502,15 +507,20 @@ int main(int argc, char **argv)
          NULL},
         {"only", PD_FLAG_STR, &only,
          "only the page-list rows whose name contains this (e.g. \"tcp write 4096\")", NULL},
+        {"tcp-busy-poll-us", PD_FLAG_INT, &busy_us,
+         "the third link (tcp, round trips only): its receivers poll this long after serving a request "
+         "(pd_pipe_config_t.tcp_busy_poll_us)",
+         NULL},
         {"copy", PD_FLAG_STR, &copy,
          "how the ucx pipe copies requests of >= 4 MiB through shared memory: avx2 | sse2 | memcpy "
          "(default: the best the CPU has)",
          NULL},
     };
-    pd_status_t st = pd_flags_parse(flags, sizeof(flags) / sizeof(flags[0]), argc, argv,
-                                    "usage: pd-bench-transfer [--results bench/RESULTS.md] [--region-mib N] "
-                                    "[--latency-only] [--only TEXT] [--copy avx2|sse2|memcpy]",
-                                    NULL);
+    pd_status_t st =
+        pd_flags_parse(flags, sizeof(flags) / sizeof(flags[0]), argc, argv,
+                       "usage: pd-bench-transfer [--results bench/RESULTS.md] [--region-mib N] "
+                       "[--latency-only] [--only TEXT] [--copy avx2|sse2|memcpy] [--tcp-busy-poll-us N]",
+                       NULL);
     if (st == PD_ERR_CANCELLED) {
         return 0;
     }
@@ -544,17 +554,21 @@ int main(int argc, char **argv)
     } cases[] = {{16384, 1, false},    {16384, 64, true},     {16384, 4096, true},
                  {16384, 4096, false}, {262144, 64, true},    {1u << 20, 1, false},
                  {1u << 20, 16, true}, {1u << 20, 16, false}, {1u << 20, 64, false}};
-    const char *kinds[] = {"ucx", "tcp"};
+    /* the third link: tcp with busy-polling receivers, for the round trips only */
+    const char *kinds[] = {"ucx", "tcp", "tcp"};
     printf("%-52s %10s %-5s %-34s %8s\n", "benchmark", "result", "", "baseline (same run)", "ratio");
     double sock = latency_only || only != NULL ? 0 : socket_gbps();
-    for (int k = 0; k < 2; k++) {
+    for (int k = 0; k < 3; k++) {
         link_t L;
         memset(&L, 0, sizeof(L));
-        if (link_open(kinds[k], &L) != 0) {
-            pd_log_error("cannot set up the %s link", kinds[k]);
+        bool busy = k == 2;
+        if ((busy && (busy_us <= 0 || only != NULL)) || link_open(kinds[k], busy ? busy_us : 0, &L) != 0) {
+            if (!busy || busy_us > 0) {
+                pd_log_error("cannot set up the %s link", kinds[k]);
+            }
             continue;
         }
-        for (size_t c = 0; !latency_only && c < sizeof(cases) / sizeof(cases[0]); c++) {
+        for (size_t c = 0; !latency_only && !busy && c < sizeof(cases) / sizeof(cases[0]); c++) {
             make_pages(pg, cases[c].n, cases[c].psz, cases[c].random_ids, &rng);
             /* ucx_perftest moves one message of the request's size, again and again from one buffer:
              * a 1 MiB message stays in cache while a request's pages walk the region (see RESULTS) */
@@ -584,28 +598,35 @@ int main(int argc, char **argv)
             }
         }
         /* last, so the pipe's background warm-up of the peer mapping has long finished */
-        for (int nb = 127; !latency_only && only == NULL && nb <= 511; nb += 384) {
+        for (int nb = 127; !latency_only && !busy && only == NULL && nb <= 511; nb += 384) {
             double m = 0, g = kv_once_gbps(&L, nb, 4, src, dst, &m);
             char name[128];
             snprintf(name, sizeof(name), "%s read once, 8 layers x %d x 16 KiB (%.0f MiB), fresh blocks",
                      kinds[k], nb, nb * 8 * 16384.0 / 1048576);
             row(name, g, "GB/s", "memcpy once", m, false);
         }
-        /* tcp twice: the caller polling the wait fd (yielding) as a UCX caller polls its worker,
-         * and sleeping on it as the connector's control thread does, each beside the plain socket
-         * ping-pong waiting the same way */
-        for (int sleeping = 0; only == NULL && sleeping <= (k == 1); sleeping++) {
-            char lname[96];
-            snprintf(lname, sizeof(lname), "%s 1 x 16 KiB write round trip%s", kinds[k],
+        /* tcp twice per link: the caller polling progress (yielding) as a UCX caller polls its
+         * worker, and sleeping on the wait fd as the connector's control thread does. Beside each,
+         * the plain socket ping-pong whose ends wait the same way: the caller's end as the caller,
+         * the echoing end as the pipe's receiver thread (asleep in epoll, or busy-polling) */
+        for (int sleeping = 0; only == NULL && sleeping <= (k >= 1); sleeping++) {
+            char lname[128];
+            char bp[48] = "";
+            if (busy) {
+                snprintf(bp, sizeof(bp), ", receivers poll %d us", busy_us);
+            }
+            snprintf(lname, sizeof(lname), "%s 1 x 16 KiB write round trip%s%s", kinds[k],
                      k == 0     ? ""
                      : sleeping ? ", caller sleeps"
-                                : ", caller polls");
+                                : ", caller polls",
+                     bp);
             double rt = latency_us(&L, sleeping ? 0 : 0.001);
             row(lname, rt, "us", "goal", 50.0, true);
-            if (k == 1) {
-                row(sleeping ? "  vs a plain socket 16 KiB ping-pong, both ends blocking"
-                             : "  vs a plain socket 16 KiB ping-pong, both ends polling",
-                    rt, "us", "socket", socket_rtt_us(!sleeping), true);
+            if (k >= 1) {
+                char bname[128];
+                snprintf(bname, sizeof(bname), "  vs a plain socket 16 KiB ping-pong, caller %s, echo %s",
+                         sleeping ? "blocks" : "polls", busy ? "polls" : "blocks");
+                row(bname, rt, "us", "socket", socket_rtt_us(!sleeping, busy), true);
             }
         }
         link_close(&L);

@@ -55,6 +55,10 @@ size_t pd_kv_connector_flags(pd_kv_connector_config_t *c, pd_flag_t *out, size_t
          "ucx: none = shared-memory RMA, dead peers found by heartbeat; peer = UCX error handling (TCP RMA, "
          "slower)",
          "none|peer"},
+        {"kv-tcp-busy-poll-us", PD_FLAG_INT, &c->tcp_busy_poll_us,
+         "tcp pipe: after serving a peer's request, its receiver thread polls this many µs before sleeping "
+         "(spends a core while requests keep coming; saves a thread wake-up per page request)",
+         NULL},
         {"cluster-token-file", PD_FLAG_STR, &c->cluster_token_file,
          "file holding the secret every node of the cluster shares (proved, never sent)", NULL},
         {"kv-hold-timeout", PD_FLAG_DOUBLE, &c->hold_timeout,
@@ -1098,6 +1102,10 @@ pd_status_t pd_kv_connector_create(const pd_kv_connector_config_t *cfg, pd_metri
         pd_log_error("kv connector: every --kv-*-timeout and the heartbeat settings must be positive");
         return PD_ERR_INVALID_ARG;
     }
+    if (cfg->tcp_busy_poll_us < 0 || cfg->tcp_busy_poll_us > 1000000) {
+        pd_log_error("kv connector: --kv-tcp-busy-poll-us %d is outside [0, 1000000]", cfg->tcp_busy_poll_us);
+        return PD_ERR_INVALID_ARG;
+    }
     if (strcmp(cfg->pipe, "nccl") == 0 && strcmp(cfg->staging, "always") == 0) {
         pd_log_error("kv connector: --kv-pipe nccl moves device memory itself; --kv-staging always is for "
                      "host pipes (ucx, tcp)");
@@ -1138,6 +1146,7 @@ pd_status_t pd_kv_connector_create(const pd_kv_connector_config_t *cfg, pd_metri
     pc.kind = cfg->pipe;
     pc.host = k->listen_host;
     pc.ucx_err_mode = cfg->ucx_err_mode;
+    pc.tcp_busy_poll_us = cfg->tcp_busy_poll_us;
     st = pd_pipe_create(&pc, &k->pipe);
     if (st != PD_OK) {
         pd_log_error("kv connector: cannot create a %s pipe (this build has: %s)", cfg->pipe,

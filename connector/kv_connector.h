@@ -49,6 +49,7 @@ typedef struct pd_kv_connector_config {
     double handshake_timeout;        /* s for dial + handshake + region exchange */
     double heartbeat_interval;       /* s between heartbeats */
     int heartbeat_misses;            /* silent intervals before a peer is declared dead */
+    int tcp_busy_poll_us;            /* tcp pipe: receiver polling window after a request (0 = off) */
     double save_timeout;             /* s wait_for_save waits for one step's writes */
     const char *load_failure_policy; /* the engine's (for the policy-action metric) */
     bool prefault;                   /* touch the KV region's pages in a background thread */

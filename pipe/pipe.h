@@ -38,6 +38,9 @@ typedef struct pd_pipe_config {
     int port;                 /* tcp: 0 = any free port */
     const char *ucx_err_mode; /* ucx: "none" (shared memory, default) | "peer" (error handling; TCP RMA) */
     size_t max_message_bytes; /* largest tensor/page batch accepted from a peer (default 1 GiB) */
+    int tcp_busy_poll_us;     /* tcp: after serving a peer's request, the receiver thread polls its
+                               * sockets this long before sleeping (0 = sleep at once). Spends a core
+                               * to save the wake-up per request (~40 µs on this VM's vCPUs) */
 } pd_pipe_config_t;
 
 /* One range to move: local region offset, remote region offset, bytes. */

@@ -18,6 +18,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,6 +30,7 @@
 #include <unistd.h>
 
 #include "common/log.h"
+#include "common/time.h"
 #include "pipe/completion.h"
 #include "pipe/pipe.h"
 
@@ -107,6 +109,7 @@ struct pd_pipe_peer {
     uint64_t id;
     int out_fd, in_fd;
     bool dead;
+    bool reading; /* a thread is reading a frame from in_fd (the receiver, or progress taking acks) */
     unexpected_t *unexpected;
     pd_pipe_peer_t *next;
 };
@@ -128,6 +131,7 @@ typedef struct tcp_pipe {
     int port;
     int listen_fd, epfd, wake_fd;
     size_t max_msg;
+    int busy_poll_us;
     pthread_t rx, tx;
     bool threads;
     bool tx_busy; /* the sender thread is writing a job (outside mu) */
@@ -138,7 +142,8 @@ typedef struct tcp_pipe {
     tcp_region_t **regions;
     uint32_t num_regions, cap_regions;
     perm_t *perms;
-    op_t *ops; /* pending: waiting for an ack, a response or a matching tensor */
+    op_t *ops;       /* pending: waiting for an ack, a response or a matching tensor */
+    uint32_t writes; /* of them, page writes waiting for their ack */
     uint64_t next_op;
     job_t *jq_head, *jq_tail;
     pd_pipe_cq_t cq;
@@ -157,6 +162,7 @@ static void complete_op(tcp_pipe_t *t, op_t *o, pd_status_t st, size_t hlen, siz
 {
     pd_pipe_completion_t c = {o->done, o->recv_cb, NULL, NULL, o->arg, st, o->tag, hlen, plen, NULL};
     complete(t, c);
+    t->writes -= o->kind == OP_WRITE;
     free(o->pages);
     free(o);
 }
@@ -656,8 +662,9 @@ static void *rx_main(void *arg)
 {
     tcp_pipe_t *t = arg;
     struct epoll_event evs[32];
+    double poll_until = 0; /* busy_poll_us after the last frame served: poll instead of sleeping */
     for (;;) {
-        int n = epoll_wait(t->epfd, evs, 32, 1000);
+        int n = epoll_wait(t->epfd, evs, 32, poll_until > 0 && pd_time_now_s() < poll_until ? 0 : 1000);
         pthread_mutex_lock(&t->mu);
         bool stop = t->stop;
         pthread_mutex_unlock(&t->mu);
@@ -698,14 +705,34 @@ static void *rx_main(void *arg)
             pd_pipe_peer_t *peer = ptr;
             pthread_mutex_lock(&t->mu);
             bool dead = peer->dead; /* declared by fail_peer since this event was reported */
+            bool busy = peer->reading;
+            if (!dead && !busy) {
+                peer->reading = true; /* claimed: progress leaves this socket alone */
+            }
             pthread_mutex_unlock(&t->mu);
             if (dead) {
                 continue;
             }
-            if (rx_frame(t, peer, peer->in_fd) != 0) {
-                pthread_mutex_lock(&t->mu);
+            if (busy) { /* progress is taking an ack from this socket: a few µs */
+                sched_yield();
+                continue;
+            }
+            /* the socket may have been drained by progress since epoll reported it */
+            hdr_t peek;
+            ssize_t k = recv(peer->in_fd, &peek, sizeof(peek), MSG_PEEK | MSG_DONTWAIT);
+            int rc = k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+                         ? 0
+                         : rx_frame(t, peer, peer->in_fd);
+            pthread_mutex_lock(&t->mu);
+            peer->reading = false;
+            if (rc != 0) {
                 mark_dead(t, peer, PD_ERR_PEER_GONE);
-                pthread_mutex_unlock(&t->mu);
+            }
+            pthread_mutex_unlock(&t->mu);
+            bool request = k == (ssize_t)sizeof(peek) &&
+                           (peek.type == M_WRITE || peek.type == M_READ_REQ || peek.type == M_TENSOR);
+            if (t->busy_poll_us > 0 && request) { /* not after acks: the requester's side stays asleep */
+                poll_until = pd_time_now_s() + t->busy_poll_us * 1e-6;
             }
         }
     }
@@ -723,6 +750,7 @@ static pd_status_t tcp_create(const pd_pipe_config_t *cfg, pd_pipe_t **out)
     t->base.ops = &pd_pipe_tcp_ops;
     t->listen_fd = t->epfd = t->wake_fd = -1;
     t->max_msg = cfg->max_message_bytes ? cfg->max_message_bytes : (1ull << 30);
+    t->busy_poll_us = cfg->tcp_busy_poll_us > 0 ? cfg->tcp_busy_poll_us : 0;
     snprintf(t->host, sizeof(t->host), "%s", cfg->host != NULL ? cfg->host : "127.0.0.1");
     pthread_mutex_init(&t->mu, NULL);
     pthread_cond_init(&t->tx_cv, NULL);
@@ -766,10 +794,46 @@ static pd_status_t tcp_create(const pd_pipe_config_t *cfg, pd_pipe_t **out)
     return PD_OK;
 }
 
+/* Takes the write acks already waiting on the incoming sockets, in the caller's thread (mu held
+ * on entry and exit). A caller that polls progress then sees its writes complete without the
+ * receiver thread waking up for each ack: on this VM a wake-up costs more than the transfer of a
+ * page. Only whole ack frames (a header, nothing after it) are taken: everything else, and any
+ * socket the receiver thread is reading, is left to the receiver thread. */
+static void take_acks(tcp_pipe_t *t)
+{
+    for (pd_pipe_peer_t *peer = t->peers; peer != NULL && t->writes > 0; peer = peer->next) {
+        if (peer->dead || peer->reading || peer->in_fd < 0) {
+            continue;
+        }
+        peer->reading = true;
+        pthread_mutex_unlock(&t->mu);
+        int rc = 0;
+        for (int taken = 0; taken < 64; taken++) { /* bounded work per call */
+            hdr_t h;
+            ssize_t k = recv(peer->in_fd, &h, sizeof(h), MSG_PEEK | MSG_DONTWAIT);
+            if (k != (ssize_t)sizeof(h) || h.magic != TCP_MAGIC || h.type != M_WRITE_ACK) {
+                break; /* nothing whole, or a frame for the receiver thread (which also reports errors) */
+            }
+            rc = rx_frame(t, peer, peer->in_fd); /* reads the header that is there: does not block */
+            if (rc != 0) {
+                break;
+            }
+        }
+        pthread_mutex_lock(&t->mu);
+        peer->reading = false;
+        if (rc != 0) {
+            mark_dead(t, peer, PD_ERR_PEER_GONE);
+        }
+    }
+}
+
 static int tcp_progress(pd_pipe_t *p)
 {
     tcp_pipe_t *t = (tcp_pipe_t *)p;
     pthread_mutex_lock(&t->mu);
+    if (t->cq.head == NULL && t->writes > 0) {
+        take_acks(t);
+    }
     pd_pipe_completion_t *c = pd_pipe_cq_take(&t->cq);
     pthread_mutex_unlock(&t->mu);
     return pd_pipe_cq_run(c);
@@ -1123,6 +1187,7 @@ static pd_status_t post_pages(bool write, pd_pipe_t *p, pd_pipe_peer_t *peer, pd
     }
     o->next = t->ops;
     t->ops = o;
+    t->writes += write;
     enqueue(t, j);
     pthread_mutex_unlock(&t->mu);
     return PD_OK;

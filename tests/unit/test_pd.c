@@ -263,7 +263,12 @@ static void suite_teardown(void)
 static void equivalence(const char *mode, const char *pipe, bool staged)
 {
     cluster_t c;
-    char *st_args[] = {"--kv-staging", "always", NULL};
+    /* the staged tcp run also has the tcp receivers busy-polling (--kv-tcp-busy-poll-us): progress
+     * and the receiver thread then both read acks off the sockets */
+    char *st_args[] = {"--kv-staging", "always", "--kv-tcp-busy-poll-us", "500", NULL};
+    if (strcmp(pipe, "tcp") != 0) {
+        st_args[2] = NULL;
+    }
     cluster_start(&c, mode, pipe, staged ? st_args : NULL, staged ? st_args : NULL);
     if (staged) {
         /* plain requests to the prefill first: later P/D requests hit prefix blocks that no staged
@@ -306,7 +311,7 @@ static void equivalence(const char *mode, const char *pipe, bool staged)
 }
 
 /* Every mode × pipe, plus the device-KV path (host mirror + page copies) with the CPU backend
- * standing in for the GPU (--kv-staging always). */
+ * standing in for the GPU (--kv-staging always; with tcp, also busy-polling receivers). */
 static const struct {
     const char *mode, *pipe;
     bool staged;
