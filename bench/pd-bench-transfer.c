@@ -562,10 +562,11 @@ int main(int argc, char **argv)
         link_t L;
         memset(&L, 0, sizeof(L));
         bool busy = k == 2;
-        if ((busy && (busy_us <= 0 || only != NULL)) || link_open(kinds[k], busy ? busy_us : 0, &L) != 0) {
-            if (!busy || busy_us > 0) {
-                pd_log_error("cannot set up the %s link", kinds[k]);
-            }
+        if (busy && (busy_us <= 0 || only != NULL)) {
+            continue; /* round trips only; not asked for */
+        }
+        if (link_open(kinds[k], busy ? busy_us : 0, &L) != 0) {
+            pd_log_error("cannot set up the %s link", kinds[k]);
             continue;
         }
         for (size_t c = 0; !latency_only && !busy && c < sizeof(cases) / sizeof(cases[0]); c++) {

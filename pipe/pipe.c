@@ -43,6 +43,50 @@ static int cmp_local(const void *a, const void *b)
     return x->local_off < y->local_off ? -1 : x->local_off > y->local_off;
 }
 
+/* Sorts a[n] by local offset. A list built from a block table in order is already sorted: one
+ * pass. Otherwise a bottom-up merge sort with the comparison inline — qsort's callback per
+ * comparison cost ~3 µs for 64 pages, a tenth of copying a 1 MiB request. */
+static void sort_local(pd_page_xfer_t *a, int n)
+{
+    int i = 1;
+    while (i < n && a[i - 1].local_off <= a[i].local_off) {
+        i++;
+    }
+    if (i >= n) {
+        return;
+    }
+    pd_page_xfer_t small[256];
+    pd_page_xfer_t *tmp = n <= 256 ? small : malloc((size_t)n * sizeof(*tmp));
+    if (tmp == NULL) {
+        qsort(a, (size_t)n, sizeof(*a), cmp_local);
+        return;
+    }
+    pd_page_xfer_t *src = a, *dst = tmp;
+    for (int w = 1; w < n; w *= 2) {
+        for (int lo = 0; lo < n; lo += 2 * w) {
+            int mid = lo + w < n ? lo + w : n, hi = lo + 2 * w < n ? lo + 2 * w : n;
+            int x = lo, y = mid, o = lo;
+            while (x < mid && y < hi) {
+                dst[o++] = src[y].local_off < src[x].local_off ? src[y++] : src[x++];
+            }
+            while (x < mid) {
+                dst[o++] = src[x++];
+            }
+            while (y < hi) {
+                dst[o++] = src[y++];
+            }
+        }
+        pd_page_xfer_t *t = src;
+        src = dst, dst = t;
+    }
+    if (src != a) {
+        memcpy(a, src, (size_t)n * sizeof(*a));
+    }
+    if (tmp != small) {
+        free(tmp);
+    }
+}
+
 int pd_pipe_coalesce(const pd_page_xfer_t *pages, int n, pd_page_xfer_t *out)
 {
     int m = 0;
@@ -51,7 +95,7 @@ int pd_pipe_coalesce(const pd_page_xfer_t *pages, int n, pd_page_xfer_t *out)
             out[m++] = pages[i];
         }
     }
-    qsort(out, (size_t)m, sizeof(*out), cmp_local);
+    sort_local(out, m);
     int k = 0;
     for (int i = 0; i < m; i++) {
         if (k > 0 && out[k - 1].local_off + out[k - 1].len == out[i].local_off &&

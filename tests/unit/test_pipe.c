@@ -629,6 +629,12 @@ START_TEST(test_conformance)
 }
 END_TEST
 
+static int cmp_local_ref(const void *a, const void *b)
+{
+    const pd_page_xfer_t *x = a, *y = b;
+    return x->local_off < y->local_off ? -1 : x->local_off > y->local_off;
+}
+
 START_TEST(test_coalesce)
 {
     pd_page_xfer_t in[6] = {{8192, 4096, 4096},   {0, 0, 4096},  {4096, 8192, 4096},
@@ -646,6 +652,42 @@ START_TEST(test_coalesce)
     ck_assert_uint_eq(out[1].local_off, 40);
     ck_assert_int_eq(pd_pipe_check_pages(run, 4, 45, 145), PD_OK);
     ck_assert_int_eq(pd_pipe_check_pages(run, 4, 44, 145), PD_ERR_OUT_OF_RANGE);
+    /* against a reference (qsort, then the same merge) on shuffled lists of distinct local pages,
+     * sorted and unsorted, short and past the sort's on-stack scratch (256) */
+    enum { MAXN = 700 };
+    static pd_page_xfer_t lst[MAXN], got[MAXN], want[MAXN];
+    pd_rng_t r;
+    pd_rng_seed(&r, 11);
+    for (int iter = 0; iter < 400; iter++) {
+        int len = (int)pd_rng_below(&r, MAXN + 1);
+        uint64_t rb = 0;
+        for (int i = 0; i < len; i++) { /* local slot i; remote slots run on, or jump */
+            rb = pd_rng_below(&r, 3) == 0 ? pd_rng_below(&r, 4096) : rb + 1;
+            lst[i] = (pd_page_xfer_t){(uint64_t)i * 16, rb * 16, 16};
+        }
+        if (iter % 4 != 0) { /* every fourth list stays in order */
+            for (int i = len - 1; i > 0; i--) {
+                int j = (int)pd_rng_below(&r, (uint64_t)i + 1);
+                pd_page_xfer_t t = lst[i];
+                lst[i] = lst[j], lst[j] = t;
+            }
+        }
+        memcpy(want, lst, (size_t)len * sizeof(*want));
+        qsort(want, (size_t)len, sizeof(*want), cmp_local_ref);
+        int k = 0;
+        for (int i = 0; i < len; i++) {
+            if (k > 0 && want[k - 1].local_off + want[k - 1].len == want[i].local_off &&
+                want[k - 1].remote_off + want[k - 1].len == want[i].remote_off) {
+                want[k - 1].len += want[i].len;
+            } else {
+                want[k++] = want[i];
+            }
+        }
+        int m = pd_pipe_coalesce(lst, len, got);
+        if (m != k || memcmp(got, want, (size_t)k * sizeof(*got)) != 0) {
+            ck_abort_msg("list %d of %d pages: coalesced to %d ranges, the reference to %d", iter, len, m, k);
+        }
+    }
 }
 END_TEST
 
