@@ -110,6 +110,7 @@ struct pd_pipe_peer {
     int out_fd, in_fd;
     bool dead;
     bool reading; /* a thread is reading a frame from in_fd (the receiver, or progress taking acks) */
+    bool in_used; /* a frame has arrived on in_fd (else it may be a previous incarnation's) */
     unexpected_t *unexpected;
     pd_pipe_peer_t *next;
 };
@@ -210,6 +211,15 @@ static void mark_dead(tcp_pipe_t *t, pd_pipe_peer_t *peer, pd_status_t st)
     }
 }
 
+/* Closes peer's incoming connection, leaving the peer alive without one until it connects
+ * again (mu held; nobody is reading it). */
+static void drop_in(tcp_pipe_t *t, pd_pipe_peer_t *peer)
+{
+    epoll_ctl(t->epfd, EPOLL_CTL_DEL, peer->in_fd, NULL);
+    close(peer->in_fd);
+    peer->in_fd = -1;
+}
+
 static tcp_region_t *region_by_id(tcp_pipe_t *t, uint32_t id)
 {
     return id < t->num_regions ? t->regions[id] : NULL;
@@ -225,10 +235,14 @@ static bool allowed(tcp_pipe_t *t, uint32_t region_id, pd_pipe_peer_t *peer, boo
     return false;
 }
 
+/* The live record of the peer pipe `id` (mu held), or with create a new one. A record declared
+ * dead is never revived: callers may still hold it, and its operations have failed. When the
+ * peer connects again (the connector's next handshake), a fresh record takes its place; dead ones
+ * are freed with the pipe. */
 static pd_pipe_peer_t *peer_by_id(tcp_pipe_t *t, uint64_t id, bool create)
 {
     for (pd_pipe_peer_t *p = t->peers; p != NULL; p = p->next) {
-        if (p->id == id) {
+        if (p->id == id && !p->dead) {
             return p;
         }
     }
@@ -688,7 +702,16 @@ static void *rx_main(void *arg)
                 }
                 pthread_mutex_lock(&t->mu);
                 pd_pipe_peer_t *peer = peer_by_id(t, h.op_id, true);
-                if (peer == NULL || peer->in_fd >= 0 || peer->dead) {
+                if (peer != NULL && peer->in_fd >= 0 && !peer->in_used && !peer->reading) {
+                    /* a connection that never carried a frame, superseded: the peer connects again
+                     * only after declaring us dead, so the older one is its previous incarnation's
+                     * (accepted late, after we had declared that one dead too) */
+                    pd_log_info(
+                        "tcp pipe: peer %016llx connected again; its earlier, unused connection is dropped",
+                        (unsigned long long)peer->id);
+                    drop_in(t, peer);
+                }
+                if (peer == NULL || peer->in_fd >= 0) {
                     pthread_mutex_unlock(&t->mu);
                     close(fd);
                     continue;
@@ -704,7 +727,8 @@ static void *rx_main(void *arg)
             }
             pd_pipe_peer_t *peer = ptr;
             pthread_mutex_lock(&t->mu);
-            bool dead = peer->dead; /* declared by fail_peer since this event was reported */
+            bool dead = peer->dead || peer->in_fd < 0; /* declared dead, or its connection dropped,
+                                                        * since this event was reported */
             bool busy = peer->reading;
             if (!dead && !busy) {
                 peer->reading = true; /* claimed: progress leaves this socket alone */
@@ -725,8 +749,19 @@ static void *rx_main(void *arg)
                          : rx_frame(t, peer, peer->in_fd);
             pthread_mutex_lock(&t->mu);
             peer->reading = false;
-            if (rc != 0) {
+            if (rc != 0 && !peer->in_used && !peer->dead) {
+                /* closed before its first frame: a previous incarnation's connection, accepted
+                 * after we had declared that one dead (the connector then handshook again). Not
+                 * this peer's death: a real one is found by writes failing and the heartbeat. */
+                pd_log_info(
+                    "tcp pipe: an incoming connection from peer %016llx closed before its first frame; "
+                    "dropped",
+                    (unsigned long long)peer->id);
+                drop_in(t, peer);
+            } else if (rc != 0) {
                 mark_dead(t, peer, PD_ERR_PEER_GONE);
+            } else if (k > 0) {
+                peer->in_used = true;
             }
             pthread_mutex_unlock(&t->mu);
             bool request = k == (ssize_t)sizeof(peek) &&
@@ -818,6 +853,9 @@ static void take_acks(tcp_pipe_t *t)
             if (rc != 0) {
                 break;
             }
+            pthread_mutex_lock(&t->mu);
+            peer->in_used = true;
+            pthread_mutex_unlock(&t->mu);
         }
         pthread_mutex_lock(&t->mu);
         peer->reading = false;

@@ -550,6 +550,49 @@ static void *load_thread(void *arg)
     return NULL;
 }
 
+/* A prefill that stalls past the heartbeat timeout (SIGSTOP: a swap storm, a debugger, a VM
+ * pause) is declared dead by the decode; when it runs again both sides handshake again and KV
+ * moves over the pipe once more, over the same pipe addresses (no recompute fallback), in both
+ * pipes. */
+START_TEST(test_stalled_prefill_reconnects)
+{
+    static const char *pipes[] = {"tcp", "ucx"};
+    for (int pi = 0; pi < 2; pi++) {
+        cluster_t c;
+        cluster_start(&c, "pull", pipes[pi], NULL, NULL);
+        const char *done = "pd:kv_transfers_completed_total{kind=\"pull_load\"}";
+        expect_same(c.x.port, 0, false);
+        ck_assert_int_eq((int)metric(c.d.port, done), 1);
+        kill(c.p.pid, SIGSTOP);
+        usleep(2500 * 1000); /* 5 missed heartbeats of 0.2 s: the decode declares it dead */
+        double peers_stalled = metric(c.d.port, "pd:kv_peers");
+        kill(c.p.pid, SIGCONT);
+        /* the proxy also marked the prefill unhealthy: it answers 503 until a probe passes */
+        int st = 503, answered = 0;
+        for (double end = tu_now() + 15; st == 503 && tu_now() < end;) {
+            char *b = body_for(1, false);
+            char *got = complete(c.x.port, b, &st);
+            answered += got != NULL && strcmp(got, g_ref[0][1]) == 0;
+            free(b), free(got);
+            if (st == 503) {
+                usleep(200 * 1000);
+            }
+        }
+        ck_assert_msg(answered == 1, "%s: no right answer after the stall (HTTP %d)", pipes[pi], st);
+        for (int i = 2; i <= 4; i++) {
+            expect_same(c.x.port, i, false);
+        }
+        double moved = metric(c.d.port, done);
+        ck_assert_msg(peers_stalled == 0, "%s: the decode still counted %.0f ready peers during the stall",
+                      pipes[pi], peers_stalled);
+        ck_assert_msg(moved == 5, "%s: %.0f of 5 requests moved KV over the pipe", pipes[pi], moved);
+        assert_pool_free(c.p.port, "the prefill");
+        assert_pool_free(c.d.port, "the decode");
+        cluster_stop(&c);
+    }
+}
+END_TEST
+
 START_TEST(test_prefill_killed_under_load)
 {
     for (int m = 0; m < 2; m++) {
@@ -834,6 +877,7 @@ int main(void)
     tcase_add_test(tc, test_prefill_gone_before_read);
     tcase_add_test(tc, test_lease_expiry_is_stale);
     tcase_add_test(tc, test_wrong_token_and_other_model_recompute);
+    tcase_add_test(tc, test_stalled_prefill_reconnects);
     tcase_add_test(tc, test_prefill_killed_under_load);
     tcase_add_test(tc, test_decode_killed_holding_reservation);
     tcase_add_test(tc, test_proxy_prefix_affinity_and_failover);

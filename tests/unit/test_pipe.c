@@ -459,6 +459,40 @@ static void run_fail_peer_idle(void)
     pair_close(&P);
 }
 
+/* Two live pipes whose peers were declared dead (a heartbeat lost under load, a control
+ * connection reset) connect again over the same addresses, as the connector's next handshake
+ * does, and move pages: the dead peer records do not block the new ones. */
+static void run_reconnect_after_fail(void)
+{
+    pair_t P;
+    pair_open(&P, true);
+    counter_t c = {0, 0, PD_OK};
+    pd_pipe_t *both[2] = {P.a, P.b};
+    P.a->ops->fail_peer(P.a, P.ab, PD_ERR_PEER_GONE);
+    P.b->ops->fail_peer(P.b, P.ba, PD_ERR_PEER_GONE);
+    pd_page_xfer_t pg = {0, 0, 16384};
+    ck_assert_int_eq(pd_pipe_write_pages(P.a, P.ab, P.ra, P.b_at_a, &pg, 1, on_done, &c), PD_OK);
+    wait_for(&c, 1, both, 2, 30);
+    ck_assert_int_ne(c.last, PD_OK); /* the old peer stays dead */
+    pd_pipe_peer_t *ab2 = NULL, *ba2 = NULL;
+    link2(P.a, P.b, &ab2, &ba2);
+    ck_assert_ptr_ne(ab2, P.ab);
+    pd_pipe_remote_t *b_at_a2 = share(P.b, P.rb, ba2, true, P.a, ab2);
+    fill(P.ra->base, 1 << 20, 99);
+    pd_page_xfer_t pages[3] = {{0, 65536, 16384}, {16384, 0, 16384}, {262144, 524288, 4096}};
+    ck_assert_int_eq(pd_pipe_write_pages(P.a, ab2, P.ra, b_at_a2, pages, 3, on_done, &c), PD_OK);
+    wait_for(&c, 2, both, 2, 30);
+    ck_assert_int_eq(c.last, PD_OK);
+    for (int i = 0; i < 3; i++) {
+        if (memcmp((uint8_t *)P.rb->base + pages[i].remote_off, (uint8_t *)P.ra->base + pages[i].local_off,
+                   pages[i].len) != 0) {
+            ck_abort_msg("page %d differs after reconnecting", i);
+        }
+    }
+    P.a->ops->release_remote(P.a, b_at_a2);
+    pair_close(&P);
+}
+
 /* Destroying a pipe with a transfer in flight completes it with an error; nothing hangs. */
 static void run_close_during_transfer(void)
 {
@@ -623,6 +657,7 @@ START_TEST(test_conformance)
     run_in_flight_and_two_peers();
     run_wait_fd();
     run_fail_peer_idle();
+    run_reconnect_after_fail();
     run_permissions();
     run_close_during_transfer();
     run_peer_killed();
