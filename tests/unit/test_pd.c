@@ -552,15 +552,17 @@ static void *load_thread(void *arg)
 
 /* A prefill that stalls past the heartbeat timeout (SIGSTOP: a swap storm, a debugger, a VM
  * pause) is declared dead by the decode; when it runs again both sides handshake again and KV
- * moves over the pipe once more, over the same pipe addresses (no recompute fallback), in both
- * pipes. */
+ * moves over the pipe once more, over the same pipe addresses (no recompute fallback): tcp in
+ * both modes, ucx. */
 START_TEST(test_stalled_prefill_reconnects)
 {
-    static const char *pipes[] = {"tcp", "ucx"};
-    for (int pi = 0; pi < 2; pi++) {
+    static const char *pipes[] = {"tcp", "tcp", "ucx"}, *modes[] = {"pull", "push", "pull"};
+    for (int pi = 0; pi < 3; pi++) {
         cluster_t c;
-        cluster_start(&c, "pull", pipes[pi], NULL, NULL);
-        const char *done = "pd:kv_transfers_completed_total{kind=\"pull_load\"}";
+        cluster_start(&c, modes[pi], pipes[pi], NULL, NULL);
+        const char *done = strcmp(modes[pi], "pull") == 0
+                               ? "pd:kv_transfers_completed_total{kind=\"pull_load\"}"
+                               : "pd:kv_transfers_completed_total{kind=\"push_load\"}";
         expect_same(c.x.port, 0, false);
         ck_assert_int_eq((int)metric(c.d.port, done), 1);
         kill(c.p.pid, SIGSTOP);
@@ -578,14 +580,16 @@ START_TEST(test_stalled_prefill_reconnects)
                 usleep(200 * 1000);
             }
         }
-        ck_assert_msg(answered == 1, "%s: no right answer after the stall (HTTP %d)", pipes[pi], st);
+        ck_assert_msg(answered == 1, "%s/%s: no right answer after the stall (HTTP %d)", modes[pi], pipes[pi],
+                      st);
         for (int i = 2; i <= 4; i++) {
             expect_same(c.x.port, i, false);
         }
         double moved = metric(c.d.port, done);
-        ck_assert_msg(peers_stalled == 0, "%s: the decode still counted %.0f ready peers during the stall",
-                      pipes[pi], peers_stalled);
-        ck_assert_msg(moved == 5, "%s: %.0f of 5 requests moved KV over the pipe", pipes[pi], moved);
+        ck_assert_msg(peers_stalled == 0, "%s/%s: the decode still counted %.0f ready peers during the stall",
+                      modes[pi], pipes[pi], peers_stalled);
+        ck_assert_msg(moved == 5, "%s/%s: %.0f of 5 requests moved KV over the pipe", modes[pi], pipes[pi],
+                      moved);
         assert_pool_free(c.p.port, "the prefill");
         assert_pool_free(c.d.port, "the decode");
         cluster_stop(&c);
