@@ -842,8 +842,8 @@ static void take_acks(tcp_pipe_t *t)
         }
         peer->reading = true;
         pthread_mutex_unlock(&t->mu);
-        int rc = 0;
-        for (int taken = 0; taken < 64; taken++) { /* bounded work per call */
+        int rc = 0, taken = 0;
+        for (; taken < 64; taken++) { /* bounded work per call */
             hdr_t h;
             ssize_t k = recv(peer->in_fd, &h, sizeof(h), MSG_PEEK | MSG_DONTWAIT);
             if (k != (ssize_t)sizeof(h) || h.magic != TCP_MAGIC || h.type != M_WRITE_ACK) {
@@ -853,12 +853,10 @@ static void take_acks(tcp_pipe_t *t)
             if (rc != 0) {
                 break;
             }
-            pthread_mutex_lock(&t->mu);
-            peer->in_used = true;
-            pthread_mutex_unlock(&t->mu);
         }
         pthread_mutex_lock(&t->mu);
         peer->reading = false;
+        peer->in_used |= taken > 0;
         if (rc != 0) {
             mark_dead(t, peer, PD_ERR_PEER_GONE);
         }

@@ -3,8 +3,9 @@
  * owns the region, so shared-memory transports can put without the target progressing), packed
  * rkeys, completion on ucp_ep_flush_nbx — or, when UCX maps the peer's region here (ucp_rkey_ptr,
  * shared memory), copies through that mapping in bounded slices per progress call; tensors as two
- * tagged messages (lengths + header, then payload). A progress thread sleeps on the worker's event fd (ucp_worker_get_efd / arm: no spin
- * when idle); callbacks only queue completions, which pd_pipe_progress delivers.
+ * tagged messages (lengths + header, then payload). A progress thread sleeps on the worker's
+ * event fd (ucp_worker_get_efd / arm: no spin when idle); callbacks only queue completions, which
+ * pd_pipe_progress delivers.
  *
  * Error mode (pd_pipe_config_t.ucx_err_mode): "none" (default) lets UCX use shared memory but a
  * dead peer is noticed only through fail_peer (the control channel's heartbeat); "peer" enables
@@ -834,9 +835,10 @@ static pd_status_t post_pages(bool write, pd_pipe_t *p, pd_pipe_peer_t *peer, pd
         return PD_OK;
     }
     if (remote->direct != NULL && local->mem == PD_MEM_HOST) {
-        /* shared memory mapped here (ucp_rkey_ptr), host memory on this side: what ucp_put_nbx / ucp_get_nbx would do for
-         * each page (a copy), minus UCX's cost per operation — 64 scattered 16 KiB pages ran at
-         * ~0.8x memcpy through puts. The copies run in progress calls (run_copies). */
+        /* shared memory mapped here (ucp_rkey_ptr), host memory on this side: what ucp_put_nbx /
+         * ucp_get_nbx would do for each page (a copy), minus UCX's cost per operation — 64
+         * scattered 16 KiB pages ran at ~0.8x memcpy through puts. The copies run in progress
+         * calls (run_copies). */
         copy_job_t *j = calloc(1, sizeof(*j));
         pd_page_xfer_t *pg = j != NULL ? malloc((size_t)(n > 0 ? n : 1) * sizeof(*pg)) : NULL;
         if (pg == NULL) {
