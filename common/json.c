@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "common/utf8.h"
 
 const char *pd_json_type_name(const json_t *v)
 {
@@ -213,4 +214,28 @@ pd_status_t pd_json_opt_str(const json_t *root, const char *doc, const char *pat
         return PD_OK;
     }
     return pd_json_get_str(root, doc, path, out);
+}
+
+json_t *pd_json_string_lossy(const char *s, size_t len)
+{
+    char *buf = malloc(len * 3 + 1);
+    if (buf == NULL) {
+        return json_string("");
+    }
+    size_t k = 0, i = 0;
+    const unsigned char *u = (const unsigned char *)s;
+    while (i < len) {
+        size_t w = 0;
+        if (pd_utf8_scan(u + i, len - i, &w) == 1) {
+            memcpy(buf + k, s + i, w);
+            k += w;
+        } else { /* one U+FFFD per invalid (or truncated) sequence, as Python's errors="replace" */
+            memcpy(buf + k, "\xef\xbf\xbd", 3);
+            k += 3;
+        }
+        i += w;
+    }
+    json_t *j = json_stringn(buf, k); /* NUL bytes survive: "\u0000" */
+    free(buf);
+    return j != NULL ? j : json_string("");
 }

@@ -37,6 +37,11 @@ pd_status_t pd_json_opt_bool(const json_t *root, const char *doc, const char *pa
 pd_status_t pd_json_opt_str(const json_t *root, const char *doc, const char *path, const char *def,
                             const char **out);
 
+/* A UTF-8-valid JSON string of arbitrary bytes: each invalid sequence (its maximal subpart) becomes
+ * one U+FFFD, as Python's errors="replace" and so Hugging Face's detokenizers do; NUL bytes are kept
+ * (they serialise as \u0000). Never NULL. */
+json_t *pd_json_string_lossy(const char *s, size_t len);
+
 /* Name of a JSON value's type for messages ("string", "array", ...). */
 const char *pd_json_type_name(const json_t *v);
 

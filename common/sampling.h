@@ -9,6 +9,7 @@ typedef struct pd_sampling_params {
     float temperature; /* 0 = greedy (argmax, lowest id on ties) */
     int32_t top_k;     /* <= 0 = off */
     float top_p;       /* >= 1 = off */
+    float min_p;       /* keep tokens with p >= min_p * p_max after temperature; 0 = off */
 } pd_sampling_params_t;
 
 #endif

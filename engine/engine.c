@@ -17,6 +17,7 @@
 #include "common/log.h"
 #include "common/time.h"
 #include "engine/model_runner.h"
+#include "model/generation_config.h"
 #include "scheduler/scheduler.h"
 
 /* Engine-side state of a request (req->user points here). */
@@ -27,7 +28,11 @@ typedef struct req_ctx {
     size_t text_len, text_cap, emitted;
     char *stop[PD_MAX_STOP_STRINGS];
     int32_t num_stop;
+    int32_t stop_hit; /* index of the stop string that ended the request, or -1 */
     size_t max_stop_len;
+    pd_prompt_logprob_t *plp; /* [num_prompt − 1] prompt_logprobs being gathered, or NULL */
+    bool *plp_done;           /* [num_prompt − 1] which are (a preempted request computes again) */
+    bool plp_sent;            /* handed to an output */
 } req_ctx_t;
 
 /* A queued command from another thread. */
@@ -46,6 +51,9 @@ struct pd_engine {
     pd_backend_t *be;
     pd_model_t *model;
     pd_tokenizer_t *tok;
+    pd_generation_config_t gen;
+    int32_t eos[PD_MAX_EOS]; /* config.json's EOS ids and generation_config.json's */
+    int32_t num_eos;
     pd_kv_cache_t *kv;
     pd_scheduler_t *sched;
     pd_model_runner_t runner;
@@ -86,6 +94,7 @@ void pd_engine_config_defaults(pd_engine_config_t *c)
     c->enable_prefix_caching = true;
     c->enable_chunked_prefill = true;
     c->load_failure_policy = "recompute";
+    c->generation_config = "auto";
     c->max_queue = 1024;
 }
 
@@ -117,6 +126,10 @@ size_t pd_engine_flags(pd_engine_config_t *c, pd_flag_t *out, size_t max)
         {"max-queue", PD_FLAG_INT, &c->max_queue, "queued requests before new ones are refused", NULL},
         {"num-blocks-override", PD_FLAG_INT, &c->num_blocks_override,
          "use this many KV blocks instead of the profiled number (0 = profile)", NULL},
+        {"generation-config", PD_FLAG_CHOICE, &c->generation_config,
+         "auto: the model's generation_config.json sets EOS ids and the defaults of omitted sampling "
+         "fields (vLLM's); vllm: ignore it",
+         "auto|vllm"},
         {"kv-load-failure-policy", PD_FLAG_CHOICE, &c->load_failure_policy,
          "when remote KV cannot be loaded: recompute the prompt locally, or fail the request",
          "recompute|fail"},
@@ -179,11 +192,14 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
             pd_log_warn("engine: --matmul-precision %s has no effect on the %s backend (fp32)", mp, device);
         }
     }
-    if (st == PD_OK) {
-        st = pd_model_load(cfg->model_dir, e->be, &e->model);
+    if (st == PD_OK) { /* the tokenizer first: a refusal costs no weight loading */
+        st = pd_tokenizer_load_dir(cfg->model_dir, &e->tok);
+    }
+    if (st == PD_OK && (cfg->generation_config == NULL || strcmp(cfg->generation_config, "vllm") != 0)) {
+        st = pd_generation_config_load(cfg->model_dir, &e->gen);
     }
     if (st == PD_OK) {
-        st = pd_tokenizer_load_dir(cfg->model_dir, &e->tok);
+        st = pd_model_load(cfg->model_dir, e->be, &e->model);
     }
     if (st != PD_OK) {
         pd_engine_destroy(e);
@@ -244,8 +260,11 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
     sc.num_blocks = e->kv->cfg.num_blocks;
     sc.enable_prefix_caching = cfg->enable_prefix_caching;
     sc.enable_chunked_prefill = cfg->enable_chunked_prefill;
-    sc.num_eos = mc->num_eos < 8 ? mc->num_eos : 8;
-    memcpy(sc.eos_token_ids, mc->eos_token_ids, (size_t)sc.num_eos * sizeof(int32_t));
+    e->num_eos = mc->num_eos < PD_MAX_EOS ? mc->num_eos : PD_MAX_EOS;
+    memcpy(e->eos, mc->eos_token_ids, (size_t)e->num_eos * sizeof(int32_t));
+    pd_generation_config_merge_eos(&e->gen, e->eos, &e->num_eos); /* every EOS id stops */
+    sc.num_eos = e->num_eos < 8 ? e->num_eos : 8;
+    memcpy(sc.eos_token_ids, e->eos, (size_t)sc.num_eos * sizeof(int32_t));
     sc.load_failure_policy = cfg->load_failure_policy != NULL && strcmp(cfg->load_failure_policy, "fail") == 0
                                  ? PD_LOAD_FAILURE_FAIL
                                  : PD_LOAD_FAILURE_RECOMPUTE;
@@ -254,6 +273,10 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
         pd_scheduler_set_release_hook(e->sched, on_release, e);
         st = pd_model_runner_init(&e->runner, e->model, e->be, e->kv, cfg->connector, cfg->max_num_seqs,
                                   max_tokens, e->max_model_len);
+    }
+    if (st == PD_OK) { /* min_tokens masks every EOS id */
+        e->runner.num_eos = sc.num_eos;
+        memcpy(e->runner.eos, sc.eos_token_ids, (size_t)sc.num_eos * sizeof(int32_t));
     }
     if (st != PD_OK) {
         pd_engine_destroy(e);
@@ -281,6 +304,8 @@ static void ctx_free(req_ctx_t *c)
         free(c->stop[i]);
     }
     free(c->text);
+    free(c->plp);
+    free(c->plp_done);
     free(c);
 }
 
@@ -354,6 +379,16 @@ const char *pd_engine_model_name(const pd_engine_t *e)
     return e->model_name;
 }
 
+const char *pd_engine_model_dir(const pd_engine_t *e)
+{
+    return e->cfg.model_dir;
+}
+
+const struct pd_generation_config *pd_engine_generation_config(const pd_engine_t *e)
+{
+    return &e->gen;
+}
+
 /* ------------------------------------------------------------------ admission */
 
 pd_status_t pd_engine_add(pd_engine_t *e, const pd_engine_request_t *rq, char *err, size_t err_len)
@@ -393,6 +428,7 @@ pd_status_t pd_engine_add(pd_engine_t *e, const pd_engine_request_t *rq, char *e
         return PD_ERR_NO_MEMORY;
     }
     ctx->user = rq->user;
+    ctx->stop_hit = -1;
     for (int32_t i = 0; i < rq->num_stop && i < PD_MAX_STOP_STRINGS; i++) {
         if (rq->stop[i] == NULL || rq->stop[i][0] == '\0') {
             continue;
@@ -463,6 +499,8 @@ void pd_engine_output_free(pd_engine_output_t *o)
         pd_engine_output_t *n = o->next;
         free(o->text);
         free(o->kv_transfer_params);
+        free(o->stop_str);
+        free(o->prompt_logprobs);
         free(o);
         o = n;
     }
@@ -488,8 +526,9 @@ static bool text_append(req_ctx_t *c, const char *s, size_t n)
     return true;
 }
 
-/* Finds the earliest stop string that ends in the new text; returns its start or -1. */
-static long find_stop(const req_ctx_t *c, size_t new_from)
+/* Finds the earliest stop string that ends in the new text; returns its start or -1 (and which
+ * string in *which). */
+static long find_stop(const req_ctx_t *c, size_t new_from, int32_t *which)
 {
     long best = -1;
     for (int32_t i = 0; i < c->num_stop; i++) {
@@ -498,9 +537,64 @@ static long find_stop(const req_ctx_t *c, size_t new_from)
         const char *hit = memmem(c->text + from, c->text_len - from, c->stop[i], l);
         if (hit != NULL && (best < 0 || hit - c->text < best)) {
             best = hit - c->text;
+            *which = i;
         }
     }
     return best;
+}
+
+/* Stores this step's prompt-token scores into their requests (positions already scored, by a run
+ * before a preemption, are kept). */
+static void gather_prompt_logprobs(pd_engine_t *e, const pd_scheduler_output_t *so)
+{
+    const pd_input_batch_t *b = &e->runner.batch;
+    for (int32_t k = 0; k < b->num_plp; k++) {
+        pd_request_t *r = so->items[b->plp_item[k]].req;
+        req_ctx_t *c = r->user;
+        int32_t n = r->num_prompt_tokens - 1, at = b->plp_pos[k];
+        if (c == NULL || n < 1 || at < 0 || at >= n) {
+            continue;
+        }
+        if (c->plp == NULL) {
+            c->plp = calloc((size_t)n, sizeof(pd_prompt_logprob_t));
+            c->plp_done = calloc((size_t)n, sizeof(bool));
+            if (c->plp == NULL || c->plp_done == NULL) {
+                free(c->plp), free(c->plp_done);
+                c->plp = NULL, c->plp_done = NULL;
+                continue;
+            }
+        }
+        if (c->plp_done[at]) {
+            continue;
+        }
+        pd_prompt_logprob_t *p = &c->plp[at];
+        p->logprob = e->runner.plp_logprob[k];
+        p->rank = e->runner.plp_rank[k];
+        p->num_top =
+            r->params.prompt_logprobs < PD_MAX_LOGPROBS ? r->params.prompt_logprobs : PD_MAX_LOGPROBS;
+        memcpy(p->top_ids, e->runner.plp_top_ids + (size_t)k * PD_MAX_LOGPROBS,
+               (size_t)p->num_top * sizeof(int32_t));
+        memcpy(p->top_logprobs, e->runner.plp_top_lp + (size_t)k * PD_MAX_LOGPROBS,
+               (size_t)p->num_top * sizeof(float));
+        c->plp_done[at] = true;
+    }
+}
+
+/* Moves a request's gathered prompt scores onto its first output. */
+static void attach_prompt_logprobs(const pd_request_t *r, pd_engine_output_t *o)
+{
+    req_ctx_t *c = r->user;
+    if (c == NULL || c->plp_sent || !r->params.want_prompt_logprobs) {
+        return;
+    }
+    c->plp_sent = true;
+    int32_t n = r->num_prompt_tokens - 1;
+    if (n < 1) {
+        return;
+    }
+    o->prompt_logprobs = c->plp;
+    o->num_prompt_logprobs = c->plp != NULL ? n : 0;
+    c->plp = NULL;
 }
 
 static pd_engine_output_t *output_new(const pd_request_t *r)
@@ -513,6 +607,7 @@ static pd_engine_output_t *output_new(const pd_request_t *r)
     req_ctx_t *c = r->user;
     o->user = c != NULL ? c->user : NULL;
     o->token = -1;
+    o->stop_token = -1;
     return o;
 }
 
@@ -557,6 +652,12 @@ static void output_finish_fields(pd_engine_output_t *o, const pd_request_t *r)
     if (r->kv_transfer_params != NULL) {
         o->kv_transfer_params = json_dumps(r->kv_transfer_params, JSON_COMPACT);
     }
+    const req_ctx_t *c = r->user;
+    if (c != NULL && c->stop_hit >= 0) {
+        o->stop_str = strdup(c->stop[c->stop_hit]);
+    } else if (r->state == PD_REQ_FINISHED_STOPPED) {
+        o->stop_token = r->stop_token;
+    }
 }
 
 static void push_output(pd_engine_output_t ***tail, pd_engine_output_t *o)
@@ -600,6 +701,7 @@ pd_status_t pd_engine_step(pd_engine_t *e, pd_engine_output_t **outputs)
     e->steps++;
     e->generation_tokens += (uint64_t)res.num_with_new_token;
 
+    gather_prompt_logprobs(e, so);
     /* new tokens: detokenize, stop strings */
     char *buf = malloc(e->max_token_bytes + 64);
     for (int32_t i = 0; i < res.num_with_new_token && buf != NULL; i++) {
@@ -611,17 +713,23 @@ pd_status_t pd_engine_step(pd_engine_t *e, pd_engine_output_t **outputs)
             continue;
         }
         o->token = tok;
+        attach_prompt_logprobs(r, o);
         size_t n = 0;
         size_t before = c->text_len;
-        if (pd_detok_step(e->tok, &c->detok, tok, true, buf, e->max_token_bytes + 64, &n) == PD_OK) {
+        if (pd_detok_step(e->tok, &c->detok, tok, !r->params.keep_special_tokens, buf,
+                          e->max_token_bytes + 64, &n) == PD_OK) {
             text_append(c, buf, n);
         }
         bool finished = pd_request_is_finished(r);
-        if (c->num_stop > 0) {
-            long at = find_stop(c, before);
+        if (c->num_stop > 0 && pd_request_num_output(r) > r->params.min_tokens) {
+            int32_t which = -1;
+            long at = find_stop(c, before, &which);
             if (at >= 0) {
-                c->text_len = (size_t)at; /* the stop string is not part of the output */
-                c->text[at] = '\0';
+                /* the stop string is not part of the output unless the request asks for it */
+                size_t cut = (size_t)at + (r->params.include_stop_str_in_output ? strlen(c->stop[which]) : 0);
+                c->text_len = cut;
+                c->text[cut] = '\0';
+                c->stop_hit = which;
                 if (!finished) {
                     pd_scheduler_finish(e->sched, r, PD_REQ_FINISHED_STOPPED);
                     pd_input_batch_remove(&e->runner.batch, r);
@@ -746,6 +854,7 @@ static void drain_inbox(pd_engine_t *e, pd_engine_output_t **outs)
                     snprintf(o->id, sizeof(o->id), "%s", c->id);
                     o->user = c->req.user;
                     o->token = -1;
+                    o->stop_token = -1;
                     o->text = strdup(err);
                     o->text_len = strlen(err);
                     o->finish_reason = "error";

@@ -37,6 +37,7 @@ typedef struct pd_engine_config {
     bool enable_prefix_caching;
     bool enable_chunked_prefill;
     const char *load_failure_policy; /* recompute | fail */
+    const char *generation_config;   /* auto (the model's generation_config.json) | vllm (ignore it) */
     int max_queue;                   /* submitted-but-not-admitted requests before 503s */
     int num_blocks_override;         /* > 0: KV blocks regardless of profiling (vLLM's override) */
     pd_connector_t *connector;       /* NULL: no KV transfer (pd-serve) */
@@ -65,6 +66,15 @@ typedef struct pd_engine_request {
     void *user;
 } pd_engine_request_t;
 
+/* The score of one prompt token (prompt_logprobs): its logprob and rank, and the top entries. */
+typedef struct pd_prompt_logprob {
+    float logprob;
+    int32_t rank;
+    int32_t num_top;
+    int32_t top_ids[20];
+    float top_logprobs[20];
+} pd_prompt_logprob_t;
+
 /* One request's progress in one step. */
 typedef struct pd_engine_output pd_engine_output_t;
 struct pd_engine_output {
@@ -79,8 +89,13 @@ struct pd_engine_output {
     int32_t num_top;
     int32_t top_ids[20];
     float top_logprobs[20];
-    double queue_time, ttft, e2e; /* seconds (finished outputs) */
-    char *kv_transfer_params;     /* JSON text (finished outputs of a connector), or NULL */
+    double queue_time, ttft, e2e;         /* seconds (finished outputs) */
+    char *kv_transfer_params;             /* JSON text (finished outputs of a connector), or NULL */
+    char *stop_str;                       /* finished by this stop string (vLLM's stop_reason), or NULL */
+    int32_t stop_token;                   /* finished by this stop_token_ids entry, or -1 (EOS: -1) */
+    pd_prompt_logprob_t *prompt_logprobs; /* [num_prompt_logprobs] scores of prompt tokens 1.., on the
+                                           * request's first output (prompt_logprobs), else NULL */
+    int32_t num_prompt_logprobs;
     pd_engine_output_t *next;
 };
 
@@ -100,6 +115,10 @@ const pd_model_config_t *pd_engine_model_config(const pd_engine_t *e);
 int32_t pd_engine_max_model_len(const pd_engine_t *e);
 const pd_kv_cache_t *pd_engine_kv(const pd_engine_t *e);
 const char *pd_engine_model_name(const pd_engine_t *e);
+/* The model directory the engine loaded (--model). */
+const char *pd_engine_model_dir(const pd_engine_t *e);
+/* The model's generation_config.json as the engine uses it (empty with --generation-config vllm). */
+const struct pd_generation_config *pd_engine_generation_config(const pd_engine_t *e);
 
 /* Validates and admits a request (engine thread / offline). PD_ERR_INVALID_ARG with a message for
  * the client in err (empty prompt, prompt ≥ max_model_len, token id outside the vocabulary, bad

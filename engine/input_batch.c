@@ -25,12 +25,15 @@ pd_status_t pd_input_batch_init(pd_input_batch_t *b, int32_t max_reqs, int32_t m
     b->slot_mapping = malloc(T * 4);
     b->cu_seqlens_q = malloc((R + 1) * 4);
     b->seq_lens = malloc(R * 4);
-    b->logits_indices = malloc(R * 4);
+    b->logits_indices = malloc((R + T) * 4); /* sampling rows, then prompt-logprob rows */
     b->logits_item = malloc(R * 4);
+    b->plp_indices = malloc(T * 4);
+    b->plp_item = malloc(T * 4);
+    b->plp_pos = malloc(T * 4);
     b->item_of_seq = malloc(R * 4);
     if (!b->slots || !b->row_len || !b->block_table || !b->gathered_table || !b->token_ids || !b->positions ||
         !b->slot_mapping || !b->cu_seqlens_q || !b->seq_lens || !b->logits_indices || !b->logits_item ||
-        !b->item_of_seq) {
+        !b->item_of_seq || !b->plp_indices || !b->plp_item || !b->plp_pos) {
         pd_input_batch_destroy(b);
         return PD_ERR_NO_MEMORY;
     }
@@ -42,6 +45,7 @@ void pd_input_batch_destroy(pd_input_batch_t *b)
     free(b->slots), free(b->row_len), free(b->block_table), free(b->gathered_table);
     free(b->token_ids), free(b->positions), free(b->slot_mapping), free(b->cu_seqlens_q), free(b->seq_lens);
     free(b->logits_indices), free(b->logits_item), free(b->item_of_seq);
+    free(b->plp_indices), free(b->plp_item), free(b->plp_pos);
     memset(b, 0, sizeof(*b));
 }
 
@@ -140,7 +144,7 @@ pd_status_t pd_input_batch_prepare(pd_input_batch_t *b, const pd_scheduler_outpu
     for (int32_t s = 0; s < b->num_slots; s++) {
         contiguous &= b->item_of_seq[s] >= 0;
     }
-    int32_t n = 0, t = 0, nl = 0;
+    int32_t n = 0, t = 0, nl = 0, np = 0;
     b->cu_seqlens_q[0] = 0;
     for (int32_t s = 0; s < b->num_slots; s++) {
         int32_t i = b->item_of_seq[s];
@@ -172,11 +176,24 @@ pd_status_t pd_input_batch_prepare(pd_input_batch_t *b, const pd_scheduler_outpu
             b->logits_item[nl] = i;
             nl++;
         }
+        if (r->params.want_prompt_logprobs) { /* rows scoring the next prompt token */
+            for (int32_t k = 0; k < q; k++) {
+                int32_t p = r->num_computed_tokens + k;
+                if (p + 1 < r->num_prompt_tokens) {
+                    b->plp_indices[np] = t - q + k;
+                    b->plp_item[np] = i;
+                    b->plp_pos[np] = p;
+                    np++;
+                }
+            }
+        }
         n++;
     }
     b->num_seqs = n;
     b->num_tokens = t;
     b->num_logits = nl;
+    b->num_plp = np;
+    memcpy(b->logits_indices + nl, b->plp_indices, (size_t)np * sizeof(int32_t));
     b->batch = (pd_batch_t){t, b->token_ids, b->positions};
     b->meta = (pd_attn_meta_t){n,
                                t,

@@ -30,7 +30,12 @@ typedef struct pd_input_batch {
     int32_t *gathered_table;                       /* [max_reqs][max_blocks] when slots are skipped */
     int32_t *logits_indices;                       /* [max_reqs] rows of the batch that need logits */
     int32_t *logits_item;                          /* [max_reqs] scheduler item of each logits row */
-    int32_t *item_of_seq;                          /* [max_reqs] scheduler item of each slot (-1: none) */
+    /* prompt logprobs: rows after the sampling rows that score the next prompt token */
+    int32_t *plp_indices; /* [max_tokens] batch rows */
+    int32_t *plp_item;    /* [max_tokens] scheduler item */
+    int32_t *plp_pos;     /* [max_tokens] position p of the row (it predicts prompt token p + 1) */
+    int32_t num_plp;
+    int32_t *item_of_seq; /* [max_reqs] scheduler item of each slot (-1: none) */
     int32_t num_seqs, num_tokens, num_logits;
     pd_batch_t batch;
     pd_attn_meta_t meta;

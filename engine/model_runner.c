@@ -33,8 +33,17 @@ pd_status_t pd_model_runner_init(pd_model_runner_t *r, pd_model_t *model, pd_bac
     r->sampled_logprob = malloc(R * sizeof(float));
     r->top_ids = malloc(R * PD_MAX_LOGPROBS * sizeof(int32_t));
     r->top_logprobs = malloc(R * PD_MAX_LOGPROBS * sizeof(float));
+    size_t T = (size_t)max_tokens;
+    r->plp_logprob = malloc(T * sizeof(float));
+    r->plp_rank = malloc(T * sizeof(int32_t));
+    r->plp_top_ids = malloc(T * PD_MAX_LOGPROBS * sizeof(int32_t));
+    r->plp_top_lp = malloc(T * PD_MAX_LOGPROBS * sizeof(float));
+    const pd_model_config_t *mc = pd_model_config(model);
+    r->num_eos = mc->num_eos < 8 ? mc->num_eos : 8;
+    memcpy(r->eos, mc->eos_token_ids, (size_t)r->num_eos * sizeof(int32_t));
     if (!r->logits || !r->params || !r->rngs || !r->row_tokens || !r->sampled || !r->sampled_logprob ||
-        !r->top_ids || !r->top_logprobs) {
+        !r->top_ids || !r->top_logprobs || !r->plp_logprob || !r->plp_rank || !r->plp_top_ids ||
+        !r->plp_top_lp || pd_logits_scratch_init(&r->lp_scratch, r->vocab) != PD_OK) {
         pd_model_runner_destroy(r);
         return PD_ERR_NO_MEMORY;
     }
@@ -46,6 +55,8 @@ void pd_model_runner_destroy(pd_model_runner_t *r)
     pd_input_batch_destroy(&r->batch);
     free(r->logits), free(r->params), free(r->rngs), free(r->row_tokens), free(r->sampled);
     free(r->sampled_logprob), free(r->top_ids), free(r->top_logprobs);
+    pd_logits_scratch_destroy(&r->lp_scratch);
+    free(r->plp_logprob), free(r->plp_rank), free(r->plp_top_ids), free(r->plp_top_lp);
     r->logits = NULL;
 }
 
@@ -94,6 +105,27 @@ static void logprobs_row(const float *row, int32_t vocab, int32_t tok, int32_t n
     }
 }
 
+/* Prompt logprobs of the step's plp rows: the next prompt token's logprob and rank (1 + the number of
+ * tokens more likely), and the top entries (vLLM's prompt_logprobs, from the raw logits). */
+static void score_prompt(pd_model_runner_t *r, const pd_scheduler_output_t *out, const float *rows)
+{
+    const pd_input_batch_t *b = &r->batch;
+    for (int32_t k = 0; k < b->num_plp; k++) {
+        const pd_request_t *req = out->items[b->plp_item[k]].req;
+        const float *row = rows + (size_t)k * r->vocab;
+        int32_t next = req->tokens[b->plp_pos[k] + 1];
+        int32_t n = req->params.prompt_logprobs;
+        n = n > PD_MAX_LOGPROBS ? PD_MAX_LOGPROBS : n < 1 ? 1 : n;
+        logprobs_row(row, r->vocab, next, n, &r->plp_logprob[k], r->plp_top_ids + (size_t)k * PD_MAX_LOGPROBS,
+                     r->plp_top_lp + (size_t)k * PD_MAX_LOGPROBS);
+        int32_t rank = 1;
+        for (int32_t v = 0; v < r->vocab; v++) {
+            rank += row[v] > row[next];
+        }
+        r->plp_rank[k] = rank;
+    }
+}
+
 pd_status_t pd_model_runner_execute(pd_model_runner_t *r, const pd_scheduler_output_t *out,
                                     pd_model_output_t *mo)
 {
@@ -118,9 +150,23 @@ pd_status_t pd_model_runner_execute(pd_model_runner_t *r, const pd_scheduler_out
         }
     }
     double t0 = pd_time_now_s();
+    float *plp_rows = NULL; /* [num_plp][vocab] after the sampling rows */
     if (b->num_tokens > 0 && st == PD_OK) {
-        st = pd_model_forward(r->model, &b->batch, r->kv->views, &b->meta, b->logits_indices, b->num_logits,
-                              r->conn != NULL ? &hooks : NULL, r->logits);
+        float *dst = r->logits;
+        if (b->num_plp > 0) {
+            dst = malloc((size_t)(b->num_logits + b->num_plp) * (size_t)r->vocab * sizeof(float));
+            if (dst == NULL) {
+                st = PD_ERR_NO_MEMORY;
+            }
+        }
+        if (st == PD_OK) {
+            st = pd_model_forward(r->model, &b->batch, r->kv->views, &b->meta, b->logits_indices,
+                                  b->num_logits + b->num_plp, r->conn != NULL ? &hooks : NULL, dst);
+        }
+        if (dst != r->logits && dst != NULL) {
+            memcpy(r->logits, dst, (size_t)b->num_logits * (size_t)r->vocab * sizeof(float));
+            plp_rows = dst;
+        }
     }
     r->last_forward_s = pd_time_now_s() - t0;
     if (r->conn != NULL) {
@@ -133,6 +179,10 @@ pd_status_t pd_model_runner_execute(pd_model_runner_t *r, const pd_scheduler_out
             r->conn->ops->get_block_ids_with_load_errors(r->conn, r->load_errors, 1024);
         mo->load_error_blocks = r->load_errors;
     }
+    if (st == PD_OK && plp_rows != NULL) {
+        score_prompt(r, out, plp_rows + (size_t)b->num_logits * (size_t)r->vocab);
+    }
+    free(plp_rows);
     if (st != PD_OK) {
         return st;
     }
@@ -157,6 +207,14 @@ pd_status_t pd_model_runner_execute(pd_model_runner_t *r, const pd_scheduler_out
             return PD_ERR_NO_MEMORY;
         }
         memcpy(lp_rows, r->logits, (size_t)b->num_logits * (size_t)r->vocab * sizeof(float));
+    }
+    /* logits processors after the logprobs copy (vLLM reports raw logprobs), before sampling */
+    for (int32_t k = 0; k < b->num_logits; k++) {
+        const pd_request_t *req = out->items[b->logits_item[k]].req;
+        if (pd_logits_needs_processing(&req->params)) {
+            pd_logits_process(r->logits + (size_t)k * r->vocab, r->vocab, req, r->eos, r->num_eos,
+                              &r->lp_scratch);
+        }
     }
     st = r->be->ops->sample(r->be, r->row_tokens, r->logits, b->num_logits, r->vocab, r->params, r->rngs);
     for (int32_t k = 0; st == PD_OK && k < b->num_logits; k++) {

@@ -7,6 +7,7 @@
 #include "connector/connector.h"
 #include "engine/input_batch.h"
 #include "engine/kv_init.h"
+#include "engine/logits_process.h"
 #include "model/model.h"
 #include "scheduler/scheduler.h"
 
@@ -19,14 +20,22 @@ typedef struct pd_model_runner {
     pd_connector_t *conn;
     pd_input_batch_t batch;
     int32_t vocab;
-    float *logits;                /* [max_reqs][vocab] */
-    pd_sampling_params_t *params; /* [max_reqs] */
-    pd_rng_t *rngs;               /* [max_reqs] */
-    int32_t *row_tokens;          /* [max_reqs] */
-    int32_t *sampled;             /* [max_reqs] by scheduler item */
-    float *sampled_logprob;       /* [max_reqs] by item (when the request asked for logprobs) */
-    int32_t *top_ids;             /* [max_reqs][PD_MAX_LOGPROBS] by item */
-    float *top_logprobs;          /* [max_reqs][PD_MAX_LOGPROBS] by item */
+    float *logits;                  /* [max_reqs][vocab] */
+    pd_sampling_params_t *params;   /* [max_reqs] */
+    pd_rng_t *rngs;                 /* [max_reqs] */
+    int32_t *row_tokens;            /* [max_reqs] */
+    int32_t *sampled;               /* [max_reqs] by scheduler item */
+    float *sampled_logprob;         /* [max_reqs] by item (when the request asked for logprobs) */
+    int32_t *top_ids;               /* [max_reqs][PD_MAX_LOGPROBS] by item */
+    float *top_logprobs;            /* [max_reqs][PD_MAX_LOGPROBS] by item */
+    pd_logits_scratch_t lp_scratch; /* logits processors' per-vocabulary scratch */
+    int32_t eos[8];                 /* the model's EOS ids (min_tokens masks them) */
+    int32_t num_eos;
+    /* prompt logprobs of this step, by plp row: the prompt token's logprob and rank, and the top */
+    float *plp_logprob;   /* [max_tokens] */
+    int32_t *plp_rank;    /* [max_tokens] */
+    int32_t *plp_top_ids; /* [max_tokens][PD_MAX_LOGPROBS] */
+    float *plp_top_lp;    /* [max_tokens][PD_MAX_LOGPROBS] */
     uint32_t load_errors[1024];
     uint64_t steps;
     double last_forward_s;

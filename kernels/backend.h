@@ -15,6 +15,7 @@
 #include "common/sampling.h"
 #include "common/status.h"
 #include "kernels/dtype_impl.h"
+#include "kernels/rope_impl.h"
 
 typedef struct pd_backend pd_backend_t;
 
@@ -90,13 +91,16 @@ typedef struct pd_backend_ops {
     /* out[rows][dim] = (x − mean) / sqrt(var + eps) · w + b. out may alias x. */
     pd_status_t (*layernorm)(pd_backend_t *be, float *out, const float *x, const float *w, const float *b,
                              int rows, int dim, float eps);
-    /* In place on x[num_tokens][num_heads][head_size]: HF rotate-half RoPE at positions[num_tokens]. */
+    /* In place on x[num_tokens][num_heads][head_size]: HF rotate-half RoPE at positions[num_tokens]
+     * with the model's rotary table (rope->half == head_size / 2; kernels/rope_impl.h). */
     pd_status_t (*rope)(pd_backend_t *be, float *x, const int32_t *positions, int num_tokens, int num_heads,
-                        int head_size, float theta);
+                        int head_size, const pd_rope_t *rope);
     /* In place x[n] = GELU(x) (tanh approximation, "gelu_new"). */
     pd_status_t (*gelu)(pd_backend_t *be, float *x, size_t n);
     /* out[rows][inter] = silu(gate_up[r][0:inter]) · gate_up[r][inter:2·inter]. */
     pd_status_t (*silu_mul)(pd_backend_t *be, float *out, const float *gate_up, int rows, int inter);
+    /* out[rows][inter] = GELU-tanh(gate_up[r][0:inter]) · gate_up[r][inter:2·inter] (Gemma's MLP). */
+    pd_status_t (*gelu_mul)(pd_backend_t *be, float *out, const float *gate_up, int rows, int inter);
     /* In place row-wise softmax of x[rows][cols]. */
     pd_status_t (*softmax)(pd_backend_t *be, float *x, int rows, int cols);
     /* Writes k, v [num_tokens][num_kv_heads][head_size] into kv at slot_mapping[num_tokens]

@@ -1,6 +1,7 @@
 /* model/config.c — config.json → pd_model_config_t. */
 #include "model/config.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -86,8 +87,86 @@ static pd_status_t parse_gpt2(const json_t *root, const char *doc, pd_model_conf
     return PD_OK;
 }
 
-static pd_status_t parse_llama(const json_t *root, const char *doc, pd_model_config_t *c, int qwen2)
+/* rope_scaling as transformers reads it: "rope_type" (or the older "type"), its factor and the
+ * fields of that type; the original context length defaults to max_position_embeddings. */
+static pd_status_t parse_rope_scaling(const json_t *root, const char *doc, pd_model_config_t *c)
 {
+    pd_rope_scaling_t *r = &c->rope_scaling;
+    memset(r, 0, sizeof(*r));
+    r->factor = 1.0;
+    r->attention_factor = -1.0;
+    double prf = 1.0;
+    TRY(pd_json_opt_double(root, doc, "partial_rotary_factor", 1.0, &prf));
+    if (prf != 1.0) {
+        pd_log_error("%s: partial_rotary_factor %g is not supported (RoPE over the whole head)", doc, prf);
+        return PD_ERR_UNSUPPORTED;
+    }
+    json_t *s = json_object_get(root, "rope_scaling");
+    if (s == NULL || json_is_null(s)) {
+        return PD_OK;
+    }
+    if (!json_is_object(s)) {
+        pd_log_error("%s: rope_scaling must be an object", doc);
+        return PD_ERR_PARSE;
+    }
+    const char *type = json_string_value(json_object_get(s, "rope_type"));
+    if (type == NULL) {
+        type = json_string_value(json_object_get(s, "type"));
+    }
+    static const struct {
+        const char *name;
+        pd_rope_type_t t;
+    } types[] = {{"default", PD_ROPE_DEFAULT},
+                 {"linear", PD_ROPE_LINEAR},
+                 {"dynamic", PD_ROPE_DYNAMIC},
+                 {"llama3", PD_ROPE_LLAMA3},
+                 {"yarn", PD_ROPE_YARN}};
+    int found = -1;
+    for (int i = 0; type != NULL && i < 5; i++) {
+        if (strcmp(type, types[i].name) == 0) {
+            found = i;
+        }
+    }
+    if (found < 0) {
+        pd_log_error("%s: rope_scaling type '%s' is not supported (default, linear, dynamic, llama3, yarn)",
+                     doc, type != NULL ? type : "(none)");
+        return PD_ERR_UNSUPPORTED;
+    }
+    r->type = types[found].t;
+    const char *sdoc = "config.json rope_scaling";
+    double omax = 0;
+    TRY(pd_json_opt_double(s, sdoc, "factor", 1.0, &r->factor));
+    TRY(pd_json_opt_double(s, sdoc, "original_max_position_embeddings", (double)c->max_position_embeddings,
+                           &omax));
+    TRY(pd_json_opt_double(s, sdoc, "low_freq_factor", 1.0, &r->low_freq_factor));
+    TRY(pd_json_opt_double(s, sdoc, "high_freq_factor", 4.0, &r->high_freq_factor));
+    TRY(pd_json_opt_double(s, sdoc, "beta_fast", 32.0, &r->beta_fast));
+    TRY(pd_json_opt_double(s, sdoc, "beta_slow", 1.0, &r->beta_slow));
+    TRY(pd_json_opt_double(s, sdoc, "mscale", 0.0, &r->mscale));
+    TRY(pd_json_opt_double(s, sdoc, "mscale_all_dim", 0.0, &r->mscale_all_dim));
+    TRY(pd_json_opt_double(s, sdoc, "attention_factor", -1.0, &r->attention_factor));
+    TRY(pd_json_opt_bool(s, sdoc, "truncate", true, &r->truncate));
+    r->original_max_position_embeddings = (int32_t)omax;
+    if (!(r->factor >= 1.0) && r->type != PD_ROPE_DEFAULT) {
+        pd_log_error("%s: rope_scaling.factor must be >= 1, got %g", doc, r->factor);
+        return PD_ERR_PARSE;
+    }
+    if (r->original_max_position_embeddings < 1 ||
+        (r->type == PD_ROPE_LLAMA3 &&
+         !(r->high_freq_factor > r->low_freq_factor && r->low_freq_factor > 0))) {
+        pd_log_error(
+            "%s: rope_scaling has an inconsistent original_max_position_embeddings or frequency factors",
+            doc);
+        return PD_ERR_PARSE;
+    }
+    return PD_OK;
+}
+
+enum { FAMILY_LLAMA, FAMILY_QWEN2, FAMILY_QWEN3, FAMILY_MISTRAL };
+
+static pd_status_t parse_llama(const json_t *root, const char *doc, pd_model_config_t *c, int family)
+{
+    int qwen2 = family == FAMILY_QWEN2;
     double eps = 1e-6, theta = 10000.0;
     bool attention_bias = false, mlp_bias = false, use_sw = false;
     TRY(get_i32(root, doc, "hidden_size", 0, 1, &c->hidden_size));
@@ -106,17 +185,22 @@ static pd_status_t parse_llama(const json_t *root, const char *doc, pd_model_con
     if (c->num_heads > 0) {
         TRY(get_i32(root, doc, "head_dim", c->hidden_size / c->num_heads, 0, &head_dim));
     }
-    json_t *scaling = json_object_get(root, "rope_scaling");
-    if (scaling != NULL && !json_is_null(scaling)) {
-        pd_log_error(
-            "%s: rope_scaling is set; scaled RoPE (llama3, yarn, linear, dynamic) is not supported yet", doc);
-        return PD_ERR_UNSUPPORTED;
-    }
-    if (qwen2) {
+    TRY(parse_rope_scaling(root, doc, c));
+    if (qwen2 || family == FAMILY_QWEN3) {
         TRY(pd_json_opt_bool(root, doc, "use_sliding_window", false, &use_sw));
         if (use_sw) {
             TRY(get_i32(root, doc, "sliding_window", 0, 1, &c->sliding_window));
         }
+    }
+    if (family == FAMILY_MISTRAL) { /* Mistral: a window on every layer when sliding_window is set */
+        json_t *sw = json_object_get(root, "sliding_window");
+        if (sw != NULL && !json_is_null(sw)) {
+            TRY(get_i32(root, doc, "sliding_window", 0, 1, &c->sliding_window));
+        }
+    }
+    c->qk_norm = family == FAMILY_QWEN3;
+    for (int l = 0; c->sliding_window > 0 && l < c->num_layers && l < PD_MAX_LAYERS; l++) {
+        c->sliding_layer[l] = true;
     }
     c->arch = PD_ARCH_LLAMA;
     c->head_size = head_dim;
@@ -127,6 +211,79 @@ static pd_status_t parse_llama(const json_t *root, const char *doc, pd_model_con
     c->mlp_bias = mlp_bias;
     c->bos_token_id = -1;
     TRY(get_i32(root, doc, "bos_token_id", -1, 0, &c->bos_token_id));
+    return PD_OK;
+}
+
+/* A key that must be absent, null or false: pdserve does not run that option, so it is refused. */
+static pd_status_t refuse_set(const json_t *root, const char *doc, const char *key, const char *arch)
+{
+    json_t *v = json_object_get(root, key);
+    if (v != NULL && !json_is_null(v) && !json_is_false(v)) {
+        pd_log_error("%s: '%s' is not supported for %s", doc, key, arch);
+        return PD_ERR_UNSUPPORTED;
+    }
+    return PD_OK;
+}
+
+/* Gemma3ForCausalLM (Gemma3TextConfig): the Llama fields, plus the local/global layer pattern. */
+static pd_status_t parse_gemma3(const json_t *root, const char *doc, pd_model_config_t *c)
+{
+    TRY(refuse_set(root, doc, "attn_logit_softcapping", "Gemma3ForCausalLM"));
+    TRY(refuse_set(root, doc, "final_logit_softcapping", "Gemma3ForCausalLM"));
+    TRY(refuse_set(root, doc, "use_bidirectional_attention", "Gemma3ForCausalLM"));
+    const char *act = "gelu_pytorch_tanh";
+    TRY(pd_json_opt_str(root, doc, "hidden_activation", act, &act));
+    if (strcmp(act, "gelu_pytorch_tanh") != 0) {
+        pd_log_error("%s: hidden_activation '%s' is not supported for Gemma3ForCausalLM (gelu_pytorch_tanh)",
+                     doc, act);
+        return PD_ERR_UNSUPPORTED;
+    }
+    json_t *tie = json_object_get(root, "tie_word_embeddings");
+    TRY(parse_llama(root, doc, c, FAMILY_LLAMA));
+    c->tie_word_embeddings = tie == NULL || json_is_true(tie); /* Gemma3TextConfig defaults to tied */
+    c->gemma = true;
+    c->qk_norm = true;
+    double local = 10000.0, scalar = 0;
+    TRY(pd_json_opt_double(root, doc, "rope_local_base_freq", 10000.0, &local));
+    TRY(pd_json_opt_double(root, doc, "query_pre_attn_scalar", c->head_size, &scalar));
+    if (scalar <= 0) {
+        pd_log_error("%s: query_pre_attn_scalar must be positive", doc);
+        return PD_ERR_PARSE;
+    }
+    c->rope_local_theta = (float)local;
+    c->attn_scale = (float)(1.0 / sqrt(scalar));
+    c->sliding_window = 0;
+    TRY(get_i32(root, doc, "sliding_window", 4096, 0, &c->sliding_window));
+    if (c->num_layers > PD_MAX_LAYERS || c->sliding_window <= 0) {
+        pd_log_error("%s: %d layers (at most %d) with sliding_window %d (positive) are not supported", doc,
+                     c->num_layers, PD_MAX_LAYERS, c->sliding_window);
+        return PD_ERR_UNSUPPORTED;
+    }
+    json_t *types = json_object_get(root, "layer_types");
+    if (types != NULL && !json_is_null(types)) { /* newer configs: one entry per layer */
+        if (!json_is_array(types) || (int)json_array_size(types) != c->num_layers) {
+            pd_log_error("%s: layer_types must list one type per layer (%d)", doc, c->num_layers);
+            return PD_ERR_PARSE;
+        }
+        for (int l = 0; l < c->num_layers; l++) {
+            const char *t = json_string_value(json_array_get(types, (size_t)l));
+            if (t == NULL || (strcmp(t, "sliding_attention") != 0 && strcmp(t, "full_attention") != 0)) {
+                pd_log_error("%s: layer_types[%d] is not sliding_attention or full_attention", doc, l);
+                return PD_ERR_PARSE;
+            }
+            c->sliding_layer[l] = strcmp(t, "sliding_attention") == 0;
+        }
+    } else { /* older configs: every sliding_window_pattern-th layer is global */
+        int32_t pattern = 6;
+        TRY(get_i32(root, doc, "sliding_window_pattern", 6, 0, &pattern));
+        if (pattern < 1) {
+            pd_log_error("%s: sliding_window_pattern must be positive", doc);
+            return PD_ERR_PARSE;
+        }
+        for (int l = 0; l < c->num_layers; l++) {
+            c->sliding_layer[l] = (l + 1) % pattern != 0;
+        }
+    }
     return PD_OK;
 }
 
@@ -148,13 +305,19 @@ pd_status_t pd_model_config_parse(const void *json_root, const char *doc, pd_mod
     snprintf(c.arch_name, sizeof(c.arch_name), "%s", arch);
     if (strcmp(arch, "GPT2LMHeadModel") == 0) {
         TRY(parse_gpt2(root, doc, &c));
-    } else if (strcmp(arch, "LlamaForCausalLM") == 0 || strcmp(arch, "MistralForCausalLM") == 0) {
-        TRY(parse_llama(root, doc, &c, 0));
+    } else if (strcmp(arch, "LlamaForCausalLM") == 0) {
+        TRY(parse_llama(root, doc, &c, FAMILY_LLAMA));
+    } else if (strcmp(arch, "MistralForCausalLM") == 0) {
+        TRY(parse_llama(root, doc, &c, FAMILY_MISTRAL));
     } else if (strcmp(arch, "Qwen2ForCausalLM") == 0) {
-        TRY(parse_llama(root, doc, &c, 1));
+        TRY(parse_llama(root, doc, &c, FAMILY_QWEN2));
+    } else if (strcmp(arch, "Qwen3ForCausalLM") == 0) {
+        TRY(parse_llama(root, doc, &c, FAMILY_QWEN3));
+    } else if (strcmp(arch, "Gemma3ForCausalLM") == 0) {
+        TRY(parse_gemma3(root, doc, &c));
     } else {
         pd_log_error("%s: architecture '%s' is not supported (GPT2LMHeadModel, LlamaForCausalLM, "
-                     "Qwen2ForCausalLM)",
+                     "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM)",
                      doc, arch);
         return PD_ERR_UNSUPPORTED;
     }

@@ -1,7 +1,11 @@
-/* model/llama.c — LlamaForCausalLM / Qwen2ForCausalLM: weight names and the transformer layer.
- *   x += o_proj(attn(rope(q, k), v) of input_layernorm(x));
+/* model/llama.c — LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM /
+ * Gemma3ForCausalLM: weight names and the transformer layer.
+ *   x += o_proj(attn(rope(q, k), v) of input_layernorm(x));  (Qwen3, Gemma3: q and k heads RMSNormed first)
  *   x += down_proj(silu(gate_proj(h)) · up_proj(h)) with h = post_attention_layernorm(x).
+ * Gemma3: x += post_attention_layernorm(o_proj(...)); h = pre_feedforward_layernorm(x);
+ *   x += post_feedforward_layernorm(down_proj(gelu_tanh(gate_proj(h)) · up_proj(h))).
  * gate_proj and up_proj are fused at load into one [2·inter][hidden] weight. */
+#include <math.h>
 #include <stdio.h>
 
 #include "model/model_impl.h"
@@ -12,8 +16,12 @@ pd_status_t pd_llama_load_weights(pd_model_t *m, const pd_st_set_t *set)
     int64_t H = c->hidden_size, I = c->intermediate_size, hd = c->head_size;
     int64_t qd = c->num_heads * hd, kvd = c->num_kv_heads * hd;
     int64_t s_vh[2] = {c->vocab_size, H}, s_h[1] = {H};
-    PD_TRY(pd_model_load_tensor(m, set, "model.embed_tokens.weight", 2, s_vh, 0, &m->embed));
-    PD_TRY(pd_model_load_tensor(m, set, "model.norm.weight", 1, s_h, 0, &m->final_w));
+    /* Gemma: (1 + w) norms; embeddings × √hidden, folded into the table, and when the head is the
+     * same table the final norm takes the 1/√hidden back (the logits are unchanged) */
+    float one = c->gemma ? 1.0f : 0.0f, es = c->gemma ? sqrtf((float)H) : 1.0f;
+    PD_TRY(pd_model_load_affine(m, set, "model.embed_tokens.weight", 2, s_vh, 0, 0.0f, es, &m->embed));
+    PD_TRY(pd_model_load_affine(m, set, "model.norm.weight", 1, s_h, 0, one,
+                                c->tie_word_embeddings ? 1.0f / es : 1.0f, &m->final_w));
     if (c->tie_word_embeddings) {
         m->lm_head = m->embed;
     } else {
@@ -27,8 +35,17 @@ pd_status_t pd_llama_load_weights(pd_model_t *m, const pd_st_set_t *set)
 #define LOAD(field, suffix, nd, shape)                                                                       \
     snprintf(n, sizeof(n), "model.layers.%d.%s", l, suffix);                                                 \
     PD_TRY(pd_model_load_tensor(m, set, n, nd, shape, 0, &w->field))
-        LOAD(norm1_w, "input_layernorm.weight", 1, s_h);
-        LOAD(norm2_w, "post_attention_layernorm.weight", 1, s_h);
+#define LOAD_NORM(field, suffix, dim)                                                                        \
+    snprintf(n, sizeof(n), "model.layers.%d.%s", l, suffix);                                                 \
+    PD_TRY(pd_model_load_affine(m, set, n, 1, dim, 0, one, 1.0f, &w->field))
+        LOAD_NORM(norm1_w, "input_layernorm.weight", s_h);
+        if (c->gemma) { /* Gemma3: a norm after attention, one before and one after the MLP */
+            LOAD_NORM(post_attn_w, "post_attention_layernorm.weight", s_h);
+            LOAD_NORM(norm2_w, "pre_feedforward_layernorm.weight", s_h);
+            LOAD_NORM(post_mlp_w, "post_feedforward_layernorm.weight", s_h);
+        } else {
+            LOAD_NORM(norm2_w, "post_attention_layernorm.weight", s_h);
+        }
         LOAD(wq, "self_attn.q_proj.weight", 2, s_q);
         LOAD(wk, "self_attn.k_proj.weight", 2, s_kv);
         LOAD(wv, "self_attn.v_proj.weight", 2, s_kv);
@@ -40,6 +57,11 @@ pd_status_t pd_llama_load_weights(pd_model_t *m, const pd_st_set_t *set)
         }
         if (c->o_bias) {
             LOAD(bo, "self_attn.o_proj.bias", 1, s_h);
+        }
+        if (c->qk_norm) {
+            int64_t s_hd[1] = {hd};
+            LOAD_NORM(q_norm, "self_attn.q_norm.weight", s_hd);
+            LOAD_NORM(k_norm, "self_attn.k_norm.weight", s_hd);
         }
         LOAD(w_down, "mlp.down_proj.weight", 2, s_down);
         if (c->mlp_bias) {
@@ -58,6 +80,7 @@ pd_status_t pd_llama_load_weights(pd_model_t *m, const pd_st_set_t *set)
             w->b_up = fused;
         }
 #undef LOAD
+#undef LOAD_NORM
         char g[160], u[160];
         snprintf(g, sizeof(g), "model.layers.%d.mlp.gate_proj.weight", l);
         snprintf(u, sizeof(u), "model.layers.%d.mlp.up_proj.weight", l);
@@ -80,7 +103,10 @@ pd_status_t pd_llama_layer(pd_model_t *m, int layer, const pd_batch_t *batch, co
     PD_TRY(pd_model_attention_block(m, layer, batch, kv, meta, hooks, a));
     PD_TRY(ops->rmsnorm(be, a->h, a->x, w->norm2_w, T, H, c->norm_eps));
     PD_TRY(ops->matmul(be, a->up, a->h, w->w_up, w->b_up, T, 2 * I, H));
-    PD_TRY(ops->silu_mul(be, a->act, a->up, T, I));
+    PD_TRY(c->gemma ? ops->gelu_mul(be, a->act, a->up, T, I) : ops->silu_mul(be, a->act, a->up, T, I));
     PD_TRY(ops->matmul(be, a->h, a->act, w->w_down, w->b_down, T, H, I));
+    if (w->post_mlp_w != NULL) {
+        PD_TRY(ops->rmsnorm(be, a->h, a->h, w->post_mlp_w, T, H, c->norm_eps));
+    }
     return ops->add(be, a->x, a->h, (size_t)T * H);
 }

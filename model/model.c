@@ -95,6 +95,12 @@ static void convert_tensor(float *dst, const pd_st_tensor_t *t, int transpose)
 pd_status_t pd_model_load_tensor(pd_model_t *m, const pd_st_set_t *set, const char *name, int ndim,
                                  const int64_t *shape, int transpose, float **out)
 {
+    return pd_model_load_affine(m, set, name, ndim, shape, transpose, 0.0f, 1.0f, out);
+}
+
+pd_status_t pd_model_load_affine(pd_model_t *m, const pd_st_set_t *set, const char *name, int ndim,
+                                 const int64_t *shape, int transpose, float add, float mul, float **out)
+{
     const pd_st_tensor_t *t = find_checked(set, name, ndim, shape);
     if (t == NULL) {
         return pd_st_set_find(set, name) == NULL ? PD_ERR_NOT_FOUND : PD_ERR_PARSE;
@@ -106,6 +112,11 @@ pd_status_t pd_model_load_tensor(pd_model_t *m, const pd_st_set_t *set, const ch
         return PD_ERR_NO_MEMORY;
     }
     convert_tensor(host, t, transpose);
+    if (add != 0.0f || mul != 1.0f) {
+        for (int64_t i = 0; i < t->numel; i++) {
+            host[i] = (host[i] + add) * mul;
+        }
+    }
     void *dev = NULL;
     pd_status_t st = pd_model_alloc(m, bytes, &dev);
     if (st == PD_OK) {
@@ -174,6 +185,20 @@ pd_status_t pd_model_load(const char *dir, pd_backend_t *be, pd_model_t **model_
     if (st != PD_OK) {
         goto err_model;
     }
+    if (m->cfg.arch == PD_ARCH_LLAMA) {
+        st = pd_rope_table(&m->cfg, &m->rope);
+        m->rope_local = m->rope;
+        if (st == PD_OK && m->cfg.rope_local_theta > 0) {
+            pd_model_config_t local = m->cfg;
+            local.rope_theta = m->cfg.rope_local_theta;
+            memset(&local.rope_scaling, 0, sizeof(local.rope_scaling));
+            st = pd_rope_table(&local, &m->rope_local);
+        }
+        if (st != PD_OK) {
+            pd_st_set_close(&set);
+            goto err_model;
+        }
+    }
     st = m->cfg.arch == PD_ARCH_GPT2 ? pd_gpt2_load_weights(m, &set) : pd_llama_load_weights(m, &set);
     pd_st_set_close(&set);
     if (st != PD_OK) {
@@ -238,9 +263,15 @@ pd_status_t pd_model_attention_block(pd_model_t *m, int layer, const pd_batch_t 
     PD_TRY(ops->matmul(be, a->q, a->h, w->wq, w->bq, T, qdim, hid));
     PD_TRY(ops->matmul(be, a->k, a->h, w->wk, w->bk, T, kvdim, hid));
     PD_TRY(ops->matmul(be, a->v, a->h, w->wv, w->bv, T, kvdim, hid));
+    if (c->qk_norm) { /* Qwen3: each head of q and k RMSNormed over head_size before RoPE */
+        PD_TRY(ops->rmsnorm(be, a->q, a->q, w->q_norm, T * c->num_heads, hd, c->norm_eps));
+        PD_TRY(ops->rmsnorm(be, a->k, a->k, w->k_norm, T * c->num_kv_heads, hd, c->norm_eps));
+    }
+    bool sliding = c->sliding_layer[layer];
     if (c->arch == PD_ARCH_LLAMA) {
-        PD_TRY(ops->rope(be, a->q, batch->positions, T, c->num_heads, hd, c->rope_theta));
-        PD_TRY(ops->rope(be, a->k, batch->positions, T, c->num_kv_heads, hd, c->rope_theta));
+        const pd_rope_t *rope = sliding ? &m->rope_local : &m->rope;
+        PD_TRY(ops->rope(be, a->q, batch->positions, T, c->num_heads, hd, rope));
+        PD_TRY(ops->rope(be, a->k, batch->positions, T, c->num_kv_heads, hd, rope));
     }
     PD_TRY(ops->reshape_and_cache(be, &kv[layer], a->k, a->v, meta->slot_mapping, T));
     const void *ctx = hooks != NULL ? hooks->ctx : NULL;
@@ -252,12 +283,17 @@ pd_status_t pd_model_attention_block(pd_model_t *m, int layer, const pd_batch_t 
     for (int s = 0; decode_only && s < meta->num_seqs; s++) {
         decode_only = meta->cu_seqlens_q[s + 1] - meta->cu_seqlens_q[s] == 1;
     }
-    float scale = 1.0f / sqrtf((float)hd);
+    float scale = c->attn_scale > 0 ? c->attn_scale : 1.0f / sqrtf((float)hd);
+    pd_attn_meta_t lm = *meta; /* the window is this layer's: Gemma3's global layers see everything */
+    lm.sliding_window = sliding ? c->sliding_window : 0;
     PD_TRY(decode_only
-               ? ops->paged_attention_decode(be, a->attn, a->q, &kv[layer], meta, c->num_heads, scale)
-               : ops->paged_attention_prefill(be, a->attn, a->q, &kv[layer], meta, c->num_heads, scale));
+               ? ops->paged_attention_decode(be, a->attn, a->q, &kv[layer], &lm, c->num_heads, scale)
+               : ops->paged_attention_prefill(be, a->attn, a->q, &kv[layer], &lm, c->num_heads, scale));
     /* o-projection into h (free now), then residual */
     PD_TRY(ops->matmul(be, a->h, a->attn, w->wo, w->bo, T, hid, qdim));
+    if (w->post_attn_w != NULL) {
+        PD_TRY(ops->rmsnorm(be, a->h, a->h, w->post_attn_w, T, hid, c->norm_eps));
+    }
     return ops->add(be, a->x, a->h, (size_t)T * hid);
 }
 
@@ -267,6 +303,11 @@ static pd_status_t check_batch(const pd_model_t *m, const pd_batch_t *batch, con
     if (meta->num_tokens != batch->num_tokens) {
         pd_log_error("forward: batch has %d tokens, attention metadata %d", batch->num_tokens,
                      meta->num_tokens);
+        return PD_ERR_INVALID_ARG;
+    }
+    if (meta->sliding_window != m->cfg.sliding_window) { /* the window is the model's, not the caller's */
+        pd_log_error("forward: attention metadata has sliding window %d, the model %d", meta->sliding_window,
+                     m->cfg.sliding_window);
         return PD_ERR_INVALID_ARG;
     }
     for (int i = 0; i < batch->num_tokens; i++) {

@@ -46,11 +46,12 @@ const pd_model_config_t *pd_model_config(const pd_model_t *model);
 size_t pd_model_weight_bytes(const pd_model_t *model);
 
 /* Runs one forward. kv[num_layers] are the per-layer cache views; meta describes the batch's
- * sequences (meta->num_tokens == batch->num_tokens). logits_out[num_logits][vocab] receives the
- * logits of the rows logits_indices[num_logits]. Activations live in a workspace allocated from
- * the backend that grows to the largest batch seen and is kept (a profile run at the largest
- * batch sees it in bytes_in_use / bytes_peak). Not thread-safe: one forward at a time. Fails on out-of-range
- * token ids, positions beyond max_position_embeddings (GPT-2), bad block ids or hook errors. */
+ * sequences (meta->num_tokens == batch->num_tokens, meta->sliding_window == the model's).
+ * logits_out[num_logits][vocab] receives the logits of the rows logits_indices[num_logits].
+ * Activations live in a workspace allocated from the backend that grows to the largest batch seen
+ * and is kept (a profile run at the largest batch sees it in bytes_in_use / bytes_peak). Not
+ * thread-safe: one forward at a time. Fails on out-of-range token ids, positions beyond
+ * max_position_embeddings (GPT-2), a window other than the model's, bad block ids or hook errors. */
 pd_status_t pd_model_forward(pd_model_t *model, const pd_batch_t *batch, const pd_kv_view_t *kv,
                              const pd_attn_meta_t *meta, const int32_t *logits_indices, int num_logits,
                              const pd_forward_hooks_t *hooks, float *logits_out);

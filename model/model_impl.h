@@ -4,6 +4,7 @@
 #define PD_MODEL_MODEL_IMPL_H
 
 #include "model/model.h"
+#include "model/rope.h"
 #include "model/safetensors.h"
 
 typedef struct pd_layer_weights {
@@ -14,6 +15,9 @@ typedef struct pd_layer_weights {
     float *norm2_w, *norm2_b;
     float *w_up, *b_up;     /* GPT-2 c_fc [inter][hidden]; Llama gate‖up [2·inter][hidden] */
     float *w_down, *b_down; /* [hidden][inter] */
+    float *q_norm, *k_norm; /* Qwen3, Gemma3 [head_size] */
+    float *post_attn_w;     /* Gemma3 [hidden]: norm of the attention output before the residual */
+    float *post_mlp_w;      /* Gemma3 [hidden]: norm of the MLP output (norm2_w is its input norm) */
 } pd_layer_weights_t;
 
 /* Activations of one forward, all [num_tokens][...] fp32 in backend memory. */
@@ -36,7 +40,9 @@ struct pd_model {
     float *final_w, *final_b;
     float *lm_head; /* [vocab][hidden]; == embed when tied */
     pd_layer_weights_t *layers;
-    void *work; /* activation workspace, grown to the largest batch seen (backend memory) */
+    pd_rope_t rope;       /* the rotary table (Llama family; Gemma3's global layers) */
+    pd_rope_t rope_local; /* Gemma3's sliding layers: rope_local_theta, no scaling */
+    void *work;           /* activation workspace, grown to the largest batch seen (backend memory) */
     size_t work_bytes;
     void **allocs; /* every weight allocation, for pd_model_free */
     int num_allocs, cap_allocs;
@@ -47,6 +53,11 @@ struct pd_model {
  * a 2-D [a][b] tensor is stored as [b][a]. Logs and fails on a missing tensor or wrong shape. */
 pd_status_t pd_model_load_tensor(pd_model_t *m, const pd_st_set_t *set, const char *name, int ndim,
                                  const int64_t *shape, int transpose, float **out);
+
+/* pd_model_load_tensor with every element w stored as (w + add) · mul (in fp32): folds Gemma's
+ * (1 + w) norms and its embedding scale into the weights. */
+pd_status_t pd_model_load_affine(pd_model_t *m, const pd_st_set_t *set, const char *name, int ndim,
+                                 const int64_t *shape, int transpose, float add, float mul, float **out);
 
 /* Loads several same-width 2-D tensors stacked along rows into one buffer (fused weights). */
 pd_status_t pd_model_load_stacked(pd_model_t *m, const pd_st_set_t *set, const char *const *names, int n,

@@ -1,4 +1,5 @@
 /* model/tokenizer.c — byte-level BPE: load tokenizer.json / vocab.json+merges.txt, encode, decode. */
+#define _GNU_SOURCE
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include "model/tokenizer.h"
 
@@ -14,6 +15,7 @@
 #include "common/json.h"
 #include "common/log.h"
 #include "common/strmap.h"
+#include "common/utf8.h"
 
 #define TOK_MAX_STEPS 8
 #define TOK_MAX_AFFIX 4
@@ -21,6 +23,26 @@
 /* GPT-2's pre-tokenizer regex (ByteLevel with use_regex = true). */
 static const char GPT2_PATTERN[] =
     "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
+
+typedef enum norm_kind { NORM_FORM, NORM_REPLACE, NORM_PREPEND, NORM_LOWERCASE, NORM_STRIP } norm_kind_t;
+
+typedef struct norm_step {
+    norm_kind_t kind;
+    int options;      /* NORM_FORM: utf8proc options */
+    const char *from; /* NORM_REPLACE: literal pattern (arena) */
+    size_t from_len;
+    pcre2_code *re; /* NORM_REPLACE with a Regex pattern */
+    const char *to; /* NORM_REPLACE: content; NORM_PREPEND: prefix */
+    size_t to_len;
+    bool left, right; /* NORM_STRIP */
+} norm_step_t;
+
+typedef enum split_behavior {
+    SPLIT_ISOLATED,
+    SPLIT_MERGED_PREV,
+    SPLIT_MERGED_NEXT,
+    SPLIT_REMOVED
+} split_behavior_t;
 
 typedef struct added_token {
     const char *content;
@@ -42,12 +64,27 @@ struct pd_tokenizer {
     added_token_t *added; /* sorted longest first */
     int num_added;
     bool added_first_byte[256];
-    int normalize_options[TOK_MAX_STEPS]; /* utf8proc option sets applied in order */
+    norm_step_t norm[TOK_MAX_STEPS]; /* normalizers applied in order */
     int num_normalizers;
-    pcre2_code *split[TOK_MAX_STEPS]; /* Isolated splits applied in order */
+    pcre2_code *split[TOK_MAX_STEPS]; /* pre-tokenizer splits applied in order */
+    split_behavior_t split_behavior[TOK_MAX_STEPS];
     int num_splits;
     bool add_prefix_space;
     bool ignore_merges;
+    bool byte_level;    /* ByteLevel pre-tokenizer: BPE over the GPT-2 byte alphabet */
+    bool byte_fallback; /* SentencePiece-style BPE over characters, unknown ones as <0xNN> tokens */
+    int32_t fallback_id[256];
+    int32_t unk_id; /* -1: none */
+    bool fuse_unk;
+    /* Metaspace pre-tokenizer: spaces become the replacement, prepended per prepend_scheme */
+    bool metaspace;
+    char meta_rep[8];
+    int meta_rep_len;
+    int meta_prepend; /* 0 never, 1 first section, 2 always */
+    /* decoder: token strings → bytes (replacements), leading spaces stripped from a whole decode */
+    char dec_from[4][8], dec_to[4][8];
+    int num_dec_replace;
+    int dec_strip_start;
     int32_t prefix[TOK_MAX_AFFIX], suffix[TOK_MAX_AFFIX];
     int num_prefix, num_suffix;
     int32_t byte_id[256];  /* id of the one-byte token for each byte */
@@ -162,6 +199,7 @@ static pd_tokenizer_t *tok_new(void)
     }
     pd_arena_init(&t->arena, 1 << 20);
     init_byte_map(t);
+    t->unk_id = -1;
     if (pd_strmap_init(&t->vocab, 1024) != PD_OK || pd_strmap_init(&t->merges, 1024) != PD_OK) {
         pd_tokenizer_free(t);
         return NULL;
@@ -176,6 +214,9 @@ void pd_tokenizer_free(pd_tokenizer_t *t)
     }
     for (int i = 0; i < t->num_splits; i++) {
         pcre2_code_free(t->split[i]);
+    }
+    for (int i = 0; i < t->num_normalizers; i++) {
+        pcre2_code_free(t->norm[i].re);
     }
     free(t->id_str);
     free(t->id_str_len);
@@ -246,6 +287,27 @@ static int added_cmp(const void *x, const void *y)
     return a->len != b->len ? (a->len > b->len ? -1 : 1) : (a->id - b->id);
 }
 
+/* The byte of a "<0xNN>" byte-fallback token, or -1. */
+static int fallback_byte(const char *s, size_t len)
+{
+    if (len != 6 || memcmp(s, "<0x", 3) != 0 || s[5] != '>') {
+        return -1;
+    }
+    int v = 0;
+    for (int i = 3; i < 5; i++) {
+        char c = s[i];
+        int d = c >= '0' && c <= '9'   ? c - '0'
+                : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                                       : -1;
+        if (d < 0) {
+            return -1;
+        }
+        v = v * 16 + d;
+    }
+    return v;
+}
+
 /* Decoded bytes of every id; byte ids; sorted added tokens. Called once all tokens are known. */
 static pd_status_t tok_finish(pd_tokenizer_t *t, const char *doc)
 {
@@ -260,9 +322,49 @@ static pd_status_t tok_finish(pd_tokenizer_t *t, const char *doc)
             return PD_ERR_NO_MEMORY;
         }
         uint32_t n = 0;
-        bool byte_level = !t->id_special[id];
-        for (int i = 0; i < t->num_added && byte_level; i++) {
-            byte_level = t->added[i].id != id;
+        bool added = t->id_special[id];
+        for (int i = 0; i < t->num_added && !added; i++) {
+            added = t->added[i].id == id;
+        }
+        bool byte_level = t->byte_level && !added;
+        int fb = -1;
+        if (!t->byte_level && !added && t->byte_fallback) {
+            fb = fallback_byte(s, len);
+        }
+        if (fb >= 0) { /* <0xNN>: one raw byte */
+            out[0] = (unsigned char)fb;
+            t->id_bytes[id] = out;
+            t->id_bytes_len[id] = 1;
+            t->max_token_bytes = t->max_token_bytes > 1 ? t->max_token_bytes : 1;
+            continue;
+        }
+        if (!t->byte_level && t->num_dec_replace > 0) { /* the decoder's replacements (▁ → ' '), added
+                                                          * tokens included, as HF decodes every token */
+            unsigned char *o2 = pd_arena_alloc(&t->arena, len * 4 + 1, 1);
+            if (o2 == NULL) {
+                return PD_ERR_NO_MEMORY;
+            }
+            size_t k = 0, j = 0;
+            while (j < len) {
+                int r = 0;
+                for (; r < t->num_dec_replace; r++) {
+                    size_t fl = strlen(t->dec_from[r]);
+                    if (fl > 0 && j + fl <= len && memcmp(s + j, t->dec_from[r], fl) == 0) {
+                        size_t tl = strlen(t->dec_to[r]);
+                        memcpy(o2 + k, t->dec_to[r], tl);
+                        k += tl;
+                        j += fl;
+                        break;
+                    }
+                }
+                if (r == t->num_dec_replace) {
+                    o2[k++] = (unsigned char)s[j++];
+                }
+            }
+            t->id_bytes[id] = o2;
+            t->id_bytes_len[id] = (uint32_t)k;
+            t->max_token_bytes = k > t->max_token_bytes ? k : t->max_token_bytes;
+            continue;
         }
         size_t i = 0;
         while (i < len) {
@@ -284,7 +386,7 @@ static pd_status_t tok_finish(pd_tokenizer_t *t, const char *doc)
         t->id_bytes_len[id] = n;
         t->max_token_bytes = n > t->max_token_bytes ? n : t->max_token_bytes;
     }
-    for (int b = 0; b < 256; b++) {
+    for (int b = 0; b < 256 && t->byte_level; b++) {
         unsigned char u[4];
         int l = utf8_put(t->byte_cp[b], u);
         int64_t id;
@@ -295,6 +397,16 @@ static pd_status_t tok_finish(pd_tokenizer_t *t, const char *doc)
         }
         t->byte_id[b] = (int32_t)id;
     }
+    for (int b = 0; b < 256 && t->byte_fallback; b++) {
+        char name[16];
+        snprintf(name, sizeof(name), "<0x%02X>", b & 0xff);
+        int64_t id;
+        if (!pd_strmap_get(&t->vocab, name, 6, &id)) {
+            pd_log_error("%s: byte_fallback BPE without the byte token %s", doc, name);
+            return PD_ERR_PARSE;
+        }
+        t->fallback_id[b] = (int32_t)id;
+    }
     qsort(t->added, (size_t)t->num_added, sizeof(added_token_t), added_cmp);
     for (int i = 0; i < t->num_added; i++) {
         t->added_first_byte[(unsigned char)t->added[i].content[0]] = true;
@@ -302,25 +414,115 @@ static pd_status_t tok_finish(pd_tokenizer_t *t, const char *doc)
     return PD_OK;
 }
 
-static pd_status_t add_split_regex(pd_tokenizer_t *t, const char *doc, const char *pattern, uint32_t extra)
+/* Unicode's White_Space, as the Oniguruma regexes of HF tokenizers read \s (PCRE2's \s in UCP mode
+ * also takes U+180E, which Unicode stopped calling a space in 6.3). */
+#define UNICODE_SPACE                                                                                        \
+    "\\x{9}-\\x{d}\\x{20}\\x{85}\\x{a0}\\x{1680}\\x{2000}-\\x{200a}\\x{2028}\\x{2029}\\x{202f}\\x{205f}\\x{" \
+    "3000}"
+
+/* pattern with \s and \S spelled as Unicode's White_Space (malloc'd). */
+static char *rewrite_spaces(const char *pattern)
+{
+    size_t n = strlen(pattern), cap = n * 8 + 256, k = 0;
+    char *out = malloc(cap);
+    if (out == NULL) {
+        return NULL;
+    }
+    bool in_class = false;
+    for (size_t i = 0; i < n; i++) {
+        char c = pattern[i];
+        if (c == '\\' && i + 1 < n) {
+            char e = pattern[i + 1];
+            const char *rep = NULL;
+            if (e == 's') {
+                rep = in_class ? UNICODE_SPACE : "[" UNICODE_SPACE "]";
+            } else if (e == 'S' && !in_class) {
+                rep = "[^" UNICODE_SPACE "]";
+            }
+            if (rep != NULL) {
+                size_t rl = strlen(rep);
+                memcpy(out + k, rep, rl);
+                k += rl;
+            } else {
+                out[k++] = c;
+                out[k++] = e;
+            }
+            i++;
+            continue;
+        }
+        if (c == '[' && !in_class) {
+            in_class = true;
+            out[k++] = c;
+            if (i + 1 < n && pattern[i + 1] == '^') {
+                out[k++] = pattern[++i];
+            }
+            if (i + 1 < n && pattern[i + 1] == ']') { /* a literal ] first in a class */
+                out[k++] = pattern[++i];
+            }
+            continue;
+        }
+        if (c == ']' && in_class) {
+            in_class = false;
+        }
+        out[k++] = c;
+    }
+    out[k] = '\0';
+    return out;
+}
+
+static pcre2_code *compile_regex(const char *doc, const char *pattern, uint32_t extra)
+{
+    char *rw = (extra & PCRE2_LITERAL) ? NULL : rewrite_spaces(pattern);
+    int err;
+    PCRE2_SIZE off;
+    pcre2_code *re =
+        pcre2_compile((PCRE2_SPTR)(rw != NULL ? rw : pattern), PCRE2_ZERO_TERMINATED,
+                      PCRE2_UTF | ((extra & PCRE2_LITERAL) ? 0 : PCRE2_UCP) | extra, &err, &off, NULL);
+    free(rw);
+    if (re == NULL) {
+        PCRE2_UCHAR msg[256];
+        pcre2_get_error_message(err, msg, sizeof(msg));
+        pd_log_error("%s: regex '%s' does not compile at offset %zu: %s", doc, pattern, (size_t)off, msg);
+        return NULL;
+    }
+    pcre2_jit_compile(re, PCRE2_JIT_COMPLETE); /* best effort; the interpreter is the fallback */
+    return re;
+}
+
+static pd_status_t add_split_regex(pd_tokenizer_t *t, const char *doc, const char *pattern, uint32_t extra,
+                                   split_behavior_t behavior)
 {
     if (t->num_splits == TOK_MAX_STEPS) {
         pd_log_error("%s: more than %d pre-tokenizer splits", doc, TOK_MAX_STEPS);
         return PD_ERR_UNSUPPORTED;
     }
-    int err;
-    PCRE2_SIZE off;
-    pcre2_code *re = pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP | extra,
-                                   &err, &off, NULL);
+    pcre2_code *re = compile_regex(doc, pattern, extra);
     if (re == NULL) {
-        PCRE2_UCHAR msg[256];
-        pcre2_get_error_message(err, msg, sizeof(msg));
-        pd_log_error("%s: pre-tokenizer regex does not compile at offset %zu: %s", doc, (size_t)off, msg);
         return PD_ERR_PARSE;
     }
-    pcre2_jit_compile(re, PCRE2_JIT_COMPLETE); /* best effort; the interpreter is the fallback */
+    t->split_behavior[t->num_splits] = behavior;
     t->split[t->num_splits++] = re;
     return PD_OK;
+}
+
+/* A {"String": ...} or {"Regex": ...} pattern as a literal (*lit) or a compiled regex (*re). */
+static pd_status_t parse_pattern(pd_tokenizer_t *t, const char *doc, const char *what, json_t *pat,
+                                 const char **lit, size_t *lit_len, pcre2_code **re)
+{
+    *lit = NULL;
+    *re = NULL;
+    json_t *str = json_object_get(pat, "String"), *rx = json_object_get(pat, "Regex");
+    if (json_is_string(str)) {
+        *lit = pd_arena_strndup(&t->arena, json_string_value(str), json_string_length(str));
+        *lit_len = json_string_length(str);
+        return *lit != NULL ? PD_OK : PD_ERR_NO_MEMORY;
+    }
+    if (json_is_string(rx)) {
+        *re = compile_regex(doc, json_string_value(rx), 0);
+        return *re != NULL ? PD_OK : PD_ERR_PARSE;
+    }
+    pd_log_error("%s: %s pattern must be {\"String\": ...} or {\"Regex\": ...}", doc, what);
+    return PD_ERR_PARSE;
 }
 
 static pd_status_t parse_normalizer(pd_tokenizer_t *t, const char *doc, json_t *n)
@@ -354,16 +556,70 @@ static pd_status_t parse_normalizer(pd_tokenizer_t *t, const char *doc, json_t *
         {"NFKC", UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT},
         {"NFKD", UTF8PROC_STABLE | UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT},
     };
+    if (t->num_normalizers == TOK_MAX_STEPS) {
+        pd_log_error("%s: more than %d normalizers", doc, TOK_MAX_STEPS);
+        return PD_ERR_UNSUPPORTED;
+    }
+    norm_step_t *step = &t->norm[t->num_normalizers];
+    memset(step, 0, sizeof(*step));
     for (size_t i = 0; i < sizeof(forms) / sizeof(forms[0]); i++) {
         if (strcmp(type, forms[i].name) == 0) {
-            if (t->num_normalizers == TOK_MAX_STEPS) {
-                return PD_ERR_UNSUPPORTED;
-            }
-            t->normalize_options[t->num_normalizers++] = forms[i].options;
+            step->kind = NORM_FORM;
+            step->options = forms[i].options;
+            t->num_normalizers++;
             return PD_OK;
         }
     }
-    pd_log_error("%s: normalizer '%s' is not supported (NFC, NFD, NFKC, NFKD, Sequence)", doc, type);
+    if (strcmp(type, "Replace") == 0) {
+        json_t *content = json_object_get(n, "content");
+        if (!json_is_string(content)) {
+            pd_log_error("%s: Replace normalizer without a content string", doc);
+            return PD_ERR_PARSE;
+        }
+        step->kind = NORM_REPLACE;
+        pd_status_t st = parse_pattern(t, doc, "Replace", json_object_get(n, "pattern"), &step->from,
+                                       &step->from_len, &step->re);
+        step->to = pd_arena_strndup(&t->arena, json_string_value(content), json_string_length(content));
+        step->to_len = json_string_length(content);
+        if (st == PD_OK && step->from != NULL && step->from_len == 0) {
+            pd_log_error("%s: Replace normalizer with an empty pattern", doc);
+            st = PD_ERR_PARSE;
+        }
+        if (st == PD_OK) {
+            t->num_normalizers++;
+        } else {
+            pcre2_code_free(step->re);
+            step->re = NULL;
+        }
+        return st;
+    }
+    if (strcmp(type, "Prepend") == 0) {
+        json_t *pre = json_object_get(n, "prepend");
+        if (!json_is_string(pre)) {
+            pd_log_error("%s: Prepend normalizer without a prepend string", doc);
+            return PD_ERR_PARSE;
+        }
+        step->kind = NORM_PREPEND;
+        step->to = pd_arena_strndup(&t->arena, json_string_value(pre), json_string_length(pre));
+        step->to_len = json_string_length(pre);
+        t->num_normalizers++;
+        return PD_OK;
+    }
+    if (strcmp(type, "Lowercase") == 0) {
+        step->kind = NORM_LOWERCASE;
+        t->num_normalizers++;
+        return PD_OK;
+    }
+    if (strcmp(type, "Strip") == 0) {
+        step->kind = NORM_STRIP;
+        step->left = json_is_true(json_object_get(n, "strip_left"));
+        step->right = json_is_true(json_object_get(n, "strip_right"));
+        t->num_normalizers++;
+        return PD_OK;
+    }
+    pd_log_error("%s: normalizer '%s' is not supported (NFC, NFD, NFKC, NFKD, Replace, Prepend, Lowercase, "
+                 "Strip, Sequence)",
+                 doc, type);
     return PD_ERR_UNSUPPORTED;
 }
 
@@ -399,30 +655,138 @@ static pd_status_t parse_pretokenizer(pd_tokenizer_t *t, const char *doc, json_t
             return st;
         }
         t->add_prefix_space = prefix;
+        t->byte_level = true;
         *byte_level = 1;
-        return use_regex ? add_split_regex(t, doc, GPT2_PATTERN, 0) : PD_OK;
+        return use_regex ? add_split_regex(t, doc, GPT2_PATTERN, 0, SPLIT_ISOLATED) : PD_OK;
     }
     if (strcmp(type, "Split") == 0) {
         const char *behavior = json_string_value(json_object_get(p, "behavior"));
         json_t *inv = json_object_get(p, "invert");
-        if (behavior == NULL || strcmp(behavior, "Isolated") != 0 || json_is_true(inv)) {
-            pd_log_error("%s: Split pre-tokenizer with behavior '%s'%s is not supported (Isolated)", doc,
-                         behavior ? behavior : "?", json_is_true(inv) ? " inverted" : "");
+        static const struct {
+            const char *name;
+            split_behavior_t b;
+        } behaviors[] = {{"Isolated", SPLIT_ISOLATED},
+                         {"MergedWithPrevious", SPLIT_MERGED_PREV},
+                         {"MergedWithNext", SPLIT_MERGED_NEXT},
+                         {"Removed", SPLIT_REMOVED}};
+        int bi = -1;
+        for (int i = 0; behavior != NULL && i < 4; i++) {
+            if (strcmp(behavior, behaviors[i].name) == 0) {
+                bi = i;
+            }
+        }
+        if (bi < 0 || json_is_true(inv)) {
+            pd_log_error("%s: Split pre-tokenizer with behavior '%s'%s is not supported (Isolated, "
+                         "MergedWithPrevious, MergedWithNext, Removed)",
+                         doc, behavior ? behavior : "?", json_is_true(inv) ? " inverted" : "");
             return PD_ERR_UNSUPPORTED;
         }
         json_t *pat = json_object_get(p, "pattern");
         const char *re = json_string_value(json_object_get(pat, "Regex"));
         const char *lit = json_string_value(json_object_get(pat, "String"));
         if (re != NULL) {
-            return add_split_regex(t, doc, re, 0);
+            return add_split_regex(t, doc, re, 0, behaviors[bi].b);
         }
         if (lit != NULL) {
-            return add_split_regex(t, doc, lit, PCRE2_LITERAL);
+            return add_split_regex(t, doc, lit, PCRE2_LITERAL, behaviors[bi].b);
         }
         pd_log_error("%s: Split pattern must be {\"Regex\": ...} or {\"String\": ...}", doc);
         return PD_ERR_PARSE;
     }
-    pd_log_error("%s: pre_tokenizer '%s' is not supported (ByteLevel, Split, Sequence)", doc, type);
+    if (strcmp(type, "Metaspace") == 0) {
+        const char *rep = json_string_value(json_object_get(p, "replacement"));
+        const char *scheme = json_string_value(json_object_get(p, "prepend_scheme"));
+        json_t *aps = json_object_get(p, "add_prefix_space");
+        if (rep == NULL || strlen(rep) >= sizeof(t->meta_rep)) {
+            pd_log_error("%s: Metaspace pre-tokenizer without a replacement", doc);
+            return PD_ERR_PARSE;
+        }
+        t->metaspace = true;
+        snprintf(t->meta_rep, sizeof(t->meta_rep), "%s", rep);
+        t->meta_rep_len = (int)strlen(rep);
+        t->meta_prepend = scheme == NULL                  ? (aps == NULL || json_is_true(aps) ? 2 : 0)
+                          : strcmp(scheme, "first") == 0  ? 1
+                          : strcmp(scheme, "always") == 0 ? 2
+                                                          : 0;
+        json_t *split = json_object_get(p, "split");
+        if (split == NULL || json_is_true(split)) { /* each word starts at a replacement character */
+            return add_split_regex(t, doc, rep, PCRE2_LITERAL, SPLIT_MERGED_NEXT);
+        }
+        return PD_OK;
+    }
+    pd_log_error("%s: pre_tokenizer '%s' is not supported (ByteLevel, Split, Metaspace, Sequence)", doc,
+                 type);
+    return PD_ERR_UNSUPPORTED;
+}
+
+/* The decoder chain, as far as it maps single tokens to bytes (ByteLevel, ByteFallback, Replace of a
+ * string, Metaspace) or trims a whole decode (Strip of leading spaces, Metaspace's first space). */
+static pd_status_t parse_decoder(pd_tokenizer_t *t, const char *doc, json_t *d)
+{
+    if (d == NULL || json_is_null(d)) {
+        return PD_OK;
+    }
+    const char *type = json_string_value(json_object_get(d, "type"));
+    if (type == NULL) {
+        pd_log_error("%s: decoder without a type", doc);
+        return PD_ERR_PARSE;
+    }
+    if (strcmp(type, "Sequence") == 0) {
+        size_t i;
+        json_t *v;
+        json_array_foreach(json_object_get(d, "decoders"), i, v)
+        {
+            pd_status_t st = parse_decoder(t, doc, v);
+            if (st != PD_OK) {
+                return st;
+            }
+        }
+        return PD_OK;
+    }
+    if (strcmp(type, "ByteLevel") == 0 || strcmp(type, "ByteFallback") == 0 || strcmp(type, "Fuse") == 0) {
+        return PD_OK; /* byte-level tokens and <0xNN> tokens are mapped by the model's kind */
+    }
+    if (strcmp(type, "Replace") == 0 || strcmp(type, "Metaspace") == 0) {
+        const char *from, *to;
+        if (type[0] == 'R') {
+            from = json_string_value(json_object_get(json_object_get(d, "pattern"), "String"));
+            to = json_string_value(json_object_get(d, "content"));
+        } else {
+            from = json_string_value(json_object_get(d, "replacement"));
+            to = " ";
+            const char *scheme = json_string_value(json_object_get(d, "prepend_scheme"));
+            json_t *aps = json_object_get(d, "add_prefix_space");
+            bool prepends =
+                scheme != NULL ? strcmp(scheme, "never") != 0 : (aps == NULL || json_is_true(aps));
+            if (prepends) {
+                t->dec_strip_start = 1;
+            }
+        }
+        if (from == NULL || to == NULL || from[0] == '\0' || strlen(from) >= 8 || strlen(to) >= 8 ||
+            t->num_dec_replace == 4) {
+            pd_log_error("%s: decoder %s must replace a short string by a short string", doc, type);
+            return PD_ERR_UNSUPPORTED;
+        }
+        snprintf(t->dec_from[t->num_dec_replace], 8, "%s", from);
+        snprintf(t->dec_to[t->num_dec_replace], 8, "%s", to);
+        t->num_dec_replace++;
+        return PD_OK;
+    }
+    if (strcmp(type, "Strip") == 0) {
+        const char *content = json_string_value(json_object_get(d, "content"));
+        json_int_t start = json_integer_value(json_object_get(d, "start"));
+        json_int_t stop = json_integer_value(json_object_get(d, "stop"));
+        if (content == NULL || strcmp(content, " ") != 0 || stop != 0 || start < 0 || start > 8) {
+            pd_log_error("%s: Strip decoder other than leading spaces is not supported", doc);
+            return PD_ERR_UNSUPPORTED;
+        }
+        t->dec_strip_start = (int)start;
+        return PD_OK;
+    }
+    pd_log_error(
+        "%s: decoder '%s' is not supported (ByteLevel, ByteFallback, Fuse, Replace, Strip, Metaspace, "
+        "Sequence)",
+        doc, type);
     return PD_ERR_UNSUPPORTED;
 }
 
@@ -509,8 +873,11 @@ static pd_status_t parse_tokenizer_json(pd_tokenizer_t *t, const char *doc, json
         pd_log_error("%s: model.vocab must be an object and model.merges a list", doc);
         return PD_ERR_PARSE;
     }
-    if (json_is_true(json_object_get(model, "byte_fallback"))) {
-        pd_log_error("%s: byte_fallback BPE (sentencepiece-style) is not supported", doc);
+    t->byte_fallback = json_is_true(json_object_get(model, "byte_fallback"));
+    t->fuse_unk = json_is_true(json_object_get(model, "fuse_unk"));
+    if (json_string_length(json_object_get(model, "continuing_subword_prefix")) > 0 ||
+        json_string_length(json_object_get(model, "end_of_word_suffix")) > 0) {
+        pd_log_error("%s: BPE with a continuing_subword_prefix or end_of_word_suffix is not supported", doc);
         return PD_ERR_UNSUPPORTED;
     }
     t->ignore_merges = json_is_true(json_object_get(model, "ignore_merges"));
@@ -595,9 +962,23 @@ static pd_status_t parse_tokenizer_json(pd_tokenizer_t *t, const char *doc, json
     if (st == PD_OK) {
         st = parse_pretokenizer(t, doc, json_object_get(root, "pre_tokenizer"), &byte_level);
     }
-    if (st == PD_OK && !byte_level) {
-        pd_log_error("%s: the pre_tokenizer has no ByteLevel step; only byte-level BPE is supported", doc);
+    if (st == PD_OK) {
+        st = parse_decoder(t, doc, json_object_get(root, "decoder"));
+    }
+    if (st == PD_OK && !byte_level && !t->byte_fallback) {
+        pd_log_error("%s: neither byte-level BPE (a ByteLevel pre-tokenizer) nor byte_fallback BPE "
+                     "(SentencePiece-style); other tokenizer models are not supported",
+                     doc);
         st = PD_ERR_UNSUPPORTED;
+    }
+    if (st == PD_OK && byte_level && t->byte_fallback) {
+        pd_log_error("%s: byte-level BPE with byte_fallback is not supported", doc);
+        st = PD_ERR_UNSUPPORTED;
+    }
+    const char *unk = json_string_value(json_object_get(model, "unk_token"));
+    int64_t unk_id;
+    if (st == PD_OK && unk != NULL && pd_strmap_get(&t->vocab, unk, strlen(unk), &unk_id)) {
+        t->unk_id = (int32_t)unk_id;
     }
     if (st == PD_OK) {
         st = tok_finish(t, doc);
@@ -688,12 +1069,73 @@ pd_status_t pd_tokenizer_load_vocab_merges(const char *vocab_path, const char *m
     return PD_OK;
 }
 
+/* A special token of tokenizer_config.json (a string or an AddedToken object) as an id, or -1. */
+static int32_t config_token(const pd_tokenizer_t *t, const json_t *cfg, const char *key)
+{
+    json_t *v = json_object_get(cfg, key);
+    const char *s =
+        json_is_string(v) ? json_string_value(v) : json_string_value(json_object_get(v, "content"));
+    int64_t id;
+    return s != NULL && pd_strmap_get(&t->vocab, s, strlen(s), &id) ? (int32_t)id : -1;
+}
+
+/* tokenizer_config.json's add_bos_token / add_eos_token decide the prefix and suffix tokens when
+ * present (transformers rebuilds the post-processor from them for Llama and Gemma tokenizers). */
+static pd_status_t apply_tokenizer_config(pd_tokenizer_t *t, const char *dir)
+{
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/tokenizer_config.json", dir);
+    if (access(path, R_OK) != 0) {
+        return PD_OK;
+    }
+    json_error_t je;
+    json_t *cfg = json_load_file(path, JSON_DECODE_INT_AS_REAL, &je); /* model_max_length can be 1e30 */
+    if (cfg == NULL) {
+        pd_log_error("%s:%d:%d: invalid JSON: %s", path, je.line, je.column, je.text);
+        return PD_ERR_PARSE;
+    }
+    pd_status_t st = PD_OK;
+    static const char *const keys[2] = {"add_bos_token", "add_eos_token"};
+    static const char *const toks[2] = {"bos_token", "eos_token"};
+    for (int i = 0; i < 2 && st == PD_OK; i++) {
+        json_t *flag = json_object_get(cfg, keys[i]);
+        if (!json_is_boolean(flag)) {
+            continue;
+        }
+        int32_t *list = i == 0 ? t->prefix : t->suffix;
+        int *count = i == 0 ? &t->num_prefix : &t->num_suffix;
+        *count = 0;
+        if (json_is_true(flag)) {
+            int32_t id = config_token(t, cfg, toks[i]);
+            if (id < 0) {
+                pd_log_error("%s: %s is true but %s names no token of the vocabulary", path, keys[i],
+                             toks[i]);
+                st = PD_ERR_PARSE;
+            } else {
+                list[(*count)++] = id;
+            }
+        }
+    }
+    json_decref(cfg);
+    return st;
+}
+
 pd_status_t pd_tokenizer_load_dir(const char *dir, pd_tokenizer_t **tok_out)
 {
     char a[4096], b[4096];
     snprintf(a, sizeof(a), "%s/tokenizer.json", dir);
     if (access(a, R_OK) == 0) {
-        return pd_tokenizer_load_json(a, tok_out);
+        pd_tokenizer_t *t = NULL;
+        pd_status_t st = pd_tokenizer_load_json(a, &t);
+        if (st == PD_OK) {
+            st = apply_tokenizer_config(t, dir);
+        }
+        if (st != PD_OK) {
+            pd_tokenizer_free(t);
+            return st;
+        }
+        *tok_out = t;
+        return PD_OK;
     }
     snprintf(a, sizeof(a), "%s/vocab.json", dir);
     snprintf(b, sizeof(b), "%s/merges.txt", dir);
@@ -786,40 +1228,19 @@ static int lookup_merge(const pd_tokenizer_t *t, int32_t a, int32_t b, uint32_t 
 
 /* BPE of one pre-token (raw bytes): lowest-rank pair first, leftmost on ties; O(n log n) with a
  * heap over a linked list of symbols, so a hostile 1 MB "word" stays cheap. */
-static pd_status_t bpe_piece(const pd_tokenizer_t *t, const unsigned char *s, size_t n, ids_buf_t *out)
+/* Merges sym[n] (initial symbols) by rank, lowest first, leftmost on ties; O(n log n) with a heap
+ * over a linked list of symbols, so a hostile 1 MB "word" stays cheap. Appends the result. */
+static pd_status_t bpe_merge(const pd_tokenizer_t *t, int32_t *sym, size_t n, ids_buf_t *out)
 {
-    if (n == 0) {
-        return PD_OK;
-    }
-    if (t->ignore_merges || n == 1) {
-        unsigned char stackbuf[256];
-        unsigned char *w = 2 * n <= sizeof(stackbuf) ? stackbuf : malloc(2 * n);
-        if (w == NULL) {
-            return PD_ERR_NO_MEMORY;
-        }
-        size_t wl = 0;
-        for (size_t i = 0; i < n; i++) {
-            wl += (size_t)utf8_put(t->byte_cp[s[i]], w + wl);
-        }
-        int64_t id;
-        int hit = pd_strmap_get(&t->vocab, (const char *)w, wl, &id);
-        if (w != stackbuf) {
-            free(w);
-        }
-        if (hit) {
-            return push_id(out, (int32_t)id);
-        }
-    }
-    size_t bytes = n * (3 * sizeof(int32_t)) + 3 * n * sizeof(merge_cand_t);
+    size_t bytes = n * (2 * sizeof(int32_t)) + 3 * n * sizeof(merge_cand_t);
     void *mem = malloc(bytes);
     if (mem == NULL) {
         return PD_ERR_NO_MEMORY;
     }
-    int32_t *sym = mem, *prev = sym + n, *next = prev + n;
+    int32_t *prev = mem, *next = prev + n;
     merge_cand_t *heap = (merge_cand_t *)(next + n);
     size_t hn = 0;
     for (size_t i = 0; i < n; i++) {
-        sym[i] = t->byte_id[s[i]];
         prev[i] = (int32_t)i - 1;
         next[i] = i + 1 < n ? (int32_t)i + 1 : -1;
     }
@@ -849,14 +1270,100 @@ static pd_status_t bpe_piece(const pd_tokenizer_t *t, const unsigned char *s, si
         }
     }
     pd_status_t st = PD_OK;
-    for (int32_t i = 0; i >= 0 && st == PD_OK; i = next[i]) {
+    for (int32_t i = 0; n > 0 && i >= 0 && st == PD_OK; i = next[i]) {
         st = push_id(out, sym[i]);
     }
     free(mem);
     return st;
 }
 
-/* Applies split level k (Isolated: matches and the gaps between them are pieces). */
+/* Byte-level BPE of one pre-token (raw bytes mapped through the GPT-2 byte alphabet). */
+static pd_status_t bpe_piece(const pd_tokenizer_t *t, const unsigned char *s, size_t n, ids_buf_t *out)
+{
+    if (n == 0) {
+        return PD_OK;
+    }
+    if (t->ignore_merges || n == 1) {
+        unsigned char stackbuf[256];
+        unsigned char *w = 2 * n <= sizeof(stackbuf) ? stackbuf : malloc(2 * n);
+        if (w == NULL) {
+            return PD_ERR_NO_MEMORY;
+        }
+        size_t wl = 0;
+        for (size_t i = 0; i < n; i++) {
+            wl += (size_t)utf8_put(t->byte_cp[s[i]], w + wl);
+        }
+        int64_t id;
+        int hit = pd_strmap_get(&t->vocab, (const char *)w, wl, &id);
+        if (w != stackbuf) {
+            free(w);
+        }
+        if (hit) {
+            return push_id(out, (int32_t)id);
+        }
+    }
+    int32_t *sym = malloc(n * sizeof(int32_t));
+    if (sym == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
+    for (size_t i = 0; i < n; i++) {
+        sym[i] = t->byte_id[s[i]];
+    }
+    pd_status_t st = bpe_merge(t, sym, n, out);
+    free(sym);
+    return st;
+}
+
+/* SentencePiece-style BPE of one pre-token: characters are the initial symbols; a character the
+ * vocabulary lacks becomes its UTF-8 bytes as <0xNN> tokens (byte_fallback) or the unknown token
+ * (consecutive ones fused with fuse_unk). */
+static pd_status_t bpe_piece_chars(const pd_tokenizer_t *t, const unsigned char *s, size_t n, ids_buf_t *out)
+{
+    if (n == 0) {
+        return PD_OK;
+    }
+    int64_t id;
+    if (t->ignore_merges && pd_strmap_get(&t->vocab, (const char *)s, n, &id)) {
+        return push_id(out, (int32_t)id);
+    }
+    int32_t *sym = malloc(n * sizeof(int32_t)); /* at most one symbol per byte */
+    if (sym == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
+    size_t k = 0, i = 0;
+    while (i < n) {
+        int l = utf8_char_len(s + i, n - i);
+        size_t w = l > 0 ? (size_t)l : 1;
+        if (pd_strmap_get(&t->vocab, (const char *)s + i, w, &id)) {
+            sym[k++] = (int32_t)id;
+        } else if (t->byte_fallback) {
+            for (size_t b = 0; b < w; b++) {
+                sym[k++] = t->fallback_id[s[i + b]];
+            }
+        } else if (t->unk_id >= 0) {
+            if (!(t->fuse_unk && k > 0 && sym[k - 1] == t->unk_id)) {
+                sym[k++] = t->unk_id;
+            }
+        } else {
+            free(sym);
+            pd_log_warn("tokenizer: a character has no token and there is no unknown token");
+            return PD_ERR_INVALID_ARG;
+        }
+        i += w;
+    }
+    pd_status_t st = bpe_merge(t, sym, k, out);
+    free(sym);
+    return st;
+}
+
+static pd_status_t model_piece(const pd_tokenizer_t *t, const unsigned char *s, size_t n, ids_buf_t *out)
+{
+    return t->byte_level ? bpe_piece(t, s, n, out) : bpe_piece_chars(t, s, n, out);
+}
+
+/* Applies split level k: Isolated (matches and the gaps between them are pieces), MergedWithPrevious
+ * (a match ends the piece before it), MergedWithNext (a match starts the piece after it), Removed
+ * (only the gaps remain). */
 static pd_status_t split_level(const pd_tokenizer_t *t, int k, const unsigned char *s, size_t n,
                                ids_buf_t *out)
 {
@@ -864,14 +1371,15 @@ static pd_status_t split_level(const pd_tokenizer_t *t, int k, const unsigned ch
         return PD_OK;
     }
     if (k == t->num_splits) {
-        return bpe_piece(t, s, n, out);
+        return model_piece(t, s, n, out);
     }
+    split_behavior_t how = t->split_behavior[k];
     pcre2_match_data *md = pcre2_match_data_create_from_pattern(t->split[k], NULL);
     if (md == NULL) {
         return PD_ERR_NO_MEMORY;
     }
     pd_status_t st = PD_OK;
-    size_t pos = 0, gap = 0;
+    size_t pos = 0, piece = 0; /* piece: where the piece being built starts */
     while (pos < n && st == PD_OK) {
         int rc = pcre2_match(t->split[k], s, n, pos, PCRE2_NO_UTF_CHECK, md, NULL);
         if (rc == PCRE2_ERROR_NOMATCH) {
@@ -889,17 +1397,179 @@ static pd_status_t split_level(const pd_tokenizer_t *t, int k, const unsigned ch
             pos += l > 0 ? (size_t)l : 1;
             continue;
         }
-        st = split_level(t, k + 1, s + gap, ms - gap, out);
-        if (st == PD_OK) {
-            st = split_level(t, k + 1, s + ms, me - ms, out);
+        switch (how) {
+        case SPLIT_ISOLATED:
+            st = split_level(t, k + 1, s + piece, ms - piece, out);
+            if (st == PD_OK) {
+                st = split_level(t, k + 1, s + ms, me - ms, out);
+            }
+            piece = me;
+            break;
+        case SPLIT_MERGED_PREV:
+            st = split_level(t, k + 1, s + piece, me - piece, out);
+            piece = me;
+            break;
+        case SPLIT_MERGED_NEXT:
+            st = split_level(t, k + 1, s + piece, ms - piece, out);
+            piece = ms;
+            break;
+        case SPLIT_REMOVED:
+            st = split_level(t, k + 1, s + piece, ms - piece, out);
+            piece = me;
+            break;
         }
-        pos = gap = me;
+        pos = me;
     }
     if (st == PD_OK) {
-        st = split_level(t, k + 1, s + gap, n - gap, out);
+        st = split_level(t, k + 1, s + piece, n - piece, out);
     }
     pcre2_match_data_free(md);
     return st;
+}
+
+/* Python's/Unicode's White_Space for a normalizer Strip. */
+static bool is_white_space(int32_t cp)
+{
+    return (cp >= 0x09 && cp <= 0x0d) || cp == 0x20 || cp == 0x85 || cp == 0xa0 || cp == 0x1680 ||
+           (cp >= 0x2000 && cp <= 0x200a) || cp == 0x2028 || cp == 0x2029 || cp == 0x202f || cp == 0x205f ||
+           cp == 0x3000;
+}
+
+/* One normalizer step over s[n]; *out is malloc'd (NULL with PD_OK when the step leaves s as is). */
+static pd_status_t normalize_step(const norm_step_t *step, const unsigned char *s, size_t n,
+                                  unsigned char **out, size_t *out_len)
+{
+    *out = NULL;
+    switch (step->kind) {
+    case NORM_FORM: {
+        utf8proc_uint8_t *mapped = NULL;
+        utf8proc_ssize_t r = utf8proc_map(s, (utf8proc_ssize_t)n, &mapped, (utf8proc_option_t)step->options);
+        if (r < 0) {
+            pd_log_warn("tokenizer: normalization failed: %s", utf8proc_errmsg(r));
+            return PD_ERR_INVALID_ARG;
+        }
+        *out = mapped;
+        *out_len = (size_t)r;
+        return PD_OK;
+    }
+    case NORM_PREPEND:
+        if (n == 0) {
+            return PD_OK;
+        }
+        *out = malloc(n + step->to_len + 1);
+        if (*out == NULL) {
+            return PD_ERR_NO_MEMORY;
+        }
+        memcpy(*out, step->to, step->to_len);
+        memcpy(*out + step->to_len, s, n);
+        *out_len = n + step->to_len;
+        return PD_OK;
+    case NORM_LOWERCASE: {
+        *out = malloc(n * 2 + 4);
+        if (*out == NULL) {
+            return PD_ERR_NO_MEMORY;
+        }
+        size_t i = 0, k = 0;
+        while (i < n) {
+            utf8proc_int32_t cp;
+            utf8proc_ssize_t l = utf8proc_iterate(s + i, (utf8proc_ssize_t)(n - i), &cp);
+            if (l <= 0) {
+                (*out)[k++] = s[i++];
+                continue;
+            }
+            utf8proc_uint8_t enc[4];
+            utf8proc_ssize_t w = utf8proc_encode_char(utf8proc_tolower(cp), enc);
+            if (k + (size_t)w > n * 2 + 3) {
+                break;
+            }
+            memcpy(*out + k, enc, (size_t)w);
+            k += (size_t)w;
+            i += (size_t)l;
+        }
+        *out_len = k;
+        return PD_OK;
+    }
+    case NORM_STRIP: {
+        size_t b = 0, e = n;
+        while (step->left && b < e) {
+            utf8proc_int32_t cp;
+            utf8proc_ssize_t l = utf8proc_iterate(s + b, (utf8proc_ssize_t)(e - b), &cp);
+            if (l <= 0 || !is_white_space(cp)) {
+                break;
+            }
+            b += (size_t)l;
+        }
+        while (step->right && e > b) {
+            size_t p = e - 1;
+            while (p > b && (s[p] & 0xc0) == 0x80) {
+                p--;
+            }
+            utf8proc_int32_t cp;
+            if (utf8proc_iterate(s + p, (utf8proc_ssize_t)(e - p), &cp) <= 0 || !is_white_space(cp)) {
+                break;
+            }
+            e = p;
+        }
+        *out = malloc(e - b + 1);
+        if (*out == NULL) {
+            return PD_ERR_NO_MEMORY;
+        }
+        memcpy(*out, s + b, e - b);
+        *out_len = e - b;
+        return PD_OK;
+    }
+    case NORM_REPLACE: break;
+    }
+    if (step->re != NULL) {
+        PCRE2_SIZE cap = n * 2 + step->to_len * 8 + 64;
+        for (int attempt = 0; attempt < 8; attempt++) {
+            *out = malloc(cap + 1);
+            if (*out == NULL) {
+                return PD_ERR_NO_MEMORY;
+            }
+            PCRE2_SIZE olen = cap;
+            int rc = pcre2_substitute(step->re, s, n, 0,
+                                      PCRE2_SUBSTITUTE_GLOBAL | PCRE2_SUBSTITUTE_LITERAL |
+                                          PCRE2_SUBSTITUTE_OVERFLOW_LENGTH | PCRE2_NO_UTF_CHECK,
+                                      NULL, NULL, (PCRE2_SPTR)step->to, step->to_len, *out, &olen);
+            if (rc >= 0) {
+                *out_len = olen;
+                return PD_OK;
+            }
+            free(*out);
+            *out = NULL;
+            if (rc != PCRE2_ERROR_NOMEMORY) {
+                pd_log_warn("tokenizer: Replace normalizer failed (%d)", rc);
+                return PD_ERR_INVALID_ARG;
+            }
+            cap = olen;
+        }
+        return PD_ERR_NO_MEMORY;
+    }
+    size_t count = 0;
+    for (const unsigned char *p = s; (p = memmem(p, n - (size_t)(p - s), step->from, step->from_len)) != NULL;
+         p += step->from_len) {
+        count++;
+    }
+    if (count == 0) {
+        return PD_OK;
+    }
+    *out = malloc(n + count * step->to_len + 1);
+    if (*out == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
+    size_t k = 0, i = 0;
+    while (i < n) {
+        if (i + step->from_len <= n && memcmp(s + i, step->from, step->from_len) == 0) {
+            memcpy(*out + k, step->to, step->to_len);
+            k += step->to_len;
+            i += step->from_len;
+        } else {
+            (*out)[k++] = s[i++];
+        }
+    }
+    *out_len = k;
+    return PD_OK;
 }
 
 static pd_status_t encode_segment(const pd_tokenizer_t *t, const char *text, size_t len, bool at_start,
@@ -912,21 +1582,53 @@ static pd_status_t encode_segment(const pd_tokenizer_t *t, const char *text, siz
     const unsigned char *s = (const unsigned char *)text;
     size_t n = len;
     for (int i = 0; i < t->num_normalizers; i++) {
-        utf8proc_uint8_t *mapped = NULL;
-        utf8proc_ssize_t r =
-            utf8proc_map(s, (utf8proc_ssize_t)n, &mapped, (utf8proc_option_t)t->normalize_options[i]);
-        if (r < 0) {
+        unsigned char *next = NULL;
+        size_t nl = 0;
+        pd_status_t st = normalize_step(&t->norm[i], s, n, &next, &nl);
+        if (st != PD_OK) {
             free(norm);
-            pd_log_warn("tokenizer: normalization failed: %s", utf8proc_errmsg(r));
-            return PD_ERR_INVALID_ARG;
+            return st;
+        }
+        if (next != NULL) {
+            free(norm);
+            norm = next;
+            s = norm;
+            n = nl;
+        }
+    }
+    if (t->metaspace) { /* spaces become the replacement; prepended to the first or every section */
+        size_t spaces = 0;
+        for (size_t i = 0; i < n; i++) {
+            spaces += s[i] == ' ';
+        }
+        size_t rl = (size_t)t->meta_rep_len;
+        bool prepend = (t->meta_prepend == 2 || (t->meta_prepend == 1 && at_start)) &&
+                       !(n >= rl && memcmp(s, t->meta_rep, rl) == 0);
+        unsigned char *m = malloc(n + (spaces + 1) * rl + 1);
+        if (m == NULL) {
+            free(norm);
+            return PD_ERR_NO_MEMORY;
+        }
+        size_t k = 0;
+        if (prepend && n > 0) {
+            memcpy(m, t->meta_rep, rl);
+            k = rl;
+        }
+        for (size_t i = 0; i < n; i++) {
+            if (s[i] == ' ') {
+                memcpy(m + k, t->meta_rep, rl);
+                k += rl;
+            } else {
+                m[k++] = s[i];
+            }
         }
         free(norm);
-        norm = mapped;
+        norm = m;
         s = norm;
-        n = (size_t)r;
+        n = k;
     }
     unsigned char *prefixed = NULL;
-    if (t->add_prefix_space && at_start && n > 0 && s[0] != ' ') {
+    if (t->byte_level && t->add_prefix_space && at_start && n > 0 && s[0] != ' ') {
         prefixed = malloc(n + 1);
         if (prefixed == NULL) {
             free(norm);
@@ -1031,6 +1733,14 @@ pd_status_t pd_tokenizer_decode(const pd_tokenizer_t *t, const int32_t *ids, siz
         }
     }
     s[k] = '\0';
+    size_t strip = 0; /* the decoder's Strip (or Metaspace): leading spaces of the whole text */
+    while ((int)strip < t->dec_strip_start && strip < k && s[strip] == ' ') {
+        strip++;
+    }
+    if (strip > 0) {
+        memmove(s, s + strip, k - strip + 1);
+        k -= strip;
+    }
     *text_out = s;
     *len_out = k;
     return PD_OK;
@@ -1064,17 +1774,18 @@ pd_status_t pd_detok_step(const pd_tokenizer_t *t, pd_detok_t *st, int32_t id, b
             size_t p = i + j;
             win[j] = p < (size_t)st->num_pending ? st->pending[p] : b[p - (size_t)st->num_pending];
         }
-        int l = utf8_char_len(win, avail);
-        if (l > 0) {
-            memcpy(out + k, win, (size_t)l);
-            k += (size_t)l;
-            i += (size_t)l;
-        } else if (l == 0) {
+        size_t l = 0;
+        int r = pd_utf8_scan(win, avail, &l);
+        if (r == 1) {
+            memcpy(out + k, win, l);
+            k += l;
+            i += l;
+        } else if (r == 0) {
             break; /* incomplete tail: hold it */
-        } else {
+        } else {   /* one U+FFFD for the invalid sequence's maximal subpart */
             memcpy(out + k, REPLACEMENT, 3);
             k += 3;
-            i += 1;
+            i += l;
         }
     }
     unsigned char rest[8];
@@ -1102,6 +1813,15 @@ size_t pd_detok_finish(pd_detok_t *st, char *out, size_t cap)
 int32_t pd_tokenizer_vocab_size(const pd_tokenizer_t *t)
 {
     return t->vocab_size;
+}
+
+const char *pd_tokenizer_token_str(const pd_tokenizer_t *t, int32_t id, size_t *len_out)
+{
+    if (id < 0 || id >= t->vocab_size || t->id_str[id] == NULL) {
+        return NULL;
+    }
+    *len_out = t->id_str_len[id];
+    return t->id_str[id];
 }
 
 int32_t pd_tokenizer_token_id(const pd_tokenizer_t *t, const char *token)

@@ -25,6 +25,10 @@ void pd_tokenizer_free(pd_tokenizer_t *tok);
 /* Number of ids (max id + 1) the tokenizer knows. */
 int32_t pd_tokenizer_vocab_size(const pd_tokenizer_t *tok);
 
+/* The token string of id as the vocabulary writes it (HF convert_ids_to_tokens, e.g. "Ġhello"),
+ * *len_out bytes, not NUL-terminated; NULL for an unknown id. */
+const char *pd_tokenizer_token_str(const pd_tokenizer_t *tok, int32_t id, size_t *len_out);
+
 /* Id of an exact token string (vocab or added token), or -1. */
 int32_t pd_tokenizer_token_id(const pd_tokenizer_t *tok, const char *token);
 

@@ -19,9 +19,11 @@
 #include <time.h>
 
 #include "common/hash.h"
+#include "common/http_reply.h"
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/time.h"
+#include "common/version.h"
 
 #define MAX_NODES 64
 
@@ -93,6 +95,7 @@ struct preq {
     struct evhttp_connection *client_conn; /* its connection's close callback points at us */
     json_t *body;
     bool stream, push;
+    const char *path; /* /v1/completions or /v1/chat/completions, sent to both nodes */
     char transfer_id[48];
     uint64_t affinity;
     node_t *p, *d;
@@ -289,7 +292,7 @@ static void reply_json(struct evhttp_request *req, int status, json_t *body)
     struct evbuffer *b = evbuffer_new();
     evbuffer_add(b, text, strlen(text));
     evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type", "application/json");
-    evhttp_send_reply(req, status, status == 200 ? "OK" : "Error", b);
+    pd_http_send_reply(req, status, status == 200 ? "OK" : "Error", b);
     evbuffer_free(b);
     free(text);
 }
@@ -405,7 +408,7 @@ static void on_d_done(struct evhttp_request *r, void *arg)
         } else {
             evhttp_add_header(evhttp_request_get_output_headers(q->client), "Content-Type",
                               "application/json");
-            evhttp_send_reply(q->client, code, code == 200 ? "OK" : "Error", q->d_body);
+            pd_http_send_reply(q->client, code, code == 200 ? "OK" : "Error", q->d_body);
         }
         pd_metric_inc(code == 200 ? px->m.ok : px->m.failed, 1);
         pd_metric_observe(px->m.e2e_s, pd_time_now_s() - q->t0);
@@ -438,8 +441,7 @@ static void start_decode(preq_t *q)
         json_object_set(body, "kv_transfer_params", q->ktp);
     }
     q->t_d_sent = pd_time_now_s();
-    q->d_conn =
-        upstream(px, d, EVHTTP_REQ_POST, "/v1/completions", body, on_d_done, on_d_chunk, on_d_header, q);
+    q->d_conn = upstream(px, d, EVHTTP_REQ_POST, q->path, body, on_d_done, on_d_chunk, on_d_header, q);
     json_decref(body);
     if (q->d_conn == NULL) {
         fail_request(q, 502, "cannot reach the decode node");
@@ -497,7 +499,7 @@ static void on_p_done(struct evhttp_request *r, void *arg)
     if (code != 200) {
         /* the request itself is bad (4xx): relay the prefill's error */
         evhttp_add_header(evhttp_request_get_output_headers(q->client), "Content-Type", "application/json");
-        evhttp_send_reply(q->client, code, "Error", evhttp_request_get_input_buffer(r));
+        pd_http_send_reply(q->client, code, "Error", evhttp_request_get_input_buffer(r));
         pd_metric_inc(px->m.failed, 1);
         q->client = NULL;
         preq_free(q);
@@ -527,16 +529,20 @@ static bool start_prefill(preq_t *q)
     q->p = p;
     json_t *body = json_deep_copy(q->body);
     json_object_set_new(body, "max_tokens", json_integer(1));
+    json_object_del(body, "max_completion_tokens");
     json_object_set_new(body, "stream", json_false());
     json_object_del(body, "stream_options");
     json_object_del(body, "logprobs");
+    json_object_del(body, "top_logprobs");
+    json_object_del(body, "min_tokens"); /* the prefill's one token; the decode applies it */
+    json_object_del(body, "n");          /* one KV for the decode's choices to share */
     json_t *ktp = json_pack("{s:b, s:b}", "do_remote_decode", 1, "do_remote_prefill", 0);
     if (q->push) {
         json_object_set_new(ktp, "transfer_mode", json_string("push"));
         json_object_set_new(ktp, "transfer_id", json_string(q->transfer_id));
     }
     json_object_set_new(body, "kv_transfer_params", ktp);
-    q->p_conn = upstream(px, p, EVHTTP_REQ_POST, "/v1/completions", body, on_p_done, NULL, NULL, q);
+    q->p_conn = upstream(px, p, EVHTTP_REQ_POST, q->path, body, on_p_done, NULL, NULL, q);
     json_decref(body);
     if (q->p_conn == NULL) {
         fail_request(q, 502, "cannot reach the prefill node");
@@ -570,7 +576,7 @@ static void on_client_close(struct evhttp_connection *conn, void *arg)
     preq_free(q);
 }
 
-static void handle_completions(proxy_t *px, struct evhttp_request *req)
+static void handle_completions(proxy_t *px, struct evhttp_request *req, const char *path)
 {
     struct evbuffer *in = evhttp_request_get_input_buffer(req);
     size_t len = evbuffer_get_length(in);
@@ -588,16 +594,30 @@ static void handle_completions(proxy_t *px, struct evhttp_request *req)
         reply_error(req, 400, "BadRequestError", msg);
         return;
     }
+    json_t *plp = json_object_get(body, "prompt_logprobs");
+    json_t *lps = json_object_get(body, "logprobs");
+    if ((plp != NULL && !json_is_null(plp)) ||
+        (json_is_true(json_object_get(body, "echo")) && lps != NULL && !json_is_null(lps))) {
+        /* refused before any node holds KV for it: both score the prompt */
+        reply_error(req, 400, "BadRequestError",
+                    "'prompt_logprobs' is not supported through the P/D proxy yet (send it to pd-serve)");
+        json_decref(body);
+        return;
+    }
     preq_t *q = calloc(1, sizeof(*q));
     q->px = px;
     q->client = req;
     q->body = body;
     q->stream = json_is_true(json_object_get(body, "stream"));
+    q->path = path;
     q->d_body = evbuffer_new();
     q->t0 = pd_time_now_s();
     json_object_del(body, "kv_transfer_params"); /* the proxy owns the transfer */
-    /* affinity key: the start of the prompt (text or token ids) */
+    /* affinity key: the start of the prompt (text or token ids) or of the chat messages */
     json_t *prompt = json_object_get(body, "prompt");
+    if (prompt == NULL) {
+        prompt = json_object_get(body, "messages");
+    }
     char *ptext = json_dumps(prompt != NULL ? prompt : json_null(), JSON_COMPACT | JSON_ENCODE_ANY);
     size_t plen = ptext != NULL ? strlen(ptext) : 0;
     size_t lim = (size_t)(px->cfg.affinity_prefix_chars > 0 ? px->cfg.affinity_prefix_chars : 1);
@@ -628,30 +648,63 @@ static void handle_completions(proxy_t *px, struct evhttp_request *req)
     }
 }
 
-static void on_models_done(struct evhttp_request *r, void *arg)
-{
-    struct evhttp_request *client = arg;
-    int code = r != NULL ? evhttp_request_get_response_code(r) : 0;
-    if (code == 0) {
-        reply_error(client, 502, "BadGatewayError", "the decode node did not answer");
-        return;
-    }
-    evhttp_add_header(evhttp_request_get_output_headers(client), "Content-Type", "application/json");
-    evhttp_send_reply(client, code, "OK", evhttp_request_get_input_buffer(r));
-}
-
-typedef struct models_ctx {
+typedef struct fwd_ctx {
     proxy_t *px;
     struct evhttp_request *client;
     struct evhttp_connection *conn;
-} models_ctx_t;
+} fwd_ctx_t;
 
-static void on_models_done_free(struct evhttp_request *r, void *arg)
+/* A forwarded request's answer, relayed as it is (status, JSON body). */
+static void on_forward_done(struct evhttp_request *r, void *arg)
 {
-    models_ctx_t *m = arg;
-    on_models_done(r, m->client);
+    fwd_ctx_t *m = arg;
+    int code = r != NULL ? evhttp_request_get_response_code(r) : 0;
+    if (code == 0) {
+        reply_error(m->client, 502, "BadGatewayError", "the node did not answer");
+    } else {
+        evhttp_add_header(evhttp_request_get_output_headers(m->client), "Content-Type", "application/json");
+        pd_http_send_reply(m->client, code, code == 200 ? "OK" : "Error", evhttp_request_get_input_buffer(r));
+    }
     release_conn(m->px, m->conn);
     free(m);
+}
+
+/* Sends a request that any node answers the same (models, tokenize) to a healthy decode node. */
+static void forward(proxy_t *px, struct evhttp_request *req, enum evhttp_cmd_type method, const char *path,
+                    bool with_body)
+{
+    json_t *body = NULL;
+    if (with_body) {
+        struct evbuffer *in = evhttp_request_get_input_buffer(req);
+        size_t len = evbuffer_get_length(in);
+        json_error_t jerr;
+        body =
+            len <= px->cfg.max_request_bytes
+                ? json_loadb((const char *)evbuffer_pullup(in, (ev_ssize_t)len), len, JSON_ALLOW_NUL, &jerr)
+                : NULL;
+        if (!json_is_object(body)) {
+            json_decref(body);
+            reply_error(req, 400, "BadRequestError", "the body is not a JSON object (or too large)");
+            return;
+        }
+    }
+    bool none[MAX_NODES] = {false};
+    node_t *d = pick(px, false, none, 0, false);
+    fwd_ctx_t *m = d != NULL ? calloc(1, sizeof(*m)) : NULL;
+    if (m == NULL) {
+        json_decref(body);
+        reply_error(req, 503, "ServiceUnavailableError", "no healthy decode node");
+        return;
+    }
+    m->px = px;
+    m->client = req;
+    m->conn = upstream(px, d, method == EVHTTP_REQ_HEAD ? EVHTTP_REQ_GET : method, path, body,
+                       on_forward_done, NULL, NULL, m);
+    json_decref(body);
+    if (m->conn == NULL) {
+        free(m);
+        reply_error(req, 502, "BadGatewayError", "cannot reach the decode node");
+    }
 }
 
 static bool pool_ok(const proxy_t *px, bool prefill)
@@ -671,7 +724,7 @@ static void handle_metrics(proxy_t *px, struct evhttp_request *req)
     struct evbuffer *b = evbuffer_new();
     evbuffer_add(b, text, len);
     evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type", "text/plain; version=0.0.4");
-    evhttp_send_reply(req, 200, "OK", b);
+    pd_http_send_reply(req, 200, "OK", b);
     evbuffer_free(b);
     free(text);
 }
@@ -682,39 +735,46 @@ static void on_request(struct evhttp_request *req, void *arg)
     const struct evhttp_uri *uri = evhttp_request_get_evhttp_uri(req);
     const char *path = uri != NULL ? evhttp_uri_get_path(uri) : NULL;
     enum evhttp_cmd_type cmd = evhttp_request_get_command(req);
+    bool get = cmd == EVHTTP_REQ_GET || cmd == EVHTTP_REQ_HEAD; /* HEAD: same answer, no body */
+    bool post = cmd == EVHTTP_REQ_POST;
     if (path == NULL) {
         reply_error(req, 400, "BadRequestError", "malformed request URI");
-    } else if (strcmp(path, "/v1/completions") == 0) {
-        if (cmd != EVHTTP_REQ_POST) {
+    } else if (strcmp(path, "/v1/completions") == 0 || strcmp(path, "/v1/chat/completions") == 0) {
+        if (!post) {
             reply_error(req, 405, "MethodNotAllowedError", "use POST");
         } else if (px->stopping) {
             reply_error(req, 503, "ServiceUnavailableError", "the proxy is shutting down");
         } else {
-            handle_completions(px, req);
+            handle_completions(px, req,
+                               path[4] == 'c' && path[5] == 'h' ? "/v1/chat/completions" : "/v1/completions");
         }
-    } else if (strcmp(path, "/v1/models") == 0 && cmd == EVHTTP_REQ_GET) {
-        bool none[MAX_NODES] = {false};
-        node_t *d = pick(px, false, none, 0, false);
-        models_ctx_t *m = d != NULL ? calloc(1, sizeof(*m)) : NULL;
-        if (m == NULL) {
-            reply_error(req, 503, "ServiceUnavailableError", "no healthy decode node");
-            return;
+    } else if (strcmp(path, "/v1/models") == 0 || strncmp(path, "/v1/models/", 11) == 0) {
+        if (!get) {
+            reply_error(req, 405, "MethodNotAllowedError", "use GET");
+        } else {
+            forward(px, req, cmd, path, false);
         }
-        m->px = px;
-        m->client = req;
-        m->conn = upstream(px, d, EVHTTP_REQ_GET, "/v1/models", NULL, on_models_done_free, NULL, NULL, m);
-        if (m->conn == NULL) {
-            free(m);
-            reply_error(req, 502, "BadGatewayError", "cannot reach the decode node");
+    } else if (strcmp(path, "/tokenize") == 0 || strcmp(path, "/detokenize") == 0) {
+        if (!post) {
+            reply_error(req, 405, "MethodNotAllowedError", "use POST");
+        } else {
+            forward(px, req, cmd, path, true);
         }
-    } else if (strcmp(path, "/health") == 0 && cmd == EVHTTP_REQ_GET) {
+    } else if ((strcmp(path, "/health") == 0 && get) || (strcmp(path, "/ping") == 0 && (get || post))) {
         bool ok = pool_ok(px, true) && pool_ok(px, false) && !px->stopping;
         json_t *j = json_pack("{s:s, s:b, s:b}", "status", ok ? "ok" : "degraded", "prefill",
                               pool_ok(px, true), "decode", pool_ok(px, false));
         reply_json(req, ok ? 200 : 503, j);
         json_decref(j);
-    } else if (strcmp(path, "/metrics") == 0 && cmd == EVHTTP_REQ_GET) {
+    } else if (strcmp(path, "/version") == 0 && get) {
+        json_t *j = json_pack("{s:s}", "version", PD_VERSION);
+        reply_json(req, 200, j);
+        json_decref(j);
+    } else if (strcmp(path, "/metrics") == 0 && get) {
         handle_metrics(px, req);
+    } else if (strcmp(path, "/health") == 0 || strcmp(path, "/ping") == 0 || strcmp(path, "/version") == 0 ||
+               strcmp(path, "/metrics") == 0) {
+        reply_error(req, 405, "MethodNotAllowedError", "use GET");
     } else {
         reply_error(req, 404, "NotFoundError", "no such route");
     }

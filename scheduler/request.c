@@ -5,8 +5,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 
 #include "common/log.h"
+#include "common/time.h"
 
 pd_status_t pd_request_create(const char *id, const int32_t *prompt, int32_t n,
                               const pd_request_params_t *params, int32_t max_len, pd_request_t **req_out)
@@ -31,8 +33,15 @@ pd_status_t pd_request_create(const char *id, const int32_t *prompt, int32_t n,
     memcpy(r->tokens, prompt, (size_t)n * sizeof(int32_t));
     r->num_prompt_tokens = r->num_tokens = n;
     r->params = *params;
-    pd_rng_seed(&r->rng, params->has_seed ? params->seed : (uint64_t)(uintptr_t)r ^ 0x5eed);
+    uint64_t seed = params->seed;
+    if (!params->has_seed) { /* an unseeded request draws its seed from the OS (vLLM: a fresh generator) */
+        if (getrandom(&seed, sizeof(seed), 0) != (ssize_t)sizeof(seed)) {
+            seed = pd_time_now_ns() ^ (uint64_t)(uintptr_t)r;
+        }
+    }
+    pd_rng_seed(&r->rng, seed);
     r->num_cached_tokens = -1;
+    r->stop_token = -1;
     r->batch_slot = -1;
     r->state = PD_REQ_WAITING;
     *req_out = r;

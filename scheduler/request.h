@@ -29,6 +29,9 @@ typedef enum pd_request_state {
 
 #define PD_REQ_ID_MAX         64
 #define PD_MAX_STOP_TOKEN_IDS 16
+#define PD_MAX_LOGIT_BIAS     300 /* entries of logit_bias (OpenAI's limit) */
+#define PD_MAX_BAD_WORDS      32  /* token sequences of bad_words */
+#define PD_MAX_BAD_WORD_IDS   256 /* their token ids, all sequences together */
 
 /* What a client asks for; copied into the request. */
 typedef struct pd_request_params {
@@ -40,7 +43,25 @@ typedef struct pd_request_params {
     bool has_seed;
     uint64_t seed;
     int32_t logprobs; /* top logprobs per sampled token (0 = none) */
+    /* logits processing, applied in vLLM's order before sampling (engine/logits_process.c) */
+    float presence_penalty;   /* 0 = off; output tokens */
+    float frequency_penalty;  /* 0 = off; output tokens, by count */
+    float repetition_penalty; /* 1 = off (0 is read as off too); prompt and output tokens */
+    int32_t min_tokens;       /* EOS and stop_token_ids masked until this many outputs */
+    int32_t num_logit_bias;
+    int32_t logit_bias_ids[PD_MAX_LOGIT_BIAS];
+    float logit_bias[PD_MAX_LOGIT_BIAS];
+    int32_t num_bad_words; /* sequences: ids [end[i-1], end[i]) of bad_word_ids */
+    int32_t bad_word_end[PD_MAX_BAD_WORDS];
+    int32_t bad_word_ids[PD_MAX_BAD_WORD_IDS];
+    bool include_stop_str_in_output;
+    bool keep_special_tokens;  /* skip_special_tokens: false (vLLM's default drops special tokens) */
+    bool want_prompt_logprobs; /* prompt_logprobs: the prompt's tokens scored (no prefix cache then) */
+    int32_t prompt_logprobs;   /* top entries per prompt position beside the prompt token */
 } pd_request_params_t;
+
+/* Prompt tokens a prompt-logprobs request computes per step at most (each needs a logits row). */
+#define PD_PROMPT_LOGPROBS_CHUNK 128
 
 typedef struct pd_request pd_request_t;
 struct pd_request {
@@ -67,6 +88,7 @@ struct pd_request {
     int32_t num_external_tokens;    /* tokens the connector loads from a remote peer */
     bool holds_blocks_after_finish; /* finished, blocks held for a remote reader (delay free) */
 
+    int32_t stop_token; /* the stop_token_ids entry that finished it (vLLM's stop_reason), or -1 */
     int32_t num_preemptions;
     double arrival_time, first_scheduled_time, first_token_time, finish_time;
     pd_request_t *prev, *next; /* scheduler queue links */

@@ -319,7 +319,9 @@ static void schedule_waiting(pd_scheduler_t *s, int32_t *budget)
         bool fresh = r->num_blocks == 0;
         int32_t n_hits = 0, local = 0, external = 0;
         bool async = false;
-        if (fresh) {
+        /* prompt logprobs need every prompt position computed here: no prefix hit, no remote KV */
+        bool scored = r->params.want_prompt_logprobs;
+        if (fresh && !scored) {
             n_hits = pd_kv_manager_get_computed_blocks(&s->kv, r, s->hits, s->max_blocks_per_req,
                                                        r->num_cached_tokens < 0, &local);
             if (s->conn != NULL) {
@@ -337,6 +339,9 @@ static void schedule_waiting(pd_scheduler_t *s, int32_t *budget)
         }
         int32_t computed = fresh ? local + (async ? 0 : external) : r->num_computed_tokens;
         int32_t num_new = async ? 0 : r->num_tokens - computed;
+        if (scored && s->cfg.enable_chunked_prefill && num_new > PD_PROMPT_LOGPROBS_CHUNK) {
+            num_new = PD_PROMPT_LOGPROBS_CHUNK;
+        }
         if (num_new > *budget) {
             if (!s->cfg.enable_chunked_prefill) {
                 break;
@@ -387,6 +392,10 @@ const pd_scheduler_output_t *pd_scheduler_schedule(pd_scheduler_t *s)
     for (int32_t i = 0; i < s->num_running && budget > 0; i++) {
         pd_request_t *r = s->running[i];
         int32_t num_new = r->num_tokens - r->num_computed_tokens;
+        if (r->params.want_prompt_logprobs && s->cfg.enable_chunked_prefill &&
+            num_new > PD_PROMPT_LOGPROBS_CHUNK) {
+            num_new = PD_PROMPT_LOGPROBS_CHUNK;
+        }
         if (num_new > budget) {
             if (!s->cfg.enable_chunked_prefill) {
                 continue;
@@ -424,8 +433,18 @@ const pd_scheduler_output_t *pd_scheduler_schedule(pd_scheduler_t *s)
 
 /* ------------------------------------------------------------------ update */
 
+/* vLLM's check_stop: the length limits first; then, once min_tokens outputs exist, EOS (unless
+ * ignore_eos) and the request's stop_token_ids (recorded as its stop reason). */
 static bool stop_check(const pd_scheduler_t *s, pd_request_t *r, int32_t tok, pd_request_state_t *st)
 {
+    if (pd_request_num_output(r) >= r->params.max_tokens || r->num_tokens >= s->cfg.max_model_len ||
+        r->num_tokens >= r->cap_tokens) {
+        *st = PD_REQ_FINISHED_LENGTH;
+        return true;
+    }
+    if (pd_request_num_output(r) < r->params.min_tokens) {
+        return false;
+    }
     if (!r->params.ignore_eos) {
         for (int32_t i = 0; i < s->cfg.num_eos; i++) {
             if (tok == s->cfg.eos_token_ids[i]) {
@@ -437,13 +456,9 @@ static bool stop_check(const pd_scheduler_t *s, pd_request_t *r, int32_t tok, pd
     for (int32_t i = 0; i < r->params.num_stop_token_ids; i++) {
         if (tok == r->params.stop_token_ids[i]) {
             *st = PD_REQ_FINISHED_STOPPED;
+            r->stop_token = tok;
             return true;
         }
-    }
-    if (pd_request_num_output(r) >= r->params.max_tokens || r->num_tokens >= s->cfg.max_model_len ||
-        r->num_tokens >= r->cap_tokens) {
-        *st = PD_REQ_FINISHED_LENGTH;
-        return true;
     }
     return false;
 }

@@ -1,4 +1,6 @@
-/* server/http_server.c — libevent HTTP front: routing, OpenAI completions, SSE, metrics, drain. */
+/* server/http_server.c — libevent HTTP front: routes, replies, the API endpoints around generation
+ * (models, tokenize, detokenize, version, ping, health, metrics), drain. Generation requests are
+ * completion.c's. */
 #define _GNU_SOURCE
 #include "server/http_server.h"
 
@@ -15,60 +17,18 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
+#include "common/http_reply.h"
 #include "common/log.h"
 #include "common/strmap.h"
 #include "common/time.h"
-#include "server/openai.h"
-
-/* One in-flight completion. */
-typedef struct creq creq_t;
-struct creq {
-    pd_http_server_t *srv;
-    struct evhttp_request *req; /* NULL once the client went away */
-    char id[48];
-    pd_completion_req_t in;
-    bool started, done;
-    char *text;
-    size_t text_len, text_cap;
-    int32_t *ids;
-    int32_t num_ids, cap_ids;
-    json_t *lp; /* OpenAI logprobs object being built, or NULL */
-    double arrival, first_token, last_token;
-    int64_t created;
-    creq_t *prev, *next; /* in-flight list */
-};
-
-typedef struct srv_metrics {
-    pd_metric_t *running, *waiting, *waiting_remote, *kv_usage, *blocks_free, *blocks_cached, *blocks_used;
-    pd_metric_t *prefix_queries, *prefix_hits, *prompt_tokens, *generation_tokens, *preemptions;
-    pd_metric_t *ttft, *itl, *e2e, *queue, *step;
-    pd_metric_t *success[4]; /* stop, length, abort, error */
-    pd_metric_t *http_errors;
-    uint64_t seen_prefix_queries, seen_prefix_hits, seen_prompt, seen_gen, seen_preempt, seen_steps;
-} srv_metrics_t;
-
-struct pd_http_server {
-    pd_http_config_t cfg;
-    char model_name[256];
-    pd_engine_t *engine;
-    pd_metrics_t *metrics;
-    srv_metrics_t m;
-    struct event_base *base;
-    struct evhttp *http;
-    struct event *wake, *sigterm, *sigint, *drain_timer;
-    int port;
-    uint64_t next_id;
-    creq_t *inflight;
-    int num_inflight;
-    int unsent; /* replies handed to libevent and not yet written out */
-    bool draining;
-    double drain_deadline;
-    bool aborted_rest;
-    int64_t started_at;
-};
+#include "common/version.h"
+#include "model/generation_config.h"
+#include "server/http_internal.h"
 
 void pd_http_config_defaults(pd_http_config_t *c)
 {
@@ -91,6 +51,10 @@ size_t pd_http_flags(pd_http_config_t *c, pd_flag_t *out, size_t max)
          NULL},
         {"served-model-name", PD_FLAG_STR, &c->served_model_name, "model name in the API (default: dir name)",
          NULL},
+        {"chat-template", PD_FLAG_STR, &c->chat_template,
+         "chat template: a file, or the template text (default: chat_template.jinja, then "
+         "tokenizer_config.json in the model directory)",
+         NULL},
     };
     size_t n = sizeof(f) / sizeof(f[0]);
     n = n < max ? n : max;
@@ -108,15 +72,15 @@ static void on_reply_sent(struct evhttp_request *req, void *arg)
 
 /* Every reply is counted until libevent has written it, so a drain does not exit with replies
  * still sitting in a connection's output buffer. */
-static void track_reply(pd_http_server_t *s, struct evhttp_request *req)
+void pd_http_track_reply(pd_http_server_t *s, struct evhttp_request *req)
 {
     s->unsent++;
     evhttp_request_set_on_complete_cb(req, on_reply_sent, s);
 }
 
-static void send_json(pd_http_server_t *s, struct evhttp_request *req, int status, json_t *body)
+void pd_http_send_json(pd_http_server_t *s, struct evhttp_request *req, int status, json_t *body)
 {
-    track_reply(s, req);
+    pd_http_track_reply(s, req);
     char *text = json_dumps(body, JSON_COMPACT);
     struct evbuffer *buf = evbuffer_new();
     evbuffer_add(buf, text, strlen(text));
@@ -129,294 +93,25 @@ static void send_json(pd_http_server_t *s, struct evhttp_request *req, int statu
                          : status == 413 ? "Payload Too Large"
                          : status == 503 ? "Service Unavailable"
                                          : "Internal Server Error";
-    evhttp_send_reply(req, status, reason, buf);
+    pd_http_send_reply(req, status, reason, buf);
     evbuffer_free(buf);
     free(text);
 }
 
-static void send_error(pd_http_server_t *s, struct evhttp_request *req, const pd_http_error_t *err)
+void pd_http_send_error(pd_http_server_t *s, struct evhttp_request *req, const pd_http_error_t *err)
 {
     json_t *j = pd_openai_error_json(err);
-    send_json(s, req, err->status, j);
+    pd_http_send_json(s, req, err->status, j);
     json_decref(j);
     pd_metric_inc(s->m.http_errors, 1);
 }
 
-static void reply_error(pd_http_server_t *s, struct evhttp_request *req, int status, const char *type,
-                        const char *param, const char *msg)
+void pd_http_reply_error(pd_http_server_t *s, struct evhttp_request *req, int status, const char *type,
+                         const char *param, const char *msg)
 {
     pd_http_error_t e;
     pd_http_error_set(&e, status, type, param, "%s", msg);
-    send_error(s, req, &e);
-}
-
-/* ------------------------------------------------------------------ completions: state */
-
-static void creq_free(creq_t *c)
-{
-    pd_http_server_t *s = c->srv;
-    if (c->prev != NULL) {
-        c->prev->next = c->next;
-    } else if (s->inflight == c) {
-        s->inflight = c->next;
-    }
-    if (c->next != NULL) {
-        c->next->prev = c->prev;
-    }
-    s->num_inflight--;
-    pd_completion_req_free(&c->in);
-    json_decref(c->lp);
-    free(c->text);
-    free(c->ids);
-    free(c);
-}
-
-static void on_client_close(struct evhttp_connection *conn, void *arg)
-{
-    creq_t *c = arg;
-    if (c->done || c->req == NULL) {
-        return;
-    }
-    pd_log_info("client of %s disconnected; aborting it", c->id);
-    c->req = NULL;
-    pd_engine_abort_async(c->srv->engine, c->id);
-}
-
-static void detach_close_cb(creq_t *c)
-{
-    if (c->req != NULL) {
-        struct evhttp_connection *conn = evhttp_request_get_connection(c->req);
-        if (conn != NULL) {
-            evhttp_connection_set_closecb(conn, NULL, NULL);
-        }
-    }
-}
-
-static json_t *usage_json(const pd_engine_output_t *o, const creq_t *c)
-{
-    int32_t completion = o->finish_reason != NULL ? o->completion_tokens : c->num_ids;
-    json_t *u = json_pack("{s:i, s:i, s:i}", "prompt_tokens", c->in.num_prompt, "completion_tokens",
-                          completion, "total_tokens", c->in.num_prompt + completion);
-    if (o->cached_tokens > 0) {
-        json_object_set_new(u, "prompt_tokens_details",
-                            json_pack("{s:i}", "cached_tokens", o->cached_tokens));
-    }
-    return u;
-}
-
-static json_t *ids_json(const int32_t *ids, int32_t n)
-{
-    json_t *a = json_array();
-    for (int32_t i = 0; i < n; i++) {
-        json_array_append_new(a, json_integer(ids[i]));
-    }
-    return a;
-}
-
-/* The logprobs entries of one output appended to lp (OpenAI completions format). */
-static void logprobs_append(pd_http_server_t *s, json_t *lp, const pd_engine_output_t *o, size_t text_offset)
-{
-    const pd_tokenizer_t *tok = pd_engine_tokenizer(s->engine);
-    char *t = NULL;
-    size_t tl = 0;
-    if (pd_tokenizer_decode(tok, &o->token, 1, false, &t, &tl) != PD_OK) {
-        t = strdup("");
-        tl = 0;
-    }
-    json_array_append_new(json_object_get(lp, "tokens"), pd_json_string_lossy(t, tl));
-    json_array_append_new(json_object_get(lp, "token_logprobs"), json_real(o->logprob));
-    json_array_append_new(json_object_get(lp, "text_offset"), json_integer((json_int_t)text_offset));
-    json_t *top = json_object();
-    for (int32_t k = 0; k < o->num_top; k++) {
-        char *tt = NULL;
-        size_t ttl = 0;
-        if (pd_tokenizer_decode(tok, &o->top_ids[k], 1, false, &tt, &ttl) == PD_OK) {
-            json_t *key = pd_json_string_lossy(tt, ttl);
-            if (json_object_get(top, json_string_value(key)) == NULL) {
-                json_object_set_new(top, json_string_value(key), json_real(o->top_logprobs[k]));
-            }
-            json_decref(key);
-            free(tt);
-        }
-    }
-    json_array_append_new(json_object_get(lp, "top_logprobs"), top);
-    free(t);
-}
-
-static json_t *new_logprobs(void)
-{
-    return json_pack("{s:[], s:[], s:[], s:[]}", "tokens", "token_logprobs", "top_logprobs", "text_offset");
-}
-
-static json_t *choice_json(const creq_t *c, const char *text, size_t len, json_t *lp, const char *finish)
-{
-    json_t *ch = json_pack("{s:i, s:o, s:o, s:o, s:n}", "index", 0, "text", pd_json_string_lossy(text, len),
-                           "logprobs", lp != NULL ? json_incref(lp) : json_null(), "finish_reason",
-                           finish != NULL ? json_string(finish) : json_null(), "stop_reason");
-    return ch;
-}
-
-/* ------------------------------------------------------------------ completions: outputs */
-
-static void observe_token(pd_http_server_t *s, creq_t *c)
-{
-    double now = pd_time_now_s();
-    if (c->first_token == 0) {
-        c->first_token = now;
-        pd_metric_observe(s->m.ttft, now - c->arrival);
-    } else {
-        pd_metric_observe(s->m.itl, now - c->last_token);
-    }
-    c->last_token = now;
-}
-
-static void finish_metrics(pd_http_server_t *s, const pd_engine_output_t *o)
-{
-    static const char *reasons[4] = {"stop", "length", "abort", "error"};
-    for (int i = 0; i < 4; i++) {
-        if (strcmp(o->finish_reason, reasons[i]) == 0) {
-            pd_metric_inc(s->m.success[i], 1);
-        }
-    }
-    pd_metric_observe(s->m.e2e, o->e2e);
-    pd_metric_observe(s->m.queue, o->queue_time);
-}
-
-static void stream_chunk(creq_t *c, json_t *chunk)
-{
-    char *text = json_dumps(chunk, JSON_COMPACT);
-    struct evbuffer *buf = evbuffer_new();
-    evbuffer_add_printf(buf, "data: %s\n\n", text);
-    evhttp_send_reply_chunk(c->req, buf);
-    evbuffer_free(buf);
-    free(text);
-}
-
-static void handle_output(pd_http_server_t *s, const pd_engine_output_t *o)
-{
-    creq_t *c = o->user;
-    if (c == NULL || c->done) {
-        return;
-    }
-    size_t offset = c->text_len;
-    if (o->token >= 0) {
-        observe_token(s, c);
-        if (c->num_ids == c->cap_ids) {
-            c->cap_ids = c->cap_ids ? 2 * c->cap_ids : 64;
-            c->ids = realloc(c->ids, (size_t)c->cap_ids * sizeof(int32_t));
-        }
-        c->ids[c->num_ids++] = o->token;
-        if (c->lp != NULL) {
-            logprobs_append(s, c->lp, o, offset);
-        }
-    }
-    if (o->text_len > 0) {
-        if (c->text_len + o->text_len + 1 > c->text_cap) {
-            c->text_cap = (c->text_len + o->text_len + 1) * 2;
-            c->text = realloc(c->text, c->text_cap);
-        }
-        memcpy(c->text + c->text_len, o->text, o->text_len);
-        c->text_len += o->text_len;
-        c->text[c->text_len] = '\0';
-    }
-    bool finished = o->finish_reason != NULL;
-    if (finished) {
-        c->done = true;
-        finish_metrics(s, o);
-    }
-    if (c->req == NULL) { /* client gone: only wait for the final output */
-        if (finished) {
-            creq_free(c);
-        }
-        return;
-    }
-    if (c->in.stream) {
-        if (!c->started) {
-            struct evkeyvalq *h = evhttp_request_get_output_headers(c->req);
-            evhttp_add_header(h, "Content-Type", "text/event-stream");
-            evhttp_add_header(h, "Cache-Control", "no-cache");
-            evhttp_send_reply_start(c->req, 200, "OK");
-            c->started = true;
-        }
-        if (finished && strcmp(o->finish_reason, "error") == 0 && o->completion_tokens == 0 &&
-            o->text_len > 0) {
-            pd_http_error_t e;
-            pd_http_error_set(&e, 500, "InternalServerError", NULL, "%s", o->text);
-            json_t *ej = pd_openai_error_json(&e);
-            stream_chunk(c, ej);
-            json_decref(ej);
-        } else if (o->token >= 0 || o->text_len > 0 || finished) {
-            json_t *lp = NULL;
-            if (c->lp != NULL) { /* this chunk's entries only */
-                lp = new_logprobs();
-                if (o->token >= 0) {
-                    logprobs_append(s, lp, o, offset);
-                }
-            }
-            json_t *choice = choice_json(c, o->text, o->text_len, lp, o->finish_reason);
-            json_decref(lp);
-            if (c->in.return_token_ids) {
-                json_object_set_new(choice, "token_ids",
-                                    o->token >= 0 ? ids_json(&o->token, 1) : json_array());
-                if (c->num_ids <= 1 && o->token >= 0) {
-                    json_object_set_new(choice, "prompt_token_ids", ids_json(c->in.prompt, c->in.num_prompt));
-                }
-            }
-            json_t *chunk =
-                json_pack("{s:s, s:s, s:I, s:s, s:[o]}", "id", c->id, "object", "text_completion", "created",
-                          (json_int_t)c->created, "model", s->model_name, "choices", choice);
-            if (finished && o->kv_transfer_params != NULL) {
-                json_object_set_new(chunk, "kv_transfer_params", json_loads(o->kv_transfer_params, 0, NULL));
-            }
-            stream_chunk(c, chunk);
-            json_decref(chunk);
-        }
-        if (finished) {
-            if (c->in.include_usage) {
-                json_t *u = json_pack("{s:s, s:s, s:I, s:s, s:[], s:o}", "id", c->id, "object",
-                                      "text_completion", "created", (json_int_t)c->created, "model",
-                                      s->model_name, "choices", "usage", usage_json(o, c));
-                stream_chunk(c, u);
-                json_decref(u);
-            }
-            struct evbuffer *buf = evbuffer_new();
-            evbuffer_add_printf(buf, "data: [DONE]\n\n");
-            evhttp_send_reply_chunk(c->req, buf);
-            evbuffer_free(buf);
-            detach_close_cb(c);
-            track_reply(s, c->req);
-            evhttp_send_reply_end(c->req);
-            c->req = NULL;
-            creq_free(c);
-        }
-        return;
-    }
-    if (!finished) {
-        return;
-    }
-    detach_close_cb(c);
-    if (strcmp(o->finish_reason, "error") == 0 && c->num_ids == 0) {
-        reply_error(s, c->req, 500, "InternalServerError", NULL,
-                    o->text_len > 0 ? o->text : "generation failed");
-    } else {
-        json_t *choice = choice_json(c, c->text, c->text_len, c->lp, o->finish_reason);
-        if (c->in.return_token_ids) {
-            json_object_set_new(choice, "prompt_token_ids", ids_json(c->in.prompt, c->in.num_prompt));
-            json_object_set_new(choice, "token_ids", ids_json(c->ids, c->num_ids));
-        }
-        json_t *body = json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o}", "id", c->id, "object", "text_completion",
-                                 "created", (json_int_t)c->created, "model", s->model_name, "choices", choice,
-                                 "usage", usage_json(o, c));
-        if (o->kv_transfer_params != NULL) {
-            json_object_set_new(body, "kv_transfer_params", json_loads(o->kv_transfer_params, 0, NULL));
-        } else {
-            json_object_set_new(body, "kv_transfer_params", json_null());
-        }
-        send_json(s, c->req, 200, body);
-        json_decref(body);
-    }
-    c->req = NULL;
-    creq_free(c);
+    pd_http_send_error(s, req, &e);
 }
 
 /* Engine thread → loop thread. */
@@ -428,12 +123,29 @@ static void on_engine_notify(void *ctx)
 
 static void on_wake(evutil_socket_t fd, short what, void *arg)
 {
-    pd_http_server_t *s = arg;
-    pd_engine_output_t *outs = pd_engine_take_outputs(s->engine);
-    for (pd_engine_output_t *o = outs; o != NULL; o = o->next) {
-        handle_output(s, o);
+    pd_http_dispatch_outputs(arg);
+}
+
+char *pd_http_read_body(pd_http_server_t *s, struct evhttp_request *req, size_t *len_out)
+{
+    struct evbuffer *in = evhttp_request_get_input_buffer(req);
+    size_t len = evbuffer_get_length(in);
+    if (len > s->cfg.max_request_bytes) {
+        char msg[128];
+        snprintf(msg, sizeof(msg), "request body of %zu bytes exceeds the %zu byte limit", len,
+                 s->cfg.max_request_bytes);
+        pd_http_reply_error(s, req, 413, "RequestTooLargeError", NULL, msg);
+        return NULL;
     }
-    pd_engine_output_free(outs);
+    char *body = malloc(len + 1);
+    if (body == NULL) {
+        pd_http_reply_error(s, req, 500, "InternalServerError", NULL, "out of memory");
+        return NULL;
+    }
+    evbuffer_copyout(in, body, len);
+    body[len] = '\0';
+    *len_out = len;
+    return body;
 }
 
 /* ------------------------------------------------------------------ routes */
@@ -449,83 +161,205 @@ static bool authorized(pd_http_server_t *s, struct evhttp_request *req)
 
 static void handle_completions(pd_http_server_t *s, struct evhttp_request *req)
 {
-    if (s->draining) {
-        reply_error(s, req, 503, "ServiceUnavailableError", NULL, "the server is shutting down");
-        return;
-    }
-    struct evbuffer *in = evhttp_request_get_input_buffer(req);
-    size_t len = evbuffer_get_length(in);
-    if (len > s->cfg.max_request_bytes) {
-        char msg[128];
-        snprintf(msg, sizeof(msg), "request body of %zu bytes exceeds the %zu byte limit", len,
-                 s->cfg.max_request_bytes);
-        reply_error(s, req, 413, "RequestTooLargeError", NULL, msg);
-        return;
-    }
-    char *body = malloc(len + 1);
-    if (body == NULL) {
-        reply_error(s, req, 500, "InternalServerError", NULL, "out of memory");
-        return;
-    }
-    evbuffer_copyout(in, body, len);
-    body[len] = '\0';
-    creq_t *c = calloc(1, sizeof(*c));
-    pd_http_error_t err;
-    const pd_model_config_t *mc = pd_engine_model_config(s->engine);
-    pd_openai_limits_t lim = {s->model_name, mc->vocab_size, pd_engine_max_model_len(s->engine),
-                              s->cfg.max_json_depth};
-    bool ok = c != NULL &&
-              pd_openai_parse_completion(body, len, pd_engine_tokenizer(s->engine), &lim, &c->in, &err);
-    free(body);
-    if (!ok) {
-        free(c);
-        send_error(s, req, &err);
-        return;
-    }
-    c->srv = s;
-    c->req = req;
-    c->arrival = pd_time_now_s();
-    c->created = (int64_t)time(NULL);
-    snprintf(c->id, sizeof(c->id), "cmpl-%llx%08llx", (unsigned long long)s->started_at,
-             (unsigned long long)++s->next_id);
-    if (c->in.logprobs >= 0) {
-        c->lp = new_logprobs();
-    }
-    pd_engine_request_t rq;
-    memset(&rq, 0, sizeof(rq));
-    rq.id = c->id;
-    rq.prompt = c->in.prompt;
-    rq.num_prompt = c->in.num_prompt;
-    rq.params = c->in.params;
-    for (int32_t i = 0; i < c->in.num_stop; i++) {
-        rq.stop[i] = c->in.stop[i];
-    }
-    rq.num_stop = c->in.num_stop;
-    rq.kv_transfer_params = c->in.kv_transfer_params;
-    rq.user = c;
-    if (pd_engine_submit(s->engine, &rq) != PD_OK) {
-        pd_completion_req_free(&c->in);
-        json_decref(c->lp);
-        free(c);
-        reply_error(s, req, 503, "ServiceUnavailableError", NULL, "the engine's queue is full; retry later");
-        return;
-    }
-    c->next = s->inflight;
-    if (s->inflight != NULL) {
-        s->inflight->prev = c;
-    }
-    s->inflight = c;
-    s->num_inflight++;
-    evhttp_connection_set_closecb(evhttp_request_get_connection(req), on_client_close, c);
+    pd_http_handle_generate(s, req, false);
+}
+
+static void handle_chat(pd_http_server_t *s, struct evhttp_request *req)
+{
+    pd_http_handle_generate(s, req, true);
+}
+
+static json_t *model_card(const pd_http_server_t *s)
+{
+    return json_pack("{s:s, s:s, s:I, s:s, s:s, s:i}", "id", s->model_name, "object", "model", "created",
+                     (json_int_t)s->started_at, "owned_by", "pdserve", "root", pd_engine_model_dir(s->engine),
+                     "max_model_len", pd_engine_max_model_len(s->engine));
 }
 
 static void handle_models(pd_http_server_t *s, struct evhttp_request *req)
 {
-    json_t *j = json_pack("{s:s, s:[{s:s, s:s, s:I, s:s, s:i}]}", "object", "list", "data", "id",
-                          s->model_name, "object", "model", "created", (json_int_t)s->started_at, "owned_by",
-                          "pdserve", "max_model_len", pd_engine_max_model_len(s->engine));
-    send_json(s, req, 200, j);
+    json_t *j = json_pack("{s:s, s:[o]}", "object", "list", "data", model_card(s));
+    pd_http_send_json(s, req, 200, j);
     json_decref(j);
+}
+
+/* GET /v1/models/{id} */
+static void handle_model(pd_http_server_t *s, struct evhttp_request *req, const char *id)
+{
+    char *dec = evhttp_uridecode(id, 0, NULL);
+    if (dec == NULL || strcmp(dec, s->model_name) != 0) {
+        pd_http_error_t e;
+        pd_http_error_set(&e, 404, "NotFoundError", "model", "The model `%s` does not exist.",
+                          dec ? dec : id);
+        pd_http_send_error(s, req, &e);
+    } else {
+        json_t *j = model_card(s);
+        pd_http_send_json(s, req, 200, j);
+        json_decref(j);
+    }
+    free(dec);
+}
+
+static json_t *ids_json(const int32_t *ids, int32_t n)
+{
+    json_t *a = json_array();
+    for (int32_t i = 0; i < n; i++) {
+        json_array_append_new(a, json_integer(ids[i]));
+    }
+    return a;
+}
+
+/* POST /tokenize (vLLM's shapes): {"prompt"} or {"messages", ...} → {count, max_model_len, tokens,
+ * token_strs}. add_special_tokens defaults to true for a prompt and false for messages. */
+static void handle_tokenize(pd_http_server_t *s, struct evhttp_request *req)
+{
+    size_t len = 0;
+    char *body = pd_http_read_body(s, req, &len);
+    if (body == NULL) {
+        return;
+    }
+    pd_http_error_t err;
+    json_error_t je;
+    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES | JSON_ALLOW_NUL, &je);
+    free(body);
+    const pd_tokenizer_t *tok = pd_engine_tokenizer(s->engine);
+    char *text = NULL;
+    size_t tl = 0;
+    bool ok = true, chat = false, add_special = true, token_strs = false;
+    if (!json_is_object(root)) {
+        ok = pd_http_error_set(&err, 400, "BadRequestError", NULL, "the body must be a JSON object%s%s",
+                               root == NULL ? ": " : "", root == NULL ? je.text : "");
+    } else {
+        json_t *model = json_object_get(root, "model");
+        chat = json_object_get(root, "messages") != NULL;
+        add_special = !chat;
+        json_t *as = json_object_get(root, "add_special_tokens"),
+               *rts = json_object_get(root, "return_token_strs");
+        if (as != NULL && !json_is_null(as)) {
+            add_special = json_is_true(as);
+        }
+        token_strs = json_is_true(rts);
+        if (model != NULL && !json_is_null(model) &&
+            (!json_is_string(model) || strcmp(json_string_value(model), s->model_name) != 0)) {
+            ok = pd_http_error_set(&err, 404, "NotFoundError", "model", "The model `%s` does not exist.",
+                                   json_is_string(model) ? json_string_value(model) : "?");
+        } else if (chat) {
+            pd_chat_request_t cr = {json_object_get(root, "messages"), json_object_get(root, "tools"),
+                                    json_object_get(root, "chat_template_kwargs"), true, false};
+            json_t *agp = json_object_get(root, "add_generation_prompt"),
+                   *cfm = json_object_get(root, "continue_final_message");
+            cr.add_generation_prompt = agp == NULL || json_is_null(agp) ? true : json_is_true(agp);
+            cr.continue_final_message = json_is_true(cfm);
+            ok = pd_chat_render(s->chat, &cr, &text, &tl, &err);
+        } else if (json_is_string(json_object_get(root, "prompt"))) {
+            json_t *p = json_object_get(root, "prompt");
+            text = malloc(json_string_length(p) + 1);
+            memcpy(text, json_string_value(p), json_string_length(p) + 1);
+            tl = json_string_length(p);
+        } else {
+            ok = pd_http_error_set(&err, 400, "BadRequestError", "prompt",
+                                   "give 'prompt' (a string) or 'messages'");
+        }
+    }
+    int32_t *ids = NULL;
+    size_t n = 0;
+    if (ok && pd_tokenizer_encode(tok, text, tl, add_special, &ids, &n) != PD_OK) {
+        ok = pd_http_error_set(&err, 400, "BadRequestError", "prompt", "the text could not be tokenized");
+    }
+    free(text);
+    json_decref(root);
+    if (!ok) {
+        pd_http_send_error(s, req, &err);
+        return;
+    }
+    json_t *strs = token_strs ? json_array() : json_null();
+    for (size_t i = 0; token_strs && i < n; i++) {
+        size_t sl = 0;
+        const char *ts = pd_tokenizer_token_str(tok, ids[i], &sl);
+        json_array_append_new(strs, pd_json_string_lossy(ts != NULL ? ts : "", ts != NULL ? sl : 0));
+    }
+    json_t *j = json_pack("{s:i, s:i, s:o, s:o}", "count", (int)n, "max_model_len",
+                          pd_engine_max_model_len(s->engine), "tokens", ids_json(ids, (int32_t)n),
+                          "token_strs", strs);
+    free(ids);
+    pd_http_send_json(s, req, 200, j);
+    json_decref(j);
+}
+
+/* POST /detokenize: {"tokens": [ids]} → {"prompt": text} (special tokens kept, as vLLM). */
+static void handle_detokenize(pd_http_server_t *s, struct evhttp_request *req)
+{
+    size_t len = 0;
+    char *body = pd_http_read_body(s, req, &len);
+    if (body == NULL) {
+        return;
+    }
+    pd_http_error_t err;
+    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, NULL);
+    free(body);
+    json_t *toks = json_object_get(root, "tokens");
+    json_t *model = json_object_get(root, "model");
+    const pd_tokenizer_t *tok = pd_engine_tokenizer(s->engine);
+    int32_t vocab = pd_tokenizer_vocab_size(tok);
+    size_t n = json_array_size(toks);
+    int32_t *ids = malloc((n ? n : 1) * sizeof(int32_t));
+    bool ok = ids != NULL || pd_http_error_set(&err, 500, "InternalServerError", NULL, "out of memory");
+    if (ok && !json_is_array(toks)) {
+        ok =
+            pd_http_error_set(&err, 400, "BadRequestError", "tokens", "'tokens' must be a list of token ids");
+    } else if (ok && model != NULL && !json_is_null(model) &&
+               (!json_is_string(model) || strcmp(json_string_value(model), s->model_name) != 0)) {
+        ok = pd_http_error_set(&err, 404, "NotFoundError", "model", "The model `%s` does not exist.",
+                               json_is_string(model) ? json_string_value(model) : "?");
+    }
+    for (size_t i = 0; ok && i < n; i++) {
+        json_t *v = json_array_get(toks, i);
+        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) >= vocab) {
+            ok = pd_http_error_set(&err, 400, "BadRequestError", "tokens",
+                                   "tokens[%zu] is not a token id in [0, %d)", i, vocab);
+        } else {
+            ids[i] = (int32_t)json_integer_value(v);
+        }
+    }
+    char *text = NULL;
+    size_t tl = 0;
+    if (ok && pd_tokenizer_decode(tok, ids, n, false, &text, &tl) != PD_OK) {
+        ok = pd_http_error_set(&err, 400, "BadRequestError", "tokens", "the tokens could not be decoded");
+    }
+    free(ids);
+    json_decref(root);
+    if (!ok) {
+        pd_http_send_error(s, req, &err);
+        return;
+    }
+    json_t *j = json_pack("{s:o}", "prompt", pd_json_string_lossy(text, tl));
+    free(text);
+    pd_http_send_json(s, req, 200, j);
+    json_decref(j);
+}
+
+static void handle_version(pd_http_server_t *s, struct evhttp_request *req)
+{
+    json_t *j = json_pack("{s:s}", "version", PD_VERSION);
+    pd_http_send_json(s, req, 200, j);
+    json_decref(j);
+}
+
+static void handle_health(pd_http_server_t *s, struct evhttp_request *req)
+{
+    json_t *j = json_pack("{s:s}", "status", s->draining ? "draining" : "ok");
+    pd_http_send_json(s, req, s->draining ? 503 : 200, j);
+    json_decref(j);
+}
+
+static void handle_info(pd_http_server_t *s, struct evhttp_request *req)
+{
+    struct evbuffer *buf = evbuffer_new();
+    evbuffer_add(buf, s->cfg.info_json, strlen(s->cfg.info_json));
+    evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type", "application/json");
+    pd_http_track_reply(s, req);
+    pd_http_send_reply(req, 200, "OK", buf);
+    evbuffer_free(buf);
 }
 
 static void refresh_gauges(pd_http_server_t *s)
@@ -561,8 +395,8 @@ static void handle_metrics(pd_http_server_t *s, struct evhttp_request *req)
     struct evbuffer *buf = evbuffer_new();
     evbuffer_add(buf, text, len);
     evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type", "text/plain; version=0.0.4");
-    track_reply(s, req);
-    evhttp_send_reply(req, 200, "OK", buf);
+    pd_http_track_reply(s, req);
+    pd_http_send_reply(req, 200, "OK", buf);
     evbuffer_free(buf);
     free(text);
 }
@@ -574,55 +408,53 @@ static void on_request(struct evhttp_request *req, void *arg)
     const char *path = uri != NULL ? evhttp_uri_get_path(uri) : NULL;
     enum evhttp_cmd_type cmd = evhttp_request_get_command(req);
     if (path == NULL) {
-        reply_error(s, req, 400, "BadRequestError", NULL, "malformed request URI");
+        pd_http_reply_error(s, req, 400, "BadRequestError", NULL, "malformed request URI");
         return;
     }
+    enum { GET = EVHTTP_REQ_GET | EVHTTP_REQ_HEAD, POST = EVHTTP_REQ_POST };
     struct route {
         const char *path;
-        enum evhttp_cmd_type method;
+        int methods; /* HEAD answers every GET route: the same status and headers, no body */
         void (*fn)(pd_http_server_t *, struct evhttp_request *);
     };
     static const struct route routes[] = {
-        {"/v1/completions", EVHTTP_REQ_POST, handle_completions},
-        {"/v1/models", EVHTTP_REQ_GET, handle_models},
-        {"/metrics", EVHTTP_REQ_GET, handle_metrics},
+        {"/v1/completions", POST, handle_completions},
+        {"/v1/chat/completions", POST, handle_chat},
+        {"/v1/models", GET, handle_models},
+        {"/metrics", GET, handle_metrics},
+        {"/health", GET, handle_health},
+        {"/ping", GET | POST, handle_health},
+        {"/version", GET, handle_version},
+        {"/tokenize", POST, handle_tokenize},
+        {"/detokenize", POST, handle_detokenize},
+        {"/pd/info", GET, handle_info},
     };
-    if (strcmp(path, "/pd/info") == 0 && s->cfg.info_json != NULL && cmd == EVHTTP_REQ_GET) {
-        struct evbuffer *buf = evbuffer_new();
-        evbuffer_add(buf, s->cfg.info_json, strlen(s->cfg.info_json));
-        evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type", "application/json");
-        track_reply(s, req);
-        evhttp_send_reply(req, 200, "OK", buf);
-        evbuffer_free(buf);
+    bool v1 = strncmp(path, "/v1/", 4) == 0;
+    if (v1 && !authorized(s, req)) {
+        pd_http_reply_error(s, req, 401, "AuthenticationError", NULL, "invalid or missing API key");
         return;
     }
-    if (strcmp(path, "/health") == 0) {
-        if (cmd != EVHTTP_REQ_GET) {
-            reply_error(s, req, 405, "MethodNotAllowedError", NULL, "use GET");
+    if (strncmp(path, "/v1/models/", 11) == 0 && path[11] != '\0') {
+        if ((cmd & GET) == 0) {
+            pd_http_reply_error(s, req, 405, "MethodNotAllowedError", NULL, "use GET");
             return;
         }
-        json_t *j = json_pack("{s:s}", "status", s->draining ? "draining" : "ok");
-        send_json(s, req, s->draining ? 503 : 200, j);
-        json_decref(j);
+        handle_model(s, req, path + 11);
         return;
     }
     for (size_t i = 0; i < sizeof(routes) / sizeof(routes[0]); i++) {
-        if (strcmp(path, routes[i].path) != 0) {
+        if (strcmp(path, routes[i].path) != 0 || (routes[i].fn == handle_info && s->cfg.info_json == NULL)) {
             continue;
         }
-        if (cmd != routes[i].method) {
-            reply_error(s, req, 405, "MethodNotAllowedError", NULL,
-                        routes[i].method == EVHTTP_REQ_POST ? "use POST" : "use GET");
-            return;
-        }
-        if (strncmp(path, "/v1/", 4) == 0 && !authorized(s, req)) {
-            reply_error(s, req, 401, "AuthenticationError", NULL, "invalid or missing API key");
+        if (((int)cmd & routes[i].methods) == 0) {
+            pd_http_reply_error(s, req, 405, "MethodNotAllowedError", NULL,
+                                routes[i].methods == POST ? "use POST" : "use GET");
             return;
         }
         routes[i].fn(s, req);
         return;
     }
-    reply_error(s, req, 404, "NotFoundError", NULL, "no such route");
+    pd_http_reply_error(s, req, 404, "NotFoundError", NULL, "no such route");
 }
 
 /* ------------------------------------------------------------------ lifecycle */
@@ -644,9 +476,7 @@ static void on_drain_tick(evutil_socket_t fd, short what, void *arg)
     }
     if (!s->aborted_rest && pd_time_now_s() >= s->drain_deadline) {
         pd_log_warn("drain timeout: aborting %d in-flight requests", s->num_inflight);
-        for (creq_t *c = s->inflight; c != NULL; c = c->next) {
-            pd_engine_abort_async(s->engine, c->id);
-        }
+        pd_http_abort_inflight(s);
         s->aborted_rest = true;
         s->drain_deadline = pd_time_now_s() + 5.0; /* bounded wait for the abort outputs */
     } else if (s->aborted_rest && pd_time_now_s() >= s->drain_deadline) {
@@ -739,6 +569,34 @@ pd_status_t pd_http_server_create(const pd_http_config_t *cfg, pd_engine_t *engi
     s->started_at = (int64_t)time(NULL);
     snprintf(s->model_name, sizeof(s->model_name), "%s",
              cfg->served_model_name != NULL ? cfg->served_model_name : pd_engine_model_name(engine));
+    pd_status_t st = pd_chat_load(pd_engine_model_dir(engine), cfg->chat_template, &s->chat);
+    if (st != PD_OK) {
+        free(s);
+        return st;
+    }
+    const pd_generation_config_t *g = pd_engine_generation_config(engine);
+    char defaults[256] = "";
+    size_t dl = 0;
+    if (g->has_temperature) {
+        dl += (size_t)snprintf(defaults + dl, sizeof(defaults) - dl, " temperature=%g", g->temperature);
+    }
+    if (g->has_top_p && dl < sizeof(defaults)) {
+        dl += (size_t)snprintf(defaults + dl, sizeof(defaults) - dl, " top_p=%g", g->top_p);
+    }
+    if (g->has_top_k && dl < sizeof(defaults)) {
+        dl += (size_t)snprintf(defaults + dl, sizeof(defaults) - dl, " top_k=%lld", (long long)g->top_k);
+    }
+    if (g->has_min_p && dl < sizeof(defaults)) {
+        dl += (size_t)snprintf(defaults + dl, sizeof(defaults) - dl, " min_p=%g", g->min_p);
+    }
+    if (g->has_repetition_penalty && dl < sizeof(defaults)) {
+        snprintf(defaults + dl, sizeof(defaults) - dl, " repetition_penalty=%g", g->repetition_penalty);
+    }
+    if (defaults[0] != '\0') {
+        pd_log_info("default sampling parameters from the model's generation_config.json (requests that omit "
+                    "them get these; --generation-config vllm ignores the file):%s",
+                    defaults);
+    }
     metrics_register(s);
     s->base = event_base_new();
     s->http = s->base != NULL ? evhttp_new(s->base) : NULL;
@@ -807,10 +665,7 @@ void pd_http_server_destroy(pd_http_server_t *s)
     if (s == NULL) {
         return;
     }
-    while (s->inflight != NULL) {
-        s->inflight->req = NULL;
-        creq_free(s->inflight);
-    }
+    pd_http_free_inflight(s);
     if (s->wake != NULL) {
         event_free(s->wake);
     }
@@ -829,5 +684,6 @@ void pd_http_server_destroy(pd_http_server_t *s)
     if (s->base != NULL) {
         event_base_free(s->base);
     }
+    pd_chat_free(s->chat);
     free(s);
 }

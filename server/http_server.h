@@ -22,7 +22,8 @@ typedef struct pd_http_config {
     double drain_timeout;          /* seconds in-flight requests get after SIGTERM */
     const char *served_model_name; /* default: the model directory's name */
     int max_json_depth;
-    const char *info_json; /* P/D nodes: served at GET /pd/info (role, engine id, KV address) */
+    const char *info_json;     /* P/D nodes: served at GET /pd/info (role, engine id, KV address) */
+    const char *chat_template; /* --chat-template: a file or the template text (NULL: the model's) */
 } pd_http_config_t;
 
 void pd_http_config_defaults(pd_http_config_t *cfg);
@@ -34,7 +35,8 @@ size_t pd_http_flags(pd_http_config_t *cfg, pd_flag_t *out, size_t max);
 typedef struct pd_http_server pd_http_server_t;
 
 /* Binds host:port and prepares routes; the engine must not be started yet (the server starts
- * it). PD_ERR_IO when the address cannot be bound. */
+ * it). Loads the chat template (chat.h): PD_ERR_PARSE when it does not parse. PD_ERR_IO when the
+ * address cannot be bound. */
 pd_status_t pd_http_server_create(const pd_http_config_t *cfg, pd_engine_t *engine, pd_metrics_t *metrics,
                                   pd_http_server_t **srv_out);
 

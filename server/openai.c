@@ -1,4 +1,4 @@
-/* server/openai.c — /v1/completions request validation and JSON shapes. */
+/* server/openai.c — /v1/completions and /v1/chat/completions request validation and JSON shapes. */
 #include "server/openai.h"
 
 #include <math.h>
@@ -8,6 +8,8 @@
 #include <string.h>
 
 #include "common/json.h"
+#include "model/generation_config.h"
+#include "server/chat.h"
 
 bool pd_http_error_set(pd_http_error_t *err, int status, const char *type, const char *param, const char *fmt,
                        ...)
@@ -26,46 +28,6 @@ json_t *pd_openai_error_json(const pd_http_error_t *err)
 {
     return json_pack("{s:{s:s, s:s, s:s?, s:i}}", "error", "message", err->message, "type", err->type,
                      "param", err->param, "code", err->status);
-}
-
-json_t *pd_json_string_lossy(const char *s, size_t len)
-{
-    char *buf = malloc(len * 3 + 1);
-    if (buf == NULL) {
-        return json_string("");
-    }
-    size_t k = 0, i = 0;
-    const unsigned char *u = (const unsigned char *)s;
-    while (i < len) {
-        unsigned char c = u[i];
-        int n = c < 0x80                   ? 1
-                : (c >= 0xc2 && c <= 0xdf) ? 2
-                : (c >= 0xe0 && c <= 0xef) ? 3
-                : (c >= 0xf0 && c <= 0xf4) ? 4
-                                           : 0;
-        int ok = n > 0 && i + (size_t)n <= len;
-        for (int j = 1; ok && j < n; j++) {
-            ok = (u[i + (size_t)j] & 0xc0) == 0x80;
-        }
-        if (ok && n == 3 && ((c == 0xe0 && u[i + 1] < 0xa0) || (c == 0xed && u[i + 1] > 0x9f))) {
-            ok = 0;
-        }
-        if (ok && n == 4 && ((c == 0xf0 && u[i + 1] < 0x90) || (c == 0xf4 && u[i + 1] > 0x8f))) {
-            ok = 0;
-        }
-        if (ok && c != 0) {
-            memcpy(buf + k, s + i, (size_t)n);
-            k += (size_t)n;
-            i += (size_t)n;
-        } else {
-            memcpy(buf + k, "\xef\xbf\xbd", 3);
-            k += 3;
-            i++;
-        }
-    }
-    json_t *j = json_stringn(buf, k);
-    free(buf);
-    return j != NULL ? j : json_string("");
 }
 
 /* Maximum nesting of objects/arrays, skipping strings (jansson's own limit is 2048). */
@@ -149,63 +111,126 @@ static bool get_bool(json_t *root, const char *f, bool *out, pd_http_error_t *er
     return true;
 }
 
+/* Appends a prompt (ids taken over) to out. */
+static bool add_prompt(pd_completion_req_t *out, int32_t *ids, int32_t n, pd_http_error_t *err)
+{
+    if (out->num_prompts == PD_MAX_PROMPTS) {
+        free(ids);
+        return pd_http_error_set(err, 400, "BadRequestError", "prompt", "at most %d prompts per request",
+                                 PD_MAX_PROMPTS);
+    }
+    if (out->prompts == NULL) {
+        out->prompts = calloc(PD_MAX_PROMPTS, sizeof(pd_prompt_t));
+        if (out->prompts == NULL) {
+            free(ids);
+            return pd_http_error_set(err, 500, "InternalServerError", NULL, "out of memory");
+        }
+    }
+    out->prompts[out->num_prompts].ids = ids;
+    out->prompts[out->num_prompts].len = n;
+    out->num_prompts++;
+    if (n == 0) {
+        return pd_http_error_set(err, 400, "BadRequestError", "prompt", "'prompt' is empty");
+    }
+    return true;
+}
+
+static bool prompt_from_text(json_t *p, const pd_tokenizer_t *tok, pd_completion_req_t *out,
+                             pd_http_error_t *err)
+{
+    size_t n = 0;
+    int32_t *ids = NULL;
+    if (pd_tokenizer_encode(tok, json_string_value(p), json_string_length(p), true, &ids, &n) != PD_OK) {
+        return pd_http_error_set(err, 400, "BadRequestError", "prompt", "'prompt' could not be tokenized");
+    }
+    if (!add_prompt(out, ids, (int32_t)n, err)) {
+        return false;
+    }
+    pd_prompt_t *pr = &out->prompts[out->num_prompts - 1];
+    pr->text = malloc(json_string_length(p) + 1);
+    if (pr->text != NULL) {
+        memcpy(pr->text, json_string_value(p), json_string_length(p) + 1);
+        pr->text_len = json_string_length(p);
+    }
+    return true;
+}
+
+static bool prompt_from_ids(json_t *p, const pd_openai_limits_t *lim, pd_completion_req_t *out,
+                            pd_http_error_t *err)
+{
+    size_t n = json_array_size(p);
+    if (n > (size_t)lim->max_model_len) {
+        return pd_http_error_set(
+            err, 400, "BadRequestError", "prompt",
+            "This model's maximum context length is %d tokens. However, you requested %zu "
+            "tokens in the prompt",
+            lim->max_model_len, n);
+    }
+    int32_t *ids = malloc((n ? n : 1) * sizeof(int32_t));
+    if (ids == NULL) {
+        return pd_http_error_set(err, 500, "InternalServerError", NULL, "out of memory");
+    }
+    for (size_t i = 0; i < n; i++) {
+        json_t *v = json_array_get(p, i);
+        if (!json_is_integer(v)) {
+            free(ids);
+            return pd_http_error_set(
+                err, 400, "BadRequestError", "prompt",
+                "'prompt' must be a string, a list of strings, a list of token ids or a list "
+                "of such lists (element %zu is %s)",
+                i, pd_json_type_name(v));
+        }
+        json_int_t id = json_integer_value(v);
+        if (id < 0 || id >= lim->vocab_size) {
+            free(ids);
+            return pd_http_error_set(err, 400, "BadRequestError", "prompt",
+                                     "token id %lld at position %zu is outside the vocabulary [0, %d)",
+                                     (long long)id, i, lim->vocab_size);
+        }
+        ids[i] = (int32_t)id;
+    }
+    return add_prompt(out, ids, (int32_t)n, err);
+}
+
+/* prompt: "text", ["text", ...], [ids...] or [[ids...], ...] (vLLM's batched prompts). */
 static bool parse_prompt(json_t *p, const pd_tokenizer_t *tok, const pd_openai_limits_t *lim,
                          pd_completion_req_t *out, pd_http_error_t *err)
 {
     if (p == NULL) {
         return pd_http_error_set(err, 400, "BadRequestError", "prompt", "'prompt' is required");
     }
-    if (json_is_array(p) && json_array_size(p) == 1 && json_is_string(json_array_get(p, 0))) {
-        p = json_array_get(p, 0); /* ["text"] */
-    }
     if (json_is_string(p)) {
-        size_t n = 0;
-        int32_t *ids = NULL;
-        pd_status_t st =
-            pd_tokenizer_encode(tok, json_string_value(p), json_string_length(p), true, &ids, &n);
-        if (st != PD_OK) {
-            return pd_http_error_set(err, 400, "BadRequestError", "prompt",
-                                     "'prompt' could not be tokenized");
-        }
-        out->prompt = ids;
-        out->num_prompt = (int32_t)n;
-    } else if (json_is_array(p)) {
-        size_t n = json_array_size(p);
-        if (n > (size_t)lim->max_model_len) {
-            return pd_http_error_set(
-                err, 400, "BadRequestError", "prompt",
-                "This model's maximum context length is %d tokens. However, you requested %zu "
-                "tokens in the prompt",
-                lim->max_model_len, n);
-        }
-        out->prompt = malloc((n ? n : 1) * sizeof(int32_t));
-        if (out->prompt == NULL) {
-            return pd_http_error_set(err, 500, "InternalServerError", NULL, "out of memory");
-        }
-        for (size_t i = 0; i < n; i++) {
-            json_t *v = json_array_get(p, i);
-            if (!json_is_integer(v)) {
-                return pd_http_error_set(
-                    err, 400, "BadRequestError", "prompt",
-                    "'prompt' must be a string or a list of token ids (element %zu is %s)", i,
-                    pd_json_type_name(v));
-            }
-            json_int_t id = json_integer_value(v);
-            if (id < 0 || id >= lim->vocab_size) {
-                return pd_http_error_set(err, 400, "BadRequestError", "prompt",
-                                         "token id %lld at position %zu is outside the vocabulary [0, %d)",
-                                         (long long)id, i, lim->vocab_size);
-            }
-            out->prompt[i] = (int32_t)id;
-        }
-        out->num_prompt = (int32_t)n;
-    } else {
+        return prompt_from_text(p, tok, out, err);
+    }
+    if (!json_is_array(p)) {
         return pd_http_error_set(err, 400, "BadRequestError", "prompt",
                                  "'prompt' must be a string or a list of token ids, got %s",
                                  pd_json_type_name(p));
     }
-    if (out->num_prompt == 0) {
+    if (json_array_size(p) == 0) {
         return pd_http_error_set(err, 400, "BadRequestError", "prompt", "'prompt' is empty");
+    }
+    json_t *first = json_array_get(p, 0);
+    if (json_is_integer(first)) {
+        return prompt_from_ids(p, lim, out, err);
+    }
+    size_t i;
+    json_t *v;
+    json_array_foreach(p, i, v)
+    {
+        bool ok;
+        if (json_is_string(first) && json_is_string(v)) {
+            ok = prompt_from_text(v, tok, out, err);
+        } else if (json_is_array(first) && json_is_array(v)) {
+            ok = prompt_from_ids(v, lim, out, err);
+        } else {
+            ok = pd_http_error_set(err, 400, "BadRequestError", "prompt",
+                                   "'prompt' mixes kinds of prompts (element %zu is %s)", i,
+                                   pd_json_type_name(v));
+        }
+        if (!ok) {
+            return false;
+        }
     }
     return true;
 }
@@ -216,6 +241,10 @@ static bool parse_stop(json_t *s, pd_completion_req_t *out, pd_http_error_t *err
         return true;
     }
     if (json_is_string(s)) {
+        if (json_string_length(s) == 0) {
+            return pd_http_error_set(err, 400, "BadRequestError", "stop",
+                                     "stop cannot contain an empty string");
+        }
         out->stop[out->num_stop++] = strdup(json_string_value(s));
         return true;
     }
@@ -231,8 +260,440 @@ static bool parse_stop(json_t *s, pd_completion_req_t *out, pd_http_error_t *err
         if (!json_is_string(v)) {
             return pd_http_error_set(err, 400, "BadRequestError", "stop", "'stop' must contain only strings");
         }
+        if (json_string_length(v) == 0) {
+            return pd_http_error_set(err, 400, "BadRequestError", "stop",
+                                     "stop cannot contain an empty string");
+        }
         out->stop[out->num_stop++] = strdup(json_string_value(v));
     }
+    return true;
+}
+
+/* Parameters vLLM or OpenAI define that pdserve does not implement yet: a request that sets one to
+ * anything but its neutral value gets a 400 naming it, never a silent 200. */
+static bool refuse_unimplemented(json_t *root, bool chat, pd_http_error_t *err)
+{
+    static const struct {
+        const char *name;
+        const char *neutral; /* JSON of the value that changes nothing, or NULL (only null/absent) */
+    } params[] = {
+        {"best_of", "1"},
+        {"use_beam_search", "false"},
+        {"length_penalty", "1"},
+        {"allowed_token_ids", NULL},
+        {"guided_json", NULL},
+        {"guided_regex", NULL},
+        {"guided_choice", NULL},
+        {"guided_grammar", NULL},
+        {"structured_outputs", NULL},
+        {"truncate_prompt_tokens", NULL},
+        {"logits_processors", NULL},
+        {"spaces_between_special_tokens", "true"},
+        {"suffix", NULL},
+        {"prompt_embeds", NULL},
+        {"functions", NULL},
+        {"function_call", NULL},
+        {"audio", NULL},
+        {"modalities", NULL},
+        {"prediction", NULL},
+    };
+    for (size_t i = 0; i < sizeof(params) / sizeof(params[0]); i++) {
+        json_t *v = json_object_get(root, params[i].name);
+        if (v == NULL || json_is_null(v)) {
+            continue;
+        }
+        if (params[i].neutral != NULL) {
+            json_t *n = json_loads(params[i].neutral, JSON_DECODE_ANY, NULL);
+            bool same = json_equal(v, n) || (json_is_number(v) && json_is_number(n) &&
+                                             json_number_value(v) == json_number_value(n));
+            json_decref(n);
+            if (same) {
+                continue;
+            }
+        }
+        return pd_http_error_set(err, 400, "BadRequestError", params[i].name,
+                                 "'%s' is not supported by pdserve yet", params[i].name);
+    }
+    json_t *rf = json_object_get(root, "response_format");
+    if (rf != NULL && !json_is_null(rf)) {
+        const char *t = json_string_value(json_object_get(rf, "type"));
+        if (t == NULL || strcmp(t, "text") != 0) {
+            return pd_http_error_set(err, 400, "BadRequestError", "response_format",
+                                     "'response_format' other than {\"type\": \"text\"} is not supported by "
+                                     "pdserve yet");
+        }
+    }
+    json_t *so = json_object_get(root, "stream_options");
+    if (json_is_true(json_object_get(so, "continuous_usage_stats"))) {
+        return pd_http_error_set(err, 400, "BadRequestError", "stream_options",
+                                 "'stream_options.continuous_usage_stats' is not supported by pdserve yet");
+    }
+    if (chat) {
+        json_t *tc = json_object_get(root, "tool_choice");
+        const char *tcs = json_string_value(tc);
+        if (tc != NULL && !json_is_null(tc) &&
+            (tcs == NULL || (strcmp(tcs, "none") != 0 && strcmp(tcs, "auto") != 0))) {
+            return pd_http_error_set(
+                err, 400, "BadRequestError", "tool_choice",
+                "tool_choice must be \"none\" or \"auto\": pdserve renders tools into the "
+                "prompt but does not parse or force tool calls yet");
+        }
+        if (json_is_true(json_object_get(root, "echo"))) {
+            return pd_http_error_set(err, 400, "BadRequestError", "echo",
+                                     "'echo' is not supported for chat by pdserve yet");
+        }
+    }
+    return true;
+}
+
+/* The request body as a JSON object (depth-limited, duplicates refused, NUL bytes in strings kept). */
+static json_t *parse_root(const char *body, size_t len, const pd_openai_limits_t *lim, pd_http_error_t *err)
+{
+    if (json_depth(body, len) > lim->max_depth) {
+        pd_http_error_set(err, 400, "BadRequestError", NULL, "request JSON nests deeper than %d levels",
+                          lim->max_depth);
+        return NULL;
+    }
+    json_error_t je;
+    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES | JSON_ALLOW_NUL, &je);
+    if (root == NULL) {
+        pd_http_error_set(err, 400, "BadRequestError", NULL, "invalid JSON at line %d column %d: %s", je.line,
+                          je.column, je.text);
+        return NULL;
+    }
+    if (!json_is_object(root)) {
+        pd_http_error_set(err, 400, "BadRequestError", NULL, "the request body must be a JSON object");
+        json_decref(root);
+        return NULL;
+    }
+    json_t *model = json_object_get(root, "model");
+    if (model != NULL && !json_is_null(model)) {
+        if (!json_is_string(model)) {
+            want_type(err, "model", model, 0, "a string");
+            json_decref(root);
+            return NULL;
+        }
+        if (strcmp(json_string_value(model), lim->model_name) != 0) {
+            pd_http_error_set(err, 404, "NotFoundError", "model", "The model `%s` does not exist.",
+                              json_string_value(model));
+            json_decref(root);
+            return NULL;
+        }
+    }
+    return root;
+}
+
+/* logit_bias: {"token id": bias} with ids in the vocabulary, biases clamped to [-100, 100]. */
+static bool parse_logit_bias(json_t *lb, const pd_openai_limits_t *lim, pd_request_params_t *p,
+                             pd_http_error_t *err)
+{
+    if (lb == NULL || json_is_null(lb)) {
+        return true;
+    }
+    if (!json_is_object(lb) || json_object_size(lb) > PD_MAX_LOGIT_BIAS) {
+        return pd_http_error_set(err, 400, "BadRequestError", "logit_bias",
+                                 "'logit_bias' must be an object of at most %d token ids to biases",
+                                 PD_MAX_LOGIT_BIAS);
+    }
+    const char *k;
+    json_t *v;
+    json_object_foreach(lb, k, v)
+    {
+        char *end = NULL;
+        long long id = strtoll(k, &end, 10);
+        if (end == k || *end != '\0') {
+            return pd_http_error_set(err, 400, "BadRequestError", "logit_bias",
+                                     "logit_bias key '%s' cannot be converted to an integer token id", k);
+        }
+        if (id < 0 || id >= lim->vocab_size) {
+            return pd_http_error_set(err, 400, "BadRequestError", "logit_bias",
+                                     "token id %lld in logit_bias is outside the vocabulary [0, %d)", id,
+                                     lim->vocab_size);
+        }
+        if (!json_is_number(v)) {
+            return want_type(err, "logit_bias", v, 0, "an object of numbers");
+        }
+        double b = json_number_value(v);
+        b = b < -100 ? -100 : b > 100 ? 100 : b;
+        p->logit_bias_ids[p->num_logit_bias] = (int32_t)id;
+        p->logit_bias[p->num_logit_bias++] = (float)b;
+    }
+    return true;
+}
+
+/* bad_words as vLLM tokenizes them: each word (left-stripped) alone and with a leading space, the
+ * spaced form kept when it is a different token sequence of the same length. */
+static bool parse_bad_words(json_t *bw, const pd_tokenizer_t *tok, pd_request_params_t *p,
+                            pd_http_error_t *err)
+{
+    if (bw == NULL || json_is_null(bw)) {
+        return true;
+    }
+    if (!json_is_array(bw)) {
+        return want_type(err, "bad_words", bw, 0, "a list of strings");
+    }
+    int32_t used = 0;
+    size_t i;
+    json_t *v;
+    json_array_foreach(bw, i, v)
+    {
+        if (!json_is_string(v) || json_string_length(v) == 0) {
+            return pd_http_error_set(err, 400, "BadRequestError", "bad_words",
+                                     "bad_words must be non-empty strings (element %zu)", i);
+        }
+        const char *w = json_string_value(v);
+        size_t wl = json_string_length(v);
+        while (wl > 0 && (*w == ' ' || *w == '\t' || *w == '\n' || *w == '\r')) {
+            w++, wl--;
+        }
+        int32_t first_len = -1, first0 = -1;
+        for (int spaced = 0; spaced < 2; spaced++) {
+            char *text = malloc(wl + 2);
+            if (text == NULL) {
+                return pd_http_error_set(err, 500, "InternalServerError", NULL, "out of memory");
+            }
+            size_t tl = 0;
+            if (spaced) {
+                text[tl++] = ' ';
+            }
+            memcpy(text + tl, w, wl);
+            tl += wl;
+            int32_t *ids = NULL;
+            size_t n = 0;
+            pd_status_t st = pd_tokenizer_encode(tok, text, tl, false, &ids, &n);
+            free(text);
+            if (st != PD_OK) {
+                return pd_http_error_set(err, 400, "BadRequestError", "bad_words",
+                                         "bad_words[%zu] cannot be tokenized", i);
+            }
+            bool keep = n > 0 && (!spaced || (ids[0] != first0 && (int32_t)n == first_len));
+            if (keep) {
+                if (p->num_bad_words == PD_MAX_BAD_WORDS || used + (int32_t)n > PD_MAX_BAD_WORD_IDS) {
+                    free(ids);
+                    return pd_http_error_set(err, 400, "BadRequestError", "bad_words",
+                                             "bad_words is too long (at most %d token sequences, %d tokens)",
+                                             PD_MAX_BAD_WORDS, PD_MAX_BAD_WORD_IDS);
+                }
+                memcpy(p->bad_word_ids + used, ids, n * sizeof(int32_t));
+                used += (int32_t)n;
+                p->bad_word_end[p->num_bad_words++] = used;
+            }
+            if (!spaced) {
+                first_len = (int32_t)n;
+                first0 = n > 0 ? ids[0] : -1;
+            }
+            free(ids);
+        }
+    }
+    return true;
+}
+
+static bool get_skip_special(json_t *root, pd_request_params_t *p, pd_http_error_t *err)
+{
+    bool skip = true;
+    if (!get_bool(root, "skip_special_tokens", &skip, err)) {
+        return false;
+    }
+    p->keep_special_tokens = !skip;
+    return true;
+}
+
+/* Penalties, min_p, min_tokens, logit_bias, bad_words, include_stop_str_in_output (vLLM's ranges). */
+static bool parse_processors(json_t *root, const pd_tokenizer_t *tok, const pd_openai_limits_t *lim,
+                             pd_request_params_t *p, pd_http_error_t *err)
+{
+    double pres = 0, freq = 0, rep = 1, min_p = 0;
+    const pd_generation_config_t *g = lim->gen;
+    if (g != NULL && g->has_repetition_penalty) { /* the model's defaults for omitted fields */
+        rep = g->repetition_penalty;
+    }
+    if (g != NULL && g->has_min_p) {
+        min_p = g->min_p;
+    }
+    int64_t min_tokens = 0;
+    if (!get_num(root, "presence_penalty", -2, 2, &pres, err) ||
+        !get_num(root, "frequency_penalty", -2, 2, &freq, err) ||
+        !get_num(root, "repetition_penalty", 1e-6, 1e6, &rep, err) ||
+        !get_num(root, "min_p", 0, 1, &min_p, err) ||
+        !get_int(root, "min_tokens", 0, INT32_MAX, &min_tokens, err) ||
+        !get_bool(root, "include_stop_str_in_output", &p->include_stop_str_in_output, err) ||
+        !get_skip_special(root, p, err) ||
+        !parse_logit_bias(json_object_get(root, "logit_bias"), lim, p, err) ||
+        !parse_bad_words(json_object_get(root, "bad_words"), tok, p, err)) {
+        return false;
+    }
+    p->presence_penalty = (float)pres;
+    p->frequency_penalty = (float)freq;
+    p->repetition_penalty = (float)rep;
+    p->sampling.min_p = (float)min_p;
+    p->min_tokens = (int32_t)min_tokens;
+    return true;
+}
+
+/* Everything but the prompt: sampling, stops, streaming, logprobs, KV parameters. */
+static bool parse_params(json_t *root, bool chat, const pd_tokenizer_t *tok, const pd_openai_limits_t *lim,
+                         int64_t *max_tokens, pd_completion_req_t *out, pd_http_error_t *err)
+{
+    int64_t n = 1, top_k = -1, logprobs = -1, top_logprobs = 0;
+    double temperature = 1.0, top_p = 1.0;
+    bool echo = false, want_lp = false;
+    const pd_generation_config_t *g = lim->gen;
+    if (g != NULL) { /* the model's generation_config.json: defaults of omitted fields (vLLM's auto) */
+        temperature = g->has_temperature ? g->temperature : temperature;
+        top_p = g->has_top_p ? g->top_p : top_p;
+        top_k = g->has_top_k ? g->top_k : top_k;
+    }
+    json_t *seed = json_object_get(root, "seed");
+    pd_request_params_t *p = &out->params;
+    if (!refuse_unimplemented(root, chat, err) || !parse_processors(root, tok, lim, p, err) ||
+        !get_int(root, "n", 1, 1000, &n, err) ||
+        !get_int(root, "max_tokens", 1, INT32_MAX, max_tokens, err) ||
+        (chat && !get_int(root, "max_completion_tokens", 1, INT32_MAX, max_tokens, err)) ||
+        !get_int(root, "top_k", -1, INT32_MAX, &top_k, err) ||
+        !get_num(root, "temperature", 0, 2, &temperature, err) ||
+        !get_num(root, "top_p", 1e-9, 1, &top_p, err) || !get_bool(root, "stream", &out->stream, err) ||
+        !get_bool(root, "ignore_eos", &p->ignore_eos, err) ||
+        !get_bool(root, "return_token_ids", &out->return_token_ids, err)) {
+        return false;
+    }
+    if (seed != NULL && !json_is_null(seed) &&
+        !want_type(err, "seed", seed, json_is_integer(seed), "an integer")) {
+        return false;
+    }
+    if (chat) {
+        if (!get_bool(root, "logprobs", &want_lp, err) ||
+            !get_int(root, "top_logprobs", 0, 20, &top_logprobs, err)) {
+            return false;
+        }
+        if (top_logprobs > 0 && !want_lp) {
+            return pd_http_error_set(err, 400, "BadRequestError", "top_logprobs",
+                                     "'top_logprobs' needs 'logprobs' set to true");
+        }
+        logprobs = want_lp ? top_logprobs : -1;
+    } else if (!get_int(root, "logprobs", 0, 20, &logprobs, err) || !get_bool(root, "echo", &echo, err)) {
+        return false;
+    }
+    if (n > 1 && temperature < 1e-5) {
+        return pd_http_error_set(err, 400, "BadRequestError", "n",
+                                 "n must be 1 when using greedy sampling, got %lld", (long long)n);
+    }
+    json_t *plp = json_object_get(root, "prompt_logprobs");
+    if (plp != NULL && !json_is_null(plp)) {
+        if (!json_is_integer(plp) || json_integer_value(plp) < 0 || json_integer_value(plp) > 20) {
+            return pd_http_error_set(err, 400, "BadRequestError", "prompt_logprobs",
+                                     "'prompt_logprobs' must be an integer in [0, 20]");
+        }
+        if (out->stream) {
+            return pd_http_error_set(err, 400, "BadRequestError", "prompt_logprobs",
+                                     "`prompt_logprobs` are not available when `stream=True`.");
+        }
+        json_t *kv = json_object_get(root, "kv_transfer_params");
+        if (json_is_true(json_object_get(kv, "do_remote_prefill")) ||
+            json_is_true(json_object_get(kv, "do_remote_decode"))) {
+            return pd_http_error_set(
+                err, 400, "BadRequestError", "prompt_logprobs",
+                "'prompt_logprobs' is not supported for a disaggregated request yet: the "
+                "prompt's KV comes from another node (send it to pd-serve)");
+        }
+        p->want_prompt_logprobs = true;
+        p->prompt_logprobs = (int32_t)json_integer_value(plp);
+    }
+    if (echo && logprobs >= 0) { /* the prompt's tokens are scored too (vLLM's echo + logprobs) */
+        json_t *kv = json_object_get(root, "kv_transfer_params");
+        if (json_is_true(json_object_get(kv, "do_remote_prefill")) ||
+            json_is_true(json_object_get(kv, "do_remote_decode"))) {
+            return pd_http_error_set(err, 400, "BadRequestError", "echo",
+                                     "'echo' with 'logprobs' scores the prompt, which is not supported for a "
+                                     "disaggregated request yet (send it to pd-serve)");
+        }
+        p->want_prompt_logprobs = true;
+        p->prompt_logprobs = p->prompt_logprobs > logprobs ? p->prompt_logprobs : (int32_t)logprobs;
+    }
+    out->n = (int32_t)n;
+    out->echo = echo;
+    json_t *so = json_object_get(root, "stream_options");
+    if (so != NULL && !json_is_null(so)) {
+        if (!json_is_object(so)) {
+            return want_type(err, "stream_options", so, 0, "an object");
+        }
+        if (!get_bool(so, "include_usage", &out->include_usage, err)) {
+            return false;
+        }
+    }
+    json_t *sti = json_object_get(root, "stop_token_ids");
+    if (sti != NULL && !json_is_null(sti)) {
+        if (!json_is_array(sti) || json_array_size(sti) > PD_MAX_STOP_TOKEN_IDS) {
+            return pd_http_error_set(err, 400, "BadRequestError", "stop_token_ids",
+                                     "'stop_token_ids' must be a list of at most %d token ids",
+                                     PD_MAX_STOP_TOKEN_IDS);
+        }
+        size_t i;
+        json_t *v;
+        json_array_foreach(sti, i, v)
+        {
+            if (!json_is_integer(v)) {
+                return want_type(err, "stop_token_ids", v, 0, "a list of integers");
+            }
+            p->stop_token_ids[p->num_stop_token_ids++] = (int32_t)json_integer_value(v);
+        }
+    }
+    if (!parse_stop(json_object_get(root, "stop"), out, err)) {
+        return false;
+    }
+    json_t *ktp = json_object_get(root, "kv_transfer_params");
+    if (ktp != NULL && !json_is_null(ktp)) {
+        if (!json_is_object(ktp)) {
+            return want_type(err, "kv_transfer_params", ktp, 0, "an object");
+        }
+        out->kv_transfer_params = json_incref(ktp);
+    }
+    /* vLLM raises temperatures in (0, 0.01) to 0.01 (numerics), and treats seed -1 as no seed */
+    p->sampling.temperature = (float)(temperature > 0 && temperature < 0.01 ? 0.01 : temperature);
+    p->sampling.top_p = (float)top_p;
+    p->sampling.top_k = (int32_t)(top_k > 0 ? top_k : 0);
+    p->has_seed = seed != NULL && json_is_integer(seed) && json_integer_value(seed) != -1;
+    p->seed = p->has_seed ? (uint64_t)json_integer_value(seed) : 0;
+    out->logprobs = (int32_t)logprobs;
+    p->logprobs =
+        logprobs > 0 ? (int32_t)logprobs : (logprobs == 0 ? 1 : 0); /* 0: the sampled token's only */
+    out->chat = chat;
+    return true;
+}
+
+/* The prompt + max_tokens against max_model_len, then the engine fields. */
+static bool finish_request(const pd_openai_limits_t *lim, int64_t max_tokens, pd_completion_req_t *out,
+                           pd_http_error_t *err)
+{
+    for (int32_t i = 0; i < out->num_prompts; i++) {
+        int32_t np = out->prompts[i].len;
+        if (np >= lim->max_model_len || (int64_t)np + max_tokens > lim->max_model_len) {
+            return pd_http_error_set(
+                err, 400, "BadRequestError", "max_tokens",
+                "This model's maximum context length is %d tokens. However, you requested %lld tokens (%d "
+                "in the prompt, %lld in the completion). Please reduce the length of the prompt or "
+                "completion.",
+                lim->max_model_len, (long long)(np + max_tokens), np, (long long)max_tokens);
+        }
+    }
+    if ((int64_t)out->num_prompts * out->n > PD_MAX_CHOICES) {
+        return pd_http_error_set(err, 400, "BadRequestError", "n",
+                                 "at most %d choices per request (%d prompts x n %d)", PD_MAX_CHOICES,
+                                 out->num_prompts, out->n);
+    }
+    for (int32_t i = 0; i < out->params.num_stop_token_ids; i++) {
+        int32_t id = out->params.stop_token_ids[i];
+        if (id < 0 || id >= lim->vocab_size) {
+            return pd_http_error_set(err, 400, "BadRequestError", "stop_token_ids",
+                                     "stop token id %d is outside the vocabulary [0, %d)", id,
+                                     lim->vocab_size);
+        }
+    }
+    if (out->params.min_tokens > max_tokens) {
+        return pd_http_error_set(err, 400, "BadRequestError", "min_tokens",
+                                 "min_tokens must be less than or equal to max_tokens=%lld, got %d",
+                                 (long long)max_tokens, out->params.min_tokens);
+    }
+    out->params.max_tokens = (int32_t)max_tokens;
     return true;
 }
 
@@ -241,120 +702,65 @@ bool pd_openai_parse_completion(const char *body, size_t len, const pd_tokenizer
 {
     memset(out, 0, sizeof(*out));
     out->logprobs = -1;
-    if (json_depth(body, len) > lim->max_depth) {
-        return pd_http_error_set(err, 400, "BadRequestError", NULL,
-                                 "request JSON nests deeper than %d levels", lim->max_depth);
-    }
-    json_error_t je;
-    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &je);
+    json_t *root = parse_root(body, len, lim, err);
     if (root == NULL) {
-        return pd_http_error_set(err, 400, "BadRequestError", NULL, "invalid JSON at line %d column %d: %s",
-                                 je.line, je.column, je.text);
+        return false;
     }
-    bool ok = false;
-    if (!json_is_object(root)) {
-        pd_http_error_set(err, 400, "BadRequestError", NULL, "the request body must be a JSON object");
-        goto done;
+    int64_t max_tokens = 16;
+    bool ok = parse_params(root, false, tok, lim, &max_tokens, out, err) &&
+              parse_prompt(json_object_get(root, "prompt"), tok, lim, out, err) &&
+              finish_request(lim, max_tokens, out, err);
+    json_decref(root);
+    if (!ok) {
+        pd_completion_req_free(out);
     }
-    json_t *model = json_object_get(root, "model");
-    if (model != NULL && !json_is_null(model)) {
-        if (!json_is_string(model)) {
-            want_type(err, "model", model, 0, "a string");
-            goto done;
-        }
-        if (strcmp(json_string_value(model), lim->model_name) != 0) {
-            pd_http_error_set(err, 404, "NotFoundError", "model", "The model `%s` does not exist.",
-                              json_string_value(model));
-            goto done;
-        }
+    return ok;
+}
+
+bool pd_openai_parse_chat(const char *body, size_t len, const pd_tokenizer_t *tok, const pd_chat_t *chat,
+                          const pd_openai_limits_t *lim, pd_completion_req_t *out, pd_http_error_t *err)
+{
+    memset(out, 0, sizeof(*out));
+    out->logprobs = -1;
+    json_t *root = parse_root(body, len, lim, err);
+    if (root == NULL) {
+        return false;
     }
-    int64_t n = 1, max_tokens = 16, top_k = -1, seed = -1, logprobs = -1;
-    double temperature = 1.0, top_p = 1.0;
-    bool echo = false;
-    pd_request_params_t *p = &out->params;
-    if (!get_int(root, "n", 1, 1000, &n, err) ||
-        !get_int(root, "max_tokens", 1, INT32_MAX, &max_tokens, err) ||
-        !get_int(root, "top_k", -1, INT32_MAX, &top_k, err) ||
-        !get_int(root, "seed", INT64_MIN, INT64_MAX, &seed, err) ||
-        !get_int(root, "logprobs", 0, 20, &logprobs, err) ||
-        !get_num(root, "temperature", 0, 2, &temperature, err) ||
-        !get_num(root, "top_p", 1e-9, 1, &top_p, err) || !get_bool(root, "echo", &echo, err) ||
-        !get_bool(root, "stream", &out->stream, err) || !get_bool(root, "ignore_eos", &p->ignore_eos, err) ||
-        !get_bool(root, "return_token_ids", &out->return_token_ids, err)) {
-        goto done;
+    int64_t max_tokens = 0; /* vLLM: up to the context length */
+    pd_chat_request_t cr = {json_object_get(root, "messages"), json_object_get(root, "tools"),
+                            json_object_get(root, "chat_template_kwargs"), true, false};
+    char *prompt = NULL;
+    size_t plen = 0;
+    bool ok = parse_params(root, true, tok, lim, &max_tokens, out, err) &&
+              get_bool(root, "add_generation_prompt", &cr.add_generation_prompt, err) &&
+              get_bool(root, "continue_final_message", &cr.continue_final_message, err);
+    if (ok && cr.messages == NULL) {
+        ok = pd_http_error_set(err, 400, "BadRequestError", "messages", "'messages' is required");
     }
-    if (n != 1) {
-        pd_http_error_set(err, 400, "BadRequestError", "n", "only n = 1 is supported");
-        goto done;
-    }
-    if (echo) {
-        pd_http_error_set(err, 400, "BadRequestError", "echo", "echo is not supported");
-        goto done;
-    }
-    json_t *so = json_object_get(root, "stream_options");
-    if (so != NULL && !json_is_null(so)) {
-        if (!json_is_object(so)) {
-            want_type(err, "stream_options", so, 0, "an object");
-            goto done;
-        }
-        if (!get_bool(so, "include_usage", &out->include_usage, err)) {
-            goto done;
+    ok = ok && pd_chat_render(chat, &cr, &prompt, &plen, err);
+    if (ok) {
+        size_t n = 0;
+        int32_t *ids = NULL;
+        /* the template writes the special tokens itself (vLLM: add_special_tokens false for chat) */
+        if (pd_tokenizer_encode(tok, prompt, plen, false, &ids, &n) != PD_OK) {
+            ok = pd_http_error_set(err, 400, "BadRequestError", "messages",
+                                   "the rendered chat could not be tokenized");
+        } else if (n == 0) {
+            free(ids);
+            ok = pd_http_error_set(err, 400, "BadRequestError", "messages",
+                                   "the rendered chat prompt is empty");
+        } else {
+            ok = add_prompt(out, ids, (int32_t)n, err);
         }
     }
-    json_t *sti = json_object_get(root, "stop_token_ids");
-    if (sti != NULL && !json_is_null(sti)) {
-        if (!json_is_array(sti) || json_array_size(sti) > PD_MAX_STOP_TOKEN_IDS) {
-            pd_http_error_set(err, 400, "BadRequestError", "stop_token_ids",
-                              "'stop_token_ids' must be a list of at most %d token ids",
-                              PD_MAX_STOP_TOKEN_IDS);
-            goto done;
-        }
-        size_t i;
-        json_t *v;
-        json_array_foreach(sti, i, v)
-        {
-            if (!json_is_integer(v)) {
-                want_type(err, "stop_token_ids", v, 0, "a list of integers");
-                goto done;
-            }
-            p->stop_token_ids[p->num_stop_token_ids++] = (int32_t)json_integer_value(v);
+    free(prompt);
+    if (ok && max_tokens == 0) {
+        max_tokens = lim->max_model_len - out->prompts[0].len;
+        if (max_tokens < 1) {
+            max_tokens = 1; /* finish_request reports the overflow */
         }
     }
-    if (!parse_stop(json_object_get(root, "stop"), out, err)) {
-        goto done;
-    }
-    json_t *ktp = json_object_get(root, "kv_transfer_params");
-    if (ktp != NULL && !json_is_null(ktp)) {
-        if (!json_is_object(ktp)) {
-            want_type(err, "kv_transfer_params", ktp, 0, "an object");
-            goto done;
-        }
-        out->kv_transfer_params = json_incref(ktp);
-    }
-    if (!parse_prompt(json_object_get(root, "prompt"), tok, lim, out, err)) {
-        goto done;
-    }
-    if (out->num_prompt >= lim->max_model_len || (int64_t)out->num_prompt + max_tokens > lim->max_model_len) {
-        pd_http_error_set(
-            err, 400, "BadRequestError", "max_tokens",
-            "This model's maximum context length is %d tokens. However, you requested %lld tokens (%d "
-            "in the prompt, %lld in the completion). Please reduce the length of the prompt or "
-            "completion.",
-            lim->max_model_len, (long long)(out->num_prompt + max_tokens), out->num_prompt,
-            (long long)max_tokens);
-        goto done;
-    }
-    p->max_tokens = (int32_t)max_tokens;
-    p->sampling.temperature = (float)temperature;
-    p->sampling.top_p = (float)top_p;
-    p->sampling.top_k = (int32_t)(top_k > 0 ? top_k : 0);
-    p->has_seed = seed >= 0;
-    p->seed = (uint64_t)(seed >= 0 ? seed : 0);
-    out->logprobs = (int32_t)logprobs;
-    p->logprobs =
-        logprobs > 0 ? (int32_t)logprobs : (logprobs == 0 ? 1 : 0); /* 0: the sampled token's only */
-    ok = true;
-done:
+    ok = ok && finish_request(lim, max_tokens, out, err);
     json_decref(root);
     if (!ok) {
         pd_completion_req_free(out);
@@ -364,7 +770,11 @@ done:
 
 void pd_completion_req_free(pd_completion_req_t *r)
 {
-    free(r->prompt);
+    for (int32_t i = 0; i < r->num_prompts; i++) {
+        free(r->prompts[i].ids);
+        free(r->prompts[i].text);
+    }
+    free(r->prompts);
     for (int32_t i = 0; i < r->num_stop; i++) {
         free(r->stop[i]);
     }

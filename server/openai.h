@@ -8,6 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/json.h"
 #include "engine/engine.h"
 #include "model/tokenizer.h"
 
@@ -19,16 +20,29 @@ typedef struct pd_http_error {
     const char *param; /* offending field or NULL */
 } pd_http_error_t;
 
+#define PD_MAX_PROMPTS 64  /* prompts of one batched completion request */
+#define PD_MAX_CHOICES 128 /* prompts x n */
+
+typedef struct pd_prompt {
+    int32_t *ids; /* malloc'd token ids */
+    int32_t len;
+    char *text; /* the prompt as given (string prompts), malloc'd, or NULL */
+    size_t text_len;
+} pd_prompt_t;
+
 typedef struct pd_completion_req {
-    int32_t *prompt; /* malloc'd token ids */
-    int32_t num_prompt;
+    pd_prompt_t *prompts; /* [num_prompts]: one for chat, several for batched completions */
+    int32_t num_prompts;
+    int32_t n; /* choices per prompt */
+    bool echo; /* completions: the prompt text starts each choice's text */
     pd_request_params_t params;
     char *stop[PD_MAX_STOP_STRINGS];
     int32_t num_stop;
     bool stream;
     bool include_usage;
     bool return_token_ids;
-    int32_t logprobs;           /* -1 = none (null) */
+    int32_t logprobs;           /* -1 = none (null); chat: top_logprobs when logprobs is true */
+    bool chat;                  /* a /v1/chat/completions request (chat response shapes) */
     json_t *kv_transfer_params; /* owned reference or NULL */
 } pd_completion_req_t;
 
@@ -36,15 +50,27 @@ typedef struct pd_openai_limits {
     const char *model_name;
     int32_t vocab_size;
     int32_t max_model_len;
-    int max_depth; /* JSON nesting limit */
+    int max_depth;                          /* JSON nesting limit */
+    const struct pd_generation_config *gen; /* defaults of omitted sampling fields, or NULL */
 } pd_openai_limits_t;
 
-/* Parses and validates a request body. Returns false with *err filled (status 400/404) on any
- * problem: bad JSON (with position), wrong field types, n != 1, echo, prompt too long, unknown
- * token ids, sampling values out of range. On true the caller frees with pd_completion_req_free. */
+/* Parses and validates a /v1/completions body. Returns false with *err filled (status 400/404) on any
+ * problem: bad JSON (with position), wrong field types, n != 1, echo, a parameter pdserve does not
+ * implement (named), prompt too long, unknown token ids, sampling values out of range, stop token
+ * ids outside the vocabulary. On true the caller frees with pd_completion_req_free. */
 bool pd_openai_parse_completion(const char *body, size_t len, const pd_tokenizer_t *tok,
                                 const pd_openai_limits_t *lim, pd_completion_req_t *out,
                                 pd_http_error_t *err);
+
+typedef struct pd_chat pd_chat_t;
+
+/* Parses and validates a /v1/chat/completions body: the same fields as completions where they are
+ * shared (max_completion_tokens as max_tokens; logprobs as a boolean with top_logprobs), messages
+ * rendered by the model's chat template (tools, add_generation_prompt, continue_final_message,
+ * chat_template_kwargs) and tokenized without adding special tokens. max_tokens defaults to the
+ * rest of the context. False with err (400/404) on any problem, as pd_openai_parse_completion. */
+bool pd_openai_parse_chat(const char *body, size_t len, const pd_tokenizer_t *tok, const pd_chat_t *chat,
+                          const pd_openai_limits_t *lim, pd_completion_req_t *out, pd_http_error_t *err);
 
 void pd_completion_req_free(pd_completion_req_t *r);
 
@@ -54,8 +80,5 @@ json_t *pd_openai_error_json(const pd_http_error_t *err);
 /* Fills err and returns false (shorthand for validation paths). */
 bool pd_http_error_set(pd_http_error_t *err, int status, const char *type, const char *param, const char *fmt,
                        ...) __attribute__((format(printf, 5, 6)));
-
-/* Makes a UTF-8-valid JSON string of arbitrary bytes (invalid sequences become U+FFFD). */
-json_t *pd_json_string_lossy(const char *s, size_t len);
 
 #endif

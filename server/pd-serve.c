@@ -95,7 +95,7 @@ int main(int argc, char **argv)
         rq.num_prompt = (int32_t)nids;
         rq.params.max_tokens = max_tokens;
         rq.params.ignore_eos = ignore_eos;
-        rq.params.sampling = (pd_sampling_params_t){(float)temperature, top_k, (float)top_p};
+        rq.params.sampling = (pd_sampling_params_t){(float)temperature, top_k, (float)top_p, 0.0f};
         rq.params.has_seed = seed >= 0;
         rq.params.seed = (uint64_t)(seed >= 0 ? seed + i : 0);
         rq.user = &res[i];

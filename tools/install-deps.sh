@@ -16,6 +16,7 @@ PKGS=(
   check                                    # unit tests
   gnuplot-nox                              # benchmark plots
   python3-numpy python3-yaml              # reference implementation; deploy manifest checks
+  python3-jinja2                           # reference renders for the chat-template interpreter
   clang-format                             # make format / format check
   nodejs npm                               # gpt-3-encoder / openai client peers in tests
 )

@@ -138,12 +138,28 @@ static void test_elementwise(void)
     for (int i = 0; i < rows; i++) {
         pos[i] = (int32_t)pd_rng_below(&g_rng, 4000);
     }
-    memcpy(ref, x, N * 4);
-    g_gpu->ops->copy(g_gpu, dg, x, N * 4, PD_COPY_H2D);
-    check_status("rope", g_cpu->ops->rope(g_cpu, ref, pos, rows, 6, 64, 10000.0f),
-                 g_gpu->ops->rope(g_gpu, dg, pos, rows, 6, 64, 10000.0f));
-    from_gpu(got, dg, N * 4);
-    compare("rope [37][6][64], positions < 4000", got, ref, N, 1e-5);
+    /* a default table, then a scaled one (llama3-style frequencies, YaRN-style attention factor) */
+    pd_rope_t rope;
+    memset(&rope, 0, sizeof(rope));
+    rope.half = 32;
+    rope.scale = 1.0f;
+    for (int i = 0; i < 32; i++) {
+        rope.inv_freq[i] = 1.0 / pow(10000.0, (2.0 * i) / 64);
+    }
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1) {
+            for (int i = 16; i < 32; i++) {
+                rope.inv_freq[i] /= 8.0;
+            }
+            rope.scale = 1.2f;
+        }
+        memcpy(ref, x, N * 4);
+        g_gpu->ops->copy(g_gpu, dg, x, N * 4, PD_COPY_H2D);
+        check_status("rope", g_cpu->ops->rope(g_cpu, ref, pos, rows, 6, 64, &rope),
+                     g_gpu->ops->rope(g_gpu, dg, pos, rows, 6, 64, &rope));
+        from_gpu(got, dg, N * 4);
+        compare(pass == 0 ? "rope [37][6][64], positions < 4000" : "rope scaled table", got, ref, N, 1e-5);
+    }
     /* silu_mul [rows][2·inter] → [rows][inter] */
     size_t GU = (size_t)rows * 2 * inter;
     float *gu = malloc(GU * 4);
@@ -153,6 +169,10 @@ static void test_elementwise(void)
                  g_gpu->ops->silu_mul(g_gpu, dsm, dgu, rows, inter));
     from_gpu(got, dsm, (size_t)rows * inter * 4);
     compare("silu_mul [37][320]", got, ref, (size_t)rows * inter, 1e-5);
+    check_status("gelu_mul", g_cpu->ops->gelu_mul(g_cpu, ref, gu, rows, inter),
+                 g_gpu->ops->gelu_mul(g_gpu, dsm, dgu, rows, inter));
+    from_gpu(got, dsm, (size_t)rows * inter * 4);
+    compare("gelu_mul [37][320]", got, ref, (size_t)rows * inter, 1e-5);
     /* embed */
     float *table = malloc((size_t)vocab * dim * 4);
     fill(table, (size_t)vocab * dim);
@@ -222,7 +242,8 @@ static void test_sample(void)
         static const float temps[] = {0.0f, 0.7f, 1.0f, 1.5f};
         static const int ks[] = {0, 1, 5, 50, 4999};
         static const float ps[] = {1.0f, 0.9f, 0.5f, 0.05f};
-        params[r] = (pd_sampling_params_t){temps[r % 4], ks[(r / 4) % 5], ps[(r / 2) % 4]};
+        static const float min_ps[] = {0.0f, 0.0f, 0.1f, 0.5f, 0.0f, 0.02f, 1.0f};
+        params[r] = (pd_sampling_params_t){temps[r % 4], ks[(r / 4) % 5], ps[(r / 2) % 4], min_ps[r % 7]};
     }
     pd_rng_t rc[ROWS], rg[ROWS];
     for (int r = 0; r < ROWS; r++) {

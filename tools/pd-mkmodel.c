@@ -30,6 +30,22 @@ typedef struct mk_opts {
     bool tie;
 } mk_opts_t;
 
+/* The chat template generated Llama-family models carry (pd-mkmodel writes it into
+ * tokenizer_config.json): system / user / assistant / tool turns, tools as JSON in a system turn. */
+#define PD_MKMODEL_CHAT_TEMPLATE                                                                             \
+    "{{- bos_token }}\n"                                                                                     \
+    "{%- if tools %}\n"                                                                                      \
+    "{{- '<|im_start|>tools\\n' }}{% for t in tools %}{{ t | tojson }}\n{% endfor %}{{ '<|im_end|>\\n' }}\n" \
+    "{%- endif %}\n"                                                                                         \
+    "{%- for m in messages %}\n"                                                                             \
+    "{{- '<|im_start|>' + m.role + '\\n' }}\n"                                                               \
+    "{%- if m.content is string %}{{ m.content }}{% endif %}\n"                                              \
+    "{%- if m.tool_calls is defined and m.tool_calls %}{% for c in m.tool_calls %}"                          \
+    "{{ '<tool_call>' + (c.function | tojson) + '</tool_call>' }}{% endfor %}{% endif %}\n"                  \
+    "{{- '<|im_end|>\\n' }}\n"                                                                               \
+    "{%- endfor %}\n"                                                                                        \
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}\n"
+
 /* ------------------------------------------------------------------ corpus + BPE training */
 
 // clang-format off
@@ -433,9 +449,16 @@ int main(int argc, char **argv)
 {
     mk_opts_t o = {"tiny", "llama", NULL, NULL, 0, 0, 0, 0, 0, 0, 0, 1, 0, 10000.0, false};
     bool untie = false;
+    const char *rope_scaling = NULL;
+    int head_dim = 0, sliding_window = 0, sliding_pattern = 6;
     pd_flag_t flags[] = {
         {"preset", PD_FLAG_CHOICE, &o.preset, "size preset (none: give every size)", "tiny|demo|none"},
-        {"arch", PD_FLAG_CHOICE, &o.arch, "architecture", "gpt2|llama|qwen2"},
+        {"arch", PD_FLAG_CHOICE, &o.arch, "architecture", "gpt2|llama|qwen2|qwen3|mistral|gemma3"},
+        {"head-dim", PD_FLAG_INT, &head_dim, "head size (0 = hidden / heads; qwen3 writes head_dim)", NULL},
+        {"sliding-window", PD_FLAG_INT, &sliding_window,
+         "mistral: sliding_window (0 = none); gemma3: its local layers' window (0 = 512)", NULL},
+        {"sliding-pattern", PD_FLAG_INT, &sliding_pattern, "gemma3: every N-th layer is global (default 6)",
+         NULL},
         {"out", PD_FLAG_STR, &o.out, "output directory (created)", NULL},
         {"dtype", PD_FLAG_CHOICE, &o.dtype, "weight dtype (preset default: tiny f32, demo bf16)",
          "f32|f16|bf16"},
@@ -447,6 +470,8 @@ int main(int argc, char **argv)
         {"vocab", PD_FLAG_INT, &o.vocab, "BPE tokens before special tokens (0 = preset)", NULL},
         {"max-pos", PD_FLAG_INT, &o.max_pos, "max_position_embeddings (0 = preset)", NULL},
         {"rope-theta", PD_FLAG_DOUBLE, &o.rope_theta, "RoPE base (llama, qwen2)", NULL},
+        {"rope-scaling", PD_FLAG_STR, &rope_scaling,
+         "config.json rope_scaling as JSON, e.g. '{\"rope_type\": \"llama3\", \"factor\": 8, ...}'", NULL},
         {"untie", PD_FLAG_BOOL, &untie, "write a separate lm_head (llama default; gpt2/qwen2 tie)", NULL},
         {"shards", PD_FLAG_INT, &o.shards, "number of safetensors shards (> 1 writes an index)", NULL},
         {"seed", PD_FLAG_INT64, &o.seed, "random seed", NULL},
@@ -465,8 +490,17 @@ int main(int argc, char **argv)
         return 2;
     }
     apply_preset(&o);
-    int gpt2 = strcmp(o.arch, "gpt2") == 0, llama = strcmp(o.arch, "llama") == 0;
-    o.tie = gpt2 || !llama ? !untie : false;
+    int gpt2 = strcmp(o.arch, "gpt2") == 0, qwen3 = strcmp(o.arch, "qwen3") == 0;
+    int mistral = strcmp(o.arch, "mistral") == 0, gemma3 = strcmp(o.arch, "gemma3") == 0;
+    int llama = strcmp(o.arch, "llama") == 0 || qwen3 || mistral || gemma3; /* no q/k/v biases */
+    o.tie = gpt2 || gemma3 || !llama ? !untie : false;
+    if (gemma3 && sliding_window <= 0) {
+        sliding_window = 512;
+    }
+    if (sliding_pattern < 1) {
+        fprintf(stderr, "pd-mkmodel: --sliding-pattern must be positive\n");
+        return 2;
+    }
     if (o.hidden <= 0 || o.layers <= 0 || o.heads <= 0 || o.kv_heads <= 0 || o.intermediate <= 0 ||
         o.vocab < 257 || o.max_pos <= 0 || o.hidden % o.heads != 0 || o.heads % o.kv_heads != 0 ||
         (gpt2 && o.kv_heads != o.heads) || o.shards < 1) {
@@ -501,9 +535,19 @@ int main(int argc, char **argv)
     if (write_json(o.out, "tokenizer.json", tok) != PD_OK) {
         return 1;
     }
+    /* tokenizer_config.json: the special tokens and, for the Llama-family presets, a chat template
+     * (ChatML-like, with tools) so chat completions work on generated models */
+    json_t *tcfg = gpt2 ? json_pack("{s:s, s:s, s:s}", "bos_token", "<|endoftext|>", "eos_token",
+                                    "<|endoftext|>", "tokenizer_class", "GPT2Tokenizer")
+                        : json_pack("{s:s, s:s, s:b, s:s, s:s}", "bos_token", "<|begin_of_text|>",
+                                    "eos_token", "<|end_of_text|>", "add_bos_token", 1, "tokenizer_class",
+                                    "PreTrainedTokenizerFast", "chat_template", PD_MKMODEL_CHAT_TEMPLATE);
+    if (write_json(o.out, "tokenizer_config.json", tcfg) != PD_OK) {
+        return 1;
+    }
 
     /* weights */
-    int H = o.hidden, hd = o.hidden / o.heads, I = o.intermediate;
+    int H = o.hidden, hd = head_dim > 0 ? head_dim : o.hidden / o.heads, I = o.intermediate;
     int qd = o.heads * hd, kvd = o.kv_heads * hd;
     double ws = 1.0 / sqrt((double)H), ds = 1.0 / sqrt((double)I);
     tensor_list_t l = {NULL, 0, 0, 0};
@@ -547,7 +591,8 @@ int main(int argc, char **argv)
 #define T2(suffix, d0, d1, std)                                                                              \
     snprintf(n, sizeof(n), "model.layers.%d.%s", i, suffix);                                                 \
     add_tensor(&l, &rng, n, dt, 2, d0, d1, 0, std)
-            T1("input_layernorm.weight", H, 1.0, 0.1);
+            double nm = gemma3 ? 0.0 : 1.0; /* Gemma stores w of its (1 + w) norms */
+            T1("input_layernorm.weight", H, nm, 0.1);
             T2("self_attn.q_proj.weight", qd, H, ws);
             T2("self_attn.k_proj.weight", kvd, H, ws);
             T2("self_attn.v_proj.weight", kvd, H, ws);
@@ -557,14 +602,22 @@ int main(int argc, char **argv)
                 T1("self_attn.v_proj.bias", kvd, 0.0, 0.05);
             }
             T2("self_attn.o_proj.weight", H, qd, 1.0 / sqrt((double)qd));
-            T1("post_attention_layernorm.weight", H, 1.0, 0.1);
+            if (qwen3 || gemma3) {
+                T1("self_attn.q_norm.weight", hd, nm, 0.1);
+                T1("self_attn.k_norm.weight", hd, nm, 0.1);
+            }
+            T1("post_attention_layernorm.weight", H, nm, 0.1);
+            if (gemma3) {
+                T1("pre_feedforward_layernorm.weight", H, nm, 0.1);
+                T1("post_feedforward_layernorm.weight", H, nm, 0.1);
+            }
             T2("mlp.gate_proj.weight", I, H, ws);
             T2("mlp.up_proj.weight", I, H, ws);
             T2("mlp.down_proj.weight", H, I, ds);
 #undef T1
 #undef T2
         }
-        add_tensor(&l, &rng, "model.norm.weight", dt, 1, H, 0, 1.0, 0.1);
+        add_tensor(&l, &rng, "model.norm.weight", dt, 1, H, 0, gemma3 ? 0.0 : 1.0, 0.1);
         if (!o.tie) {
             add_tensor(&l, &rng, "lm_head.weight", dt, 2, vocab, H, 0, 0.5);
         }
@@ -587,14 +640,57 @@ int main(int argc, char **argv)
                         "tie_word_embeddings", o.tie, "bos_token_id", bos, "eos_token_id", eos, "torch_dtype",
                         torch_dtype);
     } else {
-        cfg =
-            json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:b, s:i, s:i, s:s, s:s}",
-                      "architectures", llama ? "LlamaForCausalLM" : "Qwen2ForCausalLM", "model_type",
-                      llama ? "llama" : "qwen2", "hidden_size", H, "num_hidden_layers", o.layers,
-                      "num_attention_heads", o.heads, "num_key_value_heads", o.kv_heads, "intermediate_size",
-                      I, "max_position_embeddings", o.max_pos, "vocab_size", vocab, "rms_norm_eps", 1e-5,
-                      "rope_theta", o.rope_theta, "tie_word_embeddings", o.tie, "bos_token_id", bos,
-                      "eos_token_id", eos, "torch_dtype", torch_dtype, "hidden_act", "silu");
+        cfg = json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:b, s:i, s:i, s:s, s:s}",
+                        "architectures",
+                        gemma3    ? "Gemma3ForCausalLM"
+                        : qwen3   ? "Qwen3ForCausalLM"
+                        : mistral ? "MistralForCausalLM"
+                        : llama   ? "LlamaForCausalLM"
+                                  : "Qwen2ForCausalLM",
+                        "model_type",
+                        gemma3    ? "gemma3_text"
+                        : qwen3   ? "qwen3"
+                        : mistral ? "mistral"
+                        : llama   ? "llama"
+                                  : "qwen2",
+                        "hidden_size", H, "num_hidden_layers", o.layers, "num_attention_heads", o.heads,
+                        "num_key_value_heads", o.kv_heads, "intermediate_size", I, "max_position_embeddings",
+                        o.max_pos, "vocab_size", vocab, "rms_norm_eps", 1e-5, "rope_theta", o.rope_theta,
+                        "tie_word_embeddings", o.tie, "bos_token_id", bos, "eos_token_id", eos, "torch_dtype",
+                        torch_dtype, "hidden_act", "silu");
+    }
+    if (gemma3) { /* query_pre_attn_scalar hidden / heads as Gemma-3-27B: apart from head_dim */
+        json_object_set_new(cfg, "head_dim", json_integer(hd));
+        json_object_set_new(cfg, "query_pre_attn_scalar", json_integer(H / o.heads));
+        json_object_set_new(cfg, "sliding_window", json_integer(sliding_window));
+        json_object_set_new(cfg, "sliding_window_pattern", json_integer(sliding_pattern));
+        json_object_set_new(cfg, "rope_local_base_freq", json_real(10000.0));
+        json_object_set_new(cfg, "rope_theta", json_real(o.rope_theta == 10000.0 ? 1000000.0 : o.rope_theta));
+        json_object_set_new(cfg, "hidden_activation", json_string("gelu_pytorch_tanh"));
+        json_object_set_new(cfg, "final_logit_softcapping", json_null());
+        json_object_set_new(cfg, "attn_logit_softcapping", json_null());
+        json_object_set_new(cfg, "rms_norm_eps", json_real(1e-6));
+        json_object_del(cfg, "hidden_act");
+    }
+    if (!gpt2 && (qwen3 || head_dim > 0)) {
+        json_object_set_new(cfg, "head_dim", json_integer(hd));
+    }
+    if (qwen3) {
+        json_object_set_new(cfg, "attention_bias", json_false());
+    }
+    if (mistral) {
+        json_object_set_new(cfg, "sliding_window",
+                            sliding_window > 0 ? json_integer(sliding_window) : json_null());
+    }
+    if (rope_scaling != NULL && !gpt2) {
+        json_error_t je;
+        json_t *rs = json_loads(rope_scaling, 0, &je);
+        if (!json_is_object(rs)) {
+            pd_log_error("--rope-scaling is not a JSON object: %s", rs == NULL ? je.text : "wrong type");
+            json_decref(rs);
+            return 2;
+        }
+        json_object_set_new(cfg, "rope_scaling", rs);
     }
     if (write_json(o.out, "config.json", cfg) != PD_OK) {
         return 1;

@@ -20,9 +20,10 @@ PD_CPU_OP_PAIR(pd_status_t, rmsnorm, float *out, const float *x, const float *w,
 PD_CPU_OP_PAIR(pd_status_t, layernorm, float *out, const float *x, const float *w, const float *b, int rows,
                int dim, float eps);
 PD_CPU_OP_PAIR(pd_status_t, rope, float *x, const int32_t *positions, int num_tokens, int num_heads,
-               int head_size, float theta);
+               int head_size, const pd_rope_t *rope);
 PD_CPU_OP_PAIR(pd_status_t, gelu, float *x, size_t n);
 PD_CPU_OP_PAIR(pd_status_t, silu_mul, float *out, const float *gate_up, int rows, int inter);
+PD_CPU_OP_PAIR(pd_status_t, gelu_mul, float *out, const float *gate_up, int rows, int inter);
 PD_CPU_OP_PAIR(pd_status_t, softmax, float *x, int rows, int cols);
 PD_CPU_OP_PAIR(pd_status_t, reshape_and_cache, const pd_kv_view_t *kv, const float *k, const float *v,
                const int32_t *slot_mapping, int num_tokens);

@@ -1,5 +1,6 @@
 /* kernels/cpu/elementwise.c — embedding lookup, residual add, RoPE, GELU, SiLU×mul, softmax. */
 #include <math.h>
+#include <stdbool.h>
 #include <string.h>
 
 #include "common/log.h"
@@ -68,21 +69,31 @@ pd_status_t pd_cpu_add(pd_backend_t *be, float *y, const float *x, size_t n)
     return PD_OK;
 }
 
-/* HF rotate_half: pairs (i, i + half); inv_freq_i = theta^(-2i / head_size); angles in double. */
-pd_status_t pd_cpu_rope_ref(pd_backend_t *be, float *x, const int32_t *positions, int num_tokens,
-                            int num_heads, int head_size, float theta)
+static pd_status_t rope_check(const pd_rope_t *rope, int head_size)
 {
+    if (rope == NULL || head_size % 2 != 0 || rope->half != head_size / 2 || rope->half > PD_ROPE_MAX_HALF) {
+        pd_log_error("rope: the rotary table does not fit head size %d", head_size);
+        return PD_ERR_INVALID_ARG;
+    }
+    return PD_OK;
+}
+
+/* HF rotate_half: pairs (i, i + half) turned by position × inv_freq[i] (kernels/rope_impl.h). */
+pd_status_t pd_cpu_rope_ref(pd_backend_t *be, float *x, const int32_t *positions, int num_tokens,
+                            int num_heads, int head_size, const pd_rope_t *rope)
+{
+    pd_status_t st = rope_check(rope, head_size);
+    if (st != PD_OK) {
+        return st;
+    }
     int half = head_size / 2;
     for (int t = 0; t < num_tokens; t++) {
         for (int h = 0; h < num_heads; h++) {
             float *v = x + ((size_t)t * num_heads + h) * head_size;
             for (int i = 0; i < half; i++) {
-                double inv_freq = 1.0 / pow((double)theta, (2.0 * i) / head_size);
-                double ang = positions[t] * inv_freq;
-                float c = (float)cos(ang), s = (float)sin(ang);
-                float x1 = v[i], x2 = v[i + half];
-                v[i] = x1 * c - x2 * s;
-                v[i + half] = x2 * c + x1 * s;
+                float c, s;
+                pd_rope_cos_sin(rope, i, positions[t], &c, &s);
+                pd_rope_rotate(v, i, half, c, s);
             }
         }
     }
@@ -105,49 +116,56 @@ PD_CPU_CLONES static void rope_token(float *xt, int num_heads, int head_size, co
 }
 
 pd_status_t pd_cpu_rope(pd_backend_t *be, float *x, const int32_t *positions, int num_tokens, int num_heads,
-                        int head_size, float theta)
+                        int head_size, const pd_rope_t *rope)
 {
+    pd_status_t st = rope_check(rope, head_size);
+    if (st != PD_OK) {
+        return st;
+    }
     int half = head_size / 2;
-    if (half > 512) {
-        return pd_cpu_rope_ref(be, x, positions, num_tokens, num_heads, head_size, theta);
-    }
-    double inv_freq[512];
-    for (int i = 0; i < half; i++) {
-        inv_freq[i] = 1.0 / pow((double)theta, (2.0 * i) / head_size);
-    }
 #pragma omp parallel for num_threads(be->num_threads) schedule(static) if (num_tokens > 16)
     for (int t = 0; t < num_tokens; t++) {
-        float cs[512], sn[512];
-        for (int i = 0; i < half; i++) {
-            double ang = positions[t] * inv_freq[i];
-            cs[i] = (float)cos(ang);
-            sn[i] = (float)sin(ang);
+        float cs[PD_ROPE_MAX_HALF], sn[PD_ROPE_MAX_HALF];
+        for (int i = 0; i < half; i++) { /* the table's cos/sin once per token, for every head */
+            pd_rope_cos_sin(rope, i, positions[t], &cs[i], &sn[i]);
         }
         rope_token(x + (size_t)t * num_heads * head_size, num_heads, head_size, cs, sn);
     }
     return PD_OK;
 }
 
+/* GELU, tanh approximation ("gelu_new", "gelu_pytorch_tanh"): the reference formula. */
+static double gelu_tanh_ref(double v)
+{
+    return 0.5 * v * (1.0 + tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)));
+}
+
 pd_status_t pd_cpu_gelu_ref(pd_backend_t *be, float *x, size_t n)
 {
     for (size_t i = 0; i < n; i++) {
-        double v = x[i];
-        x[i] = (float)(0.5 * v * (1.0 + tanh(0.7978845608028654 * (v + 0.044715 * v * v * v))));
+        x[i] = (float)gelu_tanh_ref(x[i]);
     }
     return PD_OK;
 }
 
-/* 0.5·(1 + tanh(u)) = σ(2u), so GELU(x) = x·σ(2u); σ from the vectorizable exp of −|2u| (no
- * cancellation on either side of 0). */
+/* σ(z) from the vectorizable exp of −|z| (in its domain, no cancellation on either side of 0). */
+static inline float sigmoid_fast(float z)
+{
+    float e = pd_fast_expf(z < 0 ? z : -z);
+    return z < 0 ? e / (1.0f + e) : 1.0f / (1.0f + e);
+}
+
+/* 0.5·(1 + tanh(u)) = σ(2u), so GELU(x) = x·σ(2u). */
+static inline float gelu_tanh_fast(float v)
+{
+    return v * sigmoid_fast(1.5957691216f * (v + 0.044715f * v * v * v));
+}
+
 PD_CPU_CLONES static void gelu_range(float *x, size_t n)
 {
 #pragma omp simd
     for (size_t i = 0; i < n; i++) {
-        float v = x[i];
-        float u2 = 1.5957691216f * (v + 0.044715f * v * v * v);
-        float e = pd_fast_expf(u2 < 0 ? u2 : -u2);
-        float sig = u2 < 0 ? e / (1.0f + e) : 1.0f / (1.0f + e);
-        x[i] = v * sig;
+        x[i] = gelu_tanh_fast(x[i]);
     }
 }
 
@@ -163,36 +181,57 @@ pd_status_t pd_cpu_gelu(pd_backend_t *be, float *x, size_t n)
     return PD_OK;
 }
 
-pd_status_t pd_cpu_silu_mul_ref(pd_backend_t *be, float *out, const float *gate_up, int rows, int inter)
+/* out[r][i] = act(gate_up[r][i]) · gate_up[r][inter + i], act SiLU or GELU-tanh: the reference. */
+static void gated_ref(float *out, const float *gate_up, int rows, int inter, bool gelu)
 {
     for (int r = 0; r < rows; r++) {
         const float *g = gate_up + (size_t)r * 2 * inter;
         for (int i = 0; i < inter; i++) {
-            double gv = g[i];
-            out[(size_t)r * inter + i] = (float)(gv / (1.0 + exp(-gv)) * g[inter + i]);
+            double v = g[i];
+            double a = gelu ? gelu_tanh_ref(v) : v / (1.0 + exp(-v));
+            out[(size_t)r * inter + i] = (float)(a * g[inter + i]);
         }
     }
-    return PD_OK;
 }
 
-PD_CPU_CLONES static void silu_mul_row(float *o, const float *g, int inter)
+PD_CPU_CLONES static void gated_row(float *o, const float *g, int inter, bool gelu)
 {
 #pragma omp simd
     for (int i = 0; i < inter; i++) {
-        float gv = g[i];
-        /* exp(−|g|) keeps the fast exp in its domain; silu(g) = g·σ(g) */
-        float e = pd_fast_expf(gv < 0 ? gv : -gv);
-        float sig = gv < 0 ? e / (1.0f + e) : 1.0f / (1.0f + e);
-        o[i] = gv * sig * g[inter + i];
+        float v = g[i];
+        o[i] = (gelu ? gelu_tanh_fast(v) : v * sigmoid_fast(v)) * g[inter + i];
     }
+}
+
+static void gated(pd_backend_t *be, float *out, const float *gate_up, int rows, int inter, bool gelu)
+{
+#pragma omp parallel for num_threads(be->num_threads) schedule(static) if (rows > 4)
+    for (int r = 0; r < rows; r++) {
+        gated_row(out + (size_t)r * inter, gate_up + (size_t)r * 2 * inter, inter, gelu);
+    }
+}
+
+pd_status_t pd_cpu_silu_mul_ref(pd_backend_t *be, float *out, const float *gate_up, int rows, int inter)
+{
+    gated_ref(out, gate_up, rows, inter, false);
+    return PD_OK;
 }
 
 pd_status_t pd_cpu_silu_mul(pd_backend_t *be, float *out, const float *gate_up, int rows, int inter)
 {
-#pragma omp parallel for num_threads(be->num_threads) schedule(static) if (rows > 4)
-    for (int r = 0; r < rows; r++) {
-        silu_mul_row(out + (size_t)r * inter, gate_up + (size_t)r * 2 * inter, inter);
-    }
+    gated(be, out, gate_up, rows, inter, false);
+    return PD_OK;
+}
+
+pd_status_t pd_cpu_gelu_mul_ref(pd_backend_t *be, float *out, const float *gate_up, int rows, int inter)
+{
+    gated_ref(out, gate_up, rows, inter, true);
+    return PD_OK;
+}
+
+pd_status_t pd_cpu_gelu_mul(pd_backend_t *be, float *out, const float *gate_up, int rows, int inter)
+{
+    gated(be, out, gate_up, rows, inter, true);
     return PD_OK;
 }
 

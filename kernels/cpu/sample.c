@@ -2,7 +2,8 @@
  *
  * Semantics (shared by every backend so seeded runs agree):
  *   temperature < 1e-5 → argmax (lowest id on ties), no random draw.
- *   otherwise: z = logits / T; order tokens by (z desc, id asc); keep the first top_k (if > 0);
+ *   otherwise: z = logits / T; order tokens by (z desc, id asc); keep the first top_k (if > 0),
+ *   and of those only tokens with expf(z − z_max) >= min_p (vLLM's min_p: p >= min_p · p_max);
  *   p = softmax over the kept set (max-subtracted, summed in that order); keep the shortest
  *   prefix whose mass before each token is < top_p; renormalise; draw u ∈ [0,1) once from the
  *   sequence's generator and walk the kept tokens in ascending id order until the cumulative
@@ -88,9 +89,22 @@ static int32_t draw_from_sorted(cand_t *c, int n, float top_p, pd_rng_t *rng)
     return c[keep - 1].id;
 }
 
+/* Of the n candidates sorted by (z desc, id asc), how many pass min_p (at least the best one). */
+static int min_p_keep(const cand_t *c, int n, float min_p)
+{
+    if (!(min_p > 0)) {
+        return n;
+    }
+    int k = 1;
+    while (k < n && expf(c[k].z - c[0].z) >= min_p) {
+        k++;
+    }
+    return k;
+}
+
 static pd_status_t sample_check(const pd_sampling_params_t *p, int row)
 {
-    if (!(p->temperature >= 0) || !(p->top_p > 0) || isnan(p->top_p)) {
+    if (!(p->temperature >= 0) || !(p->top_p > 0) || isnan(p->top_p) || isnan(p->min_p) || p->min_p > 1) {
         pd_log_error("sample: row %d has invalid parameters (temperature %g, top_p %g)", row, p->temperature,
                      p->top_p);
         return PD_ERR_INVALID_ARG;
@@ -123,6 +137,7 @@ pd_status_t pd_cpu_sample_ref(pd_backend_t *be, int32_t *tokens_out, float *logi
         }
         qsort(c, (size_t)vocab, sizeof(cand_t), cand_cmp);
         int kept = p->top_k > 0 && p->top_k < vocab ? p->top_k : vocab;
+        kept = min_p_keep(c, kept, p->min_p);
         tokens_out[r] = draw_from_sorted(c, kept, p->top_p, &rngs[r]);
     }
     free(c);
@@ -203,7 +218,7 @@ pd_status_t pd_cpu_sample(pd_backend_t *be, int32_t *tokens_out, float *logits, 
              * contract: sort the whole vocabulary as the reference does */
             qsort(c, (size_t)vocab, sizeof(cand_t), cand_cmp);
         }
-        tokens_out[r] = draw_from_sorted(c, k, p->top_p, &rngs[r]);
+        tokens_out[r] = draw_from_sorted(c, min_p_keep(c, k, p->min_p), p->top_p, &rngs[r]);
     }
     free(c);
     return PD_OK;

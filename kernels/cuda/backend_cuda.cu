@@ -233,9 +233,10 @@ __global__ void layernorm_kernel(float *out, const float *x, const float *w, con
     }
 }
 
-/* HF rotate-half RoPE; one thread per (token, head, i < half); angles in double as the CPU does. */
+/* HF rotate-half RoPE with the model's rotary table (kernels/rope_impl.h, shared with the CPU); one
+ * thread per (token, head, i < half). */
 __global__ void rope_kernel(float *x, const int32_t *positions, int num_tokens, int num_heads, int head_size,
-                            float theta)
+                            const pd_rope_t *rope)
 {
     int half = head_size / 2;
     long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
@@ -246,13 +247,9 @@ __global__ void rope_kernel(float *x, const int32_t *positions, int num_tokens, 
     int i = (int)(idx % half);
     long long th = idx / half;
     int t = (int)(th / num_heads);
-    float *v = x + th * head_size;
-    double inv_freq = 1.0 / pow((double)theta, (2.0 * i) / head_size);
-    double ang = positions[t] * inv_freq;
-    float c = (float)cos(ang), s = (float)sin(ang);
-    float x1 = v[i], x2 = v[i + half];
-    v[i] = x1 * c - x2 * s;
-    v[i + half] = x2 * c + x1 * s;
+    float c, s;
+    pd_rope_cos_sin(rope, i, positions[t], &c, &s);
+    pd_rope_rotate(x + th * head_size, i, half, c, s);
 }
 
 __global__ void gelu_kernel(float *x, size_t n)
@@ -270,6 +267,16 @@ __global__ void silu_mul_kernel(float *out, const float *gate_up, int inter)
     for (int j = threadIdx.x; j < inter; j += blockDim.x) {
         float a = g[j];
         out[(size_t)blockIdx.x * inter + j] = a / (1.0f + expf(-a)) * u[j];
+    }
+}
+
+__global__ void gelu_mul_kernel(float *out, const float *gate_up, int inter)
+{
+    const float *g = gate_up + (size_t)blockIdx.x * 2 * inter, *u = g + inter;
+    for (int j = threadIdx.x; j < inter; j += blockDim.x) {
+        double v = g[j];
+        double gelu = 0.5 * v * (1.0 + tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)));
+        out[(size_t)blockIdx.x * inter + j] = (float)(gelu * u[j]);
     }
 }
 
@@ -558,6 +565,7 @@ struct sample_row {
     int32_t top_k; /* kept candidates, 1..vocab (greedy rows: 1) */
     float temperature;
     float top_p; /* >= 1: off */
+    float min_p; /* 0: off; else only tokens with expf(z - zmax) >= min_p stay candidates */
     double u;    /* uniform draw in [0, 1) */
 };
 
@@ -585,11 +593,49 @@ __global__ void sample_kernel(int32_t *out, const float *logits, int vocab, cons
     const int tid = threadIdx.x;
 #define ZOF(j) (temp > 0.0f ? lg[j] / temp : lg[j])
 
-    /* 1. the top_k-th smallest key (every key is unique: the id is in it) */
+    /* 1. zmax (the best candidate is always kept) */
+    float zm = -INFINITY;
+    for (int j = tid; j < vocab; j += blockDim.x) {
+        zm = fmaxf(zm, ZOF(j));
+    }
+    red[tid] = zm;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (tid < s) {
+            red[tid] = fmax(red[tid], red[tid + s]);
+        }
+        __syncthreads();
+    }
+    if (tid == 0) {
+        s_zmax = (float)red[0];
+    }
+    __syncthreads();
+    const float zmax = s_zmax;
+    /* 2. min_p keeps the candidates with expf(z - zmax) >= min_p: a prefix of the key order, so it
+     * only lowers top_k (as kernels/cpu/sample.c) */
+    int top_k = rp.top_k;
+    if (rp.min_p > 0.0f) {
+        double cnt = 0;
+        for (int j = tid; j < vocab; j += blockDim.x) {
+            cnt += expf(ZOF(j) - zmax) >= rp.min_p ? 1.0 : 0.0;
+        }
+        red[tid] = cnt;
+        __syncthreads();
+        for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+            if (tid < s) {
+                red[tid] += red[tid + s];
+            }
+            __syncthreads();
+        }
+        int c = (int)red[0];
+        top_k = c < 1 ? 1 : (c < top_k ? c : top_k);
+        __syncthreads();
+    }
+    /* 3. the top_k-th smallest key (every key is unique: the id is in it) */
     uint64_t kth = ~0ull;
-    if (rp.top_k < vocab) {
+    if (top_k < vocab) {
         uint64_t prefix = 0, mask = 0;
-        unsigned int remaining = (unsigned int)rp.top_k;
+        unsigned int remaining = (unsigned int)top_k;
         for (int shift = 56; shift >= 0; shift -= 8) {
             for (int b = tid; b < 256; b += blockDim.x) {
                 hc[b] = 0;
@@ -620,26 +666,8 @@ __global__ void sample_kernel(int32_t *out, const float *logits, int vocab, cons
         }
         kth = prefix;
     }
-    /* 2. zmax (the best candidate is always kept) */
-    float zm = -INFINITY;
-    for (int j = tid; j < vocab; j += blockDim.x) {
-        zm = fmaxf(zm, ZOF(j));
-    }
-    red[tid] = zm;
-    __syncthreads();
-    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (tid < s) {
-            red[tid] = fmax(red[tid], red[tid + s]);
-        }
-        __syncthreads();
-    }
-    if (tid == 0) {
-        s_zmax = (float)red[0];
-    }
-    __syncthreads();
-    const float zmax = s_zmax;
 #define PROB(j, key, thr) ((key) <= (thr) ? (double)expf(ZOF(j) - zmax) : 0.0)
-    /* 3. top-p: the largest kept key t whose mass before it is < top_p · sum */
+    /* 4. top-p: the largest kept key t whose mass before it is < top_p · sum */
     uint64_t thr = kth;
     if (rp.top_p < 1.0f) {
         double sum = 0;
@@ -874,17 +902,22 @@ pd_status_t cu_layernorm(pd_backend_t *be, float *out, const float *x, const flo
 }
 
 pd_status_t cu_rope(pd_backend_t *be, float *x, const int32_t *positions, int num_tokens, int num_heads,
-                    int head_size, float theta)
+                    int head_size, const pd_rope_t *rope)
 {
+    if (rope == NULL || head_size % 2 != 0 || rope->half != head_size / 2) {
+        pd_log_error("rope: the rotary table does not fit head size %d", head_size);
+        return PD_ERR_INVALID_ARG;
+    }
     if (num_tokens == 0) {
         return PD_OK;
     }
     upload u(be);
     const int32_t *d_pos = u.put(positions, (size_t)num_tokens);
+    const pd_rope_t *d_rope = u.put(rope, 1);
     TRY(u.st);
     size_t total = (size_t)num_tokens * num_heads * (head_size / 2);
     rope_kernel<<<(int)((total + 255) / 256), 256, 0, S(be)->stream>>>(x, d_pos, num_tokens, num_heads,
-                                                                       head_size, theta);
+                                                                       head_size, d_rope);
     return check_launch("rope");
 }
 
@@ -904,6 +937,15 @@ pd_status_t cu_silu_mul(pd_backend_t *be, float *out, const float *gate_up, int 
     }
     silu_mul_kernel<<<rows, 256, 0, S(be)->stream>>>(out, gate_up, inter);
     return check_launch("silu_mul");
+}
+
+pd_status_t cu_gelu_mul(pd_backend_t *be, float *out, const float *gate_up, int rows, int inter)
+{
+    if (rows == 0) {
+        return PD_OK;
+    }
+    gelu_mul_kernel<<<rows, 256, 0, S(be)->stream>>>(out, gate_up, inter);
+    return check_launch("gelu_mul");
 }
 
 pd_status_t cu_softmax(pd_backend_t *be, float *x, int rows, int cols)
@@ -1022,9 +1064,9 @@ pd_status_t cu_sample(pd_backend_t *be, int32_t *tokens, float *logits, int n, i
     bool greedy = true;
     for (int i = 0; i < n; i++) {
         const pd_sampling_params_t *p = &params[i];
-        if (!(p->temperature >= 0) || !(p->top_p > 0) || isnan(p->top_p)) {
-            pd_log_error("sample: row %d has invalid parameters (temperature %g, top_p %g)", i,
-                         p->temperature, p->top_p);
+        if (!(p->temperature >= 0) || !(p->top_p > 0) || isnan(p->top_p) || isnan(p->min_p) || p->min_p > 1) {
+            pd_log_error("sample: row %d has invalid parameters (temperature %g, top_p %g, min_p %g)", i,
+                         p->temperature, p->top_p, p->min_p);
             return PD_ERR_INVALID_ARG;
         }
         greedy = greedy && p->temperature < 1e-5f;
@@ -1042,7 +1084,11 @@ pd_status_t cu_sample(pd_backend_t *be, int32_t *tokens, float *logits, int n, i
             const pd_sampling_params_t *p = &params[i];
             bool g = p->temperature < 1e-5f;
             int k = p->top_k > 0 && p->top_k < vocab ? p->top_k : vocab;
-            rows[(size_t)i] = sample_row{i, g ? 1 : k, g ? 0.0f : p->temperature, g ? 1.0f : p->top_p,
+            rows[(size_t)i] = sample_row{i,
+                                         g ? 1 : k,
+                                         g ? 0.0f : p->temperature,
+                                         g ? 1.0f : p->top_p,
+                                         g ? 0.0f : p->min_p,
                                          g ? 0.0 : pd_rng_uniform(&rngs[i])};
         }
         sample_row *d_rows = nullptr;
@@ -1123,11 +1169,12 @@ void cu_unpin_host(pd_backend_t *be, void *p)
 extern "C" {
 
 const pd_backend_ops_t pd_cuda_backend_ops = {
-    "cuda",          cu_alloc,       cu_free,       cu_copy,    cu_sync,
-    cu_embed,        cu_matmul,      cu_add,        cu_rmsnorm, cu_layernorm,
-    cu_rope,         cu_gelu,        cu_silu_mul,   cu_softmax, cu_reshape_and_cache,
-    cu_attn_prefill, cu_attn_decode, cu_sample,     cu_gather,  cu_scatter,
-    cu_copy_pages,   cu_pin_host,    cu_unpin_host,
+    "cuda",          cu_alloc,       cu_free,     cu_copy,
+    cu_sync,         cu_embed,       cu_matmul,   cu_add,
+    cu_rmsnorm,      cu_layernorm,   cu_rope,     cu_gelu,
+    cu_silu_mul,     cu_gelu_mul,    cu_softmax,  cu_reshape_and_cache,
+    cu_attn_prefill, cu_attn_decode, cu_sample,   cu_gather,
+    cu_scatter,      cu_copy_pages,  cu_pin_host, cu_unpin_host,
 };
 
 int pd_cuda_device_count(void)

@@ -113,7 +113,7 @@ static void add_spec(pd_engine_t *e, const spec_t *s, int i, gen_t *g, const cha
     rq.num_prompt = s->n;
     rq.params.max_tokens = s->max_tokens;
     rq.params.ignore_eos = true;
-    rq.params.sampling = (pd_sampling_params_t){s->temperature, 0, s->temperature > 0 ? 0.9f : 1.0f};
+    rq.params.sampling = (pd_sampling_params_t){s->temperature, 0, s->temperature > 0 ? 0.9f : 1.0f, 0.0f};
     rq.params.has_seed = true;
     rq.params.seed = s->seed;
     for (int k = 0; k < nstop; k++) {
@@ -379,7 +379,7 @@ START_TEST(test_threaded_submit)
         rq.num_prompt = s[i].n;
         rq.params.max_tokens = s[i].max_tokens;
         rq.params.ignore_eos = true;
-        rq.params.sampling = (pd_sampling_params_t){0, 0, 1};
+        rq.params.sampling = (pd_sampling_params_t){0, 0, 1, 0};
         rq.user = &thr[i];
         ck_assert_int_eq(pd_engine_submit(e, &rq), PD_OK);
     }

@@ -182,6 +182,14 @@ START_TEST(test_elementwise)
     ck_assert_int_eq(pd_cpu_silu_mul(g_be, o1, gu, rows, inter), PD_OK);
     ck_assert_int_eq(pd_cpu_silu_mul_ref(g_be, o2, gu, rows, inter), PD_OK);
     ck_assert_double_lt(max_rel_err(o1, o2, (size_t)rows * inter, 1e-3), 1e-5);
+    ck_assert_int_eq(pd_cpu_gelu_mul(g_be, o1, gu, rows, inter), PD_OK);
+    ck_assert_int_eq(pd_cpu_gelu_mul_ref(g_be, o2, gu, rows, inter), PD_OK);
+    ck_assert_double_lt(max_rel_err(o1, o2, (size_t)rows * inter, 1e-3), 1e-5);
+    /* the reference is the formula: GELU-tanh(0.5)·2 and GELU-tanh(−3)·1 */
+    float g2[4] = {0.5f, -3.0f, 2.0f, 1.0f}, o3[2];
+    ck_assert_int_eq(pd_cpu_gelu_mul_ref(g_be, o3, g2, 1, 2), PD_OK);
+    ck_assert_double_lt(fabs(o3[0] - 2 * 0.345714), 1e-5);
+    ck_assert_double_lt(fabs(o3[1] - (-0.00363739)), 1e-6);
 
     int cols = 1031;
     float *s1 = rand_buf((size_t)rows * cols, -20, 20), *s2 = copy_buf(s1, (size_t)rows * cols);
@@ -221,22 +229,58 @@ START_TEST(test_elementwise)
 }
 END_TEST
 
+static pd_rope_t rope_default(int hd, double theta)
+{
+    pd_rope_t r;
+    memset(&r, 0, sizeof(r));
+    r.half = hd / 2;
+    r.scale = 1.0f;
+    for (int i = 0; i < r.half; i++) {
+        r.inv_freq[i] = 1.0 / pow(theta, (2.0 * i) / hd);
+    }
+    return r;
+}
+
 START_TEST(test_rope)
 {
     int ntok = 19, heads = 6, hd = 64;
+    pd_rope_t r1 = rope_default(hd, 10000.0), r5 = rope_default(hd, 500000.0);
     size_t n = (size_t)ntok * heads * hd;
     float *x = rand_buf(n, -2, 2), *a = copy_buf(x, n), *b = copy_buf(x, n);
     int32_t pos[19];
     for (int i = 0; i < ntok; i++) {
         pos[i] = (int32_t)pd_rng_below(&g_rng, 4096);
     }
-    ck_assert_int_eq(pd_cpu_rope(g_be, a, pos, ntok, heads, hd, 10000.0f), PD_OK);
-    ck_assert_int_eq(pd_cpu_rope_ref(g_be, b, pos, ntok, heads, hd, 10000.0f), PD_OK);
+    ck_assert_int_eq(pd_cpu_rope(g_be, a, pos, ntok, heads, hd, &r1), PD_OK);
+    ck_assert_int_eq(pd_cpu_rope_ref(g_be, b, pos, ntok, heads, hd, &r1), PD_OK);
     ck_assert_double_lt(max_rel_err(a, b, n, 1.0), 1e-6);
+    /* any table and a scale (YaRN's attention factor): the fast op equals the reference, and the
+     * reference equals the rotation written out */
+    pd_rope_t rs = r1;
+    rs.scale = 1.37f;
+    for (int i = 0; i < rs.half; i++) {
+        rs.inv_freq[i] = pd_rng_uniform(&g_rng) * 0.9;
+    }
+    memcpy(a, x, n * sizeof(float));
+    memcpy(b, x, n * sizeof(float));
+    ck_assert_int_eq(pd_cpu_rope(g_be, a, pos, ntok, heads, hd, &rs), PD_OK);
+    ck_assert_int_eq(pd_cpu_rope_ref(g_be, b, pos, ntok, heads, hd, &rs), PD_OK);
+    ck_assert_double_lt(max_rel_err(a, b, n, 1.0), 1e-6);
+    for (int t = 0; t < ntok; t++) {
+        for (int i = 0; i < hd / 2; i += 7) {
+            const float *u = x + (size_t)t * heads * hd;
+            double ang = pos[t] * rs.inv_freq[i];
+            double want = (u[i] * cos(ang) - u[i + hd / 2] * sin(ang)) * rs.scale;
+            ck_assert_double_eq_tol(b[(size_t)t * heads * hd + i], want, 1e-4);
+        }
+    }
+    pd_rope_t bad = r1;
+    bad.half = 16;
+    ck_assert_int_eq(pd_cpu_rope(g_be, a, pos, ntok, heads, hd, &bad), PD_ERR_INVALID_ARG);
     /* rotation keeps each (i, i+half) pair's norm; position 0 is the identity */
     pos[0] = 0;
     memcpy(a, x, n * sizeof(float));
-    ck_assert_int_eq(pd_cpu_rope(g_be, a, pos, ntok, heads, hd, 500000.0f), PD_OK);
+    ck_assert_int_eq(pd_cpu_rope(g_be, a, pos, ntok, heads, hd, &r5), PD_OK);
     for (int d = 0; d < heads * hd; d++) {
         ck_assert_float_eq(a[d], x[d]);
     }
@@ -447,20 +491,20 @@ END_TEST
 
 START_TEST(test_sampling_matches_reference)
 {
-    int vocab = 777, rows = 6;
-    pd_sampling_params_t params[6] = {
-        {0.0f, 0, 1.0f}, {1.0f, 0, 1.0f},  {0.7f, 40, 1.0f},
-        {1.3f, 0, 0.9f}, {0.8f, 25, 0.5f}, {1.0f, 1, 1.0f},
+    int vocab = 777, rows = 8;
+    pd_sampling_params_t params[8] = {
+        {0.0f, 0, 1.0f, 0.0f},  {1.0f, 0, 1.0f, 0.0f}, {0.7f, 40, 1.0f, 0.0f}, {1.3f, 0, 0.9f, 0.0f},
+        {0.8f, 25, 0.5f, 0.0f}, {1.0f, 1, 1.0f, 0.0f}, {1.0f, 0, 1.0f, 0.3f},  {0.9f, 50, 0.95f, 0.05f},
     };
     for (int trial = 0; trial < 200; trial++) {
         float *logits = rand_buf((size_t)rows * vocab, -6, 6);
         float *l1 = copy_buf(logits, (size_t)rows * vocab), *l2 = copy_buf(logits, (size_t)rows * vocab);
-        pd_rng_t r1[6], r2[6];
+        pd_rng_t r1[8], r2[8];
         for (int i = 0; i < rows; i++) {
             pd_rng_seed(&r1[i], (uint64_t)(trial * 10 + i));
             pd_rng_seed(&r2[i], (uint64_t)(trial * 10 + i));
         }
-        int32_t t1[6], t2[6];
+        int32_t t1[8], t2[8];
         ck_assert_int_eq(pd_cpu_sample(g_be, t1, l1, rows, vocab, params, r1), PD_OK);
         ck_assert_int_eq(pd_cpu_sample_ref(g_be, t2, l2, rows, vocab, params, r2), PD_OK);
         for (int i = 0; i < rows; i++) {
@@ -481,6 +525,12 @@ START_TEST(test_sampling_matches_reference)
             larger += logits[2 * vocab + i] > logits[2 * vocab + t1[2]];
         }
         ck_assert_int_lt(larger, 40);
+        /* min_p 0.3 at T = 1: the pick has at least 0.3 of the best token's probability */
+        float zmax = logits[6 * vocab];
+        for (int i = 1; i < vocab; i++) {
+            zmax = logits[6 * vocab + i] > zmax ? logits[6 * vocab + i] : zmax;
+        }
+        ck_assert(expf(logits[6 * vocab + t1[6]] - zmax) >= 0.3f);
         free(logits), free(l1), free(l2);
     }
 }
@@ -494,8 +544,9 @@ START_TEST(test_sampling_distribution)
     float base[4] = {logf(0.1f), logf(0.2f), logf(0.3f), logf(0.4f)};
     pd_rng_t rng;
     pd_rng_seed(&rng, 99);
-    int counts[4] = {0}, counts_p[4] = {0};
-    pd_sampling_params_t p = {1.0f, 0, 1.0f}, pp = {1.0f, 0, 0.5f};
+    int counts[4] = {0}, counts_p[4] = {0}, counts_m[4] = {0};
+    /* min_p 0.6: tokens with p >= 0.6 * 0.4 = 0.24 stay (0.3 and 0.4) */
+    pd_sampling_params_t p = {1.0f, 0, 1.0f, 0.0f}, pp = {1.0f, 0, 0.5f, 0.0f}, pm = {1.0f, 0, 1.0f, 0.6f};
     const int n = 40000;
     for (int i = 0; i < n; i++) {
         float l[4];
@@ -506,7 +557,12 @@ START_TEST(test_sampling_distribution)
         memcpy(l, base, sizeof(l));
         ck_assert_int_eq(pd_cpu_sample(g_be, &t, l, 1, vocab, &pp, &rng), PD_OK);
         counts_p[t]++;
+        memcpy(l, base, sizeof(l));
+        ck_assert_int_eq(pd_cpu_sample_ref(g_be, &t, l, 1, vocab, &pm, &rng), PD_OK);
+        counts_m[t]++;
     }
+    ck_assert_int_eq(counts_m[0] + counts_m[1], 0);
+    ck_assert_double_eq_tol((double)counts_m[3] / n, 0.4 / 0.7, 0.015);
     for (int i = 0; i < 4; i++) {
         ck_assert_double_eq_tol((double)counts[i] / n, 0.1 * (i + 1), 0.01);
     }
@@ -525,7 +581,7 @@ START_TEST(test_sampling_distribution)
         pd_cpu_sample(g_be, &t2, l2, 1, vocab, &p, &b);
         ck_assert_int_eq(t1, t2);
     }
-    pd_sampling_params_t bad = {-1.0f, 0, 1.0f};
+    pd_sampling_params_t bad = {-1.0f, 0, 1.0f, 0.0f};
     int32_t t;
     float l[4];
     memcpy(l, base, sizeof(l));

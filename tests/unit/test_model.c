@@ -4,6 +4,7 @@
 #include "test_util.h"
 
 #include <check.h>
+#include <jansson.h>
 #include <math.h>
 
 #include "common/log.h"
@@ -11,6 +12,7 @@
 #include "kernels/backend.h"
 #include "kernels/paged_impl.h"
 #include "model/model.h"
+#include "model/rope.h"
 #include "model/safetensors.h"
 
 #define BS         16
@@ -89,7 +91,8 @@ static pd_status_t run_step(pd_model_t *m, tcache_t *c, tseq_t **seqs, const int
         seq_lens[i] = total;
     }
     pd_batch_t batch = {T, ids, pos};
-    pd_attn_meta_t meta = {nseqs, T, cu, seq_lens, tables, MAX_BLOCKS, slots, 0};
+    pd_attn_meta_t meta = {nseqs,  T,          cu,    seq_lens,
+                           tables, MAX_BLOCKS, slots, pd_model_config(m)->sliding_window};
     pd_status_t st = pd_model_forward(m, &batch, c->views, &meta, lidx, T, hooks, logits_out);
     if (st == PD_OK) {
         for (int i = 0; i < nseqs; i++) {
@@ -188,11 +191,7 @@ static void teardown(void)
 static void check_against_numpy(const char *mk_args, int n)
 {
     const char *py = tu_python_numpy();
-    if (py == NULL) {
-        fprintf(stderr,
-                "SKIP: no python3 with numpy (install python3-numpy); reference comparison not run\n");
-        return;
-    }
+    ck_assert_msg(py != NULL, "no python3 with numpy: tools/install-deps.sh installs python3-numpy");
     char *dir = tu_make_model(mk_args);
     ck_assert_ptr_nonnull(dir);
     pd_model_t *m = NULL;
@@ -245,6 +244,63 @@ START_TEST(test_qwen2_matches_numpy)
 }
 END_TEST
 
+START_TEST(test_qwen3_matches_numpy)
+{
+    /* per-head q/k RMSNorm before RoPE; head_dim 32 so heads · head_dim (128) != hidden (64) */
+    check_against_numpy("--preset tiny --arch qwen3 --head-dim 32", 33);
+}
+END_TEST
+
+START_TEST(test_mistral_window_matches_numpy)
+{
+    /* sliding_window 16 on every layer, 60 positions: most queries see only the window */
+    check_against_numpy("--preset tiny --arch mistral --sliding-window 16", 60);
+}
+END_TEST
+
+START_TEST(test_gemma3_matches_numpy)
+{
+    /* 4 layers, every 2nd global: local layers with a 16-token window and their own rotary base,
+     * global layers with linear rope_scaling; head_dim 32, query_pre_attn_scalar 16 */
+    check_against_numpy("--preset tiny --arch gemma3 --layers 4 --head-dim 32 --sliding-window 16 "
+                        "--sliding-pattern 2 --max-pos 128 --rope-scaling "
+                        "{\\\"rope_type\\\":\\\"linear\\\",\\\"factor\\\":2.0}",
+                        60);
+}
+END_TEST
+
+/* rope_scaling of every type, over positions past original_max_position_embeddings (32) */
+START_TEST(test_rope_scaling_matches_numpy)
+{
+    static const char *const scalings[] = {
+        "{\"rope_type\": \"llama3\", \"factor\": 8.0, \"low_freq_factor\": 1.0, \"high_freq_factor\": 4.0, "
+        "\"original_max_position_embeddings\": 32}",
+        "{\"type\": \"linear\", \"factor\": 2.5}",
+        "{\"rope_type\": \"dynamic\", \"factor\": 3.0}",
+        "{\"rope_type\": \"yarn\", \"factor\": 4.0, \"original_max_position_embeddings\": 32}",
+        "{\"rope_type\": \"yarn\", \"factor\": 16.0, \"original_max_position_embeddings\": 32, "
+        "\"beta_fast\": 16, "
+        "\"beta_slow\": 2, \"mscale\": 0.9, \"mscale_all_dim\": 0.7}",
+    };
+    for (size_t i = 0; i < sizeof(scalings) / sizeof(scalings[0]); i++) {
+        /* the JSON goes through sh -c '...': quotes escaped for the inner shell, spaces dropped */
+        char args[900], json[600];
+        size_t k = 0;
+        for (const char *c = scalings[i]; *c != '\0' && k + 3 < sizeof(json); c++) {
+            if (*c == '"') {
+                json[k++] = '\\';
+            }
+            if (*c != ' ') {
+                json[k++] = *c;
+            }
+        }
+        json[k] = '\0';
+        snprintf(args, sizeof(args), "--preset tiny --arch llama --max-pos 128 --rope-scaling %s", json);
+        check_against_numpy(args, 70);
+    }
+}
+END_TEST
+
 START_TEST(test_bf16_sharded_matches_numpy)
 {
     check_against_numpy("--preset tiny --arch llama --dtype bf16 --shards 3 --untie", 20);
@@ -290,6 +346,13 @@ static void check_cache_equivalence(const char *mk_args, pd_dtype_t kv_dtype, do
 START_TEST(test_cache_equivalence_llama)
 {
     check_cache_equivalence("--preset tiny --arch llama", PD_DTYPE_F32, 1e-4);
+}
+END_TEST
+
+START_TEST(test_cache_equivalence_sliding_window)
+{
+    /* chunks of 1, 7 and 64 tokens against a 16-token window cross block edges inside the window */
+    check_cache_equivalence("--preset tiny --arch mistral --sliding-window 16", PD_DTYPE_F32, 1e-4);
 }
 END_TEST
 
@@ -537,11 +600,112 @@ START_TEST(test_bad_model_files)
     ck_assert_ptr_nonnull(hid);
     corrupt_and_expect(dir, "config.json", (long)(hid - cfg), "\"hidden_size\": 96", 17, -1, PD_ERR_PARSE);
     free(cfg);
+    /* rope_scaling types that are not run are refused by name, before any weight is read */
+    static const struct {
+        const char *scaling;
+        pd_status_t want;
+    } rs[] = {{"{\"rope_type\": \"longrope\", \"factor\": 4}", PD_ERR_UNSUPPORTED},
+              {"{\"rope_type\": \"llama3\", \"factor\": 8, \"low_freq_factor\": 4, \"high_freq_factor\": 1}",
+               PD_ERR_PARSE},
+              {"{\"type\": \"linear\", \"factor\": 0.5}", PD_ERR_PARSE},
+              {"[1, 2]", PD_ERR_PARSE}};
+    for (size_t i = 0; i < sizeof(rs) / sizeof(rs[0]); i++) {
+        json_t *c = json_load_file(path, 0, NULL);
+        json_object_set_new(c, "rope_scaling", json_loads(rs[i].scaling, JSON_DECODE_ANY, NULL));
+        pd_model_config_t mc;
+        ck_assert_int_eq(pd_model_config_parse(c, "config.json", &mc), rs[i].want);
+        json_decref(c);
+    }
+    /* Gemma3: the layer pattern is read (layer_types over sliding_window_pattern); what is not run
+     * (soft-capping, another activation, bidirectional attention, a wrong layer list) is refused */
+    static const struct {
+        const char *key, *value;
+        pd_status_t want;
+    } gm[] = {{NULL, NULL, PD_OK},
+              {"attn_logit_softcapping", "50.0", PD_ERR_UNSUPPORTED},
+              {"final_logit_softcapping", "30.0", PD_ERR_UNSUPPORTED},
+              {"hidden_activation", "\"silu\"", PD_ERR_UNSUPPORTED},
+              {"use_bidirectional_attention", "true", PD_ERR_UNSUPPORTED},
+              {"layer_types", "[\"sliding_attention\"]", PD_ERR_PARSE},
+              {"layer_types", "[\"full_attention\", \"sliding_attention\"]", PD_OK}};
+    for (size_t i = 0; i < sizeof(gm) / sizeof(gm[0]); i++) {
+        json_t *c = json_load_file(path, 0, NULL);
+        json_array_set_new(json_object_get(c, "architectures"), 0, json_string("Gemma3ForCausalLM"));
+        json_object_set_new(c, "sliding_window_pattern", json_integer(2));
+        json_object_set_new(c, "num_hidden_layers", json_integer(2)); /* parsing only: no weights read */
+        if (gm[i].key != NULL) {
+            json_object_set_new(c, gm[i].key, json_loads(gm[i].value, JSON_DECODE_ANY, NULL));
+        }
+        pd_model_config_t mc;
+        ck_assert_int_eq(pd_model_config_parse(c, "config.json", &mc), gm[i].want);
+        if (gm[i].want == PD_OK) {
+            bool layer_types = gm[i].key != NULL; /* pattern 2: layer 0 local, 1 global */
+            ck_assert(mc.gemma && mc.qk_norm && mc.tie_word_embeddings == false);
+            ck_assert_int_eq(mc.sliding_layer[0], !layer_types);
+            ck_assert_int_eq(mc.sliding_layer[1], layer_types);
+            ck_assert_int_eq(mc.sliding_window, 4096);
+        }
+        json_decref(c);
+    }
 
     /* nothing there at all */
     ck_assert_int_eq(pd_model_load("/nonexistent-pd-model", g_be, &m), PD_ERR_NOT_FOUND);
     tu_rmrf(dir);
     free(dir);
+}
+END_TEST
+
+/* config.json of the small models people serve first (tests/model/configs, as published): each
+ * parses to the shape and options it describes, and its rotary table builds. */
+START_TEST(test_published_configs)
+{
+    static const struct {
+        const char *file;
+        int layers, head_size, kv_heads, window, sliding_layers, num_eos;
+        pd_rope_type_t rope;
+        bool tie, qk_norm, gemma;
+    } want[] = {
+        {"Llama-3.2-1B-Instruct", 16, 64, 8, 0, 0, 3, PD_ROPE_LLAMA3, true, false, false},
+        {"SmolLM2-135M-Instruct", 30, 64, 3, 0, 0, 1, PD_ROPE_DEFAULT, true, false, false},
+        {"Qwen2.5-0.5B-Instruct", 24, 64, 2, 0, 0, 1, PD_ROPE_DEFAULT, true, false, false},
+        {"Qwen3-0.6B", 28, 128, 8, 0, 0, 1, PD_ROPE_DEFAULT, true, true, false},
+        {"Mistral-7B-v0.1", 32, 128, 8, 4096, 32, 1, PD_ROPE_DEFAULT, false, false, false},
+        {"Mistral-7B-Instruct-v0.3", 32, 128, 8, 0, 0, 1, PD_ROPE_DEFAULT, false, false, false},
+        {"gemma-3-1b-it", 26, 256, 1, 512, 22, 2, PD_ROPE_DEFAULT, true, true, true},
+        {"gemma-3-270m", 18, 256, 1, 512, 15, 1, PD_ROPE_DEFAULT, true, true, true},
+    };
+    for (size_t i = 0; i < sizeof(want) / sizeof(want[0]); i++) {
+        char path[1024];
+        snprintf(path, sizeof(path), "%s/tests/model/configs/%s.json", tu_source_dir(), want[i].file);
+        json_t *root = json_load_file(path, 0, NULL);
+        ck_assert_msg(root != NULL, "%s", path);
+        pd_model_config_t c;
+        ck_assert_msg(pd_model_config_parse(root, path, &c) == PD_OK, "%s does not parse", want[i].file);
+        int sliding = 0;
+        for (int l = 0; l < c.num_layers; l++) {
+            sliding += c.sliding_layer[l];
+        }
+        ck_assert_msg(c.num_layers == want[i].layers && c.head_size == want[i].head_size &&
+                          c.num_kv_heads == want[i].kv_heads && c.sliding_window == want[i].window &&
+                          sliding == want[i].sliding_layers && c.num_eos == want[i].num_eos &&
+                          c.rope_scaling.type == want[i].rope && c.tie_word_embeddings == want[i].tie &&
+                          c.qk_norm == want[i].qk_norm && c.gemma == want[i].gemma,
+                      "%s: layers %d head %d kv %d window %d sliding %d eos %d rope %d tie %d qk %d gemma %d",
+                      want[i].file, c.num_layers, c.head_size, c.num_kv_heads, c.sliding_window, sliding,
+                      c.num_eos, (int)c.rope_scaling.type, c.tie_word_embeddings, c.qk_norm, c.gemma);
+        if (c.gemma) { /* every 6th layer global; 1/√256 attention scale; local base 10000 */
+            ck_assert(!c.sliding_layer[5] && c.sliding_layer[4] && c.sliding_layer[6]);
+            ck_assert_float_eq(c.attn_scale, 0.0625f);
+            ck_assert_float_eq(c.rope_local_theta, 10000.0f);
+        }
+        pd_rope_t rope;
+        ck_assert_int_eq(pd_rope_table(&c, &rope), PD_OK);
+        /* a Gemma 2 config and a multimodal Gemma 3 are refused by name */
+        json_array_set_new(json_object_get(root, "architectures"), 0,
+                           json_string(i % 2 ? "Gemma2ForCausalLM" : "Gemma3ForConditionalGeneration"));
+        ck_assert_int_eq(pd_model_config_parse(root, path, &c), PD_ERR_UNSUPPORTED);
+        json_decref(root);
+    }
 }
 END_TEST
 
@@ -589,9 +753,15 @@ int main(void)
     tcase_add_test(tc, test_gpt2_matches_numpy);
     tcase_add_test(tc, test_llama_matches_numpy);
     tcase_add_test(tc, test_qwen2_matches_numpy);
+    tcase_add_test(tc, test_qwen3_matches_numpy);
+    tcase_add_test(tc, test_mistral_window_matches_numpy);
+    tcase_add_test(tc, test_gemma3_matches_numpy);
+    tcase_add_test(tc, test_published_configs);
     tcase_add_test(tc, test_bf16_sharded_matches_numpy);
+    tcase_add_test(tc, test_rope_scaling_matches_numpy);
     tcase_add_test(tc, test_cache_equivalence_llama);
     tcase_add_test(tc, test_cache_equivalence_gpt2);
+    tcase_add_test(tc, test_cache_equivalence_sliding_window);
     tcase_add_test(tc, test_cache_equivalence_bf16_cache);
     tcase_add_test(tc, test_batched_equals_alone_and_hooks);
     tcase_add_test(tc, test_forward_rejects_bad_input);

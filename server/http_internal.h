@@ -1,0 +1,68 @@
+/* server/http_internal.h — state shared by the HTTP front's files: the server (http_server.c:
+ * routes, endpoints, metrics, lifecycle) and the generation requests (completion.c: completions and
+ * chat completions, their choices, SSE and JSON answers). Everything here runs on the loop thread. */
+#ifndef PD_SERVER_HTTP_INTERNAL_H
+#define PD_SERVER_HTTP_INTERNAL_H
+
+#include <event2/event.h>
+#include <event2/http.h>
+#include <jansson.h>
+#include <stdbool.h>
+
+#include "common/metrics.h"
+#include "server/chat.h"
+#include "server/http_server.h"
+#include "server/openai.h"
+
+typedef struct creq creq_t; /* one in-flight generation request (completion.c) */
+
+typedef struct srv_metrics {
+    pd_metric_t *running, *waiting, *waiting_remote, *kv_usage, *blocks_free, *blocks_cached, *blocks_used;
+    pd_metric_t *prefix_queries, *prefix_hits, *prompt_tokens, *generation_tokens, *preemptions;
+    pd_metric_t *ttft, *itl, *e2e, *queue, *step;
+    pd_metric_t *success[4]; /* stop, length, abort, error */
+    pd_metric_t *http_errors;
+    uint64_t seen_prefix_queries, seen_prefix_hits, seen_prompt, seen_gen, seen_preempt, seen_steps;
+} srv_metrics_t;
+
+struct pd_http_server {
+    pd_http_config_t cfg;
+    char model_name[256];
+    pd_engine_t *engine;
+    pd_chat_t *chat; /* the model's chat template (may have none) */
+    pd_metrics_t *metrics;
+    srv_metrics_t m;
+    struct event_base *base;
+    struct evhttp *http;
+    struct event *wake, *sigterm, *sigint, *drain_timer;
+    int port;
+    creq_t *inflight; /* generation requests with engine work outstanding */
+    int num_inflight;
+    int unsent; /* replies handed to libevent and not yet written out */
+    bool draining;
+    double drain_deadline;
+    bool aborted_rest;
+    int64_t started_at;
+};
+
+/* http_server.c: replies (every reply is counted until libevent has written it out). */
+void pd_http_track_reply(pd_http_server_t *s, struct evhttp_request *req);
+void pd_http_send_json(pd_http_server_t *s, struct evhttp_request *req, int status, json_t *body);
+void pd_http_send_error(pd_http_server_t *s, struct evhttp_request *req, const pd_http_error_t *err);
+void pd_http_reply_error(pd_http_server_t *s, struct evhttp_request *req, int status, const char *type,
+                         const char *param, const char *msg);
+/* The body as a NUL-terminated malloc'd copy, or NULL after answering 413/500. */
+char *pd_http_read_body(pd_http_server_t *s, struct evhttp_request *req, size_t *len_out);
+
+/* completion.c */
+/* POST /v1/completions (chat false) or /v1/chat/completions: validates, submits one engine request
+ * per choice (prompts x n) and answers as the outputs arrive. */
+void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bool chat);
+/* Takes the engine's outputs and advances their requests (the wake event's callback). */
+void pd_http_dispatch_outputs(pd_http_server_t *s);
+/* Drain timeout: aborts the engine work of every in-flight request. */
+void pd_http_abort_inflight(pd_http_server_t *s);
+/* Shutdown: frees every in-flight request without answering. */
+void pd_http_free_inflight(pd_http_server_t *s);
+
+#endif
