@@ -129,7 +129,8 @@ static void attn_make(attn_setup_t *s, pd_backend_t *be, int num_seqs, int ctx, 
     for (int i = 0; i < num_seqs * num_heads * head; i++) {
         s->q[i] = pd_rng_uniform_f(&r, -1, 1);
     }
-    s->meta = (pd_attn_meta_t){num_seqs, num_seqs, s->cu, s->seq_lens, s->tables, s->max_blocks, s->slots, 0};
+    s->meta =
+        (pd_attn_meta_t){num_seqs, num_seqs, s->cu, s->seq_lens, s->tables, s->max_blocks, s->slots, 0, NULL};
 }
 
 static void attn_free(attn_setup_t *s, pd_backend_t *be)
@@ -292,7 +293,7 @@ static double model_decode_tps(pd_backend_t *be, pd_model_t *m, int n_seqs, int 
     }
     cu[n_seqs] = T;
     pd_batch_t batch = {T, ids, pos};
-    pd_attn_meta_t meta = {n_seqs, T, cu, lens, tables, max_blocks, slots, 0};
+    pd_attn_meta_t meta = {n_seqs, T, cu, lens, tables, max_blocks, slots, 0, NULL};
     pd_model_forward(m, &batch, views, &meta, lidx, n_seqs, NULL, logits);
     double t0 = pd_time_now_s();
     for (int step = 0; step < steps; step++) {

@@ -7,6 +7,9 @@
  *  - get_num_new_matched_tokens has no side effects and may be called repeatedly for a request.
  *  - update_state_after_alloc follows a successful allocation for that request, with all its
  *    block ids and how many tokens the connector will load.
+ *  - Block id lists (update_state_after_alloc, request_finished) are the scheduler's: with G KV
+ *    cache groups, G ids per logical block interleaved (ids[b × G + g]), num_blocks = logical
+ *    blocks × G; 0 is an entry a sliding-window group does not hold (outside its window).
  *  - request_finished is called exactly once per request; returning true (delay free) keeps the
  *    request's blocks until its id is reported in finished_sending.
  *  - get_finished reports ids whose sends/receives completed since the last call; blocks that
@@ -46,6 +49,9 @@ typedef struct pd_kv_region_desc {
     size_t page_bytes;        /* one (layer, block) page */
     uint32_t num_blocks;
     int32_t block_size;
+    int32_t num_groups;       /* KV cache groups (0 or 1: one) */
+    int32_t layer_group[256]; /* layer → its group: the entries of a block list it reads */
+    char group_layout[128];   /* pd_kv_cache_config_layout: peers must agree on it */
 } pd_kv_region_desc_t;
 
 typedef struct pd_connector_ops {

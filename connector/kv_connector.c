@@ -212,7 +212,8 @@ static bool remote_prefill_ok(const kv_conn_t *k, const pd_request_t *req, const
                     break;
                 }
             }
-            int32_t need = (req->num_prompt_tokens - 1 + k->block_size - 1) / k->block_size;
+            int32_t need =
+                kv_entry(&k->geom, (req->num_prompt_tokens - 1 + k->block_size - 1) / k->block_size);
             if (why == NULL && (int32_t)json_array_size(b) < need) {
                 why = "remote_block_ids has fewer blocks than the prompt needs";
             }
@@ -277,9 +278,9 @@ static void kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, co
     }
     memcpy(x->local_blocks, block_ids, (size_t)num_blocks * sizeof(uint32_t));
     x->num_local = num_blocks;
-    int32_t local = req->num_tokens - num_external; /* block-aligned prefix hit */
-    x->first_block = local / k->block_size;
-    x->end_block = (req->num_tokens - 1 + k->block_size - 1) / k->block_size;
+    int32_t local = req->num_tokens - num_external;             /* block-aligned prefix hit */
+    x->first_block = kv_entry(&k->geom, local / k->block_size); /* entries of the block list */
+    x->end_block = kv_entry(&k->geom, (req->num_tokens - 1 + k->block_size - 1) / k->block_size);
     if (!push) {
         const json_t *b = json_object_get(p, "remote_block_ids");
         x->num_remote = (int32_t)json_array_size(b);
@@ -331,7 +332,7 @@ static void *kv_build_connector_meta(pd_connector_t *c, const pd_scheduler_outpu
         s->push = push;
         s->cached_tokens = r->num_cached_tokens;
         s->blocks = r->block_ids;
-        s->num_blocks = r->num_blocks;
+        s->num_blocks = kv_entry(&k->geom, r->num_blocks);
         s->start_token = r->num_computed_tokens;
         s->end_token = r->num_computed_tokens + out->items[i].num_new_tokens;
         s->prompt_len = r->num_prompt_tokens;
@@ -497,11 +498,13 @@ static bool kv_request_finished(pd_connector_t *c, pd_request_t *req, const uint
 
 static void start_prefault(kv_conn_t *k);
 
-/* Page ranges of blocks[n] in layers [l0, l1) of the KV layout, adjacent pages merged; *out is
- * malloc'd. Returns the count, -1 when out of memory. */
-static int32_t stage_ranges(const kv_conn_t *k, int32_t l0, int32_t l1, const uint32_t *blocks, int32_t n,
-                            pd_page_range_t **out)
+/* Page ranges of block-list entries [e0, e1) of list in layers [l0, l1) of the KV layout (each
+ * layer its group's entries, null entries skipped), adjacent pages merged; *out is malloc'd.
+ * Returns the count, -1 when out of memory. */
+static int32_t stage_ranges(const kv_conn_t *k, int32_t l0, int32_t l1, const uint32_t *list, int32_t e0,
+                            int32_t e1, pd_page_range_t **out)
 {
+    int32_t n = e1 - e0;
     pd_page_range_t *r = malloc(((size_t)(l1 - l0) * (size_t)n + 1) * sizeof(*r));
     *out = r;
     if (r == NULL) {
@@ -509,8 +512,11 @@ static int32_t stage_ranges(const kv_conn_t *k, int32_t l0, int32_t l1, const ui
     }
     int32_t m = 0;
     for (int32_t l = l0; l < l1; l++) {
-        for (int32_t b = 0; b < n; b++) {
-            uint64_t off = k->geom.layer_offset[l] + (uint64_t)blocks[b] * k->geom.page_bytes;
+        for (int32_t b = e0; b < e1; b++) {
+            if (list[b] == 0 || !kv_entry_of_layer(&k->geom, b, l)) {
+                continue;
+            }
+            uint64_t off = k->geom.layer_offset[l] + (uint64_t)list[b] * k->geom.page_bytes;
             if (m > 0 && r[m - 1].offset + r[m - 1].length == off) {
                 r[m - 1].length += k->geom.page_bytes;
             } else {
@@ -546,14 +552,14 @@ static pd_status_t stage_copy(kv_conn_t *k, const pd_page_range_t *r, int32_t n,
  * that was never staged). */
 static pd_status_t stage_save_layer(kv_conn_t *k, const kv_save_item_t *s, int32_t layer)
 {
-    int32_t b0 = s->start_token <= s->cached_tokens ? 0 : s->start_token / k->block_size;
-    int32_t b1 = (s->end_token + k->block_size - 1) / k->block_size;
+    int32_t b0 = s->start_token <= s->cached_tokens ? 0 : kv_entry(&k->geom, s->start_token / k->block_size);
+    int32_t b1 = kv_entry(&k->geom, (s->end_token + k->block_size - 1) / k->block_size);
     b1 = b1 < s->num_blocks ? b1 : s->num_blocks;
     if (b0 >= b1) {
         return PD_OK;
     }
     pd_page_range_t *r;
-    int32_t n = stage_ranges(k, layer, layer + 1, s->blocks + b0, b1 - b0, &r);
+    int32_t n = stage_ranges(k, layer, layer + 1, s->blocks, b0, b1, &r);
     pd_status_t st = n < 0 ? PD_ERR_NO_MEMORY : stage_copy(k, r, n, true);
     free(r);
     return st;
@@ -573,16 +579,17 @@ static bool stage_failed_take(kv_conn_t *k, const char *req_id)
            pd_strmap_del(&k->stage_failed, req_id, strlen(req_id), NULL) == 1;
 }
 
-void kv_stage_load_done(kv_conn_t *k, const uint32_t *blocks, int32_t n)
+void kv_stage_load_done(kv_conn_t *k, const uint32_t *list, int32_t first, int32_t end)
 {
     kv_staged_load_t *sl = calloc(1, sizeof(*sl));
-    if (sl == NULL || (sl->blocks = malloc((size_t)n * sizeof(uint32_t))) == NULL) {
+    if (sl == NULL || (sl->blocks = malloc((size_t)(end > 0 ? end : 1) * sizeof(uint32_t))) == NULL) {
         free(sl);
-        kv_report_load_errors(k, blocks, n);
+        kv_report_load_errors(k, list + first, end - first);
         return;
     }
-    memcpy(sl->blocks, blocks, (size_t)n * sizeof(uint32_t));
-    sl->num_blocks = n;
+    memcpy(sl->blocks, list, (size_t)end * sizeof(uint32_t));
+    sl->first = first;
+    sl->num_blocks = end;
     sl->next = k->staged_loads;
     k->staged_loads = sl;
 }
@@ -594,10 +601,11 @@ static void stage_finish_loads(kv_conn_t *k, kv_staged_load_t *sl)
     while (sl != NULL) {
         kv_staged_load_t *next = sl->next;
         pd_page_range_t *r;
-        int32_t n = stage_ranges(k, 0, (int32_t)k->geom.num_layers, sl->blocks, sl->num_blocks, &r);
+        int32_t n =
+            stage_ranges(k, 0, (int32_t)k->geom.num_layers, sl->blocks, sl->first, sl->num_blocks, &r);
         if (n < 0 || stage_copy(k, r, n, false) != PD_OK) {
             pthread_mutex_lock(&k->mu);
-            kv_report_load_errors(k, sl->blocks, sl->num_blocks);
+            kv_report_load_errors(k, sl->blocks + sl->first, sl->num_blocks - sl->first);
             pthread_mutex_unlock(&k->mu);
         }
         free(r);
@@ -689,6 +697,12 @@ static pd_status_t kv_register_kv_caches(pd_connector_t *c, const pd_kv_region_d
         k->geom.layer_offset[l] = rd->layer_offset[l];
     }
     k->block_size = rd->block_size;
+    k->geom.num_groups = rd->num_groups > 0 ? (uint32_t)rd->num_groups : 1;
+    for (int32_t l = 0; l < rd->num_layers; l++) {
+        k->geom.layer_group[l] = rd->num_groups > 1 ? rd->layer_group[l] : 0;
+    }
+    snprintf(k->group_layout, sizeof(k->group_layout), "%s",
+             rd->group_layout[0] ? rd->group_layout : "g1:full");
     pd_log_info(
         "kv connector: registered %.1f MiB of KV (%u blocks × %d layers × %zu B pages) with the %s pipe",
         (double)rd->bytes / (1 << 20), rd->num_blocks, rd->num_layers, rd->page_bytes, k->cfg.pipe);
@@ -752,12 +766,21 @@ static void post_layer_pages(kv_conn_t *k, kv_push_t *ps, const kv_save_item_t *
         ps->failed = true;
         return;
     }
+    int32_t np = 0;
     for (int32_t b = b0; b < b1; b++) {
-        j->pages[b - b0] = (pd_page_xfer_t){
+        /* this layer's group; an entry the decode does not hold (outside its window) stays */
+        if (!kv_entry_of_layer(&k->geom, b, layer) || rv->blocks[b] == 0 || s->blocks[b] == 0) {
+            continue;
+        }
+        j->pages[np++] = (pd_page_xfer_t){
             k->geom.layer_offset[layer] + (uint64_t)s->blocks[b] * k->geom.page_bytes,
             rg->layer_offset[layer] + (uint64_t)rv->blocks[b] * rg->page_bytes, k->geom.page_bytes};
     }
-    j->num_pages = b1 - b0;
+    if (np == 0) {
+        free(j->pages), free(j);
+        return;
+    }
+    j->num_pages = np;
     j->bytes = (size_t)j->num_pages * k->geom.page_bytes;
     j->peer = rv->peer;
     j->conn = k;
@@ -819,7 +842,7 @@ static pd_status_t kv_save_kv_layer(pd_connector_t *c, int32_t layer)
         }
         ps->failed |= !staged_ok;
         if (ps->streaming && !ps->failed) {
-            int32_t end_block = (s->end_token + k->block_size - 1) / k->block_size;
+            int32_t end_block = kv_entry(&k->geom, (s->end_token + k->block_size - 1) / k->block_size);
             post_layer_pages(k, ps, s, layer, ps->next_block, end_block);
         }
     }
@@ -862,7 +885,7 @@ static pd_status_t kv_wait_for_save(pd_connector_t *c)
         }
         if (ps->streaming) {
             ps->failed |= failed;
-            ps->next_block = m->saves[i].end_token / k->block_size;
+            ps->next_block = kv_entry(&k->geom, m->saves[i].end_token / k->block_size);
         }
     }
     k->meta_bound = NULL;
@@ -1179,7 +1202,8 @@ pd_status_t pd_kv_connector_start(pd_connector_t *c, const Pd__Fingerprint *fp)
     k->fp = *fp;
     snprintf(k->fp_model, sizeof(k->fp_model), "%s", fp->model);
     snprintf(k->fp_dtype, sizeof(k->fp_dtype), "%s", fp->kv_dtype);
-    snprintf(k->fp_layout, sizeof(k->fp_layout), "%s", fp->layout);
+    /* the KV cache groups are part of the layout: two engines must interleave block lists alike */
+    snprintf(k->fp_layout, sizeof(k->fp_layout), "%s;%s", fp->layout, k->group_layout);
     k->fp.model = k->fp_model;
     k->fp.kv_dtype = k->fp_dtype;
     k->fp.layout = k->fp_layout;

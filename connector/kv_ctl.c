@@ -370,7 +370,7 @@ static void end_load(kv_conn_t *k, kv_xfer_t *x, bool ok)
         kv_report_load_errors(k, x->local_blocks + x->first_block, x->end_block - x->first_block);
     }
     if (ok && !x->cancelled && k->staged && x->end_block > x->first_block) {
-        kv_stage_load_done(k, x->local_blocks + x->first_block, x->end_block - x->first_block);
+        kv_stage_load_done(k, x->local_blocks, x->first_block, x->end_block);
     }
     kv_report_recving(k, x->req_id);
     x->state = KV_XS_DONE;
@@ -472,6 +472,14 @@ static void start_xfer(kv_conn_t *k, kv_xfer_t *x)
             fail_xfer(k, x, "a remote block id is outside the peer's KV cache");
             return;
         }
+        /* the side that loads must find every entry it holds on the other side (a sliding-window
+         * group's null entries are outside the window) */
+        uint32_t want = x->kind == KV_X_PULL_LOAD ? x->local_blocks[b] : x->remote_blocks[b];
+        uint32_t have = x->kind == KV_X_PULL_LOAD ? x->remote_blocks[b] : x->local_blocks[b];
+        if (want != 0 && have == 0) {
+            fail_xfer(k, x, "the peer no longer holds a block inside the sliding window");
+            return;
+        }
     }
     pd_metric_inc(k->m.started[x->kind], 1);
     pd_log_debug("kv connector: request %s: starting %s of blocks [%d, %d) %.3f ms after it was queued",
@@ -494,10 +502,21 @@ static void start_xfer(kv_conn_t *k, kv_xfer_t *x)
     size_t i = 0;
     for (uint32_t l = 0; l < k->geom.num_layers; l++) {
         for (int32_t b = x->first_block; b < x->end_block; b++) {
+            if (!kv_entry_of_layer(&k->geom, b, (int32_t)l) || x->local_blocks[b] == 0 ||
+                x->remote_blocks[b] == 0) {
+                continue; /* another group's entry, or one outside a sliding window */
+            }
             pages[i++] = (pd_page_xfer_t){
                 k->geom.layer_offset[l] + (uint64_t)x->local_blocks[b] * k->geom.page_bytes,
                 rg->layer_offset[l] + (uint64_t)x->remote_blocks[b] * rg->page_bytes, k->geom.page_bytes};
         }
+    }
+    n = i;
+    if (n == 0) { /* every entry outside the window or a local hit: nothing to move */
+        free(pages);
+        x->t_moved = x->t_posted;
+        after_pages(k, x);
+        return;
     }
     x->pages = (int32_t)n;
     x->bytes = n * k->geom.page_bytes;
@@ -528,7 +547,7 @@ static bool bind_resv(kv_conn_t *k, kv_xfer_t *x)
         memcpy(x->remote_blocks, rv->blocks, (size_t)rv->num_blocks * sizeof(uint32_t));
         x->num_remote = rv->num_blocks;
         x->first_block = rv->skip_blocks;
-        int32_t need = (x->num_tokens - 1 + k->block_size - 1) / k->block_size;
+        int32_t need = kv_entry(&k->geom, (x->num_tokens - 1 + k->block_size - 1) / k->block_size);
         x->end_block = need < rv->num_blocks ? need : rv->num_blocks;
         x->end_block = x->end_block < x->num_local ? x->end_block : x->num_local;
         if (x->first_block > x->end_block) {
@@ -745,8 +764,14 @@ static void on_message(kv_conn_t *k, kv_peer_t *p, const pd_ctl_msg_t *msg)
             break;
         }
         if (w->status == 0) {
-            x->bytes = (size_t)(x->end_block - x->first_block) * k->geom.num_layers * k->geom.page_bytes;
-            x->pages = (x->end_block - x->first_block) * (int32_t)k->geom.num_layers;
+            /* the pages the prefill wrote: each layer's entries this decode holds */
+            x->pages = 0;
+            for (uint32_t l = 0; l < k->geom.num_layers; l++) {
+                for (int32_t b = x->first_block; b < x->end_block && b < x->num_local; b++) {
+                    x->pages += kv_entry_of_layer(&k->geom, b, (int32_t)l) && x->local_blocks[b] != 0;
+                }
+            }
+            x->bytes = (size_t)x->pages * k->geom.page_bytes;
             observe_done(k, x);
             end_load(k, x, true);
         } else {

@@ -22,6 +22,10 @@ typedef struct kv_geom {
     uint32_t num_blocks;
     uint32_t num_layers;
     uint64_t layer_offset[KV_MAX_LAYERS];
+    /* KV cache groups (local geometry only; a peer's equals ours, the fingerprint says so): block
+     * lists hold num_groups ids per logical block, layer l reads entry b × num_groups + group */
+    uint32_t num_groups;
+    int32_t layer_group[KV_MAX_LAYERS];
 } kv_geom_t;
 
 typedef enum kv_peer_state {
@@ -154,7 +158,8 @@ struct kv_notice {
  * host mirror and must be copied to the device KV before the scheduler hears of the request. */
 typedef struct kv_staged_load kv_staged_load_t;
 struct kv_staged_load {
-    uint32_t *blocks;
+    uint32_t *blocks; /* a block list's first num_blocks entries; */
+    int32_t first;    /* of which [first, num_blocks) were loaded */
     int32_t num_blocks;
     kv_staged_load_t *next;
 };
@@ -198,7 +203,8 @@ typedef struct kv_conn {
     uint8_t token[256];
     size_t token_len;
     Pd__Fingerprint fp;
-    char fp_model[160], fp_dtype[16], fp_layout[16];
+    char fp_model[160], fp_dtype[16], fp_layout[160];
+    char group_layout[128]; /* from register_kv_caches (pd_kv_cache_config_layout) */
     kv_metrics_t m;
 
     /* the pipe and this engine's KV region */
@@ -260,9 +266,23 @@ void kv_ctl_wake(kv_conn_t *k);
 void kv_report_sending(kv_conn_t *k, const char *req_id);
 void kv_report_recving(kv_conn_t *k, const char *req_id);
 void kv_report_load_errors(kv_conn_t *k, const uint32_t *blocks, int32_t n);
+
+/* Block lists here are the scheduler's (connector/connector.h): G entries per logical block. The
+ * entry index of logical block b (entries before it), and whether entry i of a list is layer l's. */
+static inline int32_t kv_entry(const kv_geom_t *g, int32_t b)
+{
+    return b * (int32_t)(g->num_groups > 0 ? g->num_groups : 1);
+}
+
+static inline bool kv_entry_of_layer(const kv_geom_t *g, int32_t i, int32_t l)
+{
+    return g->num_groups <= 1 || i % (int32_t)g->num_groups == g->layer_group[l];
+}
 /* A staged decode's load landed in the host mirror: queue its pages for the H2D copy that
  * get_finished makes before the request is reported (a failed allocation reports load errors). */
-void kv_stage_load_done(kv_conn_t *k, const uint32_t *blocks, int32_t n);
+/* Decode: entries [first, end) of list were loaded into the host mirror; the engine thread copies
+ * them into the device KV at its next step. */
+void kv_stage_load_done(kv_conn_t *k, const uint32_t *list, int32_t first, int32_t end);
 void kv_xfer_free(kv_xfer_t *x);
 
 #endif

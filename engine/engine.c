@@ -243,6 +243,11 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
             rd.layer_offset[l] = e->kv->cfg.tensors[e->kv->cfg.layer_tensor[l]].offset;
         }
         rd.page_bytes = e->kv->cfg.tensors[0].page_bytes;
+        rd.num_groups = e->kv->cfg.num_groups;
+        for (int32_t l = 0; l < mc->num_layers && l < 256; l++) {
+            rd.layer_group[l] = e->kv->cfg.layer_group[l];
+        }
+        pd_kv_cache_config_layout(&e->kv->cfg, rd.group_layout, sizeof(rd.group_layout));
         rd.num_blocks = e->kv->cfg.num_blocks;
         rd.block_size = e->kv->cfg.block_size;
         st = cfg->connector->ops->register_kv_caches(cfg->connector, &rd);
@@ -260,6 +265,10 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
     sc.num_blocks = e->kv->cfg.num_blocks;
     sc.enable_prefix_caching = cfg->enable_prefix_caching;
     sc.enable_chunked_prefill = cfg->enable_chunked_prefill;
+    sc.num_kv_groups = e->kv->cfg.num_groups;
+    for (int32_t g = 0; g < e->kv->cfg.num_groups; g++) {
+        sc.kv_group_window[g] = e->kv->cfg.groups[g].sliding_window;
+    }
     e->num_eos = mc->num_eos < PD_MAX_EOS ? mc->num_eos : PD_MAX_EOS;
     memcpy(e->eos, mc->eos_token_ids, (size_t)e->num_eos * sizeof(int32_t));
     pd_generation_config_merge_eos(&e->gen, e->eos, &e->num_eos); /* every EOS id stops */

@@ -8,14 +8,17 @@
 #include "kernels/paged_impl.h"
 
 pd_status_t pd_input_batch_init(pd_input_batch_t *b, int32_t max_reqs, int32_t max_blocks, int32_t max_tokens,
-                                int32_t block_size)
+                                int32_t block_size, int32_t num_groups)
 {
     memset(b, 0, sizeof(*b));
     b->max_reqs = max_reqs;
     b->max_blocks = max_blocks;
     b->max_tokens = max_tokens;
     b->block_size = block_size;
-    size_t R = (size_t)max_reqs, T = (size_t)max_tokens, tbl = R * (size_t)max_blocks;
+    b->num_groups = num_groups > 0 ? num_groups : 1;
+    b->row_width = max_blocks * b->num_groups;
+    size_t R = (size_t)max_reqs, T = (size_t)max_tokens * (size_t)b->num_groups,
+           tbl = R * (size_t)b->row_width;
     b->slots = calloc(R, sizeof(pd_request_t *));
     b->row_len = calloc(R, sizeof(int32_t));
     b->block_table = calloc(tbl, sizeof(int32_t));
@@ -79,8 +82,8 @@ void pd_input_batch_condense(pd_input_batch_t *b)
         }
         b->slots[s] = b->slots[last];
         b->row_len[s] = b->row_len[last];
-        memcpy(b->block_table + (size_t)s * b->max_blocks, b->block_table + (size_t)last * b->max_blocks,
-               (size_t)b->row_len[last] * sizeof(int32_t));
+        memcpy(b->block_table + (size_t)s * b->row_width, b->block_table + (size_t)last * b->row_width,
+               (size_t)b->row_len[last] * (size_t)b->num_groups * sizeof(int32_t));
         b->slots[s]->batch_slot = s;
         b->slots[last] = NULL;
         b->row_len[last] = 0;
@@ -131,19 +134,22 @@ pd_status_t pd_input_batch_prepare(pd_input_batch_t *b, const pd_scheduler_outpu
                          b->max_blocks);
             return PD_ERR_NO_SPACE;
         }
-        /* blocks only grow while a request stays in the batch: copy the new ids */
-        for (int32_t k = b->row_len[s]; k < r->num_blocks; k++) {
-            b->block_table[(size_t)s * b->max_blocks + k] = (int32_t)r->block_ids[k];
+        /* blocks only grow while a request stays in the batch: copy the new ids (a sliding
+         * window's freed entries turn 0, so with a window the whole row is copied) */
+        int32_t G = b->num_groups, from = sliding_window > 0 ? 0 : b->row_len[s] * G;
+        for (int32_t k = from; k < r->num_blocks * G; k++) {
+            b->block_table[(size_t)s * b->row_width + k] = (int32_t)r->block_ids[k];
         }
         b->row_len[s] = r->num_blocks;
         b->item_of_seq[s] = i;
     }
     /* sequences in slot order; when some slot is not scheduled its row is skipped, so the rows
      * of the scheduled ones are gathered into a dense table */
-    bool contiguous = true;
+    bool contiguous = b->num_groups == 1;
     for (int32_t s = 0; s < b->num_slots; s++) {
         contiguous &= b->item_of_seq[s] >= 0;
     }
+    int32_t G = b->num_groups, MB = b->max_blocks;
     int32_t n = 0, t = 0, nl = 0, np = 0;
     b->cu_seqlens_q[0] = 0;
     for (int32_t s = 0; s < b->num_slots; s++) {
@@ -157,19 +163,29 @@ pd_status_t pd_input_batch_prepare(pd_input_batch_t *b, const pd_scheduler_outpu
             pd_log_error("input batch: step of more than %d tokens", b->max_tokens);
             return PD_ERR_NO_SPACE;
         }
-        const int32_t *row = b->block_table + (size_t)s * b->max_blocks;
+        /* group g's slots at [g × max_tokens], its table rows at [(g × max_reqs + n) × max_blocks];
+         * both compacted after the loop (meta: group g at g × num_tokens, g × num_seqs rows) */
+        const int32_t *row = b->block_table + (size_t)s * b->row_width;
         for (int32_t k = 0; k < q; k++) {
             int32_t p = r->num_computed_tokens + k;
             b->token_ids[t + k] = r->tokens[p];
             b->positions[t + k] = p;
-            b->slot_mapping[t + k] = row[p / b->block_size] * b->block_size + p % b->block_size;
+            for (int32_t g = 0; g < G; g++) {
+                b->slot_mapping[(size_t)g * b->max_tokens + t + k] =
+                    row[(p / b->block_size) * G + g] * b->block_size + p % b->block_size;
+            }
         }
         t += q;
         b->cu_seqlens_q[n + 1] = t;
         b->seq_lens[n] = r->num_computed_tokens + q;
-        if (!contiguous) {
-            memcpy(b->gathered_table + (size_t)n * b->max_blocks, row,
-                   (size_t)b->row_len[s] * sizeof(int32_t));
+        if (!contiguous && G == 1) {
+            memcpy(b->gathered_table + (size_t)n * MB, row, (size_t)b->row_len[s] * sizeof(int32_t));
+        }
+        for (int32_t g = 0; G > 1 && g < G; g++) {
+            int32_t *dst = b->gathered_table + ((size_t)g * b->max_reqs + n) * MB;
+            for (int32_t k = 0; k < b->row_len[s]; k++) {
+                dst[k] = row[k * G + g];
+            }
         }
         if (r->num_computed_tokens + q >= r->num_tokens) {
             b->logits_indices[nl] = t - 1;
@@ -194,6 +210,12 @@ pd_status_t pd_input_batch_prepare(pd_input_batch_t *b, const pd_scheduler_outpu
     b->num_logits = nl;
     b->num_plp = np;
     memcpy(b->logits_indices + nl, b->plp_indices, (size_t)np * sizeof(int32_t));
+    for (int32_t g = 1; g < G; g++) { /* compact the groups' slots and tables */
+        memmove(b->slot_mapping + (size_t)g * t, b->slot_mapping + (size_t)g * b->max_tokens,
+                (size_t)t * sizeof(int32_t));
+        memmove(b->gathered_table + (size_t)g * n * MB, b->gathered_table + (size_t)g * b->max_reqs * MB,
+                (size_t)n * MB * sizeof(int32_t));
+    }
     b->batch = (pd_batch_t){t, b->token_ids, b->positions};
     b->meta = (pd_attn_meta_t){n,
                                t,
@@ -202,6 +224,7 @@ pd_status_t pd_input_batch_prepare(pd_input_batch_t *b, const pd_scheduler_outpu
                                contiguous ? b->block_table : b->gathered_table,
                                b->max_blocks,
                                b->slot_mapping,
-                               sliding_window};
+                               sliding_window,
+                               G > 1 ? b->layer_group : NULL};
     return PD_OK;
 }

@@ -16,20 +16,24 @@
 
 typedef struct pd_input_batch {
     int32_t max_reqs;
-    int32_t max_blocks; /* per request */
-    int32_t max_tokens; /* per step */
+    int32_t max_blocks;         /* per request, logical (per group) */
+    int32_t num_groups;         /* KV cache groups G: rows hold G ids per logical block, as requests do */
+    int32_t row_width;          /* max_blocks × G */
+    const int32_t *layer_group; /* layer → group (G > 1), for the attention metadata; set by the owner */
+    int32_t max_tokens;         /* per step */
     int32_t block_size;
     pd_request_t **slots; /* [max_reqs]; NULL = hole */
-    int32_t *row_len;     /* [max_reqs] block ids copied into the row */
-    int32_t *block_table; /* [max_reqs][max_blocks] */
+    int32_t *row_len;     /* [max_reqs] logical blocks copied into the row */
+    int32_t *block_table; /* [max_reqs][row_width] */
     int32_t num_slots;    /* slots in use are within [0, num_slots) */
     bool has_holes;
     /* per step */
-    int32_t *token_ids, *positions, *slot_mapping; /* [max_tokens] */
-    int32_t *cu_seqlens_q, *seq_lens;              /* [max_reqs + 1], [max_reqs] */
-    int32_t *gathered_table;                       /* [max_reqs][max_blocks] when slots are skipped */
-    int32_t *logits_indices;                       /* [max_reqs] rows of the batch that need logits */
-    int32_t *logits_item;                          /* [max_reqs] scheduler item of each logits row */
+    int32_t *token_ids, *positions;   /* [max_tokens] */
+    int32_t *slot_mapping;            /* [G][max_tokens] */
+    int32_t *cu_seqlens_q, *seq_lens; /* [max_reqs + 1], [max_reqs] */
+    int32_t *gathered_table;          /* [G][max_reqs][max_blocks] when slots are skipped or G > 1 */
+    int32_t *logits_indices;          /* [max_reqs] rows of the batch that need logits */
+    int32_t *logits_item;             /* [max_reqs] scheduler item of each logits row */
     /* prompt logprobs: rows after the sampling rows that score the next prompt token */
     int32_t *plp_indices; /* [max_tokens] batch rows */
     int32_t *plp_item;    /* [max_tokens] scheduler item */
@@ -42,7 +46,7 @@ typedef struct pd_input_batch {
 } pd_input_batch_t;
 
 pd_status_t pd_input_batch_init(pd_input_batch_t *b, int32_t max_reqs, int32_t max_blocks, int32_t max_tokens,
-                                int32_t block_size);
+                                int32_t block_size, int32_t num_groups);
 void pd_input_batch_destroy(pd_input_batch_t *b);
 
 /* Drops req from its slot (no-op when absent); the hole is filled by pd_input_batch_condense. */

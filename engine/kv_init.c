@@ -38,12 +38,13 @@ pd_status_t pd_kv_specs_from_model(const pd_model_config_t *mc, int32_t block_si
     for (int32_t l = 0; l < mc->num_layers; l++) {
         pd_kv_spec_t *s = &specs_out[l];
         memset(s, 0, sizeof(*s));
-        s->kind = mc->sliding_window > 0 ? PD_KV_SLIDING_WINDOW : PD_KV_FULL;
+        bool sliding = mc->sliding_window > 0 && mc->sliding_layer[l];
+        s->kind = sliding ? PD_KV_SLIDING_WINDOW : PD_KV_FULL;
         s->block_size = block_size;
         s->num_kv_heads = mc->num_kv_heads;
         s->head_size = mc->head_size;
         s->dtype_bytes = pd_dtype_size(dtype);
-        s->sliding_window = mc->sliding_window;
+        s->sliding_window = sliding ? mc->sliding_window : 0;
     }
     return PD_OK;
 }
@@ -111,7 +112,7 @@ pd_status_t pd_kv_profile_available(pd_model_t *model, pd_backend_t *be, const p
     size_t be_before = be->bytes_in_use;
     pd_backend_reset_peak(be);
     pd_batch_t batch = {T, ids, pos};
-    pd_attn_meta_t meta = {S, T, cu, lens, tables, max_blocks, slots, mc->sliding_window};
+    pd_attn_meta_t meta = {S, T, cu, lens, tables, max_blocks, slots, mc->sliding_window, NULL};
     st = pd_model_forward(model, &batch, views, &meta, lidx, S, NULL, logits);
     if (st != PD_OK) {
         pd_log_error("profile run failed: %s", pd_status_str(st));
@@ -170,22 +171,39 @@ pd_status_t pd_kv_cache_init(pd_model_t *model, pd_backend_t *be, const pd_kv_in
     pd_log_info("Available KV cache memory: %.2f GiB", (double)kv->profile.available_bytes / (1u << 30));
     size_t plan_bytes = kv->profile.available_bytes;
     if (p->num_blocks_override > 0) {
-        size_t per_block = 0;
-        for (int32_t l = 0; l < mc->num_layers; l++) {
-            per_block += pd_kv_spec_page_bytes(&kv->specs[l]);
+        /* the bytes one block id costs: plan with a huge budget and read them back */
+        pd_kv_cache_config_t *probe = malloc(sizeof(*probe));
+        st = probe == NULL ? PD_ERR_NO_MEMORY
+                           : pd_kv_cache_config_compute(kv->specs, mc->num_layers, (size_t)1 << 50,
+                                                        p->max_model_len, p->max_num_batched_tokens, probe);
+        if (st != PD_OK) {
+            free(probe), free(kv);
+            return st;
         }
+        size_t per_block = probe->region_bytes / probe->num_blocks;
+        free(probe);
         pd_log_info("overriding the profiled number of KV blocks with %u", p->num_blocks_override);
         plan_bytes = per_block * p->num_blocks_override;
     }
-    st = pd_kv_cache_config_compute(kv->specs, mc->num_layers, plan_bytes, p->max_model_len, &kv->cfg);
+    st = pd_kv_cache_config_compute(kv->specs, mc->num_layers, plan_bytes, p->max_model_len,
+                                    p->max_num_batched_tokens, &kv->cfg);
     if (st != PD_OK) {
         free(kv);
         return st;
     }
-    int32_t tokens = (int32_t)((int64_t)kv->cfg.num_blocks * kv->cfg.block_size);
+    /* vLLM's numbers: tokens = blocks / groups × block size; concurrency from what one request of
+     * max_model_len holds in every group (a sliding group: its window plus a step's chunk) */
+    int32_t tokens = (int32_t)((int64_t)kv->cfg.num_blocks / kv->cfg.num_groups * kv->cfg.block_size);
+    int32_t chunk =
+        p->max_num_batched_tokens < p->max_model_len ? p->max_num_batched_tokens : p->max_model_len;
+    int64_t per_req = pd_kv_cache_config_blocks_per_request(&kv->cfg, p->max_model_len, chunk);
+    char layout[256];
+    pd_kv_cache_config_layout(&kv->cfg, layout, sizeof(layout));
+    pd_log_info("KV cache groups: %d (%s), %d tensors of %u blocks", kv->cfg.num_groups, layout,
+                kv->cfg.num_tensors, kv->cfg.num_blocks);
     pd_log_info("KV cache size: %d tokens", tokens);
     pd_log_info("Maximum concurrency for %d tokens per request: %.2fx", p->max_model_len,
-                (double)tokens / p->max_model_len);
+                (double)kv->cfg.num_blocks / (double)per_req);
     st = p->allocator != NULL ? p->allocator->alloc(p->allocator->ctx, kv->cfg.region_bytes, &kv->region)
                               : be->ops->alloc(be, kv->cfg.region_bytes, &kv->region);
     if (st != PD_OK) {

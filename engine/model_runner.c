@@ -19,11 +19,12 @@ pd_status_t pd_model_runner_init(pd_model_runner_t *r, pd_model_t *model, pd_bac
     r->conn = conn;
     r->vocab = pd_model_config(model)->vocab_size;
     int32_t bs = kv->cfg.block_size;
-    pd_status_t st =
-        pd_input_batch_init(&r->batch, max_reqs, (max_model_len + bs - 1) / bs + 1, max_tokens, bs);
+    pd_status_t st = pd_input_batch_init(&r->batch, max_reqs, (max_model_len + bs - 1) / bs + 1, max_tokens,
+                                         bs, kv->cfg.num_groups);
     if (st != PD_OK) {
         return st;
     }
+    r->batch.layer_group = kv->cfg.layer_group;
     size_t R = (size_t)max_reqs;
     r->logits = malloc(R * (size_t)r->vocab * sizeof(float));
     r->params = malloc(R * sizeof(pd_sampling_params_t));

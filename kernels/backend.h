@@ -49,6 +49,10 @@ typedef struct pd_attn_meta {
     int32_t max_blocks_per_seq;
     const int32_t *slot_mapping; /* [num_tokens] cache slot of each new token; < 0 = padding */
     int32_t sliding_window;      /* 0 = full attention */
+    /* KV cache groups (hybrid models): layer l reads group g = layer_group[l]'s block tables at
+     * block_tables + g × num_seqs × max_blocks_per_seq and slots at slot_mapping + g × num_tokens;
+     * NULL = one group. The model resolves this per layer; kernels see one group's view. */
+    const int32_t *layer_group;
 } pd_attn_meta_t;
 
 typedef enum pd_copy_kind {

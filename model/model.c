@@ -273,7 +273,15 @@ pd_status_t pd_model_attention_block(pd_model_t *m, int layer, const pd_batch_t 
         PD_TRY(ops->rope(be, a->q, batch->positions, T, c->num_heads, hd, rope));
         PD_TRY(ops->rope(be, a->k, batch->positions, T, c->num_kv_heads, hd, rope));
     }
-    PD_TRY(ops->reshape_and_cache(be, &kv[layer], a->k, a->v, meta->slot_mapping, T));
+    pd_attn_meta_t lm = *meta; /* this layer's KV cache group and window */
+    if (meta->layer_group != NULL) {
+        int32_t g = meta->layer_group[layer];
+        lm.block_tables += (size_t)g * meta->num_seqs * meta->max_blocks_per_seq;
+        lm.slot_mapping += (size_t)g * T;
+        lm.layer_group = NULL;
+    }
+    lm.sliding_window = sliding ? c->sliding_window : 0; /* Gemma3's global layers see everything */
+    PD_TRY(ops->reshape_and_cache(be, &kv[layer], a->k, a->v, lm.slot_mapping, T));
     const void *ctx = hooks != NULL ? hooks->ctx : NULL;
     if (hooks != NULL) {
         PD_TRY(call_hook(hooks->after_cache_write, (void *)ctx, layer, "after_cache_write"));
@@ -284,8 +292,6 @@ pd_status_t pd_model_attention_block(pd_model_t *m, int layer, const pd_batch_t 
         decode_only = meta->cu_seqlens_q[s + 1] - meta->cu_seqlens_q[s] == 1;
     }
     float scale = c->attn_scale > 0 ? c->attn_scale : 1.0f / sqrtf((float)hd);
-    pd_attn_meta_t lm = *meta; /* the window is this layer's: Gemma3's global layers see everything */
-    lm.sliding_window = sliding ? c->sliding_window : 0;
     PD_TRY(decode_only
                ? ops->paged_attention_decode(be, a->attn, a->q, &kv[layer], &lm, c->num_heads, scale)
                : ops->paged_attention_prefill(be, a->attn, a->q, &kv[layer], &lm, c->num_heads, scale));

@@ -7,15 +7,19 @@
 #include "common/log.h"
 
 pd_status_t pd_kv_manager_init(pd_kv_cache_manager_t *m, uint32_t num_blocks, int32_t block_size,
-                               bool enable_caching)
+                               bool enable_caching, int32_t num_groups, const int32_t *windows)
 {
     memset(m, 0, sizeof(*m));
-    if (block_size < 1) {
-        pd_log_error("kv cache manager: block size %d", block_size);
+    if (block_size < 1 || num_groups < 1 || num_groups > PD_KV_MANAGER_MAX_GROUPS) {
+        pd_log_error("kv cache manager: block size %d, %d groups", block_size, num_groups);
         return PD_ERR_INVALID_ARG;
     }
     m->block_size = block_size;
     m->caching = enable_caching;
+    m->num_groups = num_groups;
+    for (int32_t g = 0; g < num_groups; g++) {
+        m->window[g] = windows != NULL && windows[g] > 0 ? windows[g] : 0;
+    }
     return pd_block_pool_create(num_blocks, enable_caching, &m->pool);
 }
 
@@ -66,6 +70,21 @@ static bool ensure_hashes(pd_kv_cache_manager_t *m, pd_request_t *req, int32_t n
     return true;
 }
 
+/* Prefix-cache key of logical block b in group g: group 0 uses the block hash itself, the
+ * others chain the group index onto it (one pool, so keys must differ per group). */
+static pd_hash128_t group_hash(const pd_request_t *req, int32_t b, int32_t g)
+{
+    return g == 0 ? req->block_hashes[b] : pd_hash128_chain(&req->block_hashes[b], NULL, 0, &g, sizeof(g));
+}
+
+/* First logical block group g needs once the next position to compute is pos (0 for full
+ * attention): positions below pos − window + 1 are outside every later query's window. */
+static int32_t first_needed(const pd_kv_cache_manager_t *m, int32_t g, int32_t pos)
+{
+    int32_t lo = pos - m->window[g] + 1;
+    return m->window[g] > 0 && lo > 0 ? lo / m->block_size : 0;
+}
+
 int32_t pd_kv_manager_get_computed_blocks(pd_kv_cache_manager_t *m, pd_request_t *req, uint32_t *blocks_out,
                                           int32_t max, bool count_stats, int32_t *num_tokens_out)
 {
@@ -73,34 +92,67 @@ int32_t pd_kv_manager_get_computed_blocks(pd_kv_cache_manager_t *m, pd_request_t
     if (!m->caching) {
         return 0;
     }
-    int32_t full = (req->num_tokens - 1) / m->block_size; /* leave the last token to compute */
+    int32_t G = m->num_groups, bs = m->block_size;
+    int32_t full = (req->num_tokens - 1) / bs; /* leave the last token to compute */
     if (full > max) {
         full = max;
     }
     if (!ensure_hashes(m, req, full)) {
         return 0;
     }
-    int32_t n = 0;
-    for (; n < full; n++) {
-        int64_t id = pd_block_pool_lookup(m->pool, req->block_hashes[n]);
-        if (id < 0) {
-            break;
+    /* full groups: the longest prefix every one of them holds */
+    int32_t n = full;
+    for (int32_t g = 0; g < G; g++) {
+        if (m->window[g] > 0) {
+            continue;
         }
-        blocks_out[n] = (uint32_t)id;
+        for (int32_t b = 0; b < n; b++) {
+            int64_t id = pd_block_pool_lookup(m->pool, group_hash(req, b, g));
+            if (id < 0) {
+                n = b;
+                break;
+            }
+            blocks_out[b * G + g] = (uint32_t)id;
+        }
+    }
+    /* sliding groups: the window of position n × bs. A missing block b caps the hit at b (every
+     * longer hit down to it needs b too); repeat until every group holds its window. */
+    for (bool again = true; again && n > 0;) {
+        again = false;
+        for (int32_t g = 0; g < G && !again; g++) {
+            if (m->window[g] == 0) {
+                continue;
+            }
+            int32_t lo = first_needed(m, g, n * bs);
+            for (int32_t b = n - 1; b >= lo; b--) {
+                int64_t id = pd_block_pool_lookup(m->pool, group_hash(req, b, g));
+                if (id < 0) {
+                    n = b;
+                    again = true;
+                    break;
+                }
+                blocks_out[b * G + g] = (uint32_t)id;
+            }
+            for (int32_t b = 0; b < lo && b < n; b++) {
+                blocks_out[b * G + g] = 0;
+            }
+        }
     }
     if (count_stats) {
         m->prefix_queries += (uint64_t)req->num_tokens;
-        m->prefix_hits += (uint64_t)n * (uint64_t)m->block_size;
+        m->prefix_hits += (uint64_t)n * (uint64_t)bs;
     }
-    *num_tokens_out = n * m->block_size;
+    *num_tokens_out = n * bs;
     return n;
 }
 
-int32_t pd_kv_manager_blocks_needed(const pd_kv_cache_manager_t *m, const pd_request_t *req,
-                                    int32_t total_tokens)
+int32_t pd_kv_manager_held_blocks(const pd_kv_cache_manager_t *m, const pd_request_t *req)
 {
-    int32_t need = (total_tokens + m->block_size - 1) / m->block_size - req->num_blocks;
-    return need > 0 ? need : 0;
+    int32_t n = 0;
+    for (int32_t i = 0; i < req->num_blocks * m->num_groups; i++) {
+        n += req->block_ids[i] != 0;
+    }
+    return n;
 }
 
 void pd_kv_manager_cache_blocks(pd_kv_cache_manager_t *m, pd_request_t *req, int32_t num_tokens)
@@ -108,7 +160,7 @@ void pd_kv_manager_cache_blocks(pd_kv_cache_manager_t *m, pd_request_t *req, int
     if (!m->caching) {
         return;
     }
-    int32_t full = num_tokens / m->block_size;
+    int32_t full = num_tokens / m->block_size, G = m->num_groups;
     if (full > req->num_blocks) {
         full = req->num_blocks;
     }
@@ -116,47 +168,95 @@ void pd_kv_manager_cache_blocks(pd_kv_cache_manager_t *m, pd_request_t *req, int
         return;
     }
     for (int32_t b = req->num_cached_blocks; b < full; b++) {
-        pd_block_pool_cache(m->pool, req->block_ids[b], req->block_hashes[b]);
+        for (int32_t g = 0; g < G; g++) {
+            uint32_t id = req->block_ids[b * G + g];
+            if (id != 0) {
+                pd_block_pool_cache(m->pool, id, group_hash(req, b, g));
+            }
+        }
     }
     req->num_cached_blocks = full;
+}
+
+/* Frees the sliding-window blocks before each group's first needed block when the next position
+ * to compute is pos. Entries already freed are 0 and form a prefix, so the walk stops at one. */
+static void remove_skipped_blocks(pd_kv_cache_manager_t *m, pd_request_t *req, int32_t pos)
+{
+    int32_t G = m->num_groups;
+    for (int32_t g = 0; g < G; g++) {
+        int32_t lo = first_needed(m, g, pos);
+        lo = lo < req->num_blocks ? lo : req->num_blocks;
+        for (int32_t b = lo - 1; b >= 0 && req->block_ids[b * G + g] != 0; b--) {
+            pd_block_pool_free(m->pool, &req->block_ids[b * G + g], 1);
+            req->block_ids[b * G + g] = 0;
+        }
+    }
 }
 
 bool pd_kv_manager_allocate_slots(pd_kv_cache_manager_t *m, pd_request_t *req, int32_t num_new_tokens,
                                   const uint32_t *new_computed, int32_t n_computed,
                                   int32_t num_external_tokens, bool delay_cache)
 {
-    int32_t computed = req->num_computed_tokens + n_computed * m->block_size;
+    int32_t G = m->num_groups, bs = m->block_size;
+    int32_t computed = req->num_computed_tokens + n_computed * bs;
     int32_t total = computed + num_external_tokens + num_new_tokens;
     if (total > req->cap_tokens) {
         total = req->cap_tokens;
     }
-    int32_t need = (total + m->block_size - 1) / m->block_size - req->num_blocks - n_computed;
-    if (need < 0) {
-        need = 0;
+    int32_t nb0 = req->num_blocks;
+    int32_t add = (total + bs - 1) / bs - nb0 - n_computed; /* new logical blocks */
+    if (add < 0) {
+        add = 0;
     }
+    /* the next position this or a later step computes (a loaded last token may be recomputed) */
+    int32_t pos = computed + num_external_tokens - (num_external_tokens > 0);
+    int32_t lo[PD_KV_MANAGER_MAX_GROUPS];
+    for (int32_t g = 0; g < G; g++) {
+        lo[g] = first_needed(m, g, pos);
+    }
+    remove_skipped_blocks(m, req, pos);
     /* prefix hits sitting in the free queue stop being free once touched */
-    int32_t evictable_hits = 0;
-    for (int32_t i = 0; i < n_computed; i++) {
-        evictable_hits += pd_block_pool_ref_count(m->pool, new_computed[i]) == 0;
+    int32_t need = 0, evictable_hits = 0;
+    for (int32_t i = 0; i < n_computed * G; i++) {
+        bool wanted = new_computed[i] != 0 && nb0 + i / G >= lo[i % G];
+        evictable_hits += wanted && pd_block_pool_ref_count(m->pool, new_computed[i]) == 0;
+    }
+    for (int32_t b = nb0 + n_computed; b < nb0 + n_computed + add; b++) {
+        for (int32_t g = 0; g < G; g++) {
+            need += b >= lo[g];
+        }
     }
     uint32_t free_now = pd_block_pool_num_free(m->pool) + pd_block_pool_num_cached_free(m->pool);
     if ((uint32_t)(need + evictable_hits) > free_now) {
         return false;
     }
-    if (!grow((void **)&req->block_ids, &req->cap_blocks, req->num_blocks + n_computed + need,
-              sizeof(uint32_t))) {
+    if (!grow((void **)&req->block_ids, &req->cap_blocks, (nb0 + n_computed + add) * G, sizeof(uint32_t))) {
         return false;
     }
+    uint32_t *ids = req->block_ids;
+    for (int32_t i = 0; i < n_computed * G; i++) {
+        bool wanted = new_computed[i] != 0 && nb0 + i / G >= lo[i % G];
+        ids[nb0 * G + i] = wanted ? new_computed[i] : 0;
+        if (wanted) {
+            pd_block_pool_touch(m->pool, &new_computed[i], 1);
+        }
+    }
     if (n_computed > 0) {
-        pd_block_pool_touch(m->pool, new_computed, (uint32_t)n_computed);
-        memcpy(req->block_ids + req->num_blocks, new_computed, (size_t)n_computed * sizeof(uint32_t));
         req->num_blocks += n_computed;
         req->num_cached_blocks = req->num_blocks; /* hits are cached by definition */
     }
-    if (need > 0) {
-        pd_block_pool_take(m->pool, (uint32_t)need, req->block_ids + req->num_blocks);
-        req->num_blocks += need;
+    int32_t base = req->num_blocks * G;
+    if (need == add * G) { /* nothing skipped: one run */
+        pd_block_pool_take(m->pool, (uint32_t)need, ids + base);
+    } else {
+        for (int32_t i = 0; i < add * G; i++) {
+            ids[base + i] = 0;
+            if (req->num_blocks + i / G >= lo[i % G]) {
+                pd_block_pool_take(m->pool, 1, &ids[base + i]);
+            }
+        }
     }
+    req->num_blocks += add;
     if (!delay_cache) {
         int32_t upto = computed + num_external_tokens + num_new_tokens;
         pd_kv_manager_cache_blocks(m, req, upto < req->num_tokens ? upto : req->num_tokens);
@@ -170,13 +270,23 @@ void pd_kv_manager_free(pd_kv_cache_manager_t *m, pd_request_t *req)
         return;
     }
     /* reverse order: the tail blocks go to the back of the free queue first... appended in
-     * reverse means the request's last block is appended first and so is evicted first */
-    for (int32_t i = 0, j = req->num_blocks - 1; i < j; i++, j--) {
+     * reverse means the request's last block is appended first and so is evicted first; the null
+     * entries of sliding groups are dropped */
+    int32_t n = req->num_blocks * m->num_groups;
+    for (int32_t i = 0, j = n - 1; i < j; i++, j--) {
         uint32_t t = req->block_ids[i];
         req->block_ids[i] = req->block_ids[j];
         req->block_ids[j] = t;
     }
-    pd_block_pool_free(m->pool, req->block_ids, (uint32_t)req->num_blocks);
+    int32_t k = 0;
+    for (int32_t i = 0; i < n; i++) {
+        if (req->block_ids[i] != 0) {
+            req->block_ids[k++] = req->block_ids[i];
+        }
+    }
+    if (k > 0) {
+        pd_block_pool_free(m->pool, req->block_ids, (uint32_t)k);
+    }
     req->num_blocks = 0;
     req->num_cached_blocks = 0;
 }

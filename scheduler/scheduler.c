@@ -134,7 +134,9 @@ pd_status_t pd_scheduler_create(const pd_scheduler_config_t *cfg, pd_connector_t
     s->cfg = *cfg;
     s->conn = connector;
     s->max_blocks_per_req = (cfg->max_model_len + cfg->block_size - 1) / cfg->block_size + 1;
-    pd_status_t st = pd_kv_manager_init(&s->kv, cfg->num_blocks, cfg->block_size, cfg->enable_prefix_caching);
+    int32_t groups = cfg->num_kv_groups > 0 ? cfg->num_kv_groups : 1;
+    pd_status_t st = pd_kv_manager_init(&s->kv, cfg->num_blocks, cfg->block_size, cfg->enable_prefix_caching,
+                                        groups, cfg->kv_group_window);
     if (st != PD_OK) {
         free(s);
         return st;
@@ -143,7 +145,7 @@ pd_status_t pd_scheduler_create(const pd_scheduler_config_t *cfg, pd_connector_t
     s->items = calloc((size_t)cfg->max_num_seqs, sizeof(pd_sched_item_t));
     s->preempted = calloc((size_t)cfg->max_num_seqs, sizeof(pd_request_t *));
     s->with_token = calloc((size_t)cfg->max_num_seqs, sizeof(pd_request_t *));
-    s->hits = calloc((size_t)s->max_blocks_per_req, sizeof(uint32_t));
+    s->hits = calloc((size_t)s->max_blocks_per_req * (size_t)groups, sizeof(uint32_t));
     if (s->running == NULL || s->items == NULL || s->preempted == NULL || s->with_token == NULL ||
         s->hits == NULL || pd_strmap_init(&s->by_id, 256) != PD_OK ||
         pd_strmap_init(&s->recv_done, 16) != PD_OK) {
@@ -234,7 +236,8 @@ static void finish_request(pd_scheduler_t *s, pd_request_t *r, pd_request_state_
     bool delay = false;
     if (s->conn != NULL) {
         void *params = NULL;
-        delay = s->conn->ops->request_finished(s->conn, r, r->block_ids, r->num_blocks, &params);
+        delay = s->conn->ops->request_finished(s->conn, r, r->block_ids, r->num_blocks * s->kv.num_groups,
+                                               &params);
         if (params != NULL) {
             json_decref(r->kv_transfer_params);
             r->kv_transfer_params = params;
@@ -354,7 +357,8 @@ static void schedule_waiting(pd_scheduler_t *s, int32_t *budget)
             break; /* FCFS: nothing behind it jumps the queue for space */
         }
         if (fresh && s->conn != NULL) {
-            s->conn->ops->update_state_after_alloc(s->conn, r, r->block_ids, r->num_blocks, external);
+            s->conn->ops->update_state_after_alloc(s->conn, r, r->block_ids, r->num_blocks * s->kv.num_groups,
+                                                   external);
         }
         if (r->num_cached_tokens < 0) {
             r->num_cached_tokens = local;
@@ -474,11 +478,11 @@ static void apply_load_errors(pd_scheduler_t *s, const uint32_t *bad, int32_t n_
         if (r->state != PD_REQ_WAITING_FOR_REMOTE_KV) {
             continue;
         }
-        int32_t first_bad = -1;
-        for (int32_t b = 0; b < r->num_blocks && first_bad < 0; b++) {
-            for (int32_t k = 0; k < n_bad; k++) {
-                if (r->block_ids[b] == bad[k]) {
-                    first_bad = b;
+        int32_t first_bad = -1, G = s->kv.num_groups;
+        for (int32_t i = 0; i < r->num_blocks * G && first_bad < 0; i++) {
+            for (int32_t k = 0; k < n_bad && r->block_ids[i] != 0; k++) {
+                if (r->block_ids[i] == bad[k]) {
+                    first_bad = i / G; /* the logical block */
                     break;
                 }
             }

@@ -35,6 +35,10 @@ typedef struct pd_scheduler_config {
     int32_t eos_token_ids[8];
     int32_t num_eos;
     pd_load_failure_policy_t load_failure_policy;
+    /* KV cache groups (scheduler/kv_cache_manager.h): 0 or 1 = one full-attention group */
+    int32_t num_kv_groups;
+    int32_t kv_group_window
+        [PD_KV_MANAGER_MAX_GROUPS]; /* per group: 0 = full attention, else the sliding window */
 } pd_scheduler_config_t;
 
 typedef struct pd_sched_item {

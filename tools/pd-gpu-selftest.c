@@ -323,7 +323,7 @@ static void test_attention(pd_dtype_t dt, const char *dtname)
         cu[s + 1] = cu[s] + q_lens[s];
     }
     int T = cu[4];
-    pd_attn_meta_t m = {4, T, cu, seq_lens, tables, maxb, NULL, 0};
+    pd_attn_meta_t m = {4, T, cu, seq_lens, tables, maxb, NULL, 0, NULL};
     float *q = malloc((size_t)T * heads * D * 4), *ref = malloc((size_t)T * heads * D * 4),
           *got = malloc((size_t)T * heads * D * 4);
     fill(q, (size_t)T * heads * D);
@@ -350,7 +350,7 @@ static void test_attention(pd_dtype_t dt, const char *dtname)
     /* decode: one token per sequence, long contexts use several split-K partitions */
     int dl[4] = {1600, 1, 700, 513};
     int32_t cud[5] = {0, 1, 2, 3, 4};
-    pd_attn_meta_t md = {4, 4, cud, dl, tables, maxb, NULL, 0};
+    pd_attn_meta_t md = {4, 4, cud, dl, tables, maxb, NULL, 0, NULL};
     g_gpu->ops->free(g_gpu, dout);
     dout = poisoned((size_t)4 * heads * D * 4);
     check_status("paged_attention_decode",
@@ -475,7 +475,7 @@ static void time_attention(void)
     fill(q, (size_t)seqs * heads * D);
     float *dq = to_gpu(q, (size_t)seqs * heads * D * 4), *dout = poisoned((size_t)seqs * heads * D * 4);
     pd_kv_view_t v = {kv, PD_DTYPE_F32, nblocks, bs, H, D};
-    pd_attn_meta_t m = {seqs, seqs, cu, lens, tables, maxb, NULL, 0};
+    pd_attn_meta_t m = {seqs, seqs, cu, lens, tables, maxb, NULL, 0, NULL};
     /* fp32 cache filled with NaN bytes would poison the softmax: zero it first */
     void *zero = calloc(1, kvbytes);
     g_gpu->ops->copy(g_gpu, kv, zero, kvbytes, PD_COPY_H2D);

@@ -381,7 +381,7 @@ static void run_attn_case(const attn_case_t *c)
         ck_assert(fabsf(back - want) <= fabsf(want) * 4e-3f);
     }
 
-    pd_attn_meta_t meta = {c->num_seqs, num_tokens, cu, seq_lens, tables, max_blocks, slots, c->window};
+    pd_attn_meta_t meta = {c->num_seqs, num_tokens, cu, seq_lens, tables, max_blocks, slots, c->window, NULL};
     float *q = rand_buf((size_t)num_tokens * NH * D, -1, 1);
     float *o = rand_buf((size_t)num_tokens * NH * D, -5, 5),
           *oref = rand_buf((size_t)num_tokens * NH * D, -5, 5);
@@ -467,7 +467,7 @@ START_TEST(test_attention_rejects_bad_ids)
     ck_assert_int_eq(memcmp(kv.base, before, (size_t)pd_page_elems(bs, H, D) * 3 * sizeof(float)), 0);
 
     int32_t cu[2] = {0, 1}, seq_lens[1] = {6}, table[2] = {1, 3}; /* block 3 does not exist */
-    pd_attn_meta_t meta = {1, 1, cu, seq_lens, table, 2, slots, 0};
+    pd_attn_meta_t meta = {1, 1, cu, seq_lens, table, 2, slots, 0, NULL};
     float *q = rand_buf(D, -1, 1), *o = rand_buf(D, -1, 1);
     ck_assert_int_eq(pd_cpu_paged_attention_decode(g_be, o, q, &kv, &meta, 1, 1.0f), PD_ERR_OUT_OF_RANGE);
     ck_assert_int_eq(pd_cpu_paged_attention_prefill_ref(g_be, o, q, &kv, &meta, 1, 1.0f),

@@ -91,8 +91,8 @@ static pd_status_t run_step(pd_model_t *m, tcache_t *c, tseq_t **seqs, const int
         seq_lens[i] = total;
     }
     pd_batch_t batch = {T, ids, pos};
-    pd_attn_meta_t meta = {nseqs,  T,          cu,    seq_lens,
-                           tables, MAX_BLOCKS, slots, pd_model_config(m)->sliding_window};
+    pd_attn_meta_t meta = {
+        nseqs, T, cu, seq_lens, tables, MAX_BLOCKS, slots, pd_model_config(m)->sliding_window, NULL};
     pd_status_t st = pd_model_forward(m, &batch, c->views, &meta, lidx, T, hooks, logits_out);
     if (st == PD_OK) {
         for (int i = 0; i < nseqs; i++) {

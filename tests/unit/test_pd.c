@@ -333,23 +333,38 @@ START_TEST(test_equivalence)
 }
 END_TEST
 
+/* Bytes of KV a decode needs moved for a prompt of n tokens (block 16, the last token recomputed):
+ * every block of a full-attention layer, a sliding layer's blocks from the window of position
+ * n − 1 on (KV cache groups: the rest is never allocated on the decode). */
+static double kv_bytes_needed(int n, int page, int full_layers, int sliding_layers, int window)
+{
+    int nb = (n - 1 + 15) / 16, first = n - window > 0 ? (n - window) / 16 : 0;
+    first = first < nb ? first : nb;
+    return (double)page * (full_layers * nb + sliding_layers * (nb - first));
+}
+
 /* Qwen3 (per-head q/k norms, head_dim != hidden / heads), Mistral with a 16-token sliding
  * window, Gemma3 (local 16-token and global layers) and Llama-3.1's rope_scaling (prompts up to
  * 200 tokens, past the window and original_max_position_embeddings) through P/D equal pd-serve on
- * the same model, greedy and seeded. */
+ * the same model, greedy and seeded; a sliding-window layer moves only the blocks inside the
+ * window (the bytes moved are counted). */
 START_TEST(test_families_equivalence)
 {
+#define LLAMA31_SCALING                                                                                      \
+    "--rope-scaling "                                                                                        \
+    "{\\\"rope_type\\\":\\\"llama3\\\",\\\"factor\\\":8.0,\\\"low_freq_factor\\\":1.0,"                      \
+    "\\\"high_freq_factor\\\":4.0,\\\"original_max_position_embeddings\\\":32}"
+#define GEMMA3_SHAPE "--preset tiny --arch gemma3 --layers 4 --sliding-window 16 --sliding-pattern 2 --seed 7"
     static const struct {
         const char *mk, *mode, *pipe;
-    } fam[] = {{"--preset tiny --arch qwen3 --head-dim 32 --seed 5", "pull", "tcp"},
-               {"--preset tiny --arch mistral --sliding-window 16 --seed 6", "push", "ucx"},
-               {"--preset tiny --arch gemma3 --layers 4 --sliding-window 16 --sliding-pattern 2 --seed 7",
-                "pull", "ucx"},
+        int page, full_layers, sliding_layers; /* fp32 pages of block 16; window 16 */
+    } fam[] = {{"--preset tiny --arch qwen3 --head-dim 32 --seed 5", "pull", "tcp", 8192, 2, 0},
+               {"--preset tiny --arch mistral --sliding-window 16 --seed 6", "push", "ucx", 4096, 0, 2},
+               {GEMMA3_SHAPE, "pull", "ucx", 4096, 2, 2},
+               {GEMMA3_SHAPE, "push", "tcp", 4096, 2, 2},
                /* Llama-3.1-shaped: llama3 rope_scaling, prompts past original_max_position_embeddings */
-               {"--preset tiny --arch llama --seed 8 --rope-scaling "
-                "{\\\"rope_type\\\":\\\"llama3\\\",\\\"factor\\\":8.0,\\\"low_freq_factor\\\":1.0,"
-                "\\\"high_freq_factor\\\":4.0,\\\"original_max_position_embeddings\\\":32}",
-                "push", "tcp"}};
+               {"--preset tiny --arch llama --seed 8 " LLAMA31_SCALING, "push", "tcp", 4096, 2, 0},
+               {"--preset tiny --arch llama --seed 8 " LLAMA31_SCALING, "pull", "ucx", 4096, 2, 0}};
     enum { N = 24 };
     char *saved = g_model;
     for (size_t f = 0; f < sizeof(fam) / sizeof(fam[0]); f++) {
@@ -359,8 +374,21 @@ START_TEST(test_families_equivalence)
         reference_answers(g_model, N, ref);
         cluster_t c;
         cluster_start(&c, fam[f].mode, fam[f].pipe, NULL, NULL);
+        double want_bytes = 0;
         for (int seeded = 0; seeded < 2; seeded++) {
+            if (seeded == 1) { /* the greedy round moved exactly what the decode needs */
+                double moved = metric(c.d.port, "pd:kv_transfer_bytes_total");
+                ck_assert_msg(moved == want_bytes, "%s: %.0f bytes of KV moved, the decode needs %.0f",
+                              fam[f].mk, moved, want_bytes);
+                if (strcmp(fam[f].mode, "push") == 0) { /* and the prefill wrote no more than that */
+                    ck_assert_msg(metric(c.p.port, "pd:kv_transfer_bytes_total") == want_bytes,
+                                  "%s: the prefill wrote %.0f bytes, the decode needs %.0f", fam[f].mk,
+                                  metric(c.p.port, "pd:kv_transfer_bytes_total"), want_bytes);
+                }
+            }
             for (int i = 0; i < N; i++) {
+                want_bytes +=
+                    kv_bytes_needed(g_lens[i], fam[f].page, fam[f].full_layers, fam[f].sliding_layers, 16);
                 char *b = body_for(i, seeded);
                 int st;
                 char *got = complete(c.x.port, b, &st);

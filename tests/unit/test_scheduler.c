@@ -179,7 +179,7 @@ START_TEST(test_prefix_hit_after_repeat)
      * (the last token is always recomputed) and allocates only its tail. */
     enum { BLOCK = 4, NUM_BLOCKS = 16 };
     pd_kv_cache_manager_t m;
-    ck_assert_int_eq(pd_kv_manager_init(&m, NUM_BLOCKS, BLOCK, true), PD_OK);
+    ck_assert_int_eq(pd_kv_manager_init(&m, NUM_BLOCKS, BLOCK, true, 1, NULL), PD_OK);
     int32_t prompt[12] = {5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
     pd_request_t *a = make_req("a", prompt, 12, 4);
     uint32_t hits[8];
@@ -236,7 +236,7 @@ START_TEST(test_kv_config_llama31_8b)
     size_t probes[] = {2526 * mib2, 2526 * mib2 + 1, 2526 * mib2 + mib2 / 2, 2527 * mib2 - 1};
     for (int i = 0; i < 4; i++) {
         pd_kv_cache_config_t c;
-        ck_assert_int_eq(pd_kv_cache_config_compute(specs, 32, probes[i], 8192, &c), PD_OK);
+        ck_assert_int_eq(pd_kv_cache_config_compute(specs, 32, probes[i], 8192, 0, &c), PD_OK);
         ck_assert_uint_eq(c.num_blocks, 2526);
         ck_assert_int_eq((int64_t)c.num_blocks * c.block_size, 40416);
         ck_assert_int_eq(c.num_tensors, 32);
@@ -246,19 +246,19 @@ START_TEST(test_kv_config_llama31_8b)
         ck_assert_int_eq(c.groups[0].num_layers, 32);
     }
     pd_kv_cache_config_t c;
-    ck_assert_int_eq(pd_kv_cache_config_compute(specs, 32, 2527 * mib2, 8192, &c), PD_OK);
+    ck_assert_int_eq(pd_kv_cache_config_compute(specs, 32, 2527 * mib2, 8192, 0, &c), PD_OK);
     ck_assert_uint_eq(c.num_blocks, 2527);
     /* a 128k-token context does not fit in 2526 blocks: refused, not silently truncated */
-    ck_assert_int_eq(pd_kv_cache_config_compute(specs, 32, 2526 * mib2, 131072, &c), PD_ERR_NO_SPACE);
+    ck_assert_int_eq(pd_kv_cache_config_compute(specs, 32, 2526 * mib2, 131072, 0, &c), PD_ERR_NO_SPACE);
 }
 END_TEST
 
 START_TEST(test_kv_config_kinds_and_sharing)
 {
-    /* layer 0 full fp16, layer 1 sliding window, layer 2 MLA (one vector), layer 3 shares layer 0 */
+    /* layer 0 full fp16, layer 1 full, layer 2 MLA (one vector), layer 3 shares layer 0 */
     pd_kv_spec_t specs[4] = {
         {PD_KV_FULL, 16, 4, 64, 2, 0, -1},
-        {PD_KV_SLIDING_WINDOW, 16, 4, 64, 2, 128, -1},
+        {PD_KV_FULL, 16, 4, 64, 2, 0, -1},
         {PD_KV_MLA, 16, 1, 576, 2, 0, -1},
         {PD_KV_SHARED, 16, 4, 64, 2, 0, 0},
     };
@@ -268,7 +268,7 @@ START_TEST(test_kv_config_kinds_and_sharing)
     size_t per_block = 2 * 16384 + 18432;    /* the shared layer costs nothing */
     size_t avail = per_block * 1000 + 12345; /* an odd size: rounds down */
     pd_kv_cache_config_t c;
-    ck_assert_int_eq(pd_kv_cache_config_compute(specs, 4, avail, 4096, &c), PD_OK);
+    ck_assert_int_eq(pd_kv_cache_config_compute(specs, 4, avail, 4096, 0, &c), PD_OK);
     ck_assert_uint_eq(c.num_blocks, 1000);
     ck_assert_int_eq(c.num_tensors, 3);
     ck_assert_int_eq(c.layer_tensor[3], c.layer_tensor[0]);
@@ -276,18 +276,129 @@ START_TEST(test_kv_config_kinds_and_sharing)
     ck_assert_int_eq(c.tensors[0].shared_by[0], 0);
     ck_assert_int_eq(c.tensors[0].shared_by[1], 3);
     ck_assert_uint_eq(c.region_bytes, per_block * 1000);
-    ck_assert_int_eq(c.num_groups, 2); /* 16 KiB pages (layers 0, 1) and 18 KiB (layer 2) */
+    ck_assert_int_eq(c.num_groups, 1); /* one kind of attention: one block table */
+    ck_assert_int_eq(c.groups[0].num_layers, 3);
+    ck_assert_int_eq(c.layer_group[3], 0);
+    /* a sliding-window layer beside layers of another page size: hybrid groups need one page size */
+    specs[1].kind = PD_KV_SLIDING_WINDOW, specs[1].sliding_window = 128;
+    ck_assert_int_eq(pd_kv_cache_config_compute(specs, 4, avail, 4096, 0, &c), PD_ERR_INVALID_ARG);
+    specs[1].kind = PD_KV_FULL, specs[1].sliding_window = 0;
     /* too little memory for one max-length request */
-    ck_assert_int_eq(pd_kv_cache_config_compute(specs, 4, per_block * 10, 4096, &c), PD_ERR_NO_SPACE);
+    ck_assert_int_eq(pd_kv_cache_config_compute(specs, 4, per_block * 10, 4096, 0, &c), PD_ERR_NO_SPACE);
     /* sharing a layer that itself shares, or a missing layer */
     pd_kv_spec_t bad[3] = {
         full_spec(4, 64, 2, 16), {PD_KV_SHARED, 16, 4, 64, 2, 0, 2}, {PD_KV_SHARED, 16, 4, 64, 2, 0, 0}};
-    ck_assert_int_eq(pd_kv_cache_config_compute(bad, 3, avail, 64, &c), PD_ERR_INVALID_ARG);
+    ck_assert_int_eq(pd_kv_cache_config_compute(bad, 3, avail, 64, 0, &c), PD_ERR_INVALID_ARG);
     bad[1].shared_with = 7;
-    ck_assert_int_eq(pd_kv_cache_config_compute(bad, 3, avail, 64, &c), PD_ERR_INVALID_ARG);
+    ck_assert_int_eq(pd_kv_cache_config_compute(bad, 3, avail, 64, 0, &c), PD_ERR_INVALID_ARG);
     /* block sizes must agree */
     pd_kv_spec_t mixed[2] = {full_spec(4, 64, 2, 16), full_spec(4, 64, 2, 32)};
-    ck_assert_int_eq(pd_kv_cache_config_compute(mixed, 2, avail, 64, &c), PD_ERR_INVALID_ARG);
+    ck_assert_int_eq(pd_kv_cache_config_compute(mixed, 2, avail, 64, 0, &c), PD_ERR_INVALID_ARG);
+}
+END_TEST
+
+START_TEST(test_kv_config_hybrid_groups)
+{
+    /* Gemma-3-1B: 26 layers, every 6th global (5, 11, 17, 23), the rest a 512-token window; 1 kv
+     * head of 256, bf16, block 16 (16 KiB pages). vLLM's hybrid allocator: groups of 4 layers (the
+     * global count) over 4 shared tensors: 6 sliding groups (the last padded) and 1 full group. */
+    pd_kv_spec_t specs[26];
+    for (int l = 0; l < 26; l++) {
+        specs[l] = full_spec(1, 256, 2, 16);
+        if ((l + 1) % 6 != 0) {
+            specs[l].kind = PD_KV_SLIDING_WINDOW, specs[l].sliding_window = 512;
+        }
+    }
+    size_t page = 2 * 16 * 256 * 2;
+    pd_kv_cache_config_t *c = malloc(sizeof(*c));
+    ck_assert_int_eq(pd_kv_cache_config_compute(specs, 26, 1000 * 4 * page + 77, 4096, 256, c), PD_OK);
+    ck_assert_uint_eq(c->num_blocks, 1000); /* a block id costs 4 pages, not 26 */
+    ck_assert_int_eq(c->num_tensors, 4);
+    ck_assert_uint_eq(c->region_bytes, 1000 * 4 * page);
+    ck_assert_int_eq(c->num_groups, 7);
+    for (int g = 0; g < 6; g++) {
+        ck_assert_int_eq(c->groups[g].kind, PD_KV_SLIDING_WINDOW);
+        ck_assert_int_eq(c->groups[g].num_layers, g < 5 ? 4 : 2);
+    }
+    ck_assert_int_eq(c->groups[6].kind, PD_KV_FULL);
+    ck_assert_int_eq(c->groups[6].num_layers, 4);
+    ck_assert_int_eq(c->groups[6].layers[2], 17);
+    for (int l = 0; l < 26; l++) { /* each layer is in its group's list at its tensor's index */
+        const pd_kv_group_t *g = &c->groups[c->layer_group[l]];
+        ck_assert_int_eq(g->layers[c->layer_tensor[l]], l);
+    }
+    ck_assert_int_eq(c->tensors[0].num_shared, 7);
+    ck_assert_int_eq(c->tensors[3].num_shared, 6); /* the padded group has no 4th layer */
+    char layout[128];
+    pd_kv_cache_config_layout(c, layout, sizeof(layout));
+    ck_assert_str_eq(layout, "g4:swa512x6,fullx1");
+    /* one request of 4096 tokens: 256 blocks in the full group, 512/16 + 1 (+ the chunk) in each
+     * sliding group; never more than the full count */
+    ck_assert_int_eq(pd_kv_cache_config_blocks_per_request(c, 4096, 256), 256 + 6 * (32 + 16 + 1));
+    ck_assert_int_eq(pd_kv_cache_config_blocks_per_request(c, 100, 100), 7 * 7);
+    /* Mistral: every layer sliding: one group, one tensor per layer */
+    for (int l = 0; l < 26; l++) {
+        specs[l].kind = PD_KV_SLIDING_WINDOW, specs[l].sliding_window = 4096;
+    }
+    ck_assert_int_eq(pd_kv_cache_config_compute(specs, 26, 1000 * 26 * page, 4096, 0, c), PD_OK);
+    ck_assert_int_eq(c->num_groups, 1);
+    ck_assert_int_eq(c->groups[0].kind, PD_KV_SLIDING_WINDOW);
+    ck_assert_int_eq(c->num_tensors, 26);
+    ck_assert_uint_eq(c->num_blocks, 1000);
+    free(c);
+}
+END_TEST
+
+START_TEST(test_prefix_hit_sliding_group)
+{
+    /* Two groups, block 4: group 0 a 4-token window, group 1 full. A repeat of a 12-token prompt
+     * hits blocks 0 and 1; the window of position 8 starts at 5, so group 0 needs only block 1
+     * (its entry for block 0 is null and never adopted). */
+    enum { BLOCK = 4, NUM_BLOCKS = 32 };
+    int32_t windows[2] = {4, 0};
+    pd_kv_cache_manager_t m;
+    ck_assert_int_eq(pd_kv_manager_init(&m, NUM_BLOCKS, BLOCK, true, 2, windows), PD_OK);
+    int32_t prompt[12] = {5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+    pd_request_t *a = make_req("a", prompt, 12, 4);
+    ck_assert(pd_kv_manager_allocate_slots(&m, a, 12, NULL, 0, 0, false));
+    ck_assert_int_eq(a->num_blocks, 3);
+    ck_assert_int_eq(pd_kv_manager_held_blocks(&m, a), 6);
+    /* decoding from position 12: the window [9, 12] needs block 2 of group 0 only */
+    a->num_computed_tokens = 12;
+    ck_assert_int_eq(pd_request_append_token(a, 77), PD_OK);
+    ck_assert(pd_kv_manager_allocate_slots(&m, a, 1, NULL, 0, 0, false));
+    ck_assert_int_eq(a->num_blocks, 4);
+    ck_assert_uint_eq(a->block_ids[0 * 2 + 0], 0);
+    ck_assert_uint_eq(a->block_ids[1 * 2 + 0], 0);
+    ck_assert_uint_ne(a->block_ids[2 * 2 + 0], 0);
+    ck_assert_uint_ne(a->block_ids[0 * 2 + 1], 0);
+    ck_assert_int_eq(pd_kv_manager_held_blocks(&m, a), 4 + 2);
+    pd_kv_manager_free(&m, a);
+    ck_assert_uint_eq(pd_block_pool_num_free(m.pool) + pd_block_pool_num_cached_free(m.pool), NUM_BLOCKS - 1);
+    pd_request_t *b = make_req("b", prompt, 12, 4);
+    uint32_t hits[16];
+    int32_t hit_tokens = -1;
+    int32_t n = pd_kv_manager_get_computed_blocks(&m, b, hits, 8, true, &hit_tokens);
+    ck_assert_int_eq(n, 2);
+    ck_assert_int_eq(hit_tokens, 8);
+    ck_assert_uint_eq(hits[0 * 2 + 0], 0); /* outside the window of position 8 */
+    ck_assert_uint_ne(hits[1 * 2 + 0], 0);
+    ck_assert_uint_ne(hits[0 * 2 + 1], 0);
+    ck_assert_uint_ne(hits[1 * 2 + 1], 0);
+    ck_assert(pd_kv_manager_allocate_slots(&m, b, 12 - hit_tokens, hits, n, 0, false));
+    ck_assert_uint_eq(b->block_ids[0], 0);
+    ck_assert_uint_eq(b->block_ids[2], hits[2]);
+    ck_assert_int_eq(pd_kv_manager_held_blocks(&m, b), 2 + 3);
+    pd_kv_manager_free(&m, b);
+    /* a prompt whose window block group 0 no longer has: the hit shrinks to what it holds */
+    int32_t other[12] = {5, 6, 7, 8, 9, 10, 11, 12, 99, 98, 97, 96};
+    pd_request_t *c = make_req("c", other, 12, 4);
+    n = pd_kv_manager_get_computed_blocks(&m, c, hits, 8, true, &hit_tokens);
+    ck_assert_int_eq(n, 2); /* blocks 0 and 1 of both groups were cached by a */
+    ck_assert_int_eq(pd_block_pool_check(m.pool), PD_OK);
+    ck_assert_uint_eq(pd_block_pool_num_free(m.pool) + pd_block_pool_num_cached_free(m.pool), NUM_BLOCKS - 1);
+    pd_request_free(a), pd_request_free(b), pd_request_free(c);
+    pd_kv_manager_destroy(&m);
 }
 END_TEST
 
@@ -466,6 +577,66 @@ START_TEST(test_budget_and_max_seqs_random)
     ck_assert(pd_scheduler_idle(d.s));
     assert_pool_clean(d.s);
     pd_scheduler_destroy(d.s);
+}
+END_TEST
+
+/* Pool blocks a request holds in group g (of G). */
+static int32_t group_blocks(const pd_request_t *r, int32_t G, int32_t g)
+{
+    int32_t n = 0;
+    for (int32_t b = 0; b < r->num_blocks; b++) {
+        n += r->block_ids[b * G + g] != 0;
+    }
+    return n;
+}
+
+/* A request of 10× the window holds at most window/block_size + 2 blocks in a sliding group while
+ * decoding (a full group: all of them), and the pool is whole again when it ends; a second one
+ * with the same prompt hits the prefix cache within the window. Both hybrid (a sliding and a full
+ * group) and all-sliding (one group). */
+START_TEST(test_sliding_window_block_bound)
+{
+    enum { WINDOW = 16, BS = 4 };
+    for (int hybrid = 1; hybrid >= 0; hybrid--) {
+        driver_t d = {NULL, NULL, 32, 4, 0, 0};
+        pd_scheduler_config_t c = sched_cfg(4, 32, 200);
+        c.num_kv_groups = hybrid ? 2 : 1;
+        c.kv_group_window[0] = WINDOW;
+        int32_t G = c.num_kv_groups;
+        ck_assert_int_eq(pd_scheduler_create(&c, NULL, &d.s), PD_OK);
+        for (int rep = 0; rep < 2; rep++) {
+            char id[8];
+            snprintf(id, sizeof(id), "r%d", rep);
+            add(d.s, id, 40, 10 * WINDOW - 40, 3);
+            pd_scheduler_update_result_t res;
+            int32_t decode_steps = 0, finished0 = d.finished;
+            while (d.finished == finished0) {
+                const pd_scheduler_output_t *o = drive_step(&d, &res);
+                if (o->num_items == 0) {
+                    continue;
+                }
+                const pd_request_t *r = o->items[0].req;
+                if (pd_request_is_finished(r)) {
+                    continue;
+                }
+                if (o->items[0].num_new_tokens == 1) { /* decoding */
+                    decode_steps++;
+                    ck_assert_int_le(group_blocks(r, G, 0), WINDOW / BS + 2);
+                    if (hybrid) {
+                        ck_assert_int_eq(group_blocks(r, G, 1), r->num_blocks); /* every block */
+                        ck_assert_int_ge(r->num_blocks * BS, r->num_computed_tokens);
+                    }
+                }
+            }
+            ck_assert_int_eq(decode_steps, 10 * WINDOW - 40 - 2); /* all but the prompt's and the last */
+            pd_scheduler_schedule(d.s);
+            assert_pool_clean(d.s);
+        }
+        pd_scheduler_stats_t st;
+        pd_scheduler_get_stats(d.s, &st);
+        ck_assert_uint_ge(st.prefix_hits, 32); /* the repeat reused the prompt's cached blocks */
+        pd_scheduler_destroy(d.s);
+    }
 }
 END_TEST
 
@@ -744,6 +915,9 @@ int main(void)
     tcase_add_test(tc, test_prefix_hit_after_repeat);
     tcase_add_test(tc, test_kv_config_llama31_8b);
     tcase_add_test(tc, test_kv_config_kinds_and_sharing);
+    tcase_add_test(tc, test_kv_config_hybrid_groups);
+    tcase_add_test(tc, test_prefix_hit_sliding_group);
+    tcase_add_test(tc, test_sliding_window_block_bound);
     tcase_add_test(tc, test_budget_and_max_seqs_random);
     tcase_add_test(tc, test_chunked_prefill);
     tcase_add_test(tc, test_preemption_recomputes);

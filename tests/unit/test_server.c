@@ -260,7 +260,7 @@ START_TEST(test_logprobs_match_recomputed)
     }
     float *logits = malloc((size_t)T * V * sizeof(float));
     pd_batch_t batch = {T, all, pos};
-    pd_attn_meta_t meta = {1, T, cu, lens, table, nb, slots, 0};
+    pd_attn_meta_t meta = {1, T, cu, lens, table, nb, slots, 0, NULL};
     ck_assert_int_eq(pd_model_forward(m, &batch, views, &meta, lidx, T, NULL, logits), PD_OK);
     for (int i = 0; i < n; i++) {
         const float *row = logits + (size_t)(np - 1 + i) * V; /* predicts token np + i */
