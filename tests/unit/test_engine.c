@@ -413,6 +413,73 @@ START_TEST(test_threaded_submit)
 }
 END_TEST
 
+/* Sliding-window KV cache groups: on a Gemma-3-shaped model (local and global layers: two groups)
+ * and a Mistral-shaped one (every layer sliding: one group), with a 16-token window and requests
+ * 9-16x as long, a small pool (blocks outside the window freed and reused by other requests at
+ * once, preemption) and a roomy one (windowed prefix hits on a repeated wave) give every request
+ * the tokens it gets alone in a big pool without prefix caching, and the pool is whole after. */
+START_TEST(test_sliding_groups_keep_outputs)
+{
+    static const struct {
+        const char *mk;
+        int blocks;
+    } models[] = {
+        {"--preset tiny --arch gemma3 --layers 4 --sliding-window 16 --sliding-pattern 2 --seed 3", 52},
+        {"--preset tiny --arch mistral --sliding-window 16 --seed 4", 24}};
+    enum { N = 8 };
+    char *saved = g_model;
+    for (size_t m = 0; m < sizeof(models) / sizeof(models[0]); m++) {
+        g_model = tu_make_model(models[m].mk);
+        ck_assert_ptr_nonnull(g_model);
+        spec_t *s = calloc(N, sizeof(spec_t));
+        gen_t *ref = calloc(N, sizeof(gen_t)), *tight = calloc(2 * N, sizeof(gen_t));
+        pd_engine_t *big = make_engine(0, false, 16);
+        make_specs(s, N, m == 0 ? 0.0f : 0.8f, pd_engine_model_config(big)->vocab_size);
+        for (int i = 0; i < N; i++) {
+            s[i].n = 60 + 7 * i;
+            s[i].max_tokens = 80 + 10 * i;
+            for (int k = 0; k < s[i].n; k++) {
+                s[i].prompt[k] = 1 + (i * 131 + k * 17) % (pd_engine_model_config(big)->vocab_size - 2);
+            }
+        }
+        memcpy(s[N - 1].prompt, s[0].prompt, sizeof(s[0].prompt)); /* a shared prefix */
+        for (int i = 0; i < N; i++) {
+            add_spec(big, &s[i], i, &ref[i], NULL, 0);
+            run_until_idle(big);
+        }
+        pd_engine_destroy(big);
+        /* a tight pool (preemption, freed blocks reused at once), then a roomy one whose second
+         * wave hits the prefix cache inside the window */
+        for (int roomy = 0; roomy < 2; roomy++) {
+            pd_engine_t *e = make_engine(roomy ? 400 : models[m].blocks, true, 16);
+            memset(tight, 0, 2 * N * sizeof(gen_t));
+            for (int wave = 0; wave < 2; wave++) {
+                for (int i = 0; i < N; i++) {
+                    add_spec(e, &s[i], wave * N + i, &tight[wave * N + i], NULL, 0);
+                }
+                run_until_idle(e);
+            }
+            for (int i = 0; i < 2 * N; i++) {
+                assert_same(&tight[i], &ref[i % N], i);
+            }
+            pd_engine_stats_t st;
+            pd_engine_get_stats(e, &st);
+            if (roomy) {
+                ck_assert_uint_gt(st.prefix_hits, 0);
+            } else if (m == 0) { /* all-sliding requests hold a few blocks each: no pressure */
+                ck_assert_uint_gt(st.preemptions, 0);
+            }
+            assert_pool_free(e);
+            pd_engine_destroy(e);
+        }
+        free(s), free(ref), free(tight);
+        tu_rmrf(g_model);
+        free(g_model);
+    }
+    g_model = saved;
+}
+END_TEST
+
 int main(void)
 {
     pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_WARN);
@@ -431,6 +498,7 @@ int main(void)
     tcase_add_test(tc, test_abort_and_stop_strings);
     tcase_add_test(tc, test_bad_requests);
     tcase_add_test(tc, test_threaded_submit);
+    tcase_add_test(tc, test_sliding_groups_keep_outputs);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
