@@ -303,6 +303,26 @@ static kv_peer_t *dial_peer(kv_conn_t *k, const char *addr)
     return p;
 }
 
+static void hs_free(kv_hs_t *h)
+{
+    pd_ctl_server_hs_destroy(&h->hs);
+    pd_ctl_reader_destroy(&h->rd);
+    close(h->fd);
+    free(h);
+}
+
+/* Drops pending handshake *hp (unlinks it), counting it as failed. */
+static void hs_drop(kv_conn_t *k, kv_hs_t **hp, const char *why)
+{
+    kv_hs_t *h = *hp;
+    *hp = h->next;
+    k->num_handshakes--;
+    pd_log_warn("kv connector: refused a peer: %s", why);
+    pd_metric_inc(k->m.handshakes_failed, 1);
+    hs_free(h);
+}
+
+/* A new connection on the listener joins the pending handshakes (never waits for its bytes). */
 static void accept_peer(kv_conn_t *k)
 {
     int fd = accept4(k->listen_fd, NULL, NULL, SOCK_CLOEXEC);
@@ -311,36 +331,82 @@ static void accept_peer(kv_conn_t *k)
     }
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    uint8_t a[PD_PIPE_ADDR_MAX];
-    size_t al = sizeof(a);
-    pd_ctl_identity_t me = identity(k, a, &al);
-    pd_ctl_reader_t rd;
-    pd_ctl_reader_init(&rd, 0);
-    pd_ctl_msg_t hello = {0, NULL};
-    char reason[256] = "";
-    pd_status_t st = pd_ctl_handshake_server(fd, &rd, &me, ms_of(k->cfg.handshake_timeout), &hello, reason,
-                                             sizeof(reason));
-    if (st != PD_OK) {
-        pd_log_error("kv connector: refused a peer: %s", reason);
-        pd_metric_inc(k->m.handshakes_failed, 1);
-        pd_ctl_reader_destroy(&rd);
+    kv_hs_t *h = calloc(1, sizeof(*h));
+    if (h == NULL) {
         close(fd);
         return;
     }
-    const Pd__Hello *h = (const Pd__Hello *)hello.msg;
+    h->fd = fd;
+    pd_ctl_reader_init(&h->rd, 0);
+    pd_ctl_server_hs_init(&h->hs);
+    h->deadline = pd_time_now_s() + k->cfg.handshake_timeout;
+    h->next = k->handshakes;
+    k->handshakes = h;
+    if (++k->num_handshakes > KV_MAX_HANDSHAKES) { /* the oldest is the list's last */
+        kv_hs_t **hp = &k->handshakes;
+        while ((*hp)->next != NULL) {
+            hp = &(*hp)->next;
+        }
+        hs_drop(k, hp, "too many connections in the handshake (the oldest is dropped)");
+    }
+}
+
+/* Pending handshake *hp's socket is readable: take its bytes and advance it; an authenticated
+ * peer becomes a kv_peer_t. */
+static void hs_read(kv_conn_t *k, kv_hs_t **hp)
+{
+    kv_hs_t *h = *hp;
+    pd_status_t st = pd_ctl_fill(h->fd, &h->rd, 0);
+    if (st == PD_ERR_TIMEOUT) {
+        return; /* a spurious wake-up */
+    }
+    char reason[256] = "";
+    pd_ctl_msg_t hello = {0, NULL};
+    if (st != PD_OK) {
+        snprintf(reason, sizeof(reason), "handshake: %s", pd_status_str(st));
+    } else {
+        uint8_t a[PD_PIPE_ADDR_MAX];
+        size_t al = sizeof(a);
+        pd_ctl_identity_t me = identity(k, a, &al);
+        st = pd_ctl_server_hs_step(&h->hs, h->fd, &h->rd, &me, 100, &hello, reason, sizeof(reason));
+        if (st == PD_ERR_NOT_FOUND) {
+            return;
+        }
+    }
+    if (st != PD_OK) {
+        hs_drop(k, hp, reason);
+        return;
+    }
+    *hp = h->next;
+    k->num_handshakes--;
+    const Pd__Hello *m = (const Pd__Hello *)hello.msg;
     pthread_mutex_lock(&k->mu);
     kv_peer_t *p =
-        peer_new(k, fd, &rd, "", h->engine_id, h->pipe_kind, h->pipe_address.data, h->pipe_address.len);
+        peer_new(k, h->fd, &h->rd, "", m->engine_id, m->pipe_kind, m->pipe_address.data, m->pipe_address.len);
     pthread_mutex_unlock(&k->mu);
     if (p == NULL) {
         pd_metric_inc(k->m.handshakes_failed, 1);
-        pd_ctl_reader_destroy(&rd);
-        close(fd);
-    } else {
+        hs_free(h);
+    } else { /* the peer owns the fd and the reader (with any bytes that followed) now */
+        pd_ctl_server_hs_destroy(&h->hs);
+        free(h);
         pd_metric_inc(k->m.handshakes_ok, 1);
         pd_log_info("kv connector: accepted engine %s", p->engine_id);
     }
     pd_ctl_msg_free(&hello);
+}
+
+/* Pending handshakes past their deadline are dropped. */
+static void hs_expire(kv_conn_t *k)
+{
+    double now = pd_time_now_s();
+    for (kv_hs_t **hp = &k->handshakes; *hp != NULL;) {
+        if ((*hp)->deadline <= now) {
+            hs_drop(k, hp, "handshake: timed out waiting for the peer");
+        } else {
+            hp = &(*hp)->next;
+        }
+    }
 }
 
 /* ------------------------------------------------------------------ transfers */
@@ -1030,7 +1096,7 @@ static void *ctl_main(void *arg)
     size_t cap = 0;
     int pipe_fd = pd_pipe_wait_fd(k->pipe); /* -1: the pipe moves bytes inside progress */
     for (;;) {
-        size_t n = 3;
+        size_t n = 3 + (size_t)k->num_handshakes;
         for (kv_peer_t *p = k->peers; p != NULL; p = p->next) {
             n += p->fd >= 0;
         }
@@ -1052,6 +1118,10 @@ static void *ctl_main(void *arg)
                 pp[i] = p;
                 pf[i++] = (struct pollfd){p->fd, POLLIN, 0};
             }
+        }
+        size_t hs0 = i; /* then the pending handshakes, in list order */
+        for (kv_hs_t *h = k->handshakes; h != NULL; h = h->next) {
+            pf[i++] = (struct pollfd){h->fd, POLLIN, 0};
         }
         pthread_mutex_lock(&k->mu);
         bool busy = k->jobs != NULL || k->handoff != NULL || k->notices != NULL;
@@ -1078,11 +1148,23 @@ static void *ctl_main(void *arg)
             ssize_t r = read(k->wake_fd, &v, sizeof(v));
             (void)r;
         }
+        /* handshakes first (their list changes as they finish), then new connections */
+        size_t hj = hs0;
+        for (kv_hs_t **hp = &k->handshakes; rc > 0 && *hp != NULL && hj < i; hj++) {
+            kv_hs_t *h = *hp;
+            if (pf[hj].revents != 0) {
+                hs_read(k, hp);
+            }
+            if (*hp == h) {
+                hp = &h->next; /* still pending */
+            }
+        }
+        hs_expire(k);
         if (rc > 0 && (pf[0].revents & POLLIN)) {
             accept_peer(k);
         }
         pthread_mutex_lock(&k->mu);
-        for (size_t j = 3; rc > 0 && j < i; j++) {
+        for (size_t j = 3; rc > 0 && j < hs0; j++) {
             if (pf[j].revents != 0 && pp[j]->state != KV_PEER_DEAD) {
                 read_peer(k, pp[j]);
             }
@@ -1175,6 +1257,12 @@ void kv_ctl_stop(kv_conn_t *k)
     k->pipe = NULL;
     k->region = NULL;
     pthread_mutex_unlock(&k->mu);
+    while (k->handshakes != NULL) {
+        kv_hs_t *h = k->handshakes;
+        k->handshakes = h->next;
+        hs_free(h);
+    }
+    k->num_handshakes = 0;
     while (k->peers != NULL) {
         kv_peer_t *p = k->peers;
         k->peers = p->next;

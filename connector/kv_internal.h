@@ -34,6 +34,18 @@ typedef enum kv_peer_state {
     KV_PEER_DEAD,
 } kv_peer_state_t;
 
+/* An accepted connection still in the handshake (ctl thread only): driven by the poll loop one
+ * frame at a time, so a silent or dribbling client costs its own deadline and nothing else. */
+#define KV_MAX_HANDSHAKES 64 /* beyond this the oldest pending connection is dropped */
+typedef struct kv_hs kv_hs_t;
+struct kv_hs {
+    int fd;
+    pd_ctl_reader_t rd;
+    pd_ctl_server_hs_t hs;
+    double deadline; /* accepted + --kv-handshake-timeout */
+    kv_hs_t *next;   /* newest first */
+};
+
 /* A connected engine (ctl thread). */
 typedef struct kv_peer kv_peer_t;
 struct kv_peer {
@@ -237,6 +249,8 @@ typedef struct kv_conn {
     bool thread_started;
     int listen_fd, wake_fd;
     kv_peer_t *peers;
+    kv_hs_t *handshakes; /* ctl thread only: accepted, not yet authenticated */
+    int num_handshakes;
 
     pthread_mutex_t mu;
     pthread_cond_t cv; /* write jobs completing (wait_for_save) */

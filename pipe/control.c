@@ -180,6 +180,26 @@ pd_status_t pd_ctl_send(int fd, pd_msg_type_t type, const ProtobufCMessage *msg,
     return st;
 }
 
+pd_status_t pd_ctl_fill(int fd, pd_ctl_reader_t *r, int timeout_ms)
+{
+    struct pollfd p = {fd, POLLIN, 0};
+    if (timeout_ms > 0 && poll(&p, 1, timeout_ms) == 0) {
+        return PD_ERR_TIMEOUT;
+    }
+    uint8_t buf[16384];
+    ssize_t n = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+    if (n == 0) {
+        return PD_ERR_PEER_GONE;
+    }
+    if (n < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+            return timeout_ms > 0 ? PD_OK : PD_ERR_TIMEOUT;
+        }
+        return PD_ERR_PEER_GONE;
+    }
+    return pd_ctl_reader_feed(r, buf, (size_t)n) == PD_OK ? PD_OK : PD_ERR_PARSE;
+}
+
 pd_status_t pd_ctl_recv(int fd, pd_ctl_reader_t *r, pd_ctl_msg_t *out, int timeout_ms)
 {
     uint64_t deadline = pd_time_now_ns() + (uint64_t)timeout_ms * 1000000ull;
@@ -349,42 +369,73 @@ pd_status_t pd_ctl_handshake_client(int fd, pd_ctl_reader_t *r, const pd_ctl_ide
     return PD_OK;
 }
 
-pd_status_t pd_ctl_handshake_server(int fd, pd_ctl_reader_t *r, const pd_ctl_identity_t *me, int timeout_ms,
-                                    pd_ctl_msg_t *peer_out, char *reason, size_t reason_len)
+void pd_ctl_server_hs_init(pd_ctl_server_hs_t *hs)
 {
-    pd_ctl_msg_t hello = {0, NULL};
-    pd_status_t st = expect(fd, r, PD_MSG_HELLO, timeout_ms, &hello, reason, reason_len);
-    if (st != PD_OK) {
-        if (st == PD_ERR_PARSE || st == PD_ERR_UNSUPPORTED) {
-            send_reject(fd, PD_REJECT_PROTOCOL, reason, timeout_ms);
-        }
+    memset(hs, 0, sizeof(*hs));
+}
+
+void pd_ctl_server_hs_destroy(pd_ctl_server_hs_t *hs)
+{
+    pd_ctl_msg_free(&hs->hello);
+    memset(hs, 0, sizeof(*hs));
+}
+
+/* The next buffered frame as the handshake's `want` (a Reject ends it): PD_ERR_NOT_FOUND when no
+ * whole frame is buffered yet. */
+static pd_status_t hs_next(int fd, pd_ctl_reader_t *r, pd_msg_type_t want, int send_ms, pd_ctl_msg_t *out,
+                           char *reason, size_t reason_len)
+{
+    pd_status_t st = pd_ctl_reader_next(r, out);
+    if (st == PD_ERR_NOT_FOUND) {
         return st;
     }
-    Pd__Hello *h = (Pd__Hello *)hello.msg;
+    if (st != PD_OK) {
+        snprintf(reason, reason_len, "handshake: %s frame from the peer", pd_status_str(st));
+        send_reject(fd, PD_REJECT_PROTOCOL, reason, send_ms);
+        return st;
+    }
+    if (out->type == PD_MSG_REJECT) {
+        Pd__Reject *rj = (Pd__Reject *)out->msg;
+        snprintf(reason, reason_len, "rejected by peer: %s", rj->reason != NULL ? rj->reason : "");
+        pd_ctl_msg_free(out);
+        return PD_ERR_REJECTED;
+    }
+    if (out->type != want) {
+        snprintf(reason, reason_len, "handshake: unexpected message type %d (wanted %d)", out->type, want);
+        pd_ctl_msg_free(out);
+        send_reject(fd, PD_REJECT_PROTOCOL, reason, send_ms);
+        return PD_ERR_PARSE;
+    }
+    return PD_OK;
+}
+
+/* Stage 0: the peer's Hello arrived: check it and answer with a HelloAck. */
+static pd_status_t hs_on_hello(pd_ctl_server_hs_t *hs, int fd, const pd_ctl_identity_t *me, int send_ms,
+                               char *reason, size_t reason_len)
+{
+    Pd__Hello *h = (Pd__Hello *)hs->hello.msg;
     if (h->protocol_version != PD_PROTOCOL_VERSION) {
         snprintf(reason, reason_len, "protocol version %u, this engine speaks %u", h->protocol_version,
                  PD_PROTOCOL_VERSION);
-        send_reject(fd, PD_REJECT_VERSION, reason, timeout_ms);
-        st = PD_ERR_REJECTED;
-        goto fail;
+        send_reject(fd, PD_REJECT_VERSION, reason, send_ms);
+        return PD_ERR_REJECTED;
     }
     if (!pd_ctl_fingerprint_equal(me->fingerprint, h->fingerprint, reason, reason_len)) {
-        send_reject(fd, PD_REJECT_FINGERPRINT, reason, timeout_ms);
-        st = PD_ERR_REJECTED;
-        goto fail;
+        send_reject(fd, PD_REJECT_FINGERPRINT, reason, send_ms);
+        return PD_ERR_REJECTED;
     }
-    uint8_t nonce[32], mine[32];
-    if (getrandom(nonce, sizeof(nonce), 0) != (ssize_t)sizeof(nonce)) {
-        st = PD_ERR_IO;
-        goto fail;
+    if (getrandom(hs->nonce, sizeof(hs->nonce), 0) != (ssize_t)sizeof(hs->nonce)) {
+        snprintf(reason, reason_len, "no randomness for the handshake nonce");
+        return PD_ERR_IO;
     }
-    proof(me, "pd-server", h->nonce.data, h->nonce.len, nonce, sizeof(nonce), mine);
+    uint8_t mine[32];
+    proof(me, "pd-server", h->nonce.data, h->nonce.len, hs->nonce, sizeof(hs->nonce), mine);
     Pd__HelloAck a = PD__HELLO_ACK__INIT;
     a.engine_id = (char *)me->engine_id;
     a.role = me->role;
     a.fingerprint = (Pd__Fingerprint *)me->fingerprint;
-    a.nonce.data = nonce;
-    a.nonce.len = sizeof(nonce);
+    a.nonce.data = hs->nonce;
+    a.nonce.len = sizeof(hs->nonce);
     a.proof.data = mine;
     a.proof.len = 32;
     a.pipe_kind = me->pipe_kind;
@@ -392,37 +443,82 @@ pd_status_t pd_ctl_handshake_server(int fd, pd_ctl_reader_t *r, const pd_ctl_ide
     a.pipe_address.len = me->pipe_address_len;
     a.regions = me->regions;
     a.n_regions = me->num_regions;
-    st = pd_ctl_send(fd, PD_MSG_HELLO_ACK, &a.base, timeout_ms);
+    pd_status_t st = pd_ctl_send(fd, PD_MSG_HELLO_ACK, &a.base, send_ms);
     if (st != PD_OK) {
         snprintf(reason, reason_len, "handshake: cannot send HelloAck (%s)", pd_status_str(st));
-        goto fail;
     }
-    pd_ctl_msg_t fin = {0, NULL};
-    st = expect(fd, r, PD_MSG_HELLO_FINISH, timeout_ms, &fin, reason, reason_len);
-    if (st != PD_OK) {
-        goto fail;
-    }
+    return st;
+}
+
+/* Stage 1: the peer's HelloFinish arrived: check its proof of the token, then say hello. */
+static pd_status_t hs_on_finish(pd_ctl_server_hs_t *hs, int fd, const pd_ctl_identity_t *me, int send_ms,
+                                const pd_ctl_msg_t *fin, char *reason, size_t reason_len)
+{
+    const Pd__Hello *h = (const Pd__Hello *)hs->hello.msg;
     uint8_t want[32];
-    proof(me, "pd-client", nonce, sizeof(nonce), h->nonce.data, h->nonce.len, want);
-    Pd__HelloFinish *f = (Pd__HelloFinish *)fin.msg;
-    bool good = f->proof.len == 32 && pd_ct_equal(want, f->proof.data, 32);
-    pd_ctl_msg_free(&fin);
-    if (!good) {
+    proof(me, "pd-client", hs->nonce, sizeof(hs->nonce), h->nonce.data, h->nonce.len, want);
+    const Pd__HelloFinish *f = (const Pd__HelloFinish *)fin->msg;
+    if (f->proof.len != 32 || !pd_ct_equal(want, f->proof.data, 32)) {
         snprintf(reason, reason_len, "the peer does not know the cluster token");
-        send_reject(fd, PD_REJECT_TOKEN, "wrong cluster token", timeout_ms);
-        st = PD_ERR_REJECTED;
-        goto fail;
+        send_reject(fd, PD_REJECT_TOKEN, "wrong cluster token", send_ms);
+        return PD_ERR_REJECTED;
     }
     Pd__Heartbeat hb = PD__HEARTBEAT__INIT;
     hb.seq = 0;
     hb.unix_ms = (uint64_t)time(NULL) * 1000;
-    st = pd_ctl_send(fd, PD_MSG_HEARTBEAT, &hb.base, timeout_ms);
+    pd_status_t st = pd_ctl_send(fd, PD_MSG_HEARTBEAT, &hb.base, send_ms);
     if (st != PD_OK) {
-        goto fail;
+        snprintf(reason, reason_len, "handshake: cannot send the first heartbeat (%s)", pd_status_str(st));
     }
-    *peer_out = hello;
-    return PD_OK;
-fail:
-    pd_ctl_msg_free(&hello);
+    return st;
+}
+
+pd_status_t pd_ctl_server_hs_step(pd_ctl_server_hs_t *hs, int fd, pd_ctl_reader_t *r,
+                                  const pd_ctl_identity_t *me, int send_timeout_ms, pd_ctl_msg_t *peer_out,
+                                  char *reason, size_t reason_len)
+{
+    for (;;) {
+        pd_ctl_msg_t m = {0, NULL};
+        pd_status_t st = hs_next(fd, r, hs->stage == 0 ? PD_MSG_HELLO : PD_MSG_HELLO_FINISH, send_timeout_ms,
+                                 &m, reason, reason_len);
+        if (st != PD_OK) {
+            return st;
+        }
+        if (hs->stage == 0) {
+            hs->hello = m;
+            st = hs_on_hello(hs, fd, me, send_timeout_ms, reason, reason_len);
+            if (st != PD_OK) {
+                return st;
+            }
+            hs->stage = 1;
+            continue;
+        }
+        st = hs_on_finish(hs, fd, me, send_timeout_ms, &m, reason, reason_len);
+        pd_ctl_msg_free(&m);
+        if (st == PD_OK) {
+            *peer_out = hs->hello;
+            hs->hello = (pd_ctl_msg_t){0, NULL};
+        }
+        return st;
+    }
+}
+
+pd_status_t pd_ctl_handshake_server(int fd, pd_ctl_reader_t *r, const pd_ctl_identity_t *me, int timeout_ms,
+                                    pd_ctl_msg_t *peer_out, char *reason, size_t reason_len)
+{
+    uint64_t deadline = pd_time_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+    pd_ctl_server_hs_t hs;
+    pd_ctl_server_hs_init(&hs);
+    pd_status_t st;
+    while ((st = pd_ctl_server_hs_step(&hs, fd, r, me, timeout_ms, peer_out, reason, reason_len)) ==
+           PD_ERR_NOT_FOUND) {
+        int ms = remaining_ms(deadline);
+        st = ms > 0 ? pd_ctl_fill(fd, r, ms) : PD_ERR_TIMEOUT; /* a dribbling peer too */
+        if (st != PD_OK) {
+            snprintf(reason, reason_len, "handshake: %s while waiting for the peer", pd_status_str(st));
+            break;
+        }
+    }
+    pd_ctl_server_hs_destroy(&hs);
     return st;
 }

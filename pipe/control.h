@@ -102,9 +102,34 @@ typedef struct pd_ctl_identity {
 pd_status_t pd_ctl_handshake_client(int fd, pd_ctl_reader_t *r, const pd_ctl_identity_t *me, int timeout_ms,
                                     pd_ctl_msg_t *peer_out, char *reason, size_t reason_len);
 
-/* Server side (same reader rule); on PD_OK *peer_out holds the peer's Hello. */
+/* Server side (same reader rule); on PD_OK *peer_out holds the peer's Hello. Blocks up to
+ * timeout_ms: a poll loop uses pd_ctl_server_hs_step instead. */
 pd_status_t pd_ctl_handshake_server(int fd, pd_ctl_reader_t *r, const pd_ctl_identity_t *me, int timeout_ms,
                                     pd_ctl_msg_t *peer_out, char *reason, size_t reason_len);
+
+/* The server side one frame at a time, for a loop that never blocks on a peer: */
+typedef struct pd_ctl_server_hs {
+    int stage;          /* 0: waiting for the Hello, 1: for the HelloFinish */
+    pd_ctl_msg_t hello; /* the peer's Hello from stage 1 on */
+    uint8_t nonce[32];  /* ours, sent in the HelloAck */
+} pd_ctl_server_hs_t;
+
+void pd_ctl_server_hs_init(pd_ctl_server_hs_t *hs);
+void pd_ctl_server_hs_destroy(pd_ctl_server_hs_t *hs);
+
+/* Advances hs with the whole frames buffered in r (the caller feeds r from fd, e.g. with
+ * pd_ctl_fill(fd, r, 0) when poll says fd is readable). PD_ERR_NOT_FOUND: more bytes needed;
+ * PD_OK: authenticated, *peer_out holds the peer's Hello (the caller frees it); anything else:
+ * refused or broken (reason filled; a Reject was sent where the protocol says so). Replies are
+ * a few hundred bytes on a fresh socket, written with send_timeout_ms as a bound. */
+pd_status_t pd_ctl_server_hs_step(pd_ctl_server_hs_t *hs, int fd, pd_ctl_reader_t *r,
+                                  const pd_ctl_identity_t *me, int send_timeout_ms, pd_ctl_msg_t *peer_out,
+                                  char *reason, size_t reason_len);
+
+/* Reads what fd has into r, first waiting up to timeout_ms for it to be readable (0: no wait).
+ * PD_OK (bytes fed, or none yet with timeout 0 → PD_ERR_TIMEOUT), PD_ERR_PEER_GONE on EOF or a
+ * socket error, PD_ERR_PARSE when r is full. */
+pd_status_t pd_ctl_fill(int fd, pd_ctl_reader_t *r, int timeout_ms);
 
 /* Compares fingerprints field by field; on a mismatch writes which field differs to why. */
 bool pd_ctl_fingerprint_equal(const Pd__Fingerprint *a, const Pd__Fingerprint *b, char *why, size_t why_len);

@@ -9,10 +9,15 @@
 #include "http_client.h"
 #include "test_util.h"
 
+#include <arpa/inet.h>
 #include <check.h>
 #include <jansson.h>
+#include <netinet/in.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdbool.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
 
 #include "common/log.h"
 #include "common/metrics.h"
@@ -433,6 +438,101 @@ START_TEST(test_nccl_with_host_kv_refused)
                       strstr(text, "cannot create a nccl pipe") != NULL,
                   "no reason in the log:\n%s", text);
     free(text);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ hostile connections */
+
+/* A node's KV control port from /pd/info. */
+static int kv_port_of(int http_port)
+{
+    http_resp_t r;
+    ck_assert_int_eq(http_request(http_port, "GET", "/pd/info", NULL, NULL, &r, 5000), 0);
+    json_t *info = json_loads(r.body, 0, NULL);
+    http_resp_free(&r);
+    int port = (int)json_integer_value(json_object_get(info, "kv_port"));
+    json_decref(info);
+    ck_assert_int_gt(port, 0);
+    return port;
+}
+
+static int connect_loopback(int port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+        close(fd);
+        fd = -1;
+    }
+    return fd;
+}
+
+/* The attacker (a child process, killed by the caller): per port, `silent` connections that send
+ * nothing and `dribble` that send one byte every second, each reopened as soon as the node drops
+ * it, until killed. */
+static pid_t hostile_start(const int *ports, int nports, int silent, int dribble)
+{
+    pid_t pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid > 0) {
+        return pid;
+    }
+    enum { MAX = 512 };
+    int fds[MAX], port[MAX], n = 0;
+    for (int p = 0; p < nports; p++) {
+        for (int i = 0; i < silent + dribble && n < MAX; i++, n++) {
+            port[n] = ports[p];
+            fds[n] = connect_loopback(ports[p]);
+        }
+    }
+    signal(SIGPIPE, SIG_IGN);
+    for (unsigned tick = 0;; tick++) {
+        for (int i = 0; i < n; i++) {
+            bool dribbler = i % (silent + dribble) >= silent;
+            char c;
+            bool closed = fds[i] < 0 || recv(fds[i], &c, 1, MSG_DONTWAIT) == 0;
+            if (!closed && dribbler && tick % 4 == 0) {
+                closed = send(fds[i], "\0", 1, MSG_NOSIGNAL) != 1;
+            }
+            if (closed) {
+                if (fds[i] >= 0) {
+                    close(fds[i]);
+                }
+                fds[i] = connect_loopback(port[i]);
+            }
+        }
+        usleep(250 * 1000);
+    }
+}
+
+/* 64 silent and 64 dribbling connections to each node's --kv-listen, held (and reopened when
+ * dropped) through a load run: every request still moves its KV (zero failed transfers, nothing
+ * recomputed), no peer is declared dead (one handshake, never redone), answers unchanged. */
+START_TEST(test_silent_kv_connections_harmless)
+{
+    enum { N = 24 };
+    cluster_t c;
+    cluster_start(&c, "pull", "tcp", NULL, NULL);
+    expect_same(c.x.port, 0, false); /* the decode dials the prefill before the attack */
+    int ports[2] = {kv_port_of(c.p.port), kv_port_of(c.d.port)};
+    pid_t attacker = hostile_start(ports, 2, 64, 64);
+    usleep(3000 * 1000); /* past the handshake timeout (2 s): connections dropped and reopened */
+    for (int seeded = 0; seeded < 2; seeded++) {
+        for (int i = 0; i < N; i++) {
+            expect_same(c.x.port, i, seeded);
+        }
+    }
+    kill(attacker, SIGKILL);
+    waitpid(attacker, NULL, 0);
+    ck_assert_int_eq((int)metric(c.d.port, "pd:kv_transfers_completed_total{kind=\"pull_load\"}"), 2 * N + 1);
+    ck_assert_int_eq((int)metric(c.d.port, "pd:kv_transfers_failed_total{kind=\"pull_load\"}"), 0);
+    ck_assert_int_eq((int)metric(c.d.port, "pd:kv_handshakes_total{result=\"ok\"}"), 1);
+    ck_assert_int_eq((int)metric(c.p.port, "pd:kv_handshakes_total{result=\"ok\"}"), 1);
+    ck_assert_int_gt(metric(c.p.port, "pd:kv_handshakes_total{result=\"failed\"}"), 64);
+    assert_pool_free(c.p.port, "the prefill");
+    assert_pool_free(c.d.port, "the decode");
+    cluster_stop(&c);
 }
 END_TEST
 
@@ -973,6 +1073,7 @@ int main(void)
     tcase_add_test(tc, test_lease_expiry_is_stale);
     tcase_add_test(tc, test_wrong_token_and_other_model_recompute);
     tcase_add_test(tc, test_stalled_prefill_reconnects);
+    tcase_add_test(tc, test_silent_kv_connections_harmless);
     tcase_add_test(tc, test_prefill_killed_under_load);
     tcase_add_test(tc, test_decode_killed_holding_reservation);
     tcase_add_test(tc, test_proxy_prefix_affinity_and_failover);
