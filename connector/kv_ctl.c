@@ -221,7 +221,8 @@ static kv_peer_t *peer_new(kv_conn_t *k, int fd, pd_ctl_reader_t *rd, const char
     return p;
 }
 
-static int dial_tcp(const char *host, int port, int timeout_ms)
+/* A non-blocking connect to host:port; -1 when it failed at once. */
+static int dial_tcp(const char *host, int port)
 {
     struct sockaddr_in a;
     memset(&a, 0, sizeof(a));
@@ -239,68 +240,140 @@ static int dial_tcp(const char *host, int port, int timeout_ms)
         close(fd);
         return -1;
     }
-    struct pollfd pf = {fd, POLLOUT, 0};
-    int err = 0;
-    socklen_t el = sizeof(err);
-    if (poll(&pf, 1, timeout_ms) != 1 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) != 0 || err != 0) {
-        close(fd);
-        return -1;
-    }
-    int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     return fd;
 }
 
-/* Dials addr ("host:port") and authenticates (without mu). NULL on failure (logged). */
-static kv_peer_t *dial_peer(kv_conn_t *k, const char *addr)
+static kv_dial_t *find_dial(kv_conn_t *k, const char *addr)
+{
+    for (kv_dial_t *d = k->dials; d != NULL; d = d->next) {
+        if (strcmp(d->addr, addr) == 0) {
+            return d;
+        }
+    }
+    return NULL;
+}
+
+/* Starts dialling addr ("host:port"); false when that failed at once (logged). mu held. */
+static bool dial_start(kv_conn_t *k, const char *addr)
 {
     char host[64];
     int port = 0;
     if (sscanf(addr, "%63[^:]:%d", host, &port) != 2 || port <= 0 || port > 65535) {
         pd_log_error("kv connector: bad peer address '%s'", addr);
-        return NULL;
+        return false;
     }
-    int tmo = ms_of(k->cfg.handshake_timeout);
-    double t0 = pd_time_now_s();
-    int fd = dial_tcp(host, port, tmo);
-    if (fd < 0) {
+    int fd = dial_tcp(host, port);
+    kv_dial_t *d = fd >= 0 ? calloc(1, sizeof(*d)) : NULL;
+    if (d == NULL) {
         pd_log_warn("kv connector: cannot reach the KV control port %s: %s", addr, strerror(errno));
         pd_metric_inc(k->m.handshakes_failed, 1);
-        return NULL;
+        if (fd >= 0) {
+            close(fd);
+        }
+        return false;
     }
+    snprintf(d->addr, sizeof(d->addr), "%s", addr);
+    d->fd = fd;
+    pd_ctl_reader_init(&d->rd, 0);
+    pd_ctl_client_hs_init(&d->hs);
+    d->started = pd_time_now_s();
+    d->deadline = d->started + k->cfg.handshake_timeout;
+    d->next = k->dials;
+    k->dials = d;
+    return true;
+}
+
+/* Dial *dp failed: its queued transfers fail (they will not find a peer), it goes. mu held. */
+static void dial_fail(kv_conn_t *k, kv_dial_t **dp, const char *why)
+{
+    kv_dial_t *d = *dp;
+    *dp = d->next;
+    pd_log_error("kv connector: handshake with %s failed: %s", d->addr, why);
+    pd_metric_inc(k->m.handshakes_failed, 1);
+    for (kv_xfer_t *y = k->xfers; y != NULL; y = y->next) {
+        if (y->state == KV_XS_QUEUED && y->peer == NULL && strcmp(y->dial, d->addr) == 0) {
+            fail_xfer(k, y, "cannot connect to the prefill");
+        }
+    }
+    pd_ctl_client_hs_destroy(&d->hs);
+    pd_ctl_reader_destroy(&d->rd);
+    close(d->fd);
+    free(d);
+}
+
+/* Dial *dp's socket is ready: finish the connect and send the Hello, or take the server's
+ * frames; an authenticated server becomes a kv_peer_t. mu held. */
+static void dial_io(kv_conn_t *k, kv_dial_t **dp)
+{
+    kv_dial_t *d = *dp;
+    char reason[256] = "";
     uint8_t a[PD_PIPE_ADDR_MAX];
     size_t al = sizeof(a);
     pd_ctl_identity_t me = identity(k, a, &al);
-    pd_ctl_reader_t rd;
-    pd_ctl_reader_init(&rd, 0);
+    pd_status_t st;
+    if (!d->connected) {
+        int err = 0;
+        socklen_t el = sizeof(err);
+        if (getsockopt(d->fd, SOL_SOCKET, SO_ERROR, &err, &el) != 0 || err != 0) {
+            snprintf(reason, sizeof(reason), "cannot reach the KV control port: %s",
+                     strerror(err ? err : errno));
+            dial_fail(k, dp, reason);
+            return;
+        }
+        int one = 1;
+        setsockopt(d->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        d->connected = true;
+        st = pd_ctl_client_hs_start(&d->hs, d->fd, &me, 100, reason, sizeof(reason));
+        if (st != PD_OK) {
+            dial_fail(k, dp, reason);
+        }
+        return;
+    }
+    st = pd_ctl_fill(d->fd, &d->rd, 0);
+    if (st == PD_ERR_TIMEOUT) {
+        return;
+    }
     pd_ctl_msg_t ack = {0, NULL};
-    char reason[256] = "";
-    pd_status_t st = pd_ctl_handshake_client(fd, &rd, &me, tmo, &ack, reason, sizeof(reason));
     if (st != PD_OK) {
-        pd_log_error("kv connector: handshake with %s failed: %s", addr, reason);
-        pd_metric_inc(k->m.handshakes_failed, 1);
-        pd_ctl_reader_destroy(&rd);
-        close(fd);
-        return NULL;
+        snprintf(reason, sizeof(reason), "handshake: %s", pd_status_str(st));
+    } else if ((st = pd_ctl_client_hs_step(&d->hs, d->fd, &d->rd, &me, 100, &ack, reason, sizeof(reason))) ==
+               PD_ERR_NOT_FOUND) {
+        return;
+    }
+    if (st != PD_OK) {
+        dial_fail(k, dp, reason);
+        return;
     }
     const Pd__HelloAck *h = (const Pd__HelloAck *)ack.msg;
-    pthread_mutex_lock(&k->mu);
-    kv_peer_t *p =
-        peer_new(k, fd, &rd, addr, h->engine_id, h->pipe_kind, h->pipe_address.data, h->pipe_address.len);
-    pthread_mutex_unlock(&k->mu);
+    kv_peer_t *p = peer_new(k, d->fd, &d->rd, d->addr, h->engine_id, h->pipe_kind, h->pipe_address.data,
+                            h->pipe_address.len);
     bool prefill = h->role == PD__ROLE__ROLE_PREFILL;
     pd_ctl_msg_free(&ack);
     if (p == NULL) {
-        pd_metric_inc(k->m.handshakes_failed, 1);
-        pd_ctl_reader_destroy(&rd);
-        close(fd);
-        return NULL;
+        dial_fail(k, dp, "cannot set up the peer");
+        return;
     }
+    *dp = d->next; /* the peer owns the fd and the reader now */
     pd_metric_inc(k->m.handshakes_ok, 1);
-    pd_metric_observe(k->m.handshake_s, pd_time_now_s() - t0);
+    pd_metric_observe(k->m.handshake_s, pd_time_now_s() - d->started);
     pd_log_info("kv connector: connected to %s engine %s at %s", prefill ? "prefill" : "decode", p->engine_id,
-                addr);
-    return p;
+                d->addr);
+    parse_frames(k, p);
+    pd_ctl_client_hs_destroy(&d->hs);
+    free(d);
+}
+
+/* Dials past their deadline fail. mu held. */
+static void dial_expire(kv_conn_t *k)
+{
+    double now = pd_time_now_s();
+    for (kv_dial_t **dp = &k->dials; *dp != NULL;) {
+        if ((*dp)->deadline <= now) {
+            dial_fail(k, dp, "timed out waiting for the peer");
+        } else {
+            dp = &(*dp)->next;
+        }
+    }
 }
 
 static void hs_free(kv_hs_t *h)
@@ -666,22 +739,11 @@ static void drive_queued(kv_conn_t *k)
                 peer_dead(k, p, "it restarted with a new engine id");
                 p = NULL;
             }
-            if (p == NULL) {
-                char dial[128];
-                snprintf(dial, sizeof(dial), "%s", x->dial);
-                pthread_mutex_unlock(&k->mu);
-                kv_peer_t *np = dial_peer(k, dial); /* adds itself to k->peers (ctl thread only) */
-                pthread_mutex_lock(&k->mu);
-                if (np == NULL) {
-                    for (kv_xfer_t *y = k->xfers; y != NULL; y = y->next) {
-                        if (y->state == KV_XS_QUEUED && y->peer == NULL && strcmp(y->dial, dial) == 0) {
-                            fail_xfer(k, y, "cannot connect to the prefill");
-                        }
-                    }
-                    continue;
+            if (p == NULL) { /* dial (once per address); the transfer waits for the handshake */
+                if (find_dial(k, x->dial) == NULL && !dial_start(k, x->dial)) {
+                    fail_xfer(k, x, "cannot connect to the prefill");
                 }
-                parse_frames(k, np);
-                p = np;
+                continue;
             }
             x->peer = p;
         }
@@ -1097,6 +1159,9 @@ static void *ctl_main(void *arg)
     int pipe_fd = pd_pipe_wait_fd(k->pipe); /* -1: the pipe moves bytes inside progress */
     for (;;) {
         size_t n = 3 + (size_t)k->num_handshakes;
+        for (kv_dial_t *d = k->dials; d != NULL; d = d->next) {
+            n++;
+        }
         for (kv_peer_t *p = k->peers; p != NULL; p = p->next) {
             n += p->fd >= 0;
         }
@@ -1123,12 +1188,17 @@ static void *ctl_main(void *arg)
         for (kv_hs_t *h = k->handshakes; h != NULL; h = h->next) {
             pf[i++] = (struct pollfd){h->fd, POLLIN, 0};
         }
+        size_t d0 = i; /* then our dials, in list order (the list changes only on this thread) */
+        for (kv_dial_t *d = k->dials; d != NULL; d = d->next) {
+            pf[i++] = (struct pollfd){d->fd, d->connected ? POLLIN : POLLOUT, 0};
+        }
         pthread_mutex_lock(&k->mu);
         bool busy = k->jobs != NULL || k->handoff != NULL || k->notices != NULL;
         bool moving = k->jobs_posted > 0;
         for (kv_xfer_t *x = k->xfers; x != NULL && !moving; x = x->next) {
             moving = x->state == KV_XS_POSTED;
-            busy = busy || x->state == KV_XS_QUEUED;
+            /* queued work polls fast, except a transfer that waits for its dial (its fd wakes us) */
+            busy = busy || (x->state == KV_XS_QUEUED && (x->peer != NULL || find_dial(k, x->dial) == NULL));
         }
         bool stop = k->stop;
         pthread_mutex_unlock(&k->mu);
@@ -1164,6 +1234,17 @@ static void *ctl_main(void *arg)
             accept_peer(k);
         }
         pthread_mutex_lock(&k->mu);
+        size_t dj = d0;
+        for (kv_dial_t **dp = &k->dials; rc > 0 && *dp != NULL && dj < i; dj++) {
+            kv_dial_t *d = *dp;
+            if (pf[dj].revents != 0) {
+                dial_io(k, dp);
+            }
+            if (*dp == d) {
+                dp = &d->next;
+            }
+        }
+        dial_expire(k);
         for (size_t j = 3; rc > 0 && j < hs0; j++) {
             if (pf[j].revents != 0 && pp[j]->state != KV_PEER_DEAD) {
                 read_peer(k, pp[j]);
@@ -1257,6 +1338,14 @@ void kv_ctl_stop(kv_conn_t *k)
     k->pipe = NULL;
     k->region = NULL;
     pthread_mutex_unlock(&k->mu);
+    while (k->dials != NULL) {
+        kv_dial_t *d = k->dials;
+        k->dials = d->next;
+        pd_ctl_client_hs_destroy(&d->hs);
+        pd_ctl_reader_destroy(&d->rd);
+        close(d->fd);
+        free(d);
+    }
     while (k->handshakes != NULL) {
         kv_hs_t *h = k->handshakes;
         k->handshakes = h->next;

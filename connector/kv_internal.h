@@ -46,6 +46,19 @@ struct kv_hs {
     kv_hs_t *next;   /* newest first */
 };
 
+/* A connection we dial, until its handshake completes (ctl thread only): non-blocking connect,
+ * then the client handshake one frame at a time, bounded by its deadline. */
+typedef struct kv_dial kv_dial_t;
+struct kv_dial {
+    char addr[128]; /* "host:port" */
+    int fd;
+    bool connected; /* the TCP connect finished and the Hello went out */
+    pd_ctl_reader_t rd;
+    pd_ctl_client_hs_t hs;
+    double started, deadline;
+    kv_dial_t *next;
+};
+
 /* A connected engine (ctl thread). */
 typedef struct kv_peer kv_peer_t;
 struct kv_peer {
@@ -251,6 +264,7 @@ typedef struct kv_conn {
     kv_peer_t *peers;
     kv_hs_t *handshakes; /* ctl thread only: accepted, not yet authenticated */
     int num_handshakes;
+    kv_dial_t *dials; /* ctl thread only, under mu: dialled, not yet authenticated */
 
     pthread_mutex_t mu;
     pthread_cond_t cv; /* write jobs completing (wait_for_save) */

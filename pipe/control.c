@@ -284,102 +284,6 @@ static void send_reject(int fd, pd_reject_code_t code, const char *reason, int t
     pd_ctl_send(fd, PD_MSG_REJECT, &rj.base, timeout_ms);
 }
 
-static pd_status_t expect(int fd, pd_ctl_reader_t *r, pd_msg_type_t want, int timeout_ms, pd_ctl_msg_t *out,
-                          char *reason, size_t reason_len)
-{
-    pd_status_t st = pd_ctl_recv(fd, r, out, timeout_ms);
-    if (st != PD_OK) {
-        snprintf(reason, reason_len, "handshake: %s while waiting for the peer", pd_status_str(st));
-        return st;
-    }
-    if (out->type == PD_MSG_REJECT) {
-        Pd__Reject *rj = (Pd__Reject *)out->msg;
-        snprintf(reason, reason_len, "rejected by peer: %s", rj->reason != NULL ? rj->reason : "");
-        pd_ctl_msg_free(out);
-        return PD_ERR_REJECTED;
-    }
-    if (out->type != want) {
-        snprintf(reason, reason_len, "handshake: unexpected message type %d (wanted %d)", out->type, want);
-        pd_ctl_msg_free(out);
-        return PD_ERR_PARSE;
-    }
-    return PD_OK;
-}
-
-pd_status_t pd_ctl_handshake_client(int fd, pd_ctl_reader_t *r, const pd_ctl_identity_t *me, int timeout_ms,
-                                    pd_ctl_msg_t *peer_out, char *reason, size_t reason_len)
-{
-    uint8_t nonce[32];
-    if (getrandom(nonce, sizeof(nonce), 0) != (ssize_t)sizeof(nonce)) {
-        snprintf(reason, reason_len, "no randomness for the handshake nonce");
-        return PD_ERR_IO;
-    }
-    Pd__Hello h = PD__HELLO__INIT;
-    h.protocol_version = PD_PROTOCOL_VERSION;
-    h.engine_id = (char *)me->engine_id;
-    h.role = me->role;
-    h.fingerprint = (Pd__Fingerprint *)me->fingerprint;
-    h.nonce.data = nonce;
-    h.nonce.len = sizeof(nonce);
-    h.pipe_kind = me->pipe_kind;
-    h.pipe_address.data = (uint8_t *)me->pipe_address;
-    h.pipe_address.len = me->pipe_address_len;
-    h.regions = me->regions;
-    h.n_regions = me->num_regions;
-    pd_status_t st = pd_ctl_send(fd, PD_MSG_HELLO, &h.base, timeout_ms);
-    if (st != PD_OK) {
-        snprintf(reason, reason_len, "handshake: cannot send Hello (%s)", pd_status_str(st));
-        return st;
-    }
-    pd_ctl_msg_t ack = {0, NULL};
-    st = expect(fd, r, PD_MSG_HELLO_ACK, timeout_ms, &ack, reason, reason_len);
-    if (st != PD_OK) {
-        return st;
-    }
-    Pd__HelloAck *a = (Pd__HelloAck *)ack.msg;
-    uint8_t want[32];
-    proof(me, "pd-server", nonce, sizeof(nonce), a->nonce.data, a->nonce.len, want);
-    if (a->proof.len != 32 || !pd_ct_equal(want, a->proof.data, 32)) {
-        snprintf(reason, reason_len, "the peer does not know the cluster token");
-        send_reject(fd, PD_REJECT_TOKEN, "wrong cluster token", timeout_ms);
-        pd_ctl_msg_free(&ack);
-        return PD_ERR_REJECTED;
-    }
-    if (!pd_ctl_fingerprint_equal(me->fingerprint, a->fingerprint, reason, reason_len)) {
-        send_reject(fd, PD_REJECT_FINGERPRINT, reason, timeout_ms);
-        pd_ctl_msg_free(&ack);
-        return PD_ERR_REJECTED;
-    }
-    uint8_t mine[32];
-    proof(me, "pd-client", a->nonce.data, a->nonce.len, nonce, sizeof(nonce), mine);
-    Pd__HelloFinish fin = PD__HELLO_FINISH__INIT;
-    fin.proof.data = mine;
-    fin.proof.len = 32;
-    st = pd_ctl_send(fd, PD_MSG_HELLO_FINISH, &fin.base, timeout_ms);
-    pd_ctl_msg_t ok = {0, NULL};
-    if (st == PD_OK) {
-        st = expect(fd, r, PD_MSG_HEARTBEAT, timeout_ms, &ok, reason, reason_len);
-    }
-    pd_ctl_msg_free(&ok);
-    if (st != PD_OK) {
-        pd_ctl_msg_free(&ack);
-        return st;
-    }
-    *peer_out = ack;
-    return PD_OK;
-}
-
-void pd_ctl_server_hs_init(pd_ctl_server_hs_t *hs)
-{
-    memset(hs, 0, sizeof(*hs));
-}
-
-void pd_ctl_server_hs_destroy(pd_ctl_server_hs_t *hs)
-{
-    pd_ctl_msg_free(&hs->hello);
-    memset(hs, 0, sizeof(*hs));
-}
-
 /* The next buffered frame as the handshake's `want` (a Reject ends it): PD_ERR_NOT_FOUND when no
  * whole frame is buffered yet. */
 static pd_status_t hs_next(int fd, pd_ctl_reader_t *r, pd_msg_type_t want, int send_ms, pd_ctl_msg_t *out,
@@ -407,6 +311,128 @@ static pd_status_t hs_next(int fd, pd_ctl_reader_t *r, pd_msg_type_t want, int s
         return PD_ERR_PARSE;
     }
     return PD_OK;
+}
+
+void pd_ctl_client_hs_init(pd_ctl_client_hs_t *hs)
+{
+    memset(hs, 0, sizeof(*hs));
+}
+
+void pd_ctl_client_hs_destroy(pd_ctl_client_hs_t *hs)
+{
+    pd_ctl_msg_free(&hs->ack);
+    memset(hs, 0, sizeof(*hs));
+}
+
+pd_status_t pd_ctl_client_hs_start(pd_ctl_client_hs_t *hs, int fd, const pd_ctl_identity_t *me,
+                                   int send_timeout_ms, char *reason, size_t reason_len)
+{
+    if (getrandom(hs->nonce, sizeof(hs->nonce), 0) != (ssize_t)sizeof(hs->nonce)) {
+        snprintf(reason, reason_len, "no randomness for the handshake nonce");
+        return PD_ERR_IO;
+    }
+    Pd__Hello h = PD__HELLO__INIT;
+    h.protocol_version = PD_PROTOCOL_VERSION;
+    h.engine_id = (char *)me->engine_id;
+    h.role = me->role;
+    h.fingerprint = (Pd__Fingerprint *)me->fingerprint;
+    h.nonce.data = hs->nonce;
+    h.nonce.len = sizeof(hs->nonce);
+    h.pipe_kind = me->pipe_kind;
+    h.pipe_address.data = (uint8_t *)me->pipe_address;
+    h.pipe_address.len = me->pipe_address_len;
+    h.regions = me->regions;
+    h.n_regions = me->num_regions;
+    pd_status_t st = pd_ctl_send(fd, PD_MSG_HELLO, &h.base, send_timeout_ms);
+    if (st != PD_OK) {
+        snprintf(reason, reason_len, "handshake: cannot send Hello (%s)", pd_status_str(st));
+    }
+    return st;
+}
+
+/* Stage 0: the server's HelloAck arrived: check its proof and fingerprint, prove ours. */
+static pd_status_t hs_on_ack(pd_ctl_client_hs_t *hs, int fd, const pd_ctl_identity_t *me, int send_ms,
+                             char *reason, size_t reason_len)
+{
+    const Pd__HelloAck *a = (const Pd__HelloAck *)hs->ack.msg;
+    uint8_t want[32];
+    proof(me, "pd-server", hs->nonce, sizeof(hs->nonce), a->nonce.data, a->nonce.len, want);
+    if (a->proof.len != 32 || !pd_ct_equal(want, a->proof.data, 32)) {
+        snprintf(reason, reason_len, "the peer does not know the cluster token");
+        send_reject(fd, PD_REJECT_TOKEN, "wrong cluster token", send_ms);
+        return PD_ERR_REJECTED;
+    }
+    if (!pd_ctl_fingerprint_equal(me->fingerprint, a->fingerprint, reason, reason_len)) {
+        send_reject(fd, PD_REJECT_FINGERPRINT, reason, send_ms);
+        return PD_ERR_REJECTED;
+    }
+    uint8_t mine[32];
+    proof(me, "pd-client", a->nonce.data, a->nonce.len, hs->nonce, sizeof(hs->nonce), mine);
+    Pd__HelloFinish fin = PD__HELLO_FINISH__INIT;
+    fin.proof.data = mine;
+    fin.proof.len = 32;
+    pd_status_t st = pd_ctl_send(fd, PD_MSG_HELLO_FINISH, &fin.base, send_ms);
+    if (st != PD_OK) {
+        snprintf(reason, reason_len, "handshake: cannot send HelloFinish (%s)", pd_status_str(st));
+    }
+    return st;
+}
+
+pd_status_t pd_ctl_client_hs_step(pd_ctl_client_hs_t *hs, int fd, pd_ctl_reader_t *r,
+                                  const pd_ctl_identity_t *me, int send_timeout_ms, pd_ctl_msg_t *peer_out,
+                                  char *reason, size_t reason_len)
+{
+    for (;;) {
+        pd_ctl_msg_t m = {0, NULL};
+        pd_status_t st = hs_next(fd, r, hs->stage == 0 ? PD_MSG_HELLO_ACK : PD_MSG_HEARTBEAT, send_timeout_ms,
+                                 &m, reason, reason_len);
+        if (st != PD_OK) {
+            return st;
+        }
+        if (hs->stage == 0) {
+            hs->ack = m;
+            st = hs_on_ack(hs, fd, me, send_timeout_ms, reason, reason_len);
+            if (st != PD_OK) {
+                return st;
+            }
+            hs->stage = 1;
+            continue;
+        }
+        pd_ctl_msg_free(&m); /* the server's first heartbeat: it accepted our proof */
+        *peer_out = hs->ack;
+        hs->ack = (pd_ctl_msg_t){0, NULL};
+        return PD_OK;
+    }
+}
+
+pd_status_t pd_ctl_handshake_client(int fd, pd_ctl_reader_t *r, const pd_ctl_identity_t *me, int timeout_ms,
+                                    pd_ctl_msg_t *peer_out, char *reason, size_t reason_len)
+{
+    uint64_t deadline = pd_time_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+    pd_ctl_client_hs_t hs;
+    pd_ctl_client_hs_init(&hs);
+    pd_status_t st = pd_ctl_client_hs_start(&hs, fd, me, timeout_ms, reason, reason_len);
+    while (st == PD_OK && (st = pd_ctl_client_hs_step(&hs, fd, r, me, timeout_ms, peer_out, reason,
+                                                      reason_len)) == PD_ERR_NOT_FOUND) {
+        int ms = remaining_ms(deadline);
+        st = ms > 0 ? pd_ctl_fill(fd, r, ms) : PD_ERR_TIMEOUT;
+        if (st != PD_OK) {
+            snprintf(reason, reason_len, "handshake: %s while waiting for the peer", pd_status_str(st));
+        }
+    }
+    pd_ctl_client_hs_destroy(&hs);
+    return st;
+}
+
+void pd_ctl_server_hs_init(pd_ctl_server_hs_t *hs)
+{
+    memset(hs, 0, sizeof(*hs));
+}
+
+void pd_ctl_server_hs_destroy(pd_ctl_server_hs_t *hs)
+{
+    pd_ctl_msg_free(&hs->hello);
+    memset(hs, 0, sizeof(*hs));
 }
 
 /* Stage 0: the peer's Hello arrived: check it and answer with a HelloAck. */

@@ -102,6 +102,23 @@ typedef struct pd_ctl_identity {
 pd_status_t pd_ctl_handshake_client(int fd, pd_ctl_reader_t *r, const pd_ctl_identity_t *me, int timeout_ms,
                                     pd_ctl_msg_t *peer_out, char *reason, size_t reason_len);
 
+/* The client side one frame at a time, for a loop that never blocks on a peer: start sends the
+ * Hello on a connected fd; step (same contract as pd_ctl_server_hs_step) returns PD_OK with the
+ * server's HelloAck in *peer_out once the server accepted our proof. */
+typedef struct pd_ctl_client_hs {
+    int stage;        /* 0: waiting for the HelloAck, 1: for the server's first heartbeat */
+    pd_ctl_msg_t ack; /* the server's HelloAck from stage 1 on */
+    uint8_t nonce[32];
+} pd_ctl_client_hs_t;
+
+void pd_ctl_client_hs_init(pd_ctl_client_hs_t *hs);
+void pd_ctl_client_hs_destroy(pd_ctl_client_hs_t *hs);
+pd_status_t pd_ctl_client_hs_start(pd_ctl_client_hs_t *hs, int fd, const pd_ctl_identity_t *me,
+                                   int send_timeout_ms, char *reason, size_t reason_len);
+pd_status_t pd_ctl_client_hs_step(pd_ctl_client_hs_t *hs, int fd, pd_ctl_reader_t *r,
+                                  const pd_ctl_identity_t *me, int send_timeout_ms, pd_ctl_msg_t *peer_out,
+                                  char *reason, size_t reason_len);
+
 /* Server side (same reader rule); on PD_OK *peer_out holds the peer's Hello. Blocks up to
  * timeout_ms: a poll loop uses pd_ctl_server_hs_step instead. */
 pd_status_t pd_ctl_handshake_server(int fd, pd_ctl_reader_t *r, const pd_ctl_identity_t *me, int timeout_ms,

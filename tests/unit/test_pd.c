@@ -536,6 +536,61 @@ START_TEST(test_silent_kv_connections_harmless)
 }
 END_TEST
 
+/* A decode told to load from a KV port that accepts TCP but never answers (a request's
+ * kv_transfer_params name it) dials it without stopping its control loop: while that handshake
+ * waits out its 2 s, heartbeats go on and every other request moves its KV (no peer declared
+ * dead, one handshake); the bogus request recomputes its prompt. */
+START_TEST(test_silent_prefill_dial_harmless)
+{
+    enum { N = 12 };
+    cluster_t c;
+    cluster_start(&c, "pull", "tcp", NULL, NULL);
+    expect_same(c.x.port, 0, false); /* the decode's one real handshake */
+    int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = 0};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t al = sizeof(a);
+    ck_assert_int_eq(bind(lfd, (struct sockaddr *)&a, sizeof(a)), 0);
+    ck_assert_int_eq(listen(lfd, 8), 0); /* the kernel completes connects; nobody ever answers */
+    ck_assert_int_eq(getsockname(lfd, (struct sockaddr *)&a, &al), 0);
+    char *b = body_for(1, false);
+    json_t *j = json_loads(b, 0, NULL);
+    free(b);
+    json_object_set_new(j, "kv_transfer_params",
+                        json_pack("{s:b, s:s, s:s, s:i, s:[i,i,i,i,i,i,i,i,i,i,i,i,i,i,i,i], s:s, s:s}",
+                                  "do_remote_prefill", 1, "transfer_mode", "pull", "remote_host", "127.0.0.1",
+                                  "remote_port", (int)ntohs(a.sin_port), "remote_block_ids", 1, 2, 3, 4, 5, 6,
+                                  7, 8, 9, 10, 11, 12, 13, 14, 15, 16, "remote_request_id", "bogus",
+                                  "remote_engine_id", "nobody"));
+    char *body = json_dumps(j, JSON_COMPACT);
+    json_decref(j);
+    int fd = http_send(c.d.port, "POST", "/v1/completions", "Content-Type: application/json\r\n", body,
+                       strlen(body), 5000);
+    free(body);
+    ck_assert_int_ge(fd, 0);
+    usleep(100 * 1000); /* the decode is dialling the silent port now */
+    for (int i = 0; i < N; i++) {
+        expect_same(c.x.port, i, false);
+    }
+    char resp[8192];
+    ssize_t got = 0, r;
+    while ((r = recv(fd, resp + got, sizeof(resp) - 1 - (size_t)got, 0)) > 0) {
+        got += r;
+    }
+    resp[got] = '\0';
+    close(fd);
+    close(lfd);
+    ck_assert_msg(strstr(resp, " 200 ") != NULL, "the bogus-KV request did not recompute: %s", resp);
+    ck_assert_int_eq((int)metric(c.d.port, "pd:kv_transfers_failed_total{kind=\"pull_load\"}"), 1);
+    ck_assert_int_eq((int)metric(c.d.port, "pd:kv_transfers_completed_total{kind=\"pull_load\"}"), N + 1);
+    ck_assert_int_eq((int)metric(c.d.port, "pd:kv_handshakes_total{result=\"ok\"}"), 1);
+    ck_assert_int_eq((int)metric(c.p.port, "pd:kv_handshakes_total{result=\"ok\"}"), 1);
+    assert_pool_free(c.p.port, "the prefill");
+    assert_pool_free(c.d.port, "the decode");
+    cluster_stop(&c);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ prefix hits */
 
 static char *ids_body(const int32_t *ids, int n)
@@ -1074,6 +1129,7 @@ int main(void)
     tcase_add_test(tc, test_wrong_token_and_other_model_recompute);
     tcase_add_test(tc, test_stalled_prefill_reconnects);
     tcase_add_test(tc, test_silent_kv_connections_harmless);
+    tcase_add_test(tc, test_silent_prefill_dial_harmless);
     tcase_add_test(tc, test_prefill_killed_under_load);
     tcase_add_test(tc, test_decode_killed_holding_reservation);
     tcase_add_test(tc, test_proxy_prefix_affinity_and_failover);
