@@ -25,7 +25,7 @@
 #include "common/time.h"
 #include "connector/kv_internal.h"
 
-#define KV_SEND_TIMEOUT_MS 1000
+#define KV_MAX_BACKLOG (4u << 20) /* control bytes queued to a peer that does not read */
 
 void kv_ctl_wake(kv_conn_t *k)
 {
@@ -55,16 +55,58 @@ static int count_ready(const kv_conn_t *k)
 static void peer_dead(kv_conn_t *k, kv_peer_t *p, const char *why);
 static void parse_frames(kv_conn_t *k, kv_peer_t *p);
 
+/* Writes what p's output queue holds without waiting; a peer whose queue outgrows
+ * KV_MAX_BACKLOG (it stopped reading) or whose socket fails is dead. */
+static pd_status_t flush_peer(kv_conn_t *k, kv_peer_t *p)
+{
+    while (p->out_len > 0 && p->state != KV_PEER_DEAD) {
+        ssize_t w = send(p->fd, p->out, p->out_len, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+            break;
+        }
+        if (w <= 0) {
+            peer_dead(k, p, "control connection closed");
+            return PD_ERR_PEER_GONE;
+        }
+        memmove(p->out, p->out + w, p->out_len - (size_t)w);
+        p->out_len -= (size_t)w;
+    }
+    if (p->out_len > KV_MAX_BACKLOG) {
+        peer_dead(k, p, "it stopped reading control messages");
+        return PD_ERR_PEER_GONE;
+    }
+    return p->state == KV_PEER_DEAD ? PD_ERR_PEER_GONE : PD_OK;
+}
+
+/* Queues one control message to p and writes what the socket takes now (never waits). */
 static pd_status_t peer_send(kv_conn_t *k, kv_peer_t *p, pd_msg_type_t type, const ProtobufCMessage *msg)
 {
     if (p->state == KV_PEER_DEAD) {
         return PD_ERR_PEER_GONE;
     }
-    pd_status_t st = pd_ctl_send(p->fd, type, msg, KV_SEND_TIMEOUT_MS);
+    uint8_t *f = NULL;
+    size_t len = 0;
+    pd_status_t st = pd_ctl_encode(type, msg, &f, &len);
     if (st != PD_OK) {
-        peer_dead(k, p, st == PD_ERR_TIMEOUT ? "control send timed out" : "control connection closed");
+        return st;
     }
-    return st;
+    if (p->out_len + len > p->out_cap) {
+        size_t cap = p->out_cap ? p->out_cap : 4096;
+        while (cap < p->out_len + len) {
+            cap *= 2;
+        }
+        uint8_t *o = realloc(p->out, cap);
+        if (o == NULL) {
+            free(f);
+            return PD_ERR_NO_MEMORY;
+        }
+        p->out = o;
+        p->out_cap = cap;
+    }
+    memcpy(p->out + p->out_len, f, len);
+    p->out_len += len;
+    free(f);
+    return flush_peer(k, p);
 }
 
 static void fail_xfer(kv_conn_t *k, kv_xfer_t *x, const char *why);
@@ -82,6 +124,9 @@ static void peer_dead(kv_conn_t *k, kv_peer_t *p, const char *why)
         close(p->fd);
         p->fd = -1;
     }
+    free(p->out);
+    p->out = NULL;
+    p->out_len = p->out_cap = 0;
     if (p->pp != NULL) {
         k->pipe->ops->fail_peer(k->pipe, p->pp, PD_ERR_PEER_GONE); /* in-flight pages complete with errors */
     }
@@ -1181,7 +1226,7 @@ static void *ctl_main(void *arg)
         for (kv_peer_t *p = k->peers; p != NULL; p = p->next) {
             if (p->fd >= 0) {
                 pp[i] = p;
-                pf[i++] = (struct pollfd){p->fd, POLLIN, 0};
+                pf[i++] = (struct pollfd){p->fd, (short)(POLLIN | (p->out_len > 0 ? POLLOUT : 0)), 0};
             }
         }
         size_t hs0 = i; /* then the pending handshakes, in list order */
@@ -1246,7 +1291,10 @@ static void *ctl_main(void *arg)
         }
         dial_expire(k);
         for (size_t j = 3; rc > 0 && j < hs0; j++) {
-            if (pf[j].revents != 0 && pp[j]->state != KV_PEER_DEAD) {
+            if ((pf[j].revents & POLLOUT) && pp[j]->state != KV_PEER_DEAD) {
+                flush_peer(k, pp[j]);
+            }
+            if ((pf[j].revents & ~POLLOUT) != 0 && pp[j]->state != KV_PEER_DEAD) {
                 read_peer(k, pp[j]);
             }
         }
@@ -1359,6 +1407,7 @@ void kv_ctl_stop(kv_conn_t *k)
             close(p->fd);
         }
         pd_ctl_reader_destroy(&p->rd);
+        free(p->out);
         free(p);
     }
     while (k->xfers != NULL) {

@@ -72,6 +72,10 @@ struct kv_peer {
     kv_geom_t geom;
     double last_rx, last_hb, since;
     uint64_t hb_seq;
+    /* control frames not yet written (ctl thread only): peer_send queues, the loop flushes on
+     * POLLOUT; nothing waits on the socket */
+    uint8_t *out;
+    size_t out_len, out_cap;
     kv_peer_t *next;
 };
 
