@@ -310,11 +310,47 @@ static inline bool kv_entry_of_layer(const kv_geom_t *g, int32_t i, int32_t l)
 {
     return g->num_groups <= 1 || i % (int32_t)g->num_groups == g->layer_group[l];
 }
-/* A staged decode's load landed in the host mirror: queue its pages for the H2D copy that
- * get_finished makes before the request is reported (a failed allocation reports load errors). */
-/* Decode: entries [first, end) of list were loaded into the host mirror; the engine thread copies
- * them into the device KV at its next step. */
+/* A staged decode's load landed in the host mirror: entries [first, end) of list are queued for
+ * the H2D copy that get_finished makes before the request is reported (a failed allocation
+ * reports load errors). */
 void kv_stage_load_done(kv_conn_t *k, const uint32_t *list, int32_t first, int32_t end);
 void kv_xfer_free(kv_xfer_t *x);
+
+/* ------------------------------------------------------------------ control thread internals
+ * (their contracts are at the definitions) */
+
+/* kv_ctl.c */
+int kv_ms_of(double s);
+
+/* kv_peers.c */
+pd_status_t kv_flush_peer(kv_conn_t *k, kv_peer_t *p);
+pd_status_t kv_peer_send(kv_conn_t *k, kv_peer_t *p, pd_msg_type_t type, const ProtobufCMessage *msg);
+void kv_peer_dead(kv_conn_t *k, kv_peer_t *p, const char *why);
+void kv_on_regions(kv_conn_t *k, kv_peer_t *p, const Pd__Regions *m);
+kv_dial_t *kv_find_dial(kv_conn_t *k, const char *addr);
+bool kv_dial_start(kv_conn_t *k, const char *addr);
+void kv_dial_io(kv_conn_t *k, kv_dial_t **dp);
+void kv_dial_expire(kv_conn_t *k);
+void kv_hs_free(kv_hs_t *h);
+void kv_accept_peer(kv_conn_t *k);
+void kv_hs_read(kv_conn_t *k, kv_hs_t **hp);
+void kv_hs_expire(kv_conn_t *k);
+kv_peer_t *kv_find_peer(kv_conn_t *k, const char *dial);
+void kv_parse_frames(kv_conn_t *k, kv_peer_t *p);
+void kv_read_peer(kv_conn_t *k, kv_peer_t *p);
+
+/* kv_xfers.c */
+void kv_observe_done(kv_conn_t *k, kv_xfer_t *x);
+void kv_end_load(kv_conn_t *k, kv_xfer_t *x, bool ok);
+void kv_fail_xfer(kv_conn_t *k, kv_xfer_t *x, const char *why);
+void kv_drive_queued(kv_conn_t *k);
+void kv_post_jobs(kv_conn_t *k);
+void kv_send_notices(kv_conn_t *k);
+
+/* kv_messages.c */
+void kv_on_message(kv_conn_t *k, kv_peer_t *p, const pd_ctl_msg_t *msg);
+
+/* kv_timers.c */
+void kv_run_timers(kv_conn_t *k);
 
 #endif

@@ -1,0 +1,192 @@
+/* connector/kv_messages.c — what the control thread does with each control message a peer
+ * sends (regions, reservations, READ_DONE / ACK, WRITE_DONE, ABORT, heartbeats). Control thread,
+ * mu held. Every id a peer names is validated before use. */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/log.h"
+#include "common/time.h"
+#include "connector/kv_internal.h"
+
+static kv_xfer_t *find_waiting(kv_conn_t *k, kv_peer_t *p, kv_xfer_kind_t kind, const char *rid,
+                               uint64_t lease);
+static void send_ack(kv_conn_t *k, kv_peer_t *p, const char *rid, uint64_t lease,
+                     Pd__TransferAck__Result res);
+static void on_read_done_msg(kv_conn_t *k, kv_peer_t *p, const Pd__ReadDone *m);
+static void on_reservation(kv_conn_t *k, kv_peer_t *p, const Pd__Reservation *m);
+
+static kv_xfer_t *find_waiting(kv_conn_t *k, kv_peer_t *p, kv_xfer_kind_t kind, const char *rid,
+                               uint64_t lease)
+{
+    for (kv_xfer_t *x = k->xfers; x != NULL; x = x->next) {
+        if (x->kind == kind && x->state == KV_XS_WAIT_PEER && x->peer == p && x->lease_id == lease &&
+            strcmp(x->remote_req, rid) == 0) {
+            return x;
+        }
+    }
+    return NULL;
+}
+
+static void send_ack(kv_conn_t *k, kv_peer_t *p, const char *rid, uint64_t lease, Pd__TransferAck__Result res)
+{
+    Pd__TransferAck a = PD__TRANSFER_ACK__INIT;
+    a.request_id = (char *)rid;
+    a.lease_id = lease;
+    a.result = res;
+    kv_peer_send(k, p, PD_MSG_TRANSFER_ACK, &a.base);
+}
+
+static void on_read_done_msg(kv_conn_t *k, kv_peer_t *p, const Pd__ReadDone *m)
+{
+    double now = pd_time_now_s();
+    for (kv_lease_t *l = k->leases; l != NULL; l = l->next) {
+        if (l->lease_id != m->lease_id || strcmp(l->req_id, m->request_id) != 0) {
+            continue;
+        }
+        if (l->expired || now > l->expires) {
+            send_ack(k, p, m->request_id, m->lease_id, PD__TRANSFER_ACK__RESULT__STALE);
+            pd_metric_inc(k->m.stale, 1);
+            return; /* the timer releases (or released) the blocks */
+        }
+        send_ack(k, p, m->request_id, m->lease_id, PD__TRANSFER_ACK__RESULT__OK);
+        l->expired = true; /* no longer held; kept briefly so a duplicate is answered STALE */
+        l->expires = now;
+        kv_report_sending(k, l->req_id);
+        pd_metric_inc(k->m.completed[KV_X_PULL_LOAD], 1);
+        return;
+    }
+    send_ack(k, p, m->request_id, m->lease_id, PD__TRANSFER_ACK__RESULT__UNKNOWN);
+    pd_metric_inc(k->m.stale, 1);
+}
+
+static void on_reservation(kv_conn_t *k, kv_peer_t *p, const Pd__Reservation *m)
+{
+    const char *why = NULL;
+    if (!k->is_prefill) {
+        why = "this engine is not a prefill";
+    } else if (m->request_id == NULL || m->request_id[0] == '\0' || strlen(m->request_id) >= PD_REQ_ID_MAX) {
+        why = "bad transfer id";
+    } else if (m->n_block_ids > 1u << 20 || m->skip_blocks > m->n_block_ids) {
+        why = "block list out of range";
+    } else {
+        for (size_t i = 0; i < m->n_block_ids && why == NULL; i++) {
+            if (m->block_ids[i] >= p->geom.num_blocks) {
+                why = "a block id is outside the decode's KV cache";
+            }
+        }
+        for (kv_resv_t *rv = k->resvs; rv != NULL && why == NULL; rv = rv->next) {
+            if (!rv->released && strcmp(rv->transfer_id, m->request_id) == 0) {
+                why = "duplicate transfer id";
+            }
+        }
+    }
+    kv_resv_t *rv = why == NULL ? calloc(1, sizeof(*rv)) : NULL;
+    if (rv != NULL &&
+        (rv->blocks = malloc((m->n_block_ids ? m->n_block_ids : 1) * sizeof(uint32_t))) == NULL) {
+        free(rv);
+        rv = NULL;
+        why = "out of memory";
+    }
+    if (rv == NULL) {
+        pd_log_warn("kv connector: rejected a reservation from %s: %s", p->engine_id,
+                    why ? why : "out of memory");
+        Pd__WriteDone wd = PD__WRITE_DONE__INIT;
+        wd.request_id = m->request_id != NULL ? m->request_id : (char *)"";
+        wd.lease_id = m->lease_id;
+        wd.status = PD_ERR_OUT_OF_RANGE;
+        kv_peer_send(k, p, PD_MSG_WRITE_DONE, &wd.base);
+        return;
+    }
+    snprintf(rv->transfer_id, sizeof(rv->transfer_id), "%s", m->request_id);
+    rv->lease_id = m->lease_id;
+    rv->peer = p;
+    if (m->n_block_ids > 0) {
+        memcpy(rv->blocks, m->block_ids, m->n_block_ids * sizeof(uint32_t));
+    }
+    rv->num_blocks = (int32_t)m->n_block_ids;
+    rv->skip_blocks = (int32_t)m->skip_blocks;
+    rv->num_tokens = (int32_t)m->num_tokens;
+    rv->expires = pd_time_now_s() + k->cfg.hold_timeout;
+    rv->next = k->resvs;
+    k->resvs = rv;
+}
+
+void kv_on_message(kv_conn_t *k, kv_peer_t *p, const pd_ctl_msg_t *msg)
+{
+    switch (msg->type) {
+    case PD_MSG_HEARTBEAT: break;
+    case PD_MSG_REGIONS: kv_on_regions(k, p, (const Pd__Regions *)msg->msg); break;
+    case PD_MSG_READ_DONE:
+        if (k->is_prefill) {
+            on_read_done_msg(k, p, (const Pd__ReadDone *)msg->msg);
+        }
+        break;
+    case PD_MSG_TRANSFER_ACK: {
+        const Pd__TransferAck *a = (const Pd__TransferAck *)msg->msg;
+        kv_xfer_t *x = find_waiting(k, p, KV_X_PULL_LOAD, a->request_id, a->lease_id);
+        if (x == NULL) {
+            break;
+        }
+        if (a->result == PD__TRANSFER_ACK__RESULT__OK) {
+            kv_observe_done(k, x);
+            kv_end_load(k, x, true);
+        } else {
+            kv_fail_xfer(k, x,
+                         a->result == PD__TRANSFER_ACK__RESULT__STALE
+                             ? "the prefill's lease expired before the read completed (STALE): KV discarded"
+                             : "the prefill does not know this request or lease: KV discarded");
+        }
+        break;
+    }
+    case PD_MSG_RESERVATION: on_reservation(k, p, (const Pd__Reservation *)msg->msg); break;
+    case PD_MSG_WRITE_DONE: {
+        const Pd__WriteDone *w = (const Pd__WriteDone *)msg->msg;
+        kv_xfer_t *x = find_waiting(k, p, KV_X_PUSH_LOAD, w->request_id, w->lease_id);
+        if (x == NULL) {
+            break;
+        }
+        if (w->status == 0) {
+            /* the pages the prefill wrote: each layer's entries this decode holds */
+            x->pages = 0;
+            for (uint32_t l = 0; l < k->geom.num_layers; l++) {
+                for (int32_t b = x->first_block; b < x->end_block && b < x->num_local; b++) {
+                    x->pages += kv_entry_of_layer(&k->geom, b, (int32_t)l) && x->local_blocks[b] != 0;
+                }
+            }
+            x->bytes = (size_t)x->pages * k->geom.page_bytes;
+            kv_observe_done(k, x);
+            kv_end_load(k, x, true);
+        } else {
+            char why[96];
+            snprintf(why, sizeof(why), "the prefill reports %s", pd_status_str((pd_status_t)w->status));
+            kv_fail_xfer(k, x, why);
+        }
+        break;
+    }
+    case PD_MSG_ABORT: {
+        const Pd__Abort *a = (const Pd__Abort *)msg->msg;
+        for (kv_lease_t *l = k->leases; l != NULL; l = l->next) {
+            if (!l->expired && l->lease_id == a->lease_id && strcmp(l->req_id, a->request_id) == 0) {
+                l->expired = true;
+                l->expires = pd_time_now_s();
+                kv_report_sending(k, l->req_id);
+            }
+        }
+        break;
+    }
+    case PD_MSG_REJECT: kv_peer_dead(k, p, "it rejected us"); break;
+    default: kv_peer_dead(k, p, "unexpected message type"); break;
+    }
+}

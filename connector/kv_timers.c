@@ -1,0 +1,155 @@
+/* connector/kv_timers.c — the connector's deadlines, one sweep per list: peers' heartbeats and
+ * silence, transfers' load and hold timeouts, leases, reservations. Control thread, mu held. */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/log.h"
+#include "common/time.h"
+#include "connector/kv_internal.h"
+
+/* Peers: no Regions within the handshake timeout or silent for heartbeat_interval × misses → dead;
+ * a heartbeat to every live peer each interval. */
+static void sweep_peers(kv_conn_t *k, double now)
+{
+    double dead_after = k->cfg.heartbeat_interval * k->cfg.heartbeat_misses;
+    for (kv_peer_t *p = k->peers; p != NULL; p = p->next) {
+        if (p->state == KV_PEER_DEAD) {
+            continue;
+        }
+        if (p->state == KV_PEER_WAIT_REGIONS && now - p->since > k->cfg.handshake_timeout) {
+            kv_peer_dead(k, p, "no region descriptor within --kv-handshake-timeout");
+            continue;
+        }
+        if (now - p->last_rx > dead_after) {
+            char why[96];
+            snprintf(why, sizeof(why), "no heartbeat for %.1f s", now - p->last_rx);
+            kv_peer_dead(k, p, why);
+            continue;
+        }
+        if (now - p->last_hb >= k->cfg.heartbeat_interval) {
+            Pd__Heartbeat hb = PD__HEARTBEAT__INIT;
+            hb.seq = ++p->hb_seq;
+            hb.unix_ms = (uint64_t)time(NULL) * 1000;
+            p->last_hb = now;
+            kv_peer_send(k, p, PD_MSG_HEARTBEAT, &hb.base);
+        }
+    }
+}
+
+/* Transfers past their deadline: a push save without a reservation frees its blocks; one whose
+ * pages may still move kills its peer first (only that guarantees they stop); others fail. */
+static void sweep_xfer_deadlines(kv_conn_t *k, double now)
+{
+    for (kv_xfer_t *x = k->xfers; x != NULL; x = x->next) {
+        if (x->state == KV_XS_DONE || now < x->deadline) {
+            continue;
+        }
+        if (x->kind == KV_X_PUSH_SAVE && x->state == KV_XS_QUEUED) {
+            pd_log_warn(
+                "kv connector: request %s: no reservation within --kv-hold-timeout; freeing its blocks",
+                x->req_id);
+            pd_metric_inc(k->m.leases_expired, 1);
+            kv_report_sending(k, x->req_id);
+            x->state = KV_XS_DONE;
+        } else if (x->state == KV_XS_POSTED || (x->kind == KV_X_PUSH_LOAD && x->state == KV_XS_WAIT_PEER)) {
+            kv_peer_dead(k, x->peer, "a transfer outlived --kv-load-timeout");
+            if (x->state != KV_XS_DONE) {
+                kv_fail_xfer(k, x, "timed out");
+            }
+        } else {
+            kv_fail_xfer(k, x, "timed out");
+        }
+    }
+}
+
+/* Leases: an unread one expires (its blocks freed); its tombstone goes a hold timeout later. */
+static void sweep_leases(kv_conn_t *k, double now)
+{
+    int held = 0;
+    for (kv_lease_t **lp = &k->leases; *lp != NULL;) {
+        kv_lease_t *l = *lp;
+        if (!l->expired && now > l->expires) {
+            pd_log_warn("kv connector: request %s: lease expired before a decode read it; freeing its blocks",
+                        l->req_id);
+            l->expired = true;
+            pd_metric_inc(k->m.leases_expired, 1);
+            kv_report_sending(k, l->req_id);
+        }
+        if (l->expired && now > l->expires + k->cfg.hold_timeout) {
+            *lp = l->next;
+            free(l);
+        } else {
+            held += !l->expired;
+            lp = &l->next;
+        }
+    }
+    pd_metric_set(k->m.leases_now, held);
+}
+
+/* Reservations: one never taken expires (the decode hears WRITE_DONE with a timeout); released
+ * ones go, a dead peer's only when it would have expired (so a prefill request for its transfer
+ * learns at once that nobody waits). */
+static void sweep_reservations(kv_conn_t *k, double now)
+{
+    for (kv_resv_t **rp = &k->resvs; *rp != NULL;) {
+        kv_resv_t *rv = *rp;
+        if (!rv->taken && !rv->released && now > rv->expires) {
+            pd_log_warn("kv connector: reservation %s expired without a matching prefill request",
+                        rv->transfer_id);
+            Pd__WriteDone wd = PD__WRITE_DONE__INIT;
+            wd.request_id = rv->transfer_id;
+            wd.lease_id = rv->lease_id;
+            wd.status = PD_ERR_TIMEOUT;
+            kv_peer_send(k, rv->peer, PD_MSG_WRITE_DONE, &wd.base);
+            rv->released = true;
+        }
+        if (rv->released && !rv->taken && (!rv->dead || now > rv->expires)) {
+            *rp = rv->next;
+            free(rv->blocks);
+            free(rv);
+        } else {
+            rp = &rv->next;
+        }
+    }
+}
+
+/* Finished transfers leave the list (releasing the reservation they took). */
+static void sweep_done_xfers(kv_conn_t *k)
+{
+    for (kv_xfer_t **xp = &k->xfers; *xp != NULL;) {
+        kv_xfer_t *x = *xp;
+        if (x->state == KV_XS_DONE) {
+            if (x->resv != NULL) {
+                x->resv->taken = false;
+                x->resv->released = true;
+            }
+            *xp = x->next;
+            kv_xfer_free(x);
+        } else {
+            xp = &x->next;
+        }
+    }
+}
+
+/* Every deadline of the connector, once per loop tick. */
+void kv_run_timers(kv_conn_t *k)
+{
+    double now = pd_time_now_s();
+    sweep_peers(k, now);
+    sweep_xfer_deadlines(k, now);
+    sweep_leases(k, now);
+    sweep_reservations(k, now);
+    sweep_done_xfers(k);
+}
