@@ -316,6 +316,45 @@ static inline bool kv_entry_of_layer(const kv_geom_t *g, int32_t i, int32_t l)
 void kv_stage_load_done(kv_conn_t *k, const uint32_t *list, int32_t first, int32_t end);
 void kv_xfer_free(kv_xfer_t *x);
 
+/* ------------------------------------------------------------------ engine-thread internals
+ * (contracts at the definitions) */
+
+/* kv_connector.c */
+bool kv_jbool(const json_t *o, const char *key);
+const char *kv_jstr(const json_t *o, const char *key);
+uint64_t kv_random_u52(void);
+bool kv_wants_push(const kv_conn_t *k, const json_t *p);
+kv_push_t *kv_push_find(kv_conn_t *k, const char *req_id, bool unlink);
+void kv_notice(kv_conn_t *k, pd_msg_type_t type, kv_peer_t *peer, const char *rid, uint64_t lease,
+               int32_t status);
+void kv_start_prefault(kv_conn_t *k);
+
+/* kv_scheduler.c */
+pd_status_t kv_get_num_new_matched_tokens(pd_connector_t *c, const pd_request_t *req, int32_t num_computed,
+                                          int32_t *num_external_out, bool *load_async_out);
+void kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, const uint32_t *block_ids,
+                                 int32_t num_blocks, int32_t num_external);
+void *kv_build_connector_meta(pd_connector_t *c, const struct pd_scheduler_output *out);
+bool kv_request_finished(pd_connector_t *c, pd_request_t *req, const uint32_t *block_ids, int32_t num_blocks,
+                         void **params_out);
+
+/* kv_worker.c */
+pd_status_t kv_register_kv_caches(pd_connector_t *c, const pd_kv_region_desc_t *rd);
+pd_status_t kv_bind_connector_metadata(pd_connector_t *c, void *meta);
+pd_status_t kv_start_load_kv(pd_connector_t *c);
+pd_status_t kv_wait_for_layer_load(pd_connector_t *c, int32_t layer);
+pd_status_t kv_save_kv_layer(pd_connector_t *c, int32_t layer);
+pd_status_t kv_wait_for_save(pd_connector_t *c);
+pd_status_t kv_get_finished(pd_connector_t *c, pd_connector_finished_t *out);
+int32_t kv_get_block_ids_with_load_errors(pd_connector_t *c, uint32_t *ids, int32_t max);
+
+/* kv_staging.c */
+pd_status_t kv_stage_save_layer(kv_conn_t *k, const kv_save_item_t *s, int32_t layer);
+void kv_stage_failed_add(kv_conn_t *k, const char *req_id);
+bool kv_stage_failed_take(kv_conn_t *k, const char *req_id);
+void kv_stage_finish_loads(kv_conn_t *k, kv_staged_load_t *sl);
+pd_status_t kv_stage_kv(kv_conn_t *k, const pd_kv_region_desc_t *rd);
+
 /* ------------------------------------------------------------------ control thread internals
  * (their contracts are at the definitions) */
 

@@ -1,0 +1,320 @@
+/* connector/kv_scheduler.c — the connector's scheduler half (engine thread): whether a decode
+ * request loads its prompt's KV and from where, the load it starts after allocation, the step's
+ * metadata for the worker half, and what a finished request leaves behind (decode: nothing;
+ * prefill push: WRITE_DONE or a late whole-prompt write; prefill pull: a lease and the params). */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+
+#include "common/log.h"
+#include "common/time.h"
+#include "connector/kv_connector.h"
+#include "connector/kv_internal.h"
+#include "kernels/backend.h"
+#include "scheduler/scheduler.h"
+
+static bool remote_prefill_ok(const kv_conn_t *k, const pd_request_t *req, const json_t *p);
+static bool cancel_load(kv_conn_t *k, const char *req_id);
+static bool finished_decode(kv_conn_t *k, pd_request_t *req, void **params_out);
+static bool finished_push(kv_conn_t *k, pd_request_t *req, const uint32_t *block_ids, int32_t num_blocks,
+                          bool ok);
+static bool finished_pull(kv_conn_t *k, pd_request_t *req, const uint32_t *block_ids, int32_t num_blocks,
+                          void **params_out);
+
+/* A decode request's remote-prefill parameters are usable: where to load from and what. */
+static bool remote_prefill_ok(const kv_conn_t *k, const pd_request_t *req, const json_t *p)
+{
+    json_int_t port = json_integer_value(json_object_get(p, "remote_port"));
+    const char *host = kv_jstr(p, "remote_host");
+    const char *why = NULL;
+    if (host == NULL || host[0] == '\0' || port <= 0 || port > 65535) {
+        why = "remote_host/remote_port missing or invalid";
+    } else if (kv_wants_push(k, p)) {
+        const char *tid = kv_jstr(p, "transfer_id");
+        if (tid == NULL || tid[0] == '\0' || strlen(tid) >= PD_REQ_ID_MAX) {
+            why = "transfer_id missing or too long";
+        }
+    } else {
+        const json_t *b = json_object_get(p, "remote_block_ids");
+        const char *rid = kv_jstr(p, "remote_request_id");
+        json_int_t nt = json_integer_value(json_object_get(p, "remote_num_tokens"));
+        if (!json_is_array(b) || rid == NULL || strlen(rid) >= PD_REQ_ID_MAX) {
+            why = "remote_block_ids/remote_request_id missing";
+        } else if (nt != 0 && nt != req->num_prompt_tokens) {
+            why = "the prefill computed a different prompt length";
+        } else {
+            for (size_t i = 0; i < json_array_size(b); i++) {
+                json_int_t v = json_integer_value(json_array_get(b, i));
+                if (!json_is_integer(json_array_get(b, i)) || v < 0 || v > UINT32_MAX) {
+                    why = "remote_block_ids holds a non-block value";
+                    break;
+                }
+            }
+            int32_t need =
+                kv_entry(&k->geom, (req->num_prompt_tokens - 1 + k->block_size - 1) / k->block_size);
+            if (why == NULL && (int32_t)json_array_size(b) < need) {
+                why = "remote_block_ids has fewer blocks than the prompt needs";
+            }
+        }
+    }
+    if (why != NULL) {
+        pd_log_warn(
+            "kv connector: request %s: kv_transfer_params unusable (%s); computing the prompt locally",
+            req->id, why);
+        return false;
+    }
+    return true;
+}
+
+pd_status_t kv_get_num_new_matched_tokens(pd_connector_t *c, const pd_request_t *req, int32_t num_computed,
+                                          int32_t *num_external_out, bool *load_async_out)
+{
+    kv_conn_t *k = (kv_conn_t *)c;
+    *num_external_out = 0;
+    *load_async_out = false;
+    const json_t *p = req->kv_transfer_params;
+    if (k->is_prefill || p == NULL || !kv_jbool(p, "do_remote_prefill") || num_computed >= req->num_tokens) {
+        return PD_OK;
+    }
+    if (!remote_prefill_ok(k, req, p)) {
+        return PD_OK;
+    }
+    *num_external_out = req->num_tokens - num_computed;
+    *load_async_out = true;
+    return PD_OK;
+}
+
+void kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, const uint32_t *block_ids,
+                                 int32_t num_blocks, int32_t num_external)
+{
+    kv_conn_t *k = (kv_conn_t *)c;
+    json_t *p = req->kv_transfer_params;
+    if (k->is_prefill || p == NULL || num_external <= 0 || !kv_jbool(p, "do_remote_prefill")) {
+        return;
+    }
+    json_object_set_new(p, "do_remote_prefill", json_false()); /* loaded at most once */
+    kv_xfer_t *x = calloc(1, sizeof(*x));
+    if (x == NULL) {
+        return;
+    }
+    bool push = kv_wants_push(k, p);
+    x->kind = push ? KV_X_PUSH_LOAD : KV_X_PULL_LOAD;
+    snprintf(x->req_id, sizeof(x->req_id), "%s", req->id);
+    snprintf(x->remote_req, sizeof(x->remote_req), "%s",
+             push ? kv_jstr(p, "transfer_id") : kv_jstr(p, "remote_request_id"));
+    snprintf(x->dial, sizeof(x->dial), "%s:%lld", kv_jstr(p, "remote_host"),
+             (long long)json_integer_value(json_object_get(p, "remote_port")));
+    const char *eng = kv_jstr(p, "remote_engine_id");
+    snprintf(x->remote_engine, sizeof(x->remote_engine), "%s", eng != NULL ? eng : "");
+    x->lease_id = (uint64_t)json_integer_value(json_object_get(p, "lease_id"));
+    x->num_tokens = req->num_tokens;
+    x->local_blocks = malloc((size_t)(num_blocks > 0 ? num_blocks : 1) * sizeof(uint32_t));
+    if (x->local_blocks == NULL) {
+        free(x);
+        return;
+    }
+    memcpy(x->local_blocks, block_ids, (size_t)num_blocks * sizeof(uint32_t));
+    x->num_local = num_blocks;
+    int32_t local = req->num_tokens - num_external;             /* block-aligned prefix hit */
+    x->first_block = kv_entry(&k->geom, local / k->block_size); /* entries of the block list */
+    x->end_block = kv_entry(&k->geom, (req->num_tokens - 1 + k->block_size - 1) / k->block_size);
+    if (!push) {
+        const json_t *b = json_object_get(p, "remote_block_ids");
+        x->num_remote = (int32_t)json_array_size(b);
+        x->remote_blocks = malloc((size_t)(x->num_remote > 0 ? x->num_remote : 1) * sizeof(uint32_t));
+        if (x->remote_blocks == NULL) {
+            kv_xfer_free(x);
+            return;
+        }
+        for (int32_t i = 0; i < x->num_remote; i++) {
+            x->remote_blocks[i] = (uint32_t)json_integer_value(json_array_get(b, (size_t)i));
+        }
+    }
+    x->started = pd_time_now_s();
+    x->deadline = x->started + k->cfg.load_timeout;
+    x->next = k->sched_pending;
+    k->sched_pending = x;
+}
+
+void *kv_build_connector_meta(pd_connector_t *c, const pd_scheduler_output_t *out)
+{
+    kv_conn_t *k = (kv_conn_t *)c;
+    kv_meta_t *m = &k->meta_build;
+    m->loads = k->sched_pending;
+    k->sched_pending = NULL;
+    m->num_saves = 0;
+    if (!k->is_prefill) {
+        return m;
+    }
+    for (int32_t i = 0; i < out->num_items; i++) {
+        const pd_request_t *r = out->items[i].req;
+        const json_t *p = r->kv_transfer_params;
+        bool remote_decode = p != NULL && kv_jbool(p, "do_remote_decode");
+        bool push = remote_decode && kv_wants_push(k, p) && kv_jstr(p, "transfer_id") != NULL;
+        if (!push && !(remote_decode && k->staged)) {
+            continue;
+        }
+        if (m->num_saves == m->cap_saves) {
+            int32_t cap = m->cap_saves ? 2 * m->cap_saves : 16;
+            kv_save_item_t *a = realloc(m->saves, (size_t)cap * sizeof(*a));
+            if (a == NULL) {
+                break;
+            }
+            m->saves = a;
+            m->cap_saves = cap;
+        }
+        kv_save_item_t *s = &m->saves[m->num_saves++];
+        snprintf(s->req_id, sizeof(s->req_id), "%s", r->id);
+        snprintf(s->transfer_id, sizeof(s->transfer_id), "%s", push ? kv_jstr(p, "transfer_id") : "");
+        s->push = push;
+        s->cached_tokens = r->num_cached_tokens;
+        s->blocks = r->block_ids;
+        s->num_blocks = kv_entry(&k->geom, r->num_blocks);
+        s->start_token = r->num_computed_tokens;
+        s->end_token = r->num_computed_tokens + out->items[i].num_new_tokens;
+        s->prompt_len = r->num_prompt_tokens;
+    }
+    return m;
+}
+
+/* Decode: a load of req that has not finished; marks it cancelled. Returns whether blocks may
+ * still be written or read by the peer (delay free). mu held. */
+static bool cancel_load(kv_conn_t *k, const char *req_id)
+{
+    kv_xfer_t *lists[2] = {k->handoff, k->xfers};
+    for (int l = 0; l < 2; l++) {
+        for (kv_xfer_t *x = lists[l]; x != NULL; x = x->next) {
+            if (x->kind != KV_X_PUSH_SAVE && strcmp(x->req_id, req_id) == 0 && x->state != KV_XS_DONE) {
+                x->cancelled = true;
+                return true;
+            }
+        }
+    }
+    return false;
+}
+
+/* Decode: a load not yet handed over dies with the request; one in flight keeps the blocks. */
+static bool finished_decode(kv_conn_t *k, pd_request_t *req, void **params_out)
+{
+    for (kv_xfer_t **xp = &k->sched_pending; *xp != NULL; xp = &(*xp)->next) {
+        if (strcmp((*xp)->req_id, req->id) == 0) {
+            kv_xfer_t *x = *xp;
+            *xp = x->next;
+            kv_xfer_free(x);
+            break;
+        }
+    }
+    pthread_mutex_lock(&k->mu);
+    bool hold = cancel_load(k, req->id);
+    pthread_mutex_unlock(&k->mu);
+    if (req->kv_transfer_params != NULL) {
+        *params_out = json_null(); /* a decode hands nothing on (as vLLM's decode answers) */
+    }
+    return hold;
+}
+
+/* Prefill, push: a streamed request tells the decode it is complete (or died); one whose
+ * reservation is late keeps its blocks and becomes a whole-prompt write for the control thread. */
+static bool finished_push(kv_conn_t *k, pd_request_t *req, const uint32_t *block_ids, int32_t num_blocks,
+                          bool ok)
+{
+    kv_push_t *ps = kv_push_find(k, req->id, true);
+    const char *tid = kv_jstr(req->kv_transfer_params, "transfer_id");
+    bool hold = false;
+    pthread_mutex_lock(&k->mu);
+    if (ps != NULL && ps->resv != NULL && (ps->streaming || !ok)) {
+        /* every layer of every step was written (or the request died): tell the decode */
+        int32_t status = ok && !ps->failed ? 0 : (ok ? PD_ERR_IO : PD_ERR_CANCELLED);
+        kv_notice(k, PD_MSG_WRITE_DONE, ps->resv->peer, ps->transfer_id, ps->resv->lease_id, status);
+        ps->resv->released = true;
+        pd_metric_inc(status == 0 ? k->m.completed[KV_X_PUSH_SAVE] : k->m.failed[KV_X_PUSH_SAVE], 1);
+    } else if (ok && tid != NULL && num_blocks > 0) {
+        kv_xfer_t *x = calloc(1, sizeof(*x));
+        if (x != NULL && (x->local_blocks = malloc((size_t)num_blocks * sizeof(uint32_t))) != NULL) {
+            x->kind = KV_X_PUSH_SAVE;
+            snprintf(x->req_id, sizeof(x->req_id), "%s", req->id);
+            snprintf(x->remote_req, sizeof(x->remote_req), "%s", tid);
+            memcpy(x->local_blocks, block_ids, (size_t)num_blocks * sizeof(uint32_t));
+            x->num_local = num_blocks;
+            x->num_tokens = req->num_prompt_tokens;
+            x->started = pd_time_now_s();
+            x->deadline = x->started + k->cfg.hold_timeout;
+            if (ps != NULL && ps->resv != NULL) {
+                ps->resv->taken = false; /* the transfer takes it over */
+            }
+            x->next = k->handoff;
+            k->handoff = x;
+            hold = true;
+        } else {
+            free(x);
+        }
+    }
+    pthread_mutex_unlock(&k->mu);
+    free(ps);
+    if (hold) {
+        kv_ctl_wake(k);
+    }
+    return hold;
+}
+
+/* Prefill, pull: hold the blocks under a lease and tell the decode where they are. */
+static bool finished_pull(kv_conn_t *k, pd_request_t *req, const uint32_t *block_ids, int32_t num_blocks,
+                          void **params_out)
+{
+    kv_lease_t *l = calloc(1, sizeof(*l));
+    if (l == NULL) {
+        return false;
+    }
+    snprintf(l->req_id, sizeof(l->req_id), "%s", req->id);
+    l->lease_id = kv_random_u52();
+    l->expires = pd_time_now_s() + k->cfg.hold_timeout;
+    json_t *blocks = json_array();
+    for (int32_t i = 0; i < num_blocks; i++) {
+        json_array_append_new(blocks, json_integer(block_ids[i]));
+    }
+    json_t *out = json_pack(
+        "{s:b, s:b, s:s, s:o, s:s, s:i, s:s, s:I, s:I, s:i, s:s}", "do_remote_prefill", 1, "do_remote_decode",
+        0, "remote_engine_id", k->engine_id, "remote_block_ids", blocks, "remote_host", k->advertise_host,
+        "remote_port", k->listen_port, "remote_request_id", req->id, "lease_id", (json_int_t)l->lease_id,
+        "lease_expires_unix_ms", (json_int_t)((double)time(NULL) * 1000 + k->cfg.hold_timeout * 1000),
+        "remote_num_tokens", req->num_prompt_tokens, "transfer_mode", "pull");
+    if (out == NULL) {
+        free(l);
+        return false;
+    }
+    pthread_mutex_lock(&k->mu);
+    l->next = k->leases;
+    k->leases = l;
+    pthread_mutex_unlock(&k->mu);
+    pd_metric_inc(k->m.leases_held, 1);
+    *params_out = out;
+    return true;
+}
+
+bool kv_request_finished(pd_connector_t *c, pd_request_t *req, const uint32_t *block_ids, int32_t num_blocks,
+                         void **params_out)
+{
+    kv_conn_t *k = (kv_conn_t *)c;
+    const json_t *p = req->kv_transfer_params;
+    bool ok = req->state == PD_REQ_FINISHED_STOPPED || req->state == PD_REQ_FINISHED_LENGTH;
+    if (!k->is_prefill) {
+        return finished_decode(k, req, params_out);
+    }
+    if (p == NULL || !kv_jbool(p, "do_remote_decode")) {
+        return false;
+    }
+    if (kv_wants_push(k, p)) {
+        return finished_push(k, req, block_ids, num_blocks, ok);
+    }
+    if (kv_stage_failed_take(k, req->id)) {
+        pd_log_warn("kv connector: request %s: its KV could not be staged to host memory; no KV is "
+                    "offered (no kv_transfer_params: the request fails cleanly instead of decoding garbage)",
+                    req->id);
+        return false;
+    }
+    return ok && num_blocks > 0 && finished_pull(k, req, block_ids, num_blocks, params_out);
+}

@@ -1,0 +1,175 @@
+/* connector/kv_staging.c — the host mirror of a device KV (engine thread): page ranges of block
+ * lists, device→host copies of the layers a prefill step wrote, host→device copies of finished
+ * loads before the scheduler hears of them, and the mirror's registration with the pipe. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+
+#include "common/log.h"
+#include "common/time.h"
+#include "connector/kv_connector.h"
+#include "connector/kv_internal.h"
+#include "kernels/backend.h"
+#include "scheduler/scheduler.h"
+
+static int32_t stage_ranges(const kv_conn_t *k, int32_t l0, int32_t l1, const uint32_t *list, int32_t e0,
+                            int32_t e1, pd_page_range_t **out);
+static pd_status_t stage_copy(kv_conn_t *k, const pd_page_range_t *r, int32_t n, bool to_host);
+
+/* Page ranges of block-list entries [e0, e1) of list in layers [l0, l1) of the KV layout (each
+ * layer its group's entries, null entries skipped), adjacent pages merged; *out is malloc'd.
+ * Returns the count, -1 when out of memory. */
+static int32_t stage_ranges(const kv_conn_t *k, int32_t l0, int32_t l1, const uint32_t *list, int32_t e0,
+                            int32_t e1, pd_page_range_t **out)
+{
+    int32_t n = e1 - e0;
+    pd_page_range_t *r = malloc(((size_t)(l1 - l0) * (size_t)n + 1) * sizeof(*r));
+    *out = r;
+    if (r == NULL) {
+        return -1;
+    }
+    int32_t m = 0;
+    for (int32_t l = l0; l < l1; l++) {
+        for (int32_t b = e0; b < e1; b++) {
+            if (list[b] == 0 || !kv_entry_of_layer(&k->geom, b, l)) {
+                continue;
+            }
+            uint64_t off = k->geom.layer_offset[l] + (uint64_t)list[b] * k->geom.page_bytes;
+            if (m > 0 && r[m - 1].offset + r[m - 1].length == off) {
+                r[m - 1].length += k->geom.page_bytes;
+            } else {
+                r[m++] = (pd_page_range_t){off, k->geom.page_bytes};
+            }
+        }
+    }
+    return m;
+}
+
+/* Copies ranges between the engine's KV and the host mirror (to_host: device→host). */
+static pd_status_t stage_copy(kv_conn_t *k, const pd_page_range_t *r, int32_t n, bool to_host)
+{
+    double t0 = pd_time_now_s();
+    pd_status_t st = to_host ? k->be->ops->copy_pages(k->be, k->region->base, k->kv_base, r, n, PD_COPY_D2H)
+                             : k->be->ops->copy_pages(k->be, k->kv_base, k->region->base, r, n, PD_COPY_H2D);
+    if (st != PD_OK) {
+        pd_log_warn("kv connector: staging copy %s failed: %s", to_host ? "device→host" : "host→device",
+                    pd_status_str(st));
+        return st;
+    }
+    uint64_t bytes = 0;
+    for (int32_t i = 0; i < n; i++) {
+        bytes += r[i].length;
+    }
+    pd_metric_inc(to_host ? k->m.staged_d2h : k->m.staged_h2d, (double)bytes);
+    pd_metric_observe(k->m.staged_seconds, pd_time_now_s() - t0);
+    return PD_OK;
+}
+
+/* Prefill: copies the pages layer `layer` wrote this step for save item s into the mirror. The
+ * first step also copies the prefix-cache hit's pages (another request computed them, maybe one
+ * that was never staged). */
+pd_status_t kv_stage_save_layer(kv_conn_t *k, const kv_save_item_t *s, int32_t layer)
+{
+    int32_t b0 = s->start_token <= s->cached_tokens ? 0 : kv_entry(&k->geom, s->start_token / k->block_size);
+    int32_t b1 = kv_entry(&k->geom, (s->end_token + k->block_size - 1) / k->block_size);
+    b1 = b1 < s->num_blocks ? b1 : s->num_blocks;
+    if (b0 >= b1) {
+        return PD_OK;
+    }
+    pd_page_range_t *r;
+    int32_t n = stage_ranges(k, layer, layer + 1, s->blocks, b0, b1, &r);
+    pd_status_t st = n < 0 ? PD_ERR_NO_MEMORY : stage_copy(k, r, n, true);
+    free(r);
+    return st;
+}
+
+/* Pull-mode requests whose staging failed (engine thread): request_finished offers no KV. */
+void kv_stage_failed_add(kv_conn_t *k, const char *req_id)
+{
+    if (k->stage_failed.slots != NULL || pd_strmap_init(&k->stage_failed, 16) == PD_OK) {
+        pd_strmap_put(&k->stage_failed, req_id, strlen(req_id), 1);
+    }
+}
+
+bool kv_stage_failed_take(kv_conn_t *k, const char *req_id)
+{
+    return k->stage_failed.slots != NULL &&
+           pd_strmap_del(&k->stage_failed, req_id, strlen(req_id), NULL) == 1;
+}
+
+void kv_stage_load_done(kv_conn_t *k, const uint32_t *list, int32_t first, int32_t end)
+{
+    kv_staged_load_t *sl = calloc(1, sizeof(*sl));
+    if (sl == NULL || (sl->blocks = malloc((size_t)(end > 0 ? end : 1) * sizeof(uint32_t))) == NULL) {
+        free(sl);
+        kv_report_load_errors(k, list + first, end - first);
+        return;
+    }
+    memcpy(sl->blocks, list, (size_t)end * sizeof(uint32_t));
+    sl->first = first;
+    sl->num_blocks = end;
+    sl->next = k->staged_loads;
+    k->staged_loads = sl;
+}
+
+/* Decode: copies finished loads from the mirror into the engine's KV (engine thread, mu not held);
+ * a failed copy turns into load errors reported in this same step. */
+void kv_stage_finish_loads(kv_conn_t *k, kv_staged_load_t *sl)
+{
+    while (sl != NULL) {
+        kv_staged_load_t *next = sl->next;
+        pd_page_range_t *r;
+        int32_t n =
+            stage_ranges(k, 0, (int32_t)k->geom.num_layers, sl->blocks, sl->first, sl->num_blocks, &r);
+        if (n < 0 || stage_copy(k, r, n, false) != PD_OK) {
+            pthread_mutex_lock(&k->mu);
+            kv_report_load_errors(k, sl->blocks + sl->first, sl->num_blocks - sl->first);
+            pthread_mutex_unlock(&k->mu);
+        }
+        free(r);
+        free(sl->blocks);
+        free(sl);
+        sl = next;
+    }
+}
+
+/* Mirrors the engine's KV in host memory the pipe allocates (same layout, so peers see the usual
+ * geometry), page-locked by the backend when it can; pages are copied through it (see the file
+ * comment of kv_connector.h). */
+pd_status_t kv_stage_kv(kv_conn_t *k, const pd_kv_region_desc_t *rd)
+{
+    if (k->region != NULL || rd->backend == NULL || rd->backend->ops->copy_pages == NULL) {
+        pd_log_error("kv connector: cannot stage the KV region (it was allocated by the pipe, or the backend "
+                     "cannot copy pages)");
+        return PD_ERR_INVALID_ARG;
+    }
+    pd_status_t st = k->pipe->ops->alloc_region(k->pipe, rd->bytes, &k->region);
+    if (st != PD_OK) {
+        pd_log_error("kv connector: the %s pipe cannot allocate a %.1f MiB host mirror of the KV",
+                     k->cfg.pipe, (double)rd->bytes / (1 << 20));
+        return st;
+    }
+    k->staged = true;
+    k->kv_base = rd->base;
+    k->be = rd->backend;
+    const char *pin = "pageable";
+    if (k->be->ops->pin_host != NULL) {
+        if (k->be->ops->pin_host(k->be, k->region->base, k->region->len) == PD_OK) {
+            k->pinned = true;
+            pin = "pinned";
+        } else {
+            pd_log_warn("kv connector: cannot page-lock the KV host mirror; copies run from pageable memory");
+        }
+    }
+    pd_log_info("kv connector: %s; staging KV through a %.1f MiB %s host mirror registered with the %s pipe "
+                "(prefill: device→host after each layer; decode: host→device after each load)",
+                rd->host_memory ? "--kv-staging always"
+                                : "the KV is in device memory, which this pipe cannot register",
+                (double)rd->bytes / (1 << 20), pin, k->cfg.pipe);
+    kv_start_prefault(k);
+    return PD_OK;
+}
