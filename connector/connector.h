@@ -21,6 +21,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "common/page_range.h"
 #include "common/status.h"
 #include "scheduler/request.h"
 
@@ -36,13 +37,32 @@ typedef struct pd_connector_finished {
     int32_t num_recving;
 } pd_connector_finished_t;
 
-struct pd_backend;
+/* A pipe that needs to own the KV memory (UCX shared-memory puts) provides these; the engine
+ * allocates its KV region through them. */
+typedef struct pd_kv_region_allocator {
+    void *ctx;
+    pd_status_t (*alloc)(void *ctx, size_t bytes, void **ptr_out);
+    void (*free)(void *ctx, void *ptr);
+} pd_kv_region_allocator_t;
+
+/* How the connector moves pages between a device KV and its host mirror (vLLM's
+ * set_host_xfer_buffer_ops): the engine passes its backend's copies, the connector knows no
+ * backend. copy_pages copies ranges[n] between two regions of one layout at the same offsets
+ * (to_host: device → host) and returns when the bytes have landed; pin_host / unpin_host
+ * page-lock the mirror (NULL: nothing to do). */
+typedef struct pd_kv_copy_ops {
+    void *ctx;
+    pd_status_t (*copy_pages)(void *ctx, void *dst, const void *src, const pd_page_range_t *ranges, int n,
+                              bool to_host);
+    pd_status_t (*pin_host)(void *ctx, void *ptr, size_t bytes);
+    void (*unpin_host)(void *ctx, void *ptr);
+} pd_kv_copy_ops_t;
 
 /* Where the KV cache lives, for registration with a pipe (one region, per-layer views). */
 typedef struct pd_kv_region_desc {
     void *base;
-    struct pd_backend *backend; /* owns base: copies pages in and out when the KV is staged */
-    bool host_memory;           /* base is host memory (else device memory of backend) */
+    pd_kv_copy_ops_t copy; /* the engine's copies, for staging a device KV (copy_pages NULL: none) */
+    bool host_memory;      /* base is host memory (else device memory of the engine's backend) */
     size_t bytes;
     int32_t num_layers;
     size_t layer_offset[256]; /* byte offset of each layer's view */

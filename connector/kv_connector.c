@@ -15,7 +15,6 @@
 #include "common/log.h"
 #include "common/time.h"
 #include "connector/kv_internal.h"
-#include "kernels/backend.h"
 #include "scheduler/scheduler.h"
 
 /* ------------------------------------------------------------------ configuration */
@@ -528,7 +527,7 @@ void pd_kv_connector_stop(pd_connector_t *c)
         k->prefault_started = false;
     }
     if (k->pinned) {
-        k->be->ops->unpin_host(k->be, k->region->base); /* before the pipe frees the mirror */
+        k->copy.unpin_host(k->copy.ctx, k->region->base); /* before the pipe frees the mirror */
         k->pinned = false;
     }
     kv_ctl_stop(k);

@@ -33,7 +33,6 @@
 #include "common/flags.h"
 #include "common/metrics.h"
 #include "connector/connector.h"
-#include "engine/kv_init.h"
 #include "pd.pb-c.h"
 
 typedef struct pd_kv_connector_config {
@@ -93,11 +92,10 @@ void pd_kv_connector_stop(pd_connector_t *c);
 /* Stops (if needed) and frees everything (also via ops->destroy). */
 void pd_kv_connector_destroy(pd_connector_t *c);
 
-/* The compatibility fingerprint of a model directory served with these KV settings: model =
- * "<model_type>:<xxh3 of config.json, every tensor's name/dtype/shape and its first and last
- * 4 KiB>". */
-pd_status_t pd_kv_fingerprint(const char *model_dir, const char *kv_dtype, int32_t block_size,
-                              int32_t num_kv_heads, int32_t head_size, int32_t num_layers,
-                              Pd__Fingerprint *fp_out, char *model_buf, size_t model_buf_len);
+/* The compatibility fingerprint of a model (model_id from pd_model_fingerprint; the strings are
+ * referenced, not copied) served with these KV settings. pd_kv_connector_start adds the KV cache
+ * group layout to its layout field. */
+void pd_kv_fingerprint(const char *model_id, const char *kv_dtype, int32_t block_size, int32_t num_kv_heads,
+                       int32_t head_size, int32_t num_layers, Pd__Fingerprint *fp_out);
 
 #endif

@@ -243,7 +243,7 @@ typedef struct kv_conn {
     pd_kv_region_allocator_t alloc;
     bool staged;                    /* region is a mirror of the engine's KV at kv_base */
     void *kv_base;                  /* the engine's KV region (staged) */
-    struct pd_backend *be;          /* owns kv_base (staged) */
+    pd_kv_copy_ops_t copy;          /* the engine's page copies (staged) */
     bool pinned;                    /* region is page-locked by be */
     kv_staged_load_t *staged_loads; /* finished loads whose pages wait for the H2D copy (mu) */
     pd_strmap_t stage_failed;       /* prefill, pull: requests whose staging failed (engine thread) */

@@ -14,7 +14,6 @@
 #include "common/time.h"
 #include "connector/kv_connector.h"
 #include "connector/kv_internal.h"
-#include "kernels/backend.h"
 #include "scheduler/scheduler.h"
 
 static bool remote_prefill_ok(const kv_conn_t *k, const pd_request_t *req, const json_t *p);

@@ -13,7 +13,6 @@
 #include "common/time.h"
 #include "connector/kv_connector.h"
 #include "connector/kv_internal.h"
-#include "kernels/backend.h"
 #include "scheduler/scheduler.h"
 
 static int32_t stage_ranges(const kv_conn_t *k, int32_t l0, int32_t l1, const uint32_t *list, int32_t e0,
@@ -53,8 +52,8 @@ static int32_t stage_ranges(const kv_conn_t *k, int32_t l0, int32_t l1, const ui
 static pd_status_t stage_copy(kv_conn_t *k, const pd_page_range_t *r, int32_t n, bool to_host)
 {
     double t0 = pd_time_now_s();
-    pd_status_t st = to_host ? k->be->ops->copy_pages(k->be, k->region->base, k->kv_base, r, n, PD_COPY_D2H)
-                             : k->be->ops->copy_pages(k->be, k->kv_base, k->region->base, r, n, PD_COPY_H2D);
+    pd_status_t st = to_host ? k->copy.copy_pages(k->copy.ctx, k->region->base, k->kv_base, r, n, true)
+                             : k->copy.copy_pages(k->copy.ctx, k->kv_base, k->region->base, r, n, false);
     if (st != PD_OK) {
         pd_log_warn("kv connector: staging copy %s failed: %s", to_host ? "device→host" : "host→device",
                     pd_status_str(st));
@@ -142,7 +141,7 @@ void kv_stage_finish_loads(kv_conn_t *k, kv_staged_load_t *sl)
  * comment of kv_connector.h). */
 pd_status_t kv_stage_kv(kv_conn_t *k, const pd_kv_region_desc_t *rd)
 {
-    if (k->region != NULL || rd->backend == NULL || rd->backend->ops->copy_pages == NULL) {
+    if (k->region != NULL || rd->copy.copy_pages == NULL) {
         pd_log_error("kv connector: cannot stage the KV region (it was allocated by the pipe, or the backend "
                      "cannot copy pages)");
         return PD_ERR_INVALID_ARG;
@@ -155,10 +154,10 @@ pd_status_t kv_stage_kv(kv_conn_t *k, const pd_kv_region_desc_t *rd)
     }
     k->staged = true;
     k->kv_base = rd->base;
-    k->be = rd->backend;
+    k->copy = rd->copy;
     const char *pin = "pageable";
-    if (k->be->ops->pin_host != NULL) {
-        if (k->be->ops->pin_host(k->be, k->region->base, k->region->len) == PD_OK) {
+    if (k->copy.pin_host != NULL) {
+        if (k->copy.pin_host(k->copy.ctx, k->region->base, k->region->len) == PD_OK) {
             k->pinned = true;
             pin = "pinned";
         } else {

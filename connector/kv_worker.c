@@ -14,7 +14,6 @@
 #include "common/time.h"
 #include "connector/kv_connector.h"
 #include "connector/kv_internal.h"
-#include "kernels/backend.h"
 #include "scheduler/scheduler.h"
 
 static void post_layer_pages(kv_conn_t *k, kv_push_t *ps, const kv_save_item_t *s, int32_t layer, int32_t b0,

@@ -2,10 +2,6 @@
 #define _GNU_SOURCE
 #include "engine/engine.h"
 
-#ifdef PD_HAVE_CUDA
-#include "kernels/cuda/backend_cuda.h"
-#endif
-
 #include <jansson.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -151,6 +147,26 @@ static pd_dtype_t parse_kv_dtype(const char *s)
     return PD_DTYPE_F32;
 }
 
+/* The backend's page copies as the connector's copy ops (it stages a device KV through them). */
+static pd_status_t be_copy_pages(void *ctx, void *dst, const void *src, const pd_page_range_t *r, int n,
+                                 bool to_host)
+{
+    pd_backend_t *be = ctx;
+    return be->ops->copy_pages(be, dst, src, r, n, to_host ? PD_COPY_D2H : PD_COPY_H2D);
+}
+
+static pd_status_t be_pin_host(void *ctx, void *ptr, size_t bytes)
+{
+    pd_backend_t *be = ctx;
+    return be->ops->pin_host(be, ptr, bytes);
+}
+
+static void be_unpin_host(void *ctx, void *ptr)
+{
+    pd_backend_t *be = ctx;
+    be->ops->unpin_host(be, ptr);
+}
+
 pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine_out)
 {
     if (cfg->model_dir == NULL) {
@@ -174,11 +190,7 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
     snprintf(e->model_name, sizeof(e->model_name), "%s", base != NULL && base[1] ? base + 1 : cfg->model_dir);
     const char *device = cfg->device != NULL ? cfg->device : "auto";
     if (strcmp(device, "auto") == 0) {
-#ifdef PD_HAVE_CUDA
-        device = pd_cuda_device_count() > 0 ? "cuda" : "cpu";
-#else
-        device = "cpu";
-#endif
+        device = pd_backend_resolve("auto");
         pd_log_info("engine: --device auto → %s", device);
     }
     pd_status_t st = pd_backend_create(device, cfg->threads, &e->be);
@@ -235,7 +247,9 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
         pd_kv_region_desc_t rd;
         memset(&rd, 0, sizeof(rd));
         rd.base = e->kv->region;
-        rd.backend = e->be;
+        rd.copy = (pd_kv_copy_ops_t){e->be, e->be->ops->copy_pages != NULL ? be_copy_pages : NULL,
+                                     e->be->ops->pin_host != NULL ? be_pin_host : NULL,
+                                     e->be->ops->unpin_host != NULL ? be_unpin_host : NULL};
         rd.host_memory = e->be->host_memory;
         rd.bytes = e->kv->cfg.region_bytes;
         rd.num_layers = mc->num_layers;

@@ -14,16 +14,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "connector/connector.h" /* pd_kv_region_allocator_t */
 #include "kernels/backend.h"
 #include "model/model.h"
 #include "scheduler/kv_cache_spec.h"
-
-/* A pipe that needs to own the KV memory (UCX shared-memory puts) provides these. */
-typedef struct pd_kv_region_allocator {
-    void *ctx;
-    pd_status_t (*alloc)(void *ctx, size_t bytes, void **ptr_out);
-    void (*free)(void *ctx, void *ptr);
-} pd_kv_region_allocator_t;
 
 typedef struct pd_kv_init_params {
     int32_t block_size;

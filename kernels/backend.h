@@ -11,6 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/page_range.h"
 #include "common/rng.h"
 #include "common/sampling.h"
 #include "common/status.h"
@@ -60,12 +61,6 @@ typedef enum pd_copy_kind {
     PD_COPY_D2H,
     PD_COPY_D2D,
 } pd_copy_kind_t;
-
-/* A run of bytes to gather from / scatter into a region: (region offset, length). */
-typedef struct pd_page_range {
-    uint64_t offset;
-    uint64_t length;
-} pd_page_range_t;
 
 typedef struct pd_backend_ops {
     const char *name;
@@ -151,9 +146,15 @@ struct pd_backend {
     void *impl; /* backend private state */
 };
 
-/* Creates a backend by name: "cpu" (optimized) or "cpu-ref" (plain reference ops, for tests).
- * num_threads <= 0 means all cores. PD_ERR_NOT_FOUND for an unknown name. */
+/* Creates a backend by name (kernels/registry.c): "auto" (the first of cuda, cpu with a device),
+ * "cuda" (GPU builds), "cpu" (optimized) or "cpu-ref" (plain reference ops, for tests).
+ * num_threads <= 0 means all cores. PD_ERR_NOT_FOUND for a name this build does not have. */
 pd_status_t pd_backend_create(const char *name, int num_threads, pd_backend_t **be_out);
+
+/* The backend "auto" stands for in this build on this machine (other names are returned as they
+ * are), and how many devices a backend sees (0: none, or not in this build). */
+const char *pd_backend_resolve(const char *name);
+int pd_backend_device_count(const char *name);
 
 /* Frees the backend object (not memory it handed out; free that first). */
 void pd_backend_destroy(pd_backend_t *be);

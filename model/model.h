@@ -56,4 +56,8 @@ pd_status_t pd_model_forward(pd_model_t *model, const pd_batch_t *batch, const p
                              const pd_attn_meta_t *meta, const int32_t *logits_indices, int num_logits,
                              const pd_forward_hooks_t *hooks, float *logits_out);
 
+/* What identifies the model in model_dir: "<model_type>:<xxh3 of config.json, every tensor's name,
+ * dtype, shape and its first and last 4 KiB>" into buf. PD_ERR_IO when the files cannot be read. */
+pd_status_t pd_model_fingerprint(const char *model_dir, char *buf, size_t cap);
+
 #endif

@@ -70,8 +70,9 @@ int pd_node_main(int argc, char **argv, const char *role)
         const char *dtype = strcmp(cfg.kv_cache_dtype, "auto") == 0 ? "fp32" : cfg.kv_cache_dtype;
         Pd__Fingerprint fp;
         char model_id[160];
-        st = pd_kv_fingerprint(cfg.model_dir, dtype, cfg.block_size, mc->num_kv_heads, mc->head_size,
-                               mc->num_layers, &fp, model_id, sizeof(model_id));
+        st = pd_model_fingerprint(cfg.model_dir, model_id, sizeof(model_id));
+        pd_kv_fingerprint(model_id, dtype, cfg.block_size, mc->num_kv_heads, mc->head_size, mc->num_layers,
+                          &fp);
         if (st == PD_OK) {
             st = pd_kv_connector_start(conn, &fp);
         }

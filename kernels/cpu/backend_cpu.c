@@ -7,10 +7,6 @@
 
 #include "common/log.h"
 #include "kernels/cpu/cpu_ops.h"
-#ifdef PD_HAVE_CUDA
-#include "kernels/cuda/backend_cuda.h"
-#endif
-
 /* Every allocation carries a 64-byte header holding its size, for the peak accounting that the
  * memory profiler reads (bytes_in_use / bytes_peak). */
 #define CPU_ALLOC_HEADER 64
@@ -103,44 +99,9 @@ static const pd_backend_ops_t cpu_ref_ops = {
     .copy_pages = pd_cpu_copy_pages,
 };
 
-pd_status_t pd_backend_create(const char *name, int num_threads, pd_backend_t **be_out)
+pd_status_t pd_cpu_backend_init(pd_backend_t *be, int num_threads, bool reference)
 {
-    const pd_backend_ops_t *ops = NULL;
-    if (strcmp(name, "cpu") == 0) {
-        ops = &cpu_ops;
-    } else if (strcmp(name, "cpu-ref") == 0) {
-        ops = &cpu_ref_ops;
-#ifdef PD_HAVE_CUDA
-    } else if (strcmp(name, "cuda") == 0) {
-        pd_backend_t *be = calloc(1, sizeof(*be));
-        if (be == NULL) {
-            return PD_ERR_NO_MEMORY;
-        }
-        be->num_threads = 1;
-        pd_status_t st = pd_cuda_backend_init(be, 0);
-        if (st != PD_OK) {
-            free(be);
-            return st;
-        }
-        *be_out = be;
-        return PD_OK;
-#endif
-    } else {
-        pd_log_error("unknown backend '%s' (this build has: cpu, cpu-ref%s)", name,
-#ifdef PD_HAVE_CUDA
-                     ", cuda"
-#else
-                     ""
-#endif
-        );
-        return PD_ERR_NOT_FOUND;
-    }
-    pd_backend_t *be = calloc(1, sizeof(*be));
-    if (be == NULL) {
-        pd_log_error("cannot allocate the backend object");
-        return PD_ERR_NO_MEMORY;
-    }
-    be->ops = ops;
+    be->ops = reference ? &cpu_ref_ops : &cpu_ops;
     be->num_threads = num_threads > 0 ? num_threads : omp_get_num_procs();
     be->host_memory = true;
 #if defined(__SANITIZE_THREAD__)
@@ -154,18 +115,7 @@ pd_status_t pd_backend_create(const char *name, int num_threads, pd_backend_t **
 #endif
     /* one thread pool (OpenMP): OpenBLAS runs single-threaded inside it (kernels/cpu/matmul.c) */
     openblas_set_num_threads(1);
-    *be_out = be;
     return PD_OK;
-}
-
-void pd_backend_destroy(pd_backend_t *be)
-{
-#ifdef PD_HAVE_CUDA
-    if (be != NULL && be->ops == &pd_cuda_backend_ops) {
-        pd_cuda_backend_fini(be);
-    }
-#endif
-    free(be);
 }
 
 void pd_backend_reset_peak(pd_backend_t *be)

@@ -46,4 +46,7 @@ pd_status_t pd_cpu_copy_pages(pd_backend_t *be, void *dst, const void *src, cons
 pd_status_t pd_cpu_attn_validate(const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
                                  int decode_only);
 
+/* Sets be up as the CPU backend (reference: the plain ops; num_threads <= 0: all cores). */
+pd_status_t pd_cpu_backend_init(pd_backend_t *be, int num_threads, bool reference);
+
 #endif
