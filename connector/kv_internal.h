@@ -11,7 +11,7 @@
 #include "common/metrics.h"
 #include "common/strmap.h"
 #include "connector/kv_connector.h"
-#include "pipe/control.h"
+#include "connector/control.h"
 #include "pipe/pipe.h"
 
 #define KV_MAX_LAYERS 256

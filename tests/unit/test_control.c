@@ -13,7 +13,7 @@
 #include "common/log.h"
 #include "common/rng.h"
 #include "common/time.h"
-#include "pipe/control.h"
+#include "connector/control.h"
 
 static void roundtrip(pd_msg_type_t type, const ProtobufCMessage *msg, pd_ctl_msg_t *out)
 {

@@ -1,6 +1,6 @@
-/* pipe/control.c — control-plane frames and the token handshake. */
+/* connector/control.c — control-plane frames and the token handshake. */
 #define _GNU_SOURCE
-#include "pipe/control.h"
+#include "connector/control.h"
 
 #include <errno.h>
 #include <poll.h>

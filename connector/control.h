@@ -1,4 +1,4 @@
-/* pipe/control.h — the control plane's wire format and handshake (DESIGN.md §6).
+/* connector/control.h — the control plane's wire format and handshake (DESIGN.md §6).
  *
  * Frame: u32 payload length (big-endian) | u8 version | u8 type | u16 reserved (0) | payload
  * (a protobuf-c message of proto/pd.proto). Frames above max_frame, an unknown version or type,
