@@ -1,6 +1,6 @@
 /* connector/fingerprint.c — what two engines must share to exchange KV pages. */
-#include "connector/kv_connector.h"
 #include "connector/control.h"
+#include "connector/kv_connector.h"
 
 void pd_kv_fingerprint(const char *model_id, const char *kv_dtype, int32_t block_size, int32_t num_kv_heads,
                        int32_t head_size, int32_t num_layers, Pd__Fingerprint *fp)

@@ -10,8 +10,8 @@
 
 #include "common/metrics.h"
 #include "common/strmap.h"
-#include "connector/kv_connector.h"
 #include "connector/control.h"
+#include "connector/kv_connector.h"
 #include "pipe/pipe.h"
 
 #define KV_MAX_LAYERS 256

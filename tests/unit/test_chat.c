@@ -1050,6 +1050,9 @@ static char *reference_chat(int port, int max_tokens)
 
 START_TEST(test_openai_client_chat_pd_serve)
 {
+    if (!tu_need(TU_NODE)) {
+        return;
+    }
     char latest[1100], v4[1100];
     npm_openai("latest", "latest", latest, sizeof(latest));
     npm_openai("4", "4", v4, sizeof(v4));
@@ -1068,6 +1071,9 @@ END_TEST
 
 START_TEST(test_openai_client_chat_through_pd_proxy)
 {
+    if (!tu_need(TU_NODE)) {
+        return;
+    }
     char latest[1100], v4[1100];
     npm_openai("latest", "latest", latest, sizeof(latest));
     npm_openai("4", "4", v4, sizeof(v4));
@@ -1144,6 +1150,7 @@ END_TEST
 
 int main(void)
 {
+    tu_probe_tools(TU_NODE);
     Suite *s = suite_create("chat");
     TCase *tc = tcase_create("api");
     tcase_add_unchecked_fixture(tc, suite_setup, suite_teardown);
@@ -1168,5 +1175,5 @@ int main(void)
     srunner_run_all(sr, CK_NORMAL);
     int failed = srunner_ntests_failed(sr);
     srunner_free(sr);
-    return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+    return tu_exit(failed);
 }

@@ -700,6 +700,9 @@ END_TEST
 
 START_TEST(test_openai_npm_client)
 {
+    if (!tu_need(TU_NODE)) {
+        return;
+    }
     char dir[1024];
     ck_assert_msg(tu_npm_install("openai", "openai@4", dir, sizeof(dir)) == 0, "npm install openai@4 failed");
     char out[512];
@@ -736,6 +739,7 @@ END_TEST
 
 int main(void)
 {
+    tu_probe_tools(TU_NODE);
     Suite *s = suite_create("server");
     TCase *tc = tcase_create("http");
     tcase_add_unchecked_fixture(tc, suite_setup, suite_teardown);
@@ -755,5 +759,5 @@ int main(void)
     srunner_run_all(sr, CK_NORMAL);
     int failed = srunner_ntests_failed(sr);
     srunner_free(sr);
-    return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+    return tu_exit(failed);
 }

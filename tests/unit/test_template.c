@@ -104,6 +104,9 @@ static int compare_template(const char *path)
 
 START_TEST(test_real_templates_match_jinja2)
 {
+    if (!tu_need(TU_NODE | TU_JINJA2)) {
+        return;
+    }
     setup_npm();
     static const char *const pkgs[] = {"llama3", "qwen3", "gemma3", "llama2"};
     int compared = 0, with_template = 0;
@@ -123,6 +126,9 @@ END_TEST
 
 START_TEST(test_construct_templates_match_jinja2)
 {
+    if (!tu_need(TU_JINJA2)) {
+        return;
+    }
     static const char *const names[] = {"constructs_control", "constructs_expr", "llama31_style", "errors"};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         char path[1200];
@@ -380,6 +386,7 @@ END_TEST
 
 int main(void)
 {
+    tu_probe_tools(TU_NODE | TU_JINJA2);
     Suite *s = suite_create("template");
     TCase *tc = tcase_create("jinja");
     tcase_set_timeout(tc, 600);
@@ -394,5 +401,5 @@ int main(void)
     srunner_run_all(sr, CK_NORMAL);
     int failed = srunner_ntests_failed(sr);
     srunner_free(sr);
-    return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+    return tu_exit(failed);
 }

