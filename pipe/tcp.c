@@ -136,6 +136,13 @@ typedef struct tcp_pipe {
     pthread_t rx, tx;
     bool threads;
     bool tx_busy; /* the sender thread is writing a job (outside mu) */
+    /* mu guards everything below it: stop, the peer list (and each peer's unexpected queue), the
+     * region table and permissions, the op list and its counters, the job queue and the completion
+     * queue. The rx thread reads a frame's bytes and the tx thread writes a job's bytes without it:
+     * an op is unlinked (rx) or owned by its job (tx) before its bytes move, and a region's memory
+     * is used unlocked, so a caller must not deregister a region that transfers may still touch
+     * (the connector deregisters only after failing every peer). Nothing blocks while holding mu
+     * but the short writes of replies on the rx thread. */
     pthread_mutex_t mu;
     pthread_cond_t tx_cv;
     bool stop;
@@ -506,6 +513,174 @@ static bool descs_ok(const tcp_region_t *r, const desc_t *d, uint32_t n, uint64_
 }
 
 /* Handles one frame from peer's incoming socket; returns -1 when the connection is unusable. */
+/* Frame handlers (rx thread). Each is called without t->mu and returns without it, holding t->mu
+ * only around the op list, the region table and replies — never while reading the socket.
+ * Returns 0, or -1 when the connection must be dropped. */
+
+/* M_WRITE: pages for one of our regions; refused (and drained) unless the peer may write there. */
+static int rx_write(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, const hdr_t *h, const desc_t *d)
+{
+    pthread_mutex_lock(&t->mu);
+    tcp_region_t *r = region_by_id(t, h->region_id);
+    bool ok = r != NULL && allowed(t, h->region_id, peer, true) && descs_ok(r, d, h->count, h->len);
+    pthread_mutex_unlock(&t->mu);
+    int rc;
+    if (!ok) {
+        pd_log_warn(
+            "tcp pipe: refused a write of %u pages from peer %016llx (region %u not writable by it or "
+            "pages outside it)",
+            h->count, (unsigned long long)peer->id, h->region_id);
+        rc = discard(fd, h->len);
+    } else {
+        rc = read_pages(fd, r->pub.base, d, h->count);
+    }
+    if (rc == 0) {
+        pthread_mutex_lock(&t->mu);
+        send_reply(t, peer, M_WRITE_ACK, h->op_id, ok ? PD_OK : PD_ERR_OUT_OF_RANGE, NULL, NULL, 0, 0);
+        pthread_mutex_unlock(&t->mu);
+    }
+    return rc;
+}
+
+/* M_READ_REQ: the peer reads pages of one of our regions (answered with the pages, or refused). */
+static int rx_read_req(tcp_pipe_t *t, pd_pipe_peer_t *peer, const hdr_t *h, const desc_t *d)
+{
+    pthread_mutex_lock(&t->mu);
+    tcp_region_t *r = region_by_id(t, h->region_id);
+    bool ok = r != NULL && allowed(t, h->region_id, peer, false) && descs_ok(r, d, h->count, UINT64_MAX);
+    uint64_t total = 0;
+    for (uint32_t i = 0; ok && i < h->count; i++) {
+        total += d[i].len;
+    }
+    send_reply(t, peer, M_READ_RESP, h->op_id, ok ? PD_OK : PD_ERR_OUT_OF_RANGE, ok ? r : NULL, d, h->count,
+               total);
+    pthread_mutex_unlock(&t->mu);
+    if (!ok) {
+        pd_log_warn("tcp pipe: refused a read of region %u by peer %016llx", h->region_id,
+                    (unsigned long long)peer->id);
+    }
+    return 0;
+}
+
+/* M_WRITE_ACK: our write to the peer landed (or was refused). */
+static int rx_write_ack(tcp_pipe_t *t, pd_pipe_peer_t *peer, const hdr_t *h)
+{
+    pthread_mutex_lock(&t->mu);
+    op_t *o = take_op(t, h->op_id, peer, OP_WRITE);
+    if (o != NULL) {
+        complete_op(t, o, (pd_status_t)h->status, 0, 0);
+    }
+    pthread_mutex_unlock(&t->mu);
+    return 0;
+}
+
+/* M_READ_RESP: the pages of our read, straight into the local region (or drained on a mismatch). */
+static int rx_read_resp(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, const hdr_t *h)
+{
+    pthread_mutex_lock(&t->mu);
+    op_t *o = take_op(t, h->op_id, peer, OP_READ);
+    pthread_mutex_unlock(&t->mu);
+    pd_status_t st = (pd_status_t)h->status;
+    int rc = 0;
+    if (o == NULL || (st == PD_OK && h->len != o->total) || (st != PD_OK && h->len != 0)) {
+        rc = discard(fd, h->len);
+        st = PD_ERR_PARSE;
+    } else if (st == PD_OK) {
+        rc = read_pages(fd, o->local->pub.base, o->pages, (uint32_t)o->n);
+    }
+    if (o != NULL) {
+        pthread_mutex_lock(&t->mu);
+        complete_op(t, o, rc == 0 ? st : PD_ERR_PEER_GONE, 0, 0);
+        pthread_mutex_unlock(&t->mu);
+    }
+    return rc;
+}
+
+/* The posted receive from peer for tag, unlinked from the op list (NULL: none). t->mu held. */
+static op_t *take_recv(tcp_pipe_t *t, pd_pipe_peer_t *peer, uint64_t tag)
+{
+    for (op_t **pp = &t->ops; *pp != NULL; pp = &(*pp)->next) {
+        if ((*pp)->kind == OP_RECV && (*pp)->peer == peer && (*pp)->tag == tag) {
+            op_t *o = *pp;
+            *pp = o->next;
+            return o;
+        }
+    }
+    return NULL;
+}
+
+/* M_TENSOR with no receive posted for it: buffered on the peer, or handed to a receive posted
+ * while its payload was arriving. */
+static int rx_tensor_unexpected(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, const hdr_t *h)
+{
+    unexpected_t *u = calloc(1, sizeof(*u));
+    if (u != NULL) {
+        u->tag = h->op_id;
+        u->hdr = malloc(h->count + 1);
+        u->payload = malloc(h->len + 1);
+        u->hdr_len = h->count;
+        u->payload_len = h->len;
+    }
+    if (u == NULL || u->hdr == NULL || u->payload == NULL || read_full(fd, u->hdr, h->count) != 0 ||
+        read_full(fd, u->payload, h->len) != 0) {
+        if (u != NULL) {
+            free(u->hdr), free(u->payload), free(u);
+        }
+        return -1;
+    }
+    pthread_mutex_lock(&t->mu);
+    op_t *o = take_recv(t, peer, u->tag);
+    if (o != NULL) {
+        pd_status_t st = PD_ERR_NO_SPACE;
+        if (u->hdr_len <= o->hcap && u->payload_len <= o->pcap) {
+            memcpy(o->hbuf, u->hdr, u->hdr_len);
+            memcpy(o->pbuf, u->payload, u->payload_len);
+            st = PD_OK;
+        }
+        complete_op(t, o, st, u->hdr_len, u->payload_len);
+        free(u->hdr), free(u->payload), free(u);
+    } else {
+        unexpected_t **tail = &peer->unexpected;
+        while (*tail != NULL) {
+            tail = &(*tail)->next;
+        }
+        *tail = u;
+    }
+    pthread_mutex_unlock(&t->mu);
+    return 0;
+}
+
+/* M_TENSOR: a tagged message (header + payload) into the posted receive for its tag. */
+static int rx_tensor(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, const hdr_t *h)
+{
+    if (h->count > t->max_msg || h->len > t->max_msg) {
+        return -1;
+    }
+    pthread_mutex_lock(&t->mu);
+    op_t *o = take_recv(t, peer, h->op_id);
+    pthread_mutex_unlock(&t->mu);
+    if (o == NULL) {
+        return rx_tensor_unexpected(t, peer, fd, h);
+    }
+    int rc;
+    pd_status_t st;
+    if (h->count <= o->hcap && h->len <= o->pcap) {
+        rc = read_full(fd, o->hbuf, h->count);
+        if (rc == 0) {
+            rc = read_full(fd, o->pbuf, h->len);
+        }
+        st = rc == 0 ? PD_OK : PD_ERR_PEER_GONE;
+    } else {
+        rc = discard(fd, (uint64_t)h->count + h->len);
+        st = PD_ERR_NO_SPACE;
+    }
+    pthread_mutex_lock(&t->mu);
+    complete_op(t, o, st, h->count, h->len);
+    pthread_mutex_unlock(&t->mu);
+    return rc;
+}
+
+/* Reads one frame from peer's connection fd and dispatches it by type. */
 static int rx_frame(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd)
 {
     hdr_t h;
@@ -529,145 +704,18 @@ static int rx_frame(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd)
             return -1;
         }
     }
-    int rc = 0;
-    pthread_mutex_lock(&t->mu);
+    int rc;
     switch (h.type) {
-    case M_WRITE: {
-        tcp_region_t *r = region_by_id(t, h.region_id);
-        bool ok = r != NULL && allowed(t, h.region_id, peer, true) && descs_ok(r, d, h.count, h.len);
-        pthread_mutex_unlock(&t->mu);
-        if (!ok) {
-            pd_log_warn(
-                "tcp pipe: refused a write of %u pages from peer %016llx (region %u not writable by it or "
-                "pages outside it)",
-                h.count, (unsigned long long)peer->id, h.region_id);
-            rc = discard(fd, h.len);
-        } else {
-            rc = read_pages(fd, r->pub.base, d, h.count);
-        }
-        pthread_mutex_lock(&t->mu);
-        if (rc == 0) {
-            send_reply(t, peer, M_WRITE_ACK, h.op_id, ok ? PD_OK : PD_ERR_OUT_OF_RANGE, NULL, NULL, 0, 0);
-        }
-        break;
-    }
-    case M_READ_REQ: {
-        tcp_region_t *r = region_by_id(t, h.region_id);
-        bool ok = r != NULL && allowed(t, h.region_id, peer, false) && descs_ok(r, d, h.count, UINT64_MAX);
-        uint64_t total = 0;
-        for (uint32_t i = 0; ok && i < h.count; i++) {
-            total += d[i].len;
-        }
-        send_reply(t, peer, M_READ_RESP, h.op_id, ok ? PD_OK : PD_ERR_OUT_OF_RANGE, ok ? r : NULL, d, h.count,
-                   total);
-        if (!ok) {
-            pd_log_warn("tcp pipe: refused a read of region %u by peer %016llx", h.region_id,
-                        (unsigned long long)peer->id);
-        }
-        break;
-    }
-    case M_WRITE_ACK: {
-        op_t *o = take_op(t, h.op_id, peer, OP_WRITE);
-        if (o != NULL) {
-            complete_op(t, o, (pd_status_t)h.status, 0, 0);
-        }
-        break;
-    }
-    case M_READ_RESP: {
-        op_t *o = take_op(t, h.op_id, peer, OP_READ);
-        pthread_mutex_unlock(&t->mu);
-        pd_status_t st = (pd_status_t)h.status;
-        if (o == NULL || (st == PD_OK && h.len != o->total) || (st != PD_OK && h.len != 0)) {
-            rc = discard(fd, h.len);
-            st = PD_ERR_PARSE;
-        } else if (st == PD_OK) {
-            rc = read_pages(fd, o->local->pub.base, o->pages, (uint32_t)o->n);
-        }
-        pthread_mutex_lock(&t->mu);
-        if (o != NULL) {
-            complete_op(t, o, rc == 0 ? st : PD_ERR_PEER_GONE, 0, 0);
-        }
-        break;
-    }
-    case M_TENSOR: {
-        if (h.count > t->max_msg || h.len > t->max_msg) {
-            rc = -1;
-            break;
-        }
-        op_t *o = NULL;
-        for (op_t **pp = &t->ops; *pp != NULL; pp = &(*pp)->next) {
-            if ((*pp)->kind == OP_RECV && (*pp)->peer == peer && (*pp)->tag == h.op_id) {
-                o = *pp;
-                *pp = o->next;
-                break;
-            }
-        }
-        pthread_mutex_unlock(&t->mu);
-        if (o != NULL && h.count <= o->hcap && h.len <= o->pcap) {
-            rc = read_full(fd, o->hbuf, h.count);
-            if (rc == 0) {
-                rc = read_full(fd, o->pbuf, h.len);
-            }
-            pthread_mutex_lock(&t->mu);
-            complete_op(t, o, rc == 0 ? PD_OK : PD_ERR_PEER_GONE, h.count, h.len);
-            break;
-        }
-        if (o != NULL) {
-            rc = discard(fd, (uint64_t)h.count + h.len);
-            pthread_mutex_lock(&t->mu);
-            complete_op(t, o, PD_ERR_NO_SPACE, h.count, h.len);
-            break;
-        }
-        unexpected_t *u = calloc(1, sizeof(*u));
-        if (u != NULL) {
-            u->tag = h.op_id;
-            u->hdr = malloc(h.count + 1);
-            u->payload = malloc(h.len + 1);
-            u->hdr_len = h.count;
-            u->payload_len = h.len;
-        }
-        if (u == NULL || u->hdr == NULL || u->payload == NULL || read_full(fd, u->hdr, h.count) != 0 ||
-            read_full(fd, u->payload, h.len) != 0) {
-            if (u != NULL) {
-                free(u->hdr), free(u->payload), free(u);
-            }
-            rc = -1;
-            pthread_mutex_lock(&t->mu);
-            break;
-        }
-        pthread_mutex_lock(&t->mu);
-        /* a receive may have been posted while the payload was arriving: hand it over now */
-        for (op_t **pp = &t->ops; *pp != NULL; pp = &(*pp)->next) {
-            if ((*pp)->kind == OP_RECV && (*pp)->peer == peer && (*pp)->tag == u->tag) {
-                o = *pp;
-                *pp = o->next;
-                break;
-            }
-        }
-        if (o != NULL) {
-            pd_status_t st = PD_ERR_NO_SPACE;
-            if (u->hdr_len <= o->hcap && u->payload_len <= o->pcap) {
-                memcpy(o->hbuf, u->hdr, u->hdr_len);
-                memcpy(o->pbuf, u->payload, u->payload_len);
-                st = PD_OK;
-            }
-            complete_op(t, o, st, u->hdr_len, u->payload_len);
-            free(u->hdr), free(u->payload), free(u);
-            break;
-        }
-        unexpected_t **tail = &peer->unexpected;
-        while (*tail != NULL) {
-            tail = &(*tail)->next;
-        }
-        *tail = u;
-        break;
-    }
+    case M_WRITE: rc = rx_write(t, peer, fd, &h, d); break;
+    case M_READ_REQ: rc = rx_read_req(t, peer, &h, d); break;
+    case M_WRITE_ACK: rc = rx_write_ack(t, peer, &h); break;
+    case M_READ_RESP: rc = rx_read_resp(t, peer, fd, &h); break;
+    case M_TENSOR: rc = rx_tensor(t, peer, fd, &h); break;
     default:
         pd_log_warn("tcp pipe: unknown frame type %u from peer %016llx", h.type,
                     (unsigned long long)peer->id);
         rc = -1;
     }
-    pthread_mutex_unlock(&t->mu);
     free(d);
     return rc;
 }
