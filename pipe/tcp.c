@@ -141,8 +141,8 @@ typedef struct tcp_pipe {
      * queue. The rx thread reads a frame's bytes and the tx thread writes a job's bytes without it:
      * an op is unlinked (rx) or owned by its job (tx) before its bytes move, and a region's memory
      * is used unlocked, so a caller must not deregister a region that transfers may still touch
-     * (the connector deregisters only after failing every peer). Nothing blocks while holding mu
-     * but the short writes of replies on the rx thread. */
+     * (the connector deregisters only after failing every peer). Nothing blocks while holding mu:
+     * replies are jobs queued for the tx thread. */
     pthread_mutex_t mu;
     pthread_cond_t tx_cv;
     bool stop;
@@ -512,7 +512,6 @@ static bool descs_ok(const tcp_region_t *r, const desc_t *d, uint32_t n, uint64_
     return expect_total == UINT64_MAX || sum == expect_total;
 }
 
-/* Handles one frame from peer's incoming socket; returns -1 when the connection is unusable. */
 /* Frame handlers (rx thread). Each is called without t->mu and returns without it, holding t->mu
  * only around the op list, the region table and replies — never while reading the socket.
  * Returns 0, or -1 when the connection must be dropped. */
