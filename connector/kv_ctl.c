@@ -271,28 +271,9 @@ pd_status_t kv_ctl_start(kv_conn_t *k)
     return PD_OK;
 }
 
-void kv_ctl_stop(kv_conn_t *k)
+/* Frees what the control thread's connections held: dials, pending handshakes, peers. */
+static void free_connections(kv_conn_t *k)
 {
-    if (k->thread_started) {
-        pthread_mutex_lock(&k->mu);
-        k->stop = true;
-        pthread_mutex_unlock(&k->mu);
-        kv_ctl_wake(k);
-        pthread_join(k->thread, NULL);
-        k->thread_started = false;
-    }
-    /* the pipe completes every pending operation (CANCELLED) before it goes */
-    pthread_mutex_lock(&k->mu);
-    for (kv_peer_t *p = k->peers; p != NULL && k->pipe != NULL; p = p->next) {
-        if (p->remote != NULL) {
-            k->pipe->ops->release_remote(k->pipe, p->remote);
-            p->remote = NULL;
-        }
-    }
-    pd_pipe_destroy(k->pipe);
-    k->pipe = NULL;
-    k->region = NULL;
-    pthread_mutex_unlock(&k->mu);
     while (k->dials != NULL) {
         kv_dial_t *d = k->dials;
         k->dials = d->next;
@@ -317,6 +298,12 @@ void kv_ctl_stop(kv_conn_t *k)
         free(p->out);
         free(p);
     }
+}
+
+/* Frees the transfer-side lists: transfers, handed-over loads, leases, reservations, write jobs,
+ * notices. */
+static void free_work(kv_conn_t *k)
+{
     while (k->xfers != NULL) {
         kv_xfer_t *x = k->xfers;
         k->xfers = x->next;
@@ -349,6 +336,32 @@ void kv_ctl_stop(kv_conn_t *k)
         k->notices = n->next;
         free(n);
     }
+}
+
+void kv_ctl_stop(kv_conn_t *k)
+{
+    if (k->thread_started) {
+        pthread_mutex_lock(&k->mu);
+        k->stop = true;
+        pthread_mutex_unlock(&k->mu);
+        kv_ctl_wake(k);
+        pthread_join(k->thread, NULL);
+        k->thread_started = false;
+    }
+    /* the pipe completes every pending operation (CANCELLED) before it goes */
+    pthread_mutex_lock(&k->mu);
+    for (kv_peer_t *p = k->peers; p != NULL && k->pipe != NULL; p = p->next) {
+        if (p->remote != NULL) {
+            k->pipe->ops->release_remote(k->pipe, p->remote);
+            p->remote = NULL;
+        }
+    }
+    pd_pipe_destroy(k->pipe);
+    k->pipe = NULL;
+    k->region = NULL;
+    pthread_mutex_unlock(&k->mu);
+    free_connections(k);
+    free_work(k);
     if (k->listen_fd >= 0) {
         close(k->listen_fd);
         k->listen_fd = -1;

@@ -118,67 +118,51 @@ static void after_pages(kv_conn_t *k, kv_xfer_t *x)
     x->state = KV_XS_DONE;
 }
 
-/* Starts a decode load (pull: read; push: reserve) or a prefill save on a ready peer. */
-static void start_xfer(kv_conn_t *k, kv_xfer_t *x)
+/* Push load: reserve our blocks with the prefill and wait for its WRITE_DONE. */
+static void start_reservation(kv_conn_t *k, kv_xfer_t *x)
 {
-    kv_peer_t *p = x->peer;
-    const kv_geom_t *rg = &p->geom;
-    if (x->kind == KV_X_PUSH_LOAD) {
-        Pd__Reservation r = PD__RESERVATION__INIT;
-        r.request_id = x->remote_req;
-        x->lease_id = ((pd_time_now_ns() * 0x9E3779B97F4A7C15ull) ^ (uintptr_t)x) & ((1ull << 52) - 1);
-        r.lease_id = x->lease_id;
-        r.expires_unix_ms = (uint64_t)time(NULL) * 1000 + (uint64_t)kv_ms_of(x->deadline - pd_time_now_s());
-        r.block_ids = x->local_blocks;
-        r.n_block_ids = (size_t)(x->end_block < x->num_local ? x->end_block : x->num_local);
-        r.num_tokens = (uint32_t)x->num_tokens;
-        r.skip_blocks = (uint32_t)x->first_block;
-        pd_metric_inc(k->m.started[KV_X_PUSH_LOAD], 1);
-        x->state = KV_XS_WAIT_PEER;
-        x->t_posted = pd_time_now_s();
-        if (kv_peer_send(k, p, PD_MSG_RESERVATION, &r.base) != PD_OK) {
-            kv_fail_xfer(k, x, "cannot send the reservation");
-        }
-        return;
+    Pd__Reservation r = PD__RESERVATION__INIT;
+    r.request_id = x->remote_req;
+    x->lease_id = ((pd_time_now_ns() * 0x9E3779B97F4A7C15ull) ^ (uintptr_t)x) & ((1ull << 52) - 1);
+    r.lease_id = x->lease_id;
+    r.expires_unix_ms = (uint64_t)time(NULL) * 1000 + (uint64_t)kv_ms_of(x->deadline - pd_time_now_s());
+    r.block_ids = x->local_blocks;
+    r.n_block_ids = (size_t)(x->end_block < x->num_local ? x->end_block : x->num_local);
+    r.num_tokens = (uint32_t)x->num_tokens;
+    r.skip_blocks = (uint32_t)x->first_block;
+    pd_metric_inc(k->m.started[KV_X_PUSH_LOAD], 1);
+    x->state = KV_XS_WAIT_PEER;
+    x->t_posted = pd_time_now_s();
+    if (kv_peer_send(k, x->peer, PD_MSG_RESERVATION, &r.base) != PD_OK) {
+        kv_fail_xfer(k, x, "cannot send the reservation");
     }
-    /* pull load (read remote → local) or push save (write local → remote): every layer's pages
-     * of blocks [first, end) */
+}
+
+/* Why entries [first, end) of x's block lists cannot move, or NULL: both lists cover them, every
+ * remote id lies in the peer's cache, and the loading side finds each entry it holds on the other
+ * (a sliding-window group's null entries are outside the window). */
+static const char *check_blocks(const kv_xfer_t *x, const kv_geom_t *rg)
+{
     if (x->end_block > x->num_remote || x->end_block > x->num_local) {
-        kv_fail_xfer(k, x, "fewer blocks than the prompt needs");
-        return;
+        return "fewer blocks than the prompt needs";
     }
     for (int32_t b = x->first_block; b < x->end_block; b++) {
         if (x->remote_blocks[b] >= rg->num_blocks) {
-            kv_fail_xfer(k, x, "a remote block id is outside the peer's KV cache");
-            return;
+            return "a remote block id is outside the peer's KV cache";
         }
-        /* the side that loads must find every entry it holds on the other side (a sliding-window
-         * group's null entries are outside the window) */
         uint32_t want = x->kind == KV_X_PULL_LOAD ? x->local_blocks[b] : x->remote_blocks[b];
         uint32_t have = x->kind == KV_X_PULL_LOAD ? x->remote_blocks[b] : x->local_blocks[b];
         if (want != 0 && have == 0) {
-            kv_fail_xfer(k, x, "the peer no longer holds a block inside the sliding window");
-            return;
+            return "the peer no longer holds a block inside the sliding window";
         }
     }
-    pd_metric_inc(k->m.started[x->kind], 1);
-    pd_log_debug("kv connector: request %s: starting %s of blocks [%d, %d) %.3f ms after it was queued",
-                 x->req_id, x->kind == KV_X_PULL_LOAD ? "a read" : "a write", x->first_block, x->end_block,
-                 (pd_time_now_s() - x->started) * 1e3);
-    x->state = KV_XS_POSTED;
-    x->t_posted = pd_time_now_s();
-    int32_t n_blocks = x->end_block - x->first_block;
-    if (n_blocks <= 0) {
-        x->t_moved = x->t_posted;
-        after_pages(k, x); /* a full local hit: nothing to move, just notify */
-        return;
-    }
-    size_t n = (size_t)n_blocks * k->geom.num_layers;
-    pd_page_xfer_t *pages = malloc(n * sizeof(*pages));
-    if (pages == NULL) {
-        kv_fail_xfer(k, x, "out of memory");
-        return;
-    }
+    return NULL;
+}
+
+/* Every layer's pages of entries [first, end) both sides hold, each layer its group's entries, into
+ * pages (room for entries × layers); returns the count. */
+static size_t list_pages(const kv_conn_t *k, const kv_xfer_t *x, const kv_geom_t *rg, pd_page_xfer_t *pages)
+{
     size_t i = 0;
     for (uint32_t l = 0; l < k->geom.num_layers; l++) {
         for (int32_t b = x->first_block; b < x->end_block; b++) {
@@ -191,8 +175,38 @@ static void start_xfer(kv_conn_t *k, kv_xfer_t *x)
                 rg->layer_offset[l] + (uint64_t)x->remote_blocks[b] * rg->page_bytes, k->geom.page_bytes};
         }
     }
-    n = i;
-    if (n == 0) { /* every entry outside the window or a local hit: nothing to move */
+    return i;
+}
+
+/* Starts a decode load (pull: read; push: reserve) or a prefill save on a ready peer. */
+static void start_xfer(kv_conn_t *k, kv_xfer_t *x)
+{
+    if (x->kind == KV_X_PUSH_LOAD) {
+        start_reservation(k, x);
+        return;
+    }
+    /* pull load (read remote → local) or push save (write local → remote) */
+    kv_peer_t *p = x->peer;
+    const char *why = check_blocks(x, &p->geom);
+    if (why != NULL) {
+        kv_fail_xfer(k, x, why);
+        return;
+    }
+    pd_metric_inc(k->m.started[x->kind], 1);
+    pd_log_debug("kv connector: request %s: starting %s of blocks [%d, %d) %.3f ms after it was queued",
+                 x->req_id, x->kind == KV_X_PULL_LOAD ? "a read" : "a write", x->first_block, x->end_block,
+                 (pd_time_now_s() - x->started) * 1e3);
+    x->state = KV_XS_POSTED;
+    x->t_posted = pd_time_now_s();
+    int32_t n_entries = x->end_block - x->first_block;
+    pd_page_xfer_t *pages =
+        n_entries > 0 ? malloc((size_t)n_entries * k->geom.num_layers * sizeof(*pages)) : NULL;
+    if (n_entries > 0 && pages == NULL) {
+        kv_fail_xfer(k, x, "out of memory");
+        return;
+    }
+    size_t n = n_entries > 0 ? list_pages(k, x, &p->geom, pages) : 0;
+    if (n == 0) { /* a full local hit, or every entry outside the window: nothing to move */
         free(pages);
         x->t_moved = x->t_posted;
         after_pages(k, x);
