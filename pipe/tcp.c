@@ -719,11 +719,94 @@ static int rx_frame(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd)
     return rc;
 }
 
+/* A connection on the data listener: its HELLO names the peer (by pipe id) whose incoming
+ * connection it becomes. Reads the HELLO with the socket's receive timeout. */
+static void rx_accept(tcp_pipe_t *t)
+{
+    int fd = accept4(t->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+    if (fd < 0) {
+        return;
+    }
+    tune_socket(fd);
+    struct timeval tv = {TCP_RCV_TIMEOUT_S, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    hdr_t h;
+    if (read_full(fd, &h, sizeof(h)) != 0 || h.magic != TCP_MAGIC || h.type != M_HELLO) {
+        close(fd);
+        return;
+    }
+    pthread_mutex_lock(&t->mu);
+    pd_pipe_peer_t *peer = peer_by_id(t, h.op_id, true);
+    if (peer != NULL && peer->in_fd >= 0 && !peer->in_used && !peer->reading) {
+        /* a connection that never carried a frame, superseded: the peer connects again only after
+         * declaring us dead, so the older one is its previous incarnation's (accepted late, after
+         * we had declared that one dead too) */
+        pd_log_info("tcp pipe: peer %016llx connected again; its earlier, unused connection is dropped",
+                    (unsigned long long)peer->id);
+        drop_in(t, peer);
+    }
+    if (peer == NULL || peer->in_fd >= 0) {
+        pthread_mutex_unlock(&t->mu);
+        close(fd);
+        return;
+    }
+    peer->in_fd = fd;
+    struct epoll_event ev = {EPOLLIN, {.ptr = peer}};
+    epoll_ctl(t->epfd, EPOLL_CTL_ADD, fd, &ev); /* under mu: mark_dead removes it again */
+    pthread_mutex_unlock(&t->mu);
+}
+
+/* peer's incoming connection is readable: serve one frame (unless progress is reading it or the
+ * peer died meanwhile). Returns whether it was a request (busy polling follows those). */
+static bool rx_peer(tcp_pipe_t *t, pd_pipe_peer_t *peer)
+{
+    pthread_mutex_lock(&t->mu);
+    bool dead = peer->dead || peer->in_fd < 0; /* declared dead, or its connection dropped, since
+                                                * this event was reported */
+    bool busy = peer->reading;
+    if (!dead && !busy) {
+        peer->reading = true; /* claimed: progress leaves this socket alone */
+    }
+    pthread_mutex_unlock(&t->mu);
+    if (dead) {
+        return false;
+    }
+    if (busy) { /* progress is taking an ack from this socket: a few µs */
+        sched_yield();
+        return false;
+    }
+    /* the socket may have been drained by progress since epoll reported it */
+    hdr_t peek;
+    ssize_t k = recv(peer->in_fd, &peek, sizeof(peek), MSG_PEEK | MSG_DONTWAIT);
+    int rc = k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+                 ? 0
+                 : rx_frame(t, peer, peer->in_fd);
+    pthread_mutex_lock(&t->mu);
+    peer->reading = false;
+    if (rc != 0 && !peer->in_used && !peer->dead) {
+        /* closed before its first frame: a previous incarnation's connection, accepted after we had
+         * declared that one dead (the connector then handshook again). Not this peer's death: a
+         * real one is found by writes failing and the heartbeat. */
+        pd_log_info(
+            "tcp pipe: an incoming connection from peer %016llx closed before its first frame; dropped",
+            (unsigned long long)peer->id);
+        drop_in(t, peer);
+    } else if (rc != 0) {
+        mark_dead(t, peer, PD_ERR_PEER_GONE);
+    } else if (k > 0) {
+        peer->in_used = true;
+    }
+    pthread_mutex_unlock(&t->mu);
+    return k == (ssize_t)sizeof(peek) &&
+           (peek.type == M_WRITE || peek.type == M_READ_REQ || peek.type == M_TENSOR);
+}
+
+/* The receiver thread: the data listener and every peer's incoming connection (epoll). */
 static void *rx_main(void *arg)
 {
     tcp_pipe_t *t = arg;
     struct epoll_event evs[32];
-    double poll_until = 0; /* busy_poll_us after the last frame served: poll instead of sleeping */
+    double poll_until = 0; /* busy_poll_us after the last request served: poll instead of sleeping */
     for (;;) {
         int n = epoll_wait(t->epfd, evs, 32, poll_until > 0 && pd_time_now_s() < poll_until ? 0 : 1000);
         pthread_mutex_lock(&t->mu);
@@ -735,85 +818,9 @@ static void *rx_main(void *arg)
         for (int i = 0; i < n; i++) {
             void *ptr = evs[i].data.ptr;
             if (ptr == NULL) { /* the listener */
-                int fd = accept4(t->listen_fd, NULL, NULL, SOCK_CLOEXEC);
-                if (fd < 0) {
-                    continue;
-                }
-                tune_socket(fd);
-                struct timeval tv = {TCP_RCV_TIMEOUT_S, 0};
-                setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-                hdr_t h;
-                if (read_full(fd, &h, sizeof(h)) != 0 || h.magic != TCP_MAGIC || h.type != M_HELLO) {
-                    close(fd);
-                    continue;
-                }
-                pthread_mutex_lock(&t->mu);
-                pd_pipe_peer_t *peer = peer_by_id(t, h.op_id, true);
-                if (peer != NULL && peer->in_fd >= 0 && !peer->in_used && !peer->reading) {
-                    /* a connection that never carried a frame, superseded: the peer connects again
-                     * only after declaring us dead, so the older one is its previous incarnation's
-                     * (accepted late, after we had declared that one dead too) */
-                    pd_log_info(
-                        "tcp pipe: peer %016llx connected again; its earlier, unused connection is dropped",
-                        (unsigned long long)peer->id);
-                    drop_in(t, peer);
-                }
-                if (peer == NULL || peer->in_fd >= 0) {
-                    pthread_mutex_unlock(&t->mu);
-                    close(fd);
-                    continue;
-                }
-                peer->in_fd = fd;
-                struct epoll_event ev = {EPOLLIN, {.ptr = peer}};
-                epoll_ctl(t->epfd, EPOLL_CTL_ADD, fd, &ev); /* under mu: mark_dead removes it again */
-                pthread_mutex_unlock(&t->mu);
-                continue;
-            }
-            if (ptr == (void *)t) { /* wake */
-                continue;
-            }
-            pd_pipe_peer_t *peer = ptr;
-            pthread_mutex_lock(&t->mu);
-            bool dead = peer->dead || peer->in_fd < 0; /* declared dead, or its connection dropped,
-                                                        * since this event was reported */
-            bool busy = peer->reading;
-            if (!dead && !busy) {
-                peer->reading = true; /* claimed: progress leaves this socket alone */
-            }
-            pthread_mutex_unlock(&t->mu);
-            if (dead) {
-                continue;
-            }
-            if (busy) { /* progress is taking an ack from this socket: a few µs */
-                sched_yield();
-                continue;
-            }
-            /* the socket may have been drained by progress since epoll reported it */
-            hdr_t peek;
-            ssize_t k = recv(peer->in_fd, &peek, sizeof(peek), MSG_PEEK | MSG_DONTWAIT);
-            int rc = k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
-                         ? 0
-                         : rx_frame(t, peer, peer->in_fd);
-            pthread_mutex_lock(&t->mu);
-            peer->reading = false;
-            if (rc != 0 && !peer->in_used && !peer->dead) {
-                /* closed before its first frame: a previous incarnation's connection, accepted
-                 * after we had declared that one dead (the connector then handshook again). Not
-                 * this peer's death: a real one is found by writes failing and the heartbeat. */
-                pd_log_info(
-                    "tcp pipe: an incoming connection from peer %016llx closed before its first frame; "
-                    "dropped",
-                    (unsigned long long)peer->id);
-                drop_in(t, peer);
-            } else if (rc != 0) {
-                mark_dead(t, peer, PD_ERR_PEER_GONE);
-            } else if (k > 0) {
-                peer->in_used = true;
-            }
-            pthread_mutex_unlock(&t->mu);
-            bool request = k == (ssize_t)sizeof(peek) &&
-                           (peek.type == M_WRITE || peek.type == M_READ_REQ || peek.type == M_TENSOR);
-            if (t->busy_poll_us > 0 && request) { /* not after acks: the requester's side stays asleep */
+                rx_accept(t);
+            } else if (ptr != (void *)t && rx_peer(t, ptr) && t->busy_poll_us > 0) {
+                /* after a request, not after acks: the requester's side stays asleep */
                 poll_until = pd_time_now_s() + t->busy_poll_us * 1e-6;
             }
         }
