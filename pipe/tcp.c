@@ -34,9 +34,19 @@
 #include "pipe/completion.h"
 #include "pipe/pipe.h"
 
-#define TCP_MAGIC         0x50445450u /* "PDTP" */
-#define TCP_MAX_PAGES     (1u << 20)
-#define TCP_RCV_TIMEOUT_S 30
+#define TCP_MAGIC           0x50445450u /* "PDTP" */
+#define TCP_MAX_PAGES       (1u << 20)
+#define TCP_RCV_TIMEOUT_S   30
+#define TCP_HELLO_TIMEOUT_S 5  /* an accepted connection must send its HELLO within this */
+#define TCP_MAX_PENDING     64 /* accepted connections still without a HELLO; the oldest is dropped */
+
+/* An accepted data connection whose HELLO has not arrived (rx thread only). Its epoll data is
+ * the struct's address with bit 0 set, which tells it from a peer. */
+typedef struct pending_in {
+    int fd;
+    double deadline;
+    struct pending_in *next; /* newest first */
+} pending_in_t;
 
 enum { M_HELLO = 1, M_WRITE = 2, M_WRITE_ACK = 3, M_READ_REQ = 4, M_READ_RESP = 5, M_TENSOR = 6 };
 
@@ -155,6 +165,8 @@ typedef struct tcp_pipe {
     uint64_t next_op;
     job_t *jq_head, *jq_tail;
     pd_pipe_cq_t cq;
+    pending_in_t *pending; /* rx thread only (and tcp_destroy after it stopped) */
+    int num_pending;
     pd_pipe_peer_error_cb peer_cb;
     void *peer_cb_arg;
 } tcp_pipe_t;
@@ -719,24 +731,11 @@ static int rx_frame(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd)
     return rc;
 }
 
-/* A connection on the data listener: its HELLO names the peer (by pipe id) whose incoming
- * connection it becomes. Reads the HELLO with the socket's receive timeout. */
-static void rx_accept(tcp_pipe_t *t)
+/* fd sent HELLO h: it becomes the incoming connection of the peer h names (by pipe id). */
+static void hello_to_peer(tcp_pipe_t *t, int fd, const hdr_t *h)
 {
-    int fd = accept4(t->listen_fd, NULL, NULL, SOCK_CLOEXEC);
-    if (fd < 0) {
-        return;
-    }
-    tune_socket(fd);
-    struct timeval tv = {TCP_RCV_TIMEOUT_S, 0};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    hdr_t h;
-    if (read_full(fd, &h, sizeof(h)) != 0 || h.magic != TCP_MAGIC || h.type != M_HELLO) {
-        close(fd);
-        return;
-    }
     pthread_mutex_lock(&t->mu);
-    pd_pipe_peer_t *peer = peer_by_id(t, h.op_id, true);
+    pd_pipe_peer_t *peer = peer_by_id(t, h->op_id, true);
     if (peer != NULL && peer->in_fd >= 0 && !peer->in_used && !peer->reading) {
         /* a connection that never carried a frame, superseded: the peer connects again only after
          * declaring us dead, so the older one is its previous incarnation's (accepted late, after
@@ -754,6 +753,92 @@ static void rx_accept(tcp_pipe_t *t)
     struct epoll_event ev = {EPOLLIN, {.ptr = peer}};
     epoll_ctl(t->epfd, EPOLL_CTL_ADD, fd, &ev); /* under mu: mark_dead removes it again */
     pthread_mutex_unlock(&t->mu);
+}
+
+/* Unlinks pending connection *pp and closes it. */
+static void pending_drop(tcp_pipe_t *t, pending_in_t **pp)
+{
+    pending_in_t *c = *pp;
+    *pp = c->next;
+    t->num_pending--;
+    epoll_ctl(t->epfd, EPOLL_CTL_DEL, c->fd, NULL);
+    close(c->fd);
+    free(c);
+}
+
+/* A connection on the data listener waits, without blocking the receiver, for its HELLO. */
+static void rx_accept(tcp_pipe_t *t)
+{
+    int fd = accept4(t->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+    if (fd < 0) {
+        return;
+    }
+    tune_socket(fd);
+    struct timeval tv = {TCP_RCV_TIMEOUT_S, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    pending_in_t *c = calloc(1, sizeof(*c));
+    struct epoll_event ev = {EPOLLIN, {.ptr = (void *)((uintptr_t)c | 1u)}};
+    if (c == NULL || epoll_ctl(t->epfd, EPOLL_CTL_ADD, fd, &ev) != 0) {
+        free(c);
+        close(fd);
+        return;
+    }
+    c->fd = fd;
+    c->deadline = pd_time_now_s() + TCP_HELLO_TIMEOUT_S;
+    c->next = t->pending;
+    t->pending = c;
+    if (++t->num_pending > TCP_MAX_PENDING) {
+        pending_in_t **pp = &t->pending;
+        while ((*pp)->next != NULL) {
+            pp = &(*pp)->next;
+        }
+        pending_drop(t, pp);
+    }
+}
+
+/* Pending connection c is readable: once its whole HELLO is there it goes to its peer; a closed
+ * or garbled one is dropped; a partial one keeps waiting (until its deadline). */
+static void rx_pending(tcp_pipe_t *t, pending_in_t *c)
+{
+    pending_in_t **pp = &t->pending;
+    while (*pp != NULL && *pp != c) {
+        pp = &(*pp)->next;
+    }
+    if (*pp == NULL) {
+        return; /* dropped earlier in this batch of events */
+    }
+    hdr_t h;
+    ssize_t k = recv(c->fd, &h, sizeof(h), MSG_PEEK | MSG_DONTWAIT);
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+        return;
+    }
+    if (k > 0 && k < (ssize_t)sizeof(h)) {
+        return; /* the rest of the HELLO is on its way */
+    }
+    if (k != (ssize_t)sizeof(h) || read_full(c->fd, &h, sizeof(h)) != 0 || h.magic != TCP_MAGIC ||
+        h.type != M_HELLO) {
+        pending_drop(t, pp);
+        return;
+    }
+    int fd = c->fd;
+    *pp = c->next;
+    t->num_pending--;
+    epoll_ctl(t->epfd, EPOLL_CTL_DEL, fd, NULL);
+    free(c);
+    hello_to_peer(t, fd, &h);
+}
+
+/* Pending connections past their deadline are dropped. */
+static void pending_expire(tcp_pipe_t *t)
+{
+    double now = pd_time_now_s();
+    for (pending_in_t **pp = &t->pending; *pp != NULL;) {
+        if ((*pp)->deadline <= now) {
+            pending_drop(t, pp);
+        } else {
+            pp = &(*pp)->next;
+        }
+    }
 }
 
 /* peer's incoming connection is readable: serve one frame (unless progress is reading it or the
@@ -815,10 +900,13 @@ static void *rx_main(void *arg)
         if (stop) {
             break;
         }
+        pending_expire(t);
         for (int i = 0; i < n; i++) {
             void *ptr = evs[i].data.ptr;
             if (ptr == NULL) { /* the listener */
                 rx_accept(t);
+            } else if ((uintptr_t)ptr & 1u) {
+                rx_pending(t, (pending_in_t *)((uintptr_t)ptr & ~(uintptr_t)1u));
             } else if (ptr != (void *)t && rx_peer(t, ptr) && t->busy_poll_us > 0) {
                 /* after a request, not after acks: the requester's side stays asleep */
                 poll_until = pd_time_now_s() + t->busy_poll_us * 1e-6;
@@ -958,6 +1046,9 @@ static void tcp_destroy(pd_pipe_t *p)
     if (t->threads) {
         pthread_join(t->tx, NULL);
         pthread_join(t->rx, NULL);
+    }
+    while (t->pending != NULL) {
+        pending_drop(t, &t->pending);
     }
     /* every pending operation ends now */
     pthread_mutex_lock(&t->mu);

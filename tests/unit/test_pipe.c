@@ -6,7 +6,9 @@
  * during a transfer, and a peer killed with SIGKILL mid-transfer (noticed through the control
  * socket, as the heartbeat does in production). */
 #define _GNU_SOURCE
+#include <arpa/inet.h>
 #include <check.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -642,6 +644,46 @@ static void run_permissions(void)
     pair_close(&P);
 }
 
+/* tcp: connections to the data port that never send their HELLO (or dribble it) do not stall the
+ * receiver: a write from a real peer still lands at once. */
+static void run_silent_data_connections(void)
+{
+    if (strcmp(BACKENDS[g_b].kind, "tcp") != 0) {
+        return;
+    }
+    pair_t P;
+    pair_open(&P, true);
+    uint8_t addr[PD_PIPE_ADDR_MAX];
+    size_t al = sizeof(addr) - 1;
+    ck_assert_int_eq(P.b->ops->address(P.b, addr, &al), PD_OK);
+    addr[al] = '\0';
+    int port = 0;
+    ck_assert_int_eq(sscanf((const char *)addr, "tcp:%*[^:]:%d:", &port), 1);
+    int fds[16];
+    for (int i = 0; i < 16; i++) {
+        fds[i] = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        ck_assert_int_eq(connect(fds[i], (struct sockaddr *)&sa, sizeof(sa)), 0);
+        if (i % 2 == 1) {
+            ck_assert_int_eq(send(fds[i], "\x01", 1, MSG_NOSIGNAL), 1); /* a HELLO's first byte only */
+        }
+    }
+    usleep(100 * 1000);
+    fill(P.ra->base, 1 << 20, 9);
+    counter_t c = {0, 0, PD_OK};
+    pd_page_xfer_t pg = {0, 0, 65536};
+    ck_assert_int_eq(pd_pipe_write_pages(P.a, P.ab, P.ra, P.b_at_a, &pg, 1, on_done, &c), PD_OK);
+    pd_pipe_t *both[2] = {P.a, P.b};
+    wait_for(&c, 1, both, 2, 5); /* the receiver's HELLO wait is 30 s: it must not be in the way */
+    ck_assert_int_eq(c.errors, 0);
+    ck_assert_int_eq(memcmp(P.ra->base, P.rb->base, 65536), 0);
+    for (int i = 0; i < 16; i++) {
+        close(fds[i]);
+    }
+    pair_close(&P);
+}
+
 START_TEST(test_conformance)
 {
     g_b = _i;
@@ -661,6 +703,7 @@ START_TEST(test_conformance)
     run_permissions();
     run_close_during_transfer();
     run_peer_killed();
+    run_silent_data_connections();
 }
 END_TEST
 
