@@ -815,8 +815,22 @@ static void rx_pending(tcp_pipe_t *t, pending_in_t *c)
     if (k > 0 && k < (ssize_t)sizeof(h)) {
         return; /* the rest of the HELLO is on its way */
     }
-    if (k != (ssize_t)sizeof(h) || read_full(c->fd, &h, sizeof(h)) != 0 || h.magic != TCP_MAGIC ||
-        h.type != M_HELLO) {
+    if (k != (ssize_t)sizeof(h) || h.magic != TCP_MAGIC || h.type != M_HELLO) {
+        pending_drop(t, pp);
+        return;
+    }
+    pthread_mutex_lock(&t->mu);
+    pd_pipe_peer_t *peer = peer_by_id(t, h.op_id, false);
+    bool wait = peer != NULL && peer->in_fd >= 0 && !peer->in_used && peer->reading;
+    pthread_mutex_unlock(&t->mu);
+    if (wait) {
+        /* the peer's earlier, unused connection (a previous incarnation's) is being read this
+         * instant (progress taking a frame, a few µs): decide which connection stays once that is
+         * over; the HELLO stays buffered, so epoll reports this connection again */
+        sched_yield();
+        return;
+    }
+    if (read_full(c->fd, &h, sizeof(h)) != 0) {
         pending_drop(t, pp);
         return;
     }
