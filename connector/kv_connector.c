@@ -497,6 +497,49 @@ pd_status_t pd_kv_connector_start(pd_connector_t *c, const Pd__Fingerprint *fp)
     return kv_ctl_start(k);
 }
 
+bool pd_kv_connector_release(pd_connector_t *c, const char *request_id, uint64_t lease_id,
+                             const char *transfer_id)
+{
+    kv_conn_t *k = (kv_conn_t *)c;
+    bool done = false;
+    pthread_mutex_lock(&k->mu);
+    for (kv_lease_t *l = k->leases; request_id != NULL && l != NULL && !done; l = l->next) {
+        if (!l->expired && l->lease_id == lease_id && strcmp(l->req_id, request_id) == 0) {
+            l->expired = true; /* a late READ_DONE is answered STALE */
+            kv_report_sending(k, l->req_id);
+            done = true;
+        }
+    }
+    kv_xfer_t *lists[2] = {k->handoff, k->xfers};
+    for (int i = 0; transfer_id != NULL && transfer_id[0] && i < 2 && !done; i++) {
+        for (kv_xfer_t *x = lists[i]; x != NULL && !done; x = x->next) {
+            if (x->kind == KV_X_PUSH_SAVE && x->state == KV_XS_QUEUED && x->resv == NULL &&
+                strcmp(x->remote_req, transfer_id) == 0) {
+                x->state = KV_XS_DONE; /* no reservation will come */
+                kv_report_sending(k, x->req_id);
+                done = true;
+            }
+        }
+    }
+    if (!done && transfer_id != NULL && transfer_id[0] && k->is_prefill) {
+        /* push: the decode refused before this prefill finished; its request_finished holds nothing
+         * (bounded: a flood of unknown ids only resets the set) */
+        if (k->released.slots == NULL || k->released.count >= 4096) {
+            pd_strmap_destroy(&k->released);
+            pd_strmap_init(&k->released, 64);
+        }
+        pd_strmap_put(&k->released, transfer_id, strlen(transfer_id), 1);
+        done = true;
+    }
+    pthread_mutex_unlock(&k->mu);
+    if (done) {
+        pd_log_info("kv connector: released the KV of %s at the proxy's request (its decode failed)",
+                    request_id != NULL ? request_id : transfer_id);
+        kv_ctl_wake(k);
+    }
+    return done;
+}
+
 int pd_kv_connector_port(const pd_connector_t *c)
 {
     return ((const kv_conn_t *)c)->listen_port;
@@ -578,6 +621,7 @@ void pd_kv_connector_destroy(pd_connector_t *c)
     }
     if (k->stage_failed.slots != NULL) {
         pd_strmap_destroy(&k->stage_failed);
+        pd_strmap_destroy(&k->released);
     }
     pthread_mutex_destroy(&k->mu);
     pthread_cond_destroy(&k->cv);

@@ -92,6 +92,14 @@ void pd_kv_connector_stop(pd_connector_t *c);
 /* Stops (if needed) and frees everything (also via ops->destroy). */
 void pd_kv_connector_destroy(pd_connector_t *c);
 
+/* Prefill: gives up what it holds for a decode that will not come (the proxy calls it, through
+ * POST /pd/release, when the decode leg failed): the pull lease of request_id with lease_id, or the
+ * push transfer waiting for transfer_id's reservation; its blocks are freed at the next step. The
+ * ids are the capability (the lease id is random and only the params' receiver knows it). Returns
+ * whether something was released. */
+bool pd_kv_connector_release(pd_connector_t *c, const char *request_id, uint64_t lease_id,
+                             const char *transfer_id);
+
 /* The compatibility fingerprint of a model (model_id from pd_model_fingerprint; the strings are
  * referenced, not copied) served with these KV settings. pd_kv_connector_start adds the KV cache
  * group layout to its layout field. */

@@ -247,6 +247,8 @@ typedef struct kv_conn {
     bool pinned;                    /* region is page-locked by be */
     kv_staged_load_t *staged_loads; /* finished loads whose pages wait for the H2D copy (mu) */
     pd_strmap_t stage_failed;       /* prefill, pull: requests whose staging failed (engine thread) */
+    pd_strmap_t released;           /* prefill, push, under mu: transfer ids the proxy released before the
+                           * request finished (request_finished then holds nothing) */
     kv_geom_t geom;
     int32_t block_size;
 

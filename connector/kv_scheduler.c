@@ -231,6 +231,9 @@ static bool finished_push(kv_conn_t *k, pd_request_t *req, const uint32_t *block
         kv_notice(k, PD_MSG_WRITE_DONE, ps->resv->peer, ps->transfer_id, ps->resv->lease_id, status);
         ps->resv->released = true;
         pd_metric_inc(status == 0 ? k->m.completed[KV_X_PUSH_SAVE] : k->m.failed[KV_X_PUSH_SAVE], 1);
+    } else if (tid != NULL && k->released.slots != NULL &&
+               pd_strmap_del(&k->released, tid, strlen(tid), NULL) == 1) {
+        /* the proxy released it: its decode refused the request, no reservation will come */
     } else if (ok && tid != NULL && num_blocks > 0) {
         kv_xfer_t *x = calloc(1, sizeof(*x));
         if (x != NULL && (x->local_blocks = malloc((size_t)num_blocks * sizeof(uint32_t))) != NULL) {

@@ -103,6 +103,7 @@ struct preq {
     struct evhttp_connection *p_conn, *d_conn; /* upstream connections in use */
     json_t *ktp;                               /* pull: the prefill's kv_transfer_params */
     bool p_done, d_done, reply_started;
+    bool released; /* the prefill was told to free the KV it held for this request */
     struct evbuffer *d_body;
     double t0, t_d_sent, t_first;
     preq_t *prev, *next;
@@ -348,6 +349,54 @@ static void fail_request(preq_t *q, int status, const char *msg)
     }
 }
 
+/* ------------------------------------------------------------------ releasing a prefill's KV */
+
+typedef struct release_ctx {
+    proxy_t *px;
+    struct evhttp_connection *conn;
+} release_ctx_t;
+
+static void on_release_done(struct evhttp_request *r, void *arg)
+{
+    release_ctx_t *c = arg;
+    int code = r != NULL ? evhttp_request_get_response_code(r) : 0;
+    if (code != 200) {
+        pd_log_warn("proxy: releasing a prefill's KV answered %d (its lease frees it at the timeout)", code);
+    }
+    release_conn(c->px, c->conn);
+    free(c);
+}
+
+/* The decode leg failed (or the client left) after the prefill held KV for it: tell the prefill
+ * to free it now instead of at --kv-hold-timeout (pull: its lease; push: the transfer waiting for
+ * a reservation). Fire and forget. */
+static void release_prefill(preq_t *q)
+{
+    if (q->p == NULL || q->released) {
+        return;
+    }
+    json_t *body = NULL;
+    if (q->push) {
+        body = json_pack("{s:s}", "transfer_id", q->transfer_id);
+    } else if (q->ktp != NULL) {
+        const char *rid = json_string_value(json_object_get(q->ktp, "remote_request_id"));
+        json_t *lid = json_object_get(q->ktp, "lease_id");
+        if (rid != NULL && json_is_integer(lid)) {
+            body = json_pack("{s:s, s:O}", "remote_request_id", rid, "lease_id", lid);
+        }
+    }
+    release_ctx_t *c = body != NULL ? calloc(1, sizeof(*c)) : NULL;
+    if (c != NULL) {
+        c->px = q->px;
+        c->conn = upstream(q->px, q->p, EVHTTP_REQ_POST, "/pd/release", body, on_release_done, NULL, NULL, c);
+        if (c->conn == NULL) {
+            free(c);
+        }
+        q->released = true;
+    }
+    json_decref(body);
+}
+
 /* ------------------------------------------------------------------ the decode phase */
 
 static void start_decode(preq_t *q);
@@ -396,8 +445,12 @@ static void on_d_done(struct evhttp_request *r, void *arg)
             start_decode(q);
             return;
         }
+        release_prefill(q);
         fail_request(q, 502, "the decode node failed");
         return;
+    }
+    if (code != 200) {
+        release_prefill(q); /* the decode refused it: nobody will read the prefill's KV */
     }
     if (r != NULL) {
         evbuffer_add_buffer(q->d_body, evhttp_request_get_input_buffer(r));
@@ -425,6 +478,7 @@ static void start_decode(preq_t *q)
     proxy_t *px = q->px;
     node_t *d = pick(px, false, q->tried_d, q->affinity, false);
     if (d == NULL) {
+        release_prefill(q);
         fail_request(q, 503, "no healthy decode node");
         return;
     }
@@ -444,6 +498,7 @@ static void start_decode(preq_t *q)
     q->d_conn = upstream(px, d, EVHTTP_REQ_POST, q->path, body, on_d_done, on_d_chunk, on_d_header, q);
     json_decref(body);
     if (q->d_conn == NULL) {
+        release_prefill(q);
         fail_request(q, 502, "cannot reach the decode node");
         return;
     }

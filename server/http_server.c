@@ -362,6 +362,29 @@ static void handle_info(pd_http_server_t *s, struct evhttp_request *req)
     evbuffer_free(buf);
 }
 
+/* POST /pd/release: the proxy gives up a prefill's held KV whose decode leg failed. */
+static void handle_release(pd_http_server_t *s, struct evhttp_request *req)
+{
+    struct evbuffer *in = evhttp_request_get_input_buffer(req);
+    size_t len = evbuffer_get_length(in);
+    json_t *body =
+        len <= 4096 ? json_loadb((const char *)evbuffer_pullup(in, (ev_ssize_t)len), len, 0, NULL) : NULL;
+    const json_t *lid = json_object_get(body, "lease_id");
+    const char *rid = json_string_value(json_object_get(body, "remote_request_id"));
+    const char *tid = json_string_value(json_object_get(body, "transfer_id"));
+    if (!json_is_object(body) || (rid == NULL && tid == NULL) || (rid != NULL && !json_is_integer(lid))) {
+        json_decref(body);
+        pd_http_reply_error(s, req, 400, "BadRequestError", NULL,
+                            "want {\"remote_request_id\", \"lease_id\"} or {\"transfer_id\"}");
+        return;
+    }
+    bool done = s->cfg.release_kv(s->cfg.release_ctx, rid, (uint64_t)json_integer_value(lid), tid);
+    json_decref(body);
+    json_t *j = json_pack("{s:b}", "released", done);
+    pd_http_send_json(s, req, 200, j);
+    json_decref(j);
+}
+
 static void refresh_gauges(pd_http_server_t *s)
 {
     pd_engine_stats_t st;
@@ -428,6 +451,7 @@ static void on_request(struct evhttp_request *req, void *arg)
         {"/tokenize", POST, handle_tokenize},
         {"/detokenize", POST, handle_detokenize},
         {"/pd/info", GET, handle_info},
+        {"/pd/release", POST, handle_release},
     };
     bool v1 = strncmp(path, "/v1/", 4) == 0;
     if (v1 && !authorized(s, req)) {
@@ -443,7 +467,8 @@ static void on_request(struct evhttp_request *req, void *arg)
         return;
     }
     for (size_t i = 0; i < sizeof(routes) / sizeof(routes[0]); i++) {
-        if (strcmp(path, routes[i].path) != 0 || (routes[i].fn == handle_info && s->cfg.info_json == NULL)) {
+        if (strcmp(path, routes[i].path) != 0 || (routes[i].fn == handle_info && s->cfg.info_json == NULL) ||
+            (routes[i].fn == handle_release && s->cfg.release_kv == NULL)) {
             continue;
         }
         if (((int)cmd & routes[i].methods) == 0) {

@@ -24,6 +24,10 @@ typedef struct pd_http_config {
     int max_json_depth;
     const char *info_json;     /* P/D nodes: served at GET /pd/info (role, engine id, KV address) */
     const char *chat_template; /* --chat-template: a file or the template text (NULL: the model's) */
+    /* P/D prefill nodes: POST /pd/release {"remote_request_id", "lease_id"} or {"transfer_id"} gives
+     * up the KV held for a decode that will not come (pd_kv_connector_release); NULL: no route */
+    bool (*release_kv)(void *ctx, const char *request_id, uint64_t lease_id, const char *transfer_id);
+    void *release_ctx;
 } pd_http_config_t;
 
 void pd_http_config_defaults(pd_http_config_t *cfg);

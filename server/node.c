@@ -14,6 +14,12 @@
 #include "engine/engine.h"
 #include "server/http_server.h"
 
+/* POST /pd/release → the connector (prefill nodes). */
+static bool release_kv(void *ctx, const char *request_id, uint64_t lease_id, const char *transfer_id)
+{
+    return pd_kv_connector_release(ctx, request_id, lease_id, transfer_id);
+}
+
 int pd_node_main(int argc, char **argv, const char *role)
 {
     pd_engine_config_t cfg;
@@ -82,6 +88,10 @@ int pd_node_main(int argc, char **argv, const char *role)
         info = json_dumps(j, JSON_COMPACT);
         json_decref(j);
         hcfg.info_json = info;
+        if (strcmp(role, "prefill") == 0) {
+            hcfg.release_kv = release_kv;
+            hcfg.release_ctx = conn;
+        }
         st = pd_http_server_create(&hcfg, e, metrics, &srv);
     }
     if (st == PD_OK) {

@@ -441,6 +441,41 @@ START_TEST(test_nccl_with_host_kv_refused)
 }
 END_TEST
 
+/* A request the decode refuses after the prefill computed its KV ("max_tokens": "5": the proxy
+ * sends the prefill max_tokens 1) is answered 400, and the proxy has the prefill free that KV at once
+ * (POST /pd/release) instead of at --kv-hold-timeout (120 s here): after 10 of them both pools are
+ * free within assert_pool_free's 15 s. Pull over tcp (10 leases granted: the KV was really held)
+ * and push over ucx. */
+START_TEST(test_refused_decode_releases_prefill)
+{
+    static const char *const modes[2][2] = {{"pull", "tcp"}, {"push", "ucx"}};
+    for (int m = 0; m < 2; m++) {
+        cluster_t c;
+        cluster_start(&c, modes[m][0], modes[m][1], NULL, NULL);
+        for (int i = 0; i < 10; i++) {
+            char *b = body_for(i, false);
+            json_t *j = json_loads(b, 0, NULL);
+            free(b);
+            json_object_set_new(j, "max_tokens", json_string("5"));
+            char *body = json_dumps(j, JSON_COMPACT);
+            json_decref(j);
+            int st;
+            char *got = complete(c.x.port, body, &st);
+            free(body);
+            ck_assert_msg(got == NULL && st == 400, "%s: a request the decode refuses got HTTP %d",
+                          modes[m][0], st);
+        }
+        if (m == 0) {
+            ck_assert_int_eq((int)metric(c.p.port, "pd:kv_leases_granted_total"), 10);
+        }
+        assert_pool_free(c.p.port, "the prefill");
+        assert_pool_free(c.d.port, "the decode");
+        expect_same(c.x.port, 3, false); /* and the cluster still serves */
+        cluster_stop(&c);
+    }
+}
+END_TEST
+
 /* ------------------------------------------------------------------ hostile connections */
 
 /* A node's KV control port from /pd/info. */
@@ -1130,6 +1165,7 @@ int main(void)
     tcase_add_test(tc, test_stalled_prefill_reconnects);
     tcase_add_test(tc, test_silent_kv_connections_harmless);
     tcase_add_test(tc, test_silent_prefill_dial_harmless);
+    tcase_add_test(tc, test_refused_decode_releases_prefill);
     tcase_add_test(tc, test_prefill_killed_under_load);
     tcase_add_test(tc, test_decode_killed_holding_reservation);
     tcase_add_test(tc, test_proxy_prefix_affinity_and_failover);
