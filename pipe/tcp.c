@@ -145,7 +145,8 @@ typedef struct tcp_pipe {
     int busy_poll_us;
     pthread_t rx, tx;
     bool threads;
-    bool tx_busy; /* the sender thread is writing a job (outside mu) */
+    bool tx_busy;            /* the sender thread is writing a job (outside mu) */
+    pd_pipe_peer_t *tx_peer; /* ... to this peer's out_fd */
     /* mu guards everything below it: stop, the peer list (and each peer's unexpected queue), the
      * region table and permissions, the op list and its counters, the job queue and the completion
      * queue. The rx thread reads a frame's bytes and the tx thread writes a job's bytes without it:
@@ -199,6 +200,24 @@ static op_t *take_op(tcp_pipe_t *t, uint64_t id, pd_pipe_peer_t *peer, int kind)
     return NULL;
 }
 
+/* Closes a dead peer's sockets as soon as no thread uses them (mu held): its out_fd once the sender
+ * thread is not writing to it, its in_fd once nobody is reading it. Called where those uses end,
+ * so a dead peer keeps no fd (a closed number could otherwise be reused under a writer). */
+static void reap_fds(tcp_pipe_t *t, pd_pipe_peer_t *peer)
+{
+    if (!peer->dead) {
+        return;
+    }
+    if (peer->out_fd >= 0 && !(t->tx_busy && t->tx_peer == peer)) {
+        close(peer->out_fd);
+        peer->out_fd = -1;
+    }
+    if (peer->in_fd >= 0 && !peer->reading) {
+        close(peer->in_fd); /* mark_dead took it out of the epoll set */
+        peer->in_fd = -1;
+    }
+}
+
 static void mark_dead(tcp_pipe_t *t, pd_pipe_peer_t *peer, pd_status_t st)
 {
     if (peer->dead) {
@@ -228,6 +247,7 @@ static void mark_dead(tcp_pipe_t *t, pd_pipe_peer_t *peer, pd_status_t st)
         epoll_ctl(t->epfd, EPOLL_CTL_DEL, peer->in_fd, NULL);
         shutdown(peer->in_fd, SHUT_RDWR);
     }
+    reap_fds(t, peer);
 }
 
 /* Closes peer's incoming connection, leaving the peer alive without one until it connects
@@ -474,10 +494,13 @@ static void *tx_main(void *arg)
         int fd = peer->out_fd;
         bool dead = peer->dead || fd < 0;
         t->tx_busy = true;
+        t->tx_peer = peer;
         pthread_mutex_unlock(&t->mu);
         int rc = dead ? -1 : writev_full(fd, j->iov + j->first, j->niov - j->first);
         pthread_mutex_lock(&t->mu);
         t->tx_busy = false;
+        t->tx_peer = NULL;
+        reap_fds(t, peer); /* it died while we wrote */
         if (rc != 0) {
             mark_dead(t, peer, PD_ERR_PEER_GONE);
             if (j->complete_on_send != NULL) {
@@ -882,6 +905,7 @@ static bool rx_peer(tcp_pipe_t *t, pd_pipe_peer_t *peer)
                  : rx_frame(t, peer, peer->in_fd);
     pthread_mutex_lock(&t->mu);
     peer->reading = false;
+    reap_fds(t, peer); /* it died while we read */
     if (rc != 0 && !peer->in_used && !peer->dead) {
         /* closed before its first frame: a previous incarnation's connection, accepted after we had
          * declared that one dead (the connector then handshook again). Not this peer's death: a
@@ -1016,6 +1040,7 @@ static void take_acks(tcp_pipe_t *t)
         if (rc != 0) {
             mark_dead(t, peer, PD_ERR_PEER_GONE);
         }
+        reap_fds(t, peer);
     }
 }
 

@@ -8,6 +8,7 @@
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <check.h>
+#include <dirent.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
@@ -685,6 +686,60 @@ static void run_silent_data_connections(void)
     pair_close(&P);
 }
 
+static int count_fds(void)
+{
+    int n = 0;
+    DIR *d = opendir("/proc/self/fd");
+    for (struct dirent *e; d != NULL && (e = readdir(d)) != NULL;) {
+        n += e->d_name[0] != '.';
+    }
+    if (d != NULL) {
+        closedir(d);
+    }
+    return n;
+}
+
+/* tcp: a peer declared dead keeps no socket: 20 rounds of connect, write, fail on both sides leave
+ * the process's fd count where it was (each round used to leave 4 behind). */
+static void run_dead_peers_release_fds(void)
+{
+    if (strcmp(BACKENDS[g_b].kind, "tcp") != 0) {
+        return;
+    }
+    pair_t P;
+    pair_open(&P, true);
+    pd_pipe_t *both[2] = {P.a, P.b};
+    counter_t c = {0, 0, PD_OK};
+    pd_page_xfer_t pg = {0, 0, 4096};
+    ck_assert_int_eq(pd_pipe_write_pages(P.a, P.ab, P.ra, P.b_at_a, &pg, 1, on_done, &c), PD_OK);
+    wait_for(&c, 1, both, 2, 30);
+    P.a->ops->fail_peer(P.a, P.ab, PD_ERR_PEER_GONE);
+    P.b->ops->fail_peer(P.b, P.ba, PD_ERR_PEER_GONE);
+    usleep(50 * 1000);
+    int before = count_fds();
+    for (int round = 0; round < 20; round++) {
+        pd_pipe_peer_t *ab = NULL, *ba = NULL;
+        link2(P.a, P.b, &ab, &ba);
+        pd_pipe_remote_t *rr = share(P.b, P.rb, ba, true, P.a, ab);
+        int target = c.done + 1;
+        ck_assert_int_eq(pd_pipe_write_pages(P.a, ab, P.ra, rr, &pg, 1, on_done, &c), PD_OK);
+        wait_for(&c, target, both, 2, 30);
+        ck_assert_int_eq(c.last, PD_OK);
+        P.a->ops->fail_peer(P.a, ab, PD_ERR_PEER_GONE);
+        P.b->ops->fail_peer(P.b, ba, PD_ERR_PEER_GONE);
+        P.a->ops->release_remote(P.a, rr);
+    }
+    /* the receivers reap what they were reading within a tick */
+    int after = count_fds();
+    for (int i = 0; i < 40 && after > before + 2; i++) {
+        usleep(50 * 1000);
+        pd_pipe_progress(P.a), pd_pipe_progress(P.b);
+        after = count_fds();
+    }
+    ck_assert_msg(after <= before + 2, "20 dead peers left %d fds behind", after - before);
+    pair_close(&P);
+}
+
 /* Selects backend i for a conformance case; false (skipped, said) when this build lacks it. */
 static bool use_backend(int i, const char *scenario)
 {
@@ -719,6 +774,7 @@ CONFORMANCE(permissions)
 CONFORMANCE(close_during_transfer)
 CONFORMANCE(peer_killed)
 CONFORMANCE(silent_data_connections)
+CONFORMANCE(dead_peers_release_fds)
 
 static int cmp_local_ref(const void *a, const void *b)
 {
@@ -800,6 +856,7 @@ int main(void)
     tcase_add_loop_test(tc, test_close_during_transfer, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_peer_killed, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_silent_data_connections, 0, NUM_BACKENDS);
+    tcase_add_loop_test(tc, test_dead_peers_release_fds, 0, NUM_BACKENDS);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
