@@ -494,6 +494,11 @@ pd_status_t pd_kv_connector_start(pd_connector_t *c, const Pd__Fingerprint *fp)
         pd_log_error("kv connector: start before the engine registered its KV caches");
         return PD_ERR_INVALID_ARG;
     }
+    if (k->token_len == 0) {
+        pd_log_warn("kv connector: no --cluster-token-file: the KV control port (%s) and the pipe's data "
+                    "port accept any peer that can reach them; give every node the same token file",
+                    k->cfg.listen);
+    }
     return kv_ctl_start(k);
 }
 
