@@ -201,7 +201,6 @@ pd_status_t pd_kv_cache_config_compute(const pd_kv_spec_t *specs, int32_t num_la
         bytes_per_block = (size_t)group_size * pd_kv_spec_page_bytes(&specs[c->groups[0].layers[0]]);
     }
     uint64_t blocks = available_bytes / bytes_per_block;
-    c->num_blocks = 1; /* blocks_per_request reads only groups and block_size */
     uint64_t needed =
         (uint64_t)pd_kv_cache_config_blocks_per_request(
             c, max_model_len, max_chunk > 0 && max_chunk < max_model_len ? max_chunk : max_model_len) +

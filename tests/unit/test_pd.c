@@ -491,18 +491,6 @@ static int kv_port_of(int http_port)
     return port;
 }
 
-static int connect_loopback(int port)
-{
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
-        close(fd);
-        fd = -1;
-    }
-    return fd;
-}
-
 /* The attacker (a child process, killed by the caller): per port, `silent` connections that send
  * nothing and `dribble` that send one byte every second, each reopened as soon as the node drops
  * it, until killed. */
@@ -518,7 +506,7 @@ static pid_t hostile_start(const int *ports, int nports, int silent, int dribble
     for (int p = 0; p < nports; p++) {
         for (int i = 0; i < silent + dribble && n < MAX; i++, n++) {
             port[n] = ports[p];
-            fds[n] = connect_loopback(ports[p]);
+            fds[n] = http_connect(ports[p], 1000);
         }
     }
     signal(SIGPIPE, SIG_IGN);
@@ -534,7 +522,7 @@ static pid_t hostile_start(const int *ports, int nports, int silent, int dribble
                 if (fds[i] >= 0) {
                     close(fds[i]);
                 }
-                fds[i] = connect_loopback(port[i]);
+                fds[i] = http_connect(port[i], 1000);
             }
         }
         usleep(250 * 1000);

