@@ -212,6 +212,7 @@ void kv_notice(kv_conn_t *k, pd_msg_type_t type, kv_peer_t *peer, const char *ri
     n->status = status;
     n->next = k->notices;
     k->notices = n;
+    kv_ctl_wake(k); /* the engine thread queues notices too: the control thread may be asleep for 50 ms */
 }
 
 /* ------------------------------------------------------------------ staging (host mirror) */

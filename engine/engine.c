@@ -69,7 +69,7 @@ struct pd_engine {
     pthread_t thread;
     bool running, stop;
     bool woken;         /* the connector has news since the engine last looked */
-    int32_t last_items; /* requests the last step ran */
+    int32_t last_items; /* requests the last step ran, +1 when it applied connector news */
     void (*notify)(void *);
     void *notify_ctx;
     pd_engine_stats_t stats; /* snapshot under mu */
@@ -721,6 +721,11 @@ pd_status_t pd_engine_step(pd_engine_t *e, pd_engine_output_t **outputs)
     }
     pd_scheduler_update_result_t res;
     pd_scheduler_update(e->sched, so, &mo, &res);
+    if (mo.finished.num_recving > 0 || mo.finished.num_sending > 0 || mo.num_load_error_blocks > 0) {
+        /* the connector's news is applied after scheduling: a load that just finished makes its request
+         * runnable in the next step, so that step must come now, not after the idle wait */
+        e->last_items++;
+    }
     e->steps++;
     e->generation_tokens += (uint64_t)res.num_with_new_token;
 
