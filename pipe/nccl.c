@@ -338,6 +338,97 @@ static bool ranges_ok(const nregion_t *r, const uint64_t *ranges, uint32_t n)
 
 static void post_desc_recv(nccl_pipe_t *t, pd_pipe_peer_t *pe);
 
+/* D_WRITE_ANNOUNCE: pe's sends into region r are already on the wire; post the matching receives.
+ * Takes ownership of ranges. Returns non-OK when pe must be dropped. Called with t->mu held. */
+static pd_status_t on_write_announce(nccl_pipe_t *t, pd_pipe_peer_t *pe, const ndesc_t *d, uint64_t *ranges)
+{
+    nregion_t *r = region_by_id(t, d->region_id);
+    if (r == NULL || !allowed(t, d->region_id, pe, true) || !ranges_ok(r, ranges, d->n)) {
+        /* its sends are already on the wire: the only safe answer is to drop the peer */
+        pd_log_error("nccl pipe: peer %016llx announced a write outside what it may touch",
+                     (unsigned long long)pe->id);
+        free(ranges);
+        return PD_ERR_OUT_OF_RANGE;
+    }
+    nop_t *o = calloc(1, sizeof(*o));
+    if (o == NULL) {
+        free(ranges);
+        return PD_ERR_NO_MEMORY;
+    }
+    o->kind = O_TARGET_RECV;
+    o->id = d->op_id;
+    o->peer = pe;
+    o->ranges = ranges;
+    o->n = d->n;
+    o->next = t->ops;
+    t->ops = o;
+    return recv_or_hold(pe, r, o);
+}
+
+/* D_WRITE_ACK or D_READ_ANNOUNCE: pe answers one of our own writes or reads. A write ack or a refused read
+ * completes the op; an accepted read posts the receives for the data that follows. Called with t->mu held. */
+static pd_status_t on_op_reply(nccl_pipe_t *t, pd_pipe_peer_t *pe, const ndesc_t *d)
+{
+    nop_t *o = NULL;
+    for (nop_t *x = t->ops; x != NULL; x = x->next) {
+        if (x->peer == pe && x->id == d->op_id && (x->kind == O_WRITE || x->kind == O_READ)) {
+            o = x;
+            break;
+        }
+    }
+    if (o == NULL || (d->kind == D_WRITE_ACK) != (o->kind == O_WRITE)) {
+        return PD_ERR_PARSE;
+    }
+    if (d->kind == D_WRITE_ACK || d->status != PD_OK) {
+        unlink_op(t, o);
+        complete(t, o->cb, o->arg, (pd_status_t)d->status);
+        op_free(o);
+        return PD_OK;
+    }
+    return recv_or_hold(pe, o->local, o); /* the data follows this announcement */
+}
+
+/* D_READ_REQUEST: pe asks for ranges of region r. Answer with a D_READ_ANNOUNCE (refused when outside what pe
+ * may read) and send the data. Takes ownership of ranges. Called with t->mu held. */
+static pd_status_t on_read_request(nccl_pipe_t *t, pd_pipe_peer_t *pe, const ndesc_t *d, uint64_t *ranges)
+{
+    nregion_t *r = region_by_id(t, d->region_id);
+    ndesc_t a = {D_READ_ANNOUNCE, d->region_id, d->op_id, 0, PD_OK};
+    if (r == NULL || !allowed(t, d->region_id, pe, false) || !ranges_ok(r, ranges, d->n)) {
+        pd_log_warn("nccl pipe: refused a read from peer %016llx outside its regions",
+                    (unsigned long long)pe->id);
+        a.status = PD_ERR_OUT_OF_RANGE;
+        free(ranges);
+        return send_desc(t, pe, &a, NULL) == PD_OK ? PD_OK : PD_ERR_PEER_GONE;
+    }
+    if (send_desc(t, pe, &a, NULL) != PD_OK) {
+        free(ranges);
+        return PD_ERR_PEER_GONE;
+    }
+    return send_or_hold(t, pe, r, ranges, d->n);
+}
+
+/* Copy of the received page list of descriptor d (NULL when it has none); *st says why it failed. */
+static uint64_t *desc_ranges(pd_pipe_peer_t *pe, const ndesc_t *d, size_t hlen, size_t plen, pd_status_t *st)
+{
+    *st = PD_OK;
+    if (hlen != sizeof(*d) || plen != (size_t)d->n * 2 * sizeof(uint64_t) || d->n > MAX_RANGES) {
+        pd_log_error("nccl pipe: malformed descriptor from peer %016llx", (unsigned long long)pe->id);
+        *st = PD_ERR_PARSE;
+        return NULL;
+    }
+    if (d->n == 0) {
+        return NULL;
+    }
+    uint64_t *ranges = malloc(plen);
+    if (ranges == NULL) {
+        *st = PD_ERR_NO_MEMORY;
+        return NULL;
+    }
+    memcpy(ranges, pe->rx_ranges, plen);
+    return ranges;
+}
+
 /* A descriptor from pe arrived (TCP pipe callback, inside progress). */
 static void on_desc(void *arg, pd_status_t st, uint64_t tag, size_t hlen, size_t plen)
 {
@@ -353,107 +444,25 @@ static void on_desc(void *arg, pd_status_t st, uint64_t tag, size_t hlen, size_t
         return;
     }
     ndesc_t d = pe->rx_hdr;
-    if (hlen != sizeof(d) || plen != (size_t)d.n * 2 * sizeof(uint64_t) || d.n > MAX_RANGES) {
-        pd_log_error("nccl pipe: malformed descriptor from peer %016llx", (unsigned long long)pe->id);
-        peer_dead(t, pe, PD_ERR_PARSE);
-        pthread_mutex_unlock(&t->mu);
-        return;
-    }
-    uint64_t *ranges = NULL;
-    if (d.n > 0) {
-        ranges = malloc(plen);
-        if (ranges == NULL) {
-            peer_dead(t, pe, PD_ERR_NO_MEMORY);
-            pthread_mutex_unlock(&t->mu);
-            return;
-        }
-        memcpy(ranges, pe->rx_ranges, plen);
-    }
-    nregion_t *r = region_by_id(t, d.region_id);
-    pd_status_t res = PD_OK;
-    switch (d.kind) {
-    case D_WRITE_ANNOUNCE: {
-        if (r == NULL || !allowed(t, d.region_id, pe, true) || !ranges_ok(r, ranges, d.n)) {
-            /* its sends are already on the wire: the only safe answer is to drop the peer */
-            pd_log_error("nccl pipe: peer %016llx announced a write outside what it may touch",
-                         (unsigned long long)pe->id);
+    pd_status_t res;
+    uint64_t *ranges = desc_ranges(pe, &d, hlen, plen, &res);
+    if (res == PD_OK) {
+        switch (d.kind) {
+        case D_WRITE_ANNOUNCE: res = on_write_announce(t, pe, &d, ranges); break;
+        case D_WRITE_ACK:
+        case D_READ_ANNOUNCE:
             free(ranges);
-            peer_dead(t, pe, PD_ERR_OUT_OF_RANGE);
+            res = on_op_reply(t, pe, &d);
             break;
-        }
-        nop_t *o = calloc(1, sizeof(*o));
-        if (o == NULL) {
+        case D_READ_REQUEST: res = on_read_request(t, pe, &d, ranges); break;
+        default:
             free(ranges);
-            peer_dead(t, pe, PD_ERR_NO_MEMORY);
+            res = PD_ERR_PARSE;
             break;
         }
-        o->kind = O_TARGET_RECV;
-        o->id = d.op_id;
-        o->peer = pe;
-        o->ranges = ranges;
-        o->n = d.n;
-        o->next = t->ops;
-        t->ops = o;
-        res = recv_or_hold(pe, r, o);
-        if (res != PD_OK) {
-            peer_dead(t, pe, res);
-        }
-        break;
     }
-    case D_WRITE_ACK:
-    case D_READ_ANNOUNCE: {
-        nop_t *o = NULL;
-        for (nop_t *x = t->ops; x != NULL; x = x->next) {
-            if (x->peer == pe && x->id == d.op_id && (x->kind == O_WRITE || x->kind == O_READ)) {
-                o = x;
-                break;
-            }
-        }
-        if (o == NULL || (d.kind == D_WRITE_ACK) != (o->kind == O_WRITE)) {
-            free(ranges);
-            peer_dead(t, pe, PD_ERR_PARSE);
-            break;
-        }
-        free(ranges);
-        if (d.kind == D_WRITE_ACK || d.status != PD_OK) {
-            unlink_op(t, o);
-            complete(t, o->cb, o->arg, (pd_status_t)d.status);
-            op_free(o);
-            break;
-        }
-        res = recv_or_hold(pe, o->local, o); /* the data follows this announcement */
-        if (res != PD_OK) {
-            peer_dead(t, pe, res);
-        }
-        break;
-    }
-    case D_READ_REQUEST: {
-        ndesc_t a = {D_READ_ANNOUNCE, d.region_id, d.op_id, 0, PD_OK};
-        if (r == NULL || !allowed(t, d.region_id, pe, false) || !ranges_ok(r, ranges, d.n)) {
-            pd_log_warn("nccl pipe: refused a read from peer %016llx outside its regions",
-                        (unsigned long long)pe->id);
-            a.status = PD_ERR_OUT_OF_RANGE;
-            free(ranges);
-            if (send_desc(t, pe, &a, NULL) != PD_OK) {
-                peer_dead(t, pe, PD_ERR_PEER_GONE);
-            }
-            break;
-        }
-        if (send_desc(t, pe, &a, NULL) != PD_OK) {
-            free(ranges);
-            peer_dead(t, pe, PD_ERR_PEER_GONE);
-            break;
-        }
-        res = send_or_hold(t, pe, r, ranges, d.n);
-        if (res != PD_OK) {
-            peer_dead(t, pe, res);
-        }
-        break;
-    }
-    default:
-        free(ranges);
-        peer_dead(t, pe, PD_ERR_PARSE);
-        break;
+    if (res != PD_OK) {
+        peer_dead(t, pe, res);
     }
     bool dead = pe->dead;
     pthread_mutex_unlock(&t->mu);

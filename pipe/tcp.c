@@ -95,6 +95,13 @@ typedef struct unexpected {
     struct unexpected *next;
 } unexpected_t;
 
+static void unexpected_free(unexpected_t *u)
+{
+    free(u->hdr);
+    free(u->payload);
+    free(u);
+}
+
 enum { OP_WRITE, OP_READ, OP_SEND, OP_RECV };
 
 typedef struct op op_t;
@@ -658,7 +665,7 @@ static int rx_tensor_unexpected(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, con
     if (u == NULL || u->hdr == NULL || u->payload == NULL || read_full(fd, u->hdr, h->count) != 0 ||
         read_full(fd, u->payload, h->len) != 0) {
         if (u != NULL) {
-            free(u->hdr), free(u->payload), free(u);
+            unexpected_free(u);
         }
         return -1;
     }
@@ -672,7 +679,7 @@ static int rx_tensor_unexpected(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, con
             st = PD_OK;
         }
         complete_op(t, o, st, u->hdr_len, u->payload_len);
-        free(u->hdr), free(u->payload), free(u);
+        unexpected_free(u);
     } else {
         unexpected_t **tail = &peer->unexpected;
         while (*tail != NULL) {
@@ -1062,9 +1069,9 @@ static int tcp_wait_fd(pd_pipe_t *p)
     return t->cq.has_fd ? t->cq.efd : -1;
 }
 
-static void tcp_destroy(pd_pipe_t *p)
+/* Stop the sender and receiver threads: shut every socket down so that a thread stuck on one returns. */
+static void stop_threads(tcp_pipe_t *t)
 {
-    tcp_pipe_t *t = (tcp_pipe_t *)p;
     pthread_mutex_lock(&t->mu);
     t->stop = true;
     pthread_cond_broadcast(&t->tx_cv);
@@ -1086,10 +1093,15 @@ static void tcp_destroy(pd_pipe_t *p)
         pthread_join(t->tx, NULL);
         pthread_join(t->rx, NULL);
     }
+}
+
+/* Every pending operation and queued send ends with PD_ERR_CANCELLED; no peer callback runs after this. The
+ * threads are stopped. */
+static void cancel_all(tcp_pipe_t *t)
+{
     while (t->pending != NULL) {
         pending_drop(t, &t->pending);
     }
-    /* every pending operation ends now */
     pthread_mutex_lock(&t->mu);
     while (t->ops != NULL) {
         op_t *o = t->ops;
@@ -1106,23 +1118,27 @@ static void tcp_destroy(pd_pipe_t *p)
     }
     t->peer_cb = NULL;
     pthread_mutex_unlock(&t->mu);
-    tcp_progress(p);
-    while (t->peers != NULL) {
-        pd_pipe_peer_t *pe = t->peers;
-        t->peers = pe->next;
-        if (pe->out_fd >= 0) {
-            close(pe->out_fd);
-        }
-        if (pe->in_fd >= 0) {
-            close(pe->in_fd);
-        }
-        while (pe->unexpected != NULL) {
-            unexpected_t *u = pe->unexpected;
-            pe->unexpected = u->next;
-            free(u->hdr), free(u->payload), free(u);
-        }
-        free(pe);
+}
+
+/* Close a peer's sockets and free its record and its unclaimed messages. */
+static void peer_free(pd_pipe_peer_t *pe)
+{
+    if (pe->out_fd >= 0) {
+        close(pe->out_fd);
     }
+    if (pe->in_fd >= 0) {
+        close(pe->in_fd);
+    }
+    while (pe->unexpected != NULL) {
+        unexpected_t *u = pe->unexpected;
+        pe->unexpected = u->next;
+        unexpected_free(u);
+    }
+    free(pe);
+}
+
+static void regions_free(tcp_pipe_t *t)
+{
     for (uint32_t i = 0; i < t->num_regions; i++) {
         if (t->regions[i] != NULL) {
             if (t->regions[i]->owned) {
@@ -1137,6 +1153,20 @@ static void tcp_destroy(pd_pipe_t *p)
         t->perms = pm->next;
         free(pm);
     }
+}
+
+static void tcp_destroy(pd_pipe_t *p)
+{
+    tcp_pipe_t *t = (tcp_pipe_t *)p;
+    stop_threads(t);
+    cancel_all(t);
+    tcp_progress(p); /* runs the cancelled completions */
+    while (t->peers != NULL) {
+        pd_pipe_peer_t *pe = t->peers;
+        t->peers = pe->next;
+        peer_free(pe);
+    }
+    regions_free(t);
     if (t->listen_fd >= 0) {
         close(t->listen_fd);
     }
@@ -1487,7 +1517,7 @@ static pd_status_t tcp_recv_tensor(pd_pipe_t *p, pd_pipe_peer_t *peer, uint64_t 
         }
         pd_pipe_completion_t c = {NULL, cb, NULL, NULL, arg, st, tag, u->hdr_len, u->payload_len, NULL};
         complete(t, c);
-        free(u->hdr), free(u->payload), free(u);
+        unexpected_free(u);
         pthread_mutex_unlock(&t->mu);
         return PD_OK;
     }
