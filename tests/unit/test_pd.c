@@ -775,9 +775,9 @@ START_TEST(test_wrong_token_and_other_model_recompute)
         memset(&c, 0, sizeof(c));
         /* nobody can read the prefill's KV: it frees its blocks when the (short) leases end */
         char *pa[] = {"--kv-transfer-mode",   "pull", "--kv-pipe",         "tcp", FAST_TIMEOUTS,
-                      "--cluster-token-file", tok_b,  "--kv-hold-timeout", "2",   NULL};
+                      "--cluster-token-file", tok_b,  "--kv-hold-timeout", "1",   NULL};
         char *da[] = {"--kv-transfer-mode",   "pull", "--kv-pipe",         "tcp", FAST_TIMEOUTS,
-                      "--cluster-token-file", tok_a,  "--kv-hold-timeout", "2",   NULL};
+                      "--cluster-token-file", tok_a,  "--kv-hold-timeout", "1",   NULL};
         /* 0: same model, wrong token; 1: right token, different model */
         start(&c.p, "pd-prefill", "prefill", which == 0 ? g_model : g_model2, which == 0 ? pa : da);
         start(&c.d, "pd-decode", "decode", g_model, da);
@@ -834,8 +834,13 @@ START_TEST(test_stalled_prefill_reconnects)
         expect_same(c.x.port, 0, false);
         ck_assert_int_eq((int)metric(c.d.port, done), 1);
         kill(c.p.pid, SIGSTOP);
-        usleep(2500 * 1000); /* 5 missed heartbeats of 0.2 s: the decode declares it dead */
-        double peers_stalled = metric(c.d.port, "pd:kv_peers");
+        /* 5 missed heartbeats of 0.2 s: the decode declares it dead */
+        double peers_stalled = -1;
+        for (double end = tu_now() + 5; peers_stalled != 0 && tu_now() < end;) {
+            usleep(50 * 1000);
+            peers_stalled = metric(c.d.port, "pd:kv_peers");
+        }
+        usleep(300 * 1000); /* the prefill stays stopped past its own deadline for the decode too */
         kill(c.p.pid, SIGCONT);
         /* the proxy also marked the prefill unhealthy: it answers 503 until a probe passes */
         int st = 503, answered = 0;
@@ -1140,26 +1145,34 @@ int main(void)
 {
     pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_OFF);
     Suite *s = suite_create("pd");
-    TCase *tc = tcase_create("pd");
-    tcase_add_unchecked_fixture(tc, suite_setup, suite_teardown);
-    tcase_set_timeout(tc, 300);
-    tcase_add_loop_test(tc, test_equivalence, 0, (int)(sizeof(EQUIV) / sizeof(EQUIV[0])));
-    tcase_add_test(tc, test_families_equivalence);
-    tcase_add_test(tc, test_nccl_with_host_kv_refused);
-    tcase_add_test(tc, test_prefix_hit_moves_only_missing_blocks);
-    tcase_add_test(tc, test_prefill_gone_before_read);
-    tcase_add_test(tc, test_lease_expiry_is_stale);
-    tcase_add_test(tc, test_wrong_token_and_other_model_recompute);
-    tcase_add_test(tc, test_stalled_prefill_reconnects);
-    tcase_add_test(tc, test_silent_kv_connections_harmless);
-    tcase_add_test(tc, test_silent_prefill_dial_harmless);
-    tcase_add_test(tc, test_refused_decode_releases_prefill);
-    tcase_add_test(tc, test_prefill_killed_under_load);
-    tcase_add_test(tc, test_decode_killed_holding_reservation);
-    tcase_add_test(tc, test_proxy_prefix_affinity_and_failover);
-    tcase_add_test(tc, test_proxy_least_loaded_and_client_disconnect);
-    tcase_add_test(tc, test_dns_discovery_and_prefill_restart);
-    suite_add_tcase(s, tc);
+    /* four cases, each its own CTest entry (CK_RUN_CASE, CMakeLists.txt) so that they run side by side:
+     * they mostly wait on processes */
+    TCase *eq = tcase_create("equivalence");
+    tcase_add_loop_test(eq, test_equivalence, 0, (int)(sizeof(EQUIV) / sizeof(EQUIV[0])));
+    tcase_add_test(eq, test_families_equivalence);
+    tcase_add_test(eq, test_nccl_with_host_kv_refused);
+    tcase_add_test(eq, test_prefix_hit_moves_only_missing_blocks);
+    TCase *faults = tcase_create("faults");
+    tcase_add_test(faults, test_prefill_gone_before_read);
+    tcase_add_test(faults, test_lease_expiry_is_stale);
+    tcase_add_test(faults, test_stalled_prefill_reconnects);
+    tcase_add_test(faults, test_prefill_killed_under_load);
+    tcase_add_test(faults, test_decode_killed_holding_reservation);
+    TCase *hostile = tcase_create("hostile");
+    tcase_add_test(hostile, test_wrong_token_and_other_model_recompute);
+    tcase_add_test(hostile, test_silent_kv_connections_harmless);
+    tcase_add_test(hostile, test_silent_prefill_dial_harmless);
+    tcase_add_test(hostile, test_refused_decode_releases_prefill);
+    TCase *proxy = tcase_create("proxy");
+    tcase_add_test(proxy, test_proxy_prefix_affinity_and_failover);
+    tcase_add_test(proxy, test_proxy_least_loaded_and_client_disconnect);
+    tcase_add_test(proxy, test_dns_discovery_and_prefill_restart);
+    TCase *cases[] = {eq, faults, hostile, proxy};
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        tcase_add_unchecked_fixture(cases[i], suite_setup, suite_teardown);
+        tcase_set_timeout(cases[i], 300);
+        suite_add_tcase(s, cases[i]);
+    }
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
     int failed = srunner_ntests_failed(sr);

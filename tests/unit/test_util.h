@@ -223,8 +223,11 @@ static inline int tu_wait_port(pid_t pid, const char *port_file, double timeout_
                 return port;
             }
         }
-        int status;
-        if (waitpid(pid, &status, WNOHANG) == pid) {
+        /* exited: say so without reaping it, so that tu_stop still gets its status (and the pid is not
+         * reused before then) */
+        siginfo_t si;
+        si.si_pid = 0;
+        if (waitid(P_PID, (id_t)pid, &si, WEXITED | WNOHANG | WNOWAIT) == 0 && si.si_pid == pid) {
             return -1;
         }
         usleep(20000);
