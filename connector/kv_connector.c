@@ -185,11 +185,11 @@ bool kv_wants_push(const kv_conn_t *k, const json_t *p)
 
 kv_push_t *kv_push_find(kv_conn_t *k, const char *req_id, bool unlink)
 {
-    for (kv_push_t **pp = &k->pushes; *pp != NULL; pp = &(*pp)->next) {
-        if (strcmp((*pp)->req_id, req_id) == 0) {
-            kv_push_t *p = *pp;
+    kv_push_t *p;
+    pd_list_for_each (p, &k->pushes, link) {
+        if (strcmp(p->req_id, req_id) == 0) {
             if (unlink) {
-                *pp = p->next;
+                pd_list_del(&p->link);
             }
             return p;
         }
@@ -210,8 +210,7 @@ void kv_notice(kv_conn_t *k, pd_msg_type_t type, kv_peer_t *peer, const char *ri
     snprintf(n->request_id, sizeof(n->request_id), "%s", rid);
     n->lease_id = lease;
     n->status = status;
-    n->next = k->notices;
-    k->notices = n;
+    pd_list_add_tail(&k->notices, &n->link);
     kv_ctl_wake(k); /* the engine thread queues notices too: the control thread may be asleep for 50 ms */
 }
 
@@ -428,6 +427,13 @@ pd_status_t pd_kv_connector_create(const pd_kv_connector_config_t *cfg, pd_metri
     k->is_prefill = prefill;
     k->push = strcmp(cfg->mode, "push") == 0;
     k->listen_fd = k->wake_fd = -1;
+    pd_list_link_t *heads[] = {
+        &k->sched_pending, &k->pushes,  &k->meta_build.loads, &k->peers,  &k->handshakes,
+        &k->dials,         &k->xfers,   &k->handoff,          &k->leases, &k->resvs,
+        &k->jobs,          &k->notices, &k->staged_loads};
+    for (size_t i = 0; i < sizeof(heads) / sizeof(heads[0]); i++) {
+        pd_list_head_init(heads[i]);
+    }
     pthread_mutex_init(&k->mu, NULL);
     pthread_cond_init(&k->cv, NULL);
     char port[16] = "";
@@ -509,21 +515,26 @@ bool pd_kv_connector_release(pd_connector_t *c, const char *request_id, uint64_t
     kv_conn_t *k = (kv_conn_t *)c;
     bool done = false;
     pthread_mutex_lock(&k->mu);
-    for (kv_lease_t *l = k->leases; request_id != NULL && l != NULL && !done; l = l->next) {
-        if (!l->expired && l->lease_id == lease_id && strcmp(l->req_id, request_id) == 0) {
+    kv_lease_t *l;
+    pd_list_for_each (l, &k->leases, link) {
+        if (request_id != NULL && !l->expired && l->lease_id == lease_id &&
+            strcmp(l->req_id, request_id) == 0) {
             l->expired = true; /* a late READ_DONE is answered STALE */
             kv_report_sending(k, l->req_id);
             done = true;
+            break;
         }
     }
-    kv_xfer_t *lists[2] = {k->handoff, k->xfers};
+    pd_list_link_t *lists[2] = {&k->handoff, &k->xfers};
     for (int i = 0; transfer_id != NULL && transfer_id[0] && i < 2 && !done; i++) {
-        for (kv_xfer_t *x = lists[i]; x != NULL && !done; x = x->next) {
+        kv_xfer_t *x;
+        pd_list_for_each (x, lists[i], link) {
             if (x->kind == KV_X_PUSH_SAVE && x->state == KV_XS_QUEUED && x->resv == NULL &&
                 strcmp(x->remote_req, transfer_id) == 0) {
                 x->state = KV_XS_DONE; /* no reservation will come */
                 kv_report_sending(k, x->req_id);
                 done = true;
+                break;
             }
         }
     }
@@ -589,20 +600,16 @@ void pd_kv_connector_destroy(pd_connector_t *c)
     }
     kv_conn_t *k = (kv_conn_t *)c;
     pd_kv_connector_stop(c); /* destroys the pipe: every pending operation completes first */
-    while (k->sched_pending != NULL) {
-        kv_xfer_t *x = k->sched_pending;
-        k->sched_pending = x->next;
+    kv_xfer_t *x;
+    while ((x = pd_list_pop_head(&k->sched_pending, kv_xfer_t, link)) != NULL) {
         kv_xfer_free(x);
     }
-    while (k->meta_build.loads != NULL) {
-        kv_xfer_t *x = k->meta_build.loads;
-        k->meta_build.loads = x->next;
+    while ((x = pd_list_pop_head(&k->meta_build.loads, kv_xfer_t, link)) != NULL) {
         kv_xfer_free(x);
     }
     free(k->meta_build.saves);
-    while (k->pushes != NULL) {
-        kv_push_t *p = k->pushes;
-        k->pushes = p->next;
+    kv_push_t *p;
+    while ((p = pd_list_pop_head(&k->pushes, kv_push_t, link)) != NULL) {
         free(p);
     }
     for (int32_t i = 0; i < k->num_rep_sending; i++) {
@@ -619,9 +626,8 @@ void pd_kv_connector_destroy(pd_connector_t *c)
         free(k->fin_recving[i]);
     }
     free(k->fin_sending), free(k->fin_recving), free(k->load_errors);
-    while (k->staged_loads != NULL) {
-        kv_staged_load_t *sl = k->staged_loads;
-        k->staged_loads = sl->next;
+    kv_staged_load_t *sl;
+    while ((sl = pd_list_pop_head(&k->staged_loads, kv_staged_load_t, link)) != NULL) {
         free(sl->blocks);
         free(sl);
     }

@@ -48,7 +48,8 @@ int kv_ms_of(double s)
 static void on_pipe_peer_error(void *arg, pd_pipe_peer_t *pp, pd_status_t st)
 {
     kv_conn_t *k = arg;
-    for (kv_peer_t *p = k->peers; p != NULL; p = p->next) {
+    kv_peer_t *p;
+    pd_list_for_each (p, &k->peers, link) {
         if (p->pp == pp && p->state != KV_PEER_DEAD) {
             kv_peer_dead(k, p, pd_status_str(st));
         }
@@ -67,10 +68,12 @@ typedef struct ctl_poll {
 static bool poll_build(kv_conn_t *k, ctl_poll_t *cp, int pipe_fd)
 {
     size_t n = 3 + (size_t)k->num_handshakes;
-    for (kv_dial_t *d = k->dials; d != NULL; d = d->next) {
+    kv_dial_t *d;
+    pd_list_for_each (d, &k->dials, link) {
         n++;
     }
-    for (kv_peer_t *p = k->peers; p != NULL; p = p->next) {
+    kv_peer_t *p;
+    pd_list_for_each (p, &k->peers, link) {
         n += p->fd >= 0;
     }
     if (n > cp->cap) {
@@ -91,18 +94,19 @@ static bool poll_build(kv_conn_t *k, ctl_poll_t *cp, int pipe_fd)
     pf[1] = (struct pollfd){k->wake_fd, POLLIN, 0};
     pf[2] = (struct pollfd){pipe_fd, POLLIN, 0}; /* ignored by poll when -1 */
     size_t i = 3;
-    for (kv_peer_t *p = k->peers; p != NULL; p = p->next) {
+    pd_list_for_each (p, &k->peers, link) {
         if (p->fd >= 0) {
             cp->pp[i] = p;
             pf[i++] = (struct pollfd){p->fd, (short)(POLLIN | (p->out_len > 0 ? POLLOUT : 0)), 0};
         }
     }
     cp->hs0 = i;
-    for (kv_hs_t *h = k->handshakes; h != NULL; h = h->next) {
+    kv_hs_t *h;
+    pd_list_for_each (h, &k->handshakes, link) {
         pf[i++] = (struct pollfd){h->fd, POLLIN, 0};
     }
     cp->d0 = i; /* the dial list changes only on this thread */
-    for (kv_dial_t *d = k->dials; d != NULL; d = d->next) {
+    pd_list_for_each (d, &k->dials, link) {
         pf[i++] = (struct pollfd){d->fd, d->connected ? POLLIN : POLLOUT, 0};
     }
     cp->n = i;
@@ -119,11 +123,16 @@ static bool poll_build(kv_conn_t *k, ctl_poll_t *cp, int pipe_fd)
 static long poll_timeout_ns(kv_conn_t *k, int pipe_fd, bool *stop)
 {
     pthread_mutex_lock(&k->mu);
-    bool busy = k->jobs != NULL || k->handoff != NULL || k->notices != NULL;
+    bool busy =
+        !pd_list_is_empty(&k->jobs) || !pd_list_is_empty(&k->handoff) || !pd_list_is_empty(&k->notices);
     bool moving = k->jobs_posted > 0;
-    for (kv_xfer_t *x = k->xfers; x != NULL && !moving; x = x->next) {
-        moving = x->state == KV_XS_POSTED;
+    kv_xfer_t *x;
+    pd_list_for_each (x, &k->xfers, link) {
+        moving = moving || x->state == KV_XS_POSTED;
         busy = busy || (x->state == KV_XS_QUEUED && (x->peer != NULL || kv_find_dial(k, x->dial) == NULL));
+        if (moving) {
+            break;
+        }
     }
     *stop = k->stop;
     pthread_mutex_unlock(&k->mu);
@@ -138,13 +147,13 @@ static long poll_timeout_ns(kv_conn_t *k, int pipe_fd, bool *stop)
 static void on_listener_events(kv_conn_t *k, const ctl_poll_t *cp, int rc)
 {
     size_t j = cp->hs0;
-    for (kv_hs_t **hp = &k->handshakes; rc > 0 && *hp != NULL && j < cp->d0; j++) {
-        kv_hs_t *h = *hp;
-        if (cp->pf[j].revents != 0) {
-            kv_hs_read(k, hp);
+    kv_hs_t *h, *tmp;
+    pd_list_for_each_safe (h, tmp, &k->handshakes, link) {
+        if (rc <= 0 || j >= cp->d0) {
+            break; /* joined after the poll set was built */
         }
-        if (*hp == h) {
-            hp = &h->next; /* still pending */
+        if (cp->pf[j++].revents != 0) {
+            kv_hs_read(k, h); /* may unlink and free h */
         }
     }
     kv_hs_expire(k);
@@ -157,13 +166,13 @@ static void on_listener_events(kv_conn_t *k, const ctl_poll_t *cp, int rc)
 static void on_peer_events(kv_conn_t *k, const ctl_poll_t *cp, int rc)
 {
     size_t j = cp->d0;
-    for (kv_dial_t **dp = &k->dials; rc > 0 && *dp != NULL && j < cp->n; j++) {
-        kv_dial_t *d = *dp;
-        if (cp->pf[j].revents != 0) {
-            kv_dial_io(k, dp);
+    kv_dial_t *d, *tmp;
+    pd_list_for_each_safe (d, tmp, &k->dials, link) {
+        if (rc <= 0 || j >= cp->n) {
+            break; /* started after the poll set was built (dials join at the tail) */
         }
-        if (*dp == d) {
-            dp = &d->next;
+        if (cp->pf[j++].revents != 0) {
+            kv_dial_io(k, d); /* may unlink and free d */
         }
     }
     kv_dial_expire(k);
@@ -176,7 +185,8 @@ static void on_peer_events(kv_conn_t *k, const ctl_poll_t *cp, int rc)
             kv_read_peer(k, p);
         }
     }
-    for (kv_peer_t *p = k->peers; p != NULL; p = p->next) {
+    kv_peer_t *p;
+    pd_list_for_each (p, &k->peers, link) {
         if (p->state != KV_PEER_DEAD && p->rd.len > 0) {
             kv_parse_frames(k, p); /* frames that arrived with a handshake */
         }
@@ -186,12 +196,10 @@ static void on_peer_events(kv_conn_t *k, const ctl_poll_t *cp, int rc)
 /* Transfers the engine thread handed over join the started list. mu held. */
 static void adopt_handoff(kv_conn_t *k)
 {
-    while (k->handoff != NULL) {
-        kv_xfer_t *x = k->handoff;
-        k->handoff = x->next;
+    kv_xfer_t *x;
+    while ((x = pd_list_pop_head(&k->handoff, kv_xfer_t, link)) != NULL) {
         x->conn = k;
-        x->next = k->xfers;
-        k->xfers = x;
+        pd_list_add_tail(&k->xfers, &x->link);
         if (x->cancelled && x->kind != KV_X_PUSH_SAVE) {
             kv_end_load(k, x, false); /* aborted before it started */
         }
@@ -274,23 +282,20 @@ pd_status_t kv_ctl_start(kv_conn_t *k)
 /* Frees what the control thread's connections held: dials, pending handshakes, peers. */
 static void free_connections(kv_conn_t *k)
 {
-    while (k->dials != NULL) {
-        kv_dial_t *d = k->dials;
-        k->dials = d->next;
+    kv_dial_t *d;
+    while ((d = pd_list_pop_head(&k->dials, kv_dial_t, link)) != NULL) {
         pd_ctl_client_hs_destroy(&d->hs);
         pd_ctl_reader_destroy(&d->rd);
         close(d->fd);
         free(d);
     }
-    while (k->handshakes != NULL) {
-        kv_hs_t *h = k->handshakes;
-        k->handshakes = h->next;
+    kv_hs_t *h;
+    while ((h = pd_list_pop_head(&k->handshakes, kv_hs_t, link)) != NULL) {
         kv_hs_free(h);
     }
     k->num_handshakes = 0;
-    while (k->peers != NULL) {
-        kv_peer_t *p = k->peers;
-        k->peers = p->next;
+    kv_peer_t *p;
+    while ((p = pd_list_pop_head(&k->peers, kv_peer_t, link)) != NULL) {
         if (p->fd >= 0) {
             close(p->fd);
         }
@@ -304,36 +309,29 @@ static void free_connections(kv_conn_t *k)
  * notices. */
 static void free_work(kv_conn_t *k)
 {
-    while (k->xfers != NULL) {
-        kv_xfer_t *x = k->xfers;
-        k->xfers = x->next;
+    kv_xfer_t *x;
+    while ((x = pd_list_pop_head(&k->xfers, kv_xfer_t, link)) != NULL) {
         kv_xfer_free(x);
     }
-    while (k->handoff != NULL) {
-        kv_xfer_t *x = k->handoff;
-        k->handoff = x->next;
+    while ((x = pd_list_pop_head(&k->handoff, kv_xfer_t, link)) != NULL) {
         kv_xfer_free(x);
     }
-    while (k->leases != NULL) {
-        kv_lease_t *l = k->leases;
-        k->leases = l->next;
+    kv_lease_t *l;
+    while ((l = pd_list_pop_head(&k->leases, kv_lease_t, link)) != NULL) {
         free(l);
     }
-    while (k->resvs != NULL) {
-        kv_resv_t *rv = k->resvs;
-        k->resvs = rv->next;
+    kv_resv_t *rv;
+    while ((rv = pd_list_pop_head(&k->resvs, kv_resv_t, link)) != NULL) {
         free(rv->blocks);
         free(rv);
     }
-    while (k->jobs != NULL) {
-        kv_write_job_t *j = k->jobs;
-        k->jobs = j->next;
+    kv_write_job_t *j;
+    while ((j = pd_list_pop_head(&k->jobs, kv_write_job_t, link)) != NULL) {
         free(j->pages);
         free(j);
     }
-    while (k->notices != NULL) {
-        kv_notice_t *n = k->notices;
-        k->notices = n->next;
+    kv_notice_t *n;
+    while ((n = pd_list_pop_head(&k->notices, kv_notice_t, link)) != NULL) {
         free(n);
     }
 }
@@ -350,8 +348,9 @@ void kv_ctl_stop(kv_conn_t *k)
     }
     /* the pipe completes every pending operation (CANCELLED) before it goes */
     pthread_mutex_lock(&k->mu);
-    for (kv_peer_t *p = k->peers; p != NULL && k->pipe != NULL; p = p->next) {
-        if (p->remote != NULL) {
+    kv_peer_t *p;
+    pd_list_for_each (p, &k->peers, link) {
+        if (p->remote != NULL && k->pipe != NULL) {
             k->pipe->ops->release_remote(k->pipe, p->remote);
             p->remote = NULL;
         }

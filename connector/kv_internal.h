@@ -8,6 +8,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "common/list.h"
 #include "common/metrics.h"
 #include "common/strmap.h"
 #include "connector/control.h"
@@ -42,8 +43,8 @@ struct kv_hs {
     int fd;
     pd_ctl_reader_t rd;
     pd_ctl_server_hs_t hs;
-    double deadline; /* accepted + --kv-handshake-timeout */
-    kv_hs_t *next;   /* newest first */
+    double deadline;     /* accepted + --kv-handshake-timeout */
+    pd_list_link_t link; /* on kv_conn_t.handshakes, oldest first */
 };
 
 /* A connection we dial, until its handshake completes (ctl thread only): non-blocking connect,
@@ -56,7 +57,7 @@ struct kv_dial {
     pd_ctl_reader_t rd;
     pd_ctl_client_hs_t hs;
     double started, deadline;
-    kv_dial_t *next;
+    pd_list_link_t link;
 };
 
 /* A connected engine (ctl thread). */
@@ -76,7 +77,7 @@ struct kv_peer {
      * POLLOUT; nothing waits on the socket */
     uint8_t *out;
     size_t out_len, out_cap;
-    kv_peer_t *next;
+    pd_list_link_t link;
 };
 
 typedef enum kv_xfer_kind {
@@ -117,7 +118,7 @@ struct kv_xfer {
     struct kv_resv *resv; /* push save: the reservation written into */
     size_t bytes;
     int32_t pages;
-    kv_xfer_t *next;
+    pd_list_link_t link;
 };
 
 /* Prefill, pull: blocks held for a reader. */
@@ -127,7 +128,7 @@ struct kv_lease {
     uint64_t lease_id;
     double expires;
     bool expired; /* blocks released; kept a while to answer STALE */
-    kv_lease_t *next;
+    pd_list_link_t link;
 };
 
 /* Prefill, push: a decode's reservation (from the network; validated). */
@@ -144,7 +145,7 @@ struct kv_resv {
     bool taken;    /* bound to a local request (engine thread) */
     bool released; /* the request is done with it: the ctl thread frees it */
     bool dead;     /* its peer died: nothing may be written */
-    kv_resv_t *next;
+    pd_list_link_t link;
 };
 
 /* Prefill, push: one request being saved (engine thread, except `job` counters under mu). */
@@ -157,7 +158,7 @@ struct kv_push {
     bool failed;
     int32_t next_block; /* first block not yet completely written */
     int32_t steps;
-    kv_push_t *next;
+    pd_list_link_t link;
 };
 
 /* A batch of page writes posted by save_kv_layer (engine thread → ctl thread). */
@@ -169,7 +170,7 @@ struct kv_write_job {
     size_t bytes;
     uint64_t gen; /* the step that posted it (completions of older steps are not counted) */
     struct kv_conn *conn;
-    kv_write_job_t *next;
+    pd_list_link_t link;
 };
 
 /* Notification the ctl thread must send (engine thread → ctl thread). */
@@ -180,7 +181,7 @@ struct kv_notice {
     char request_id[PD_REQ_ID_MAX];
     uint64_t lease_id;
     int32_t status;
-    kv_notice_t *next;
+    pd_list_link_t link;
 };
 
 /* A finished load of a staged decode: pages [first, end) of these blocks (every layer) are in the
@@ -190,7 +191,7 @@ struct kv_staged_load {
     uint32_t *blocks; /* a block list's first num_blocks entries; */
     int32_t first;    /* of which [first, num_blocks) were loaded */
     int32_t num_blocks;
-    kv_staged_load_t *next;
+    pd_list_link_t link;
 };
 
 /* One step's connector metadata (scheduler half → worker half). */
@@ -207,7 +208,7 @@ typedef struct kv_save_item {
 } kv_save_item_t;
 
 typedef struct kv_meta {
-    kv_xfer_t *loads; /* loads to start */
+    pd_list_link_t loads; /* kv_xfer_t: loads to start */
     kv_save_item_t *saves;
     int32_t num_saves, cap_saves;
 } kv_meta_t;
@@ -241,21 +242,22 @@ typedef struct kv_conn {
     Pd__PipeKind pipe_kind;
     pd_pipe_region_t *region; /* the KV region, or its host mirror when staged */
     pd_kv_region_allocator_t alloc;
-    bool staged;                    /* region is a mirror of the engine's KV at kv_base */
-    void *kv_base;                  /* the engine's KV region (staged) */
-    pd_kv_copy_ops_t copy;          /* the engine's page copies (staged) */
-    bool pinned;                    /* region is page-locked by be */
-    kv_staged_load_t *staged_loads; /* finished loads whose pages wait for the H2D copy (mu) */
-    pd_strmap_t stage_failed;       /* prefill, pull: requests whose staging failed (engine thread) */
-    pd_strmap_t released;           /* prefill, push, under mu: transfer ids the proxy released before the
+    bool staged;                 /* region is a mirror of the engine's KV at kv_base */
+    void *kv_base;               /* the engine's KV region (staged) */
+    pd_kv_copy_ops_t copy;       /* the engine's page copies (staged) */
+    bool pinned;                 /* region is page-locked by be */
+    pd_list_link_t staged_loads; /* kv_staged_load_t: finished loads waiting for the H2D copy (mu) */
+    pd_strmap_t stage_failed;    /* prefill, pull: requests whose staging failed (engine thread) */
+    pd_strmap_t released;        /* prefill, push, under mu: transfer ids the proxy released before the
                            * request finished (request_finished then holds nothing) */
     kv_geom_t geom;
     int32_t block_size;
 
     /* engine thread only */
     kv_meta_t meta_build, *meta_bound;
-    kv_xfer_t *sched_pending; /* built in update_state_after_alloc, handed over in build_meta */
-    kv_push_t *pushes;
+    pd_list_link_t
+        sched_pending;     /* kv_xfer_t: built in update_state_after_alloc, handed over in build_meta */
+    pd_list_link_t pushes; /* kv_push_t */
     const char **rep_sending, **rep_recving; /* what get_finished returned last */
     int32_t num_rep_sending, num_rep_recving;
     int32_t step_jobs; /* write jobs posted this step */
@@ -267,20 +269,20 @@ typedef struct kv_conn {
     pthread_t thread;
     bool thread_started;
     int listen_fd, wake_fd;
-    kv_peer_t *peers;
-    kv_hs_t *handshakes; /* ctl thread only: accepted, not yet authenticated */
+    pd_list_link_t peers;      /* kv_peer_t, under mu */
+    pd_list_link_t handshakes; /* kv_hs_t, ctl thread only: accepted, not yet authenticated (oldest first) */
     int num_handshakes;
-    kv_dial_t *dials; /* ctl thread only, under mu: dialled, not yet authenticated */
+    pd_list_link_t dials; /* kv_dial_t, ctl thread only, under mu: dialled, not yet authenticated */
 
     pthread_mutex_t mu;
     pthread_cond_t cv; /* write jobs completing (wait_for_save) */
     bool stop;
-    kv_xfer_t *xfers;   /* started transfers */
-    kv_xfer_t *handoff; /* loads handed to the ctl thread, not yet started */
-    kv_lease_t *leases;
-    kv_resv_t *resvs;
-    kv_write_job_t *jobs;
-    kv_notice_t *notices;
+    pd_list_link_t xfers;           /* kv_xfer_t: started transfers */
+    pd_list_link_t handoff;         /* kv_xfer_t: loads handed to the ctl thread, not yet started */
+    pd_list_link_t leases;          /* kv_lease_t */
+    pd_list_link_t resvs;           /* kv_resv_t */
+    pd_list_link_t jobs;            /* kv_write_job_t, in posting order */
+    pd_list_link_t notices;         /* kv_notice_t, in queueing order */
     uint64_t gen;                   /* step generation of write jobs */
     int32_t jobs_posted;            /* write jobs on the pipe (ctl thread) */
     int32_t jobs_done, jobs_failed; /* of this step's jobs */
@@ -354,7 +356,7 @@ int32_t kv_get_block_ids_with_load_errors(pd_connector_t *c, uint32_t *ids, int3
 pd_status_t kv_stage_save_layer(kv_conn_t *k, const kv_save_item_t *s, int32_t layer);
 void kv_stage_failed_add(kv_conn_t *k, const char *req_id);
 bool kv_stage_failed_take(kv_conn_t *k, const char *req_id);
-void kv_stage_finish_loads(kv_conn_t *k, kv_staged_load_t *sl);
+void kv_stage_finish_loads(kv_conn_t *k, pd_list_link_t *loads);
 pd_status_t kv_stage_kv(kv_conn_t *k, const pd_kv_region_desc_t *rd);
 
 /* ------------------------------------------------------------------ control thread internals
@@ -370,11 +372,11 @@ void kv_peer_dead(kv_conn_t *k, kv_peer_t *p, const char *why);
 void kv_on_regions(kv_conn_t *k, kv_peer_t *p, const Pd__Regions *m);
 kv_dial_t *kv_find_dial(kv_conn_t *k, const char *addr);
 bool kv_dial_start(kv_conn_t *k, const char *addr);
-void kv_dial_io(kv_conn_t *k, kv_dial_t **dp);
+void kv_dial_io(kv_conn_t *k, kv_dial_t *d);
 void kv_dial_expire(kv_conn_t *k);
 void kv_hs_free(kv_hs_t *h);
 void kv_accept_peer(kv_conn_t *k);
-void kv_hs_read(kv_conn_t *k, kv_hs_t **hp);
+void kv_hs_read(kv_conn_t *k, kv_hs_t *h);
 void kv_hs_expire(kv_conn_t *k);
 kv_peer_t *kv_find_peer(kv_conn_t *k, const char *dial);
 void kv_parse_frames(kv_conn_t *k, kv_peer_t *p);

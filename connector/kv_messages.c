@@ -30,7 +30,8 @@ static void on_reservation(kv_conn_t *k, kv_peer_t *p, const Pd__Reservation *m)
 static kv_xfer_t *find_waiting(kv_conn_t *k, kv_peer_t *p, kv_xfer_kind_t kind, const char *rid,
                                uint64_t lease)
 {
-    for (kv_xfer_t *x = k->xfers; x != NULL; x = x->next) {
+    kv_xfer_t *x;
+    pd_list_for_each (x, &k->xfers, link) {
         if (x->kind == kind && x->state == KV_XS_WAIT_PEER && x->peer == p && x->lease_id == lease &&
             strcmp(x->remote_req, rid) == 0) {
             return x;
@@ -51,7 +52,8 @@ static void send_ack(kv_conn_t *k, kv_peer_t *p, const char *rid, uint64_t lease
 static void on_read_done_msg(kv_conn_t *k, kv_peer_t *p, const Pd__ReadDone *m)
 {
     double now = pd_time_now_s();
-    for (kv_lease_t *l = k->leases; l != NULL; l = l->next) {
+    kv_lease_t *l;
+    pd_list_for_each (l, &k->leases, link) {
         if (l->lease_id != m->lease_id || strcmp(l->req_id, m->request_id) != 0) {
             continue;
         }
@@ -86,8 +88,9 @@ static void on_reservation(kv_conn_t *k, kv_peer_t *p, const Pd__Reservation *m)
                 why = "a block id is outside the decode's KV cache";
             }
         }
-        for (kv_resv_t *rv = k->resvs; rv != NULL && why == NULL; rv = rv->next) {
-            if (!rv->released && strcmp(rv->transfer_id, m->request_id) == 0) {
+        kv_resv_t *rv;
+        pd_list_for_each (rv, &k->resvs, link) {
+            if (why == NULL && !rv->released && strcmp(rv->transfer_id, m->request_id) == 0) {
                 why = "duplicate transfer id";
             }
         }
@@ -119,8 +122,7 @@ static void on_reservation(kv_conn_t *k, kv_peer_t *p, const Pd__Reservation *m)
     rv->skip_blocks = (int32_t)m->skip_blocks;
     rv->num_tokens = (int32_t)m->num_tokens;
     rv->expires = pd_time_now_s() + k->cfg.hold_timeout;
-    rv->next = k->resvs;
-    k->resvs = rv;
+    pd_list_add_tail(&k->resvs, &rv->link);
 }
 
 void kv_on_message(kv_conn_t *k, kv_peer_t *p, const pd_ctl_msg_t *msg)
@@ -177,7 +179,8 @@ void kv_on_message(kv_conn_t *k, kv_peer_t *p, const pd_ctl_msg_t *msg)
     }
     case PD_MSG_ABORT: {
         const Pd__Abort *a = (const Pd__Abort *)msg->msg;
-        for (kv_lease_t *l = k->leases; l != NULL; l = l->next) {
+        kv_lease_t *l;
+        pd_list_for_each (l, &k->leases, link) {
             if (!l->expired && l->lease_id == a->lease_id && strcmp(l->req_id, a->request_id) == 0) {
                 l->expired = true;
                 l->expires = pd_time_now_s();

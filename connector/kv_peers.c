@@ -29,13 +29,14 @@ static pd_ctl_identity_t identity(kv_conn_t *k, uint8_t *addr, size_t *addr_len)
 static kv_peer_t *peer_new(kv_conn_t *k, int fd, pd_ctl_reader_t *rd, const char *dial, const char *engine_id,
                            Pd__PipeKind kind, const uint8_t *addr, size_t addr_len);
 static int dial_tcp(const char *host, int port);
-static void dial_fail(kv_conn_t *k, kv_dial_t **dp, const char *why);
-static void hs_drop(kv_conn_t *k, kv_hs_t **hp, const char *why);
+static void dial_fail(kv_conn_t *k, kv_dial_t *d, const char *why);
+static void hs_drop(kv_conn_t *k, kv_hs_t *h, const char *why);
 
 static int count_ready(const kv_conn_t *k)
 {
     int n = 0;
-    for (const kv_peer_t *p = k->peers; p != NULL; p = p->next) {
+    const kv_peer_t *p;
+    pd_list_for_each (p, &k->peers, link) {
         n += p->state == KV_PEER_READY;
     }
     return n;
@@ -118,12 +119,14 @@ void kv_peer_dead(kv_conn_t *k, kv_peer_t *p, const char *why)
         pd_metric_set(k->m.peers, count_ready(k));
     }
     /* transfers not on the pipe fail now; posted ones fail through their completions */
-    for (kv_xfer_t *x = k->xfers; x != NULL; x = x->next) {
+    kv_xfer_t *x;
+    pd_list_for_each (x, &k->xfers, link) {
         if (x->peer == p && x->state != KV_XS_POSTED && x->state != KV_XS_DONE) {
             kv_fail_xfer(k, x, why);
         }
     }
-    for (kv_resv_t *rv = k->resvs; rv != NULL; rv = rv->next) {
+    kv_resv_t *rv;
+    pd_list_for_each (rv, &k->resvs, link) {
         if (rv->peer == p) {
             rv->dead = true;
             if (!rv->taken) {
@@ -242,8 +245,7 @@ static kv_peer_t *peer_new(kv_conn_t *k, int fd, pd_ctl_reader_t *rd, const char
     snprintf(p->engine_id, sizeof(p->engine_id), "%s", engine_id);
     p->state = KV_PEER_WAIT_REGIONS;
     p->since = p->last_rx = p->last_hb = pd_time_now_s();
-    p->next = k->peers;
-    k->peers = p;
+    pd_list_add_tail(&k->peers, &p->link);
     if (send_regions(k, p) != PD_OK) {
         kv_peer_dead(k, p, "cannot export our KV region");
     }
@@ -274,7 +276,8 @@ static int dial_tcp(const char *host, int port)
 
 kv_dial_t *kv_find_dial(kv_conn_t *k, const char *addr)
 {
-    for (kv_dial_t *d = k->dials; d != NULL; d = d->next) {
+    kv_dial_t *d;
+    pd_list_for_each (d, &k->dials, link) {
         if (strcmp(d->addr, addr) == 0) {
             return d;
         }
@@ -307,19 +310,18 @@ bool kv_dial_start(kv_conn_t *k, const char *addr)
     pd_ctl_client_hs_init(&d->hs);
     d->started = pd_time_now_s();
     d->deadline = d->started + k->cfg.handshake_timeout;
-    d->next = k->dials;
-    k->dials = d;
+    pd_list_add_tail(&k->dials, &d->link);
     return true;
 }
 
-/* Dial *dp failed: its queued transfers fail (they will not find a peer), it goes. mu held. */
-static void dial_fail(kv_conn_t *k, kv_dial_t **dp, const char *why)
+/* Dial d failed: its queued transfers fail (they will not find a peer), it goes. mu held. */
+static void dial_fail(kv_conn_t *k, kv_dial_t *d, const char *why)
 {
-    kv_dial_t *d = *dp;
-    *dp = d->next;
+    pd_list_del(&d->link);
     pd_log_error("kv connector: handshake with %s failed: %s", d->addr, why);
     pd_metric_inc(k->m.handshakes_failed, 1);
-    for (kv_xfer_t *y = k->xfers; y != NULL; y = y->next) {
+    kv_xfer_t *y;
+    pd_list_for_each (y, &k->xfers, link) {
         if (y->state == KV_XS_QUEUED && y->peer == NULL && strcmp(y->dial, d->addr) == 0) {
             kv_fail_xfer(k, y, "cannot connect to the prefill");
         }
@@ -330,11 +332,10 @@ static void dial_fail(kv_conn_t *k, kv_dial_t **dp, const char *why)
     free(d);
 }
 
-/* Dial *dp's socket is ready: finish the connect and send the Hello, or take the server's
- * frames; an authenticated server becomes a kv_peer_t. mu held. */
-void kv_dial_io(kv_conn_t *k, kv_dial_t **dp)
+/* Dial d's socket is ready: finish the connect and send the Hello, or take the server's frames;
+ * an authenticated server becomes a kv_peer_t (d leaves the dials and is freed). mu held. */
+void kv_dial_io(kv_conn_t *k, kv_dial_t *d)
 {
-    kv_dial_t *d = *dp;
     char reason[256] = "";
     uint8_t a[PD_PIPE_ADDR_MAX];
     size_t al = sizeof(a);
@@ -346,7 +347,7 @@ void kv_dial_io(kv_conn_t *k, kv_dial_t **dp)
         if (getsockopt(d->fd, SOL_SOCKET, SO_ERROR, &err, &el) != 0 || err != 0) {
             snprintf(reason, sizeof(reason), "cannot reach the KV control port: %s",
                      strerror(err ? err : errno));
-            dial_fail(k, dp, reason);
+            dial_fail(k, d, reason);
             return;
         }
         int one = 1;
@@ -354,7 +355,7 @@ void kv_dial_io(kv_conn_t *k, kv_dial_t **dp)
         d->connected = true;
         st = pd_ctl_client_hs_start(&d->hs, d->fd, &me, 100, reason, sizeof(reason));
         if (st != PD_OK) {
-            dial_fail(k, dp, reason);
+            dial_fail(k, d, reason);
         }
         return;
     }
@@ -370,7 +371,7 @@ void kv_dial_io(kv_conn_t *k, kv_dial_t **dp)
         return;
     }
     if (st != PD_OK) {
-        dial_fail(k, dp, reason);
+        dial_fail(k, d, reason);
         return;
     }
     const Pd__HelloAck *h = (const Pd__HelloAck *)ack.msg;
@@ -379,10 +380,10 @@ void kv_dial_io(kv_conn_t *k, kv_dial_t **dp)
     bool prefill = h->role == PD__ROLE__ROLE_PREFILL;
     pd_ctl_msg_free(&ack);
     if (p == NULL) {
-        dial_fail(k, dp, "cannot set up the peer");
+        dial_fail(k, d, "cannot set up the peer");
         return;
     }
-    *dp = d->next; /* the peer owns the fd and the reader now */
+    pd_list_del(&d->link); /* the peer owns the fd and the reader now */
     pd_metric_inc(k->m.handshakes_ok, 1);
     pd_metric_observe(k->m.handshake_s, pd_time_now_s() - d->started);
     pd_log_info("kv connector: connected to %s engine %s at %s", prefill ? "prefill" : "decode", p->engine_id,
@@ -396,11 +397,10 @@ void kv_dial_io(kv_conn_t *k, kv_dial_t **dp)
 void kv_dial_expire(kv_conn_t *k)
 {
     double now = pd_time_now_s();
-    for (kv_dial_t **dp = &k->dials; *dp != NULL;) {
-        if ((*dp)->deadline <= now) {
-            dial_fail(k, dp, "timed out waiting for the peer");
-        } else {
-            dp = &(*dp)->next;
+    kv_dial_t *d, *tmp;
+    pd_list_for_each_safe (d, tmp, &k->dials, link) {
+        if (d->deadline <= now) {
+            dial_fail(k, d, "timed out waiting for the peer");
         }
     }
 }
@@ -413,11 +413,10 @@ void kv_hs_free(kv_hs_t *h)
     free(h);
 }
 
-/* Drops pending handshake *hp (unlinks it), counting it as failed. */
-static void hs_drop(kv_conn_t *k, kv_hs_t **hp, const char *why)
+/* Drops pending handshake h (unlinks it), counting it as failed. */
+static void hs_drop(kv_conn_t *k, kv_hs_t *h, const char *why)
 {
-    kv_hs_t *h = *hp;
-    *hp = h->next;
+    pd_list_del(&h->link);
     k->num_handshakes--;
     pd_log_warn("kv connector: refused a peer: %s", why);
     pd_metric_inc(k->m.handshakes_failed, 1);
@@ -442,22 +441,17 @@ void kv_accept_peer(kv_conn_t *k)
     pd_ctl_reader_init(&h->rd, 0);
     pd_ctl_server_hs_init(&h->hs);
     h->deadline = pd_time_now_s() + k->cfg.handshake_timeout;
-    h->next = k->handshakes;
-    k->handshakes = h;
-    if (++k->num_handshakes > KV_MAX_HANDSHAKES) { /* the oldest is the list's last */
-        kv_hs_t **hp = &k->handshakes;
-        while ((*hp)->next != NULL) {
-            hp = &(*hp)->next;
-        }
-        hs_drop(k, hp, "too many connections in the handshake (the oldest is dropped)");
+    pd_list_add_tail(&k->handshakes, &h->link);
+    if (++k->num_handshakes > KV_MAX_HANDSHAKES) {
+        hs_drop(k, pd_list_head(&k->handshakes, kv_hs_t, link),
+                "too many connections in the handshake (the oldest is dropped)");
     }
 }
 
-/* Pending handshake *hp's socket is readable: take its bytes and advance it; an authenticated
- * peer becomes a kv_peer_t. */
-void kv_hs_read(kv_conn_t *k, kv_hs_t **hp)
+/* Pending handshake h's socket is readable: take its bytes and advance it; an authenticated peer
+ * becomes a kv_peer_t (h leaves the handshakes and is freed). */
+void kv_hs_read(kv_conn_t *k, kv_hs_t *h)
 {
-    kv_hs_t *h = *hp;
     pd_status_t st = pd_ctl_fill(h->fd, &h->rd, 0);
     if (st == PD_ERR_TIMEOUT) {
         return; /* a spurious wake-up */
@@ -476,10 +470,10 @@ void kv_hs_read(kv_conn_t *k, kv_hs_t **hp)
         }
     }
     if (st != PD_OK) {
-        hs_drop(k, hp, reason);
+        hs_drop(k, h, reason);
         return;
     }
-    *hp = h->next;
+    pd_list_del(&h->link);
     k->num_handshakes--;
     const Pd__Hello *m = (const Pd__Hello *)hello.msg;
     pthread_mutex_lock(&k->mu);
@@ -502,18 +496,18 @@ void kv_hs_read(kv_conn_t *k, kv_hs_t **hp)
 void kv_hs_expire(kv_conn_t *k)
 {
     double now = pd_time_now_s();
-    for (kv_hs_t **hp = &k->handshakes; *hp != NULL;) {
-        if ((*hp)->deadline <= now) {
-            hs_drop(k, hp, "handshake: timed out waiting for the peer");
-        } else {
-            hp = &(*hp)->next;
+    kv_hs_t *h, *tmp;
+    pd_list_for_each_safe (h, tmp, &k->handshakes, link) {
+        if (h->deadline <= now) {
+            hs_drop(k, h, "handshake: timed out waiting for the peer");
         }
     }
 }
 
 kv_peer_t *kv_find_peer(kv_conn_t *k, const char *dial)
 {
-    for (kv_peer_t *p = k->peers; p != NULL; p = p->next) {
+    kv_peer_t *p;
+    pd_list_for_each (p, &k->peers, link) {
         if (p->state != KV_PEER_DEAD && strcmp(p->dial, dial) == 0) {
             return p;
         }

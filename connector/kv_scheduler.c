@@ -135,16 +135,14 @@ void kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, const uin
     }
     x->started = pd_time_now_s();
     x->deadline = x->started + k->cfg.load_timeout;
-    x->next = k->sched_pending;
-    k->sched_pending = x;
+    pd_list_add_tail(&k->sched_pending, &x->link);
 }
 
 void *kv_build_connector_meta(pd_connector_t *c, const pd_scheduler_output_t *out)
 {
     kv_conn_t *k = (kv_conn_t *)c;
     kv_meta_t *m = &k->meta_build;
-    m->loads = k->sched_pending;
-    k->sched_pending = NULL;
+    pd_list_splice_tail(&m->loads, &k->sched_pending);
     m->num_saves = 0;
     if (!k->is_prefill) {
         return m;
@@ -184,9 +182,10 @@ void *kv_build_connector_meta(pd_connector_t *c, const pd_scheduler_output_t *ou
  * still be written or read by the peer (delay free). mu held. */
 static bool cancel_load(kv_conn_t *k, const char *req_id)
 {
-    kv_xfer_t *lists[2] = {k->handoff, k->xfers};
+    pd_list_link_t *lists[2] = {&k->handoff, &k->xfers};
     for (int l = 0; l < 2; l++) {
-        for (kv_xfer_t *x = lists[l]; x != NULL; x = x->next) {
+        kv_xfer_t *x;
+        pd_list_for_each (x, lists[l], link) {
             if (x->kind != KV_X_PUSH_SAVE && strcmp(x->req_id, req_id) == 0 && x->state != KV_XS_DONE) {
                 x->cancelled = true;
                 return true;
@@ -199,10 +198,10 @@ static bool cancel_load(kv_conn_t *k, const char *req_id)
 /* Decode: a load not yet handed over dies with the request; one in flight keeps the blocks. */
 static bool finished_decode(kv_conn_t *k, pd_request_t *req, void **params_out)
 {
-    for (kv_xfer_t **xp = &k->sched_pending; *xp != NULL; xp = &(*xp)->next) {
-        if (strcmp((*xp)->req_id, req->id) == 0) {
-            kv_xfer_t *x = *xp;
-            *xp = x->next;
+    kv_xfer_t *x;
+    pd_list_for_each (x, &k->sched_pending, link) {
+        if (strcmp(x->req_id, req->id) == 0) {
+            pd_list_del(&x->link);
             kv_xfer_free(x);
             break;
         }
@@ -248,8 +247,7 @@ static bool finished_push(kv_conn_t *k, pd_request_t *req, const uint32_t *block
             if (ps != NULL && ps->resv != NULL) {
                 ps->resv->taken = false; /* the transfer takes it over */
             }
-            x->next = k->handoff;
-            k->handoff = x;
+            pd_list_add_tail(&k->handoff, &x->link);
             hold = true;
         } else {
             free(x);
@@ -289,8 +287,7 @@ static bool finished_pull(kv_conn_t *k, pd_request_t *req, const uint32_t *block
         return false;
     }
     pthread_mutex_lock(&k->mu);
-    l->next = k->leases;
-    k->leases = l;
+    pd_list_add_tail(&k->leases, &l->link);
     pthread_mutex_unlock(&k->mu);
     pd_metric_inc(k->m.leases_held, 1);
     *params_out = out;

@@ -111,16 +111,15 @@ void kv_stage_load_done(kv_conn_t *k, const uint32_t *list, int32_t first, int32
     memcpy(sl->blocks, list, (size_t)end * sizeof(uint32_t));
     sl->first = first;
     sl->num_blocks = end;
-    sl->next = k->staged_loads;
-    k->staged_loads = sl;
+    pd_list_add_tail(&k->staged_loads, &sl->link);
 }
 
 /* Decode: copies finished loads from the mirror into the engine's KV (engine thread, mu not held);
  * a failed copy turns into load errors reported in this same step. */
-void kv_stage_finish_loads(kv_conn_t *k, kv_staged_load_t *sl)
+void kv_stage_finish_loads(kv_conn_t *k, pd_list_link_t *loads)
 {
-    while (sl != NULL) {
-        kv_staged_load_t *next = sl->next;
+    kv_staged_load_t *sl;
+    while ((sl = pd_list_pop_head(loads, kv_staged_load_t, link)) != NULL) {
         pd_page_range_t *r;
         int32_t n =
             stage_ranges(k, 0, (int32_t)k->geom.num_layers, sl->blocks, sl->first, sl->num_blocks, &r);
@@ -132,7 +131,6 @@ void kv_stage_finish_loads(kv_conn_t *k, kv_staged_load_t *sl)
         free(r);
         free(sl->blocks);
         free(sl);
-        sl = next;
     }
 }
 

@@ -24,7 +24,8 @@
 static void sweep_peers(kv_conn_t *k, double now)
 {
     double dead_after = k->cfg.heartbeat_interval * k->cfg.heartbeat_misses;
-    for (kv_peer_t *p = k->peers; p != NULL; p = p->next) {
+    kv_peer_t *p;
+    pd_list_for_each (p, &k->peers, link) {
         if (p->state == KV_PEER_DEAD) {
             continue;
         }
@@ -52,7 +53,8 @@ static void sweep_peers(kv_conn_t *k, double now)
  * pages may still move kills its peer first (only that guarantees they stop); others fail. */
 static void sweep_xfer_deadlines(kv_conn_t *k, double now)
 {
-    for (kv_xfer_t *x = k->xfers; x != NULL; x = x->next) {
+    kv_xfer_t *x;
+    pd_list_for_each (x, &k->xfers, link) {
         if (x->state == KV_XS_DONE || now < x->deadline) {
             continue;
         }
@@ -78,8 +80,8 @@ static void sweep_xfer_deadlines(kv_conn_t *k, double now)
 static void sweep_leases(kv_conn_t *k, double now)
 {
     int held = 0;
-    for (kv_lease_t **lp = &k->leases; *lp != NULL;) {
-        kv_lease_t *l = *lp;
+    kv_lease_t *l, *tmp;
+    pd_list_for_each_safe (l, tmp, &k->leases, link) {
         if (!l->expired && now > l->expires) {
             pd_log_warn("kv connector: request %s: lease expired before a decode read it; freeing its blocks",
                         l->req_id);
@@ -88,11 +90,10 @@ static void sweep_leases(kv_conn_t *k, double now)
             kv_report_sending(k, l->req_id);
         }
         if (l->expired && now > l->expires + k->cfg.hold_timeout) {
-            *lp = l->next;
+            pd_list_del(&l->link);
             free(l);
         } else {
             held += !l->expired;
-            lp = &l->next;
         }
     }
     pd_metric_set(k->m.leases_now, held);
@@ -103,8 +104,8 @@ static void sweep_leases(kv_conn_t *k, double now)
  * learns at once that nobody waits). */
 static void sweep_reservations(kv_conn_t *k, double now)
 {
-    for (kv_resv_t **rp = &k->resvs; *rp != NULL;) {
-        kv_resv_t *rv = *rp;
+    kv_resv_t *rv, *tmp;
+    pd_list_for_each_safe (rv, tmp, &k->resvs, link) {
         if (!rv->taken && !rv->released && now > rv->expires) {
             pd_log_warn("kv connector: reservation %s expired without a matching prefill request",
                         rv->transfer_id);
@@ -116,11 +117,9 @@ static void sweep_reservations(kv_conn_t *k, double now)
             rv->released = true;
         }
         if (rv->released && !rv->taken && (!rv->dead || now > rv->expires)) {
-            *rp = rv->next;
+            pd_list_del(&rv->link);
             free(rv->blocks);
             free(rv);
-        } else {
-            rp = &rv->next;
         }
     }
 }
@@ -128,17 +127,15 @@ static void sweep_reservations(kv_conn_t *k, double now)
 /* Finished transfers leave the list (releasing the reservation they took). */
 static void sweep_done_xfers(kv_conn_t *k)
 {
-    for (kv_xfer_t **xp = &k->xfers; *xp != NULL;) {
-        kv_xfer_t *x = *xp;
+    kv_xfer_t *x, *tmp;
+    pd_list_for_each_safe (x, tmp, &k->xfers, link) {
         if (x->state == KV_XS_DONE) {
             if (x->resv != NULL) {
                 x->resv->taken = false;
                 x->resv->released = true;
             }
-            *xp = x->next;
+            pd_list_del(&x->link);
             kv_xfer_free(x);
-        } else {
-            xp = &x->next;
         }
     }
 }

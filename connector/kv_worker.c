@@ -84,18 +84,11 @@ pd_status_t kv_bind_connector_metadata(pd_connector_t *c, void *meta)
 pd_status_t kv_start_load_kv(pd_connector_t *c)
 {
     kv_conn_t *k = (kv_conn_t *)c;
-    if (k->meta_bound == NULL || k->meta_bound->loads == NULL) {
+    if (k->meta_bound == NULL || pd_list_is_empty(&k->meta_bound->loads)) {
         return PD_OK;
     }
-    kv_xfer_t *x = k->meta_bound->loads;
-    k->meta_bound->loads = NULL;
     pthread_mutex_lock(&k->mu);
-    while (x != NULL) {
-        kv_xfer_t *next = x->next;
-        x->next = k->handoff;
-        k->handoff = x;
-        x = next;
-    }
+    pd_list_splice_tail(&k->handoff, &k->meta_bound->loads);
     pthread_mutex_unlock(&k->mu);
     kv_ctl_wake(k);
     return PD_OK;
@@ -151,8 +144,7 @@ static void post_layer_pages(kv_conn_t *k, kv_push_t *ps, const kv_save_item_t *
     j->conn = k;
     pthread_mutex_lock(&k->mu);
     j->gen = k->gen;
-    j->next = k->jobs;
-    k->jobs = j;
+    pd_list_add_tail(&k->jobs, &j->link);
     pthread_mutex_unlock(&k->mu);
     k->step_jobs++;
     kv_ctl_wake(k);
@@ -183,14 +175,14 @@ pd_status_t kv_save_kv_layer(pd_connector_t *c, int32_t layer)
             snprintf(ps->req_id, sizeof(ps->req_id), "%s", s->req_id);
             snprintf(ps->transfer_id, sizeof(ps->transfer_id), "%s", s->transfer_id);
             ps->streaming = true;
-            ps->next = k->pushes;
-            k->pushes = ps;
+            pd_list_add_tail(&k->pushes, &ps->link);
         }
         if (layer == 0) {
             if (ps->resv == NULL) {
                 /* the transfer id is in the request's params; find its reservation */
                 pthread_mutex_lock(&k->mu);
-                for (kv_resv_t *rv = k->resvs; rv != NULL; rv = rv->next) {
+                kv_resv_t *rv;
+                pd_list_for_each (rv, &k->resvs, link) {
                     if (!rv->taken && !rv->released && !rv->dead &&
                         strcmp(rv->transfer_id, ps->transfer_id) == 0) {
                         rv->taken = true;
@@ -275,10 +267,11 @@ pd_status_t kv_get_finished(pd_connector_t *c, pd_connector_finished_t *out)
     k->num_rep_recving = k->num_fin_recving;
     k->fin_sending = k->fin_recving = NULL;
     k->num_fin_sending = k->cap_fin_sending = k->num_fin_recving = k->cap_fin_recving = 0;
-    kv_staged_load_t *staged = k->staged_loads;
-    k->staged_loads = NULL;
+    pd_list_link_t staged;
+    pd_list_head_init(&staged);
+    pd_list_splice_tail(&staged, &k->staged_loads);
     pthread_mutex_unlock(&k->mu);
-    kv_stage_finish_loads(k, staged); /* the KV is on the device before the scheduler hears of it */
+    kv_stage_finish_loads(k, &staged); /* the KV is on the device before the scheduler hears of it */
     out->sending = k->rep_sending;
     out->num_sending = k->num_rep_sending;
     out->recving = k->rep_recving;

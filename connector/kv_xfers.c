@@ -227,7 +227,8 @@ static void start_xfer(kv_conn_t *k, kv_xfer_t *x)
 /* A push save binds the reservation for its transfer id (when one has arrived). */
 static bool bind_resv(kv_conn_t *k, kv_xfer_t *x)
 {
-    for (kv_resv_t *rv = k->resvs; rv != NULL; rv = rv->next) {
+    kv_resv_t *rv;
+    pd_list_for_each (rv, &k->resvs, link) {
         if (rv->taken || rv->released || rv->dead || strcmp(rv->transfer_id, x->remote_req) != 0) {
             continue;
         }
@@ -256,13 +257,15 @@ static bool bind_resv(kv_conn_t *k, kv_xfer_t *x)
  * mu held; drops it around a dial. */
 void kv_drive_queued(kv_conn_t *k)
 {
-    for (kv_xfer_t *x = k->xfers; x != NULL; x = x->next) {
+    kv_xfer_t *x;
+    pd_list_for_each (x, &k->xfers, link) {
         if (x->state != KV_XS_QUEUED) {
             continue;
         }
         if (x->kind == KV_X_PUSH_SAVE) {
             if (x->resv == NULL && !bind_resv(k, x)) {
-                for (kv_resv_t *rv = k->resvs; rv != NULL; rv = rv->next) {
+                kv_resv_t *rv;
+                pd_list_for_each (rv, &k->resvs, link) {
                     if (rv->dead && strcmp(rv->transfer_id, x->remote_req) == 0) {
                         kv_fail_xfer(k, x, "the decode that reserved blocks for it is gone");
                         break;
@@ -327,10 +330,8 @@ static void on_job_done(void *arg, pd_status_t st)
 
 void kv_post_jobs(kv_conn_t *k)
 {
-    kv_write_job_t *j = k->jobs;
-    k->jobs = NULL;
-    while (j != NULL) {
-        kv_write_job_t *next = j->next;
+    kv_write_job_t *j;
+    while ((j = pd_list_pop_head(&k->jobs, kv_write_job_t, link)) != NULL) {
         pd_status_t st = PD_ERR_PEER_GONE;
         k->jobs_posted++;
         if (j->peer->state == KV_PEER_READY) {
@@ -340,16 +341,13 @@ void kv_post_jobs(kv_conn_t *k)
         if (st != PD_OK) {
             on_job_done(j, st);
         }
-        j = next;
     }
 }
 
 void kv_send_notices(kv_conn_t *k)
 {
-    kv_notice_t *n = k->notices;
-    k->notices = NULL;
-    while (n != NULL) {
-        kv_notice_t *next = n->next;
+    kv_notice_t *n;
+    while ((n = pd_list_pop_head(&k->notices, kv_notice_t, link)) != NULL) {
         if (n->type == PD_MSG_WRITE_DONE) {
             Pd__WriteDone wd = PD__WRITE_DONE__INIT;
             wd.request_id = n->request_id;
@@ -365,6 +363,5 @@ void kv_send_notices(kv_conn_t *k)
             kv_peer_send(k, n->peer, PD_MSG_ABORT, &a.base);
         }
         free(n);
-        n = next;
     }
 }

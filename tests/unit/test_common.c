@@ -1,4 +1,4 @@
-/* tests/unit/test_common.c — status, hashing, arena, strmap, json helpers, flags, rng, copies. */
+/* tests/unit/test_common.c — status, hashing, arena, list, array, strmap, json helpers, flags, rng, copies. */
 #include <check.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -8,10 +8,12 @@
 #include <unistd.h>
 
 #include "common/arena.h"
+#include "common/array.h"
 #include "common/copy.h"
 #include "common/flags.h"
 #include "common/hash.h"
 #include "common/json.h"
+#include "common/list.h"
 #include "common/log.h"
 #include "common/rng.h"
 #include "common/sha256.h"
@@ -89,6 +91,98 @@ START_TEST(test_arena)
     ck_assert_uint_eq(a.bytes_used, 0);
     ck_assert_ptr_nonnull(pd_arena_alloc(&a, 16, 8));
     pd_arena_destroy(&a);
+}
+END_TEST
+
+typedef struct item {
+    int v;
+    pd_list_link_t link;
+} item_t;
+
+/* The list's order as a string of digits, walked forwards and checked backwards too. */
+static void expect_order(pd_list_link_t *head, const char *want)
+{
+    char got[32] = "";
+    size_t n = 0;
+    item_t *it;
+    pd_list_for_each (it, head, link) {
+        got[n++] = (char)('0' + it->v);
+    }
+    got[n] = '\0';
+    ck_assert_str_eq(got, want);
+    ck_assert_uint_eq(pd_list_length(head), strlen(want));
+    n = strlen(want);
+    for (pd_list_link_t *e = head->prev; e != head; e = e->prev) {
+        ck_assert_int_eq(pd_container_of(e, item_t, link)->v, want[--n] - '0');
+    }
+}
+
+START_TEST(test_list)
+{
+    pd_list_link_t a, b;
+    pd_list_head_init(&a);
+    pd_list_head_init(&b);
+    ck_assert(pd_list_is_empty(&a));
+    ck_assert_ptr_null(pd_list_pop_head(&a, item_t, link));
+    item_t it[8];
+    for (int i = 0; i < 8; i++) {
+        it[i].v = i;
+    }
+    for (int i = 1; i < 5; i++) {
+        pd_list_add_tail(&a, &it[i].link);
+    }
+    pd_list_add_head(&a, &it[0].link);
+    expect_order(&a, "01234");
+    ck_assert_int_eq(pd_list_head(&a, item_t, link)->v, 0);
+    ck_assert_int_eq(pd_list_tail(&a, item_t, link)->v, 4);
+    /* delete from the middle, the head and the tail while iterating */
+    item_t *x, *tmp;
+    pd_list_for_each_safe (x, tmp, &a, link) {
+        if (x->v != 1 && x->v != 3) {
+            pd_list_del(&x->link);
+        }
+    }
+    expect_order(&a, "13");
+    pd_list_del(&it[1].link); /* a second del of an unlinked element is harmless */
+    pd_list_del(&it[1].link);
+    expect_order(&a, "3");
+    for (int i = 5; i < 8; i++) {
+        pd_list_add_tail(&b, &it[i].link);
+    }
+    pd_list_splice_tail(&a, &b);
+    expect_order(&a, "3567");
+    ck_assert(pd_list_is_empty(&b));
+    pd_list_splice_tail(&a, &b); /* an empty source changes nothing */
+    expect_order(&a, "3567");
+    item_t *h = pd_list_pop_head(&a, item_t, link);
+    ck_assert_ptr_eq(h, &it[3]);
+    expect_order(&a, "567");
+}
+END_TEST
+
+START_TEST(test_array_reserve)
+{
+    uint32_t *a = NULL;
+    size_t cap = 0;
+    for (uint32_t i = 0; i < 1000; i++) {
+        ck_assert_int_eq(pd_array_reserve(&a, &cap, (size_t)i + 1), PD_OK);
+        ck_assert_uint_ge(cap, (size_t)i + 1);
+        a[i] = i * 7;
+    }
+    ck_assert_uint_lt(cap, 2048); /* doubling, not one element at a time nor far beyond */
+    for (uint32_t i = 0; i < 1000; i++) {
+        ck_assert_uint_eq(a[i], i * 7);
+    }
+    size_t before = cap;
+    ck_assert_int_eq(pd_array_reserve(&a, &cap, 10), PD_OK); /* never shrinks */
+    ck_assert_uint_eq(cap, before);
+    /* an impossible size fails and leaves the array as it was */
+    uint32_t *keep = a;
+    ck_assert_int_eq(pd_array_reserve(&a, &cap, SIZE_MAX / 2), PD_ERR_NO_MEMORY);
+    ck_assert_ptr_eq(a, keep);
+    ck_assert_uint_eq(cap, before);
+    ck_assert_uint_eq(a[999], 999 * 7);
+    free(a);
 }
 END_TEST
 
@@ -418,6 +512,8 @@ int main(void)
     tcase_add_test(tc, test_log_level_parse);
     tcase_add_test(tc, test_hash_chain);
     tcase_add_test(tc, test_arena);
+    tcase_add_test(tc, test_list);
+    tcase_add_test(tc, test_array_reserve);
     tcase_add_test(tc, test_strmap);
     tcase_add_test(tc, test_json_getters);
     tcase_add_test(tc, test_json_file_limits);
