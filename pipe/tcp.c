@@ -29,6 +29,8 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "common/array.h"
+#include "common/list.h"
 #include "common/log.h"
 #include "common/time.h"
 #include "pipe/completion.h"
@@ -45,7 +47,7 @@
 typedef struct pending_in {
     int fd;
     double deadline;
-    struct pending_in *next; /* newest first */
+    pd_list_link_t link; /* on tcp_pipe_t.pending, oldest first */
 } pending_in_t;
 
 enum { M_HELLO = 1, M_WRITE = 2, M_WRITE_ACK = 3, M_READ_REQ = 4, M_READ_RESP = 5, M_TENSOR = 6 };
@@ -83,7 +85,7 @@ typedef struct perm {
     uint32_t region_id;
     pd_pipe_peer_t *peer;
     bool write;
-    struct perm *next;
+    pd_list_link_t link;
 } perm_t;
 
 typedef struct unexpected {
@@ -92,7 +94,7 @@ typedef struct unexpected {
     size_t hdr_len;
     uint8_t *payload;
     size_t payload_len;
-    struct unexpected *next;
+    pd_list_link_t link;
 } unexpected_t;
 
 static void unexpected_free(unexpected_t *u)
@@ -119,7 +121,7 @@ struct op {
     uint64_t tag; /* OP_RECV */
     void *hbuf, *pbuf;
     size_t hcap, pcap;
-    op_t *next;
+    pd_list_link_t link;
 };
 
 struct pd_pipe_peer {
@@ -128,8 +130,8 @@ struct pd_pipe_peer {
     bool dead;
     bool reading; /* a thread is reading a frame from in_fd (the receiver, or progress taking acks) */
     bool in_used; /* a frame has arrived on in_fd (else it may be a previous incarnation's) */
-    unexpected_t *unexpected;
-    pd_pipe_peer_t *next;
+    pd_list_link_t unexpected; /* unexpected_t, in arrival order */
+    pd_list_link_t link;
 };
 
 typedef struct job {
@@ -139,7 +141,7 @@ typedef struct job {
     int first;              /* iov entries before this one are written */
     void *owned;            /* freed after sending (header + descriptors) */
     op_t *complete_on_send; /* OP_SEND */
-    struct job *next;
+    pd_list_link_t link;
 } job_t;
 
 typedef struct tcp_pipe {
@@ -164,16 +166,16 @@ typedef struct tcp_pipe {
     pthread_mutex_t mu;
     pthread_cond_t tx_cv;
     bool stop;
-    pd_pipe_peer_t *peers;
+    pd_list_link_t peers; /* pd_pipe_peer_t */
     tcp_region_t **regions;
-    uint32_t num_regions, cap_regions;
-    perm_t *perms;
-    op_t *ops;       /* pending: waiting for an ack, a response or a matching tensor */
-    uint32_t writes; /* of them, page writes waiting for their ack */
+    size_t num_regions, cap_regions;
+    pd_list_link_t perms; /* perm_t */
+    pd_list_link_t ops;   /* op_t, pending: waiting for an ack, a response or a matching tensor */
+    uint32_t writes;      /* of them, page writes waiting for their ack */
     uint64_t next_op;
-    job_t *jq_head, *jq_tail;
+    pd_list_link_t jobs; /* job_t, the sender thread's queue */
     pd_pipe_cq_t cq;
-    pending_in_t *pending; /* rx thread only (and tcp_destroy after it stopped) */
+    pd_list_link_t pending; /* pending_in_t, rx thread only (and tcp_destroy after it stopped) */
     int num_pending;
     pd_pipe_peer_error_cb peer_cb;
     void *peer_cb_arg;
@@ -197,10 +199,10 @@ static void complete_op(tcp_pipe_t *t, op_t *o, pd_status_t st, size_t hlen, siz
 
 static op_t *take_op(tcp_pipe_t *t, uint64_t id, pd_pipe_peer_t *peer, int kind)
 {
-    for (op_t **pp = &t->ops; *pp != NULL; pp = &(*pp)->next) {
-        op_t *o = *pp;
+    op_t *o;
+    pd_list_for_each (o, &t->ops, link) {
         if (o->id == id && o->peer == peer && o->kind == kind) {
-            *pp = o->next;
+            pd_list_del(&o->link);
             return o;
         }
     }
@@ -232,13 +234,11 @@ static void mark_dead(tcp_pipe_t *t, pd_pipe_peer_t *peer, pd_status_t st)
     }
     peer->dead = true;
     pd_log_warn("tcp pipe: peer %016llx is gone (%s)", (unsigned long long)peer->id, pd_status_str(st));
-    for (op_t **pp = &t->ops; *pp != NULL;) {
-        op_t *o = *pp;
+    op_t *o, *tmp;
+    pd_list_for_each_safe (o, tmp, &t->ops, link) {
         if (o->peer == peer) {
-            *pp = o->next;
+            pd_list_del(&o->link);
             complete_op(t, o, st, 0, 0);
-        } else {
-            pp = &o->next;
         }
     }
     if (t->peer_cb != NULL) {
@@ -273,7 +273,8 @@ static tcp_region_t *region_by_id(tcp_pipe_t *t, uint32_t id)
 
 static bool allowed(tcp_pipe_t *t, uint32_t region_id, pd_pipe_peer_t *peer, bool write)
 {
-    for (perm_t *p = t->perms; p != NULL; p = p->next) {
+    perm_t *p;
+    pd_list_for_each (p, &t->perms, link) {
         if (p->region_id == region_id && p->peer == peer && (!write || p->write)) {
             return true;
         }
@@ -287,7 +288,8 @@ static bool allowed(tcp_pipe_t *t, uint32_t region_id, pd_pipe_peer_t *peer, boo
  * are freed with the pipe. */
 static pd_pipe_peer_t *peer_by_id(tcp_pipe_t *t, uint64_t id, bool create)
 {
-    for (pd_pipe_peer_t *p = t->peers; p != NULL; p = p->next) {
+    pd_pipe_peer_t *p;
+    pd_list_for_each (p, &t->peers, link) {
         if (p->id == id && !p->dead) {
             return p;
         }
@@ -295,14 +297,14 @@ static pd_pipe_peer_t *peer_by_id(tcp_pipe_t *t, uint64_t id, bool create)
     if (!create) {
         return NULL;
     }
-    pd_pipe_peer_t *p = calloc(1, sizeof(*p));
+    p = calloc(1, sizeof(*p));
     if (p == NULL) {
         return NULL;
     }
     p->id = id;
     p->out_fd = p->in_fd = -1;
-    p->next = t->peers;
-    t->peers = p;
+    pd_list_head_init(&p->unexpected);
+    pd_list_add_tail(&t->peers, &p->link);
     return p;
 }
 
@@ -349,7 +351,7 @@ static void job_free(job_t *j);
  * not take at once goes to the sender thread, which keeps the order. */
 static void enqueue(tcp_pipe_t *t, job_t *j)
 {
-    if (t->jq_head == NULL && !t->tx_busy && !j->peer->dead && j->peer->out_fd >= 0) {
+    if (pd_list_is_empty(&t->jobs) && !t->tx_busy && !j->peer->dead && j->peer->out_fd >= 0) {
         int r = write_some(j->peer->out_fd, j);
         if (r != 0) {
             if (r < 0) {
@@ -362,13 +364,7 @@ static void enqueue(tcp_pipe_t *t, job_t *j)
             return;
         }
     }
-    j->next = NULL;
-    if (t->jq_tail != NULL) {
-        t->jq_tail->next = j;
-    } else {
-        t->jq_head = j;
-    }
-    t->jq_tail = j;
+    pd_list_add_tail(&t->jobs, &j->link);
     pthread_cond_signal(&t->tx_cv);
 }
 
@@ -486,17 +482,13 @@ static void *tx_main(void *arg)
     tcp_pipe_t *t = arg;
     pthread_mutex_lock(&t->mu);
     for (;;) {
-        while (!t->stop && t->jq_head == NULL) {
+        while (!t->stop && pd_list_is_empty(&t->jobs)) {
             pthread_cond_wait(&t->tx_cv, &t->mu);
         }
         if (t->stop) {
             break;
         }
-        job_t *j = t->jq_head;
-        t->jq_head = j->next;
-        if (t->jq_head == NULL) {
-            t->jq_tail = NULL;
-        }
+        job_t *j = pd_list_pop_head(&t->jobs, job_t, link);
         pd_pipe_peer_t *peer = j->peer;
         int fd = peer->out_fd;
         bool dead = peer->dead || fd < 0;
@@ -640,10 +632,10 @@ static int rx_read_resp(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, const hdr_t
 /* The posted receive from peer for tag, unlinked from the op list (NULL: none). t->mu held. */
 static op_t *take_recv(tcp_pipe_t *t, pd_pipe_peer_t *peer, uint64_t tag)
 {
-    for (op_t **pp = &t->ops; *pp != NULL; pp = &(*pp)->next) {
-        if ((*pp)->kind == OP_RECV && (*pp)->peer == peer && (*pp)->tag == tag) {
-            op_t *o = *pp;
-            *pp = o->next;
+    op_t *o;
+    pd_list_for_each (o, &t->ops, link) {
+        if (o->kind == OP_RECV && o->peer == peer && o->tag == tag) {
+            pd_list_del(&o->link);
             return o;
         }
     }
@@ -681,11 +673,7 @@ static int rx_tensor_unexpected(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, con
         complete_op(t, o, st, u->hdr_len, u->payload_len);
         unexpected_free(u);
     } else {
-        unexpected_t **tail = &peer->unexpected;
-        while (*tail != NULL) {
-            tail = &(*tail)->next;
-        }
-        *tail = u;
+        pd_list_add_tail(&peer->unexpected, &u->link);
     }
     pthread_mutex_unlock(&t->mu);
     return 0;
@@ -785,11 +773,10 @@ static void hello_to_peer(tcp_pipe_t *t, int fd, const hdr_t *h)
     pthread_mutex_unlock(&t->mu);
 }
 
-/* Unlinks pending connection *pp and closes it. */
-static void pending_drop(tcp_pipe_t *t, pending_in_t **pp)
+/* Unlinks pending connection c and closes it. */
+static void pending_drop(tcp_pipe_t *t, pending_in_t *c)
 {
-    pending_in_t *c = *pp;
-    *pp = c->next;
+    pd_list_del(&c->link);
     t->num_pending--;
     epoll_ctl(t->epfd, EPOLL_CTL_DEL, c->fd, NULL);
     close(c->fd);
@@ -815,14 +802,9 @@ static void rx_accept(tcp_pipe_t *t)
     }
     c->fd = fd;
     c->deadline = pd_time_now_s() + TCP_HELLO_TIMEOUT_S;
-    c->next = t->pending;
-    t->pending = c;
+    pd_list_add_tail(&t->pending, &c->link);
     if (++t->num_pending > TCP_MAX_PENDING) {
-        pending_in_t **pp = &t->pending;
-        while ((*pp)->next != NULL) {
-            pp = &(*pp)->next;
-        }
-        pending_drop(t, pp);
+        pending_drop(t, pd_list_head(&t->pending, pending_in_t, link)); /* the oldest */
     }
 }
 
@@ -830,11 +812,12 @@ static void rx_accept(tcp_pipe_t *t)
  * or garbled one is dropped; a partial one keeps waiting (until its deadline). */
 static void rx_pending(tcp_pipe_t *t, pending_in_t *c)
 {
-    pending_in_t **pp = &t->pending;
-    while (*pp != NULL && *pp != c) {
-        pp = &(*pp)->next;
+    pending_in_t *x;
+    bool listed = false;
+    pd_list_for_each (x, &t->pending, link) {
+        listed = listed || x == c;
     }
-    if (*pp == NULL) {
+    if (!listed) {
         return; /* dropped earlier in this batch of events */
     }
     hdr_t h;
@@ -846,7 +829,7 @@ static void rx_pending(tcp_pipe_t *t, pending_in_t *c)
         return; /* the rest of the HELLO is on its way */
     }
     if (k != (ssize_t)sizeof(h) || h.magic != TCP_MAGIC || h.type != M_HELLO) {
-        pending_drop(t, pp);
+        pending_drop(t, c);
         return;
     }
     pthread_mutex_lock(&t->mu);
@@ -861,11 +844,11 @@ static void rx_pending(tcp_pipe_t *t, pending_in_t *c)
         return;
     }
     if (read_full(c->fd, &h, sizeof(h)) != 0) {
-        pending_drop(t, pp);
+        pending_drop(t, c);
         return;
     }
     int fd = c->fd;
-    *pp = c->next;
+    pd_list_del(&c->link);
     t->num_pending--;
     epoll_ctl(t->epfd, EPOLL_CTL_DEL, fd, NULL);
     free(c);
@@ -876,11 +859,10 @@ static void rx_pending(tcp_pipe_t *t, pending_in_t *c)
 static void pending_expire(tcp_pipe_t *t)
 {
     double now = pd_time_now_s();
-    for (pending_in_t **pp = &t->pending; *pp != NULL;) {
-        if ((*pp)->deadline <= now) {
-            pending_drop(t, pp);
-        } else {
-            pp = &(*pp)->next;
+    pending_in_t *c, *tmp;
+    pd_list_for_each_safe (c, tmp, &t->pending, link) {
+        if (c->deadline <= now) {
+            pending_drop(t, c);
         }
     }
 }
@@ -971,6 +953,11 @@ static pd_status_t tcp_create(const pd_pipe_config_t *cfg, pd_pipe_t **out)
     }
     t->base.ops = &pd_pipe_tcp_ops;
     t->listen_fd = t->epfd = t->wake_fd = -1;
+    pd_list_head_init(&t->peers);
+    pd_list_head_init(&t->perms);
+    pd_list_head_init(&t->ops);
+    pd_list_head_init(&t->jobs);
+    pd_list_head_init(&t->pending);
     t->max_msg = cfg->max_message_bytes ? cfg->max_message_bytes : (1ull << 30);
     t->busy_poll_us = cfg->tcp_busy_poll_us > 0 ? cfg->tcp_busy_poll_us : 0;
     snprintf(t->host, sizeof(t->host), "%s", cfg->host != NULL ? cfg->host : "127.0.0.1");
@@ -1023,7 +1010,11 @@ static pd_status_t tcp_create(const pd_pipe_config_t *cfg, pd_pipe_t **out)
  * socket the receiver thread is reading, is left to the receiver thread. */
 static void take_acks(tcp_pipe_t *t)
 {
-    for (pd_pipe_peer_t *peer = t->peers; peer != NULL && t->writes > 0; peer = peer->next) {
+    pd_pipe_peer_t *peer;
+    pd_list_for_each (peer, &t->peers, link) {
+        if (t->writes == 0) {
+            break;
+        }
         if (peer->dead || peer->reading || peer->in_fd < 0) {
             continue;
         }
@@ -1075,7 +1066,8 @@ static void stop_threads(tcp_pipe_t *t)
     pthread_mutex_lock(&t->mu);
     t->stop = true;
     pthread_cond_broadcast(&t->tx_cv);
-    for (pd_pipe_peer_t *pe = t->peers; pe != NULL; pe = pe->next) {
+    pd_pipe_peer_t *pe;
+    pd_list_for_each (pe, &t->peers, link) {
         if (pe->out_fd >= 0) {
             shutdown(pe->out_fd, SHUT_RDWR); /* unblocks a sender stuck on a full socket */
         }
@@ -1099,18 +1091,16 @@ static void stop_threads(tcp_pipe_t *t)
  * threads are stopped. */
 static void cancel_all(tcp_pipe_t *t)
 {
-    while (t->pending != NULL) {
-        pending_drop(t, &t->pending);
+    while (!pd_list_is_empty(&t->pending)) {
+        pending_drop(t, pd_list_head(&t->pending, pending_in_t, link));
     }
     pthread_mutex_lock(&t->mu);
-    while (t->ops != NULL) {
-        op_t *o = t->ops;
-        t->ops = o->next;
+    op_t *o;
+    while ((o = pd_list_pop_head(&t->ops, op_t, link)) != NULL) {
         complete_op(t, o, PD_ERR_CANCELLED, 0, 0);
     }
-    while (t->jq_head != NULL) {
-        job_t *j = t->jq_head;
-        t->jq_head = j->next;
+    job_t *j;
+    while ((j = pd_list_pop_head(&t->jobs, job_t, link)) != NULL) {
         if (j->complete_on_send != NULL) {
             complete_op(t, j->complete_on_send, PD_ERR_CANCELLED, 0, 0);
         }
@@ -1129,9 +1119,8 @@ static void peer_free(pd_pipe_peer_t *pe)
     if (pe->in_fd >= 0) {
         close(pe->in_fd);
     }
-    while (pe->unexpected != NULL) {
-        unexpected_t *u = pe->unexpected;
-        pe->unexpected = u->next;
+    unexpected_t *u;
+    while ((u = pd_list_pop_head(&pe->unexpected, unexpected_t, link)) != NULL) {
         unexpected_free(u);
     }
     free(pe);
@@ -1148,9 +1137,8 @@ static void regions_free(tcp_pipe_t *t)
         }
     }
     free(t->regions);
-    while (t->perms != NULL) {
-        perm_t *pm = t->perms;
-        t->perms = pm->next;
+    perm_t *pm;
+    while ((pm = pd_list_pop_head(&t->perms, perm_t, link)) != NULL) {
         free(pm);
     }
 }
@@ -1161,9 +1149,8 @@ static void tcp_destroy(pd_pipe_t *p)
     stop_threads(t);
     cancel_all(t);
     tcp_progress(p); /* runs the cancelled completions */
-    while (t->peers != NULL) {
-        pd_pipe_peer_t *pe = t->peers;
-        t->peers = pe->next;
+    pd_pipe_peer_t *pe;
+    while ((pe = pd_list_pop_head(&t->peers, pd_pipe_peer_t, link)) != NULL) {
         peer_free(pe);
     }
     regions_free(t);
@@ -1250,18 +1237,13 @@ static pd_status_t add_region(tcp_pipe_t *t, void *base, size_t len, bool owned,
     r->pub = (struct pd_pipe_region){base, len, PD_MEM_HOST};
     r->owned = owned;
     pthread_mutex_lock(&t->mu);
-    if (t->num_regions == t->cap_regions) {
-        uint32_t cap = t->cap_regions ? 2 * t->cap_regions : 8;
-        tcp_region_t **rs = realloc(t->regions, cap * sizeof(*rs));
-        if (rs == NULL) {
-            pthread_mutex_unlock(&t->mu);
-            free(r);
-            return PD_ERR_NO_MEMORY;
-        }
-        t->regions = rs;
-        t->cap_regions = cap;
+    if (t->num_regions >= UINT32_MAX ||
+        pd_array_reserve(&t->regions, &t->cap_regions, t->num_regions + 1) != PD_OK) {
+        pthread_mutex_unlock(&t->mu);
+        free(r);
+        return PD_ERR_NO_MEMORY;
     }
-    r->id = t->num_regions;
+    r->id = (uint32_t)t->num_regions;
     t->regions[t->num_regions++] = r;
     pthread_mutex_unlock(&t->mu);
     *out = &r->pub;
@@ -1297,13 +1279,11 @@ static void tcp_deregister_region(pd_pipe_t *p, pd_pipe_region_t *r)
     tcp_region_t *tr = (tcp_region_t *)r;
     pthread_mutex_lock(&t->mu);
     t->regions[tr->id] = NULL;
-    for (perm_t **pp = &t->perms; *pp != NULL;) {
-        if ((*pp)->region_id == tr->id) {
-            perm_t *x = *pp;
-            *pp = x->next;
+    perm_t *x, *tmp;
+    pd_list_for_each_safe (x, tmp, &t->perms, link) {
+        if (x->region_id == tr->id) {
+            pd_list_del(&x->link);
             free(x);
-        } else {
-            pp = &(*pp)->next;
         }
     }
     pthread_mutex_unlock(&t->mu);
@@ -1329,8 +1309,7 @@ static pd_status_t tcp_export_region(pd_pipe_t *p, pd_pipe_region_t *r, pd_pipe_
     pm->peer = peer;
     pm->write = allow_write;
     pthread_mutex_lock(&t->mu);
-    pm->next = t->perms;
-    t->perms = pm;
+    pd_list_add_tail(&t->perms, &pm->link);
     pthread_mutex_unlock(&t->mu);
     uint64_t l = r->len;
     memcpy(buf, &tr->id, 4);
@@ -1435,8 +1414,7 @@ static pd_status_t post_pages(bool write, pd_pipe_t *p, pd_pipe_peer_t *peer, pd
     for (int i = 0; write && i < n; i++) {
         j->iov[1 + i] = (struct iovec){(char *)local->base + pages[i].local_off, pages[i].len};
     }
-    o->next = t->ops;
-    t->ops = o;
+    pd_list_add_tail(&t->ops, &o->link);
     t->writes += write;
     enqueue(t, j);
     pthread_mutex_unlock(&t->mu);
@@ -1502,12 +1480,12 @@ static pd_status_t tcp_recv_tensor(pd_pipe_t *p, pd_pipe_peer_t *peer, uint64_t 
 {
     tcp_pipe_t *t = (tcp_pipe_t *)p;
     pthread_mutex_lock(&t->mu);
-    for (unexpected_t **pp = &peer->unexpected; *pp != NULL; pp = &(*pp)->next) {
-        unexpected_t *u = *pp;
+    unexpected_t *u;
+    pd_list_for_each (u, &peer->unexpected, link) {
         if (u->tag != tag) {
             continue;
         }
-        *pp = u->next;
+        pd_list_del(&u->link);
         pd_status_t st = PD_OK;
         if (u->hdr_len <= hdr_cap && u->payload_len <= payload_cap) {
             memcpy(hdr, u->hdr, u->hdr_len);
@@ -1540,12 +1518,7 @@ static pd_status_t tcp_recv_tensor(pd_pipe_t *p, pd_pipe_peer_t *peer, uint64_t 
     o->hcap = hdr_cap;
     o->pbuf = payload;
     o->pcap = payload_cap;
-    /* FIFO among posted receives of the same tag: append */
-    op_t **tail = &t->ops;
-    while (*tail != NULL) {
-        tail = &(*tail)->next;
-    }
-    *tail = o;
+    pd_list_add_tail(&t->ops, &o->link); /* FIFO among posted receives of the same tag */
     pthread_mutex_unlock(&t->mu);
     return PD_OK;
 }
