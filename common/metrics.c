@@ -9,6 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/array.h"
+
 const double PD_LATENCY_BUCKETS[] = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,  0.25, 0.5,
                                      0.75,  1.0,   2.5,  5.0,  7.5,  10.0, 20.0, 40.0, 80.0, 160.0};
 const int PD_LATENCY_NUM_BUCKETS = (int)(sizeof(PD_LATENCY_BUCKETS) / sizeof(PD_LATENCY_BUCKETS[0]));
@@ -31,7 +33,8 @@ struct pd_metric {
 struct pd_metrics {
     pthread_mutex_t mu;
     pd_metric_t **items;
-    int n, cap;
+    int n;
+    size_t cap;
 };
 
 pd_status_t pd_metrics_create(pd_metrics_t **out)
@@ -99,16 +102,10 @@ pd_metric_t *pd_metrics_add(pd_metrics_t *m, pd_metric_kind_t kind, const char *
     x->num_bounds = kind == PD_METRIC_HISTOGRAM ? num_buckets : 0;
     x->owner = m;
     pthread_mutex_lock(&m->mu);
-    if (m->n == m->cap) {
-        int cap = m->cap ? 2 * m->cap : 32;
-        pd_metric_t **it = realloc(m->items, (size_t)cap * sizeof(*it));
-        if (it == NULL) {
-            pthread_mutex_unlock(&m->mu);
-            free(x);
-            return NULL;
-        }
-        m->items = it;
-        m->cap = cap;
+    if (pd_array_reserve(&m->items, &m->cap, (size_t)m->n + 1) != PD_OK) {
+        pthread_mutex_unlock(&m->mu);
+        free(x);
+        return NULL;
     }
     m->items[m->n++] = x;
     pthread_mutex_unlock(&m->mu);

@@ -12,6 +12,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/array.h"
 #include "common/log.h"
 #include "common/sha256.h"
 #include "common/time.h"
@@ -90,17 +91,8 @@ pd_status_t pd_ctl_reader_feed(pd_ctl_reader_t *r, const void *data, size_t n)
         pd_log_warn("control: %zu unparsed bytes buffered; refusing more", r->len + n);
         return PD_ERR_NO_SPACE;
     }
-    if (r->len + n > r->cap) {
-        size_t cap = r->cap ? r->cap * 2 : 4096;
-        while (cap < r->len + n) {
-            cap *= 2;
-        }
-        uint8_t *b = realloc(r->buf, cap);
-        if (b == NULL) {
-            return PD_ERR_NO_MEMORY;
-        }
-        r->buf = b;
-        r->cap = cap;
+    if (pd_array_reserve(&r->buf, &r->cap, r->len + n) != PD_OK) {
+        return PD_ERR_NO_MEMORY;
     }
     memcpy(r->buf + r->len, data, n);
     r->len += n;

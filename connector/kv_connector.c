@@ -12,6 +12,7 @@
 #include <sys/random.h>
 #include <time.h>
 
+#include "common/array.h"
 #include "common/log.h"
 #include "common/time.h"
 #include "connector/kv_internal.h"
@@ -104,19 +105,13 @@ const char *kv_jstr(const json_t *o, const char *key)
     return json_string_value(json_object_get(o, key));
 }
 
-static bool push_str(char ***arr, int32_t *n, int32_t *cap, const char *s)
+/* Appends a copy of s; false (logged: the engine will not hear of that request) when out of memory. */
+static bool push_str(char ***arr, int32_t *n, size_t *cap, const char *s)
 {
-    if (*n == *cap) {
-        int32_t c = *cap ? 2 * *cap : 16;
-        char **a = realloc(*arr, (size_t)c * sizeof(char *));
-        if (a == NULL) {
-            return false;
-        }
-        *arr = a;
-        *cap = c;
-    }
     char *d = strdup(s);
-    if (d == NULL) {
+    if (d == NULL || pd_array_reserve(arr, cap, (size_t)*n + 1) != PD_OK) {
+        pd_log_error("kv connector: out of memory reporting request %s finished", s);
+        free(d);
         return false;
     }
     (*arr)[(*n)++] = d;
@@ -141,14 +136,9 @@ void kv_report_recving(kv_conn_t *k, const char *req_id)
 
 void kv_report_load_errors(kv_conn_t *k, const uint32_t *blocks, int32_t n)
 {
-    if (k->num_load_errors + n > k->cap_load_errors) {
-        int32_t c = (k->num_load_errors + n) * 2;
-        uint32_t *a = realloc(k->load_errors, (size_t)c * sizeof(uint32_t));
-        if (a == NULL) {
-            return;
-        }
-        k->load_errors = a;
-        k->cap_load_errors = c;
+    if (pd_array_reserve(&k->load_errors, &k->cap_load_errors, (size_t)(k->num_load_errors + n)) != PD_OK) {
+        pd_log_error("kv connector: out of memory recording %d blocks that did not load", n);
+        return;
     }
     memcpy(k->load_errors + k->num_load_errors, blocks, (size_t)n * sizeof(uint32_t));
     k->num_load_errors += n;
@@ -392,6 +382,17 @@ static pd_status_t read_token(kv_conn_t *k, const char *path)
     return PD_OK;
 }
 
+static void init_lists(kv_conn_t *k)
+{
+    pd_list_link_t *heads[] = {
+        &k->sched_pending, &k->pushes,  &k->meta_build.loads, &k->peers,  &k->handshakes,
+        &k->dials,         &k->xfers,   &k->handoff,          &k->leases, &k->resvs,
+        &k->jobs,          &k->notices, &k->staged_loads};
+    for (size_t i = 0; i < sizeof(heads) / sizeof(heads[0]); i++) {
+        pd_list_head_init(heads[i]);
+    }
+}
+
 pd_status_t pd_kv_connector_create(const pd_kv_connector_config_t *cfg, pd_metrics_t *m, pd_connector_t **out)
 {
     bool prefill = strcmp(cfg->role, "prefill") == 0;
@@ -427,13 +428,7 @@ pd_status_t pd_kv_connector_create(const pd_kv_connector_config_t *cfg, pd_metri
     k->is_prefill = prefill;
     k->push = strcmp(cfg->mode, "push") == 0;
     k->listen_fd = k->wake_fd = -1;
-    pd_list_link_t *heads[] = {
-        &k->sched_pending, &k->pushes,  &k->meta_build.loads, &k->peers,  &k->handshakes,
-        &k->dials,         &k->xfers,   &k->handoff,          &k->leases, &k->resvs,
-        &k->jobs,          &k->notices, &k->staged_loads};
-    for (size_t i = 0; i < sizeof(heads) / sizeof(heads[0]); i++) {
-        pd_list_head_init(heads[i]);
-    }
+    init_lists(k);
     pthread_mutex_init(&k->mu, NULL);
     pthread_cond_init(&k->cv, NULL);
     char port[16] = "";

@@ -24,6 +24,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/array.h"
 #include "common/log.h"
 #include "common/time.h"
 #include "connector/kv_internal.h"
@@ -61,7 +62,7 @@ static void on_pipe_peer_error(void *arg, pd_pipe_peer_t *pp, pd_status_t st)
 typedef struct ctl_poll {
     struct pollfd *pf;
     kv_peer_t **pp;
-    size_t cap, n, hs0, d0;
+    size_t pf_cap, pp_cap, n, hs0, d0;
 } ctl_poll_t;
 
 /* Fills cp for this tick; false when it cannot grow (out of memory, logged). */
@@ -76,18 +77,10 @@ static bool poll_build(kv_conn_t *k, ctl_poll_t *cp, int pipe_fd)
     pd_list_for_each (p, &k->peers, link) {
         n += p->fd >= 0;
     }
-    if (n > cp->cap) {
-        struct pollfd *pf = realloc(cp->pf, n * 2 * sizeof(*pf));
-        if (pf != NULL) {
-            cp->pf = pf;
-        }
-        kv_peer_t **pp = pf != NULL ? realloc(cp->pp, n * 2 * sizeof(*pp)) : NULL;
-        if (pp == NULL) {
-            pd_log_error("kv connector: out of memory in the control thread");
-            return false;
-        }
-        cp->pp = pp;
-        cp->cap = n * 2;
+    if (pd_array_reserve(&cp->pf, &cp->pf_cap, n) != PD_OK ||
+        pd_array_reserve(&cp->pp, &cp->pp_cap, n) != PD_OK) {
+        pd_log_error("kv connector: out of memory in the control thread");
+        return false;
     }
     struct pollfd *pf = cp->pf;
     pf[0] = (struct pollfd){k->listen_fd, POLLIN, 0};
@@ -209,7 +202,7 @@ static void adopt_handoff(kv_conn_t *k)
 static void *ctl_main(void *arg)
 {
     kv_conn_t *k = arg;
-    ctl_poll_t cp = {NULL, NULL, 0, 0, 0, 0};
+    ctl_poll_t cp = {NULL, NULL, 0, 0, 0, 0, 0};
     int pipe_fd = pd_pipe_wait_fd(k->pipe); /* -1: the pipe moves bytes inside progress */
     bool stop = false;
     while (!stop && poll_build(k, &cp, pipe_fd)) {

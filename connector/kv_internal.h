@@ -210,7 +210,8 @@ typedef struct kv_save_item {
 typedef struct kv_meta {
     pd_list_link_t loads; /* kv_xfer_t: loads to start */
     kv_save_item_t *saves;
-    int32_t num_saves, cap_saves;
+    int32_t num_saves;
+    size_t cap_saves;
 } kv_meta_t;
 
 typedef struct kv_metrics {
@@ -287,9 +288,11 @@ typedef struct kv_conn {
     int32_t jobs_posted;            /* write jobs on the pipe (ctl thread) */
     int32_t jobs_done, jobs_failed; /* of this step's jobs */
     char **fin_sending, **fin_recving;
-    int32_t num_fin_sending, cap_fin_sending, num_fin_recving, cap_fin_recving;
+    int32_t num_fin_sending, num_fin_recving;
+    size_t cap_fin_sending, cap_fin_recving;
     uint32_t *load_errors;
-    int32_t num_load_errors, cap_load_errors;
+    int32_t num_load_errors;
+    size_t cap_load_errors;
 } kv_conn_t;
 
 /* --- kv_ctl.c --- */

@@ -17,6 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/array.h"
 #include "common/log.h"
 #include "common/time.h"
 #include "connector/kv_internal.h"
@@ -77,18 +78,9 @@ pd_status_t kv_peer_send(kv_conn_t *k, kv_peer_t *p, pd_msg_type_t type, const P
     if (st != PD_OK) {
         return st;
     }
-    if (p->out_len + len > p->out_cap) {
-        size_t cap = p->out_cap ? p->out_cap : 4096;
-        while (cap < p->out_len + len) {
-            cap *= 2;
-        }
-        uint8_t *o = realloc(p->out, cap);
-        if (o == NULL) {
-            free(f);
-            return PD_ERR_NO_MEMORY;
-        }
-        p->out = o;
-        p->out_cap = cap;
+    if (pd_array_reserve(&p->out, &p->out_cap, p->out_len + len) != PD_OK) {
+        free(f);
+        return PD_ERR_NO_MEMORY;
     }
     memcpy(p->out + p->out_len, f, len);
     p->out_len += len;

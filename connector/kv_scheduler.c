@@ -10,6 +10,7 @@
 #include <sys/random.h>
 #include <time.h>
 
+#include "common/array.h"
 #include "common/log.h"
 #include "common/time.h"
 #include "connector/kv_connector.h"
@@ -155,14 +156,8 @@ void *kv_build_connector_meta(pd_connector_t *c, const pd_scheduler_output_t *ou
         if (!push && !(remote_decode && k->staged)) {
             continue;
         }
-        if (m->num_saves == m->cap_saves) {
-            int32_t cap = m->cap_saves ? 2 * m->cap_saves : 16;
-            kv_save_item_t *a = realloc(m->saves, (size_t)cap * sizeof(*a));
-            if (a == NULL) {
-                break;
-            }
-            m->saves = a;
-            m->cap_saves = cap;
+        if (pd_array_reserve(&m->saves, &m->cap_saves, (size_t)m->num_saves + 1) != PD_OK) {
+            break;
         }
         kv_save_item_t *s = &m->saves[m->num_saves++];
         snprintf(s->req_id, sizeof(s->req_id), "%s", r->id);

@@ -266,7 +266,8 @@ pd_status_t kv_get_finished(pd_connector_t *c, pd_connector_finished_t *out)
     k->rep_recving = (const char **)k->fin_recving;
     k->num_rep_recving = k->num_fin_recving;
     k->fin_sending = k->fin_recving = NULL;
-    k->num_fin_sending = k->cap_fin_sending = k->num_fin_recving = k->cap_fin_recving = 0;
+    k->num_fin_sending = k->num_fin_recving = 0;
+    k->cap_fin_sending = k->cap_fin_recving = 0;
     pd_list_link_t staged;
     pd_list_head_init(&staged);
     pd_list_splice_tail(&staged, &k->staged_loads);

@@ -26,6 +26,8 @@
 #include <string.h>
 #include <sys/random.h>
 
+#include "common/array.h"
+#include "common/list.h"
 #include "common/log.h"
 #include "common/time.h"
 #include "pipe/completion.h"
@@ -58,11 +60,11 @@ struct pd_pipe_peer {
     cudaStream_t send_stream, recv_stream;
     bool send_ready, recv_ready, dead; /* each communicator's init confirmed */
     double init_deadline;
-    nop_t *recv_head, *recv_tail; /* receives waiting for recv_comm (in announcement order) */
-    ndesc_t rx_hdr;               /* the standing descriptor receive */
+    pd_list_link_t recvq; /* nop_t (recv_link): receives waiting for recv_comm, in announcement order */
+    ndesc_t rx_hdr;       /* the standing descriptor receive */
     uint64_t *rx_ranges;
-    nop_t *held; /* sends waiting for the communicators (in announcement order) */
-    pd_pipe_peer_t *next;
+    pd_list_link_t held; /* nop_t: sends waiting for the communicators, in announcement order */
+    pd_list_link_t link; /* on nccl_pipe_t.peers */
 };
 
 typedef struct nregion {
@@ -81,7 +83,7 @@ typedef struct nperm {
     uint32_t region_id;
     pd_pipe_peer_t *peer;
     bool write;
-    struct nperm *next;
+    pd_list_link_t link;
 } nperm_t;
 
 /* An operation in flight: ours (write waiting for its ack, read waiting for data) or a target's
@@ -97,9 +99,9 @@ struct nop {
     uint32_t n;
     cudaEvent_t ev;
     bool ev_armed;
-    nregion_t *recv_region; /* a receive waiting for recv_comm: into this region */
-    nop_t *next_recv;
-    nop_t *next;
+    nregion_t *recv_region;   /* a receive waiting for recv_comm: into this region */
+    pd_list_link_t recv_link; /* on its peer's recvq (while it is also on ops) */
+    pd_list_link_t link;      /* on nccl_pipe_t.ops, or its peer's held (O_HELD_SEND) */
 };
 
 struct nccl_pipe {
@@ -109,11 +111,11 @@ struct nccl_pipe {
     ncclUniqueId uid;
     pthread_mutex_t mu;
     pd_pipe_cq_t cq;
-    pd_pipe_peer_t *peers;
+    pd_list_link_t peers; /* pd_pipe_peer_t */
     nregion_t **regions;
-    uint32_t num_regions;
-    nperm_t *perms;
-    nop_t *ops;
+    size_t num_regions, cap_regions;
+    pd_list_link_t perms; /* nperm_t */
+    pd_list_link_t ops;   /* nop_t */
     uint64_t next_op;
     pd_pipe_peer_error_cb peer_cb;
     void *peer_cb_arg;
@@ -143,16 +145,6 @@ static void op_free(nop_t *o)
     free(o);
 }
 
-static void unlink_op(nccl_pipe_t *t, nop_t *o)
-{
-    for (nop_t **pp = &t->ops; *pp != NULL; pp = &(*pp)->next) {
-        if (*pp == o) {
-            *pp = o->next;
-            return;
-        }
-    }
-}
-
 /* The peer is gone: abort its communicators, fail everything pending with it. mu held. */
 static void peer_dead(nccl_pipe_t *t, pd_pipe_peer_t *pe, pd_status_t st)
 {
@@ -170,24 +162,20 @@ static void peer_dead(nccl_pipe_t *t, pd_pipe_peer_t *pe, pd_status_t st)
         ncclCommAbort(pe->recv_comm);
         pe->recv_comm = NULL;
     }
-    for (nop_t **pp = &t->ops; *pp != NULL;) {
-        nop_t *o = *pp;
+    nop_t *o, *tmp;
+    pd_list_for_each_safe (o, tmp, &t->ops, link) {
         if (o->peer == pe) {
-            *pp = o->next;
+            pd_list_del(&o->link);
             if (o->cb != NULL) {
                 complete(t, o->cb, o->arg, st);
             }
             op_free(o);
-        } else {
-            pp = &o->next;
         }
     }
-    while (pe->held != NULL) {
-        nop_t *o = pe->held;
-        pe->held = o->next;
+    while ((o = pd_list_pop_head(&pe->held, nop_t, link)) != NULL) {
         op_free(o);
     }
-    pe->recv_head = pe->recv_tail = NULL; /* those ops were in t->ops, freed above */
+    pd_list_head_init(&pe->recvq); /* those ops were in t->ops, freed above */
     if (t->peer_cb != NULL) {
         pd_pipe_completion_t c = {NULL, NULL, t->peer_cb, pe, t->peer_cb_arg, st, 0, 0, 0, NULL};
         pd_pipe_cq_push(&t->cq, &c);
@@ -232,29 +220,19 @@ static pd_status_t issue_recvs(pd_pipe_peer_t *pe, nregion_t *r, const uint64_t 
 /* Receives now, or once recv_comm is confirmed (order kept). mu held. */
 static pd_status_t recv_or_hold(pd_pipe_peer_t *pe, nregion_t *r, nop_t *o)
 {
-    if (pe->recv_ready && pe->recv_head == NULL) {
+    if (pe->recv_ready && pd_list_is_empty(&pe->recvq)) {
         return issue_recvs(pe, r, o->ranges, o->n, o);
     }
     o->recv_region = r;
-    o->next_recv = NULL;
-    if (pe->recv_tail != NULL) {
-        pe->recv_tail->next_recv = o;
-    } else {
-        pe->recv_head = o;
-    }
-    pe->recv_tail = o;
+    pd_list_add_tail(&pe->recvq, &o->recv_link);
     return PD_OK;
 }
 
 /* Receives queued while recv_comm was initialising. mu held. */
 static void flush_held_recvs(nccl_pipe_t *t, pd_pipe_peer_t *pe)
 {
-    while (pe->recv_head != NULL && pe->recv_ready && !pe->dead) {
-        nop_t *o = pe->recv_head;
-        pe->recv_head = o->next_recv;
-        if (pe->recv_head == NULL) {
-            pe->recv_tail = NULL;
-        }
+    while (!pd_list_is_empty(&pe->recvq) && pe->recv_ready && !pe->dead) {
+        nop_t *o = pd_list_pop_head(&pe->recvq, nop_t, recv_link);
         pd_status_t st = issue_recvs(pe, o->recv_region, o->ranges, o->n, o);
         if (st != PD_OK) {
             peer_dead(t, pe, st);
@@ -265,9 +243,8 @@ static void flush_held_recvs(nccl_pipe_t *t, pd_pipe_peer_t *pe)
 /* Sends queued while the communicators were initialising. mu held. */
 static void flush_held(nccl_pipe_t *t, pd_pipe_peer_t *pe)
 {
-    while (pe->held != NULL && pe->send_ready && !pe->dead) {
-        nop_t *o = pe->held;
-        pe->held = o->next;
+    while (!pd_list_is_empty(&pe->held) && pe->send_ready && !pe->dead) {
+        nop_t *o = pd_list_pop_head(&pe->held, nop_t, link);
         pd_status_t st = issue_sends(pe, o->local, o->ranges, o->n);
         op_free(o);
         if (st != PD_OK) {
@@ -280,7 +257,7 @@ static void flush_held(nccl_pipe_t *t, pd_pipe_peer_t *pe)
 static pd_status_t send_or_hold(nccl_pipe_t *t, pd_pipe_peer_t *pe, nregion_t *r, uint64_t *ranges,
                                 uint32_t n)
 {
-    if (pe->send_ready && pe->held == NULL) {
+    if (pe->send_ready && pd_list_is_empty(&pe->held)) {
         pd_status_t st = issue_sends(pe, r, ranges, n);
         free(ranges);
         return st;
@@ -294,11 +271,7 @@ static pd_status_t send_or_hold(nccl_pipe_t *t, pd_pipe_peer_t *pe, nregion_t *r
     o->local = r;
     o->ranges = ranges;
     o->n = n;
-    nop_t **tail = &pe->held;
-    while (*tail != NULL) {
-        tail = &(*tail)->next;
-    }
-    *tail = o;
+    pd_list_add_tail(&pe->held, &o->link);
     (void)t;
     return PD_OK;
 }
@@ -316,7 +289,8 @@ static nregion_t *region_by_id(nccl_pipe_t *t, uint32_t id)
 
 static bool allowed(nccl_pipe_t *t, uint32_t region_id, pd_pipe_peer_t *pe, bool write)
 {
-    for (nperm_t *p = t->perms; p != NULL; p = p->next) {
+    nperm_t *p;
+    pd_list_for_each (p, &t->perms, link) {
         if (p->region_id == region_id && p->peer == pe && (p->write || !write)) {
             return true;
         }
@@ -360,8 +334,7 @@ static pd_status_t on_write_announce(nccl_pipe_t *t, pd_pipe_peer_t *pe, const n
     o->peer = pe;
     o->ranges = ranges;
     o->n = d->n;
-    o->next = t->ops;
-    t->ops = o;
+    pd_list_add_tail(&t->ops, &o->link);
     return recv_or_hold(pe, r, o);
 }
 
@@ -369,8 +342,8 @@ static pd_status_t on_write_announce(nccl_pipe_t *t, pd_pipe_peer_t *pe, const n
  * completes the op; an accepted read posts the receives for the data that follows. Called with t->mu held. */
 static pd_status_t on_op_reply(nccl_pipe_t *t, pd_pipe_peer_t *pe, const ndesc_t *d)
 {
-    nop_t *o = NULL;
-    for (nop_t *x = t->ops; x != NULL; x = x->next) {
+    nop_t *o = NULL, *x;
+    pd_list_for_each (x, &t->ops, link) {
         if (x->peer == pe && x->id == d->op_id && (x->kind == O_WRITE || x->kind == O_READ)) {
             o = x;
             break;
@@ -380,7 +353,7 @@ static pd_status_t on_op_reply(nccl_pipe_t *t, pd_pipe_peer_t *pe, const ndesc_t
         return PD_ERR_PARSE;
     }
     if (d->kind == D_WRITE_ACK || d->status != PD_OK) {
-        unlink_op(t, o);
+        pd_list_del(&o->link);
         complete(t, o->cb, o->arg, (pd_status_t)d->status);
         op_free(o);
         return PD_OK;
@@ -483,13 +456,48 @@ static void post_desc_recv(nccl_pipe_t *t, pd_pipe_peer_t *pe)
 
 /* ------------------------------------------------------------------ progress */
 
+/* Ops whose event fired complete: a target's receive is acknowledged to the writer, ours call back.
+ * Returns how many ended. mu held. */
+static int complete_landed(nccl_pipe_t *t)
+{
+    int n = 0;
+    for (bool again = true; again;) {
+        again = false;
+        nop_t *o, *tmp;
+        pd_list_for_each_safe (o, tmp, &t->ops, link) {
+            cudaError_t e = o->ev_armed ? cudaEventQuery(o->ev) : cudaErrorNotReady;
+            if (e == cudaErrorNotReady) {
+                continue;
+            }
+            pd_list_del(&o->link);
+            pd_status_t st = e == cudaSuccess ? PD_OK : PD_ERR_BACKEND;
+            n++;
+            if (o->kind == O_TARGET_RECV) {
+                ndesc_t ack = {D_WRITE_ACK, 0, o->id, 0, st};
+                if (send_desc(t, o->peer, &ack, NULL) != PD_OK) {
+                    pd_pipe_peer_t *pe = o->peer;
+                    op_free(o);
+                    peer_dead(t, pe, PD_ERR_PEER_GONE); /* frees that peer's ops (maybe tmp): walk again */
+                    again = true;
+                    break;
+                }
+            } else if (o->cb != NULL) {
+                complete(t, o->cb, o->arg, st);
+            }
+            op_free(o);
+        }
+    }
+    return n;
+}
+
 static int nccl_progress(pd_pipe_t *p)
 {
     nccl_pipe_t *t = (nccl_pipe_t *)p;
     int n = pd_pipe_progress(t->ctl); /* descriptors, acks, tensors */
     pthread_mutex_lock(&t->mu);
     double now = pd_time_now_s();
-    for (pd_pipe_peer_t *pe = t->peers; pe != NULL; pe = pe->next) {
+    pd_pipe_peer_t *pe;
+    pd_list_for_each (pe, &t->peers, link) {
         if (pe->dead) {
             continue;
         }
@@ -518,31 +526,7 @@ static int nccl_progress(pd_pipe_t *p)
             peer_dead(t, pe, PD_ERR_TIMEOUT);
         }
     }
-    for (nop_t **pp = &t->ops; *pp != NULL;) {
-        nop_t *o = *pp;
-        cudaError_t e = o->ev_armed ? cudaEventQuery(o->ev) : cudaErrorNotReady;
-        if (e == cudaErrorNotReady) {
-            pp = &o->next;
-            continue;
-        }
-        *pp = o->next;
-        pd_status_t st = e == cudaSuccess ? PD_OK : PD_ERR_BACKEND;
-        if (o->kind == O_TARGET_RECV) {
-            ndesc_t ack = {D_WRITE_ACK, 0, o->id, 0, st};
-            if (send_desc(t, o->peer, &ack, NULL) != PD_OK) {
-                pd_pipe_peer_t *pe = o->peer;
-                op_free(o);
-                n++;
-                peer_dead(t, pe, PD_ERR_PEER_GONE); /* frees that peer's ops: walk again */
-                pp = &t->ops;
-                continue;
-            }
-        } else if (o->cb != NULL) {
-            complete(t, o->cb, o->arg, st);
-        }
-        op_free(o);
-        n++;
-    }
+    n += complete_landed(t);
     pd_pipe_completion_t *c = pd_pipe_cq_take(&t->cq);
     pthread_mutex_unlock(&t->mu);
     return n + pd_pipe_cq_run(c);
@@ -562,6 +546,9 @@ static pd_status_t nccl_create(const pd_pipe_config_t *cfg, pd_pipe_t **out)
         return PD_ERR_NO_MEMORY;
     }
     t->base.ops = &pd_pipe_nccl_ops;
+    pd_list_head_init(&t->peers);
+    pd_list_head_init(&t->perms);
+    pd_list_head_init(&t->ops);
     pthread_mutex_init(&t->mu, NULL);
     if (getrandom(&t->id, sizeof(t->id), 0) != (ssize_t)sizeof(t->id)) {
         t->id = pd_time_now_ns();
@@ -584,12 +571,12 @@ static void nccl_destroy(pd_pipe_t *p)
 {
     nccl_pipe_t *t = (nccl_pipe_t *)p;
     pthread_mutex_lock(&t->mu);
-    for (pd_pipe_peer_t *pe = t->peers; pe != NULL; pe = pe->next) {
+    pd_pipe_peer_t *pe;
+    pd_list_for_each (pe, &t->peers, link) {
         peer_dead(t, pe, PD_ERR_CANCELLED);
     }
-    while (t->ops != NULL) {
-        nop_t *o = t->ops;
-        t->ops = o->next;
+    nop_t *o;
+    while ((o = pd_list_pop_head(&t->ops, nop_t, link)) != NULL) {
         if (o->cb != NULL) {
             complete(t, o->cb, o->arg, PD_ERR_CANCELLED);
         }
@@ -600,9 +587,7 @@ static void nccl_destroy(pd_pipe_t *p)
     pthread_mutex_unlock(&t->mu);
     pd_pipe_cq_run(c);
     pd_pipe_destroy(t->ctl); /* cancels the standing descriptor receives */
-    while (t->peers != NULL) {
-        pd_pipe_peer_t *pe = t->peers;
-        t->peers = pe->next;
+    while ((pe = pd_list_pop_head(&t->peers, pd_pipe_peer_t, link)) != NULL) {
         if (pe->send_stream != NULL) {
             cudaStreamDestroy(pe->send_stream);
         }
@@ -621,9 +606,8 @@ static void nccl_destroy(pd_pipe_t *p)
         }
     }
     free(t->regions);
-    while (t->perms != NULL) {
-        nperm_t *pm = t->perms;
-        t->perms = pm->next;
+    nperm_t *pm;
+    while ((pm = pd_list_pop_head(&t->perms, nperm_t, link)) != NULL) {
         free(pm);
     }
     pthread_mutex_destroy(&t->mu);
@@ -667,6 +651,8 @@ static pd_status_t nccl_connect(pd_pipe_t *p, const uint8_t *addr, size_t len, p
     }
     pe->pipe = t;
     pe->id = id;
+    pd_list_head_init(&pe->recvq);
+    pd_list_head_init(&pe->held);
     pd_status_t st = t->ctl->ops->connect(t->ctl, addr + head, len - head, &pe->inner);
     if (st == PD_OK && (cudaStreamCreateWithFlags(&pe->send_stream, cudaStreamNonBlocking) != cudaSuccess ||
                         cudaStreamCreateWithFlags(&pe->recv_stream, cudaStreamNonBlocking) != cudaSuccess)) {
@@ -698,8 +684,7 @@ static pd_status_t nccl_connect(pd_pipe_t *p, const uint8_t *addr, size_t len, p
     }
     pe->init_deadline = pd_time_now_s() + INIT_TIMEOUT_S;
     pthread_mutex_lock(&t->mu);
-    pe->next = t->peers;
-    t->peers = pe;
+    pd_list_add_tail(&t->peers, &pe->link);
     pthread_mutex_unlock(&t->mu);
     post_desc_recv(t, pe);
     *peer_out = pe;
@@ -709,14 +694,13 @@ static pd_status_t nccl_connect(pd_pipe_t *p, const uint8_t *addr, size_t len, p
 static pd_status_t add_region(nccl_pipe_t *t, void *base, size_t len, bool owned, pd_pipe_region_t **out)
 {
     nregion_t *r = calloc(1, sizeof(*r));
-    nregion_t **a = realloc(t->regions, (t->num_regions + 1) * sizeof(*a));
-    if (r == NULL || a == NULL) {
+    if (r == NULL || t->num_regions >= UINT32_MAX ||
+        pd_array_reserve(&t->regions, &t->cap_regions, t->num_regions + 1) != PD_OK) {
         free(r);
         return PD_ERR_NO_MEMORY;
     }
-    t->regions = a;
     r->pub = (struct pd_pipe_region){base, len, PD_MEM_CUDA};
-    r->id = t->num_regions;
+    r->id = (uint32_t)t->num_regions;
     r->owned = owned;
     t->regions[t->num_regions++] = r;
     *out = &r->pub;
@@ -784,8 +768,7 @@ static pd_status_t nccl_export_region(pd_pipe_t *p, pd_pipe_region_t *r, pd_pipe
     pm->peer = pe;
     pm->write = allow_write;
     pthread_mutex_lock(&t->mu);
-    pm->next = t->perms;
-    t->perms = pm;
+    pd_list_add_tail(&t->perms, &pm->link);
     pthread_mutex_unlock(&t->mu);
     uint64_t l = nr->pub.len;
     memcpy(buf, &nr->id, 4);
@@ -859,8 +842,7 @@ static pd_status_t post_pages(bool write, pd_pipe_t *p, pd_pipe_peer_t *pe, pd_p
     o->local = (nregion_t *)local;
     o->ranges = loc;
     o->n = (uint32_t)n;
-    o->next = t->ops;
-    t->ops = o;
+    pd_list_add_tail(&t->ops, &o->link);
     ndesc_t d = {write ? D_WRITE_ANNOUNCE : D_READ_REQUEST, remote->region_id, o->id, (uint32_t)n, PD_OK};
     st = send_desc(t, pe, &d, rem);
     free(rem);

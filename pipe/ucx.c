@@ -29,6 +29,7 @@
 
 #include "common/copy.h"
 #include "common/hash.h"
+#include "common/list.h"
 #include "common/log.h"
 #include "common/time.h"
 #include "pipe/completion.h"
@@ -44,14 +45,14 @@ struct pd_pipe_peer {
     uint16_t hash16; /* this peer's tag prefix */
     ucp_ep_h ep;
     bool dead;
-    pd_pipe_peer_t *next;
+    pd_list_link_t link; /* on ucx_pipe_t.peers */
 };
 
 typedef struct ucx_region {
     struct pd_pipe_region pub;
     ucp_mem_h memh;
     bool owned;
-    struct ucx_region *prev, *next; /* the pipe's regions, unmapped at destroy */
+    pd_list_link_t link; /* on ucx_pipe_t.regions, unmapped at destroy */
 } ucx_region_t;
 
 struct pd_pipe_remote {
@@ -110,7 +111,7 @@ struct op {
     void *hbuf;
     size_t hcap, hlen, plen;
     recv_part_t parts[2];
-    op_t *prev, *next;
+    pd_list_link_t link; /* on ucx_pipe_t.ops */
 };
 
 /* A page list copied through a peer region mapped here (shared memory), a bounded slice per
@@ -145,9 +146,9 @@ struct ucx_pipe {
     bool thread_started;
     pthread_mutex_t mu; /* ops, completions, peers */
     bool stop;
-    pd_pipe_peer_t *peers;
-    ucx_region_t *regions;
-    op_t *ops;
+    pd_list_link_t peers;          /* pd_pipe_peer_t */
+    pd_list_link_t regions;        /* ucx_region_t */
+    pd_list_link_t ops;            /* op_t */
     copy_job_t *cj_head, *cj_tail; /* direct copies, in posting order */
     bool copying;                  /* a progress call is copying cj_head's slice (outside mu) */
     uint64_t copies_done;
@@ -178,19 +179,6 @@ static void queue_completion(ucx_pipe_t *u, pd_pipe_completion_t c)
     pd_pipe_cq_push(&u->cq, &c);
 }
 
-static void op_unlink(ucx_pipe_t *u, op_t *o)
-{
-    if (o->prev != NULL) {
-        o->prev->next = o->next;
-    } else if (u->ops == o) {
-        u->ops = o->next;
-    }
-    if (o->next != NULL) {
-        o->next->prev = o->prev;
-    }
-    o->prev = o->next = NULL;
-}
-
 static void op_report(ucx_pipe_t *u, op_t *o, pd_status_t st)
 {
     if (o->reported) {
@@ -214,7 +202,7 @@ static void op_step(ucx_pipe_t *u, op_t *o, ucs_status_t s)
         return;
     }
     op_report(u, o, o->st);
-    op_unlink(u, o);
+    pd_list_del(&o->link);
     free(o->hdr_msg);
     free(o);
 }
@@ -237,11 +225,7 @@ static op_t *op_new(ucx_pipe_t *u, int kind, pd_pipe_peer_t *peer, int pending)
     o->kind = kind;
     o->peer = peer;
     o->pending = pending;
-    o->next = u->ops;
-    if (u->ops != NULL) {
-        u->ops->prev = o;
-    }
-    u->ops = o;
+    pd_list_add_tail(&u->ops, &o->link);
     return o;
 }
 
@@ -434,6 +418,9 @@ static pd_status_t ucx_create(const pd_pipe_config_t *cfg, pd_pipe_t **out)
     }
     u->base.ops = &pd_pipe_ucx_ops;
     u->efd = u->wake_fd = -1;
+    pd_list_head_init(&u->peers);
+    pd_list_head_init(&u->regions);
+    pd_list_head_init(&u->ops);
     pthread_mutex_init(&u->mu, NULL);
     u->err_peer = cfg->ucx_err_mode != NULL && strcmp(cfg->ucx_err_mode, "peer") == 0;
     if (getrandom(&u->id, sizeof(u->id), 0) != (ssize_t)sizeof(u->id)) {
@@ -531,7 +518,11 @@ static void ucx_destroy(pd_pipe_t *p)
     for (;;) {
         void *req = NULL;
         pthread_mutex_lock(&u->mu);
-        for (op_t *o = u->ops; o != NULL && req == NULL; o = o->next) {
+        op_t *o;
+        pd_list_for_each (o, &u->ops, link) {
+            if (req != NULL) {
+                break;
+            }
             for (int k = 0; o->kind == OP_RECV && k < 2 && req == NULL; k++) {
                 req = o->parts[k].req;
                 o->parts[k].req = NULL;
@@ -545,7 +536,8 @@ static void ucx_destroy(pd_pipe_t *p)
         ucp_worker_progress(u->worker);
     }
     /* force-close endpoints: UCX cancels their outstanding requests (callbacks run here) */
-    for (pd_pipe_peer_t *pe = u->peers; pe != NULL; pe = pe->next) {
+    pd_pipe_peer_t *pe;
+    pd_list_for_each (pe, &u->peers, link) {
         ep_close(u, pe);
     }
     if (u->worker != NULL) {
@@ -553,26 +545,22 @@ static void ucx_destroy(pd_pipe_t *p)
     }
     pthread_mutex_lock(&u->mu);
     u->peer_cb = NULL;
-    for (op_t *o = u->ops; o != NULL; o = o->next) {
+    op_t *o;
+    pd_list_for_each (o, &u->ops, link) {
         op_report(u, o, PD_ERR_CANCELLED);
     }
     end_copies(u, NULL, NULL, PD_ERR_CANCELLED);
     pthread_mutex_unlock(&u->mu);
     ucx_progress(p); /* deliver every pending completion before returning */
-    while (u->ops != NULL) {
-        op_t *o = u->ops;
-        u->ops = o->next;
+    while ((o = pd_list_pop_head(&u->ops, op_t, link)) != NULL) {
         free(o->hdr_msg);
         free(o);
     }
-    while (u->peers != NULL) {
-        pd_pipe_peer_t *pe = u->peers;
-        u->peers = pe->next;
+    while ((pe = pd_list_pop_head(&u->peers, pd_pipe_peer_t, link)) != NULL) {
         free(pe);
     }
-    while (u->regions != NULL) {
-        ucx_region_t *r = u->regions;
-        u->regions = r->next;
+    ucx_region_t *r;
+    while ((r = pd_list_pop_head(&u->regions, ucx_region_t, link)) != NULL) {
         ucp_mem_unmap(u->ctx, r->memh);
         free(r);
     }
@@ -640,8 +628,7 @@ static pd_status_t ucx_connect(pd_pipe_t *p, const uint8_t *addr, size_t len, pd
         return PD_ERR_PEER_GONE;
     }
     pthread_mutex_lock(&u->mu);
-    peer->next = u->peers;
-    u->peers = peer;
+    pd_list_add_tail(&u->peers, &peer->link);
     pthread_mutex_unlock(&u->mu);
     *peer_out = peer;
     return PD_OK;
@@ -682,11 +669,7 @@ static pd_status_t map_region(ucx_pipe_t *u, void *base, size_t len, bool alloca
     r->pub = (struct pd_pipe_region){base, len, mem};
     r->owned = allocate;
     pthread_mutex_lock(&u->mu);
-    r->next = u->regions;
-    if (u->regions != NULL) {
-        u->regions->prev = r;
-    }
-    u->regions = r;
+    pd_list_add_tail(&u->regions, &r->link);
     pthread_mutex_unlock(&u->mu);
     *out = &r->pub;
     return PD_OK;
@@ -720,14 +703,7 @@ static void ucx_deregister_region(pd_pipe_t *p, pd_pipe_region_t *r)
     ucx_pipe_t *u = (ucx_pipe_t *)p;
     ucx_region_t *ur = (ucx_region_t *)r;
     pthread_mutex_lock(&u->mu);
-    if (ur->prev != NULL) {
-        ur->prev->next = ur->next;
-    } else {
-        u->regions = ur->next;
-    }
-    if (ur->next != NULL) {
-        ur->next->prev = ur->prev;
-    }
+    pd_list_del(&ur->link);
     pthread_mutex_unlock(&u->mu);
     ucp_mem_unmap(u->ctx, ur->memh);
     free(ur);
@@ -1044,7 +1020,8 @@ static void ucx_fail_peer(pd_pipe_t *p, pd_pipe_peer_t *peer, pd_status_t st)
     pthread_mutex_lock(&u->mu);
     peer->dead = true;
     /* report now; the UCX requests stay owned by UCX until it calls back or the ep closes */
-    for (op_t *o = u->ops; o != NULL; o = o->next) {
+    op_t *o;
+    pd_list_for_each (o, &u->ops, link) {
         if (o->peer == peer) {
             op_report(u, o, st);
         }
