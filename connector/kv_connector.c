@@ -314,6 +314,12 @@ static void metrics_register(kv_conn_t *k, pd_metrics_t *m)
                                 NULL, pages_b, 9);
     k->m.leases_held = pd_metrics_add(m, PD_METRIC_COUNTER, "pd:kv_leases_granted_total",
                                       "Leases granted on held prefill blocks (pull).", NULL, NULL, 0);
+    k->m.leases_now = pd_metrics_add(
+        m, PD_METRIC_GAUGE, "pd:kv_leases_held",
+        "Requests whose blocks a prefill holds under a lease for a reader (pull).", NULL, NULL, 0);
+    k->m.resvs_now = pd_metrics_add(
+        m, PD_METRIC_GAUGE, "pd:kv_reservations",
+        "Decode reservations a push prefill has received and not yet finished with.", NULL, NULL, 0);
     k->m.leases_expired =
         pd_metrics_add(m, PD_METRIC_COUNTER, "pd:kv_leases_expired_total",
                        "Holds that ended at --kv-hold-timeout with no reader or reservation.", NULL, NULL, 0);

@@ -104,6 +104,7 @@ static void sweep_leases(kv_conn_t *k, double now)
  * learns at once that nobody waits). */
 static void sweep_reservations(kv_conn_t *k, double now)
 {
+    int live = 0;
     kv_resv_t *rv, *tmp;
     pd_list_for_each_safe (rv, tmp, &k->resvs, link) {
         if (!rv->taken && !rv->released && now > rv->expires) {
@@ -120,8 +121,11 @@ static void sweep_reservations(kv_conn_t *k, double now)
             pd_list_del(&rv->link);
             free(rv->blocks);
             free(rv);
+        } else {
+            live += !rv->released;
         }
     }
+    pd_metric_set(k->m.resvs_now, live);
 }
 
 /* Finished transfers leave the list (releasing the reservation they took). */

@@ -26,6 +26,7 @@
 #include "common/time.h"
 #include "http_client.h"
 #include "pipe/pipe.h"
+#include "test_util.h"
 
 typedef struct backend {
     const char *kind;
@@ -685,19 +686,6 @@ static void run_silent_data_connections(void)
     pair_close(&P);
 }
 
-static int count_fds(void)
-{
-    int n = 0;
-    DIR *d = opendir("/proc/self/fd");
-    for (struct dirent *e; d != NULL && (e = readdir(d)) != NULL;) {
-        n += e->d_name[0] != '.';
-    }
-    if (d != NULL) {
-        closedir(d);
-    }
-    return n;
-}
-
 /* tcp: a peer declared dead keeps no socket: 20 rounds of connect, write, fail on both sides leave
  * the process's fd count where it was (each round used to leave 4 behind). */
 static void run_dead_peers_release_fds(void)
@@ -715,7 +703,7 @@ static void run_dead_peers_release_fds(void)
     P.a->ops->fail_peer(P.a, P.ab, PD_ERR_PEER_GONE);
     P.b->ops->fail_peer(P.b, P.ba, PD_ERR_PEER_GONE);
     usleep(50 * 1000);
-    int before = count_fds();
+    int before = tu_count_fds();
     for (int round = 0; round < 20; round++) {
         pd_pipe_peer_t *ab = NULL, *ba = NULL;
         link2(P.a, P.b, &ab, &ba);
@@ -729,11 +717,11 @@ static void run_dead_peers_release_fds(void)
         P.a->ops->release_remote(P.a, rr);
     }
     /* the receivers reap what they were reading within a tick */
-    int after = count_fds();
+    int after = tu_count_fds();
     for (int i = 0; i < 40 && after > before + 2; i++) {
         usleep(50 * 1000);
         pd_pipe_progress(P.a), pd_pipe_progress(P.b);
-        after = count_fds();
+        after = tu_count_fds();
     }
     ck_assert_msg(after <= before + 2, "20 dead peers left %d fds behind", after - before);
     pair_close(&P);

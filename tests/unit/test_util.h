@@ -182,6 +182,7 @@ static inline int tu_write_file(const char *path, const void *data, size_t len)
 #endif
 
 /* ------------------------------------------------------------------ processes */
+#include <dirent.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -200,6 +201,20 @@ static inline pid_t tu_spawn(char *const argv[], const char *log_path)
         _exit(127);
     }
     return pid;
+}
+
+/* Open file descriptors of this process. */
+static inline int tu_count_fds(void)
+{
+    int n = 0;
+    DIR *d = opendir("/proc/self/fd");
+    for (struct dirent *e; d != NULL && (e = readdir(d)) != NULL;) {
+        n += e->d_name[0] != '.';
+    }
+    if (d != NULL) {
+        closedir(d);
+    }
+    return n - (d != NULL); /* opendir's own */
 }
 
 static inline double tu_now(void)

@@ -1,0 +1,554 @@
+/* tests/unit/test_connector.c — the P/D KV connector in one process: a prefill and a decode
+ * connector over a real pipe (tcp and ucx, loopback), driven through the connector interface as
+ * the scheduler and model runner drive it, with no engine, model or HTTP. Each case runs in well
+ * under a second: pull and push move the right bytes into the right blocks; a lease that expired
+ * is STALE and a released one frees at once; an unreachable or vanished prefill, a wrong token, a
+ * block id outside the prefill's cache and an aborted request end the load as load errors (the
+ * scheduler's failure policy then applies) without touching other blocks; everything is freed
+ * (fd count back where it was). test_pd keeps the whole-cluster cases. */
+#include <check.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/log.h"
+#include "common/metrics.h"
+#include "connector/kv_connector.h"
+#include "scheduler/scheduler.h"
+#include "test_util.h"
+
+#define LAYERS 2
+#define BLOCKS 32
+#define BS     4   /* tokens per block */
+#define PAGE   256 /* bytes per (layer, block) page */
+#define PROMPT 37  /* tokens: the decode loads ceil(36 / 4) = 9 blocks (the last token is recomputed) */
+#define NEED   9
+
+static const char *const PIPES[] = {"tcp", "ucx"};
+
+typedef struct node {
+    pd_connector_t *c;
+    pd_metrics_t *m;
+    uint8_t *kv;
+    bool kv_from_pipe;
+    char tag;
+} node_t;
+
+typedef struct opts {
+    const char *mode, *pipe, *token_file;
+    double hold_timeout, load_timeout;
+} opts_t;
+
+static uint8_t *page(node_t *n, int layer, uint32_t block)
+{
+    return n->kv + ((size_t)layer * BLOCKS + block) * PAGE;
+}
+
+/* Every page of a node holds bytes that name the node, the layer and the block. */
+static void fill(node_t *n)
+{
+    for (int l = 0; l < LAYERS; l++) {
+        for (uint32_t b = 0; b < BLOCKS; b++) {
+            for (int i = 0; i < PAGE; i++) {
+                page(n, l, b)[i] = (uint8_t)(n->tag * 31 + l * 7 + b * 3 + i);
+            }
+        }
+    }
+}
+
+static void node_start(node_t *n, const char *role, char tag, const opts_t *o)
+{
+    memset(n, 0, sizeof(*n));
+    n->tag = tag;
+    pd_kv_connector_config_t cfg;
+    pd_kv_connector_config_defaults(&cfg);
+    cfg.role = role;
+    cfg.mode = o->mode;
+    cfg.pipe = o->pipe;
+    cfg.cluster_token_file = o->token_file;
+    cfg.hold_timeout = o->hold_timeout > 0 ? o->hold_timeout : 30;
+    cfg.load_timeout = o->load_timeout > 0 ? o->load_timeout : 5;
+    cfg.handshake_timeout = 1;
+    cfg.heartbeat_interval = 0.1;
+    cfg.heartbeat_misses = 5;
+    cfg.prefault = false;
+    ck_assert_int_eq(pd_metrics_create(&n->m), PD_OK);
+    ck_assert_int_eq(pd_kv_connector_create(&cfg, n->m, &n->c), PD_OK);
+    size_t bytes = (size_t)LAYERS * BLOCKS * PAGE;
+    const pd_kv_region_allocator_t *a = pd_kv_connector_allocator(n->c);
+    if (a != NULL) {
+        void *p = NULL;
+        ck_assert_int_eq(a->alloc(a->ctx, bytes, &p), PD_OK);
+        n->kv = p;
+        n->kv_from_pipe = true;
+    } else {
+        n->kv = malloc(bytes);
+    }
+    ck_assert_ptr_nonnull(n->kv);
+    fill(n);
+    pd_kv_region_desc_t rd;
+    memset(&rd, 0, sizeof(rd));
+    rd.base = n->kv;
+    rd.host_memory = true;
+    rd.bytes = bytes;
+    rd.num_layers = LAYERS;
+    for (int l = 0; l < LAYERS; l++) {
+        rd.layer_offset[l] = (size_t)l * BLOCKS * PAGE;
+    }
+    rd.page_bytes = PAGE;
+    rd.num_blocks = BLOCKS;
+    rd.block_size = BS;
+    ck_assert_int_eq(n->c->ops->register_kv_caches(n->c, &rd), PD_OK);
+    Pd__Fingerprint fp;
+    pd_kv_fingerprint("test-model", "fp32", BS, 2, PAGE / (BS * 2 * 2 * 4), LAYERS, &fp);
+    ck_assert_int_eq(pd_kv_connector_start(n->c, &fp), PD_OK);
+}
+
+static void node_stop(node_t *n)
+{
+    if (n->c == NULL) {
+        return;
+    }
+    pd_kv_connector_stop(n->c);
+    if (n->kv_from_pipe) {
+        /* the pipe owned the memory: it went with the pipe */
+    } else {
+        free(n->kv);
+    }
+    pd_kv_connector_destroy(n->c);
+    pd_metrics_destroy(n->m);
+    n->c = NULL;
+}
+
+static pd_request_t *request(const char *id, json_t *params)
+{
+    int32_t prompt[PROMPT];
+    for (int i = 0; i < PROMPT; i++) {
+        prompt[i] = 3 + i;
+    }
+    pd_request_params_t rp;
+    memset(&rp, 0, sizeof(rp));
+    rp.max_tokens = 4;
+    pd_request_t *r = NULL;
+    ck_assert_int_eq(pd_request_create(id, prompt, PROMPT, &rp, 128, &r), PD_OK);
+    r->kv_transfer_params = params;
+    return r;
+}
+
+/* Prefill: a finished request that held blocks[NEED + 1] (the whole prompt); returns the params it
+ * hands on (pull) or NULL, and whether it delays freeing. */
+static json_t *prefill_finish(node_t *p, const char *id, json_t *in_params, const uint32_t *blocks,
+                              bool *hold)
+{
+    pd_request_t *r = request(id, in_params);
+    r->state = PD_REQ_FINISHED_LENGTH;
+    void *out = NULL;
+    *hold = p->c->ops->request_finished(p->c, r, blocks, NEED + 1, &out);
+    pd_request_free(r);
+    return out;
+}
+
+/* Decode: schedules a request with these params into local blocks (as the scheduler would) and
+ * starts its load. Returns the request (the caller frees it). */
+static pd_request_t *decode_load(node_t *d, const char *id, json_t *params, const uint32_t *local)
+{
+    pd_request_t *r = request(id, params);
+    int32_t ext = 0;
+    bool async = false;
+    ck_assert_int_eq(d->c->ops->get_num_new_matched_tokens(d->c, r, 0, &ext, &async), PD_OK);
+    if (ext > 0) {
+        d->c->ops->update_state_after_alloc(d->c, r, local, NEED + 1, ext);
+    }
+    pd_scheduler_output_t so;
+    memset(&so, 0, sizeof(so));
+    void *meta = d->c->ops->build_connector_meta(d->c, &so);
+    ck_assert_int_eq(d->c->ops->bind_connector_metadata(d->c, meta), PD_OK);
+    ck_assert_int_eq(d->c->ops->start_load_kv(d->c), PD_OK);
+    return r;
+}
+
+/* Polls get_finished (as the engine does each step) until id is reported (in sending when
+ * sending, else in recving) or timeout_s passes; returns whether it was. Load errors reported
+ * meanwhile are added to *errors. */
+static bool wait_finished(node_t *n, const char *id, bool sending, double timeout_s, int *errors)
+{
+    double end = tu_now() + timeout_s;
+    while (tu_now() < end) {
+        pd_connector_finished_t f;
+        ck_assert_int_eq(n->c->ops->get_finished(n->c, &f), PD_OK);
+        uint32_t ids[64];
+        int32_t ne = n->c->ops->get_block_ids_with_load_errors(n->c, ids, 64);
+        if (errors != NULL) {
+            *errors += ne;
+        }
+        const char *const *list = sending ? f.sending : f.recving;
+        int32_t num = sending ? f.num_sending : f.num_recving;
+        for (int32_t i = 0; i < num; i++) {
+            if (strcmp(list[i], id) == 0) {
+                return true;
+            }
+        }
+        usleep(1000);
+    }
+    return false;
+}
+
+static json_t *pull_params_in(void)
+{
+    return json_pack("{s:b}", "do_remote_decode", 1);
+}
+
+static const uint32_t P_BLOCKS[NEED + 1] = {5, 6, 7, 8, 9, 10, 11, 12, 13, 14};
+static const uint32_t D_BLOCKS[NEED + 1] = {20, 21, 22, 23, 24, 25, 26, 27, 28, 29};
+
+/* The decode's first NEED blocks hold the prefill's pages, layer by layer; the block after them
+ * (recomputed locally) and every other block are untouched. */
+static void expect_moved(node_t *p, node_t *d)
+{
+    node_t fresh = *d;
+    uint8_t *orig = malloc((size_t)LAYERS * BLOCKS * PAGE);
+    fresh.kv = orig;
+    fill(&fresh);
+    for (int l = 0; l < LAYERS; l++) {
+        for (uint32_t b = 0; b < BLOCKS; b++) {
+            int k = -1;
+            for (int i = 0; i < NEED; i++) {
+                k = D_BLOCKS[i] == b ? i : k;
+            }
+            const uint8_t *want = k >= 0 ? page(p, l, P_BLOCKS[k]) : page(&fresh, l, b);
+            ck_assert_msg(memcmp(page(d, l, b), want, PAGE) == 0, "layer %d block %u: wrong bytes", l, b);
+        }
+    }
+    free(orig);
+}
+
+/* ------------------------------------------------------------------ cases */
+
+START_TEST(test_pull_moves_the_right_pages)
+{
+    int fds = tu_count_fds();
+    opts_t o = {"pull", PIPES[_i], NULL, 0, 0};
+    node_t p, d;
+    node_start(&p, "prefill", 'p', &o);
+    node_start(&d, "decode", 'd', &o);
+    bool hold = false;
+    json_t *params = prefill_finish(&p, "req-p", pull_params_in(), P_BLOCKS, &hold);
+    ck_assert(hold);
+    ck_assert_ptr_nonnull(params);
+    ck_assert(json_is_true(json_object_get(params, "do_remote_prefill")));
+    ck_assert_int_eq(json_integer_value(json_object_get(params, "remote_port")), pd_kv_connector_port(p.c));
+    int errors = 0;
+    pd_request_t *r = decode_load(&d, "req-d", params, D_BLOCKS);
+    ck_assert(wait_finished(&d, "req-d", false, 3, &errors));
+    ck_assert_int_eq(errors, 0);
+    expect_moved(&p, &d);
+    /* READ_DONE → ACK: the prefill frees its blocks */
+    ck_assert(wait_finished(&p, "req-p", true, 3, NULL));
+    void *out = NULL;
+    r->state = PD_REQ_FINISHED_LENGTH;
+    ck_assert(!d.c->ops->request_finished(d.c, r, D_BLOCKS, NEED + 1, &out)); /* nothing left to hold */
+    json_decref(out);
+    pd_request_free(r);
+    node_stop(&d);
+    node_stop(&p);
+    ck_assert_int_eq(tu_count_fds(), fds);
+}
+END_TEST
+
+START_TEST(test_push_into_a_late_reservation)
+{
+    int fds = tu_count_fds();
+    opts_t o = {"push", PIPES[_i], NULL, 0, 0};
+    node_t p, d;
+    node_start(&p, "prefill", 'p', &o);
+    node_start(&d, "decode", 'd', &o);
+    /* the prefill finishes before the decode's reservation arrives: it keeps its blocks and writes
+     * them when the reservation comes */
+    bool hold = false;
+    json_t *out = prefill_finish(
+        &p, "req-p",
+        json_pack("{s:b, s:s, s:s}", "do_remote_decode", 1, "transfer_mode", "push", "transfer_id", "x-1"),
+        P_BLOCKS, &hold);
+    ck_assert(hold);
+    json_decref(out);
+    json_t *dp =
+        json_pack("{s:b, s:s, s:s, s:s, s:i}", "do_remote_prefill", 1, "transfer_mode", "push", "transfer_id",
+                  "x-1", "remote_host", "127.0.0.1", "remote_port", pd_kv_connector_port(p.c));
+    int errors = 0;
+    pd_request_t *r = decode_load(&d, "req-d", dp, D_BLOCKS);
+    ck_assert(wait_finished(&d, "req-d", false, 3, &errors));
+    ck_assert_int_eq(errors, 0);
+    expect_moved(&p, &d);
+    ck_assert(wait_finished(&p, "req-p", true, 3, NULL));
+    pd_request_free(r);
+    node_stop(&d);
+    node_stop(&p);
+    ck_assert_int_eq(tu_count_fds(), fds);
+}
+END_TEST
+
+/* A series' value in a node's metrics (-1 when absent). */
+static double metric(node_t *n, const char *series)
+{
+    size_t len = 0;
+    char *text = pd_metrics_render(n->m, &len);
+    double v = pd_metrics_text_value(text, series, -1);
+    free(text);
+    return v;
+}
+
+/* Push as it usually goes: the decode's reservation arrives before the prefill computes, each
+ * layer's pages are written into it right after the layer (save_kv_layer, over two steps of a
+ * chunked prefill), wait_for_save bounds the step, and request_finished sends WRITE_DONE without
+ * holding anything. */
+START_TEST(test_push_streams_layers)
+{
+    int fds = tu_count_fds();
+    opts_t o = {"push", PIPES[_i], NULL, 0, 0};
+    node_t p, d;
+    node_start(&p, "prefill", 'p', &o);
+    node_start(&d, "decode", 'd', &o);
+    json_t *dp =
+        json_pack("{s:b, s:s, s:s, s:s, s:i}", "do_remote_prefill", 1, "transfer_mode", "push", "transfer_id",
+                  "x-2", "remote_host", "127.0.0.1", "remote_port", pd_kv_connector_port(p.c));
+    pd_request_t *r = decode_load(&d, "req-d", dp, D_BLOCKS);
+    double end = tu_now() + 3;
+    while (metric(&p, "pd:kv_reservations") != 1 && tu_now() < end) {
+        usleep(1000);
+    }
+    ck_assert_int_eq((int)metric(&p, "pd:kv_reservations"), 1);
+    pd_request_t *pr = request("req-p", json_pack("{s:b, s:s, s:s}", "do_remote_decode", 1, "transfer_mode",
+                                                  "push", "transfer_id", "x-2"));
+    pr->block_ids = malloc(sizeof(P_BLOCKS));
+    memcpy(pr->block_ids, P_BLOCKS, sizeof(P_BLOCKS));
+    pr->num_blocks = NEED + 1;
+    for (int step = 0; step < 2; step++) { /* 20 tokens, then the other 17 */
+        pd_sched_item_t item = {pr, step == 0 ? 20 : PROMPT - 20};
+        pd_scheduler_output_t so;
+        memset(&so, 0, sizeof(so));
+        so.items = &item;
+        so.num_items = 1;
+        ck_assert_int_eq(p.c->ops->bind_connector_metadata(p.c, p.c->ops->build_connector_meta(p.c, &so)),
+                         PD_OK);
+        for (int l = 0; l < LAYERS; l++) {
+            ck_assert_int_eq(p.c->ops->save_kv_layer(p.c, l), PD_OK);
+        }
+        ck_assert_int_eq(p.c->ops->wait_for_save(p.c), PD_OK);
+        pr->num_computed_tokens += item.num_new_tokens;
+    }
+    pr->state = PD_REQ_FINISHED_LENGTH;
+    void *out = NULL;
+    ck_assert(!p.c->ops->request_finished(p.c, pr, P_BLOCKS, NEED + 1, &out)); /* streamed: nothing held */
+    json_decref(out);
+    int errors = 0;
+    ck_assert(wait_finished(&d, "req-d", false, 3, &errors));
+    ck_assert_int_eq(errors, 0);
+    expect_moved(&p, &d);
+    ck_assert_int_eq((int)metric(&d, "pd:kv_transfers_completed_total{kind=\"push_load\"}"), 1);
+    pd_request_free(pr); /* and its block list */
+    pd_request_free(r);
+    node_stop(&d);
+    node_stop(&p);
+    ck_assert_int_eq(tu_count_fds(), fds);
+}
+END_TEST
+
+/* A lease that expired before the decode read it: the prefill frees the blocks at the expiry and
+ * answers the late READ_DONE with STALE; the decode reports every block as a load error. */
+START_TEST(test_expired_lease_is_stale)
+{
+    opts_t po = {"pull", PIPES[_i], NULL, 0.15, 0};
+    opts_t dop = {"pull", PIPES[_i], NULL, 0, 0};
+    node_t p, d;
+    node_start(&p, "prefill", 'p', &po);
+    node_start(&d, "decode", 'd', &dop);
+    bool hold = false;
+    json_t *params = prefill_finish(&p, "req-p", pull_params_in(), P_BLOCKS, &hold);
+    ck_assert(hold);
+    ck_assert(wait_finished(&p, "req-p", true, 2, NULL)); /* expired: freed */
+    int errors = 0;
+    pd_request_t *r = decode_load(&d, "req-d", params, D_BLOCKS);
+    ck_assert(wait_finished(&d, "req-d", false, 3, &errors));
+    ck_assert_int_eq(errors, NEED);
+    pd_request_free(r);
+    node_stop(&d);
+    node_stop(&p);
+}
+END_TEST
+
+/* pd_kv_connector_release (the proxy's POST /pd/release) frees a lease at once; a wrong lease id
+ * releases nothing. */
+START_TEST(test_release_frees_at_once)
+{
+    opts_t o = {"pull", PIPES[_i], NULL, 0, 0};
+    node_t p;
+    node_start(&p, "prefill", 'p', &o);
+    bool hold = false;
+    json_t *params = prefill_finish(&p, "req-p", pull_params_in(), P_BLOCKS, &hold);
+    ck_assert(hold);
+    uint64_t lease = (uint64_t)json_integer_value(json_object_get(params, "lease_id"));
+    ck_assert(!pd_kv_connector_release(p.c, "req-p", lease + 1, NULL));
+    ck_assert(!pd_kv_connector_release(p.c, "other", lease, NULL));
+    ck_assert(!wait_finished(&p, "req-p", true, 0.05, NULL));
+    ck_assert(pd_kv_connector_release(p.c, "req-p", lease, NULL));
+    ck_assert(wait_finished(&p, "req-p", true, 0.5, NULL));
+    ck_assert(!pd_kv_connector_release(p.c, "req-p", lease, NULL)); /* once */
+    json_decref(params);
+    node_stop(&p);
+}
+END_TEST
+
+/* Loads that cannot succeed end as load errors of exactly the blocks to load, quickly, and leave
+ * the decode's other blocks alone: nobody listens on the port; the prefill went away after it
+ * handed the params out; the tokens differ; a block id is outside the prefill's cache. */
+START_TEST(test_failed_loads_are_load_errors)
+{
+    const char *dir = tu_mkdtemp("conn");
+    char tok_a[600], tok_b[600];
+    snprintf(tok_a, sizeof(tok_a), "%s/a", dir);
+    snprintf(tok_b, sizeof(tok_b), "%s/b", dir);
+    ck_assert_int_eq(tu_write_file(tok_a, "secret-a\n", 9), 0);
+    ck_assert_int_eq(tu_write_file(tok_b, "secret-b\n", 9), 0);
+    for (int k = 0; k < 4; k++) {
+        opts_t po = {"pull", PIPES[_i], k == 2 ? tok_a : NULL, 0, 0};
+        opts_t dop = {"pull", PIPES[_i], k == 2 ? tok_b : NULL, 0, 0};
+        node_t p, d;
+        node_start(&p, "prefill", 'p', &po);
+        node_start(&d, "decode", 'd', &dop);
+        bool hold = false;
+        json_t *params = prefill_finish(&p, "req-p", pull_params_in(), P_BLOCKS, &hold);
+        if (k == 0) {
+            json_object_set_new(params, "remote_port", json_integer(1)); /* nothing listens there */
+        } else if (k == 1) {
+            node_stop(&p);
+        } else if (k == 3) {
+            json_array_set_new(json_object_get(params, "remote_block_ids"), 3, json_integer(BLOCKS + 5));
+        }
+        double t0 = tu_now();
+        int errors = 0;
+        pd_request_t *r = decode_load(&d, "req-d", params, D_BLOCKS);
+        ck_assert_msg(wait_finished(&d, "req-d", false, 3, &errors), "case %d: the load never ended", k);
+        ck_assert_msg(errors == NEED, "case %d: %d load errors, want %d", k, errors, NEED);
+        ck_assert_msg(tu_now() - t0 < 2.5, "case %d: took %.2f s (the load timeout is 5 s)", k,
+                      tu_now() - t0);
+        /* the blocks the load was not to touch are as they were */
+        node_t fresh = d;
+        fresh.kv = malloc((size_t)LAYERS * BLOCKS * PAGE);
+        fill(&fresh);
+        for (int l = 0; l < LAYERS; l++) {
+            for (uint32_t b = 0; b < BLOCKS; b++) {
+                ck_assert(b >= D_BLOCKS[0] && b < D_BLOCKS[NEED]
+                              ? 1
+                              : memcmp(page(&d, l, b), page(&fresh, l, b), PAGE) == 0);
+            }
+        }
+        free(fresh.kv);
+        pd_request_free(r);
+        node_stop(&d);
+        node_stop(&p);
+    }
+    tu_rmrf(dir);
+    free((void *)dir);
+}
+END_TEST
+
+/* Every wait of a push decode ends, as load errors of the blocks it reserved: the prefill never
+ * gets the request (its --kv-hold-timeout expires the reservation: WRITE_DONE with a timeout); the
+ * decode's own --kv-load-timeout passes first; the prefill goes away while the decode waits (its
+ * control connection closes). */
+START_TEST(test_push_waits_end)
+{
+    for (int k = 0; k < 3; k++) {
+        opts_t po = {"push", PIPES[_i], NULL, k == 0 ? 0.2 : 30, 0};
+        opts_t dop = {"push", PIPES[_i], NULL, 0, k == 1 ? 0.3 : 5};
+        node_t p, d;
+        node_start(&p, "prefill", 'p', &po);
+        node_start(&d, "decode", 'd', &dop);
+        json_t *dp = json_pack("{s:b, s:s, s:s, s:s, s:i}", "do_remote_prefill", 1, "transfer_mode", "push",
+                               "transfer_id", "x-3", "remote_host", "127.0.0.1", "remote_port",
+                               pd_kv_connector_port(p.c));
+        double t0 = tu_now();
+        pd_request_t *r = decode_load(&d, "req-d", dp, D_BLOCKS);
+        if (k == 2) {
+            double end = tu_now() + 3;
+            while (metric(&p, "pd:kv_reservations") != 1 && tu_now() < end) {
+                usleep(1000);
+            }
+            node_stop(&p);
+        }
+        int errors = 0;
+        ck_assert_msg(wait_finished(&d, "req-d", false, 3, &errors), "case %d: the load never ended", k);
+        ck_assert_msg(errors == NEED, "case %d: %d load errors, want %d", k, errors, NEED);
+        ck_assert_msg(tu_now() - t0 < 2.5, "case %d: took %.2f s (the load timeout is 5 s)", k,
+                      tu_now() - t0);
+        pd_request_free(r);
+        node_stop(&d);
+        node_stop(&p);
+    }
+}
+END_TEST
+
+/* A request aborted before its load was handed to the control thread holds nothing; one aborted
+ * while its load is queued or in flight keeps its blocks (delay free) until the load ends, and is
+ * then reported in finished_recving with no load error (cancelled, not failed). */
+START_TEST(test_abort_during_load)
+{
+    opts_t o = {"pull", PIPES[_i], NULL, 0, 0};
+    node_t p, d;
+    node_start(&p, "prefill", 'p', &o);
+    node_start(&d, "decode", 'd', &o);
+    bool hold = false;
+    json_t *params = prefill_finish(&p, "req-p", pull_params_in(), P_BLOCKS, &hold);
+    /* before start_load_kv: nothing to hold */
+    pd_request_t *r = request("req-a", json_deep_copy(params));
+    int32_t ext = 0;
+    bool async = false;
+    ck_assert_int_eq(d.c->ops->get_num_new_matched_tokens(d.c, r, 0, &ext, &async), PD_OK);
+    ck_assert(ext > 0 && async);
+    d.c->ops->update_state_after_alloc(d.c, r, D_BLOCKS, NEED + 1, ext);
+    r->state = PD_REQ_FINISHED_ABORTED;
+    void *out = NULL;
+    ck_assert(!d.c->ops->request_finished(d.c, r, D_BLOCKS, NEED + 1, &out));
+    json_decref(out);
+    pd_request_free(r);
+    /* after start_load_kv: held until the load ends */
+    r = decode_load(&d, "req-d", params, D_BLOCKS);
+    r->state = PD_REQ_FINISHED_ABORTED;
+    out = NULL;
+    bool held = d.c->ops->request_finished(d.c, r, D_BLOCKS, NEED + 1, &out);
+    json_decref(out);
+    int errors = 0;
+    if (held) {
+        ck_assert(wait_finished(&d, "req-d", false, 3, &errors));
+    }
+    ck_assert_int_eq(errors, 0);
+    pd_request_free(r);
+    node_stop(&d);
+    node_stop(&p);
+}
+END_TEST
+
+int main(void)
+{
+    pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_OFF);
+    Suite *s = suite_create("connector");
+    TCase *tc = tcase_create("connector");
+    tcase_set_timeout(tc, 60);
+    int np = (int)(sizeof(PIPES) / sizeof(PIPES[0]));
+    tcase_add_loop_test(tc, test_pull_moves_the_right_pages, 0, np);
+    tcase_add_loop_test(tc, test_push_into_a_late_reservation, 0, np);
+    tcase_add_loop_test(tc, test_push_streams_layers, 0, np);
+    tcase_add_loop_test(tc, test_expired_lease_is_stale, 0, np);
+    tcase_add_loop_test(tc, test_release_frees_at_once, 0, np);
+    tcase_add_loop_test(tc, test_failed_loads_are_load_errors, 0, np);
+    tcase_add_loop_test(tc, test_push_waits_end, 0, np);
+    tcase_add_loop_test(tc, test_abort_during_load, 0, np);
+    suite_add_tcase(s, tc);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed == 0 ? 0 : 1;
+}
