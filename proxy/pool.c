@@ -1,0 +1,290 @@
+/* proxy/pool.c — pd-proxy's node pools: static lists and DNS discovery, health, /pd/info and load
+ * probes, the routing policies (round-robin, least-loaded, prefix-affinity) and upstream
+ * connections. */
+#define _GNU_SOURCE
+#include "proxy/proxy_impl.h"
+
+#include <arpa/inet.h>
+#include <event2/buffer.h>
+#include <event2/event.h>
+#include <event2/http.h>
+#include <event2/keyvalq_struct.h>
+#include <jansson.h>
+#include <netdb.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+
+#include "common/hash.h"
+#include "common/http_reply.h"
+#include "common/log.h"
+#include "common/metrics.h"
+#include "common/time.h"
+#include "common/version.h"
+
+/* ------------------------------------------------------------------ nodes */
+
+static node_t *add_node(proxy_t *px, const char *url, bool prefill)
+{
+    for (int i = 0; i < px->num_nodes; i++) {
+        if (strcmp(px->nodes[i].url, url) == 0 && px->nodes[i].prefill == prefill) {
+            px->nodes[i].removed = false;
+            return &px->nodes[i];
+        }
+    }
+    if (px->num_nodes == MAX_NODES) {
+        pd_log_error("proxy: more than %d nodes", MAX_NODES);
+        return NULL;
+    }
+    node_t *n = &px->nodes[px->num_nodes];
+    memset(n, 0, sizeof(*n));
+    if (sscanf(url, "http://%127[^:/]:%d", n->host, &n->port) != 2 || n->port <= 0 || n->port > 65535) {
+        pd_log_error("proxy: '%s' is not http://HOST:PORT", url);
+        return NULL;
+    }
+    snprintf(n->url, sizeof(n->url), "%s", url);
+    n->prefill = prefill;
+    n->healthy = true; /* optimistic until a probe says otherwise */
+    char label[200];
+    snprintf(label, sizeof(label), "node=%s %s", prefill ? "prefill" : "decode", url);
+    n->healthy_g = pd_metrics_add(px->metrics, PD_METRIC_GAUGE, "pd_proxy:node_healthy",
+                                  "1 when the node answers its probes.", label, NULL, 0);
+    pd_metric_set(n->healthy_g, 1);
+    px->num_nodes++;
+    pd_log_info("proxy: %s node %s", prefill ? "prefill" : "decode", url);
+    return n;
+}
+
+pd_status_t px_add_list(proxy_t *px, const char *list, bool prefill)
+{
+    if (list == NULL) {
+        return PD_OK;
+    }
+    char *dup = strdup(list), *save = NULL;
+    for (char *t = strtok_r(dup, ",", &save); t != NULL; t = strtok_r(NULL, ",", &save)) {
+        if (add_node(px, t, prefill) == NULL) {
+            free(dup);
+            return PD_ERR_INVALID_ARG;
+        }
+    }
+    free(dup);
+    return PD_OK;
+}
+
+void px_set_health(node_t *n, bool ok, const char *why)
+{
+    if (ok) {
+        n->fails = 0;
+        if (!n->healthy) {
+            pd_log_info("proxy: node %s is healthy again", n->url);
+        }
+        n->healthy = true;
+    } else if (++n->fails >= 2 || strcmp(why, "connection failed") == 0) {
+        if (n->healthy) {
+            pd_log_warn("proxy: node %s marked unhealthy (%s)", n->url, why);
+        }
+        n->healthy = false;
+    }
+    pd_metric_set(n->healthy_g, n->healthy ? 1 : 0);
+}
+
+/* Rendezvous hash of (node, key): the same prompt prefix keeps landing on the same node. */
+static uint64_t node_score(const node_t *n, uint64_t key)
+{
+    return pd_hash64(n->url, strlen(n->url), key);
+}
+
+/* Picks a healthy node of the pool not yet tried; NULL when none is left. */
+node_t *px_pick(proxy_t *px, bool prefill, const bool *tried, uint64_t affinity, bool need_info)
+{
+    node_t *best = NULL;
+    double best_v = 0;
+    int cands[MAX_NODES], nc = 0;
+    for (int i = 0; i < px->num_nodes; i++) {
+        node_t *n = &px->nodes[i];
+        if (n->prefill == prefill && n->healthy && !n->removed && !tried[i] && (!need_info || n->info_ok)) {
+            cands[nc++] = i;
+        }
+    }
+    if (nc == 0) {
+        return NULL;
+    }
+    if (strcmp(px->cfg.policy, "round-robin") == 0) {
+        return &px->nodes[cands[px->rr[prefill]++ % (uint64_t)nc]];
+    }
+    /* ties (idle nodes) rotate, so equal load spreads */
+    uint64_t start = px->rr[prefill]++;
+    for (int k = 0; k < nc; k++) {
+        node_t *n = &px->nodes[cands[(start + (uint64_t)k) % (uint64_t)nc]];
+        double v = strcmp(px->cfg.policy, "least-loaded") == 0 ? -(n->inflight + n->load)
+                                                               : (double)(node_score(n, affinity) >> 11);
+        if (best == NULL || v > best_v) {
+            best = n;
+            best_v = v;
+        }
+    }
+    return best;
+}
+
+/* ------------------------------------------------------------------ upstream requests */
+
+static void free_conn_cb(evutil_socket_t fd, short what, void *arg)
+{
+    (void)fd, (void)what;
+    evhttp_connection_free(arg);
+}
+
+/* Frees an upstream connection after the current callback returns. */
+void px_release_conn(proxy_t *px, struct evhttp_connection *c)
+{
+    if (c != NULL) {
+        struct timeval tv = {0, 0};
+        event_base_once(px->base, -1, EV_TIMEOUT, free_conn_cb, c, &tv);
+    }
+}
+
+struct evhttp_connection *px_upstream(proxy_t *px, node_t *n, enum evhttp_cmd_type method, const char *path,
+                                      const json_t *body, up_done_cb done,
+                                      void (*chunk)(struct evhttp_request *, void *),
+                                      int (*header)(struct evhttp_request *, void *), void *arg)
+{
+    struct evhttp_connection *c = evhttp_connection_base_new(px->base, NULL, n->host, (ev_uint16_t)n->port);
+    if (c == NULL) {
+        return NULL;
+    }
+    evhttp_connection_set_timeout(c, (int)px->cfg.upstream_timeout);
+    struct evhttp_request *r = evhttp_request_new(done, arg);
+    if (chunk != NULL) {
+        evhttp_request_set_chunked_cb(r, chunk);
+    }
+    if (header != NULL) {
+        evhttp_request_set_header_cb(r, header);
+    }
+    struct evkeyvalq *h = evhttp_request_get_output_headers(r);
+    char hostport[160];
+    snprintf(hostport, sizeof(hostport), "%s:%d", n->host, n->port);
+    evhttp_add_header(h, "Host", hostport);
+    if (body != NULL) {
+        char *text = json_dumps(body, JSON_COMPACT);
+        evhttp_add_header(h, "Content-Type", "application/json");
+        evbuffer_add(evhttp_request_get_output_buffer(r), text, strlen(text));
+        free(text);
+    }
+    if (evhttp_make_request(c, r, method, path) != 0) {
+        evhttp_connection_free(c);
+        return NULL;
+    }
+    return c;
+}
+
+bool px_pool_ok(const proxy_t *px, bool prefill)
+{
+    for (int i = 0; i < px->num_nodes; i++) {
+        if (px->nodes[i].prefill == prefill && px->nodes[i].healthy && !px->nodes[i].removed) {
+            return true;
+        }
+    }
+    return false;
+}
+
+/* ------------------------------------------------------------------ probes and discovery */
+
+typedef struct probe {
+    proxy_t *px;
+    node_t *n;
+    int kind; /* 0 health, 1 info, 2 metrics */
+    struct evhttp_connection *conn;
+} probe_t;
+
+static void on_probe(struct evhttp_request *r, void *arg)
+{
+    probe_t *pr = arg;
+    node_t *n = pr->n;
+    int code = r != NULL ? evhttp_request_get_response_code(r) : 0;
+    struct evbuffer *in = r != NULL ? evhttp_request_get_input_buffer(r) : NULL;
+    size_t len = in != NULL ? evbuffer_get_length(in) : 0;
+    char *text = len > 0 ? strndup((const char *)evbuffer_pullup(in, (ev_ssize_t)len), len) : NULL;
+    if (pr->kind == 0) {
+        px_set_health(n, code == 200, code == 0 ? "connection failed" : "health probe failed");
+    } else if (pr->kind == 1 && code == 200 && text != NULL) {
+        json_t *j = json_loads(text, 0, NULL);
+        const char *eid = json_string_value(json_object_get(j, "engine_id"));
+        const char *kh = json_string_value(json_object_get(j, "kv_host"));
+        const char *mode = json_string_value(json_object_get(j, "transfer_mode"));
+        json_int_t kp = json_integer_value(json_object_get(j, "kv_port"));
+        if (eid != NULL && kh != NULL && mode != NULL && kp > 0) {
+            if (n->info_ok && strcmp(n->engine_id, eid) != 0) {
+                pd_log_info("proxy: node %s restarted (engine %s)", n->url, eid);
+            }
+            snprintf(n->engine_id, sizeof(n->engine_id), "%s", eid);
+            snprintf(n->kv_host, sizeof(n->kv_host), "%s", kh);
+            snprintf(n->mode, sizeof(n->mode), "%s", mode);
+            n->kv_port = (int)kp;
+            n->info_ok = true;
+        }
+        json_decref(j);
+    } else if (pr->kind == 2 && code == 200 && text != NULL) {
+        n->load = pd_metrics_text_value(text, "pd:num_requests_running", 0) +
+                  pd_metrics_text_value(text, "pd:num_requests_waiting", 0);
+    }
+    free(text);
+    n->probes--;
+    px_release_conn(pr->px, pr->conn);
+    free(pr);
+}
+
+void px_probe(proxy_t *px, node_t *n, int kind)
+{
+    static const char *const paths[3] = {"/health", "/pd/info", "/metrics"};
+    probe_t *pr = calloc(1, sizeof(*pr));
+    pr->px = px;
+    pr->n = n;
+    pr->kind = kind;
+    pr->conn = px_upstream(px, n, EVHTTP_REQ_GET, paths[kind], NULL, on_probe, NULL, NULL, pr);
+    if (pr->conn == NULL) {
+        free(pr);
+        return;
+    }
+    evhttp_connection_set_timeout(pr->conn, (int)(px->cfg.health_interval * 3 + 1));
+    n->probes++;
+}
+
+/* Re-resolves NAME:PORT and makes the pool match its A records. */
+void px_discover(proxy_t *px, const char *spec, bool prefill)
+{
+    char name[256];
+    int port = 0;
+    if (spec == NULL || sscanf(spec, "%255[^:]:%d", name, &port) != 2) {
+        return;
+    }
+    struct addrinfo hints, *res = NULL;
+    memset(&hints, 0, sizeof(hints));
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_STREAM;
+    int rc = getaddrinfo(name, NULL, &hints, &res);
+    if (rc != 0) {
+        pd_log_warn("proxy: cannot resolve %s: %s", name, gai_strerror(rc));
+        return;
+    }
+    bool seen[MAX_NODES] = {false};
+    for (struct addrinfo *a = res; a != NULL; a = a->ai_next) {
+        char ip[64], url[160];
+        inet_ntop(AF_INET, &((struct sockaddr_in *)a->ai_addr)->sin_addr, ip, sizeof(ip));
+        snprintf(url, sizeof(url), "http://%s:%d", ip, port);
+        node_t *n = add_node(px, url, prefill);
+        if (n != NULL) {
+            seen[n - px->nodes] = true;
+        }
+    }
+    freeaddrinfo(res);
+    for (int i = 0; i < px->num_nodes; i++) {
+        if (px->nodes[i].prefill == prefill && !seen[i] && !px->nodes[i].removed) {
+            pd_log_info("proxy: %s left the DNS answer for %s", px->nodes[i].url, name);
+            px->nodes[i].removed = true;
+        }
+    }
+}

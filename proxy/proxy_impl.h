@@ -1,0 +1,108 @@
+/* proxy/proxy_impl.h — pd-proxy's state, shared by its three parts: pool.c (the node pools:
+ * static lists, DNS discovery, health and load probes, the routing policies, upstream connections),
+ * route.c (client routes and each request's prefill → decode sequence) and proxy.c (flags, metrics,
+ * the event loop's timer and signals). One thread: everything runs on the libevent loop. */
+#ifndef PD_PROXY_PROXY_IMPL_H
+#define PD_PROXY_PROXY_IMPL_H
+
+#include <event2/event.h>
+#include <event2/http.h>
+#include <jansson.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "common/metrics.h"
+#include "proxy/proxy.h"
+
+#define MAX_NODES 64
+
+typedef struct node {
+    char url[160];
+    char host[128];
+    int port;
+    bool prefill;
+    bool healthy, removed;
+    int fails;
+    int inflight;
+    double load; /* running + waiting from its /metrics */
+    bool info_ok;
+    char engine_id[64], kv_host[64], mode[8];
+    int kv_port;
+    int probes; /* probes in flight */
+    pd_metric_t *healthy_g;
+} node_t;
+
+typedef struct proxy proxy_t;
+
+typedef struct preq preq_t;
+struct preq {
+    proxy_t *px;
+    struct evhttp_request *client;         /* NULL once answered or the client went away */
+    struct evhttp_connection *client_conn; /* its connection's close callback points at us */
+    json_t *body;
+    bool stream, push;
+    const char *path; /* /v1/completions or /v1/chat/completions, sent to both nodes */
+    char transfer_id[48];
+    uint64_t affinity;
+    node_t *p, *d;
+    bool tried_p[MAX_NODES], tried_d[MAX_NODES];
+    struct evhttp_connection *p_conn, *d_conn; /* upstream connections in use */
+    json_t *ktp;                               /* pull: the prefill's kv_transfer_params */
+    bool p_done, d_done, reply_started;
+    bool released; /* the prefill was told to free the KV it held for this request */
+    struct evbuffer *d_body;
+    double t0, t_d_sent, t_first;
+    preq_t *prev, *next;
+};
+
+typedef struct proxy_metrics {
+    pd_metric_t *ok, *failed, *client_gone, *retry_p, *retry_d, *prefill_s, *decode_ttft_s, *e2e_s;
+} proxy_metrics_t;
+
+struct proxy {
+    pd_proxy_config_t cfg;
+    struct event_base *base;
+    struct evhttp *http;
+    struct event *tick, *sigterm, *sigint;
+    node_t nodes[MAX_NODES];
+    int num_nodes;
+    uint64_t rr[2];
+    preq_t *inflight;
+    pd_metrics_t *metrics;
+    proxy_metrics_t m;
+    double last_discover;
+    bool stopping;
+};
+
+/* --- pool.c --- */
+/* Adds the nodes of a comma-separated URL list (NULL: none) to a pool. */
+pd_status_t px_add_list(proxy_t *px, const char *list, bool prefill);
+/* Marks a node (un)healthy, logging the change once. */
+void px_set_health(node_t *n, bool ok, const char *why);
+/* The node of a pool to send to by the policy, skipping tried[] ones (NULL: none). affinity is the
+ * prompt-prefix key of prefix-affinity; need_info: only nodes whose /pd/info arrived. */
+node_t *px_pick(proxy_t *px, bool prefill, const bool *tried, uint64_t affinity, bool need_info);
+typedef void (*up_done_cb)(struct evhttp_request *, void *);
+/* Sends method path with a JSON body (NULL: none) to node n; done(req, arg) runs with the answer
+ * (req NULL when the connection failed), chunk and header (may be NULL) as the body streams in.
+ * Returns the connection (give it back with px_release_conn) or NULL when it cannot be made. */
+struct evhttp_connection *px_upstream(proxy_t *px, node_t *n, enum evhttp_cmd_type method, const char *path,
+                                      const json_t *body, up_done_cb done,
+                                      void (*chunk)(struct evhttp_request *, void *),
+                                      int (*header)(struct evhttp_request *, void *), void *arg);
+/* Frees an upstream connection after the current callback returns. */
+void px_release_conn(proxy_t *px, struct evhttp_connection *c);
+/* Some node of the pool is healthy. */
+bool px_pool_ok(const proxy_t *px, bool prefill);
+/* One probe of node n: 0 /health, 1 /pd/info, 2 /metrics (load). */
+void px_probe(proxy_t *px, node_t *n, int kind);
+/* Resolves spec ("NAME:PORT") and adds its addresses to a pool, marking vanished ones removed. */
+void px_discover(proxy_t *px, const char *spec, bool prefill);
+
+/* --- route.c --- */
+/* The HTTP server's callback (arg: the proxy). */
+void px_on_request(struct evhttp_request *req, void *arg);
+/* Frees a request (unlinking it from the in-flight list). */
+void px_preq_free(preq_t *q);
+
+#endif

@@ -1,0 +1,568 @@
+/* proxy/route.c — pd-proxy's client routes and the per-request sequence: the prefill phase (pull:
+ * its kv_transfer_params; push: at once with the decode), the decode phase streamed back, retries on
+ * another node, releasing a prefill's KV when the decode leg fails, and forwarding the other routes. */
+#define _GNU_SOURCE
+#include "proxy/proxy_impl.h"
+
+#include <arpa/inet.h>
+#include <event2/buffer.h>
+#include <event2/event.h>
+#include <event2/http.h>
+#include <event2/keyvalq_struct.h>
+#include <jansson.h>
+#include <netdb.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+
+#include "common/hash.h"
+#include "common/http_reply.h"
+#include "common/log.h"
+#include "common/metrics.h"
+#include "common/time.h"
+#include "common/version.h"
+
+/* ------------------------------------------------------------------ client replies */
+
+static void reply_json(struct evhttp_request *req, int status, json_t *body)
+{
+    char *text = json_dumps(body, JSON_COMPACT);
+    struct evbuffer *b = evbuffer_new();
+    evbuffer_add(b, text, strlen(text));
+    evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type", "application/json");
+    pd_http_send_reply(req, status, status == 200 ? "OK" : "Error", b);
+    evbuffer_free(b);
+    free(text);
+}
+
+static void reply_error(struct evhttp_request *req, int status, const char *type, const char *msg)
+{
+    json_t *j =
+        json_pack("{s:{s:s, s:s, s:n, s:i}}", "error", "message", msg, "type", type, "param", "code", status);
+    reply_json(req, status, j);
+    json_decref(j);
+}
+
+static void on_client_close(struct evhttp_connection *conn, void *arg);
+
+void px_preq_free(preq_t *q)
+{
+    proxy_t *px = q->px;
+    if (q->prev != NULL) {
+        q->prev->next = q->next;
+    } else if (px->inflight == q) {
+        px->inflight = q->next;
+    }
+    if (q->next != NULL) {
+        q->next->prev = q->prev;
+    }
+    if (q->client_conn != NULL) {
+        evhttp_connection_set_closecb(q->client_conn, NULL, NULL);
+    }
+    json_decref(q->body);
+    json_decref(q->ktp);
+    if (q->d_body != NULL) {
+        evbuffer_free(q->d_body);
+    }
+    free(q);
+}
+
+/* Ends a request whose decode phase will not run: an error for the client (if still there). */
+static void fail_request(preq_t *q, int status, const char *msg)
+{
+    pd_log_warn("proxy: request failed: %s", msg);
+    pd_metric_inc(q->px->m.failed, 1);
+    if (q->client != NULL) {
+        if (q->reply_started) {
+            evhttp_send_reply_end(q->client);
+        } else {
+            reply_error(q->client, status, status == 503 ? "ServiceUnavailableError" : "BadGatewayError",
+                        msg);
+        }
+    }
+    q->client = NULL;
+    if (q->p_conn == NULL && q->d_conn == NULL) {
+        px_preq_free(q);
+    }
+}
+
+/* ------------------------------------------------------------------ releasing a prefill's KV */
+
+typedef struct release_ctx {
+    proxy_t *px;
+    struct evhttp_connection *conn;
+} release_ctx_t;
+
+static void on_release_done(struct evhttp_request *r, void *arg)
+{
+    release_ctx_t *c = arg;
+    int code = r != NULL ? evhttp_request_get_response_code(r) : 0;
+    if (code != 200) {
+        pd_log_warn("proxy: releasing a prefill's KV answered %d (its lease frees it at the timeout)", code);
+    }
+    px_release_conn(c->px, c->conn);
+    free(c);
+}
+
+/* The decode leg failed (or the client left) after the prefill held KV for it: tell the prefill
+ * to free it now instead of at --kv-hold-timeout (pull: its lease; push: the transfer waiting for
+ * a reservation). Fire and forget. */
+static void release_prefill(preq_t *q)
+{
+    if (q->p == NULL || q->released) {
+        return;
+    }
+    json_t *body = NULL;
+    if (q->push) {
+        body = json_pack("{s:s}", "transfer_id", q->transfer_id);
+    } else if (q->ktp != NULL) {
+        const char *rid = json_string_value(json_object_get(q->ktp, "remote_request_id"));
+        json_t *lid = json_object_get(q->ktp, "lease_id");
+        if (rid != NULL && json_is_integer(lid)) {
+            body = json_pack("{s:s, s:O}", "remote_request_id", rid, "lease_id", lid);
+        }
+    }
+    release_ctx_t *c = body != NULL ? calloc(1, sizeof(*c)) : NULL;
+    if (c != NULL) {
+        c->px = q->px;
+        c->conn =
+            px_upstream(q->px, q->p, EVHTTP_REQ_POST, "/pd/release", body, on_release_done, NULL, NULL, c);
+        if (c->conn == NULL) {
+            free(c);
+        }
+        q->released = true;
+    }
+    json_decref(body);
+}
+
+/* ------------------------------------------------------------------ the decode phase */
+
+static void start_decode(preq_t *q);
+
+static int on_d_header(struct evhttp_request *r, void *arg)
+{
+    preq_t *q = arg;
+    int code = evhttp_request_get_response_code(r);
+    if (q->client != NULL && code == 200 && q->stream) {
+        evhttp_add_header(evhttp_request_get_output_headers(q->client), "Content-Type", "text/event-stream");
+        evhttp_add_header(evhttp_request_get_output_headers(q->client), "Cache-Control", "no-cache");
+        evhttp_send_reply_start(q->client, 200, "OK");
+        q->reply_started = true;
+    }
+    return 0;
+}
+
+static void on_d_chunk(struct evhttp_request *r, void *arg)
+{
+    preq_t *q = arg;
+    struct evbuffer *in = evhttp_request_get_input_buffer(r);
+    if (q->t_first == 0 && evbuffer_get_length(in) > 0) {
+        q->t_first = pd_time_now_s();
+        pd_metric_observe(q->px->m.decode_ttft_s, q->t_first - q->t_d_sent);
+    }
+    if (q->client != NULL && q->reply_started) {
+        evhttp_send_reply_chunk(q->client, in);
+    } else {
+        evbuffer_add_buffer(q->d_body, in);
+    }
+}
+
+static void on_d_done(struct evhttp_request *r, void *arg)
+{
+    preq_t *q = arg;
+    proxy_t *px = q->px;
+    px_release_conn(px, q->d_conn);
+    q->d_conn = NULL;
+    q->d->inflight--;
+    int code = r != NULL ? evhttp_request_get_response_code(r) : 0;
+    if (code == 0 && !q->reply_started) {
+        px_set_health(q->d, false, "connection failed");
+        if (!q->push && q->client != NULL) {
+            /* pull: the prefill still holds the KV under its lease; another decode may read it */
+            pd_metric_inc(px->m.retry_d, 1);
+            start_decode(q);
+            return;
+        }
+        release_prefill(q);
+        fail_request(q, 502, "the decode node failed");
+        return;
+    }
+    if (code != 200) {
+        release_prefill(q); /* the decode refused it: nobody will read the prefill's KV */
+    }
+    if (r != NULL) {
+        evbuffer_add_buffer(q->d_body, evhttp_request_get_input_buffer(r));
+    }
+    if (q->client != NULL) {
+        if (q->reply_started) {
+            evhttp_send_reply_end(q->client);
+        } else {
+            evhttp_add_header(evhttp_request_get_output_headers(q->client), "Content-Type",
+                              "application/json");
+            pd_http_send_reply(q->client, code, code == 200 ? "OK" : "Error", q->d_body);
+        }
+        pd_metric_inc(code == 200 ? px->m.ok : px->m.failed, 1);
+        pd_metric_observe(px->m.e2e_s, pd_time_now_s() - q->t0);
+    }
+    q->client = NULL;
+    q->d_done = true;
+    if (q->p_conn == NULL) {
+        px_preq_free(q);
+    }
+}
+
+static void start_decode(preq_t *q)
+{
+    proxy_t *px = q->px;
+    node_t *d = px_pick(px, false, q->tried_d, q->affinity, false);
+    if (d == NULL) {
+        release_prefill(q);
+        fail_request(q, 503, "no healthy decode node");
+        return;
+    }
+    q->tried_d[d - px->nodes] = true;
+    q->d = d;
+    json_t *body = json_deep_copy(q->body);
+    if (q->push) {
+        json_object_set_new(body, "kv_transfer_params",
+                            json_pack("{s:b, s:b, s:s, s:s, s:s, s:i, s:s}", "do_remote_prefill", 1,
+                                      "do_remote_decode", 0, "transfer_mode", "push", "transfer_id",
+                                      q->transfer_id, "remote_host", q->p->kv_host, "remote_port",
+                                      q->p->kv_port, "remote_engine_id", q->p->engine_id));
+    } else {
+        json_object_set(body, "kv_transfer_params", q->ktp);
+    }
+    q->t_d_sent = pd_time_now_s();
+    q->d_conn = px_upstream(px, d, EVHTTP_REQ_POST, q->path, body, on_d_done, on_d_chunk, on_d_header, q);
+    json_decref(body);
+    if (q->d_conn == NULL) {
+        release_prefill(q);
+        fail_request(q, 502, "cannot reach the decode node");
+        return;
+    }
+    d->inflight++;
+}
+
+/* ------------------------------------------------------------------ the prefill phase */
+
+static bool start_prefill(preq_t *q);
+
+static void on_p_done(struct evhttp_request *r, void *arg)
+{
+    preq_t *q = arg;
+    proxy_t *px = q->px;
+    px_release_conn(px, q->p_conn);
+    q->p_conn = NULL;
+    q->p->inflight--;
+    int code = r != NULL ? evhttp_request_get_response_code(r) : 0;
+    json_t *resp = NULL;
+    if (r != NULL && code == 200) {
+        struct evbuffer *in = evhttp_request_get_input_buffer(r);
+        size_t len = evbuffer_get_length(in);
+        resp = json_loadb((const char *)evbuffer_pullup(in, (ev_ssize_t)len), len, 0, NULL);
+    }
+    q->p_done = true;
+    if (q->push) {
+        /* the decode is already waiting for the writes; a failed prefill shows up there as a load
+         * failure (policy) after its timeout or at once if the prefill died */
+        if (code != 200) {
+            pd_log_warn("proxy: push prefill on %s answered %d", q->p->url, code);
+            if (code == 0) {
+                px_set_health(q->p, false, "connection failed");
+            }
+        }
+        json_decref(resp);
+        if (q->d_conn == NULL) {
+            px_preq_free(q); /* the decode phase is over (answered or failed) */
+        }
+        return;
+    }
+    if (q->client == NULL) {
+        json_decref(resp);
+        px_preq_free(q); /* the client left during prefill (the prefill lease frees its blocks) */
+        return;
+    }
+    pd_metric_observe(px->m.prefill_s, pd_time_now_s() - q->t0);
+    if (code == 0 || code >= 500) {
+        px_set_health(q->p, false, code == 0 ? "connection failed" : "server error");
+        pd_metric_inc(px->m.retry_p, 1);
+        start_prefill(q); /* no KV was produced: another prefill may do it */
+        return;
+    }
+    if (code != 200) {
+        /* the request itself is bad (4xx): relay the prefill's error */
+        evhttp_add_header(evhttp_request_get_output_headers(q->client), "Content-Type", "application/json");
+        pd_http_send_reply(q->client, code, "Error", evhttp_request_get_input_buffer(r));
+        pd_metric_inc(px->m.failed, 1);
+        q->client = NULL;
+        px_preq_free(q);
+        return;
+    }
+    json_t *ktp = json_object_get(resp, "kv_transfer_params");
+    if (!json_is_object(ktp)) {
+        json_decref(resp);
+        fail_request(q, 502, "the prefill node returned no kv_transfer_params");
+        return;
+    }
+    q->ktp = json_incref(ktp);
+    json_decref(resp);
+    start_decode(q);
+}
+
+/* Sends the prefill request; false when q ended (and was freed) instead. */
+static bool start_prefill(preq_t *q)
+{
+    proxy_t *px = q->px;
+    node_t *p = px_pick(px, true, q->tried_p, q->affinity, q->push);
+    if (p == NULL) {
+        fail_request(q, 503, "no healthy prefill node");
+        return false;
+    }
+    q->tried_p[p - px->nodes] = true;
+    q->p = p;
+    json_t *body = json_deep_copy(q->body);
+    json_object_set_new(body, "max_tokens", json_integer(1));
+    json_object_del(body, "max_completion_tokens");
+    json_object_set_new(body, "stream", json_false());
+    json_object_del(body, "stream_options");
+    json_object_del(body, "logprobs");
+    json_object_del(body, "top_logprobs");
+    json_object_del(body, "min_tokens"); /* the prefill's one token; the decode applies it */
+    json_object_del(body, "n");          /* one KV for the decode's choices to share */
+    json_t *ktp = json_pack("{s:b, s:b}", "do_remote_decode", 1, "do_remote_prefill", 0);
+    if (q->push) {
+        json_object_set_new(ktp, "transfer_mode", json_string("push"));
+        json_object_set_new(ktp, "transfer_id", json_string(q->transfer_id));
+    }
+    json_object_set_new(body, "kv_transfer_params", ktp);
+    q->p_conn = px_upstream(px, p, EVHTTP_REQ_POST, q->path, body, on_p_done, NULL, NULL, q);
+    json_decref(body);
+    if (q->p_conn == NULL) {
+        fail_request(q, 502, "cannot reach the prefill node");
+        return false;
+    }
+    p->inflight++;
+    return true;
+}
+
+/* ------------------------------------------------------------------ client routes */
+
+static void on_client_close(struct evhttp_connection *conn, void *arg)
+{
+    (void)conn;
+    preq_t *q = arg;
+    pd_log_info("proxy: client went away; closing its upstream requests");
+    pd_metric_inc(q->px->m.client_gone, 1);
+    q->client = NULL;
+    q->client_conn = NULL;
+    /* closing the upstream connections makes both nodes abort the request */
+    if (q->p_conn != NULL) {
+        q->p->inflight--;
+        evhttp_connection_free(q->p_conn);
+        q->p_conn = NULL;
+    }
+    if (q->d_conn != NULL) {
+        q->d->inflight--;
+        evhttp_connection_free(q->d_conn);
+        q->d_conn = NULL;
+    }
+    px_preq_free(q);
+}
+
+static void handle_completions(proxy_t *px, struct evhttp_request *req, const char *path)
+{
+    struct evbuffer *in = evhttp_request_get_input_buffer(req);
+    size_t len = evbuffer_get_length(in);
+    if (len > px->cfg.max_request_bytes) {
+        reply_error(req, 413, "RequestTooLargeError", "request body too large");
+        return;
+    }
+    json_error_t jerr;
+    json_t *body = json_loadb((const char *)evbuffer_pullup(in, (ev_ssize_t)len), len, 0, &jerr);
+    if (!json_is_object(body)) {
+        char msg[256];
+        snprintf(msg, sizeof(msg), "the body is not a JSON object (%s)",
+                 body == NULL ? jerr.text : "wrong type");
+        json_decref(body);
+        reply_error(req, 400, "BadRequestError", msg);
+        return;
+    }
+    json_t *plp = json_object_get(body, "prompt_logprobs");
+    json_t *lps = json_object_get(body, "logprobs");
+    if ((plp != NULL && !json_is_null(plp)) ||
+        (json_is_true(json_object_get(body, "echo")) && lps != NULL && !json_is_null(lps))) {
+        /* refused before any node holds KV for it: both score the prompt */
+        reply_error(req, 400, "BadRequestError",
+                    "'prompt_logprobs' is not supported through the P/D proxy yet (send it to pd-serve)");
+        json_decref(body);
+        return;
+    }
+    preq_t *q = calloc(1, sizeof(*q));
+    q->px = px;
+    q->client = req;
+    q->body = body;
+    q->stream = json_is_true(json_object_get(body, "stream"));
+    q->path = path;
+    q->d_body = evbuffer_new();
+    q->t0 = pd_time_now_s();
+    json_object_del(body, "kv_transfer_params"); /* the proxy owns the transfer */
+    /* affinity key: the start of the prompt (text or token ids) or of the chat messages */
+    json_t *prompt = json_object_get(body, "prompt");
+    if (prompt == NULL) {
+        prompt = json_object_get(body, "messages");
+    }
+    char *ptext = json_dumps(prompt != NULL ? prompt : json_null(), JSON_COMPACT | JSON_ENCODE_ANY);
+    size_t plen = ptext != NULL ? strlen(ptext) : 0;
+    size_t lim = (size_t)(px->cfg.affinity_prefix_chars > 0 ? px->cfg.affinity_prefix_chars : 1);
+    q->affinity = pd_hash64(ptext, plen < lim ? plen : lim, 0x6166);
+    free(ptext);
+    uint64_t rnd = 0;
+    if (getrandom(&rnd, sizeof(rnd), 0) != (ssize_t)sizeof(rnd)) {
+        rnd = pd_time_now_ns();
+    }
+    snprintf(q->transfer_id, sizeof(q->transfer_id), "xfer-%016llx", (unsigned long long)rnd);
+    q->next = px->inflight;
+    if (px->inflight != NULL) {
+        px->inflight->prev = q;
+    }
+    px->inflight = q;
+    q->client_conn = evhttp_request_get_connection(req);
+    evhttp_connection_set_closecb(q->client_conn, on_client_close, q);
+    /* the mode is the prefill pool's (from /pd/info); push needs a prefill whose KV address is known */
+    for (int i = 0; i < px->num_nodes; i++) {
+        const node_t *n = &px->nodes[i];
+        if (n->prefill && n->healthy && !n->removed && n->info_ok) {
+            q->push = strcmp(n->mode, "push") == 0;
+            break;
+        }
+    }
+    if (start_prefill(q) && q->push) {
+        start_decode(q);
+    }
+}
+
+typedef struct fwd_ctx {
+    proxy_t *px;
+    struct evhttp_request *client;
+    struct evhttp_connection *conn;
+} fwd_ctx_t;
+
+/* A forwarded request's answer, relayed as it is (status, JSON body). */
+static void on_forward_done(struct evhttp_request *r, void *arg)
+{
+    fwd_ctx_t *m = arg;
+    int code = r != NULL ? evhttp_request_get_response_code(r) : 0;
+    if (code == 0) {
+        reply_error(m->client, 502, "BadGatewayError", "the node did not answer");
+    } else {
+        evhttp_add_header(evhttp_request_get_output_headers(m->client), "Content-Type", "application/json");
+        pd_http_send_reply(m->client, code, code == 200 ? "OK" : "Error", evhttp_request_get_input_buffer(r));
+    }
+    px_release_conn(m->px, m->conn);
+    free(m);
+}
+
+/* Sends a request that any node answers the same (models, tokenize) to a healthy decode node. */
+static void forward(proxy_t *px, struct evhttp_request *req, enum evhttp_cmd_type method, const char *path,
+                    bool with_body)
+{
+    json_t *body = NULL;
+    if (with_body) {
+        struct evbuffer *in = evhttp_request_get_input_buffer(req);
+        size_t len = evbuffer_get_length(in);
+        json_error_t jerr;
+        body =
+            len <= px->cfg.max_request_bytes
+                ? json_loadb((const char *)evbuffer_pullup(in, (ev_ssize_t)len), len, JSON_ALLOW_NUL, &jerr)
+                : NULL;
+        if (!json_is_object(body)) {
+            json_decref(body);
+            reply_error(req, 400, "BadRequestError", "the body is not a JSON object (or too large)");
+            return;
+        }
+    }
+    bool none[MAX_NODES] = {false};
+    node_t *d = px_pick(px, false, none, 0, false);
+    fwd_ctx_t *m = d != NULL ? calloc(1, sizeof(*m)) : NULL;
+    if (m == NULL) {
+        json_decref(body);
+        reply_error(req, 503, "ServiceUnavailableError", "no healthy decode node");
+        return;
+    }
+    m->px = px;
+    m->client = req;
+    m->conn = px_upstream(px, d, method == EVHTTP_REQ_HEAD ? EVHTTP_REQ_GET : method, path, body,
+                          on_forward_done, NULL, NULL, m);
+    json_decref(body);
+    if (m->conn == NULL) {
+        free(m);
+        reply_error(req, 502, "BadGatewayError", "cannot reach the decode node");
+    }
+}
+
+static void handle_metrics(proxy_t *px, struct evhttp_request *req)
+{
+    size_t len = 0;
+    char *text = pd_metrics_render(px->metrics, &len);
+    struct evbuffer *b = evbuffer_new();
+    evbuffer_add(b, text, len);
+    evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type", "text/plain; version=0.0.4");
+    pd_http_send_reply(req, 200, "OK", b);
+    evbuffer_free(b);
+    free(text);
+}
+
+void px_on_request(struct evhttp_request *req, void *arg)
+{
+    proxy_t *px = arg;
+    const struct evhttp_uri *uri = evhttp_request_get_evhttp_uri(req);
+    const char *path = uri != NULL ? evhttp_uri_get_path(uri) : NULL;
+    enum evhttp_cmd_type cmd = evhttp_request_get_command(req);
+    bool get = cmd == EVHTTP_REQ_GET || cmd == EVHTTP_REQ_HEAD; /* HEAD: same answer, no body */
+    bool post = cmd == EVHTTP_REQ_POST;
+    if (path == NULL) {
+        reply_error(req, 400, "BadRequestError", "malformed request URI");
+    } else if (strcmp(path, "/v1/completions") == 0 || strcmp(path, "/v1/chat/completions") == 0) {
+        if (!post) {
+            reply_error(req, 405, "MethodNotAllowedError", "use POST");
+        } else if (px->stopping) {
+            reply_error(req, 503, "ServiceUnavailableError", "the proxy is shutting down");
+        } else {
+            handle_completions(px, req,
+                               path[4] == 'c' && path[5] == 'h' ? "/v1/chat/completions" : "/v1/completions");
+        }
+    } else if (strcmp(path, "/v1/models") == 0 || strncmp(path, "/v1/models/", 11) == 0) {
+        if (!get) {
+            reply_error(req, 405, "MethodNotAllowedError", "use GET");
+        } else {
+            forward(px, req, cmd, path, false);
+        }
+    } else if (strcmp(path, "/tokenize") == 0 || strcmp(path, "/detokenize") == 0) {
+        if (!post) {
+            reply_error(req, 405, "MethodNotAllowedError", "use POST");
+        } else {
+            forward(px, req, cmd, path, true);
+        }
+    } else if ((strcmp(path, "/health") == 0 && get) || (strcmp(path, "/ping") == 0 && (get || post))) {
+        bool ok = px_pool_ok(px, true) && px_pool_ok(px, false) && !px->stopping;
+        json_t *j = json_pack("{s:s, s:b, s:b}", "status", ok ? "ok" : "degraded", "prefill",
+                              px_pool_ok(px, true), "decode", px_pool_ok(px, false));
+        reply_json(req, ok ? 200 : 503, j);
+        json_decref(j);
+    } else if (strcmp(path, "/version") == 0 && get) {
+        json_t *j = json_pack("{s:s}", "version", PD_VERSION);
+        reply_json(req, 200, j);
+        json_decref(j);
+    } else if (strcmp(path, "/metrics") == 0 && get) {
+        handle_metrics(px, req);
+    } else if (strcmp(path, "/health") == 0 || strcmp(path, "/ping") == 0 || strcmp(path, "/version") == 0 ||
+               strcmp(path, "/metrics") == 0) {
+        reply_error(req, 405, "MethodNotAllowedError", "use GET");
+    } else {
+        reply_error(req, 404, "NotFoundError", "no such route");
+    }
+}
