@@ -1,0 +1,341 @@
+/* engine/engine_create.c — the engine's configuration and flags, building an engine (backend,
+ * model, tokenizer, generation defaults, memory profile, KV cache, scheduler, runner, connector
+ * registration) and freeing it, and its read-only accessors. */
+#define _GNU_SOURCE
+#include "engine/engine_impl.h"
+
+#include <jansson.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+
+#include "common/log.h"
+#include "common/time.h"
+#include "engine/model_runner.h"
+#include "model/generation_config.h"
+#include "scheduler/scheduler.h"
+
+void pd_engine_config_defaults(pd_engine_config_t *c)
+{
+    memset(c, 0, sizeof(*c));
+    c->device = "auto";
+    c->matmul_precision = "fp32";
+    c->block_size = 16;
+    c->max_num_seqs = 64;
+    c->max_num_batched_tokens = 2048;
+    c->kv_cache_dtype = "auto";
+    c->memory_utilization = 0.9;
+    c->enable_prefix_caching = true;
+    c->enable_chunked_prefill = true;
+    c->load_failure_policy = "recompute";
+    c->generation_config = "auto";
+    c->max_queue = 1024;
+}
+
+size_t pd_engine_flags(pd_engine_config_t *c, pd_flag_t *out, size_t max)
+{
+    pd_flag_t f[] = {
+        {"model", PD_FLAG_STR, &c->model_dir, "HF model directory (config.json, safetensors, tokenizer.json)",
+         NULL},
+        {"device", PD_FLAG_CHOICE, &c->device,
+         "compute backend (auto: cuda when a device is present, else cpu)", "auto|cpu|cuda"},
+        {"threads", PD_FLAG_INT, &c->threads, "compute threads (0 = all cores)", NULL},
+        {"matmul-precision", PD_FLAG_CHOICE, &c->matmul_precision,
+         "cuda: input rounding of matmuls on tensor cores (fp32 accumulate); cpu: always fp32",
+         "fp32|tf32|bf16|fp16"},
+        {"block-size", PD_FLAG_INT, &c->block_size, "tokens per KV cache block", NULL},
+        {"max-num-seqs", PD_FLAG_INT, &c->max_num_seqs, "sequences per step at most", NULL},
+        {"max-num-batched-tokens", PD_FLAG_INT, &c->max_num_batched_tokens, "tokens per step at most", NULL},
+        {"max-model-len", PD_FLAG_INT, &c->max_model_len, "context length limit (0 = the model's)", NULL},
+        {"kv-cache-dtype", PD_FLAG_CHOICE, &c->kv_cache_dtype, "KV cache storage type",
+         "auto|fp32|fp16|bf16"},
+        {"memory-utilization", PD_FLAG_DOUBLE, &c->memory_utilization,
+         "fraction of memory the engine plans with", NULL},
+        {"kv-cache-memory", PD_FLAG_SIZE, &c->kv_cache_memory,
+         "CPU: memory to plan KV cache + model in (e.g. 2G; 0 = physical RAM)", NULL},
+        {"enable-prefix-caching", PD_FLAG_BOOL, &c->enable_prefix_caching,
+         "reuse KV blocks of equal prefixes", NULL},
+        {"enable-chunked-prefill", PD_FLAG_BOOL, &c->enable_chunked_prefill,
+         "split long prompts across steps", NULL},
+        {"max-queue", PD_FLAG_INT, &c->max_queue, "queued requests before new ones are refused", NULL},
+        {"num-blocks-override", PD_FLAG_INT, &c->num_blocks_override,
+         "use this many KV blocks instead of the profiled number (0 = profile)", NULL},
+        {"generation-config", PD_FLAG_CHOICE, &c->generation_config,
+         "auto: the model's generation_config.json sets EOS ids and the defaults of omitted sampling "
+         "fields (vLLM's); vllm: ignore it",
+         "auto|vllm"},
+        {"kv-load-failure-policy", PD_FLAG_CHOICE, &c->load_failure_policy,
+         "when remote KV cannot be loaded: recompute the prompt locally, or fail the request",
+         "recompute|fail"},
+    };
+    size_t n = sizeof(f) / sizeof(f[0]);
+    n = n < max ? n : max;
+    memcpy(out, f, n * sizeof(pd_flag_t));
+    return n;
+}
+
+static pd_dtype_t parse_kv_dtype(const char *s)
+{
+    if (strcmp(s, "fp16") == 0) {
+        return PD_DTYPE_F16;
+    }
+    if (strcmp(s, "bf16") == 0) {
+        return PD_DTYPE_BF16;
+    }
+    return PD_DTYPE_F32;
+}
+
+/* The backend's page copies as the connector's copy ops (it stages a device KV through them). */
+static pd_status_t be_copy_pages(void *ctx, void *dst, const void *src, const pd_page_range_t *r, int n,
+                                 bool to_host)
+{
+    pd_backend_t *be = ctx;
+    return be->ops->copy_pages(be, dst, src, r, n, to_host ? PD_COPY_D2H : PD_COPY_H2D);
+}
+
+static pd_status_t be_pin_host(void *ctx, void *ptr, size_t bytes)
+{
+    pd_backend_t *be = ctx;
+    return be->ops->pin_host(be, ptr, bytes);
+}
+
+static void be_unpin_host(void *ctx, void *ptr)
+{
+    pd_backend_t *be = ctx;
+    be->ops->unpin_host(be, ptr);
+}
+
+/* The backend --device names (auto: the registry's best), its matmul precision. */
+static pd_status_t open_backend(pd_engine_t *e)
+{
+    const pd_engine_config_t *cfg = &e->cfg;
+    const char *device = cfg->device != NULL ? cfg->device : "auto";
+    if (strcmp(device, "auto") == 0) {
+        device = pd_backend_resolve("auto");
+        pd_log_info("engine: --device auto → %s", device);
+    }
+    pd_status_t st = pd_backend_create(device, cfg->threads, &e->be);
+    if (st != PD_OK) {
+        return st;
+    }
+    const char *mp = cfg->matmul_precision != NULL ? cfg->matmul_precision : "fp32";
+    e->be->matmul_precision = strcmp(mp, "bf16") == 0   ? PD_MATMUL_BF16
+                              : strcmp(mp, "fp16") == 0 ? PD_MATMUL_FP16
+                              : strcmp(mp, "tf32") == 0 ? PD_MATMUL_TF32
+                                                        : PD_MATMUL_FP32;
+    if (e->be->matmul_precision != PD_MATMUL_FP32 && e->be->host_memory) {
+        pd_log_warn("engine: --matmul-precision %s has no effect on the %s backend (fp32)", mp, device);
+    }
+    return PD_OK;
+}
+
+/* Tokenizer (first: a refusal costs no weight loading), generation defaults and weights; the
+ * context length and the vocabulary checked against the model. */
+static pd_status_t load_model(pd_engine_t *e)
+{
+    const pd_engine_config_t *cfg = &e->cfg;
+    pd_status_t st = pd_tokenizer_load_dir(cfg->model_dir, &e->tok);
+    if (st == PD_OK && (cfg->generation_config == NULL || strcmp(cfg->generation_config, "vllm") != 0)) {
+        st = pd_generation_config_load(cfg->model_dir, &e->gen);
+    }
+    if (st == PD_OK) {
+        st = pd_model_load(cfg->model_dir, e->be, &e->model);
+    }
+    if (st != PD_OK) {
+        return st;
+    }
+    const pd_model_config_t *mc = pd_model_config(e->model);
+    e->max_model_len = cfg->max_model_len > 0 ? cfg->max_model_len : mc->max_position_embeddings;
+    if (mc->arch == PD_ARCH_GPT2 && e->max_model_len > mc->max_position_embeddings) {
+        pd_log_error("engine: --max-model-len %d exceeds the model's %d positions", e->max_model_len,
+                     mc->max_position_embeddings);
+        return PD_ERR_INVALID_ARG;
+    }
+    if (pd_tokenizer_vocab_size(e->tok) > mc->vocab_size) {
+        pd_log_error("engine: the tokenizer knows %d ids, the model only %d", pd_tokenizer_vocab_size(e->tok),
+                     mc->vocab_size);
+        return PD_ERR_INVALID_ARG;
+    }
+    e->max_token_bytes = pd_tokenizer_max_token_bytes(e->tok);
+    return PD_OK;
+}
+
+/* The KV cache, sized by the memory plan (pd_kv_cache_init), registered with the connector. */
+static pd_status_t make_kv_cache(pd_engine_t *e)
+{
+    const pd_engine_config_t *cfg = &e->cfg;
+    pd_kv_init_params_t kp = {cfg->block_size, parse_kv_dtype(cfg->kv_cache_dtype), cfg->memory_utilization,
+                              cfg->kv_cache_memory, cfg->max_num_batched_tokens, cfg->max_num_seqs,
+                              e->max_model_len,
+                              /* a device KV is the backend's; the connector stages it */
+                              e->be->host_memory ? cfg->kv_allocator : NULL,
+                              (uint32_t)(cfg->num_blocks_override > 0 ? cfg->num_blocks_override : 0)};
+    pd_status_t st = pd_kv_cache_init(e->model, e->be, &kp, &e->kv);
+    if (st != PD_OK || cfg->connector == NULL || cfg->connector->ops->register_kv_caches == NULL) {
+        return st;
+    }
+    const pd_model_config_t *mc = pd_model_config(e->model);
+    pd_kv_region_desc_t rd;
+    memset(&rd, 0, sizeof(rd));
+    rd.base = e->kv->region;
+    rd.copy = (pd_kv_copy_ops_t){e->be, e->be->ops->copy_pages != NULL ? be_copy_pages : NULL,
+                                 e->be->ops->pin_host != NULL ? be_pin_host : NULL,
+                                 e->be->ops->unpin_host != NULL ? be_unpin_host : NULL};
+    rd.host_memory = e->be->host_memory;
+    rd.bytes = e->kv->cfg.region_bytes;
+    rd.num_layers = mc->num_layers;
+    for (int32_t l = 0; l < mc->num_layers && l < 256; l++) {
+        rd.layer_offset[l] = e->kv->cfg.tensors[e->kv->cfg.layer_tensor[l]].offset;
+        rd.layer_group[l] = e->kv->cfg.layer_group[l];
+    }
+    rd.page_bytes = e->kv->cfg.tensors[0].page_bytes;
+    rd.num_groups = e->kv->cfg.num_groups;
+    pd_kv_cache_config_layout(&e->kv->cfg, rd.group_layout, sizeof(rd.group_layout));
+    rd.num_blocks = e->kv->cfg.num_blocks;
+    rd.block_size = e->kv->cfg.block_size;
+    return cfg->connector->ops->register_kv_caches(cfg->connector, &rd);
+}
+
+/* The scheduler over the KV cache's blocks and groups, every EOS id stopping, and the model runner. */
+static pd_status_t make_scheduler(pd_engine_t *e)
+{
+    const pd_engine_config_t *cfg = &e->cfg;
+    const pd_model_config_t *mc = pd_model_config(e->model);
+    pd_scheduler_config_t sc;
+    memset(&sc, 0, sizeof(sc));
+    sc.max_num_seqs = cfg->max_num_seqs;
+    sc.max_num_batched_tokens = cfg->max_num_batched_tokens;
+    sc.max_model_len = e->max_model_len;
+    sc.block_size = cfg->block_size;
+    sc.num_blocks = e->kv->cfg.num_blocks;
+    sc.enable_prefix_caching = cfg->enable_prefix_caching;
+    sc.enable_chunked_prefill = cfg->enable_chunked_prefill;
+    sc.num_kv_groups = e->kv->cfg.num_groups;
+    for (int32_t g = 0; g < e->kv->cfg.num_groups; g++) {
+        sc.kv_group_window[g] = e->kv->cfg.groups[g].sliding_window;
+    }
+    e->num_eos = mc->num_eos < PD_MAX_EOS ? mc->num_eos : PD_MAX_EOS;
+    memcpy(e->eos, mc->eos_token_ids, (size_t)e->num_eos * sizeof(int32_t));
+    pd_generation_config_merge_eos(&e->gen, e->eos, &e->num_eos); /* every EOS id stops */
+    sc.num_eos = e->num_eos < 8 ? e->num_eos : 8;
+    memcpy(sc.eos_token_ids, e->eos, (size_t)sc.num_eos * sizeof(int32_t));
+    sc.load_failure_policy = cfg->load_failure_policy != NULL && strcmp(cfg->load_failure_policy, "fail") == 0
+                                 ? PD_LOAD_FAILURE_FAIL
+                                 : PD_LOAD_FAILURE_RECOMPUTE;
+    pd_status_t st = pd_scheduler_create(&sc, cfg->connector, &e->sched);
+    if (st == PD_OK) {
+        pd_scheduler_set_release_hook(e->sched, eng_on_release, e);
+        st = pd_model_runner_init(&e->runner, e->model, e->be, e->kv, cfg->connector, cfg->max_num_seqs,
+                                  cfg->max_num_batched_tokens, e->max_model_len);
+    }
+    if (st == PD_OK) { /* min_tokens masks every EOS id */
+        e->runner.num_eos = sc.num_eos;
+        memcpy(e->runner.eos, sc.eos_token_ids, (size_t)sc.num_eos * sizeof(int32_t));
+    }
+    return st;
+}
+
+pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine_out)
+{
+    if (cfg->model_dir == NULL) {
+        pd_log_error("engine: --model is required");
+        return PD_ERR_INVALID_ARG;
+    }
+    if (cfg->block_size < 1 || cfg->max_num_seqs < 1 || cfg->max_num_batched_tokens < 1 ||
+        cfg->max_queue < 1) {
+        pd_log_error(
+            "engine: --block-size, --max-num-seqs, --max-num-batched-tokens and --max-queue must be >= 1");
+        return PD_ERR_INVALID_ARG;
+    }
+    pd_engine_t *e = calloc(1, sizeof(*e));
+    if (e == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
+    e->cfg = *cfg;
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_cond_init(&e->cv, NULL);
+    const char *base = strrchr(cfg->model_dir, '/');
+    snprintf(e->model_name, sizeof(e->model_name), "%s", base != NULL && base[1] ? base + 1 : cfg->model_dir);
+    pd_status_t st = open_backend(e);
+    st = st == PD_OK ? load_model(e) : st;
+    st = st == PD_OK ? make_kv_cache(e) : st;
+    st = st == PD_OK ? make_scheduler(e) : st;
+    if (st != PD_OK) {
+        pd_engine_destroy(e);
+        return st;
+    }
+    if (cfg->metrics != NULL) {
+        e->step_hist = pd_metrics_add(cfg->metrics, PD_METRIC_HISTOGRAM, "pd:engine_step_duration_seconds",
+                                      "Duration of one engine step (schedule, forward, update).", NULL,
+                                      PD_LATENCY_BUCKETS, PD_LATENCY_NUM_BUCKETS);
+    }
+    pd_log_info("engine ready: %s, max_model_len %d, %u KV blocks of %d tokens, max_num_seqs %d, "
+                "max_num_batched_tokens %d, prefix caching %s",
+                e->model_name, e->max_model_len, e->kv->cfg.num_blocks, cfg->block_size, cfg->max_num_seqs,
+                cfg->max_num_batched_tokens, cfg->enable_prefix_caching ? "on" : "off");
+    *engine_out = e;
+    return PD_OK;
+}
+
+void pd_engine_destroy(pd_engine_t *e)
+{
+    if (e == NULL) {
+        return;
+    }
+    pd_engine_stop(e);
+    for (cmd_t *c = e->inbox_head, *n; c != NULL; c = n) {
+        n = c->next;
+        eng_cmd_free(c);
+    }
+    pd_engine_output_free(e->out_head);
+    pd_engine_output_free(e->aborted_head);
+    if (e->runner.logits != NULL) {
+        pd_model_runner_destroy(&e->runner);
+    }
+    pd_scheduler_destroy(e->sched);
+    pd_kv_cache_free(e->kv);
+    pd_tokenizer_free(e->tok);
+    pd_model_free(e->model);
+    pd_backend_destroy(e->be);
+    pthread_mutex_destroy(&e->mu);
+    pthread_cond_destroy(&e->cv);
+    free(e);
+}
+
+const pd_tokenizer_t *pd_engine_tokenizer(const pd_engine_t *e)
+{
+    return e->tok;
+}
+
+const pd_model_config_t *pd_engine_model_config(const pd_engine_t *e)
+{
+    return pd_model_config(e->model);
+}
+
+int32_t pd_engine_max_model_len(const pd_engine_t *e)
+{
+    return e->max_model_len;
+}
+
+const pd_kv_cache_t *pd_engine_kv(const pd_engine_t *e)
+{
+    return e->kv;
+}
+
+const char *pd_engine_model_name(const pd_engine_t *e)
+{
+    return e->model_name;
+}
+
+const char *pd_engine_model_dir(const pd_engine_t *e)
+{
+    return e->cfg.model_dir;
+}
+
+const struct pd_generation_config *pd_engine_generation_config(const pd_engine_t *e)
+{
+    return &e->gen;
+}

@@ -1,0 +1,84 @@
+/* engine/engine_impl.h — the engine's state, shared by engine_create.c (configuration, flags,
+ * building and freeing an engine), engine.c (admission, the step, outputs) and engine_thread.c (the
+ * engine thread and the calls other threads make). Not a public header. */
+#ifndef PD_ENGINE_ENGINE_IMPL_H
+#define PD_ENGINE_ENGINE_IMPL_H
+
+#include <pthread.h>
+
+#include "engine/engine.h"
+#include "engine/model_runner.h"
+#include "model/generation_config.h"
+#include "scheduler/scheduler.h"
+
+/* Engine-side state of a request (req->user points here). */
+typedef struct req_ctx {
+    void *user;
+    pd_detok_t detok;
+    char *text; /* output text so far (for stop strings) */
+    size_t text_len, text_cap, emitted;
+    char *stop[PD_MAX_STOP_STRINGS];
+    int32_t num_stop;
+    int32_t stop_hit; /* index of the stop string that ended the request, or -1 */
+    size_t max_stop_len;
+    pd_prompt_logprob_t *plp; /* [num_prompt − 1] prompt_logprobs being gathered, or NULL */
+    bool *plp_done;           /* [num_prompt − 1] which are (a preempted request computes again) */
+    bool plp_sent;            /* handed to an output */
+} req_ctx_t;
+
+/* A queued command from another thread. */
+typedef struct cmd {
+    int is_abort;
+    pd_engine_request_t req;
+    int32_t *prompt;
+    char id[PD_REQ_ID_MAX];
+    char *stop_buf[PD_MAX_STOP_STRINGS];
+    struct cmd *next;
+} cmd_t;
+
+struct pd_engine {
+    pd_engine_config_t cfg;
+    char model_name[256];
+    pd_backend_t *be;
+    pd_model_t *model;
+    pd_tokenizer_t *tok;
+    pd_generation_config_t gen;
+    int32_t eos[PD_MAX_EOS]; /* config.json's EOS ids and generation_config.json's */
+    int32_t num_eos;
+    pd_kv_cache_t *kv;
+    pd_scheduler_t *sched;
+    pd_model_runner_t runner;
+    int32_t max_model_len;
+    size_t max_token_bytes;
+    uint64_t prompt_tokens, generation_tokens, steps, finished;
+    pd_engine_output_t *aborted_head; /* closing outputs of aborts made between steps */
+    pd_engine_output_t **aborted_tail;
+    double last_step_s;
+    pd_metric_t *step_hist;
+    /* threading: mu guards the inbox, the output queue, running/stop/woken and the stats snapshot;
+     * everything above is the engine thread's (or the caller's, unthreaded) */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    cmd_t *inbox_head, *inbox_tail;
+    int32_t inbox_len;
+    pd_engine_output_t *out_head, *out_tail;
+    pthread_t thread;
+    bool running, stop;
+    bool woken;         /* the connector has news since the engine last looked */
+    int32_t last_items; /* requests the last step ran, +1 when it applied connector news */
+    void (*notify)(void *);
+    void *notify_ctx;
+    pd_engine_stats_t stats; /* snapshot under mu */
+};
+
+/* engine.c */
+/* Frees a request's engine-side state. */
+void eng_ctx_free(req_ctx_t *c);
+/* The scheduler's release hook: a finished request's blocks are gone, so is its state. */
+void eng_on_release(void *arg, pd_request_t *r);
+/* Frees a queued command and what it owns. */
+void eng_cmd_free(cmd_t *c);
+/* Appends o to an output list through its tail pointer. */
+void eng_push_output(pd_engine_output_t ***tail, pd_engine_output_t *o);
+
+#endif

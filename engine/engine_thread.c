@@ -1,0 +1,275 @@
+/* engine/engine_thread.c — the engine on its own thread: other threads submit and abort through an
+ * inbox and take outputs from a queue (both under the engine's mutex); the thread steps while there
+ * is work and sleeps otherwise, woken by submissions and the connector. */
+#define _GNU_SOURCE
+#include "engine/engine_impl.h"
+
+#include <jansson.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+
+#include "common/log.h"
+#include "common/time.h"
+#include "engine/model_runner.h"
+#include "model/generation_config.h"
+#include "scheduler/scheduler.h"
+
+/* ------------------------------------------------------------------ threaded use */
+
+static void snapshot_stats(pd_engine_t *e)
+{
+    pd_scheduler_stats_t ss;
+    pd_scheduler_get_stats(e->sched, &ss);
+    pd_engine_stats_t *o = &e->stats;
+    o->num_running = ss.num_running;
+    o->num_waiting = ss.num_waiting;
+    o->num_waiting_for_remote_kv = ss.num_waiting_for_remote_kv;
+    o->num_holding = ss.num_holding;
+    o->num_queued = e->inbox_len;
+    o->kv_usage = ss.kv_usage;
+    o->blocks_free = ss.blocks_free;
+    o->blocks_cached_free = ss.blocks_cached_free;
+    o->blocks_used = ss.blocks_used;
+    o->num_blocks = e->kv->cfg.num_blocks;
+    o->prefix_queries = ss.prefix_queries;
+    o->prefix_hits = ss.prefix_hits;
+    o->preemptions = ss.num_preemptions;
+    o->prompt_tokens = e->prompt_tokens;
+    o->generation_tokens = e->generation_tokens;
+    o->steps = e->steps;
+    o->requests_finished = e->finished;
+    o->last_step_s = e->last_step_s;
+    o->last_forward_s = e->runner.last_forward_s;
+}
+
+void pd_engine_get_stats(pd_engine_t *e, pd_engine_stats_t *out)
+{
+    pthread_mutex_lock(&e->mu);
+    if (!e->running) {
+        snapshot_stats(e);
+    }
+    *out = e->stats;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* Applies queued submissions and aborts (engine thread). A submission the engine refuses ends
+ * at once with an error output that carries the reason as its text. */
+static void drain_inbox(pd_engine_t *e, pd_engine_output_t **outs)
+{
+    pthread_mutex_lock(&e->mu);
+    cmd_t *c = e->inbox_head;
+    e->inbox_head = e->inbox_tail = NULL;
+    e->inbox_len = 0;
+    pthread_mutex_unlock(&e->mu);
+    pd_engine_output_t **tail = outs;
+    while (*tail != NULL) {
+        tail = &(*tail)->next;
+    }
+    while (c != NULL) {
+        cmd_t *next = c->next;
+        if (c->is_abort) {
+            pd_engine_abort(e, c->id);
+        } else {
+            char err[256];
+            if (pd_engine_add(e, &c->req, err, sizeof(err)) != PD_OK) {
+                pd_engine_output_t *o = calloc(1, sizeof(*o));
+                if (o != NULL) {
+                    snprintf(o->id, sizeof(o->id), "%s", c->id);
+                    o->user = c->req.user;
+                    o->token = -1;
+                    o->stop_token = -1;
+                    o->text = strdup(err);
+                    o->text_len = strlen(err);
+                    o->finish_reason = "error";
+                    eng_push_output(&tail, o);
+                }
+            }
+        }
+        eng_cmd_free(c);
+        c = next;
+    }
+}
+
+static void *engine_thread(void *arg)
+{
+    pd_engine_t *e = arg;
+    pd_log_info("engine thread started");
+    for (;;) {
+        pthread_mutex_lock(&e->mu);
+        while (!e->stop && e->inbox_head == NULL && !pd_engine_has_work(e)) {
+            /* idle: sleep until a submission arrives (bounded, so stop is always seen) */
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_nsec += 200 * 1000000L;
+            if (ts.tv_nsec >= 1000000000L) {
+                ts.tv_sec++;
+                ts.tv_nsec -= 1000000000L;
+            }
+            pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+        }
+        if (!e->stop && e->inbox_head == NULL && !e->woken && e->last_items == 0 && e->aborted_head == NULL) {
+            /* work exists but nothing could run (remote KV loading, blocks held for a reader, no
+             * free blocks): sleep until the connector or a submission wakes us, bounded */
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_nsec += 20 * 1000000L;
+            if (ts.tv_nsec >= 1000000000L) {
+                ts.tv_sec++;
+                ts.tv_nsec -= 1000000000L;
+            }
+            pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+        }
+        e->woken = false;
+        bool stop = e->stop;
+        pthread_mutex_unlock(&e->mu);
+        if (stop) {
+            break;
+        }
+        pd_engine_output_t *outs = NULL;
+        drain_inbox(e, &outs);
+        if (pd_engine_has_work(e) || e->aborted_head != NULL) {
+            pd_engine_step(e, &outs);
+        }
+        pthread_mutex_lock(&e->mu);
+        snapshot_stats(e);
+        if (outs != NULL) {
+            if (e->out_tail == NULL) {
+                e->out_head = outs;
+            } else {
+                e->out_tail->next = outs;
+            }
+            pd_engine_output_t *t = outs;
+            while (t->next != NULL) {
+                t = t->next;
+            }
+            e->out_tail = t;
+        }
+        pthread_mutex_unlock(&e->mu);
+        if (outs != NULL && e->notify != NULL) {
+            e->notify(e->notify_ctx);
+        }
+    }
+    pd_log_info("engine thread stopped");
+    return NULL;
+}
+
+/* The connector's wake hook: transfers finished, step again now. */
+static void engine_wake(void *arg)
+{
+    pd_engine_t *e = arg;
+    pthread_mutex_lock(&e->mu);
+    e->woken = true;
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
+pd_status_t pd_engine_start(pd_engine_t *e, void (*notify)(void *ctx), void *ctx)
+{
+    if (e->cfg.connector != NULL) {
+        e->cfg.connector->wake = engine_wake;
+        e->cfg.connector->wake_arg = e;
+    }
+    e->notify = notify;
+    e->notify_ctx = ctx;
+    pthread_mutex_lock(&e->mu);
+    snapshot_stats(e);
+    e->stop = false;
+    e->running = true;
+    pthread_mutex_unlock(&e->mu);
+    if (pthread_create(&e->thread, NULL, engine_thread, e) != 0) {
+        e->running = false;
+        pd_log_error("engine: cannot start the engine thread");
+        return PD_ERR_INTERNAL;
+    }
+    return PD_OK;
+}
+
+void pd_engine_stop(pd_engine_t *e)
+{
+    pthread_mutex_lock(&e->mu);
+    bool running = e->running;
+    e->stop = true;
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+    if (running) {
+        pthread_join(e->thread, NULL);
+        pthread_mutex_lock(&e->mu);
+        e->running = false;
+        pthread_mutex_unlock(&e->mu);
+    }
+}
+
+pd_status_t pd_engine_submit(pd_engine_t *e, const pd_engine_request_t *rq)
+{
+    cmd_t *c = calloc(1, sizeof(*c));
+    if (c == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
+    c->req = *rq;
+    snprintf(c->id, sizeof(c->id), "%s", rq->id);
+    c->req.id = c->id;
+    c->prompt = malloc((size_t)(rq->num_prompt > 0 ? rq->num_prompt : 1) * sizeof(int32_t));
+    if (c->prompt == NULL) {
+        free(c);
+        return PD_ERR_NO_MEMORY;
+    }
+    memcpy(c->prompt, rq->prompt, (size_t)rq->num_prompt * sizeof(int32_t));
+    c->req.prompt = c->prompt;
+    for (int32_t i = 0; i < rq->num_stop && i < PD_MAX_STOP_STRINGS; i++) {
+        c->stop_buf[i] = rq->stop[i] != NULL ? strdup(rq->stop[i]) : NULL;
+        c->req.stop[i] = c->stop_buf[i];
+    }
+    if (rq->kv_transfer_params != NULL) {
+        json_incref(rq->kv_transfer_params);
+    }
+    pthread_mutex_lock(&e->mu);
+    int32_t backlog = e->inbox_len + e->stats.num_waiting;
+    if (backlog >= e->cfg.max_queue) {
+        pthread_mutex_unlock(&e->mu);
+        eng_cmd_free(c);
+        return PD_ERR_NO_SPACE;
+    }
+    if (e->inbox_tail != NULL) {
+        e->inbox_tail->next = c;
+    } else {
+        e->inbox_head = c;
+    }
+    e->inbox_tail = c;
+    e->inbox_len++;
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+    return PD_OK;
+}
+
+void pd_engine_abort_async(pd_engine_t *e, const char *id)
+{
+    cmd_t *c = calloc(1, sizeof(*c));
+    if (c == NULL) {
+        return;
+    }
+    c->is_abort = 1;
+    snprintf(c->id, sizeof(c->id), "%s", id);
+    pthread_mutex_lock(&e->mu);
+    if (e->inbox_tail != NULL) {
+        e->inbox_tail->next = c;
+    } else {
+        e->inbox_head = c;
+    }
+    e->inbox_tail = c;
+    e->inbox_len++;
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
+pd_engine_output_t *pd_engine_take_outputs(pd_engine_t *e)
+{
+    pthread_mutex_lock(&e->mu);
+    pd_engine_output_t *o = e->out_head;
+    e->out_head = e->out_tail = NULL;
+    pthread_mutex_unlock(&e->mu);
+    return o;
+}
