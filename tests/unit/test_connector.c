@@ -122,6 +122,19 @@ static void node_stop(node_t *n)
     n->c = NULL;
 }
 
+/* A prefill and a decode (dop NULL: the prefill's options). */
+static void pair_start(node_t *p, node_t *d, const opts_t *po, const opts_t *dop)
+{
+    node_start(p, "prefill", 'p', po);
+    node_start(d, "decode", 'd', dop != NULL ? dop : po);
+}
+
+static void pair_stop(node_t *p, node_t *d)
+{
+    node_stop(d);
+    node_stop(p);
+}
+
 static pd_request_t *request(const char *id, json_t *params)
 {
     int32_t prompt[PROMPT];
@@ -231,8 +244,7 @@ START_TEST(test_pull_moves_the_right_pages)
     int fds = tu_count_fds();
     opts_t o = {"pull", PIPES[_i], NULL, 0, 0};
     node_t p, d;
-    node_start(&p, "prefill", 'p', &o);
-    node_start(&d, "decode", 'd', &o);
+    pair_start(&p, &d, &o, NULL);
     bool hold = false;
     json_t *params = prefill_finish(&p, "req-p", pull_params_in(), P_BLOCKS, &hold);
     ck_assert(hold);
@@ -251,8 +263,7 @@ START_TEST(test_pull_moves_the_right_pages)
     ck_assert(!d.c->ops->request_finished(d.c, r, D_BLOCKS, NEED + 1, &out)); /* nothing left to hold */
     json_decref(out);
     pd_request_free(r);
-    node_stop(&d);
-    node_stop(&p);
+    pair_stop(&p, &d);
     ck_assert_int_eq(tu_count_fds(), fds);
 }
 END_TEST
@@ -262,8 +273,7 @@ START_TEST(test_push_into_a_late_reservation)
     int fds = tu_count_fds();
     opts_t o = {"push", PIPES[_i], NULL, 0, 0};
     node_t p, d;
-    node_start(&p, "prefill", 'p', &o);
-    node_start(&d, "decode", 'd', &o);
+    pair_start(&p, &d, &o, NULL);
     /* the prefill finishes before the decode's reservation arrives: it keeps its blocks and writes
      * them when the reservation comes */
     bool hold = false;
@@ -283,8 +293,7 @@ START_TEST(test_push_into_a_late_reservation)
     expect_moved(&p, &d);
     ck_assert(wait_finished(&p, "req-p", true, 3, NULL));
     pd_request_free(r);
-    node_stop(&d);
-    node_stop(&p);
+    pair_stop(&p, &d);
     ck_assert_int_eq(tu_count_fds(), fds);
 }
 END_TEST
@@ -308,8 +317,7 @@ START_TEST(test_push_streams_layers)
     int fds = tu_count_fds();
     opts_t o = {"push", PIPES[_i], NULL, 0, 0};
     node_t p, d;
-    node_start(&p, "prefill", 'p', &o);
-    node_start(&d, "decode", 'd', &o);
+    pair_start(&p, &d, &o, NULL);
     json_t *dp =
         json_pack("{s:b, s:s, s:s, s:s, s:i}", "do_remote_prefill", 1, "transfer_mode", "push", "transfer_id",
                   "x-2", "remote_host", "127.0.0.1", "remote_port", pd_kv_connector_port(p.c));
@@ -349,8 +357,7 @@ START_TEST(test_push_streams_layers)
     ck_assert_int_eq((int)metric(&d, "pd:kv_transfers_completed_total{kind=\"push_load\"}"), 1);
     pd_request_free(pr); /* and its block list */
     pd_request_free(r);
-    node_stop(&d);
-    node_stop(&p);
+    pair_stop(&p, &d);
     ck_assert_int_eq(tu_count_fds(), fds);
 }
 END_TEST
@@ -362,8 +369,7 @@ START_TEST(test_expired_lease_is_stale)
     opts_t po = {"pull", PIPES[_i], NULL, 0.15, 0};
     opts_t dop = {"pull", PIPES[_i], NULL, 0, 0};
     node_t p, d;
-    node_start(&p, "prefill", 'p', &po);
-    node_start(&d, "decode", 'd', &dop);
+    pair_start(&p, &d, &po, &dop);
     bool hold = false;
     json_t *params = prefill_finish(&p, "req-p", pull_params_in(), P_BLOCKS, &hold);
     ck_assert(hold);
@@ -373,8 +379,7 @@ START_TEST(test_expired_lease_is_stale)
     ck_assert(wait_finished(&d, "req-d", false, 3, &errors));
     ck_assert_int_eq(errors, NEED);
     pd_request_free(r);
-    node_stop(&d);
-    node_stop(&p);
+    pair_stop(&p, &d);
 }
 END_TEST
 
@@ -415,8 +420,7 @@ START_TEST(test_failed_loads_are_load_errors)
         opts_t po = {"pull", PIPES[_i], k == 2 ? tok_a : NULL, 0, 0};
         opts_t dop = {"pull", PIPES[_i], k == 2 ? tok_b : NULL, 0, 0};
         node_t p, d;
-        node_start(&p, "prefill", 'p', &po);
-        node_start(&d, "decode", 'd', &dop);
+        pair_start(&p, &d, &po, &dop);
         bool hold = false;
         json_t *params = prefill_finish(&p, "req-p", pull_params_in(), P_BLOCKS, &hold);
         if (k == 0) {
@@ -446,8 +450,7 @@ START_TEST(test_failed_loads_are_load_errors)
         }
         free(fresh.kv);
         pd_request_free(r);
-        node_stop(&d);
-        node_stop(&p);
+        pair_stop(&p, &d);
     }
     tu_rmrf(dir);
     free((void *)dir);
@@ -464,8 +467,7 @@ START_TEST(test_push_waits_end)
         opts_t po = {"push", PIPES[_i], NULL, k == 0 ? 0.2 : 30, 0};
         opts_t dop = {"push", PIPES[_i], NULL, 0, k == 1 ? 0.3 : 5};
         node_t p, d;
-        node_start(&p, "prefill", 'p', &po);
-        node_start(&d, "decode", 'd', &dop);
+        pair_start(&p, &d, &po, &dop);
         json_t *dp = json_pack("{s:b, s:s, s:s, s:s, s:i}", "do_remote_prefill", 1, "transfer_mode", "push",
                                "transfer_id", "x-3", "remote_host", "127.0.0.1", "remote_port",
                                pd_kv_connector_port(p.c));
@@ -484,8 +486,7 @@ START_TEST(test_push_waits_end)
         ck_assert_msg(tu_now() - t0 < 2.5, "case %d: took %.2f s (the load timeout is 5 s)", k,
                       tu_now() - t0);
         pd_request_free(r);
-        node_stop(&d);
-        node_stop(&p);
+        pair_stop(&p, &d);
     }
 }
 END_TEST
@@ -497,8 +498,7 @@ START_TEST(test_abort_during_load)
 {
     opts_t o = {"pull", PIPES[_i], NULL, 0, 0};
     node_t p, d;
-    node_start(&p, "prefill", 'p', &o);
-    node_start(&d, "decode", 'd', &o);
+    pair_start(&p, &d, &o, NULL);
     bool hold = false;
     json_t *params = prefill_finish(&p, "req-p", pull_params_in(), P_BLOCKS, &hold);
     /* before start_load_kv: nothing to hold */
@@ -525,8 +525,7 @@ START_TEST(test_abort_during_load)
     }
     ck_assert_int_eq(errors, 0);
     pd_request_free(r);
-    node_stop(&d);
-    node_stop(&p);
+    pair_stop(&p, &d);
 }
 END_TEST
 
