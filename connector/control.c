@@ -32,6 +32,7 @@ const ProtobufCMessageDescriptor *pd_ctl_descriptor(pd_msg_type_t type)
     case PD_MSG_TRANSFER_ACK: return &pd__transfer_ack__descriptor;
     case PD_MSG_ABORT: return &pd__abort__descriptor;
     case PD_MSG_REGIONS: return &pd__regions__descriptor;
+    case PD_MSG_WELCOME: return &pd__welcome__descriptor;
     }
     return NULL;
 }
@@ -268,16 +269,19 @@ static void proof(const pd_ctl_identity_t *me, const char *label, const uint8_t 
     pd_hmac_sha256(me->token, me->token_len, msg, k, out);
 }
 
-static void send_reject(int fd, pd_reject_code_t code, const char *reason, int timeout_ms)
+/* A Reject. To a peer that has not proven the token (authenticated false) it says only
+ * "rejected": the reason is for the local log. */
+static void send_reject(int fd, bool authenticated, pd_reject_code_t code, const char *reason, int timeout_ms)
 {
     Pd__Reject rj = PD__REJECT__INIT;
-    rj.reason = (char *)reason;
-    rj.code = code;
+    rj.reason = authenticated ? (char *)reason : (char *)"rejected";
+    rj.code = authenticated ? code : PD_REJECT_UNSPECIFIED;
     pd_ctl_send(fd, PD_MSG_REJECT, &rj.base, timeout_ms);
 }
 
 /* The next buffered frame as the handshake's `want` (a Reject ends it): PD_ERR_NOT_FOUND when no
- * whole frame is buffered yet. */
+ * whole frame is buffered yet. Every frame before `want` is a protocol error, answered "rejected"
+ * (the peer has not proven the token at any point this is called). */
 static pd_status_t hs_next(int fd, pd_ctl_reader_t *r, pd_msg_type_t want, int send_ms, pd_ctl_msg_t *out,
                            char *reason, size_t reason_len)
 {
@@ -287,7 +291,7 @@ static pd_status_t hs_next(int fd, pd_ctl_reader_t *r, pd_msg_type_t want, int s
     }
     if (st != PD_OK) {
         snprintf(reason, reason_len, "handshake: %s frame from the peer", pd_status_str(st));
-        send_reject(fd, PD_REJECT_PROTOCOL, reason, send_ms);
+        send_reject(fd, false, PD_REJECT_PROTOCOL, reason, send_ms);
         return st;
     }
     if (out->type == PD_MSG_REJECT) {
@@ -299,10 +303,51 @@ static pd_status_t hs_next(int fd, pd_ctl_reader_t *r, pd_msg_type_t want, int s
     if (out->type != want) {
         snprintf(reason, reason_len, "handshake: unexpected message type %d (wanted %d)", out->type, want);
         pd_ctl_msg_free(out);
-        send_reject(fd, PD_REJECT_PROTOCOL, reason, send_ms);
+        send_reject(fd, false, PD_REJECT_PROTOCOL, reason, send_ms);
         return PD_ERR_PARSE;
     }
     return PD_OK;
+}
+
+/* me as an Identity message (pointers into me). */
+static Pd__Identity identity_msg(const pd_ctl_identity_t *me)
+{
+    Pd__Identity id = PD__IDENTITY__INIT;
+    id.engine_id = (char *)me->engine_id;
+    id.role = me->role;
+    id.fingerprint = (Pd__Fingerprint *)me->fingerprint;
+    id.pipe_kind = me->pipe_kind;
+    id.pipe_address.data = (uint8_t *)me->pipe_address;
+    id.pipe_address.len = me->pipe_address_len;
+    return id;
+}
+
+/* An authenticated peer's identity is usable: present, and its fingerprint equals ours (a Reject
+ * with the details otherwise: the peer has proven the token). */
+static pd_status_t check_identity(int fd, const pd_ctl_identity_t *me, const Pd__Identity *id, int send_ms,
+                                  char *reason, size_t reason_len)
+{
+    if (id == NULL || id->engine_id == NULL || id->engine_id[0] == '\0') {
+        snprintf(reason, reason_len, "handshake: the peer did not say who it is");
+        send_reject(fd, true, PD_REJECT_PROTOCOL, reason, send_ms);
+        return PD_ERR_REJECTED;
+    }
+    if (!pd_ctl_fingerprint_equal(me->fingerprint, id->fingerprint, reason, reason_len)) {
+        send_reject(fd, true, PD_REJECT_FINGERPRINT, reason, send_ms);
+        return PD_ERR_REJECTED;
+    }
+    return PD_OK;
+}
+
+const Pd__Identity *pd_ctl_peer_identity(const pd_ctl_msg_t *m)
+{
+    if (m->msg == NULL) {
+        return NULL;
+    }
+    if (m->type == PD_MSG_WELCOME) {
+        return ((const Pd__Welcome *)m->msg)->identity;
+    }
+    return m->type == PD_MSG_HELLO_FINISH ? ((const Pd__HelloFinish *)m->msg)->identity : NULL;
 }
 
 void pd_ctl_client_hs_init(pd_ctl_client_hs_t *hs)
@@ -312,29 +357,21 @@ void pd_ctl_client_hs_init(pd_ctl_client_hs_t *hs)
 
 void pd_ctl_client_hs_destroy(pd_ctl_client_hs_t *hs)
 {
-    pd_ctl_msg_free(&hs->ack);
     memset(hs, 0, sizeof(*hs));
 }
 
 pd_status_t pd_ctl_client_hs_start(pd_ctl_client_hs_t *hs, int fd, const pd_ctl_identity_t *me,
                                    int send_timeout_ms, char *reason, size_t reason_len)
 {
+    (void)me;
     if (getrandom(hs->nonce, sizeof(hs->nonce), 0) != (ssize_t)sizeof(hs->nonce)) {
         snprintf(reason, reason_len, "no randomness for the handshake nonce");
         return PD_ERR_IO;
     }
     Pd__Hello h = PD__HELLO__INIT;
     h.protocol_version = PD_PROTOCOL_VERSION;
-    h.engine_id = (char *)me->engine_id;
-    h.role = me->role;
-    h.fingerprint = (Pd__Fingerprint *)me->fingerprint;
     h.nonce.data = hs->nonce;
     h.nonce.len = sizeof(hs->nonce);
-    h.pipe_kind = me->pipe_kind;
-    h.pipe_address.data = (uint8_t *)me->pipe_address;
-    h.pipe_address.len = me->pipe_address_len;
-    h.regions = me->regions;
-    h.n_regions = me->num_regions;
     pd_status_t st = pd_ctl_send(fd, PD_MSG_HELLO, &h.base, send_timeout_ms);
     if (st != PD_OK) {
         snprintf(reason, reason_len, "handshake: cannot send Hello (%s)", pd_status_str(st));
@@ -342,27 +379,25 @@ pd_status_t pd_ctl_client_hs_start(pd_ctl_client_hs_t *hs, int fd, const pd_ctl_
     return st;
 }
 
-/* Stage 0: the server's HelloAck arrived: check its proof and fingerprint, prove ours. */
+/* Stage 0: the server's HelloAck arrived: check its proof of the token, then prove ours and say who
+ * we are. */
 static pd_status_t hs_on_ack(pd_ctl_client_hs_t *hs, int fd, const pd_ctl_identity_t *me, int send_ms,
-                             char *reason, size_t reason_len)
+                             const Pd__HelloAck *a, char *reason, size_t reason_len)
 {
-    const Pd__HelloAck *a = (const Pd__HelloAck *)hs->ack.msg;
     uint8_t want[32];
     proof(me, "pd-server", hs->nonce, sizeof(hs->nonce), a->nonce.data, a->nonce.len, want);
     if (a->proof.len != 32 || !pd_ct_equal(want, a->proof.data, 32)) {
         snprintf(reason, reason_len, "the peer does not know the cluster token");
-        send_reject(fd, PD_REJECT_TOKEN, "wrong cluster token", send_ms);
-        return PD_ERR_REJECTED;
-    }
-    if (!pd_ctl_fingerprint_equal(me->fingerprint, a->fingerprint, reason, reason_len)) {
-        send_reject(fd, PD_REJECT_FINGERPRINT, reason, send_ms);
+        send_reject(fd, false, PD_REJECT_TOKEN, reason, send_ms);
         return PD_ERR_REJECTED;
     }
     uint8_t mine[32];
     proof(me, "pd-client", a->nonce.data, a->nonce.len, hs->nonce, sizeof(hs->nonce), mine);
+    Pd__Identity id = identity_msg(me);
     Pd__HelloFinish fin = PD__HELLO_FINISH__INIT;
     fin.proof.data = mine;
     fin.proof.len = 32;
+    fin.identity = &id;
     pd_status_t st = pd_ctl_send(fd, PD_MSG_HELLO_FINISH, &fin.base, send_ms);
     if (st != PD_OK) {
         snprintf(reason, reason_len, "handshake: cannot send HelloFinish (%s)", pd_status_str(st));
@@ -376,23 +411,26 @@ pd_status_t pd_ctl_client_hs_step(pd_ctl_client_hs_t *hs, int fd, pd_ctl_reader_
 {
     for (;;) {
         pd_ctl_msg_t m = {0, NULL};
-        pd_status_t st = hs_next(fd, r, hs->stage == 0 ? PD_MSG_HELLO_ACK : PD_MSG_HEARTBEAT, send_timeout_ms,
+        pd_status_t st = hs_next(fd, r, hs->stage == 0 ? PD_MSG_HELLO_ACK : PD_MSG_WELCOME, send_timeout_ms,
                                  &m, reason, reason_len);
         if (st != PD_OK) {
             return st;
         }
         if (hs->stage == 0) {
-            hs->ack = m;
-            st = hs_on_ack(hs, fd, me, send_timeout_ms, reason, reason_len);
+            st = hs_on_ack(hs, fd, me, send_timeout_ms, (const Pd__HelloAck *)m.msg, reason, reason_len);
+            pd_ctl_msg_free(&m);
             if (st != PD_OK) {
                 return st;
             }
             hs->stage = 1;
             continue;
         }
-        pd_ctl_msg_free(&m); /* the server's first heartbeat: it accepted our proof */
-        *peer_out = hs->ack;
-        hs->ack = (pd_ctl_msg_t){0, NULL};
+        st = check_identity(fd, me, pd_ctl_peer_identity(&m), send_timeout_ms, reason, reason_len);
+        if (st != PD_OK) {
+            pd_ctl_msg_free(&m);
+            return st;
+        }
+        *peer_out = m;
         return PD_OK;
     }
 }
@@ -423,44 +461,36 @@ void pd_ctl_server_hs_init(pd_ctl_server_hs_t *hs)
 
 void pd_ctl_server_hs_destroy(pd_ctl_server_hs_t *hs)
 {
-    pd_ctl_msg_free(&hs->hello);
     memset(hs, 0, sizeof(*hs));
 }
 
-/* Stage 0: the peer's Hello arrived: check it and answer with a HelloAck. */
+/* Stage 0: the peer's Hello arrived: check its version, answer with our nonce and proof. */
 static pd_status_t hs_on_hello(pd_ctl_server_hs_t *hs, int fd, const pd_ctl_identity_t *me, int send_ms,
-                               char *reason, size_t reason_len)
+                               const Pd__Hello *h, char *reason, size_t reason_len)
 {
-    Pd__Hello *h = (Pd__Hello *)hs->hello.msg;
     if (h->protocol_version != PD_PROTOCOL_VERSION) {
         snprintf(reason, reason_len, "protocol version %u, this engine speaks %u", h->protocol_version,
                  PD_PROTOCOL_VERSION);
-        send_reject(fd, PD_REJECT_VERSION, reason, send_ms);
+        send_reject(fd, false, PD_REJECT_VERSION, reason, send_ms);
         return PD_ERR_REJECTED;
     }
-    if (!pd_ctl_fingerprint_equal(me->fingerprint, h->fingerprint, reason, reason_len)) {
-        send_reject(fd, PD_REJECT_FINGERPRINT, reason, send_ms);
+    if (h->nonce.len != sizeof(hs->peer_nonce)) {
+        snprintf(reason, reason_len, "handshake: a nonce of %zu bytes", h->nonce.len);
+        send_reject(fd, false, PD_REJECT_PROTOCOL, reason, send_ms);
         return PD_ERR_REJECTED;
     }
+    memcpy(hs->peer_nonce, h->nonce.data, sizeof(hs->peer_nonce));
     if (getrandom(hs->nonce, sizeof(hs->nonce), 0) != (ssize_t)sizeof(hs->nonce)) {
         snprintf(reason, reason_len, "no randomness for the handshake nonce");
         return PD_ERR_IO;
     }
     uint8_t mine[32];
-    proof(me, "pd-server", h->nonce.data, h->nonce.len, hs->nonce, sizeof(hs->nonce), mine);
+    proof(me, "pd-server", hs->peer_nonce, sizeof(hs->peer_nonce), hs->nonce, sizeof(hs->nonce), mine);
     Pd__HelloAck a = PD__HELLO_ACK__INIT;
-    a.engine_id = (char *)me->engine_id;
-    a.role = me->role;
-    a.fingerprint = (Pd__Fingerprint *)me->fingerprint;
     a.nonce.data = hs->nonce;
     a.nonce.len = sizeof(hs->nonce);
     a.proof.data = mine;
     a.proof.len = 32;
-    a.pipe_kind = me->pipe_kind;
-    a.pipe_address.data = (uint8_t *)me->pipe_address;
-    a.pipe_address.len = me->pipe_address_len;
-    a.regions = me->regions;
-    a.n_regions = me->num_regions;
     pd_status_t st = pd_ctl_send(fd, PD_MSG_HELLO_ACK, &a.base, send_ms);
     if (st != PD_OK) {
         snprintf(reason, reason_len, "handshake: cannot send HelloAck (%s)", pd_status_str(st));
@@ -468,25 +498,29 @@ static pd_status_t hs_on_hello(pd_ctl_server_hs_t *hs, int fd, const pd_ctl_iden
     return st;
 }
 
-/* Stage 1: the peer's HelloFinish arrived: check its proof of the token, then say hello. */
+/* Stage 1: the peer's HelloFinish arrived: check its proof of the token, then (authenticated) its
+ * fingerprint, then say who we are. */
 static pd_status_t hs_on_finish(pd_ctl_server_hs_t *hs, int fd, const pd_ctl_identity_t *me, int send_ms,
                                 const pd_ctl_msg_t *fin, char *reason, size_t reason_len)
 {
-    const Pd__Hello *h = (const Pd__Hello *)hs->hello.msg;
     uint8_t want[32];
-    proof(me, "pd-client", hs->nonce, sizeof(hs->nonce), h->nonce.data, h->nonce.len, want);
+    proof(me, "pd-client", hs->nonce, sizeof(hs->nonce), hs->peer_nonce, sizeof(hs->peer_nonce), want);
     const Pd__HelloFinish *f = (const Pd__HelloFinish *)fin->msg;
     if (f->proof.len != 32 || !pd_ct_equal(want, f->proof.data, 32)) {
         snprintf(reason, reason_len, "the peer does not know the cluster token");
-        send_reject(fd, PD_REJECT_TOKEN, "wrong cluster token", send_ms);
+        send_reject(fd, false, PD_REJECT_TOKEN, reason, send_ms);
         return PD_ERR_REJECTED;
     }
-    Pd__Heartbeat hb = PD__HEARTBEAT__INIT;
-    hb.seq = 0;
-    hb.unix_ms = (uint64_t)time(NULL) * 1000;
-    pd_status_t st = pd_ctl_send(fd, PD_MSG_HEARTBEAT, &hb.base, send_ms);
+    pd_status_t st = check_identity(fd, me, f->identity, send_ms, reason, reason_len);
     if (st != PD_OK) {
-        snprintf(reason, reason_len, "handshake: cannot send the first heartbeat (%s)", pd_status_str(st));
+        return st;
+    }
+    Pd__Identity id = identity_msg(me);
+    Pd__Welcome w = PD__WELCOME__INIT;
+    w.identity = &id;
+    st = pd_ctl_send(fd, PD_MSG_WELCOME, &w.base, send_ms);
+    if (st != PD_OK) {
+        snprintf(reason, reason_len, "handshake: cannot send Welcome (%s)", pd_status_str(st));
     }
     return st;
 }
@@ -503,8 +537,8 @@ pd_status_t pd_ctl_server_hs_step(pd_ctl_server_hs_t *hs, int fd, pd_ctl_reader_
             return st;
         }
         if (hs->stage == 0) {
-            hs->hello = m;
-            st = hs_on_hello(hs, fd, me, send_timeout_ms, reason, reason_len);
+            st = hs_on_hello(hs, fd, me, send_timeout_ms, (const Pd__Hello *)m.msg, reason, reason_len);
+            pd_ctl_msg_free(&m);
             if (st != PD_OK) {
                 return st;
             }
@@ -512,12 +546,12 @@ pd_status_t pd_ctl_server_hs_step(pd_ctl_server_hs_t *hs, int fd, pd_ctl_reader_
             continue;
         }
         st = hs_on_finish(hs, fd, me, send_timeout_ms, &m, reason, reason_len);
-        pd_ctl_msg_free(&m);
-        if (st == PD_OK) {
-            *peer_out = hs->hello;
-            hs->hello = (pd_ctl_msg_t){0, NULL};
+        if (st != PD_OK) {
+            pd_ctl_msg_free(&m);
+            return st;
         }
-        return st;
+        *peer_out = m;
+        return PD_OK;
     }
 }
 

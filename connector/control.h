@@ -4,12 +4,16 @@
  * (a protobuf-c message of proto/pd.proto). Frames above max_frame, an unknown version or type,
  * a non-zero reserved field or an undecodable payload are errors: the connection is closed.
  *
- * Handshake (client = the side that connects):
- *   C → S  Hello{version, engine id, role, fingerprint, nonce_c, pipe address, regions}
- *   S → C  HelloAck{..., nonce_s, proof_s = HMAC(token, "pd-server" | nonce_c | nonce_s)}  or Reject
- *   C → S  HelloFinish{proof_c = HMAC(token, "pd-client" | nonce_s | nonce_c)}           or Reject
- *   S → C  Heartbeat{seq 0} (accepted)                                                   or Reject
- * The token never crosses the wire; each side proves it knows it over the other's fresh nonce. */
+ * Handshake (client = the side that connects; protocol 2):
+ *   C → S  Hello{version, nonce_c}
+ *   S → C  HelloAck{nonce_s, proof_s = HMAC(token, "pd-server" | nonce_c | nonce_s)}          or Reject
+ *   C → S  HelloFinish{proof_c = HMAC(token, "pd-client" | nonce_s | nonce_c), identity_c}   or Reject
+ *   S → C  Welcome{identity_s}                                                              or Reject
+ * The token never crosses the wire; each side proves it knows it over the other's fresh nonce
+ * before it learns anything about the other (engine id, role, fingerprint, pipe address). A Reject
+ * to a side that has not proven the token says only "rejected". The frames are not MACed: the
+ * token authenticates the peer at connect time, not the channel (an on-path attacker can still
+ * tamper with a connection; keep the KV ports on a private network, deploy/networkpolicy.yaml). */
 #ifndef PD_PIPE_CONTROL_H
 #define PD_PIPE_CONTROL_H
 
@@ -20,7 +24,7 @@
 #include "common/status.h"
 #include "pd.pb-c.h"
 
-#define PD_PROTOCOL_VERSION      1
+#define PD_PROTOCOL_VERSION      2 /* 2: the token is proven both ways before any identity is sent */
 #define PD_CTL_HEADER            8
 #define PD_CTL_DEFAULT_MAX_FRAME (1u << 20)
 
@@ -37,9 +41,11 @@ typedef enum pd_msg_type {
     PD_MSG_TRANSFER_ACK = 10,
     PD_MSG_ABORT = 11,
     PD_MSG_REGIONS = 12,
+    PD_MSG_WELCOME = 13,
 } pd_msg_type_t;
 
 typedef enum pd_reject_code {
+    PD_REJECT_UNSPECIFIED = 0, /* to a peer that has not proven the token: no details */
     PD_REJECT_VERSION = 1,
     PD_REJECT_FINGERPRINT = 2,
     PD_REJECT_TOKEN = 3,
@@ -89,25 +95,34 @@ typedef struct pd_ctl_identity {
     Pd__PipeKind pipe_kind;
     const uint8_t *pipe_address;
     size_t pipe_address_len;
-    Pd__RegionDesc **regions;
-    size_t num_regions;
     const uint8_t *token; /* cluster token (may be empty: then both sides must have none) */
     size_t token_len;
 } pd_ctl_identity_t;
 
+/* The handshake (proto/pd.proto, protocol 2): Hello (version, client nonce) → HelloAck (server
+ * nonce, the server's proof of the token) → HelloFinish (the client's proof, then its Identity) →
+ * Welcome (the server's Identity). Neither side says who it is before the other has proven the
+ * token; a Reject to a peer that has not proven it says only "rejected" (details in reason, for the
+ * local log). Fingerprints are compared once the peer is authenticated, and a mismatch is rejected
+ * with the field named. */
+
+/* The peer's Identity in the message a handshake returned (its HelloFinish on the server side, its
+ * Welcome on the client side); NULL for any other message. Valid while m is. */
+const Pd__Identity *pd_ctl_peer_identity(const pd_ctl_msg_t *m);
+
 /* Client side of the handshake on a connected fd, reading through r (initialised by the caller;
  * bytes the peer sent after the handshake stay buffered in it). On PD_OK *peer_out holds the
- * peer's HelloAck. PD_ERR_REJECTED (reason filled) when either side refuses: version,
- * fingerprint, token. */
+ * server's Welcome (pd_ctl_peer_identity; the caller frees it). PD_ERR_REJECTED (reason filled) when
+ * either side refuses: version, token, fingerprint. Blocks up to timeout_ms: a poll loop uses
+ * pd_ctl_client_hs_start/step instead. */
 pd_status_t pd_ctl_handshake_client(int fd, pd_ctl_reader_t *r, const pd_ctl_identity_t *me, int timeout_ms,
                                     pd_ctl_msg_t *peer_out, char *reason, size_t reason_len);
 
 /* The client side one frame at a time, for a loop that never blocks on a peer: start sends the
  * Hello on a connected fd; step (same contract as pd_ctl_server_hs_step) returns PD_OK with the
- * server's HelloAck in *peer_out once the server accepted our proof. */
+ * server's Welcome in *peer_out. */
 typedef struct pd_ctl_client_hs {
-    int stage;        /* 0: waiting for the HelloAck, 1: for the server's first heartbeat */
-    pd_ctl_msg_t ack; /* the server's HelloAck from stage 1 on */
+    int stage; /* 0: waiting for the HelloAck, 1: for the Welcome */
     uint8_t nonce[32];
 } pd_ctl_client_hs_t;
 
@@ -119,16 +134,16 @@ pd_status_t pd_ctl_client_hs_step(pd_ctl_client_hs_t *hs, int fd, pd_ctl_reader_
                                   const pd_ctl_identity_t *me, int send_timeout_ms, pd_ctl_msg_t *peer_out,
                                   char *reason, size_t reason_len);
 
-/* Server side (same reader rule); on PD_OK *peer_out holds the peer's Hello. Blocks up to
- * timeout_ms: a poll loop uses pd_ctl_server_hs_step instead. */
+/* Server side (same reader rule); on PD_OK *peer_out holds the client's HelloFinish
+ * (pd_ctl_peer_identity). Blocks up to timeout_ms: a poll loop uses pd_ctl_server_hs_step instead. */
 pd_status_t pd_ctl_handshake_server(int fd, pd_ctl_reader_t *r, const pd_ctl_identity_t *me, int timeout_ms,
                                     pd_ctl_msg_t *peer_out, char *reason, size_t reason_len);
 
 /* The server side one frame at a time, for a loop that never blocks on a peer: */
 typedef struct pd_ctl_server_hs {
-    int stage;          /* 0: waiting for the Hello, 1: for the HelloFinish */
-    pd_ctl_msg_t hello; /* the peer's Hello from stage 1 on */
-    uint8_t nonce[32];  /* ours, sent in the HelloAck */
+    int stage;              /* 0: waiting for the Hello, 1: for the HelloFinish */
+    uint8_t peer_nonce[32]; /* the client's, from its Hello */
+    uint8_t nonce[32];      /* ours, sent in the HelloAck */
 } pd_ctl_server_hs_t;
 
 void pd_ctl_server_hs_init(pd_ctl_server_hs_t *hs);
@@ -136,7 +151,7 @@ void pd_ctl_server_hs_destroy(pd_ctl_server_hs_t *hs);
 
 /* Advances hs with the whole frames buffered in r (the caller feeds r from fd, e.g. with
  * pd_ctl_fill(fd, r, 0) when poll says fd is readable). PD_ERR_NOT_FOUND: more bytes needed;
- * PD_OK: authenticated, *peer_out holds the peer's Hello (the caller frees it); anything else:
+ * PD_OK: authenticated, *peer_out holds the peer's HelloFinish (the caller frees it); anything else:
  * refused or broken (reason filled; a Reject was sent where the protocol says so). Replies are
  * a few hundred bytes on a fresh socket, written with send_timeout_ms as a bound. */
 pd_status_t pd_ctl_server_hs_step(pd_ctl_server_hs_t *hs, int fd, pd_ctl_reader_t *r,

@@ -366,7 +366,7 @@ void kv_dial_io(kv_conn_t *k, kv_dial_t *d)
         dial_fail(k, d, reason);
         return;
     }
-    const Pd__HelloAck *h = (const Pd__HelloAck *)ack.msg;
+    const Pd__Identity *h = pd_ctl_peer_identity(&ack); /* checked by the handshake */
     kv_peer_t *p = peer_new(k, d->fd, &d->rd, d->addr, h->engine_id, h->pipe_kind, h->pipe_address.data,
                             h->pipe_address.len);
     bool prefill = h->role == PD__ROLE__ROLE_PREFILL;
@@ -467,7 +467,7 @@ void kv_hs_read(kv_conn_t *k, kv_hs_t *h)
     }
     pd_list_del(&h->link);
     k->num_handshakes--;
-    const Pd__Hello *m = (const Pd__Hello *)hello.msg;
+    const Pd__Identity *m = pd_ctl_peer_identity(&hello); /* checked by the handshake */
     pthread_mutex_lock(&k->mu);
     kv_peer_t *p =
         peer_new(k, h->fd, &h->rd, "", m->engine_id, m->pipe_kind, m->pipe_address.data, m->pipe_address.len);

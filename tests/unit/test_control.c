@@ -3,6 +3,7 @@
  * refused without crashing (also under ASan); the token handshake accepts equal tokens and
  * fingerprints and refuses wrong tokens, other fingerprints and silent or garbage peers, within
  * its timeout. */
+#define _GNU_SOURCE
 #include <check.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -65,22 +66,32 @@ START_TEST(test_every_message_roundtrips)
     rd.layer_offsets = offs;
     rd.n_layer_offsets = 3;
     Pd__RegionDesc *regions[1] = {&rd};
-    Pd__Hello h = PD__HELLO__INIT;
-    h.protocol_version = 1;
-    h.engine_id = "engine-a";
-    h.role = PD__ROLE__ROLE_PREFILL;
-    h.fingerprint = &f;
-    h.pipe_kind = PD__PIPE_KIND__PIPE_UCX;
-    h.regions = regions;
-    h.n_regions = 1;
+    Pd__Regions rg = PD__REGIONS__INIT;
+    rg.regions = regions;
+    rg.n_regions = 1;
     pd_ctl_msg_t m;
-    roundtrip(PD_MSG_HELLO, &h.base, &m);
-    Pd__Hello *hh = (Pd__Hello *)m.msg;
-    ck_assert_str_eq(hh->engine_id, "engine-a");
-    ck_assert_str_eq(hh->fingerprint->layout, "NB2BSHD");
-    ck_assert_uint_eq(hh->regions[0]->length, 1ull << 33);
-    ck_assert_uint_eq(hh->regions[0]->rkey.len, 5);
-    ck_assert_uint_eq(hh->regions[0]->layer_offsets[2], 8192);
+    roundtrip(PD_MSG_REGIONS, &rg.base, &m);
+    Pd__Regions *rr = (Pd__Regions *)m.msg;
+    ck_assert_uint_eq(rr->regions[0]->length, 1ull << 33);
+    ck_assert_uint_eq(rr->regions[0]->rkey.len, 5);
+    ck_assert_uint_eq(rr->regions[0]->layer_offsets[2], 8192);
+    pd_ctl_msg_free(&m);
+
+    Pd__Identity id = PD__IDENTITY__INIT;
+    id.engine_id = "engine-a";
+    id.role = PD__ROLE__ROLE_PREFILL;
+    id.fingerprint = &f;
+    id.pipe_kind = PD__PIPE_KIND__PIPE_UCX;
+    Pd__HelloFinish fin = PD__HELLO_FINISH__INIT;
+    fin.identity = &id;
+    roundtrip(PD_MSG_HELLO_FINISH, &fin.base, &m);
+    ck_assert_str_eq(pd_ctl_peer_identity(&m)->engine_id, "engine-a");
+    ck_assert_str_eq(pd_ctl_peer_identity(&m)->fingerprint->layout, "NB2BSHD");
+    pd_ctl_msg_free(&m);
+    Pd__Welcome w = PD__WELCOME__INIT;
+    w.identity = &id;
+    roundtrip(PD_MSG_WELCOME, &w.base, &m);
+    ck_assert_int_eq(pd_ctl_peer_identity(&m)->pipe_kind, PD__PIPE_KIND__PIPE_UCX);
     pd_ctl_msg_free(&m);
 
     Pd__TransferGrant g = PD__TRANSFER_GRANT__INIT;
@@ -142,12 +153,14 @@ START_TEST(test_every_message_roundtrips)
     ck_assert_str_eq(((Pd__Reject *)m.msg)->reason, "nope");
     pd_ctl_msg_free(&m);
 
-    Pd__HelloAck ha = PD__HELLO_ACK__INIT;
-    ha.engine_id = "b";
-    roundtrip(PD_MSG_HELLO_ACK, &ha.base, &m);
+    Pd__Hello h = PD__HELLO__INIT;
+    h.protocol_version = PD_PROTOCOL_VERSION;
+    roundtrip(PD_MSG_HELLO, &h.base, &m);
+    ck_assert_uint_eq(((Pd__Hello *)m.msg)->protocol_version, PD_PROTOCOL_VERSION);
     pd_ctl_msg_free(&m);
-    Pd__HelloFinish hf = PD__HELLO_FINISH__INIT;
-    roundtrip(PD_MSG_HELLO_FINISH, &hf.base, &m);
+    Pd__HelloAck ha = PD__HELLO_ACK__INIT;
+    roundtrip(PD_MSG_HELLO_ACK, &ha.base, &m);
+    ck_assert_ptr_null(pd_ctl_peer_identity(&m));
     pd_ctl_msg_free(&m);
 
     /* two frames back to back come out in order */
@@ -331,9 +344,9 @@ START_TEST(test_handshake_outcomes)
     handshake(&c, &s);
     ck_assert_int_eq(c.st, PD_OK);
     ck_assert_int_eq(s.st, PD_OK);
-    ck_assert_str_eq(((Pd__HelloAck *)c.peer.msg)->engine_id, "pre-1");
-    ck_assert_str_eq(((Pd__Hello *)s.peer.msg)->engine_id, "dec-1");
-    ck_assert_uint_eq(((Pd__Hello *)s.peer.msg)->pipe_address.len, 11);
+    ck_assert_str_eq(pd_ctl_peer_identity(&c.peer)->engine_id, "pre-1");
+    ck_assert_str_eq(pd_ctl_peer_identity(&s.peer)->engine_id, "dec-1");
+    ck_assert_uint_eq(pd_ctl_peer_identity(&s.peer)->pipe_address.len, 11);
     pd_ctl_msg_free(&c.peer);
     pd_ctl_msg_free(&s.peer);
     close(sv[0]), close(sv[1]);
@@ -346,6 +359,7 @@ START_TEST(test_handshake_outcomes)
     ck_assert_int_eq(c.st, PD_ERR_REJECTED);
     ck_assert_ptr_nonnull(strstr(c.reason, "cluster token"));
     ck_assert_int_eq(s.st, PD_ERR_REJECTED);
+    ck_assert_str_eq(s.reason, "rejected by peer: rejected"); /* nothing said to an unproven peer */
     close(sv[0]), close(sv[1]);
 
     /* a different model: refused with the field named */
@@ -403,6 +417,96 @@ START_TEST(test_handshake_outcomes)
 }
 END_TEST
 
+/* Reads whatever the server sent within timeout_ms (one frame or more) into buf; returns the bytes. */
+static size_t read_some(int fd, uint8_t *buf, size_t cap, int timeout_ms)
+{
+    size_t n = 0;
+    double end = pd_time_now_s() + timeout_ms / 1000.0;
+    while (n < cap && pd_time_now_s() < end) {
+        ssize_t k = recv(fd, buf + n, cap - n, MSG_DONTWAIT);
+        if (k > 0) {
+            n += (size_t)k;
+            continue;
+        }
+        if (k == 0) {
+            break;
+        }
+        usleep(2000);
+    }
+    return n;
+}
+
+/* The one frame in buf[n], decoded (the test fails otherwise). */
+static pd_ctl_msg_t decode_one(const uint8_t *buf, size_t n)
+{
+    pd_ctl_reader_t r;
+    pd_ctl_reader_init(&r, 0);
+    ck_assert_int_eq(pd_ctl_reader_feed(&r, buf, n), PD_OK);
+    pd_ctl_msg_t m = {0, NULL};
+    ck_assert_int_eq(pd_ctl_reader_next(&r, &m), PD_OK);
+    pd_ctl_reader_destroy(&r);
+    return m;
+}
+
+/* A client that does not know the token learns nothing from a server: the HelloAck carries a nonce
+ * and a proof only (no engine id, fingerprint or pipe address anywhere in its bytes), a bad proof
+ * is answered "rejected" with no code, and so is an old protocol version; the server's own reason
+ * (for its log) says what was wrong. */
+START_TEST(test_nothing_disclosed_before_the_token)
+{
+    for (int k = 0; k < 2; k++) {
+        int sv[2];
+        ck_assert_int_eq(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+        side_t s;
+        init_side(&s, sv[1], "pre-secret-id", "secret-model", "s3cret");
+        pthread_t ts;
+        pthread_create(&ts, NULL, run_server, &s);
+        uint8_t nonce[32] = {1, 2, 3};
+        Pd__Hello h = PD__HELLO__INIT;
+        h.protocol_version = k == 0 ? PD_PROTOCOL_VERSION : 1;
+        h.nonce.data = nonce;
+        h.nonce.len = sizeof(nonce);
+        ck_assert_int_eq(pd_ctl_send(sv[0], PD_MSG_HELLO, &h.base, 500), PD_OK);
+        uint8_t buf[4096];
+        size_t n = read_some(sv[0], buf, sizeof(buf), 300);
+        ck_assert_uint_gt(n, 0);
+        ck_assert_ptr_null(memmem(buf, n, "pre-secret-id", 13));
+        ck_assert_ptr_null(memmem(buf, n, "secret-model", 12));
+        ck_assert_ptr_null(memmem(buf, n, "127.0.0.1", 9));
+        pd_ctl_msg_t m = decode_one(buf, n);
+        if (k == 0) {
+            ck_assert_int_eq(m.type, PD_MSG_HELLO_ACK);
+            ck_assert_uint_eq(((Pd__HelloAck *)m.msg)->nonce.len, 32);
+            ck_assert_uint_eq(((Pd__HelloAck *)m.msg)->proof.len, 32);
+            pd_ctl_msg_free(&m);
+            /* a guessed proof, with an identity that matches the server's fingerprint */
+            uint8_t guess[32] = {0};
+            Pd__Fingerprint f = fp("secret-model");
+            Pd__Identity id = PD__IDENTITY__INIT;
+            id.engine_id = "intruder";
+            id.fingerprint = &f;
+            Pd__HelloFinish fin = PD__HELLO_FINISH__INIT;
+            fin.proof.data = guess;
+            fin.proof.len = 32;
+            fin.identity = &id;
+            ck_assert_int_eq(pd_ctl_send(sv[0], PD_MSG_HELLO_FINISH, &fin.base, 500), PD_OK);
+            n = read_some(sv[0], buf, sizeof(buf), 300);
+            ck_assert_uint_gt(n, 0);
+            ck_assert_ptr_null(memmem(buf, n, "pre-secret-id", 13));
+            m = decode_one(buf, n);
+        }
+        ck_assert_int_eq(m.type, PD_MSG_REJECT);
+        ck_assert_str_eq(((Pd__Reject *)m.msg)->reason, "rejected");
+        ck_assert_uint_eq(((Pd__Reject *)m.msg)->code, 0);
+        pd_ctl_msg_free(&m);
+        pthread_join(ts, NULL);
+        ck_assert_int_eq(s.st, PD_ERR_REJECTED);
+        ck_assert_ptr_nonnull(strstr(s.reason, k == 0 ? "cluster token" : "protocol version 1"));
+        close(sv[0]), close(sv[1]);
+    }
+}
+END_TEST
+
 int main(void)
 {
     pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_OFF);
@@ -412,6 +516,7 @@ int main(void)
     tcase_add_test(tc, test_every_message_roundtrips);
     tcase_add_test(tc, test_hostile_frames);
     tcase_add_test(tc, test_handshake_outcomes);
+    tcase_add_test(tc, test_nothing_disclosed_before_the_token);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
