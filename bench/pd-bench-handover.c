@@ -174,7 +174,7 @@ static double pipe_read_gbps(const char *kind, size_t page, size_t bytes)
     pd_pipe_remote_t *rr = NULL;
     double gbps = 0;
     if (a->ops->address(a, aa, &al) == PD_OK && b->ops->address(b, ba, &bl) == PD_OK &&
-        a->ops->connect(a, ba, bl, &ab) == PD_OK && b->ops->connect(b, aa, al, &bpa) == PD_OK &&
+        a->ops->connect(a, ba, bl, NULL, &ab) == PD_OK && b->ops->connect(b, aa, al, NULL, &bpa) == PD_OK &&
         a->ops->alloc_region(a, bytes, &ra) == PD_OK && b->ops->alloc_region(b, bytes, &rb) == PD_OK &&
         b->ops->export_region(b, rb, bpa, false, d, &dl) == PD_OK &&
         a->ops->import_region(a, ab, d, dl, &rr) == PD_OK) {

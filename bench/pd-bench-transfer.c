@@ -80,7 +80,7 @@ static void target_main(const char *kind, int busy_us, int ctl)
     xfer_all(ctl, &l, 4, false);
     xfer_all(ctl, pa, l, false);
     pd_pipe_peer_t *peer = NULL;
-    p->ops->connect(p, pa, l, &peer);
+    p->ops->connect(p, pa, l, NULL, &peer);
     pd_pipe_region_t *r = NULL;
     p->ops->alloc_region(p, REGION, &r);
     memset(r->base, 1, REGION);
@@ -128,7 +128,7 @@ static int link_open(const char *kind, int busy_us, link_t *L)
     uint32_t l;
     xfer_all(L->ctl, &l, 4, false);
     xfer_all(L->ctl, ta, l, false);
-    if (L->p->ops->connect(L->p, ta, l, &L->peer) != PD_OK) {
+    if (L->p->ops->connect(L->p, ta, l, NULL, &L->peer) != PD_OK) {
         return -1;
     }
     size_t al = sizeof(a);

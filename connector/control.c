@@ -256,10 +256,9 @@ bool pd_ctl_fingerprint_equal(const Pd__Fingerprint *a, const Pd__Fingerprint *b
 static void proof(const pd_ctl_identity_t *me, const char *label, const uint8_t *n1, size_t l1,
                   const uint8_t *n2, size_t l2, uint8_t out[32])
 {
-    uint8_t msg[9 + 64 + 64];
-    size_t k = 0;
-    memcpy(msg, label, 9);
-    k = 9;
+    uint8_t msg[16 + 64 + 64];
+    size_t k = strlen(label) < 16 ? strlen(label) : 16;
+    memcpy(msg, label, k);
     l1 = l1 > 64 ? 64 : l1;
     l2 = l2 > 64 ? 64 : l2;
     memcpy(msg + k, n1, l1);
@@ -386,11 +385,13 @@ static pd_status_t hs_on_ack(pd_ctl_client_hs_t *hs, int fd, const pd_ctl_identi
 {
     uint8_t want[32];
     proof(me, "pd-server", hs->nonce, sizeof(hs->nonce), a->nonce.data, a->nonce.len, want);
-    if (a->proof.len != 32 || !pd_ct_equal(want, a->proof.data, 32)) {
+    if (a->nonce.len != sizeof(hs->peer_nonce) || a->proof.len != 32 ||
+        !pd_ct_equal(want, a->proof.data, 32)) {
         snprintf(reason, reason_len, "the peer does not know the cluster token");
         send_reject(fd, false, PD_REJECT_TOKEN, reason, send_ms);
         return PD_ERR_REJECTED;
     }
+    memcpy(hs->peer_nonce, a->nonce.data, sizeof(hs->peer_nonce));
     uint8_t mine[32];
     proof(me, "pd-client", a->nonce.data, a->nonce.len, hs->nonce, sizeof(hs->nonce), mine);
     Pd__Identity id = identity_msg(me);
@@ -430,6 +431,8 @@ pd_status_t pd_ctl_client_hs_step(pd_ctl_client_hs_t *hs, int fd, pd_ctl_reader_
             pd_ctl_msg_free(&m);
             return st;
         }
+        proof(me, "pd-session", hs->nonce, sizeof(hs->nonce), hs->peer_nonce, sizeof(hs->peer_nonce),
+              hs->session);
         *peer_out = m;
         return PD_OK;
     }
@@ -550,6 +553,8 @@ pd_status_t pd_ctl_server_hs_step(pd_ctl_server_hs_t *hs, int fd, pd_ctl_reader_
             pd_ctl_msg_free(&m);
             return st;
         }
+        proof(me, "pd-session", hs->peer_nonce, sizeof(hs->peer_nonce), hs->nonce, sizeof(hs->nonce),
+              hs->session);
         *peer_out = m;
         return PD_OK;
     }

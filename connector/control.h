@@ -124,6 +124,9 @@ pd_status_t pd_ctl_handshake_client(int fd, pd_ctl_reader_t *r, const pd_ctl_ide
 typedef struct pd_ctl_client_hs {
     int stage; /* 0: waiting for the HelloAck, 1: for the Welcome */
     uint8_t nonce[32];
+    uint8_t peer_nonce[32]; /* the server's, from its HelloAck */
+    uint8_t session[32];    /* on PD_OK: HMAC(token, "pd-session" | nonce_c | nonce_s), the pipe's
+                             * session secret (the server derives the same) */
 } pd_ctl_client_hs_t;
 
 void pd_ctl_client_hs_init(pd_ctl_client_hs_t *hs);
@@ -144,6 +147,7 @@ typedef struct pd_ctl_server_hs {
     int stage;              /* 0: waiting for the Hello, 1: for the HelloFinish */
     uint8_t peer_nonce[32]; /* the client's, from its Hello */
     uint8_t nonce[32];      /* ours, sent in the HelloAck */
+    uint8_t session[32];    /* on PD_OK: the pipe's session secret (as the client's) */
 } pd_ctl_server_hs_t;
 
 void pd_ctl_server_hs_init(pd_ctl_server_hs_t *hs);

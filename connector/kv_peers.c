@@ -27,8 +27,8 @@
 static int count_ready(const kv_conn_t *k);
 static pd_status_t send_regions(kv_conn_t *k, kv_peer_t *p);
 static pd_ctl_identity_t identity(kv_conn_t *k, uint8_t *addr, size_t *addr_len);
-static kv_peer_t *peer_new(kv_conn_t *k, int fd, pd_ctl_reader_t *rd, const char *dial, const char *engine_id,
-                           Pd__PipeKind kind, const uint8_t *addr, size_t addr_len);
+static kv_peer_t *peer_new(kv_conn_t *k, int fd, pd_ctl_reader_t *rd, const char *dial,
+                           const Pd__Identity *id, const uint8_t *session);
 static int dial_tcp(const char *host, int port);
 static void dial_fail(kv_conn_t *k, kv_dial_t *d, const char *why);
 static void hs_drop(kv_conn_t *k, kv_hs_t *h, const char *why);
@@ -213,10 +213,15 @@ static pd_ctl_identity_t identity(kv_conn_t *k, uint8_t *addr, size_t *addr_len)
     return me;
 }
 
-/* After a handshake: connect the pipe to the peer's address and send our regions. */
-static kv_peer_t *peer_new(kv_conn_t *k, int fd, pd_ctl_reader_t *rd, const char *dial, const char *engine_id,
-                           Pd__PipeKind kind, const uint8_t *addr, size_t addr_len)
+/* After a handshake: connect the pipe to the peer's address (with the session secret the handshake
+ * derived) and send our regions. */
+static kv_peer_t *peer_new(kv_conn_t *k, int fd, pd_ctl_reader_t *rd, const char *dial,
+                           const Pd__Identity *id, const uint8_t *session)
 {
+    const char *engine_id = id->engine_id;
+    Pd__PipeKind kind = id->pipe_kind;
+    const uint8_t *addr = id->pipe_address.data;
+    size_t addr_len = id->pipe_address.len;
     if (kind != k->pipe_kind) {
         pd_log_error("kv connector: peer %s uses a different --kv-pipe; both sides must use %s", engine_id,
                      k->cfg.pipe);
@@ -226,7 +231,7 @@ static kv_peer_t *peer_new(kv_conn_t *k, int fd, pd_ctl_reader_t *rd, const char
     if (p == NULL) {
         return NULL;
     }
-    if (k->pipe->ops->connect(k->pipe, addr, addr_len, &p->pp) != PD_OK) {
+    if (k->pipe->ops->connect(k->pipe, addr, addr_len, session, &p->pp) != PD_OK) {
         pd_log_error("kv connector: cannot connect the %s pipe to peer %s", k->cfg.pipe, engine_id);
         free(p);
         return NULL;
@@ -367,8 +372,7 @@ void kv_dial_io(kv_conn_t *k, kv_dial_t *d)
         return;
     }
     const Pd__Identity *h = pd_ctl_peer_identity(&ack); /* checked by the handshake */
-    kv_peer_t *p = peer_new(k, d->fd, &d->rd, d->addr, h->engine_id, h->pipe_kind, h->pipe_address.data,
-                            h->pipe_address.len);
+    kv_peer_t *p = peer_new(k, d->fd, &d->rd, d->addr, h, d->hs.session);
     bool prefill = h->role == PD__ROLE__ROLE_PREFILL;
     pd_ctl_msg_free(&ack);
     if (p == NULL) {
@@ -469,8 +473,7 @@ void kv_hs_read(kv_conn_t *k, kv_hs_t *h)
     k->num_handshakes--;
     const Pd__Identity *m = pd_ctl_peer_identity(&hello); /* checked by the handshake */
     pthread_mutex_lock(&k->mu);
-    kv_peer_t *p =
-        peer_new(k, h->fd, &h->rd, "", m->engine_id, m->pipe_kind, m->pipe_address.data, m->pipe_address.len);
+    kv_peer_t *p = peer_new(k, h->fd, &h->rd, "", m, h->hs.session);
     pthread_mutex_unlock(&k->mu);
     if (p == NULL) {
         pd_metric_inc(k->m.handshakes_failed, 1);

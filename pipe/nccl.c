@@ -632,7 +632,8 @@ static pd_status_t nccl_address(pd_pipe_t *p, uint8_t *buf, size_t *len)
     return st;
 }
 
-static pd_status_t nccl_connect(pd_pipe_t *p, const uint8_t *addr, size_t len, pd_pipe_peer_t **peer_out)
+static pd_status_t nccl_connect(pd_pipe_t *p, const uint8_t *addr, size_t len, const uint8_t *session,
+                                pd_pipe_peer_t **peer_out)
 {
     nccl_pipe_t *t = (nccl_pipe_t *)p;
     size_t head = 16 + sizeof(ncclUniqueId);
@@ -653,7 +654,7 @@ static pd_status_t nccl_connect(pd_pipe_t *p, const uint8_t *addr, size_t len, p
     pe->id = id;
     pd_list_head_init(&pe->recvq);
     pd_list_head_init(&pe->held);
-    pd_status_t st = t->ctl->ops->connect(t->ctl, addr + head, len - head, &pe->inner);
+    pd_status_t st = t->ctl->ops->connect(t->ctl, addr + head, len - head, session, &pe->inner);
     if (st == PD_OK && (cudaStreamCreateWithFlags(&pe->send_stream, cudaStreamNonBlocking) != cudaSuccess ||
                         cudaStreamCreateWithFlags(&pe->recv_stream, cudaStreamNonBlocking) != cudaSuccess)) {
         st = PD_ERR_BACKEND;

@@ -6,6 +6,12 @@
  * the control channel) to pd_pipe_connect. Regions are registered locally, exported to a given
  * peer (with or without write permission) and imported on the other side.
  *
+ * Sessions: connect takes the session secret both sides derived from their authenticated control
+ * handshake (the same PD_PIPE_SESSION_BYTES on both; NULL = all zero bytes, for tests). The tcp
+ * pipe accepts a data connection only when its HELLO is MACed under the secret of a peer this side
+ * itself connected to (a pipe id alone identifies nobody); ucx and nccl peers are reached through
+ * addresses exchanged on the authenticated control channel and ignore it.
+ *
  * Completion: every operation reports exactly once through its callback, always from inside
  * pd_pipe_progress on the caller's thread (backends with internal threads queue completions).
  * An operation on a dead peer completes with PD_ERR_PEER_GONE; pd_pipe_destroy completes every
@@ -55,15 +61,17 @@ typedef void (*pd_pipe_done_cb)(void *arg, pd_status_t st);
 typedef void (*pd_pipe_recv_cb)(void *arg, pd_status_t st, uint64_t tag, size_t hdr_len, size_t payload_len);
 typedef void (*pd_pipe_peer_error_cb)(void *arg, pd_pipe_peer_t *peer, pd_status_t st);
 
-#define PD_PIPE_ADDR_MAX 4096
-#define PD_PIPE_RKEY_MAX 1024
+#define PD_PIPE_ADDR_MAX      4096
+#define PD_PIPE_SESSION_BYTES 32
+#define PD_PIPE_RKEY_MAX      1024
 
 typedef struct pd_pipe_ops {
     const char *name;
     pd_status_t (*create)(const pd_pipe_config_t *cfg, pd_pipe_t **pipe_out);
     void (*destroy)(pd_pipe_t *p);
     pd_status_t (*address)(pd_pipe_t *p, uint8_t *buf, size_t *len);
-    pd_status_t (*connect)(pd_pipe_t *p, const uint8_t *addr, size_t len, pd_pipe_peer_t **peer_out);
+    pd_status_t (*connect)(pd_pipe_t *p, const uint8_t *addr, size_t len, const uint8_t *session,
+                           pd_pipe_peer_t **peer_out);
     pd_status_t (*alloc_region)(pd_pipe_t *p, size_t len, pd_pipe_region_t **region_out);
     pd_status_t (*register_region)(pd_pipe_t *p, void *base, size_t len, pd_mem_type_t mem,
                                    pd_pipe_region_t **region_out);

@@ -32,6 +32,7 @@
 #include "common/array.h"
 #include "common/list.h"
 #include "common/log.h"
+#include "common/sha256.h"
 #include "common/time.h"
 #include "pipe/completion.h"
 #include "pipe/pipe.h"
@@ -47,8 +48,15 @@
 typedef struct pending_in {
     int fd;
     double deadline;
+    bool waiting;        /* its HELLO is in, for a peer this side has not connected to yet */
     pd_list_link_t link; /* on tcp_pipe_t.pending, oldest first */
 } pending_in_t;
+
+/* A HELLO (op_id: the dialer's pipe id) is followed by a nonce and
+ * HMAC-SHA256(session, "pd-data" | dialer id | acceptor id | nonce): only a peer that completed the
+ * control handshake with this node (and so holds the session secret) gets its connection read. */
+#define TCP_HELLO_NONCE 16
+#define TCP_HELLO_AUTH  (TCP_HELLO_NONCE + 32)
 
 enum { M_HELLO = 1, M_WRITE = 2, M_WRITE_ACK = 3, M_READ_REQ = 4, M_READ_RESP = 5, M_TENSOR = 6 };
 
@@ -130,7 +138,8 @@ struct pd_pipe_peer {
     bool dead;
     bool reading; /* a thread is reading a frame from in_fd (the receiver, or progress taking acks) */
     bool in_used; /* a frame has arrived on in_fd (else it may be a previous incarnation's) */
-    pd_list_link_t unexpected; /* unexpected_t, in arrival order */
+    uint8_t session[PD_PIPE_SESSION_BYTES]; /* from connect: what its data connection's HELLO is MACed with */
+    pd_list_link_t unexpected;              /* unexpected_t, in arrival order */
     pd_list_link_t link;
 };
 
@@ -176,6 +185,7 @@ typedef struct tcp_pipe {
     pd_list_link_t jobs; /* job_t, the sender thread's queue */
     pd_pipe_cq_t cq;
     pd_list_link_t pending; /* pending_in_t, rx thread only (and tcp_destroy after it stopped) */
+    bool recheck;           /* a peer appeared (connect): waiting pending connections look again */
     int num_pending;
     pd_pipe_peer_error_cb peer_cb;
     void *peer_cb_arg;
@@ -753,7 +763,7 @@ static int rx_frame(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd)
 static void hello_to_peer(tcp_pipe_t *t, int fd, const hdr_t *h)
 {
     pthread_mutex_lock(&t->mu);
-    pd_pipe_peer_t *peer = peer_by_id(t, h->op_id, true);
+    pd_pipe_peer_t *peer = peer_by_id(t, h->op_id, false); /* connect made it: a HELLO creates none */
     if (peer != NULL && peer->in_fd >= 0 && !peer->in_used && !peer->reading) {
         /* a connection that never carried a frame, superseded: the peer connects again only after
          * declaring us dead, so the older one is its previous incarnation's (accepted late, after
@@ -808,8 +818,72 @@ static void rx_accept(tcp_pipe_t *t)
     }
 }
 
-/* Pending connection c is readable: once its whole HELLO is there it goes to its peer; a closed
- * or garbled one is dropped; a partial one keeps waiting (until its deadline). */
+/* HMAC-SHA256(session, "pd-data" | from | to | nonce): a data connection's proof that its dialer
+ * (pipe id from) holds the session secret it shares with the acceptor (pipe id to). */
+static void hello_mac(const uint8_t *session, uint64_t from, uint64_t to, const uint8_t *nonce,
+                      uint8_t out[32])
+{
+    uint8_t msg[7 + 8 + 8 + TCP_HELLO_NONCE];
+    memcpy(msg, "pd-data", 7);
+    memcpy(msg + 7, &from, 8);
+    memcpy(msg + 15, &to, 8);
+    memcpy(msg + 23, nonce, TCP_HELLO_NONCE);
+    pd_hmac_sha256(session, PD_PIPE_SESSION_BYTES, msg, sizeof(msg), out);
+}
+
+/* A pending connection whose HELLO is in but whose peer this side has not connected to yet: out of
+ * the readable set (its bytes stay buffered; a hang-up is still reported) until connect adds a peer. */
+static void pending_wait(tcp_pipe_t *t, pending_in_t *c)
+{
+    c->waiting = true;
+    struct epoll_event ev = {EPOLLRDHUP, {.ptr = (void *)((uintptr_t)c | 1u)}}; /* its close still counts */
+    epoll_ctl(t->epfd, EPOLL_CTL_MOD, c->fd, &ev);
+}
+
+/* The HELLO buffered on c (header + authentication, peeked) is usable: the magic, a peer this side
+ * connected to, and a MAC under that peer's session. 1 yes (*h filled), 0 not yet (more bytes, or
+ * the peer unknown so far: c waits), -1 drop it. */
+static int hello_check(tcp_pipe_t *t, pending_in_t *c, hdr_t *h)
+{
+    uint8_t buf[sizeof(hdr_t) + TCP_HELLO_AUTH];
+    ssize_t k = recv(c->fd, buf, sizeof(buf), MSG_PEEK | MSG_DONTWAIT);
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+        return 0;
+    }
+    if (k > 0 && k < (ssize_t)sizeof(buf)) {
+        return 0; /* the rest of the HELLO is on its way */
+    }
+    memcpy(h, buf, sizeof(*h));
+    if (k != (ssize_t)sizeof(buf) || h->magic != TCP_MAGIC || h->type != M_HELLO ||
+        h->len != TCP_HELLO_AUTH) {
+        return -1;
+    }
+    uint8_t want[32];
+    pthread_mutex_lock(&t->mu);
+    pd_pipe_peer_t *peer = peer_by_id(t, h->op_id, false);
+    if (peer != NULL) {
+        hello_mac(peer->session, h->op_id, t->id, buf + sizeof(*h), want);
+    }
+    pthread_mutex_unlock(&t->mu);
+    if (peer == NULL) {
+        struct pollfd pf = {c->fd, POLLRDHUP, 0};
+        if (poll(&pf, 1, 0) > 0 && (pf.revents & (POLLRDHUP | POLLHUP | POLLERR))) {
+            return -1; /* the dialer gave up waiting */
+        }
+        pending_wait(t, c);
+        return 0;
+    }
+    if (!pd_ct_equal(want, buf + sizeof(*h) + TCP_HELLO_NONCE, 32)) {
+        pd_log_warn("tcp pipe: refused a data connection claiming to be peer %016llx (wrong session proof)",
+                    (unsigned long long)h->op_id);
+        return -1;
+    }
+    return 1;
+}
+
+/* Pending connection c is readable: once its whole, authenticated HELLO is there it goes to its
+ * peer; a closed, garbled or unauthenticated one is dropped; a partial one keeps waiting (until its
+ * deadline), as does one for a peer this side has not connected to yet. */
 static void rx_pending(tcp_pipe_t *t, pending_in_t *c)
 {
     pending_in_t *x;
@@ -821,15 +895,11 @@ static void rx_pending(tcp_pipe_t *t, pending_in_t *c)
         return; /* dropped earlier in this batch of events */
     }
     hdr_t h;
-    ssize_t k = recv(c->fd, &h, sizeof(h), MSG_PEEK | MSG_DONTWAIT);
-    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-        return;
-    }
-    if (k > 0 && k < (ssize_t)sizeof(h)) {
-        return; /* the rest of the HELLO is on its way */
-    }
-    if (k != (ssize_t)sizeof(h) || h.magic != TCP_MAGIC || h.type != M_HELLO) {
-        pending_drop(t, c);
+    int ok = hello_check(t, c, &h);
+    if (ok <= 0) {
+        if (ok < 0) {
+            pending_drop(t, c);
+        }
         return;
     }
     pthread_mutex_lock(&t->mu);
@@ -843,7 +913,8 @@ static void rx_pending(tcp_pipe_t *t, pending_in_t *c)
         sched_yield();
         return;
     }
-    if (read_full(c->fd, &h, sizeof(h)) != 0) {
+    uint8_t auth[TCP_HELLO_AUTH];
+    if (read_full(c->fd, &h, sizeof(h)) != 0 || read_full(c->fd, auth, sizeof(auth)) != 0) {
         pending_drop(t, c);
         return;
     }
@@ -853,6 +924,24 @@ static void rx_pending(tcp_pipe_t *t, pending_in_t *c)
     epoll_ctl(t->epfd, EPOLL_CTL_DEL, fd, NULL);
     free(c);
     hello_to_peer(t, fd, &h);
+}
+
+/* connect added a peer: pending connections that waited for one look again. */
+static void pending_recheck(tcp_pipe_t *t)
+{
+    pthread_mutex_lock(&t->mu);
+    bool again = t->recheck;
+    t->recheck = false;
+    pthread_mutex_unlock(&t->mu);
+    pending_in_t *c, *tmp;
+    pd_list_for_each_safe (c, tmp, &t->pending, link) {
+        if (again && c->waiting) {
+            c->waiting = false;
+            struct epoll_event ev = {EPOLLIN, {.ptr = (void *)((uintptr_t)c | 1u)}};
+            epoll_ctl(t->epfd, EPOLL_CTL_MOD, c->fd, &ev);
+            rx_pending(t, c); /* may free c */
+        }
+    }
 }
 
 /* Pending connections past their deadline are dropped. */
@@ -928,13 +1017,18 @@ static void *rx_main(void *arg)
             break;
         }
         pending_expire(t);
+        pending_recheck(t);
         for (int i = 0; i < n; i++) {
             void *ptr = evs[i].data.ptr;
             if (ptr == NULL) { /* the listener */
                 rx_accept(t);
             } else if ((uintptr_t)ptr & 1u) {
                 rx_pending(t, (pending_in_t *)((uintptr_t)ptr & ~(uintptr_t)1u));
-            } else if (ptr != (void *)t && rx_peer(t, ptr) && t->busy_poll_us > 0) {
+            } else if (ptr == (void *)t) { /* the wake eventfd (connect added a peer, or stop) */
+                uint64_t v;
+                ssize_t r = read(t->wake_fd, &v, sizeof(v));
+                (void)r;
+            } else if (rx_peer(t, ptr) && t->busy_poll_us > 0) {
                 /* after a request, not after acks: the requester's side stays asleep */
                 poll_until = pd_time_now_s() + t->busy_poll_us * 1e-6;
             }
@@ -1180,7 +1274,40 @@ static pd_status_t tcp_address(pd_pipe_t *p, uint8_t *buf, size_t *len)
     return PD_OK;
 }
 
-static pd_status_t tcp_connect(pd_pipe_t *p, const uint8_t *addr, size_t len, pd_pipe_peer_t **peer_out)
+/* A blocking connect to host:port with the authenticated HELLO written; -1 on failure (logged). */
+static int dial_data(tcp_pipe_t *t, const char *host, int port, uint64_t to, const uint8_t *session)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof(a));
+    a.sin_family = AF_INET;
+    a.sin_port = htons((uint16_t)port);
+    if (fd < 0 || inet_pton(AF_INET, host, &a.sin_addr) != 1 ||
+        connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+        pd_log_error("tcp pipe: cannot connect to %s:%d: %s", host, port, strerror(errno));
+        if (fd >= 0) {
+            close(fd);
+        }
+        return -1;
+    }
+    tune_socket(fd);
+    hdr_t h = {TCP_MAGIC, M_HELLO, {0}, t->id, 0, 0, 0, 0, TCP_HELLO_AUTH};
+    uint8_t auth[TCP_HELLO_AUTH];
+    if (getrandom(auth, TCP_HELLO_NONCE, 0) != TCP_HELLO_NONCE) {
+        close(fd);
+        return -1;
+    }
+    hello_mac(session, t->id, to, auth, auth + TCP_HELLO_NONCE);
+    struct iovec iov[2] = {{&h, sizeof(h)}, {auth, sizeof(auth)}};
+    if (writev_full(fd, iov, 2) != 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+static pd_status_t tcp_connect(pd_pipe_t *p, const uint8_t *addr, size_t len, const uint8_t *session,
+                               pd_pipe_peer_t **peer_out)
 {
     tcp_pipe_t *t = (tcp_pipe_t *)p;
     char s[256], host[64];
@@ -1195,24 +1322,12 @@ static pd_status_t tcp_connect(pd_pipe_t *p, const uint8_t *addr, size_t len, pd
         pd_log_error("tcp pipe: '%s' is not a tcp pipe address", s);
         return PD_ERR_INVALID_ARG;
     }
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_in a;
-    memset(&a, 0, sizeof(a));
-    a.sin_family = AF_INET;
-    a.sin_port = htons((uint16_t)port);
-    if (fd < 0 || inet_pton(AF_INET, host, &a.sin_addr) != 1 ||
-        connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
-        pd_log_error("tcp pipe: cannot connect to %s:%d: %s", host, port, strerror(errno));
-        if (fd >= 0) {
-            close(fd);
-        }
-        return PD_ERR_PEER_GONE;
+    uint8_t key[PD_PIPE_SESSION_BYTES] = {0};
+    if (session != NULL) {
+        memcpy(key, session, sizeof(key));
     }
-    tune_socket(fd);
-    hdr_t h = {TCP_MAGIC, M_HELLO, {0}, t->id, 0, 0, 0, 0, 0};
-    struct iovec iov = {&h, sizeof(h)};
-    if (writev_full(fd, &iov, 1) != 0) {
-        close(fd);
+    int fd = dial_data(t, host, port, (uint64_t)id, key);
+    if (fd < 0) {
         return PD_ERR_PEER_GONE;
     }
     pthread_mutex_lock(&t->mu);
@@ -1223,7 +1338,14 @@ static pd_status_t tcp_connect(pd_pipe_t *p, const uint8_t *addr, size_t len, pd
         return peer == NULL ? PD_ERR_NO_MEMORY : PD_ERR_INVALID_ARG;
     }
     peer->out_fd = fd;
+    memcpy(peer->session, key, sizeof(key));
+    t->recheck = true; /* its data connection to us may be waiting already */
     pthread_mutex_unlock(&t->mu);
+    if (t->wake_fd >= 0) {
+        uint64_t one = 1;
+        ssize_t w = write(t->wake_fd, &one, sizeof(one));
+        (void)w;
+    }
     *peer_out = peer;
     return PD_OK;
 }

@@ -598,8 +598,10 @@ static pd_status_t ucx_address(pd_pipe_t *p, uint8_t *buf, size_t *len)
     return st;
 }
 
-static pd_status_t ucx_connect(pd_pipe_t *p, const uint8_t *addr, size_t len, pd_pipe_peer_t **peer_out)
+static pd_status_t ucx_connect(pd_pipe_t *p, const uint8_t *addr, size_t len, const uint8_t *session,
+                               pd_pipe_peer_t **peer_out)
 {
+    (void)session; /* the worker address came over the authenticated control channel */
     ucx_pipe_t *u = (ucx_pipe_t *)p;
     if (len <= 8) {
         return PD_ERR_INVALID_ARG;

@@ -23,6 +23,7 @@
 #include "common/hash.h"
 #include "common/log.h"
 #include "common/rng.h"
+#include "common/sha256.h"
 #include "common/time.h"
 #include "http_client.h"
 #include "pipe/pipe.h"
@@ -51,6 +52,10 @@ static pd_pipe_t *mk(void)
     return p;
 }
 
+/* The session secret test pairs share (as two connectors derive one from their handshake). */
+static const uint8_t SESSION[PD_PIPE_SESSION_BYTES] = {7, 1, 4, 2, 8, 5, 7, 1, 4, 2, 8, 5, 7, 1, 4, 2,
+                                                       9, 9, 9, 3, 3, 3, 6, 6, 6, 1, 1, 1, 0, 0, 0, 42};
+
 /* Connects a and b both ways. */
 static void link2(pd_pipe_t *a, pd_pipe_t *b, pd_pipe_peer_t **a_to_b, pd_pipe_peer_t **b_to_a)
 {
@@ -58,8 +63,8 @@ static void link2(pd_pipe_t *a, pd_pipe_t *b, pd_pipe_peer_t **a_to_b, pd_pipe_p
     size_t al = sizeof(aa), bl = sizeof(ba);
     ck_assert_int_eq(a->ops->address(a, aa, &al), PD_OK);
     ck_assert_int_eq(b->ops->address(b, ba, &bl), PD_OK);
-    ck_assert_int_eq(a->ops->connect(a, ba, bl, a_to_b), PD_OK);
-    ck_assert_int_eq(b->ops->connect(b, aa, al, b_to_a), PD_OK);
+    ck_assert_int_eq(a->ops->connect(a, ba, bl, SESSION, a_to_b), PD_OK);
+    ck_assert_int_eq(b->ops->connect(b, aa, al, SESSION, b_to_a), PD_OK);
 }
 
 /* Exports r from owner to peer and imports it on the other side. */
@@ -556,7 +561,7 @@ static void run_peer_killed(void)
             _exit(1);
         }
         pd_pipe_peer_t *ba = NULL;
-        b->ops->connect(b, pa, l32, &ba);
+        b->ops->connect(b, pa, l32, NULL, &ba);
         pd_pipe_region_t *rb = NULL;
         b->ops->alloc_region(b, REGION, &rb);
         uint8_t d[PD_PIPE_RKEY_MAX];
@@ -578,7 +583,7 @@ static void run_peer_killed(void)
     ck_assert_int_eq(read(ctl[0], &l32, 4), 4);
     ck_assert_int_eq(read(ctl[0], baddr, l32), (ssize_t)l32);
     pd_pipe_peer_t *ab = NULL;
-    ck_assert_int_eq(a->ops->connect(a, baddr, l32, &ab), PD_OK);
+    ck_assert_int_eq(a->ops->connect(a, baddr, l32, NULL, &ab), PD_OK);
     size_t al = sizeof(aaddr);
     a->ops->address(a, aaddr, &al);
     l32 = (uint32_t)al;
@@ -686,6 +691,128 @@ static void run_silent_data_connections(void)
     pair_close(&P);
 }
 
+/* The tcp data port's wire HELLO: header, then nonce and MAC (pipe/tcp.c). */
+typedef struct wire_hello {
+    uint32_t magic;
+    uint8_t type;
+    uint8_t pad[3];
+    uint64_t op_id; /* the dialer's pipe id */
+    uint32_t region_id;
+    int32_t status;
+    uint32_t count;
+    uint32_t pad2;
+    uint64_t len;
+    uint8_t nonce[16];
+    uint8_t mac[32];
+} wire_hello_t;
+
+/* "tcp:host:PORT:ID" → port and id. */
+static void tcp_addr(pd_pipe_t *p, int *port, uint64_t *id)
+{
+    uint8_t addr[PD_PIPE_ADDR_MAX];
+    size_t al = sizeof(addr) - 1;
+    ck_assert_int_eq(p->ops->address(p, addr, &al), PD_OK);
+    addr[al] = '\0';
+    unsigned long long v = 0;
+    ck_assert_int_eq(sscanf((const char *)addr, "tcp:%*[^:]:%d:%llx", port, &v), 2);
+    *id = v;
+}
+
+/* Whether the other end closed fd within timeout_s (EOF or reset). */
+static bool closed_by_peer(int fd, double timeout_s)
+{
+    struct pollfd pf = {fd, POLLIN, 0};
+    if (poll(&pf, 1, (int)(timeout_s * 1000)) <= 0) {
+        return false;
+    }
+    char b;
+    return recv(fd, &b, 1, MSG_DONTWAIT) <= 0;
+}
+
+/* tcp: the pipe id is not an identity. A data connection that claims a real peer's id without the
+ * session's MAC (a guessed one, or one under the all-zero key of a pipe with no secret) is closed at
+ * once, and the real peer's transfers go on; HELLOs for ids this side never connected to wait
+ * without creating a peer, capped like any pending connection, and cost no fd once closed. */
+static void run_impostor_data_connections(void)
+{
+    if (strcmp(BACKENDS[g_b].kind, "tcp") != 0) {
+        return;
+    }
+    pair_t P;
+    P.a = mk(), P.b = mk();
+    int bport = 0, aport = 0;
+    uint64_t bid = 0, aid = 0;
+    tcp_addr(P.b, &bport, &bid);
+    tcp_addr(P.a, &aport, &aid);
+    /* b knows a (as after its control handshake), a has not connected to b yet: the window an
+     * impostor claiming a's id would use */
+    uint8_t aa[PD_PIPE_ADDR_MAX];
+    size_t al = sizeof(aa);
+    ck_assert_int_eq(P.a->ops->address(P.a, aa, &al), PD_OK);
+    ck_assert_int_eq(P.b->ops->connect(P.b, aa, al, SESSION, &P.ba), PD_OK);
+    int fds0 = tu_count_fds();
+    for (int k = 0; k < 2; k++) {
+        wire_hello_t h;
+        memset(&h, 0, sizeof(h));
+        h.magic = 0x50445450u;
+        h.type = 1;
+        h.op_id = aid; /* a's id, learnt as an attacker would */
+        h.len = sizeof(h.nonce) + sizeof(h.mac);
+        h.nonce[0] = (uint8_t)k;
+        if (k == 1) { /* the MAC a pipe without a secret would accept */
+            uint8_t msg[7 + 8 + 8 + 16], zero[PD_PIPE_SESSION_BYTES] = {0};
+            memcpy(msg, "pd-data", 7);
+            memcpy(msg + 7, &aid, 8);
+            memcpy(msg + 15, &bid, 8);
+            memcpy(msg + 23, h.nonce, 16);
+            pd_hmac_sha256(zero, sizeof(zero), msg, sizeof(msg), h.mac);
+        }
+        int fd = http_connect(bport, 1000);
+        ck_assert_int_ge(fd, 0);
+        ck_assert_int_eq(send(fd, &h, sizeof(h), MSG_NOSIGNAL), (ssize_t)sizeof(h));
+        ck_assert_msg(closed_by_peer(fd, 2), "impostor %d: its connection stayed open", k);
+        close(fd);
+    }
+    int fds[40];
+    for (int i = 0; i < 40; i++) { /* ids nobody connected to: pending until their deadline */
+        wire_hello_t h;
+        memset(&h, 0, sizeof(h));
+        h.magic = 0x50445450u;
+        h.type = 1;
+        h.op_id = 0x1000u + (uint64_t)i;
+        h.len = sizeof(h.nonce) + sizeof(h.mac);
+        fds[i] = http_connect(bport, 1000);
+        ck_assert_int_ge(fds[i], 0);
+        ck_assert_int_eq(send(fds[i], &h, sizeof(h), MSG_NOSIGNAL), (ssize_t)sizeof(h));
+    }
+    /* now a connects; the real transfer works */
+    uint8_t ba[PD_PIPE_ADDR_MAX];
+    size_t bl = sizeof(ba);
+    ck_assert_int_eq(P.b->ops->address(P.b, ba, &bl), PD_OK);
+    ck_assert_int_eq(P.a->ops->connect(P.a, ba, bl, SESSION, &P.ab), PD_OK);
+    ck_assert_int_eq(P.a->ops->alloc_region(P.a, 1 << 20, &P.ra), PD_OK);
+    ck_assert_int_eq(P.b->ops->alloc_region(P.b, 1 << 20, &P.rb), PD_OK);
+    P.b_at_a = share(P.b, P.rb, P.ba, true, P.a, P.ab);
+    fill(P.ra->base, 1 << 20, 6);
+    counter_t c = {0, 0, PD_OK};
+    pd_page_xfer_t pg = {0, 0, 65536};
+    pd_pipe_t *both[2] = {P.a, P.b};
+    ck_assert_int_eq(pd_pipe_write_pages(P.a, P.ab, P.ra, P.b_at_a, &pg, 1, on_done, &c), PD_OK);
+    wait_for(&c, 1, both, 2, 5);
+    ck_assert_int_eq(c.errors, 0);
+    ck_assert_int_eq(memcmp(P.ra->base, P.rb->base, 65536), 0);
+    for (int i = 0; i < 40; i++) {
+        close(fds[i]);
+    }
+    int extra = 3; /* a's outgoing socket, b's side of it, a's completion eventfd */
+    int after = tu_count_fds();
+    for (double end = tu_now() + 3; after > fds0 + extra && tu_now() < end; after = tu_count_fds()) {
+        usleep(20 * 1000); /* the receiver notices the closes */
+    }
+    ck_assert_int_le(after, fds0 + extra);
+    pair_close(&P);
+}
+
 /* tcp: a peer declared dead keeps no socket: 20 rounds of connect, write, fail on both sides leave
  * the process's fd count where it was (each round used to leave 4 behind). */
 static void run_dead_peers_release_fds(void)
@@ -761,6 +888,7 @@ CONFORMANCE(permissions)
 CONFORMANCE(close_during_transfer)
 CONFORMANCE(peer_killed)
 CONFORMANCE(silent_data_connections)
+CONFORMANCE(impostor_data_connections)
 CONFORMANCE(dead_peers_release_fds)
 
 static int cmp_local_ref(const void *a, const void *b)
@@ -843,6 +971,7 @@ int main(void)
     tcase_add_loop_test(tc, test_close_during_transfer, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_peer_killed, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_silent_data_connections, 0, NUM_BACKENDS);
+    tcase_add_loop_test(tc, test_impostor_data_connections, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_dead_peers_release_fds, 0, NUM_BACKENDS);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);

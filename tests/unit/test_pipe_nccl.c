@@ -67,7 +67,7 @@ static void link_up(pd_pipe_t *p, int fd, pd_pipe_region_t *mine, pd_pipe_peer_t
     size_t al = sizeof(a), bl = sizeof(b);
     CHECK(p->ops->address(p, a, &al) == PD_OK, "address");
     xfer_blob(fd, a, al, b, &bl);
-    CHECK(p->ops->connect(p, b, bl, peer) == PD_OK, "connect");
+    CHECK(p->ops->connect(p, b, bl, NULL, peer) == PD_OK, "connect");
     uint8_t d[PD_PIPE_RKEY_MAX], e[PD_PIPE_RKEY_MAX];
     size_t dl = sizeof(d), el = sizeof(e);
     CHECK(p->ops->export_region(p, mine, *peer, true, d, &dl) == PD_OK, "export");
