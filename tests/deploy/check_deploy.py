@@ -76,6 +76,31 @@ def static_checks(docs):
         for v in spec.get("volumes", []):
             if "secret" in v:
                 check(v["secret"]["secretName"] in secrets, "%s mounts a Secret the manifests define" % name)
+    pols = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    check(len(pols) >= 1, "a NetworkPolicy restricts who reaches the nodes")
+
+    def selects(sel, d):
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        ok = all(labels.get(k) == v for k, v in sel.get("matchLabels", {}).items())
+        for e in sel.get("matchExpressions", []):
+            ok = ok and e["operator"] == "In" and labels.get(e["key"]) in e["values"]
+        return ok
+
+    for p in pols:
+        sel = p["spec"]["podSelector"]
+        guarded = sorted(n for n, d in deps.items() if selects(sel, d))
+        check(guarded == ["pd-decode", "pd-prefill"], "NetworkPolicy %s guards the P/D pods: %s" %
+              (p["metadata"]["name"], guarded))
+        for rule in p["spec"].get("ingress", []):
+            for peer in rule.get("from", []):
+                srcs = sorted(n for n, d in deps.items() if selects(peer["podSelector"], d))
+                check(srcs and "pd-proxy" not in srcs or srcs == ["pd-proxy"],
+                      "NetworkPolicy %s: a rule admits %s" % (p["metadata"]["name"], srcs))
+                if srcs == ["pd-proxy"]:
+                    ports = [x["port"] for x in rule.get("ports", [])]
+                    names = {q["name"] for d in guarded
+                             for q in deps[d]["spec"]["template"]["spec"]["containers"][0]["ports"]}
+                    check(ports == ["http"] and "http" in names, "the proxy may reach only the nodes' http port")
     proxy = deps["pd-proxy"]["spec"]["template"]["spec"]["containers"][0]["args"]
     for role in ("prefill", "decode"):
         arg = [a for a in proxy if a.startswith("--discover-%s=" % role)]
