@@ -6,6 +6,7 @@
  * block id outside the prefill's cache and an aborted request end the load as load errors (the
  * scheduler's failure policy then applies) without touching other blocks; everything is freed
  * (fd count back where it was). test_pd keeps the whole-cluster cases. */
+#define _GNU_SOURCE
 #include <check.h>
 #include <jansson.h>
 #include <stdio.h>
@@ -15,7 +16,10 @@
 
 #include "common/log.h"
 #include "common/metrics.h"
+#include "connector/control.h"
 #include "connector/kv_connector.h"
+#include "http_client.h"
+#include "pipe/pipe.h"
 #include "scheduler/scheduler.h"
 #include "test_util.h"
 
@@ -491,6 +495,128 @@ START_TEST(test_push_waits_end)
 }
 END_TEST
 
+/* A peer that holds the token (here: none configured, so anyone) but plays no fair part: it
+ * completes the handshake with its own pipe and then sends raw control messages. */
+typedef struct rogue {
+    int fd;
+    pd_ctl_reader_t rd;
+    pd_pipe_t *pipe;
+} rogue_t;
+
+static void rogue_connect(rogue_t *r, node_t *target, const char *pipe)
+{
+    pd_pipe_config_t pc;
+    memset(&pc, 0, sizeof(pc));
+    pc.kind = pipe;
+    ck_assert_int_eq(pd_pipe_create(&pc, &r->pipe), PD_OK);
+    uint8_t addr[PD_PIPE_ADDR_MAX];
+    size_t al = sizeof(addr);
+    ck_assert_int_eq(r->pipe->ops->address(r->pipe, addr, &al), PD_OK);
+    Pd__Fingerprint fp;
+    pd_kv_fingerprint("test-model", "fp32", BS, 2, PAGE / (BS * 2 * 2 * 4), LAYERS, &fp);
+    fp.layout = "NB2BSHD;g1:full"; /* as pd_kv_connector_start completes it */
+    pd_ctl_identity_t me = {
+        "rogue", PD__ROLE__ROLE_DECODE,
+        &fp,     strcmp(pipe, "tcp") == 0 ? PD__PIPE_KIND__PIPE_TCP : PD__PIPE_KIND__PIPE_UCX,
+        addr,    al,
+        NULL,    0};
+    r->fd = http_connect(pd_kv_connector_port(target->c), 1000);
+    ck_assert_int_ge(r->fd, 0);
+    pd_ctl_reader_init(&r->rd, 0);
+    pd_ctl_msg_t peer = {0, NULL};
+    char reason[256] = "";
+    ck_assert_msg(pd_ctl_handshake_client(r->fd, &r->rd, &me, 2000, &peer, reason, sizeof(reason)) == PD_OK,
+                  "rogue handshake: %s", reason);
+    pd_ctl_msg_free(&peer);
+}
+
+/* The next message of type `type` from the node (others skipped), or a zero message after timeout_ms. */
+static pd_ctl_msg_t rogue_expect(rogue_t *r, pd_msg_type_t type, int timeout_ms)
+{
+    double end = tu_now() + timeout_ms / 1000.0;
+    while (tu_now() < end) {
+        pd_ctl_msg_t m = {0, NULL};
+        if (pd_ctl_recv(r->fd, &r->rd, &m, 50) != PD_OK) {
+            continue;
+        }
+        if (m.type == type) {
+            return m;
+        }
+        pd_ctl_msg_free(&m);
+    }
+    return (pd_ctl_msg_t){0, NULL};
+}
+
+static void rogue_close(rogue_t *r)
+{
+    close(r->fd);
+    pd_ctl_reader_destroy(&r->rd);
+    pd_pipe_destroy(r->pipe);
+}
+
+/* An authenticated peer that names leases, requests and transfers it was never given, or blocks
+ * outside what it offered, gets a clean refusal (UNKNOWN; WRITE_DONE out of range) and changes
+ * nothing: the real request's lease still holds, and the real decode then loads it intact. */
+START_TEST(test_hostile_authenticated_peer)
+{
+    opts_t o = {"pull", PIPES[_i], NULL, 0, 0};
+    node_t p, d;
+    pair_start(&p, &d, &o, NULL);
+    bool hold = false;
+    json_t *params = prefill_finish(&p, "req-p", pull_params_in(), P_BLOCKS, &hold);
+    uint64_t lease = (uint64_t)json_integer_value(json_object_get(params, "lease_id"));
+    rogue_t r;
+    rogue_connect(&r, &p, PIPES[_i]);
+    struct {
+        const char *rid;
+        uint64_t lease;
+    } reads[] = {{"req-p", lease + 1}, {"req-p", 0}, {"no-such-request", lease}};
+    for (size_t i = 0; i < sizeof(reads) / sizeof(reads[0]); i++) {
+        Pd__ReadDone rd = PD__READ_DONE__INIT;
+        rd.request_id = (char *)reads[i].rid;
+        rd.lease_id = reads[i].lease;
+        ck_assert_int_eq(pd_ctl_send(r.fd, PD_MSG_READ_DONE, &rd.base, 500), PD_OK);
+        pd_ctl_msg_t m = rogue_expect(&r, PD_MSG_TRANSFER_ACK, 2000);
+        ck_assert_msg(m.msg != NULL, "READ_DONE %zu: no answer", i);
+        ck_assert_int_eq(((Pd__TransferAck *)m.msg)->result, PD__TRANSFER_ACK__RESULT__UNKNOWN);
+        pd_ctl_msg_free(&m);
+    }
+    Pd__Abort ab = PD__ABORT__INIT; /* the right request, a wrong lease */
+    ab.request_id = "req-p";
+    ab.lease_id = lease ^ 1;
+    ck_assert_int_eq(pd_ctl_send(r.fd, PD_MSG_ABORT, &ab.base, 500), PD_OK);
+    Pd__WriteDone wd = PD__WRITE_DONE__INIT; /* for a push this engine never started */
+    wd.request_id = "x-never";
+    ck_assert_int_eq(pd_ctl_send(r.fd, PD_MSG_WRITE_DONE, &wd.base, 500), PD_OK);
+    Pd__TransferAck ta = PD__TRANSFER_ACK__INIT; /* for a load this prefill never made */
+    ta.request_id = "req-p";
+    ta.lease_id = lease;
+    ck_assert_int_eq(pd_ctl_send(r.fd, PD_MSG_TRANSFER_ACK, &ta.base, 500), PD_OK);
+    uint32_t far[2] = {1, BLOCKS + 100};
+    Pd__Reservation rv = PD__RESERVATION__INIT; /* blocks outside what it offered (no Regions at all) */
+    rv.request_id = "x-evil";
+    rv.block_ids = far;
+    rv.n_block_ids = 2;
+    ck_assert_int_eq(pd_ctl_send(r.fd, PD_MSG_RESERVATION, &rv.base, 500), PD_OK);
+    pd_ctl_msg_t m = rogue_expect(&r, PD_MSG_WRITE_DONE, 2000);
+    ck_assert_ptr_nonnull(m.msg);
+    ck_assert_int_ne(((Pd__WriteDone *)m.msg)->status, 0);
+    pd_ctl_msg_free(&m);
+    ck_assert(!wait_finished(&p, "req-p", true, 0.2, NULL)); /* still held */
+    ck_assert_int_eq((int)metric(&p, "pd:kv_reservations"), 0);
+    /* the real decode reads it intact */
+    int errors = 0;
+    pd_request_t *req = decode_load(&d, "req-d", params, D_BLOCKS);
+    ck_assert(wait_finished(&d, "req-d", false, 3, &errors));
+    ck_assert_int_eq(errors, 0);
+    expect_moved(&p, &d);
+    ck_assert(wait_finished(&p, "req-p", true, 3, NULL));
+    pd_request_free(req);
+    rogue_close(&r);
+    pair_stop(&p, &d);
+}
+END_TEST
+
 /* A request aborted before its load was handed to the control thread holds nothing; one aborted
  * while its load is queued or in flight keeps its blocks (delay free) until the load ends, and is
  * then reported in finished_recving with no load error (cancelled, not failed). */
@@ -544,6 +670,7 @@ int main(void)
     tcase_add_loop_test(tc, test_failed_loads_are_load_errors, 0, np);
     tcase_add_loop_test(tc, test_push_waits_end, 0, np);
     tcase_add_loop_test(tc, test_abort_during_load, 0, np);
+    tcase_add_loop_test(tc, test_hostile_authenticated_peer, 0, np);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
