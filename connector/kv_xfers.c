@@ -45,9 +45,28 @@ void kv_observe_done(kv_conn_t *k, kv_xfer_t *x)
     pd_metric_inc(k->m.bytes, (double)x->bytes);
 }
 
+/* A pull load that ends before its READ_DONE went out (failed, timed out, or its request aborted):
+ * the prefill still holds the blocks under the lease; tell it (ABORT) so it frees them now instead of
+ * at --kv-hold-timeout. Needs a live control connection; without one the lease times out. */
+static void abort_lease(kv_conn_t *k, kv_xfer_t *x, const char *why)
+{
+    if (x->kind != KV_X_PULL_LOAD || (x->state != KV_XS_QUEUED && x->state != KV_XS_POSTED) ||
+        x->peer == NULL || x->peer->state == KV_PEER_DEAD) {
+        return;
+    }
+    Pd__Abort a = PD__ABORT__INIT;
+    a.request_id = x->remote_req;
+    a.lease_id = x->lease_id;
+    a.reason = (char *)why;
+    kv_peer_send(k, x->peer, PD_MSG_ABORT, &a.base);
+}
+
 /* A decode load ended: the scheduler hears of it (and of the blocks that did not arrive). */
 void kv_end_load(kv_conn_t *k, kv_xfer_t *x, bool ok)
 {
+    if (!ok) {
+        abort_lease(k, x, x->cancelled ? "the request was aborted" : "the load failed");
+    }
     if (!ok && !x->cancelled && x->end_block > x->first_block) {
         kv_report_load_errors(k, x->local_blocks + x->first_block, x->end_block - x->first_block);
     }
@@ -298,7 +317,9 @@ void kv_drive_queued(kv_conn_t *k)
         if (x->peer->state == KV_PEER_DEAD) {
             kv_fail_xfer(k, x, "peer gone");
         } else if (x->peer->state == KV_PEER_READY) {
-            if (x->remote_engine[0] && strcmp(x->peer->engine_id, x->remote_engine) != 0) {
+            if (x->cancelled && x->kind == KV_X_PULL_LOAD) {
+                kv_end_load(k, x, false); /* aborted while queued: no read, the lease goes back (ABORT) */
+            } else if (x->remote_engine[0] && strcmp(x->peer->engine_id, x->remote_engine) != 0) {
                 kv_fail_xfer(k, x, "the prefill that computed this KV no longer runs at that address");
             } else {
                 start_xfer(k, x);
