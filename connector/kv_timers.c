@@ -144,6 +144,55 @@ static void sweep_done_xfers(kv_conn_t *k)
     }
 }
 
+/* Whether anything still points at peer p: a transfer, a reservation, a write job or a notice. */
+static bool peer_referenced(kv_conn_t *k, const kv_peer_t *p)
+{
+    const kv_xfer_t *x;
+    pd_list_for_each (x, &k->xfers, link) {
+        if (x->peer == p) {
+            return true;
+        }
+    }
+    const kv_resv_t *rv;
+    pd_list_for_each (rv, &k->resvs, link) {
+        if (rv->peer == p) {
+            return true;
+        }
+    }
+    const kv_write_job_t *j;
+    pd_list_for_each (j, &k->jobs, link) {
+        if (j->peer == p) {
+            return true;
+        }
+    }
+    const kv_notice_t *n;
+    pd_list_for_each (n, &k->notices, link) {
+        if (n->peer == p) {
+            return true;
+        }
+    }
+    return false;
+}
+
+/* A dead peer nothing refers to any more is freed: its imported region goes back to the pipe (UCX:
+ * the rkey and any mapping of the peer's memory), then its reader and record. Peers come and go for
+ * weeks; their records must not pile up. */
+static void sweep_dead_peers(kv_conn_t *k)
+{
+    kv_peer_t *p, *tmp;
+    pd_list_for_each_safe (p, tmp, &k->peers, link) {
+        if (p->state != KV_PEER_DEAD || peer_referenced(k, p)) {
+            continue;
+        }
+        if (p->remote != NULL) {
+            k->pipe->ops->release_remote(k->pipe, p->remote);
+        }
+        pd_ctl_reader_destroy(&p->rd);
+        pd_list_del(&p->link);
+        free(p);
+    }
+}
+
 /* Every deadline of the connector, once per loop tick. */
 void kv_run_timers(kv_conn_t *k)
 {
@@ -153,4 +202,5 @@ void kv_run_timers(kv_conn_t *k)
     sweep_leases(k, now);
     sweep_reservations(k, now);
     sweep_done_xfers(k);
+    sweep_dead_peers(k);
 }

@@ -620,6 +620,66 @@ START_TEST(test_hostile_authenticated_peer)
 }
 END_TEST
 
+static long rss_kib(void)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    long v = -1;
+    while (f != NULL && fgets(line, sizeof(line), f) != NULL) {
+        if (strncmp(line, "VmRSS:", 6) == 0) {
+            v = atol(line + 6);
+        }
+    }
+    if (f != NULL) {
+        fclose(f);
+    }
+    return v;
+}
+
+/* Peers come and go (decodes restart) around one prefill: each one's control connection, pipe
+ * endpoint, imported region and record are freed when it dies, so the prefill's fds and memory stay
+ * flat and every new decode still moves its KV. */
+START_TEST(test_peer_deaths_leave_nothing)
+{
+    opts_t o = {"pull", PIPES[_i], NULL, 0, 0};
+    node_t p;
+    node_start(&p, "prefill", 'p', &o);
+    int fds0 = -1;
+    long rss0 = -1;
+    for (int round = 0; round < 30; round++) {
+        node_t d;
+        node_start(&d, "decode", 'd', &o);
+        bool hold = false;
+        char rid[32];
+        snprintf(rid, sizeof(rid), "req-p%d", round);
+        json_t *params = prefill_finish(&p, rid, pull_params_in(), P_BLOCKS, &hold);
+        int errors = 0;
+        pd_request_t *r = decode_load(&d, "req-d", params, D_BLOCKS);
+        ck_assert_msg(wait_finished(&d, "req-d", false, 3, &errors), "round %d: the load never ended", round);
+        ck_assert_int_eq(errors, 0);
+        ck_assert(wait_finished(&p, rid, true, 3, NULL));
+        pd_request_free(r);
+        node_stop(&d);
+        /* the prefill notices the death (its control connection closes) */
+        double end = tu_now() + 3;
+        while (metric(&p, "pd:kv_peers") != 0 && tu_now() < end) {
+            usleep(2000);
+        }
+        usleep(50 * 1000);
+        if (round == 4) {
+            fds0 = tu_count_fds();
+            rss0 = rss_kib();
+        }
+    }
+    int fds = tu_count_fds();
+    long rss = rss_kib();
+    fprintf(stderr, "%s: fds %d -> %d, rss %ld -> %ld KiB\n", PIPES[_i], fds0, fds, rss0, rss);
+    ck_assert_int_eq(fds, fds0);
+    ck_assert_msg(rss - rss0 < 8 * 1024, "RSS grew %ld KiB over 25 peer deaths", rss - rss0);
+    node_stop(&p);
+}
+END_TEST
+
 /* A request aborted before its load was handed to the control thread holds nothing; one aborted
  * while its load is queued or in flight keeps its blocks (delay free) until the load ends, and is
  * then reported in finished_recving with no load error (cancelled, not failed). */
@@ -674,6 +734,7 @@ int main(void)
     tcase_add_loop_test(tc, test_push_waits_end, 0, np);
     tcase_add_loop_test(tc, test_abort_during_load, 0, np);
     tcase_add_loop_test(tc, test_hostile_authenticated_peer, 0, np);
+    tcase_add_loop_test(tc, test_peer_deaths_leave_nothing, 0, np);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
