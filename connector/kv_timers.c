@@ -175,7 +175,8 @@ static bool peer_referenced(kv_conn_t *k, const kv_peer_t *p)
 }
 
 /* A dead peer nothing refers to any more is freed: its imported region goes back to the pipe (UCX:
- * the rkey and any mapping of the peer's memory), then its reader and record. Peers come and go for
+ * the rkey and any mapping of the peer's memory), the pipe releases its side (endpoint, sockets,
+ * record), then its reader and record go. Peers come and go for
  * weeks; their records must not pile up. */
 static void sweep_dead_peers(kv_conn_t *k)
 {
@@ -186,6 +187,9 @@ static void sweep_dead_peers(kv_conn_t *k)
         }
         if (p->remote != NULL) {
             k->pipe->ops->release_remote(k->pipe, p->remote);
+        }
+        if (p->pp != NULL) {
+            k->pipe->ops->release_peer(k->pipe, p->pp); /* its endpoint, sockets and record */
         }
         pd_ctl_reader_destroy(&p->rd);
         pd_list_del(&p->link);

@@ -915,6 +915,19 @@ static void nccl_fail_peer(pd_pipe_t *p, pd_pipe_peer_t *pe, pd_status_t st)
     pthread_mutex_unlock(&t->mu);
 }
 
+/* Its communicators were aborted at death; the tensor channel's peer (the inner tcp pipe) is given
+ * back. The nccl record itself (streams, a few hundred bytes) stays until the pipe goes: the
+ * standing descriptor receive may still name it. */
+static void nccl_release_peer(pd_pipe_t *p, pd_pipe_peer_t *pe)
+{
+    nccl_pipe_t *t = (nccl_pipe_t *)p;
+    nccl_fail_peer(p, pe, PD_ERR_PEER_GONE);
+    if (pe->inner != NULL && t->ctl->ops->release_peer != NULL) {
+        t->ctl->ops->release_peer(t->ctl, pe->inner);
+        pe->inner = NULL;
+    }
+}
+
 const pd_pipe_ops_t pd_pipe_nccl_ops = {
     .name = "nccl",
     .create = nccl_create,
@@ -934,4 +947,5 @@ const pd_pipe_ops_t pd_pipe_nccl_ops = {
     .progress = nccl_progress,
     .set_peer_error_cb = nccl_set_peer_error_cb,
     .fail_peer = nccl_fail_peer,
+    .release_peer = nccl_release_peer,
 };

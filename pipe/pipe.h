@@ -103,6 +103,11 @@ typedef struct pd_pipe_ops {
      * operation with it completes with st, later ones fail at once. Needed where the transport
      * cannot notice by itself (UCX without error handling). */
     void (*fail_peer)(pd_pipe_t *p, pd_pipe_peer_t *peer, pd_status_t st);
+    /* The caller is done with peer (dead, its remotes released): what it had pending fails as with
+     * fail_peer, its connections close, and the pipe frees its record as soon as none of its own
+     * work refers to it. The handle must not be used again. Peers come and go for weeks; without
+     * this each one's endpoint (UCX: and the mappings of its memory) stays until the pipe goes. */
+    void (*release_peer)(pd_pipe_t *p, pd_pipe_peer_t *peer);
 } pd_pipe_ops_t;
 
 /* Every backend's pipe object starts with this. */

@@ -139,7 +139,8 @@ struct pd_pipe_peer {
     bool reading; /* a thread is reading a frame from in_fd (the receiver, or progress taking acks) */
     bool in_used; /* a frame has arrived on in_fd (else it may be a previous incarnation's) */
     uint8_t session[PD_PIPE_SESSION_BYTES]; /* from connect: what its data connection's HELLO is MACed with */
-    pd_list_link_t unexpected;              /* unexpected_t, in arrival order */
+    bool released;             /* the user gave it up: the rx thread frees it once nothing uses it */
+    pd_list_link_t unexpected; /* unexpected_t, in arrival order */
     pd_list_link_t link;
 };
 
@@ -1003,12 +1004,61 @@ static bool rx_peer(tcp_pipe_t *t, pd_pipe_peer_t *peer)
 }
 
 /* The receiver thread: the data listener and every peer's incoming connection (epoll). */
+static void peer_free(pd_pipe_peer_t *pe);
+
+/* Whether a released peer is still used: by a thread (sending to it, reading from it), a socket, a
+ * queued job or a pending op. mu held. */
+static bool peer_in_use(tcp_pipe_t *t, const pd_pipe_peer_t *pe)
+{
+    if (pe->out_fd >= 0 || pe->in_fd >= 0 || pe->reading || (t->tx_busy && t->tx_peer == pe)) {
+        return true;
+    }
+    const job_t *j;
+    pd_list_for_each (j, &t->jobs, link) {
+        if (j->peer == pe) {
+            return true;
+        }
+    }
+    const op_t *o;
+    pd_list_for_each (o, &t->ops, link) {
+        if (o->peer == pe) {
+            return true;
+        }
+    }
+    return false;
+}
+
+/* Released peers nobody uses any more go, with the permissions granted to them (a later peer must
+ * not inherit them through a reused address). Called by the rx thread between two batches of epoll
+ * events, so no event it is about to handle names a freed peer. */
+static void free_released(tcp_pipe_t *t)
+{
+    pthread_mutex_lock(&t->mu);
+    pd_pipe_peer_t *pe, *tmp;
+    pd_list_for_each_safe (pe, tmp, &t->peers, link) {
+        if (!pe->released || peer_in_use(t, pe)) {
+            continue;
+        }
+        perm_t *pm, *pt;
+        pd_list_for_each_safe (pm, pt, &t->perms, link) {
+            if (pm->peer == pe) {
+                pd_list_del(&pm->link);
+                free(pm);
+            }
+        }
+        pd_list_del(&pe->link);
+        peer_free(pe);
+    }
+    pthread_mutex_unlock(&t->mu);
+}
+
 static void *rx_main(void *arg)
 {
     tcp_pipe_t *t = arg;
     struct epoll_event evs[32];
     double poll_until = 0; /* busy_poll_us after the last request served: poll instead of sleeping */
     for (;;) {
+        free_released(t);
         int n = epoll_wait(t->epfd, evs, 32, poll_until > 0 && pd_time_now_s() < poll_until ? 0 : 1000);
         pthread_mutex_lock(&t->mu);
         bool stop = t->stop;
@@ -1662,6 +1712,20 @@ static void tcp_fail_peer(pd_pipe_t *p, pd_pipe_peer_t *peer, pd_status_t st)
     pthread_mutex_unlock(&t->mu);
 }
 
+static void tcp_release_peer(pd_pipe_t *p, pd_pipe_peer_t *peer)
+{
+    tcp_pipe_t *t = (tcp_pipe_t *)p;
+    pthread_mutex_lock(&t->mu);
+    mark_dead(t, peer, PD_ERR_PEER_GONE);
+    peer->released = true;
+    pthread_mutex_unlock(&t->mu);
+    if (t->wake_fd >= 0) { /* the rx thread frees it between two batches of events */
+        uint64_t one = 1;
+        ssize_t w = write(t->wake_fd, &one, sizeof(one));
+        (void)w;
+    }
+}
+
 const pd_pipe_ops_t pd_pipe_tcp_ops = {
     .name = "tcp",
     .create = tcp_create,
@@ -1682,4 +1746,5 @@ const pd_pipe_ops_t pd_pipe_tcp_ops = {
     .wait_fd = tcp_wait_fd,
     .set_peer_error_cb = tcp_set_peer_error_cb,
     .fail_peer = tcp_fail_peer,
+    .release_peer = tcp_release_peer,
 };

@@ -45,6 +45,7 @@ struct pd_pipe_peer {
     uint16_t hash16; /* this peer's tag prefix */
     ucp_ep_h ep;
     bool dead;
+    bool released;       /* the user gave it up: freed once no op or copy refers to it */
     pd_list_link_t link; /* on ucx_pipe_t.peers */
 };
 
@@ -179,6 +180,27 @@ static void queue_completion(ucx_pipe_t *u, pd_pipe_completion_t c)
     pd_pipe_cq_push(&u->cq, &c);
 }
 
+/* Frees peer if the user released it and no op or copy job refers to it any more (mu held). */
+static void free_if_released(ucx_pipe_t *u, pd_pipe_peer_t *peer)
+{
+    if (peer == NULL || !peer->released) {
+        return;
+    }
+    op_t *o;
+    pd_list_for_each (o, &u->ops, link) {
+        if (o->peer == peer) {
+            return;
+        }
+    }
+    for (copy_job_t *j = u->cj_head; j != NULL; j = j->link) {
+        if (j->peer == peer) {
+            return;
+        }
+    }
+    pd_list_del(&peer->link);
+    free(peer);
+}
+
 static void op_report(ucx_pipe_t *u, op_t *o, pd_status_t st)
 {
     if (o->reported) {
@@ -203,8 +225,10 @@ static void op_step(ucx_pipe_t *u, op_t *o, ucs_status_t s)
     }
     op_report(u, o, o->st);
     pd_list_del(&o->link);
+    pd_pipe_peer_t *peer = o->peer;
     free(o->hdr_msg);
     free(o);
+    free_if_released(u, peer);
 }
 
 /* The posting function keeps one reference on its op until it has finished posting, so a
@@ -327,8 +351,10 @@ static void copy_job_end(ucx_pipe_t *u, copy_job_t *prev, copy_job_t *j, pd_stat
     }
     pd_pipe_completion_t c = {j->cb, NULL, NULL, NULL, j->arg, st, 0, 0, 0, NULL};
     queue_completion(u, c);
+    pd_pipe_peer_t *peer = j->peer;
     free(j->pages);
     free(j);
+    free_if_released(u, peer);
 }
 
 /* Copies up to UCX_COPY_SLICE bytes of the queued direct copies, oldest first; a job whose last
@@ -1032,6 +1058,17 @@ static void ucx_fail_peer(pd_pipe_t *p, pd_pipe_peer_t *peer, pd_status_t st)
     pthread_mutex_unlock(&u->mu);
 }
 
+static void ucx_release_peer(pd_pipe_t *p, pd_pipe_peer_t *peer)
+{
+    ucx_pipe_t *u = (ucx_pipe_t *)p;
+    ucx_fail_peer(p, peer, PD_ERR_PEER_GONE);
+    ep_close(u, peer); /* forced (dead): UCX cancels what is outstanding, the callbacks run */
+    pthread_mutex_lock(&u->mu);
+    peer->released = true;
+    free_if_released(u, peer);
+    pthread_mutex_unlock(&u->mu);
+}
+
 const pd_pipe_ops_t pd_pipe_ucx_ops = {
     .name = "ucx",
     .create = ucx_create,
@@ -1051,4 +1088,5 @@ const pd_pipe_ops_t pd_pipe_ucx_ops = {
     .progress = ucx_progress,
     .set_peer_error_cb = ucx_set_peer_error_cb,
     .fail_peer = ucx_fail_peer,
+    .release_peer = ucx_release_peer,
 };

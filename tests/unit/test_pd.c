@@ -11,6 +11,7 @@
 
 #include <arpa/inet.h>
 #include <check.h>
+#include <dirent.h>
 #include <jansson.h>
 #include <netinet/in.h>
 #include <pthread.h>
@@ -899,6 +900,104 @@ START_TEST(test_prefill_killed_under_load)
 }
 END_TEST
 
+/* A process's resident memory in KiB (-1 when unreadable). */
+static long rss_kib_of(pid_t pid)
+{
+    char path[64], line[256];
+    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+    FILE *f = fopen(path, "r");
+    long v = -1;
+    while (f != NULL && fgets(line, sizeof(line), f) != NULL) {
+        if (strncmp(line, "VmRSS:", 6) == 0) {
+            v = atol(line + 6);
+        }
+    }
+    if (f != NULL) {
+        fclose(f);
+    }
+    return v;
+}
+
+/* Prompt i by hand, no proxy: the prefill's answer's kv_transfer_params go to the decode, whose
+ * answer must equal pd-serve's. */
+static void pd_by_hand(int pport, int dport, int i)
+{
+    char *b = body_for(i, false);
+    json_t *j = json_loads(b, 0, NULL);
+    free(b);
+    json_object_set_new(j, "max_tokens", json_integer(1));
+    json_object_set_new(j, "kv_transfer_params", json_pack("{s:b}", "do_remote_decode", 1));
+    char *body = json_dumps(j, JSON_COMPACT);
+    http_resp_t r;
+    ck_assert_int_eq(
+        http_request(pport, "POST", "/v1/completions", "Content-Type: application/json\r\n", body, &r, 60000),
+        0);
+    ck_assert_int_eq(r.status, 200);
+    json_t *pr = json_loads(r.body, 0, NULL);
+    http_resp_free(&r);
+    free(body);
+    json_t *ktp = json_object_get(pr, "kv_transfer_params");
+    ck_assert_ptr_nonnull(ktp);
+    json_object_set_new(j, "max_tokens", json_integer(MAX_TOKENS));
+    json_object_set(j, "kv_transfer_params", ktp);
+    body = json_dumps(j, JSON_COMPACT);
+    int st;
+    char *got = complete(dport, body, &st);
+    ck_assert_msg(got != NULL && strcmp(got, g_ref[0][i]) == 0, "prompt %d by hand: HTTP %d", i, st);
+    free(got), free(body);
+    json_decref(pr), json_decref(j);
+}
+
+/* Decodes that die (SIGKILL) and come back leave nothing behind on the prefill: each death used to
+ * keep the dead decode's whole KV region mapped through its UCX rkey (+235 MiB per death with 256M
+ * of KV), and every pipe kept the dead peer's endpoint and record. Prefill RSS and fds stay flat
+ * over three deaths, and every new decode still moves its KV. */
+START_TEST(test_decode_deaths_release_prefill_memory)
+{
+    static const char *pipes[] = {"ucx", "tcp"};
+    for (int pi = 0; pi < 2; pi++) {
+        char *common[] = {"--kv-transfer-mode", "pull", "--kv-pipe", (char *)pipes[pi], FAST_TIMEOUTS, NULL};
+        cluster_t c;
+        memset(&c, 0, sizeof(c));
+        start(&c.p, "pd-prefill", "prefill", g_model, common);
+        long rss0 = -1;
+        int fds0 = -1;
+        for (int round = 0; round < 4; round++) {
+            start(&c.d, "pd-decode", "decode", g_model, common);
+            pd_by_hand(c.p.port, c.d.port, 20 + round);
+            kill(c.d.pid, SIGKILL);
+            waitpid(c.d.pid, NULL, 0);
+            c.d.pid = -1;
+            for (double end = tu_now() + 5; metric(c.p.port, "pd:kv_peers") != 0 && tu_now() < end;) {
+                usleep(50 * 1000);
+            }
+            usleep(300 * 1000); /* the dead peer's records are swept on the next ticks */
+            char dir[64];
+            snprintf(dir, sizeof(dir), "/proc/%d/fd", (int)c.p.pid);
+            int fds = 0;
+            DIR *dd = opendir(dir);
+            for (struct dirent *e; dd != NULL && (e = readdir(dd)) != NULL;) {
+                fds += e->d_name[0] != '.';
+            }
+            if (dd != NULL) {
+                closedir(dd);
+            }
+            long rss = rss_kib_of(c.p.pid);
+            if (round == 0) {
+                rss0 = rss, fds0 = fds;
+            } else {
+                ck_assert_msg(fds == fds0, "%s: the prefill has %d fds after %d decode deaths, %d after one",
+                              pipes[pi], fds, round + 1, fds0);
+                ck_assert_msg(rss - rss0 < 32 * 1024, "%s: the prefill grew %ld KiB over %d decode deaths",
+                              pipes[pi], rss - rss0, round);
+            }
+        }
+        assert_pool_free(c.p.port, "the prefill");
+        cluster_stop(&c);
+    }
+}
+END_TEST
+
 START_TEST(test_decode_killed_holding_reservation)
 {
     cluster_t c;
@@ -1158,6 +1257,7 @@ int main(void)
     tcase_add_test(faults, test_stalled_prefill_reconnects);
     tcase_add_test(faults, test_prefill_killed_under_load);
     tcase_add_test(faults, test_decode_killed_holding_reservation);
+    tcase_add_test(faults, test_decode_deaths_release_prefill_memory);
     TCase *hostile = tcase_create("hostile");
     tcase_add_test(hostile, test_wrong_token_and_other_model_recompute);
     tcase_add_test(hostile, test_silent_kv_connections_harmless);
