@@ -102,7 +102,7 @@ void pd_hmac_sha256(const void *key, size_t key_len, const void *msg, size_t msg
     uint8_t k[64] = {0}, pad[64], inner[32];
     if (key_len > 64) {
         pd_sha256(key, key_len, k);
-    } else {
+    } else if (key_len > 0) { /* an empty key may be NULL */
         memcpy(k, key, key_len);
     }
     pd_sha256_t s;

@@ -83,7 +83,9 @@ static bool poll_build(kv_conn_t *k, ctl_poll_t *cp, int pipe_fd)
         return false;
     }
     struct pollfd *pf = cp->pf;
-    pf[0] = (struct pollfd){k->listen_fd, POLLIN, 0};
+    /* out of fds: the listener sits out until accept_resume (the loop wakes at least every 50 ms) */
+    bool paused = k->accept_resume > 0 && pd_time_now_s() < k->accept_resume;
+    pf[0] = (struct pollfd){paused ? -1 : k->listen_fd, POLLIN, 0};
     pf[1] = (struct pollfd){k->wake_fd, POLLIN, 0};
     pf[2] = (struct pollfd){pipe_fd, POLLIN, 0}; /* ignored by poll when -1 */
     size_t i = 3;

@@ -273,6 +273,7 @@ typedef struct kv_conn {
     pd_list_link_t peers;      /* kv_peer_t, under mu */
     pd_list_link_t handshakes; /* kv_hs_t, ctl thread only: accepted, not yet authenticated (oldest first) */
     int num_handshakes;
+    double accept_resume, accept_logged; /* ctl thread only: out of fds, accepts paused until then */
     pd_list_link_t dials; /* kv_dial_t, ctl thread only, under mu: dialled, not yet authenticated */
 
     pthread_mutex_t mu;

@@ -424,6 +424,17 @@ void kv_accept_peer(kv_conn_t *k)
 {
     int fd = accept4(k->listen_fd, NULL, NULL, SOCK_CLOEXEC);
     if (fd < 0) {
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+            /* the listener stays readable: leave it out of the poll set for a while (poll_build)
+             * instead of spinning on the error */
+            if (pd_time_now_s() - k->accept_logged > 10) { /* once per episode */
+                pd_log_warn("kv connector: cannot accept a control connection (%s); pausing accepts for "
+                            "100 ms at a time",
+                            strerror(errno));
+                k->accept_logged = pd_time_now_s();
+            }
+            k->accept_resume = pd_time_now_s() + 0.1;
+        }
         return;
     }
     int one = 1;

@@ -187,6 +187,8 @@ typedef struct tcp_pipe {
     pd_pipe_cq_t cq;
     pd_list_link_t pending; /* pending_in_t, rx thread only (and tcp_destroy after it stopped) */
     bool recheck;           /* a peer appeared (connect): waiting pending connections look again */
+    double accept_resume;   /* rx thread: out of fds, the listener is out of the epoll set until then */
+    double accept_logged;   /* rx thread: when that was last logged */
     int num_pending;
     pd_pipe_peer_error_cb peer_cb;
     void *peer_cb_arg;
@@ -799,6 +801,19 @@ static void rx_accept(tcp_pipe_t *t)
 {
     int fd = accept4(t->listen_fd, NULL, NULL, SOCK_CLOEXEC);
     if (fd < 0) {
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+            /* the connection stays queued and the listener readable: stop polling it for a while
+             * instead of spinning on the error */
+            if (pd_time_now_s() - t->accept_logged > 10) { /* once per episode, not 10 lines a second */
+                pd_log_warn("tcp pipe: cannot accept a data connection (%s); pausing accepts for 100 ms at a "
+                            "time",
+                            strerror(errno));
+                t->accept_logged = pd_time_now_s();
+            }
+            struct epoll_event ev = {0, {.ptr = NULL}};
+            epoll_ctl(t->epfd, EPOLL_CTL_MOD, t->listen_fd, &ev);
+            t->accept_resume = pd_time_now_s() + 0.1;
+        }
         return;
     }
     tune_socket(fd);
@@ -1059,7 +1074,18 @@ static void *rx_main(void *arg)
     double poll_until = 0; /* busy_poll_us after the last request served: poll instead of sleeping */
     for (;;) {
         free_released(t);
-        int n = epoll_wait(t->epfd, evs, 32, poll_until > 0 && pd_time_now_s() < poll_until ? 0 : 1000);
+        int wait_ms = poll_until > 0 && pd_time_now_s() < poll_until ? 0 : 1000;
+        if (t->accept_resume > 0) { /* accepts paused (out of fds): resume them on time */
+            double left = t->accept_resume - pd_time_now_s();
+            if (left <= 0) {
+                struct epoll_event ev = {EPOLLIN, {.ptr = NULL}};
+                epoll_ctl(t->epfd, EPOLL_CTL_MOD, t->listen_fd, &ev);
+                t->accept_resume = 0;
+            } else if (wait_ms > (int)(left * 1000) + 1) {
+                wait_ms = (int)(left * 1000) + 1;
+            }
+        }
+        int n = epoll_wait(t->epfd, evs, 32, wait_ms);
         pthread_mutex_lock(&t->mu);
         bool stop = t->stop;
         pthread_mutex_unlock(&t->mu);

@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -813,6 +814,61 @@ static void run_impostor_data_connections(void)
     pair_close(&P);
 }
 
+/* tcp: out of file descriptors, the data listener backs off instead of spinning on EMFILE (a
+ * readable listener whose accept fails used to burn a core), and accepts again once fds are free:
+ * a child process holds 64 connections to b's data port while this process may open no more fds. */
+static void run_emfile_backoff(void)
+{
+    if (strcmp(BACKENDS[g_b].kind, "tcp") != 0 || BACKENDS[g_b].busy_poll_us > 0) {
+        return;
+    }
+    pair_t P;
+    pair_open(&P, true);
+    int port = 0;
+    uint64_t id = 0;
+    tcp_addr(P.b, &port, &id);
+    struct rlimit old;
+    ck_assert_int_eq(getrlimit(RLIMIT_NOFILE, &old), 0);
+    struct rlimit low = {(rlim_t)tu_count_fds(), old.rlim_max};
+    int go[2];
+    ck_assert_int_eq(pipe(go), 0);
+    pid_t child = fork();
+    if (child == 0) {
+        char c;
+        if (read(go[0], &c, 1) != 1) {
+            _exit(1);
+        }
+        int fds[64];
+        for (int i = 0; i < 64; i++) {
+            fds[i] = http_connect(port, 1000);
+        }
+        usleep(1500 * 1000);
+        for (int i = 0; i < 64; i++) {
+            close(fds[i]);
+        }
+        _exit(0);
+    }
+    ck_assert_int_gt(child, 0);
+    ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
+    ck_assert_int_eq(write(go[1], "g", 1), 1);
+    usleep(300 * 1000); /* the connections are queued; accept fails */
+    double cpu = process_cpu_over(0.5);
+    ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &old), 0);
+    waitpid(child, NULL, 0);
+    close(go[0]), close(go[1]);
+    ck_assert_msg(cpu < 0.15, "%.2f s of CPU in 0.5 s while out of fds: the receiver spins on EMFILE", cpu);
+    /* fds are back: the pair still moves pages */
+    fill(P.ra->base, 1 << 20, 8);
+    counter_t c = {0, 0, PD_OK};
+    pd_page_xfer_t pg = {0, 0, 65536};
+    ck_assert_int_eq(pd_pipe_write_pages(P.a, P.ab, P.ra, P.b_at_a, &pg, 1, on_done, &c), PD_OK);
+    pd_pipe_t *both[2] = {P.a, P.b};
+    wait_for(&c, 1, both, 2, 5);
+    ck_assert_int_eq(c.errors, 0);
+    ck_assert_int_eq(memcmp(P.ra->base, P.rb->base, 65536), 0);
+    pair_close(&P);
+}
+
 /* tcp: a peer declared dead keeps no socket: 20 rounds of connect, write, fail on both sides leave
  * the process's fd count where it was (each round used to leave 4 behind). */
 static void run_dead_peers_release_fds(void)
@@ -889,6 +945,7 @@ CONFORMANCE(close_during_transfer)
 CONFORMANCE(peer_killed)
 CONFORMANCE(silent_data_connections)
 CONFORMANCE(impostor_data_connections)
+CONFORMANCE(emfile_backoff)
 CONFORMANCE(dead_peers_release_fds)
 
 static int cmp_local_ref(const void *a, const void *b)
@@ -972,6 +1029,7 @@ int main(void)
     tcase_add_loop_test(tc, test_peer_killed, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_silent_data_connections, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_impostor_data_connections, 0, NUM_BACKENDS);
+    tcase_add_loop_test(tc, test_emfile_backoff, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_dead_peers_release_fds, 0, NUM_BACKENDS);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
