@@ -13,7 +13,7 @@ CMAKE_FLAGS ?=
 CTEST_ARGS ?=
 FORMAT_FILES = $(shell git ls-files --cached --others --exclude-standard '*.c' '*.h' '*.cu' 2>/dev/null)
 
-.PHONY: all deps build check test demo format format-check bench clean
+.PHONY: all deps build check test demo format format-check bench fuzz clean
 
 all: build
 
@@ -45,6 +45,11 @@ format-check:
 
 bench: build
 	tools/run-bench.sh $(BUILD_DIR)
+
+# libFuzzer search over every tests/fuzz target, FUZZ_SECONDS each (their corpora replay in `make check`)
+FUZZ_SECONDS ?= 60
+fuzz: deps
+	tools/run-fuzz.sh $(FUZZ_SECONDS)
 
 # deps + build, then 1 prefill + 1 decode + proxy on loopback under pd-bench load (~30 s)
 demo: deps

@@ -72,7 +72,7 @@ void *pd_arena_calloc(pd_arena_t *arena, size_t n, size_t size)
 
 char *pd_arena_strndup(pd_arena_t *arena, const char *s, size_t n)
 {
-    size_t len = n == (size_t)-1 ? strlen(s) : strnlen(s, n);
+    size_t len = n == (size_t)-1 ? strlen(s) : n; /* exactly n: s may hold NUL bytes (its length is kept) */
     char *p = pd_arena_alloc(arena, len + 1, 1);
     if (p != NULL) {
         memcpy(p, s, len);

@@ -22,7 +22,8 @@ void *pd_arena_alloc(pd_arena_t *arena, size_t size, size_t align);
 /* Like pd_arena_alloc, zero-filled. */
 void *pd_arena_calloc(pd_arena_t *arena, size_t n, size_t size);
 
-/* Copies a NUL-terminated string (or its first n bytes, n != (size_t)-1) into the arena. */
+/* Copies a NUL-terminated string (n == (size_t)-1), or exactly the n bytes at s (NUL bytes included:
+ * s must hold n bytes), into the arena and NUL-terminates the copy. */
 char *pd_arena_strndup(pd_arena_t *arena, const char *s, size_t n);
 
 /* Frees every allocation but keeps the first chunk for reuse. */

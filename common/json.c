@@ -121,7 +121,7 @@ pd_status_t pd_json_get_int(const json_t *root, const char *doc, const char *pat
     if (json_is_real(v)) {
         /* HF configs sometimes write 1e-05 style values for ints; accept integral reals only */
         double d = json_real_value(v);
-        if (d != (double)(int64_t)d) {
+        if (!(d >= -9.2e18 && d <= 9.2e18) || d != (double)(int64_t)d) { /* range first: the cast is UB */
             return json_wrong(doc, path, "integer", v);
         }
         *out = (int64_t)d;

@@ -88,6 +88,9 @@ void pd_ctl_reader_destroy(pd_ctl_reader_t *r)
 
 pd_status_t pd_ctl_reader_feed(pd_ctl_reader_t *r, const void *data, size_t n)
 {
+    if (n == 0) {
+        return PD_OK; /* (an empty reader has no buffer yet) */
+    }
     if (r->len + n > r->max_frame + PD_CTL_HEADER + 65536) {
         pd_log_warn("control: %zu unparsed bytes buffered; refusing more", r->len + n);
         return PD_ERR_NO_SPACE;
@@ -261,9 +264,13 @@ static void proof(const pd_ctl_identity_t *me, const char *label, const uint8_t 
     memcpy(msg, label, k);
     l1 = l1 > 64 ? 64 : l1;
     l2 = l2 > 64 ? 64 : l2;
-    memcpy(msg + k, n1, l1);
+    if (l1 > 0) { /* a peer's empty nonce arrives as NULL */
+        memcpy(msg + k, n1, l1);
+    }
     k += l1;
-    memcpy(msg + k, n2, l2);
+    if (l2 > 0) {
+        memcpy(msg + k, n2, l2);
+    }
     k += l2;
     pd_hmac_sha256(me->token, me->token_len, msg, k, out);
 }

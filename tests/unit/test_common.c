@@ -82,6 +82,8 @@ START_TEST(test_arena)
     memset(big, 1, 10000);
     char *s = pd_arena_strndup(&a, "hello world", 5);
     ck_assert_str_eq(s, "hello");
+    char *z3 = pd_arena_strndup(&a, "a\0b\0c", 5); /* exactly n bytes, NULs included (fuzz_template) */
+    ck_assert_int_eq(memcmp(z3, "a\0b\0c", 6), 0);
     ck_assert_ptr_null(pd_arena_alloc(&a, 8, 3)); /* align must be a power of two */
     int *z = pd_arena_calloc(&a, 100, sizeof(int));
     for (int i = 0; i < 100; i++) {
