@@ -19,6 +19,7 @@
 #include <sys/random.h>
 #include <time.h>
 
+#include "common/api_fields.h"
 #include "common/hash.h"
 #include "common/http_reply.h"
 #include "common/log.h"
@@ -398,6 +399,16 @@ static void handle_completions(proxy_t *px, struct evhttp_request *req, const ch
         /* refused before any node holds KV for it: both score the prompt */
         reply_error(req, 400, "BadRequestError",
                     "'prompt_logprobs' is not supported through the P/D proxy yet (send it to pd-serve)");
+        json_decref(body);
+        return;
+    }
+    pd_http_error_t verr;
+    if (!pd_api_check_rewritten_fields(body, strstr(path, "chat") != NULL, &verr)) {
+        /* the fields rewritten for the prefill are checked here, as the nodes check them: a prefill
+         * never computes (and holds) KV for a request its decode would refuse */
+        json_t *ej = pd_http_error_json(&verr);
+        reply_json(req, verr.status, ej);
+        json_decref(ej);
         json_decref(body);
         return;
     }

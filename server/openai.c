@@ -2,7 +2,6 @@
 #include "server/openai.h"
 
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,23 +10,9 @@
 #include "model/generation_config.h"
 #include "server/chat.h"
 
-bool pd_http_error_set(pd_http_error_t *err, int status, const char *type, const char *param, const char *fmt,
-                       ...)
-{
-    err->status = status;
-    err->type = type;
-    err->param = param;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err->message, sizeof(err->message), fmt, ap);
-    va_end(ap);
-    return false;
-}
-
 json_t *pd_openai_error_json(const pd_http_error_t *err)
 {
-    return json_pack("{s:{s:s, s:s, s:s?, s:i}}", "error", "message", err->message, "type", err->type,
-                     "param", err->param, "code", err->status);
+    return pd_http_error_json(err);
 }
 
 /* Maximum nesting of objects/arrays, skipping strings (jansson's own limit is 2048). */
@@ -51,64 +36,6 @@ static int json_depth(const char *s, size_t len)
         }
     }
     return max;
-}
-
-static bool want_type(pd_http_error_t *err, const char *field, json_t *v, int ok, const char *what)
-{
-    if (ok) {
-        return true;
-    }
-    return pd_http_error_set(err, 400, "BadRequestError", field, "'%s' must be %s, got %s", field, what,
-                             pd_json_type_name(v));
-}
-
-static bool get_num(json_t *root, const char *f, double lo, double hi, double *out, pd_http_error_t *err)
-{
-    json_t *v = json_object_get(root, f);
-    if (v == NULL || json_is_null(v)) {
-        return true;
-    }
-    if (!want_type(err, f, v, json_is_number(v), "a number")) {
-        return false;
-    }
-    double d = json_number_value(v);
-    if (!(d >= lo && d <= hi)) {
-        return pd_http_error_set(err, 400, "BadRequestError", f, "'%s' must be in [%g, %g], got %g", f, lo,
-                                 hi, d);
-    }
-    *out = d;
-    return true;
-}
-
-static bool get_int(json_t *root, const char *f, int64_t lo, int64_t hi, int64_t *out, pd_http_error_t *err)
-{
-    json_t *v = json_object_get(root, f);
-    if (v == NULL || json_is_null(v)) {
-        return true;
-    }
-    if (!want_type(err, f, v, json_is_integer(v), "an integer")) {
-        return false;
-    }
-    int64_t x = json_integer_value(v);
-    if (x < lo || x > hi) {
-        return pd_http_error_set(err, 400, "BadRequestError", f, "'%s' must be in [%lld, %lld], got %lld", f,
-                                 (long long)lo, (long long)hi, (long long)x);
-    }
-    *out = x;
-    return true;
-}
-
-static bool get_bool(json_t *root, const char *f, bool *out, pd_http_error_t *err)
-{
-    json_t *v = json_object_get(root, f);
-    if (v == NULL || json_is_null(v)) {
-        return true;
-    }
-    if (!want_type(err, f, v, json_is_boolean(v), "a boolean")) {
-        return false;
-    }
-    *out = json_is_true(v);
-    return true;
 }
 
 /* Appends a prompt (ids taken over) to out. */
@@ -369,7 +296,7 @@ static json_t *parse_root(const char *body, size_t len, const pd_openai_limits_t
     json_t *model = json_object_get(root, "model");
     if (model != NULL && !json_is_null(model)) {
         if (!json_is_string(model)) {
-            want_type(err, "model", model, 0, "a string");
+            pd_api_want_type(err, "model", model, 0, "a string");
             json_decref(root);
             return NULL;
         }
@@ -411,7 +338,7 @@ static bool parse_logit_bias(json_t *lb, const pd_openai_limits_t *lim, pd_reque
                                      lim->vocab_size);
         }
         if (!json_is_number(v)) {
-            return want_type(err, "logit_bias", v, 0, "an object of numbers");
+            return pd_api_want_type(err, "logit_bias", v, 0, "an object of numbers");
         }
         double b = json_number_value(v);
         b = b < -100 ? -100 : b > 100 ? 100 : b;
@@ -430,7 +357,7 @@ static bool parse_bad_words(json_t *bw, const pd_tokenizer_t *tok, pd_request_pa
         return true;
     }
     if (!json_is_array(bw)) {
-        return want_type(err, "bad_words", bw, 0, "a list of strings");
+        return pd_api_want_type(err, "bad_words", bw, 0, "a list of strings");
     }
     int32_t used = 0;
     size_t i;
@@ -491,7 +418,7 @@ static bool parse_bad_words(json_t *bw, const pd_tokenizer_t *tok, pd_request_pa
 static bool get_skip_special(json_t *root, pd_request_params_t *p, pd_http_error_t *err)
 {
     bool skip = true;
-    if (!get_bool(root, "skip_special_tokens", &skip, err)) {
+    if (!pd_api_get_bool(root, "skip_special_tokens", &skip, err)) {
         return false;
     }
     p->keep_special_tokens = !skip;
@@ -511,12 +438,12 @@ static bool parse_processors(json_t *root, const pd_tokenizer_t *tok, const pd_o
         min_p = g->min_p;
     }
     int64_t min_tokens = 0;
-    if (!get_num(root, "presence_penalty", -2, 2, &pres, err) ||
-        !get_num(root, "frequency_penalty", -2, 2, &freq, err) ||
-        !get_num(root, "repetition_penalty", 1e-6, 1e6, &rep, err) ||
-        !get_num(root, "min_p", 0, 1, &min_p, err) ||
-        !get_int(root, "min_tokens", 0, INT32_MAX, &min_tokens, err) ||
-        !get_bool(root, "include_stop_str_in_output", &p->include_stop_str_in_output, err) ||
+    if (!pd_api_get_num(root, "presence_penalty", -2, 2, &pres, err) ||
+        !pd_api_get_num(root, "frequency_penalty", -2, 2, &freq, err) ||
+        !pd_api_get_num(root, "repetition_penalty", 1e-6, 1e6, &rep, err) ||
+        !pd_api_get_num(root, "min_p", 0, 1, &min_p, err) ||
+        !pd_api_get_int(root, "min_tokens", 0, INT32_MAX, &min_tokens, err) ||
+        !pd_api_get_bool(root, "include_stop_str_in_output", &p->include_stop_str_in_output, err) ||
         !get_skip_special(root, p, err) ||
         !parse_logit_bias(json_object_get(root, "logit_bias"), lim, p, err) ||
         !parse_bad_words(json_object_get(root, "bad_words"), tok, p, err)) {
@@ -545,24 +472,25 @@ static bool parse_params(json_t *root, bool chat, const pd_tokenizer_t *tok, con
     }
     json_t *seed = json_object_get(root, "seed");
     pd_request_params_t *p = &out->params;
-    if (!refuse_unimplemented(root, chat, err) || !parse_processors(root, tok, lim, p, err) ||
-        !get_int(root, "n", 1, 1000, &n, err) ||
-        !get_int(root, "max_tokens", 1, INT32_MAX, max_tokens, err) ||
-        (chat && !get_int(root, "max_completion_tokens", 1, INT32_MAX, max_tokens, err)) ||
-        !get_int(root, "top_k", -1, INT32_MAX, &top_k, err) ||
-        !get_num(root, "temperature", 0, 2, &temperature, err) ||
-        !get_num(root, "top_p", 1e-9, 1, &top_p, err) || !get_bool(root, "stream", &out->stream, err) ||
-        !get_bool(root, "ignore_eos", &p->ignore_eos, err) ||
-        !get_bool(root, "return_token_ids", &out->return_token_ids, err)) {
+    if (!refuse_unimplemented(root, chat, err) || !pd_api_check_rewritten_fields(root, chat, err) ||
+        !parse_processors(root, tok, lim, p, err) || !pd_api_get_int(root, "n", 1, 1000, &n, err) ||
+        !pd_api_get_int(root, "max_tokens", 1, INT32_MAX, max_tokens, err) ||
+        (chat && !pd_api_get_int(root, "max_completion_tokens", 1, INT32_MAX, max_tokens, err)) ||
+        !pd_api_get_int(root, "top_k", -1, INT32_MAX, &top_k, err) ||
+        !pd_api_get_num(root, "temperature", 0, 2, &temperature, err) ||
+        !pd_api_get_num(root, "top_p", 1e-9, 1, &top_p, err) ||
+        !pd_api_get_bool(root, "stream", &out->stream, err) ||
+        !pd_api_get_bool(root, "ignore_eos", &p->ignore_eos, err) ||
+        !pd_api_get_bool(root, "return_token_ids", &out->return_token_ids, err)) {
         return false;
     }
     if (seed != NULL && !json_is_null(seed) &&
-        !want_type(err, "seed", seed, json_is_integer(seed), "an integer")) {
+        !pd_api_want_type(err, "seed", seed, json_is_integer(seed), "an integer")) {
         return false;
     }
     if (chat) {
-        if (!get_bool(root, "logprobs", &want_lp, err) ||
-            !get_int(root, "top_logprobs", 0, 20, &top_logprobs, err)) {
+        if (!pd_api_get_bool(root, "logprobs", &want_lp, err) ||
+            !pd_api_get_int(root, "top_logprobs", 0, 20, &top_logprobs, err)) {
             return false;
         }
         if (top_logprobs > 0 && !want_lp) {
@@ -570,7 +498,8 @@ static bool parse_params(json_t *root, bool chat, const pd_tokenizer_t *tok, con
                                      "'top_logprobs' needs 'logprobs' set to true");
         }
         logprobs = want_lp ? top_logprobs : -1;
-    } else if (!get_int(root, "logprobs", 0, 20, &logprobs, err) || !get_bool(root, "echo", &echo, err)) {
+    } else if (!pd_api_get_int(root, "logprobs", 0, 20, &logprobs, err) ||
+               !pd_api_get_bool(root, "echo", &echo, err)) {
         return false;
     }
     if (n > 1 && temperature < 1e-5) {
@@ -614,9 +543,9 @@ static bool parse_params(json_t *root, bool chat, const pd_tokenizer_t *tok, con
     json_t *so = json_object_get(root, "stream_options");
     if (so != NULL && !json_is_null(so)) {
         if (!json_is_object(so)) {
-            return want_type(err, "stream_options", so, 0, "an object");
+            return pd_api_want_type(err, "stream_options", so, 0, "an object");
         }
-        if (!get_bool(so, "include_usage", &out->include_usage, err)) {
+        if (!pd_api_get_bool(so, "include_usage", &out->include_usage, err)) {
             return false;
         }
     }
@@ -632,7 +561,7 @@ static bool parse_params(json_t *root, bool chat, const pd_tokenizer_t *tok, con
         json_array_foreach(sti, i, v)
         {
             if (!json_is_integer(v)) {
-                return want_type(err, "stop_token_ids", v, 0, "a list of integers");
+                return pd_api_want_type(err, "stop_token_ids", v, 0, "a list of integers");
             }
             p->stop_token_ids[p->num_stop_token_ids++] = (int32_t)json_integer_value(v);
         }
@@ -643,7 +572,7 @@ static bool parse_params(json_t *root, bool chat, const pd_tokenizer_t *tok, con
     json_t *ktp = json_object_get(root, "kv_transfer_params");
     if (ktp != NULL && !json_is_null(ktp)) {
         if (!json_is_object(ktp)) {
-            return want_type(err, "kv_transfer_params", ktp, 0, "an object");
+            return pd_api_want_type(err, "kv_transfer_params", ktp, 0, "an object");
         }
         out->kv_transfer_params = json_incref(ktp);
     }
@@ -732,8 +661,8 @@ bool pd_openai_parse_chat(const char *body, size_t len, const pd_tokenizer_t *to
     char *prompt = NULL;
     size_t plen = 0;
     bool ok = parse_params(root, true, tok, lim, &max_tokens, out, err) &&
-              get_bool(root, "add_generation_prompt", &cr.add_generation_prompt, err) &&
-              get_bool(root, "continue_final_message", &cr.continue_final_message, err);
+              pd_api_get_bool(root, "add_generation_prompt", &cr.add_generation_prompt, err) &&
+              pd_api_get_bool(root, "continue_final_message", &cr.continue_final_message, err);
     if (ok && cr.messages == NULL) {
         ok = pd_http_error_set(err, 400, "BadRequestError", "messages", "'messages' is required");
     }

@@ -8,17 +8,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/api_fields.h" /* pd_http_error_t */
 #include "common/json.h"
 #include "engine/engine.h"
 #include "model/tokenizer.h"
-
-/* An error as the client sees it: HTTP status + {"error": {message, type, param, code}}. */
-typedef struct pd_http_error {
-    int status;
-    char message[512];
-    const char *type;  /* "BadRequestError", "NotFoundError", ... */
-    const char *param; /* offending field or NULL */
-} pd_http_error_t;
 
 #define PD_MAX_PROMPTS 64  /* prompts of one batched completion request */
 #define PD_MAX_CHOICES 128 /* prompts x n */
@@ -76,9 +69,5 @@ void pd_completion_req_free(pd_completion_req_t *r);
 
 /* {"error": {...}} for err (caller decrefs). */
 json_t *pd_openai_error_json(const pd_http_error_t *err);
-
-/* Fills err and returns false (shorthand for validation paths). */
-bool pd_http_error_set(pd_http_error_t *err, int status, const char *type, const char *param, const char *fmt,
-                       ...) __attribute__((format(printf, 5, 6)));
 
 #endif

@@ -442,11 +442,13 @@ START_TEST(test_nccl_with_host_kv_refused)
 }
 END_TEST
 
-/* A request the decode refuses after the prefill computed its KV ("max_tokens": "5": the proxy
- * sends the prefill max_tokens 1) is answered 400, and the proxy has the prefill free that KV at once
- * (POST /pd/release) instead of at --kv-hold-timeout (120 s here): after 10 of them both pools are
- * free within assert_pool_free's 15 s. Pull over tcp (10 leases granted: the KV was really held)
- * and push over ucx. */
+/* A request the decode refuses after the prefill computed its KV ("max_tokens": 100000, past the
+ * decode's context: the proxy sends the prefill max_tokens 1 and knows no context length) is
+ * answered 400, and the proxy has the prefill free that KV at once (POST /pd/release) instead of at
+ * --kv-hold-timeout (120 s here): after 10 of them both pools are free within assert_pool_free's
+ * 15 s. Fields the proxy rewrites for the prefill ("max_tokens": "5", "logprobs": 100, "stream":
+ * "yes", min_tokens above max_tokens) are refused by the proxy itself, naming the field, before any
+ * prefill computes. Pull over tcp (10 leases granted: the KV was really held) and push over ucx. */
 START_TEST(test_refused_decode_releases_prefill)
 {
     static const char *const modes[2][2] = {{"pull", "tcp"}, {"push", "ucx"}};
@@ -457,7 +459,7 @@ START_TEST(test_refused_decode_releases_prefill)
             char *b = body_for(i, false);
             json_t *j = json_loads(b, 0, NULL);
             free(b);
-            json_object_set_new(j, "max_tokens", json_string("5"));
+            json_object_set_new(j, "max_tokens", json_integer(100000));
             char *body = json_dumps(j, JSON_COMPACT);
             json_decref(j);
             int st;
@@ -467,6 +469,27 @@ START_TEST(test_refused_decode_releases_prefill)
                           modes[m][0], st);
         }
         if (m == 0) {
+            ck_assert_int_eq((int)metric(c.p.port, "pd:kv_leases_granted_total"), 10);
+        }
+        static const char *bad[][2] = {
+            {"max_tokens", "\"5\""}, {"logprobs", "100"}, {"stream", "\"yes\""}, {"min_tokens", "9"}};
+        for (size_t k = 0; k < sizeof(bad) / sizeof(bad[0]); k++) {
+            char *b = body_for(k, false);
+            json_t *j = json_loads(b, 0, NULL);
+            free(b);
+            json_object_set_new(j, bad[k][0], json_loads(bad[k][1], JSON_DECODE_ANY, NULL));
+            char *body = json_dumps(j, JSON_COMPACT);
+            json_decref(j);
+            http_resp_t r;
+            ck_assert_int_eq(http_request(c.x.port, "POST", "/v1/completions",
+                                          "Content-Type: application/json\r\n", body, &r, 10000),
+                             0);
+            free(body);
+            ck_assert_msg(r.status == 400 && strstr(r.body, bad[k][0]) != NULL, "%s: HTTP %d %.200s",
+                          bad[k][0], r.status, r.body);
+            http_resp_free(&r);
+        }
+        if (m == 0) { /* none of those reached the prefill */
             ck_assert_int_eq((int)metric(c.p.port, "pd:kv_leases_granted_total"), 10);
         }
         assert_pool_free(c.p.port, "the prefill");

@@ -1,0 +1,41 @@
+/* common/api_fields.h — OpenAI-API request fields as both the nodes (server/openai.c) and pd-proxy
+ * check them: the client-facing error, typed field getters with vLLM's ranges, and the fields the
+ * proxy rewrites before it sends a request to a prefill. */
+#ifndef PD_COMMON_API_FIELDS_H
+#define PD_COMMON_API_FIELDS_H
+
+#include <jansson.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+/* An error as the client sees it: HTTP status + {"error": {message, type, param, code}}. */
+typedef struct pd_http_error {
+    int status;
+    char message[512];
+    const char *type;  /* "BadRequestError", "NotFoundError", ... */
+    const char *param; /* offending field or NULL */
+} pd_http_error_t;
+
+/* Fills err (printf-style message) and returns false, so a check can `return pd_http_error_set(...)`. */
+bool pd_http_error_set(pd_http_error_t *err, int status, const char *type, const char *param, const char *fmt,
+                       ...) __attribute__((format(printf, 5, 6)));
+
+/* {"error": {"message", "type", "param", "code"}} (the caller owns it). */
+json_t *pd_http_error_json(const pd_http_error_t *err);
+
+/* root[f] when present and not null: a number in [lo, hi] / an integer in [lo, hi] / a boolean into
+ * *out (left alone when absent or null). False with err naming the field otherwise. */
+bool pd_api_get_num(json_t *root, const char *f, double lo, double hi, double *out, pd_http_error_t *err);
+bool pd_api_get_int(json_t *root, const char *f, int64_t lo, int64_t hi, int64_t *out, pd_http_error_t *err);
+bool pd_api_get_bool(json_t *root, const char *f, bool *out, pd_http_error_t *err);
+/* "'field' must be <what>, got <type>" unless ok. */
+bool pd_api_want_type(pd_http_error_t *err, const char *field, json_t *v, int ok, const char *what);
+
+/* The fields pd-proxy rewrites before it sends a request to a prefill — max_tokens,
+ * max_completion_tokens (chat), stream, stream_options, logprobs, top_logprobs (chat), min_tokens,
+ * n — checked as the nodes check them (the nodes run this function too). A client error in one of
+ * them is then answered by the proxy before any prefill computes KV that the decode would refuse,
+ * and holds for nothing. */
+bool pd_api_check_rewritten_fields(json_t *root, bool chat, pd_http_error_t *err);
+
+#endif
