@@ -183,11 +183,18 @@ def live(deps, secrets, bindir):
                     sys.stdout.write(r.stderr.decode()[-2000:])
                 check(r.returncode == 0, "pd-%s init container %s ran" % (role, ic["name"]))
             c = spec["containers"][0]
-            args = rewrite(c["args"], tmp, token_path, dict(ports, self=ports[role]), env)
-            log = open(os.path.join(tmp, role + ".log"), "w")
-            p = subprocess.Popen([os.path.join(bindir, c["command"][0])] + args, stdout=log, stderr=log)
+            for attempt in range(3):
+                args = rewrite(c["args"], tmp, token_path, dict(ports, self=ports[role]), env)
+                log = open(os.path.join(tmp, role + ".log"), "w")
+                p = subprocess.Popen([os.path.join(bindir, c["command"][0])] + args, stdout=log, stderr=log)
+                ok = wait_ready(ports[role], p)
+                with open(os.path.join(tmp, role + ".log")) as f:
+                    lost = not ok and p.poll() is not None and "cannot listen" in f.read()
+                if not lost:
+                    break
+                # free_port() only found a free port; another process took it while this one loaded
+                ports[role] = free_port()
             procs.append((role, p))
-            ok = wait_ready(ports[role], p)
             if not ok:
                 with open(os.path.join(tmp, role + ".log")) as f:
                     sys.stdout.write(f.read()[-3000:])
