@@ -13,7 +13,7 @@ CMAKE_FLAGS ?=
 CTEST_ARGS ?=
 FORMAT_FILES = $(shell git ls-files --cached --others --exclude-standard '*.c' '*.h' '*.cu' 2>/dev/null)
 
-.PHONY: all deps build check test demo format format-check bench fuzz clean
+.PHONY: all deps build check test demo format format-check bench faults fuzz clean
 
 all: build
 
@@ -45,6 +45,10 @@ format-check:
 
 bench: build
 	tools/run-bench.sh $(BUILD_DIR)
+
+# every fault × transfer mode × pipe under load (tests/faults/run_faults.py; a short subset is in `make check`)
+faults: build
+	python3 tests/faults/run_faults.py $(BUILD_DIR)/bin $(FAULTS_ARGS)
 
 # libFuzzer search over every tests/fuzz target, FUZZ_SECONDS each (their corpora replay in `make check`)
 FUZZ_SECONDS ?= 60

@@ -1,0 +1,299 @@
+#!/usr/bin/python3
+"""tests/faults/run_faults.py BIN_DIR [--short] [--seed N] [--seconds S] [--modes pull:tcp,push:ucx,...]
+
+`make faults` (long form) and CTest `faults_short` (--short): whole P/D clusters on loopback — two
+prefills, two decodes and pd-proxy per transfer mode × pipe — under closed-loop load with unique
+prompts (so KV really moves), while faults are injected at seeded random moments:
+
+  kill-prefill / kill-decode / kill-proxy   SIGKILL, then a restart on the same HTTP port
+  stop-prefill / stop-decode                SIGSTOP past the heartbeat timeout, then SIGCONT
+
+Every 200 answer is compared token for token with pd-serve's answer for the same prompt (greedy).
+Outcomes per request: ok, wrong (200 but different tokens), clean failure (an HTTP error or a reset
+connection), hung (no answer within 60 s). After the load drains: each live node's blocks in use
+(pd:kv_blocks_used), fds, RSS and threads, compared with the same node after warm-up.
+
+Prints a table fault × mode × pipe → outcomes and the leak figures. Exit 0 only when there are no
+wrong and no hung answers, every pool is free after drain (leases nobody reads end at the 5 s hold
+timeout used here), and every process that was not restarted keeps its fds within 4, its private
+RSS (RssAnon) within 64 MiB and its thread count at the warm-up figures (shared memory grows as
+UCX peers' mapped KV pages get touched: reported, not judged). Every process started is stopped.
+"""
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+
+MODEL_NAME = "m"
+MAX_TOKENS = 6
+# a lease nobody will read (its decode failed while the prefill was unreachable) ends at the hold
+# timeout: 5 s here, so "free after drain" means nothing is pinned beyond it
+FAST = ["--kv-heartbeat-interval", "0.2", "--kv-heartbeat-misses", "5", "--kv-handshake-timeout", "2",
+        "--kv-load-timeout", "10", "--kv-hold-timeout", "5"]  # KV prefaulted: its pages count from the start
+
+
+def http(port, path, body=None, timeout=60.0):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request("http://127.0.0.1:%d%s" % (port, path), data=data,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.status, r.read()
+
+
+def metric(port, name):
+    try:
+        text = http(port, "/metrics", timeout=5)[1].decode()
+    except Exception:
+        return None
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+class Node:
+    """One server process with a fixed HTTP port once it has one (restarts reuse it)."""
+
+    def __init__(self, tmp, tag, argv):
+        self.tmp, self.tag, self.argv, self.port, self.proc = tmp, tag, argv, 0, None
+
+    def start(self):
+        pf = os.path.join(self.tmp, self.tag + ".port")
+        if os.path.exists(pf):
+            os.unlink(pf)
+        log = open(os.path.join(self.tmp, self.tag + ".log"), "a")
+        self.proc = subprocess.Popen(self.argv + ["--port", str(self.port), "--port-file", pf], stdout=log,
+                                     stderr=log)
+        end = time.time() + 120
+        while time.time() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError("%s exited while starting (see %s.log)" % (self.tag, self.tag))
+            if os.path.exists(pf) and open(pf).read().strip():
+                self.port = int(open(pf).read())
+                break
+            time.sleep(0.05)
+        else:
+            raise RuntimeError("%s did not start" % self.tag)
+        while time.time() < end:  # healthy
+            try:
+                if http(self.port, "/health", timeout=2)[0] == 200:
+                    return
+            except Exception:
+                pass
+            time.sleep(0.05)
+
+    def kill(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self):
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.kill(self.proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def figures(self):
+        pid = self.proc.pid
+        fds = len(os.listdir("/proc/%d/fd" % pid))
+        status = open("/proc/%d/status" % pid).read()
+        field = lambda k: int([l for l in status.splitlines() if l.startswith(k + ":")][0].split()[1])
+        # private memory is what leaks; shared memory grows as peers' mapped KV pages get touched (ucx)
+        return {"pid": pid, "fds": fds, "rss_anon_kib": field("RssAnon"), "rss_shmem_kib": field("RssShmem"),
+                "threads": field("Threads")}
+
+
+class Cluster:
+    def __init__(self, bindir, tmp, model, mode, pipe):
+        common = ["--model", model, "--served-model-name", MODEL_NAME, "--kv-cache-memory", "256M", "--threads",
+                  "1", "--max-model-len", "512", "--max-num-batched-tokens", "64", "--kv-transfer-mode", mode,
+                  "--kv-pipe", pipe] + FAST
+        tag = "%s-%s" % (mode, pipe)
+        self.prefills = [Node(tmp, "%s-prefill%d" % (tag, i), [os.path.join(bindir, "pd-prefill")] + common)
+                         for i in range(2)]
+        self.decodes = [Node(tmp, "%s-decode%d" % (tag, i), [os.path.join(bindir, "pd-decode")] + common)
+                        for i in range(2)]
+        for n in self.prefills + self.decodes:
+            n.start()
+        urls = lambda ns: ",".join("http://127.0.0.1:%d" % n.port for n in ns)
+        self.proxy = Node(tmp, tag + "-proxy", [os.path.join(bindir, "pd-proxy"), "--prefill", urls(self.prefills),
+                                                "--decode", urls(self.decodes), "--health-interval", "0.2"])
+        self.proxy.start()
+        time.sleep(0.8)  # the proxy's first probe round
+
+    def nodes(self):
+        return self.prefills + self.decodes
+
+    def stop(self):
+        for n in [self.proxy] + self.decodes + self.prefills:
+            n.stop()
+
+
+class Load:
+    """Closed-loop clients with unique prompts; every answer checked against pd-serve's."""
+
+    def __init__(self, proxy_port, serve_port, seed, clients=3):
+        self.proxy_port, self.serve_port = proxy_port, serve_port
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.counts = {"ok": 0, "wrong": 0, "clean failure": 0, "hung": 0}
+        self.stopping = False
+        self.threads = [threading.Thread(target=self.run, args=(i,)) for i in range(clients)]
+
+    def prompt(self):
+        with self.lock:
+            n = self.rng.randint(5, 120)
+            return [self.rng.randint(3, 250) for _ in range(n)]
+
+    def run(self, i):
+        while not self.stopping:
+            ids = self.prompt()
+            body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": MAX_TOKENS, "return_token_ids": True,
+                    "ignore_eos": True, "temperature": 0}
+            try:
+                ref = json.loads(http(self.serve_port, "/v1/completions", body)[1])["choices"][0]["token_ids"]
+            except Exception:
+                continue  # the reference server is never faulted; retry with another prompt
+            t0 = time.time()
+            outcome = "clean failure"
+            try:
+                st, out = http(self.proxy_port, "/v1/completions", body, timeout=60)
+                got = json.loads(out)["choices"][0]["token_ids"]
+                outcome = "ok" if got == ref else "wrong"
+            except urllib.error.HTTPError:
+                outcome = "clean failure"
+            except Exception:
+                outcome = "hung" if time.time() - t0 >= 59 else "clean failure"
+            with self.lock:
+                self.counts[outcome] += 1
+
+    def start(self):
+        for t in self.threads:
+            t.start()
+
+    def finish(self):
+        self.stopping = True
+        for t in self.threads:
+            t.join(timeout=120)
+
+
+def inject(cluster, fault, rng):
+    if fault.startswith("kill-"):
+        role = fault[5:]
+        node = cluster.proxy if role == "proxy" else rng.choice(cluster.prefills if role == "prefill"
+                                                               else cluster.decodes)
+        node.kill()
+        time.sleep(0.3)
+        node.start()
+    elif fault.startswith("stop-"):
+        node = rng.choice(cluster.prefills if fault == "stop-prefill" else cluster.decodes)
+        os.kill(node.proc.pid, signal.SIGSTOP)
+        time.sleep(1.6)  # past 5 missed heartbeats of 0.2 s
+        os.kill(node.proc.pid, signal.SIGCONT)
+
+
+def wait_free(port, secs=20):
+    end = time.time() + secs
+    used = None
+    while time.time() < end:
+        used = metric(port, "pd:kv_blocks_used")
+        live = sum(metric(port, m) or 0 for m in ("pd:num_requests_running", "pd:num_requests_waiting",
+                                                   "pd:num_requests_waiting_for_remote_kv"))
+        if used == 0 and live == 0:
+            return 0
+        time.sleep(0.1)
+    return used
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("bindir")
+    ap.add_argument("--short", action="store_true", help="the seeded subset make check runs")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--seconds", type=float, default=None, help="load per fault (default 6, short 3)")
+    ap.add_argument("--modes", default=None, help="mode:pipe list (default all four; short pull:tcp)")
+    args = ap.parse_args()
+    secs = args.seconds or (3.0 if args.short else 6.0)
+    modes = [m.split(":") for m in (args.modes or ("pull:tcp,push:ucx" if args.short else
+                                                   "pull:tcp,push:tcp,pull:ucx,push:ucx")).split(",")]
+    faults = (["kill-prefill", "stop-decode"] if args.short else
+              ["none", "kill-prefill", "kill-decode", "kill-proxy", "stop-prefill", "stop-decode"])
+    rng = random.Random(args.seed)
+    tmp = tempfile.mkdtemp(prefix="pd-faults-")
+    model = os.path.join(tmp, "model")
+    subprocess.run([os.path.join(args.bindir, "pd-mkmodel"), "--preset", "tiny", "--seed", "3", "--out", model],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    serve = Node(tmp, "serve", [os.path.join(args.bindir, "pd-serve"), "--model", model, "--served-model-name",
+                                MODEL_NAME, "--kv-cache-memory", "256M", "--threads", "1", "--max-model-len", "512"])
+    rows, failed = [], []
+    clusters = []
+    try:
+        serve.start()
+        for mode, pipe in modes:
+            c = Cluster(args.bindir, tmp, model, mode, pipe)
+            clusters.append(c)
+            warm = Load(c.proxy.port, serve.port, rng.randint(0, 1 << 30))
+            warm.start()
+            time.sleep(1.5)
+            warm.finish()
+            base = {n.tag: n.figures() for n in c.nodes()}
+            for fault in faults:
+                load = Load(c.proxy.port, serve.port, rng.randint(0, 1 << 30))
+                load.start()
+                time.sleep(rng.uniform(0.3, secs / 2))
+                if fault != "none":
+                    inject(c, fault, rng)
+                time.sleep(secs / 2)
+                load.finish()
+                rows.append((fault, mode, pipe, dict(load.counts)))
+                if load.counts["wrong"] or load.counts["hung"]:
+                    failed.append("%s %s/%s: %d wrong, %d hung" % (fault, mode, pipe, load.counts["wrong"],
+                                                                  load.counts["hung"]))
+                time.sleep(1.0)  # restarted nodes rejoin the proxy's pools
+            for n in c.nodes():
+                used = wait_free(n.port)
+                if used != 0:
+                    failed.append("%s: %s blocks still used after drain" % (n.tag, used))
+                f = n.figures()
+                b = base.get(n.tag)
+                restarted = b is None or n.proc.pid != b["pid"]  # a restarted process has no baseline
+                rows.append(("after drain", mode, pipe, {"node": n.tag, **f}))
+                if not restarted:
+                    if f["fds"] > b["fds"] + 4:
+                        failed.append("%s: fds %d -> %d" % (n.tag, b["fds"], f["fds"]))
+                    if f["rss_anon_kib"] > b["rss_anon_kib"] + 64 * 1024:
+                        failed.append("%s: private RSS %d -> %d KiB" % (n.tag, b["rss_anon_kib"], f["rss_anon_kib"]))
+                    if f["threads"] > b["threads"]:
+                        failed.append("%s: threads %d -> %d" % (n.tag, b["threads"], f["threads"]))
+            c.stop()
+    finally:
+        for c in clusters:
+            c.stop()
+        serve.stop()
+    print("%-14s %-5s %-4s %s" % ("fault", "mode", "pipe", "outcome"))
+    for fault, mode, pipe, res in rows:
+        print("%-14s %-5s %-4s %s" % (fault, mode, pipe, " ".join("%s=%s" % kv for kv in res.items())))
+    for f in failed:
+        print("FAIL  " + f)
+    print("faults: %d failed (logs in %s)" % (len(failed), tmp))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
