@@ -493,11 +493,8 @@ static bool parse_params(json_t *root, bool chat, const pd_tokenizer_t *tok, con
             !pd_api_get_int(root, "top_logprobs", 0, 20, &top_logprobs, err)) {
             return false;
         }
-        if (top_logprobs > 0 && !want_lp) {
-            return pd_http_error_set(err, 400, "BadRequestError", "top_logprobs",
-                                     "'top_logprobs' needs 'logprobs' set to true");
-        }
-        logprobs = want_lp ? top_logprobs : -1;
+        logprobs =
+            want_lp ? top_logprobs : -1; /* top_logprobs without logprobs: pd_api_check_rewritten_fields */
     } else if (!pd_api_get_int(root, "logprobs", 0, 20, &logprobs, err) ||
                !pd_api_get_bool(root, "echo", &echo, err)) {
         return false;

@@ -672,16 +672,6 @@ START_TEST(test_peer_deaths_leave_nothing)
 }
 END_TEST
 
-/* Seconds of CPU this process uses while the calling thread sleeps for wall_s. */
-static double process_cpu_over(double wall_s)
-{
-    struct timespec c0, c1;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c0);
-    usleep((useconds_t)(wall_s * 1e6));
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c1);
-    return (double)(c1.tv_sec - c0.tv_sec) + (double)(c1.tv_nsec - c0.tv_nsec) * 1e-9;
-}
-
 /* Out of file descriptors, the control listener backs off instead of spinning on EMFILE (a child
  * process holds 64 connections to it while this process may open no more fds), and once fds are
  * back a decode connects and loads as usual. */
@@ -690,36 +680,7 @@ START_TEST(test_control_listener_emfile_backoff)
     opts_t o = {"pull", PIPES[_i], NULL, 0, 0};
     node_t p;
     node_start(&p, "prefill", 'p', &o);
-    int port = pd_kv_connector_port(p.c);
-    struct rlimit old;
-    ck_assert_int_eq(getrlimit(RLIMIT_NOFILE, &old), 0);
-    struct rlimit low = {(rlim_t)tu_count_fds(), old.rlim_max};
-    int go[2];
-    ck_assert_int_eq(pipe(go), 0);
-    pid_t child = fork();
-    if (child == 0) {
-        char c;
-        if (read(go[0], &c, 1) != 1) {
-            _exit(1);
-        }
-        int fds[64];
-        for (int i = 0; i < 64; i++) {
-            fds[i] = http_connect(port, 1000);
-        }
-        usleep(1500 * 1000);
-        for (int i = 0; i < 64; i++) {
-            close(fds[i]);
-        }
-        _exit(0);
-    }
-    ck_assert_int_gt(child, 0);
-    ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
-    ck_assert_int_eq(write(go[1], "g", 1), 1);
-    usleep(300 * 1000);
-    double cpu = process_cpu_over(0.5);
-    ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &old), 0);
-    waitpid(child, NULL, 0);
-    close(go[0]), close(go[1]);
+    double cpu = tu_cpu_while_out_of_fds(pd_kv_connector_port(p.c));
     ck_assert_msg(cpu < 0.15, "%.2f s of CPU in 0.5 s while out of fds: the control thread spins", cpu);
     node_t d;
     node_start(&d, "decode", 'd', &o);

@@ -431,15 +431,6 @@ static void run_wait_fd(void)
 /* A peer declared dead (the heartbeat's fail_peer) leaves nothing spinning: the pipes' threads use
  * well under a core while idle afterwards (a receiver polling a shut-down socket used a whole one),
  * and operations to it fail at once. */
-/* Seconds of CPU this process uses while the calling thread sleeps for wall_s. */
-static double process_cpu_over(double wall_s)
-{
-    struct timespec c0, c1;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c0);
-    usleep((useconds_t)(wall_s * 1e6));
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c1);
-    return (double)(c1.tv_sec - c0.tv_sec) + (double)(c1.tv_nsec - c0.tv_nsec) * 1e-9;
-}
 
 static void run_fail_peer_idle(void)
 {
@@ -451,7 +442,7 @@ static void run_fail_peer_idle(void)
     pd_pipe_t *both[2] = {P.a, P.b};
     wait_for(&c, 1, both, 2, 30);
     /* idle after traffic: no thread keeps polling (a tcp receiver's busy-poll window ends) */
-    double cpu = process_cpu_over(0.5);
+    double cpu = tu_process_cpu_over(0.5);
     if (cpu > 0.15) {
         ck_abort_msg("%.2f s of CPU in 0.5 s idle after a transfer: a thread is spinning", cpu);
     }
@@ -459,7 +450,7 @@ static void run_fail_peer_idle(void)
     P.b->ops->fail_peer(P.b, P.ba, PD_ERR_PEER_GONE);
     pd_pipe_progress(P.a);
     pd_pipe_progress(P.b);
-    cpu = process_cpu_over(1.0);
+    cpu = tu_process_cpu_over(1.0);
     if (cpu > 0.3) {
         ck_abort_msg("%.2f s of CPU in 1 s idle after fail_peer: a thread is spinning", cpu);
     }
@@ -827,35 +818,7 @@ static void run_emfile_backoff(void)
     int port = 0;
     uint64_t id = 0;
     tcp_addr(P.b, &port, &id);
-    struct rlimit old;
-    ck_assert_int_eq(getrlimit(RLIMIT_NOFILE, &old), 0);
-    struct rlimit low = {(rlim_t)tu_count_fds(), old.rlim_max};
-    int go[2];
-    ck_assert_int_eq(pipe(go), 0);
-    pid_t child = fork();
-    if (child == 0) {
-        char c;
-        if (read(go[0], &c, 1) != 1) {
-            _exit(1);
-        }
-        int fds[64];
-        for (int i = 0; i < 64; i++) {
-            fds[i] = http_connect(port, 1000);
-        }
-        usleep(1500 * 1000);
-        for (int i = 0; i < 64; i++) {
-            close(fds[i]);
-        }
-        _exit(0);
-    }
-    ck_assert_int_gt(child, 0);
-    ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
-    ck_assert_int_eq(write(go[1], "g", 1), 1);
-    usleep(300 * 1000); /* the connections are queued; accept fails */
-    double cpu = process_cpu_over(0.5);
-    ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &old), 0);
-    waitpid(child, NULL, 0);
-    close(go[0]), close(go[1]);
+    double cpu = tu_cpu_while_out_of_fds(port);
     ck_assert_msg(cpu < 0.15, "%.2f s of CPU in 0.5 s while out of fds: the receiver spins on EMFILE", cpu);
     /* fds are back: the pair still moves pages */
     fill(P.ra->base, 1 << 20, 8);

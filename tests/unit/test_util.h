@@ -182,8 +182,12 @@ static inline int tu_write_file(const char *path, const void *data, size_t len)
 #endif
 
 /* ------------------------------------------------------------------ processes */
+#include <arpa/inet.h>
 #include <dirent.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 
@@ -215,6 +219,66 @@ static inline int tu_count_fds(void)
         closedir(d);
     }
     return n - (d != NULL); /* opendir's own */
+}
+
+/* Seconds of CPU this process uses while the calling thread sleeps for wall_s. */
+static inline double tu_process_cpu_over(double wall_s)
+{
+    struct timespec c0, c1;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c0);
+    usleep((useconds_t)(wall_s * 1e6));
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c1);
+    return (double)(c1.tv_sec - c0.tv_sec) + (double)(c1.tv_nsec - c0.tv_nsec) * 1e-9;
+}
+
+/* This process's CPU over 0.5 s while it is out of file descriptors and a listener of its on
+ * 127.0.0.1:port has connections waiting: a child process opens 64 connections to port (held 1.5 s)
+ * while this process's fd limit is the number it has open. A listener that spins on EMFILE burns
+ * ~0.5 s of it. The limit is restored before returning. */
+static inline double tu_cpu_while_out_of_fds(int port)
+{
+    struct rlimit old;
+    if (getrlimit(RLIMIT_NOFILE, &old) != 0) {
+        return -1;
+    }
+    struct rlimit low = {(rlim_t)tu_count_fds(), old.rlim_max};
+    int go[2];
+    if (pipe(go) != 0) {
+        return -1;
+    }
+    pid_t child = fork();
+    if (child == 0) {
+        char c;
+        if (read(go[0], &c, 1) != 1) {
+            _exit(1);
+        }
+        struct sockaddr_in a;
+        memset(&a, 0, sizeof(a));
+        a.sin_family = AF_INET;
+        a.sin_port = htons((uint16_t)port);
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        for (int i = 0; i < 64; i++) {
+            int fd = socket(AF_INET, SOCK_STREAM, 0);
+            if (fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+                close(fd);
+            }
+        }
+        usleep(1500 * 1000);
+        _exit(0); /* the connections close with the process */
+    }
+    double cpu = -1;
+    if (child > 0 && setrlimit(RLIMIT_NOFILE, &low) == 0) {
+        ssize_t w = write(go[1], "g", 1);
+        (void)w;
+        usleep(300 * 1000); /* the connections are queued; accept fails */
+        cpu = tu_process_cpu_over(0.5);
+    }
+    setrlimit(RLIMIT_NOFILE, &old);
+    if (child > 0) {
+        waitpid(child, NULL, 0);
+    }
+    close(go[0]), close(go[1]);
+    return cpu;
 }
 
 static inline double tu_now(void)
