@@ -38,15 +38,6 @@
 #define TCP_HELLO_TIMEOUT_S 5  /* an accepted connection must send its HELLO within this */
 #define TCP_MAX_PENDING     64 /* accepted connections still without a HELLO; the oldest is dropped */
 
-/* An accepted data connection whose HELLO has not arrived (rx thread only). Its epoll data is
- * the struct's address with bit 0 set, which tells it from a peer. */
-typedef struct pending_in {
-    int fd;
-    double deadline;
-    bool waiting;        /* its HELLO is in, for a peer this side has not connected to yet */
-    pd_list_link_t link; /* on tcp_pipe_t.pending, oldest first */
-} pending_in_t;
-
 /* A HELLO (op_id: the dialer's pipe id) is followed by a nonce and
  * HMAC-SHA256(session, "pd-data" | dialer id | acceptor id | nonce): only a peer that completed the
  * control handshake with this node (and so holds the session secret) gets its connection read. */
@@ -66,6 +57,19 @@ typedef struct hdr {
     uint32_t pad2;
     uint64_t len; /* data bytes that follow */
 } hdr_t;
+
+/* An accepted data connection whose HELLO has not arrived (rx thread only). Its epoll data is
+ * the struct's address with bit 0 set, which tells it from a peer. The HELLO's bytes are taken off
+ * the socket as they come (so a partial one does not keep the socket readable, and a close after
+ * it is seen at once). */
+typedef struct pending_in {
+    int fd;
+    double deadline;
+    bool waiting;                                  /* its HELLO is in, for a peer not connected to yet */
+    uint8_t hello[sizeof(hdr_t) + TCP_HELLO_AUTH]; /* header, nonce, MAC */
+    size_t got;                                    /* bytes of hello received */
+    pd_list_link_t link;                           /* on tcp_pipe_t.pending, oldest first */
+} pending_in_t;
 
 typedef struct desc {
     uint64_t off;

@@ -333,22 +333,29 @@ static void pending_wait(tcp_pipe_t *t, pending_in_t *c)
     epoll_ctl(t->epfd, EPOLL_CTL_MOD, c->fd, &ev);
 }
 
-/* The HELLO buffered on c (header + authentication, peeked) is usable: the magic, a peer this side
- * connected to, and a MAC under that peer's session. 1 yes (*h filled), 0 not yet (more bytes, or
- * the peer unknown so far: c waits), -1 drop it. */
+/* c's HELLO (header + authentication, read into c->hello as it arrives) is usable: the magic, a
+ * peer this side connected to, and a MAC under that peer's session. 1 yes (*h filled), 0 not yet
+ * (more bytes to come, or the peer unknown so far: c waits), -1 drop it (garbled, unauthenticated,
+ * or closed first). */
 static int hello_check(tcp_pipe_t *t, pending_in_t *c, hdr_t *h)
 {
-    uint8_t buf[sizeof(hdr_t) + TCP_HELLO_AUTH];
-    ssize_t k = recv(c->fd, buf, sizeof(buf), MSG_PEEK | MSG_DONTWAIT);
-    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-        return 0;
+    while (c->got < sizeof(c->hello)) {
+        ssize_t k = recv(c->fd, c->hello + c->got, sizeof(c->hello) - c->got, MSG_DONTWAIT);
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+            return 0; /* the rest of the HELLO is on its way */
+        }
+        if (k <= 0) {
+            return -1; /* closed (or failed) before the HELLO was complete */
+        }
+        c->got += (size_t)k;
+        memcpy(h, c->hello, c->got < sizeof(*h) ? c->got : sizeof(*h));
+        if (c->got >= sizeof(h->magic) && h->magic != TCP_MAGIC) {
+            return -1; /* not our protocol: no need to wait for the rest */
+        }
     }
-    if (k > 0 && k < (ssize_t)sizeof(buf)) {
-        return 0; /* the rest of the HELLO is on its way */
-    }
+    const uint8_t *buf = c->hello;
     memcpy(h, buf, sizeof(*h));
-    if (k != (ssize_t)sizeof(buf) || h->magic != TCP_MAGIC || h->type != M_HELLO ||
-        h->len != TCP_HELLO_AUTH) {
+    if (h->magic != TCP_MAGIC || h->type != M_HELLO || h->len != TCP_HELLO_AUTH) {
         return -1;
     }
     uint8_t want[32];
@@ -402,13 +409,15 @@ static void rx_pending(tcp_pipe_t *t, pending_in_t *c)
     if (wait) {
         /* the peer's earlier, unused connection (a previous incarnation's) is being read this
          * instant (progress taking a frame, a few µs): decide which connection stays once that is
-         * over; the HELLO stays buffered, so epoll reports this connection again */
+         * over; the next loop looks again (c waits, recheck set) */
         sched_yield();
-        return;
-    }
-    uint8_t auth[TCP_HELLO_AUTH];
-    if (tcpi_read_full(c->fd, &h, sizeof(h)) != 0 || tcpi_read_full(c->fd, auth, sizeof(auth)) != 0) {
-        tcpi_pending_drop(t, c);
+        c->waiting = true;
+        pthread_mutex_lock(&t->mu);
+        t->recheck = true;
+        pthread_mutex_unlock(&t->mu);
+        uint64_t one = 1;
+        ssize_t w = write(t->wake_fd, &one, sizeof(one)); /* so the next loop does not sleep first */
+        (void)w;
         return;
     }
     int fd = c->fd;
