@@ -95,7 +95,7 @@ static void handle_event(req_t *q, const char *data, size_t len)
         q->got_done = true;
         return;
     }
-    json_t *j = json_loadb(data, len, 0, NULL);
+    json_t *j = json_loadb(data, len, JSON_ALLOW_NUL, NULL); /* a token may decode to U+0000 */
     if (j == NULL) {
         return;
     }
@@ -170,7 +170,7 @@ static void on_done(struct evhttp_request *hr, void *arg)
     } else if (hr != NULL && rec->error[0] == '\0') {
         struct evbuffer *in = evhttp_request_get_input_buffer(hr);
         size_t len = evbuffer_get_length(in);
-        json_t *j = json_loadb((const char *)evbuffer_pullup(in, (ev_ssize_t)len), len, 0, NULL);
+        json_t *j = json_loadb((const char *)evbuffer_pullup(in, (ev_ssize_t)len), len, JSON_ALLOW_NUL, NULL);
         const char *m = json_string_value(json_object_get(json_object_get(j, "error"), "message"));
         snprintf(rec->error, sizeof(rec->error), "HTTP %d: %s", q->status, m != NULL ? m : "(no message)");
         json_decref(j);

@@ -264,7 +264,7 @@ static void on_p_done(struct evhttp_request *r, void *arg)
     if (r != NULL && code == 200) {
         struct evbuffer *in = evhttp_request_get_input_buffer(r);
         size_t len = evbuffer_get_length(in);
-        resp = json_loadb((const char *)evbuffer_pullup(in, (ev_ssize_t)len), len, 0, NULL);
+        resp = json_loadb((const char *)evbuffer_pullup(in, (ev_ssize_t)len), len, JSON_ALLOW_NUL, NULL);
     }
     q->p_done = true;
     if (q->push) {
@@ -305,6 +305,11 @@ static void on_p_done(struct evhttp_request *r, void *arg)
     }
     json_t *ktp = json_object_get(resp, "kv_transfer_params");
     if (!json_is_object(ktp)) {
+        struct evbuffer *in = evhttp_request_get_input_buffer(r);
+        size_t len = evbuffer_get_length(in);
+        pd_log_warn("proxy: prefill %s answered 200 with %s (%zu bytes): %.200s", q->p->url,
+                    resp == NULL ? "a body that is not JSON" : "no kv_transfer_params", len,
+                    (const char *)evbuffer_pullup(in, (ev_ssize_t)len));
         json_decref(resp);
         fail_request(q, 502, "the prefill node returned no kv_transfer_params");
         return;
@@ -383,7 +388,7 @@ static void handle_completions(proxy_t *px, struct evhttp_request *req, const ch
         return;
     }
     json_error_t jerr;
-    json_t *body = json_loadb((const char *)evbuffer_pullup(in, (ev_ssize_t)len), len, 0, &jerr);
+    json_t *body = json_loadb((const char *)evbuffer_pullup(in, (ev_ssize_t)len), len, JSON_ALLOW_NUL, &jerr);
     if (!json_is_object(body)) {
         char msg[256];
         snprintf(msg, sizeof(msg), "the body is not a JSON object (%s)",
