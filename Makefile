@@ -13,7 +13,7 @@ CMAKE_FLAGS ?=
 CTEST_ARGS ?=
 FORMAT_FILES = $(shell git ls-files --cached --others --exclude-standard '*.c' '*.h' '*.cu' 2>/dev/null)
 
-.PHONY: all deps build check test demo format format-check bench faults fuzz clean
+.PHONY: all deps build check test demo format format-check bench faults soak fuzz clean
 
 all: build
 
@@ -49,6 +49,12 @@ bench: build
 # every fault × transfer mode × pipe under load (tests/faults/run_faults.py; a short subset is in `make check`)
 faults: build
 	python3 tests/faults/run_faults.py $(BUILD_DIR)/bin $(FAULTS_ARGS)
+
+# 1 prefill + 1 decode + proxy just under saturation for SOAK_SECONDS, hostile connections on the side
+# (tests/faults/run_soak.py; a 20 s form is in `make check`)
+SOAK_SECONDS ?= 600
+soak: build
+	python3 tests/faults/run_soak.py $(BUILD_DIR)/bin --seconds $(SOAK_SECONDS) $(SOAK_ARGS)
 
 # libFuzzer search over every tests/fuzz target, FUZZ_SECONDS each (their corpora replay in `make check`)
 FUZZ_SECONDS ?= 60

@@ -53,6 +53,10 @@ size_t pd_kv_connector_flags(pd_kv_connector_config_t *c, pd_flag_t *out, size_t
          NULL},
         {"kv-advertise-host", PD_FLAG_STR, &c->advertise_host,
          "host peers dial for this node's KV (default: the --kv-listen host)", NULL},
+        {"kv-advertise-port", PD_FLAG_INT, &c->advertise_port,
+         "port peers dial for this node's KV control (0 = the --kv-listen port; set it when a NAT, a Service "
+         "or a relay forwards another port to the listener)",
+         NULL},
         {"kv-ucx-err-mode", PD_FLAG_CHOICE, &c->ucx_err_mode,
          "ucx: none = shared-memory RMA, dead peers found by heartbeat; peer = UCX error handling (TCP RMA, "
          "slower)",
@@ -393,7 +397,7 @@ static void init_lists(kv_conn_t *k)
     pd_list_link_t *heads[] = {
         &k->sched_pending, &k->pushes,  &k->meta_build.loads, &k->peers,  &k->handshakes,
         &k->dials,         &k->xfers,   &k->handoff,          &k->leases, &k->resvs,
-        &k->jobs,          &k->notices, &k->staged_loads};
+        &k->jobs,          &k->notices, &k->staged_loads,     &k->aborts};
     for (size_t i = 0; i < sizeof(heads) / sizeof(heads[0]); i++) {
         pd_list_head_init(heads[i]);
     }
@@ -417,6 +421,10 @@ pd_status_t pd_kv_connector_create(const pd_kv_connector_config_t *cfg, pd_metri
     }
     if (cfg->tcp_busy_poll_us < 0 || cfg->tcp_busy_poll_us > 1000000) {
         pd_log_error("kv connector: --kv-tcp-busy-poll-us %d is outside [0, 1000000]", cfg->tcp_busy_poll_us);
+        return PD_ERR_INVALID_ARG;
+    }
+    if (cfg->advertise_port < 0 || cfg->advertise_port > 65535) {
+        pd_log_error("kv connector: --kv-advertise-port %d is outside [0, 65535]", cfg->advertise_port);
         return PD_ERR_INVALID_ARG;
     }
     if (strcmp(cfg->pipe, "nccl") == 0 && strcmp(cfg->staging, "always") == 0) {
@@ -572,7 +580,7 @@ json_t *pd_kv_connector_info(const pd_connector_t *c)
 {
     const kv_conn_t *k = (const kv_conn_t *)c;
     return json_pack("{s:s, s:s, s:s, s:i, s:s, s:s, s:b}", "role", k->cfg.role, "engine_id", k->engine_id,
-                     "kv_host", k->advertise_host, "kv_port", k->listen_port, "transfer_mode", k->cfg.mode,
+                     "kv_host", k->advertise_host, "kv_port", k->advertise_port, "transfer_mode", k->cfg.mode,
                      "pipe", k->cfg.pipe, "kv_staged", k->staged);
 }
 

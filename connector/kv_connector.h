@@ -41,6 +41,7 @@ typedef struct pd_kv_connector_config {
     const char *pipe;                /* ucx | tcp | nccl (--kv-pipe) */
     const char *listen;              /* HOST:PORT of the control listener (port 0 = any free) */
     const char *advertise_host;      /* host peers dial (default: the listen host) */
+    int advertise_port;              /* port peers dial (0 = the listen port: behind a NAT or a relay) */
     const char *ucx_err_mode;        /* none | peer */
     const char *cluster_token_file;  /* secret shared by the cluster (empty file or NULL = none) */
     double hold_timeout;             /* s a prefill holds blocks for a reader / a reservation */

@@ -258,6 +258,7 @@ pd_status_t kv_ctl_start(kv_conn_t *k)
     socklen_t al = sizeof(a);
     getsockname(fd, (struct sockaddr *)&a, &al);
     k->listen_port = ntohs(a.sin_port);
+    k->advertise_port = k->cfg.advertise_port > 0 ? k->cfg.advertise_port : k->listen_port;
     k->listen_fd = fd;
     k->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (k->wake_fd < 0) {
@@ -270,7 +271,7 @@ pd_status_t kv_ctl_start(kv_conn_t *k)
     }
     k->thread_started = true;
     pd_log_info("kv connector: control plane listening on %s:%d (advertised as %s:%d)", k->listen_host,
-                k->listen_port, k->advertise_host, k->listen_port);
+                k->listen_port, k->advertise_host, k->advertise_port);
     return PD_OK;
 }
 
@@ -329,6 +330,7 @@ static void free_work(kv_conn_t *k)
     while ((n = pd_list_pop_head(&k->notices, kv_notice_t, link)) != NULL) {
         free(n);
     }
+    kv_aborts_free(k);
 }
 
 void kv_ctl_stop(kv_conn_t *k)

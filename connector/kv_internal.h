@@ -131,6 +131,18 @@ struct kv_lease {
     pd_list_link_t link;
 };
 
+/* Decode: an ABORT owed to a prefill that was unreachable when the load ended (kv_aborts.c). */
+typedef struct kv_abort kv_abort_t;
+struct kv_abort {
+    char dial[128];     /* the prefill's control address */
+    char engine_id[64]; /* the engine that granted the lease ("" = whichever answers there) */
+    char req_id[PD_REQ_ID_MAX];
+    uint64_t lease_id;
+    double expires; /* the prefill's hold timeout has ended the lease by then */
+    double next_dial, backoff;
+    pd_list_link_t link; /* on kv_conn_t.aborts, oldest first */
+};
+
 /* Prefill, push: a decode's reservation (from the network; validated). */
 typedef struct kv_resv kv_resv_t;
 struct kv_resv {
@@ -231,6 +243,7 @@ typedef struct kv_conn {
     char listen_host[64];
     int listen_port;
     char advertise_host[64];
+    int advertise_port; /* 0 until the listener is bound: then --kv-advertise-port or the listen port */
     uint8_t token[256];
     size_t token_len;
     Pd__Fingerprint fp;
@@ -274,7 +287,9 @@ typedef struct kv_conn {
     pd_list_link_t handshakes; /* kv_hs_t, ctl thread only: accepted, not yet authenticated (oldest first) */
     int num_handshakes;
     double accept_resume, accept_logged; /* ctl thread only: out of fds, accepts paused until then */
-    pd_list_link_t dials; /* kv_dial_t, ctl thread only, under mu: dialled, not yet authenticated */
+    pd_list_link_t dials;  /* kv_dial_t, ctl thread only, under mu: dialled, not yet authenticated */
+    pd_list_link_t aborts; /* kv_abort_t, ctl thread only, under mu: owed to unreachable prefills */
+    int num_aborts;
 
     pthread_mutex_t mu;
     pthread_cond_t cv; /* write jobs completing (wait_for_save) */
@@ -399,5 +414,15 @@ void kv_on_message(kv_conn_t *k, kv_peer_t *p, const pd_ctl_msg_t *msg);
 
 /* kv_timers.c */
 void kv_run_timers(kv_conn_t *k);
+
+/* kv_aborts.c */
+/* Keeps x's ABORT for its prefill (x->dial, its engine) until a reconnect or the hold timeout. */
+void kv_abort_defer(kv_conn_t *k, const kv_xfer_t *x);
+/* p was just authenticated: the ABORTs owed to its address go out (or are dropped when another
+ * engine answers there). */
+void kv_aborts_deliver(kv_conn_t *k, kv_peer_t *p);
+/* Expires deferred ABORTs and redials their addresses with backoff. */
+void kv_aborts_tick(kv_conn_t *k, double now);
+void kv_aborts_free(kv_conn_t *k);
 
 #endif

@@ -384,6 +384,7 @@ void kv_dial_io(kv_conn_t *k, kv_dial_t *d)
     pd_metric_observe(k->m.handshake_s, pd_time_now_s() - d->started);
     pd_log_info("kv connector: connected to %s engine %s at %s", prefill ? "prefill" : "decode", p->engine_id,
                 d->addr);
+    kv_aborts_deliver(k, p);
     kv_parse_frames(k, p);
     pd_ctl_client_hs_destroy(&d->hs);
     free(d);

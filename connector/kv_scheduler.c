@@ -274,7 +274,7 @@ static bool finished_pull(kv_conn_t *k, pd_request_t *req, const uint32_t *block
     json_t *out = json_pack(
         "{s:b, s:b, s:s, s:o, s:s, s:i, s:s, s:I, s:I, s:i, s:s}", "do_remote_prefill", 1, "do_remote_decode",
         0, "remote_engine_id", k->engine_id, "remote_block_ids", blocks, "remote_host", k->advertise_host,
-        "remote_port", k->listen_port, "remote_request_id", req->id, "lease_id", (json_int_t)l->lease_id,
+        "remote_port", k->advertise_port, "remote_request_id", req->id, "lease_id", (json_int_t)l->lease_id,
         "lease_expires_unix_ms", (json_int_t)((double)time(NULL) * 1000 + k->cfg.hold_timeout * 1000),
         "remote_num_tokens", req->num_prompt_tokens, "transfer_mode", "pull");
     if (out == NULL) {

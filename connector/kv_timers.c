@@ -207,4 +207,5 @@ void kv_run_timers(kv_conn_t *k)
     sweep_reservations(k, now);
     sweep_done_xfers(k);
     sweep_dead_peers(k);
+    kv_aborts_tick(k, now);
 }

@@ -47,12 +47,19 @@ void kv_observe_done(kv_conn_t *k, kv_xfer_t *x)
 
 /* A pull load that ends before its READ_DONE went out (failed, timed out, or its request aborted):
  * the prefill still holds the blocks under the lease; tell it (ABORT) so it frees them now instead of
- * at --kv-hold-timeout. Needs a live control connection; without one the lease times out. */
+ * at --kv-hold-timeout. Without a live control connection the ABORT is deferred (kv_aborts.c) until
+ * one is back. */
 static void abort_lease(kv_conn_t *k, kv_xfer_t *x, const char *why)
 {
-    if (x->kind != KV_X_PULL_LOAD || (x->state != KV_XS_QUEUED && x->state != KV_XS_POSTED) ||
-        x->peer == NULL || x->peer->state == KV_PEER_DEAD) {
+    if (x->kind != KV_X_PULL_LOAD || x->state == KV_XS_DONE) {
         return;
+    }
+    if (x->peer == NULL || x->peer->state == KV_PEER_DEAD) {
+        kv_abort_defer(k, x); /* also after READ_DONE: it may have been lost with the connection */
+        return;
+    }
+    if (x->state != KV_XS_QUEUED && x->state != KV_XS_POSTED) {
+        return; /* READ_DONE went out: the prefill's answer ends the lease */
     }
     Pd__Abort a = PD__ABORT__INIT;
     a.request_id = x->remote_req;

@@ -7,6 +7,11 @@ prompts (so KV really moves), while faults are injected at seeded random moments
 
   kill-prefill / kill-decode / kill-proxy   SIGKILL, then a restart on the same HTTP port
   stop-prefill / stop-decode                SIGSTOP past the heartbeat timeout, then SIGCONT
+  reset-control                             a control connection (each prefill's is reached through a
+                                            relay) forwarded half a chunk, then reset on both sides
+  expire-lease                              the decodes stopped 0.7 s, past prefill 1's 0.4 s hold timeout
+                                            and short of the heartbeat death: its queued reads find
+                                            their leases expired (STALE) and recompute
 
 Every 200 answer is compared token for token with pd-serve's answer for the same prompt (greedy).
 Outcomes per request: ok, wrong (200 but different tokens), clean failure (an HTTP error or a reset
@@ -14,7 +19,8 @@ connection), hung (no answer within 60 s). After the load drains: each live node
 (pd:kv_blocks_used), fds, RSS and threads, compared with the same node after warm-up.
 
 Prints a table fault × mode × pipe → outcomes and the leak figures. Exit 0 only when there are no
-wrong and no hung answers, every pool is free after drain (leases nobody reads end at the 5 s hold
+wrong and no hung answers, every fault took effect (a cut was made; a lease expired or a read
+was STALE), every pool is free after drain (leases nobody reads end at the 5 s hold
 timeout used here), and every process that was not restarted keeps its fds within 4, its private
 RSS (RssAnon) within 64 MiB and its thread count at the warm-up figures (shared memory grows as
 UCX peers' mapped KV pages get touched: reported, not judged). Every process started is stopped.
@@ -30,119 +36,20 @@ import tempfile
 import threading
 import time
 import urllib.error
-import urllib.request
 
-MODEL_NAME = "m"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster import MODEL_NAME, Cluster, Node, http, metric_sum, wait_free  # noqa: E402
+
 MAX_TOKENS = 6
 # a lease nobody will read (its decode failed while the prefill was unreachable) ends at the hold
-# timeout: 5 s here, so "free after drain" means nothing is pinned beyond it
+# timeout: 5 s here, so "free after drain" means nothing is pinned beyond it; prefill 1 holds for
+# 0.4 s only, so that a decode stopped for 0.7 s finds its queued reads' leases expired
 FAST = ["--kv-heartbeat-interval", "0.2", "--kv-heartbeat-misses", "5", "--kv-handshake-timeout", "2",
-        "--kv-load-timeout", "10", "--kv-hold-timeout", "5"]  # KV prefaulted: its pages count from the start
-
-
-def http(port, path, body=None, timeout=60.0):
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request("http://127.0.0.1:%d%s" % (port, path), data=data,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return r.status, r.read()
-
-
-def metric(port, name):
-    try:
-        text = http(port, "/metrics", timeout=5)[1].decode()
-    except Exception:
-        return None
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return None
-
-
-class Node:
-    """One server process with a fixed HTTP port once it has one (restarts reuse it)."""
-
-    def __init__(self, tmp, tag, argv):
-        self.tmp, self.tag, self.argv, self.port, self.proc = tmp, tag, argv, 0, None
-
-    def start(self):
-        pf = os.path.join(self.tmp, self.tag + ".port")
-        if os.path.exists(pf):
-            os.unlink(pf)
-        log = open(os.path.join(self.tmp, self.tag + ".log"), "a")
-        self.proc = subprocess.Popen(self.argv + ["--port", str(self.port), "--port-file", pf], stdout=log,
-                                     stderr=log)
-        end = time.time() + 120
-        while time.time() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError("%s exited while starting (see %s.log)" % (self.tag, self.tag))
-            if os.path.exists(pf) and open(pf).read().strip():
-                self.port = int(open(pf).read())
-                break
-            time.sleep(0.05)
-        else:
-            raise RuntimeError("%s did not start" % self.tag)
-        while time.time() < end:  # healthy
-            try:
-                if http(self.port, "/health", timeout=2)[0] == 200:
-                    return
-            except Exception:
-                pass
-            time.sleep(0.05)
-
-    def kill(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self):
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.kill(self.proc.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def figures(self):
-        pid = self.proc.pid
-        fds = len(os.listdir("/proc/%d/fd" % pid))
-        status = open("/proc/%d/status" % pid).read()
-        field = lambda k: int([l for l in status.splitlines() if l.startswith(k + ":")][0].split()[1])
-        # private memory is what leaks; shared memory grows as peers' mapped KV pages get touched (ucx)
-        return {"pid": pid, "fds": fds, "rss_anon_kib": field("RssAnon"), "rss_shmem_kib": field("RssShmem"),
-                "threads": field("Threads")}
-
-
-class Cluster:
-    def __init__(self, bindir, tmp, model, mode, pipe):
-        common = ["--model", model, "--served-model-name", MODEL_NAME, "--kv-cache-memory", "256M", "--threads",
-                  "1", "--max-model-len", "512", "--max-num-batched-tokens", "64", "--kv-transfer-mode", mode,
-                  "--kv-pipe", pipe] + FAST
-        tag = "%s-%s" % (mode, pipe)
-        self.prefills = [Node(tmp, "%s-prefill%d" % (tag, i), [os.path.join(bindir, "pd-prefill")] + common)
-                         for i in range(2)]
-        self.decodes = [Node(tmp, "%s-decode%d" % (tag, i), [os.path.join(bindir, "pd-decode")] + common)
-                        for i in range(2)]
-        for n in self.prefills + self.decodes:
-            n.start()
-        urls = lambda ns: ",".join("http://127.0.0.1:%d" % n.port for n in ns)
-        self.proxy = Node(tmp, tag + "-proxy", [os.path.join(bindir, "pd-proxy"), "--prefill", urls(self.prefills),
-                                                "--decode", urls(self.decodes), "--health-interval", "0.2"])
-        self.proxy.start()
-        time.sleep(0.8)  # the proxy's first probe round
-
-    def nodes(self):
-        return self.prefills + self.decodes
-
-    def stop(self):
-        for n in [self.proxy] + self.decodes + self.prefills:
-            n.stop()
+        "--kv-load-timeout", "10"]  # KV prefaulted: its pages count from the start
+HOLD = [5, 0.4]
+# evidence that an expire-lease fault took effect: leases that ended unread, reads answered STALE,
+# transfers failed
+EXPIRY_SIGNS = ("pd:kv_leases_expired_total", "pd:kv_stale_reads_total", "pd:kv_transfers_failed_total")
 
 
 class Load:
@@ -193,7 +100,13 @@ class Load:
             t.join(timeout=120)
 
 
-def inject(cluster, fault, rng):
+def expiry_signs(cluster):
+    return sum(metric_sum(n.port, m) for n in cluster.nodes() for m in EXPIRY_SIGNS)
+
+
+def inject(cluster, fault, rng, spawn):
+    """Injects fault (spawn(n) starts n more clients and returns their Load); returns why it did not take
+    effect, or None."""
     if fault.startswith("kill-"):
         role = fault[5:]
         node = cluster.proxy if role == "proxy" else rng.choice(cluster.prefills if role == "prefill"
@@ -206,19 +119,30 @@ def inject(cluster, fault, rng):
         os.kill(node.proc.pid, signal.SIGSTOP)
         time.sleep(1.6)  # past 5 missed heartbeats of 0.2 s
         os.kill(node.proc.pid, signal.SIGCONT)
-
-
-def wait_free(port, secs=20):
-    end = time.time() + secs
-    used = None
-    while time.time() < end:
-        used = metric(port, "pd:kv_blocks_used")
-        live = sum(metric(port, m) or 0 for m in ("pd:num_requests_running", "pd:num_requests_waiting",
-                                                   "pd:num_requests_waiting_for_remote_kv"))
-        if used == 0 and live == 0:
-            return 0
-        time.sleep(0.1)
-    return used
+    elif fault == "reset-control":
+        relay = rng.choice(cluster.relays)
+        before = relay.cuts
+        relay.cut()  # heartbeats cross every control connection each 0.2 s
+        end = time.time() + 2
+        while relay.cuts == before and time.time() < end:
+            time.sleep(0.01)
+        if relay.cuts == before:
+            return "no control connection carried a frame to cut"
+    elif fault == "expire-lease":
+        before = expiry_signs(cluster)
+        for n in cluster.decodes:  # both: round-robin may pair one decode with one prefill only
+            os.kill(n.proc.pid, signal.SIGSTOP)
+        # new requests meanwhile: in push mode the clients' requests already hold their reservations,
+        # so only a request that reaches a prefill now waits for a reservation past the hold
+        side = spawn(2)
+        time.sleep(0.7)  # past prefill 1's 0.4 s hold, short of the 1 s heartbeat death
+        for n in cluster.decodes:
+            os.kill(n.proc.pid, signal.SIGCONT)
+        side.finish()
+        time.sleep(0.5)
+        if expiry_signs(cluster) == before:
+            return "no lease expired, no read was STALE and no transfer failed"
+    return None
 
 
 def main():
@@ -235,8 +159,9 @@ def main():
     secs = args.seconds or (3.0 if args.short else 6.0)
     modes = [m.split(":") for m in (args.modes or ("pull:tcp,push:ucx" if args.short else
                                                    "pull:tcp,push:tcp,pull:ucx,push:ucx")).split(",")]
-    faults = (["kill-prefill", "stop-decode"] if args.short else
-              ["none", "kill-prefill", "kill-decode", "kill-proxy", "stop-prefill", "stop-decode"])
+    faults = (["kill-prefill", "stop-decode", "reset-control", "expire-lease"] if args.short else
+              ["none", "kill-prefill", "kill-decode", "kill-proxy", "stop-prefill", "stop-decode", "reset-control",
+               "expire-lease"])
     rng = random.Random(args.seed)
     tmp = tempfile.mkdtemp(prefix="pd-faults-")
     model = os.path.join(tmp, "model")
@@ -249,7 +174,7 @@ def main():
     try:
         serve.start()
         for mode, pipe in modes:
-            c = Cluster(args.bindir, tmp, model, mode, pipe)
+            c = Cluster(args.bindir, tmp, model, mode, pipe, FAST, hold_timeouts=HOLD)
             clusters.append(c)
             warm = Load(c.proxy.port, serve.port, rng.randint(0, 1 << 30))
             warm.start()
@@ -260,10 +185,22 @@ def main():
                 load = Load(c.proxy.port, serve.port, rng.randint(0, 1 << 30))
                 load.start()
                 time.sleep(rng.uniform(0.3, secs / 2))
-                if fault != "none":
-                    inject(c, fault, rng)
+                sides = []
+
+                def spawn(n):
+                    sides.append(Load(c.proxy.port, serve.port, rng.randint(0, 1 << 30), clients=n))
+                    sides[-1].start()
+                    return sides[-1]
+
+                why = inject(c, fault, rng, spawn) if fault != "none" else None
+                if why is not None:
+                    failed.append("%s %s/%s did not take effect: %s" % (fault, mode, pipe, why))
                 time.sleep(secs / 2)
                 load.finish()
+                for side in sides:
+                    side.finish()
+                    for k, v in side.counts.items():
+                        load.counts[k] += v
                 rows.append((fault, mode, pipe, dict(load.counts)))
                 if load.counts["wrong"] or load.counts["hung"]:
                     failed.append("%s %s/%s: %d wrong, %d hung" % (fault, mode, pipe, load.counts["wrong"],

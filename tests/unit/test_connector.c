@@ -7,12 +7,17 @@
  * scheduler's failure policy then applies) without touching other blocks; everything is freed
  * (fd count back where it was). test_pd keeps the whole-cluster cases. */
 #define _GNU_SOURCE
+#include <arpa/inet.h>
 #include <check.h>
 #include <jansson.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -46,6 +51,7 @@ typedef struct node {
 typedef struct opts {
     const char *mode, *pipe, *token_file;
     double hold_timeout, load_timeout;
+    int advertise_port; /* 0: the listen port */
 } opts_t;
 
 static uint8_t *page(node_t *n, int layer, uint32_t block)
@@ -75,6 +81,7 @@ static void node_start(node_t *n, const char *role, char tag, const opts_t *o)
     cfg.mode = o->mode;
     cfg.pipe = o->pipe;
     cfg.cluster_token_file = o->token_file;
+    cfg.advertise_port = o->advertise_port;
     cfg.hold_timeout = o->hold_timeout > 0 ? o->hold_timeout : 30;
     cfg.load_timeout = o->load_timeout > 0 ? o->load_timeout : 5;
     cfg.handshake_timeout = 1;
@@ -259,7 +266,7 @@ static void expect_moved(node_t *p, node_t *d)
 START_TEST(test_pull_moves_the_right_pages)
 {
     int fds = tu_count_fds();
-    opts_t o = {"pull", PIPES[_i], NULL, 0, 0};
+    opts_t o = {"pull", PIPES[_i], NULL, 0, 0, 0};
     node_t p, d;
     pair_start(&p, &d, &o, NULL);
     bool hold = false;
@@ -288,7 +295,7 @@ END_TEST
 START_TEST(test_push_into_a_late_reservation)
 {
     int fds = tu_count_fds();
-    opts_t o = {"push", PIPES[_i], NULL, 0, 0};
+    opts_t o = {"push", PIPES[_i], NULL, 0, 0, 0};
     node_t p, d;
     pair_start(&p, &d, &o, NULL);
     /* the prefill finishes before the decode's reservation arrives: it keeps its blocks and writes
@@ -332,7 +339,7 @@ static double metric(node_t *n, const char *series)
 START_TEST(test_push_streams_layers)
 {
     int fds = tu_count_fds();
-    opts_t o = {"push", PIPES[_i], NULL, 0, 0};
+    opts_t o = {"push", PIPES[_i], NULL, 0, 0, 0};
     node_t p, d;
     pair_start(&p, &d, &o, NULL);
     json_t *dp =
@@ -383,8 +390,8 @@ END_TEST
  * answers the late READ_DONE with STALE; the decode reports every block as a load error. */
 START_TEST(test_expired_lease_is_stale)
 {
-    opts_t po = {"pull", PIPES[_i], NULL, 0.15, 0};
-    opts_t dop = {"pull", PIPES[_i], NULL, 0, 0};
+    opts_t po = {"pull", PIPES[_i], NULL, 0.15, 0, 0};
+    opts_t dop = {"pull", PIPES[_i], NULL, 0, 0, 0};
     node_t p, d;
     pair_start(&p, &d, &po, &dop);
     bool hold = false;
@@ -404,7 +411,7 @@ END_TEST
  * releases nothing. */
 START_TEST(test_release_frees_at_once)
 {
-    opts_t o = {"pull", PIPES[_i], NULL, 0, 0};
+    opts_t o = {"pull", PIPES[_i], NULL, 0, 0, 0};
     node_t p;
     node_start(&p, "prefill", 'p', &o);
     bool hold = false;
@@ -434,8 +441,8 @@ START_TEST(test_failed_loads_are_load_errors)
     ck_assert_int_eq(tu_write_file(tok_a, "secret-a\n", 9), 0);
     ck_assert_int_eq(tu_write_file(tok_b, "secret-b\n", 9), 0);
     for (int k = 0; k < 4; k++) {
-        opts_t po = {"pull", PIPES[_i], k == 2 ? tok_a : NULL, 0, 0};
-        opts_t dop = {"pull", PIPES[_i], k == 2 ? tok_b : NULL, 0, 0};
+        opts_t po = {"pull", PIPES[_i], k == 2 ? tok_a : NULL, 0, 0, 0};
+        opts_t dop = {"pull", PIPES[_i], k == 2 ? tok_b : NULL, 0, 0, 0};
         node_t p, d;
         pair_start(&p, &d, &po, &dop);
         bool hold = false;
@@ -484,8 +491,8 @@ END_TEST
 START_TEST(test_push_waits_end)
 {
     for (int k = 0; k < 3; k++) {
-        opts_t po = {"push", PIPES[_i], NULL, k == 0 ? 0.2 : 30, 0};
-        opts_t dop = {"push", PIPES[_i], NULL, 0, k == 1 ? 0.3 : 5};
+        opts_t po = {"push", PIPES[_i], NULL, k == 0 ? 0.2 : 30, 0, 0};
+        opts_t dop = {"push", PIPES[_i], NULL, 0, k == 1 ? 0.3 : 5, 0};
         node_t p, d;
         pair_start(&p, &d, &po, &dop);
         json_t *dp = json_pack("{s:b, s:s, s:s, s:s, s:i}", "do_remote_prefill", 1, "transfer_mode", "push",
@@ -575,7 +582,7 @@ static void rogue_close(rogue_t *r)
  * nothing: the real request's lease still holds, and the real decode then loads it intact. */
 START_TEST(test_hostile_authenticated_peer)
 {
-    opts_t o = {"pull", PIPES[_i], NULL, 0, 0};
+    opts_t o = {"pull", PIPES[_i], NULL, 0, 0, 0};
     node_t p, d;
     pair_start(&p, &d, &o, NULL);
     bool hold = false;
@@ -639,7 +646,7 @@ END_TEST
  * region: test_pd test_decode_deaths_release_prefill_memory.) */
 START_TEST(test_peer_deaths_leave_nothing)
 {
-    opts_t o = {"pull", PIPES[_i], NULL, 0, 0};
+    opts_t o = {"pull", PIPES[_i], NULL, 0, 0, 0};
     node_t p;
     node_start(&p, "prefill", 'p', &o);
     int fds0 = -1;
@@ -677,7 +684,7 @@ END_TEST
  * back a decode connects and loads as usual. */
 START_TEST(test_control_listener_emfile_backoff)
 {
-    opts_t o = {"pull", PIPES[_i], NULL, 0, 0};
+    opts_t o = {"pull", PIPES[_i], NULL, 0, 0, 0};
     node_t p;
     node_start(&p, "prefill", 'p', &o);
     double cpu = tu_cpu_while_out_of_fds(pd_kv_connector_port(p.c));
@@ -700,7 +707,7 @@ END_TEST
  * then reported in finished_recving with no load error (cancelled, not failed). */
 START_TEST(test_abort_during_load)
 {
-    opts_t o = {"pull", PIPES[_i], NULL, 0, 0};
+    opts_t o = {"pull", PIPES[_i], NULL, 0, 0, 0};
     node_t p, d;
     pair_start(&p, &d, &o, NULL);
     bool hold = false;
@@ -733,6 +740,106 @@ START_TEST(test_abort_during_load)
 }
 END_TEST
 
+/* A loopback forwarder: bound at once (so its port refuses connections), listening and relaying
+ * each connection in turn to `to` once started. */
+typedef struct fwd {
+    int lfd, to;
+    volatile bool stop;
+    pthread_t th;
+} fwd_t;
+
+static int fwd_bind(fwd_t *f, int to)
+{
+    memset(f, 0, sizeof(*f));
+    f->to = to;
+    f->lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t al = sizeof(a);
+    ck_assert_int_eq(bind(f->lfd, (struct sockaddr *)&a, sizeof(a)), 0);
+    ck_assert_int_eq(getsockname(f->lfd, (struct sockaddr *)&a, &al), 0);
+    return ntohs(a.sin_port);
+}
+
+static void *fwd_main(void *arg)
+{
+    fwd_t *f = arg;
+    while (!f->stop) {
+        struct pollfd lp = {f->lfd, POLLIN, 0};
+        if (poll(&lp, 1, 20) <= 0) {
+            continue;
+        }
+        int c = accept(f->lfd, NULL, NULL);
+        int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        struct sockaddr_in a = {.sin_family = AF_INET,
+                                .sin_port = htons((uint16_t)f->to),
+                                .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        bool up = c >= 0 && s >= 0 && connect(s, (struct sockaddr *)&a, sizeof(a)) == 0;
+        while (up && !f->stop) {
+            struct pollfd p[2] = {{c, POLLIN, 0}, {s, POLLIN, 0}};
+            if (poll(p, 2, 20) <= 0) {
+                continue;
+            }
+            for (int i = 0; i < 2 && up; i++) {
+                char buf[4096];
+                ssize_t n = (p[i].revents != 0) ? read(p[i].fd, buf, sizeof(buf)) : 1;
+                up = n > 0 && (p[i].revents == 0 || write(p[1 - i].fd, buf, (size_t)n) == n);
+            }
+        }
+        if (c >= 0) {
+            close(c);
+        }
+        if (s >= 0) {
+            close(s);
+        }
+    }
+    return NULL;
+}
+
+static void fwd_start(fwd_t *f)
+{
+    ck_assert_int_eq(listen(f->lfd, 8), 0);
+    ck_assert_int_eq(pthread_create(&f->th, NULL, fwd_main, f), 0);
+}
+
+static void fwd_stop(fwd_t *f)
+{
+    f->stop = true;
+    pthread_join(f->th, NULL);
+    close(f->lfd);
+}
+
+/* A load that failed while the prefill was unreachable (its advertised control port refused the
+ * dial) owes the prefill an ABORT: the decode keeps it, redials, and once the port answers (the
+ * forwarder starts) the ABORT frees the lease — long before the 30 s hold timeout. */
+START_TEST(test_abort_waits_for_the_reconnect)
+{
+    fwd_t f;
+    node_t p, d;
+    opts_t po = {"pull", PIPES[_i], NULL, 0, 0, 0};
+    int fport = fwd_bind(&f, 0);
+    po.advertise_port = fport;
+    opts_t dop = {"pull", PIPES[_i], NULL, 0, 0, 0};
+    pair_start(&p, &d, &po, &dop);
+    f.to = pd_kv_connector_port(p.c);
+    bool hold = false;
+    json_t *params = prefill_finish(&p, "req-p", pull_params_in(), P_BLOCKS, &hold);
+    ck_assert(hold);
+    ck_assert_int_eq((int)json_integer_value(json_object_get(params, "remote_port")), fport);
+    int errors = 0;
+    pd_request_t *r = decode_load(&d, "req-d", params, D_BLOCKS);
+    ck_assert(wait_finished(&d, "req-d", false, 3, &errors));
+    ck_assert_int_eq(errors, NEED);
+    /* nobody could tell the prefill: it still holds the lease */
+    ck_assert(!wait_finished(&p, "req-p", true, 0.3, NULL));
+    ck_assert(metric(&p, "pd:kv_leases_held") == 1);
+    fwd_start(&f);
+    ck_assert_msg(wait_finished(&p, "req-p", true, 5, NULL), "the lease was not aborted after the reconnect");
+    pd_request_free(r);
+    pair_stop(&p, &d);
+    fwd_stop(&f);
+}
+END_TEST
+
 int main(void)
 {
     pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_OFF);
@@ -748,6 +855,7 @@ int main(void)
     tcase_add_loop_test(tc, test_failed_loads_are_load_errors, 0, np);
     tcase_add_loop_test(tc, test_push_waits_end, 0, np);
     tcase_add_loop_test(tc, test_abort_during_load, 0, np);
+    tcase_add_loop_test(tc, test_abort_waits_for_the_reconnect, 0, np);
     tcase_add_loop_test(tc, test_hostile_authenticated_peer, 0, np);
     tcase_add_loop_test(tc, test_peer_deaths_leave_nothing, 0, np);
     tcase_add_loop_test(tc, test_control_listener_emfile_backoff, 0, np);

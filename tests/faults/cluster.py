@@ -1,0 +1,270 @@
+"""tests/faults/cluster.py — what `make faults` (run_faults.py) and `make soak` (run_soak.py) share:
+server processes on loopback with fixed ports across restarts, a P/D cluster (prefills, decodes,
+pd-proxy; every prefill's control port reached through a Relay that can cut a connection mid-frame),
+metrics scraping, the leak figures of a process, and the listening ports a process holds.
+
+Loopback only: every socket here is bound to or dials 127.0.0.1.
+"""
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import threading
+import time
+import urllib.request
+
+MODEL_NAME = "m"
+
+
+def http(port, path, body=None, timeout=60.0, method=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request("http://127.0.0.1:%d%s" % (port, path), data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.status, r.read()
+
+
+def metrics(port):
+    """{name{labels}: value} of a node's /metrics, or {} when it does not answer."""
+    try:
+        text = http(port, "/metrics", timeout=5)[1].decode()
+    except Exception:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            k, _, v = line.rpartition(" ")
+            try:
+                out[k] = float(v)
+            except ValueError:
+                pass
+    return out
+
+
+def metric(port, name):
+    return metrics(port).get(name)
+
+
+def metric_sum(port, prefix):
+    """Sum of every series whose name (labels included) starts with prefix."""
+    return sum(v for k, v in metrics(port).items() if k.startswith(prefix))
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def listening_ports(pid):
+    """TCP ports pid listens on (its socket inodes matched against /proc/net/tcp)."""
+    inodes = set()
+    for fd in os.listdir("/proc/%d/fd" % pid):
+        try:
+            t = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+        except OSError:
+            continue
+        if t.startswith("socket:["):
+            inodes.add(t[8:-1])
+    ports = []
+    for line in open("/proc/%d/net/tcp" % pid).read().splitlines()[1:]:
+        f = line.split()
+        if f[3] == "0A" and f[9] in inodes:  # LISTEN
+            ports.append(int(f[1].split(":")[1], 16))
+    return sorted(ports)
+
+
+class Node:
+    """One server process with a fixed HTTP port once it has one (restarts reuse it)."""
+
+    def __init__(self, tmp, tag, argv):
+        self.tmp, self.tag, self.argv, self.port, self.proc = tmp, tag, argv, 0, None
+
+    def start(self):
+        pf = os.path.join(self.tmp, self.tag + ".port")
+        if os.path.exists(pf):
+            os.unlink(pf)
+        log = open(os.path.join(self.tmp, self.tag + ".log"), "a")
+        self.proc = subprocess.Popen(self.argv + ["--port", str(self.port), "--port-file", pf], stdout=log,
+                                     stderr=log)
+        end = time.time() + 120
+        while time.time() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError("%s exited while starting (see %s.log)" % (self.tag, self.tag))
+            if os.path.exists(pf) and open(pf).read().strip():
+                self.port = int(open(pf).read())
+                break
+            time.sleep(0.05)
+        else:
+            raise RuntimeError("%s did not start" % self.tag)
+        while time.time() < end:  # healthy
+            try:
+                if http(self.port, "/health", timeout=2)[0] == 200:
+                    return
+            except Exception:
+                pass
+            time.sleep(0.05)
+
+    def kill(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self):
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.kill(self.proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def figures(self):
+        pid = self.proc.pid
+        fds = len(os.listdir("/proc/%d/fd" % pid))
+        status = open("/proc/%d/status" % pid).read()
+        field = lambda k: int([l for l in status.splitlines() if l.startswith(k + ":")][0].split()[1])
+        # private memory is what leaks; shared memory grows as peers' mapped KV pages get touched (ucx)
+        return {"pid": pid, "fds": fds, "rss_anon_kib": field("RssAnon"), "rss_shmem_kib": field("RssShmem"),
+                "threads": field("Threads")}
+
+
+class Relay:
+    """A TCP forwarder 127.0.0.1:port -> 127.0.0.1:target, one thread per direction of each connection.
+    cut() arms it: the next chunk read in either direction of any connection is forwarded only in part
+    (the receiver is left holding part of a frame), then both sides get a reset (SO_LINGER 0)."""
+
+    def __init__(self, target):
+        self.target = target
+        self.lsock = socket.socket()
+        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(64)
+        self.port = self.lsock.getsockname()[1]
+        self.lock = threading.Lock()
+        self.armed = False
+        self.cuts = 0  # connections reset mid-frame
+        self.closing = False
+        threading.Thread(target=self.accept_loop, daemon=True).start()
+
+    def accept_loop(self):
+        while not self.closing:
+            try:
+                a, _ = self.lsock.accept()
+            except OSError:
+                return
+            try:
+                b = socket.create_connection(("127.0.0.1", self.target), timeout=5)
+                b.settimeout(None)
+            except OSError:
+                a.close()
+                continue
+            for src, dst in ((a, b), (b, a)):
+                threading.Thread(target=self.pump, args=(src, dst, (a, b)), daemon=True).start()
+
+    def pump(self, src, dst, pair):
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            cut = False
+            with self.lock:
+                if self.armed and len(data) >= 2:
+                    self.armed, cut = False, True
+                    self.cuts += 1
+            try:
+                dst.sendall(data[:len(data) // 2] if cut else data)
+            except OSError:
+                break
+            if cut:
+                for s in pair:  # RST, not FIN: the peer sees a reset with half a frame in hand
+                    try:
+                        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    except OSError:
+                        pass
+                break
+        for s in pair:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def cut(self):
+        with self.lock:
+            self.armed = True
+
+    def close(self):
+        self.closing = True
+        self.lsock.close()
+
+
+class Cluster:
+    """nprefill prefills, ndecode decodes (each prefill dialled through a Relay) and pd-proxy.
+    hold_timeouts[i] is prefill i's --kv-hold-timeout."""
+
+    def __init__(self, bindir, tmp, model, mode, pipe, fast, nprefill=2, ndecode=2, hold_timeouts=None,
+                 extra=(), tag=None):
+        common = ["--model", model, "--served-model-name", MODEL_NAME, "--kv-cache-memory", "256M", "--threads",
+                  "1", "--max-model-len", "512", "--max-num-batched-tokens", "64", "--kv-transfer-mode", mode,
+                  "--kv-pipe", pipe] + list(fast) + list(extra)
+        tag = tag or "%s-%s" % (mode, pipe)
+        self.relays, self.prefills = [], []
+        for i in range(nprefill):
+            kv = free_port()
+            relay = Relay(kv)
+            hold = ["--kv-hold-timeout", str(hold_timeouts[i])] if hold_timeouts else []
+            self.relays.append(relay)
+            self.prefills.append(Node(tmp, "%s-prefill%d" % (tag, i), [os.path.join(bindir, "pd-prefill")] + common +
+                                      hold + ["--kv-listen", "127.0.0.1:%d" % kv, "--kv-advertise-port",
+                                              str(relay.port)]))
+        self.decodes = [Node(tmp, "%s-decode%d" % (tag, i), [os.path.join(bindir, "pd-decode")] + common)
+                        for i in range(ndecode)]
+        self.proxy = None
+        try:
+            for n in self.prefills + self.decodes:
+                n.start()
+            urls = lambda ns: ",".join("http://127.0.0.1:%d" % n.port for n in ns)
+            self.proxy = Node(tmp, tag + "-proxy",
+                              [os.path.join(bindir, "pd-proxy"), "--prefill", urls(self.prefills), "--decode",
+                               urls(self.decodes), "--health-interval", "0.2"])
+            self.proxy.start()
+        except Exception:
+            self.stop()
+            raise
+        time.sleep(0.8)  # the proxy's first probe round
+
+    def nodes(self):
+        return self.prefills + self.decodes
+
+    def stop(self):
+        for n in ([self.proxy] if self.proxy else []) + self.decodes + self.prefills:
+            n.stop()
+        for r in self.relays:
+            r.close()
+
+
+def wait_free(port, secs=20):
+    """0 once the node has no block in use and no live request, else the blocks used at the deadline."""
+    end = time.time() + secs
+    used = None
+    while time.time() < end:
+        m = metrics(port)
+        used = m.get("pd:kv_blocks_used")
+        live = sum(m.get(k, 0) for k in ("pd:num_requests_running", "pd:num_requests_waiting",
+                                         "pd:num_requests_waiting_for_remote_kv"))
+        if used == 0 and live == 0:
+            return 0
+        time.sleep(0.1)
+    return used
