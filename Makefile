@@ -59,7 +59,7 @@ soak: build
 # libFuzzer search over every tests/fuzz target, FUZZ_SECONDS each (their corpora replay in `make check`)
 FUZZ_SECONDS ?= 60
 fuzz: deps
-	tools/run-fuzz.sh $(FUZZ_SECONDS)
+	FUZZ_TARGETS="$(FUZZ_TARGETS)" tools/run-fuzz.sh $(FUZZ_SECONDS)
 
 # deps + build, then 1 prefill + 1 decode + proxy on loopback under pd-bench load (~30 s)
 demo: deps

@@ -4,11 +4,14 @@
 # from its committed corpus (tests/fuzz/corpus/<target>); what it learns goes to
 # build-fuzz/corpus/<target>, a crashing input to build-fuzz/crash-<target>-*. Prints executions,
 # coverage and the outcome per target; exits 1 if any target crashed. Fix the bug, then add the input
-# to tests/fuzz/corpus/<target>/ (every `make check` replays it).
+# to tests/fuzz/corpus/<target>/ (every `make check` replays it). FUZZ_TARGETS="a b" runs only those.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-60}
-targets=(control tokenizer template safetensors config)
+targets=(control tokenizer template safetensors config openai tcp_frames)
+if [[ -n "${FUZZ_TARGETS:-}" ]]; then
+  read -r -a targets <<<"$FUZZ_TARGETS" # e.g. FUZZ_TARGETS="openai tcp_frames"
+fi
 if ! command -v clang >/dev/null || ! ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1; then
   echo "run-fuzz: installing clang (libFuzzer)"
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang >/dev/null
