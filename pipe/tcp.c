@@ -253,7 +253,38 @@ static pd_status_t tcp_address(pd_pipe_t *p, uint8_t *buf, size_t *len)
     return PD_OK;
 }
 
-/* A blocking connect to host:port with the authenticated HELLO written; -1 on failure (logged). */
+/* connect(fd, a) within TCP_CONNECT_TIMEOUT_MS (an unreachable host would otherwise hold the
+ * caller — the connector's control thread — for the kernel's SYN retries, minutes); 0 or -1 (errno
+ * set). fd is blocking again afterwards. */
+static int connect_bounded(int fd, const struct sockaddr_in *a)
+{
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) != 0) {
+        return -1;
+    }
+    int rc = connect(fd, (const struct sockaddr *)a, sizeof(*a));
+    if (rc != 0 && errno == EINPROGRESS) {
+        struct pollfd pf = {fd, POLLOUT, 0};
+        int err = 0;
+        socklen_t el = sizeof(err);
+        int n = poll(&pf, 1, TCP_CONNECT_TIMEOUT_MS);
+        if (n == 0) {
+            errno = ETIMEDOUT;
+        } else if (n > 0 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) == 0) {
+            errno = err;
+            rc = err == 0 ? 0 : -1;
+        }
+    }
+    int saved = errno;
+    if (fcntl(fd, F_SETFL, fl) != 0) {
+        return -1;
+    }
+    errno = saved;
+    return rc;
+}
+
+/* A connect to host:port (bounded, connect_bounded) with the authenticated HELLO written; -1 on
+ * failure (logged). */
 static int dial_data(tcp_pipe_t *t, const char *host, int port, uint64_t to, const uint8_t *session)
 {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -261,8 +292,7 @@ static int dial_data(tcp_pipe_t *t, const char *host, int port, uint64_t to, con
     memset(&a, 0, sizeof(a));
     a.sin_family = AF_INET;
     a.sin_port = htons((uint16_t)port);
-    if (fd < 0 || inet_pton(AF_INET, host, &a.sin_addr) != 1 ||
-        connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+    if (fd < 0 || inet_pton(AF_INET, host, &a.sin_addr) != 1 || connect_bounded(fd, &a) != 0) {
         pd_log_error("tcp pipe: cannot connect to %s:%d: %s", host, port, strerror(errno));
         if (fd >= 0) {
             close(fd);

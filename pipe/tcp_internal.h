@@ -35,8 +35,10 @@
 #define TCP_MAGIC           0x50445450u /* "PDTP" */
 #define TCP_MAX_PAGES       (1u << 20)
 #define TCP_RCV_TIMEOUT_S   30
-#define TCP_HELLO_TIMEOUT_S 5  /* an accepted connection must send its HELLO within this */
-#define TCP_MAX_PENDING     64 /* accepted connections still without a HELLO; the oldest is dropped */
+#define TCP_HELLO_TIMEOUT_S 5 /* an accepted connection must send its HELLO within this */
+#define TCP_CONNECT_TIMEOUT_MS                                                                               \
+    2000                   /* a data connection's connect (the caller's thread waits that long at most) */
+#define TCP_MAX_PENDING 64 /* accepted connections still without a HELLO; the oldest is dropped */
 
 /* A HELLO (op_id: the dialer's pipe id) is followed by a nonce and
  * HMAC-SHA256(session, "pd-data" | dialer id | acceptor id | nonce): only a peer that completed the

@@ -703,6 +703,37 @@ static void run_silent_data_connections(void)
     pair_close(&P);
 }
 
+/* connect to a data port that does not answer returns an error within its bound instead of waiting
+ * out the kernel's SYN retries (minutes, on the connector's control thread). A listener whose accept
+ * queue is full drops SYNs: a loopback stand-in for an unreachable host. */
+static void run_connect_to_silent_port(void)
+{
+    if (strcmp(BACKENDS[g_b].kind, "tcp") != 0) {
+        return;
+    }
+    int l = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t al = sizeof(a);
+    ck_assert_int_eq(bind(l, (struct sockaddr *)&a, sizeof(a)), 0);
+    ck_assert_int_eq(listen(l, 0), 0);
+    ck_assert_int_eq(getsockname(l, (struct sockaddr *)&a, &al), 0);
+    int port = ntohs(a.sin_port);
+    int filler = http_connect(port, 1000); /* takes the one place in the queue */
+    ck_assert_int_ge(filler, 0);
+    pd_pipe_t *p = mk();
+    char addr[96];
+    int n = snprintf(addr, sizeof(addr), "tcp:127.0.0.1:%d:00000000000000aa", port);
+    pd_pipe_peer_t *peer = NULL;
+    double t0 = tu_now();
+    pd_status_t st = p->ops->connect(p, (const uint8_t *)addr, (size_t)n, SESSION, &peer);
+    double took = tu_now() - t0;
+    ck_assert_int_ne(st, PD_OK);
+    ck_assert_msg(took < 10, "connect to a silent port took %.1f s", took);
+    pd_pipe_destroy(p);
+    close(filler);
+    close(l);
+}
+
 /* The tcp data port's wire HELLO: header, then nonce and MAC (pipe/tcp.c). */
 typedef struct wire_hello {
     uint32_t magic;
@@ -927,6 +958,7 @@ CONFORMANCE(permissions)
 CONFORMANCE(close_during_transfer)
 CONFORMANCE(peer_killed)
 CONFORMANCE(silent_data_connections)
+CONFORMANCE(connect_to_silent_port)
 CONFORMANCE(impostor_data_connections)
 CONFORMANCE(emfile_backoff)
 CONFORMANCE(dead_peers_release_fds)
@@ -1011,6 +1043,7 @@ int main(void)
     tcase_add_loop_test(tc, test_close_during_transfer, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_peer_killed, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_silent_data_connections, 0, NUM_BACKENDS);
+    tcase_add_loop_test(tc, test_connect_to_silent_port, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_impostor_data_connections, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_emfile_backoff, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_dead_peers_release_fds, 0, NUM_BACKENDS);
