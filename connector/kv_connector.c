@@ -559,7 +559,8 @@ bool pd_kv_connector_release(pd_connector_t *c, const char *request_id, uint64_t
     }
     pthread_mutex_unlock(&k->mu);
     if (done) {
-        pd_log_info("kv connector: released the KV of %s at the proxy's request (its decode failed)",
+        pd_log_info("kv connector: released the KV of %s at the proxy's request (its decode failed or its "
+                    "client left)",
                     request_id != NULL ? request_id : transfer_id);
         kv_ctl_wake(k);
     }

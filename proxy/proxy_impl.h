@@ -39,6 +39,7 @@ struct preq {
     proxy_t *px;
     struct evhttp_request *client;         /* NULL once answered or the client went away */
     struct evhttp_connection *client_conn; /* its connection's close callback points at us */
+    struct event *client_watch;            /* EOF on the client's socket while we wait (route.c) */
     json_t *body;
     bool stream, push;
     const char *path; /* /v1/completions or /v1/chat/completions, sent to both nodes */

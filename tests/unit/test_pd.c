@@ -1220,6 +1220,41 @@ START_TEST(test_proxy_least_loaded_and_client_disconnect)
 }
 END_TEST
 
+/* A client that leaves before the decode took its request (here the decode is stopped; in life,
+ * queued behind others: either way not yet in its connector, so its abort tells the prefill
+ * nothing): pd-proxy releases the prefill's lease at once instead of leaving it to
+ * --kv-hold-timeout (120 s here). */
+START_TEST(test_proxy_client_gone_before_decode)
+{
+    cluster_t c;
+    cluster_start(&c, "pull", "tcp", NULL, NULL);
+    expect_same(c.x.port, 0, false); /* connected and warm */
+    kill(c.d.pid, SIGSTOP);
+    char *b = body_for(1, false);
+    int fb = http_send(c.x.port, "POST", "/v1/completions", "Content-Type: application/json\r\n", b,
+                       strlen(b), 5000);
+    free(b);
+    ck_assert_int_ge(fb, 0);
+    double end = tu_now() + 10;
+    while (metric(c.p.port, "pd:kv_leases_held") < 1 && tu_now() < end) {
+        usleep(5000);
+    }
+    bool held = metric(c.p.port, "pd:kv_leases_held") >= 1;
+    close(fb);
+    end = tu_now() + 3;
+    while (held && metric(c.p.port, "pd:kv_leases_held") > 0 && tu_now() < end) {
+        usleep(10000);
+    }
+    double left = metric(c.p.port, "pd:kv_leases_held");
+    kill(c.d.pid, SIGCONT);
+    ck_assert_msg(held, "the prefill never held a lease for the request");
+    ck_assert_msg(left == 0, "the lease of a client that left is still held");
+    assert_pool_free(c.p.port, "the prefill");
+    assert_pool_free(c.d.port, "the decode");
+    cluster_stop(&c);
+}
+END_TEST
+
 START_TEST(test_dns_discovery_and_prefill_restart)
 {
     /* pools from DNS ("localhost" resolves to 127.0.0.1), and a prefill that restarts on the same
@@ -1324,6 +1359,7 @@ int main(void)
     tcase_add_test(proxy, test_proxy_prefix_affinity_and_failover);
     tcase_add_test(proxy, test_proxy_least_loaded_and_client_disconnect);
     tcase_add_test(proxy, test_proxy_relays_nul_text);
+    tcase_add_test(proxy, test_proxy_client_gone_before_decode);
     tcase_add_test(proxy, test_dns_discovery_and_prefill_restart);
     TCase *cases[] = {eq, faults, hostile, proxy};
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
