@@ -3,10 +3,25 @@
 
 #include <event2/buffer.h>
 #include <event2/keyvalq_struct.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/time.h"
+
+static char g_auth[512]; /* "Bearer KEY" or "" */
+
+void pd_bench_http_set_api_key(const char *key)
+{
+    snprintf(g_auth, sizeof(g_auth), key != NULL && key[0] ? "Bearer %s" : "%s", key != NULL ? key : "");
+}
+
+void pd_bench_http_add_auth(struct evkeyvalq *h)
+{
+    if (g_auth[0]) {
+        evhttp_add_header(h, "Authorization", g_auth);
+    }
+}
 
 typedef struct ctx {
     struct event_base *base;
@@ -42,6 +57,7 @@ double pd_bench_http(struct event_base *base, const char *host, int port, enum e
     struct evhttp_request *hr = evhttp_request_new(on_done, &c);
     struct evkeyvalq *h = evhttp_request_get_output_headers(hr);
     evhttp_add_header(h, "Host", host);
+    pd_bench_http_add_auth(h);
     if (json_body != NULL) {
         evhttp_add_header(h, "Content-Type", "application/json");
         evbuffer_add(evhttp_request_get_output_buffer(hr), json_body, strlen(json_body));

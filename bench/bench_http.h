@@ -13,6 +13,11 @@ typedef struct pd_bench_http_resp {
 
 /* Sends method path (with json_body as application/json when not NULL) to host:port and runs base
  * until the answer or timeout_s. Returns the seconds it took. */
+/* The key every request of this process sends as "Authorization: Bearer KEY" (NULL or "": none). */
+void pd_bench_http_set_api_key(const char *key);
+/* Adds that header to h (nothing without a key). */
+void pd_bench_http_add_auth(struct evkeyvalq *h);
+
 double pd_bench_http(struct event_base *base, const char *host, int port, enum evhttp_cmd_type method,
                      const char *path, const char *json_body, int timeout_s, pd_bench_http_resp_t *out);
 

@@ -51,6 +51,7 @@ typedef struct cfg {
     bool save_result;
     const char *result_filename;
     const char *label;
+    const char *api_key; /* --api-key, else $OPENAI_API_KEY */
     bool no_progress;
     double wait_ready_s;
     const char *kv_metrics_url;
@@ -229,6 +230,7 @@ static void send_request(run_t *r, size_t i)
     snprintf(hostport, sizeof(hostport), "%s:%d", r->host, r->port);
     evhttp_add_header(h, "Host", hostport);
     evhttp_add_header(h, "Content-Type", "application/json");
+    pd_bench_http_add_auth(h);
     evbuffer_add(evhttp_request_get_output_buffer(hr), text, strlen(text));
     free(text);
     r->in_flight++;
@@ -806,6 +808,8 @@ int main(int argc, char **argv)
          NULL},
         {"kv-metrics-url", PD_FLAG_STR, &c.kv_metrics_url,
          "a P/D node (http://HOST:PORT) whose KV transfer totals are printed after the run", NULL},
+        {"api-key", PD_FLAG_STR, &c.api_key,
+         "sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY, as the openai client)", NULL},
     };
     int first = 0;
     pd_status_t st = pd_flags_parse(
@@ -820,6 +824,7 @@ int main(int argc, char **argv)
     if (st != PD_OK || first < argc) {
         return 2;
     }
+    pd_bench_http_set_api_key(c.api_key != NULL ? c.api_key : getenv("OPENAI_API_KEY"));
     pd_bench_slo_t slo;
     char err[256];
     if (c.goodput != NULL && !pd_bench_parse_goodput(c.goodput, &slo, err, sizeof(err))) {

@@ -3,8 +3,10 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "common/json.h"
+#include "common/sha256.h"
 
 bool pd_http_error_set(pd_http_error_t *err, int status, const char *type, const char *param, const char *fmt,
                        ...)
@@ -120,4 +122,17 @@ bool pd_api_check_rewritten_fields(json_t *root, bool chat, pd_http_error_t *err
                                  (long long)max_tokens, (long long)min_tokens);
     }
     return true;
+}
+
+bool pd_api_bearer_ok(const char *authorization, const char *key)
+{
+    if (key == NULL || key[0] == '\0') {
+        return true;
+    }
+    if (authorization == NULL || strncmp(authorization, "Bearer ", 7) != 0) {
+        return false;
+    }
+    const char *got = authorization + 7;
+    size_t n = strlen(key);
+    return strlen(got) == n && pd_ct_equal((const uint8_t *)got, (const uint8_t *)key, n) == 1;
 }

@@ -38,4 +38,8 @@ bool pd_api_want_type(pd_http_error_t *err, const char *field, json_t *v, int ok
  * and holds for nothing. */
 bool pd_api_check_rewritten_fields(json_t *root, bool chat, pd_http_error_t *err);
 
+/* Whether an Authorization header value is "Bearer KEY" (compared in constant time). NULL or empty
+ * key: no key required, always true. */
+bool pd_api_bearer_ok(const char *authorization, const char *key);
+
 #endif

@@ -148,7 +148,7 @@ void px_release_conn(proxy_t *px, struct evhttp_connection *c)
 }
 
 struct evhttp_connection *px_upstream(proxy_t *px, node_t *n, enum evhttp_cmd_type method, const char *path,
-                                      const json_t *body, up_done_cb done,
+                                      const char *client_auth, const json_t *body, up_done_cb done,
                                       void (*chunk)(struct evhttp_request *, void *),
                                       int (*header)(struct evhttp_request *, void *), void *arg)
 {
@@ -168,6 +168,13 @@ struct evhttp_connection *px_upstream(proxy_t *px, node_t *n, enum evhttp_cmd_ty
     char hostport[160];
     snprintf(hostport, sizeof(hostport), "%s:%d", n->host, n->port);
     evhttp_add_header(h, "Host", hostport);
+    if (px->cfg.node_api_key != NULL && px->cfg.node_api_key[0]) {
+        char auth[512];
+        snprintf(auth, sizeof(auth), "Bearer %s", px->cfg.node_api_key);
+        evhttp_add_header(h, "Authorization", auth);
+    } else if (client_auth != NULL) {
+        evhttp_add_header(h, "Authorization", client_auth);
+    }
     if (body != NULL) {
         char *text = json_dumps(body, JSON_COMPACT);
         evhttp_add_header(h, "Content-Type", "application/json");
@@ -244,7 +251,7 @@ void px_probe(proxy_t *px, node_t *n, int kind)
     pr->px = px;
     pr->n = n;
     pr->kind = kind;
-    pr->conn = px_upstream(px, n, EVHTTP_REQ_GET, paths[kind], NULL, on_probe, NULL, NULL, pr);
+    pr->conn = px_upstream(px, n, EVHTTP_REQ_GET, paths[kind], NULL, NULL, on_probe, NULL, NULL, pr);
     if (pr->conn == NULL) {
         free(pr);
         return;

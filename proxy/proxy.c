@@ -59,6 +59,12 @@ size_t pd_proxy_flags(pd_proxy_config_t *c, pd_flag_t *out, size_t max)
         {"affinity-prefix-chars", PD_FLAG_INT, &c->affinity_prefix_chars,
          "prompt characters hashed by prefix-affinity", NULL},
         {"max-request-bytes", PD_FLAG_SIZE, &c->max_request_bytes, "largest request body accepted", NULL},
+        {"api-key", PD_FLAG_STR, &c->api_key,
+         "require 'Authorization: Bearer KEY' from clients on /v1/ routes, /tokenize and /detokenize", NULL},
+        {"node-api-key", PD_FLAG_STR, &c->node_api_key,
+         "the key the nodes require (sent as 'Authorization: Bearer KEY'); unset: the client's Authorization "
+         "header is forwarded",
+         NULL},
     };
     size_t n = sizeof(f) / sizeof(f[0]);
     n = n < max ? n : max;

@@ -41,6 +41,7 @@ struct preq {
     struct evhttp_connection *client_conn; /* its connection's close callback points at us */
     struct event *client_watch;            /* EOF on the client's socket while we wait (route.c) */
     json_t *body;
+    char *auth; /* the client's Authorization header (forwarded when no --node-api-key), or NULL */
     bool stream, push;
     const char *path; /* /v1/completions or /v1/chat/completions, sent to both nodes */
     char transfer_id[48];
@@ -86,9 +87,10 @@ node_t *px_pick(proxy_t *px, bool prefill, const bool *tried, uint64_t affinity,
 typedef void (*up_done_cb)(struct evhttp_request *, void *);
 /* Sends method path with a JSON body (NULL: none) to node n; done(req, arg) runs with the answer
  * (req NULL when the connection failed), chunk and header (may be NULL) as the body streams in.
+ * Authorization: --node-api-key when set, else client_auth (the client's header, or NULL).
  * Returns the connection (give it back with px_release_conn) or NULL when it cannot be made. */
 struct evhttp_connection *px_upstream(proxy_t *px, node_t *n, enum evhttp_cmd_type method, const char *path,
-                                      const json_t *body, up_done_cb done,
+                                      const char *client_auth, const json_t *body, up_done_cb done,
                                       void (*chunk)(struct evhttp_request *, void *),
                                       int (*header)(struct evhttp_request *, void *), void *arg);
 /* Frees an upstream connection after the current callback returns. */

@@ -72,6 +72,7 @@ void px_preq_free(preq_t *q)
     }
     json_decref(q->body);
     json_decref(q->ktp);
+    free(q->auth);
     if (q->d_body != NULL) {
         evbuffer_free(q->d_body);
     }
@@ -136,8 +137,8 @@ static void release_prefill(preq_t *q)
     release_ctx_t *c = body != NULL ? calloc(1, sizeof(*c)) : NULL;
     if (c != NULL) {
         c->px = q->px;
-        c->conn =
-            px_upstream(q->px, q->p, EVHTTP_REQ_POST, "/pd/release", body, on_release_done, NULL, NULL, c);
+        c->conn = px_upstream(q->px, q->p, EVHTTP_REQ_POST, "/pd/release", q->auth, body, on_release_done,
+                              NULL, NULL, c);
         if (c->conn == NULL) {
             free(c);
         }
@@ -244,7 +245,8 @@ static void start_decode(preq_t *q)
         json_object_set(body, "kv_transfer_params", q->ktp);
     }
     q->t_d_sent = pd_time_now_s();
-    q->d_conn = px_upstream(px, d, EVHTTP_REQ_POST, q->path, body, on_d_done, on_d_chunk, on_d_header, q);
+    q->d_conn =
+        px_upstream(px, d, EVHTTP_REQ_POST, q->path, q->auth, body, on_d_done, on_d_chunk, on_d_header, q);
     json_decref(body);
     if (q->d_conn == NULL) {
         release_prefill(q);
@@ -351,7 +353,7 @@ static bool start_prefill(preq_t *q)
         json_object_set_new(ktp, "transfer_id", json_string(q->transfer_id));
     }
     json_object_set_new(body, "kv_transfer_params", ktp);
-    q->p_conn = px_upstream(px, p, EVHTTP_REQ_POST, q->path, body, on_p_done, NULL, NULL, q);
+    q->p_conn = px_upstream(px, p, EVHTTP_REQ_POST, q->path, q->auth, body, on_p_done, NULL, NULL, q);
     json_decref(body);
     if (q->p_conn == NULL) {
         fail_request(q, 502, "cannot reach the prefill node");
@@ -460,6 +462,13 @@ static void handle_completions(proxy_t *px, struct evhttp_request *req, const ch
         return;
     }
     preq_t *q = calloc(1, sizeof(*q));
+    const char *auth = evhttp_find_header(evhttp_request_get_input_headers(req), "Authorization");
+    if (q == NULL || (auth != NULL && (q->auth = strdup(auth)) == NULL)) {
+        free(q);
+        json_decref(body);
+        reply_error(req, 503, "ServiceUnavailableError", "out of memory");
+        return;
+    }
     q->px = px;
     q->client = req;
     q->body = body;
@@ -554,7 +563,8 @@ static void forward(proxy_t *px, struct evhttp_request *req, enum evhttp_cmd_typ
     }
     m->px = px;
     m->client = req;
-    m->conn = px_upstream(px, d, method == EVHTTP_REQ_HEAD ? EVHTTP_REQ_GET : method, path, body,
+    m->conn = px_upstream(px, d, method == EVHTTP_REQ_HEAD ? EVHTTP_REQ_GET : method, path,
+                          evhttp_find_header(evhttp_request_get_input_headers(req), "Authorization"), body,
                           on_forward_done, NULL, NULL, m);
     json_decref(body);
     if (m->conn == NULL) {
@@ -583,8 +593,14 @@ void px_on_request(struct evhttp_request *req, void *arg)
     enum evhttp_cmd_type cmd = evhttp_request_get_command(req);
     bool get = cmd == EVHTTP_REQ_GET || cmd == EVHTTP_REQ_HEAD; /* HEAD: same answer, no body */
     bool post = cmd == EVHTTP_REQ_POST;
+    bool keyed = path != NULL && (strncmp(path, "/v1/", 4) == 0 || strcmp(path, "/tokenize") == 0 ||
+                                  strcmp(path, "/detokenize") == 0);
     if (path == NULL) {
         reply_error(req, 400, "BadRequestError", "malformed request URI");
+    } else if (keyed &&
+               !pd_api_bearer_ok(evhttp_find_header(evhttp_request_get_input_headers(req), "Authorization"),
+                                 px->cfg.api_key)) {
+        reply_error(req, 401, "AuthenticationError", "invalid or missing API key");
     } else if (strcmp(path, "/v1/completions") == 0 || strcmp(path, "/v1/chat/completions") == 0) {
         if (!post) {
             reply_error(req, 405, "MethodNotAllowedError", "use POST");

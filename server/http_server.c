@@ -22,6 +22,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/api_fields.h"
 #include "common/http_reply.h"
 #include "common/log.h"
 #include "common/strmap.h"
@@ -152,11 +153,8 @@ char *pd_http_read_body(pd_http_server_t *s, struct evhttp_request *req, size_t 
 
 static bool authorized(pd_http_server_t *s, struct evhttp_request *req)
 {
-    if (s->cfg.api_key == NULL || s->cfg.api_key[0] == '\0') {
-        return true;
-    }
-    const char *h = evhttp_find_header(evhttp_request_get_input_headers(req), "Authorization");
-    return h != NULL && strncmp(h, "Bearer ", 7) == 0 && strcmp(h + 7, s->cfg.api_key) == 0;
+    return pd_api_bearer_ok(evhttp_find_header(evhttp_request_get_input_headers(req), "Authorization"),
+                            s->cfg.api_key);
 }
 
 static void handle_completions(pd_http_server_t *s, struct evhttp_request *req)

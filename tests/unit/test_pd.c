@@ -1255,6 +1255,106 @@ START_TEST(test_proxy_client_gone_before_decode)
 }
 END_TEST
 
+/* POSTs body to port with an Authorization header (NULL: none); returns the status (-1: no answer). */
+static int post_keyed(int port, const char *path, const char *key, const char *body)
+{
+    char headers[256];
+    snprintf(headers, sizeof(headers), "Content-Type: application/json\r\n%s%s%s",
+             key != NULL ? "Authorization: Bearer " : "", key != NULL ? key : "", key != NULL ? "\r\n" : "");
+    http_resp_t r;
+    int st = http_request(port, "POST", path, headers, body, &r, 60000) == 0 ? r.status : -1;
+    if (st == 200) {
+        ck_assert_msg(strstr(r.body, "\"choices\"") != NULL, "200 without choices: %s", r.body);
+    } else if (st == 401) {
+        ck_assert_msg(strstr(r.body, "AuthenticationError") != NULL, "401 without the error shape: %s",
+                      r.body);
+    }
+    http_resp_free(&r);
+    return st;
+}
+
+/* Nodes that require a key behind pd-proxy: a proxy without keys forwards the client's
+ * Authorization (the nodes judge it); one with --api-key judges the client itself and sends
+ * --node-api-key to the nodes; the official openai client is served through it. */
+START_TEST(test_proxy_keyed_cluster)
+{
+    cluster_t c;
+    char *keyed[] = {"--api-key", "node-secret", NULL};
+    cluster_start(&c, "pull", "tcp", keyed, keyed);
+    const char *body = "{\"model\":\"m\",\"prompt\":[5,6,7,8],\"max_tokens\":3,\"temperature\":0}";
+    ck_assert_int_eq(post_keyed(c.x.port, "/v1/completions", "node-secret", body), 200); /* forwarded */
+    ck_assert_int_eq(post_keyed(c.x.port, "/v1/completions", NULL, body), 401);          /* the node's 401 */
+    node_t x;
+    char pre[64], dec[64];
+    snprintf(pre, sizeof(pre), "http://127.0.0.1:%d", c.p.port);
+    snprintf(dec, sizeof(dec), "http://127.0.0.1:%d", c.d.port);
+    char *xa[] = {"--prefill",         pre,           "--decode",  dec,
+                  "--health-interval", "0.2",         "--api-key", "test-key",
+                  "--node-api-key",    "node-secret", NULL};
+    start(&x, "pd-proxy", "proxy-keyed", NULL, xa);
+    usleep(600 * 1000);
+    ck_assert_int_eq(post_keyed(x.port, "/v1/completions", NULL, body), 401);
+    ck_assert_int_eq(post_keyed(x.port, "/v1/completions", "node-secret", body),
+                     401); /* not the client key */
+    ck_assert_int_eq(post_keyed(x.port, "/v1/completions", "test-keyX", body), 401);
+    ck_assert_int_eq(post_keyed(x.port, "/v1/completions", "test-key", body), 200);
+    http_resp_t r;
+    ck_assert_int_eq(http_request(x.port, "GET", "/health", NULL, NULL, &r, 5000), 0);
+    ck_assert_int_eq(r.status, 200); /* probes need no key */
+    http_resp_free(&r);
+    ck_assert_int_eq(
+        http_request(x.port, "GET", "/v1/models", "Authorization: Bearer test-key\r\n", NULL, &r, 5000), 0);
+    ck_assert_msg(r.status == 200 && strstr(r.body, MODEL_NAME) != NULL, "/v1/models: %d %s", r.status,
+                  r.body);
+    http_resp_free(&r);
+    /* pd-bench sends --api-key, else $OPENAI_API_KEY */
+    for (int k = 0; k < 3; k++) {
+        char res[600];
+        snprintf(res, sizeof(res), "%s/bench-keyed-%d.json", g_dir, k);
+        int rc =
+            tu_run(120,
+                   "%s%s/bin/pd-bench --base-url http://127.0.0.1:%d --model m --num-prompts 4 "
+                   "--random-input-len 16 --random-output-len 4 --ignore-eos --vocab-size 200 --no-progress "
+                   "--save-result --result-filename %s %s > %s.out 2>&1",
+                   k == 1 ? "OPENAI_API_KEY=test-key " : "env -u OPENAI_API_KEY ", tu_binary_dir(), x.port,
+                   res, k == 0 ? "--api-key test-key" : "", res);
+        json_t *j = json_load_file(res, 0, NULL);
+        int done = (int)json_integer_value(json_object_get(j, "completed"));
+        json_decref(j);
+        ck_assert_msg(k < 2 ? rc == 0 && done == 4 : rc != 0 && done == 0,
+                      "pd-bench run %d: exit %d, %d completed", k, rc, done);
+    }
+    if (tu_need(TU_NODE)) {
+        char dir[1024], out[600];
+        ck_assert_msg(tu_npm_install("openai", "openai@4", dir, sizeof(dir)) == 0,
+                      "npm install openai@4 failed");
+        snprintf(out, sizeof(out), "%s/openai-keyed.json", g_dir);
+        ck_assert_int_eq(
+            tu_run(120,
+                   "node %s/tests/reference/openai_client.mjs %s/node_modules http://127.0.0.1:%d/v1 "
+                   "m \"Tell me about caches\" 6 test-key > %s",
+                   tu_source_dir(), dir, x.port, out),
+            0);
+        json_t *res = json_load_file(out, 0, NULL);
+        ck_assert_ptr_nonnull(res);
+        json_t *u = json_object_get(res, "usage"), *su = json_object_get(res, "stream_usage");
+        ck_assert_int_eq(json_integer_value(json_object_get(u, "completion_tokens")), 6);
+        ck_assert_int_eq(json_integer_value(json_object_get(su, "completion_tokens")), 6);
+        ck_assert_str_eq(json_string_value(json_object_get(res, "text")),
+                         json_string_value(json_object_get(res, "stream_text")));
+        json_decref(res);
+        ck_assert_int_ne(
+            tu_run(120,
+                   "node %s/tests/reference/openai_client.mjs %s/node_modules http://127.0.0.1:%d/v1 "
+                   "m hi 2 wrong-key > /dev/null 2>&1",
+                   tu_source_dir(), dir, x.port),
+            0); /* the client raises AuthenticationError */
+    }
+    stop(&x);
+    cluster_stop(&c);
+}
+END_TEST
+
 START_TEST(test_dns_discovery_and_prefill_restart)
 {
     /* pools from DNS ("localhost" resolves to 127.0.0.1), and a prefill that restarts on the same
@@ -1360,6 +1460,7 @@ int main(void)
     tcase_add_test(proxy, test_proxy_least_loaded_and_client_disconnect);
     tcase_add_test(proxy, test_proxy_relays_nul_text);
     tcase_add_test(proxy, test_proxy_client_gone_before_decode);
+    tcase_add_test(proxy, test_proxy_keyed_cluster);
     tcase_add_test(proxy, test_dns_discovery_and_prefill_restart);
     TCase *cases[] = {eq, faults, hostile, proxy};
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
@@ -1367,9 +1468,10 @@ int main(void)
         tcase_set_timeout(cases[i], 300);
         suite_add_tcase(s, cases[i]);
     }
+    tu_probe_tools(TU_NODE); /* the keyed cluster serves the official openai client */
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
     int failed = srunner_ntests_failed(sr);
     srunner_free(sr);
-    return failed == 0 ? 0 : 1;
+    return tu_exit(failed);
 }
