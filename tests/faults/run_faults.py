@@ -9,6 +9,8 @@ prompts (so KV really moves), while faults are injected at seeded random moments
   stop-prefill / stop-decode                SIGSTOP past the heartbeat timeout, then SIGCONT
   reset-control                             a control connection (each prefill's is reached through a
                                             relay) forwarded half a chunk, then reset on both sides
+  churn-decode                              --churn N (10) SIGKILL + restarts of a random decode in a
+                                            row: the prefills' fds, RSS and threads must stay flat
   expire-lease                              the decodes stopped 0.7 s, past prefill 1's 0.4 s hold timeout
                                             and short of the heartbeat death: its queued reads find
                                             their leases expired (STALE) and recompute
@@ -104,10 +106,16 @@ def expiry_signs(cluster):
     return sum(metric_sum(n.port, m) for n in cluster.nodes() for m in EXPIRY_SIGNS)
 
 
-def inject(cluster, fault, rng, spawn):
+def inject(cluster, fault, rng, spawn, churn):
     """Injects fault (spawn(n) starts n more clients and returns their Load); returns why it did not take
     effect, or None."""
-    if fault.startswith("kill-"):
+    if fault == "churn-decode":  # the prefills see `churn` peer deaths; judged after drain as always
+        for _ in range(churn):
+            node = rng.choice(cluster.decodes)
+            node.kill()
+            node.start()
+            time.sleep(0.2)  # the proxy's next probe round; the load reaches the new decode
+    elif fault.startswith("kill-"):
         role = fault[5:]
         node = cluster.proxy if role == "proxy" else rng.choice(cluster.prefills if role == "prefill"
                                                                else cluster.decodes)
@@ -152,6 +160,8 @@ def main():
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--seconds", type=float, default=None, help="load per fault (default 6, short 3)")
     ap.add_argument("--modes", default=None, help="mode:pipe list (default all four; short pull:tcp)")
+    ap.add_argument("--faults", default=None, help="comma-separated subset of the faults")
+    ap.add_argument("--churn", type=int, default=10, help="decode deaths in churn-decode (default 10)")
     ap.add_argument("--no-rss", action="store_true",
                     help="report private RSS but do not judge it (sanitizer builds: ASan's quarantine and "
                     "shadow memory grow with every allocation)")
@@ -161,7 +171,9 @@ def main():
                                                    "pull:tcp,push:tcp,pull:ucx,push:ucx")).split(",")]
     faults = (["kill-prefill", "stop-decode", "reset-control", "expire-lease"] if args.short else
               ["none", "kill-prefill", "kill-decode", "kill-proxy", "stop-prefill", "stop-decode", "reset-control",
-               "expire-lease"])
+               "expire-lease", "churn-decode"])
+    if args.faults:
+        faults = args.faults.split(",")
     rng = random.Random(args.seed)
     tmp = tempfile.mkdtemp(prefix="pd-faults-")
     model = os.path.join(tmp, "model")
@@ -181,6 +193,7 @@ def main():
             time.sleep(1.5)
             warm.finish()
             base = {n.tag: n.figures() for n in c.nodes()}
+            rows += [("warm-up", mode, pipe, {"node": n.tag, **base[n.tag]}) for n in c.nodes()]
             for fault in faults:
                 load = Load(c.proxy.port, serve.port, rng.randint(0, 1 << 30))
                 load.start()
@@ -192,7 +205,7 @@ def main():
                     sides[-1].start()
                     return sides[-1]
 
-                why = inject(c, fault, rng, spawn) if fault != "none" else None
+                why = inject(c, fault, rng, spawn, args.churn) if fault != "none" else None
                 if why is not None:
                     failed.append("%s %s/%s did not take effect: %s" % (fault, mode, pipe, why))
                 time.sleep(secs / 2)

@@ -744,7 +744,7 @@ END_TEST
  * each connection in turn to `to` once started. */
 typedef struct fwd {
     int lfd, to;
-    volatile bool stop;
+    _Atomic bool stop; /* fwd_stop sets it, the forwarder thread reads it */
     pthread_t th;
 } fwd_t;
 
