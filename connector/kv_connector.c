@@ -518,6 +518,30 @@ pd_status_t pd_kv_connector_start(pd_connector_t *c, const Pd__Fingerprint *fp)
     return kv_ctl_start(k);
 }
 
+bool kv_release_push(kv_conn_t *k, const char *transfer_id)
+{
+    pd_list_link_t *lists[2] = {&k->handoff, &k->xfers};
+    for (int i = 0; i < 2; i++) {
+        kv_xfer_t *x;
+        pd_list_for_each (x, lists[i], link) {
+            if (x->kind == KV_X_PUSH_SAVE && x->state == KV_XS_QUEUED && x->resv == NULL &&
+                strcmp(x->remote_req, transfer_id) == 0) {
+                x->state = KV_XS_DONE; /* no reservation will come */
+                kv_report_sending(k, x->req_id);
+                return true;
+            }
+        }
+    }
+    /* the decode gave up before this prefill finished; its request_finished holds nothing (bounded:
+     * a flood of unknown ids only resets the set) */
+    if (k->released.slots == NULL || k->released.count >= 4096) {
+        pd_strmap_destroy(&k->released);
+        pd_strmap_init(&k->released, 64);
+    }
+    pd_strmap_put(&k->released, transfer_id, strlen(transfer_id), 1);
+    return true;
+}
+
 bool pd_kv_connector_release(pd_connector_t *c, const char *request_id, uint64_t lease_id,
                              const char *transfer_id)
 {
@@ -534,28 +558,8 @@ bool pd_kv_connector_release(pd_connector_t *c, const char *request_id, uint64_t
             break;
         }
     }
-    pd_list_link_t *lists[2] = {&k->handoff, &k->xfers};
-    for (int i = 0; transfer_id != NULL && transfer_id[0] && i < 2 && !done; i++) {
-        kv_xfer_t *x;
-        pd_list_for_each (x, lists[i], link) {
-            if (x->kind == KV_X_PUSH_SAVE && x->state == KV_XS_QUEUED && x->resv == NULL &&
-                strcmp(x->remote_req, transfer_id) == 0) {
-                x->state = KV_XS_DONE; /* no reservation will come */
-                kv_report_sending(k, x->req_id);
-                done = true;
-                break;
-            }
-        }
-    }
     if (!done && transfer_id != NULL && transfer_id[0] && k->is_prefill) {
-        /* push: the decode refused before this prefill finished; its request_finished holds nothing
-         * (bounded: a flood of unknown ids only resets the set) */
-        if (k->released.slots == NULL || k->released.count >= 4096) {
-            pd_strmap_destroy(&k->released);
-            pd_strmap_init(&k->released, 64);
-        }
-        pd_strmap_put(&k->released, transfer_id, strlen(transfer_id), 1);
-        done = true;
+        done = kv_release_push(k, transfer_id);
     }
     pthread_mutex_unlock(&k->mu);
     if (done) {

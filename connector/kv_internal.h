@@ -321,6 +321,9 @@ void kv_ctl_wake(kv_conn_t *k);
 void kv_report_sending(kv_conn_t *k, const char *req_id);
 void kv_report_recving(kv_conn_t *k, const char *req_id);
 void kv_report_load_errors(kv_conn_t *k, const uint32_t *blocks, int32_t n);
+/* Prefill, push: transfer_id's decode gave up before it reserved blocks: the held request frees
+ * now, or (not finished yet) holds nothing when it finishes. mu held. */
+bool kv_release_push(kv_conn_t *k, const char *transfer_id);
 
 /* Block lists here are the scheduler's (connector/connector.h): G entries per logical block. The
  * entry index of logical block b (entries before it), and whether entry i of a list is layer l's. */

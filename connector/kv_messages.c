@@ -180,12 +180,18 @@ void kv_on_message(kv_conn_t *k, kv_peer_t *p, const pd_ctl_msg_t *msg)
     case PD_MSG_ABORT: {
         const Pd__Abort *a = (const Pd__Abort *)msg->msg;
         kv_lease_t *l;
+        bool lease = false;
         pd_list_for_each (l, &k->leases, link) {
             if (!l->expired && l->lease_id == a->lease_id && strcmp(l->req_id, a->request_id) == 0) {
                 l->expired = true;
                 l->expires = pd_time_now_s();
                 kv_report_sending(k, l->req_id);
+                lease = true;
             }
+        }
+        if (!lease && k->is_prefill && k->push && a->request_id != NULL && a->request_id[0] &&
+            strlen(a->request_id) < PD_REQ_ID_MAX) {
+            kv_release_push(k, a->request_id); /* push: the transfer id of a decode that gave up */
         }
         break;
     }

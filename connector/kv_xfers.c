@@ -47,11 +47,13 @@ void kv_observe_done(kv_conn_t *k, kv_xfer_t *x)
 
 /* A pull load that ends before its READ_DONE went out (failed, timed out, or its request aborted):
  * the prefill still holds the blocks under the lease; tell it (ABORT) so it frees them now instead of
- * at --kv-hold-timeout. Without a live control connection the ABORT is deferred (kv_aborts.c) until
- * one is back. */
+ * at --kv-hold-timeout. A push load that ends before its reservation went out: the prefill holds the
+ * finished request's blocks for a reservation that will not come; the ABORT names the transfer id.
+ * Without a live control connection the ABORT is deferred (kv_aborts.c) until one is back. */
 static void abort_lease(kv_conn_t *k, kv_xfer_t *x, const char *why)
 {
-    if (x->kind != KV_X_PULL_LOAD || x->state == KV_XS_DONE) {
+    bool pull = x->kind == KV_X_PULL_LOAD;
+    if ((!pull && !(x->kind == KV_X_PUSH_LOAD && x->state == KV_XS_QUEUED)) || x->state == KV_XS_DONE) {
         return;
     }
     if (x->peer == NULL || x->peer->state == KV_PEER_DEAD) {

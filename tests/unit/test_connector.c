@@ -810,33 +810,45 @@ static void fwd_stop(fwd_t *f)
 
 /* A load that failed while the prefill was unreachable (its advertised control port refused the
  * dial) owes the prefill an ABORT: the decode keeps it, redials, and once the port answers (the
- * forwarder starts) the ABORT frees the lease — long before the 30 s hold timeout. */
+ * forwarder starts) the ABORT frees the prefill's blocks — long before the 30 s hold timeout. Pull:
+ * the lease; push: the finished request waiting for a reservation (the ABORT names the transfer). */
 START_TEST(test_abort_waits_for_the_reconnect)
 {
-    fwd_t f;
-    node_t p, d;
-    opts_t po = {"pull", PIPES[_i], NULL, 0, 0, 0};
-    int fport = fwd_bind(&f, 0);
-    po.advertise_port = fport;
-    opts_t dop = {"pull", PIPES[_i], NULL, 0, 0, 0};
-    pair_start(&p, &d, &po, &dop);
-    f.to = pd_kv_connector_port(p.c);
-    bool hold = false;
-    json_t *params = prefill_finish(&p, "req-p", pull_params_in(), P_BLOCKS, &hold);
-    ck_assert(hold);
-    ck_assert_int_eq((int)json_integer_value(json_object_get(params, "remote_port")), fport);
-    int errors = 0;
-    pd_request_t *r = decode_load(&d, "req-d", params, D_BLOCKS);
-    ck_assert(wait_finished(&d, "req-d", false, 3, &errors));
-    ck_assert_int_eq(errors, NEED);
-    /* nobody could tell the prefill: it still holds the lease */
-    ck_assert(!wait_finished(&p, "req-p", true, 0.3, NULL));
-    ck_assert(metric(&p, "pd:kv_leases_held") == 1);
-    fwd_start(&f);
-    ck_assert_msg(wait_finished(&p, "req-p", true, 5, NULL), "the lease was not aborted after the reconnect");
-    pd_request_free(r);
-    pair_stop(&p, &d);
-    fwd_stop(&f);
+    for (int push = 0; push < 2; push++) {
+        fwd_t f;
+        node_t p, d;
+        const char *mode = push ? "push" : "pull";
+        opts_t po = {mode, PIPES[_i], NULL, 0, 0, 0};
+        int fport = fwd_bind(&f, 0);
+        po.advertise_port = fport;
+        opts_t dop = {mode, PIPES[_i], NULL, 0, 0, 0};
+        pair_start(&p, &d, &po, &dop);
+        f.to = pd_kv_connector_port(p.c);
+        bool hold = false;
+        json_t *in = push ? json_pack("{s:b, s:s, s:s}", "do_remote_decode", 1, "transfer_mode", "push",
+                                      "transfer_id", "x-9")
+                          : pull_params_in();
+        json_t *params = prefill_finish(&p, "req-p", in, P_BLOCKS, &hold);
+        ck_assert(hold);
+        if (push) {
+            json_decref(params);
+            params = json_pack("{s:b, s:s, s:s, s:s, s:i}", "do_remote_prefill", 1, "transfer_mode", "push",
+                               "transfer_id", "x-9", "remote_host", "127.0.0.1", "remote_port", fport);
+        }
+        ck_assert_int_eq((int)json_integer_value(json_object_get(params, "remote_port")), fport);
+        int errors = 0;
+        pd_request_t *r = decode_load(&d, "req-d", params, D_BLOCKS);
+        ck_assert(wait_finished(&d, "req-d", false, 3, &errors));
+        ck_assert_int_eq(errors, NEED);
+        /* nobody could tell the prefill: it still holds the blocks */
+        ck_assert(!wait_finished(&p, "req-p", true, 0.3, NULL));
+        fwd_start(&f);
+        ck_assert_msg(wait_finished(&p, "req-p", true, 5, NULL),
+                      "%s: the blocks were not freed after the reconnect", mode);
+        pd_request_free(r);
+        pair_stop(&p, &d);
+        fwd_stop(&f);
+    }
 }
 END_TEST
 
