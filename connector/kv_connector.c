@@ -53,6 +53,13 @@ size_t pd_kv_connector_flags(pd_kv_connector_config_t *c, pd_flag_t *out, size_t
          NULL},
         {"kv-advertise-host", PD_FLAG_STR, &c->advertise_host,
          "host peers dial for this node's KV (default: the --kv-listen host)", NULL},
+        {"kv-transfer-config", PD_FLAG_STR, &c->transfer_config,
+         "vLLM's JSON: {\"kv_connector\": \"PdConnector\"|\"NixlConnector\"|\"P2pNcclConnector\", "
+         "\"kv_role\": "
+         "\"kv_producer\"|\"kv_consumer\", \"kv_ip\", \"kv_port\", \"kv_connector_extra_config\": "
+         "{transfer_mode, "
+         "pipe, hold_timeout, ...}}; its values win over the --kv-* flags",
+         NULL},
         {"kv-advertise-port", PD_FLAG_INT, &c->advertise_port,
          "port peers dial for this node's KV control (0 = the --kv-listen port; set it when a NAT, a Service "
          "or a relay forwards another port to the listener)",

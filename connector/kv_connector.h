@@ -54,6 +54,7 @@ typedef struct pd_kv_connector_config {
     const char *load_failure_policy; /* the engine's (for the policy-action metric) */
     bool prefault;                   /* touch the KV region's pages in a background thread */
     const char *staging;             /* auto | always (--kv-staging) */
+    const char *transfer_config;     /* vLLM's --kv-transfer-config JSON (pd_kv_transfer_config_apply) */
 } pd_kv_connector_config_t;
 
 void pd_kv_connector_config_defaults(pd_kv_connector_config_t *cfg);
@@ -61,6 +62,15 @@ void pd_kv_connector_config_defaults(pd_kv_connector_config_t *cfg);
 /* The connector's flags (--kv-transfer-mode, --kv-pipe, --kv-listen, ...) for a binary's table;
  * returns how many were written (at most max). */
 size_t pd_kv_connector_flags(pd_kv_connector_config_t *cfg, pd_flag_t *out, size_t max);
+
+/* Applies vLLM's --kv-transfer-config JSON text (NULL or "": nothing) to cfg, whose role is set:
+ * kv_connector (PdConnector; NixlConnector = the ucx pipe, P2pNcclConnector = nccl), kv_role
+ * (kv_producer for a prefill, kv_consumer for a decode), kv_ip/kv_port (the control listener) and
+ * kv_connector_extra_config (transfer_mode, pipe, advertise_host, advertise_port, ucx_err_mode,
+ * cluster_token_file, hold/load/handshake_timeout, heartbeat_interval/misses, staging). Its values
+ * win over the flags. PD_ERR_INVALID_ARG (logged, naming the key) for anything else. *keep_out
+ * holds the JSON cfg's strings now point into: decref it after the connector is destroyed. */
+pd_status_t pd_kv_transfer_config_apply(const char *text, pd_kv_connector_config_t *cfg, json_t **keep_out);
 
 /* Creates the connector and its pipe (not yet listening). Metrics are registered in m (may be
  * NULL). PD_ERR_INVALID_ARG for a bad role/mode/listen address, PD_ERR_NOT_FOUND for a pipe kind

@@ -33,7 +33,8 @@ typedef struct pd_engine_config {
     int max_model_len;          /* 0 = the model's max_position_embeddings */
     const char *kv_cache_dtype; /* auto (= fp32 compute dtype) | fp32 | fp16 | bf16 */
     double memory_utilization;
-    size_t kv_cache_memory; /* CPU: bytes to plan the KV cache in; 0 = physical RAM */
+    int tensor_parallel_size; /* vLLM's --tensor-parallel-size: only 1 (one device per engine) */
+    size_t kv_cache_memory;   /* CPU: bytes to plan the KV cache in; 0 = physical RAM */
     bool enable_prefix_caching;
     bool enable_chunked_prefill;
     const char *load_failure_policy; /* recompute | fail */

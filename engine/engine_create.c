@@ -28,6 +28,7 @@ void pd_engine_config_defaults(pd_engine_config_t *c)
     c->max_num_batched_tokens = 2048;
     c->kv_cache_dtype = "auto";
     c->memory_utilization = 0.9;
+    c->tensor_parallel_size = 1;
     c->enable_prefix_caching = true;
     c->enable_chunked_prefill = true;
     c->load_failure_policy = "recompute";
@@ -54,6 +55,10 @@ size_t pd_engine_flags(pd_engine_config_t *c, pd_flag_t *out, size_t max)
          "auto|fp32|fp16|bf16"},
         {"memory-utilization", PD_FLAG_DOUBLE, &c->memory_utilization,
          "fraction of memory the engine plans with", NULL},
+        {"gpu-memory-utilization", PD_FLAG_DOUBLE, &c->memory_utilization,
+         "vLLM's name for --memory-utilization", NULL},
+        {"tensor-parallel-size", PD_FLAG_INT, &c->tensor_parallel_size,
+         "vLLM's flag; an engine runs on one device: only 1 is accepted", NULL},
         {"kv-cache-memory", PD_FLAG_SIZE, &c->kv_cache_memory,
          "CPU: memory to plan KV cache + model in (e.g. 2G; 0 = physical RAM)", NULL},
         {"enable-prefix-caching", PD_FLAG_BOOL, &c->enable_prefix_caching,
@@ -242,6 +247,12 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
 {
     if (cfg->model_dir == NULL) {
         pd_log_error("engine: --model is required");
+        return PD_ERR_INVALID_ARG;
+    }
+    if (cfg->tensor_parallel_size != 1) {
+        pd_log_error("engine: --tensor-parallel-size %d: pdserve runs each engine on one device (only 1 is "
+                     "supported; scale out with more prefill or decode nodes)",
+                     cfg->tensor_parallel_size);
         return PD_ERR_INVALID_ARG;
     }
     if (cfg->block_size < 1 || cfg->max_num_seqs < 1 || cfg->max_num_batched_tokens < 1 ||

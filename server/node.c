@@ -29,10 +29,10 @@ int pd_node_main(int argc, char **argv, const char *role)
     pd_kv_connector_config_t kcfg;
     pd_kv_connector_config_defaults(&kcfg);
     kcfg.role = role;
-    pd_flag_t flags[64];
+    pd_flag_t flags[80];
     size_t n = pd_engine_flags(&cfg, flags, 30);
     n += pd_http_flags(&hcfg, flags + n, 12);
-    n += pd_kv_connector_flags(&kcfg, flags + n, 20);
+    n += pd_kv_connector_flags(&kcfg, flags + n, 28);
     char usage[512];
     snprintf(usage, sizeof(usage),
              "usage: pd-%s --model DIR [--port P] [--kv-listen HOST:PORT] [--kv-pipe ucx|tcp] "
@@ -52,16 +52,22 @@ int pd_node_main(int argc, char **argv, const char *role)
         return 2;
     }
     kcfg.load_failure_policy = cfg.load_failure_policy;
+    json_t *ktc = NULL; /* --kv-transfer-config: kcfg's strings point into it until exit */
+    if (pd_kv_transfer_config_apply(kcfg.transfer_config, &kcfg, &ktc) != PD_OK) {
+        return 2;
+    }
     /* --device as pd-serve: a device KV (cuda) is staged by the connector through a pinned host
      * mirror the pipe registers (ucx and tcp move host memory) */
     pd_metrics_t *metrics = NULL;
     if (pd_metrics_create(&metrics) != PD_OK) {
+        json_decref(ktc);
         return 1;
     }
     pd_connector_t *conn = NULL;
     st = pd_kv_connector_create(&kcfg, metrics, &conn);
     if (st != PD_OK) {
         pd_metrics_destroy(metrics);
+        json_decref(ktc);
         return 1;
     }
     cfg.connector = conn;
@@ -101,6 +107,7 @@ int pd_node_main(int argc, char **argv, const char *role)
     pd_kv_connector_stop(conn);
     pd_engine_destroy(e);
     pd_kv_connector_destroy(conn);
+    json_decref(ktc);
     pd_metrics_destroy(metrics);
     free(info);
     pd_log_info("pd-%s exiting (%s)", role, pd_status_str(st));

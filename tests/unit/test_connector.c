@@ -852,6 +852,57 @@ START_TEST(test_abort_waits_for_the_reconnect)
 }
 END_TEST
 
+/* vLLM's --kv-transfer-config maps onto the flags: connector names to pipes, kv_ip/kv_port to the
+ * listener, extra keys to settings; a role the binary does not play, kv_both, an unknown connector,
+ * key or extra key, or a wrong type is refused (nothing applied to the caller's keep). */
+START_TEST(test_kv_transfer_config)
+{
+    pd_kv_connector_config_t c;
+    json_t *keep = NULL;
+    pd_kv_connector_config_defaults(&c);
+    c.role = "prefill";
+    ck_assert_int_eq(pd_kv_transfer_config_apply(NULL, &c, &keep), PD_OK);
+    ck_assert_ptr_null(keep);
+    ck_assert_int_eq(
+        pd_kv_transfer_config_apply("{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_producer\","
+                                    "\"kv_ip\":\"127.0.0.1\",\"kv_port\":14579,"
+                                    "\"kv_connector_extra_config\":{\"transfer_mode\":\"push\","
+                                    "\"hold_timeout\":7.5,\"heartbeat_misses\":3}}",
+                                    &c, &keep),
+        PD_OK);
+    ck_assert_str_eq(c.pipe, "ucx");
+    ck_assert_str_eq(c.mode, "push");
+    ck_assert_str_eq(c.listen, "127.0.0.1:14579");
+    ck_assert(c.hold_timeout == 7.5 && c.heartbeat_misses == 3);
+    json_decref(keep);
+    pd_kv_connector_config_defaults(&c);
+    c.role = "decode";
+    ck_assert_int_eq(pd_kv_transfer_config_apply(
+                         "{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_consumer\"}", &c, &keep),
+                     PD_OK);
+    ck_assert_str_eq(c.pipe, "nccl");
+    json_decref(keep);
+    const char *bad[] = {
+        "{\"kv_role\":\"kv_producer\"}", /* a decode is a kv_consumer */
+        "{\"kv_role\":\"kv_both\"}",     /* no such process here */
+        "{\"kv_connector\":\"LMCacheConnectorV1\",\"kv_role\":\"kv_consumer\"}", /* not implemented */
+        "{\"kv_role\":\"kv_consumer\",\"kv_rank\":1}",                           /* an unsupported key */
+        "{\"kv_role\":\"kv_consumer\",\"kv_connector_extra_config\":{\"backends\":[\"UCX\"]}}",
+        "{\"kv_role\":\"kv_consumer\",\"kv_connector_extra_config\":{\"hold_timeout\":\"5\"}}",
+        "{\"kv_role\":\"kv_consumer\",\"kv_port\":70000}",
+        "{\"kv_role\":\"kv_consumer\",\"kv_connector\":3}",
+        "[1]",
+        "{oops",
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        keep = NULL;
+        ck_assert_msg(pd_kv_transfer_config_apply(bad[i], &c, &keep) == PD_ERR_INVALID_ARG, "accepted %s",
+                      bad[i]);
+        ck_assert_ptr_null(keep);
+    }
+}
+END_TEST
+
 int main(void)
 {
     pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_OFF);
@@ -868,6 +919,7 @@ int main(void)
     tcase_add_loop_test(tc, test_push_waits_end, 0, np);
     tcase_add_loop_test(tc, test_abort_during_load, 0, np);
     tcase_add_loop_test(tc, test_abort_waits_for_the_reconnect, 0, np);
+    tcase_add_test(tc, test_kv_transfer_config);
     tcase_add_loop_test(tc, test_hostile_authenticated_peer, 0, np);
     tcase_add_loop_test(tc, test_peer_deaths_leave_nothing, 0, np);
     tcase_add_loop_test(tc, test_control_listener_emfile_backoff, 0, np);
