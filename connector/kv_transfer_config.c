@@ -138,11 +138,11 @@ pd_status_t pd_kv_transfer_config_apply(const char *text, pd_kv_connector_config
         return PD_ERR_INVALID_ARG;
     }
     json_t *conn = json_object_get(root, "kv_connector");
-    if ((conn != NULL && !json_is_string(conn)) ||
-        apply_connector(root, json_string_value(conn), cfg) != PD_OK) {
-        return conn != NULL && !json_is_string(conn)
-                   ? refuse(root, "--kv-transfer-config: %s must be a string", "kv_connector")
-                   : PD_ERR_INVALID_ARG;
+    if (conn != NULL && !json_is_string(conn)) {
+        return refuse(root, "--kv-transfer-config: %s must be a string", "kv_connector");
+    }
+    if (apply_connector(root, json_string_value(conn), cfg) != PD_OK) {
+        return PD_ERR_INVALID_ARG; /* refused and freed there */
     }
     json_t *ip = json_object_get(root, "kv_ip"), *port = json_object_get(root, "kv_port");
     if (ip != NULL || port != NULL) {
