@@ -35,6 +35,7 @@ void pd_http_config_defaults(pd_http_config_t *c)
 {
     memset(c, 0, sizeof(*c));
     c->host = "127.0.0.1";
+    c->port = 8000; /* vLLM's */
     c->max_request_bytes = 4u << 20;
     c->drain_timeout = 30.0;
     c->max_json_depth = 32;
@@ -44,7 +45,8 @@ size_t pd_http_flags(pd_http_config_t *c, pd_flag_t *out, size_t max)
 {
     pd_flag_t f[] = {
         {"host", PD_FLAG_STR, &c->host, "address to listen on", NULL},
-        {"port", PD_FLAG_INT, &c->port, "HTTP port (0 = any free port, see --port-file)", NULL},
+        {"port", PD_FLAG_INT, &c->port, "HTTP port (vLLM's default; 0 = any free port, see --port-file)",
+         NULL},
         {"port-file", PD_FLAG_STR, &c->port_file, "write the bound port to this file", NULL},
         {"api-key", PD_FLAG_STR, &c->api_key, "require 'Authorization: Bearer KEY' on /v1/ routes", NULL},
         {"max-request-bytes", PD_FLAG_SIZE, &c->max_request_bytes, "largest request body accepted", NULL},
