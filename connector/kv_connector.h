@@ -65,7 +65,8 @@ size_t pd_kv_connector_flags(pd_kv_connector_config_t *cfg, pd_flag_t *out, size
 
 /* Applies vLLM's --kv-transfer-config JSON text (NULL or "": nothing) to cfg, whose role is set:
  * kv_connector (PdConnector; NixlConnector = the ucx pipe, P2pNcclConnector = nccl), kv_role
- * (kv_producer for a prefill, kv_consumer for a decode), kv_ip/kv_port (the control listener) and
+ * (kv_producer for a prefill, kv_consumer for a decode), kv_ip/kv_port (the control listener; the
+ * one not given keeps --kv-listen's value) and
  * kv_connector_extra_config (transfer_mode, pipe, advertise_host, advertise_port, ucx_err_mode,
  * cluster_token_file, hold/load/handshake_timeout, heartbeat_interval/misses, staging). Its values
  * win over the flags. PD_ERR_INVALID_ARG (logged, naming the key) for anything else. *keep_out

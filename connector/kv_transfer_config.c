@@ -151,9 +151,12 @@ pd_status_t pd_kv_transfer_config_apply(const char *text, pd_kv_connector_config
             return refuse(root, "--kv-transfer-config: %s must be a host string and a port in [0, 65535]",
                           "kv_ip/kv_port");
         }
-        char listen[96];
-        snprintf(listen, sizeof(listen), "%s:%lld", ip != NULL ? json_string_value(ip) : "0.0.0.0",
-                 port != NULL ? (long long)json_integer_value(port) : 0LL);
+        char host[64] = "127.0.0.1", listen[96];
+        int old_port = 0;
+        sscanf(cfg->listen != NULL ? cfg->listen : "", "%63[^:]:%d", host,
+               &old_port); /* what is not given stays */
+        snprintf(listen, sizeof(listen), "%s:%lld", ip != NULL ? json_string_value(ip) : host,
+                 port != NULL ? (long long)json_integer_value(port) : (long long)old_port);
         json_object_set_new(root, "_listen", json_string(listen)); /* kept alive with root */
         cfg->listen = json_string_value(json_object_get(root, "_listen"));
     }

@@ -407,10 +407,8 @@ static void on_client_readable(evutil_socket_t fd, short what, void *arg)
         event_add(q->client_watch, NULL);
         return;
     }
-    if (n == 0 || n < 0) {
-        if (q->client_conn != NULL) {
-            evhttp_connection_free(q->client_conn); /* on_client_close(q) frees q */
-        }
+    if (n <= 0 && q->client_conn != NULL) {
+        evhttp_connection_free(q->client_conn); /* on_client_close(q) frees q */
     }
 }
 

@@ -882,6 +882,11 @@ START_TEST(test_kv_transfer_config)
                      PD_OK);
     ck_assert_str_eq(c.pipe, "nccl");
     json_decref(keep);
+    c.listen = "10.1.2.3:9100"; /* kv_port alone keeps the listen host (never widens it to 0.0.0.0) */
+    ck_assert_int_eq(pd_kv_transfer_config_apply("{\"kv_role\":\"kv_consumer\",\"kv_port\":9200}", &c, &keep),
+                     PD_OK);
+    ck_assert_str_eq(c.listen, "10.1.2.3:9200");
+    json_decref(keep);
     const char *bad[] = {
         "{\"kv_role\":\"kv_producer\"}", /* a decode is a kv_consumer */
         "{\"kv_role\":\"kv_both\"}",     /* no such process here */
