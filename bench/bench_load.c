@@ -131,7 +131,7 @@ static int32_t estimate_tokens(const char *s)
 }
 
 pd_status_t pd_bench_dataset_sharegpt(const char *path, uint64_t seed, size_t n, int32_t output_len,
-                                      pd_bench_dataset_t *out)
+                                      pd_bench_count_fn count, void *count_ctx, pd_bench_dataset_t *out)
 {
     json_error_t err;
     json_t *root = json_load_file(path, 0, &err);
@@ -171,7 +171,16 @@ pd_status_t pd_bench_dataset_sharegpt(const char *path, uint64_t seed, size_t n,
         if (q == NULL || a == NULL) {
             continue;
         }
-        int32_t pl = estimate_tokens(q), ol = output_len > 0 ? output_len : estimate_tokens(a);
+        int32_t pl = count != NULL ? count(count_ctx, q) : estimate_tokens(q);
+        int32_t ol = output_len > 0 ? output_len : count != NULL ? count(count_ctx, a) : estimate_tokens(a);
+        if (pl < 0 || ol < 0) {
+            pd_log_error("%s: cannot count the tokens of conversation %zu", path, order[k]);
+            free(order);
+            json_decref(root);
+            out->n = kept;
+            pd_bench_dataset_free(out);
+            return PD_ERR_IO;
+        }
         if (!pd_bench_sharegpt_keep(pl, ol)) {
             continue;
         }

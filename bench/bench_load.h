@@ -38,13 +38,18 @@ pd_status_t pd_bench_dataset_prefix_repetition(uint64_t seed, size_t n, int32_t 
                                                int32_t suffix_len, int32_t num_prefixes, int32_t output_len,
                                                int32_t vocab, pd_bench_dataset_t *out);
 
+/* Counts the tokens of text as the server will (the model's tokenizer, special tokens added as
+ * for a completion prompt); -1 when it cannot. */
+typedef int32_t (*pd_bench_count_fn)(void *ctx, const char *text);
+
 /* ShareGPT JSON (a list of {conversations: [{from, value}, ...]}): the first human turn is the
  * prompt, the next turn's length is the output length; pairs are filtered as vLLM does
- * (prompt ≥ 4 and output ≥ 4 tokens, prompt ≤ 1024, prompt + output ≤ 2048), with a length
- * estimate of one token per 4 bytes (no tokenizer in the client); output_len > 0 overrides.
- * Shuffled with seed, then the first n kept. PD_ERR_PARSE (logged) on a malformed file. */
+ * (prompt ≥ 4 and output ≥ 4 tokens, prompt ≤ 1024, prompt + output ≤ 2048) on token counts from
+ * count (the model's tokenizer, as vLLM's benchmark), or, count NULL, an estimate of one token per
+ * 4 bytes; output_len > 0 overrides. Shuffled with seed, then the first n kept. PD_ERR_PARSE
+ * (logged) on a malformed file; PD_ERR_IO (logged) when count fails. */
 pd_status_t pd_bench_dataset_sharegpt(const char *path, uint64_t seed, size_t n, int32_t output_len,
-                                      pd_bench_dataset_t *out);
+                                      pd_bench_count_fn count, void *count_ctx, pd_bench_dataset_t *out);
 
 /* Filters one ShareGPT pair (token counts): whether vLLM's sample_sharegpt_requests keeps it. */
 bool pd_bench_sharegpt_keep(int32_t prompt_len, int32_t output_len);

@@ -27,6 +27,7 @@
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/time.h"
+#include "model/tokenizer.h"
 
 typedef struct cfg {
     const char *base_url;
@@ -55,6 +56,7 @@ typedef struct cfg {
     bool no_progress;
     double wait_ready_s;
     const char *kv_metrics_url;
+    const char *tokenizer; /* --tokenizer DIR: count ShareGPT tokens locally */
 } cfg_t;
 
 typedef struct run run_t;
@@ -415,6 +417,7 @@ static int save_result(const cfg_t *c, const run_t *r, const pd_bench_summary_t 
     json_object_set_new(o, "completed", json_integer(s->completed));
     json_object_set_new(o, "failed", json_integer(s->failed));
     json_object_set_new(o, "total_input_tokens", json_integer(s->total_input_tokens));
+    json_object_set_new(o, "server_input_tokens", json_integer(r->server_prompt_tokens));
     json_object_set_new(o, "total_output_tokens", json_integer(s->total_output_tokens));
     json_object_set_new(o, "request_throughput", json_real(s->request_throughput));
     json_object_set_new(o, "request_goodput",
@@ -472,10 +475,18 @@ static int cmp_double(const void *x, const void *y)
     return a < b ? -1 : a > b;
 }
 
+/* Eight colours told apart in colour-blind vision and print (Okabe–Ito, yellow swapped for grey)
+ * and eight marker shapes: series s gets both, so a ninth series is still told apart by its marker
+ * pairing but the plot warns. */
+static const char *const PLOT_COLOURS[8] = {"#0072B2", "#D55E00", "#009E73", "#CC79A7",
+                                            "#E69F00", "#56B4E9", "#000000", "#999999"};
+static const int PLOT_MARKERS[8] = {7, 5, 9, 11, 13, 4, 6, 1}; /* ● ■ ▲ ▼ ◆ □ ○ + (pngcairo) */
+
 /* pd-bench plot OUT_DIR RESULT.json...: latency percentiles vs request rate, one series per
  * result label (e.g. "colocated long", "pull long"; the file name without one), p50 solid and
- * p99 dashed in the label's colour; and the TTFT / E2EL CDF of each file. Data files and the
- * gnuplot script stay in OUT_DIR. */
+ * p99 dashed in the label's colour and marker; and the TTFT / E2EL CDF of each file in its label's
+ * colour (E2EL dashed). Axes are padded so that end points are not drawn on the frame. Data
+ * files and the gnuplot script stay in OUT_DIR. */
 static int plot(int argc, char **argv)
 {
     if (argc < 2) {
@@ -495,6 +506,7 @@ static int plot(int argc, char **argv)
     enum { MAX_SERIES = 16 };
     char series[MAX_SERIES][128];
     char *titles[256];
+    int file_series[256] = {0}; /* each file's series (its colour in the CDF) */
     int nseries = 0, nfiles = 0;
     FILE *sdat[MAX_SERIES] = {NULL};
     bool bad = false;
@@ -533,6 +545,7 @@ static int plot(int argc, char **argv)
             fputs(row, sdat[s]);
         }
         if (nfiles < 256) {
+            file_series[nfiles] = s;
             char t[200];
             snprintf(t, sizeof(t), "%s @ %g req/s", label, rate);
             titles[nfiles] = strdup(t);
@@ -576,7 +589,12 @@ static int plot(int argc, char **argv)
         }
         return 1;
     }
-    fprintf(gp, "set terminal pngcairo size 1100,800 noenhanced\nset grid\nset key outside right\n");
+    if (nseries > 8) {
+        pd_log_warn("pd-bench plot: %d series; colours repeat after 8 (plot fewer labels at once)", nseries);
+    }
+    fprintf(gp, "set terminal pngcairo size 1200,900 noenhanced\nset grid\nset key outside right\n");
+    /* room around the data: a point at the largest rate or latency stays inside the frame */
+    fprintf(gp, "set offsets graph 0.04, graph 0.04, graph 0.08, graph 0.04\nset yrange [0:*]\n");
     fprintf(gp,
             "set output '%s/latency_vs_rate.png'\nset multiplot layout 3,1 title 'latency vs request rate'\n",
             dir);
@@ -585,10 +603,13 @@ static int plot(int argc, char **argv)
     for (int k = 0; k < 3; k++) {
         fprintf(gp, "set ylabel '%s (ms)'\nplot ", names[k]);
         for (int s = 0; s < nseries; s++) {
+            const char *c = PLOT_COLOURS[s % 8];
+            int pt = PLOT_MARKERS[s % 8];
             fprintf(gp,
-                    "%s'%s/rate_%d.dat' using 2:%d with linespoints lc %d dt 1 title '%s p50', "
-                    "'' using 2:%d with linespoints lc %d dt 2 title '%s p99'",
-                    s ? ", " : "", dir, s, 3 + 2 * k, s + 1, series[s], 4 + 2 * k, s + 1, series[s]);
+                    "%s'%s/rate_%d.dat' using 2:%d with linespoints lc rgb '%s' pt %d ps 1.3 lw 2 dt 1 "
+                    "title '%s p50', '' using 2:%d with linespoints lc rgb '%s' pt %d ps 1.3 lw 2 dt 2 "
+                    "title '%s p99'",
+                    s ? ", " : "", dir, s, 3 + 2 * k, c, pt, series[s], 4 + 2 * k, c, pt, series[s]);
         }
         fprintf(gp, "\n");
     }
@@ -596,12 +617,14 @@ static int plot(int argc, char **argv)
     fprintf(gp,
             "set output '%s/latency_cdf.png'\nset xlabel 'latency (ms)'\nset ylabel 'fraction of requests'\n",
             dir);
-    fprintf(gp, "plot ");
+    fprintf(gp, "set yrange [0:1.05]\nset offsets graph 0.02, graph 0.02, 0, 0\nplot ");
     for (int f = 0; f < nfiles; f++) {
-        fprintf(
-            gp,
-            "%s'%s/cdf_%d.dat' using 1:3 with lines title '%s TTFT', '' using 2:3 with lines title '%s E2EL'",
-            f ? ", " : "", dir, f, f < 256 ? titles[f] : argv[1 + f], f < 256 ? titles[f] : argv[1 + f]);
+        const char *c = PLOT_COLOURS[file_series[f] % 8];
+        fprintf(gp,
+                "%s'%s/cdf_%d.dat' using 1:3 with lines lc rgb '%s' lw 2 dt 1 title '%s TTFT', "
+                "'' using 2:3 with lines lc rgb '%s' lw 2 dt 2 title '%s E2EL'",
+                f ? ", " : "", dir, f, c, f < 256 ? titles[f] : argv[1 + f], c,
+                f < 256 ? titles[f] : argv[1 + f]);
     }
     fprintf(gp, "\n");
     for (int f = 0; f < nfiles && f < 256; f++) {
@@ -620,6 +643,45 @@ static int plot(int argc, char **argv)
 }
 
 /* ------------------------------------------------------------------ main */
+
+/* ------------------------------------------------------------------ token counts */
+
+/* Where ShareGPT prompts are counted: the model's tokenizer loaded here (--tokenizer DIR), or the
+ * server's POST /tokenize (vLLM's; same count as the prompt_tokens it reports). */
+typedef struct counter {
+    pd_tokenizer_t *tok;
+    run_t *run;
+    const char *model;
+} counter_t;
+
+static int32_t count_local(void *ctx, const char *text)
+{
+    counter_t *c = ctx;
+    int32_t *ids = NULL;
+    size_t n = 0;
+    if (pd_tokenizer_encode(c->tok, text, strlen(text), true, &ids, &n) != PD_OK) {
+        return -1;
+    }
+    free(ids);
+    return (int32_t)n;
+}
+
+static int32_t count_remote(void *ctx, const char *text)
+{
+    counter_t *c = ctx;
+    json_t *req = json_pack("{s:s, s:s, s:b}", "model", c->model, "prompt", text, "add_special_tokens", 1);
+    char *body = json_dumps(req, JSON_COMPACT);
+    json_decref(req);
+    pd_bench_http_resp_t g;
+    pd_bench_http(c->run->base, c->run->host, c->run->port, EVHTTP_REQ_POST, "/tokenize", body, 30, &g);
+    free(body);
+    json_t *j = g.status == 200 && g.body != NULL ? json_loads(g.body, 0, NULL) : NULL;
+    json_t *count = json_object_get(j, "count");
+    int32_t n = json_is_integer(count) ? (int32_t)json_integer_value(count) : -1;
+    json_decref(j);
+    free(g.body);
+    return n;
+}
 
 /* Asks the server for its first model's name (when --model is not given). */
 static char *fetch_model(run_t *r)
@@ -664,80 +726,113 @@ static bool wait_ready(run_t *r, double timeout_s)
     return false;
 }
 
-/* The KV transfer totals of a P/D node (its /metrics), after the run. */
-static void print_kv_metrics(struct event_base *base, const char *url)
+/* A P/D node's KV transfer counters (its /metrics) at one moment. */
+typedef struct kv_snap {
+    bool ok;
+    double done, failed, bytes, secs, n, pages;
+} kv_snap_t;
+
+static kv_snap_t read_kv_metrics(struct event_base *base, const char *url)
 {
+    kv_snap_t k = {0};
     char host[128];
     int port;
     if (sscanf(url, "http://%127[^:/]:%d", host, &port) != 2) {
         pd_log_error("--kv-metrics-url '%s' is not http://HOST:PORT", url);
-        return;
+        return k;
     }
     pd_bench_http_resp_t g;
     pd_bench_http(base, host, port, EVHTTP_REQ_GET, "/metrics", NULL, 10, &g);
     if (g.status != 200 || g.body == NULL) {
         pd_log_error("cannot read %s/metrics", url);
         free(g.body);
+        return k;
+    }
+    /* every kind (pull_load, push_load, push_save) summed */
+    k.done = pd_metrics_text_value(g.body, "pd:kv_transfers_completed_total", 0);
+    k.failed = pd_metrics_text_value(g.body, "pd:kv_transfers_failed_total", 0);
+    k.bytes = pd_metrics_text_value(g.body, "pd:kv_transfer_bytes_total", 0);
+    k.secs = pd_metrics_text_value(g.body, "pd:kv_transfer_seconds_sum", 0);
+    k.n = pd_metrics_text_value(g.body, "pd:kv_transfer_seconds_count", 0);
+    k.pages = pd_metrics_text_value(g.body, "pd:kv_transfer_pages_sum", 0);
+    k.ok = true;
+    free(g.body);
+    return k;
+}
+
+/* The KV transfers of this run: the node's counters after minus before (a node's lifetime totals
+ * would count every earlier run and the warm-ups). */
+static void print_kv_metrics(const kv_snap_t *before, const kv_snap_t *after)
+{
+    if (!before->ok || !after->ok) {
         return;
     }
-    const char *kinds[3] = {"pull_load", "push_load", "push_save"};
-    double done = 0, failed = 0;
-    for (int i = 0; i < 3; i++) {
-        char name[96];
-        snprintf(name, sizeof(name), "pd:kv_transfers_completed_total{kind=\"%s\"}", kinds[i]);
-        done += pd_metrics_text_value(g.body, name, 0);
-        snprintf(name, sizeof(name), "pd:kv_transfers_failed_total{kind=\"%s\"}", kinds[i]);
-        failed += pd_metrics_text_value(g.body, name, 0);
-    }
-    double bytes = pd_metrics_text_value(g.body, "pd:kv_transfer_bytes_total", 0);
-    double secs = pd_metrics_text_value(g.body, "pd:kv_transfer_seconds_sum", 0);
-    double n = pd_metrics_text_value(g.body, "pd:kv_transfer_seconds_count", 0);
-    double pages = pd_metrics_text_value(g.body, "pd:kv_transfer_pages_sum", 0);
-    printf("%s\n", "----------------KV transfers (node)---------------");
-    printf("%-40s %-10.0f\n", "Transfers completed:", done);
-    printf("%-40s %-10.0f\n", "Transfers failed:", failed);
+    double bytes = after->bytes - before->bytes, secs = after->secs - before->secs, n = after->n - before->n;
+    printf("%s\n", "---------KV transfers (node, during this run)-----");
+    printf("%-40s %-10.0f\n", "Transfers completed:", after->done - before->done);
+    printf("%-40s %-10.0f\n", "Transfers failed:", after->failed - before->failed);
     printf("%-40s %-10.2f\n", "KV moved (MiB):", bytes / (1 << 20));
-    printf("%-40s %-10.0f\n", "Pages moved:", pages);
+    printf("%-40s %-10.0f\n", "Pages moved:", after->pages - before->pages);
     printf("%-40s %-10.3f\n", "Mean transfer latency (ms):", n > 0 ? secs / n * 1e3 : 0.0);
     printf("%-40s %-10.3f\n", "Transfer throughput (GB/s):", secs > 0 ? bytes / secs / 1e9 : 0.0);
     printf("%s\n", "==================================================");
-    free(g.body);
 }
 
-/* pd-bench table RESULT.json...: one markdown row per result (for bench/RESULTS.md). */
+/* pd-bench table RESULT.json...: one markdown row per result (for bench/RESULTS.md); the goodput
+ * column only when a result was run with --goodput ("-" for the others). */
 static int table(int argc, char **argv)
 {
-    printf("| run | rate (req/s) | done/failed | req/s | goodput (req/s) | out tok/s | TTFT p50 / p99 (ms) | "
-           "TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) | E2EL p50 (ms) |\n");
-    printf("|---|---|---|---|---|---|---|---|---|---|\n");
-    for (int i = 0; i < argc; i++) {
+    json_t **js = calloc((size_t)(argc > 0 ? argc : 1), sizeof(json_t *));
+    bool any_goodput = false;
+    int rc = 0;
+    for (int i = 0; i < argc && rc == 0; i++) {
         json_error_t e;
-        json_t *j = json_load_file(argv[i], 0, &e);
-        if (j == NULL) {
+        js[i] = json_load_file(argv[i], 0, &e);
+        if (js[i] == NULL) {
             pd_log_error("%s:%d: %s", argv[i], e.line, e.text);
-            return 1;
+            rc = 1;
+        } else {
+            any_goodput |= json_is_number(json_object_get(js[i], "request_goodput"));
         }
+    }
+    if (rc == 0) {
+        printf("| run | rate (req/s) | done/failed | req/s |%s out tok/s | TTFT p50 / p99 (ms) | "
+               "TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) | E2EL p50 (ms) |\n",
+               any_goodput ? " goodput (req/s) |" : "");
+        printf("|---|---|---|---|%s---|---|---|---|---|\n", any_goodput ? "---|" : "");
+    }
+    for (int i = 0; i < argc && rc == 0; i++) {
+        json_t *j = js[i];
 #define NUM(k) json_number_value(json_object_get(j, k))
         const char *label = json_string_value(json_object_get(j, "label"));
         json_t *rr = json_object_get(j, "request_rate");
-        char rate[32];
+        char rate[32], good[40] = "";
         if (json_is_number(rr)) {
             snprintf(rate, sizeof(rate), "%g", json_number_value(rr));
         } else {
             snprintf(rate, sizeof(rate), "inf");
         }
-        printf(
-            "| %s | %s | %lld/%lld | %.2f | %.2f | %.1f | %.0f / %.0f | %.1f / %.1f | %.1f / %.1f | %.0f |\n",
-            label != NULL ? label : argv[i], rate,
-            (long long)json_integer_value(json_object_get(j, "completed")),
-            (long long)json_integer_value(json_object_get(j, "failed")), NUM("request_throughput"),
-            NUM("request_goodput"), NUM("output_throughput"), NUM("median_ttft_ms"), NUM("p99_ttft_ms"),
-            NUM("median_tpot_ms"), NUM("p99_tpot_ms"), NUM("median_itl_ms"), NUM("p99_itl_ms"),
-            NUM("median_e2el_ms"));
+        if (any_goodput) {
+            json_t *g = json_object_get(j, "request_goodput");
+            if (json_is_number(g)) {
+                snprintf(good, sizeof(good), " %.2f |", json_number_value(g));
+            } else {
+                snprintf(good, sizeof(good), " - |");
+            }
+        }
+        printf("| %s | %s | %lld/%lld | %.2f |%s %.1f | %.0f / %.0f | %.1f / %.1f | %.1f / %.1f | %.0f |\n",
+               label != NULL ? label : argv[i], rate,
+               (long long)json_integer_value(json_object_get(j, "completed")),
+               (long long)json_integer_value(json_object_get(j, "failed")), NUM("request_throughput"), good,
+               NUM("output_throughput"), NUM("median_ttft_ms"), NUM("p99_ttft_ms"), NUM("median_tpot_ms"),
+               NUM("p99_tpot_ms"), NUM("median_itl_ms"), NUM("p99_itl_ms"), NUM("median_e2el_ms"));
 #undef NUM
-        json_decref(j);
     }
-    return 0;
+    for (int i = 0; i < argc; i++) {
+        json_decref(js[i]);
+    }
+    free(js);
+    return rc;
 }
 
 int main(int argc, char **argv)
@@ -759,7 +854,6 @@ int main(int argc, char **argv)
     c.pr_suffix_len = 256;
     c.pr_num_prefixes = 10;
     c.pr_output_len = 128;
-    c.vocab_size = 256;
     c.request_rate = INFINITY;
     c.burstiness = 1.0;
     c.metric_percentiles = "99";
@@ -786,7 +880,10 @@ int main(int argc, char **argv)
          NULL},
         {"sharegpt-output-len", PD_FLAG_INT, &c.sharegpt_output_len,
          "sharegpt: fixed output length (0 = dataset's)", NULL},
-        {"vocab-size", PD_FLAG_INT, &c.vocab_size, "random token ids are drawn below this", NULL},
+        {"vocab-size", PD_FLAG_INT, &c.vocab_size,
+         "random token ids are drawn below this (0: --tokenizer's vocabulary, else 256)", NULL},
+        {"tokenizer", PD_FLAG_STR, &c.tokenizer,
+         "model directory whose tokenizer counts ShareGPT tokens (default: the server's /tokenize)", NULL},
         {"request-rate", PD_FLAG_DOUBLE, &c.request_rate, "requests/s (inf = all at once)", NULL},
         {"burstiness", PD_FLAG_DOUBLE, &c.burstiness, "gamma shape of the arrival gaps (1 = Poisson)", NULL},
         {"max-concurrency", PD_FLAG_INT, &c.max_concurrency, "requests in flight at most (0 = unbounded)",
@@ -862,6 +959,14 @@ int main(int argc, char **argv)
         }
         c.model = model;
     }
+    pd_tokenizer_t *tok = NULL;
+    if (c.tokenizer != NULL && pd_tokenizer_load_dir(c.tokenizer, &tok) != PD_OK) {
+        pd_log_error("--tokenizer: cannot load a tokenizer from %s", c.tokenizer);
+        return 1;
+    }
+    if (c.vocab_size <= 0) { /* random ids over the model's whole vocabulary when it is known */
+        c.vocab_size = tok != NULL ? pd_tokenizer_vocab_size(tok) : 256;
+    }
     size_t n = (size_t)c.num_prompts + (size_t)c.num_warmups;
     if (strcmp(c.dataset_name, "random") == 0) {
         st = pd_bench_dataset_random((uint64_t)c.seed, n, c.random_input_len, c.random_output_len,
@@ -873,8 +978,18 @@ int main(int argc, char **argv)
         pd_log_error("--dataset-name sharegpt needs --dataset-path");
         st = PD_ERR_INVALID_ARG;
     } else {
-        st = pd_bench_dataset_sharegpt(c.dataset_path, (uint64_t)c.seed, n, c.sharegpt_output_len, &r.data);
+        counter_t cnt = {tok, &r, c.model};
+        pd_bench_count_fn fn = tok != NULL ? count_local : count_remote;
+        if (tok == NULL && count_remote(&cnt, "probe") < 0) {
+            pd_log_warn("pd-bench: %s has no /tokenize and no --tokenizer was given: ShareGPT lengths are "
+                        "estimated (4 bytes a token) and will differ from the server's counts",
+                        c.base_url);
+            fn = NULL;
+        }
+        st = pd_bench_dataset_sharegpt(c.dataset_path, (uint64_t)c.seed, n, c.sharegpt_output_len, fn, &cnt,
+                                       &r.data);
     }
+    pd_tokenizer_free(tok);
     if (st != PD_OK) {
         return 1;
     }
@@ -898,12 +1013,17 @@ int main(int argc, char **argv)
     }
     fprintf(stderr, "pd-bench: %zu %s requests to %s (rate %g req/s, burstiness %g, max concurrency %d)\n",
             r.data.n, c.dataset_name, c.base_url, c.request_rate, c.burstiness, c.max_concurrency);
+    kv_snap_t kv0 = {0}, kv1 = {0};
+    if (c.kv_metrics_url != NULL) {
+        kv0 = read_kv_metrics(r.base, c.kv_metrics_url);
+    }
     double dur = run_load(&r, !c.no_progress);
     pd_bench_summary_t s;
     pd_bench_summarize(r.recs, r.n, dur, c.goodput != NULL ? &slo : NULL, pcts, npct, &s);
     print_summary(&c, &s, c.goodput != NULL);
     if (c.kv_metrics_url != NULL) {
-        print_kv_metrics(r.base, c.kv_metrics_url);
+        kv1 = read_kv_metrics(r.base, c.kv_metrics_url);
+        print_kv_metrics(&kv0, &kv1);
     }
     int shown = 0;
     for (size_t i = 0; i < r.n && shown < 3; i++) {

@@ -299,6 +299,40 @@ static void region_free(void *ctx, void *ptr)
     }
 }
 
+/* The series vLLM's NixlConnector exports, with its buckets, so that a vLLM P/D dashboard reads a
+ * pdserve pool: on the decode, per completed load, the time pages moved (pull: posted to landed;
+ * push: reservation sent to WRITE_DONE), the time to post (scheduled to posted, a handshake
+ * included), the bytes and the pages ("descriptors"); failed loads; on the prefill, holds that
+ * expired unread. The model_name/engine labels are the registry's constant ones. */
+static void metrics_register_vllm(kv_conn_t *k, pd_metrics_t *m)
+{
+    static const double tb[13] = {0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0};
+    double bb[12];
+    for (int i = 0; i < 12; i++) {
+        bb[i] = (double)(1ull << (11 + 2 * i)); /* 2 KiB .. 8 GiB, as vLLM's */
+    }
+    static const double db[14] = {10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000};
+    k->m.nixl_xfer_s = pd_metrics_add(m, PD_METRIC_HISTOGRAM, "vllm:nixl_xfer_time_seconds",
+                                      "Histogram of transfer duration for KV Cache transfers (NIXL's name).",
+                                      NULL, tb + 1, 12);
+    k->m.nixl_post_s =
+        pd_metrics_add(m, PD_METRIC_HISTOGRAM, "vllm:nixl_post_time_seconds",
+                       "Histogram of transfer post time for KV Cache transfers (NIXL's name).", NULL, tb, 13);
+    k->m.nixl_bytes =
+        pd_metrics_add(m, PD_METRIC_HISTOGRAM, "vllm:nixl_bytes_transferred",
+                       "Histogram of bytes transferred per KV Cache transfers (NIXL's name).", NULL, bb, 12);
+    k->m.nixl_descs =
+        pd_metrics_add(m, PD_METRIC_HISTOGRAM, "vllm:nixl_num_descriptors",
+                       "Histogram of number of descriptors (pages) per KV Cache transfers (NIXL's "
+                       "name).",
+                       NULL, db, 14);
+    k->m.nixl_failed = pd_metrics_add(m, PD_METRIC_COUNTER, "vllm:nixl_num_failed_transfers_total",
+                                      "Number of failed KV Cache transfers (NIXL's name).", NULL, NULL, 0);
+    k->m.nixl_expired = pd_metrics_add(
+        m, PD_METRIC_COUNTER, "vllm:nixl_num_kv_expired_reqs_total",
+        "Number of requests that had their KV expire (prefill side; NIXL's name).", NULL, NULL, 0);
+}
+
 static void metrics_register(kv_conn_t *k, pd_metrics_t *m)
 {
     if (m == NULL) {
@@ -372,6 +406,7 @@ static void metrics_register(kv_conn_t *k, pd_metrics_t *m)
         pd_metrics_add(m, PD_METRIC_HISTOGRAM, "pd:kv_staging_copy_seconds",
                        "One staging copy (a layer's new pages on a prefill, a load's pages on a decode).",
                        NULL, PD_LATENCY_BUCKETS, PD_LATENCY_NUM_BUCKETS);
+    metrics_register_vllm(k, m);
 }
 
 static pd_status_t read_token(kv_conn_t *k, const char *path)

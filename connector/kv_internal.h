@@ -233,6 +233,8 @@ typedef struct kv_metrics {
     pd_metric_t *policy_recompute, *policy_fail, *stale, *peers;
     pd_metric_t *phase_queue, *phase_transfer, *phase_notify, *phase_remote, *handshake_s;
     pd_metric_t *staged_d2h, *staged_h2d, *staged_seconds;
+    /* vLLM's NixlConnector names (its dashboards read them), per completed load on the decode */
+    pd_metric_t *nixl_xfer_s, *nixl_post_s, *nixl_bytes, *nixl_descs, *nixl_failed, *nixl_expired;
 } kv_metrics_t;
 
 typedef struct kv_conn {

@@ -63,6 +63,7 @@ static void sweep_xfer_deadlines(kv_conn_t *k, double now)
                 "kv connector: request %s: no reservation within --kv-hold-timeout; freeing its blocks",
                 x->req_id);
             pd_metric_inc(k->m.leases_expired, 1);
+            pd_metric_inc(k->m.nixl_expired, 1);
             kv_report_sending(k, x->req_id);
             x->state = KV_XS_DONE;
         } else if (x->state == KV_XS_POSTED || (x->kind == KV_X_PUSH_LOAD && x->state == KV_XS_WAIT_PEER)) {
@@ -87,6 +88,7 @@ static void sweep_leases(kv_conn_t *k, double now)
                         l->req_id);
             l->expired = true;
             pd_metric_inc(k->m.leases_expired, 1);
+            pd_metric_inc(k->m.nixl_expired, 1);
             kv_report_sending(k, l->req_id);
         }
         if (l->expired && now > l->expires + k->cfg.hold_timeout) {

@@ -38,6 +38,13 @@ void kv_observe_done(kv_conn_t *k, kv_xfer_t *x)
         } else if (x->kind == KV_X_PUSH_LOAD) {
             pd_metric_observe(k->m.phase_remote, now - x->t_posted);
         }
+        bool moved = x->kind == KV_X_PUSH_LOAD || x->t_moved > 0;
+        pd_metric_observe(k->m.nixl_post_s, x->t_posted - x->started);
+        if (moved) {
+            pd_metric_observe(k->m.nixl_xfer_s, (x->kind == KV_X_PULL_LOAD ? x->t_moved : now) - x->t_posted);
+        }
+        pd_metric_observe(k->m.nixl_bytes, (double)x->bytes);
+        pd_metric_observe(k->m.nixl_descs, (double)x->pages);
     }
     pd_metric_inc(k->m.completed[x->kind], 1);
     pd_metric_observe(k->m.latency, pd_time_now_s() - x->started);
@@ -93,6 +100,9 @@ void kv_fail_xfer(kv_conn_t *k, kv_xfer_t *x, const char *why)
     }
     pd_log_warn("kv connector: transfer for request %s failed: %s", x->req_id, why);
     pd_metric_inc(k->m.failed[x->kind], 1);
+    if (x->kind != KV_X_PUSH_SAVE) {
+        pd_metric_inc(k->m.nixl_failed, 1);
+    }
     if (x->kind == KV_X_PUSH_SAVE) {
         kv_report_sending(k, x->req_id);
         x->state = KV_XS_DONE;

@@ -454,6 +454,7 @@ pd_status_t pd_engine_step(pd_engine_t *e, pd_engine_output_t **outputs)
     e->last_step_s = pd_time_now_s() - t0;
     if (so->num_items > 0) {
         pd_metric_observe(e->step_hist, e->last_step_s);
+        pd_metric_observe(e->iteration_tokens, so->total_tokens);
     }
     return st;
 }

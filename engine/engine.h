@@ -116,6 +116,8 @@ const pd_model_config_t *pd_engine_model_config(const pd_engine_t *e);
 int32_t pd_engine_max_model_len(const pd_engine_t *e);
 const pd_kv_cache_t *pd_engine_kv(const pd_engine_t *e);
 const char *pd_engine_model_name(const pd_engine_t *e);
+/* The configuration the engine was created with (its strings are the caller's). */
+const pd_engine_config_t *pd_engine_config(const pd_engine_t *e);
 /* The model directory the engine loaded (--model). */
 const char *pd_engine_model_dir(const pd_engine_t *e);
 /* The model's generation_config.json as the engine uses it (empty with --generation-config vllm). */

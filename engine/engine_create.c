@@ -282,6 +282,9 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
         e->step_hist = pd_metrics_add(cfg->metrics, PD_METRIC_HISTOGRAM, "pd:engine_step_duration_seconds",
                                       "Duration of one engine step (schedule, forward, update).", NULL,
                                       PD_LATENCY_BUCKETS, PD_LATENCY_NUM_BUCKETS);
+        e->iteration_tokens = pd_metrics_add(cfg->metrics, PD_METRIC_HISTOGRAM, "vllm:iteration_tokens_total",
+                                             "Histogram of number of tokens per engine_step.", NULL,
+                                             PD_VLLM_ITERATION_BUCKETS, PD_VLLM_ITERATION_NUM_BUCKETS);
     }
     pd_log_info("engine ready: %s, max_model_len %d, %u KV blocks of %d tokens, max_num_seqs %d, "
                 "max_num_batched_tokens %d, prefix caching %s",
@@ -339,6 +342,11 @@ const pd_kv_cache_t *pd_engine_kv(const pd_engine_t *e)
 const char *pd_engine_model_name(const pd_engine_t *e)
 {
     return e->model_name;
+}
+
+const pd_engine_config_t *pd_engine_config(const pd_engine_t *e)
+{
+    return &e->cfg;
 }
 
 const char *pd_engine_model_dir(const pd_engine_t *e)

@@ -54,7 +54,8 @@ struct pd_engine {
     pd_engine_output_t *aborted_head; /* closing outputs of aborts made between steps */
     pd_engine_output_t **aborted_tail;
     double last_step_s;
-    pd_metric_t *step_hist;
+    pd_metric_t *step_hist,
+        *iteration_tokens; /* pd:engine_step_duration_seconds, vllm:iteration_tokens_total */
     /* threading: mu guards the inbox, the output queue, running/stop/woken and the stats snapshot;
      * everything above is the engine thread's (or the caller's, unthreaded) */
     pthread_mutex_t mu;

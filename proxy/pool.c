@@ -235,8 +235,8 @@ static void on_probe(struct evhttp_request *r, void *arg)
         }
         json_decref(j);
     } else if (pr->kind == 2 && code == 200 && text != NULL) {
-        n->load = pd_metrics_text_value(text, "pd:num_requests_running", 0) +
-                  pd_metrics_text_value(text, "pd:num_requests_waiting", 0);
+        n->load = pd_metrics_text_value(text, "vllm:num_requests_running", 0) +
+                  pd_metrics_text_value(text, "vllm:num_requests_waiting", 0);
     }
     free(text);
     n->probes--;

@@ -564,25 +564,11 @@ static void reply_final(creq_t *c)
 static void observe_token(pd_http_server_t *s, creq_t *c, choice_t *h)
 {
     double now = pd_time_now_s();
+    pd_http_metrics_token(s, now - c->arrival, now - h->last_token, h->first_token == 0);
     if (h->first_token == 0) {
         h->first_token = now;
-        pd_metric_observe(s->m.ttft, now - c->arrival);
-    } else {
-        pd_metric_observe(s->m.itl, now - h->last_token);
     }
     h->last_token = now;
-}
-
-static void finish_metrics(pd_http_server_t *s, const pd_engine_output_t *o)
-{
-    static const char *reasons[4] = {"stop", "length", "abort", "error"};
-    for (int i = 0; i < 4; i++) {
-        if (strcmp(o->finish_reason, reasons[i]) == 0) {
-            pd_metric_inc(s->m.success[i], 1);
-        }
-    }
-    pd_metric_observe(s->m.e2e, o->e2e);
-    pd_metric_observe(s->m.queue, o->queue_time);
 }
 
 static bool submit_choice(creq_t *c, int32_t k);
@@ -645,7 +631,7 @@ static void absorb(pd_http_server_t *s, creq_t *c, choice_t *h, const pd_engine_
         if (strcmp(o->finish_reason, "error") == 0 && o->completion_tokens == 0) {
             h->error = strdup(o->text_len > 0 ? o->text : "generation failed");
         }
-        finish_metrics(s, o);
+        pd_http_metrics_finished(s, o);
     }
 }
 
@@ -774,6 +760,11 @@ void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bo
     c->req = req;
     c->arrival = pd_time_now_s();
     c->created = (int64_t)time(NULL);
+    int32_t max_tokens = c->in.params.max_tokens; /* 0: up to max_model_len */
+    for (int32_t i = 0; max_tokens <= 0 && i < c->in.num_prompts; i++) {
+        max_tokens = pd_engine_max_model_len(s->engine) - c->in.prompts[i].len;
+    }
+    pd_http_metrics_admitted(s, c->in.n, max_tokens);
     random_id(chat ? "chatcmpl-" : "cmpl-", c->id, sizeof(c->id));
     for (int32_t i = 0; c->in.echo && i < c->in.num_prompts; i++) { /* echo of token ids: their text */
         pd_prompt_t *pr = &c->in.prompts[i];

@@ -16,13 +16,15 @@
 
 typedef struct creq creq_t; /* one in-flight generation request (completion.c) */
 
+/* The front's series (server_metrics.c); vllm: ones carry {model_name, engine}. */
 typedef struct srv_metrics {
-    pd_metric_t *running, *waiting, *waiting_remote, *kv_usage, *blocks_free, *blocks_cached, *blocks_used;
+    pd_metric_t *running, *waiting, *kv_usage, *gpu_usage;
     pd_metric_t *prefix_queries, *prefix_hits, *prompt_tokens, *generation_tokens, *preemptions;
-    pd_metric_t *ttft, *itl, *e2e, *queue, *step;
     pd_metric_t *success[4]; /* stop, length, abort, error */
-    pd_metric_t *http_errors;
-    uint64_t seen_prefix_queries, seen_prefix_hits, seen_prompt, seen_gen, seen_preempt, seen_steps;
+    pd_metric_t *req_prompt, *req_gen, *req_max_gen, *req_n, *req_max_tokens;
+    pd_metric_t *ttft, *itl, *tpot, *e2e, *queue, *inference, *prefill, *decode;
+    pd_metric_t *waiting_remote, *blocks_free, *blocks_cached, *blocks_used, *http_errors; /* pd: */
+    uint64_t seen_prefix_queries, seen_prefix_hits, seen_prompt, seen_gen, seen_preempt;
 } srv_metrics_t;
 
 struct pd_http_server {
@@ -53,6 +55,18 @@ void pd_http_reply_error(pd_http_server_t *s, struct evhttp_request *req, int st
                          const char *param, const char *msg);
 /* The body as a NUL-terminated malloc'd copy, or NULL after answering 413/500. */
 char *pd_http_read_body(pd_http_server_t *s, struct evhttp_request *req, size_t *len_out);
+
+/* server_metrics.c */
+/* Registers the series (after the model name is known) and vllm:cache_config_info. */
+void pd_http_metrics_register(pd_http_server_t *s);
+/* Gauges and engine counters from a stats snapshot (before a scrape). */
+void pd_http_metrics_refresh(pd_http_server_t *s);
+/* One admitted generation request: its n and max_tokens (resolved, > 0). */
+void pd_http_metrics_admitted(pd_http_server_t *s, int32_t n, int32_t max_tokens);
+/* One generated token of a choice: the first (TTFT since arrival) or a later one (ITL). */
+void pd_http_metrics_token(pd_http_server_t *s, double since_arrival, double since_last, bool first);
+/* One finished engine request (a choice): reason, latencies, token counts. */
+void pd_http_metrics_finished(pd_http_server_t *s, const pd_engine_output_t *o);
 
 /* completion.c */
 /* POST /v1/completions (chat false) or /v1/chat/completions: validates, submits one engine request

@@ -385,34 +385,9 @@ static void handle_release(pd_http_server_t *s, struct evhttp_request *req)
     json_decref(j);
 }
 
-static void refresh_gauges(pd_http_server_t *s)
-{
-    pd_engine_stats_t st;
-    pd_engine_get_stats(s->engine, &st);
-    srv_metrics_t *m = &s->m;
-    pd_metric_set(m->running, st.num_running);
-    pd_metric_set(m->waiting, st.num_waiting + st.num_queued);
-    pd_metric_set(m->waiting_remote, st.num_waiting_for_remote_kv);
-    pd_metric_set(m->kv_usage, st.kv_usage);
-    pd_metric_set(m->blocks_free, st.blocks_free);
-    pd_metric_set(m->blocks_cached, st.blocks_cached_free);
-    pd_metric_set(m->blocks_used, st.blocks_used);
-    /* engine counters are monotonic: add what is new since the last scrape */
-    pd_metric_inc(m->prefix_queries, (double)(st.prefix_queries - m->seen_prefix_queries));
-    pd_metric_inc(m->prefix_hits, (double)(st.prefix_hits - m->seen_prefix_hits));
-    pd_metric_inc(m->prompt_tokens, (double)(st.prompt_tokens - m->seen_prompt));
-    pd_metric_inc(m->generation_tokens, (double)(st.generation_tokens - m->seen_gen));
-    pd_metric_inc(m->preemptions, (double)(st.preemptions - m->seen_preempt));
-    m->seen_prefix_queries = st.prefix_queries;
-    m->seen_prefix_hits = st.prefix_hits;
-    m->seen_prompt = st.prompt_tokens;
-    m->seen_gen = st.generation_tokens;
-    m->seen_preempt = st.preemptions;
-}
-
 static void handle_metrics(pd_http_server_t *s, struct evhttp_request *req)
 {
-    refresh_gauges(s);
+    pd_http_metrics_refresh(s);
     size_t len = 0;
     char *text = pd_metrics_render(s->metrics, &len);
     struct evbuffer *buf = evbuffer_new();
@@ -528,54 +503,6 @@ static void on_signal(evutil_socket_t sig, short what, void *arg)
     pd_http_server_shutdown(arg);
 }
 
-static void metrics_register(pd_http_server_t *s)
-{
-    srv_metrics_t *m = &s->m;
-    pd_metrics_t *r = s->metrics;
-    const double *lb = PD_LATENCY_BUCKETS;
-    int nb = PD_LATENCY_NUM_BUCKETS;
-    m->running = pd_metrics_add(r, PD_METRIC_GAUGE, "pd:num_requests_running", "Requests in the running set.",
-                                NULL, NULL, 0);
-    m->waiting = pd_metrics_add(r, PD_METRIC_GAUGE, "pd:num_requests_waiting",
-                                "Requests waiting to be scheduled.", NULL, NULL, 0);
-    m->waiting_remote = pd_metrics_add(r, PD_METRIC_GAUGE, "pd:num_requests_waiting_for_remote_kv",
-                                       "Requests waiting for KV from a remote peer.", NULL, NULL, 0);
-    m->kv_usage = pd_metrics_add(r, PD_METRIC_GAUGE, "pd:kv_cache_usage_perc",
-                                 "Fraction of KV blocks in use (0-1).", NULL, NULL, 0);
-    m->blocks_free = pd_metrics_add(r, PD_METRIC_GAUGE, "pd:kv_blocks_free",
-                                    "Free KV blocks without cached content.", NULL, NULL, 0);
-    m->blocks_cached = pd_metrics_add(r, PD_METRIC_GAUGE, "pd:kv_blocks_cached_free",
-                                      "Free KV blocks that still hold a cached prefix.", NULL, NULL, 0);
-    m->blocks_used = pd_metrics_add(r, PD_METRIC_GAUGE, "pd:kv_blocks_used",
-                                    "KV blocks referenced by requests.", NULL, NULL, 0);
-    m->prefix_queries = pd_metrics_add(r, PD_METRIC_COUNTER, "pd:prefix_cache_queries_total",
-                                       "Prompt tokens looked up in the prefix cache.", NULL, NULL, 0);
-    m->prefix_hits = pd_metrics_add(r, PD_METRIC_COUNTER, "pd:prefix_cache_hits_total",
-                                    "Prompt tokens found in the prefix cache.", NULL, NULL, 0);
-    m->prompt_tokens = pd_metrics_add(r, PD_METRIC_COUNTER, "pd:prompt_tokens_total",
-                                      "Prompt tokens admitted.", NULL, NULL, 0);
-    m->generation_tokens = pd_metrics_add(r, PD_METRIC_COUNTER, "pd:generation_tokens_total",
-                                          "Tokens generated.", NULL, NULL, 0);
-    m->preemptions = pd_metrics_add(r, PD_METRIC_COUNTER, "pd:num_preemptions_total",
-                                    "Preemptions by recompute.", NULL, NULL, 0);
-    m->ttft = pd_metrics_add(r, PD_METRIC_HISTOGRAM, "pd:time_to_first_token_seconds", "Time to first token.",
-                             NULL, lb, nb);
-    m->itl = pd_metrics_add(r, PD_METRIC_HISTOGRAM, "pd:inter_token_latency_seconds", "Time between tokens.",
-                            NULL, lb, nb);
-    m->e2e = pd_metrics_add(r, PD_METRIC_HISTOGRAM, "pd:e2e_request_latency_seconds",
-                            "Request latency end to end.", NULL, lb, nb);
-    m->queue = pd_metrics_add(r, PD_METRIC_HISTOGRAM, "pd:request_queue_time_seconds",
-                              "Time from arrival to first schedule.", NULL, lb, nb);
-    static const char *labels[4] = {"finished_reason=stop", "finished_reason=length", "finished_reason=abort",
-                                    "finished_reason=error"};
-    for (int i = 0; i < 4; i++) {
-        m->success[i] = pd_metrics_add(r, PD_METRIC_COUNTER, "pd:request_success_total",
-                                       "Finished requests by reason.", labels[i], NULL, 0);
-    }
-    m->http_errors = pd_metrics_add(r, PD_METRIC_COUNTER, "pd:http_errors_total",
-                                    "Requests answered with an error.", NULL, NULL, 0);
-}
-
 pd_status_t pd_http_server_create(const pd_http_config_t *cfg, pd_engine_t *engine, pd_metrics_t *metrics,
                                   pd_http_server_t **srv_out)
 {
@@ -622,7 +549,7 @@ pd_status_t pd_http_server_create(const pd_http_config_t *cfg, pd_engine_t *engi
                     "them get these; --generation-config vllm ignores the file):%s",
                     defaults);
     }
-    metrics_register(s);
+    pd_http_metrics_register(s);
     s->base = event_base_new();
     s->http = s->base != NULL ? evhttp_new(s->base) : NULL;
     if (s->http == NULL) {

@@ -17,6 +17,7 @@ PKGS=(
   gnuplot-nox                              # benchmark plots
   python3-numpy python3-yaml              # reference implementation; deploy manifest checks
   python3-jinja2                           # reference renders for the chat-template interpreter
+  prometheus                               # promtool check metrics (the /metrics exposition)
   clang-format                             # make format / format check
   nodejs npm                               # gpt-3-encoder / openai client peers in tests
 )

@@ -27,7 +27,9 @@ def http(port, path, body=None, timeout=60.0, method=None):
 
 
 def metrics(port):
-    """{name{labels}: value} of a node's /metrics, or {} when it does not answer."""
+    """{name{labels}: value} of a node's /metrics, plus {name: sum over its labelled series} (as a
+    PromQL sum(), so "vllm:num_requests_running" reads whatever model_name/engine it carries), or {}
+    when it does not answer."""
     try:
         text = http(port, "/metrics", timeout=5)[1].decode()
     except Exception:
@@ -39,7 +41,10 @@ def metrics(port):
             try:
                 out[k] = float(v)
             except ValueError:
-                pass
+                continue
+            name, brace, _ = k.partition("{")
+            if brace:
+                out[name] = out.get(name, 0.0) + out[k]
     return out
 
 
@@ -262,8 +267,8 @@ def wait_free(port, secs=20):
     while time.time() < end:
         m = metrics(port)
         used = m.get("pd:kv_blocks_used")
-        live = sum(m.get(k, 0) for k in ("pd:num_requests_running", "pd:num_requests_waiting",
-                                         "pd:num_requests_waiting_for_remote_kv"))
+        # vllm:num_requests_waiting counts those waiting for remote KV too
+        live = m.get("vllm:num_requests_running", 0) + m.get("vllm:num_requests_waiting", 0)
         if used == 0 and live == 0:
             return 0
         time.sleep(0.1)

@@ -137,19 +137,19 @@ START_TEST(test_datasets)
     json_decref(a);
     free(long_prompt);
     pd_bench_dataset_t d;
-    ck_assert_int_eq(pd_bench_dataset_sharegpt(path, 7, 100, 0, &d), PD_OK);
+    ck_assert_int_eq(pd_bench_dataset_sharegpt(path, 7, 100, 0, NULL, NULL, &d), PD_OK);
     ck_assert_int_eq(d.n, 2); /* one turn, a 1-token prompt and a 1250-token prompt are filtered */
     for (size_t i = 0; i < d.n; i++) {
         ck_assert(strstr(d.prompts[i].text, "question") != NULL);
         ck_assert_int_ge(d.prompts[i].output_len, 4);
     }
     pd_bench_dataset_free(&d);
-    ck_assert_int_eq(pd_bench_dataset_sharegpt(path, 7, 100, 16, &d), PD_OK);
+    ck_assert_int_eq(pd_bench_dataset_sharegpt(path, 7, 100, 16, NULL, NULL, &d), PD_OK);
     ck_assert_int_eq(d.prompts[0].output_len, 16);
     pd_bench_dataset_free(&d);
     /* a malformed file is an error */
     ck_assert_int_eq(tu_write_file(path, "{\"not\": \"a list\"}", 17), 0);
-    ck_assert_int_eq(pd_bench_dataset_sharegpt(path, 7, 100, 0, &d), PD_ERR_PARSE);
+    ck_assert_int_eq(pd_bench_dataset_sharegpt(path, 7, 100, 0, NULL, NULL, &d), PD_ERR_PARSE);
     /* random: lengths in range, a shared prefix */
     ck_assert_int_eq(pd_bench_dataset_random(3, 50, 100, 20, 0.5, 8, 500, &d), PD_OK);
     for (size_t i = 0; i < d.n; i++) {
@@ -202,6 +202,44 @@ START_TEST(test_end_to_end_against_pd_serve)
                "--num-warmups 2 --no-progress --save-result --result-filename %s --metric-percentiles 50,99 "
                "--goodput ttft:60000 > %s/bench.out 2>&1",
                tu_binary_dir(), port, result, dir);
+    /* ShareGPT lengths counted exactly: by the server's /tokenize, or by --tokenizer with the model
+     * directory; either way the input tokens pd-bench reports are the server's prompt_tokens */
+    char sg[600];
+    snprintf(sg, sizeof(sg), "%s/sharegpt.json", dir);
+    json_t *conv = json_array();
+    for (int i = 0; i < 12; i++) {
+        char q[200], a[200];
+        snprintf(q, sizeof(q), "Question %d: how do prefill and decode pools share %d KV blocks, über-fast?",
+                 i, i * 7);
+        snprintf(a, sizeof(a), "Answer %d: the decode reads the prefill's pages once the lease is granted.",
+                 i);
+        json_array_append_new(conv, json_pack("{s:[{s:s,s:s},{s:s,s:s}]}", "conversations", "from", "human",
+                                              "value", q, "from", "gpt", "value", a));
+    }
+    ck_assert_int_eq(json_dump_file(conv, sg, 0), 0);
+    json_decref(conv);
+    for (int local = 0; local < 2; local++) {
+        char res[600], tokflag[600] = "";
+        snprintf(res, sizeof(res), "%s/sharegpt%d.json", dir, local);
+        if (local) {
+            snprintf(tokflag, sizeof(tokflag), "--tokenizer %s", model);
+        }
+        int src =
+            tu_run(120,
+                   "%s/bin/pd-bench --base-url http://127.0.0.1:%d --dataset-name sharegpt --dataset-path %s "
+                   "%s --num-prompts 10 --sharegpt-output-len 4 --ignore-eos --no-progress --save-result "
+                   "--result-filename %s > %s/sharegpt%d.out 2>&1",
+                   tu_binary_dir(), port, sg, tokflag, res, dir, local);
+        ck_assert_msg(src == 0, "pd-bench sharegpt failed; see %s/sharegpt%d.out", dir, local);
+        json_t *sj = json_load_file(res, 0, NULL);
+        ck_assert_ptr_nonnull(sj);
+        ck_assert_int_eq(json_integer_value(json_object_get(sj, "completed")), 10);
+        json_int_t mine = json_integer_value(json_object_get(sj, "total_input_tokens"));
+        json_int_t server = json_integer_value(json_object_get(sj, "server_input_tokens"));
+        ck_assert_msg(mine == server && mine > 0, "%s: pd-bench counted %lld input tokens, the server %lld",
+                      local ? "--tokenizer" : "/tokenize", (long long)mine, (long long)server);
+        json_decref(sj);
+    }
     ck_assert_int_eq(tu_stop(pid, 30), 0);
     ck_assert_msg(rc == 0, "pd-bench failed; see %s/bench.out", dir);
     json_error_t e;
@@ -234,20 +272,27 @@ START_TEST(test_end_to_end_against_pd_serve)
 }
 END_TEST
 
-/* pd-bench plot: one series per result label (two labels × two rates here), each with its own
- * data file and legend entries, and a CDF per file titled by label and rate; PNGs written. */
+/* pd-bench plot: one series per result label (eight labels × two rates here), each with its own
+ * data file, colour and marker, legend entries, and a CDF per file titled by label and rate;
+ * padded axes; PNGs written. pd-bench table: a goodput column only when a result has one. */
 START_TEST(test_plot_series_per_label)
 {
     char *dir = tu_mkdtemp("bench-plot");
     ck_assert_ptr_nonnull(dir);
-    const char *labels[2] = {"colocated long", "pull long"};
-    char files[1024] = "";
-    for (int i = 0; i < 4; i++) {
-        json_t *j = json_pack("{s:s, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:[f,f,f], s:[f,f,f]}", "label",
-                              labels[i / 2], "request_rate", (double)(1 + i % 2), "median_ttft_ms", 100.0 + i,
-                              "p99_ttft_ms", 200.0 + i, "median_tpot_ms", 10.0, "p99_tpot_ms", 20.0,
-                              "median_itl_ms", 10.0, "p99_itl_ms", 30.0, "request_goodput", 1.0, "ttfts", 0.1,
-                              0.2, 0.3, "e2els", 1.0, 2.0, 3.0);
+    const char *labels[8] = {"colocated long", "pull long", "push long", "pull short",
+                             "push short",     "ucx",       "tcp",       "kv-aware"};
+    char files[4096] = "";
+    for (int i = 0; i < 16; i++) {
+        json_t *j =
+            json_pack("{s:s, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:[f,f,f], s:[f,f,f]}", "label",
+                      labels[i / 2], "request_rate", (double)(1 + i % 2), "median_ttft_ms", 100.0 + i,
+                      "p99_ttft_ms", 200.0 + i, "median_tpot_ms", 10.0, "p99_tpot_ms", 20.0, "median_itl_ms",
+                      10.0, "p99_itl_ms", 30.0, "ttfts", 0.1, 0.2, 0.3, "e2els", 1.0, 2.0, 3.0);
+        if (i == 3) { /* one run with --goodput */
+            json_object_set_new(j, "request_goodput", json_real(1.5));
+        } else {
+            json_object_set_new(j, "request_goodput", json_null());
+        }
         char f[600];
         snprintf(f, sizeof(f), "%s/r%d.json", dir, i);
         ck_assert_int_eq(json_dump_file(j, f, 0), 0);
@@ -262,9 +307,36 @@ START_TEST(test_plot_series_per_label)
     char *gp = tu_read_file(p, &n);
     ck_assert_ptr_nonnull(gp);
     ck_assert_msg(strstr(gp, "title 'colocated long p50'") && strstr(gp, "title 'pull long p99'") &&
-                      strstr(gp, "rate_1.dat") && !strstr(gp, "rate_2.dat") &&
-                      strstr(gp, "title 'pull long @ 2 req/s TTFT'"),
-                  "plot.gp lacks the per-label series:\n%s", gp);
+                      strstr(gp, "rate_7.dat") && !strstr(gp, "rate_8.dat") &&
+                      strstr(gp, "title 'pull long @ 2 req/s TTFT'") && strstr(gp, "set offsets graph"),
+                  "plot.gp lacks the per-label series or the padding:\n%s", gp);
+    /* eight series, eight colours, eight markers in the latency-vs-rate plot */
+    char seen_c[8][16] = {{0}};
+    int seen_pt[8], nc = 0, npt = 0;
+    for (const char *q = strstr(gp, "lc rgb '"); q != NULL && strstr(q, "pt ") != NULL;
+         q = strstr(q + 1, "lc rgb '")) {
+        char col[16] = "";
+        int pt = -1;
+        if (sscanf(q, "lc rgb '%15[^']' pt %d", col, &pt) != 2) {
+            continue; /* a CDF line (no marker) */
+        }
+        bool dup = false;
+        for (int k = 0; k < nc; k++) {
+            dup |= strcmp(seen_c[k], col) == 0;
+        }
+        if (!dup && nc < 8) {
+            snprintf(seen_c[nc++], sizeof(seen_c[0]), "%s", col);
+        }
+        dup = false;
+        for (int k = 0; k < npt; k++) {
+            dup |= seen_pt[k] == pt;
+        }
+        if (!dup && npt < 8) {
+            seen_pt[npt++] = pt;
+        }
+    }
+    ck_assert_int_eq(nc, 8);
+    ck_assert_int_eq(npt, 8);
     free(gp);
     snprintf(p, sizeof(p), "%s/out/rate_1.dat", dir);
     char *d1 = tu_read_file(p, &n);
@@ -281,6 +353,21 @@ START_TEST(test_plot_series_per_label)
                       p);
         free(png);
     }
+    /* table: no goodput column without --goodput runs; "-" for the runs that had none */
+    char f0[600], f3[600];
+    snprintf(f0, sizeof(f0), "%s/r0.json", dir);
+    snprintf(f3, sizeof(f3), "%s/r3.json", dir);
+    ck_assert_int_eq(tu_run(30, "%s/bin/pd-bench table %s > %s/t1.md", tu_binary_dir(), f0, dir), 0);
+    ck_assert_int_eq(tu_run(30, "%s/bin/pd-bench table %s %s > %s/t2.md", tu_binary_dir(), f0, f3, dir), 0);
+    snprintf(p, sizeof(p), "%s/t1.md", dir);
+    char *t1 = tu_read_file(p, &n);
+    snprintf(p, sizeof(p), "%s/t2.md", dir);
+    char *t2 = tu_read_file(p, &n);
+    ck_assert(t1 != NULL && t2 != NULL);
+    ck_assert_msg(strstr(t1, "goodput") == NULL, "t1:\n%s", t1);
+    ck_assert_msg(strstr(t2, "goodput (req/s)") && strstr(t2, "| - |") && strstr(t2, "| 1.50 |"), "t2:\n%s",
+                  t2);
+    free(t1), free(t2);
     tu_rmrf(dir);
     free(dir);
 }

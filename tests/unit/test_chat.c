@@ -534,7 +534,7 @@ START_TEST(test_n_batched_prompts_and_echo)
     snprintf(body + k, sizeof(body) - (size_t)k, "\", \"n\": 4, \"max_tokens\": 4, \"temperature\": 0.8}");
     http_resp_t m;
     ck_assert_int_eq(http_request(g_port, "GET", "/metrics", NULL, NULL, &m, 5000), 0);
-    double hits0 = pd_metrics_text_value(m.body, "pd:prefix_cache_hits_total", -1);
+    double hits0 = pd_metrics_text_value(m.body, "vllm:prefix_cache_hits_total", -1);
     http_resp_free(&m);
     r = post(g_port, "/v1/completions", body, &st);
     ck_assert_int_eq(st, 200);
@@ -542,7 +542,7 @@ START_TEST(test_n_batched_prompts_and_echo)
         (int)json_integer_value(json_object_get(json_object_get(r, "usage"), "prompt_tokens"));
     json_decref(r);
     ck_assert_int_eq(http_request(g_port, "GET", "/metrics", NULL, NULL, &m, 5000), 0);
-    double hits1 = pd_metrics_text_value(m.body, "pd:prefix_cache_hits_total", -1);
+    double hits1 = pd_metrics_text_value(m.body, "vllm:prefix_cache_hits_total", -1);
     http_resp_free(&m);
     int full_blocks = (prompt_tokens - 1) / 16 * 16;
     ck_assert_msg(hits1 - hits0 >= 3 * full_blocks, "n = 4 hit %g prompt tokens in the cache, want >= %d",

@@ -1,4 +1,5 @@
-/* tests/unit/test_common.c — status, hashing, arena, list, array, strmap, json helpers, flags, rng, copies. */
+/* tests/unit/test_common.c — status, hashing, arena, list, array, strmap, json helpers, flags, rng, copies,
+ * the metrics registry. */
 #include <check.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -15,6 +16,7 @@
 #include "common/json.h"
 #include "common/list.h"
 #include "common/log.h"
+#include "common/metrics.h"
 #include "common/rng.h"
 #include "common/sha256.h"
 #include "common/status.h"
@@ -506,6 +508,60 @@ START_TEST(test_copy_stream)
 }
 END_TEST
 
+START_TEST(test_metrics_labels)
+{
+    pd_metrics_t *m = NULL;
+    ck_assert_int_eq(pd_metrics_create(&m), PD_OK);
+    static const double b[2] = {0.5, 1};
+    pd_metric_t *ok = pd_metrics_add(m, PD_METRIC_COUNTER, "vllm:request_success_total", "Done.",
+                                     "finished_reason=stop", NULL, 0);
+    pd_metric_t *own = pd_metrics_add(m, PD_METRIC_GAUGE, "pd:kv_peers", "Peers.", NULL, NULL, 0);
+    pd_metric_t *h =
+        pd_metrics_add(m, PD_METRIC_HISTOGRAM, "vllm:e2e_request_latency_seconds", "E2e.", NULL, b, 2);
+    pd_metric_t *ab = pd_metrics_add(m, PD_METRIC_COUNTER, "vllm:request_success_total", "Done.",
+                                     "finished_reason=abort", NULL, 0);
+    ck_assert_ptr_nonnull(ok);
+    ck_assert_ptr_nonnull(own);
+    ck_assert_ptr_nonnull(h);
+    ck_assert_ptr_nonnull(ab);
+    pd_metric_label_t bad[1] = {{"9x", "v"}};
+    ck_assert_ptr_null(pd_metrics_add_labels(m, PD_METRIC_GAUGE, "x", "X.", bad, 1, NULL, 0));
+    /* the model name is set after the series exist; quotes and backslashes are escaped */
+    pd_metric_label_t k[2] = {{"model_name", "org/m \"q\"\\"}, {"engine", "0"}};
+    ck_assert_int_eq(pd_metrics_set_const_labels(m, "vllm:", k, 2), PD_OK);
+    pd_metric_inc(ok, 3), pd_metric_inc(ab, 2), pd_metric_set(own, 4), pd_metric_observe(h, 0.7);
+    size_t len = 0;
+    char *t = pd_metrics_render(m, &len);
+    ck_assert_ptr_nonnull(t);
+    const char *want = "# HELP vllm:request_success_total Done.\n# TYPE vllm:request_success_total counter\n"
+                       "vllm:request_success_total{model_name=\"org/m "
+                       "\\\"q\\\"\\\\\",engine=\"0\",finished_reason=\"stop\"} 3\n"
+                       "vllm:request_success_total{model_name=\"org/m "
+                       "\\\"q\\\"\\\\\",engine=\"0\",finished_reason=\"abort\"} 2\n"
+                       "# HELP pd:kv_peers Peers.\n# TYPE pd:kv_peers gauge\npd:kv_peers 4\n";
+    ck_assert_msg(strncmp(t, want, strlen(want)) == 0, "rendered:\n%s", t);
+    ck_assert_ptr_nonnull(strstr(t,
+                                 "vllm:e2e_request_latency_seconds_bucket{model_name=\"org/m \\\"q\\\"\\\\\","
+                                 "engine=\"0\",le=\"1\"} 1\n"));
+    /* look-ups: a name sums every series, labels given select a subset */
+    ck_assert(pd_metrics_text_value(t, "vllm:request_success_total", -1) == 5);
+    ck_assert(pd_metrics_text_value(t, "vllm:request_success_total{finished_reason=\"abort\"}", -1) == 2);
+    ck_assert(pd_metrics_text_value(t, "vllm:request_success_total{engine=\"0\",finished_reason=\"stop\"}",
+                                    -1) == 3);
+    ck_assert(pd_metrics_text_value(t, "vllm:request_success_total{finished_reason=\"ab\"}", -1) == -1);
+    ck_assert(pd_metrics_text_value(t, "vllm:request_success", -1) == -1);
+    ck_assert(pd_metrics_text_value(t, "pd:kv_peers", -1) == 4);
+    ck_assert(pd_metrics_text_value(t, "vllm:e2e_request_latency_seconds_count", -1) == 1);
+    ck_assert(pd_metrics_text_value(t, "vllm:e2e_request_latency_seconds_bucket{le=\"0.5\"}", -1) == 0);
+    free(t);
+    double b125[16];
+    int n = pd_metrics_buckets_125(2048, b125, 16);
+    ck_assert_int_eq(n, 11); /* 1 2 5 10 20 50 100 200 500 1000 2000 */
+    ck_assert(b125[0] == 1 && b125[2] == 5 && b125[10] == 2000);
+    pd_metrics_destroy(m);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("common");
@@ -524,6 +580,7 @@ int main(void)
     tcase_add_test(tc, test_time_monotonic);
     tcase_add_test(tc, test_sha256_hmac_vectors);
     tcase_add_test(tc, test_copy_stream);
+    tcase_add_test(tc, test_metrics_labels);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);

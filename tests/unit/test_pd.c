@@ -151,6 +151,34 @@ static double metric(int port, const char *series)
     return v;
 }
 
+/* Every "node" series of tests/reference/vllm_metrics.txt is on the node's /metrics with its type
+ * and the engine="0" label. */
+static void assert_vllm_node_series(int port)
+{
+    http_resp_t r;
+    ck_assert_int_eq(http_request(port, "GET", "/metrics", NULL, NULL, &r, 5000), 0);
+    char path[4096], line[256];
+    snprintf(path, sizeof(path), "%s/tests/reference/vllm_metrics.txt", tu_source_dir());
+    FILE *f = fopen(path, "r");
+    ck_assert_ptr_nonnull(f);
+    int n = 0;
+    while (fgets(line, sizeof(line), f) != NULL) {
+        char name[128], type[32], where[16], want[256], series[256];
+        if (line[0] == '#' || sscanf(line, "%127s %31s %15s", name, type, where) != 3) {
+            continue;
+        }
+        snprintf(want, sizeof(want), "# TYPE %s %s\n", name, type);
+        ck_assert_msg(strstr(r.body, want) != NULL, "no '%s' on :%d", want, port);
+        snprintf(series, sizeof(series), "%s%s{engine=\"0\"}", name,
+                 strcmp(type, "histogram") == 0 ? "_count" : "");
+        ck_assert_msg(pd_metrics_text_value(r.body, series, -1) >= 0, "no %s on :%d", series, port);
+        n++;
+    }
+    fclose(f);
+    ck_assert_int_ge(n, 30);
+    http_resp_free(&r);
+}
+
 /* Waits until a node's pool holds no block for any request (finished holds included). */
 static void assert_pool_free(int port, const char *who)
 {
@@ -158,8 +186,8 @@ static void assert_pool_free(int port, const char *who)
     double end = tu_now() + 15;
     while (tu_now() < end) {
         used = metric(port, "pd:kv_blocks_used");
-        hold = metric(port, "pd:num_requests_running") + metric(port, "pd:num_requests_waiting") +
-               metric(port, "pd:num_requests_waiting_for_remote_kv");
+        /* vllm:num_requests_waiting counts those waiting for remote KV too */
+        hold = metric(port, "vllm:num_requests_running") + metric(port, "vllm:num_requests_waiting");
         if (used == 0 && hold == 0) {
             return;
         }
@@ -310,6 +338,18 @@ static void equivalence(const char *mode, const char *pipe, bool staged)
     ck_assert_int_eq((int)metric(c.d.port, "pd:kv_transfers_failed_total{kind=\"push_load\"}"), 0);
     ck_assert_msg(metric(c.d.port, "pd:kv_transfer_bytes_total") > 0 || strcmp(mode, "push") == 0,
                   "no bytes were read");
+    /* the same loads under vLLM's NixlConnector names (its P/D dashboards), and the node series of
+     * tests/reference/vllm_metrics.txt on both nodes */
+    ck_assert_int_eq((int)metric(c.d.port, "vllm:nixl_xfer_time_seconds_count"), 2 * NUM_PROMPTS);
+    ck_assert_int_eq((int)metric(c.d.port, "vllm:nixl_num_descriptors_count"), 2 * NUM_PROMPTS);
+    ck_assert_int_eq((int)metric(c.d.port, "vllm:nixl_num_failed_transfers_total"), 0);
+    ck_assert_msg(metric(c.d.port, "vllm:nixl_bytes_transferred_sum") > 0 || strcmp(mode, "push") == 0,
+                  "no bytes under vllm:nixl_bytes_transferred");
+    ck_assert_int_eq((int)metric(c.d.port, "vllm:request_success_total"), 2 * NUM_PROMPTS);
+    if (!staged) {
+        assert_vllm_node_series(c.p.port);
+        assert_vllm_node_series(c.d.port);
+    }
     if (staged) {
         /* the KV went through the mirrors: every moved byte was copied out on the prefill and in on
          * the decode */
@@ -1099,7 +1139,7 @@ static void pool2_stop(pool2_t *c)
 
 static double served(int port)
 {
-    return metric(port, "pd:request_success_total{finished_reason=\"length\"}");
+    return metric(port, "vllm:request_success_total{finished_reason=\"length\"}");
 }
 
 START_TEST(test_proxy_prefix_affinity_and_failover)

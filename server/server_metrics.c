@@ -1,0 +1,190 @@
+/* server/server_metrics.c — the HTTP front's Prometheus series: vLLM's names, types, buckets and
+ * labels (model_name, engine) for what pdserve shares with vLLM, pd: names for what it lacks
+ * (requests waiting for remote KV, block states, HTTP errors). Loop thread only, except that
+ * the registry itself is thread-safe (the engine and the connector add series of their own). */
+#include <stdio.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "engine/engine.h"
+#include "server/http_internal.h"
+
+/* vLLM v1 names its engines 0..N-1; pdserve runs one engine per process */
+#define ENGINE_INDEX "0"
+
+static pd_metric_t *gauge(pd_metrics_t *r, const char *name, const char *help)
+{
+    return pd_metrics_add(r, PD_METRIC_GAUGE, name, help, NULL, NULL, 0);
+}
+
+static pd_metric_t *counter(pd_metrics_t *r, const char *name, const char *help)
+{
+    return pd_metrics_add(r, PD_METRIC_COUNTER, name, help, NULL, NULL, 0);
+}
+
+static pd_metric_t *histogram(pd_metrics_t *r, const char *name, const char *help, const double *b, int nb)
+{
+    return pd_metrics_add(r, PD_METRIC_HISTOGRAM, name, help, NULL, b, nb);
+}
+
+/* vllm:cache_config_info: value 1, the cache configuration in its labels (as vLLM's). */
+static void cache_config_info(pd_http_server_t *s)
+{
+    const pd_engine_config_t *cfg = pd_engine_config(s->engine);
+    char blocks[16], bsize[16], util[32];
+    snprintf(blocks, sizeof(blocks), "%u", pd_engine_kv(s->engine)->cfg.num_blocks);
+    snprintf(bsize, sizeof(bsize), "%d", cfg->block_size);
+    snprintf(util, sizeof(util), "%g", cfg->memory_utilization);
+    pd_metric_label_t l[6] = {
+        {"block_size", bsize},
+        {"cache_dtype", cfg->kv_cache_dtype},
+        {"enable_prefix_caching", cfg->enable_prefix_caching ? "True" : "False"},
+        {"gpu_memory_utilization", util},
+        {"num_gpu_blocks", blocks},
+        {"num_cpu_blocks", "0"},
+    };
+    pd_metric_t *g = pd_metrics_add_labels(s->metrics, PD_METRIC_GAUGE, "vllm:cache_config_info",
+                                           "Information of the LLMEngine CacheConfig", l, 6, NULL, 0);
+    pd_metric_set(g, 1);
+}
+
+void pd_http_metrics_register(pd_http_server_t *s)
+{
+    srv_metrics_t *m = &s->m;
+    pd_metrics_t *r = s->metrics;
+    pd_metric_label_t k[2] = {{"model_name", s->model_name}, {"engine", ENGINE_INDEX}};
+    if (pd_metrics_set_const_labels(r, "vllm:", k, 2) != PD_OK) {
+        pd_log_warn("metrics: the model name '%s' does not fit a label; vllm: series carry none",
+                    s->model_name);
+    }
+    m->running = gauge(r, "vllm:num_requests_running", "Number of requests in model execution batches.");
+    m->waiting = gauge(r, "vllm:num_requests_waiting",
+                       "Number of requests waiting to be processed (incl. those waiting for remote KV).");
+    m->kv_usage = gauge(r, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.");
+    m->gpu_usage =
+        gauge(r, "vllm:gpu_cache_usage_perc",
+              "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc "
+              "instead.");
+    m->prefix_queries = counter(r, "vllm:prefix_cache_queries_total",
+                                "Prefix cache queries, in terms of number of queried tokens.");
+    m->prefix_hits =
+        counter(r, "vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.");
+    m->preemptions =
+        counter(r, "vllm:num_preemptions_total", "Cumulative number of preemption from the engine.");
+    m->prompt_tokens = counter(r, "vllm:prompt_tokens_total", "Number of prefill tokens processed.");
+    m->generation_tokens =
+        counter(r, "vllm:generation_tokens_total", "Number of generation tokens processed.");
+    static const char *reasons[4] = {"finished_reason=stop", "finished_reason=length",
+                                     "finished_reason=abort", "finished_reason=error"};
+    for (int i = 0; i < 4; i++) {
+        m->success[i] = pd_metrics_add(r, PD_METRIC_COUNTER, "vllm:request_success_total",
+                                       "Count of successfully processed requests.", reasons[i], NULL, 0);
+    }
+    double tb[32];
+    int ntb = pd_metrics_buckets_125((double)pd_engine_max_model_len(s->engine), tb, 32);
+    m->req_prompt =
+        histogram(r, "vllm:request_prompt_tokens", "Number of prefill tokens processed.", tb, ntb);
+    m->req_gen =
+        histogram(r, "vllm:request_generation_tokens", "Number of generation tokens processed.", tb, ntb);
+    m->req_max_gen = histogram(r, "vllm:request_max_num_generation_tokens",
+                               "Histogram of maximum number of requested generation tokens.", tb, ntb);
+    static const double nb[5] = {1, 2, 5, 10, 20};
+    m->req_n = histogram(r, "vllm:request_params_n", "Histogram of the n request parameter.", nb, 5);
+    m->req_max_tokens = histogram(r, "vllm:request_params_max_tokens",
+                                  "Histogram of the max_tokens request parameter.", tb, ntb);
+    m->ttft = histogram(r, "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                        PD_VLLM_TTFT_BUCKETS, PD_VLLM_TTFT_NUM_BUCKETS);
+    m->itl = histogram(r, "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                       PD_VLLM_ITL_BUCKETS, PD_VLLM_ITL_NUM_BUCKETS);
+    m->tpot = histogram(r, "vllm:time_per_output_token_seconds",
+                        "Histogram of time per output token in seconds. DEPRECATED: Use "
+                        "vllm:inter_token_latency_seconds instead.",
+                        PD_VLLM_ITL_BUCKETS, PD_VLLM_ITL_NUM_BUCKETS);
+    const double *rb = PD_VLLM_REQUEST_BUCKETS;
+    int nrb = PD_VLLM_REQUEST_NUM_BUCKETS;
+    m->e2e = histogram(r, "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                       rb, nrb);
+    m->queue = histogram(r, "vllm:request_queue_time_seconds",
+                         "Histogram of time spent in WAITING phase for request.", rb, nrb);
+    m->inference = histogram(r, "vllm:request_inference_time_seconds",
+                             "Histogram of time spent in RUNNING phase for request.", rb, nrb);
+    m->prefill = histogram(r, "vllm:request_prefill_time_seconds",
+                           "Histogram of time spent in PREFILL phase for request (on a decode node: the "
+                           "remote KV load and the first step).",
+                           rb, nrb);
+    m->decode = histogram(r, "vllm:request_decode_time_seconds",
+                          "Histogram of time spent in DECODE phase for request.", rb, nrb);
+    cache_config_info(s);
+    /* pdserve's own: what vLLM has no series for */
+    m->waiting_remote =
+        gauge(r, "pd:num_requests_waiting_for_remote_kv",
+              "Requests waiting for KV from a remote peer (counted in vllm:num_requests_waiting too).");
+    m->blocks_free = gauge(r, "pd:kv_blocks_free", "Free KV blocks without cached content.");
+    m->blocks_cached =
+        gauge(r, "pd:kv_blocks_cached_free", "Free KV blocks that still hold a cached prefix.");
+    m->blocks_used = gauge(r, "pd:kv_blocks_used", "KV blocks referenced by requests.");
+    m->http_errors = counter(r, "pd:http_errors_total", "Requests answered with an error.");
+}
+
+void pd_http_metrics_refresh(pd_http_server_t *s)
+{
+    pd_engine_stats_t st;
+    pd_engine_get_stats(s->engine, &st);
+    srv_metrics_t *m = &s->m;
+    pd_metric_set(m->running, st.num_running);
+    pd_metric_set(m->waiting, st.num_waiting + st.num_queued + st.num_waiting_for_remote_kv);
+    pd_metric_set(m->waiting_remote, st.num_waiting_for_remote_kv);
+    pd_metric_set(m->kv_usage, st.kv_usage);
+    pd_metric_set(m->gpu_usage, st.kv_usage);
+    pd_metric_set(m->blocks_free, st.blocks_free);
+    pd_metric_set(m->blocks_cached, st.blocks_cached_free);
+    pd_metric_set(m->blocks_used, st.blocks_used);
+    /* engine counters are monotonic: add what is new since the last scrape */
+    pd_metric_inc(m->prefix_queries, (double)(st.prefix_queries - m->seen_prefix_queries));
+    pd_metric_inc(m->prefix_hits, (double)(st.prefix_hits - m->seen_prefix_hits));
+    pd_metric_inc(m->prompt_tokens, (double)(st.prompt_tokens - m->seen_prompt));
+    pd_metric_inc(m->generation_tokens, (double)(st.generation_tokens - m->seen_gen));
+    pd_metric_inc(m->preemptions, (double)(st.preemptions - m->seen_preempt));
+    m->seen_prefix_queries = st.prefix_queries;
+    m->seen_prefix_hits = st.prefix_hits;
+    m->seen_prompt = st.prompt_tokens;
+    m->seen_gen = st.generation_tokens;
+    m->seen_preempt = st.preemptions;
+}
+
+void pd_http_metrics_admitted(pd_http_server_t *s, int32_t n, int32_t max_tokens)
+{
+    pd_metric_observe(s->m.req_n, n);
+    pd_metric_observe(s->m.req_max_tokens, max_tokens);
+    pd_metric_observe(s->m.req_max_gen, (double)max_tokens * n);
+}
+
+void pd_http_metrics_token(pd_http_server_t *s, double since_arrival, double since_last, bool first)
+{
+    if (first) {
+        pd_metric_observe(s->m.ttft, since_arrival);
+    } else {
+        pd_metric_observe(s->m.itl, since_last);
+        pd_metric_observe(s->m.tpot, since_last);
+    }
+}
+
+void pd_http_metrics_finished(pd_http_server_t *s, const pd_engine_output_t *o)
+{
+    static const char *reasons[4] = {"stop", "length", "abort", "error"};
+    srv_metrics_t *m = &s->m;
+    for (int i = 0; i < 4; i++) {
+        if (strcmp(o->finish_reason, reasons[i]) == 0) {
+            pd_metric_inc(m->success[i], 1);
+        }
+    }
+    pd_metric_observe(m->e2e, o->e2e);
+    pd_metric_observe(m->queue, o->queue_time);
+    pd_metric_observe(m->req_prompt, o->prompt_tokens);
+    pd_metric_observe(m->req_gen, o->completion_tokens);
+    if (o->ttft > 0) { /* phases as vLLM's: scheduled → first token → last token */
+        pd_metric_observe(m->inference, o->e2e - o->queue_time);
+        pd_metric_observe(m->prefill, o->ttft - o->queue_time);
+        pd_metric_observe(m->decode, o->e2e - o->ttft);
+    }
+}
