@@ -2,7 +2,9 @@
 #include "common/api_fields.h"
 
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/json.h"
@@ -135,4 +137,19 @@ bool pd_api_bearer_ok(const char *authorization, const char *key)
     const char *got = authorization + 7;
     size_t n = strlen(key);
     return strlen(got) == n && pd_ct_equal((const uint8_t *)got, (const uint8_t *)key, n) == 1;
+}
+
+const char *pd_api_key_from_env(const char *var, char *buf, size_t cap)
+{
+    const char *v = getenv(var);
+    size_t n = v != NULL ? strlen(v) : 0;
+    while (n > 0 && (v[n - 1] == '\n' || v[n - 1] == '\r' || v[n - 1] == ' ' || v[n - 1] == '\t')) {
+        n--;
+    }
+    if (n == 0 || n >= cap) {
+        return NULL;
+    }
+    memcpy(buf, v, n);
+    buf[n] = '\0';
+    return buf;
 }

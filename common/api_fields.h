@@ -6,6 +6,7 @@
 
 #include <jansson.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 /* An error as the client sees it: HTTP status + {"error": {message, type, param, code}}. */
@@ -41,5 +42,10 @@ bool pd_api_check_rewritten_fields(json_t *root, bool chat, pd_http_error_t *err
 /* Whether an Authorization header value is "Bearer KEY" (compared in constant time). NULL or empty
  * key: no key required, always true. */
 bool pd_api_bearer_ok(const char *authorization, const char *key);
+
+/* An API key from the environment variable var (VLLM_API_KEY, PD_PROXY_API_KEY) copied into buf
+ * (cap bytes) without trailing whitespace (a Secret file written by `base64` ends in a newline);
+ * NULL when unset, empty or longer than cap - 1. */
+const char *pd_api_key_from_env(const char *var, char *buf, size_t cap);
 
 #endif

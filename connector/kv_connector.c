@@ -64,6 +64,10 @@ size_t pd_kv_connector_flags(pd_kv_connector_config_t *c, pd_flag_t *out, size_t
          "port peers dial for this node's KV control (0 = the --kv-listen port; set it when a NAT, a Service "
          "or a relay forwards another port to the listener)",
          NULL},
+        {"kv-data-port", PD_FLAG_INT, &c->data_port,
+         "tcp pipe: port of the data listener page requests arrive on (0 = any free; fix it to name it in a "
+         "firewall rule or NetworkPolicy)",
+         NULL},
         {"kv-ucx-err-mode", PD_FLAG_CHOICE, &c->ucx_err_mode,
          "ucx: none = shared-memory RMA, dead peers found by heartbeat; peer = UCX error handling (TCP RMA, "
          "slower)",
@@ -469,6 +473,12 @@ pd_status_t pd_kv_connector_create(const pd_kv_connector_config_t *cfg, pd_metri
         pd_log_error("kv connector: --kv-advertise-port %d is outside [0, 65535]", cfg->advertise_port);
         return PD_ERR_INVALID_ARG;
     }
+    if (cfg->data_port < 0 || cfg->data_port > 65535 ||
+        (cfg->data_port != 0 && strcmp(cfg->pipe, "tcp") != 0)) {
+        pd_log_error("kv connector: --kv-data-port %d: a port in [0, 65535], for the tcp pipe only",
+                     cfg->data_port);
+        return PD_ERR_INVALID_ARG;
+    }
     if (strcmp(cfg->pipe, "nccl") == 0 && strcmp(cfg->staging, "always") == 0) {
         pd_log_error("kv connector: --kv-pipe nccl moves device memory itself; --kv-staging always is for "
                      "host pipes (ucx, tcp)");
@@ -509,6 +519,7 @@ pd_status_t pd_kv_connector_create(const pd_kv_connector_config_t *cfg, pd_metri
     memset(&pc, 0, sizeof(pc));
     pc.kind = cfg->pipe;
     pc.host = k->listen_host;
+    pc.port = cfg->data_port;
     pc.ucx_err_mode = cfg->ucx_err_mode;
     pc.tcp_busy_poll_us = cfg->tcp_busy_poll_us;
     st = pd_pipe_create(&pc, &k->pipe);

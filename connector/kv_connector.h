@@ -42,6 +42,7 @@ typedef struct pd_kv_connector_config {
     const char *listen;              /* HOST:PORT of the control listener (port 0 = any free) */
     const char *advertise_host;      /* host peers dial (default: the listen host) */
     int advertise_port;              /* port peers dial (0 = the listen port: behind a NAT or a relay) */
+    int data_port;                   /* tcp pipe: the data listener's port (0 = any free) */
     const char *ucx_err_mode;        /* none | peer */
     const char *cluster_token_file;  /* secret shared by the cluster (empty file or NULL = none) */
     double hold_timeout;             /* s a prefill holds blocks for a reader / a reservation */
@@ -67,7 +68,7 @@ size_t pd_kv_connector_flags(pd_kv_connector_config_t *cfg, pd_flag_t *out, size
  * kv_connector (PdConnector; NixlConnector = the ucx pipe, P2pNcclConnector = nccl), kv_role
  * (kv_producer for a prefill, kv_consumer for a decode), kv_ip/kv_port (the control listener; the
  * one not given keeps --kv-listen's value) and
- * kv_connector_extra_config (transfer_mode, pipe, advertise_host, advertise_port, ucx_err_mode,
+ * kv_connector_extra_config (transfer_mode, pipe, advertise_host, advertise_port, data_port, ucx_err_mode,
  * cluster_token_file, hold/load/handshake_timeout, heartbeat_interval/misses, staging). Its values
  * win over the flags. PD_ERR_INVALID_ARG (logged, naming the key) for anything else. *keep_out
  * holds the JSON cfg's strings now point into: decref it after the connector is destroyed. */

@@ -32,6 +32,7 @@ static const extra_key_t EXTRA_KEYS[] = {
     EXTRA("pipe", 's', pipe),
     EXTRA("advertise_host", 's', advertise_host),
     EXTRA("advertise_port", 'i', advertise_port),
+    EXTRA("data_port", 'i', data_port),
     EXTRA("ucx_err_mode", 's', ucx_err_mode),
     EXTRA("cluster_token_file", 's', cluster_token_file),
     EXTRA("hold_timeout", 'd', hold_timeout),

@@ -18,6 +18,7 @@
 #include <sys/random.h>
 #include <time.h>
 
+#include "common/api_fields.h"
 #include "common/hash.h"
 #include "common/http_reply.h"
 #include "common/log.h"
@@ -36,6 +37,10 @@ void pd_proxy_config_defaults(pd_proxy_config_t *c)
     c->upstream_timeout = 600;
     c->affinity_prefix_chars = 256;
     c->max_request_bytes = 16u << 20;
+    /* keys from the environment (a Kubernetes Secret), so that they are not on the command line */
+    static char client_key[512], node_key[512];
+    c->api_key = pd_api_key_from_env("PD_PROXY_API_KEY", client_key, sizeof(client_key));
+    c->node_api_key = pd_api_key_from_env("VLLM_API_KEY", node_key, sizeof(node_key));
 }
 
 size_t pd_proxy_flags(pd_proxy_config_t *c, pd_flag_t *out, size_t max)
@@ -60,10 +65,12 @@ size_t pd_proxy_flags(pd_proxy_config_t *c, pd_flag_t *out, size_t max)
          "prompt characters hashed by prefix-affinity", NULL},
         {"max-request-bytes", PD_FLAG_SIZE, &c->max_request_bytes, "largest request body accepted", NULL},
         {"api-key", PD_FLAG_STR, &c->api_key,
-         "require 'Authorization: Bearer KEY' from clients on /v1/ routes, /tokenize and /detokenize", NULL},
+         "require 'Authorization: Bearer KEY' from clients on /v1/ routes, /tokenize and /detokenize "
+         "(default: $PD_PROXY_API_KEY)",
+         NULL},
         {"node-api-key", PD_FLAG_STR, &c->node_api_key,
-         "the key the nodes require (sent as 'Authorization: Bearer KEY'); unset: the client's Authorization "
-         "header is forwarded",
+         "the key the nodes require (sent as 'Authorization: Bearer KEY'; default: $VLLM_API_KEY, the nodes' "
+         "variable); unset: the client's Authorization header is forwarded",
          NULL},
     };
     size_t n = sizeof(f) / sizeof(f[0]);

@@ -39,6 +39,8 @@ void pd_http_config_defaults(pd_http_config_t *c)
     c->max_request_bytes = 4u << 20;
     c->drain_timeout = 30.0;
     c->max_json_depth = 32;
+    static char env_key[512]; /* as vLLM: a Secret in the environment, not on the command line */
+    c->api_key = pd_api_key_from_env("VLLM_API_KEY", env_key, sizeof(env_key));
 }
 
 size_t pd_http_flags(pd_http_config_t *c, pd_flag_t *out, size_t max)
@@ -48,7 +50,8 @@ size_t pd_http_flags(pd_http_config_t *c, pd_flag_t *out, size_t max)
         {"port", PD_FLAG_INT, &c->port, "HTTP port (vLLM's default; 0 = any free port, see --port-file)",
          NULL},
         {"port-file", PD_FLAG_STR, &c->port_file, "write the bound port to this file", NULL},
-        {"api-key", PD_FLAG_STR, &c->api_key, "require 'Authorization: Bearer KEY' on /v1/ routes", NULL},
+        {"api-key", PD_FLAG_STR, &c->api_key,
+         "require 'Authorization: Bearer KEY' on /v1/ routes (default: $VLLM_API_KEY, as vLLM)", NULL},
         {"max-request-bytes", PD_FLAG_SIZE, &c->max_request_bytes, "largest request body accepted", NULL},
         {"drain-timeout", PD_FLAG_DOUBLE, &c->drain_timeout, "seconds in-flight requests get after SIGTERM",
          NULL},

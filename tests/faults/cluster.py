@@ -26,10 +26,10 @@ def http(port, path, body=None, timeout=60.0, method=None):
         return r.status, r.read()
 
 
-def metrics(port):
-    """{name{labels}: value} of a node's /metrics, plus {name: sum over its labelled series} (as a
-    PromQL sum(), so "vllm:num_requests_running" reads whatever model_name/engine it carries), or {}
-    when it does not answer."""
+def metrics(port, sums=True):
+    """{name{labels}: value} of a node's /metrics, plus (sums) {name: sum over its labelled series}
+    (as a PromQL sum(), so "vllm:num_requests_running" reads whatever model_name/engine it carries),
+    or {} when it does not answer."""
     try:
         text = http(port, "/metrics", timeout=5)[1].decode()
     except Exception:
@@ -43,7 +43,7 @@ def metrics(port):
             except ValueError:
                 continue
             name, brace, _ = k.partition("{")
-            if brace:
+            if brace and sums:
                 out[name] = out.get(name, 0.0) + out[k]
     return out
 
@@ -54,7 +54,7 @@ def metric(port, name):
 
 def metric_sum(port, prefix):
     """Sum of every series whose name (labels included) starts with prefix."""
-    return sum(v for k, v in metrics(port).items() if k.startswith(prefix))
+    return sum(v for k, v in metrics(port, sums=False).items() if k.startswith(prefix))
 
 
 def free_port():
