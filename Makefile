@@ -1,6 +1,7 @@
 SHELL := /bin/bash
 # Thin wrapper over CMake/CTest. `make check` is what CI runs (.ci/run).
-#   make demo | deps | build | check | check SAN=address,undefined | check SAN=thread | format | bench | clean
+#   make demo | deps | build | check | check SAN=address,undefined | check SAN=thread | format | bench |
+#        faults | soak | fuzz | image-check | clean
 SAN ?=
 JOBS ?= $(shell nproc)
 ifeq ($(SAN),)
@@ -13,7 +14,7 @@ CMAKE_FLAGS ?=
 CTEST_ARGS ?=
 FORMAT_FILES = $(shell git ls-files --cached --others --exclude-standard '*.c' '*.h' '*.cu' 2>/dev/null)
 
-.PHONY: all deps build check test demo format format-check bench faults soak fuzz clean
+.PHONY: all deps build check test demo format format-check bench faults soak fuzz image-check clean
 
 all: build
 
@@ -55,6 +56,12 @@ faults: build
 SOAK_SECONDS ?= 600
 soak: build
 	python3 tests/faults/run_soak.py $(BUILD_DIR)/bin --seconds $(SOAK_SECONDS) $(SOAK_ARGS)
+
+# deploy/Dockerfile built without a container engine: each stage in a debootstrapped Debian 12
+# root (chroot + unshare), the build stage's tests, the runtime stage serving (tools/image_check.py;
+# root, ~15 min)
+image-check:
+	python3 tools/image_check.py $(IMAGE_CHECK_ARGS)
 
 # libFuzzer search over every tests/fuzz target, FUZZ_SECONDS each (their corpora replay in `make check`)
 FUZZ_SECONDS ?= 60

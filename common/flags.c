@@ -123,6 +123,7 @@ static pd_status_t flag_set(const pd_flag_t *f, const char *v)
         }
         *(const char **)f->dst = v;
         return PD_OK;
+    case PD_FLAG_GROUP: break; /* never an option (pd_flags_parse skips it) */
     }
     pd_log_error("--%s: invalid value '%s'", f->name, v);
     return PD_ERR_INVALID_ARG;
@@ -139,17 +140,27 @@ static void flag_default(const pd_flag_t *f, char *buf, size_t len)
     case PD_FLAG_STR:
     case PD_FLAG_CHOICE: {
         const char *s = *(const char **)f->dst;
-        snprintf(buf, len, "%s", s != NULL ? s : "(none)");
+        size_t nl = strlen(f->name);
+        bool secret = nl >= 7 && strcmp(f->name + nl - 7, "api-key") == 0; /* from the environment */
+        snprintf(buf, len, "%s", s == NULL ? "(none)" : secret ? "(set, not shown)" : s);
         break;
     }
+    case PD_FLAG_GROUP: buf[0] = '\0'; break;
     }
 }
 
 void pd_flags_print_help(const pd_flag_t *flags, size_t n, const char *usage, FILE *out)
 {
-    fprintf(out, "%s\n\nOptions:\n", usage);
+    fprintf(out, "%s\n", usage);
+    if (n == 0 || flags[0].type != PD_FLAG_GROUP) {
+        fprintf(out, "\nOptions:\n");
+    }
     for (size_t i = 0; i < n; i++) {
         const pd_flag_t *f = &flags[i];
+        if (f->type == PD_FLAG_GROUP) {
+            fprintf(out, "\n%s:\n", f->name);
+            continue;
+        }
         char def[128];
         flag_default(f, def, sizeof(def));
         char head[96];
@@ -162,7 +173,7 @@ void pd_flags_print_help(const pd_flag_t *flags, size_t n, const char *usage, FI
         }
         fprintf(out, "  %-34s %s (default: %s)\n", head, f->help, def);
     }
-    fprintf(out, "  %-34s %s\n", "--help", "show this help and exit");
+    fprintf(out, "\n  %-34s %s\n", "--help", "show this help and exit");
 }
 
 pd_status_t pd_flags_parse(const pd_flag_t *flags, size_t n, int argc, char **argv, const char *usage,
@@ -178,6 +189,9 @@ pd_status_t pd_flags_parse(const pd_flag_t *flags, size_t n, int argc, char **ar
     }
     size_t k = 0;
     for (size_t i = 0; i < n; i++) {
+        if (flags[i].type == PD_FLAG_GROUP) {
+            continue;
+        }
         opts[k++] =
             (struct option){flags[i].name, flags[i].type == PD_FLAG_BOOL ? no_argument : required_argument,
                             NULL, (int)(1000 + i)};

@@ -16,10 +16,11 @@ typedef enum pd_flag_type {
     PD_FLAG_STR,    /* const char ** (points into argv) */
     PD_FLAG_SIZE,   /* size_t *; accepts 123, 64K, 1.5G, 2GiB (binary units) */
     PD_FLAG_CHOICE, /* const char **; value must be one of choices ("a|b|c") */
+    PD_FLAG_GROUP,  /* not a flag: --help starts a section titled name with the entries after it */
 } pd_flag_type_t;
 
 typedef struct pd_flag {
-    const char *name; /* long name without dashes: "block-size" */
+    const char *name; /* long name without dashes: "block-size" (PD_FLAG_GROUP: the section title) */
     pd_flag_type_t type;
     void *dst;
     const char *help;

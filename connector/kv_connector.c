@@ -42,6 +42,7 @@ void pd_kv_connector_config_defaults(pd_kv_connector_config_t *c)
 size_t pd_kv_connector_flags(pd_kv_connector_config_t *c, pd_flag_t *out, size_t max)
 {
     const pd_flag_t f[] = {
+        {"KV connector (prefill/decode transfers)", PD_FLAG_GROUP, NULL, NULL, NULL},
         {"kv-transfer-mode", PD_FLAG_CHOICE, &c->mode,
          "pull: decode reads the prefill's held blocks; push: prefill writes each layer into the decode's "
          "reserved blocks",

@@ -34,6 +34,7 @@ typedef struct pd_engine_config {
     const char *kv_cache_dtype; /* auto (= fp32 compute dtype) | fp32 | fp16 | bf16 */
     double memory_utilization;
     int tensor_parallel_size; /* vLLM's --tensor-parallel-size: only 1 (one device per engine) */
+    const char *dtype;        /* vLLM's --dtype: auto | float32 (bfloat16, float16, half refused) */
     size_t kv_cache_memory;   /* CPU: bytes to plan the KV cache in; 0 = physical RAM */
     bool enable_prefix_caching;
     bool enable_chunked_prefill;

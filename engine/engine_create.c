@@ -29,6 +29,7 @@ void pd_engine_config_defaults(pd_engine_config_t *c)
     c->kv_cache_dtype = "auto";
     c->memory_utilization = 0.9;
     c->tensor_parallel_size = 1;
+    c->dtype = "auto";
     c->enable_prefix_caching = true;
     c->enable_chunked_prefill = true;
     c->load_failure_policy = "recompute";
@@ -39,39 +40,46 @@ void pd_engine_config_defaults(pd_engine_config_t *c)
 size_t pd_engine_flags(pd_engine_config_t *c, pd_flag_t *out, size_t max)
 {
     pd_flag_t f[] = {
+        {"Model and device", PD_FLAG_GROUP, NULL, NULL, NULL},
         {"model", PD_FLAG_STR, &c->model_dir, "HF model directory (config.json, safetensors, tokenizer.json)",
          NULL},
+        {"dtype", PD_FLAG_CHOICE, &c->dtype,
+         "vLLM's weight/compute dtype: this engine computes in fp32 (auto = float32); bfloat16 and float16 "
+         "are refused until weights stay at checkpoint precision",
+         "auto|float32|bfloat16|float16|half"},
+        {"generation-config", PD_FLAG_CHOICE, &c->generation_config,
+         "auto: the model's generation_config.json sets EOS ids and the defaults of omitted sampling "
+         "fields (vLLM's); vllm: ignore it",
+         "auto|vllm"},
         {"device", PD_FLAG_CHOICE, &c->device,
          "compute backend (auto: cuda when a device is present, else cpu)", "auto|cpu|cuda"},
         {"threads", PD_FLAG_INT, &c->threads, "compute threads (0 = all cores)", NULL},
         {"matmul-precision", PD_FLAG_CHOICE, &c->matmul_precision,
          "cuda: input rounding of matmuls on tensor cores (fp32 accumulate); cpu: always fp32",
          "fp32|tf32|bf16|fp16"},
-        {"block-size", PD_FLAG_INT, &c->block_size, "tokens per KV cache block", NULL},
-        {"max-num-seqs", PD_FLAG_INT, &c->max_num_seqs, "sequences per step at most", NULL},
-        {"max-num-batched-tokens", PD_FLAG_INT, &c->max_num_batched_tokens, "tokens per step at most", NULL},
-        {"max-model-len", PD_FLAG_INT, &c->max_model_len, "context length limit (0 = the model's)", NULL},
-        {"kv-cache-dtype", PD_FLAG_CHOICE, &c->kv_cache_dtype, "KV cache storage type",
-         "auto|fp32|fp16|bf16"},
+        {"tensor-parallel-size", PD_FLAG_INT, &c->tensor_parallel_size,
+         "vLLM's flag; an engine runs on one device: only 1 is accepted", NULL},
+        {"Memory and KV cache", PD_FLAG_GROUP, NULL, NULL, NULL},
+        {"kv-cache-memory", PD_FLAG_SIZE, &c->kv_cache_memory,
+         "CPU: memory to plan KV cache + model in (e.g. 2G; 0 = physical RAM)", NULL},
         {"memory-utilization", PD_FLAG_DOUBLE, &c->memory_utilization,
          "fraction of memory the engine plans with", NULL},
         {"gpu-memory-utilization", PD_FLAG_DOUBLE, &c->memory_utilization,
          "vLLM's name for --memory-utilization", NULL},
-        {"tensor-parallel-size", PD_FLAG_INT, &c->tensor_parallel_size,
-         "vLLM's flag; an engine runs on one device: only 1 is accepted", NULL},
-        {"kv-cache-memory", PD_FLAG_SIZE, &c->kv_cache_memory,
-         "CPU: memory to plan KV cache + model in (e.g. 2G; 0 = physical RAM)", NULL},
+        {"block-size", PD_FLAG_INT, &c->block_size, "tokens per KV cache block", NULL},
+        {"kv-cache-dtype", PD_FLAG_CHOICE, &c->kv_cache_dtype, "KV cache storage type",
+         "auto|fp32|fp16|bf16"},
         {"enable-prefix-caching", PD_FLAG_BOOL, &c->enable_prefix_caching,
          "reuse KV blocks of equal prefixes", NULL},
+        {"num-blocks-override", PD_FLAG_INT, &c->num_blocks_override,
+         "use this many KV blocks instead of the profiled number (0 = profile)", NULL},
+        {"Scheduler", PD_FLAG_GROUP, NULL, NULL, NULL},
+        {"max-model-len", PD_FLAG_INT, &c->max_model_len, "context length limit (0 = the model's)", NULL},
+        {"max-num-seqs", PD_FLAG_INT, &c->max_num_seqs, "sequences per step at most", NULL},
+        {"max-num-batched-tokens", PD_FLAG_INT, &c->max_num_batched_tokens, "tokens per step at most", NULL},
         {"enable-chunked-prefill", PD_FLAG_BOOL, &c->enable_chunked_prefill,
          "split long prompts across steps", NULL},
         {"max-queue", PD_FLAG_INT, &c->max_queue, "queued requests before new ones are refused", NULL},
-        {"num-blocks-override", PD_FLAG_INT, &c->num_blocks_override,
-         "use this many KV blocks instead of the profiled number (0 = profile)", NULL},
-        {"generation-config", PD_FLAG_CHOICE, &c->generation_config,
-         "auto: the model's generation_config.json sets EOS ids and the defaults of omitted sampling "
-         "fields (vLLM's); vllm: ignore it",
-         "auto|vllm"},
         {"kv-load-failure-policy", PD_FLAG_CHOICE, &c->load_failure_policy,
          "when remote KV cannot be loaded: recompute the prompt locally, or fail the request",
          "recompute|fail"},
@@ -253,6 +261,13 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
         pd_log_error("engine: --tensor-parallel-size %d: pdserve runs each engine on one device (only 1 is "
                      "supported; scale out with more prefill or decode nodes)",
                      cfg->tensor_parallel_size);
+        return PD_ERR_INVALID_ARG;
+    }
+    if (cfg->dtype != NULL && strcmp(cfg->dtype, "auto") != 0 && strcmp(cfg->dtype, "float32") != 0) {
+        pd_log_error(
+            "engine: --dtype %s: this engine converts weights to fp32 and computes in fp32 (auto and "
+            "float32); %s storage and compute are not implemented yet",
+            cfg->dtype, cfg->dtype);
         return PD_ERR_INVALID_ARG;
     }
     if (cfg->block_size < 1 || cfg->max_num_seqs < 1 || cfg->max_num_batched_tokens < 1 ||

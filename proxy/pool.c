@@ -5,6 +5,7 @@
 #include "proxy/proxy_impl.h"
 
 #include <arpa/inet.h>
+#include <errno.h>
 #include <event2/buffer.h>
 #include <event2/event.h>
 #include <event2/http.h>
@@ -260,6 +261,56 @@ void px_probe(proxy_t *px, node_t *n, int kind)
     n->probes++;
 }
 
+/* Marks the pool's nodes that seen does not hold removed (they take no new requests). */
+static void remove_unseen(proxy_t *px, const bool *seen, bool prefill, const char *source)
+{
+    for (int i = 0; i < px->num_nodes; i++) {
+        if (px->nodes[i].prefill == prefill && !seen[i] && !px->nodes[i].removed) {
+            pd_log_info("proxy: %s left %s", px->nodes[i].url, source);
+            px->nodes[i].removed = true;
+        }
+    }
+}
+
+void px_count_pools(proxy_t *px)
+{
+    int n[2] = {0, 0};
+    for (int i = 0; i < px->num_nodes; i++) {
+        n[px->nodes[i].prefill] += !px->nodes[i].removed;
+    }
+    pd_metric_set(px->m.pool_nodes[0], n[0]);
+    pd_metric_set(px->m.pool_nodes[1], n[1]);
+}
+
+void px_discover_file(proxy_t *px, const char *path, bool prefill)
+{
+    if (path == NULL) {
+        return;
+    }
+    FILE *f = fopen(path, "r");
+    if (f == NULL) {
+        pd_log_warn("proxy: cannot read %s: %s (the %s pool stays as it is)", path, strerror(errno),
+                    prefill ? "prefill" : "decode");
+        return;
+    }
+    bool seen[MAX_NODES] = {false};
+    char line[512];
+    while (fgets(line, sizeof(line), f) != NULL) {
+        char url[256];
+        if (sscanf(line, " %255s", url) != 1 || url[0] == '#') {
+            continue;
+        }
+        node_t *n = add_node(px, url, prefill);
+        if (n != NULL) {
+            seen[n - px->nodes] = true;
+        }
+    }
+    fclose(f);
+    char source[300];
+    snprintf(source, sizeof(source), "the file %s", path);
+    remove_unseen(px, seen, prefill, source);
+}
+
 /* Re-resolves NAME:PORT and makes the pool match its A records. */
 void px_discover(proxy_t *px, const char *spec, bool prefill)
 {
@@ -288,10 +339,7 @@ void px_discover(proxy_t *px, const char *spec, bool prefill)
         }
     }
     freeaddrinfo(res);
-    for (int i = 0; i < px->num_nodes; i++) {
-        if (px->nodes[i].prefill == prefill && !seen[i] && !px->nodes[i].removed) {
-            pd_log_info("proxy: %s left the DNS answer for %s", px->nodes[i].url, name);
-            px->nodes[i].removed = true;
-        }
-    }
+    char source[300];
+    snprintf(source, sizeof(source), "the DNS answer for %s", name);
+    remove_unseen(px, seen, prefill, source);
 }

@@ -55,6 +55,11 @@ size_t pd_proxy_flags(pd_proxy_config_t *c, pd_flag_t *out, size_t max)
          "NAME:PORT of a headless service whose A records are the prefill pool (re-resolved periodically)",
          NULL},
         {"discover-decode", PD_FLAG_STR, &c->discover_decode, "NAME:PORT for the decode pool", NULL},
+        {"discover-prefill-file", PD_FLAG_STR, &c->discover_prefill_file,
+         "a file of prefill node URLs, one a line, re-read every --discover-interval (pdctl scales pools "
+         "through it)",
+         NULL},
+        {"discover-decode-file", PD_FLAG_STR, &c->discover_decode_file, "the same for the decode pool", NULL},
         {"discover-interval", PD_FLAG_DOUBLE, &c->discover_interval, "seconds between DNS resolutions", NULL},
         {"policy", PD_FLAG_CHOICE, &c->policy, "how nodes are picked",
          "round-robin|least-loaded|prefix-affinity"},
@@ -66,11 +71,12 @@ size_t pd_proxy_flags(pd_proxy_config_t *c, pd_flag_t *out, size_t max)
         {"max-request-bytes", PD_FLAG_SIZE, &c->max_request_bytes, "largest request body accepted", NULL},
         {"api-key", PD_FLAG_STR, &c->api_key,
          "require 'Authorization: Bearer KEY' from clients on /v1/ routes, /tokenize and /detokenize "
-         "(default: $PD_PROXY_API_KEY)",
+         "($PD_PROXY_API_KEY when not given)",
          NULL},
         {"node-api-key", PD_FLAG_STR, &c->node_api_key,
-         "the key the nodes require (sent as 'Authorization: Bearer KEY'; default: $VLLM_API_KEY, the nodes' "
-         "variable); unset: the client's Authorization header is forwarded",
+         "the key the nodes require (sent as 'Authorization: Bearer KEY'; $VLLM_API_KEY, the nodes' "
+         "variable, "
+         "when not given); unset: the client's Authorization header is forwarded",
          NULL},
     };
     size_t n = sizeof(f) / sizeof(f[0]);
@@ -88,6 +94,9 @@ static void on_tick(evutil_socket_t fd, short what, void *arg)
         px->last_discover = now;
         px_discover(px, px->cfg.discover_prefill, true);
         px_discover(px, px->cfg.discover_decode, false);
+        px_discover_file(px, px->cfg.discover_prefill_file, true);
+        px_discover_file(px, px->cfg.discover_decode_file, false);
+        px_count_pools(px);
     }
     for (int i = 0; i < px->num_nodes; i++) {
         node_t *n = &px->nodes[i];
@@ -127,6 +136,12 @@ static void metrics_register(proxy_t *px)
                                 "result=failed", NULL, 0);
     pm->client_gone = pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:requests_total", "Requests by outcome.",
                                      "result=client_gone", NULL, 0);
+    pm->pool_nodes[0] = pd_metrics_add(m, PD_METRIC_GAUGE, "pd_proxy:pool_nodes",
+                                       "Nodes the pool routes to (listed, not removed by discovery).",
+                                       "pool=decode", NULL, 0);
+    pm->pool_nodes[1] = pd_metrics_add(m, PD_METRIC_GAUGE, "pd_proxy:pool_nodes",
+                                       "Nodes the pool routes to (listed, not removed by discovery).",
+                                       "pool=prefill", NULL, 0);
     pm->retry_p = pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:retries_total",
                                  "Requests re-sent to another node.", "phase=prefill", NULL, 0);
     pm->retry_d = pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:retries_total",
@@ -159,13 +174,21 @@ pd_status_t pd_proxy_run(const pd_proxy_config_t *cfg)
     if (st == PD_OK) {
         st = px_add_list(px, cfg->decode, false);
     }
-    if (st == PD_OK && cfg->prefill == NULL && cfg->discover_prefill == NULL) {
-        pd_log_error("proxy: give --prefill URLs or --discover-prefill NAME:PORT");
+    if (st == PD_OK && cfg->prefill == NULL && cfg->discover_prefill == NULL &&
+        cfg->discover_prefill_file == NULL) {
+        pd_log_error(
+            "proxy: give --prefill URLs, --discover-prefill NAME:PORT or --discover-prefill-file PATH");
         st = PD_ERR_INVALID_ARG;
     }
-    if (st == PD_OK && cfg->decode == NULL && cfg->discover_decode == NULL) {
-        pd_log_error("proxy: give --decode URLs or --discover-decode NAME:PORT");
+    if (st == PD_OK && cfg->decode == NULL && cfg->discover_decode == NULL &&
+        cfg->discover_decode_file == NULL) {
+        pd_log_error("proxy: give --decode URLs, --discover-decode NAME:PORT or --discover-decode-file PATH");
         st = PD_ERR_INVALID_ARG;
+    }
+    if (st == PD_OK) { /* the files' first reading, before the first request */
+        px_discover_file(px, cfg->discover_prefill_file, true);
+        px_discover_file(px, cfg->discover_decode_file, false);
+        px_count_pools(px);
     }
     struct evhttp_bound_socket *bs = NULL;
     if (st == PD_OK) {

@@ -26,6 +26,8 @@ typedef struct pd_proxy_config {
     const char *decode;
     const char *discover_prefill; /* DNS name:port of a headless service (A records) */
     const char *discover_decode;
+    const char *discover_prefill_file; /* a file of prefill URLs, one a line (re-read each interval) */
+    const char *discover_decode_file;
     double discover_interval;
     const char *policy; /* round-robin | least-loaded | prefix-affinity */
     double health_interval;

@@ -59,6 +59,7 @@ struct preq {
 
 typedef struct proxy_metrics {
     pd_metric_t *ok, *failed, *client_gone, *retry_p, *retry_d, *prefill_s, *decode_ttft_s, *e2e_s;
+    pd_metric_t *pool_nodes[2]; /* decode, prefill */
 } proxy_metrics_t;
 
 struct proxy {
@@ -101,6 +102,11 @@ bool px_pool_ok(const proxy_t *px, bool prefill);
 void px_probe(proxy_t *px, node_t *n, int kind);
 /* Resolves spec ("NAME:PORT") and adds its addresses to a pool, marking vanished ones removed. */
 void px_discover(proxy_t *px, const char *spec, bool prefill);
+/* Reads path (node URLs, one a line; '#' comments) and makes the pool match it, as px_discover
+ * does with DNS; an unreadable file leaves the pool as it is (logged once per change). */
+void px_discover_file(proxy_t *px, const char *path, bool prefill);
+/* Sets pd_proxy:pool_nodes{pool} to the nodes of each pool that are not removed. */
+void px_count_pools(proxy_t *px);
 
 /* --- route.c --- */
 /* The HTTP server's callback (arg: the proxy). */

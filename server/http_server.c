@@ -46,12 +46,13 @@ void pd_http_config_defaults(pd_http_config_t *c)
 size_t pd_http_flags(pd_http_config_t *c, pd_flag_t *out, size_t max)
 {
     pd_flag_t f[] = {
+        {"HTTP server (the OpenAI API)", PD_FLAG_GROUP, NULL, NULL, NULL},
         {"host", PD_FLAG_STR, &c->host, "address to listen on", NULL},
         {"port", PD_FLAG_INT, &c->port, "HTTP port (vLLM's default; 0 = any free port, see --port-file)",
          NULL},
         {"port-file", PD_FLAG_STR, &c->port_file, "write the bound port to this file", NULL},
         {"api-key", PD_FLAG_STR, &c->api_key,
-         "require 'Authorization: Bearer KEY' on /v1/ routes (default: $VLLM_API_KEY, as vLLM)", NULL},
+         "require 'Authorization: Bearer KEY' on /v1/ routes ($VLLM_API_KEY when not given, as vLLM)", NULL},
         {"max-request-bytes", PD_FLAG_SIZE, &c->max_request_bytes, "largest request body accepted", NULL},
         {"drain-timeout", PD_FLAG_DOUBLE, &c->drain_timeout, "seconds in-flight requests get after SIGTERM",
          NULL},

@@ -29,10 +29,10 @@ int pd_node_main(int argc, char **argv, const char *role)
     pd_kv_connector_config_t kcfg;
     pd_kv_connector_config_defaults(&kcfg);
     kcfg.role = role;
-    pd_flag_t flags[80];
-    size_t n = pd_engine_flags(&cfg, flags, 30);
-    n += pd_http_flags(&hcfg, flags + n, 12);
-    n += pd_kv_connector_flags(&kcfg, flags + n, 28);
+    pd_flag_t flags[96];
+    size_t n = pd_engine_flags(&cfg, flags, 36);
+    n += pd_http_flags(&hcfg, flags + n, 16);
+    n += pd_kv_connector_flags(&kcfg, flags + n, 40);
     char usage[512];
     snprintf(usage, sizeof(usage),
              "usage: pd-%s --model DIR [--port P] [--kv-listen HOST:PORT] [--kv-pipe ucx|tcp] "

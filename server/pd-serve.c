@@ -30,9 +30,10 @@ int main(int argc, char **argv)
     bool ignore_eos = false;
     pd_http_config_t hcfg;
     pd_http_config_defaults(&hcfg);
-    pd_flag_t flags[48];
-    size_t n = pd_engine_flags(&cfg, flags, 30);
-    n += pd_http_flags(&hcfg, flags + n, 10);
+    pd_flag_t flags[64];
+    size_t n = pd_engine_flags(&cfg, flags, 36);
+    n += pd_http_flags(&hcfg, flags + n, 16);
+    flags[n++] = (pd_flag_t){"Offline generation (pd-serve ... PROMPT...)", PD_FLAG_GROUP, NULL, NULL, NULL};
     flags[n++] = (pd_flag_t){"max-tokens", PD_FLAG_INT, &max_tokens, "tokens to generate per prompt", NULL};
     flags[n++] =
         (pd_flag_t){"temperature", PD_FLAG_DOUBLE, &temperature, "sampling temperature (0 = greedy)", NULL};

@@ -374,6 +374,30 @@ START_TEST(test_flags)
     ck_assert_ptr_nonnull(strstr(buf, "--block-size VALUE"));
     ck_assert_ptr_nonnull(strstr(buf, "(default: 32)"));
     ck_assert_ptr_nonnull(strstr(buf, "--kv-transfer-mode {pull|push}"));
+
+    /* sections: a group entry titles the flags after it and is no option; a key is never shown */
+    const char *key = "s3cr3t";
+    pd_flag_t grouped[] = {
+        {"Scheduler", PD_FLAG_GROUP, NULL, NULL, NULL},
+        {"block-size", PD_FLAG_INT, &block, "tokens per KV block", NULL},
+        {"HTTP", PD_FLAG_GROUP, NULL, NULL, NULL},
+        {"api-key", PD_FLAG_STR, &key, "the key", NULL},
+    };
+    char *g1[] = {"prog", "--block-size", "48", "--api-key", "k2"};
+    ck_assert_int_eq(pd_flags_parse(grouped, 4, 5, g1, "usage", NULL), PD_OK);
+    ck_assert_int_eq(block, 48);
+    ck_assert_str_eq(key, "k2");
+    char *g2[] = {"prog", "--Scheduler"};
+    ck_assert_int_eq(pd_flags_parse(grouped, 4, 2, g2, "usage", NULL), PD_ERR_INVALID_ARG);
+    memset(buf, 0, sizeof(buf));
+    stdout = fmemopen(buf, sizeof(buf) - 1, "w");
+    st = pd_flags_parse(grouped, 4, 2, help, "usage: prog", NULL);
+    fclose(stdout);
+    stdout = saved;
+    ck_assert_int_eq(st, PD_ERR_CANCELLED);
+    ck_assert_msg(strstr(buf, "usage: prog\n\nScheduler:\n  --block-size VALUE") != NULL, "%s", buf);
+    ck_assert_msg(strstr(buf, "\nHTTP:\n  --api-key VALUE") != NULL, "%s", buf);
+    ck_assert_msg(strstr(buf, "k2") == NULL && strstr(buf, "(set, not shown)") != NULL, "%s", buf);
 }
 END_TEST
 
