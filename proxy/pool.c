@@ -55,6 +55,21 @@ static node_t *add_node(proxy_t *px, const char *url, bool prefill)
     n->healthy_g = pd_metrics_add(px->metrics, PD_METRIC_GAUGE, "pd_proxy:node_healthy",
                                   "1 when the node answers its probes.", label, NULL, 0);
     pd_metric_set(n->healthy_g, 1);
+    pd_metric_label_t server = {"server", url};
+    n->router_healthy = pd_metrics_add_labels(px->metrics, PD_METRIC_GAUGE, "vllm:healthy_pods_total",
+                                              "Number of healthy vLLM pods (the vLLM router's name; 1 per "
+                                              "healthy node in the pool).",
+                                              &server, 1, NULL, 0);
+    n->router_prefill = pd_metrics_add_labels(px->metrics, PD_METRIC_GAUGE, "vllm:num_prefill_requests",
+                                              "Number of Prefill Requests (the vLLM router's name: requests "
+                                              "this proxy has in prefill at the server).",
+                                              &server, 1, NULL, 0);
+    n->router_decoding =
+        pd_metrics_add_labels(px->metrics, PD_METRIC_GAUGE, "vllm:num_decoding_requests",
+                              "Number of Decoding Requests (the vLLM router's name: requests "
+                              "this proxy has in decode at the server).",
+                              &server, 1, NULL, 0);
+    pd_metric_set(n->router_healthy, 1);
     px->num_nodes++;
     pd_log_info("proxy: %s node %s", prefill ? "prefill" : "decode", url);
     return n;
@@ -91,6 +106,26 @@ void px_set_health(node_t *n, bool ok, const char *why)
         n->healthy = false;
     }
     pd_metric_set(n->healthy_g, n->healthy ? 1 : 0);
+    pd_metric_set(n->router_healthy, n->healthy && !n->removed ? 1 : 0);
+}
+
+void px_refresh_router_gauges(proxy_t *px)
+{
+    int prefill[MAX_NODES] = {0}, decoding[MAX_NODES] = {0};
+    for (const preq_t *q = px->inflight; q != NULL; q = q->next) {
+        if (q->p != NULL && !q->p_done) {
+            prefill[q->p - px->nodes]++;
+        }
+        if (q->d != NULL && q->t_d_sent > 0 && !q->d_done) {
+            decoding[q->d - px->nodes]++;
+        }
+    }
+    for (int i = 0; i < px->num_nodes; i++) {
+        node_t *n = &px->nodes[i];
+        pd_metric_set(n->router_prefill, prefill[i]);
+        pd_metric_set(n->router_decoding, decoding[i]);
+        pd_metric_set(n->router_healthy, n->healthy && !n->removed ? 1 : 0);
+    }
 }
 
 /* Rendezvous hash of (node, key): the same prompt prefix keeps landing on the same node. */

@@ -30,6 +30,8 @@ typedef struct node {
     int kv_port;
     int probes; /* probes in flight */
     pd_metric_t *healthy_g;
+    /* vLLM router (production-stack) equivalents, labelled server=URL */
+    pd_metric_t *router_healthy, *router_prefill, *router_decoding;
 } node_t;
 
 typedef struct proxy proxy_t;
@@ -107,6 +109,8 @@ void px_discover(proxy_t *px, const char *spec, bool prefill);
 void px_discover_file(proxy_t *px, const char *path, bool prefill);
 /* Sets pd_proxy:pool_nodes{pool} to the nodes of each pool that are not removed. */
 void px_count_pools(proxy_t *px);
+/* Before a scrape: the vLLM router's per-server gauges from the in-flight requests. */
+void px_refresh_router_gauges(proxy_t *px);
 
 /* --- route.c --- */
 /* The HTTP server's callback (arg: the proxy). */

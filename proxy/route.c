@@ -573,6 +573,7 @@ static void forward(proxy_t *px, struct evhttp_request *req, enum evhttp_cmd_typ
 
 static void handle_metrics(proxy_t *px, struct evhttp_request *req)
 {
+    px_refresh_router_gauges(px);
     size_t len = 0;
     char *text = pd_metrics_render(px->metrics, &len);
     struct evbuffer *b = evbuffer_new();

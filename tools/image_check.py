@@ -87,7 +87,7 @@ HOST_CA = "/etc/ssl/certs/ca-certificates.crt"
 
 def chroot_sh(root, script, user=None, env=None, popen=False, log_to=None, host_ca=False):
     """Runs script with /bin/sh in root, in a private mount namespace with /proc, /sys, /dev and a
-    fresh /dev/shm mounted; as user (uid:gid) when given; output to log_to (a path) when given
+    fresh /dev/shm mounted, /etc/resolv.conf and /etc/hosts as a container runtime writes them; as user (uid:gid) when given; output to log_to (a path) when given
     (its tail is printed if the script fails); with host_ca, HOST_CA at /run/host-ca.crt."""
     env = dict(env or {})
     env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
@@ -102,7 +102,8 @@ def chroot_sh(root, script, user=None, env=None, popen=False, log_to=None, host_
         ca = "mount --bind %s %s/run/host-ca.crt; " % (HOST_CA, r)
         exports += " NODE_EXTRA_CA_CERTS=/run/host-ca.crt npm_config_cafile=/run/host-ca.crt"
     outer = ("set -e; mount -t proc proc {r}/proc; mount -t sysfs sys {r}/sys; mount --rbind /dev {r}/dev; "
-             "mount -t tmpfs -o size=2g tmpfs {r}/dev/shm; cp /etc/resolv.conf {r}/etc/resolv.conf; {ca}"
+             "mount -t tmpfs -o size=2g tmpfs {r}/dev/shm; cp /etc/resolv.conf {r}/etc/resolv.conf; "
+             "printf '127.0.0.1\\tlocalhost\\n::1\\tlocalhost ip6-localhost ip6-loopback\\n' > {r}/etc/hosts; {ca}"
              "exec env -i {exports} chroot {spec}{r} /bin/sh -c {script}").format(
         r=r, exports=exports, spec=spec, script=shlex.quote(script), ca=ca)
     cmd = ["unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", outer]

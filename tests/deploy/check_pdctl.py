@@ -93,6 +93,35 @@ def served(port):
     return sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M))
 
 
+def proxy_metrics(port):
+    with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=5) as r:
+        return r.read().decode()
+
+
+def series_sum(text, name):
+    return sum(float(v) for v in re.findall(r"^%s(?:\{[^}]*\})? (\S+)$" % re.escape(name), text, re.M))
+
+
+def router_gauges(port, nodes):
+    """The vLLM router's names on the proxy: healthy_pods_total counts the pools' members, and
+    requests in prefill / decode show up per server while the load runs; promtool accepts the page."""
+    in_flight = 0
+    for _ in range(40):
+        text = proxy_metrics(port)
+        in_flight = max(in_flight, series_sum(text, "vllm:num_decoding_requests") +
+                        series_sum(text, "vllm:num_prefill_requests"))
+        time.sleep(0.05)
+    check(series_sum(text, "vllm:healthy_pods_total") == nodes, "the proxy's vllm:healthy_pods_total is %d "
+          "(%.0f)" % (nodes, series_sum(text, "vllm:healthy_pods_total")))
+    check(in_flight > 0, "the proxy's vllm:num_prefill_requests / num_decoding_requests see the load (max %.0f)"
+          % in_flight)
+    r = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    lint = [line for line in (r.stdout + r.stderr).splitlines() if line and "should not contain ':'" not in line
+            and not line.startswith("vllm:healthy_pods_total non-counter")]  # the vLLM router's own name
+    check(r.returncode in (0, 3) and not lint, "promtool accepts the proxy's /metrics%s" %
+          ((": " + "; ".join(lint[:3])) if lint else ""))
+
+
 def main():
     bindir = os.path.abspath(sys.argv[1])
     tmp = tempfile.mkdtemp(prefix="pd-pdctl-")
@@ -116,6 +145,7 @@ def main():
         check(pdctl(cfg, "status").returncode == 0, "pdctl status: every process healthy")
         with Load(port) as load:
             time.sleep(2)
+            router_gauges(port, 2)
             before = load.count()
             check(before > 0, "requests flow through the proxy before scaling (%d)" % before)
             r = pdctl(cfg, "scale", "decode", "2")
@@ -124,6 +154,7 @@ def main():
             second = [p for p in state["procs"] if p["role"] == "decode" and p["idx"] == 1]
             pids += [p["pid"] for p in second]
             time.sleep(3)
+            router_gauges(port, 3)
             n2 = served(second[0]["port"]) if second else -1
             check(n2 > 0, "the second decode served requests while in the pool (%.0f)" % n2)
             r = pdctl(cfg, "scale", "decode", "1")
