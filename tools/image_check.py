@@ -184,6 +184,8 @@ def build_stages(dockerfile):
 def test_build_stage(stage):
     log("stage %s: ctest in %s/build (all but %s)" % (stage["name"], stage["workdir"], CTEST_EXCLUDE))
     log_to = os.path.join(WORK, stage["name"] + "-ctest.log")
+    if os.path.exists(log_to):
+        os.remove(log_to)
     chroot_sh(stage["root"], "cd %s/build && ctest --output-on-failure -j2 -E %s" %
               (shlex.quote(stage["workdir"]), CTEST_EXCLUDE), env={"UCX_MEM_EVENTS": "no"}, log_to=log_to,
               host_ca=True)
