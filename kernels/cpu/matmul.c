@@ -21,15 +21,18 @@ pd_status_t pd_cpu_matmul_ref(pd_backend_t *be, float *y, const float *x, const 
 
 /* One thread pool: OpenBLAS is single-threaded (set at backend creation) and runs inside our
  * OpenMP threads, each computing a slice of the output columns (rows of w). Two pools — OpenMP
- * workers spin-waiting while OpenBLAS's own threads run — halve throughput on a small machine. */
+ * workers spin-waiting while OpenBLAS's own threads run — halve throughput on a small machine.
+ * Every matmul is split, however small: at batch 1 a decode step is a chain of GEMVs bound by
+ * reading w, and a lone thread reads at about half the machine's bandwidth. (A 2 MFLOP threshold
+ * ran q, k, v, o and down of the demo model on one core: 147-154 tok/s at batch 1 against 198-215
+ * split, pd-bench-ops, bench/RESULTS.md 2026-11-23.) Slices stay whole 64-byte rows of y. */
 pd_status_t pd_cpu_matmul(pd_backend_t *be, float *y, const float *x, const float *w, const float *bias,
                           int m, int n, int k)
 {
     if (m == 0 || n == 0) {
         return PD_OK;
     }
-    double flops = 2.0 * m * n * k;
-    int nt = flops < 2e6 ? 1 : be->num_threads;
+    int nt = be->num_threads;
     int cols = (n + nt - 1) / nt;
     cols = (cols + 15) & ~15; /* slices of whole 64-byte rows of y */
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
