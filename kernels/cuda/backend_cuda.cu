@@ -41,6 +41,8 @@ struct cuda_state {
     cublasHandle_t blas;
     void *scratch; /* device copies of host metadata */
     size_t scratch_cap;
+    void *attn_ws; /* decode attention's partial results, grown when a step needs more (cu_alloc'd) */
+    size_t attn_ws_cap;
     int device;
     std::mutex mu;
     std::unordered_map<void *, size_t> sizes; /* allocator accounting (profile run) */
@@ -72,14 +74,28 @@ pd_status_t check_launch(const char *kernel)
             return st_;                                                                                      \
     } while (0)
 
-/* Copies host metadata arrays into the device scratch area (16-byte aligned pieces). */
+/* Copies host metadata arrays into the device scratch area (16-byte aligned pieces), one op's
+ * worth per upload object: every put of the op stays valid until the object is destroyed. When a
+ * put outgrows the area, a larger one takes over and the old one is freed only in the destructor
+ * (after the op's launches; cudaFree waits for the device), so the op's earlier puts do not
+ * dangle. Reuse across ops is safe by stream order (the next op's copies run after this op's
+ * kernels). */
 struct upload {
     pd_backend_t *be;
     size_t used = 0;
     pd_status_t st = PD_OK;
+    std::vector<void *> retired; /* areas earlier puts of this op still point into */
     explicit upload(pd_backend_t *b) : be(b)
     {
     }
+    ~upload()
+    {
+        for (void *p : retired) {
+            cudaFree(p);
+        }
+    }
+    upload(const upload &) = delete;
+    upload &operator=(const upload &) = delete;
     template <typename T> const T *put(const T *host, size_t n)
     {
         if (st != PD_OK || host == nullptr || n == 0) {
@@ -88,14 +104,15 @@ struct upload {
         size_t bytes = n * sizeof(T), off = (used + 15) & ~size_t(15);
         cuda_state *s = S(be);
         if (off + bytes > s->scratch_cap) {
-            /* grow: wait for ops still reading the old area */
+            /* grow: the old area lives on until this op is done with it (the destructor) */
             size_t cap = (off + bytes) * 2 > (1u << 20) ? (off + bytes) * 2 : (1u << 20);
             void *p = nullptr;
-            if ((st = check(cudaStreamSynchronize(s->stream), "sync")) != PD_OK ||
-                (st = check(cudaMalloc(&p, cap), "scratch cudaMalloc")) != PD_OK) {
+            if ((st = check(cudaMalloc(&p, cap), "scratch cudaMalloc")) != PD_OK) {
                 return nullptr;
             }
-            cudaFree(s->scratch);
+            if (s->scratch != nullptr) {
+                retired.push_back(s->scratch);
+            }
             s->scratch = p;
             s->scratch_cap = cap;
             off = 0;
@@ -1014,6 +1031,24 @@ pd_status_t cu_attn_prefill(pd_backend_t *be, float *out, const float *q, const 
     return check_launch("paged_attention_prefill");
 }
 
+/* Decode attention's workspace of at least bytes, reserved once and grown (never per call: a
+ * cudaMalloc + sync + cudaFree on every layer of every step stalled the stream). Growing frees the
+ * old one with cudaFree, which waits for the kernels still using it. */
+pd_status_t attn_workspace(pd_backend_t *be, size_t bytes, float **out)
+{
+    cuda_state *s = S(be);
+    if (bytes > s->attn_ws_cap) {
+        size_t cap = bytes > (size_t)4 << 20 ? bytes + bytes / 2 : (size_t)4 << 20;
+        void *p = nullptr;
+        TRY(cu_alloc(be, cap, &p));
+        cu_free(be, s->attn_ws);
+        s->attn_ws = p;
+        s->attn_ws_cap = cap;
+    }
+    *out = static_cast<float *>(s->attn_ws);
+    return PD_OK;
+}
+
 pd_status_t cu_attn_decode(pd_backend_t *be, float *out, const float *q, const pd_kv_view_t *kv,
                            const pd_attn_meta_t *meta, int num_heads, float scale)
 {
@@ -1027,9 +1062,9 @@ pd_status_t cu_attn_decode(pd_backend_t *be, float *out, const float *q, const p
     }
     int parts = (max_len + PARTITION - 1) / PARTITION;
     size_t rows = (size_t)meta->num_seqs * num_heads * parts;
-    void *tmp = nullptr;
-    TRY(cu_alloc(be, rows * ((size_t)kv->head_size + 2) * sizeof(float), &tmp));
-    float *t_out = static_cast<float *>(tmp), *t_max = t_out + rows * kv->head_size, *t_sum = t_max + rows;
+    float *t_out = nullptr;
+    TRY(attn_workspace(be, rows * ((size_t)kv->head_size + 2) * sizeof(float), &t_out));
+    float *t_max = t_out + rows * kv->head_size, *t_sum = t_max + rows;
     upload u(be);
     pd_attn_meta_t d;
     pd_status_t st = upload_meta(be, u, meta, &d);
@@ -1045,11 +1080,7 @@ pd_status_t cu_attn_decode(pd_backend_t *be, float *out, const float *q, const p
                                                           kv->head_size, parts);
         st = check_launch("paged_attention_decode reduce");
     }
-    if (st == PD_OK) {
-        st = check(cudaStreamSynchronize(S(be)->stream), "decode sync"); /* before tmp is freed */
-    }
-    cu_free(be, tmp);
-    return st;
+    return st; /* the workspace is reused by the next call, after these kernels (stream order) */
 }
 
 pd_status_t cu_sample(pd_backend_t *be, int32_t *tokens, float *logits, int n, int vocab,
@@ -1229,6 +1260,7 @@ void pd_cuda_backend_fini(pd_backend_t *be)
     }
     cudaStreamSynchronize(s->stream);
     cublasDestroy(s->blas);
+    cu_free(be, s->attn_ws);
     cudaFree(s->scratch);
     cudaStreamDestroy(s->stream);
     delete s;
