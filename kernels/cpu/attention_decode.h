@@ -25,8 +25,8 @@ typedef struct pd_attn_partial {
 /* Whether the AVX2/FMA/F16C kernel runs here for this shape. */
 int pd_cpu_attn_decode_x86_usable(int head_size, int group);
 
-/* Runs one item with AVX2 intrinsics. scratch holds 2 · block_size · kv_heads · head_size floats
- * (16-bit caches are converted a page at a time). */
+/* Runs one item with AVX2 intrinsics, reading the pages in place (16-bit caches are widened in
+ * registers). scratch is the portable kernel's and is not used here. */
 void pd_cpu_attn_decode_x86_item(const pd_attn_decode_item_t *it, const float *q, const pd_kv_view_t *kv,
                                  const pd_attn_meta_t *meta, int num_heads, float scale,
                                  pd_attn_partial_t *part, float *scratch);

@@ -75,35 +75,34 @@ X86 static inline __m256 transpose_sum8(const __m256 *a)
     return _mm256_add_ps(lo, hi);
 }
 
-/* Converts n elements (n % 8 == 0) of dtype to fp32. */
-X86 static void to_f32(float *dst, const void *src, int n, pd_dtype_t dt)
+/* 8 consecutive elements of a cache plane at element index i, as fp32: 16-bit caches are
+ * widened in registers (bf16: shift into the high half; fp16: F16C), never through a buffer. */
+X86 static inline __m256 ld8(const void *p, size_t i, pd_dtype_t dt)
 {
-    if (dt == PD_DTYPE_BF16) {
-        const uint16_t *s = src;
-        for (int i = 0; i < n; i += 8) {
-            __m128i h = _mm_loadu_si128((const __m128i *)(s + i));
-            _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-        }
-    } else {
-        const uint16_t *s = src;
-        for (int i = 0; i < n; i += 8) {
-            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
-        }
+    if (dt == PD_DTYPE_F32) {
+        return _mm256_loadu_ps((const float *)p + i);
     }
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    if (dt == PD_DTYPE_BF16) {
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_cvtph_ps(h);
 }
 
-X86 void pd_cpu_attn_decode_x86_item(const pd_attn_decode_item_t *it, const float *q, const pd_kv_view_t *kv,
-                                     const pd_attn_meta_t *meta, int num_heads, float scale,
-                                     pd_attn_partial_t *part, float *scratch)
+/* The item kernel for one cache dtype; dt is a constant at each call, so ld8's branch folds away
+ * and each dtype gets its own loop. The pages are read in place (no converted copy). */
+X86 static inline __attribute__((always_inline)) void
+item_dt(const pd_attn_decode_item_t *it, const float *q, const pd_kv_view_t *kv, const pd_attn_meta_t *meta,
+        int num_heads, float scale, pd_attn_partial_t *part, const pd_dtype_t dt)
 {
     const int H = kv->num_kv_heads, D = kv->head_size, bs = kv->block_size, group = num_heads / H;
     const int s = it->seq;
     const int64_t seq_len = meta->seq_lens[s];
     const int64_t pos = seq_len - 1; /* the one new token */
     const int64_t first = pd_attn_first_key(pos, meta->sliding_window);
-    const int row = H * D; /* floats per token row of one plane */
+    const int row = H * D; /* elements per token row of one plane */
+    const size_t esize = (size_t)pd_dtype_size(dt);
     const float *qs = q + (size_t)meta->cu_seqlens_q[s] * num_heads * D;
-    float *kbuf = scratch, *vbuf = scratch + (size_t)bs * row; /* converted planes (16-bit caches) */
     float qscaled[PD_ATTN_MAX_HEAD];
     float scores[PD_ATTN_MAX_BLOCK + 8];
 
@@ -120,26 +119,17 @@ X86 void pd_cpu_attn_decode_x86_item(const pd_attn_decode_item_t *it, const floa
             continue;
         }
         int64_t block = meta->block_tables[(int64_t)s * meta->max_blocks_per_seq + b];
-        const float *kp, *vp;
-        if (kv->dtype == PD_DTYPE_F32) {
-            kp = (const float *)kv->base + pd_kv_index(block, 0, 0, 0, bs, H, D);
-            vp = (const float *)kv->base + pd_kv_index(block, 1, 0, 0, bs, H, D);
-        } else {
-            const uint16_t *base = kv->base;
-            to_f32(kbuf, base + pd_kv_index(block, 0, 0, 0, bs, H, D), (hi + 1) * row, kv->dtype);
-            to_f32(vbuf, base + pd_kv_index(block, 1, 0, 0, bs, H, D), (hi + 1) * row, kv->dtype);
-            kp = kbuf;
-            vp = vbuf;
-        }
+        /* the block's K and V planes, in the cache's own dtype */
+        const char *kp = (const char *)kv->base + (size_t)pd_kv_index(block, 0, 0, 0, bs, H, D) * esize;
+        const char *vp = (const char *)kv->base + (size_t)pd_kv_index(block, 1, 0, 0, bs, H, D) * esize;
         int nk = hi - lo + 1;
         /* the next block's page is somewhere else in the region: prefetch it while this one is
          * computed, a slice per head so the requests spread over the block's work */
         const char *next_page = NULL;
-        size_t page_bytes = (size_t)2 * bs * row * (size_t)pd_dtype_size(kv->dtype), slice = 0;
+        size_t page_bytes = (size_t)2 * bs * row * esize, slice = 0;
         if (b + PREFETCH_BLOCKS < it->block_end) {
             int64_t nblock = meta->block_tables[(int64_t)s * meta->max_blocks_per_seq + b + PREFETCH_BLOCKS];
-            next_page = (const char *)kv->base +
-                        (size_t)pd_kv_index(nblock, 0, 0, 0, bs, H, D) * pd_dtype_size(kv->dtype);
+            next_page = (const char *)kv->base + (size_t)pd_kv_index(nblock, 0, 0, 0, bs, H, D) * esize;
             slice = (page_bytes / (size_t)num_heads + 63) & ~(size_t)63;
         }
         for (int g = 0; g < H; g++) {
@@ -156,26 +146,26 @@ X86 void pd_cpu_attn_decode_x86_item(const pd_attn_decode_item_t *it, const floa
                     _mm256_storeu_ps(qscaled + d,
                                      _mm256_mul_ps(_mm256_loadu_ps(qh + d), _mm256_set1_ps(scale)));
                 }
-                /* scores of keys lo..hi, 8 at a time (a short tail reuses row lo, masked below) */
+                /* scores of keys lo..hi, 8 at a time (a short tail reuses row lo, masked below);
+                 * kr(u): element index of key u's row for kv head g */
                 for (int j = 0; j < nk; j += 8) {
-                    const float *kb = kp + (size_t)g * D;
-#define KROW(u) (kb + (size_t)(lo + (j + (u) < nk ? j + (u) : 0)) * row)
-                    const float *k0 = KROW(0), *k1 = KROW(1), *k2 = KROW(2), *k3 = KROW(3);
-                    const float *k4 = KROW(4), *k5 = KROW(5), *k6 = KROW(6), *k7 = KROW(7);
+#define KROW(u) ((size_t)(lo + (j + (u) < nk ? j + (u) : 0)) * row + (size_t)g * D)
+                    const size_t k0 = KROW(0), k1 = KROW(1), k2 = KROW(2), k3 = KROW(3);
+                    const size_t k4 = KROW(4), k5 = KROW(5), k6 = KROW(6), k7 = KROW(7);
 #undef KROW
                     __m256 a[8];
                     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
                            a7 = a0;
                     for (int d = 0; d < D; d += 8) {
                         __m256 qv = _mm256_loadu_ps(qscaled + d);
-                        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
-                        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
-                        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
-                        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
-                        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4 + d), a4);
-                        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k5 + d), a5);
-                        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k6 + d), a6);
-                        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k7 + d), a7);
+                        a0 = _mm256_fmadd_ps(qv, ld8(kp, k0 + d, dt), a0);
+                        a1 = _mm256_fmadd_ps(qv, ld8(kp, k1 + d, dt), a1);
+                        a2 = _mm256_fmadd_ps(qv, ld8(kp, k2 + d, dt), a2);
+                        a3 = _mm256_fmadd_ps(qv, ld8(kp, k3 + d, dt), a3);
+                        a4 = _mm256_fmadd_ps(qv, ld8(kp, k4 + d, dt), a4);
+                        a5 = _mm256_fmadd_ps(qv, ld8(kp, k5 + d, dt), a5);
+                        a6 = _mm256_fmadd_ps(qv, ld8(kp, k6 + d, dt), a6);
+                        a7 = _mm256_fmadd_ps(qv, ld8(kp, k7 + d, dt), a7);
                     }
                     a[0] = a0, a[1] = a1, a[2] = a2, a[3] = a3, a[4] = a4, a[5] = a5, a[6] = a6, a[7] = a7;
                     _mm256_storeu_ps(scores + j, transpose_sum8(a));
@@ -208,18 +198,18 @@ X86 void pd_cpu_attn_decode_x86_item(const pd_attn_decode_item_t *it, const floa
                 }
                 part->l[h] += hsum256(lsum);
                 /* acc += Σ_j p_j · V_j: columns in chunks of 32 (four registers), then of 8 */
-                const float *vb = vp + (size_t)lo * row + (size_t)g * D;
+                const size_t vb = (size_t)lo * row + (size_t)g * D; /* element index of V row lo */
                 int d0 = 0;
                 for (; d0 + 32 <= D; d0 += 32) {
                     __m256 a0 = _mm256_loadu_ps(acc + d0), a1 = _mm256_loadu_ps(acc + d0 + 8);
                     __m256 a2 = _mm256_loadu_ps(acc + d0 + 16), a3 = _mm256_loadu_ps(acc + d0 + 24);
                     for (int j = 0; j < nk; j++) {
-                        const float *vr = vb + (size_t)j * row + d0;
+                        const size_t vr = vb + (size_t)j * row + d0;
                         __m256 p = _mm256_broadcast_ss(scores + j);
-                        a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr), a0);
-                        a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8), a1);
-                        a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 16), a2);
-                        a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 24), a3);
+                        a0 = _mm256_fmadd_ps(p, ld8(vp, vr, dt), a0);
+                        a1 = _mm256_fmadd_ps(p, ld8(vp, vr + 8, dt), a1);
+                        a2 = _mm256_fmadd_ps(p, ld8(vp, vr + 16, dt), a2);
+                        a3 = _mm256_fmadd_ps(p, ld8(vp, vr + 24, dt), a3);
                     }
                     _mm256_storeu_ps(acc + d0, a0);
                     _mm256_storeu_ps(acc + d0 + 8, a1);
@@ -230,11 +220,25 @@ X86 void pd_cpu_attn_decode_x86_item(const pd_attn_decode_item_t *it, const floa
                     __m256 a0 = _mm256_loadu_ps(acc + d0);
                     for (int j = 0; j < nk; j++) {
                         a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(scores + j),
-                                             _mm256_loadu_ps(vb + (size_t)j * row + d0), a0);
+                                             ld8(vp, vb + (size_t)j * row + d0, dt), a0);
                     }
                     _mm256_storeu_ps(acc + d0, a0);
                 }
             }
         }
+    }
+}
+
+X86 void pd_cpu_attn_decode_x86_item(const pd_attn_decode_item_t *it, const float *q, const pd_kv_view_t *kv,
+                                     const pd_attn_meta_t *meta, int num_heads, float scale,
+                                     pd_attn_partial_t *part, float *scratch)
+{
+    (void)scratch; /* pages are read in place */
+    if (kv->dtype == PD_DTYPE_BF16) {
+        item_dt(it, q, kv, meta, num_heads, scale, part, PD_DTYPE_BF16);
+    } else if (kv->dtype == PD_DTYPE_F16) {
+        item_dt(it, q, kv, meta, num_heads, scale, part, PD_DTYPE_F16);
+    } else {
+        item_dt(it, q, kv, meta, num_heads, scale, part, PD_DTYPE_F32);
     }
 }
