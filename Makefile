@@ -12,7 +12,7 @@ endif
 comma := ,
 CMAKE_FLAGS ?=
 CTEST_ARGS ?=
-FORMAT_FILES = $(shell git ls-files --cached --others --exclude-standard '*.c' '*.h' '*.cu' 2>/dev/null)
+FORMAT_FILES = $(shell git ls-files --cached --others --exclude-standard '*.c' '*.h' '*.cu' '*.cuh' 2>/dev/null)
 
 .PHONY: all deps build check test demo format format-check bench faults soak fuzz image-check clean
 
