@@ -11,6 +11,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "common/http_watch.h"
 #include "common/metrics.h"
 #include "proxy/proxy.h"
 
@@ -41,7 +42,7 @@ struct preq {
     proxy_t *px;
     struct evhttp_request *client;         /* NULL once answered or the client went away */
     struct evhttp_connection *client_conn; /* its connection's close callback points at us */
-    struct event *client_watch;            /* EOF on the client's socket while we wait (route.c) */
+    pd_client_watch_t *client_watch;       /* EOF on the client's socket while we wait (http_watch.h) */
     json_t *body;
     char *auth; /* the client's Authorization header (forwarded when no --node-api-key), or NULL */
     bool stream, push;

@@ -25,6 +25,7 @@
 #include "common/api_fields.h"
 #include "common/hash.h"
 #include "common/http_reply.h"
+#include "common/http_watch.h"
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/time.h"
@@ -68,7 +69,7 @@ void px_preq_free(preq_t *q)
         evhttp_connection_set_closecb(q->client_conn, NULL, NULL);
     }
     if (q->client_watch != NULL) {
-        event_free(q->client_watch);
+        pd_client_watch_stop(q->client_watch);
     }
     json_decref(q->body);
     json_decref(q->ktp);
@@ -392,35 +393,6 @@ static void on_client_close(struct evhttp_connection *conn, void *arg)
     px_preq_free(q);
 }
 
-/* The client's socket turned readable while its request is in flight: EOF or a reset means it left.
- * libevent's server stops reading a connection once its request is in, so it would only notice at
- * the first write — for a non-streamed request, after the decode finished (the prefill's KV held
- * meanwhile). Freeing the connection runs on_client_close. Bytes of a pipelined next request are not
- * a close: the watch ends there. */
-static void on_client_readable(evutil_socket_t fd, short what, void *arg)
-{
-    (void)what;
-    preq_t *q = arg;
-    char c;
-    ssize_t n = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-        event_add(q->client_watch, NULL);
-        return;
-    }
-    if (n <= 0 && q->client_conn != NULL) {
-        evhttp_connection_free(q->client_conn); /* on_client_close(q) frees q */
-    }
-}
-
-static void watch_client(preq_t *q)
-{
-    struct bufferevent *bev = evhttp_connection_get_bufferevent(q->client_conn);
-    evutil_socket_t fd = bev != NULL ? bufferevent_getfd(bev) : -1;
-    if (fd >= 0 && (q->client_watch = event_new(q->px->base, fd, EV_READ, on_client_readable, q)) != NULL) {
-        event_add(q->client_watch, NULL);
-    }
-}
-
 static void handle_completions(proxy_t *px, struct evhttp_request *req, const char *path)
 {
     struct evbuffer *in = evhttp_request_get_input_buffer(req);
@@ -497,7 +469,7 @@ static void handle_completions(proxy_t *px, struct evhttp_request *req, const ch
     px->inflight = q;
     q->client_conn = evhttp_request_get_connection(req);
     evhttp_connection_set_closecb(q->client_conn, on_client_close, q);
-    watch_client(q);
+    q->client_watch = pd_client_watch_start(q->px->base, q->client_conn);
     /* the mode is the prefill pool's (from /pd/info); push needs a prefill whose KV address is known */
     for (int i = 0; i < px->num_nodes; i++) {
         const node_t *n = &px->nodes[i];

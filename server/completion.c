@@ -50,8 +50,9 @@ struct creq {
     struct evhttp_request *req; /* NULL once answered or the client went away */
     char id[48];
     pd_completion_req_t in;
-    bool started;  /* the SSE reply was started */
-    bool deferred; /* siblings wait for choice 0's first token */
+    bool started;             /* the SSE reply was started */
+    bool deferred;            /* siblings wait for choice 0's first token */
+    pd_client_watch_t *watch; /* EOF on the client's socket while the request runs (http_watch.h) */
     int32_t num_choices, num_done;
     choice_t *ch;
     double arrival;
@@ -61,8 +62,16 @@ struct creq {
 
 /* ------------------------------------------------------------------ lifetime */
 
+/* The request is answered or its client is gone: its socket needs no watching any more. */
+static void unwatch(creq_t *c)
+{
+    pd_client_watch_stop(c->watch);
+    c->watch = NULL;
+}
+
 static void creq_free(creq_t *c)
 {
+    unwatch(c);
     pd_http_server_t *s = c->srv;
     if (c->prev != NULL) {
         c->prev->next = c->next;
@@ -106,6 +115,7 @@ static void on_client_close(struct evhttp_connection *conn, void *arg)
     }
     pd_log_info("client of %s disconnected; aborting it", c->id);
     c->req = NULL;
+    unwatch(c);
     abort_choices(c);
     if (c->num_done == c->num_choices) {
         creq_free(c);
@@ -479,6 +489,7 @@ static void stream_output(creq_t *c, choice_t *h, const pd_engine_output_t *o, s
     pd_http_track_reply(c->srv, c->req);
     evhttp_send_reply_end(c->req);
     c->req = NULL;
+    unwatch(c);
     creq_free(c);
 }
 
@@ -556,6 +567,7 @@ static void reply_final(creq_t *c)
         json_decref(body);
     }
     c->req = NULL;
+    unwatch(c);
     creq_free(c);
 }
 
@@ -802,6 +814,7 @@ void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bo
         if (!submit_choice(c, k)) {
             if (k == 0) {
                 c->req = NULL;
+                unwatch(c);
                 c->num_done = c->num_choices; /* nothing was sent */
                 creq_free(c);
                 pd_http_reply_error(s, req, 503, "ServiceUnavailableError", NULL,
@@ -816,4 +829,7 @@ void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bo
         }
     }
     evhttp_connection_set_closecb(evhttp_request_get_connection(req), on_client_close, c);
+    if (c->req != NULL) { /* a non-streamed client that leaves is seen now, not at the reply */
+        c->watch = pd_client_watch_start(s->base, evhttp_request_get_connection(req));
+    }
 }

@@ -9,6 +9,7 @@
 #include <jansson.h>
 #include <stdbool.h>
 
+#include "common/http_watch.h"
 #include "common/metrics.h"
 #include "server/chat.h"
 #include "server/http_server.h"

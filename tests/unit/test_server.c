@@ -498,6 +498,52 @@ START_TEST(test_graceful_drain)
 }
 END_TEST
 
+/* A non-streamed client that closes its connection mid-request: the server sees it at once (it
+ * watches the socket; libevent alone would notice only when writing the answer, after all the
+ * tokens) and aborts the request, freeing its blocks. The request would run ~7 s to its end. */
+START_TEST(test_non_streamed_client_gone_aborts)
+{
+    char *slow = tu_make_model("--preset tiny --arch llama --hidden 512 --layers 6 --intermediate 1408");
+    ck_assert_ptr_nonnull(slow);
+    int port;
+    char *extra[] = {"--threads", "1", "--max-model-len", "2048", NULL};
+    pid_t pid = start_server_model(slow, "gone", extra, &port);
+    const char *body = "{\"prompt\": \"leave me\", \"max_tokens\": 1500, \"ignore_eos\": true}";
+    int fd = http_send(port, "POST", "/v1/completions", NULL, body, strlen(body), 60000);
+    ck_assert_int_ge(fd, 0);
+    double running = 0, aborts = 0, used = -1, until = tu_now() + 60;
+    while (running != 1 && tu_now() < until) {
+        http_resp_t m;
+        http_request(port, "GET", "/metrics", NULL, NULL, &m, 5000);
+        running = m.body != NULL ? pd_metrics_text_value(m.body, "vllm:num_requests_running", 0) : 0;
+        http_resp_free(&m);
+        usleep(10000);
+    }
+    ck_assert_msg(running == 1, "the long request never started running");
+    close(fd);
+    double t0 = tu_now();
+    until = t0 + 2; /* well inside the request's own run time */
+    while (tu_now() < until) {
+        http_resp_t m;
+        http_request(port, "GET", "/metrics", NULL, NULL, &m, 5000);
+        aborts = pd_metrics_text_value(m.body, "vllm:request_success_total{finished_reason=\"abort\"}", 0);
+        running = pd_metrics_text_value(m.body, "vllm:num_requests_running", -1);
+        used = pd_metrics_text_value(m.body, "pd:kv_blocks_used", -1);
+        http_resp_free(&m);
+        if (aborts == 1 && running == 0 && used == 0) {
+            break;
+        }
+        usleep(20000);
+    }
+    ck_assert_msg(aborts == 1 && running == 0 && used == 0,
+                  "%.1f s after the close: %.0f aborted, %.0f running, %.0f blocks used", tu_now() - t0,
+                  aborts, running, used);
+    ck_assert_int_eq(tu_stop(pid, 30), 0);
+    tu_rmrf(slow);
+    free(slow);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ load and disconnects */
 
 typedef struct stream_job {
@@ -822,6 +868,7 @@ int main(void)
     tcase_add_test(tc, test_metrics_vllm_names);
     tcase_add_test(tc, test_200_concurrent_streams);
     tcase_add_test(tc, test_disconnects_free_the_pool);
+    tcase_add_test(tc, test_non_streamed_client_gone_aborts);
     tcase_add_test(tc, test_openai_npm_client);
     tcase_add_test(tc, test_api_key_and_queue_limit);
     tcase_add_test(tc, test_graceful_drain);
