@@ -31,7 +31,7 @@ typedef struct pd_engine_config {
     int max_num_seqs;
     int max_num_batched_tokens;
     int max_model_len;          /* 0 = the model's max_position_embeddings */
-    const char *kv_cache_dtype; /* auto (= fp32 compute dtype) | fp32 | fp16 | bf16 */
+    const char *kv_cache_dtype; /* auto (= the model's torch_dtype, fp32 if none) | fp32 | fp16 | bf16 */
     double memory_utilization;
     int tensor_parallel_size; /* vLLM's --tensor-parallel-size: only 1 (one device per engine) */
     const char *dtype;        /* vLLM's --dtype: auto | float32 (bfloat16, float16, half refused) */
@@ -117,6 +117,8 @@ const pd_model_config_t *pd_engine_model_config(const pd_engine_t *e);
 int32_t pd_engine_max_model_len(const pd_engine_t *e);
 const pd_kv_cache_t *pd_engine_kv(const pd_engine_t *e);
 const char *pd_engine_model_name(const pd_engine_t *e);
+/* The KV cache's storage dtype as resolved from --kv-cache-dtype: "fp32" | "fp16" | "bf16". */
+const char *pd_engine_kv_dtype_name(const pd_engine_t *e);
 /* The configuration the engine was created with (its strings are the caller's). */
 const pd_engine_config_t *pd_engine_config(const pd_engine_t *e);
 /* The model directory the engine loaded (--model). */

@@ -67,7 +67,8 @@ size_t pd_engine_flags(pd_engine_config_t *c, pd_flag_t *out, size_t max)
         {"gpu-memory-utilization", PD_FLAG_DOUBLE, &c->memory_utilization,
          "vLLM's name for --memory-utilization", NULL},
         {"block-size", PD_FLAG_INT, &c->block_size, "tokens per KV cache block", NULL},
-        {"kv-cache-dtype", PD_FLAG_CHOICE, &c->kv_cache_dtype, "KV cache storage type",
+        {"kv-cache-dtype", PD_FLAG_CHOICE, &c->kv_cache_dtype,
+         "KV cache storage type (auto: the model's torch_dtype, as vLLM; fp32 when it has none)",
          "auto|fp32|fp16|bf16"},
         {"enable-prefix-caching", PD_FLAG_BOOL, &c->enable_prefix_caching,
          "reuse KV blocks of equal prefixes", NULL},
@@ -90,8 +91,16 @@ size_t pd_engine_flags(pd_engine_config_t *c, pd_flag_t *out, size_t max)
     return n;
 }
 
-static pd_dtype_t parse_kv_dtype(const char *s)
+/* --kv-cache-dtype: auto is the model's dtype (config.json's torch_dtype), as in vLLM — a bf16
+ * checkpoint keeps a bf16 cache (half the bytes of fp32, read in place by decode attention);
+ * fp32 when the checkpoint is fp32 or says nothing. */
+static pd_dtype_t resolve_kv_dtype(const char *s, const pd_model_config_t *mc)
 {
+    if (strcmp(s, "auto") == 0) {
+        s = strcmp(mc->torch_dtype, "bfloat16") == 0                                          ? "bf16"
+            : strcmp(mc->torch_dtype, "float16") == 0 || strcmp(mc->torch_dtype, "half") == 0 ? "fp16"
+                                                                                              : "fp32";
+    }
     if (strcmp(s, "fp16") == 0) {
         return PD_DTYPE_F16;
     }
@@ -180,9 +189,16 @@ static pd_status_t load_model(pd_engine_t *e)
 static pd_status_t make_kv_cache(pd_engine_t *e)
 {
     const pd_engine_config_t *cfg = &e->cfg;
-    pd_kv_init_params_t kp = {cfg->block_size, parse_kv_dtype(cfg->kv_cache_dtype), cfg->memory_utilization,
-                              cfg->kv_cache_memory, cfg->max_num_batched_tokens, cfg->max_num_seqs,
-                              e->max_model_len,
+    e->kv_dtype = resolve_kv_dtype(cfg->kv_cache_dtype, pd_model_config(e->model));
+    if (strcmp(cfg->kv_cache_dtype, "auto") == 0) {
+        pd_log_info("KV cache dtype: %s (auto: the model's torch_dtype '%s')",
+                    e->kv_dtype == PD_DTYPE_BF16  ? "bf16"
+                    : e->kv_dtype == PD_DTYPE_F16 ? "fp16"
+                                                  : "fp32",
+                    pd_model_config(e->model)->torch_dtype);
+    }
+    pd_kv_init_params_t kp = {cfg->block_size, e->kv_dtype, cfg->memory_utilization, cfg->kv_cache_memory,
+                              cfg->max_num_batched_tokens, cfg->max_num_seqs, e->max_model_len,
                               /* a device KV is the backend's; the connector stages it */
                               e->be->host_memory ? cfg->kv_allocator : NULL,
                               (uint32_t)(cfg->num_blocks_override > 0 ? cfg->num_blocks_override : 0)};
@@ -357,6 +373,11 @@ const pd_kv_cache_t *pd_engine_kv(const pd_engine_t *e)
 const char *pd_engine_model_name(const pd_engine_t *e)
 {
     return e->model_name;
+}
+
+const char *pd_engine_kv_dtype_name(const pd_engine_t *e)
+{
+    return e->kv_dtype == PD_DTYPE_BF16 ? "bf16" : e->kv_dtype == PD_DTYPE_F16 ? "fp16" : "fp32";
 }
 
 const pd_engine_config_t *pd_engine_config(const pd_engine_t *e)

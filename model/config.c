@@ -322,6 +322,11 @@ pd_status_t pd_model_config_parse(const void *json_root, const char *doc, pd_mod
         return PD_ERR_UNSUPPORTED;
     }
     TRY(parse_eos(root, doc, &c));
+    json_t *dt = json_object_get(root, "torch_dtype"); /* transformers >= 4.56 writes "dtype" */
+    dt = json_is_string(dt) ? dt : json_object_get(root, "dtype");
+    if (json_is_string(dt)) {
+        snprintf(c.torch_dtype, sizeof(c.torch_dtype), "%s", json_string_value(dt));
+    }
     if (c.arch == PD_ARCH_GPT2 && c.num_heads > 0) {
         c.head_size = c.hidden_size / c.num_heads;
     }

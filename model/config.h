@@ -37,6 +37,8 @@ typedef struct pd_rope_scaling {
 
 typedef struct pd_model_config {
     char arch_name[64]; /* architectures[0] as written */
+    char torch_dtype
+        [16]; /* config.json's "torch_dtype" (or "dtype"): "bfloat16", "float16", ...; "" unknown */
     pd_arch_t arch;
     int32_t hidden_size;
     int32_t num_layers;

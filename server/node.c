@@ -79,7 +79,7 @@ int pd_node_main(int argc, char **argv, const char *role)
     char *info = NULL;
     if (st == PD_OK) {
         const pd_model_config_t *mc = pd_engine_model_config(e);
-        const char *dtype = strcmp(cfg.kv_cache_dtype, "auto") == 0 ? "fp32" : cfg.kv_cache_dtype;
+        const char *dtype = pd_engine_kv_dtype_name(e); /* auto resolved: both pools agree for one model */
         Pd__Fingerprint fp;
         char model_id[160];
         st = pd_model_fingerprint(cfg.model_dir, model_id, sizeof(model_id));

@@ -114,7 +114,7 @@ done
   echo "## pd-bench: 1P1D (pull, push; ucx) vs colocated pd-serve — $(date -u '+%Y-%m-%d %H:%M UTC')"
   echo
   echo "Command: \`tools/bench-pd.sh\` (\`make bench\`). Machine: $machine. Demo model (8 layers, hidden 512,"
-  echo "random bf16 weights, fp32 KV), same total threads: pd-serve --threads 2 vs prefill 1 + decode 1."
+  echo "random bf16 weights, bf16 KV by --kv-cache-dtype auto), same total threads: pd-serve --threads 2 vs prefill 1 + decode 1."
   echo "$n requests per point (+2 unmeasured warmups), fresh prompts per point (seed), Poisson arrivals,"
   echo "--ignore-eos; goodput SLO: \`$slo\` (ms)."
   echo "long = 1024±20% prompt tokens, 16 output; mixed = 256±50% prompt, 96±50% output."

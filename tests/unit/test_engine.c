@@ -480,6 +480,41 @@ START_TEST(test_sliding_groups_keep_outputs)
 }
 END_TEST
 
+/* --kv-cache-dtype auto is the checkpoint's dtype (vLLM's meaning): a bf16 model gets a bf16 cache
+ * (twice the blocks of an fp32 one in the same memory), an fp32 model an fp32 one; an explicit
+ * dtype wins. Greedy outputs on the bf16 cache stay what the engine makes alone vs batched. */
+START_TEST(test_kv_cache_dtype_auto_is_the_models)
+{
+    char *saved = g_model;
+    g_model = tu_make_model("--preset tiny --arch llama --dtype bf16");
+    ck_assert_ptr_nonnull(g_model);
+    pd_engine_t *e = make_engine(0, true, 8);
+    ck_assert_str_eq(pd_engine_kv_dtype_name(e), "bf16");
+    uint32_t bf16_blocks = pd_engine_kv(e)->cfg.num_blocks;
+    pd_engine_destroy(e);
+    pd_engine_config_t c;
+    pd_engine_config_defaults(&c);
+    c.model_dir = g_model;
+    c.threads = 2;
+    c.kv_cache_memory = 256u << 20;
+    c.max_num_batched_tokens = 256;
+    c.max_model_len = 512;
+    c.kv_cache_dtype = "fp32";
+    ck_assert_int_eq(pd_engine_create(&c, &e), PD_OK);
+    ck_assert_str_eq(pd_engine_kv_dtype_name(e), "fp32");
+    uint32_t fp32_blocks = pd_engine_kv(e)->cfg.num_blocks;
+    pd_engine_destroy(e);
+    ck_assert_msg(bf16_blocks > fp32_blocks * 19 / 10, "bf16 cache %u blocks, fp32 %u", bf16_blocks,
+                  fp32_blocks);
+    tu_rmrf(g_model);
+    free(g_model);
+    g_model = saved; /* the tiny fp32 model */
+    e = make_engine(0, true, 8);
+    ck_assert_str_eq(pd_engine_kv_dtype_name(e), "fp32");
+    pd_engine_destroy(e);
+}
+END_TEST
+
 int main(void)
 {
     pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_WARN);
@@ -499,6 +534,7 @@ int main(void)
     tcase_add_test(tc, test_bad_requests);
     tcase_add_test(tc, test_threaded_submit);
     tcase_add_test(tc, test_sliding_groups_keep_outputs);
+    tcase_add_test(tc, test_kv_cache_dtype_auto_is_the_models);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
