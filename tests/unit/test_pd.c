@@ -403,14 +403,18 @@ START_TEST(test_families_equivalence)
 #define GEMMA3_SHAPE "--preset tiny --arch gemma3 --layers 4 --sliding-window 16 --sliding-pattern 2 --seed 7"
     static const struct {
         const char *mk, *mode, *pipe;
-        int page, full_layers, sliding_layers; /* fp32 pages of block 16; window 16 */
+        int page, full_layers,
+            sliding_layers; /* bytes of a page of block 16 (fp32 KV but the last); window 16 */
     } fam[] = {{"--preset tiny --arch qwen3 --head-dim 32 --seed 5", "pull", "tcp", 8192, 2, 0},
                {"--preset tiny --arch mistral --sliding-window 16 --seed 6", "push", "ucx", 4096, 0, 2},
                {GEMMA3_SHAPE, "pull", "ucx", 4096, 2, 2},
                {GEMMA3_SHAPE, "push", "tcp", 4096, 2, 2},
                /* Llama-3.1-shaped: llama3 rope_scaling, prompts past original_max_position_embeddings */
                {"--preset tiny --arch llama --seed 8 " LLAMA31_SCALING, "push", "tcp", 4096, 2, 0},
-               {"--preset tiny --arch llama --seed 8 " LLAMA31_SCALING, "pull", "ucx", 4096, 2, 0}};
+               {"--preset tiny --arch llama --seed 8 " LLAMA31_SCALING, "pull", "ucx", 4096, 2, 0},
+               /* a bf16 checkpoint: --kv-cache-dtype auto keeps a bf16 cache on both pools, pages of
+                * half the bytes */
+               {"--preset tiny --arch llama --dtype bf16 --seed 9", "pull", "tcp", 2048, 2, 0}};
     enum { N = 24 };
     char *saved = g_model;
     for (size_t f = 0; f < sizeof(fam) / sizeof(fam[0]); f++) {
