@@ -476,8 +476,8 @@ static int cmp_double(const void *x, const void *y)
 }
 
 /* Eight colours told apart in colour-blind vision and print (Okabe–Ito, yellow swapped for grey)
- * and eight marker shapes: series s gets both, so a ninth series is still told apart by its marker
- * pairing but the plot warns. */
+ * and eight marker shapes: series s gets both; a ninth series would repeat the first's, so the
+ * plot warns. */
 static const char *const PLOT_COLOURS[8] = {"#0072B2", "#D55E00", "#009E73", "#CC79A7",
                                             "#E69F00", "#56B4E9", "#000000", "#999999"};
 static const int PLOT_MARKERS[8] = {7, 5, 9, 11, 13, 4, 6, 1}; /* ● ■ ▲ ▼ ◆ □ ○ + (pngcairo) */
@@ -642,8 +642,6 @@ static int plot(int argc, char **argv)
     return 0;
 }
 
-/* ------------------------------------------------------------------ main */
-
 /* ------------------------------------------------------------------ token counts */
 
 /* Where ShareGPT prompts are counted: the model's tokenizer loaded here (--tokenizer DIR), or the
@@ -682,6 +680,8 @@ static int32_t count_remote(void *ctx, const char *text)
     free(g.body);
     return n;
 }
+
+/* ------------------------------------------------------------------ main */
 
 /* Asks the server for its first model's name (when --model is not given). */
 static char *fetch_model(run_t *r)

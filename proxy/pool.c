@@ -69,7 +69,6 @@ static node_t *add_node(proxy_t *px, const char *url, bool prefill)
                               "Number of Decoding Requests (the vLLM router's name: requests "
                               "this proxy has in decode at the server).",
                               &server, 1, NULL, 0);
-    pd_metric_set(n->router_healthy, 1);
     px->num_nodes++;
     pd_log_info("proxy: %s node %s", prefill ? "prefill" : "decode", url);
     return n;
@@ -106,7 +105,6 @@ void px_set_health(node_t *n, bool ok, const char *why)
         n->healthy = false;
     }
     pd_metric_set(n->healthy_g, n->healthy ? 1 : 0);
-    pd_metric_set(n->router_healthy, n->healthy && !n->removed ? 1 : 0);
 }
 
 void px_refresh_router_gauges(proxy_t *px)

@@ -110,7 +110,8 @@ void px_discover(proxy_t *px, const char *spec, bool prefill);
 void px_discover_file(proxy_t *px, const char *path, bool prefill);
 /* Sets pd_proxy:pool_nodes{pool} to the nodes of each pool that are not removed. */
 void px_count_pools(proxy_t *px);
-/* Before a scrape: the vLLM router's per-server gauges from the in-flight requests. */
+/* Before a scrape: the vLLM router's per-server gauges from the in-flight requests and the nodes'
+ * health (this is their only writer). */
 void px_refresh_router_gauges(proxy_t *px);
 
 /* --- route.c --- */

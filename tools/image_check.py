@@ -36,11 +36,23 @@ def log(msg):
     print("image-check [%4.0fs] %s" % (time.time() - t0, msg), flush=True)
 
 
-def run(cmd, **kw):
-    r = subprocess.run(cmd, **kw)
-    if r.returncode != 0:
-        raise SystemExit("image-check: FAILED (exit %d): %s" % (r.returncode, cmd if isinstance(cmd, str) else " ".join(cmd)))
-    return r
+STEP_TIMEOUT = 3600  # s: a step (an install, the build, ctest) that takes longer is hung
+
+
+def run(cmd, stdout=None, timeout=STEP_TIMEOUT):
+    """Runs cmd in its own process group; a nonzero exit or the timeout (the whole group is killed)
+    fails the check. Returns the exit status."""
+    to_file = hasattr(stdout, "write")  # a log file gets stderr too
+    p = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT if to_file else None, start_new_session=True)
+    try:
+        rc = p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9)
+        p.wait()
+        raise SystemExit("image-check: FAILED (no end within %d s): %s" % (timeout, " ".join(cmd)))
+    if rc != 0:
+        raise SystemExit("image-check: FAILED (exit %d): %s" % (rc, " ".join(cmd)))
+    return rc
 
 
 def parse_dockerfile(path):
@@ -113,11 +125,13 @@ def chroot_sh(root, script, user=None, env=None, popen=False, log_to=None, host_
         run(cmd)
         return
     with open(log_to, "ab") as out:
-        rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode
-    if rc != 0:
-        with open(log_to, errors="replace") as f:
-            sys.stdout.write(f.read()[-6000:])
-        raise SystemExit("image-check: FAILED (exit %d); the whole log: %s" % (rc, log_to))
+        try:
+            run(cmd, stdout=out)
+        except SystemExit:
+            with open(log_to, errors="replace") as f:
+                sys.stdout.write(f.read()[-6000:])
+            print("image-check: the whole log: %s" % log_to)
+            raise
 
 
 def tracked_files():

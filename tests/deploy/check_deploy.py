@@ -282,7 +282,7 @@ def rewrite(args, tmp, ports, env):
         a = a.replace("/models", os.path.join(tmp, "models")).replace("/etc/pdserve/token", os.path.join(tmp, "token"))
         a = a.replace("0.0.0.0:7000", "127.0.0.1:0").replace("=0.0.0.0", "=127.0.0.1")
         if re.match(r"--port=\d+$", a):
-            a = "--port=%d" % ports["self"]
+            a = "--port=0"  # the process picks a free port and writes it to --port-file (start)
         if re.match(r"--kv-data-port=\d+$", a):
             a = "--kv-data-port=%d" % free_port()
         m = re.match(r"--discover-(prefill|decode)=([\w.-]+):(\d+)$", a)
@@ -311,19 +311,28 @@ def container_env(c, secrets):
 
 
 def start(role, c, bindir, tmp, ports, secrets):
+    """Starts the container's command; the HTTP port is the one the process bound and wrote to its
+    --port-file (a port picked here could be taken by another process before the bind, and another
+    server's /health would then answer). Sets ports[role]; returns (process, answered)."""
     env = container_env(c, secrets)
-    for attempt in range(3):
-        args = rewrite(c["args"], tmp, dict(ports, self=ports[role]), env)
-        log = open(os.path.join(tmp, role + ".log"), "w")
-        p = subprocess.Popen([os.path.join(bindir, c["command"][0])] + args, stdout=log, stderr=log,
-                             env=dict(os.environ, **env))
-        ok = wait_ready(ports[role], p, "/version" if role == "proxy" else "/health")
-        with open(os.path.join(tmp, role + ".log")) as f:
-            lost = not ok and p.poll() is not None and "cannot listen" in f.read()
-        if not lost:
-            return p, ok
-        ports[role] = free_port()  # another process took the free port while this one loaded
-    return p, ok
+    port_file = os.path.join(tmp, role + ".port")
+    for attempt in range(3):  # the fixed --kv-data-port (a free port here) can be taken before the bind
+        args = rewrite(c["args"], tmp, ports, env) + ["--port-file", port_file]
+        log_path = os.path.join(tmp, role + ".log")
+        with open(log_path, "w") as log:
+            p = subprocess.Popen([os.path.join(bindir, c["command"][0])] + args, stdout=log, stderr=log,
+                                 env=dict(os.environ, **env))
+        end = time.time() + 120
+        while time.time() < end and p.poll() is None and not os.path.exists(port_file):
+            time.sleep(0.1)
+        if os.path.exists(port_file):
+            with open(port_file) as f:
+                ports[role] = int(f.read())
+            return p, wait_ready(ports[role], p, "/version" if role == "proxy" else "/health")
+        with open(log_path) as f:
+            if p.poll() is None or "cannot listen" not in f.read():
+                break
+    return p, False
 
 
 def live(objs, bindir, tmp):
@@ -333,7 +342,7 @@ def live(objs, bindir, tmp):
                                  ["data"]["token"]))
     key = base64.b64decode([s for n, s in secrets.items() if n.startswith("pdserve-keys")][0]["data"]["api-key"]).decode()
     os.makedirs(os.path.join(tmp, "models"), exist_ok=True)  # the emptyDir volume
-    ports = {"prefill": free_port(), "decode": free_port(), "proxy": free_port()}
+    ports = {}  # role → the HTTP port its process bound
     procs = []
     try:
         for role in ("prefill", "decode", "proxy"):

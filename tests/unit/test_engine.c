@@ -24,10 +24,12 @@ typedef struct gen {
     int32_t completion;
 } gen_t;
 
-static pd_engine_t *make_engine(int num_blocks_override, bool prefix, int max_seqs)
+/* An engine on g_model with the tests' sizes; kv_dtype as --kv-cache-dtype. */
+static pd_engine_t *make_engine_kv(int num_blocks_override, bool prefix, int max_seqs, const char *kv_dtype)
 {
     pd_engine_config_t c;
     pd_engine_config_defaults(&c);
+    c.kv_cache_dtype = kv_dtype;
     c.model_dir = g_model;
     c.threads = 2;
     c.kv_cache_memory = 256u << 20;
@@ -39,6 +41,11 @@ static pd_engine_t *make_engine(int num_blocks_override, bool prefix, int max_se
     pd_engine_t *e = NULL;
     ck_assert_int_eq(pd_engine_create(&c, &e), PD_OK);
     return e;
+}
+
+static pd_engine_t *make_engine(int num_blocks_override, bool prefix, int max_seqs)
+{
+    return make_engine_kv(num_blocks_override, prefix, max_seqs, "auto");
 }
 
 static void collect(pd_engine_output_t *outs)
@@ -492,15 +499,7 @@ START_TEST(test_kv_cache_dtype_auto_is_the_models)
     ck_assert_str_eq(pd_engine_kv_dtype_name(e), "bf16");
     uint32_t bf16_blocks = pd_engine_kv(e)->cfg.num_blocks;
     pd_engine_destroy(e);
-    pd_engine_config_t c;
-    pd_engine_config_defaults(&c);
-    c.model_dir = g_model;
-    c.threads = 2;
-    c.kv_cache_memory = 256u << 20;
-    c.max_num_batched_tokens = 256;
-    c.max_model_len = 512;
-    c.kv_cache_dtype = "fp32";
-    ck_assert_int_eq(pd_engine_create(&c, &e), PD_OK);
+    e = make_engine_kv(0, true, 8, "fp32");
     ck_assert_str_eq(pd_engine_kv_dtype_name(e), "fp32");
     uint32_t fp32_blocks = pd_engine_kv(e)->cfg.num_blocks;
     pd_engine_destroy(e);

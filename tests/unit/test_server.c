@@ -444,11 +444,31 @@ static void *bg_post(void *arg)
     return NULL;
 }
 
+/* A model slow enough (~100+ ms per 20 tokens here) that a long request is still generating
+ * while a test acts on it. */
+#define SLOW_MODEL "--preset tiny --arch llama --hidden 512 --layers 6 --intermediate 1408"
+
+/* Waits (bounded by secs) until the server at port runs exactly one request. */
+static bool wait_one_running(int port, double secs)
+{
+    double until = tu_now() + secs;
+    while (tu_now() < until) {
+        http_resp_t m;
+        http_request(port, "GET", "/metrics", NULL, NULL, &m, 5000);
+        bool one = m.body != NULL && pd_metrics_text_value(m.body, "vllm:num_requests_running", 0) == 1;
+        http_resp_free(&m);
+        if (one) {
+            return true;
+        }
+        usleep(10000);
+    }
+    return false;
+}
+
 START_TEST(test_graceful_drain)
 {
-    /* a model slow enough (~100+ ms per 20 tokens here) that the request is still generating when
-     * SIGTERM and the late request arrive */
-    char *slow = tu_make_model("--preset tiny --arch llama --hidden 512 --layers 6 --intermediate 1408");
+    /* the request is still generating when SIGTERM and the late request arrive */
+    char *slow = tu_make_model(SLOW_MODEL);
     ck_assert_ptr_nonnull(slow);
     int port;
     char *extra[] = {"--drain-timeout", "60", "--threads", "1", NULL};
@@ -456,19 +476,8 @@ START_TEST(test_graceful_drain)
     bg_req_t b = {port, "{\"prompt\": \"drain me\", \"max_tokens\": 300, \"ignore_eos\": true}", {0}, -1};
     pthread_t t;
     pthread_create(&t, NULL, bg_post, &b);
-    /* wait (bounded) until it is running: SIGTERM must find it in flight */
-    bool running = false;
-    double until = tu_now() + 60;
-    while (!running && tu_now() < until) {
-        http_resp_t m;
-        http_request(port, "GET", "/metrics", NULL, NULL, &m, 5000);
-        running = m.body != NULL && pd_metrics_text_value(m.body, "vllm:num_requests_running", 0) == 1;
-        http_resp_free(&m);
-        if (!running) {
-            usleep(10000);
-        }
-    }
-    ck_assert_msg(running, "the long request never started running");
+    /* SIGTERM must find it in flight */
+    ck_assert_msg(wait_one_running(port, 60), "the long request never started running");
     kill(pid, SIGTERM);
     usleep(100000);
     expect_error(port, "POST", "/v1/completions", NULL, "{\"prompt\": \"late\"}", 503,
@@ -503,7 +512,7 @@ END_TEST
  * tokens) and aborts the request, freeing its blocks. The request would run ~7 s to its end. */
 START_TEST(test_non_streamed_client_gone_aborts)
 {
-    char *slow = tu_make_model("--preset tiny --arch llama --hidden 512 --layers 6 --intermediate 1408");
+    char *slow = tu_make_model(SLOW_MODEL);
     ck_assert_ptr_nonnull(slow);
     int port;
     char *extra[] = {"--threads", "1", "--max-model-len", "2048", NULL};
@@ -511,18 +520,10 @@ START_TEST(test_non_streamed_client_gone_aborts)
     const char *body = "{\"prompt\": \"leave me\", \"max_tokens\": 1500, \"ignore_eos\": true}";
     int fd = http_send(port, "POST", "/v1/completions", NULL, body, strlen(body), 60000);
     ck_assert_int_ge(fd, 0);
-    double running = 0, aborts = 0, used = -1, until = tu_now() + 60;
-    while (running != 1 && tu_now() < until) {
-        http_resp_t m;
-        http_request(port, "GET", "/metrics", NULL, NULL, &m, 5000);
-        running = m.body != NULL ? pd_metrics_text_value(m.body, "vllm:num_requests_running", 0) : 0;
-        http_resp_free(&m);
-        usleep(10000);
-    }
-    ck_assert_msg(running == 1, "the long request never started running");
+    ck_assert_msg(wait_one_running(port, 60), "the long request never started running");
     close(fd);
-    double t0 = tu_now();
-    until = t0 + 2; /* well inside the request's own run time */
+    double running = -1, aborts = 0, used = -1, t0 = tu_now();
+    double until = t0 + 2; /* well inside the request's own run time */
     while (tu_now() < until) {
         http_resp_t m;
         http_request(port, "GET", "/metrics", NULL, NULL, &m, 5000);
