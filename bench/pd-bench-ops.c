@@ -238,32 +238,45 @@ static void bench_attention(pd_backend_t *be, pd_backend_t *ref, double memcpy_b
 
 /* ------------------------------------------------------------------ matmul */
 
-static double sgemm_gflops(pd_backend_t *be, int m, int n, int k, int reps)
+/* Best time of reps matmuls y[m][n] = x[m][k] · w[n][k]ᵀ with w stored as dt (after one warm-up). */
+static double matmul_seconds(pd_backend_t *be, pd_dtype_t dt, int m, int n, int k, int reps)
 {
-    float *x = malloc((size_t)m * k * 4), *w = malloc((size_t)n * k * 4), *y = malloc((size_t)m * n * 4);
+    float *x = malloc((size_t)m * k * 4), *y = malloc((size_t)m * n * 4);
+    void *w = malloc((size_t)n * k * (size_t)pd_dtype_size(dt));
     for (size_t i = 0; i < (size_t)m * k; i++) {
         x[i] = (float)(i % 13) * 0.1f - 0.6f;
     }
     for (size_t i = 0; i < (size_t)n * k; i++) {
-        w[i] = (float)(i % 7) * 0.1f - 0.3f;
+        pd_dtype_store(w, (int64_t)i, dt, (float)(i % 7) * 0.1f - 0.3f);
     }
-    be->ops->matmul(be, y, x, w, NULL, m, n, k);
+    pd_weight_t wt = {w, dt};
+    be->ops->matmul(be, y, x, wt, NULL, m, n, k);
     double best = 1e30;
     for (int r = 0; r < reps; r++) {
         double t0 = pd_time_now_s();
-        be->ops->matmul(be, y, x, w, NULL, m, n, k);
-        double dt = pd_time_now_s() - t0;
-        best = dt < best ? dt : best;
+        be->ops->matmul(be, y, x, wt, NULL, m, n, k);
+        double dt_s = pd_time_now_s() - t0;
+        best = dt_s < best ? dt_s : best;
     }
     free(x), free(w), free(y);
-    return 2.0 * m * n * k / best / 1e9;
+    return best;
+}
+
+static double sgemm_gflops(pd_backend_t *be, pd_dtype_t dt, int m, int n, int k, int reps)
+{
+    return 2.0 * m * n * k / matmul_seconds(be, dt, m, n, k, reps) / 1e9;
+}
+
+static const char *dt_name(pd_dtype_t dt)
+{
+    return dt == PD_DTYPE_BF16 ? "bf16" : dt == PD_DTYPE_F16 ? "fp16" : "fp32";
 }
 
 /* Returns the measured BLAS peak (GFLOP/s), used as the compute roofline of the model. */
-static double bench_matmul(pd_backend_t *be)
+static double bench_matmul(pd_backend_t *be, double read_bw)
 {
-    double peak = sgemm_gflops(be, 2048, 2048, 2048, 5);
-    char base[64], val[48];
+    double peak = sgemm_gflops(be, PD_DTYPE_F32, 2048, 2048, 2048, 5);
+    char base[64], val[48], name[96];
     snprintf(base, sizeof(base), "sgemm 2048^3 %.1f GFLOP/s", peak);
     snprintf(val, sizeof(val), "%.1f GFLOP/s", peak);
     add_row("sgemm 2048x2048x2048 (OpenBLAS peak here)", val, "", 0);
@@ -276,11 +289,31 @@ static double bench_matmul(pd_backend_t *be)
         {32, 2816, 512, "decode batch 32: gate_up"},
         {1, 2816, 512, "decode batch 1: gate_up (gemv)"},
         {256, 2048, 512, "prefill 256 tok: lm_head 512->2048"},
+        {2048, 2048, 2048, "2048^3"},
     };
-    for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
-        double g = sgemm_gflops(be, shapes[i].m, shapes[i].n, shapes[i].k, 20);
-        snprintf(val, sizeof(val), "%.1f GFLOP/s", g);
-        add_row(shapes[i].what, val, base, g / peak);
+    pd_dtype_t dts[] = {PD_DTYPE_F32, PD_DTYPE_BF16, PD_DTYPE_F16};
+    for (size_t d = 0; d < 3; d++) {
+        for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
+            if (d == 0 && shapes[i].m == 2048) {
+                continue; /* the peak itself */
+            }
+            double g =
+                sgemm_gflops(be, dts[d], shapes[i].m, shapes[i].n, shapes[i].k, shapes[i].m > 1000 ? 3 : 20);
+            snprintf(val, sizeof(val), "%.1f GFLOP/s", g);
+            snprintf(name, sizeof(name), "%s, %s weights", shapes[i].what, dt_name(dts[d]));
+            add_row(name, val, base, g / peak);
+        }
+    }
+    /* batch-1 GEMV over 512 MiB of weights (as the read baseline): bytes of w per second vs reads */
+    snprintf(base, sizeof(base), "read %.1f GB/s", read_bw);
+    for (size_t d = 0; d < 3; d++) {
+        int k = 4096, n = (int)((512u << 20) / ((size_t)k * pd_dtype_size(dts[d])));
+        double bytes = (double)n * k * pd_dtype_size(dts[d]);
+        double gbs = bytes / matmul_seconds(be, dts[d], 1, n, k, 5) / 1e9;
+        snprintf(val, sizeof(val), "%.2f GB/s", gbs);
+        snprintf(name, sizeof(name), "gemv 4096->%d, %s weights (%.0f MiB, DRAM)", n, dt_name(dts[d]),
+                 bytes / (1 << 20));
+        add_row(name, val, base, gbs / read_bw);
     }
     return peak;
 }
@@ -295,15 +328,18 @@ typedef struct decoder {
 
 /* Greedy decode of n_seqs sequences: prefill `prompt` tokens each, then `steps` decode steps.
  * Returns decode tokens per second (all sequences). */
-static double model_decode_tps(pd_backend_t *be, pd_model_t *m, int n_seqs, int prompt, int steps)
+static double model_decode_tps(pd_backend_t *be, pd_model_t *m, pd_dtype_t kv_dtype, int n_seqs, int prompt,
+                               int steps)
 {
     const pd_model_config_t *c = pd_model_config(m);
     int bs = 16, max_blocks = (int)pd_blocks_for_tokens(prompt + steps + 1, bs);
     int nblocks = n_seqs * max_blocks + 1;
     pd_kv_view_t *views = calloc((size_t)c->num_layers, sizeof(pd_kv_view_t));
     for (int l = 0; l < c->num_layers; l++) {
-        views[l] = (pd_kv_view_t){NULL, PD_DTYPE_F32, nblocks, bs, c->num_kv_heads, c->head_size};
-        be->ops->alloc(be, (size_t)pd_page_elems(bs, c->num_kv_heads, c->head_size) * nblocks * 4,
+        views[l] = (pd_kv_view_t){NULL, kv_dtype, nblocks, bs, c->num_kv_heads, c->head_size};
+        be->ops->alloc(be,
+                       (size_t)pd_page_elems(bs, c->num_kv_heads, c->head_size) * nblocks *
+                           (size_t)pd_dtype_size(kv_dtype),
                        &views[l].base);
     }
     int32_t *tables = malloc((size_t)n_seqs * max_blocks * 4);
@@ -366,37 +402,57 @@ static double model_decode_tps(pd_backend_t *be, pd_model_t *m, int n_seqs, int 
 /* Roofline of a decode step of `batch` sequences: it reads every weight once and each sequence's
  * KV (kv_bytes for the whole batch, memory bound at read_bw) and does 2 FLOP per weight per
  * sequence (compute bound at the BLAS peak); the slower one bounds. */
-static double roofline_tps(double weight_bytes, double kv_bytes, double read_bw, double peak_gflops,
-                           int batch)
+static double roofline_tps(double weight_bytes, double weight_size, double kv_bytes, double read_bw,
+                           double peak_gflops, int batch)
 {
     double t_mem = (weight_bytes + kv_bytes) / (read_bw * 1e9);
-    double t_flop = 2.0 * (weight_bytes / 4) * batch / (peak_gflops * 1e9);
+    double t_flop = 2.0 * (weight_bytes / weight_size) * batch / (peak_gflops * 1e9);
     return batch / (t_mem > t_flop ? t_mem : t_flop);
 }
 
-static void bench_model(pd_backend_t *be, const char *model_dir, double read_bw, double peak_gflops)
+/* Decode of the model with its matrices as fp32 and at the checkpoint's dtype (--dtype auto), each
+ * with the KV cache serving would pick (--kv-cache-dtype auto: the model's dtype). */
+static void bench_model(pd_backend_t *be, const char *model_dir, double read_bw, double peak_gflops,
+                        const char *only_dtype, int only_batch)
 {
-    pd_model_t *m = NULL;
-    if (pd_model_load(model_dir, be, &m) != PD_OK) {
-        pd_log_error("bench: cannot load %s; skipping the model benchmark", model_dir);
-        return;
+    const char *dtypes[] = {"float32", "auto"};
+    for (int d = 0; d < 2; d++) {
+        if (only_dtype != NULL && strcmp(only_dtype, dtypes[d]) != 0) {
+            continue;
+        }
+        pd_model_t *m = NULL;
+        if (pd_model_load_dtype(model_dir, be, dtypes[d], &m) != PD_OK) {
+            pd_log_error("bench: cannot load %s; skipping the model benchmark", model_dir);
+            return;
+        }
+        pd_dtype_t wdt = pd_model_weight_dtype(m);
+        if (d == 1 && wdt == PD_DTYPE_F32 && only_dtype == NULL) {
+            pd_model_free(m); /* an fp32 checkpoint: auto is the row above */
+            break;
+        }
+        double wbytes = (double)pd_model_weight_bytes(m);
+        char val[48], name[112], base[80];
+        int batches[] = {1, 8, 32};
+        for (int i = 0; i < 3; i++) {
+            if (only_batch > 0 && batches[i] != only_batch) {
+                continue;
+            }
+            snprintf(name, sizeof(name), "demo model decode, %s weights+KV, batch %d (prompt 64, 64 steps)",
+                     dt_name(wdt), batches[i]);
+            progress(name);
+            double tps = model_decode_tps(be, m, wdt, batches[i], 64, 64);
+            /* KV of the average context (64 prompt + 32 of the 64 steps) per sequence */
+            const pd_model_config_t *c = pd_model_config(m);
+            double kv = 2.0 * c->num_layers * c->num_kv_heads * c->head_size * pd_dtype_size(wdt) *
+                        (64 + 32) * batches[i];
+            double roof = roofline_tps(wbytes, pd_dtype_size(wdt), kv, read_bw, peak_gflops, batches[i]);
+            snprintf(val, sizeof(val), "%.1f tok/s", tps);
+            snprintf(base, sizeof(base), "roofline %.0f tok/s (%.0f MiB %s, read)", roof, wbytes / (1 << 20),
+                     dt_name(wdt));
+            add_row(name, val, base, tps / roof);
+        }
+        pd_model_free(m);
     }
-    double wbytes = (double)pd_model_weight_bytes(m);
-    char val[48], name[96], base[64];
-    int batches[] = {1, 8, 32};
-    for (int i = 0; i < 3; i++) {
-        snprintf(name, sizeof(name), "demo model decode, batch %d (prompt 64, 64 steps)", batches[i]);
-        progress(name);
-        double tps = model_decode_tps(be, m, batches[i], 64, 64);
-        /* fp32 KV of the average context (64 prompt + 32 of the 64 steps) per sequence */
-        const pd_model_config_t *c = pd_model_config(m);
-        double kv = 2.0 * c->num_layers * c->num_kv_heads * c->head_size * 4 * (64 + 32) * batches[i];
-        double roof = roofline_tps(wbytes, kv, read_bw, peak_gflops, batches[i]);
-        snprintf(val, sizeof(val), "%.1f tok/s", tps);
-        snprintf(base, sizeof(base), "roofline %.0f tok/s (%.0f MiB fp32, read)", roof, wbytes / (1 << 20));
-        add_row(name, val, base, tps / roof);
-    }
-    pd_model_free(m);
 }
 
 /* ------------------------------------------------------------------ main */
@@ -435,7 +491,9 @@ int main(int argc, char **argv)
 {
     const char *model = NULL, *results = NULL;
     int threads = 0;
-    bool skip_model = false, attention_only = false;
+    bool skip_model = false, attention_only = false, model_only = false;
+    const char *weights = NULL;
+    int batch = 0;
     pd_flag_t flags[] = {
         {"model", PD_FLAG_STR, &model, "model dir for the decode benchmark (e.g. a pd-mkmodel demo preset)",
          NULL},
@@ -443,6 +501,11 @@ int main(int argc, char **argv)
         {"results", PD_FLAG_STR, &results, "append the table to this markdown file", NULL},
         {"skip-model", PD_FLAG_BOOL, &skip_model, "skip the model decode benchmark", NULL},
         {"attention-only", PD_FLAG_BOOL, &attention_only, "run only memcpy + paged attention", NULL},
+        {"model-only", PD_FLAG_BOOL, &model_only,
+         "run only the baselines (memcpy, read, sgemm peak) and the model decode", NULL},
+        {"weights", PD_FLAG_CHOICE, &weights, "model decode with only these weights (default: both)",
+         "float32|auto"},
+        {"batch", PD_FLAG_INT, &batch, "model decode at only this batch, 1, 8 or 32 (0 = all)", NULL},
     };
     pd_status_t st = pd_flags_parse(flags, sizeof(flags) / sizeof(flags[0]), argc, argv,
                                     "usage: pd-bench-ops [--model DIR] [--results bench/RESULTS.md]", NULL);
@@ -473,17 +536,19 @@ int main(int argc, char **argv)
     snprintf(v, sizeof(v), "%.2f GB/s", rbw);
     snprintf(name, sizeof(name), "read 512 MiB, %d threads", threads);
     add_row(name, v, "", 0);
-    progress("paged attention decode");
-    bench_attention(be, ref, mbw);
+    if (!model_only) {
+        progress("paged attention decode");
+        bench_attention(be, ref, mbw);
+    }
     if (attention_only) {
         pd_backend_destroy(ref);
         pd_backend_destroy(be);
         return 0;
     }
     progress("matmul");
-    double peak = bench_matmul(be);
+    double peak = model_only ? sgemm_gflops(be, PD_DTYPE_F32, 2048, 2048, 2048, 5) : bench_matmul(be, rbw);
     if (!skip_model && model != NULL) {
-        bench_model(be, model, rbw, peak);
+        bench_model(be, model, rbw, peak, weights, batch);
     }
     if (results != NULL) {
         append_results(results, argc, argv, m1, mn, threads);

@@ -119,6 +119,9 @@ const pd_kv_cache_t *pd_engine_kv(const pd_engine_t *e);
 const char *pd_engine_model_name(const pd_engine_t *e);
 /* The KV cache's storage dtype as resolved from --kv-cache-dtype: "fp32" | "fp16" | "bf16". */
 const char *pd_engine_kv_dtype_name(const pd_engine_t *e);
+
+/* The storage dtype of the model's matrices after --dtype ("bfloat16", "float16", "float32"). */
+const char *pd_engine_weight_dtype_name(const pd_engine_t *e);
 /* The configuration the engine was created with (its strings are the caller's). */
 const pd_engine_config_t *pd_engine_config(const pd_engine_t *e);
 /* The model directory the engine loaded (--model). */

@@ -44,9 +44,9 @@ size_t pd_engine_flags(pd_engine_config_t *c, pd_flag_t *out, size_t max)
         {"model", PD_FLAG_STR, &c->model_dir, "HF model directory (config.json, safetensors, tokenizer.json)",
          NULL},
         {"dtype", PD_FLAG_CHOICE, &c->dtype,
-         "vLLM's weight/compute dtype: this engine computes in fp32 (auto = float32); bfloat16 and float16 "
-         "are refused until weights stay at checkpoint precision",
-         "auto|float32|bfloat16|float16|half"},
+         "storage dtype of the weight matrices (auto: the checkpoint's torch_dtype, float32 when it names "
+         "none); compute and accumulation are fp32 on the CPU",
+         "auto|float32|float|bfloat16|float16|half"},
         {"generation-config", PD_FLAG_CHOICE, &c->generation_config,
          "auto: the model's generation_config.json sets EOS ids and the defaults of omitted sampling "
          "fields (vLLM's); vllm: ignore it",
@@ -164,7 +164,7 @@ static pd_status_t load_model(pd_engine_t *e)
         st = pd_generation_config_load(cfg->model_dir, &e->gen);
     }
     if (st == PD_OK) {
-        st = pd_model_load(cfg->model_dir, e->be, &e->model);
+        st = pd_model_load_dtype(cfg->model_dir, e->be, cfg->dtype, &e->model);
     }
     if (st != PD_OK) {
         return st;
@@ -279,13 +279,6 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
                      cfg->tensor_parallel_size);
         return PD_ERR_INVALID_ARG;
     }
-    if (cfg->dtype != NULL && strcmp(cfg->dtype, "auto") != 0 && strcmp(cfg->dtype, "float32") != 0) {
-        pd_log_error(
-            "engine: --dtype %s: this engine converts weights to fp32 and computes in fp32 (auto and "
-            "float32); %s storage and compute are not implemented yet",
-            cfg->dtype, cfg->dtype);
-        return PD_ERR_INVALID_ARG;
-    }
     if (cfg->block_size < 1 || cfg->max_num_seqs < 1 || cfg->max_num_batched_tokens < 1 ||
         cfg->max_queue < 1) {
         pd_log_error(
@@ -373,6 +366,11 @@ const pd_kv_cache_t *pd_engine_kv(const pd_engine_t *e)
 const char *pd_engine_model_name(const pd_engine_t *e)
 {
     return e->model_name;
+}
+
+const char *pd_engine_weight_dtype_name(const pd_engine_t *e)
+{
+    return pd_dtype_torch_name(pd_model_weight_dtype(e->model));
 }
 
 const char *pd_engine_kv_dtype_name(const pd_engine_t *e)

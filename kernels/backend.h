@@ -1,6 +1,7 @@
 /* kernels/backend.h — one function table per compute backend (DESIGN.md §4), ggml-backend style.
- * The model calls only this table. Tensors are plain fp32 pointers in the backend's memory;
- * the KV cache may be fp32, fp16 or bf16. Metadata arrays (positions, block tables, slot
+ * The model calls only this table. Activations are plain fp32 pointers in the backend's memory;
+ * weight matrices (pd_weight_t) and the KV cache may be fp32, fp16 or bf16 — compute and
+ * accumulation are fp32 whatever the storage. Metadata arrays (positions, block tables, slot
  * mappings, sampling parameters) are host memory; a device backend copies what it needs.
  * Every op validates indices that could address memory (token ids, slots, block ids) and fails
  * with PD_ERR_OUT_OF_RANGE, logged once, without writing anything. */
@@ -29,6 +30,20 @@ typedef enum pd_matmul_precision {
     PD_MATMUL_BF16,
     PD_MATMUL_FP16,
 } pd_matmul_precision_t;
+
+/* A weight matrix [rows][cols] in backend memory at its storage dtype (the checkpoint's precision:
+ * fp32, bf16 or fp16), rows contiguous. Ops widen elements to fp32 as they read them. */
+typedef struct pd_weight {
+    const void *data;
+    pd_dtype_t dtype;
+} pd_weight_t;
+
+/* The weight from row `row` of w on, for a matrix `cols` wide (a slice of a fused weight). */
+static inline pd_weight_t pd_weight_rows(pd_weight_t w, int64_t row, int64_t cols)
+{
+    pd_weight_t r = {(const char *)w.data + row * cols * pd_dtype_size(w.dtype), w.dtype};
+    return r;
+}
 
 /* One layer's view of the paged KV cache. */
 typedef struct pd_kv_view {
@@ -76,12 +91,14 @@ typedef struct pd_backend_ops {
     pd_status_t (*synchronize)(pd_backend_t *be);
 
     /* --- ops (shapes in brackets; rows are contiguous) --- */
-    /* out[n][dim] = table[ids[i]][dim]; any id outside [0, vocab) fails. */
-    pd_status_t (*embed)(pd_backend_t *be, float *out, const float *table, const int32_t *ids, int n, int dim,
-                         int vocab);
-    /* y[m][n] = x[m][k] · w[n][k]ᵀ (+ bias[n]); w is a Linear weight [out][in]. */
-    pd_status_t (*matmul)(pd_backend_t *be, float *y, const float *x, const float *w, const float *bias,
-                          int m, int n, int k);
+    /* out[n][dim] = table[ids[i]][dim] · scale (fp32; Gemma scales by √hidden); any id outside
+     * [0, vocab) fails. */
+    pd_status_t (*embed)(pd_backend_t *be, float *out, pd_weight_t table, float scale, const int32_t *ids,
+                         int n, int dim, int vocab);
+    /* y[m][n] = x[m][k] · w[n][k]ᵀ (+ bias[n]); w is a Linear weight [out][in] of any storage
+     * dtype, widened to fp32 (fp32 accumulate; a device may round x per matmul_precision). */
+    pd_status_t (*matmul)(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias, int m,
+                          int n, int k);
     /* y[n] += x[n] (residual). */
     pd_status_t (*add)(pd_backend_t *be, float *y, const float *x, size_t n);
     /* out[rows][dim] = x / sqrt(mean(x²) + eps) · w. out may alias x. */

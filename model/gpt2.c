@@ -24,19 +24,28 @@ static pd_status_t gpt2_load(pd_model_t *m, const pd_st_set_t *set, const char *
     return pd_model_load_tensor(m, set, name, ndim, shape, transpose, out);
 }
 
+/* A matrix, in the model's weight dtype. */
+static pd_status_t gpt2_load_w(pd_model_t *m, const pd_st_set_t *set, const char *suffix,
+                               const int64_t *shape, int transpose, pd_weight_t *out)
+{
+    char name[256];
+    gpt2_name(set, name, sizeof(name), suffix);
+    return pd_model_load_weight(m, set, name, 2, shape, transpose, out);
+}
+
 pd_status_t pd_gpt2_load_weights(pd_model_t *m, const pd_st_set_t *set)
 {
     const pd_model_config_t *c = &m->cfg;
     int64_t H = c->hidden_size, I = c->intermediate_size;
     int64_t s_vh[2] = {c->vocab_size, H}, s_ph[2] = {c->max_position_embeddings, H}, s_h[1] = {H};
-    PD_TRY(gpt2_load(m, set, "wte.weight", 2, s_vh, 0, &m->embed));
-    PD_TRY(gpt2_load(m, set, "wpe.weight", 2, s_ph, 0, &m->pos_embed));
+    PD_TRY(gpt2_load_w(m, set, "wte.weight", s_vh, 0, &m->embed));
+    PD_TRY(gpt2_load_w(m, set, "wpe.weight", s_ph, 0, &m->pos_embed));
     PD_TRY(gpt2_load(m, set, "ln_f.weight", 1, s_h, 0, &m->final_w));
     PD_TRY(gpt2_load(m, set, "ln_f.bias", 1, s_h, 0, &m->final_b));
     if (c->tie_word_embeddings || pd_st_set_find(set, "lm_head.weight") == NULL) {
         m->lm_head = m->embed;
     } else {
-        PD_TRY(pd_model_load_tensor(m, set, "lm_head.weight", 2, s_vh, 0, &m->lm_head));
+        PD_TRY(pd_model_load_weight(m, set, "lm_head.weight", 2, s_vh, 0, &m->lm_head));
     }
     for (int l = 0; l < c->num_layers; l++) {
         pd_layer_weights_t *w = &m->layers[l];
@@ -46,26 +55,27 @@ pd_status_t pd_gpt2_load_weights(pd_model_t *m, const pd_st_set_t *set)
 #define LOAD(field, suffix, nd, shape, tr)                                                                   \
     snprintf(n, sizeof(n), "h.%d.%s", l, suffix);                                                            \
     PD_TRY(gpt2_load(m, set, n, nd, shape, tr, &w->field))
+#define LOAD_W(field, suffix, shape)                                                                         \
+    snprintf(n, sizeof(n), "h.%d.%s", l, suffix);                                                            \
+    PD_TRY(gpt2_load_w(m, set, n, shape, 1, &w->field))
         LOAD(norm1_w, "ln_1.weight", 1, s_h, 0);
         LOAD(norm1_b, "ln_1.bias", 1, s_h, 0);
-        float *qkv_w, *qkv_b;
-        LOAD(wq, "attn.c_attn.weight", 2, s_attn, 1); /* → [3H][H]: rows 0..H-1 are q */
+        LOAD_W(wq, "attn.c_attn.weight", s_attn); /* → [3H][H]: rows 0..H-1 are q */
         LOAD(bq, "attn.c_attn.bias", 1, s_3h, 0);
-        qkv_w = w->wq;
-        qkv_b = w->bq;
-        w->wk = qkv_w + H * H;
-        w->wv = qkv_w + 2 * H * H;
-        w->bk = qkv_b + H;
-        w->bv = qkv_b + 2 * H;
-        LOAD(wo, "attn.c_proj.weight", 2, s_hh, 1);
+        w->wk = pd_weight_rows(w->wq, H, H);
+        w->wv = pd_weight_rows(w->wq, 2 * H, H);
+        w->bk = w->bq + H;
+        w->bv = w->bq + 2 * H;
+        LOAD_W(wo, "attn.c_proj.weight", s_hh);
         LOAD(bo, "attn.c_proj.bias", 1, s_h, 0);
         LOAD(norm2_w, "ln_2.weight", 1, s_h, 0);
         LOAD(norm2_b, "ln_2.bias", 1, s_h, 0);
-        LOAD(w_up, "mlp.c_fc.weight", 2, s_fc, 1);
+        LOAD_W(w_up, "mlp.c_fc.weight", s_fc);
         LOAD(b_up, "mlp.c_fc.bias", 1, s_i, 0);
-        LOAD(w_down, "mlp.c_proj.weight", 2, s_proj, 1);
+        LOAD_W(w_down, "mlp.c_proj.weight", s_proj);
         LOAD(b_down, "mlp.c_proj.bias", 1, s_h, 0);
 #undef LOAD
+#undef LOAD_W
     }
     return PD_OK;
 }

@@ -16,16 +16,16 @@ pd_status_t pd_llama_load_weights(pd_model_t *m, const pd_st_set_t *set)
     int64_t H = c->hidden_size, I = c->intermediate_size, hd = c->head_size;
     int64_t qd = c->num_heads * hd, kvd = c->num_kv_heads * hd;
     int64_t s_vh[2] = {c->vocab_size, H}, s_h[1] = {H};
-    /* Gemma: (1 + w) norms; embeddings × √hidden, folded into the table, and when the head is the
-     * same table the final norm takes the 1/√hidden back (the logits are unchanged) */
-    float one = c->gemma ? 1.0f : 0.0f, es = c->gemma ? sqrtf((float)H) : 1.0f;
-    PD_TRY(pd_model_load_affine(m, set, "model.embed_tokens.weight", 2, s_vh, 0, 0.0f, es, &m->embed));
-    PD_TRY(pd_model_load_affine(m, set, "model.norm.weight", 1, s_h, 0, one,
-                                c->tie_word_embeddings ? 1.0f / es : 1.0f, &m->final_w));
+    /* Gemma: (1 + w) norms folded into the weights; embeddings × √hidden as rows are looked up
+     * (the table stays as stored: it is also the tied lm_head) */
+    float one = c->gemma ? 1.0f : 0.0f;
+    m->embed_scale = c->gemma ? sqrtf((float)H) : 1.0f;
+    PD_TRY(pd_model_load_weight(m, set, "model.embed_tokens.weight", 2, s_vh, 0, &m->embed));
+    PD_TRY(pd_model_load_affine(m, set, "model.norm.weight", 1, s_h, 0, one, 1.0f, &m->final_w));
     if (c->tie_word_embeddings) {
         m->lm_head = m->embed;
     } else {
-        PD_TRY(pd_model_load_tensor(m, set, "lm_head.weight", 2, s_vh, 0, &m->lm_head));
+        PD_TRY(pd_model_load_weight(m, set, "lm_head.weight", 2, s_vh, 0, &m->lm_head));
     }
     for (int l = 0; l < c->num_layers; l++) {
         pd_layer_weights_t *w = &m->layers[l];
@@ -35,6 +35,9 @@ pd_status_t pd_llama_load_weights(pd_model_t *m, const pd_st_set_t *set)
 #define LOAD(field, suffix, nd, shape)                                                                       \
     snprintf(n, sizeof(n), "model.layers.%d.%s", l, suffix);                                                 \
     PD_TRY(pd_model_load_tensor(m, set, n, nd, shape, 0, &w->field))
+#define LOAD_W(field, suffix, shape)                                                                         \
+    snprintf(n, sizeof(n), "model.layers.%d.%s", l, suffix);                                                 \
+    PD_TRY(pd_model_load_weight(m, set, n, 2, shape, 0, &w->field))
 #define LOAD_NORM(field, suffix, dim)                                                                        \
     snprintf(n, sizeof(n), "model.layers.%d.%s", l, suffix);                                                 \
     PD_TRY(pd_model_load_affine(m, set, n, 1, dim, 0, one, 1.0f, &w->field))
@@ -46,10 +49,10 @@ pd_status_t pd_llama_load_weights(pd_model_t *m, const pd_st_set_t *set)
         } else {
             LOAD_NORM(norm2_w, "post_attention_layernorm.weight", s_h);
         }
-        LOAD(wq, "self_attn.q_proj.weight", 2, s_q);
-        LOAD(wk, "self_attn.k_proj.weight", 2, s_kv);
-        LOAD(wv, "self_attn.v_proj.weight", 2, s_kv);
-        LOAD(wo, "self_attn.o_proj.weight", 2, s_o);
+        LOAD_W(wq, "self_attn.q_proj.weight", s_q);
+        LOAD_W(wk, "self_attn.k_proj.weight", s_kv);
+        LOAD_W(wv, "self_attn.v_proj.weight", s_kv);
+        LOAD_W(wo, "self_attn.o_proj.weight", s_o);
         if (c->qkv_bias) {
             LOAD(bq, "self_attn.q_proj.bias", 1, s_qb);
             LOAD(bk, "self_attn.k_proj.bias", 1, s_kvb);
@@ -63,7 +66,7 @@ pd_status_t pd_llama_load_weights(pd_model_t *m, const pd_st_set_t *set)
             LOAD_NORM(q_norm, "self_attn.q_norm.weight", s_hd);
             LOAD_NORM(k_norm, "self_attn.k_norm.weight", s_hd);
         }
-        LOAD(w_down, "mlp.down_proj.weight", 2, s_down);
+        LOAD_W(w_down, "mlp.down_proj.weight", s_down);
         if (c->mlp_bias) {
             LOAD(b_down, "mlp.down_proj.bias", 1, s_h);
             char gb[160], ub[160];
@@ -80,6 +83,7 @@ pd_status_t pd_llama_load_weights(pd_model_t *m, const pd_st_set_t *set)
             w->b_up = fused;
         }
 #undef LOAD
+#undef LOAD_W
 #undef LOAD_NORM
         char g[160], u[160];
         snprintf(g, sizeof(g), "model.layers.%d.mlp.gate_proj.weight", l);

@@ -1,5 +1,5 @@
-/* model/model.c — model loading (weights → fp32 on the backend) and the forward pass skeleton
- * shared by every architecture. */
+/* model/model.c — model loading (matrices at the weight dtype, the rest fp32, on the backend) and
+ * the forward pass skeleton shared by every architecture. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -75,46 +75,43 @@ static inline float st_load(const pd_st_tensor_t *t, int64_t i)
     return t->dtype == PD_DTYPE_BF16 ? pd_bf16_to_f32(h) : pd_f16_to_f32(h);
 }
 
-/* Converts t's elements to fp32 into dst (rows × cols, optionally transposed). */
-static void convert_tensor(float *dst, const pd_st_tensor_t *t, int transpose)
+/* Converts t's elements into dst of dtype dt (rows × cols, optionally transposed): a plain copy
+ * when the file already holds dt, else element by element (round-to-nearest-even narrowing). */
+static void convert_tensor(void *dst, pd_dtype_t dt, const pd_st_tensor_t *t, int transpose)
 {
     if (!transpose || t->ndim != 2) {
+        if (t->dtype == dt) {
+            memcpy(dst, t->data, (size_t)t->numel * (size_t)pd_dtype_size(dt));
+            return;
+        }
         for (int64_t i = 0; i < t->numel; i++) {
-            dst[i] = st_load(t, i);
+            pd_dtype_store(dst, i, dt, st_load(t, i));
         }
         return;
     }
     int64_t rows = t->shape[0], cols = t->shape[1];
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t c = 0; c < cols; c++) {
-            dst[c * rows + r] = st_load(t, r * cols + c);
+            pd_dtype_store(dst, c * rows + r, dt, st_load(t, r * cols + c));
         }
     }
 }
 
-pd_status_t pd_model_load_tensor(pd_model_t *m, const pd_st_set_t *set, const char *name, int ndim,
-                                 const int64_t *shape, int transpose, float **out)
+/* Loads t converted to dt into new backend memory owned by the model (staged through host memory). */
+static pd_status_t upload_tensor(pd_model_t *m, const pd_st_tensor_t *t, pd_dtype_t dt, int transpose,
+                                 float add, float mul, void **out)
 {
-    return pd_model_load_affine(m, set, name, ndim, shape, transpose, 0.0f, 1.0f, out);
-}
-
-pd_status_t pd_model_load_affine(pd_model_t *m, const pd_st_set_t *set, const char *name, int ndim,
-                                 const int64_t *shape, int transpose, float add, float mul, float **out)
-{
-    const pd_st_tensor_t *t = find_checked(set, name, ndim, shape);
-    if (t == NULL) {
-        return pd_st_set_find(set, name) == NULL ? PD_ERR_NOT_FOUND : PD_ERR_PARSE;
-    }
-    size_t bytes = (size_t)t->numel * sizeof(float);
-    float *host = malloc(bytes ? bytes : 1);
+    size_t bytes = (size_t)t->numel * (size_t)pd_dtype_size(dt);
+    void *host = malloc(bytes ? bytes : 1);
     if (host == NULL) {
-        pd_log_error("model: cannot allocate %zu bytes to convert '%s'", bytes, name);
+        pd_log_error("model: cannot allocate %zu bytes to convert '%s'", bytes, t->name);
         return PD_ERR_NO_MEMORY;
     }
-    convert_tensor(host, t, transpose);
-    if (add != 0.0f || mul != 1.0f) {
+    convert_tensor(host, dt, t, transpose);
+    if (add != 0.0f || mul != 1.0f) { /* fp32 only (norms) */
+        float *f = host;
         for (int64_t i = 0; i < t->numel; i++) {
-            host[i] = (host[i] + add) * mul;
+            f[i] = (f[i] + add) * mul;
         }
     }
     void *dev = NULL;
@@ -129,38 +126,107 @@ pd_status_t pd_model_load_affine(pd_model_t *m, const pd_st_set_t *set, const ch
     return st;
 }
 
+static pd_status_t find_status(const pd_st_set_t *set, const char *name)
+{
+    return pd_st_set_find(set, name) == NULL ? PD_ERR_NOT_FOUND : PD_ERR_PARSE;
+}
+
+pd_status_t pd_model_load_tensor(pd_model_t *m, const pd_st_set_t *set, const char *name, int ndim,
+                                 const int64_t *shape, int transpose, float **out)
+{
+    return pd_model_load_affine(m, set, name, ndim, shape, transpose, 0.0f, 1.0f, out);
+}
+
+pd_status_t pd_model_load_affine(pd_model_t *m, const pd_st_set_t *set, const char *name, int ndim,
+                                 const int64_t *shape, int transpose, float add, float mul, float **out)
+{
+    const pd_st_tensor_t *t = find_checked(set, name, ndim, shape);
+    if (t == NULL) {
+        return find_status(set, name);
+    }
+    void *dev = NULL;
+    PD_TRY(upload_tensor(m, t, PD_DTYPE_F32, transpose, add, mul, &dev));
+    *out = dev;
+    return PD_OK;
+}
+
+pd_status_t pd_model_load_weight(pd_model_t *m, const pd_st_set_t *set, const char *name, int ndim,
+                                 const int64_t *shape, int transpose, pd_weight_t *out)
+{
+    const pd_st_tensor_t *t = find_checked(set, name, ndim, shape);
+    if (t == NULL) {
+        return find_status(set, name);
+    }
+    void *dev = NULL;
+    PD_TRY(upload_tensor(m, t, m->wdtype, transpose, 0.0f, 1.0f, &dev));
+    out->data = dev;
+    out->dtype = m->wdtype;
+    return PD_OK;
+}
+
 pd_status_t pd_model_load_stacked(pd_model_t *m, const pd_st_set_t *set, const char *const *names, int n,
-                                  const int64_t *rows, int64_t cols, float **out)
+                                  const int64_t *rows, int64_t cols, pd_weight_t *out)
 {
     int64_t total = 0;
     for (int i = 0; i < n; i++) {
         total += rows[i];
     }
+    size_t esize = (size_t)pd_dtype_size(m->wdtype);
     void *dev = NULL;
-    PD_TRY(pd_model_alloc(m, (size_t)(total * cols) * sizeof(float), &dev));
+    PD_TRY(pd_model_alloc(m, (size_t)(total * cols) * esize, &dev));
     int64_t row0 = 0;
     for (int i = 0; i < n; i++) {
         int64_t shape[2] = {rows[i], cols};
         const pd_st_tensor_t *t = find_checked(set, names[i], 2, shape);
         if (t == NULL) {
-            return pd_st_set_find(set, names[i]) == NULL ? PD_ERR_NOT_FOUND : PD_ERR_PARSE;
+            return find_status(set, names[i]);
         }
-        size_t bytes = (size_t)t->numel * sizeof(float);
-        float *host = malloc(bytes);
+        size_t bytes = (size_t)t->numel * esize;
+        void *host = malloc(bytes);
         if (host == NULL) {
             return PD_ERR_NO_MEMORY;
         }
-        convert_tensor(host, t, 0);
-        pd_status_t st = m->be->ops->copy(m->be, (float *)dev + row0 * cols, host, bytes, PD_COPY_H2D);
+        convert_tensor(host, m->wdtype, t, 0);
+        pd_status_t st =
+            m->be->ops->copy(m->be, (char *)dev + (size_t)(row0 * cols) * esize, host, bytes, PD_COPY_H2D);
         free(host);
         PD_TRY(st);
         row0 += rows[i];
     }
-    *out = dev;
+    out->data = dev;
+    out->dtype = m->wdtype;
     return PD_OK;
 }
 
+/* --dtype (vLLM's names) to the weight dtype; auto = config.json's torch_dtype, fp32 when it names
+ * none. PD_ERR_INVALID_ARG for any other name. */
+static pd_status_t resolve_weight_dtype(const char *name, const pd_model_config_t *c, pd_dtype_t *out)
+{
+    const char *s = name != NULL && strcmp(name, "auto") != 0 ? name : c->torch_dtype;
+    if (strcmp(s, "bfloat16") == 0) {
+        *out = PD_DTYPE_BF16;
+    } else if (strcmp(s, "float16") == 0 || strcmp(s, "half") == 0) {
+        *out = PD_DTYPE_F16;
+    } else if (strcmp(s, "float32") == 0 || strcmp(s, "float") == 0 || s == c->torch_dtype) {
+        *out = PD_DTYPE_F32; /* auto on an fp32 checkpoint, or one that names no dtype */
+    } else {
+        pd_log_error("model: --dtype %s is not one of auto, bfloat16, float16, half, float32, float", s);
+        return PD_ERR_INVALID_ARG;
+    }
+    return PD_OK;
+}
+
+const char *pd_dtype_torch_name(pd_dtype_t dt)
+{
+    return dt == PD_DTYPE_BF16 ? "bfloat16" : dt == PD_DTYPE_F16 ? "float16" : "float32";
+}
+
 pd_status_t pd_model_load(const char *dir, pd_backend_t *be, pd_model_t **model_out)
+{
+    return pd_model_load_dtype(dir, be, "auto", model_out);
+}
+
+pd_status_t pd_model_load_dtype(const char *dir, pd_backend_t *be, const char *dtype, pd_model_t **model_out)
 {
     uint64_t t0 = pd_time_now_ns();
     pd_model_t *m = calloc(1, sizeof(*m));
@@ -169,9 +235,13 @@ pd_status_t pd_model_load(const char *dir, pd_backend_t *be, pd_model_t **model_
     }
     m->be = be;
     pd_status_t st = pd_model_config_load(dir, &m->cfg);
+    if (st == PD_OK) {
+        st = resolve_weight_dtype(dtype, &m->cfg, &m->wdtype);
+    }
     if (st != PD_OK) {
         goto err_model;
     }
+    m->embed_scale = 1.0f;
     m->layers = calloc((size_t)m->cfg.num_layers, sizeof(pd_layer_weights_t));
     if (m->layers == NULL) {
         st = PD_ERR_NO_MEMORY;
@@ -204,8 +274,12 @@ pd_status_t pd_model_load(const char *dir, pd_backend_t *be, pd_model_t **model_
     if (st != PD_OK) {
         goto err_model;
     }
-    pd_log_info("model loaded: %.1f MiB of fp32 weights on %s in %.2f s", (double)m->weight_bytes / (1 << 20),
-                be->ops->name, (double)(pd_time_now_ns() - t0) * 1e-9);
+    pd_log_info(
+        "model loaded: %.1f MiB of weights on %s in %.2f s, matrices in %s (--dtype %s; the checkpoint "
+        "says '%s'), norms and biases in float32",
+        (double)m->weight_bytes / (1 << 20), be->ops->name, (double)(pd_time_now_ns() - t0) * 1e-9,
+        pd_dtype_torch_name(m->wdtype), dtype != NULL ? dtype : "auto",
+        m->cfg.torch_dtype[0] ? m->cfg.torch_dtype : "nothing");
     *model_out = m;
     return PD_OK;
 
@@ -228,6 +302,38 @@ void pd_model_free(pd_model_t *m)
     free(m);
 }
 
+size_t pd_model_workspace_bytes(const pd_model_config_t *c, size_t T, size_t L)
+{
+    size_t hid = (size_t)c->hidden_size, inter = (size_t)c->intermediate_size, V = (size_t)c->vocab_size;
+    size_t qdim = (size_t)c->num_heads * c->head_size, kvdim = (size_t)c->num_kv_heads * c->head_size;
+    size_t up_width = c->arch == PD_ARCH_LLAMA ? 2 * inter : inter;
+    /* one activation block per forward; the logits rows reuse the front of it */
+    size_t floats = T * (2 * hid + 2 * qdim + 2 * kvdim + up_width + inter);
+    size_t tail = L * (hid + V);
+    return (floats > tail ? floats : tail) * sizeof(float) + 64;
+}
+
+size_t pd_model_plan_weight_bytes(const pd_model_config_t *c, pd_dtype_t dt)
+{
+    size_t es = (size_t)pd_dtype_size(dt), f = sizeof(float);
+    size_t H = (size_t)c->hidden_size, I = (size_t)c->intermediate_size, V = (size_t)c->vocab_size;
+    size_t hd = (size_t)c->head_size, qd = (size_t)c->num_heads * hd, kvd = (size_t)c->num_kv_heads * hd;
+    size_t layer, top;
+    if (c->arch == PD_ARCH_GPT2) { /* gpt2.c: ln_1, c_attn, c_proj, ln_2, c_fc, c_proj (+ biases) */
+        layer = 4 * H * f + (3 * H * H + H * H + 2 * I * H) * es + (3 * H + H + I + H) * f;
+        top = (V + (size_t)c->max_position_embeddings) * H * es + 2 * H * f;
+    } else { /* llama.c */
+        layer = (c->gemma ? 4 : 2) * H * f + (qd * H + 2 * kvd * H + H * qd + H * I + 2 * I * H) * es;
+        layer += c->qkv_bias ? (qd + 2 * kvd) * f : 0;
+        layer += c->o_bias ? H * f : 0;
+        layer += c->qk_norm ? 2 * hd * f : 0;
+        layer += c->mlp_bias ? (H + 4 * I) * f : 0; /* down, gate, up, and the fused gate‖up */
+        top = V * H * es + H * f;
+    }
+    top += c->tie_word_embeddings ? 0 : V * H * es;
+    return top + (size_t)c->num_layers * layer;
+}
+
 const pd_model_config_t *pd_model_config(const pd_model_t *m)
 {
     return &m->cfg;
@@ -236,6 +342,11 @@ const pd_model_config_t *pd_model_config(const pd_model_t *m)
 size_t pd_model_weight_bytes(const pd_model_t *m)
 {
     return m->weight_bytes;
+}
+
+pd_dtype_t pd_model_weight_dtype(const pd_model_t *m)
+{
+    return m->wdtype;
 }
 
 static pd_status_t call_hook(pd_status_t (*fn)(void *, int), void *ctx, int layer, const char *what)
@@ -351,12 +462,9 @@ pd_status_t pd_model_forward(pd_model_t *m, const pd_batch_t *batch, const pd_kv
     size_t qdim = (size_t)c->num_heads * c->head_size, kvdim = (size_t)c->num_kv_heads * c->head_size;
     size_t inter = (size_t)c->intermediate_size, V = (size_t)c->vocab_size, L = (size_t)num_logits;
     size_t up_width = c->arch == PD_ARCH_LLAMA ? 2 * inter : inter;
-    /* one activation block per forward; the logits rows reuse the front of it */
-    size_t floats = T * (2 * hid + 2 * qdim + 2 * kvdim + up_width + inter);
-    size_t tail = L * (hid + V);
     /* the workspace persists across steps (a fresh allocation per step costs page faults on
      * every step); it only grows, and through the backend allocator so profiling sees it */
-    size_t need = (floats > tail ? floats : tail) * sizeof(float) + 64;
+    size_t need = pd_model_workspace_bytes(c, T, L);
     if (need > m->work_bytes) {
         ops->free(be, m->work);
         m->work = NULL;
@@ -375,10 +483,11 @@ pd_status_t pd_model_forward(pd_model_t *m, const pd_batch_t *batch, const pd_kv
     a.up = a.attn + T * qdim;
     a.act = a.up + T * up_width;
 
-    pd_status_t st = ops->embed(be, a.x, m->embed, batch->token_ids, (int)T, (int)hid, c->vocab_size);
+    pd_status_t st =
+        ops->embed(be, a.x, m->embed, m->embed_scale, batch->token_ids, (int)T, (int)hid, c->vocab_size);
     if (st == PD_OK && c->arch == PD_ARCH_GPT2) {
-        st =
-            ops->embed(be, a.h, m->pos_embed, batch->positions, (int)T, (int)hid, c->max_position_embeddings);
+        st = ops->embed(be, a.h, m->pos_embed, 1.0f, batch->positions, (int)T, (int)hid,
+                        c->max_position_embeddings);
         if (st == PD_OK) {
             st = ops->add(be, a.x, a.h, T * hid);
         }

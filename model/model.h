@@ -32,10 +32,22 @@ typedef struct pd_forward_hooks {
     pd_status_t (*before_attention)(void *ctx, int layer);  /* wait_for_layer_load */
 } pd_forward_hooks_t;
 
-/* Loads config.json and the safetensors weights of dir onto be (converted to fp32; GPT-2 Conv1D
- * weights transposed to Linear layout; Llama gate/up fused). Each tensor's shape is checked
- * against the config; a missing tensor is PD_ERR_NOT_FOUND naming it. The model keeps be. */
+/* Loads config.json and the safetensors weights of dir onto be. Matrices (projections, embeddings,
+ * lm_head) are kept in the weight dtype that dtype names with vLLM's --dtype spellings: "auto"
+ * (or NULL) = config.json's torch_dtype (float32 when it names none), "bfloat16", "float16" /
+ * "half", "float32" / "float"; norms and biases are fp32. GPT-2 Conv1D weights are transposed to
+ * Linear layout; Llama gate/up fused. Each tensor's shape is checked against the config; a missing
+ * tensor is PD_ERR_NOT_FOUND naming it, an unknown dtype PD_ERR_INVALID_ARG. The model keeps be. */
+pd_status_t pd_model_load_dtype(const char *dir, pd_backend_t *be, const char *dtype, pd_model_t **model_out);
+
+/* pd_model_load_dtype with "auto". */
 pd_status_t pd_model_load(const char *dir, pd_backend_t *be, pd_model_t **model_out);
+
+/* The storage dtype of the model's matrices. */
+pd_dtype_t pd_model_weight_dtype(const pd_model_t *model);
+
+/* vLLM's (torch's) name of a dtype: "bfloat16", "float16", "float32". */
+const char *pd_dtype_torch_name(pd_dtype_t dt);
 
 /* Frees weights and the model. */
 void pd_model_free(pd_model_t *model);
@@ -44,6 +56,13 @@ const pd_model_config_t *pd_model_config(const pd_model_t *model);
 
 /* Bytes of weights held on the backend. */
 size_t pd_model_weight_bytes(const pd_model_t *model);
+
+/* The memory plan without loading anything: the bytes pd_model_load_dtype would allocate for the
+ * weights of config c with matrices in dt (what pd_model_weight_bytes then reports; GPT-2's
+ * lm_head counted as tied unless the config unties it), and the activation workspace of a forward
+ * of T tokens with L logits rows. */
+size_t pd_model_plan_weight_bytes(const pd_model_config_t *c, pd_dtype_t dt);
+size_t pd_model_workspace_bytes(const pd_model_config_t *c, size_t T, size_t L);
 
 /* Runs one forward. kv[num_layers] are the per-layer cache views; meta describes the batch's
  * sequences (meta->num_tokens == batch->num_tokens, meta->sliding_window == the model's).

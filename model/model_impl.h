@@ -1,5 +1,7 @@
 /* model/model_impl.h — the model's private layout, shared by model.c and the per-architecture
- * files (gpt2.c, llama.c). Weights are fp32 in backend memory, Linear layout [out][in]. */
+ * files (gpt2.c, llama.c). Matrices (pd_weight_t: projections, embeddings, lm_head) are kept in
+ * the model's weight dtype (--dtype; auto = the checkpoint's torch_dtype), Linear layout [out][in];
+ * norms and biases are fp32 (small, and read as fp32 by the norm ops). */
 #ifndef PD_MODEL_MODEL_IMPL_H
 #define PD_MODEL_MODEL_IMPL_H
 
@@ -9,12 +11,15 @@
 
 typedef struct pd_layer_weights {
     float *norm1_w, *norm1_b; /* [hidden] (b: LayerNorm only) */
-    float *wq, *wk, *wv;      /* [heads·hd][hidden], [kv·hd][hidden], [kv·hd][hidden] */
+    pd_weight_t wq, wk, wv;   /* [heads·hd][hidden], [kv·hd][hidden], [kv·hd][hidden] */
     float *bq, *bk, *bv;      /* optional biases */
-    float *wo, *bo;           /* [hidden][heads·hd] */
+    pd_weight_t wo;           /* [hidden][heads·hd] */
+    float *bo;
     float *norm2_w, *norm2_b;
-    float *w_up, *b_up;     /* GPT-2 c_fc [inter][hidden]; Llama gate‖up [2·inter][hidden] */
-    float *w_down, *b_down; /* [hidden][inter] */
+    pd_weight_t w_up; /* GPT-2 c_fc [inter][hidden]; Llama gate‖up [2·inter][hidden] */
+    float *b_up;
+    pd_weight_t w_down; /* [hidden][inter] */
+    float *b_down;
     float *q_norm, *k_norm; /* Qwen3, Gemma3 [head_size] */
     float *post_attn_w;     /* Gemma3 [hidden]: norm of the attention output before the residual */
     float *post_mlp_w;      /* Gemma3 [hidden]: norm of the MLP output (norm2_w is its input norm) */
@@ -35,10 +40,12 @@ typedef struct pd_activations {
 struct pd_model {
     pd_model_config_t cfg;
     pd_backend_t *be;
-    float *embed;     /* [vocab][hidden] */
-    float *pos_embed; /* GPT-2 [max_pos][hidden] */
+    pd_dtype_t wdtype;     /* storage dtype of the pd_weight_t matrices */
+    pd_weight_t embed;     /* [vocab][hidden] */
+    float embed_scale;     /* Gemma: √hidden, applied as rows are looked up; else 1 */
+    pd_weight_t pos_embed; /* GPT-2 [max_pos][hidden] */
     float *final_w, *final_b;
-    float *lm_head; /* [vocab][hidden]; == embed when tied */
+    pd_weight_t lm_head; /* [vocab][hidden]; == embed when tied */
     pd_layer_weights_t *layers;
     pd_rope_t rope;       /* the rotary table (Llama family; Gemma3's global layers) */
     pd_rope_t rope_local; /* Gemma3's sliding layers: rope_local_theta, no scaling */
@@ -59,9 +66,16 @@ pd_status_t pd_model_load_tensor(pd_model_t *m, const pd_st_set_t *set, const ch
 pd_status_t pd_model_load_affine(pd_model_t *m, const pd_st_set_t *set, const char *name, int ndim,
                                  const int64_t *shape, int transpose, float add, float mul, float **out);
 
-/* Loads several same-width 2-D tensors stacked along rows into one buffer (fused weights). */
+/* Loads a matrix as pd_model_load_tensor does, kept in the model's weight dtype (m->wdtype):
+ * copied as it is when the checkpoint stores that dtype, else converted element by element
+ * (round-to-nearest-even when narrowing). */
+pd_status_t pd_model_load_weight(pd_model_t *m, const pd_st_set_t *set, const char *name, int ndim,
+                                 const int64_t *shape, int transpose, pd_weight_t *out);
+
+/* Loads several same-width 2-D tensors stacked along rows into one weight (fused weights), in the
+ * model's weight dtype. */
 pd_status_t pd_model_load_stacked(pd_model_t *m, const pd_st_set_t *set, const char *const *names, int n,
-                                  const int64_t *rows, int64_t cols, float **out);
+                                  const int64_t *rows, int64_t cols, pd_weight_t *out);
 
 /* Allocates backend memory owned by the model. */
 pd_status_t pd_model_alloc(pd_model_t *m, size_t bytes, void **out);

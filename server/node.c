@@ -83,6 +83,10 @@ int pd_node_main(int argc, char **argv, const char *role)
         Pd__Fingerprint fp;
         char model_id[160];
         st = pd_model_fingerprint(cfg.model_dir, model_id, sizeof(model_id));
+        if (st == PD_OK) { /* the weights' dtype changes the KV both sides compute */
+            size_t idlen = strlen(model_id);
+            snprintf(model_id + idlen, sizeof(model_id) - idlen, "/%s", pd_engine_weight_dtype_name(e));
+        }
         pd_kv_fingerprint(model_id, dtype, cfg.block_size, mc->num_kv_heads, mc->head_size, mc->num_layers,
                           &fp);
         if (st == PD_OK) {

@@ -181,12 +181,24 @@ static void test_elementwise(void)
         ids[i] = (int32_t)pd_rng_below(&g_rng, (uint64_t)vocab);
     }
     float *dtab = to_gpu(table, (size_t)vocab * dim * 4), *demb = poisoned(N * 4);
-    check_status("embed", g_cpu->ops->embed(g_cpu, ref, table, ids, rows, dim, vocab),
-                 g_gpu->ops->embed(g_gpu, demb, dtab, ids, rows, dim, vocab));
+    pd_weight_t tw = {table, PD_DTYPE_F32}, dtw = {dtab, PD_DTYPE_F32};
+    check_status("embed", g_cpu->ops->embed(g_cpu, ref, tw, 1.0f, ids, rows, dim, vocab),
+                 g_gpu->ops->embed(g_gpu, demb, dtw, 1.0f, ids, rows, dim, vocab));
     from_gpu(got, demb, N * 4);
     compare("embed [37][384] of 1000", got, ref, N, 0);
+    /* a bf16 table, scaled (Gemma's √hidden) */
+    uint16_t *t16 = malloc((size_t)vocab * dim * 2);
+    for (size_t i = 0; i < (size_t)vocab * dim; i++) {
+        t16[i] = pd_f32_to_bf16(table[i]);
+    }
+    void *dt16 = to_gpu(t16, (size_t)vocab * dim * 2);
+    pd_weight_t tw16 = {t16, PD_DTYPE_BF16}, dtw16 = {dt16, PD_DTYPE_BF16};
+    check_status("embed (bf16)", g_cpu->ops->embed(g_cpu, ref, tw16, 3.0f, ids, rows, dim, vocab),
+                 g_gpu->ops->embed(g_gpu, demb, dtw16, 3.0f, ids, rows, dim, vocab));
+    from_gpu(got, demb, N * 4);
+    compare("embed [37][384] of 1000, bf16 table × 3", got, ref, N, 0);
     int32_t bad = vocab;
-    pd_status_t est = g_gpu->ops->embed(g_gpu, demb, dtab, &bad, 1, dim, vocab);
+    pd_status_t est = g_gpu->ops->embed(g_gpu, demb, dtw, 1.0f, &bad, 1, dim, vocab);
     g_checks++;
     g_failed += est != PD_ERR_OUT_OF_RANGE;
     printf("%-44s %s\n", "embed refuses an id outside the vocabulary",
@@ -194,11 +206,11 @@ static void test_elementwise(void)
     /* matmul with and without bias: [rows][k] · [n][k]ᵀ */
     float *mx = malloc((size_t)rows * k * 4), *mw = malloc((size_t)n * k * 4), *mb = malloc((size_t)n * 4);
     fill(mx, (size_t)rows * k), fill(mw, (size_t)n * k), fill(mb, (size_t)n);
-    float *dmx = to_gpu(mx, (size_t)rows * k * 4), *dmw = to_gpu(mw, (size_t)n * k * 4),
-          *dmb = to_gpu(mb, (size_t)n * 4);
+    float *dmx = to_gpu(mx, (size_t)rows * k * 4), *dmb = to_gpu(mb, (size_t)n * 4);
+    pd_weight_t mw_ = {mw, PD_DTYPE_F32}, dmw = {to_gpu(mw, (size_t)n * k * 4), PD_DTYPE_F32};
     for (int with_bias = 0; with_bias < 2; with_bias++) {
         float *dmy = poisoned((size_t)rows * n * 4);
-        check_status("matmul", g_cpu->ops->matmul(g_cpu, ref, mx, mw, with_bias ? mb : NULL, rows, n, k),
+        check_status("matmul", g_cpu->ops->matmul(g_cpu, ref, mx, mw_, with_bias ? mb : NULL, rows, n, k),
                      g_gpu->ops->matmul(g_gpu, dmy, dmx, dmw, with_bias ? dmb : NULL, rows, n, k));
         from_gpu(got, dmy, (size_t)rows * n * 4);
         compare(with_bias ? "matmul [37][256]·[200][256]ᵀ + bias" : "matmul [37][256]·[200][256]ᵀ", got, ref,
@@ -216,13 +228,36 @@ static void test_elementwise(void)
     for (size_t i = 0; i < sizeof(precs) / sizeof(precs[0]); i++) {
         float *dmy = poisoned((size_t)rows * n * 4);
         g_gpu->matmul_precision = precs[i].p;
-        check_status("matmul (reduced precision)", g_cpu->ops->matmul(g_cpu, ref, mx, mw, NULL, rows, n, k),
+        check_status("matmul (reduced precision)", g_cpu->ops->matmul(g_cpu, ref, mx, mw_, NULL, rows, n, k),
                      g_gpu->ops->matmul(g_gpu, dmy, dmx, dmw, NULL, rows, n, k));
         g_gpu->matmul_precision = PD_MATMUL_FP32;
         from_gpu(got, dmy, (size_t)rows * n * 4);
         compare(precs[i].name, got, ref, (size_t)rows * n, precs[i].tol);
         g_gpu->ops->free(g_gpu, dmy);
     }
+    /* 16-bit weights (checkpoint precision): the device rounds x to the weight's dtype too */
+    for (int dt = PD_DTYPE_F16; dt <= PD_DTYPE_BF16; dt++) {
+        uint16_t *w16 = malloc((size_t)n * k * 2);
+        for (size_t i = 0; i < (size_t)n * k; i++) {
+            pd_dtype_store(w16, (int64_t)i, (pd_dtype_t)dt, mw[i]);
+        }
+        pd_weight_t hw = {w16, (pd_dtype_t)dt}, dw16 = {to_gpu(w16, (size_t)n * k * 2), (pd_dtype_t)dt};
+        for (int with_bias = 0; with_bias < 2; with_bias++) {
+            float *dmy = poisoned((size_t)rows * n * 4);
+            check_status("matmul (16-bit weights)",
+                         g_cpu->ops->matmul(g_cpu, ref, mx, hw, with_bias ? mb : NULL, rows, n, k),
+                         g_gpu->ops->matmul(g_gpu, dmy, dmx, dw16, with_bias ? dmb : NULL, rows, n, k));
+            from_gpu(got, dmy, (size_t)rows * n * 4);
+            compare(dt == PD_DTYPE_BF16 ? "matmul, bf16 weights" : "matmul, fp16 weights", got, ref,
+                    (size_t)rows * n, dt == PD_DTYPE_BF16 ? 1e-2 : 5e-3);
+            g_gpu->ops->free(g_gpu, dmy);
+        }
+        g_gpu->ops->free(g_gpu, (void *)dw16.data);
+        free(w16);
+    }
+    g_gpu->ops->free(g_gpu, (void *)dmw.data);
+    g_gpu->ops->free(g_gpu, dt16);
+    free(t16);
     free(x), free(w), free(b), free(ref), free(got), free(y), free(gu), free(table), free(mx), free(mw),
         free(mb);
 }

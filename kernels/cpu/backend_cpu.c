@@ -4,6 +4,7 @@
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "common/log.h"
 #include "kernels/cpu/cpu_ops.h"
@@ -11,13 +12,25 @@
  * memory profiler reads (bytes_in_use / bytes_peak). */
 #define CPU_ALLOC_HEADER 64
 
+/* Allocations of at least this size are 2 MiB-aligned and asked to be backed by transparent huge
+ * pages (weights, KV cache, big workspaces): a batch-1 decode streams every weight once per token,
+ * and with 4 KiB pages the TLB misses of four interleaved row streams cost ~10 % of the bandwidth.
+ * The kernel's THP mode is often "madvise", so we ask. */
+#define CPU_HUGE_MIN ((size_t)2 << 20)
+
 static pd_status_t cpu_alloc(pd_backend_t *be, size_t bytes, void **ptr_out)
 {
     void *p = NULL;
-    if (bytes > SIZE_MAX - CPU_ALLOC_HEADER || posix_memalign(&p, 64, bytes + CPU_ALLOC_HEADER) != 0) {
+    size_t align = bytes >= CPU_HUGE_MIN ? CPU_HUGE_MIN : 64;
+    if (bytes > SIZE_MAX - CPU_ALLOC_HEADER || posix_memalign(&p, align, bytes + CPU_ALLOC_HEADER) != 0) {
         pd_log_error("cpu backend: cannot allocate %zu bytes", bytes);
         return PD_ERR_NO_MEMORY;
     }
+#ifdef MADV_HUGEPAGE
+    if (align == CPU_HUGE_MIN) {
+        (void)madvise(p, (bytes + CPU_ALLOC_HEADER + CPU_HUGE_MIN - 1) & ~(CPU_HUGE_MIN - 1), MADV_HUGEPAGE);
+    }
+#endif
     *(size_t *)p = bytes;
     size_t in_use = __atomic_add_fetch(&be->bytes_in_use, bytes, __ATOMIC_RELAXED);
     size_t peak = __atomic_load_n(&be->bytes_peak, __ATOMIC_RELAXED);

@@ -10,9 +10,9 @@
     ret pd_cpu_##name##_ref(pd_backend_t *be, __VA_ARGS__);                                                  \
     ret pd_cpu_##name(pd_backend_t *be, __VA_ARGS__)
 
-PD_CPU_OP_PAIR(pd_status_t, embed, float *out, const float *table, const int32_t *ids, int n, int dim,
-               int vocab);
-PD_CPU_OP_PAIR(pd_status_t, matmul, float *y, const float *x, const float *w, const float *bias, int m, int n,
+PD_CPU_OP_PAIR(pd_status_t, embed, float *out, pd_weight_t table, float scale, const int32_t *ids, int n,
+               int dim, int vocab);
+PD_CPU_OP_PAIR(pd_status_t, matmul, float *y, const float *x, pd_weight_t w, const float *bias, int m, int n,
                int k);
 PD_CPU_OP_PAIR(pd_status_t, add, float *y, const float *x, size_t n);
 PD_CPU_OP_PAIR(pd_status_t, rmsnorm, float *out, const float *x, const float *w, int rows, int dim,

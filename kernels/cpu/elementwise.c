@@ -5,6 +5,7 @@
 
 #include "common/log.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/matmul_lowp.h"
 #include "kernels/cpu/simd.h"
 
 static pd_status_t embed_check(const int32_t *ids, int n, int vocab)
@@ -19,8 +20,8 @@ static pd_status_t embed_check(const int32_t *ids, int n, int vocab)
     return PD_OK;
 }
 
-pd_status_t pd_cpu_embed_ref(pd_backend_t *be, float *out, const float *table, const int32_t *ids, int n,
-                             int dim, int vocab)
+pd_status_t pd_cpu_embed_ref(pd_backend_t *be, float *out, pd_weight_t table, float scale, const int32_t *ids,
+                             int n, int dim, int vocab)
 {
     pd_status_t st = embed_check(ids, n, vocab);
     if (st != PD_OK) {
@@ -28,21 +29,28 @@ pd_status_t pd_cpu_embed_ref(pd_backend_t *be, float *out, const float *table, c
     }
     for (int i = 0; i < n; i++) {
         for (int d = 0; d < dim; d++) {
-            out[(size_t)i * dim + d] = table[(size_t)ids[i] * dim + d];
+            out[(size_t)i * dim + d] =
+                pd_dtype_load(table.data, (int64_t)ids[i] * dim + d, table.dtype) * scale;
         }
     }
     return PD_OK;
 }
 
-pd_status_t pd_cpu_embed(pd_backend_t *be, float *out, const float *table, const int32_t *ids, int n, int dim,
-                         int vocab)
+pd_status_t pd_cpu_embed(pd_backend_t *be, float *out, pd_weight_t table, float scale, const int32_t *ids,
+                         int n, int dim, int vocab)
 {
     pd_status_t st = embed_check(ids, n, vocab);
     if (st != PD_OK) {
         return st;
     }
     for (int i = 0; i < n; i++) {
-        memcpy(out + (size_t)i * dim, table + (size_t)ids[i] * dim, (size_t)dim * sizeof(float));
+        float *row = out + (size_t)i * dim;
+        pd_cpu_widen(row, pd_weight_rows(table, ids[i], dim).data, table.dtype, (size_t)dim);
+        if (scale != 1.0f) {
+            for (int d = 0; d < dim; d++) {
+                row[d] *= scale;
+            }
+        }
     }
     return PD_OK;
 }

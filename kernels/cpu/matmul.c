@@ -1,22 +1,63 @@
-/* kernels/cpu/matmul.c — y[m][n] = x[m][k] · w[n][k]ᵀ + bias: a plain loop and OpenBLAS sgemm. */
+/* kernels/cpu/matmul.c — y[m][n] = x[m][k] · w[n][k]ᵀ + bias: a plain loop, and the optimized op:
+ * OpenBLAS sgemm/sgemv for fp32 weights; for bf16/fp16 weights a GEMV that widens in registers
+ * (matmul_lowp_x86.c) at small m, and tiles of w widened into fp32 for sgemm at larger m. */
 #include <cblas.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "common/log.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/matmul_lowp.h"
 
-pd_status_t pd_cpu_matmul_ref(pd_backend_t *be, float *y, const float *x, const float *w, const float *bias,
+pd_status_t pd_cpu_matmul_ref(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias,
                               int m, int n, int k)
 {
     for (int i = 0; i < m; i++) {
         for (int j = 0; j < n; j++) {
             double acc = bias != NULL ? bias[j] : 0.0;
             for (int p = 0; p < k; p++) {
-                acc += (double)x[(size_t)i * k + p] * w[(size_t)j * k + p];
+                acc += (double)x[(size_t)i * k + p] * pd_dtype_load(w.data, (int64_t)j * k + p, w.dtype);
             }
             y[(size_t)i * n + j] = (float)acc;
         }
     }
     return PD_OK;
+}
+
+/* Columns [n0, n1) of y with fp32 weights: OpenBLAS (sgemv at m = 1). */
+static void slice_f32(float *y, const float *x, const float *w, float beta, int m, int n, int k, int n0,
+                      int n1)
+{
+    if (m == 1) {
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, n1 - n0, k, 1.0f, w + (size_t)n0 * k, k, x, 1, beta, y + n0,
+                    1);
+    } else {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n1 - n0, k, 1.0f, x, k, w + (size_t)n0 * k, k,
+                    beta, y + n0, n);
+    }
+}
+
+/* Columns [n0, n1) of y with 16-bit weights at m > PD_LOWP_GEMV_MAX_M: tiles of w rows widened into
+ * tile (fp32, tile_rows × k) and multiplied by sgemm. The widening reads each weight once per
+ * matmul; sgemm re-reads x once per tile, so tiles are as tall as the buffer allows. */
+static void slice_lowp_tiles(float *y, const float *x, pd_weight_t w, float beta, int m, int n, int k, int n0,
+                             int n1, float *tile, int tile_rows)
+{
+    for (int j0 = n0; j0 < n1; j0 += tile_rows) {
+        int rows = n1 - j0 < tile_rows ? n1 - j0 : tile_rows;
+        pd_cpu_widen(tile, pd_weight_rows(w, j0, k).data, w.dtype, (size_t)rows * k);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, rows, k, 1.0f, x, k, tile, k, beta, y + j0,
+                    n);
+    }
+}
+
+/* Rows of the fp32 tile a thread widens 16-bit weights into: up to 256 (sgemm re-reads x once per
+ * tile), at most 2 MiB of tile, at least 16. */
+static int tile_rows_for(int k)
+{
+    int rows = (int)((2u << 20) / ((size_t)k * sizeof(float)));
+    rows = rows > 256 ? 256 : rows;
+    return rows < 16 ? 16 : rows & ~15;
 }
 
 /* One thread pool: OpenBLAS is single-threaded (set at backend creation) and runs inside our
@@ -26,8 +67,8 @@ pd_status_t pd_cpu_matmul_ref(pd_backend_t *be, float *y, const float *x, const 
  * reading w, and a lone thread reads at about half the machine's bandwidth. (A 2 MFLOP threshold
  * ran q, k, v, o and down of the demo model on one core: 147-154 tok/s at batch 1 against 198-215
  * split, pd-bench-ops, bench/RESULTS.md 2026-11-23.) Slices stay whole 64-byte rows of y. */
-pd_status_t pd_cpu_matmul(pd_backend_t *be, float *y, const float *x, const float *w, const float *bias,
-                          int m, int n, int k)
+pd_status_t pd_cpu_matmul(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias, int m,
+                          int n, int k)
 {
     if (m == 0 || n == 0) {
         return PD_OK;
@@ -35,10 +76,33 @@ pd_status_t pd_cpu_matmul(pd_backend_t *be, float *y, const float *x, const floa
     int nt = be->num_threads;
     int cols = (n + nt - 1) / nt;
     cols = (cols + 15) & ~15; /* slices of whole 64-byte rows of y */
+    bool lowp = w.dtype != PD_DTYPE_F32;
+    bool gemv = lowp && m <= PD_LOWP_GEMV_MAX_M;
+    int tile_rows = tile_rows_for(k);
+    float *tiles = NULL, *xp = NULL;
+    size_t xp_floats = gemv ? pd_cpu_gemv_lowp_scratch(w.dtype, m, k) : 0;
+    if (lowp && !gemv) {
+        tiles = malloc((size_t)nt * tile_rows * k * sizeof(float));
+        if (tiles == NULL) {
+            pd_log_error("matmul: cannot allocate %d tiles of %d x %d for 16-bit weights", nt, tile_rows, k);
+            return PD_ERR_NO_MEMORY;
+        }
+    } else if (xp_floats > 0) {
+        xp = malloc(xp_floats * sizeof(float));
+        if (xp == NULL) {
+            pd_log_error("matmul: cannot allocate %zu floats of GEMV scratch", xp_floats);
+            return PD_ERR_NO_MEMORY;
+        }
+        pd_cpu_gemv_lowp_prepare(xp, x, w.dtype, m, k);
+    }
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int t = 0; t < nt; t++) {
         int n0 = t * cols, n1 = n0 + cols < n ? n0 + cols : n;
         if (n0 >= n1) {
+            continue;
+        }
+        if (gemv) {
+            pd_cpu_gemv_lowp(y, x, xp, w, bias, m, n, k, n0, n1);
             continue;
         }
         float beta = 0.0f;
@@ -48,13 +112,13 @@ pd_status_t pd_cpu_matmul(pd_backend_t *be, float *y, const float *x, const floa
             }
             beta = 1.0f;
         }
-        if (m == 1) {
-            cblas_sgemv(CblasRowMajor, CblasNoTrans, n1 - n0, k, 1.0f, w + (size_t)n0 * k, k, x, 1, beta,
-                        y + n0, 1);
+        if (lowp) {
+            slice_lowp_tiles(y, x, w, beta, m, n, k, n0, n1, tiles + (size_t)t * tile_rows * k, tile_rows);
         } else {
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n1 - n0, k, 1.0f, x, k,
-                        w + (size_t)n0 * k, k, beta, y + n0, n);
+            slice_f32(y, x, w.data, beta, m, n, k, n0, n1);
         }
     }
+    free(tiles);
+    free(xp);
     return PD_OK;
 }

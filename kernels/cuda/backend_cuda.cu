@@ -52,6 +52,20 @@ void cu_free(pd_backend_t *be, void *p)
     cudaFree(p);
 }
 
+pd_status_t cu_workspace(pd_backend_t *be, void **ws, size_t *cap, size_t bytes, void **out)
+{
+    if (bytes > *cap) {
+        size_t want = bytes > (size_t)4 << 20 ? bytes + bytes / 2 : (size_t)4 << 20;
+        void *p = nullptr;
+        TRY(cu_alloc(be, want, &p));
+        cu_free(be, *ws);
+        *ws = p;
+        *cap = want;
+    }
+    *out = *ws;
+    return PD_OK;
+}
+
 pd_status_t cu_copy(pd_backend_t *be, void *dst, const void *src, size_t bytes, pd_copy_kind_t kind)
 {
     cudaMemcpyKind k = kind == PD_COPY_H2D   ? cudaMemcpyHostToDevice
@@ -189,6 +203,7 @@ void pd_cuda_backend_fini(pd_backend_t *be)
     cudaStreamSynchronize(s->stream);
     cublasDestroy(s->blas);
     cu_free(be, s->attn_ws);
+    cu_free(be, s->mm_ws);
     cudaFree(s->scratch);
     cudaStreamDestroy(s->stream);
     delete s;

@@ -245,24 +245,6 @@ pd_status_t cu_attn_prefill(pd_backend_t *be, float *out, const float *q, const 
     return check_launch("paged_attention_prefill");
 }
 
-/* Decode attention's workspace of at least bytes, reserved once and grown (never per call: a
- * cudaMalloc + sync + cudaFree on every layer of every step stalled the stream). Growing frees the
- * old one with cudaFree, which waits for the kernels still using it. */
-static pd_status_t attn_workspace(pd_backend_t *be, size_t bytes, float **out)
-{
-    cuda_state *s = S(be);
-    if (bytes > s->attn_ws_cap) {
-        size_t cap = bytes > (size_t)4 << 20 ? bytes + bytes / 2 : (size_t)4 << 20;
-        void *p = nullptr;
-        TRY(cu_alloc(be, cap, &p));
-        cu_free(be, s->attn_ws);
-        s->attn_ws = p;
-        s->attn_ws_cap = cap;
-    }
-    *out = static_cast<float *>(s->attn_ws);
-    return PD_OK;
-}
-
 pd_status_t cu_attn_decode(pd_backend_t *be, float *out, const float *q, const pd_kv_view_t *kv,
                            const pd_attn_meta_t *meta, int num_heads, float scale)
 {
@@ -276,8 +258,10 @@ pd_status_t cu_attn_decode(pd_backend_t *be, float *out, const float *q, const p
     }
     int parts = (max_len + PARTITION - 1) / PARTITION;
     size_t rows = (size_t)meta->num_seqs * num_heads * parts;
-    float *t_out = nullptr;
-    TRY(attn_workspace(be, rows * ((size_t)kv->head_size + 2) * sizeof(float), &t_out));
+    void *ws = nullptr;
+    TRY(cu_workspace(be, &S(be)->attn_ws, &S(be)->attn_ws_cap,
+                     rows * ((size_t)kv->head_size + 2) * sizeof(float), &ws));
+    float *t_out = static_cast<float *>(ws);
     float *t_max = t_out + rows * kv->head_size, *t_sum = t_max + rows;
     upload u(be);
     pd_attn_meta_t d;

@@ -10,11 +10,11 @@ namespace
 /* ------------------------------------------------------------------ elementwise kernels */
 
 /* out[n][dim] = table[ids[i]][dim] */
-__global__ void embed_kernel(float *out, const float *table, const int32_t *ids, int dim)
+__global__ void embed_kernel(float *out, pd_weight_t table, float scale, const int32_t *ids, int dim)
 {
-    const float *row = table + (size_t)ids[blockIdx.x] * dim;
+    int64_t row = (int64_t)ids[blockIdx.x] * dim;
     for (int d = threadIdx.x; d < dim; d += blockDim.x) {
-        out[(size_t)blockIdx.x * dim + d] = row[d];
+        out[(size_t)blockIdx.x * dim + d] = pd_dtype_load(table.data, row + d, table.dtype) * scale;
     }
 }
 
@@ -150,8 +150,8 @@ __global__ void reshape_and_cache_kernel(pd_kv_view_t kv, const float *k, const 
 
 } /* namespace */
 
-pd_status_t cu_embed(pd_backend_t *be, float *out, const float *table, const int32_t *ids, int n, int dim,
-                     int vocab)
+pd_status_t cu_embed(pd_backend_t *be, float *out, pd_weight_t table, float scale, const int32_t *ids, int n,
+                     int dim, int vocab)
 {
     for (int i = 0; i < n; i++) {
         if (ids[i] < 0 || ids[i] >= vocab) {
@@ -165,7 +165,7 @@ pd_status_t cu_embed(pd_backend_t *be, float *out, const float *table, const int
     upload u(be);
     const int32_t *d_ids = u.put(ids, (size_t)n);
     TRY(u.st);
-    embed_kernel<<<n, 256, 0, S(be)->stream>>>(out, table, d_ids, dim);
+    embed_kernel<<<n, 256, 0, S(be)->stream>>>(out, table, scale, d_ids, dim);
     return check_launch("embed");
 }
 

@@ -38,6 +38,8 @@ struct cuda_state {
     size_t scratch_cap;
     void *attn_ws; /* decode attention's partial results, grown when a step needs more (cu_alloc'd) */
     size_t attn_ws_cap;
+    void *mm_ws; /* x rounded to a 16-bit weight's dtype for cublasGemmEx (cu_alloc'd, grown) */
+    size_t mm_ws_cap;
     int device;
     std::mutex mu;
     std::unordered_map<void *, size_t> sizes; /* allocator accounting (profile run) */
@@ -201,13 +203,18 @@ pd_status_t cu_copy_pages(pd_backend_t *be, void *dst, const void *src, const pd
 pd_status_t cu_pin_host(pd_backend_t *be, void *p, size_t bytes);
 void cu_unpin_host(pd_backend_t *be, void *p);
 
+/* A workspace (*ws, *cap) of at least bytes, reserved once and grown, never per call (a cudaMalloc +
+ * sync + cudaFree on every layer of every step stalls the stream). Growing frees the old one with
+ * cudaFree, which waits for the kernels still using it. */
+pd_status_t cu_workspace(pd_backend_t *be, void **ws, size_t *cap, size_t bytes, void **out);
+
 /* cuda_matmul.cu */
-pd_status_t cu_matmul(pd_backend_t *be, float *y, const float *x, const float *w, const float *bias, int m,
+pd_status_t cu_matmul(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias, int m,
                       int n, int k);
 
 /* cuda_elementwise.cu: embedding, norms, RoPE, activations, softmax, the KV cache write */
-pd_status_t cu_embed(pd_backend_t *be, float *out, const float *table, const int32_t *ids, int n, int dim,
-                     int vocab);
+pd_status_t cu_embed(pd_backend_t *be, float *out, pd_weight_t table, float scale, const int32_t *ids, int n,
+                     int dim, int vocab);
 pd_status_t cu_add(pd_backend_t *be, float *y, const float *x, size_t n);
 pd_status_t cu_rmsnorm(pd_backend_t *be, float *out, const float *x, const float *w, int rows, int dim,
                        float eps);

@@ -5,12 +5,16 @@
 #include "test_util.h"
 
 #include <check.h>
+#include <jansson.h>
 #include <pthread.h>
 
 #include "common/log.h"
 #include "common/rng.h"
 #include "common/time.h"
 #include "engine/engine.h"
+#include "engine/kv_init.h"
+#include "model/config.h"
+#include "model/model.h"
 
 static char *g_model;
 
@@ -24,12 +28,15 @@ typedef struct gen {
     int32_t completion;
 } gen_t;
 
+static const char *g_dtype = "auto"; /* --dtype of the engines the tests make */
+
 /* An engine on g_model with the tests' sizes; kv_dtype as --kv-cache-dtype. */
 static pd_engine_t *make_engine_kv(int num_blocks_override, bool prefix, int max_seqs, const char *kv_dtype)
 {
     pd_engine_config_t c;
     pd_engine_config_defaults(&c);
     c.kv_cache_dtype = kv_dtype;
+    c.dtype = g_dtype;
     c.model_dir = g_model;
     c.threads = 2;
     c.kv_cache_memory = 256u << 20;
@@ -514,6 +521,117 @@ START_TEST(test_kv_cache_dtype_auto_is_the_models)
 }
 END_TEST
 
+/* --dtype: a bf16 checkpoint keeps bf16 matrices under auto and gives, through the whole engine
+ * (chunked prefill, batching, bf16 KV), the greedy tokens of the same checkpoint widened to fp32;
+ * an fp32 checkpoint can be narrowed (bfloat16, float16); an unknown name is refused. */
+START_TEST(test_dtype_keeps_checkpoint_precision)
+{
+    char *saved = g_model;
+    g_model = tu_make_model("--preset tiny --arch llama --dtype bf16");
+    ck_assert_ptr_nonnull(g_model);
+    enum { N = 16 };
+    static spec_t specs[N];
+    static gen_t lo[N], hi[N];
+    memset(lo, 0, sizeof(lo));
+    memset(hi, 0, sizeof(hi));
+    make_specs(specs, N, 0.0f, 512);
+    const char *names[2] = {"auto", "float32"};
+    const char *want[2] = {"bfloat16", "float32"};
+    gen_t *outs[2] = {lo, hi};
+    for (int d = 0; d < 2; d++) {
+        g_dtype = names[d];
+        pd_engine_t *e = make_engine_kv(0, true, 8, "bf16");
+        ck_assert_str_eq(pd_engine_weight_dtype_name(e), want[d]);
+        for (int i = 0; i < N; i++) {
+            add_spec(e, &specs[i], i, &outs[d][i], NULL, 0);
+        }
+        run_until_idle(e);
+        pd_engine_destroy(e);
+    }
+    for (int i = 0; i < N; i++) {
+        assert_same(&lo[i], &hi[i], i);
+    }
+    tu_rmrf(g_model);
+    free(g_model);
+    g_model = saved; /* the tiny fp32 model */
+    g_dtype = "float16";
+    pd_engine_t *e = make_engine(0, true, 8);
+    ck_assert_str_eq(pd_engine_weight_dtype_name(e), "float16");
+    pd_engine_destroy(e);
+    pd_engine_config_t c;
+    pd_engine_config_defaults(&c);
+    c.model_dir = g_model;
+    c.dtype = "int3";
+    e = NULL;
+    ck_assert_int_eq(pd_engine_create(&c, &e), PD_ERR_INVALID_ARG);
+    ck_assert_ptr_null(e);
+    g_dtype = "auto";
+}
+END_TEST
+
+/* The memory plan without loading (issue 18): what the loader allocates is what
+ * pd_model_plan_weight_bytes says, for every architecture and dtype; by that plan a 7–8 B bf16
+ * model fits a 24 GiB node with a KV cache for at least one 32k-token request (the engine's own
+ * KV layout computation), and its fp32 widening does not fit at all. */
+START_TEST(test_memory_plan_8b_fits_24gib)
+{
+    pd_backend_t *be = NULL;
+    ck_assert_int_eq(pd_backend_create("cpu", 2, &be), PD_OK);
+    const char *tiny[] = {"--preset tiny --arch llama --untie", "--preset tiny --arch qwen2 --dtype bf16",
+                          "--preset tiny --arch qwen3 --head-dim 32", "--preset tiny --arch gpt2 --dtype f16",
+                          "--preset tiny --arch gemma3 --layers 2 --head-dim 32"};
+    const char *dts[] = {"float32", "bfloat16"};
+    for (size_t i = 0; i < sizeof(tiny) / sizeof(tiny[0]); i++) {
+        char *dir = tu_make_model(tiny[i]);
+        ck_assert_ptr_nonnull(dir);
+        for (int d = 0; d < 2; d++) {
+            pd_model_t *m = NULL;
+            ck_assert_int_eq(pd_model_load_dtype(dir, be, dts[d], &m), PD_OK);
+            size_t plan = pd_model_plan_weight_bytes(pd_model_config(m), pd_model_weight_dtype(m));
+            ck_assert_msg(plan == pd_model_weight_bytes(m), "%s as %s: plan %zu bytes, loaded %zu", tiny[i],
+                          dts[d], plan, pd_model_weight_bytes(m));
+            pd_model_free(m);
+        }
+        tu_rmrf(dir);
+        free(dir);
+    }
+    pd_backend_destroy(be);
+
+    const char *configs[] = {"Llama-3.1-8B-Instruct", "Mistral-7B-Instruct-v0.3"};
+    const size_t node = (size_t)24 << 30;
+    const double gib = (double)(1u << 30);
+    for (size_t i = 0; i < 2; i++) {
+        char path[1024];
+        snprintf(path, sizeof(path), "%s/tests/model/configs/%s.json", tu_source_dir(), configs[i]);
+        json_t *root = json_load_file(path, 0, NULL);
+        ck_assert_ptr_nonnull(root);
+        pd_model_config_t c;
+        ck_assert_int_eq(pd_model_config_parse(root, path, &c), PD_OK);
+        json_decref(root);
+        size_t w16 = pd_model_plan_weight_bytes(&c, PD_DTYPE_BF16),
+               w32 = pd_model_plan_weight_bytes(&c, PD_DTYPE_F32);
+        size_t act = pd_model_workspace_bytes(&c, 2048, 256); /* --max-num-batched-tokens, --max-num-seqs */
+        size_t budget = (size_t)((double)node * 0.9);         /* --memory-utilization 0.9 */
+        ck_assert_msg(w32 + act > budget, "%s: fp32 weights %.2f GiB fit", configs[i], (double)w32 / gib);
+        ck_assert_uint_gt(budget, w16 + act);
+        pd_kv_spec_t specs[PD_KV_MAX_LAYERS];
+        ck_assert_int_eq(pd_kv_specs_from_model(&c, 16, PD_DTYPE_BF16, specs), PD_OK);
+        pd_kv_cache_config_t kc;
+        ck_assert_int_eq(
+            pd_kv_cache_config_compute(specs, c.num_layers, budget - w16 - act, 32768, 2048, &kc), PD_OK);
+        size_t tokens = (size_t)(kc.num_blocks - 1) * 16;
+        fprintf(
+            stderr,
+            "memory plan, %s on 24 GiB × 0.9: bf16 weights %.2f GiB (fp32 would be %.2f), activations %.2f "
+            "GiB, KV %.2f GiB = %zu tokens of bf16 KV (%.1f requests of 32k)\n",
+            configs[i], (double)w16 / gib, (double)w32 / gib, (double)act / gib,
+            (double)kc.region_bytes / gib, tokens, (double)tokens / 32768);
+        ck_assert_uint_ge(tokens, 32768);
+        ck_assert(w16 > (size_t)13 << 30 && w16 < (size_t)16 << 30); /* 7.2–8.0 B parameters */
+    }
+}
+END_TEST
+
 int main(void)
 {
     pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_WARN);
@@ -534,6 +652,8 @@ int main(void)
     tcase_add_test(tc, test_threaded_submit);
     tcase_add_test(tc, test_sliding_groups_keep_outputs);
     tcase_add_test(tc, test_kv_cache_dtype_auto_is_the_models);
+    tcase_add_test(tc, test_dtype_keeps_checkpoint_precision);
+    tcase_add_test(tc, test_memory_plan_8b_fits_24gib);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);

@@ -119,22 +119,48 @@ END_TEST
 
 /* ------------------------------------------------------------ dense ops */
 
+/* w[n] of fp32 values stored as dt (a fresh buffer; the fp32 values are rounded in place to what
+ * dt holds, so the reference sees the same weights). */
+static void *store_as(float *w, size_t n, pd_dtype_t dt)
+{
+    void *out = malloc(n * (size_t)pd_dtype_size(dt));
+    for (size_t i = 0; i < n; i++) {
+        pd_dtype_store(out, (int64_t)i, dt, w[i]);
+        w[i] = pd_dtype_load(out, (int64_t)i, dt);
+    }
+    return out;
+}
+
+/* Every path of the optimized matmul (sgemv, sgemm; 16-bit weights: the register-widening GEMV at
+ * m <= PD_LOWP_GEMV_MAX_M in pairs and singles of x rows, blocks of 4 and leftover w rows, k tails;
+ * widened tiles + sgemm above it, several tiles per thread) against the reference. */
 START_TEST(test_matmul)
 {
-    int shapes[][3] = {{1, 7, 5}, {3, 64, 33}, {17, 129, 64}, {64, 96, 200}, {1, 1000, 64}};
-    for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
-        int m = shapes[s][0], n = shapes[s][1], k = shapes[s][2];
-        float *x = rand_buf((size_t)m * k, -1, 1), *w = rand_buf((size_t)n * k, -1, 1);
-        float *bias = rand_buf((size_t)n, -1, 1);
-        float *y = rand_buf((size_t)m * n, -9, 9), *yr = rand_buf((size_t)m * n, -9, 9);
-        for (int with_bias = 0; with_bias < 2; with_bias++) {
-            const float *b = with_bias ? bias : NULL;
-            ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, w, b, m, n, k), PD_OK);
-            ck_assert_int_eq(pd_cpu_matmul_ref(g_be, yr, x, w, b, m, n, k), PD_OK);
-            /* error relative to the magnitude of a k-term dot product of values in [-1, 1] */
-            ck_assert_double_lt(max_rel_err(y, yr, (size_t)m * n, sqrt(k)), 1e-5);
+    int shapes[][3] = {{1, 7, 5},    {3, 64, 33},  {17, 129, 64}, {64, 96, 200}, {1, 1000, 64},
+                       {2, 130, 72}, {4, 37, 512}, {5, 40, 9000}, {8, 600, 64},  {1, 1, 3}};
+    pd_dtype_t dts[] = {PD_DTYPE_F32, PD_DTYPE_BF16, PD_DTYPE_F16};
+    for (size_t d = 0; d < 3; d++) {
+        for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+            int m = shapes[s][0], n = shapes[s][1], k = shapes[s][2];
+            float *x = rand_buf((size_t)m * k, -1, 1), *w = rand_buf((size_t)n * k, -1, 1);
+            void *ws = store_as(w, (size_t)n * k, dts[d]);
+            pd_weight_t wt = {ws, dts[d]}, wf = {w, PD_DTYPE_F32};
+            float *bias = rand_buf((size_t)n, -1, 1);
+            float *y = rand_buf((size_t)m * n, -9, 9), *yr = rand_buf((size_t)m * n, -9, 9);
+            float *yf = rand_buf((size_t)m * n, -9, 9);
+            for (int with_bias = 0; with_bias < 2; with_bias++) {
+                const float *b = with_bias ? bias : NULL;
+                ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, wt, b, m, n, k), PD_OK);
+                ck_assert_int_eq(pd_cpu_matmul_ref(g_be, yr, x, wt, b, m, n, k), PD_OK);
+                /* error relative to the magnitude of a k-term dot product of values in [-1, 1] */
+                ck_assert_msg(max_rel_err(y, yr, (size_t)m * n, sqrt(k)) < 1e-5, "dtype %d, %dx%dx%d",
+                              (int)dts[d], m, n, k);
+                /* the same weights widened to fp32 beforehand give the same products */
+                ck_assert_int_eq(pd_cpu_matmul_ref(g_be, yf, x, wf, b, m, n, k), PD_OK);
+                ck_assert_int_eq(memcmp(yf, yr, (size_t)m * n * sizeof(float)), 0);
+            }
+            free(x), free(w), free(ws), free(bias), free(y), free(yr), free(yf);
         }
-        free(x), free(w), free(bias), free(y), free(yr);
     }
 }
 END_TEST
@@ -211,18 +237,28 @@ START_TEST(test_elementwise)
 
     int vocab = 50, dim = 24, ntok = 11;
     float *table = rand_buf((size_t)vocab * dim, -1, 1);
+    pd_weight_t tw = {table, PD_DTYPE_F32};
     int32_t ids[11] = {0, 49, 3, 3, 17, 25, 8, 1, 48, 30, 2};
     float *e1 = rand_buf((size_t)ntok * dim, -1, 1), *e2 = rand_buf((size_t)ntok * dim, -1, 1);
-    ck_assert_int_eq(pd_cpu_embed(g_be, e1, table, ids, ntok, dim, vocab), PD_OK);
-    ck_assert_int_eq(pd_cpu_embed_ref(g_be, e2, table, ids, ntok, dim, vocab), PD_OK);
+    ck_assert_int_eq(pd_cpu_embed(g_be, e1, tw, 1.0f, ids, ntok, dim, vocab), PD_OK);
+    ck_assert_int_eq(pd_cpu_embed_ref(g_be, e2, tw, 1.0f, ids, ntok, dim, vocab), PD_OK);
     ck_assert_int_eq(memcmp(e1, e2, (size_t)ntok * dim * sizeof(float)), 0);
     ck_assert_float_eq(e1[1 * dim + 5], table[49 * dim + 5]);
+    for (int dt = PD_DTYPE_F16; dt <= PD_DTYPE_BF16; dt++) { /* 16-bit tables, scaled (Gemma's √hidden) */
+        void *t16 = store_as(table, (size_t)vocab * dim, (pd_dtype_t)dt);
+        pd_weight_t w16 = {t16, (pd_dtype_t)dt};
+        ck_assert_int_eq(pd_cpu_embed(g_be, e1, w16, 2.5f, ids, ntok, dim, vocab), PD_OK);
+        ck_assert_int_eq(pd_cpu_embed_ref(g_be, e2, w16, 2.5f, ids, ntok, dim, vocab), PD_OK);
+        ck_assert_int_eq(memcmp(e1, e2, (size_t)ntok * dim * sizeof(float)), 0);
+        ck_assert_float_eq(e1[2 * dim + 7], table[3 * dim + 7] * 2.5f);
+        free(t16);
+    }
     ids[4] = 50; /* out of the vocabulary: rejected, nothing written */
     memcpy(e2, e1, (size_t)ntok * dim * sizeof(float));
-    ck_assert_int_eq(pd_cpu_embed(g_be, e1, table, ids, ntok, dim, vocab), PD_ERR_OUT_OF_RANGE);
+    ck_assert_int_eq(pd_cpu_embed(g_be, e1, tw, 1.0f, ids, ntok, dim, vocab), PD_ERR_OUT_OF_RANGE);
     ck_assert_int_eq(memcmp(e1, e2, (size_t)ntok * dim * sizeof(float)), 0);
     ids[4] = -1;
-    ck_assert_int_eq(pd_cpu_embed_ref(g_be, e1, table, ids, ntok, dim, vocab), PD_ERR_OUT_OF_RANGE);
+    ck_assert_int_eq(pd_cpu_embed_ref(g_be, e1, tw, 1.0f, ids, ntok, dim, vocab), PD_ERR_OUT_OF_RANGE);
 
     free(x), free(a), free(b), free(gu), free(o1), free(o2), free(s1), free(s2), free(y1), free(y2);
     free(table), free(e1), free(e2);

@@ -310,6 +310,76 @@ START_TEST(test_bf16_sharded_matches_numpy)
 }
 END_TEST
 
+/* ------------------------------------------------------------------ weight dtypes */
+
+/* A 16-bit checkpoint kept at its precision (--dtype auto) computes what the same checkpoint
+ * widened to fp32 at load computes (bf16/fp16 → fp32 is exact; only fp32 summation order differs),
+ * in about half the bytes; an fp32 checkpoint narrowed with --dtype bfloat16 stays close; an unknown
+ * dtype is refused. GPT-2 covers transposed and fused-qkv weights, Gemma3 the scaled embedding that
+ * is also the tied head. */
+START_TEST(test_weight_dtypes)
+{
+    static const struct {
+        const char *args;
+        pd_dtype_t dt;
+    } cases[] = {{"--preset tiny --arch llama --dtype bf16 --shards 2 --untie", PD_DTYPE_BF16},
+                 {"--preset tiny --arch gpt2 --dtype f16", PD_DTYPE_F16},
+                 {"--preset tiny --arch gemma3 --layers 2 --head-dim 32 --dtype bf16", PD_DTYPE_BF16}};
+    int n = 24;
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        char *dir = tu_make_model(cases[c].args);
+        ck_assert_ptr_nonnull(dir);
+        pd_model_t *lo = NULL, *hi = NULL;
+        ck_assert_int_eq(pd_model_load_dtype(dir, g_be, "auto", &lo), PD_OK);
+        ck_assert_int_eq(pd_model_load_dtype(dir, g_be, "float32", &hi), PD_OK);
+        ck_assert_int_eq(pd_model_weight_dtype(lo), cases[c].dt);
+        ck_assert_int_eq(pd_model_weight_dtype(hi), PD_DTYPE_F32);
+        double ratio = (double)pd_model_weight_bytes(lo) / (double)pd_model_weight_bytes(hi);
+        ck_assert_msg(ratio > 0.5 && ratio < 0.56, "%s: 16-bit weights take %.3f of fp32's bytes",
+                      cases[c].args, ratio);
+        int V = pd_model_config(lo)->vocab_size;
+        int32_t *tokens = random_tokens(n, V, 11);
+        float *a = logits_chunked(lo, tokens, n, 5, PD_DTYPE_F32),
+              *b = logits_chunked(hi, tokens, n, 5, PD_DTYPE_F32);
+        double d = rel_diff(a, b, (size_t)n * V);
+        fprintf(stderr, "%s: %s weights vs fp32: max rel diff %.3g\n", cases[c].args,
+                pd_dtype_torch_name(cases[c].dt), d);
+        ck_assert_double_lt(d, 1e-5);
+        for (int i = 0; i < n; i++) {
+            if (top2_margin(b + (size_t)i * V, V) > 1e-3) {
+                ck_assert_int_eq(argmax(a + (size_t)i * V, V), argmax(b + (size_t)i * V, V));
+            }
+        }
+        free(a), free(b), free(tokens);
+        pd_model_free(lo);
+        pd_model_free(hi);
+        tu_rmrf(dir);
+        free(dir);
+    }
+    /* fp32 checkpoint narrowed to bf16 at load: 8 mantissa bits per weight */
+    char *dir = tu_make_model("--preset tiny --arch llama");
+    pd_model_t *lo = NULL, *hi = NULL;
+    ck_assert_int_eq(pd_model_load_dtype(dir, g_be, "bfloat16", &lo), PD_OK);
+    ck_assert_int_eq(pd_model_load_dtype(dir, g_be, NULL, &hi), PD_OK);
+    ck_assert_int_eq(pd_model_weight_dtype(lo), PD_DTYPE_BF16);
+    ck_assert_int_eq(pd_model_weight_dtype(hi), PD_DTYPE_F32);
+    int V = pd_model_config(lo)->vocab_size;
+    int32_t *tokens = random_tokens(n, V, 12);
+    float *a = logits_chunked(lo, tokens, n, n, PD_DTYPE_F32),
+          *b = logits_chunked(hi, tokens, n, n, PD_DTYPE_F32);
+    double d = rel_diff(a, b, (size_t)n * V);
+    ck_assert_msg(d > 0 && d < 3e-2, "bf16-narrowed weights: rel diff %.3g", d);
+    free(a), free(b), free(tokens);
+    pd_model_free(lo);
+    pd_model_free(hi);
+    pd_model_t *bad = NULL;
+    ck_assert_int_eq(pd_model_load_dtype(dir, g_be, "int4", &bad), PD_ERR_INVALID_ARG);
+    ck_assert_ptr_null(bad);
+    tu_rmrf(dir);
+    free(dir);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ cache on vs off */
 
 static void check_cache_equivalence(const char *mk_args, pd_dtype_t kv_dtype, double tol)
@@ -669,6 +739,7 @@ START_TEST(test_published_configs)
         bool tie, qk_norm, gemma;
     } want[] = {
         {"Llama-3.2-1B-Instruct", 16, 64, 8, 0, 0, 3, PD_ROPE_LLAMA3, true, false, false},
+        {"Llama-3.1-8B-Instruct", 32, 128, 8, 0, 0, 3, PD_ROPE_LLAMA3, false, false, false},
         {"SmolLM2-135M-Instruct", 30, 64, 3, 0, 0, 1, PD_ROPE_DEFAULT, true, false, false},
         {"Qwen2.5-0.5B-Instruct", 24, 64, 2, 0, 0, 1, PD_ROPE_DEFAULT, true, false, false},
         {"Qwen3-0.6B", 28, 128, 8, 0, 0, 1, PD_ROPE_DEFAULT, true, true, false},
@@ -755,6 +826,7 @@ int main(void)
     tcase_set_timeout(tc, 600);
     tcase_add_test(tc, test_safetensors_roundtrip);
     tcase_add_test(tc, test_gpt2_matches_numpy);
+    tcase_add_test(tc, test_weight_dtypes);
     tcase_add_test(tc, test_llama_matches_numpy);
     tcase_add_test(tc, test_qwen2_matches_numpy);
     tcase_add_test(tc, test_qwen3_matches_numpy);

@@ -1,0 +1,35 @@
+/* kernels/cpu/matmul_lowp.h — matmul pieces for 16-bit (bf16/fp16) weights kept at checkpoint
+ * precision: a GEMV that widens weights in registers (small m: decode), and a row widener (the
+ * tiles that sgemm multiplies at larger m, embedding rows). x86 AVX2/F16C versions are picked at
+ * run time (matmul_lowp_x86.c); the portable versions are the same math in plain C. Results equal
+ * pd_cpu_matmul_ref within fp32 summation-order rounding (tests/unit/test_kernels.c). */
+#ifndef PD_KERNELS_CPU_MATMUL_LOWP_H
+#define PD_KERNELS_CPU_MATMUL_LOWP_H
+
+#include <stddef.h>
+
+#include "kernels/backend.h"
+
+/* Up to this many rows of x the GEMV streams w once per call; above it, widened tiles + sgemm. */
+#define PD_LOWP_GEMV_MAX_M 4
+
+/* dst[n] = src[n] as fp32 (src of dtype dt; exact for every dtype). */
+void pd_cpu_widen(float *dst, const void *src, pd_dtype_t dt, size_t n);
+
+/* Floats of scratch pd_cpu_gemv_lowp needs for x (0: none), and filling it from x[m][k] — once
+ * per matmul, before the threads split the columns. */
+size_t pd_cpu_gemv_lowp_scratch(pd_dtype_t dt, int m, int k);
+void pd_cpu_gemv_lowp_prepare(float *xp, const float *x, pd_dtype_t dt, int m, int k);
+
+/* y[i][j] = bias[j] + Σ_p x[i][p] · w[j][p] for i < m, j in [n0, n1) (y is [m][n], x [m][k],
+ * w [n][k] of a 16-bit dtype, bias may be NULL; xp the prepared scratch). */
+void pd_cpu_gemv_lowp(float *y, const float *x, const float *xp, pd_weight_t w, const float *bias, int m,
+                      int n, int k, int n0, int n1);
+
+/* The x86 versions (matmul_lowp_x86.c), usable when the CPU has AVX2, FMA and F16C. */
+int pd_cpu_lowp_x86_usable(void);
+void pd_cpu_widen_x86(float *dst, const void *src, pd_dtype_t dt, size_t n);
+void pd_cpu_gemv_lowp_x86(float *y, const float *x, const float *xp, pd_weight_t w, const float *bias, int m,
+                          int n, int k, int n0, int n1);
+
+#endif

@@ -1,0 +1,264 @@
+/* kernels/cpu/matmul_lowp_x86.c — 16-bit weight GEMV and widener with AVX2/FMA/F16C intrinsics,
+ * picked at run time (matmul_lowp.c dispatches).
+ *
+ * Decode at batch 1 is a chain of GEMVs bound by reading w: bf16/fp16 weights are read as they are
+ * stored (half the bytes of fp32) and widened in registers — bf16 by a 16-bit shift into the high
+ * half, fp16 by F16C — then multiplied in fp32. (bf16 reads 16 weights per load and splits them
+ * into even and odd lanes without a shuffle; x is permuted to match once per matmul: a widening
+ * shuffle per 8 weights held bf16 at 0.58x the read bandwidth, fp16 at 0.80x.) Four rows of w are streamed together against the
+ * same x vector (four independent FMA chains, one x load per four products); x rows go in pairs,
+ * so w's four rows are read from memory once and from L1/L2 for the other pairs. */
+#include <immintrin.h>
+#include <stdint.h>
+
+#include "kernels/cpu/matmul_lowp.h"
+
+#define X86        __attribute__((target("avx2,fma,f16c")))
+#define X86_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
+
+int pd_cpu_lowp_x86_usable(void)
+{
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+/* Eight 16-bit weights at p as fp32 (exact). */
+X86_INLINE __m256 widen8(const uint16_t *p, int bf16)
+{
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (bf16) {
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_cvtph_ps(h);
+}
+
+X86_INLINE float widen1(uint16_t h, int bf16)
+{
+    return bf16 ? pd_bf16_to_f32(h) : pd_f16_to_f32(h);
+}
+
+/* The sums of the 8 lanes of a0..a3, in that order. */
+X86_INLINE __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3)
+{
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+X86_INLINE float hsum1(__m256 a)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The end of a 4-column block: columns p0..k-1 (the tail the vector loop left) of the four w rows
+ * from w0 (k apart) in scalar code, added to the vector sums sa (x row i) and sb (row i + 1, when
+ * pair) with the bias, stored at y[i][j..j+3] (and y[i + 1][...]). */
+X86_INLINE void finish4(float *y, const float *x0, const float *x1, const uint16_t *w0, const float *bias,
+                        int n, int k, int p0, int i, int j, int pair, int bf16, __m128 sa, __m128 sb)
+{
+    float ta[4] = {0, 0, 0, 0}, tb[4] = {0, 0, 0, 0};
+    for (int p = p0; p < k; p++) {
+        for (int r = 0; r < 4; r++) {
+            float wv = widen1(w0[(size_t)r * k + p], bf16);
+            ta[r] += wv * x0[p];
+            if (pair) {
+                tb[r] += wv * x1[p];
+            }
+        }
+    }
+    __m128 bv = bias != NULL ? _mm_loadu_ps(bias + j) : _mm_setzero_ps();
+    _mm_storeu_ps(y + (size_t)i * n + j, _mm_add_ps(_mm_add_ps(sa, _mm_loadu_ps(ta)), bv));
+    if (pair) {
+        _mm_storeu_ps(y + (size_t)(i + 1) * n + j, _mm_add_ps(_mm_add_ps(sb, _mm_loadu_ps(tb)), bv));
+    }
+}
+
+/* bf16 without shuffles: 16 weights in one 256-bit load; the even-indexed ones widen by a shift
+ * left, the odd ones by masking off the low halves. x is read in the matching order from xp, a
+ * copy of x with each 16-float group split into its even then odd elements
+ * (pd_cpu_gemv_lowp_permute_x); the k tail (k % 16) comes from x itself. */
+X86_INLINE void widen16_eo(const uint16_t *p, __m256 *even, __m256 *odd)
+{
+    __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+X86_INLINE void block4_bf16(float *y, const float *x, const float *xp, const uint16_t *w, const float *bias,
+                            int n, int k, int i, int j, int pair)
+{
+    const uint16_t *w0 = w + (size_t)j * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
+    const float *p0 = xp + (size_t)i * k, *p1 = p0 + k;
+    const float *x0 = x + (size_t)i * k, *x1 = x0 + k;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    int k16 = k & ~15;
+    for (int p = 0; p < k16; p += 16) {
+        __m256 xe = _mm256_loadu_ps(p0 + p), xo = _mm256_loadu_ps(p0 + p + 8);
+        __m256 e0, o0, e1, o1, e2, o2, e3, o3;
+        widen16_eo(w0 + p, &e0, &o0);
+        widen16_eo(w1 + p, &e1, &o1);
+        widen16_eo(w2 + p, &e2, &o2);
+        widen16_eo(w3 + p, &e3, &o3);
+        if (pair) { /* 8 chains: a (x row i), b (x row i + 1) */
+            __m256 ye = _mm256_loadu_ps(p1 + p), yo = _mm256_loadu_ps(p1 + p + 8);
+            a0 = _mm256_fmadd_ps(o0, xo, _mm256_fmadd_ps(e0, xe, a0));
+            a1 = _mm256_fmadd_ps(o1, xo, _mm256_fmadd_ps(e1, xe, a1));
+            a2 = _mm256_fmadd_ps(o2, xo, _mm256_fmadd_ps(e2, xe, a2));
+            a3 = _mm256_fmadd_ps(o3, xo, _mm256_fmadd_ps(e3, xe, a3));
+            b0 = _mm256_fmadd_ps(o0, yo, _mm256_fmadd_ps(e0, ye, b0));
+            b1 = _mm256_fmadd_ps(o1, yo, _mm256_fmadd_ps(e1, ye, b1));
+            b2 = _mm256_fmadd_ps(o2, yo, _mm256_fmadd_ps(e2, ye, b2));
+            b3 = _mm256_fmadd_ps(o3, yo, _mm256_fmadd_ps(e3, ye, b3));
+        } else { /* 8 chains: a (even lanes), b (odd lanes), summed at the end: FMA latency, not
+                  * throughput, bounded two dependent FMAs per chain (half the L2-resident speed) */
+            a0 = _mm256_fmadd_ps(e0, xe, a0);
+            a1 = _mm256_fmadd_ps(e1, xe, a1);
+            a2 = _mm256_fmadd_ps(e2, xe, a2);
+            a3 = _mm256_fmadd_ps(e3, xe, a3);
+            b0 = _mm256_fmadd_ps(o0, xo, b0);
+            b1 = _mm256_fmadd_ps(o1, xo, b1);
+            b2 = _mm256_fmadd_ps(o2, xo, b2);
+            b3 = _mm256_fmadd_ps(o3, xo, b3);
+        }
+    }
+    if (!pair) {
+        a0 = _mm256_add_ps(a0, b0);
+        a1 = _mm256_add_ps(a1, b1);
+        a2 = _mm256_add_ps(a2, b2);
+        a3 = _mm256_add_ps(a3, b3);
+    }
+    finish4(y, x0, x1, w0, bias, n, k, k16, i, j, pair, 1, hsum4(a0, a1, a2, a3), hsum4(b0, b1, b2, b3));
+}
+
+/* y rows i (and i + 1 when pair), columns j..j+3: four rows of w against one or two rows of x. */
+X86_INLINE void block4(float *y, const float *x, const uint16_t *w, const float *bias, int n, int k, int i,
+                       int j, int pair, int bf16)
+{
+    const uint16_t *w0 = w + (size_t)j * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
+    const float *x0 = x + (size_t)i * k, *x1 = x0 + k;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    int k8 = k & ~7, p0 = 0;
+    if (!pair) { /* two sets of 4 chains over alternate 8-wide steps (FMA latency, as above) */
+        for (; p0 + 16 <= k8; p0 += 16) {
+            __m256 xv = _mm256_loadu_ps(x0 + p0), xw = _mm256_loadu_ps(x0 + p0 + 8);
+            a0 = _mm256_fmadd_ps(widen8(w0 + p0, bf16), xv, a0);
+            a1 = _mm256_fmadd_ps(widen8(w1 + p0, bf16), xv, a1);
+            a2 = _mm256_fmadd_ps(widen8(w2 + p0, bf16), xv, a2);
+            a3 = _mm256_fmadd_ps(widen8(w3 + p0, bf16), xv, a3);
+            b0 = _mm256_fmadd_ps(widen8(w0 + p0 + 8, bf16), xw, b0);
+            b1 = _mm256_fmadd_ps(widen8(w1 + p0 + 8, bf16), xw, b1);
+            b2 = _mm256_fmadd_ps(widen8(w2 + p0 + 8, bf16), xw, b2);
+            b3 = _mm256_fmadd_ps(widen8(w3 + p0 + 8, bf16), xw, b3);
+        }
+        a0 = _mm256_add_ps(a0, b0);
+        a1 = _mm256_add_ps(a1, b1);
+        a2 = _mm256_add_ps(a2, b2);
+        a3 = _mm256_add_ps(a3, b3);
+    }
+    for (int p = p0; p < k8; p += 8) {
+        __m256 xv = _mm256_loadu_ps(x0 + p);
+        __m256 v0 = widen8(w0 + p, bf16), v1 = widen8(w1 + p, bf16);
+        __m256 v2 = widen8(w2 + p, bf16), v3 = widen8(w3 + p, bf16);
+        a0 = _mm256_fmadd_ps(v0, xv, a0);
+        a1 = _mm256_fmadd_ps(v1, xv, a1);
+        a2 = _mm256_fmadd_ps(v2, xv, a2);
+        a3 = _mm256_fmadd_ps(v3, xv, a3);
+        if (pair) {
+            __m256 xw = _mm256_loadu_ps(x1 + p);
+            b0 = _mm256_fmadd_ps(v0, xw, b0);
+            b1 = _mm256_fmadd_ps(v1, xw, b1);
+            b2 = _mm256_fmadd_ps(v2, xw, b2);
+            b3 = _mm256_fmadd_ps(v3, xw, b3);
+        }
+    }
+    finish4(y, x0, x1, w0, bias, n, k, k8, i, j, pair, bf16, hsum4(a0, a1, a2, a3), hsum4(b0, b1, b2, b3));
+}
+
+/* y[i][j] for one row j of w (the columns left over after blocks of four). */
+X86_INLINE void row1(float *y, const float *x, const uint16_t *w, const float *bias, int n, int k, int i,
+                     int j, int bf16)
+{
+    const uint16_t *wr = w + (size_t)j * k;
+    const float *xr = x + (size_t)i * k;
+    __m256 a = _mm256_setzero_ps();
+    int k8 = k & ~7;
+    for (int p = 0; p < k8; p += 8) {
+        a = _mm256_fmadd_ps(widen8(wr + p, bf16), _mm256_loadu_ps(xr + p), a);
+    }
+    float s = hsum1(a);
+    for (int p = k8; p < k; p++) {
+        s += widen1(wr[p], bf16) * xr[p];
+    }
+    y[(size_t)i * n + j] = s + (bias != NULL ? bias[j] : 0.0f);
+}
+
+X86_INLINE void gemv(float *y, const float *x, const float *xp, const uint16_t *w, const float *bias, int m,
+                     int n, int k, int n0, int n1, int bf16)
+{
+    int j = n0;
+    for (; j + 4 <= n1; j += 4) {
+        int i = 0;
+        for (; i + 2 <= m; i += 2) {
+            if (bf16) {
+                block4_bf16(y, x, xp, w, bias, n, k, i, j, 1);
+            } else {
+                block4(y, x, w, bias, n, k, i, j, 1, 0);
+            }
+        }
+        if (i < m) {
+            if (bf16) {
+                block4_bf16(y, x, xp, w, bias, n, k, i, j, 0);
+            } else {
+                block4(y, x, w, bias, n, k, i, j, 0, 0);
+            }
+        }
+    }
+    for (; j < n1; j++) {
+        for (int i = 0; i < m; i++) {
+            row1(y, x, w, bias, n, k, i, j, bf16);
+        }
+    }
+}
+
+X86 static void gemv_bf16(float *y, const float *x, const float *xp, const uint16_t *w, const float *bias,
+                          int m, int n, int k, int n0, int n1)
+{
+    gemv(y, x, xp, w, bias, m, n, k, n0, n1, 1);
+}
+
+X86 static void gemv_f16(float *y, const float *x, const uint16_t *w, const float *bias, int m, int n, int k,
+                         int n0, int n1)
+{
+    gemv(y, x, NULL, w, bias, m, n, k, n0, n1, 0);
+}
+
+X86 void pd_cpu_gemv_lowp_x86(float *y, const float *x, const float *xp, pd_weight_t w, const float *bias,
+                              int m, int n, int k, int n0, int n1)
+{
+    if (w.dtype == PD_DTYPE_BF16) {
+        gemv_bf16(y, x, xp, w.data, bias, m, n, k, n0, n1);
+    } else {
+        gemv_f16(y, x, w.data, bias, m, n, k, n0, n1);
+    }
+}
+
+X86 void pd_cpu_widen_x86(float *dst, const void *src, pd_dtype_t dt, size_t n)
+{
+    const uint16_t *h = src;
+    size_t n8 = n & ~(size_t)7;
+    if (dt == PD_DTYPE_BF16) {
+        for (size_t i = 0; i < n8; i += 8) {
+            _mm256_storeu_ps(dst + i, widen8(h + i, 1));
+        }
+    } else {
+        for (size_t i = 0; i < n8; i += 8) {
+            _mm256_storeu_ps(dst + i, widen8(h + i, 0));
+        }
+    }
+    for (size_t i = n8; i < n; i++) {
+        dst[i] = widen1(h[i], dt == PD_DTYPE_BF16);
+    }
+}
