@@ -287,6 +287,7 @@ static double bench_matmul(pd_backend_t *be, double read_bw)
         {256, 2816, 512, "prefill 256 tok: gate_up 512->2816"},
         {256, 512, 1408, "prefill 256 tok: down 1408->512"},
         {32, 2816, 512, "decode batch 32: gate_up"},
+        {8, 2816, 512, "decode batch 8: gate_up"},
         {1, 2816, 512, "decode batch 1: gate_up (gemv)"},
         {256, 2048, 512, "prefill 256 tok: lm_head 512->2048"},
         {2048, 2048, 2048, "2048^3"},

@@ -3,7 +3,7 @@
 # fp32 (issue 18's no-regression check): pd-serve on the demo model (a bf16 checkpoint) with
 # --dtype float32 and --dtype auto (bf16 matrices; the KV cache is bf16 in both, --kv-cache-dtype
 # auto), each under pd-bench at concurrency 8 and 16 with the same prompts, runs alternated
-# (float32, auto, float32, auto) so the VM's drift shows. Appends the table to bench/RESULTS.md.
+# (float32, auto, three rounds) so the VM's drift shows. Appends the table to bench/RESULTS.md.
 # PD_DTYPE_PROMPTS sets the requests per point (default 64).
 set -euo pipefail
 build=${1:-build}
@@ -29,7 +29,7 @@ stop() {
 trap 'stop; rm -rf "$work"' EXIT
 
 rows=()
-for round in 1 2; do
+for round in 1 2 3; do
   for dtype in float32 auto; do
     rm -f "$work/port"
     "$bin/pd-serve" --model "$models/demo" --served-model-name demo --dtype "$dtype" --threads 2 \
@@ -42,7 +42,7 @@ for round in 1 2; do
       out="$work/$dtype-$conc-$round.json"
       echo "bench-dtype: round $round, --dtype $dtype, concurrency $conc" >&2
       "$bin/pd-bench" --base-url "http://127.0.0.1:$port" --dataset-name random --random-input-len 256 \
-        --random-output-len 64 --random-range-ratio 0.5 --num-prompts "$prompts" --num-warmups 4 --seed 7 \
+        --random-output-len 64 --random-range-ratio 0.5 --num-prompts "$prompts" --num-warmups 16 --seed 7 \
         --max-concurrency "$conc" --ignore-eos --no-progress --save-result --result-filename "$out" \
         --label "$dtype c$conc r$round" --wait-ready 60 >/dev/null
       rows+=("$(python3 - "$out" "$dtype" "$conc" "$round" "$loaded" <<'PY'
@@ -64,7 +64,7 @@ done
   echo
   echo "Command: \`tools/bench-dtype.sh $build\`. Machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)."
   echo "pd-serve --threads 2 on the demo model (bf16 checkpoint, bf16 KV), random 256±50% prompt / 64±50%"
-  echo "output tokens, $prompts requests per point (+4 warmups), same seed for every point; rounds alternate."
+  echo "output tokens, $prompts requests per point (+16 warmups), same seed for every point; rounds alternate."
   echo
   echo "| --dtype | concurrency | round | done/failed | req/s | out tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) |"
   echo "|---|---|---|---|---|---|---|---|"

@@ -13,7 +13,12 @@
 
 #include "kernels/cpu/matmul_lowp.h"
 
-#define X86        __attribute__((target("avx2,fma,f16c")))
+#define X86 __attribute__((target("avx2,fma,f16c")))
+/* How far ahead of the FMAs each w row stream is prefetched. */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 512
+#endif
+
 #define X86_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
 
 int pd_cpu_lowp_x86_usable(void)
@@ -95,6 +100,10 @@ X86_INLINE void block4_bf16(float *y, const float *x, const float *xp, const uin
     __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     int k16 = k & ~15;
     for (int p = 0; p < k16; p += 16) {
+        _mm_prefetch((const char *)(w0 + p) + PREFETCH_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)(w1 + p) + PREFETCH_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)(w2 + p) + PREFETCH_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)(w3 + p) + PREFETCH_BYTES, _MM_HINT_T0);
         __m256 xe = _mm256_loadu_ps(p0 + p), xo = _mm256_loadu_ps(p0 + p + 8);
         __m256 e0, o0, e1, o1, e2, o2, e3, o3;
         widen16_eo(w0 + p, &e0, &o0);
@@ -143,6 +152,10 @@ X86_INLINE void block4(float *y, const float *x, const uint16_t *w, const float 
     int k8 = k & ~7, p0 = 0;
     if (!pair) { /* two sets of 4 chains over alternate 8-wide steps (FMA latency, as above) */
         for (; p0 + 16 <= k8; p0 += 16) {
+            _mm_prefetch((const char *)(w0 + p0) + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(w1 + p0) + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(w2 + p0) + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(w3 + p0) + PREFETCH_BYTES, _MM_HINT_T0);
             __m256 xv = _mm256_loadu_ps(x0 + p0), xw = _mm256_loadu_ps(x0 + p0 + 8);
             a0 = _mm256_fmadd_ps(widen8(w0 + p0, bf16), xv, a0);
             a1 = _mm256_fmadd_ps(widen8(w1 + p0, bf16), xv, a1);
