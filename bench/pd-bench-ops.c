@@ -249,7 +249,17 @@ static double matmul_seconds(pd_backend_t *be, pd_dtype_t dt, int m, int n, int 
     for (size_t i = 0; i < (size_t)n * k; i++) {
         pd_dtype_store(w, (int64_t)i, dt, (float)(i % 7) * 0.1f - 0.3f);
     }
-    pd_weight_t wt = {w, dt};
+    float *scale = NULL;
+    if (dt == PD_DTYPE_I8) { /* int8 values i % 7 - 3, scaled back to the fp32 rows' magnitude */
+        scale = malloc((size_t)n * sizeof(float));
+        for (int j = 0; j < n; j++) {
+            scale[j] = 0.1f;
+        }
+        for (size_t i = 0; i < (size_t)n * k; i++) {
+            ((int8_t *)w)[i] = (int8_t)(i % 7) - 3;
+        }
+    }
+    pd_weight_t wt = {w, dt, scale};
     be->ops->matmul(be, y, x, wt, NULL, m, n, k);
     double best = 1e30;
     for (int r = 0; r < reps; r++) {
@@ -258,7 +268,7 @@ static double matmul_seconds(pd_backend_t *be, pd_dtype_t dt, int m, int n, int 
         double dt_s = pd_time_now_s() - t0;
         best = dt_s < best ? dt_s : best;
     }
-    free(x), free(w), free(y);
+    free(x), free(w), free(y), free(scale);
     return best;
 }
 
@@ -269,7 +279,7 @@ static double sgemm_gflops(pd_backend_t *be, pd_dtype_t dt, int m, int n, int k,
 
 static const char *dt_name(pd_dtype_t dt)
 {
-    return dt == PD_DTYPE_BF16 ? "bf16" : dt == PD_DTYPE_F16 ? "fp16" : "fp32";
+    return dt == PD_DTYPE_BF16 ? "bf16" : dt == PD_DTYPE_F16 ? "fp16" : dt == PD_DTYPE_I8 ? "int8" : "fp32";
 }
 
 /* Returns the measured BLAS peak (GFLOP/s), used as the compute roofline of the model. */
@@ -292,8 +302,8 @@ static double bench_matmul(pd_backend_t *be, double read_bw)
         {256, 2048, 512, "prefill 256 tok: lm_head 512->2048"},
         {2048, 2048, 2048, "2048^3"},
     };
-    pd_dtype_t dts[] = {PD_DTYPE_F32, PD_DTYPE_BF16, PD_DTYPE_F16};
-    for (size_t d = 0; d < 3; d++) {
+    pd_dtype_t dts[] = {PD_DTYPE_F32, PD_DTYPE_BF16, PD_DTYPE_F16, PD_DTYPE_I8};
+    for (size_t d = 0; d < 4; d++) {
         for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
             if (d == 0 && shapes[i].m == 2048) {
                 continue; /* the peak itself */
@@ -307,7 +317,7 @@ static double bench_matmul(pd_backend_t *be, double read_bw)
     }
     /* batch-1 GEMV over 512 MiB of weights (as the read baseline): bytes of w per second vs reads */
     snprintf(base, sizeof(base), "read %.1f GB/s", read_bw);
-    for (size_t d = 0; d < 3; d++) {
+    for (size_t d = 0; d < 4; d++) {
         int k = 4096, n = (int)((512u << 20) / ((size_t)k * pd_dtype_size(dts[d])));
         double bytes = (double)n * k * pd_dtype_size(dts[d]);
         double gbs = bytes / matmul_seconds(be, dts[d], 1, n, k, 5) / 1e9;
@@ -330,7 +340,7 @@ typedef struct decoder {
 /* Greedy decode of n_seqs sequences: prefill `prompt` tokens each, then `steps` decode steps.
  * Returns decode tokens per second (all sequences). */
 static double model_decode_tps(pd_backend_t *be, pd_model_t *m, pd_dtype_t kv_dtype, int n_seqs, int prompt,
-                               int steps)
+                               int steps, float *prefill_logits)
 {
     const pd_model_config_t *c = pd_model_config(m);
     int bs = 16, max_blocks = (int)pd_blocks_for_tokens(prompt + steps + 1, bs);
@@ -371,6 +381,9 @@ static double model_decode_tps(pd_backend_t *be, pd_model_t *m, pd_dtype_t kv_dt
     pd_batch_t batch = {T, ids, pos};
     pd_attn_meta_t meta = {n_seqs, T, cu, lens, tables, max_blocks, slots, 0, NULL};
     pd_model_forward(m, &batch, views, &meta, lidx, n_seqs, NULL, logits);
+    if (prefill_logits != NULL) {
+        memcpy(prefill_logits, logits, (size_t)n_seqs * c->vocab_size * sizeof(float));
+    }
     double t0 = pd_time_now_s();
     for (int step = 0; step < steps; step++) {
         for (int s = 0; s < n_seqs; s++) {
@@ -416,20 +429,30 @@ static double roofline_tps(double weight_bytes, double weight_size, double kv_by
 static void bench_model(pd_backend_t *be, const char *model_dir, double read_bw, double peak_gflops,
                         const char *only_dtype, int only_batch)
 {
-    const char *dtypes[] = {"float32", "auto"};
-    for (int d = 0; d < 2; d++) {
+    const char *dtypes[] = {"float32", "auto", "int8"};
+    float *logits[2] = {NULL, NULL}; /* the last prompt token's logits of the 32 sequences: fp32, int8 */
+    bool have[2] = {false, false};
+    int vocab = 0;
+    for (int d = 0; d < 3; d++) {
         if (only_dtype != NULL && strcmp(only_dtype, dtypes[d]) != 0) {
             continue;
         }
         pd_model_t *m = NULL;
-        if (pd_model_load_dtype(model_dir, be, dtypes[d], &m) != PD_OK) {
+        const char *dt = d == 2 ? "auto" : dtypes[d], *quant = d == 2 ? "int8" : NULL;
+        if (pd_model_load_dtype(model_dir, be, dt, quant, &m) != PD_OK) {
             pd_log_error("bench: cannot load %s; skipping the model benchmark", model_dir);
             return;
         }
         pd_dtype_t wdt = pd_model_weight_dtype(m);
         if (d == 1 && wdt == PD_DTYPE_F32 && only_dtype == NULL) {
             pd_model_free(m); /* an fp32 checkpoint: auto is the row above */
-            break;
+            continue;
+        }
+        pd_dtype_t ldt = pd_model_linear_dtype(m);
+        vocab = pd_model_config(m)->vocab_size;
+        if (logits[0] == NULL) {
+            logits[0] = malloc((size_t)32 * vocab * sizeof(float));
+            logits[1] = malloc((size_t)32 * vocab * sizeof(float));
         }
         double wbytes = (double)pd_model_weight_bytes(m);
         char val[48], name[112], base[80];
@@ -438,22 +461,46 @@ static void bench_model(pd_backend_t *be, const char *model_dir, double read_bw,
             if (only_batch > 0 && batches[i] != only_batch) {
                 continue;
             }
-            snprintf(name, sizeof(name), "demo model decode, %s weights+KV, batch %d (prompt 64, 64 steps)",
-                     dt_name(wdt), batches[i]);
+            snprintf(name, sizeof(name), "demo model decode, %s%s weights+KV, batch %d (prompt 64, 64 steps)",
+                     dt_name(wdt), ldt == PD_DTYPE_I8 ? "+int8" : "", batches[i]);
             progress(name);
-            double tps = model_decode_tps(be, m, wdt, batches[i], 64, 64);
+            bool keep = batches[i] == 32 && (d == 0 || d == 2);
+            double tps = model_decode_tps(be, m, wdt, batches[i], 64, 64, keep ? logits[d == 2] : NULL);
+            have[d == 2] |= keep;
             /* KV of the average context (64 prompt + 32 of the 64 steps) per sequence */
             const pd_model_config_t *c = pd_model_config(m);
             double kv = 2.0 * c->num_layers * c->num_kv_heads * c->head_size * pd_dtype_size(wdt) *
                         (64 + 32) * batches[i];
-            double roof = roofline_tps(wbytes, pd_dtype_size(wdt), kv, read_bw, peak_gflops, batches[i]);
+            double roof = roofline_tps(wbytes, pd_dtype_size(ldt), kv, read_bw, peak_gflops, batches[i]);
             snprintf(val, sizeof(val), "%.1f tok/s", tps);
             snprintf(base, sizeof(base), "roofline %.0f tok/s (%.0f MiB %s, read)", roof, wbytes / (1 << 20),
-                     dt_name(wdt));
+                     dt_name(ldt));
             add_row(name, val, base, tps / roof);
         }
         pd_model_free(m);
     }
+    if (have[0] && have[1]) { /* --quantization int8 against fp32 weights, same prompts */
+        double maxd = 0, maxa = 0;
+        int agree = 0;
+        for (int r = 0; r < 32; r++) {
+            const float *a = logits[0] + (size_t)r * vocab, *q = logits[1] + (size_t)r * vocab;
+            int ia = 0, iq = 0;
+            for (int v = 0; v < vocab; v++) {
+                double dd = fabs((double)q[v] - a[v]);
+                maxd = dd > maxd ? dd : maxd;
+                maxa = fabs(a[v]) > maxa ? fabs(a[v]) : maxa;
+                ia = a[v] > a[ia] ? v : ia;
+                iq = q[v] > q[iq] ? v : iq;
+            }
+            agree += ia == iq;
+        }
+        char val[64], base[64];
+        snprintf(val, sizeof(val), "max |dlogit| %.3f (%.2f%% of max)", maxd, 100 * maxd / (maxa + 1e-30));
+        snprintf(base, sizeof(base), "top-1 agrees %d/32 with fp32", agree);
+        add_row("int8 logit error vs fp32 (32 prompts of 64 tokens)", val, base, agree / 32.0);
+    }
+    free(logits[0]);
+    free(logits[1]);
 }
 
 /* ------------------------------------------------------------------ main */
@@ -504,8 +551,9 @@ int main(int argc, char **argv)
         {"attention-only", PD_FLAG_BOOL, &attention_only, "run only memcpy + paged attention", NULL},
         {"model-only", PD_FLAG_BOOL, &model_only,
          "run only the baselines (memcpy, read, sgemm peak) and the model decode", NULL},
-        {"weights", PD_FLAG_CHOICE, &weights, "model decode with only these weights (default: both)",
-         "float32|auto"},
+        {"weights", PD_FLAG_CHOICE, &weights,
+         "model decode with only these weights (default: all; int8 = auto + --quantization int8)",
+         "float32|auto|int8"},
         {"batch", PD_FLAG_INT, &batch, "model decode at only this batch, 1, 8 or 32 (0 = all)", NULL},
     };
     pd_status_t st = pd_flags_parse(flags, sizeof(flags) / sizeof(flags[0]), argc, argv,

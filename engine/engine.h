@@ -34,7 +34,8 @@ typedef struct pd_engine_config {
     const char *kv_cache_dtype; /* auto (= the model's torch_dtype, fp32 if none) | fp32 | fp16 | bf16 */
     double memory_utilization;
     int tensor_parallel_size; /* vLLM's --tensor-parallel-size: only 1 (one device per engine) */
-    const char *dtype;        /* vLLM's --dtype: auto | float32 (bfloat16, float16, half refused) */
+    const char *dtype;        /* vLLM's --dtype: auto | bfloat16 | float16 | half | float32 | float */
+    const char *quantization; /* --quantization: none | int8 (linear layers, per-channel scales, CPU) */
     size_t kv_cache_memory;   /* CPU: bytes to plan the KV cache in; 0 = physical RAM */
     bool enable_prefix_caching;
     bool enable_chunked_prefill;
@@ -120,7 +121,8 @@ const char *pd_engine_model_name(const pd_engine_t *e);
 /* The KV cache's storage dtype as resolved from --kv-cache-dtype: "fp32" | "fp16" | "bf16". */
 const char *pd_engine_kv_dtype_name(const pd_engine_t *e);
 
-/* The storage dtype of the model's matrices after --dtype ("bfloat16", "float16", "float32"). */
+/* The storage dtype of the model's matrices after --dtype ("bfloat16", "float16", "float32"), with
+ * "+int8" when --quantization int8 stores the linear layers in int8. */
 const char *pd_engine_weight_dtype_name(const pd_engine_t *e);
 /* The configuration the engine was created with (its strings are the caller's). */
 const pd_engine_config_t *pd_engine_config(const pd_engine_t *e);

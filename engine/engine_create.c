@@ -30,6 +30,7 @@ void pd_engine_config_defaults(pd_engine_config_t *c)
     c->memory_utilization = 0.9;
     c->tensor_parallel_size = 1;
     c->dtype = "auto";
+    c->quantization = "none";
     c->enable_prefix_caching = true;
     c->enable_chunked_prefill = true;
     c->load_failure_policy = "recompute";
@@ -47,6 +48,11 @@ size_t pd_engine_flags(pd_engine_config_t *c, pd_flag_t *out, size_t max)
          "storage dtype of the weight matrices (auto: the checkpoint's torch_dtype, float32 when it names "
          "none); compute and accumulation are fp32 on the CPU",
          "auto|float32|float|bfloat16|float16|half"},
+        {"quantization", PD_FLAG_CHOICE, &c->quantization,
+         "int8: the linear layers quantized at load to int8 with a scale per output channel (a quarter of "
+         "fp32's bytes; embeddings and lm_head stay at --dtype; CPU only; logits differ from the "
+         "unquantized model, see README)",
+         "none|int8"},
         {"generation-config", PD_FLAG_CHOICE, &c->generation_config,
          "auto: the model's generation_config.json sets EOS ids and the defaults of omitted sampling "
          "fields (vLLM's); vllm: ignore it",
@@ -164,7 +170,7 @@ static pd_status_t load_model(pd_engine_t *e)
         st = pd_generation_config_load(cfg->model_dir, &e->gen);
     }
     if (st == PD_OK) {
-        st = pd_model_load_dtype(cfg->model_dir, e->be, cfg->dtype, &e->model);
+        st = pd_model_load_dtype(cfg->model_dir, e->be, cfg->dtype, cfg->quantization, &e->model);
     }
     if (st != PD_OK) {
         return st;
@@ -370,7 +376,13 @@ const char *pd_engine_model_name(const pd_engine_t *e)
 
 const char *pd_engine_weight_dtype_name(const pd_engine_t *e)
 {
-    return pd_dtype_torch_name(pd_model_weight_dtype(e->model));
+    pd_engine_t *me = (pd_engine_t *)e; /* the name is built once, on first use, from immutable state */
+    if (me->weights_name[0] == '\0') {
+        snprintf(me->weights_name, sizeof(me->weights_name), "%s%s",
+                 pd_dtype_torch_name(pd_model_weight_dtype(e->model)),
+                 pd_model_linear_dtype(e->model) == PD_DTYPE_I8 ? "+int8" : "");
+    }
+    return me->weights_name;
 }
 
 const char *pd_engine_kv_dtype_name(const pd_engine_t *e)

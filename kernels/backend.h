@@ -32,17 +32,27 @@ typedef enum pd_matmul_precision {
 } pd_matmul_precision_t;
 
 /* A weight matrix [rows][cols] in backend memory at its storage dtype (the checkpoint's precision:
- * fp32, bf16 or fp16), rows contiguous. Ops widen elements to fp32 as they read them. */
+ * fp32, bf16 or fp16; or int8 with --quantization int8), rows contiguous. Element (r, c) is
+ * data[r][c] widened to fp32, times scale[r] for int8 (symmetric per-output-channel scales). */
 typedef struct pd_weight {
     const void *data;
     pd_dtype_t dtype;
+    const float *scale; /* int8: [rows]; NULL otherwise */
 } pd_weight_t;
 
 /* The weight from row `row` of w on, for a matrix `cols` wide (a slice of a fused weight). */
 static inline pd_weight_t pd_weight_rows(pd_weight_t w, int64_t row, int64_t cols)
 {
-    pd_weight_t r = {(const char *)w.data + row * cols * pd_dtype_size(w.dtype), w.dtype};
+    pd_weight_t r = {(const char *)w.data + row * cols * pd_dtype_size(w.dtype), w.dtype,
+                     w.scale != NULL ? w.scale + row : NULL};
     return r;
+}
+
+/* Element (r, c) of w (cols wide) as fp32, scale included: the reference ops' definition. */
+PD_HD static inline float pd_weight_at(pd_weight_t w, int64_t r, int64_t c, int64_t cols)
+{
+    float v = pd_dtype_load(w.data, r * cols + c, w.dtype);
+    return w.scale != NULL ? v * w.scale[r] : v;
 }
 
 /* One layer's view of the paged KV cache. */

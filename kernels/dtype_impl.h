@@ -12,11 +12,12 @@ typedef enum pd_dtype {
     PD_DTYPE_F32 = 0,
     PD_DTYPE_F16 = 1,
     PD_DTYPE_BF16 = 2,
+    PD_DTYPE_I8 = 3, /* weights only (--quantization int8): values × a per-row scale (pd_weight_t) */
 } pd_dtype_t;
 
 PD_HD static inline int pd_dtype_size(pd_dtype_t dt)
 {
-    return dt == PD_DTYPE_F32 ? 4 : 2;
+    return dt == PD_DTYPE_F32 ? 4 : dt == PD_DTYPE_I8 ? 1 : 2;
 }
 
 PD_HD static inline uint32_t pd_f32_bits(float f)
@@ -106,21 +107,28 @@ PD_HD static inline uint16_t pd_f32_to_f16(float f)
     return (uint16_t)(sign | (r >> 13));
 }
 
-/* Reads element i of a buffer of dtype dt as f32. */
+/* Reads element i of a buffer of dtype dt as f32 (int8: the integer, unscaled). */
 PD_HD static inline float pd_dtype_load(const void *base, int64_t i, pd_dtype_t dt)
 {
     if (dt == PD_DTYPE_F32) {
         return ((const float *)base)[i];
     }
+    if (dt == PD_DTYPE_I8) {
+        return (float)((const int8_t *)base)[i];
+    }
     uint16_t h = ((const uint16_t *)base)[i];
     return dt == PD_DTYPE_BF16 ? pd_bf16_to_f32(h) : pd_f16_to_f32(h);
 }
 
-/* Writes f32 value x as element i of a buffer of dtype dt (rounding to nearest even). */
+/* Writes f32 value x as element i of a buffer of dtype dt (rounding to nearest even; int8: to the
+ * nearest integer, clamped to [-127, 127]). */
 PD_HD static inline void pd_dtype_store(void *base, int64_t i, pd_dtype_t dt, float x)
 {
     if (dt == PD_DTYPE_F32) {
         ((float *)base)[i] = x;
+    } else if (dt == PD_DTYPE_I8) {
+        float r = x < -127.0f ? -127.0f : x > 127.0f ? 127.0f : x;
+        ((int8_t *)base)[i] = (int8_t)(r < 0 ? r - 0.5f : r + 0.5f);
     } else if (dt == PD_DTYPE_BF16) {
         ((uint16_t *)base)[i] = pd_f32_to_bf16(x);
     } else {

@@ -24,13 +24,15 @@ static pd_status_t gpt2_load(pd_model_t *m, const pd_st_set_t *set, const char *
     return pd_model_load_tensor(m, set, name, ndim, shape, transpose, out);
 }
 
-/* A matrix, in the model's weight dtype. */
+/* A matrix: an embedding in the weight dtype, or a linear layer's (transposed from Conv1D) in the
+ * linear dtype. */
 static pd_status_t gpt2_load_w(pd_model_t *m, const pd_st_set_t *set, const char *suffix,
-                               const int64_t *shape, int transpose, pd_weight_t *out)
+                               const int64_t *shape, int linear, pd_weight_t *out)
 {
     char name[256];
     gpt2_name(set, name, sizeof(name), suffix);
-    return pd_model_load_weight(m, set, name, 2, shape, transpose, out);
+    return linear ? pd_model_load_linear(m, set, name, shape, 1, out)
+                  : pd_model_load_weight(m, set, name, 2, shape, 0, out);
 }
 
 pd_status_t pd_gpt2_load_weights(pd_model_t *m, const pd_st_set_t *set)

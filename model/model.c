@@ -164,6 +164,76 @@ pd_status_t pd_model_load_weight(pd_model_t *m, const pd_st_set_t *set, const ch
     return PD_OK;
 }
 
+/* q[rows][cols], scale[rows] = f quantized to int8 with one symmetric scale per row (output
+ * channel): max |w| / 127 (1 for an all-zero row), values rounded to the nearest integer. */
+static void quantize_rows(int8_t *q, float *scale, const float *f, int64_t rows, int64_t cols)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const float *fr = f + r * cols;
+        float mx = 0.0f;
+        for (int64_t c = 0; c < cols; c++) {
+            mx = fabsf(fr[c]) > mx ? fabsf(fr[c]) : mx;
+        }
+        scale[r] = mx > 0.0f ? mx / 127.0f : 1.0f;
+        float inv = 1.0f / scale[r];
+        for (int64_t c = 0; c < cols; c++) {
+            pd_dtype_store(q, r * cols + c, PD_DTYPE_I8, fr[c] * inv);
+        }
+    }
+}
+
+/* Uploads f[rows][cols] (fp32, host) as an int8 weight with per-row scales. */
+static pd_status_t upload_int8(pd_model_t *m, const float *f, int64_t rows, int64_t cols, pd_weight_t *out)
+{
+    size_t n = (size_t)(rows * cols);
+    int8_t *q = malloc(n ? n : 1);
+    float *sc = malloc((size_t)rows * sizeof(float) + 1);
+    void *dq = NULL, *dsc = NULL;
+    pd_status_t st = q != NULL && sc != NULL ? PD_OK : PD_ERR_NO_MEMORY;
+    if (st == PD_OK) {
+        quantize_rows(q, sc, f, rows, cols);
+        st = pd_model_alloc(m, n, &dq);
+    }
+    if (st == PD_OK) {
+        st = pd_model_alloc(m, (size_t)rows * sizeof(float), &dsc);
+    }
+    if (st == PD_OK) {
+        st = m->be->ops->copy(m->be, dq, q, n, PD_COPY_H2D);
+    }
+    if (st == PD_OK) {
+        st = m->be->ops->copy(m->be, dsc, sc, (size_t)rows * sizeof(float), PD_COPY_H2D);
+    }
+    free(q);
+    free(sc);
+    if (st == PD_OK) {
+        *out = (pd_weight_t){dq, PD_DTYPE_I8, dsc};
+    }
+    return st;
+}
+
+pd_status_t pd_model_load_linear(pd_model_t *m, const pd_st_set_t *set, const char *name,
+                                 const int64_t *shape, int transpose, pd_weight_t *out)
+{
+    if (m->ldtype != PD_DTYPE_I8) {
+        PD_TRY(pd_model_load_weight(m, set, name, 2, shape, transpose, out));
+        out->dtype = m->ldtype;
+        return PD_OK;
+    }
+    const pd_st_tensor_t *t = find_checked(set, name, 2, shape);
+    if (t == NULL) {
+        return find_status(set, name);
+    }
+    float *f = malloc((size_t)t->numel * sizeof(float) + 1);
+    if (f == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
+    convert_tensor(f, PD_DTYPE_F32, t, transpose);
+    int64_t rows = transpose ? shape[1] : shape[0], cols = transpose ? shape[0] : shape[1];
+    pd_status_t st = upload_int8(m, f, rows, cols, out);
+    free(f);
+    return st;
+}
+
 pd_status_t pd_model_load_stacked(pd_model_t *m, const pd_st_set_t *set, const char *const *names, int n,
                                   const int64_t *rows, int64_t cols, pd_weight_t *out)
 {
@@ -171,31 +241,36 @@ pd_status_t pd_model_load_stacked(pd_model_t *m, const pd_st_set_t *set, const c
     for (int i = 0; i < n; i++) {
         total += rows[i];
     }
-    size_t esize = (size_t)pd_dtype_size(m->wdtype);
-    void *dev = NULL;
-    PD_TRY(pd_model_alloc(m, (size_t)(total * cols) * esize, &dev));
+    pd_dtype_t dt = m->ldtype == PD_DTYPE_I8 ? PD_DTYPE_F32 : m->ldtype; /* int8: quantized at the end */
+    size_t esize = (size_t)pd_dtype_size(dt);
+    void *all = malloc((size_t)(total * cols) * esize + 1);
+    if (all == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
     int64_t row0 = 0;
-    for (int i = 0; i < n; i++) {
+    pd_status_t st = PD_OK;
+    for (int i = 0; st == PD_OK && i < n; i++) {
         int64_t shape[2] = {rows[i], cols};
         const pd_st_tensor_t *t = find_checked(set, names[i], 2, shape);
         if (t == NULL) {
-            return find_status(set, names[i]);
+            st = find_status(set, names[i]);
+            break;
         }
-        size_t bytes = (size_t)t->numel * esize;
-        void *host = malloc(bytes);
-        if (host == NULL) {
-            return PD_ERR_NO_MEMORY;
-        }
-        convert_tensor(host, m->wdtype, t, 0);
-        pd_status_t st =
-            m->be->ops->copy(m->be, (char *)dev + (size_t)(row0 * cols) * esize, host, bytes, PD_COPY_H2D);
-        free(host);
-        PD_TRY(st);
+        convert_tensor((char *)all + (size_t)(row0 * cols) * esize, dt, t, 0);
         row0 += rows[i];
     }
-    out->data = dev;
-    out->dtype = m->wdtype;
-    return PD_OK;
+    if (st == PD_OK && m->ldtype == PD_DTYPE_I8) {
+        st = upload_int8(m, all, total, cols, out);
+    } else if (st == PD_OK) {
+        void *dev = NULL;
+        st = pd_model_alloc(m, (size_t)(total * cols) * esize, &dev);
+        if (st == PD_OK) {
+            st = m->be->ops->copy(m->be, dev, all, (size_t)(total * cols) * esize, PD_COPY_H2D);
+        }
+        *out = (pd_weight_t){dev, dt, NULL};
+    }
+    free(all);
+    return st;
 }
 
 /* --dtype (vLLM's names) to the weight dtype; auto = config.json's torch_dtype, fp32 when it names
@@ -218,15 +293,19 @@ static pd_status_t resolve_weight_dtype(const char *name, const pd_model_config_
 
 const char *pd_dtype_torch_name(pd_dtype_t dt)
 {
-    return dt == PD_DTYPE_BF16 ? "bfloat16" : dt == PD_DTYPE_F16 ? "float16" : "float32";
+    return dt == PD_DTYPE_BF16  ? "bfloat16"
+           : dt == PD_DTYPE_F16 ? "float16"
+           : dt == PD_DTYPE_I8  ? "int8"
+                                : "float32";
 }
 
 pd_status_t pd_model_load(const char *dir, pd_backend_t *be, pd_model_t **model_out)
 {
-    return pd_model_load_dtype(dir, be, "auto", model_out);
+    return pd_model_load_dtype(dir, be, "auto", NULL, model_out);
 }
 
-pd_status_t pd_model_load_dtype(const char *dir, pd_backend_t *be, const char *dtype, pd_model_t **model_out)
+pd_status_t pd_model_load_dtype(const char *dir, pd_backend_t *be, const char *dtype,
+                                const char *quantization, pd_model_t **model_out)
 {
     uint64_t t0 = pd_time_now_ns();
     pd_model_t *m = calloc(1, sizeof(*m));
@@ -237,6 +316,20 @@ pd_status_t pd_model_load_dtype(const char *dir, pd_backend_t *be, const char *d
     pd_status_t st = pd_model_config_load(dir, &m->cfg);
     if (st == PD_OK) {
         st = resolve_weight_dtype(dtype, &m->cfg, &m->wdtype);
+    }
+    m->ldtype = m->wdtype;
+    if (st == PD_OK && quantization != NULL && strcmp(quantization, "none") != 0) {
+        if (strcmp(quantization, "int8") != 0) {
+            pd_log_error(
+                "model: --quantization %s is not implemented (int8: per-channel int8 linear weights)",
+                quantization);
+            st = PD_ERR_UNSUPPORTED;
+        } else if (!be->host_memory) {
+            pd_log_error("model: --quantization int8 is implemented on the CPU backend only, not on %s",
+                         be->ops->name);
+            st = PD_ERR_UNSUPPORTED;
+        }
+        m->ldtype = PD_DTYPE_I8;
     }
     if (st != PD_OK) {
         goto err_model;
@@ -313,24 +406,33 @@ size_t pd_model_workspace_bytes(const pd_model_config_t *c, size_t T, size_t L)
     return (floats > tail ? floats : tail) * sizeof(float) + 64;
 }
 
-size_t pd_model_plan_weight_bytes(const pd_model_config_t *c, pd_dtype_t dt)
+/* Bytes of a [rows][cols] matrix of dt (int8: plus a scale per row). */
+static size_t matrix_bytes(size_t rows, size_t cols, pd_dtype_t dt)
 {
-    size_t es = (size_t)pd_dtype_size(dt), f = sizeof(float);
-    size_t H = (size_t)c->hidden_size, I = (size_t)c->intermediate_size, V = (size_t)c->vocab_size;
-    size_t hd = (size_t)c->head_size, qd = (size_t)c->num_heads * hd, kvd = (size_t)c->num_kv_heads * hd;
+    return rows * cols * (size_t)pd_dtype_size(dt) + (dt == PD_DTYPE_I8 ? rows * sizeof(float) : 0);
+}
+
+size_t pd_model_plan_weight_bytes(const pd_model_config_t *c, pd_dtype_t dt, pd_dtype_t linear_dt)
+{
+    size_t f = sizeof(float), H = (size_t)c->hidden_size, I = (size_t)c->intermediate_size;
+    size_t V = (size_t)c->vocab_size, hd = (size_t)c->head_size;
+    size_t qd = (size_t)c->num_heads * hd, kvd = (size_t)c->num_kv_heads * hd;
+    pd_dtype_t ld = linear_dt;
     size_t layer, top;
     if (c->arch == PD_ARCH_GPT2) { /* gpt2.c: ln_1, c_attn, c_proj, ln_2, c_fc, c_proj (+ biases) */
-        layer = 4 * H * f + (3 * H * H + H * H + 2 * I * H) * es + (3 * H + H + I + H) * f;
-        top = (V + (size_t)c->max_position_embeddings) * H * es + 2 * H * f;
+        layer = 4 * H * f + matrix_bytes(3 * H, H, ld) + matrix_bytes(H, H, ld) + matrix_bytes(I, H, ld) +
+                matrix_bytes(H, I, ld) + (3 * H + H + I + H) * f;
+        top = matrix_bytes(V, H, dt) + matrix_bytes((size_t)c->max_position_embeddings, H, dt) + 2 * H * f;
     } else { /* llama.c */
-        layer = (c->gemma ? 4 : 2) * H * f + (qd * H + 2 * kvd * H + H * qd + H * I + 2 * I * H) * es;
+        layer = (c->gemma ? 4 : 2) * H * f + matrix_bytes(qd, H, ld) + 2 * matrix_bytes(kvd, H, ld) +
+                matrix_bytes(H, qd, ld) + matrix_bytes(H, I, ld) + matrix_bytes(2 * I, H, ld);
         layer += c->qkv_bias ? (qd + 2 * kvd) * f : 0;
         layer += c->o_bias ? H * f : 0;
         layer += c->qk_norm ? 2 * hd * f : 0;
         layer += c->mlp_bias ? (H + 4 * I) * f : 0; /* down, gate, up, and the fused gate‖up */
-        top = V * H * es + H * f;
+        top = matrix_bytes(V, H, dt) + H * f;
     }
-    top += c->tie_word_embeddings ? 0 : V * H * es;
+    top += c->tie_word_embeddings ? 0 : matrix_bytes(V, H, dt);
     return top + (size_t)c->num_layers * layer;
 }
 
@@ -347,6 +449,11 @@ size_t pd_model_weight_bytes(const pd_model_t *m)
 pd_dtype_t pd_model_weight_dtype(const pd_model_t *m)
 {
     return m->wdtype;
+}
+
+pd_dtype_t pd_model_linear_dtype(const pd_model_t *m)
+{
+    return m->ldtype;
 }
 
 static pd_status_t call_hook(pd_status_t (*fn)(void *, int), void *ctx, int layer, const char *what)

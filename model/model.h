@@ -36,17 +36,23 @@ typedef struct pd_forward_hooks {
  * lm_head) are kept in the weight dtype that dtype names with vLLM's --dtype spellings: "auto"
  * (or NULL) = config.json's torch_dtype (float32 when it names none), "bfloat16", "float16" /
  * "half", "float32" / "float"; norms and biases are fp32. GPT-2 Conv1D weights are transposed to
- * Linear layout; Llama gate/up fused. Each tensor's shape is checked against the config; a missing
- * tensor is PD_ERR_NOT_FOUND naming it, an unknown dtype PD_ERR_INVALID_ARG. The model keeps be. */
-pd_status_t pd_model_load_dtype(const char *dir, pd_backend_t *be, const char *dtype, pd_model_t **model_out);
+ * Linear layout; Llama gate/up fused. quantization "int8" (CPU backends) stores the linear layers
+ * (q, k, v, o, gate‖up, down) as int8 with a symmetric scale per output channel, quantized at load
+ * (embeddings and lm_head stay in the weight dtype); NULL or "none" keeps them in the weight dtype.
+ * Each tensor's shape is checked against the config; a missing tensor is PD_ERR_NOT_FOUND naming
+ * it, an unknown dtype PD_ERR_INVALID_ARG, another quantization or int8 on a device
+ * PD_ERR_UNSUPPORTED. The model keeps be. */
+pd_status_t pd_model_load_dtype(const char *dir, pd_backend_t *be, const char *dtype,
+                                const char *quantization, pd_model_t **model_out);
 
-/* pd_model_load_dtype with "auto". */
+/* pd_model_load_dtype with "auto" and no quantization. */
 pd_status_t pd_model_load(const char *dir, pd_backend_t *be, pd_model_t **model_out);
 
-/* The storage dtype of the model's matrices. */
+/* The storage dtype of the model's matrices, and of its linear layers (int8 when quantized). */
 pd_dtype_t pd_model_weight_dtype(const pd_model_t *model);
+pd_dtype_t pd_model_linear_dtype(const pd_model_t *model);
 
-/* vLLM's (torch's) name of a dtype: "bfloat16", "float16", "float32". */
+/* vLLM's (torch's) name of a dtype: "bfloat16", "float16", "float32" ("int8"). */
 const char *pd_dtype_torch_name(pd_dtype_t dt);
 
 /* Frees weights and the model. */
@@ -58,10 +64,10 @@ const pd_model_config_t *pd_model_config(const pd_model_t *model);
 size_t pd_model_weight_bytes(const pd_model_t *model);
 
 /* The memory plan without loading anything: the bytes pd_model_load_dtype would allocate for the
- * weights of config c with matrices in dt (what pd_model_weight_bytes then reports; GPT-2's
- * lm_head counted as tied unless the config unties it), and the activation workspace of a forward
- * of T tokens with L logits rows. */
-size_t pd_model_plan_weight_bytes(const pd_model_config_t *c, pd_dtype_t dt);
+ * weights of config c with matrices in dt and linear layers in linear_dt (what
+ * pd_model_weight_bytes then reports; GPT-2's lm_head counted as tied unless the config unties
+ * it), and the activation workspace of a forward of T tokens with L logits rows. */
+size_t pd_model_plan_weight_bytes(const pd_model_config_t *c, pd_dtype_t dt, pd_dtype_t linear_dt);
 size_t pd_model_workspace_bytes(const pd_model_config_t *c, size_t T, size_t L);
 
 /* Runs one forward. kv[num_layers] are the per-layer cache views; meta describes the batch's

@@ -41,6 +41,7 @@ struct pd_model {
     pd_model_config_t cfg;
     pd_backend_t *be;
     pd_dtype_t wdtype;     /* storage dtype of the pd_weight_t matrices */
+    pd_dtype_t ldtype;     /* of the linear layers (q, k, v, o, up, down): wdtype, or int8 */
     pd_weight_t embed;     /* [vocab][hidden] */
     float embed_scale;     /* Gemma: √hidden, applied as rows are looked up; else 1 */
     pd_weight_t pos_embed; /* GPT-2 [max_pos][hidden] */
@@ -72,8 +73,14 @@ pd_status_t pd_model_load_affine(pd_model_t *m, const pd_st_set_t *set, const ch
 pd_status_t pd_model_load_weight(pd_model_t *m, const pd_st_set_t *set, const char *name, int ndim,
                                  const int64_t *shape, int transpose, pd_weight_t *out);
 
-/* Loads several same-width 2-D tensors stacked along rows into one weight (fused weights), in the
- * model's weight dtype. */
+/* Loads a linear layer's weight (2-D, shape as in the file; transposed to Linear layout with
+ * transpose) in the linear dtype (m->ldtype): as pd_model_load_weight, or int8 with per-row scales
+ * (--quantization int8). */
+pd_status_t pd_model_load_linear(pd_model_t *m, const pd_st_set_t *set, const char *name,
+                                 const int64_t *shape, int transpose, pd_weight_t *out);
+
+/* Loads several same-width 2-D tensors stacked along rows into one linear weight (fused weights),
+ * in the linear dtype. */
 pd_status_t pd_model_load_stacked(pd_model_t *m, const pd_st_set_t *set, const char *const *names, int n,
                                   const int64_t *rows, int64_t cols, pd_weight_t *out);
 

@@ -45,7 +45,7 @@ pd_status_t pd_cpu_embed(pd_backend_t *be, float *out, pd_weight_t table, float 
     }
     for (int i = 0; i < n; i++) {
         float *row = out + (size_t)i * dim;
-        pd_cpu_widen(row, pd_weight_rows(table, ids[i], dim).data, table.dtype, (size_t)dim);
+        pd_cpu_widen_rows(row, table, ids[i], 1, dim);
         if (scale != 1.0f) {
             for (int d = 0; d < dim; d++) {
                 row[d] *= scale;

@@ -1,5 +1,5 @@
 /* kernels/cpu/matmul.c — y[m][n] = x[m][k] · w[n][k]ᵀ + bias: a plain loop, and the optimized op:
- * OpenBLAS sgemm/sgemv for fp32 weights; for bf16/fp16 weights a GEMV that widens in registers
+ * OpenBLAS sgemm/sgemv for fp32 weights; for bf16/fp16/int8 weights a GEMV that widens in registers
  * (matmul_lowp_x86.c) at small m, and tiles of w widened into fp32 for sgemm at larger m. */
 #include <cblas.h>
 #include <stdlib.h>
@@ -16,7 +16,7 @@ pd_status_t pd_cpu_matmul_ref(pd_backend_t *be, float *y, const float *x, pd_wei
         for (int j = 0; j < n; j++) {
             double acc = bias != NULL ? bias[j] : 0.0;
             for (int p = 0; p < k; p++) {
-                acc += (double)x[(size_t)i * k + p] * pd_dtype_load(w.data, (int64_t)j * k + p, w.dtype);
+                acc += (double)x[(size_t)i * k + p] * pd_weight_at(w, j, p, k);
             }
             y[(size_t)i * n + j] = (float)acc;
         }
@@ -37,7 +37,7 @@ static void slice_f32(float *y, const float *x, const float *w, float beta, int 
     }
 }
 
-/* Columns [n0, n1) of y with 16-bit weights at m > PD_LOWP_GEMV_MAX_M: tiles of w rows widened into
+/* Columns [n0, n1) of y with 16-bit or int8 weights at m > PD_LOWP_GEMV_MAX_M: tiles of w rows widened into
  * tile (fp32, tile_rows × k) and multiplied by sgemm. The widening reads each weight once per
  * matmul; sgemm re-reads x once per tile, so tiles are as tall as the buffer allows. */
 static void slice_lowp_tiles(float *y, const float *x, pd_weight_t w, float beta, int m, int n, int k, int n0,
@@ -45,7 +45,7 @@ static void slice_lowp_tiles(float *y, const float *x, pd_weight_t w, float beta
 {
     for (int j0 = n0; j0 < n1; j0 += tile_rows) {
         int rows = n1 - j0 < tile_rows ? n1 - j0 : tile_rows;
-        pd_cpu_widen(tile, pd_weight_rows(w, j0, k).data, w.dtype, (size_t)rows * k);
+        pd_cpu_widen_rows(tile, w, j0, rows, k);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, rows, k, 1.0f, x, k, tile, k, beta, y + j0,
                     n);
     }

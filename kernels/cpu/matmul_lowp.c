@@ -17,18 +17,24 @@ static int x86_usable(void)
 #endif
 }
 
-void pd_cpu_widen(float *dst, const void *src, pd_dtype_t dt, size_t n)
+void pd_cpu_widen_rows(float *dst, pd_weight_t w, int64_t row0, int64_t rows, int64_t cols)
 {
-    if (dt == PD_DTYPE_F32) {
-        memcpy(dst, src, n * sizeof(float));
+    const char *src = pd_weight_rows(w, row0, cols).data;
+    if (w.dtype == PD_DTYPE_F32) {
+        memcpy(dst, src, (size_t)(rows * cols) * sizeof(float));
         return;
     }
-    if (x86_usable()) {
-        pd_cpu_widen_x86(dst, src, dt, n);
-        return;
-    }
-    for (size_t i = 0; i < n; i++) {
-        dst[i] = pd_dtype_load(src, (int64_t)i, dt);
+    size_t row_bytes = (size_t)cols * (size_t)pd_dtype_size(w.dtype);
+    for (int64_t r = 0; r < rows; r++) {
+        float scale = w.scale != NULL ? w.scale[row0 + r] : 1.0f;
+        float *d = dst + r * cols;
+        if (x86_usable()) {
+            pd_cpu_widen_x86(d, src + (size_t)r * row_bytes, w.dtype, (size_t)cols, scale);
+            continue;
+        }
+        for (int64_t c = 0; c < cols; c++) {
+            d[c] = pd_dtype_load(src + (size_t)r * row_bytes, c, w.dtype) * scale;
+        }
     }
 }
 
@@ -69,6 +75,7 @@ void pd_cpu_gemv_lowp(float *y, const float *x, const float *xp, pd_weight_t w, 
             for (int p = 0; p < k; p++) {
                 acc += x[(size_t)i * k + p] * pd_dtype_load(w.data, (int64_t)j * k + p, w.dtype);
             }
+            acc *= w.scale != NULL ? w.scale[j] : 1.0f;
             y[(size_t)i * n + j] = acc + (bias != NULL ? bias[j] : 0.0f);
         }
     }

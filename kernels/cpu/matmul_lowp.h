@@ -1,6 +1,7 @@
 /* kernels/cpu/matmul_lowp.h — matmul pieces for 16-bit (bf16/fp16) weights kept at checkpoint
- * precision: a GEMV that widens weights in registers (small m: decode), and a row widener (the
- * tiles that sgemm multiplies at larger m, embedding rows). x86 AVX2/F16C versions are picked at
+ * precision and int8 weights (--quantization int8, per-row scales): a GEMV that widens weights in
+ * registers (small m: decode), and a row widener (the tiles that sgemm multiplies at larger m,
+ * embedding rows). x86 AVX2/F16C versions are picked at
  * run time (matmul_lowp_x86.c); the portable versions are the same math in plain C. Results equal
  * pd_cpu_matmul_ref within fp32 summation-order rounding (tests/unit/test_kernels.c). */
 #ifndef PD_KERNELS_CPU_MATMUL_LOWP_H
@@ -15,8 +16,9 @@
  * 90 (bf16) / 161 (fp16) GFLOP/s against 55 / 67 through tiles (pd-bench-ops, 2026-11-23). */
 #define PD_LOWP_GEMV_MAX_M 8
 
-/* dst[n] = src[n] as fp32 (src of dtype dt; exact for every dtype). */
-void pd_cpu_widen(float *dst, const void *src, pd_dtype_t dt, size_t n);
+/* dst[rows][cols] = rows row0.. of w as fp32 (pd_weight_at: exact for fp32/bf16/fp16; int8 times
+ * its row's scale). */
+void pd_cpu_widen_rows(float *dst, pd_weight_t w, int64_t row0, int64_t rows, int64_t cols);
 
 /* Floats of scratch pd_cpu_gemv_lowp needs for x (0: none), and filling it from x[m][k] — once
  * per matmul, before the threads split the columns. */
@@ -24,13 +26,13 @@ size_t pd_cpu_gemv_lowp_scratch(pd_dtype_t dt, int m, int k);
 void pd_cpu_gemv_lowp_prepare(float *xp, const float *x, pd_dtype_t dt, int m, int k);
 
 /* y[i][j] = bias[j] + Σ_p x[i][p] · w[j][p] for i < m, j in [n0, n1) (y is [m][n], x [m][k],
- * w [n][k] of a 16-bit dtype, bias may be NULL; xp the prepared scratch). */
+ * w [n][k] of a 16-bit or int8 dtype, bias may be NULL; xp the prepared scratch). */
 void pd_cpu_gemv_lowp(float *y, const float *x, const float *xp, pd_weight_t w, const float *bias, int m,
                       int n, int k, int n0, int n1);
 
 /* The x86 versions (matmul_lowp_x86.c), usable when the CPU has AVX2, FMA and F16C. */
 int pd_cpu_lowp_x86_usable(void);
-void pd_cpu_widen_x86(float *dst, const void *src, pd_dtype_t dt, size_t n);
+void pd_cpu_widen_x86(float *dst, const void *src, pd_dtype_t dt, size_t n, float scale);
 void pd_cpu_gemv_lowp_x86(float *y, const float *x, const float *xp, pd_weight_t w, const float *bias, int m,
                           int n, int k, int n0, int n1);
 

@@ -1,13 +1,16 @@
-/* kernels/cpu/matmul_lowp_x86.c — 16-bit weight GEMV and widener with AVX2/FMA/F16C intrinsics,
- * picked at run time (matmul_lowp.c dispatches).
+/* kernels/cpu/matmul_lowp_x86.c — GEMV and widener for 16-bit and int8 weights with AVX2/FMA/F16C
+ * intrinsics, picked at run time (matmul_lowp.c dispatches).
  *
  * Decode at batch 1 is a chain of GEMVs bound by reading w: bf16/fp16 weights are read as they are
- * stored (half the bytes of fp32) and widened in registers — bf16 by a 16-bit shift into the high
- * half, fp16 by F16C — then multiplied in fp32. (bf16 reads 16 weights per load and splits them
- * into even and odd lanes without a shuffle; x is permuted to match once per matmul: a widening
- * shuffle per 8 weights held bf16 at 0.58x the read bandwidth, fp16 at 0.80x.) Four rows of w are streamed together against the
- * same x vector (four independent FMA chains, one x load per four products); x rows go in pairs,
- * so w's four rows are read from memory once and from L1/L2 for the other pairs. */
+ * stored (half the bytes of fp32), int8 ones in a quarter, and widened in registers — bf16 by a
+ * 16-bit shift into the high half, fp16 by F16C, int8 by sign extension and conversion — then
+ * multiplied in fp32 (int8 sums times the row's scale at the end). bf16 reads 16 weights per load
+ * and splits them into even and odd lanes without a shuffle; x is permuted to match once per matmul
+ * (a widening shuffle per 8 weights held bf16 at 0.58x the read bandwidth, fp16 at 0.80x). Four
+ * rows of w are streamed together against the same x vector (independent FMA chains, one x load
+ * per four products); x rows go in pairs, so w's four rows are read from memory once and from
+ * L1/L2 for the other pairs. The weight kinds are compile-time constants of always-inline code:
+ * one specialised loop per kind. */
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -26,19 +29,39 @@ int pd_cpu_lowp_x86_usable(void)
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
-/* Eight 16-bit weights at p as fp32 (exact). */
-X86_INLINE __m256 widen8(const uint16_t *p, int bf16)
+enum { KIND_F16, KIND_BF16, KIND_I8 };
+
+X86_INLINE int esize(int kind)
 {
+    return kind == KIND_I8 ? 1 : 2;
+}
+
+/* Eight weights from element idx of row (of the kind) as fp32 (exact; int8 unscaled). */
+X86_INLINE __m256 widen8(const void *row, int idx, int kind)
+{
+    const char *p = (const char *)row + (size_t)idx * esize(kind);
+    if (kind == KIND_I8) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    }
     __m128i h = _mm_loadu_si128((const __m128i *)p);
-    if (bf16) {
+    if (kind == KIND_BF16) {
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
     return _mm256_cvtph_ps(h);
 }
 
-X86_INLINE float widen1(uint16_t h, int bf16)
+X86_INLINE float widen1(const void *row, int idx, int kind)
 {
-    return bf16 ? pd_bf16_to_f32(h) : pd_f16_to_f32(h);
+    if (kind == KIND_I8) {
+        return (float)((const int8_t *)row)[idx];
+    }
+    uint16_t h = ((const uint16_t *)row)[idx];
+    return kind == KIND_BF16 ? pd_bf16_to_f32(h) : pd_f16_to_f32(h);
+}
+
+X86_INLINE void prefetch_row(const void *row, int idx, int kind)
+{
+    _mm_prefetch((const char *)row + (size_t)idx * esize(kind) + PREFETCH_BYTES, _MM_HINT_T0);
 }
 
 /* The sums of the 8 lanes of a0..a3, in that order. */
@@ -57,25 +80,27 @@ X86_INLINE float hsum1(__m256 a)
 }
 
 /* The end of a 4-column block: columns p0..k-1 (the tail the vector loop left) of the four w rows
- * from w0 (k apart) in scalar code, added to the vector sums sa (x row i) and sb (row i + 1, when
- * pair) with the bias, stored at y[i][j..j+3] (and y[i + 1][...]). */
-X86_INLINE void finish4(float *y, const float *x0, const float *x1, const uint16_t *w0, const float *bias,
-                        int n, int k, int p0, int i, int j, int pair, int bf16, __m128 sa, __m128 sb)
+ * w0..w3 in scalar code, added to the vector sums sa (x row i) and sb (row i + 1, when pair), times
+ * the rows' scales (int8: scale[j..j+3]), plus the bias, stored at y[i][j..j+3] (and y[i + 1]). */
+X86_INLINE void finish4(float *y, const float *x0, const float *x1, const void *const wr[4],
+                        const float *scale, const float *bias, int n, int k, int p0, int i, int j, int pair,
+                        int kind, __m128 sa, __m128 sb)
 {
     float ta[4] = {0, 0, 0, 0}, tb[4] = {0, 0, 0, 0};
     for (int p = p0; p < k; p++) {
         for (int r = 0; r < 4; r++) {
-            float wv = widen1(w0[(size_t)r * k + p], bf16);
+            float wv = widen1(wr[r], p, kind);
             ta[r] += wv * x0[p];
             if (pair) {
                 tb[r] += wv * x1[p];
             }
         }
     }
+    __m128 sc = scale != NULL ? _mm_loadu_ps(scale + j) : _mm_set1_ps(1.0f);
     __m128 bv = bias != NULL ? _mm_loadu_ps(bias + j) : _mm_setzero_ps();
-    _mm_storeu_ps(y + (size_t)i * n + j, _mm_add_ps(_mm_add_ps(sa, _mm_loadu_ps(ta)), bv));
+    _mm_storeu_ps(y + (size_t)i * n + j, _mm_fmadd_ps(_mm_add_ps(sa, _mm_loadu_ps(ta)), sc, bv));
     if (pair) {
-        _mm_storeu_ps(y + (size_t)(i + 1) * n + j, _mm_add_ps(_mm_add_ps(sb, _mm_loadu_ps(tb)), bv));
+        _mm_storeu_ps(y + (size_t)(i + 1) * n + j, _mm_fmadd_ps(_mm_add_ps(sb, _mm_loadu_ps(tb)), sc, bv));
     }
 }
 
@@ -94,6 +119,7 @@ X86_INLINE void block4_bf16(float *y, const float *x, const float *xp, const uin
                             int n, int k, int i, int j, int pair)
 {
     const uint16_t *w0 = w + (size_t)j * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
+    const void *const wr[4] = {w0, w1, w2, w3};
     const float *p0 = xp + (size_t)i * k, *p1 = p0 + k;
     const float *x0 = x + (size_t)i * k, *x1 = x0 + k;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -138,33 +164,38 @@ X86_INLINE void block4_bf16(float *y, const float *x, const float *xp, const uin
         a2 = _mm256_add_ps(a2, b2);
         a3 = _mm256_add_ps(a3, b3);
     }
-    finish4(y, x0, x1, w0, bias, n, k, k16, i, j, pair, 1, hsum4(a0, a1, a2, a3), hsum4(b0, b1, b2, b3));
+    finish4(y, x0, x1, wr, NULL, bias, n, k, k16, i, j, pair, KIND_BF16, hsum4(a0, a1, a2, a3),
+            hsum4(b0, b1, b2, b3));
 }
 
-/* y rows i (and i + 1 when pair), columns j..j+3: four rows of w against one or two rows of x. */
-X86_INLINE void block4(float *y, const float *x, const uint16_t *w, const float *bias, int n, int k, int i,
-                       int j, int pair, int bf16)
+/* y rows i (and i + 1 when pair), columns j..j+3: four rows of w (fp16 or int8) against one or two
+ * rows of x. */
+X86_INLINE void block4(float *y, const float *x, const void *w, const float *scale, const float *bias, int n,
+                       int k, int i, int j, int pair, int kind)
 {
-    const uint16_t *w0 = w + (size_t)j * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
+    size_t stride = (size_t)k * esize(kind);
+    const char *w0 = (const char *)w + (size_t)j * stride, *w1 = w0 + stride, *w2 = w1 + stride,
+               *w3 = w2 + stride;
+    const void *const wr[4] = {w0, w1, w2, w3};
     const float *x0 = x + (size_t)i * k, *x1 = x0 + k;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     int k8 = k & ~7, p0 = 0;
     if (!pair) { /* two sets of 4 chains over alternate 8-wide steps (FMA latency, as above) */
         for (; p0 + 16 <= k8; p0 += 16) {
-            _mm_prefetch((const char *)(w0 + p0) + PREFETCH_BYTES, _MM_HINT_T0);
-            _mm_prefetch((const char *)(w1 + p0) + PREFETCH_BYTES, _MM_HINT_T0);
-            _mm_prefetch((const char *)(w2 + p0) + PREFETCH_BYTES, _MM_HINT_T0);
-            _mm_prefetch((const char *)(w3 + p0) + PREFETCH_BYTES, _MM_HINT_T0);
+            prefetch_row(w0, p0, kind);
+            prefetch_row(w1, p0, kind);
+            prefetch_row(w2, p0, kind);
+            prefetch_row(w3, p0, kind);
             __m256 xv = _mm256_loadu_ps(x0 + p0), xw = _mm256_loadu_ps(x0 + p0 + 8);
-            a0 = _mm256_fmadd_ps(widen8(w0 + p0, bf16), xv, a0);
-            a1 = _mm256_fmadd_ps(widen8(w1 + p0, bf16), xv, a1);
-            a2 = _mm256_fmadd_ps(widen8(w2 + p0, bf16), xv, a2);
-            a3 = _mm256_fmadd_ps(widen8(w3 + p0, bf16), xv, a3);
-            b0 = _mm256_fmadd_ps(widen8(w0 + p0 + 8, bf16), xw, b0);
-            b1 = _mm256_fmadd_ps(widen8(w1 + p0 + 8, bf16), xw, b1);
-            b2 = _mm256_fmadd_ps(widen8(w2 + p0 + 8, bf16), xw, b2);
-            b3 = _mm256_fmadd_ps(widen8(w3 + p0 + 8, bf16), xw, b3);
+            a0 = _mm256_fmadd_ps(widen8(w0, p0, kind), xv, a0);
+            a1 = _mm256_fmadd_ps(widen8(w1, p0, kind), xv, a1);
+            a2 = _mm256_fmadd_ps(widen8(w2, p0, kind), xv, a2);
+            a3 = _mm256_fmadd_ps(widen8(w3, p0, kind), xv, a3);
+            b0 = _mm256_fmadd_ps(widen8(w0, p0 + 8, kind), xw, b0);
+            b1 = _mm256_fmadd_ps(widen8(w1, p0 + 8, kind), xw, b1);
+            b2 = _mm256_fmadd_ps(widen8(w2, p0 + 8, kind), xw, b2);
+            b3 = _mm256_fmadd_ps(widen8(w3, p0 + 8, kind), xw, b3);
         }
         a0 = _mm256_add_ps(a0, b0);
         a1 = _mm256_add_ps(a1, b1);
@@ -173,8 +204,8 @@ X86_INLINE void block4(float *y, const float *x, const uint16_t *w, const float 
     }
     for (int p = p0; p < k8; p += 8) {
         __m256 xv = _mm256_loadu_ps(x0 + p);
-        __m256 v0 = widen8(w0 + p, bf16), v1 = widen8(w1 + p, bf16);
-        __m256 v2 = widen8(w2 + p, bf16), v3 = widen8(w3 + p, bf16);
+        __m256 v0 = widen8(w0, p, kind), v1 = widen8(w1, p, kind);
+        __m256 v2 = widen8(w2, p, kind), v3 = widen8(w3, p, kind);
         a0 = _mm256_fmadd_ps(v0, xv, a0);
         a1 = _mm256_fmadd_ps(v1, xv, a1);
         a2 = _mm256_fmadd_ps(v2, xv, a2);
@@ -187,65 +218,72 @@ X86_INLINE void block4(float *y, const float *x, const uint16_t *w, const float 
             b3 = _mm256_fmadd_ps(v3, xw, b3);
         }
     }
-    finish4(y, x0, x1, w0, bias, n, k, k8, i, j, pair, bf16, hsum4(a0, a1, a2, a3), hsum4(b0, b1, b2, b3));
+    finish4(y, x0, x1, wr, scale, bias, n, k, k8, i, j, pair, kind, hsum4(a0, a1, a2, a3),
+            hsum4(b0, b1, b2, b3));
 }
 
 /* y[i][j] for one row j of w (the columns left over after blocks of four). */
-X86_INLINE void row1(float *y, const float *x, const uint16_t *w, const float *bias, int n, int k, int i,
-                     int j, int bf16)
+X86_INLINE void row1(float *y, const float *x, const void *w, const float *scale, const float *bias, int n,
+                     int k, int i, int j, int kind)
 {
-    const uint16_t *wr = w + (size_t)j * k;
+    const char *wr = (const char *)w + (size_t)j * k * esize(kind);
     const float *xr = x + (size_t)i * k;
     __m256 a = _mm256_setzero_ps();
     int k8 = k & ~7;
     for (int p = 0; p < k8; p += 8) {
-        a = _mm256_fmadd_ps(widen8(wr + p, bf16), _mm256_loadu_ps(xr + p), a);
+        a = _mm256_fmadd_ps(widen8(wr, p, kind), _mm256_loadu_ps(xr + p), a);
     }
     float s = hsum1(a);
     for (int p = k8; p < k; p++) {
-        s += widen1(wr[p], bf16) * xr[p];
+        s += widen1(wr, p, kind) * xr[p];
     }
-    y[(size_t)i * n + j] = s + (bias != NULL ? bias[j] : 0.0f);
+    y[(size_t)i * n + j] = s * (scale != NULL ? scale[j] : 1.0f) + (bias != NULL ? bias[j] : 0.0f);
 }
 
-X86_INLINE void gemv(float *y, const float *x, const float *xp, const uint16_t *w, const float *bias, int m,
-                     int n, int k, int n0, int n1, int bf16)
+X86_INLINE void gemv(float *y, const float *x, const float *xp, const void *w, const float *scale,
+                     const float *bias, int m, int n, int k, int n0, int n1, int kind)
 {
     int j = n0;
     for (; j + 4 <= n1; j += 4) {
         int i = 0;
         for (; i + 2 <= m; i += 2) {
-            if (bf16) {
+            if (kind == KIND_BF16) {
                 block4_bf16(y, x, xp, w, bias, n, k, i, j, 1);
             } else {
-                block4(y, x, w, bias, n, k, i, j, 1, 0);
+                block4(y, x, w, scale, bias, n, k, i, j, 1, kind);
             }
         }
         if (i < m) {
-            if (bf16) {
+            if (kind == KIND_BF16) {
                 block4_bf16(y, x, xp, w, bias, n, k, i, j, 0);
             } else {
-                block4(y, x, w, bias, n, k, i, j, 0, 0);
+                block4(y, x, w, scale, bias, n, k, i, j, 0, kind);
             }
         }
     }
     for (; j < n1; j++) {
         for (int i = 0; i < m; i++) {
-            row1(y, x, w, bias, n, k, i, j, bf16);
+            row1(y, x, w, scale, bias, n, k, i, j, kind);
         }
     }
 }
 
-X86 static void gemv_bf16(float *y, const float *x, const float *xp, const uint16_t *w, const float *bias,
-                          int m, int n, int k, int n0, int n1)
+X86 static void gemv_bf16(float *y, const float *x, const float *xp, const void *w, const float *bias, int m,
+                          int n, int k, int n0, int n1)
 {
-    gemv(y, x, xp, w, bias, m, n, k, n0, n1, 1);
+    gemv(y, x, xp, w, NULL, bias, m, n, k, n0, n1, KIND_BF16);
 }
 
-X86 static void gemv_f16(float *y, const float *x, const uint16_t *w, const float *bias, int m, int n, int k,
+X86 static void gemv_f16(float *y, const float *x, const void *w, const float *bias, int m, int n, int k,
                          int n0, int n1)
 {
-    gemv(y, x, NULL, w, bias, m, n, k, n0, n1, 0);
+    gemv(y, x, NULL, w, NULL, bias, m, n, k, n0, n1, KIND_F16);
+}
+
+X86 static void gemv_i8(float *y, const float *x, const void *w, const float *scale, const float *bias, int m,
+                        int n, int k, int n0, int n1)
+{
+    gemv(y, x, NULL, w, scale, bias, m, n, k, n0, n1, KIND_I8);
 }
 
 X86 void pd_cpu_gemv_lowp_x86(float *y, const float *x, const float *xp, pd_weight_t w, const float *bias,
@@ -253,25 +291,32 @@ X86 void pd_cpu_gemv_lowp_x86(float *y, const float *x, const float *xp, pd_weig
 {
     if (w.dtype == PD_DTYPE_BF16) {
         gemv_bf16(y, x, xp, w.data, bias, m, n, k, n0, n1);
+    } else if (w.dtype == PD_DTYPE_I8) {
+        gemv_i8(y, x, w.data, w.scale, bias, m, n, k, n0, n1);
     } else {
         gemv_f16(y, x, w.data, bias, m, n, k, n0, n1);
     }
 }
 
-X86 void pd_cpu_widen_x86(float *dst, const void *src, pd_dtype_t dt, size_t n)
+X86_INLINE void widen(float *dst, const void *src, size_t n, float scale, int kind)
 {
-    const uint16_t *h = src;
     size_t n8 = n & ~(size_t)7;
-    if (dt == PD_DTYPE_BF16) {
-        for (size_t i = 0; i < n8; i += 8) {
-            _mm256_storeu_ps(dst + i, widen8(h + i, 1));
-        }
-    } else {
-        for (size_t i = 0; i < n8; i += 8) {
-            _mm256_storeu_ps(dst + i, widen8(h + i, 0));
-        }
+    __m256 sc = _mm256_set1_ps(scale);
+    for (size_t i = 0; i < n8; i += 8) {
+        _mm256_storeu_ps(dst + i, _mm256_mul_ps(widen8(src, (int)i, kind), sc));
     }
     for (size_t i = n8; i < n; i++) {
-        dst[i] = widen1(h[i], dt == PD_DTYPE_BF16);
+        dst[i] = widen1(src, (int)i, kind) * scale;
+    }
+}
+
+X86 void pd_cpu_widen_x86(float *dst, const void *src, pd_dtype_t dt, size_t n, float scale)
+{
+    if (dt == PD_DTYPE_BF16) {
+        widen(dst, src, n, scale, KIND_BF16);
+    } else if (dt == PD_DTYPE_I8) {
+        widen(dst, src, n, scale, KIND_I8);
+    } else {
+        widen(dst, src, n, scale, KIND_F16);
     }
 }

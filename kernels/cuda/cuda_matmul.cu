@@ -56,6 +56,10 @@ pd_status_t cu_matmul(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
     if (m == 0 || n == 0) {
         return PD_OK;
     }
+    if (w.dtype == PD_DTYPE_I8) { /* the model refuses --quantization int8 on a device first */
+        pd_log_error("cuda matmul: int8 weights are not implemented on the cuda backend");
+        return PD_ERR_UNSUPPORTED;
+    }
     if (w.dtype != PD_DTYPE_F32) {
         TRY(matmul_lowp(be, y, x, w, m, n, k));
         if (bias != nullptr) {

@@ -551,6 +551,28 @@ START_TEST(test_dtype_keeps_checkpoint_precision)
     for (int i = 0; i < N; i++) {
         assert_same(&lo[i], &hi[i], i);
     }
+    /* --quantization int8: the engine serves (outputs are not the unquantized ones: test_model
+     * measures how far they are) and names its weights for the P/D fingerprint */
+    pd_engine_config_t qc;
+    pd_engine_config_defaults(&qc);
+    qc.model_dir = g_model;
+    qc.threads = 2;
+    qc.kv_cache_memory = 64u << 20;
+    qc.quantization = "int8";
+    pd_engine_t *qe = NULL;
+    ck_assert_int_eq(pd_engine_create(&qc, &qe), PD_OK);
+    ck_assert_str_eq(pd_engine_weight_dtype_name(qe), "bfloat16+int8");
+    static gen_t qg[4];
+    memset(qg, 0, sizeof(qg));
+    for (int i = 0; i < 4; i++) {
+        add_spec(qe, &specs[i], i, &qg[i], NULL, 0);
+    }
+    run_until_idle(qe);
+    for (int i = 0; i < 4; i++) {
+        ck_assert_int_eq(qg[i].n, specs[i].max_tokens);
+        ck_assert_str_eq(qg[i].finish, "length");
+    }
+    pd_engine_destroy(qe);
     tu_rmrf(g_model);
     free(g_model);
     g_model = saved; /* the tiny fp32 model */
@@ -580,14 +602,15 @@ START_TEST(test_memory_plan_8b_fits_24gib)
     const char *tiny[] = {"--preset tiny --arch llama --untie", "--preset tiny --arch qwen2 --dtype bf16",
                           "--preset tiny --arch qwen3 --head-dim 32", "--preset tiny --arch gpt2 --dtype f16",
                           "--preset tiny --arch gemma3 --layers 2 --head-dim 32"};
-    const char *dts[] = {"float32", "bfloat16"};
+    const char *dts[] = {"float32", "bfloat16", "auto"}, *quants[] = {NULL, "none", "int8"};
     for (size_t i = 0; i < sizeof(tiny) / sizeof(tiny[0]); i++) {
         char *dir = tu_make_model(tiny[i]);
         ck_assert_ptr_nonnull(dir);
-        for (int d = 0; d < 2; d++) {
+        for (int d = 0; d < 3; d++) {
             pd_model_t *m = NULL;
-            ck_assert_int_eq(pd_model_load_dtype(dir, be, dts[d], &m), PD_OK);
-            size_t plan = pd_model_plan_weight_bytes(pd_model_config(m), pd_model_weight_dtype(m));
+            ck_assert_int_eq(pd_model_load_dtype(dir, be, dts[d], quants[d], &m), PD_OK);
+            size_t plan = pd_model_plan_weight_bytes(pd_model_config(m), pd_model_weight_dtype(m),
+                                                     pd_model_linear_dtype(m));
             ck_assert_msg(plan == pd_model_weight_bytes(m), "%s as %s: plan %zu bytes, loaded %zu", tiny[i],
                           dts[d], plan, pd_model_weight_bytes(m));
             pd_model_free(m);
@@ -608,8 +631,9 @@ START_TEST(test_memory_plan_8b_fits_24gib)
         pd_model_config_t c;
         ck_assert_int_eq(pd_model_config_parse(root, path, &c), PD_OK);
         json_decref(root);
-        size_t w16 = pd_model_plan_weight_bytes(&c, PD_DTYPE_BF16),
-               w32 = pd_model_plan_weight_bytes(&c, PD_DTYPE_F32);
+        size_t w16 = pd_model_plan_weight_bytes(&c, PD_DTYPE_BF16, PD_DTYPE_BF16),
+               w32 = pd_model_plan_weight_bytes(&c, PD_DTYPE_F32, PD_DTYPE_F32),
+               w8 = pd_model_plan_weight_bytes(&c, PD_DTYPE_BF16, PD_DTYPE_I8);
         size_t act = pd_model_workspace_bytes(&c, 2048, 256); /* --max-num-batched-tokens, --max-num-seqs */
         size_t budget = (size_t)((double)node * 0.9);         /* --memory-utilization 0.9 */
         ck_assert_msg(w32 + act > budget, "%s: fp32 weights %.2f GiB fit", configs[i], (double)w32 / gib);
@@ -623,9 +647,11 @@ START_TEST(test_memory_plan_8b_fits_24gib)
         fprintf(
             stderr,
             "memory plan, %s on 24 GiB × 0.9: bf16 weights %.2f GiB (fp32 would be %.2f), activations %.2f "
-            "GiB, KV %.2f GiB = %zu tokens of bf16 KV (%.1f requests of 32k)\n",
+            "GiB, KV %.2f GiB = %zu tokens of bf16 KV (%.1f requests of 32k); --quantization int8: weights "
+            "%.2f GiB\n",
             configs[i], (double)w16 / gib, (double)w32 / gib, (double)act / gib,
-            (double)kc.region_bytes / gib, tokens, (double)tokens / 32768);
+            (double)kc.region_bytes / gib, tokens, (double)tokens / 32768, (double)w8 / gib);
+        ck_assert(w8 < w16 * 6 / 10); /* linear layers at half of bf16, embeddings at bf16 */
         ck_assert_uint_ge(tokens, 32768);
         ck_assert(w16 > (size_t)13 << 30 && w16 < (size_t)16 << 30); /* 7.2–8.0 B parameters */
     }

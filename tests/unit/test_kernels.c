@@ -131,20 +131,46 @@ static void *store_as(float *w, size_t n, pd_dtype_t dt)
     return out;
 }
 
-/* Every path of the optimized matmul (sgemv, sgemm; 16-bit weights: the register-widening GEMV at
- * m <= PD_LOWP_GEMV_MAX_M in pairs and singles of x rows, blocks of 4 and leftover w rows, k tails;
- * widened tiles + sgemm above it, several tiles per thread) against the reference. */
+/* w[rows][cols] quantized to int8 with a symmetric scale per row (*scale_out, fresh); w is replaced
+ * by the values the int8 weight stands for. */
+static int8_t *quantize_rows(float *w, int rows, int cols, float **scale_out)
+{
+    int8_t *q = malloc((size_t)rows * cols);
+    float *sc = malloc((size_t)rows * sizeof(float));
+    for (int r = 0; r < rows; r++) {
+        float mx = 0;
+        for (int c = 0; c < cols; c++) {
+            mx = fabsf(w[(size_t)r * cols + c]) > mx ? fabsf(w[(size_t)r * cols + c]) : mx;
+        }
+        sc[r] = mx > 0 ? mx / 127.0f : 1.0f;
+        for (int c = 0; c < cols; c++) {
+            size_t i = (size_t)r * cols + c;
+            pd_dtype_store(q, (int64_t)i, PD_DTYPE_I8, w[i] / sc[r]);
+            w[i] = (float)q[i] * sc[r];
+        }
+    }
+    *scale_out = sc;
+    return q;
+}
+
+/* Every path of the optimized matmul (sgemv, sgemm; 16-bit and int8 weights: the
+ * register-widening GEMV at m <= PD_LOWP_GEMV_MAX_M in pairs and singles of x rows, blocks of 4 and
+ * leftover w rows, k tails; widened tiles + sgemm above it, several tiles per thread) against the
+ * reference, and the reference against the same weights given as fp32. */
 START_TEST(test_matmul)
 {
-    int shapes[][3] = {{1, 7, 5},    {3, 64, 33},  {17, 129, 64}, {64, 96, 200}, {1, 1000, 64},
-                       {2, 130, 72}, {4, 37, 512}, {5, 40, 9000}, {8, 600, 64},  {1, 1, 3}};
-    pd_dtype_t dts[] = {PD_DTYPE_F32, PD_DTYPE_BF16, PD_DTYPE_F16};
-    for (size_t d = 0; d < 3; d++) {
+    int shapes[][3] = {{1, 7, 5},     {3, 64, 33},  {17, 129, 64}, {64, 96, 200},
+                       {1, 1000, 64}, {2, 130, 72}, {4, 37, 512},  {5, 40, 9000},
+                       {8, 600, 64},  {1, 1, 3},    {7, 21, 40},   {9, 300, 48}};
+    pd_dtype_t dts[] = {PD_DTYPE_F32, PD_DTYPE_BF16, PD_DTYPE_F16, PD_DTYPE_I8};
+    for (size_t d = 0; d < 4; d++) {
         for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
             int m = shapes[s][0], n = shapes[s][1], k = shapes[s][2];
             float *x = rand_buf((size_t)m * k, -1, 1), *w = rand_buf((size_t)n * k, -1, 1);
-            void *ws = store_as(w, (size_t)n * k, dts[d]);
-            pd_weight_t wt = {ws, dts[d]}, wf = {w, PD_DTYPE_F32};
+            float *scale = NULL;
+            void *ws = dts[d] == PD_DTYPE_I8 ? (void *)quantize_rows(w, n, k, &scale)
+                                             : store_as(w, (size_t)n * k, dts[d]);
+            pd_weight_t wt = {ws, dts[d], scale}, wf = {w, PD_DTYPE_F32, NULL};
             float *bias = rand_buf((size_t)n, -1, 1);
             float *y = rand_buf((size_t)m * n, -9, 9), *yr = rand_buf((size_t)m * n, -9, 9);
             float *yf = rand_buf((size_t)m * n, -9, 9);
@@ -157,9 +183,10 @@ START_TEST(test_matmul)
                               (int)dts[d], m, n, k);
                 /* the same weights widened to fp32 beforehand give the same products */
                 ck_assert_int_eq(pd_cpu_matmul_ref(g_be, yf, x, wf, b, m, n, k), PD_OK);
-                ck_assert_int_eq(memcmp(yf, yr, (size_t)m * n * sizeof(float)), 0);
+                ck_assert_msg(max_rel_err(yf, yr, (size_t)m * n, sqrt(k)) < 1e-6, "dtype %d, %dx%dx%d",
+                              (int)dts[d], m, n, k);
             }
-            free(x), free(w), free(ws), free(bias), free(y), free(yr), free(yf);
+            free(x), free(w), free(ws), free(scale), free(bias), free(y), free(yr), free(yf);
         }
     }
 }
@@ -237,7 +264,7 @@ START_TEST(test_elementwise)
 
     int vocab = 50, dim = 24, ntok = 11;
     float *table = rand_buf((size_t)vocab * dim, -1, 1);
-    pd_weight_t tw = {table, PD_DTYPE_F32};
+    pd_weight_t tw = {table, PD_DTYPE_F32, NULL};
     int32_t ids[11] = {0, 49, 3, 3, 17, 25, 8, 1, 48, 30, 2};
     float *e1 = rand_buf((size_t)ntok * dim, -1, 1), *e2 = rand_buf((size_t)ntok * dim, -1, 1);
     ck_assert_int_eq(pd_cpu_embed(g_be, e1, tw, 1.0f, ids, ntok, dim, vocab), PD_OK);
@@ -246,7 +273,7 @@ START_TEST(test_elementwise)
     ck_assert_float_eq(e1[1 * dim + 5], table[49 * dim + 5]);
     for (int dt = PD_DTYPE_F16; dt <= PD_DTYPE_BF16; dt++) { /* 16-bit tables, scaled (Gemma's √hidden) */
         void *t16 = store_as(table, (size_t)vocab * dim, (pd_dtype_t)dt);
-        pd_weight_t w16 = {t16, (pd_dtype_t)dt};
+        pd_weight_t w16 = {t16, (pd_dtype_t)dt, NULL};
         ck_assert_int_eq(pd_cpu_embed(g_be, e1, w16, 2.5f, ids, ntok, dim, vocab), PD_OK);
         ck_assert_int_eq(pd_cpu_embed_ref(g_be, e2, w16, 2.5f, ids, ntok, dim, vocab), PD_OK);
         ck_assert_int_eq(memcmp(e1, e2, (size_t)ntok * dim * sizeof(float)), 0);
