@@ -23,6 +23,7 @@
 #include "common/rng.h"
 #include "common/time.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/attention_prefill_tiled.h"
 #include "kernels/paged_impl.h"
 #include "model/model.h"
 
@@ -201,6 +202,63 @@ static double attn_time(attn_setup_t *s, pd_backend_t *be, int reps)
     return med;
 }
 
+/* Prefill attention of one fresh sequence of T tokens (causal), GFLOP/s: 2 FLOP per multiply-add
+ * of S = QKᵀ and of PV over the T(T+1)/2 visible query–key pairs of every query head. Median of
+ * reps; tiled 0 forces the per-key item. */
+static double attn_prefill_gflops(pd_backend_t *be, int T, int nh, int kvh, int D, int tiled, int reps)
+{
+    attn_setup_t s;
+    attn_make(&s, be, 1, T, nh, kvh, D, 16, PD_DTYPE_BF16);
+    free(s.q), free(s.out), free(s.slots);
+    s.q = malloc((size_t)T * nh * D * sizeof(float));
+    s.out = malloc((size_t)T * nh * D * sizeof(float));
+    s.slots = malloc((size_t)T * sizeof(int32_t));
+    for (size_t i = 0; i < (size_t)T * nh * D; i++) {
+        s.q[i] = (float)(i % 17) * 0.05f - 0.4f;
+    }
+    for (int i = 0; i < T; i++) {
+        s.slots[i] = -1;
+    }
+    s.cu[1] = T;
+    s.meta = (pd_attn_meta_t){1, T, s.cu, s.seq_lens, s.tables, s.max_blocks, s.slots, 0, NULL};
+    float scale = 1.0f / sqrtf((float)D);
+    pd_cpu_attn_allow_tiled(tiled);
+    double best = 1e30;
+    for (int i = 0; i <= reps; i++) { /* the first is a warm-up */
+        double t0 = pd_time_now_s();
+        be->ops->paged_attention_prefill(be, s.out, s.q, &s.kv, &s.meta, nh, scale);
+        double dt = pd_time_now_s() - t0;
+        best = i > 0 && dt < best ? dt : best;
+    }
+    pd_cpu_attn_allow_tiled(1);
+    attn_free(&s, be);
+    return 4.0 * D * nh * ((double)T * (T + 1) / 2) / best / 1e9;
+}
+
+/* Prefill attention at 512 and 2048 tokens, tiled and per-key, against the sgemm peak. */
+static void bench_attention_prefill(pd_backend_t *be, double peak)
+{
+    struct {
+        int nh, kvh, D;
+        const char *shape;
+    } shapes[] = {{8, 2, 64, "demo: 8 q / 2 kv heads of 64"}, {12, 4, 128, "565M: 12 q / 4 kv heads of 128"}};
+    char base[64], name[112], val[48];
+    snprintf(base, sizeof(base), "sgemm 2048^3 %.1f GFLOP/s", peak);
+    for (int sh = 0; sh < 2; sh++) {
+        int Ts[] = {512, 2048};
+        for (int ti = 0; ti < 2; ti++) {
+            for (int tiled = 1; tiled >= 0; tiled--) {
+                double g =
+                    attn_prefill_gflops(be, Ts[ti], shapes[sh].nh, shapes[sh].kvh, shapes[sh].D, tiled, 3);
+                snprintf(name, sizeof(name), "attn prefill %d tok, %s, bf16 KV, %s", Ts[ti], shapes[sh].shape,
+                         tiled ? "GEMM tiles" : "per-key (before)");
+                snprintf(val, sizeof(val), "%.1f GFLOP/s", g);
+                add_row(name, val, base, g / peak);
+            }
+        }
+    }
+}
+
 static void bench_attention(pd_backend_t *be, pd_backend_t *ref, double memcpy_bw)
 {
     struct {
@@ -340,7 +398,7 @@ typedef struct decoder {
 /* Greedy decode of n_seqs sequences: prefill `prompt` tokens each, then `steps` decode steps.
  * Returns decode tokens per second (all sequences). */
 static double model_decode_tps(pd_backend_t *be, pd_model_t *m, pd_dtype_t kv_dtype, int n_seqs, int prompt,
-                               int steps, float *prefill_logits)
+                               int steps, float *prefill_logits, double *prefill_s)
 {
     const pd_model_config_t *c = pd_model_config(m);
     int bs = 16, max_blocks = (int)pd_blocks_for_tokens(prompt + steps + 1, bs);
@@ -380,7 +438,11 @@ static double model_decode_tps(pd_backend_t *be, pd_model_t *m, pd_dtype_t kv_dt
     cu[n_seqs] = T;
     pd_batch_t batch = {T, ids, pos};
     pd_attn_meta_t meta = {n_seqs, T, cu, lens, tables, max_blocks, slots, 0, NULL};
+    double tp = pd_time_now_s();
     pd_model_forward(m, &batch, views, &meta, lidx, n_seqs, NULL, logits);
+    if (prefill_s != NULL) {
+        *prefill_s = pd_time_now_s() - tp;
+    }
     if (prefill_logits != NULL) {
         memcpy(prefill_logits, logits, (size_t)n_seqs * c->vocab_size * sizeof(float));
     }
@@ -410,7 +472,7 @@ static double model_decode_tps(pd_backend_t *be, pd_model_t *m, pd_dtype_t kv_dt
     }
     free(views), free(tables), free(ids), free(pos), free(slots), free(cu), free(lens), free(lidx),
         free(logits);
-    return (double)n_seqs * steps / dt;
+    return steps > 0 ? (double)n_seqs * steps / dt : 0.0;
 }
 
 /* Roofline of a decode step of `batch` sequences: it reads every weight once and each sequence's
@@ -461,11 +523,11 @@ static void bench_model(pd_backend_t *be, const char *model_dir, double read_bw,
             if (only_batch > 0 && batches[i] != only_batch) {
                 continue;
             }
-            snprintf(name, sizeof(name), "demo model decode, %s%s weights+KV, batch %d (prompt 64, 64 steps)",
+            snprintf(name, sizeof(name), "model decode, %s%s weights+KV, batch %d (prompt 64, 64 steps)",
                      dt_name(wdt), ldt == PD_DTYPE_I8 ? "+int8" : "", batches[i]);
             progress(name);
             bool keep = batches[i] == 32 && (d == 0 || d == 2);
-            double tps = model_decode_tps(be, m, wdt, batches[i], 64, 64, keep ? logits[d == 2] : NULL);
+            double tps = model_decode_tps(be, m, wdt, batches[i], 64, 64, keep ? logits[d == 2] : NULL, NULL);
             have[d == 2] |= keep;
             /* KV of the average context (64 prompt + 32 of the 64 steps) per sequence */
             const pd_model_config_t *c = pd_model_config(m);
@@ -476,6 +538,28 @@ static void bench_model(pd_backend_t *be, const char *model_dir, double read_bw,
             snprintf(base, sizeof(base), "roofline %.0f tok/s (%.0f MiB %s, read)", roof, wbytes / (1 << 20),
                      dt_name(ldt));
             add_row(name, val, base, tps / roof);
+        }
+        int prompts[] = {512, 2048}; /* whole prefill of one fresh prompt (one forward), vs the peak */
+        for (int i = 0; only_batch == 0 && i < 2; i++) {
+            snprintf(name, sizeof(name), "model prefill, %s%s weights, %d tokens", dt_name(wdt),
+                     ldt == PD_DTYPE_I8 ? "+int8" : "", prompts[i]);
+            progress(name);
+            double best = 1e30, secs = 0;
+            for (int r = 0; r < 2; r++) {
+                model_decode_tps(be, m, wdt, 1, prompts[i], 0, NULL, &secs);
+                best = secs < best ? secs : best;
+            }
+            /* 2 FLOP per linear-layer weight per token (Llama shapes; the lm_head runs on the last
+             * token only and attention is not counted) */
+            const pd_model_config_t *c = pd_model_config(m);
+            double hid = c->hidden_size, inter = c->intermediate_size, hsz = c->head_size;
+            double lin = (2 * c->num_heads * hsz * hid + 2 * c->num_kv_heads * hsz * hid + 3 * inter * hid) *
+                         c->num_layers;
+            double flops = 2.0 * lin * prompts[i];
+            snprintf(val, sizeof(val), "%.0f tok/s", prompts[i] / best);
+            snprintf(base, sizeof(base), "%.1f GFLOP/s in linear layers; sgemm %.1f", flops / best / 1e9,
+                     peak_gflops);
+            add_row(name, val, base, flops / best / 1e9 / peak_gflops);
         }
         pd_model_free(m);
     }
@@ -495,7 +579,7 @@ static void bench_model(pd_backend_t *be, const char *model_dir, double read_bw,
             agree += ia == iq;
         }
         char val[64], base[64];
-        snprintf(val, sizeof(val), "max |dlogit| %.3f (%.2f%% of max)", maxd, 100 * maxd / (maxa + 1e-30));
+        snprintf(val, sizeof(val), "max abs dlogit %.3f (%.2f%% of max)", maxd, 100 * maxd / (maxa + 1e-30));
         snprintf(base, sizeof(base), "top-1 agrees %d/32 with fp32", agree);
         add_row("int8 logit error vs fp32 (32 prompts of 64 tokens)", val, base, agree / 32.0);
     }
@@ -596,6 +680,10 @@ int main(int argc, char **argv)
     }
     progress("matmul");
     double peak = model_only ? sgemm_gflops(be, PD_DTYPE_F32, 2048, 2048, 2048, 5) : bench_matmul(be, rbw);
+    if (!model_only) {
+        progress("prefill attention");
+        bench_attention_prefill(be, peak);
+    }
     if (!skip_model && model != NULL) {
         bench_model(be, model, rbw, peak, weights, batch);
     }

@@ -13,6 +13,15 @@ if [[ ! -f "$models/demo/config.json" ]]; then
 fi
 echo "run-bench: pd-bench-ops (memcpy, paged attention, matmul, model decode)"
 "$build/bin/pd-bench-ops" --model "$models/demo" --results bench/RESULTS.md
+if [[ ! -f "$models/llama-565m/config.json" ]]; then
+  echo "run-bench: generating a 565 M-parameter Llama-shaped bf16 model (weights >> LLC) in $models/llama-565m"
+  "$build/bin/pd-mkmodel" --preset demo --hidden 1536 --layers 16 --heads 12 --kv-heads 4 --intermediate 5632 \
+    --vocab 16000 --dtype bf16 --out "$models/llama-565m"
+fi
+echo "run-bench: pd-bench-ops model decode of the 565 M model (fp32, bf16, int8 weights)"
+"$build/bin/pd-bench-ops" --model "$models/llama-565m" --model-only --results bench/RESULTS.md
+echo "run-bench: tools/bench-dtype.sh (pd-serve with fp32 vs bf16 weights under load)"
+tools/bench-dtype.sh "$build"
 echo "run-bench: pd-bench-sched (scheduler step overhead, block pool)"
 "$build/bin/pd-bench-sched" --results bench/RESULTS.md
 echo "run-bench: pd-bench-transfer (pipe throughput and round trip vs memcpy, ucx_perftest, a plain socket)"

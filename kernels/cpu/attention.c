@@ -7,6 +7,7 @@
 
 #include "common/log.h"
 #include "kernels/cpu/attention_decode.h"
+#include "kernels/cpu/attention_prefill_tiled.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/simd.h"
 #include "kernels/paged_impl.h"
@@ -221,6 +222,7 @@ typedef struct attn_item {
     int kv_head;
     int q_begin; /* index of the first query token within its sequence */
     int q_end;
+    int tiled; /* the GEMM-tiled item (attention_prefill_tiled.c) */
 } attn_item_t;
 
 typedef struct attn_scratch {
@@ -350,6 +352,13 @@ PD_CPU_CLONES static void attn_item_run(const attn_item_t *it, float *out, const
     }
 }
 
+static int g_allow_tiled = 1;
+
+void pd_cpu_attn_allow_tiled(int allow)
+{
+    g_allow_tiled = allow;
+}
+
 static pd_status_t attn_run(pd_backend_t *be, float *out, const float *q, const pd_kv_view_t *kv,
                             const pd_attn_meta_t *meta, int num_heads, float scale)
 {
@@ -360,9 +369,13 @@ static pd_status_t attn_run(pd_backend_t *be, float *out, const float *q, const 
     const int H = kv->num_kv_heads, D = kv->head_size, bs = kv->block_size;
     const int group = num_heads / H;
     size_t n_items = 0;
+    bool any_tiled = false;
     for (int s = 0; s < meta->num_seqs; s++) {
         int q_len = meta->cu_seqlens_q[s + 1] - meta->cu_seqlens_q[s];
-        n_items += (size_t)((q_len + ATTN_TILE_Q - 1) / ATTN_TILE_Q) * H;
+        bool tiled = g_allow_tiled && q_len >= ATTN_MM_MIN_Q;
+        int tq = tiled ? ATTN_MM_TQ : ATTN_TILE_Q;
+        any_tiled |= tiled;
+        n_items += (size_t)((q_len + tq - 1) / tq) * H;
     }
     if (n_items == 0) {
         return PD_OK;
@@ -375,13 +388,17 @@ static pd_status_t attn_run(pd_backend_t *be, float *out, const float *q, const 
     size_t k = 0;
     for (int s = 0; s < meta->num_seqs; s++) {
         int q_len = meta->cu_seqlens_q[s + 1] - meta->cu_seqlens_q[s];
-        for (int t = 0; t < q_len; t += ATTN_TILE_Q) {
+        int tiled = g_allow_tiled && q_len >= ATTN_MM_MIN_Q, tq = tiled ? ATTN_MM_TQ : ATTN_TILE_Q;
+        /* the longest tiles first (they see the most keys): dynamic scheduling then balances */
+        for (int t = ((q_len - 1) / tq) * tq; t >= 0; t -= tq) {
             for (int g = 0; g < H; g++) {
-                items[k++] = (attn_item_t){s, g, t, t + ATTN_TILE_Q < q_len ? t + ATTN_TILE_Q : q_len};
+                items[k++] = (attn_item_t){s, g, t, t + tq < q_len ? t + tq : q_len, tiled};
             }
         }
     }
     size_t per_thread = (size_t)bs * D * 2 + (size_t)bs + (size_t)ATTN_TILE_Q * group * (D + 2);
+    size_t tiled_floats = any_tiled ? pd_cpu_attn_tiled_scratch_floats(group, D) : 0;
+    per_thread = tiled_floats > per_thread ? tiled_floats : per_thread;
     int nthreads = be->num_threads < (int)n_items ? be->num_threads : (int)n_items;
     float *scratch = malloc((size_t)nthreads * per_thread * sizeof(float));
     if (scratch == NULL) {
@@ -401,7 +418,12 @@ static pd_status_t attn_run(pd_backend_t *be, float *out, const float *q, const 
         sc.l = sc.m + (size_t)ATTN_TILE_Q * group;
 #pragma omp for schedule(dynamic, 1)
         for (size_t i = 0; i < n_items; i++) {
-            attn_item_run(&items[i], out, q, kv, meta, num_heads, scale, &sc);
+            if (items[i].tiled) {
+                pd_cpu_attn_tiled_run(out, q, kv, meta, num_heads, scale, items[i].seq, items[i].kv_head,
+                                      items[i].q_begin, items[i].q_end, base);
+            } else {
+                attn_item_run(&items[i], out, q, kv, meta, num_heads, scale, &sc);
+            }
         }
     }
     free(scratch);

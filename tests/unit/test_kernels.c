@@ -509,6 +509,16 @@ START_TEST(test_attention_random)
     run_attn_case(&longw);
     attn_case_t longb = {3, {1, 1, 1}, {1000, 37, 600}, 32, 4, 4, 128, PD_DTYPE_BF16, 0};
     run_attn_case(&longb);
+    /* the GEMM-tiled prefill (q_len >= ATTN_MM_MIN_Q): several query tiles and key tiles, chunked
+     * prefill after a context, sliding windows that cut inside tiles, GQA, every KV dtype, block 1 */
+    attn_case_t tl = {3, {300, 33, 64}, {100, 0, 129}, 16, 8, 2, 64, PD_DTYPE_F32, 0};
+    run_attn_case(&tl);
+    attn_case_t tw = {2, {200, 90}, {10, 300}, 16, 4, 2, 32, PD_DTYPE_BF16, 50};
+    run_attn_case(&tw);
+    attn_case_t tb = {2, {129, 40}, {0, 7}, 1, 6, 1, 80, PD_DTYPE_F16, 0};
+    run_attn_case(&tb);
+    attn_case_t tm = {3, {1, 257, 1}, {500, 3, 20}, 32, 4, 4, 128, PD_DTYPE_BF16, 130};
+    run_attn_case(&tm);
     /* head size that is not a multiple of 8: the portable kernel only */
     attn_case_t odd = {3, {1, 1, 1}, {40, 3, 300}, 16, 6, 2, 12, PD_DTYPE_F32, 0};
     run_attn_case(&odd);

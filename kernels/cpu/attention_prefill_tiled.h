@@ -1,0 +1,28 @@
+/* kernels/cpu/attention_prefill_tiled.h — the GEMM-tiled prefill attention item
+ * (attention_prefill_tiled.c), which attention.c's prefill uses for sequences with at least
+ * ATTN_MM_MIN_Q new tokens (shorter ones — decode tokens, small chunks — keep the per-key item). */
+#ifndef PD_KERNELS_CPU_ATTENTION_PREFILL_TILED_H
+#define PD_KERNELS_CPU_ATTENTION_PREFILL_TILED_H
+
+#include <stddef.h>
+
+#include "kernels/backend.h"
+
+#define ATTN_MM_TQ    64  /* query tokens per item (× the GQA group = the GEMMs' M) */
+#define ATTN_MM_KT    128 /* keys per tile (the S GEMM's N, the P·V GEMM's K) */
+#define ATTN_MM_MIN_Q 32  /* sequences with fewer new tokens use the per-key item */
+
+/* Test and benchmark hook: 0 sends every sequence to the per-key item (the tiled item's
+ * predecessor), 1 (default) uses the tiled item from ATTN_MM_MIN_Q new tokens on. */
+void pd_cpu_attn_allow_tiled(int allow);
+
+/* Floats of per-thread scratch one item needs. */
+size_t pd_cpu_attn_tiled_scratch_floats(int group, int head_size);
+
+/* Computes out rows of query tokens [q_begin, q_end) (at most ATTN_MM_TQ) of sequence seq for the
+ * query heads of kv_head's group, as paged_attention_prefill defines them. meta was validated. */
+void pd_cpu_attn_tiled_run(float *out, const float *q, const pd_kv_view_t *kv, const pd_attn_meta_t *meta,
+                           int num_heads, float scale, int seq, int kv_head, int q_begin, int q_end,
+                           float *scratch);
+
+#endif
