@@ -51,12 +51,16 @@ static void slice_lowp_tiles(float *y, const float *x, pd_weight_t w, float beta
     }
 }
 
-/* Rows of the fp32 tile a thread widens 16-bit weights into: up to 256 (sgemm re-reads x once per
- * tile), at most 2 MiB of tile, at least 16. */
-static int tile_rows_for(int k)
+/* Rows of the fp32 tile a thread widens 16-bit or int8 weights into. sgemm packs all of x once per
+ * tile, so the tile grows with m: up to 256 rows in at most 2 MiB (decode batches), and for
+ * prefill-sized m (>= 256 rows of x) up to 1024 rows in at most 8 MiB — at 256 rows a 2048-token
+ * prefill of the 565 M model ran its bf16 linear layers at 0.85x the peak against 0.93x for fp32. */
+static int tile_rows_for(int m, int k)
 {
-    int rows = (int)((2u << 20) / ((size_t)k * sizeof(float)));
-    rows = rows > 256 ? 256 : rows;
+    size_t budget = m >= 256 ? (size_t)8 << 20 : (size_t)2 << 20;
+    int cap = m >= 256 ? 1024 : 256;
+    int rows = (int)(budget / ((size_t)k * sizeof(float)));
+    rows = rows > cap ? cap : rows;
     return rows < 16 ? 16 : rows & ~15;
 }
 
@@ -78,7 +82,7 @@ pd_status_t pd_cpu_matmul(pd_backend_t *be, float *y, const float *x, pd_weight_
     cols = (cols + 15) & ~15; /* slices of whole 64-byte rows of y */
     bool lowp = w.dtype != PD_DTYPE_F32;
     bool gemv = lowp && m <= PD_LOWP_GEMV_MAX_M;
-    int tile_rows = tile_rows_for(k);
+    int tile_rows = tile_rows_for(m, k);
     float *tiles = NULL, *xp = NULL;
     size_t xp_floats = gemv ? pd_cpu_gemv_lowp_scratch(w.dtype, m, k) : 0;
     if (lowp && !gemv) {
