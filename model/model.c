@@ -369,10 +369,12 @@ pd_status_t pd_model_load_dtype(const char *dir, pd_backend_t *be, const char *d
     }
     pd_log_info(
         "model loaded: %.1f MiB of weights on %s in %.2f s, matrices in %s (--dtype %s; the checkpoint "
-        "says '%s'), norms and biases in float32",
+        "says '%s')%s, norms and biases in float32",
         (double)m->weight_bytes / (1 << 20), be->ops->name, (double)(pd_time_now_ns() - t0) * 1e-9,
         pd_dtype_torch_name(m->wdtype), dtype != NULL ? dtype : "auto",
-        m->cfg.torch_dtype[0] ? m->cfg.torch_dtype : "nothing");
+        m->cfg.torch_dtype[0] ? m->cfg.torch_dtype : "nothing",
+        m->ldtype == PD_DTYPE_I8 ? ", linear layers in int8 with per-channel scales (--quantization int8)"
+                                 : "");
     *model_out = m;
     return PD_OK;
 

@@ -29,8 +29,7 @@ pd_status_t pd_cpu_embed_ref(pd_backend_t *be, float *out, pd_weight_t table, fl
     }
     for (int i = 0; i < n; i++) {
         for (int d = 0; d < dim; d++) {
-            out[(size_t)i * dim + d] =
-                pd_dtype_load(table.data, (int64_t)ids[i] * dim + d, table.dtype) * scale;
+            out[(size_t)i * dim + d] = pd_weight_at(table, ids[i], d, dim) * scale;
         }
     }
     return PD_OK;

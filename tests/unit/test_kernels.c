@@ -280,6 +280,17 @@ START_TEST(test_elementwise)
         ck_assert_float_eq(e1[2 * dim + 7], table[3 * dim + 7] * 2.5f);
         free(t16);
     }
+    { /* an int8 table with per-row scales (the embed op's contract, though the model keeps its
+       * embeddings at --dtype) */
+        float *deq = copy_buf(table, (size_t)vocab * dim), *rs = NULL;
+        int8_t *t8 = quantize_rows(deq, vocab, dim, &rs);
+        pd_weight_t w8 = {t8, PD_DTYPE_I8, rs};
+        ck_assert_int_eq(pd_cpu_embed(g_be, e1, w8, 2.0f, ids, ntok, dim, vocab), PD_OK);
+        ck_assert_int_eq(pd_cpu_embed_ref(g_be, e2, w8, 2.0f, ids, ntok, dim, vocab), PD_OK);
+        ck_assert_int_eq(memcmp(e1, e2, (size_t)ntok * dim * sizeof(float)), 0);
+        ck_assert_float_eq(e1[2 * dim + 7], deq[3 * dim + 7] * 2.0f);
+        free(deq), free(t8), free(rs);
+    }
     ids[4] = 50; /* out of the vocabulary: rejected, nothing written */
     memcpy(e2, e1, (size_t)ntok * dim * sizeof(float));
     ck_assert_int_eq(pd_cpu_embed(g_be, e1, tw, 1.0f, ids, ntok, dim, vocab), PD_ERR_OUT_OF_RANGE);
