@@ -175,6 +175,9 @@ static pd_status_t load_model(pd_engine_t *e)
     if (st != PD_OK) {
         return st;
     }
+    snprintf(e->weights_name, sizeof(e->weights_name), "%s%s",
+             pd_dtype_torch_name(pd_model_weight_dtype(e->model)),
+             pd_model_linear_dtype(e->model) == PD_DTYPE_I8 ? "+int8" : "");
     const pd_model_config_t *mc = pd_model_config(e->model);
     e->max_model_len = cfg->max_model_len > 0 ? cfg->max_model_len : mc->max_position_embeddings;
     if (mc->arch == PD_ARCH_GPT2 && e->max_model_len > mc->max_position_embeddings) {
@@ -376,13 +379,7 @@ const char *pd_engine_model_name(const pd_engine_t *e)
 
 const char *pd_engine_weight_dtype_name(const pd_engine_t *e)
 {
-    pd_engine_t *me = (pd_engine_t *)e; /* the name is built once, on first use, from immutable state */
-    if (me->weights_name[0] == '\0') {
-        snprintf(me->weights_name, sizeof(me->weights_name), "%s%s",
-                 pd_dtype_torch_name(pd_model_weight_dtype(e->model)),
-                 pd_model_linear_dtype(e->model) == PD_DTYPE_I8 ? "+int8" : "");
-    }
-    return me->weights_name;
+    return e->weights_name;
 }
 
 const char *pd_engine_kv_dtype_name(const pd_engine_t *e)

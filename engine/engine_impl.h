@@ -39,7 +39,7 @@ typedef struct cmd {
 struct pd_engine {
     pd_engine_config_t cfg;
     pd_dtype_t kv_dtype;   /* --kv-cache-dtype resolved (auto: the model's) */
-    char weights_name[32]; /* pd_engine_weight_dtype_name */
+    char weights_name[32]; /* pd_engine_weight_dtype_name, set when the model loads */
     char model_name[256];
     pd_backend_t *be;
     pd_model_t *model;

@@ -214,10 +214,8 @@ static pd_status_t upload_int8(pd_model_t *m, const float *f, int64_t rows, int6
 pd_status_t pd_model_load_linear(pd_model_t *m, const pd_st_set_t *set, const char *name,
                                  const int64_t *shape, int transpose, pd_weight_t *out)
 {
-    if (m->ldtype != PD_DTYPE_I8) {
-        PD_TRY(pd_model_load_weight(m, set, name, 2, shape, transpose, out));
-        out->dtype = m->ldtype;
-        return PD_OK;
+    if (m->ldtype != PD_DTYPE_I8) { /* the linear layers are at the weight dtype */
+        return pd_model_load_weight(m, set, name, 2, shape, transpose, out);
     }
     const pd_st_tensor_t *t = find_checked(set, name, 2, shape);
     if (t == NULL) {

@@ -9,6 +9,7 @@
 #include "kernels/cpu/attention_decode.h"
 #include "kernels/cpu/attention_prefill_tiled.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/matmul_lowp.h"
 #include "kernels/cpu/simd.h"
 #include "kernels/paged_impl.h"
 
@@ -234,29 +235,6 @@ typedef struct attn_scratch {
     float *l;   /* [ATTN_TILE_Q · group] */
 } attn_scratch_t;
 
-/* Loads n elements of dtype at src as fp32 (exact conversions). */
-PD_CPU_CLONES static void load_row(float *dst, const void *src, int n, pd_dtype_t dt)
-{
-    if (dt == PD_DTYPE_F32) {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-    } else if (dt == PD_DTYPE_BF16) {
-        const uint16_t *s = src;
-#pragma omp simd
-        for (int i = 0; i < n; i++) {
-            uint32_t u = (uint32_t)s[i] << 16;
-            float f;
-            memcpy(&f, &u, 4);
-            dst[i] = f;
-        }
-    } else {
-        const _Float16 *s = src;
-#pragma omp simd
-        for (int i = 0; i < n; i++) {
-            dst[i] = (float)s[i];
-        }
-    }
-}
-
 PD_CPU_CLONES static void attn_item_run(const attn_item_t *it, float *out, const float *q,
                                         const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
                                         float scale, const attn_scratch_t *sc)
@@ -287,8 +265,8 @@ PD_CPU_CLONES static void attn_item_run(const attn_item_t *it, float *out, const
         for (int j = 0; j < nk; j++) {
             int64_t ki = pd_kv_index(block, 0, j, it->kv_head, bs, H, D);
             int64_t vi = pd_kv_index(block, 1, j, it->kv_head, bs, H, D);
-            load_row(sc->k + (size_t)j * D, (const char *)kv->base + ki * es, D, kv->dtype);
-            load_row(sc->v + (size_t)j * D, (const char *)kv->base + vi * es, D, kv->dtype);
+            pd_cpu_widen(sc->k + (size_t)j * D, (const char *)kv->base + ki * es, kv->dtype, D);
+            pd_cpu_widen(sc->v + (size_t)j * D, (const char *)kv->base + vi * es, kv->dtype, D);
         }
         for (int t = it->q_begin; t < it->q_end; t++) {
             int64_t pos = pd_query_pos(seq_len, q_len, t);
@@ -481,8 +459,8 @@ PD_CPU_CLONES static void attn_decode_item_portable(const pd_attn_decode_item_t 
             kp = (const float *)kv->base + pd_kv_index(block, 0, 0, 0, bs, H, D);
             vp = (const float *)kv->base + pd_kv_index(block, 1, 0, 0, bs, H, D);
         } else {
-            load_row(kbuf, base + pd_kv_index(block, 0, 0, 0, bs, H, D) * es, (hi + 1) * row, kv->dtype);
-            load_row(vbuf, base + pd_kv_index(block, 1, 0, 0, bs, H, D) * es, (hi + 1) * row, kv->dtype);
+            pd_cpu_widen(kbuf, base + pd_kv_index(block, 0, 0, 0, bs, H, D) * es, kv->dtype, (hi + 1) * row);
+            pd_cpu_widen(vbuf, base + pd_kv_index(block, 1, 0, 0, bs, H, D) * es, kv->dtype, (hi + 1) * row);
             kp = kbuf;
             vp = vbuf;
         }

@@ -23,9 +23,9 @@ size_t pd_cpu_attn_tiled_scratch_floats(int group, int head_size)
     return M * D /* q */ + 2 * KT * D /* k, v */ + M * KT /* s */ + M * D /* o */ + 2 * M /* m, l */;
 }
 
-/* Row r of s[KT]: keys outside [lo, hi] (tile-relative, inclusive) to −inf, then the online
- * softmax update of (m, l) and o's rescale; leaves p = exp(s − m_new) in s. Returns 0 when the row
- * sees no key of this tile (s all zero then, o and the state untouched). */
+/* One row s[nk] of scores: the online softmax update of (m, l) and o's rescale over the keys in
+ * [lo, hi] (tile-relative, inclusive); leaves p = exp(s − m_new) in s, 0 for keys outside (masked).
+ * Returns 0 when the row sees no key of this tile (s all zero then, o and the state untouched). */
 PD_CPU_CLONES static int softmax_row(float *s, int nk, int lo, int hi, float *m, float *l, float *o, int D)
 {
     if (hi < lo) {
@@ -67,10 +67,8 @@ static void gather_kv(float *k, float *v, const pd_kv_view_t *kv, const pd_attn_
         int64_t block = pd_block_table_lookup(meta->block_tables, meta->max_blocks_per_seq, seq, key, bs);
         int64_t ki = pd_kv_index(block, 0, (int)(key % bs), kv_head, bs, H, D);
         int64_t vi = pd_kv_index(block, 1, (int)(key % bs), kv_head, bs, H, D);
-        pd_weight_t kr = {(const char *)kv->base + ki * es, kv->dtype, NULL};
-        pd_weight_t vr = {(const char *)kv->base + vi * es, kv->dtype, NULL};
-        pd_cpu_widen_rows(k + (size_t)j * D, kr, 0, 1, D);
-        pd_cpu_widen_rows(v + (size_t)j * D, vr, 0, 1, D);
+        pd_cpu_widen(k + (size_t)j * D, (const char *)kv->base + ki * es, kv->dtype, D);
+        pd_cpu_widen(v + (size_t)j * D, (const char *)kv->base + vi * es, kv->dtype, D);
     }
 }
 

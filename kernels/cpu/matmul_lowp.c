@@ -40,7 +40,7 @@ void pd_cpu_widen_rows(float *dst, pd_weight_t w, int64_t row0, int64_t rows, in
 
 size_t pd_cpu_gemv_lowp_scratch(pd_dtype_t dt, int m, int k)
 {
-    return dt == PD_DTYPE_BF16 && x86_usable() ? (size_t)m * k : 0;
+    return x86_usable() && pd_cpu_gemv_lowp_x86_wants_xp(dt, m) ? (size_t)m * k : 0;
 }
 
 /* The x86 bf16 GEMV's order: each group of 16 floats of a row as its 8 even then its 8 odd

@@ -20,6 +20,13 @@
  * its row's scale). */
 void pd_cpu_widen_rows(float *dst, pd_weight_t w, int64_t row0, int64_t rows, int64_t cols);
 
+/* dst[n] = src[n] of dtype dt as fp32 (one row: a KV cache row, say). */
+static inline void pd_cpu_widen(float *dst, const void *src, pd_dtype_t dt, int64_t n)
+{
+    pd_weight_t w = {src, dt, NULL};
+    pd_cpu_widen_rows(dst, w, 0, 1, n);
+}
+
 /* Floats of scratch pd_cpu_gemv_lowp needs for x (0: none), and filling it from x[m][k] — once
  * per matmul, before the threads split the columns. */
 size_t pd_cpu_gemv_lowp_scratch(pd_dtype_t dt, int m, int k);
@@ -35,5 +42,7 @@ int pd_cpu_lowp_x86_usable(void);
 void pd_cpu_widen_x86(float *dst, const void *src, pd_dtype_t dt, size_t n, float scale);
 void pd_cpu_gemv_lowp_x86(float *y, const float *x, const float *xp, pd_weight_t w, const float *bias, int m,
                           int n, int k, int n0, int n1);
+/* Whether the x86 GEMV for dt at m rows reads the permuted copy of x (the AVX2 bf16 path). */
+int pd_cpu_gemv_lowp_x86_wants_xp(pd_dtype_t dt, int m);
 
 #endif

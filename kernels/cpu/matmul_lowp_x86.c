@@ -286,12 +286,11 @@ X86 static void gemv_i8(float *y, const float *x, const void *w, const float *sc
     gemv(y, x, NULL, w, scale, bias, m, n, k, n0, n1, KIND_I8);
 }
 
-#define X512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#define X512_ISA    "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
+#define X512        __attribute__((target(X512_ISA)))
+#define X512_INLINE __attribute__((target(X512_ISA), always_inline)) static inline
 
 /* Sixteen weights from element idx of row as fp32 (AVX-512; int8 unscaled). */
-#define X512_INLINE                                                                                          \
-    __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"), always_inline)) static inline
-
 X512_INLINE __m512 widen16(const void *row, int idx, int kind)
 {
     const char *p = (const char *)row + (size_t)idx * esize(kind);
@@ -366,6 +365,11 @@ static int avx512_usable(void)
 {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl");
+}
+
+int pd_cpu_gemv_lowp_x86_wants_xp(pd_dtype_t dt, int m)
+{
+    return dt == PD_DTYPE_BF16 && !(m == 1 && avx512_usable()); /* gemv1_512 reads x as it is */
 }
 
 X86 void pd_cpu_gemv_lowp_x86(float *y, const float *x, const float *xp, pd_weight_t w, const float *bias,
