@@ -328,6 +328,107 @@ void eng_push_output(pd_engine_output_t ***tail, pd_engine_output_t *o)
     *tail = &o->next;
 }
 
+/* The output of r's token at tokens[pos] (last: the step's last token for r): detokenized, stop
+ * strings checked, logprobs from the runner's slot lp_at (-1: none). A stop string that ends in
+ * this token finishes r and drops the tokens after it (accepted drafts past the stop). Returns
+ * whether r goes on. */
+static bool emit_token(pd_engine_t *e, pd_request_t *r, int32_t pos, bool last, int64_t lp_at, char *buf,
+                       pd_engine_output_t ***tail)
+{
+    req_ctx_t *c = r->user;
+    int32_t tok = r->tokens[pos];
+    pd_engine_output_t *o = output_new(r);
+    if (o == NULL) {
+        return false;
+    }
+    o->token = tok;
+    attach_prompt_logprobs(r, o);
+    size_t n = 0;
+    size_t before = c->text_len;
+    if (pd_detok_step(e->tok, &c->detok, tok, !r->params.keep_special_tokens, buf, e->max_token_bytes + 64,
+                      &n) == PD_OK) {
+        text_append(c, buf, n);
+    }
+    bool finished = last && pd_request_is_finished(r);
+    int32_t num_output = pos + 1 - r->num_prompt_tokens;
+    if (c->num_stop > 0 && num_output > r->params.min_tokens) {
+        int32_t which = -1;
+        long at = find_stop(c, before, &which);
+        if (at >= 0) {
+            /* the stop string is not part of the output unless the request asks for it */
+            size_t cut = (size_t)at + (r->params.include_stop_str_in_output ? strlen(c->stop[which]) : 0);
+            c->text_len = cut;
+            c->text[cut] = '\0';
+            c->stop_hit = which;
+            r->num_tokens = pos + 1; /* tokens accepted after this one are not part of the output */
+            if (!pd_request_is_finished(r)) {
+                pd_scheduler_finish(e->sched, r, PD_REQ_FINISHED_STOPPED);
+                pd_input_batch_remove(&e->runner.batch, r);
+            } else {
+                /* a later token of this step hit a limit or EOS: the stop string came first */
+                r->state = PD_REQ_FINISHED_STOPPED;
+                r->stop_token = -1;
+            }
+            finished = true;
+        }
+    }
+    if (finished) {
+        char tailbuf[8];
+        size_t tn = pd_detok_finish(&c->detok, tailbuf, sizeof(tailbuf));
+        text_append(c, tailbuf, tn);
+    }
+    emit_text(c, o, finished);
+    if (lp_at >= 0 && r->params.logprobs > 0) {
+        o->logprob = e->runner.sampled_logprob[lp_at];
+        o->num_top = r->params.logprobs;
+        memcpy(o->top_ids, e->runner.top_ids + lp_at * PD_MAX_LOGPROBS, (size_t)o->num_top * 4);
+        memcpy(o->top_logprobs, e->runner.top_logprobs + lp_at * PD_MAX_LOGPROBS, (size_t)o->num_top * 4);
+    }
+    if (finished) {
+        output_finish_fields(o, r);
+    }
+    eng_push_output(tail, o);
+    return !finished;
+}
+
+/* Draft tokens for the next step (--speculative-config) of every request that got tokens and goes
+ * on: at most num_speculative_tokens, and never so many that accepting them all and the token after
+ * them would pass max_tokens or the context length. */
+static void propose_drafts(pd_engine_t *e, const pd_scheduler_update_result_t *res)
+{
+    if (e->spec.method == PD_SPEC_NONE) {
+        return;
+    }
+    for (int32_t i = 0; i < res->num_with_new_token; i++) {
+        pd_request_t *r = res->with_new_token[i];
+        int32_t room = r->cap_tokens - r->num_tokens - 1;
+        int32_t k = e->spec.num_tokens < room ? e->spec.num_tokens : room;
+        if (pd_request_is_finished(r) || k <= 0) {
+            continue;
+        }
+        r->num_spec_tokens = pd_ngram_propose(r->tokens, r->num_tokens, e->spec.lookup_min,
+                                              e->spec.lookup_max, k, r->tokens + r->num_tokens);
+    }
+}
+
+/* Adds the scheduler's spec_decode counters since the last step to vLLM's metrics. */
+static void count_spec(pd_engine_t *e)
+{
+    if (e->spec.method == PD_SPEC_NONE || e->spec_m[0] == NULL) {
+        return;
+    }
+    pd_scheduler_stats_t now;
+    pd_scheduler_get_spec_stats(e->sched, &now);
+    pd_scheduler_stats_t *was = &e->spec_seen;
+    pd_metric_inc(e->spec_m[0], (double)(now.spec_drafts - was->spec_drafts));
+    pd_metric_inc(e->spec_m[1], (double)(now.spec_draft_tokens - was->spec_draft_tokens));
+    pd_metric_inc(e->spec_m[2], (double)(now.spec_accepted - was->spec_accepted));
+    for (int32_t j = 0; j < e->spec.num_tokens; j++) {
+        pd_metric_inc(e->spec_pos[j], (double)(now.spec_accepted_per_pos[j] - was->spec_accepted_per_pos[j]));
+    }
+    *was = now;
+}
+
 pd_status_t pd_engine_step(pd_engine_t *e, pd_engine_output_t **outputs)
 {
     double t0 = pd_time_now_s();
@@ -366,70 +467,26 @@ pd_status_t pd_engine_step(pd_engine_t *e, pd_engine_output_t **outputs)
         e->last_items++;
     }
     e->steps++;
-    e->generation_tokens += (uint64_t)res.num_with_new_token;
 
     gather_prompt_logprobs(e, so);
-    /* new tokens: detokenize, stop strings */
+    /* new tokens: detokenize, stop strings (one output per token) */
     char *buf = malloc(e->max_token_bytes + 64);
     for (int32_t i = 0; i < res.num_with_new_token && buf != NULL; i++) {
         pd_request_t *r = res.with_new_token[i];
-        req_ctx_t *c = r->user;
-        int32_t tok = r->tokens[r->num_tokens - 1];
-        pd_engine_output_t *o = output_new(r);
-        if (o == NULL) {
-            continue;
+        int32_t cnt = res.num_new_tokens[i], first = r->num_tokens - cnt, item = -1;
+        for (int32_t k = 0; k < so->num_items && item < 0; k++) {
+            item = so->items[k].req == r ? k : -1;
         }
-        o->token = tok;
-        attach_prompt_logprobs(r, o);
-        size_t n = 0;
-        size_t before = c->text_len;
-        if (pd_detok_step(e->tok, &c->detok, tok, !r->params.keep_special_tokens, buf,
-                          e->max_token_bytes + 64, &n) == PD_OK) {
-            text_append(c, buf, n);
+        bool more = true;
+        for (int32_t j = 0; j < cnt && more; j++) {
+            int64_t lp_at = item >= 0 ? (int64_t)item * e->runner.stride + j : -1;
+            more = emit_token(e, r, first + j, j == cnt - 1, lp_at, buf, &tail);
+            e->generation_tokens++;
         }
-        bool finished = pd_request_is_finished(r);
-        if (c->num_stop > 0 && pd_request_num_output(r) > r->params.min_tokens) {
-            int32_t which = -1;
-            long at = find_stop(c, before, &which);
-            if (at >= 0) {
-                /* the stop string is not part of the output unless the request asks for it */
-                size_t cut = (size_t)at + (r->params.include_stop_str_in_output ? strlen(c->stop[which]) : 0);
-                c->text_len = cut;
-                c->text[cut] = '\0';
-                c->stop_hit = which;
-                if (!finished) {
-                    pd_scheduler_finish(e->sched, r, PD_REQ_FINISHED_STOPPED);
-                    pd_input_batch_remove(&e->runner.batch, r);
-                    finished = true;
-                }
-            }
-        }
-        if (finished) {
-            char tailbuf[8];
-            size_t tn = pd_detok_finish(&c->detok, tailbuf, sizeof(tailbuf));
-            text_append(c, tailbuf, tn);
-        }
-        emit_text(c, o, finished);
-        int32_t item = -1;
-        for (int32_t k = 0; k < so->num_items; k++) {
-            if (so->items[k].req == r) {
-                item = k;
-                break;
-            }
-        }
-        if (item >= 0 && r->params.logprobs > 0) {
-            o->logprob = e->runner.sampled_logprob[item];
-            o->num_top = r->params.logprobs;
-            memcpy(o->top_ids, e->runner.top_ids + (size_t)item * PD_MAX_LOGPROBS, (size_t)o->num_top * 4);
-            memcpy(o->top_logprobs, e->runner.top_logprobs + (size_t)item * PD_MAX_LOGPROBS,
-                   (size_t)o->num_top * 4);
-        }
-        if (finished) {
-            output_finish_fields(o, r);
-        }
-        eng_push_output(&tail, o);
     }
     free(buf);
+    propose_drafts(e, &res);
+    count_spec(e);
     /* requests that finished without a new token this step (aborts, errors, stop strings are
      * covered above): a closing output each */
     for (int32_t i = 0; i < res.num_finished; i++) {

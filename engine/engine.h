@@ -43,6 +43,7 @@ typedef struct pd_engine_config {
     const char *generation_config;   /* auto (the model's generation_config.json) | vllm (ignore it) */
     int max_queue;                   /* submitted-but-not-admitted requests before 503s */
     int num_blocks_override;         /* > 0: KV blocks regardless of profiling (vLLM's override) */
+    const char *speculative_config;  /* vLLM's --speculative-config JSON (engine/spec_decode.h), or NULL */
     pd_connector_t *connector;       /* NULL: no KV transfer (pd-serve) */
     const pd_kv_region_allocator_t *kv_allocator;
     pd_metrics_t *metrics; /* optional: the engine adds its step-duration histogram */
@@ -168,10 +169,15 @@ typedef struct pd_engine_stats {
     uint32_t blocks_free, blocks_cached_free, blocks_used, num_blocks;
     uint64_t prefix_queries, prefix_hits, preemptions;
     uint64_t prompt_tokens, generation_tokens, steps, requests_finished;
+    uint64_t spec_drafts, spec_draft_tokens, spec_accepted; /* speculative decoding (scheduler stats) */
     double last_step_s, last_forward_s;
 } pd_engine_stats_t;
 
 /* A consistent snapshot (thread-safe). */
 void pd_engine_get_stats(pd_engine_t *e, pd_engine_stats_t *out);
+
+struct pd_block_pool;
+/* The KV block pool (tests inspect the prefix cache through it; engine thread or offline only). */
+const struct pd_block_pool *pd_engine_block_pool(pd_engine_t *e);
 
 #endif

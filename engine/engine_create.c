@@ -81,6 +81,10 @@ size_t pd_engine_flags(pd_engine_config_t *c, pd_flag_t *out, size_t max)
         {"num-blocks-override", PD_FLAG_INT, &c->num_blocks_override,
          "use this many KV blocks instead of the profiled number (0 = profile)", NULL},
         {"Scheduler", PD_FLAG_GROUP, NULL, NULL, NULL},
+        {"speculative-config", PD_FLAG_STR, &c->speculative_config,
+         "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+         "\"prompt_lookup_max\": 4} (default: none)",
+         NULL},
         {"max-model-len", PD_FLAG_INT, &c->max_model_len, "context length limit (0 = the model's)", NULL},
         {"max-num-seqs", PD_FLAG_INT, &c->max_num_seqs, "sequences per step at most", NULL},
         {"max-num-batched-tokens", PD_FLAG_INT, &c->max_num_batched_tokens, "tokens per step at most", NULL},
@@ -267,13 +271,35 @@ static pd_status_t make_scheduler(pd_engine_t *e)
     if (st == PD_OK) {
         pd_scheduler_set_release_hook(e->sched, eng_on_release, e);
         st = pd_model_runner_init(&e->runner, e->model, e->be, e->kv, cfg->connector, cfg->max_num_seqs,
-                                  cfg->max_num_batched_tokens, e->max_model_len);
+                                  cfg->max_num_batched_tokens, e->max_model_len, e->spec.num_tokens);
     }
     if (st == PD_OK) { /* min_tokens masks every EOS id */
         e->runner.num_eos = sc.num_eos;
         memcpy(e->runner.eos, sc.eos_token_ids, (size_t)sc.num_eos * sizeof(int32_t));
     }
     return st;
+}
+
+/* vLLM's spec_decode counters (only with --speculative-config, as vLLM registers them). */
+static void add_spec_metrics(pd_engine_t *e, pd_metrics_t *m)
+{
+    if (e->spec.method == PD_SPEC_NONE) {
+        return;
+    }
+    e->spec_m[0] = pd_metrics_add(m, PD_METRIC_COUNTER, "vllm:spec_decode_num_drafts_total",
+                                  "Number of spec decoding drafts.", NULL, NULL, 0);
+    e->spec_m[1] = pd_metrics_add(m, PD_METRIC_COUNTER, "vllm:spec_decode_num_draft_tokens_total",
+                                  "Number of draft tokens.", NULL, NULL, 0);
+    e->spec_m[2] = pd_metrics_add(m, PD_METRIC_COUNTER, "vllm:spec_decode_num_accepted_tokens_total",
+                                  "Number of accepted tokens.", NULL, NULL, 0);
+    for (int32_t j = 0; j < e->spec.num_tokens; j++) {
+        char pos[16];
+        snprintf(pos, sizeof(pos), "%d", j);
+        pd_metric_label_t l = {"position", pos};
+        e->spec_pos[j] =
+            pd_metrics_add_labels(m, PD_METRIC_COUNTER, "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                                  "Accepted tokens per draft position.", &l, 1, NULL, 0);
+    }
 }
 
 pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine_out)
@@ -294,11 +320,19 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
             "engine: --block-size, --max-num-seqs, --max-num-batched-tokens and --max-queue must be >= 1");
         return PD_ERR_INVALID_ARG;
     }
+    pd_spec_config_t spec;
+    char why[256];
+    if (pd_spec_config_parse(cfg->speculative_config, &spec, why, sizeof(why)) != PD_OK) {
+        pd_log_error("engine: %s", why);
+        return PD_ERR_INVALID_ARG;
+    }
     pd_engine_t *e = calloc(1, sizeof(*e));
     if (e == NULL) {
         return PD_ERR_NO_MEMORY;
     }
     e->cfg = *cfg;
+    e->spec = spec;
+
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->cv, NULL);
     const char *base = strrchr(cfg->model_dir, '/');
@@ -318,6 +352,11 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
         e->iteration_tokens = pd_metrics_add(cfg->metrics, PD_METRIC_HISTOGRAM, "vllm:iteration_tokens_total",
                                              "Histogram of number of tokens per engine_step.", NULL,
                                              PD_VLLM_ITERATION_BUCKETS, PD_VLLM_ITERATION_NUM_BUCKETS);
+        add_spec_metrics(e, cfg->metrics);
+    }
+    if (spec.method != PD_SPEC_NONE) {
+        pd_log_info("speculative decoding: ngram, %d draft tokens per step, n-grams of %d..%d tokens",
+                    spec.num_tokens, spec.lookup_min, spec.lookup_max);
     }
     pd_log_info("engine ready: %s, max_model_len %d, %u KV blocks of %d tokens, max_num_seqs %d, "
                 "max_num_batched_tokens %d, prefix caching %s",
@@ -390,6 +429,11 @@ const char *pd_engine_kv_dtype_name(const pd_engine_t *e)
 const pd_engine_config_t *pd_engine_config(const pd_engine_t *e)
 {
     return &e->cfg;
+}
+
+const struct pd_block_pool *pd_engine_block_pool(pd_engine_t *e)
+{
+    return pd_scheduler_kv(e->sched)->pool;
 }
 
 const char *pd_engine_model_dir(const pd_engine_t *e)

@@ -8,6 +8,7 @@
 
 #include "engine/engine.h"
 #include "engine/model_runner.h"
+#include "engine/spec_decode.h"
 #include "model/generation_config.h"
 #include "scheduler/scheduler.h"
 
@@ -50,6 +51,10 @@ struct pd_engine {
     pd_kv_cache_t *kv;
     pd_scheduler_t *sched;
     pd_model_runner_t runner;
+    pd_spec_config_t spec;          /* --speculative-config */
+    pd_scheduler_stats_t spec_seen; /* spec counters already added to the metrics */
+    pd_metric_t *spec_m[3];         /* vllm:spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total */
+    pd_metric_t *spec_pos[PD_SPEC_MAX_TOKENS]; /* ..._num_accepted_tokens_per_pos_total{position} */
     int32_t max_model_len;
     size_t max_token_bytes;
     uint64_t prompt_tokens, generation_tokens, steps, finished;

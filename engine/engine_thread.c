@@ -38,6 +38,9 @@ static void snapshot_stats(pd_engine_t *e)
     o->prefix_queries = ss.prefix_queries;
     o->prefix_hits = ss.prefix_hits;
     o->preemptions = ss.num_preemptions;
+    o->spec_drafts = ss.spec_drafts;
+    o->spec_draft_tokens = ss.spec_draft_tokens;
+    o->spec_accepted = ss.spec_accepted;
     o->prompt_tokens = e->prompt_tokens;
     o->generation_tokens = e->generation_tokens;
     o->steps = e->steps;

@@ -28,8 +28,8 @@ pd_status_t pd_input_batch_init(pd_input_batch_t *b, int32_t max_reqs, int32_t m
     b->slot_mapping = malloc(T * 4);
     b->cu_seqlens_q = malloc((R + 1) * 4);
     b->seq_lens = malloc(R * 4);
-    b->logits_indices = malloc((R + T) * 4); /* sampling rows, then prompt-logprob rows */
-    b->logits_item = malloc(R * 4);
+    b->logits_indices = malloc((R + 2 * T) * 4); /* sampling rows, then prompt-logprob rows */
+    b->logits_item = malloc((R + T) * 4);        /* a row per token when drafts are verified */
     b->plp_indices = malloc(T * 4);
     b->plp_item = malloc(T * 4);
     b->plp_pos = malloc(T * 4);
@@ -135,8 +135,10 @@ pd_status_t pd_input_batch_prepare(pd_input_batch_t *b, const pd_scheduler_outpu
             return PD_ERR_NO_SPACE;
         }
         /* blocks only grow while a request stays in the batch: copy the new ids (a sliding
-         * window's freed entries turn 0, so with a window the whole row is copied) */
-        int32_t G = b->num_groups, from = sliding_window > 0 ? 0 : b->row_len[s] * G;
+         * window's freed entries turn 0, and rejected drafts give tail blocks back, so then the
+         * whole row is copied) */
+        int32_t G = b->num_groups, from = sliding_window > 0 || r->blocks_trimmed ? 0 : b->row_len[s] * G;
+        r->blocks_trimmed = false;
         for (int32_t k = from; k < r->num_blocks * G; k++) {
             b->block_table[(size_t)s * b->row_width + k] = (int32_t)r->block_ids[k];
         }
@@ -187,10 +189,14 @@ pd_status_t pd_input_batch_prepare(pd_input_batch_t *b, const pd_scheduler_outpu
                 dst[k] = row[k * G + g];
             }
         }
-        if (r->num_computed_tokens + q >= r->num_tokens) {
-            b->logits_indices[nl] = t - 1;
-            b->logits_item[nl] = i;
-            nl++;
+        /* the step completes the tokens: the last one's row samples; with draft tokens (past
+         * num_tokens) every draft's row too, to verify it */
+        for (int32_t k = r->num_tokens - 1 - r->num_computed_tokens; k < q; k++) {
+            if (k >= 0) {
+                b->logits_indices[nl] = t - q + k;
+                b->logits_item[nl] = i;
+                nl++;
+            }
         }
         if (r->params.want_prompt_logprobs) { /* rows scoring the next prompt token */
             for (int32_t k = 0; k < q; k++) {

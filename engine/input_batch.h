@@ -3,7 +3,8 @@
  * requests leave; and the per-step arrays the forward needs, built in slot order:
  *   token_ids, positions (offset by computed tokens), slot_mapping [num_tokens]
  *   cu_seqlens_q [num_seqs + 1], seq_lens [num_seqs], block_tables [num_seqs][max_blocks]
- *   logits_indices: the last new token of every sequence whose step completes its tokens. */
+ *   logits_indices: the last new token of every sequence whose step completes its tokens, and
+ *   each of its draft tokens (speculative decoding: the tokens past req->num_tokens), in order. */
 #ifndef PD_ENGINE_INPUT_BATCH_H
 #define PD_ENGINE_INPUT_BATCH_H
 
@@ -32,8 +33,8 @@ typedef struct pd_input_batch {
     int32_t *slot_mapping;            /* [G][max_tokens] */
     int32_t *cu_seqlens_q, *seq_lens; /* [max_reqs + 1], [max_reqs] */
     int32_t *gathered_table;          /* [G][max_reqs][max_blocks] when slots are skipped or G > 1 */
-    int32_t *logits_indices;          /* [max_reqs] rows of the batch that need logits */
-    int32_t *logits_item;             /* [max_reqs] scheduler item of each logits row */
+    int32_t *logits_indices;          /* [max_reqs + 2 max_tokens] rows of the batch that need logits */
+    int32_t *logits_item;             /* [max_reqs + max_tokens] scheduler item of each logits row */
     /* prompt logprobs: rows after the sampling rows that score the next prompt token */
     int32_t *plp_indices; /* [max_tokens] batch rows */
     int32_t *plp_item;    /* [max_tokens] scheduler item */

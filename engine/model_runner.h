@@ -1,6 +1,10 @@
 /* engine/model_runner.h — runs one scheduled step: input batch → connector start_load_kv →
  * forward (per layer: save_kv_layer after the cache write, wait_for_layer_load before attention)
- * → wait_for_save → get_finished → sampling (+ logprobs) for the sequences that completed. */
+ * → wait_for_save → get_finished → sampling (+ logprobs) for the sequences that completed, or, for
+ * sequences that carry draft tokens, their verification (engine/spec_verify.h).
+ *
+ * Outputs are by scheduler item with a stride of 1 + the most draft tokens an item may carry:
+ * item i's tokens (and their logprobs) sit at i × stride + j. */
 #ifndef PD_ENGINE_MODEL_RUNNER_H
 #define PD_ENGINE_MODEL_RUNNER_H
 
@@ -8,6 +12,7 @@
 #include "engine/input_batch.h"
 #include "engine/kv_init.h"
 #include "engine/logits_process.h"
+#include "kernels/sample.h"
 #include "model/model.h"
 #include "scheduler/scheduler.h"
 
@@ -20,14 +25,18 @@ typedef struct pd_model_runner {
     pd_connector_t *conn;
     pd_input_batch_t batch;
     int32_t vocab;
-    float *logits;                  /* [max_reqs][vocab] */
-    pd_sampling_params_t *params;   /* [max_reqs] */
-    pd_rng_t *rngs;                 /* [max_reqs] */
-    int32_t *row_tokens;            /* [max_reqs] */
-    int32_t *sampled;               /* [max_reqs] by scheduler item */
-    float *sampled_logprob;         /* [max_reqs] by item (when the request asked for logprobs) */
-    int32_t *top_ids;               /* [max_reqs][PD_MAX_LOGPROBS] by item */
-    float *top_logprobs;            /* [max_reqs][PD_MAX_LOGPROBS] by item */
+    int32_t stride;                 /* 1 + the draft tokens an item may carry */
+    int32_t max_rows;               /* logits rows per step at most */
+    float *logits;                  /* [max_rows][vocab] */
+    pd_sampling_params_t *params;   /* [max_rows] */
+    pd_rng_t *rngs;                 /* [max_rows] */
+    int32_t *row_tokens;            /* [max_rows] */
+    int32_t *sampled;               /* [max_reqs × stride] by scheduler item */
+    int32_t *num_sampled;           /* [max_reqs] tokens each item produced */
+    float *sampled_logprob;         /* [max_reqs × stride] (when the request asked for logprobs) */
+    int32_t *top_ids;               /* [max_reqs × stride][PD_MAX_LOGPROBS] */
+    float *top_logprobs;            /* [max_reqs × stride][PD_MAX_LOGPROBS] */
+    pd_sample_cand_t *cands;        /* [vocab] the verifier's scratch (when stride > 1) */
     pd_logits_scratch_t lp_scratch; /* logits processors' per-vocabulary scratch */
     int32_t eos[8];                 /* the model's EOS ids (min_tokens masks them) */
     int32_t num_eos;
@@ -41,9 +50,10 @@ typedef struct pd_model_runner {
     double last_forward_s;
 } pd_model_runner_t;
 
+/* max_spec_tokens: draft tokens an item may carry (0 without speculative decoding). */
 pd_status_t pd_model_runner_init(pd_model_runner_t *r, pd_model_t *model, pd_backend_t *be, pd_kv_cache_t *kv,
                                  pd_connector_t *conn, int32_t max_reqs, int32_t max_tokens,
-                                 int32_t max_model_len);
+                                 int32_t max_model_len, int32_t max_spec_tokens);
 void pd_model_runner_destroy(pd_model_runner_t *r);
 
 /* Executes out and fills mo (pointers into the runner, valid until the next execute). A failing

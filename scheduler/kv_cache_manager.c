@@ -264,6 +264,23 @@ bool pd_kv_manager_allocate_slots(pd_kv_cache_manager_t *m, pd_request_t *req, i
     return true;
 }
 
+void pd_kv_manager_trim(pd_kv_cache_manager_t *m, pd_request_t *req, int32_t num_tokens)
+{
+    int32_t keep = (num_tokens + m->block_size - 1) / m->block_size, G = m->num_groups;
+    if (keep < req->num_cached_blocks) {
+        keep = req->num_cached_blocks;
+    }
+    for (int32_t b = req->num_blocks - 1; b >= keep; b--) { /* the last block is freed first */
+        for (int32_t g = 0; g < G; g++) {
+            if (req->block_ids[b * G + g] != 0) {
+                pd_block_pool_free(m->pool, &req->block_ids[b * G + g], 1);
+            }
+        }
+        req->num_blocks = b;
+        req->blocks_trimmed = true;
+    }
+}
+
 void pd_kv_manager_free(pd_kv_cache_manager_t *m, pd_request_t *req)
 {
     if (req->num_blocks == 0) {

@@ -55,6 +55,11 @@ bool pd_kv_manager_allocate_slots(pd_kv_cache_manager_t *m, pd_request_t *req, i
 /* Registers req's full blocks covering its first num_tokens tokens in the prefix cache. */
 void pd_kv_manager_cache_blocks(pd_kv_cache_manager_t *m, pd_request_t *req, int32_t num_tokens);
 
+/* Gives back req's logical blocks past the first ceil(num_tokens / block_size): the tail that holds
+ * only positions >= num_tokens (KV of rejected draft tokens). Never touches a cached block (those
+ * are full blocks of real tokens). Sets req->blocks_trimmed when it frees anything. */
+void pd_kv_manager_trim(pd_kv_cache_manager_t *m, pd_request_t *req, int32_t num_tokens);
+
 /* Releases req's blocks (tail first, so tails are evicted first) and forgets them. */
 void pd_kv_manager_free(pd_kv_cache_manager_t *m, pd_request_t *req);
 

@@ -32,6 +32,7 @@ typedef enum pd_request_state {
 #define PD_MAX_LOGIT_BIAS     300 /* entries of logit_bias (OpenAI's limit) */
 #define PD_MAX_BAD_WORDS      32  /* token sequences of bad_words */
 #define PD_MAX_BAD_WORD_IDS   256 /* their token ids, all sequences together */
+#define PD_SPEC_MAX_TOKENS    32  /* draft tokens per request per step at most (--speculative-config) */
 
 /* What a client asks for; copied into the request. */
 typedef struct pd_request_params {
@@ -76,6 +77,8 @@ struct pd_request {
     int32_t num_tokens;
     int32_t cap_tokens;
     int32_t num_computed_tokens; /* tokens whose KV is in the cache */
+    int32_t num_spec_tokens;     /* draft tokens proposed for the next step, held at tokens[num_tokens,
+                                  * num_tokens + num_spec_tokens) (never counted in num_tokens) */
     int32_t num_cached_tokens;   /* prefix-cache hit when first scheduled, -1 before */
 
     uint32_t *block_ids; /* [cap_blocks] this request's KV blocks in order */
@@ -83,6 +86,8 @@ struct pd_request {
     pd_hash128_t *block_hashes; /* chained hashes of its full blocks, computed lazily */
     int32_t num_hashes;
     int32_t num_cached_blocks; /* leading blocks registered in the prefix cache */
+    bool blocks_trimmed;       /* tail blocks went back to the pool since the input batch copied the
+                                * block list (rejected drafts): it copies the whole row again */
 
     void *kv_transfer_params;       /* json_t*, owned (connector parameters), may be NULL */
     int32_t num_external_tokens;    /* tokens the connector loads from a remote peer */

@@ -24,6 +24,8 @@ struct pd_scheduler {
     pd_sched_item_t *items;
     pd_request_t **preempted;
     pd_request_t **with_token;
+    int32_t *with_count;
+    uint64_t spec_drafts, spec_draft_tokens, spec_accepted, spec_accepted_per_pos[PD_SPEC_MAX_TOKENS];
     pd_request_t **finished;
     int32_t num_finished, cap_finished;
     pd_request_t **release; /* finished this step and not holding: freed at the next schedule */
@@ -145,9 +147,10 @@ pd_status_t pd_scheduler_create(const pd_scheduler_config_t *cfg, pd_connector_t
     s->items = calloc((size_t)cfg->max_num_seqs, sizeof(pd_sched_item_t));
     s->preempted = calloc((size_t)cfg->max_num_seqs, sizeof(pd_request_t *));
     s->with_token = calloc((size_t)cfg->max_num_seqs, sizeof(pd_request_t *));
+    s->with_count = calloc((size_t)cfg->max_num_seqs, sizeof(int32_t));
     s->hits = calloc((size_t)s->max_blocks_per_req * (size_t)groups, sizeof(uint32_t));
     if (s->running == NULL || s->items == NULL || s->preempted == NULL || s->with_token == NULL ||
-        s->hits == NULL || pd_strmap_init(&s->by_id, 256) != PD_OK ||
+        s->with_count == NULL || s->hits == NULL || pd_strmap_init(&s->by_id, 256) != PD_OK ||
         pd_strmap_init(&s->recv_done, 16) != PD_OK) {
         pd_scheduler_destroy(s);
         return PD_ERR_NO_MEMORY;
@@ -189,7 +192,8 @@ void pd_scheduler_destroy(pd_scheduler_t *s)
     pd_strmap_destroy(&s->by_id);
     pd_strmap_destroy(&s->recv_done);
     pd_kv_manager_destroy(&s->kv);
-    free(s->running), free(s->items), free(s->preempted), free(s->with_token), free(s->hits);
+    free(s->running), free(s->items), free(s->preempted), free(s->with_token), free(s->with_count),
+        free(s->hits);
     free(s->finished), free(s->release);
     free(s);
 }
@@ -286,6 +290,7 @@ static void preempt(pd_scheduler_t *s, pd_request_t *r)
 {
     pd_kv_manager_free(&s->kv, r);
     r->num_computed_tokens = 0;
+    r->num_spec_tokens = 0;
     r->num_preemptions++;
     r->state = PD_REQ_WAITING; /* PREEMPTED → WAITING at once: re-queued at the front */
     wait_push_front(s, r);
@@ -396,6 +401,11 @@ const pd_scheduler_output_t *pd_scheduler_schedule(pd_scheduler_t *s)
     for (int32_t i = 0; i < s->num_running && budget > 0; i++) {
         pd_request_t *r = s->running[i];
         int32_t num_new = r->num_tokens - r->num_computed_tokens;
+        if (r->num_spec_tokens > 0) { /* drafts ride along as far as the budget goes */
+            int32_t room = budget - num_new;
+            r->num_spec_tokens = room < r->num_spec_tokens ? (room > 0 ? room : 0) : r->num_spec_tokens;
+            num_new += r->num_spec_tokens;
+        }
         if (r->params.want_prompt_logprobs && s->cfg.enable_chunked_prefill &&
             num_new > PD_PROMPT_LOGPROBS_CHUNK) {
             num_new = PD_PROMPT_LOGPROBS_CHUNK;
@@ -467,6 +477,35 @@ static bool stop_check(const pd_scheduler_t *s, pd_request_t *r, int32_t tok, pd
     return false;
 }
 
+/* Appends an item's tokens one by one with the stop checks after each, as vLLM does: the first
+ * that finishes the request ends it and the rest are dropped. Returns how many were appended. */
+static int32_t append_tokens(pd_scheduler_t *s, pd_request_t *r, const int32_t *toks, int32_t n)
+{
+    for (int32_t j = 0; j < n; j++) {
+        if (pd_request_append_token(r, toks[j]) != PD_OK) {
+            finish_request(s, r, PD_REQ_FINISHED_LENGTH);
+            return j;
+        }
+        pd_request_state_t st;
+        if (stop_check(s, r, toks[j], &st)) {
+            finish_request(s, r, st);
+            return j + 1;
+        }
+    }
+    return n;
+}
+
+/* vLLM's spec_decode counters: one draft of n tokens, of which the first accepted were accepted. */
+static void count_spec(pd_scheduler_t *s, int32_t n, int32_t accepted)
+{
+    s->spec_drafts++;
+    s->spec_draft_tokens += (uint64_t)n;
+    s->spec_accepted += (uint64_t)accepted;
+    for (int32_t j = 0; j < accepted && j < PD_SPEC_MAX_TOKENS; j++) {
+        s->spec_accepted_per_pos[j]++;
+    }
+}
+
 /* Blocks that failed to load: the policy decides for each request waiting on them. */
 static void apply_load_errors(pd_scheduler_t *s, const uint32_t *bad, int32_t n_bad)
 {
@@ -507,29 +546,36 @@ static void apply_load_errors(pd_scheduler_t *s, const uint32_t *bad, int32_t n_
 void pd_scheduler_update(pd_scheduler_t *s, const pd_scheduler_output_t *out, const pd_model_output_t *mo,
                          pd_scheduler_update_result_t *res)
 {
-    int32_t n_tok = 0;
+    int32_t n_tok = 0, stride = mo->stride > 0 ? mo->stride : 1;
     for (int32_t i = 0; i < out->num_items; i++) {
         pd_request_t *r = out->items[i].req;
+        int32_t drafts = r->num_spec_tokens;
+        r->num_spec_tokens = 0;
         if (pd_request_is_finished(r)) {
             continue; /* aborted between schedule and update */
         }
         r->num_computed_tokens += out->items[i].num_new_tokens;
-        if (r->num_computed_tokens < r->num_tokens || mo->sampled == NULL || mo->sampled[i] < 0) {
+        const int32_t *toks = mo->sampled != NULL ? mo->sampled + (size_t)i * stride : NULL;
+        if (r->num_computed_tokens < r->num_tokens || toks == NULL || toks[0] < 0) {
             continue; /* a prompt chunk: no token yet */
         }
-        int32_t tok = mo->sampled[i];
-        if (pd_request_append_token(r, tok) != PD_OK) {
-            finish_request(s, r, PD_REQ_FINISHED_LENGTH);
-            continue;
+        int32_t n = mo->num_sampled != NULL ? mo->num_sampled[i] : 1;
+        n = n < 1 ? 1 : n > drafts + 1 ? drafts + 1 : n;
+        if (drafts > 0) {
+            count_spec(s, drafts, n - 1);
         }
-        double now = pd_time_now_s();
         if (r->first_token_time == 0) {
-            r->first_token_time = now;
+            r->first_token_time = pd_time_now_s();
         }
-        s->with_token[n_tok++] = r;
-        pd_request_state_t st;
-        if (stop_check(s, r, tok, &st)) {
-            finish_request(s, r, st);
+        s->with_token[n_tok] = r;
+        s->with_count[n_tok++] = append_tokens(s, r, toks, n);
+        if (!pd_request_is_finished(r)) {
+            /* KV rollback: only the accepted drafts' slots hold valid KV; the last token is computed
+             * next step, and blocks past the tokens (rejected positions only) go back at once */
+            r->num_computed_tokens = r->num_tokens - 1;
+            if (drafts > 0) {
+                pd_kv_manager_trim(&s->kv, r, r->num_tokens);
+            }
         }
     }
     apply_load_errors(s, mo->load_error_blocks, mo->num_load_error_blocks);
@@ -551,6 +597,7 @@ void pd_scheduler_update(pd_scheduler_t *s, const pd_scheduler_output_t *out, co
         }
     }
     res->with_new_token = s->with_token;
+    res->num_new_tokens = s->with_count;
     res->num_with_new_token = n_tok;
     res->finished = s->finished;
     res->num_finished = s->num_finished;
@@ -577,6 +624,15 @@ void pd_scheduler_get_stats(const pd_scheduler_t *s, pd_scheduler_stats_t *o)
     o->blocks_free = pd_block_pool_num_free(s->kv.pool);
     o->blocks_cached_free = pd_block_pool_num_cached_free(s->kv.pool);
     o->blocks_used = pd_block_pool_num_used(s->kv.pool);
+    pd_scheduler_get_spec_stats(s, o);
+}
+
+void pd_scheduler_get_spec_stats(const pd_scheduler_t *s, pd_scheduler_stats_t *o)
+{
+    o->spec_drafts = s->spec_drafts;
+    o->spec_draft_tokens = s->spec_draft_tokens;
+    o->spec_accepted = s->spec_accepted;
+    memcpy(o->spec_accepted_per_pos, s->spec_accepted_per_pos, sizeof(o->spec_accepted_per_pos));
 }
 
 bool pd_scheduler_idle(const pd_scheduler_t *s)

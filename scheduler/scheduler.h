@@ -55,9 +55,13 @@ typedef struct pd_scheduler_output {
     void *connector_meta;
 } pd_scheduler_output_t;
 
-/* Per scheduled item: the sampled token, or -1 when the step computed only part of a prompt. */
+/* Per scheduled item: the sampled token, or -1 when the step computed only part of a prompt. With
+ * draft tokens (speculative decoding) an item may carry several: the accepted drafts and the token
+ * sampled after them, at sampled[i × stride ...]. */
 typedef struct pd_model_output {
-    const int32_t *sampled;            /* [num_items] */
+    const int32_t *sampled;            /* [num_items × stride] */
+    const int32_t *num_sampled;        /* [num_items] tokens of item i (>= 1 when sampled); NULL: 1 each */
+    int32_t stride;                    /* 0 means 1 */
     pd_connector_finished_t finished;  /* from the connector's get_finished, or empty */
     const uint32_t *load_error_blocks; /* from get_block_ids_with_load_errors */
     int32_t num_load_error_blocks;
@@ -65,7 +69,8 @@ typedef struct pd_model_output {
 
 /* What an update changed, for the frontend. */
 typedef struct pd_scheduler_update_result {
-    pd_request_t **with_new_token; /* requests that got one token this step */
+    pd_request_t **with_new_token; /* requests that got tokens this step */
+    const int32_t *num_new_tokens; /* [num_with_new_token] how many each got (its last tokens) */
     int32_t num_with_new_token;
     pd_request_t **finished; /* requests that finished this step (valid until the next schedule) */
     int32_t num_finished;
@@ -116,9 +121,16 @@ typedef struct pd_scheduler_stats {
     uint64_t prefix_queries, prefix_hits;
     double kv_usage;
     uint32_t blocks_free, blocks_cached_free, blocks_used;
+    /* speculative decoding (vLLM's spec_decode counters): items that carried drafts, their draft
+     * tokens, the drafts accepted, and accepted drafts by position */
+    uint64_t spec_drafts, spec_draft_tokens, spec_accepted;
+    uint64_t spec_accepted_per_pos[PD_SPEC_MAX_TOKENS];
 } pd_scheduler_stats_t;
 
 void pd_scheduler_get_stats(const pd_scheduler_t *s, pd_scheduler_stats_t *out);
+
+/* Only the spec_* fields of the stats (cheap: no queue walk); the rest of out is left as it is. */
+void pd_scheduler_get_spec_stats(const pd_scheduler_t *s, pd_scheduler_stats_t *out);
 
 /* True when nothing is waiting, running or held. */
 bool pd_scheduler_idle(const pd_scheduler_t *s);

@@ -14,13 +14,11 @@
 
 #include "common/log.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/sample.h"
 
 #define SAMPLING_EPS 1e-5f
 
-typedef struct cand {
-    float z;
-    int32_t id;
-} cand_t;
+typedef pd_sample_cand_t cand_t;
 
 /* (z desc, id asc) */
 static int cand_cmp(const void *a, const void *b)
@@ -49,9 +47,10 @@ static int32_t argmax_row(const float *z, int vocab)
     return best;
 }
 
-/* Given kept candidates c[n] sorted by (z desc, id asc): applies top-p, then draws.
- * c[].z is replaced by the probability. */
-static int32_t draw_from_sorted(cand_t *c, int n, float top_p, pd_rng_t *rng)
+/* Given kept candidates c[n] sorted by (z desc, id asc): applies top-p and leaves the distribution
+ * in c[0, keep) in ascending id order, c[].z replaced by the unnormalised probability; returns keep
+ * and the mass in *total. */
+static int dist_from_sorted(cand_t *c, int n, float top_p, double *total)
 {
     float zmax = c[0].z;
     double sum = 0;
@@ -74,19 +73,32 @@ static int32_t draw_from_sorted(cand_t *c, int n, float top_p, pd_rng_t *rng)
         }
     }
     qsort(c, (size_t)keep, sizeof(cand_t), cand_id_cmp);
-    double total = 0;
+    double t = 0;
     for (int i = 0; i < keep; i++) {
-        total += c[i].z;
+        t += c[i].z;
     }
-    double target = pd_rng_uniform(rng) * total;
+    *total = t;
+    return keep;
+}
+
+int32_t pd_sample_draw(const pd_sample_cand_t *c, int n, double total, double u)
+{
+    double target = u * total;
     double cum = 0;
-    for (int i = 0; i < keep; i++) {
+    for (int i = 0; i < n; i++) {
         cum += c[i].z;
         if (cum > target) {
             return c[i].id;
         }
     }
-    return c[keep - 1].id;
+    return c[n - 1].id;
+}
+
+static int32_t draw_from_sorted(cand_t *c, int n, float top_p, pd_rng_t *rng)
+{
+    double total;
+    int keep = dist_from_sorted(c, n, top_p, &total);
+    return pd_sample_draw(c, keep, total, pd_rng_uniform(rng));
 }
 
 /* Of the n candidates sorted by (z desc, id asc), how many pass min_p (at least the best one). */
@@ -170,8 +182,45 @@ static void heap_sift_down(cand_t *h, int n, int i)
     }
 }
 
-/* Same result as the reference; selects the top-k with a heap (O(V log k)) instead of sorting
- * the whole vocabulary. */
+int pd_sample_dist(const float *z, int vocab, const pd_sampling_params_t *p, pd_sample_cand_t *c,
+                   double *total)
+{
+    float temp = p->temperature;
+    int k = p->top_k > 0 && p->top_k < vocab ? p->top_k : vocab;
+    if (k < vocab) { /* the top-k with a heap (O(V log k)) instead of sorting the vocabulary */
+        for (int i = 0; i < k; i++) {
+            c[i].z = z[i] / temp;
+            c[i].id = i;
+        }
+        for (int i = k / 2 - 1; i >= 0; i--) {
+            heap_sift_down(c, k, i);
+        }
+        for (int i = k; i < vocab; i++) {
+            cand_t x = {z[i] / temp, i};
+            if (cand_worse(&c[0], &x)) {
+                c[0] = x;
+                heap_sift_down(c, k, 0);
+            }
+        }
+        qsort(c, (size_t)k, sizeof(cand_t), cand_cmp);
+    } else {
+        for (int i = 0; i < vocab; i++) {
+            c[i].z = z[i] / temp;
+            c[i].id = i;
+        }
+        /* the (z desc, id asc) order fixes the summation order, so it is part of the
+         * contract: sort the whole vocabulary as the reference does */
+        qsort(c, (size_t)vocab, sizeof(cand_t), cand_cmp);
+    }
+    return dist_from_sorted(c, min_p_keep(c, k, p->min_p), p->top_p, total);
+}
+
+int32_t pd_sample_argmax(const float *z, int vocab)
+{
+    return argmax_row(z, vocab);
+}
+
+/* Same result as the reference, through pd_sample_dist. */
 pd_status_t pd_cpu_sample(pd_backend_t *be, int32_t *tokens_out, float *logits, int n, int vocab,
                           const pd_sampling_params_t *params, pd_rng_t *rngs)
 {
@@ -191,34 +240,9 @@ pd_status_t pd_cpu_sample(pd_backend_t *be, int32_t *tokens_out, float *logits, 
             tokens_out[r] = argmax_row(z, vocab);
             continue;
         }
-        float temp = p->temperature;
-        int k = p->top_k > 0 && p->top_k < vocab ? p->top_k : vocab;
-        if (k < vocab) {
-            for (int i = 0; i < k; i++) {
-                c[i].z = z[i] / temp;
-                c[i].id = i;
-            }
-            for (int i = k / 2 - 1; i >= 0; i--) {
-                heap_sift_down(c, k, i);
-            }
-            for (int i = k; i < vocab; i++) {
-                cand_t x = {z[i] / temp, i};
-                if (cand_worse(&c[0], &x)) {
-                    c[0] = x;
-                    heap_sift_down(c, k, 0);
-                }
-            }
-            qsort(c, (size_t)k, sizeof(cand_t), cand_cmp);
-        } else {
-            for (int i = 0; i < vocab; i++) {
-                c[i].z = z[i] / temp;
-                c[i].id = i;
-            }
-            /* the (z desc, id asc) order fixes the summation order, so it is part of the
-             * contract: sort the whole vocabulary as the reference does */
-            qsort(c, (size_t)vocab, sizeof(cand_t), cand_cmp);
-        }
-        tokens_out[r] = draw_from_sorted(c, min_p_keep(c, k, p->min_p), p->top_p, &rngs[r]);
+        double total;
+        int kept = pd_sample_dist(z, vocab, p, c, &total);
+        tokens_out[r] = pd_sample_draw(c, kept, total, pd_rng_uniform(&rngs[r]));
     }
     free(c);
     return PD_OK;

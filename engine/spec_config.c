@@ -1,0 +1,87 @@
+/* engine/spec_config.c — --speculative-config, vLLM's JSON spelling. */
+#include <jansson.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "engine/spec_decode.h"
+#include "scheduler/request.h"
+
+/* An optional integer member: *v stays as it is when absent; false when present but not an integer. */
+static bool opt_int(const json_t *o, const char *key, int32_t *v, bool *given)
+{
+    const json_t *x = json_object_get(o, key);
+    if (x == NULL || json_is_null(x)) {
+        return true;
+    }
+    if (!json_is_integer(x) || json_integer_value(x) < -1000000 || json_integer_value(x) > 1000000) {
+        return false;
+    }
+    *v = (int32_t)json_integer_value(x);
+    *given = true;
+    return true;
+}
+
+pd_status_t pd_spec_config_parse(const char *text, pd_spec_config_t *out, char *err, size_t err_len)
+{
+    memset(out, 0, sizeof(*out));
+    if (text == NULL || text[0] == '\0') {
+        return PD_OK;
+    }
+    json_error_t je;
+    json_t *o = json_loads(text, 0, &je);
+    pd_status_t st = PD_ERR_INVALID_ARG;
+    if (!json_is_object(o)) {
+        snprintf(err, err_len, "--speculative-config is not a JSON object: %s", o == NULL ? je.text : "");
+        goto out;
+    }
+    const char *key;
+    json_t *val;
+    json_object_foreach(o, key, val)
+    {
+        if (strcmp(key, "method") != 0 && strcmp(key, "num_speculative_tokens") != 0 &&
+            strcmp(key, "prompt_lookup_min") != 0 && strcmp(key, "prompt_lookup_max") != 0) {
+            snprintf(err, err_len,
+                     "--speculative-config: '%s' is not supported (method, num_speculative_tokens, "
+                     "prompt_lookup_min, prompt_lookup_max are)",
+                     key);
+            goto out;
+        }
+    }
+    const char *method = json_string_value(json_object_get(o, "method"));
+    if (method == NULL || (strcmp(method, "ngram") != 0 && strcmp(method, "[ngram]") != 0)) {
+        snprintf(err, err_len, "--speculative-config: method '%s' is not supported (ngram is)",
+                 method != NULL ? method : "(missing)");
+        goto out;
+    }
+    bool has_k = false, has_min = false, has_max = false;
+    int32_t k = 0, lo = 0, hi = 0;
+    if (!opt_int(o, "num_speculative_tokens", &k, &has_k) ||
+        !opt_int(o, "prompt_lookup_min", &lo, &has_min) || !opt_int(o, "prompt_lookup_max", &hi, &has_max)) {
+        snprintf(err, err_len, "--speculative-config: the numbers must be integers");
+        goto out;
+    }
+    if (!has_k || k < 1 || k > PD_SPEC_MAX_TOKENS) {
+        snprintf(err, err_len, "--speculative-config: num_speculative_tokens must be given, in [1, %d]",
+                 PD_SPEC_MAX_TOKENS);
+        goto out;
+    }
+    if (!has_min && !has_max) {
+        lo = hi = 5;
+    } else if (!has_min) {
+        lo = hi;
+    } else if (!has_max) {
+        hi = lo;
+    }
+    if (lo < 1 || hi < lo || hi > 1024) {
+        snprintf(
+            err, err_len,
+            "--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max <= 1024 (got %d, %d)", lo,
+            hi);
+        goto out;
+    }
+    *out = (pd_spec_config_t){PD_SPEC_NGRAM, k, lo, hi};
+    st = PD_OK;
+out:
+    json_decref(o);
+    return st;
+}
