@@ -68,6 +68,37 @@ pd_status_t pd_bench_dataset_random(uint64_t seed, size_t n, int32_t input_len, 
     return PD_OK;
 }
 
+pd_status_t pd_bench_dataset_repeat(uint64_t seed, size_t n, int32_t input_len, int32_t phrase_len,
+                                    int32_t output_len, int32_t vocab, pd_bench_dataset_t *out)
+{
+    if (n == 0 || input_len < 1 || phrase_len < 1 || output_len < 1 || vocab < 2) {
+        pd_log_error("repeat dataset: need input, phrase and output lengths >= 1");
+        return PD_ERR_INVALID_ARG;
+    }
+    pd_rng_t rng;
+    pd_rng_seed(&rng, seed);
+    out->prompts = calloc(n, sizeof(pd_bench_prompt_t));
+    if (out->prompts == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
+    out->n = n;
+    for (size_t i = 0; i < n; i++) {
+        pd_bench_prompt_t *p = &out->prompts[i];
+        p->num_ids = p->input_len = input_len;
+        p->output_len = output_len;
+        p->ids = malloc((size_t)input_len * sizeof(int32_t));
+        if (p->ids == NULL) {
+            pd_bench_dataset_free(out);
+            return PD_ERR_NO_MEMORY;
+        }
+        for (int32_t t = 0; t < input_len; t++) {
+            p->ids[t] =
+                t < phrase_len ? (int32_t)pd_rng_below(&rng, (uint64_t)vocab) : p->ids[t - phrase_len];
+        }
+    }
+    return PD_OK;
+}
+
 pd_status_t pd_bench_dataset_prefix_repetition(uint64_t seed, size_t n, int32_t prefix_len,
                                                int32_t suffix_len, int32_t num_prefixes, int32_t output_len,
                                                int32_t vocab, pd_bench_dataset_t *out)

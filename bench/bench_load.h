@@ -38,6 +38,12 @@ pd_status_t pd_bench_dataset_prefix_repetition(uint64_t seed, size_t n, int32_t 
                                                int32_t suffix_len, int32_t num_prefixes, int32_t output_len,
                                                int32_t vocab, pd_bench_dataset_t *out);
 
+/* repeat: n prompts of input_len ids, each a random phrase of phrase_len ids repeated (lists,
+ * tables, code: text whose continuation repeats what came before, where n-gram speculation finds
+ * its drafts); output_len tokens each. */
+pd_status_t pd_bench_dataset_repeat(uint64_t seed, size_t n, int32_t input_len, int32_t phrase_len,
+                                    int32_t output_len, int32_t vocab, pd_bench_dataset_t *out);
+
 /* Counts the tokens of text as the server will (the model's tokenizer, special tokens added as
  * for a completion prompt); -1 when it cannot. */
 typedef int32_t (*pd_bench_count_fn)(void *ctx, const char *text);

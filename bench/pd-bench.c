@@ -39,6 +39,7 @@ typedef struct cfg {
     int random_input_len, random_output_len, random_prefix_len;
     double random_range_ratio;
     int pr_prefix_len, pr_suffix_len, pr_num_prefixes, pr_output_len;
+    int repeat_phrase_len;
     int sharegpt_output_len;
     int vocab_size;
     double request_rate, burstiness;
@@ -854,6 +855,7 @@ int main(int argc, char **argv)
     c.pr_suffix_len = 256;
     c.pr_num_prefixes = 10;
     c.pr_output_len = 128;
+    c.repeat_phrase_len = 8;
     c.request_rate = INFINITY;
     c.burstiness = 1.0;
     c.metric_percentiles = "99";
@@ -861,7 +863,8 @@ int main(int argc, char **argv)
         {"base-url", PD_FLAG_STR, &c.base_url, "server to benchmark (http://HOST:PORT)", NULL},
         {"endpoint", PD_FLAG_STR, &c.endpoint, "completions path", NULL},
         {"model", PD_FLAG_STR, &c.model, "model name (default: the server's first)", NULL},
-        {"dataset-name", PD_FLAG_CHOICE, &c.dataset_name, "workload", "random|prefix-repetition|sharegpt"},
+        {"dataset-name", PD_FLAG_CHOICE, &c.dataset_name, "workload",
+         "random|prefix-repetition|repeat|sharegpt"},
         {"dataset-path", PD_FLAG_STR, &c.dataset_path, "ShareGPT JSON file", NULL},
         {"num-prompts", PD_FLAG_INT, &c.num_prompts, "requests to send", NULL},
         {"random-input-len", PD_FLAG_INT, &c.random_input_len, "random: prompt tokens", NULL},
@@ -876,6 +879,8 @@ int main(int argc, char **argv)
          NULL},
         {"prefix-repetition-num-prefixes", PD_FLAG_INT, &c.pr_num_prefixes,
          "prefix-repetition: distinct prefixes", NULL},
+        {"repeat-phrase-len", PD_FLAG_INT, &c.repeat_phrase_len,
+         "repeat: prompts of --random-input-len ids are a phrase of this many repeated", NULL},
         {"prefix-repetition-output-len", PD_FLAG_INT, &c.pr_output_len, "prefix-repetition: output tokens",
          NULL},
         {"sharegpt-output-len", PD_FLAG_INT, &c.sharegpt_output_len,
@@ -911,7 +916,7 @@ int main(int argc, char **argv)
     int first = 0;
     pd_status_t st = pd_flags_parse(
         flags, sizeof(flags) / sizeof(flags[0]), argc, argv,
-        "usage: pd-bench [--base-url URL] [--dataset-name random|prefix-repetition|sharegpt] "
+        "usage: pd-bench [--base-url URL] [--dataset-name random|prefix-repetition|repeat|sharegpt] "
         "[options]\n       pd-bench plot OUT_DIR RESULT.json...\n       pd-bench table RESULT.json...\n"
         "Benchmarks an OpenAI-compatible completions server (vLLM's serving metrics).",
         &first);
@@ -974,6 +979,9 @@ int main(int argc, char **argv)
     } else if (strcmp(c.dataset_name, "prefix-repetition") == 0) {
         st = pd_bench_dataset_prefix_repetition((uint64_t)c.seed, n, c.pr_prefix_len, c.pr_suffix_len,
                                                 c.pr_num_prefixes, c.pr_output_len, c.vocab_size, &r.data);
+    } else if (strcmp(c.dataset_name, "repeat") == 0) {
+        st = pd_bench_dataset_repeat((uint64_t)c.seed, n, c.random_input_len, c.repeat_phrase_len,
+                                     c.random_output_len, c.vocab_size, &r.data);
     } else if (c.dataset_path == NULL) {
         pd_log_error("--dataset-name sharegpt needs --dataset-path");
         st = PD_ERR_INVALID_ARG;

@@ -339,7 +339,8 @@ static void test_attention(pd_dtype_t dt, const char *dtname)
            : dt == PD_DTYPE_F16 ? "reshape_and_cache fp16 (bit-exact)"
                                 : "reshape_and_cache bf16 (bit-exact)",
            same ? "ok" : "FAIL");
-    /* 4 sequences: mixed prefill chunks and context lengths; tables use shuffled blocks */
+    /* 4 sequences: mixed prefill chunks and context lengths (5 and 3 queries after a context are the
+     * speculative verify step: k + 1 tokens scored at once); tables use shuffled blocks */
     int seq_lens[4] = {1300, 37, 530, 17}, q_lens[4] = {5, 37, 1, 3}, maxb = 100;
     int32_t *tables = malloc((size_t)4 * maxb * 4);
     int32_t *perm = malloc((size_t)nblocks * 4);

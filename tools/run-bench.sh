@@ -22,6 +22,8 @@ echo "run-bench: pd-bench-ops model decode of the 565 M model (fp32, bf16, int8 
 "$build/bin/pd-bench-ops" --model "$models/llama-565m" --model-only --results bench/RESULTS.md
 echo "run-bench: tools/bench-dtype.sh (pd-serve with fp32 vs bf16 weights under load)"
 tools/bench-dtype.sh "$build"
+echo "run-bench: tools/bench-spec.sh (speculative decoding with n-gram drafts vs none)"
+tools/bench-spec.sh "$build"
 echo "run-bench: pd-bench-sched (scheduler step overhead, block pool)"
 "$build/bin/pd-bench-sched" --results bench/RESULTS.md
 echo "run-bench: pd-bench-transfer (pipe throughput and round trip vs memcpy, ucx_perftest, a plain socket)"

@@ -175,6 +175,17 @@ START_TEST(test_datasets)
     }
     ck_assert_int_eq(distinct, 3);
     pd_bench_dataset_free(&d);
+    /* repeat: each prompt is its first 5 ids over and over */
+    ck_assert_int_eq(pd_bench_dataset_repeat(4, 6, 23, 5, 9, 500, &d), PD_OK);
+    for (size_t i = 0; i < d.n; i++) {
+        ck_assert_int_eq(d.prompts[i].num_ids, 23);
+        ck_assert_int_eq(d.prompts[i].output_len, 9);
+        for (int32_t t = 5; t < 23; t++) {
+            ck_assert_int_eq(d.prompts[i].ids[t], d.prompts[i].ids[t % 5]);
+        }
+    }
+    ck_assert_int_ne(memcmp(d.prompts[0].ids, d.prompts[1].ids, 5 * sizeof(int32_t)), 0);
+    pd_bench_dataset_free(&d);
     tu_rmrf(dir);
     free(dir);
 }

@@ -379,6 +379,46 @@ START_TEST(test_equivalence)
 }
 END_TEST
 
+/* Speculative decoding (--speculative-config, n-gram drafts) on pd-serve and on the decode node, in
+ * pull over tcp and push over ucx: greedy answers equal pd-serve's without it, drafts were proposed
+ * and some accepted (vLLM's spec_decode counters), and no block is left held. */
+START_TEST(test_speculative_equivalence)
+{
+    char *spec[] = {"--speculative-config",
+                    "{\"method\": \"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_min\": 1, "
+                    "\"prompt_lookup_max\": 3}",
+                    NULL};
+    node_t serve;
+    start(&serve, "pd-serve", "serve-spec", g_model, spec);
+    for (int i = 0; i < NUM_PROMPTS; i++) {
+        expect_same(serve.port, i, false);
+    }
+    ck_assert_double_gt(metric(serve.port, "vllm:spec_decode_num_drafts_total"), 0);
+    ck_assert_double_gt(metric(serve.port, "vllm:spec_decode_num_accepted_tokens_total"), 0);
+    ck_assert_double_ge(
+        metric(serve.port, "vllm:spec_decode_num_accepted_tokens_per_pos_total{position=\"0\"}"),
+        metric(serve.port, "vllm:spec_decode_num_accepted_tokens_per_pos_total{position=\"1\"}"));
+    assert_pool_free(serve.port, "pd-serve");
+    stop(&serve);
+    static const char *modes[2][2] = {{"pull", "tcp"}, {"push", "ucx"}};
+    for (int m = 0; m < 2; m++) {
+        cluster_t c;
+        cluster_start(&c, modes[m][0], modes[m][1], NULL, spec);
+        for (int i = 0; i < NUM_PROMPTS; i++) {
+            expect_same(c.x.port, i, false);
+        }
+        double drafts = metric(c.d.port, "vllm:spec_decode_num_drafts_total");
+        double accepted = metric(c.d.port, "vllm:spec_decode_num_accepted_tokens_total");
+        fprintf(stderr, "speculative P/D %s/%s: %.0f drafts, %.0f tokens accepted\n", modes[m][0],
+                modes[m][1], drafts, accepted);
+        ck_assert(drafts > 0 && accepted > 0);
+        assert_pool_free(c.p.port, "the prefill");
+        assert_pool_free(c.d.port, "the decode");
+        cluster_stop(&c);
+    }
+}
+END_TEST
+
 /* Bytes of KV a decode needs moved for a prompt of n tokens (block 16, the last token recomputed):
  * every block of a full-attention layer, a sliding layer's blocks from the window of position
  * n − 1 on (KV cache groups: the rest is never allocated on the decode). */
@@ -1485,6 +1525,7 @@ int main(void)
     TCase *eq = tcase_create("equivalence");
     tcase_add_loop_test(eq, test_equivalence, 0, (int)(sizeof(EQUIV) / sizeof(EQUIV[0])));
     tcase_add_test(eq, test_families_equivalence);
+    tcase_add_test(eq, test_speculative_equivalence);
     tcase_add_test(eq, test_nccl_with_host_kv_refused);
     tcase_add_test(eq, test_prefix_hit_moves_only_missing_blocks);
     TCase *faults = tcase_create("faults");

@@ -382,8 +382,8 @@ static void assert_speculated(pd_engine_t *e)
 {
     pd_engine_stats_t st;
     pd_engine_get_stats(e, &st);
-    fprintf(stderr, "spec: %lu steps, %lu drafts, %lu draft tokens, %lu accepted (%.0f%%)\n", (unsigned long)st.steps,
-            (unsigned long)st.spec_drafts, (unsigned long)st.spec_draft_tokens,
+    fprintf(stderr, "spec: %lu steps, %lu drafts, %lu draft tokens, %lu accepted (%.0f%%)\n",
+            (unsigned long)st.steps, (unsigned long)st.spec_drafts, (unsigned long)st.spec_draft_tokens,
             (unsigned long)st.spec_accepted, 100.0 * (double)st.spec_accepted / (double)st.spec_draft_tokens);
     ck_assert_uint_gt(st.spec_drafts, 20);
     ck_assert_uint_gt(st.spec_accepted, 0);
