@@ -399,6 +399,8 @@ static void propose_drafts(pd_engine_t *e, const pd_scheduler_update_result_t *r
     if (e->spec.method == PD_SPEC_NONE) {
         return;
     }
+    bool draft = e->spec.method == PD_SPEC_DRAFT_MODEL;
+    int32_t n = 0;
     for (int32_t i = 0; i < res->num_with_new_token; i++) {
         pd_request_t *r = res->with_new_token[i];
         int32_t room = r->cap_tokens - r->num_tokens - 1;
@@ -406,8 +408,16 @@ static void propose_drafts(pd_engine_t *e, const pd_scheduler_update_result_t *r
         if (pd_request_is_finished(r) || k <= 0) {
             continue;
         }
-        r->num_spec_tokens = pd_ngram_propose(r->tokens, r->num_tokens, e->spec.lookup_min,
-                                              e->spec.lookup_max, k, r->tokens + r->num_tokens);
+        if (!draft) {
+            r->num_spec_tokens = pd_ngram_propose(r->tokens, r->num_tokens, e->spec.lookup_min,
+                                                  e->spec.lookup_max, k, r->tokens + r->num_tokens);
+        } else if (pd_scheduler_reserve_lookahead(e->sched, r, r->num_tokens + k - 1)) {
+            e->spec_reqs[n] = r; /* the draft writes positions up to num_tokens + k − 2 */
+            e->spec_want[n++] = k;
+        }
+    }
+    if (n > 0) {
+        pd_spec_draft_propose(&e->draft, e->spec_reqs, e->spec_want, n);
     }
 }
 

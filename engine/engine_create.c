@@ -164,6 +164,32 @@ static pd_status_t open_backend(pd_engine_t *e)
     return PD_OK;
 }
 
+/* The draft model of --speculative-config (before the KV plan, so the profile counts its weights):
+ * the target's vocabulary, full attention only (its pages share the target's block ids). */
+static pd_status_t load_draft_model(pd_engine_t *e)
+{
+    const pd_model_config_t *mc = pd_model_config(e->model);
+    pd_status_t st = pd_model_load_dtype(e->spec.draft_model, e->be, e->cfg.dtype, "none", &e->draft_model);
+    if (st != PD_OK) {
+        pd_log_error("engine: cannot load the draft model %s: %s", e->spec.draft_model, pd_status_str(st));
+        return st;
+    }
+    const pd_model_config_t *dc = pd_model_config(e->draft_model);
+    if (dc->vocab_size != mc->vocab_size) {
+        pd_log_error("engine: the draft model's vocabulary (%d) is not the target's (%d)", dc->vocab_size,
+                     mc->vocab_size);
+        return PD_ERR_INVALID_ARG;
+    }
+    if (dc->sliding_window > 0 || mc->sliding_window > 0 || dc->max_position_embeddings < e->max_model_len) {
+        pd_log_error("engine: a draft model needs full-attention models and %d positions (the draft has %d)",
+                     e->max_model_len, dc->max_position_embeddings);
+        return PD_ERR_UNSUPPORTED;
+    }
+    pd_log_info("speculative decoding: draft model %s, %d layers, hidden %d, %.1f MiB", e->spec.draft_model,
+                dc->num_layers, dc->hidden_size, (double)pd_model_weight_bytes(e->draft_model) / (1 << 20));
+    return PD_OK;
+}
+
 /* Tokenizer (first: a refusal costs no weight loading), generation defaults and weights; the
  * context length and the vocabulary checked against the model. */
 static pd_status_t load_model(pd_engine_t *e)
@@ -195,7 +221,7 @@ static pd_status_t load_model(pd_engine_t *e)
         return PD_ERR_INVALID_ARG;
     }
     e->max_token_bytes = pd_tokenizer_max_token_bytes(e->tok);
-    return PD_OK;
+    return e->spec.method == PD_SPEC_DRAFT_MODEL ? load_draft_model(e) : PD_OK;
 }
 
 /* The KV cache, sized by the memory plan (pd_kv_cache_init), registered with the connector. */
@@ -214,8 +240,26 @@ static pd_status_t make_kv_cache(pd_engine_t *e)
                               cfg->max_num_batched_tokens, cfg->max_num_seqs, e->max_model_len,
                               /* a device KV is the backend's; the connector stages it */
                               e->be->host_memory ? cfg->kv_allocator : NULL,
-                              (uint32_t)(cfg->num_blocks_override > 0 ? cfg->num_blocks_override : 0)};
+                              (uint32_t)(cfg->num_blocks_override > 0 ? cfg->num_blocks_override : 0), 0,
+                              false};
+    if (e->draft_model != NULL) {
+        kp.companion_block_bytes =
+            pd_kv_block_bytes(pd_model_config(e->draft_model), cfg->block_size, e->kv_dtype, e->max_model_len,
+                              cfg->max_num_batched_tokens);
+    }
     pd_status_t st = pd_kv_cache_init(e->model, e->be, &kp, &e->kv);
+    if (st == PD_OK && e->draft_model != NULL) { /* the draft's pages, indexed by the same block ids */
+        pd_kv_init_params_t dp = kp;
+        dp.allocator = NULL;
+        dp.num_blocks_override = e->kv->cfg.num_blocks;
+        dp.companion_block_bytes = 0;
+        dp.skip_profile = true;
+        st = pd_kv_cache_init(e->draft_model, e->be, &dp, &e->draft_kv);
+        if (st == PD_OK && (e->kv->cfg.num_groups != 1 || e->draft_kv->cfg.num_groups != 1)) {
+            pd_log_error("engine: a draft model needs one KV cache group in both models");
+            st = PD_ERR_UNSUPPORTED;
+        }
+    }
     if (st != PD_OK || cfg->connector == NULL || cfg->connector->ops->register_kv_caches == NULL) {
         return st;
     }
@@ -272,6 +316,15 @@ static pd_status_t make_scheduler(pd_engine_t *e)
         pd_scheduler_set_release_hook(e->sched, eng_on_release, e);
         st = pd_model_runner_init(&e->runner, e->model, e->be, e->kv, cfg->connector, cfg->max_num_seqs,
                                   cfg->max_num_batched_tokens, e->max_model_len, e->spec.num_tokens);
+    }
+    if (st == PD_OK && e->spec.method != PD_SPEC_NONE) {
+        e->spec_reqs = calloc((size_t)cfg->max_num_seqs, sizeof(pd_request_t *));
+        e->spec_want = calloc((size_t)cfg->max_num_seqs, sizeof(int32_t));
+        st = e->spec_reqs == NULL || e->spec_want == NULL ? PD_ERR_NO_MEMORY : PD_OK;
+    }
+    if (st == PD_OK && e->draft_model != NULL) {
+        st = pd_spec_draft_init(&e->draft, e->draft_model, e->draft_kv, cfg->max_num_seqs,
+                                cfg->max_num_batched_tokens, e->runner.batch.max_blocks);
     }
     if (st == PD_OK) { /* min_tokens masks every EOS id */
         e->runner.num_eos = sc.num_eos;
@@ -354,9 +407,11 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
                                              PD_VLLM_ITERATION_BUCKETS, PD_VLLM_ITERATION_NUM_BUCKETS);
         add_spec_metrics(e, cfg->metrics);
     }
-    if (spec.method != PD_SPEC_NONE) {
+    if (spec.method == PD_SPEC_NGRAM) {
         pd_log_info("speculative decoding: ngram, %d draft tokens per step, n-grams of %d..%d tokens",
                     spec.num_tokens, spec.lookup_min, spec.lookup_max);
+    } else if (spec.method == PD_SPEC_DRAFT_MODEL) {
+        pd_log_info("speculative decoding: draft model, %d draft tokens per step", spec.num_tokens);
     }
     pd_log_info("engine ready: %s, max_model_len %d, %u KV blocks of %d tokens, max_num_seqs %d, "
                 "max_num_batched_tokens %d, prefix caching %s",
@@ -382,6 +437,12 @@ void pd_engine_destroy(pd_engine_t *e)
         pd_model_runner_destroy(&e->runner);
     }
     pd_scheduler_destroy(e->sched);
+    if (e->draft.tok != NULL) {
+        pd_spec_draft_destroy(&e->draft);
+    }
+    pd_kv_cache_free(e->draft_kv);
+    pd_model_free(e->draft_model);
+    free(e->spec_reqs), free(e->spec_want);
     pd_kv_cache_free(e->kv);
     pd_tokenizer_free(e->tok);
     pd_model_free(e->model);

@@ -9,6 +9,7 @@
 #include "engine/engine.h"
 #include "engine/model_runner.h"
 #include "engine/spec_decode.h"
+#include "engine/spec_draft.h"
 #include "model/generation_config.h"
 #include "scheduler/scheduler.h"
 
@@ -51,7 +52,12 @@ struct pd_engine {
     pd_kv_cache_t *kv;
     pd_scheduler_t *sched;
     pd_model_runner_t runner;
-    pd_spec_config_t spec;          /* --speculative-config */
+    pd_spec_config_t spec;   /* --speculative-config */
+    pd_model_t *draft_model; /* method draft_model: the draft, its KV (the target's block ids) */
+    pd_kv_cache_t *draft_kv;
+    pd_spec_draft_t draft;
+    pd_request_t **spec_reqs; /* [max_num_seqs] requests the draft model proposes for, and how many */
+    int32_t *spec_want;
     pd_scheduler_stats_t spec_seen; /* spec counters already added to the metrics */
     pd_metric_t *spec_m[3];         /* vllm:spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total */
     pd_metric_t *spec_pos[PD_SPEC_MAX_TOKENS]; /* ..._num_accepted_tokens_per_pos_total{position} */

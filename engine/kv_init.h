@@ -11,6 +11,7 @@
 #ifndef PD_ENGINE_KV_INIT_H
 #define PD_ENGINE_KV_INIT_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -29,6 +30,9 @@ typedef struct pd_kv_init_params {
     int32_t max_model_len;
     const pd_kv_region_allocator_t *allocator; /* NULL: the backend allocates */
     uint32_t num_blocks_override; /* > 0: use this many blocks whatever the profile says (tests) */
+    size_t companion_block_bytes; /* bytes per block id of a second cache indexed by the same block ids
+                                   * (a draft model's): the plan shares the memory with it */
+    bool skip_profile;            /* with num_blocks_override: no profile run (the companion itself) */
 } pd_kv_init_params_t;
 
 typedef struct pd_kv_profile {
@@ -62,6 +66,11 @@ pd_status_t pd_kv_cache_init(pd_model_t *model, pd_backend_t *be, const pd_kv_in
                              pd_kv_cache_t **kv_out);
 
 void pd_kv_cache_free(pd_kv_cache_t *kv);
+
+/* The bytes one block id costs across every layer of model (pages of all its KV tensors), as the
+ * plan lays them out with block_size and dtype. 0 when the model cannot be planned. */
+size_t pd_kv_block_bytes(const pd_model_config_t *mc, int32_t block_size, pd_dtype_t dtype,
+                         int32_t max_model_len, int32_t max_num_batched_tokens);
 
 /* Physical RAM in bytes, and this process's resident set in bytes. */
 size_t pd_sys_physical_ram(void);

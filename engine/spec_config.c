@@ -39,18 +39,34 @@ pd_status_t pd_spec_config_parse(const char *text, pd_spec_config_t *out, char *
     json_object_foreach(o, key, val)
     {
         if (strcmp(key, "method") != 0 && strcmp(key, "num_speculative_tokens") != 0 &&
-            strcmp(key, "prompt_lookup_min") != 0 && strcmp(key, "prompt_lookup_max") != 0) {
+            strcmp(key, "prompt_lookup_min") != 0 && strcmp(key, "prompt_lookup_max") != 0 &&
+            strcmp(key, "model") != 0) {
             snprintf(err, err_len,
-                     "--speculative-config: '%s' is not supported (method, num_speculative_tokens, "
+                     "--speculative-config: '%s' is not supported (method, model, num_speculative_tokens, "
                      "prompt_lookup_min, prompt_lookup_max are)",
                      key);
             goto out;
         }
     }
     const char *method = json_string_value(json_object_get(o, "method"));
-    if (method == NULL || (strcmp(method, "ngram") != 0 && strcmp(method, "[ngram]") != 0)) {
-        snprintf(err, err_len, "--speculative-config: method '%s' is not supported (ngram is)",
+    const char *model = json_string_value(json_object_get(o, "model"));
+    if (json_object_get(o, "model") != NULL && (model == NULL || model[0] == '\0' || strlen(model) >= 1024)) {
+        snprintf(err, err_len, "--speculative-config: model must be a directory path");
+        goto out;
+    }
+    if (method == NULL && model != NULL) {
+        method = "draft_model";
+    }
+    bool ngram = method != NULL && (strcmp(method, "ngram") == 0 || strcmp(method, "[ngram]") == 0);
+    bool draft = method != NULL && strcmp(method, "draft_model") == 0;
+    if (!ngram && !draft) {
+        snprintf(err, err_len, "--speculative-config: method '%s' is not supported (ngram, draft_model are)",
                  method != NULL ? method : "(missing)");
+        goto out;
+    }
+    if (draft != (model != NULL)) {
+        snprintf(err, err_len, "--speculative-config: %s",
+                 draft ? "draft_model needs \"model\": a directory" : "\"model\" is for method draft_model");
         goto out;
     }
     bool has_k = false, has_min = false, has_max = false;
@@ -63,6 +79,16 @@ pd_status_t pd_spec_config_parse(const char *text, pd_spec_config_t *out, char *
     if (!has_k || k < 1 || k > PD_SPEC_MAX_TOKENS) {
         snprintf(err, err_len, "--speculative-config: num_speculative_tokens must be given, in [1, %d]",
                  PD_SPEC_MAX_TOKENS);
+        goto out;
+    }
+    if (draft) {
+        if (has_min || has_max) {
+            snprintf(err, err_len, "--speculative-config: prompt_lookup_min/max are for method ngram");
+            goto out;
+        }
+        *out = (pd_spec_config_t){PD_SPEC_DRAFT_MODEL, k, 0, 0, {0}};
+        snprintf(out->draft_model, sizeof(out->draft_model), "%s", model);
+        st = PD_OK;
         goto out;
     }
     if (!has_min && !has_max) {
@@ -79,7 +105,7 @@ pd_status_t pd_spec_config_parse(const char *text, pd_spec_config_t *out, char *
             hi);
         goto out;
     }
-    *out = (pd_spec_config_t){PD_SPEC_NGRAM, k, lo, hi};
+    *out = (pd_spec_config_t){PD_SPEC_NGRAM, k, lo, hi, {0}};
     st = PD_OK;
 out:
     json_decref(o);

@@ -79,6 +79,8 @@ struct pd_request {
     int32_t num_computed_tokens; /* tokens whose KV is in the cache */
     int32_t num_spec_tokens;     /* draft tokens proposed for the next step, held at tokens[num_tokens,
                                   * num_tokens + num_spec_tokens) (never counted in num_tokens) */
+    int32_t num_draft_computed;  /* tokens whose KV the draft model holds (draft_model speculation;
+                                  * its pages share this request's block ids) */
     int32_t num_cached_tokens;   /* prefix-cache hit when first scheduled, -1 before */
 
     uint32_t *block_ids; /* [cap_blocks] this request's KV blocks in order */

@@ -218,6 +218,14 @@ pd_status_t pd_scheduler_add_request(pd_scheduler_t *s, pd_request_t *r)
     return PD_OK;
 }
 
+bool pd_scheduler_reserve_lookahead(pd_scheduler_t *s, pd_request_t *r, int32_t num_tokens)
+{
+    int32_t more = num_tokens - r->num_computed_tokens;
+    return more <= 0 || pd_request_is_finished(r)
+               ? !pd_request_is_finished(r)
+               : pd_kv_manager_allocate_slots(&s->kv, r, more, NULL, 0, 0, true);
+}
+
 pd_request_t *pd_scheduler_find(const pd_scheduler_t *s, const char *id)
 {
     int64_t v;
@@ -291,6 +299,7 @@ static void preempt(pd_scheduler_t *s, pd_request_t *r)
     pd_kv_manager_free(&s->kv, r);
     r->num_computed_tokens = 0;
     r->num_spec_tokens = 0;
+    r->num_draft_computed = 0;
     r->num_preemptions++;
     r->state = PD_REQ_WAITING; /* PREEMPTED → WAITING at once: re-queued at the front */
     wait_push_front(s, r);
@@ -573,8 +582,9 @@ void pd_scheduler_update(pd_scheduler_t *s, const pd_scheduler_output_t *out, co
             /* KV rollback: only the accepted drafts' slots hold valid KV; the last token is computed
              * next step, and blocks past the tokens (rejected positions only) go back at once */
             r->num_computed_tokens = r->num_tokens - 1;
-            if (drafts > 0) {
-                pd_kv_manager_trim(&s->kv, r, r->num_tokens);
+            pd_kv_manager_trim(&s->kv, r, r->num_tokens);         /* also a draft model's lookahead */
+            if (r->num_draft_computed > r->num_computed_tokens) { /* the draft's KV rolls back too */
+                r->num_draft_computed = r->num_computed_tokens;
             }
         }
     }

@@ -109,6 +109,12 @@ const pd_scheduler_output_t *pd_scheduler_schedule(pd_scheduler_t *s);
 void pd_scheduler_update(pd_scheduler_t *s, const pd_scheduler_output_t *out,
                          const pd_model_output_t *model_out, pd_scheduler_update_result_t *result);
 
+/* Makes r (running) hold blocks for its first num_tokens positions, for a draft model that writes
+ * its KV ahead of the target's (vLLM's lookahead slots); they are not prefix-cached, and the next
+ * update's rollback gives back what the tokens do not cover. false when the pool cannot supply
+ * them (nothing allocated; nothing is preempted for drafts). */
+bool pd_scheduler_reserve_lookahead(pd_scheduler_t *s, pd_request_t *r, int32_t num_tokens);
+
 /* Looks a live (not yet released) request up by id. */
 pd_request_t *pd_scheduler_find(const pd_scheduler_t *s, const char *id);
 

@@ -19,7 +19,7 @@
 #include "kernels/sample.h"
 #include "scheduler/block_pool.h"
 
-static char *g_model;
+static char *g_model, *g_draft; /* the target; a smaller draft with its vocabulary */
 
 /* ------------------------------------------------------------------ proposer and verifier */
 
@@ -67,6 +67,15 @@ START_TEST(test_spec_config_parse)
                                           &c, err, sizeof(err)),
                      PD_OK);
     ck_assert(c.lookup_min == 4 && c.lookup_max == 4);
+    ck_assert_int_eq(pd_spec_config_parse("{\"method\": \"draft_model\", \"model\": \"/m\", "
+                                          "\"num_speculative_tokens\": 2}",
+                                          &c, err, sizeof(err)),
+                     PD_OK);
+    ck_assert(c.method == PD_SPEC_DRAFT_MODEL && c.num_tokens == 2 && strcmp(c.draft_model, "/m") == 0);
+    ck_assert_int_eq(
+        pd_spec_config_parse("{\"model\": \"/m\", \"num_speculative_tokens\": 2}", &c, err, sizeof(err)),
+        PD_OK); /* vLLM infers the method from "model" */
+    ck_assert_int_eq(c.method, PD_SPEC_DRAFT_MODEL);
     const char *bad[] = {
         "{\"method\": \"ngram\"}",
         "{\"method\": \"ngram\", \"num_speculative_tokens\": 0}",
@@ -75,6 +84,10 @@ START_TEST(test_spec_config_parse)
         "{\"method\": \"eagle\", \"num_speculative_tokens\": 2}",
         "{\"method\": \"ngram\", \"num_speculative_tokens\": 2, \"draft_tensor_parallel_size\": 1}",
         "{\"method\": \"ngram\", \"num_speculative_tokens\": \"2\"}",
+        "{\"method\": \"draft_model\", \"num_speculative_tokens\": 2}",
+        "{\"method\": \"ngram\", \"model\": \"/m\", \"num_speculative_tokens\": 2}",
+        "{\"model\": \"/m\", \"num_speculative_tokens\": 2, \"prompt_lookup_max\": 3}",
+        "{\"model\": 3, \"num_speculative_tokens\": 2}",
         "[1]",
         "{",
     };
@@ -378,7 +391,7 @@ static void assert_cache_clean(pd_engine_t *e, const req_t *q, const gen_t *g, i
     ck_assert_msg(accounted == cached, "%u cached blocks, %u of them hold real tokens", cached, accounted);
 }
 
-static void assert_speculated(pd_engine_t *e)
+static void assert_speculated_all(pd_engine_t *e, bool all_accepted)
 {
     pd_engine_stats_t st;
     pd_engine_get_stats(e, &st);
@@ -387,7 +400,16 @@ static void assert_speculated(pd_engine_t *e)
             (unsigned long)st.spec_accepted, 100.0 * (double)st.spec_accepted / (double)st.spec_draft_tokens);
     ck_assert_uint_gt(st.spec_drafts, 20);
     ck_assert_uint_gt(st.spec_accepted, 0);
-    ck_assert_uint_lt(st.spec_accepted, st.spec_draft_tokens); /* some were rejected too */
+    if (all_accepted) {
+        ck_assert_uint_eq(st.spec_accepted, st.spec_draft_tokens);
+    } else {
+        ck_assert_uint_lt(st.spec_accepted, st.spec_draft_tokens); /* some were rejected too */
+    }
+}
+
+static void assert_speculated(pd_engine_t *e)
+{
+    assert_speculated_all(e, false);
 }
 
 /* Greedy outputs with drafts equal those without, alone and batched, with a budget that cuts
@@ -589,11 +611,118 @@ START_TEST(test_distribution_unchanged)
 }
 END_TEST
 
+static char *draft_config(const char *dir, int k)
+{
+    char *s = malloc(1200);
+    snprintf(s, 1200, "{\"method\": \"draft_model\", \"model\": \"%s\", \"num_speculative_tokens\": %d}", dir,
+             k);
+    return s;
+}
+
+/* A draft model: the target itself (every draft accepted) and a smaller random one (some accepted):
+ * greedy outputs equal the engine's without speculation, with budgets that cut drafts and chunk
+ * prompts, prefix caching (a hit leaves the draft to compute the prefix itself), and blocks clean. */
+START_TEST(test_draft_model_greedy_identical)
+{
+    enum { N = 24 };
+    req_t *q = malloc(N * sizeof(req_t));
+    gen_t *ref = malloc(N * sizeof(gen_t)), *got = malloc(N * sizeof(gen_t));
+    pd_engine_t *plain = make_engine(NULL, 256, 0, true);
+    make_reqs(q, N, pd_engine_model_config(plain)->vocab_size, 16);
+    run_all(plain, q, N, ref);
+    pd_engine_destroy(plain);
+    const char *drafts[2] = {g_model, g_draft};
+    int budgets[2] = {256, 9};
+    for (int m = 0; m < 2; m++) {
+        for (int b = 0; b < 2; b++) {
+            char *cfg = draft_config(drafts[m], 3);
+            pd_engine_t *e = make_engine(cfg, budgets[b], 0, true);
+            run_all(e, q, N, got);
+            run_all(e, q, N, got); /* again: prefix hits this time */
+            for (int i = 0; i < N; i++) {
+                assert_same(&got[i], &ref[i], i);
+            }
+            assert_speculated_all(e, m == 0); /* the target drafting for itself: all accepted */
+            assert_cache_clean(e, q, got, N);
+            pd_engine_destroy(e);
+            free(cfg);
+        }
+    }
+    free(q), free(ref), free(got);
+}
+END_TEST
+
+/* The draft model under preemption: its KV is dropped with the request's blocks and recomputed. */
+START_TEST(test_draft_model_under_preemption)
+{
+    enum { N = 12 };
+    req_t *q = malloc(N * sizeof(req_t));
+    gen_t *ref = malloc(N * sizeof(gen_t)), *got = malloc(N * sizeof(gen_t));
+    pd_engine_t *plain = make_engine(NULL, 256, 0, false);
+    make_reqs(q, N, pd_engine_model_config(plain)->vocab_size, 17);
+    for (int i = 0; i < N; i++) {
+        q[i].max_tokens = 60;
+    }
+    run_all(plain, q, N, ref);
+    pd_engine_destroy(plain);
+    char *cfg = draft_config(g_draft, 4);
+    pd_engine_t *e = make_engine(cfg, 256, 40, false);
+    run_all(e, q, N, got);
+    pd_engine_stats_t st;
+    pd_engine_get_stats(e, &st);
+    ck_assert_uint_gt(st.preemptions, 0);
+    for (int i = 0; i < N; i++) {
+        assert_same(&got[i], &ref[i], i);
+    }
+    assert_speculated(e);
+    ck_assert_uint_eq(st.blocks_used, 0);
+    ck_assert_uint_eq(st.blocks_free + st.blocks_cached_free, st.num_blocks - 1);
+    pd_engine_destroy(e);
+    free(cfg), free(q), free(ref), free(got);
+}
+END_TEST
+
+/* A draft model with another vocabulary is refused at startup, as one that is not a model. */
+START_TEST(test_draft_model_refused)
+{
+    char *other = tu_make_model("--preset tiny --arch llama --vocab 300");
+    ck_assert_ptr_nonnull(other);
+    const char *dirs[2] = {other, "/nonexistent-draft"};
+    for (int i = 0; i < 2; i++) {
+        pd_engine_config_t c;
+        pd_engine_config_defaults(&c);
+        c.model_dir = g_model;
+        c.threads = 1;
+        c.kv_cache_memory = 64u << 20;
+        c.max_model_len = 512;
+        char *cfg = draft_config(dirs[i], 2);
+        c.speculative_config = cfg;
+        pd_engine_t *e = NULL;
+        ck_assert_int_ne(pd_engine_create(&c, &e), PD_OK);
+        ck_assert_ptr_null(e);
+        free(cfg);
+    }
+    tu_rmrf(other);
+    free(other);
+}
+END_TEST
+
 int main(void)
 {
     pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_WARN);
     g_model = tu_make_model("--preset tiny --arch llama");
-    if (g_model == NULL) {
+    /* the draft: the target cut after its first layer (its config says 1 layer; the second layer's
+     * tensors are left unread), an early-exit draft that agrees with the target now and then */
+    g_draft = tu_mkdtemp("draft");
+    if (g_model != NULL && g_draft != NULL &&
+        tu_run(30,
+               "cp -r %s/. %s/ && sed -i \"s/num_hidden_layers.: *[0-9]*/num_hidden_layers\\\": 1/\" "
+               "%s/config.json",
+               g_model, g_draft, g_draft) != 0) {
+        free(g_draft);
+        g_draft = NULL;
+    }
+    if (g_model == NULL || g_draft == NULL) {
         fprintf(stderr, "cannot make the tiny model\n");
         return 1;
     }
@@ -609,12 +738,15 @@ int main(void)
     tcase_add_test(tc, test_stop_strings_and_limits);
     tcase_add_test(tc, test_seeded_reproducible);
     tcase_add_test(tc, test_distribution_unchanged);
+    tcase_add_test(tc, test_draft_model_greedy_identical);
+    tcase_add_test(tc, test_draft_model_under_preemption);
+    tcase_add_test(tc, test_draft_model_refused);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
     int failed = srunner_ntests_failed(sr);
     srunner_free(sr);
-    tu_rmrf(g_model);
-    free(g_model);
+    tu_rmrf(g_model), tu_rmrf(g_draft);
+    free(g_model), free(g_draft);
     return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
 }
