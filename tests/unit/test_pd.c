@@ -380,7 +380,7 @@ START_TEST(test_equivalence)
 END_TEST
 
 /* Speculative decoding (--speculative-config) on pd-serve and on the decode node: n-gram drafts in
- * pull over tcp and push over ucx, a draft model in pull over ucx: greedy answers equal pd-serve's without it, drafts were proposed
+ * pull over tcp and push over ucx, a draft model in pull over ucx and push over tcp: greedy answers equal pd-serve's without it, drafts were proposed
  * and some accepted (vLLM's spec_decode counters), and no block is left held. */
 START_TEST(test_speculative_equivalence)
 {
@@ -400,14 +400,21 @@ START_TEST(test_speculative_equivalence)
         metric(serve.port, "vllm:spec_decode_num_accepted_tokens_per_pos_total{position=\"1\"}"));
     assert_pool_free(serve.port, "pd-serve");
     stop(&serve);
-    /* the third: a draft model (the target itself) on the decode, which computes the draft's prompt KV
-     * locally (only the target's came over the wire) */
+    /* then a draft model (the target itself: every draft accepted), on pd-serve and on the decode,
+     * which computes the draft's prompt KV locally (only the target's came over the wire) */
     char draft_cfg[1200];
     snprintf(draft_cfg, sizeof(draft_cfg),
              "{\"method\": \"draft_model\", \"model\": \"%s\", \"num_speculative_tokens\": 3}", g_model);
     char *draft[] = {"--speculative-config", draft_cfg, NULL};
-    static const char *modes[3][2] = {{"pull", "tcp"}, {"push", "ucx"}, {"pull", "ucx"}};
-    for (int m = 0; m < 3; m++) {
+    start(&serve, "pd-serve", "serve-draft", g_model, draft);
+    for (int i = 0; i < NUM_PROMPTS; i++) {
+        expect_same(serve.port, i, false);
+    }
+    ck_assert_double_eq(metric(serve.port, "vllm:spec_decode_num_accepted_tokens_total"),
+                        metric(serve.port, "vllm:spec_decode_num_draft_tokens_total"));
+    stop(&serve);
+    static const char *modes[4][2] = {{"pull", "tcp"}, {"push", "ucx"}, {"pull", "ucx"}, {"push", "tcp"}};
+    for (int m = 0; m < 4; m++) {
         cluster_t c;
         cluster_start(&c, modes[m][0], modes[m][1], NULL, m < 2 ? spec : draft);
         for (int i = 0; i < NUM_PROMPTS; i++) {
@@ -418,7 +425,7 @@ START_TEST(test_speculative_equivalence)
         fprintf(stderr, "speculative P/D %s/%s: %.0f drafts, %.0f tokens accepted\n", modes[m][0],
                 modes[m][1], drafts, accepted);
         ck_assert(drafts > 0 && accepted > 0);
-        if (m == 2) { /* the target drafting for itself */
+        if (m >= 2) { /* the target drafting for itself */
             ck_assert_double_eq(accepted, metric(c.d.port, "vllm:spec_decode_num_draft_tokens_total"));
         }
         assert_pool_free(c.p.port, "the prefill");
