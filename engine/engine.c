@@ -391,18 +391,17 @@ static bool emit_token(pd_engine_t *e, pd_request_t *r, int32_t pos, bool last, 
     return !finished;
 }
 
-/* Draft tokens for the next step (--speculative-config) of every request that got tokens and goes
- * on: at most num_speculative_tokens, and never so many that accepting them all and the token after
- * them would pass max_tokens or the context length. */
-static void propose_drafts(pd_engine_t *e, const pd_scheduler_update_result_t *res)
+/* Draft tokens (--speculative-config) for the requests that got tokens in the last step and go on
+ * (e->spec_next), at the start of the next step so that the last step's outputs are out first (a
+ * draft model's catch-up over a prompt takes a while): at most num_speculative_tokens, and never so
+ * many that accepting them all and the token after them would pass max_tokens or the context. */
+static void propose_drafts(pd_engine_t *e)
 {
-    if (e->spec.method == PD_SPEC_NONE) {
-        return;
-    }
     bool draft = e->spec.method == PD_SPEC_DRAFT_MODEL;
-    int32_t n = 0;
-    for (int32_t i = 0; i < res->num_with_new_token; i++) {
-        pd_request_t *r = res->with_new_token[i];
+    int32_t n = 0, count = e->num_spec_next;
+    e->num_spec_next = 0;
+    for (int32_t i = 0; i < count; i++) {
+        pd_request_t *r = e->spec_next[i];
         int32_t room = r->cap_tokens - r->num_tokens - 1;
         int32_t k = e->spec.num_tokens < room ? e->spec.num_tokens : room;
         if (pd_request_is_finished(r) || k <= 0) {
@@ -454,6 +453,7 @@ pd_status_t pd_engine_step(pd_engine_t *e, pd_engine_output_t **outputs)
         e->aborted_head = NULL;
         e->aborted_tail = &e->aborted_head;
     }
+    propose_drafts(e); /* before the schedule releases the last step's finished requests */
     const pd_scheduler_output_t *so = pd_scheduler_schedule(e->sched);
     e->last_items = so->num_items;
     pd_model_output_t mo;
@@ -495,7 +495,9 @@ pd_status_t pd_engine_step(pd_engine_t *e, pd_engine_output_t **outputs)
         }
     }
     free(buf);
-    propose_drafts(e, &res);
+    for (int32_t i = 0; e->spec.method != PD_SPEC_NONE && i < res.num_with_new_token; i++) {
+        e->spec_next[e->num_spec_next++] = res.with_new_token[i]; /* drafted at the next step's start */
+    }
     count_spec(e);
     /* requests that finished without a new token this step (aborts, errors, stop strings are
      * covered above): a closing output each */

@@ -320,7 +320,8 @@ static pd_status_t make_scheduler(pd_engine_t *e)
     if (st == PD_OK && e->spec.method != PD_SPEC_NONE) {
         e->spec_reqs = calloc((size_t)cfg->max_num_seqs, sizeof(pd_request_t *));
         e->spec_want = calloc((size_t)cfg->max_num_seqs, sizeof(int32_t));
-        st = e->spec_reqs == NULL || e->spec_want == NULL ? PD_ERR_NO_MEMORY : PD_OK;
+        e->spec_next = calloc((size_t)cfg->max_num_seqs, sizeof(pd_request_t *));
+        st = e->spec_reqs == NULL || e->spec_want == NULL || e->spec_next == NULL ? PD_ERR_NO_MEMORY : PD_OK;
     }
     if (st == PD_OK && e->draft_model != NULL) {
         st = pd_spec_draft_init(&e->draft, e->draft_model, e->draft_kv, cfg->max_num_seqs,
@@ -442,7 +443,7 @@ void pd_engine_destroy(pd_engine_t *e)
     }
     pd_kv_cache_free(e->draft_kv);
     pd_model_free(e->draft_model);
-    free(e->spec_reqs), free(e->spec_want);
+    free(e->spec_reqs), free(e->spec_want), free(e->spec_next);
     pd_kv_cache_free(e->kv);
     pd_tokenizer_free(e->tok);
     pd_model_free(e->model);

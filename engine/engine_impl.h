@@ -58,6 +58,8 @@ struct pd_engine {
     pd_spec_draft_t draft;
     pd_request_t **spec_reqs; /* [max_num_seqs] requests the draft model proposes for, and how many */
     int32_t *spec_want;
+    pd_request_t **spec_next; /* [max_num_seqs] requests that got tokens in the last step: drafts next */
+    int32_t num_spec_next;
     pd_scheduler_stats_t spec_seen; /* spec counters already added to the metrics */
     pd_metric_t *spec_m[3];         /* vllm:spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total */
     pd_metric_t *spec_pos[PD_SPEC_MAX_TOKENS]; /* ..._num_accepted_tokens_per_pos_total{position} */

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # tools/bench-spec.sh BUILD_DIR — speculative decoding (issue 23): pd-serve on the demo model with
-# and without --speculative-config (n-gram, 4 draft tokens, n-grams of 2..4), under pd-bench at
+# and without --speculative-config (n-gram, 4 draft tokens, n-grams of 2..4; and a draft model: the
+# demo model cut after 2 of its 8 layers, an early-exit draft, 3 draft tokens), under pd-bench at
 # concurrency 1 and 4, on a workload where the lookup has something to find (repeat: prompts that
 # are a phrase repeated, which the output goes on repeating) and on ones where it has little or
 # nothing (random prompts greedy; random prompts at temperature 1). The acceptance comes from the
@@ -18,6 +19,9 @@ if [[ ! -f "$models/demo/config.json" ]]; then
   "$bin/pd-mkmodel" --preset demo --out "$models/demo"
 fi
 work=$(mktemp -d /tmp/pd-bench-spec-XXXXXX)
+mkdir "$work/draft" && cp -r "$models/demo/." "$work/draft/" # the early-exit draft: 2 of 8 layers
+sed -i 's/"num_hidden_layers": *[0-9]*/"num_hidden_layers": 2/' "$work/draft/config.json"
+draft="{\"method\": \"draft_model\", \"model\": \"$work/draft\", \"num_speculative_tokens\": 3}"
 pid=
 stop() {
   if [[ -n "$pid" ]]; then
@@ -33,12 +37,13 @@ counter() { # counter PORT NAME: a vllm:spec_decode counter's value (0 when abse
   curl -sf "http://127.0.0.1:$1/metrics" | awk -v n="$2" '$1 ~ "^"n"[{ ]" || $1 == n {v += $2} END {print v + 0}'
 }
 
-declare -A tpot tput acc
+declare -A tpot tput acc gaps
 workloads=("repeat 0" "random 0" "random 1")
-for config in off ngram; do
+for config in off ngram draft; do
   rm -f "$work/port"
   args=()
   [[ $config == ngram ]] && args=(--speculative-config "$spec")
+  [[ $config == draft ]] && args=(--speculative-config "$draft")
   "$bin/pd-serve" --model "$models/demo" --served-model-name demo --threads 2 --kv-cache-memory 2G \
     --max-model-len 4096 --port 0 --port-file "$work/port" "${args[@]}" >"$work/serve-$config.log" 2>&1 &
   pid=$!
@@ -65,6 +70,30 @@ print("%.2f %.1f" % (r["median_tpot_ms"], r["output_throughput"]))' "$out")
       acc[$config-$key]=$(python3 -c 'import sys; d, a = float(sys.argv[1]), float(sys.argv[2]); print("%.0f%% of %.0f" % (100 * a / d, d) if d else "-")' "$((d1 - d0))" "$((a1 - a0))")
     done
   done
+  if [[ $config != ngram ]]; then # the draft's catch-up over a prompt: TTFT and the first two gaps
+    gaps[$config]=$(python3 - "$port" <<'PY'
+import http.client, json, random, sys, time
+port = int(sys.argv[1])
+def gaps(prompt):
+    c = http.client.HTTPConnection("127.0.0.1", port)
+    body = json.dumps({"model": "demo", "prompt": prompt, "max_tokens": 3, "temperature": 0,
+                       "ignore_eos": True, "stream": True})
+    t0 = time.time()
+    c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    r, ts = c.getresponse(), []
+    for line in iter(r.readline, b""):
+        if line.startswith(b"data: {"):
+            ts.append(time.time())
+    return ts[0] - t0, ts[1] - ts[0], ts[2] - ts[1]
+random.seed(3)
+out = []
+for n in (512, 2048):
+    rs = [gaps([random.randrange(3, 2000) for _ in range(n)]) for _ in range(3)]
+    out.append("%d|%s" % (n, "|".join("%.1f" % (1000 * sorted(x[i] for x in rs)[1]) for i in range(3))))
+print(" ".join(out))
+PY
+)
+  fi
   stop
 done
 rows=()
@@ -72,12 +101,14 @@ for w in "${workloads[@]}"; do
   read -r data temp <<<"$w"
   for conc in 1 4; do
     key="$data-t$temp-c$conc"
-    rows+=("$(python3 -c '
+    for config in ngram draft; do
+      rows+=("$(python3 -c '
 import sys
 a, b = sys.argv[3:5]
-t0, t1, o0, o1 = map(float, sys.argv[5:9])
-print("| %s | %s | %s | %.2f | %.2f | %.2f× | %.1f | %.1f | %.2f× | %s |" % (sys.argv[1], sys.argv[2], a, t0, t1, t0 / t1, o0, o1, o1 / o0, b))
-' "$data" "$temp" "$conc" "${acc[ngram-$key]}" "${tpot[off-$key]}" "${tpot[ngram-$key]}" "${tput[off-$key]}" "${tput[ngram-$key]}")")
+t0, t1, o0, o1 = map(float, sys.argv[6:10])
+print("| %s | %s | %s | %s | %.2f | %.2f | %.2f× | %.1f | %.1f | %.2f× | %s |" % (sys.argv[1], sys.argv[2], a, sys.argv[5], t0, t1, t0 / t1, o0, o1, o1 / o0, b))
+' "$data" "$temp" "$conc" "${acc[$config-$key]}" "$config" "${tpot[off-$key]}" "${tpot[$config-$key]}" "${tput[off-$key]}" "${tput[$config-$key]}")")
+    done
   done
 done
 {
@@ -85,13 +116,28 @@ done
   echo "## Speculative decoding, n-gram drafts (issue 23) — $(date -u '+%Y-%m-%d %H:%M UTC')"
   echo
   echo "Command: \`tools/bench-spec.sh $build\`. Machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)."
-  echo "pd-serve --threads 2 on the demo model (bf16), without and with \`--speculative-config '$spec'\`;"
+  echo "pd-serve --threads 2 on the demo model (bf16), without and with \`--speculative-config '$spec'\`"
+  echo "(ngram) or a draft model, the demo model cut after 2 of its 8 layers, 3 draft tokens (draft);"
   echo "256-token prompts, 128 output tokens (ignore_eos), $prompts requests per point (+4 warmups), seed 7."
   echo "repeat: a random 8-token phrase repeated; random: vLLM's random ids. Baseline: the same server"
   echo "without speculation, same run. TPOT ratio > 1 and throughput ratio > 1 mean speculation helps."
   echo
-  echo "| prompts | temperature | concurrency | TPOT p50 off (ms) | TPOT p50 ngram (ms) | TPOT off/ngram | out tok/s off | out tok/s ngram | ngram/off | drafts accepted |"
-  echo "|---|---|---|---|---|---|---|---|---|---|"
+  echo "| prompts | temperature | concurrency | method | TPOT p50 off (ms) | TPOT p50 on (ms) | TPOT off/on | out tok/s off | out tok/s on | on/off | drafts accepted |"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|"
   printf '%s\n' "${rows[@]}"
+  echo
+  echo "The draft model computes its own prompt KV (also on a decode node, where only the target's KV"
+  echo "arrives), before drafting for the request's second token: one streamed request of random ids,"
+  echo "3 tokens, median of 3 (ms):"
+  echo
+  echo "| prompt tokens | TTFT off | TTFT draft | 1st gap off | 1st gap draft | 2nd gap off | 2nd gap draft |"
+  echo "|---|---|---|---|---|---|---|"
+  read -r -a a <<<"${gaps[off]}"
+  read -r -a b <<<"${gaps[draft]}"
+  for i in 0 1; do
+    IFS='|' read -r n t0 g0 h0 <<<"${a[$i]}"
+    IFS='|' read -r _ t1 g1 h1 <<<"${b[$i]}"
+    echo "| $n | $t0 | $t1 | $g0 | $g1 | $h0 | $h1 |"
+  done
 } >>"$results"
-tail -n $(( ${#rows[@]} + 9 )) "$results"
+tail -n $(( ${#rows[@]} + 19 )) "$results"
