@@ -438,20 +438,21 @@ START_TEST(test_greedy_identical)
 }
 END_TEST
 
-/* Too few blocks for everyone: preemption (drafts dropped, recomputed) keeps the outputs. */
-START_TEST(test_greedy_identical_under_preemption)
+/* Too few blocks for everyone: preemption (drafts dropped, and a draft model's KV with the blocks,
+ * all recomputed) keeps the outputs, and every block comes back. */
+static void greedy_identical_under_preemption(const char *spec, uint64_t seed)
 {
     enum { N = 12 };
     req_t *q = malloc(N * sizeof(req_t));
     gen_t *ref = malloc(N * sizeof(gen_t)), *got = malloc(N * sizeof(gen_t));
     pd_engine_t *plain = make_engine(NULL, 256, 0, false);
-    make_reqs(q, N, pd_engine_model_config(plain)->vocab_size, 12);
+    make_reqs(q, N, pd_engine_model_config(plain)->vocab_size, seed);
     for (int i = 0; i < N; i++) {
         q[i].max_tokens = 60;
     }
     run_all(plain, q, N, ref);
     pd_engine_destroy(plain);
-    pd_engine_t *e = make_engine(NGRAM, 256, 40, false);
+    pd_engine_t *e = make_engine(spec, 256, 40, false);
     run_all(e, q, N, got);
     pd_engine_stats_t st;
     pd_engine_get_stats(e, &st);
@@ -464,6 +465,11 @@ START_TEST(test_greedy_identical_under_preemption)
     ck_assert_uint_eq(st.blocks_free + st.blocks_cached_free, st.num_blocks - 1);
     pd_engine_destroy(e);
     free(q), free(ref), free(got);
+}
+
+START_TEST(test_greedy_identical_under_preemption)
+{
+    greedy_identical_under_preemption(NGRAM, 12);
 }
 END_TEST
 
@@ -652,33 +658,12 @@ START_TEST(test_draft_model_greedy_identical)
 }
 END_TEST
 
-/* The draft model under preemption: its KV is dropped with the request's blocks and recomputed. */
+/* The draft model under preemption. */
 START_TEST(test_draft_model_under_preemption)
 {
-    enum { N = 12 };
-    req_t *q = malloc(N * sizeof(req_t));
-    gen_t *ref = malloc(N * sizeof(gen_t)), *got = malloc(N * sizeof(gen_t));
-    pd_engine_t *plain = make_engine(NULL, 256, 0, false);
-    make_reqs(q, N, pd_engine_model_config(plain)->vocab_size, 17);
-    for (int i = 0; i < N; i++) {
-        q[i].max_tokens = 60;
-    }
-    run_all(plain, q, N, ref);
-    pd_engine_destroy(plain);
     char *cfg = draft_config(g_draft, 4);
-    pd_engine_t *e = make_engine(cfg, 256, 40, false);
-    run_all(e, q, N, got);
-    pd_engine_stats_t st;
-    pd_engine_get_stats(e, &st);
-    ck_assert_uint_gt(st.preemptions, 0);
-    for (int i = 0; i < N; i++) {
-        assert_same(&got[i], &ref[i], i);
-    }
-    assert_speculated(e);
-    ck_assert_uint_eq(st.blocks_used, 0);
-    ck_assert_uint_eq(st.blocks_free + st.blocks_cached_free, st.num_blocks - 1);
-    pd_engine_destroy(e);
-    free(cfg), free(q), free(ref), free(got);
+    greedy_identical_under_preemption(cfg, 17);
+    free(cfg);
 }
 END_TEST
 
