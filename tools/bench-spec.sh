@@ -22,56 +22,71 @@ work=$(mktemp -d /tmp/pd-bench-spec-XXXXXX)
 mkdir "$work/draft" && cp -r "$models/demo/." "$work/draft/" # the early-exit draft: 2 of 8 layers
 sed -i 's/"num_hidden_layers": *[0-9]*/"num_hidden_layers": 2/' "$work/draft/config.json"
 draft="{\"method\": \"draft_model\", \"model\": \"$work/draft\", \"num_speculative_tokens\": 3}"
-pid=
-stop() {
-  if [[ -n "$pid" ]]; then
-    kill -TERM "$pid" 2>/dev/null || true
-    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "$pid" 2>/dev/null || true
-    wait "$pid" 2>/dev/null || true
-    pid=
-  fi
+configs=(off ngram draft)
+declare -A pid port
+stop_all() {
+  for c in "${configs[@]}"; do
+    [[ -n "${pid[$c]:-}" ]] && kill -TERM "${pid[$c]}" 2>/dev/null || true
+  done
+  for c in "${configs[@]}"; do
+    [[ -n "${pid[$c]:-}" ]] && wait "${pid[$c]}" 2>/dev/null || true
+  done
 }
-trap 'stop; rm -rf "$work"' EXIT
+trap 'stop_all; rm -rf "$work"' EXIT
 counter() { # counter PORT NAME: a vllm:spec_decode counter's value (0 when absent)
   curl -sf "http://127.0.0.1:$1/metrics" | awk -v n="$2" '$1 ~ "^"n"[{ ]" || $1 == n {v += $2} END {print v + 0}'
 }
 
+# the three servers stay up (an idle one takes no CPU) and each point runs them back to back, in
+# two rounds of alternating order, so that the VM's drift falls on all three alike
+for c in "${configs[@]}"; do
+  args=()
+  [[ $c == ngram ]] && args=(--speculative-config "$spec")
+  [[ $c == draft ]] && args=(--speculative-config "$draft")
+  "$bin/pd-serve" --model "$models/demo" --served-model-name demo --threads 2 --kv-cache-memory 2G \
+    --max-model-len 4096 --port 0 --port-file "$work/port-$c" "${args[@]}" >"$work/serve-$c.log" 2>&1 &
+  pid[$c]=$!
+done
+for c in "${configs[@]}"; do
+  for _ in $(seq 300); do [[ -s "$work/port-$c" ]] && break; kill -0 "${pid[$c]}" || { cat "$work/serve-$c.log"; exit 1; }; sleep 0.2; done
+  port[$c]=$(cat "$work/port-$c")
+done
+
 declare -A tpot tput acc gaps
 workloads=("repeat 0" "random 0" "random 1")
-for config in off ngram draft; do
-  rm -f "$work/port"
-  args=()
-  [[ $config == ngram ]] && args=(--speculative-config "$spec")
-  [[ $config == draft ]] && args=(--speculative-config "$draft")
-  "$bin/pd-serve" --model "$models/demo" --served-model-name demo --threads 2 --kv-cache-memory 2G \
-    --max-model-len 4096 --port 0 --port-file "$work/port" "${args[@]}" >"$work/serve-$config.log" 2>&1 &
-  pid=$!
-  for _ in $(seq 300); do [[ -s "$work/port" ]] && break; kill -0 "$pid" || { cat "$work/serve-$config.log"; exit 1; }; sleep 0.2; done
-  port=$(cat "$work/port")
+for round in 1 2; do
+  order=("${configs[@]}")
+  [[ $round == 2 ]] && order=(draft ngram off)
   for w in "${workloads[@]}"; do
     read -r data temp <<<"$w"
     for conc in 1 4; do
       key="$data-t$temp-c$conc"
-      out="$work/$config-$key.json"
-      echo "bench-spec: speculation $config, $data prompts, temperature $temp, concurrency $conc" >&2
-      d0=$(counter "$port" vllm:spec_decode_num_draft_tokens_total)
-      a0=$(counter "$port" vllm:spec_decode_num_accepted_tokens_total)
-      "$bin/pd-bench" --base-url "http://127.0.0.1:$port" --dataset-name "$data" --random-input-len 256 \
-        --random-output-len 128 --repeat-phrase-len 8 --temperature "$temp" --num-prompts "$prompts" \
-        --num-warmups 4 --seed 7 --max-concurrency "$conc" --ignore-eos --no-progress --save-result \
-        --result-filename "$out" --label "$config $key" --wait-ready 60 >/dev/null
-      d1=$(counter "$port" vllm:spec_decode_num_draft_tokens_total)
-      a1=$(counter "$port" vllm:spec_decode_num_accepted_tokens_total)
-      read -r tpot[$config-$key] tput[$config-$key] < <(python3 -c '
+      for config in "${order[@]}"; do
+        p=${port[$config]}
+        out="$work/$config-$key-$round.json"
+        echo "bench-spec: round $round, speculation $config, $data prompts, temperature $temp, concurrency $conc" >&2
+        d0=$(counter "$p" vllm:spec_decode_num_draft_tokens_total)
+        a0=$(counter "$p" vllm:spec_decode_num_accepted_tokens_total)
+        "$bin/pd-bench" --base-url "http://127.0.0.1:$p" --dataset-name "$data" --random-input-len 256 \
+          --random-output-len 128 --repeat-phrase-len 8 --temperature "$temp" --num-prompts "$prompts" \
+          --num-warmups 4 --seed 7 --max-concurrency "$conc" --ignore-eos --no-progress --save-result \
+          --result-filename "$out" --label "$config $key r$round" --wait-ready 60 >/dev/null
+        d1=$(counter "$p" vllm:spec_decode_num_draft_tokens_total)
+        a1=$(counter "$p" vllm:spec_decode_num_accepted_tokens_total)
+        read -r t o < <(python3 -c '
 import json, sys
 r = json.load(open(sys.argv[1]))
-print("%.2f %.1f" % (r["median_tpot_ms"], r["output_throughput"]))' "$out")
-      acc[$config-$key]=$(python3 -c 'import sys; d, a = float(sys.argv[1]), float(sys.argv[2]); print("%.0f%% of %.0f" % (100 * a / d, d) if d else "-")' "$((d1 - d0))" "$((a1 - a0))")
+print("%.3f %.2f" % (r["median_tpot_ms"], r["output_throughput"]))' "$out")
+        # the mean of the two rounds
+        tpot[$config-$key]=$(python3 -c 'import sys; print("%.3f" % (float(sys.argv[1]) + float(sys.argv[2]) / 2))' "${tpot[$config-$key]:-0}" "$t")
+        tput[$config-$key]=$(python3 -c 'import sys; print("%.2f" % (float(sys.argv[1]) + float(sys.argv[2]) / 2))' "${tput[$config-$key]:-0}" "$o")
+        acc[$config-$key]=$(python3 -c 'import sys; d, a = float(sys.argv[1]), float(sys.argv[2]); print("%.0f%% of %.0f" % (100 * a / d, d) if d else "-")' "$((d1 - d0))" "$((a1 - a0))")
+      done
     done
   done
-  if [[ $config != ngram ]]; then # the draft's catch-up over a prompt: TTFT and the first two gaps
-    gaps[$config]=$(python3 - "$port" <<'PY'
+done
+for config in off draft; do # the draft's catch-up over a prompt: TTFT and the first two gaps
+  gaps[$config]=$(python3 - "${port[$config]}" <<'PY'
 import http.client, json, random, sys, time
 port = int(sys.argv[1])
 def gaps(prompt):
@@ -93,9 +108,8 @@ for n in (512, 2048):
 print(" ".join(out))
 PY
 )
-  fi
-  stop
 done
+stop_all
 rows=()
 for w in "${workloads[@]}"; do
   read -r data temp <<<"$w"
@@ -118,9 +132,11 @@ done
   echo "Command: \`tools/bench-spec.sh $build\`. Machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)."
   echo "pd-serve --threads 2 on the demo model (bf16), without and with \`--speculative-config '$spec'\`"
   echo "(ngram) or a draft model, the demo model cut after 2 of its 8 layers, 3 draft tokens (draft);"
-  echo "256-token prompts, 128 output tokens (ignore_eos), $prompts requests per point (+4 warmups), seed 7."
+  echo "256-token prompts, 128 output tokens (ignore_eos), $prompts requests per point (+4 warmups), seed 7;"
+  echo "the three servers run side by side, each point back to back on all three, two rounds in"
+  echo "alternating order, the mean of the rounds shown (acceptance: the second round's)."
   echo "repeat: a random 8-token phrase repeated; random: vLLM's random ids. Baseline: the same server"
-  echo "without speculation, same run. TPOT ratio > 1 and throughput ratio > 1 mean speculation helps."
+  echo "without speculation, same run. TPOT off/on > 1 and throughput on/off > 1 mean speculation helps."
   echo
   echo "| prompts | temperature | concurrency | method | TPOT p50 off (ms) | TPOT p50 on (ms) | TPOT off/on | out tok/s off | out tok/s on | on/off | drafts accepted |"
   echo "|---|---|---|---|---|---|---|---|---|---|---|"
@@ -140,4 +156,4 @@ done
     echo "| $n | $t0 | $t1 | $g0 | $g1 | $h0 | $h1 |"
   done
 } >>"$results"
-tail -n $(( ${#rows[@]} + 19 )) "$results"
+tail -n $(( ${#rows[@]} + 21 )) "$results"
