@@ -400,6 +400,10 @@ static void propose_drafts(pd_engine_t *e)
     bool draft = e->spec.method == PD_SPEC_DRAFT_MODEL;
     int32_t n = 0, count = e->num_spec_next;
     e->num_spec_next = 0;
+    if (e->spec.disable_by_batch_size > 0 &&
+        pd_scheduler_num_running(e->sched) >= e->spec.disable_by_batch_size) {
+        return; /* a full batch keeps the cores busy already: verify rows would cost more than they give */
+    }
     for (int32_t i = 0; i < count; i++) {
         pd_request_t *r = e->spec_next[i];
         int32_t room = r->cap_tokens - r->num_tokens - 1;

@@ -40,10 +40,10 @@ pd_status_t pd_spec_config_parse(const char *text, pd_spec_config_t *out, char *
     {
         if (strcmp(key, "method") != 0 && strcmp(key, "num_speculative_tokens") != 0 &&
             strcmp(key, "prompt_lookup_min") != 0 && strcmp(key, "prompt_lookup_max") != 0 &&
-            strcmp(key, "model") != 0) {
+            strcmp(key, "model") != 0 && strcmp(key, "disable_by_batch_size") != 0) {
             snprintf(err, err_len,
                      "--speculative-config: '%s' is not supported (method, model, num_speculative_tokens, "
-                     "prompt_lookup_min, prompt_lookup_max are)",
+                     "prompt_lookup_min, prompt_lookup_max, disable_by_batch_size are)",
                      key);
             goto out;
         }
@@ -69,10 +69,11 @@ pd_status_t pd_spec_config_parse(const char *text, pd_spec_config_t *out, char *
                  draft ? "draft_model needs \"model\": a directory" : "\"model\" is for method draft_model");
         goto out;
     }
-    bool has_k = false, has_min = false, has_max = false;
-    int32_t k = 0, lo = 0, hi = 0;
+    bool has_k = false, has_min = false, has_max = false, has_dis = false;
+    int32_t k = 0, lo = 0, hi = 0, dis = 0;
     if (!opt_int(o, "num_speculative_tokens", &k, &has_k) ||
-        !opt_int(o, "prompt_lookup_min", &lo, &has_min) || !opt_int(o, "prompt_lookup_max", &hi, &has_max)) {
+        !opt_int(o, "prompt_lookup_min", &lo, &has_min) || !opt_int(o, "prompt_lookup_max", &hi, &has_max) ||
+        !opt_int(o, "disable_by_batch_size", &dis, &has_dis)) {
         snprintf(err, err_len, "--speculative-config: the numbers must be integers");
         goto out;
     }
@@ -81,12 +82,16 @@ pd_status_t pd_spec_config_parse(const char *text, pd_spec_config_t *out, char *
                  PD_SPEC_MAX_TOKENS);
         goto out;
     }
+    if (has_dis && dis < 2) {
+        snprintf(err, err_len, "--speculative-config: disable_by_batch_size must be >= 2 (got %d)", dis);
+        goto out;
+    }
     if (draft) {
         if (has_min || has_max) {
             snprintf(err, err_len, "--speculative-config: prompt_lookup_min/max are for method ngram");
             goto out;
         }
-        *out = (pd_spec_config_t){PD_SPEC_DRAFT_MODEL, k, 0, 0, {0}};
+        *out = (pd_spec_config_t){PD_SPEC_DRAFT_MODEL, k, 0, 0, {0}, dis};
         snprintf(out->draft_model, sizeof(out->draft_model), "%s", model);
         st = PD_OK;
         goto out;
@@ -105,7 +110,7 @@ pd_status_t pd_spec_config_parse(const char *text, pd_spec_config_t *out, char *
             hi);
         goto out;
     }
-    *out = (pd_spec_config_t){PD_SPEC_NGRAM, k, lo, hi, {0}};
+    *out = (pd_spec_config_t){PD_SPEC_NGRAM, k, lo, hi, {0}, dis};
     st = PD_OK;
 out:
     json_decref(o);

@@ -21,13 +21,16 @@ typedef struct pd_spec_config {
     int32_t num_tokens; /* num_speculative_tokens: drafts per request per step at most */
     int32_t lookup_min; /* prompt_lookup_min / prompt_lookup_max: n-gram lengths tried */
     int32_t lookup_max;
-    char draft_model[1024]; /* draft_model: the draft's HF directory ("model") */
+    char draft_model[1024];        /* draft_model: the draft's HF directory ("model") */
+    int32_t disable_by_batch_size; /* > 0: no drafts in a step that starts with this many requests
+                                    * running or more (vLLM's disable_by_batch_size); 0: always */
 } pd_spec_config_t;
 
 /* Parses --speculative-config, vLLM's JSON: {"method": "ngram", "num_speculative_tokens": k,
  * "prompt_lookup_min": a, "prompt_lookup_max": b} (a missing bound takes the other's value, both
  * missing: 5, as vLLM), or {"method": "draft_model", "model": DIR, "num_speculative_tokens": k}
- * ("model" without "method" means draft_model, as vLLM infers it). NULL or "" is no speculation.
+ * ("model" without "method" means draft_model, as vLLM infers it); either may add
+ * "disable_by_batch_size": n (>= 2). NULL or "" is no speculation.
  * Unknown keys, other methods and values out of range are refused with PD_ERR_INVALID_ARG and the
  * reason in err. */
 pd_status_t pd_spec_config_parse(const char *json, pd_spec_config_t *out, char *err, size_t err_len);

@@ -645,6 +645,11 @@ void pd_scheduler_get_spec_stats(const pd_scheduler_t *s, pd_scheduler_stats_t *
     memcpy(o->spec_accepted_per_pos, s->spec_accepted_per_pos, sizeof(o->spec_accepted_per_pos));
 }
 
+int32_t pd_scheduler_num_running(const pd_scheduler_t *s)
+{
+    return s->num_running;
+}
+
 bool pd_scheduler_idle(const pd_scheduler_t *s)
 {
     return s->num_running == 0 && s->num_waiting == 0 && s->num_holding == 0;

@@ -138,6 +138,9 @@ void pd_scheduler_get_stats(const pd_scheduler_t *s, pd_scheduler_stats_t *out);
 /* Only the spec_* fields of the stats (cheap: no queue walk); the rest of out is left as it is. */
 void pd_scheduler_get_spec_stats(const pd_scheduler_t *s, pd_scheduler_stats_t *out);
 
+/* Requests in the running set now. */
+int32_t pd_scheduler_num_running(const pd_scheduler_t *s);
+
 /* True when nothing is waiting, running or held. */
 bool pd_scheduler_idle(const pd_scheduler_t *s);
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # tools/bench-spec.sh BUILD_DIR — speculative decoding (issue 23): pd-serve on the demo model with
 # and without --speculative-config (n-gram, 4 draft tokens, n-grams of 2..4; and a draft model: the
-# demo model cut after 2 of its 8 layers, an early-exit draft, 3 draft tokens), under pd-bench at
+# demo model cut after 2 of its 8 layers, an early-exit draft, 3 draft tokens; and n-gram with
+# disable_by_batch_size 4), under pd-bench at
 # concurrency 1 and 4, on a workload where the lookup has something to find (repeat: prompts that
 # are a phrase repeated, which the output goes on repeating) and on ones where it has little or
 # nothing (random prompts greedy; random prompts at temperature 1). The acceptance comes from the
@@ -22,7 +23,8 @@ work=$(mktemp -d /tmp/pd-bench-spec-XXXXXX)
 mkdir "$work/draft" && cp -r "$models/demo/." "$work/draft/" # the early-exit draft: 2 of 8 layers
 sed -i 's/"num_hidden_layers": *[0-9]*/"num_hidden_layers": 2/' "$work/draft/config.json"
 draft="{\"method\": \"draft_model\", \"model\": \"$work/draft\", \"num_speculative_tokens\": 3}"
-configs=(off ngram draft)
+capped='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4, "disable_by_batch_size": 4}'
+configs=(off ngram ngram-cap4 draft)
 declare -A pid port
 stop_all() {
   for c in "${configs[@]}"; do
@@ -37,11 +39,12 @@ counter() { # counter PORT NAME: a vllm:spec_decode counter's value (0 when abse
   curl -sf "http://127.0.0.1:$1/metrics" | awk -v n="$2" '$1 ~ "^"n"[{ ]" || $1 == n {v += $2} END {print v + 0}'
 }
 
-# the three servers stay up (an idle one takes no CPU) and each point runs them back to back, in
-# two rounds of alternating order, so that the VM's drift falls on all three alike
+# the servers stay up (an idle one takes no CPU) and each point runs them back to back, in two
+# rounds of alternating order, so that the VM's drift falls on all of them alike
 for c in "${configs[@]}"; do
   args=()
   [[ $c == ngram ]] && args=(--speculative-config "$spec")
+  [[ $c == ngram-cap4 ]] && args=(--speculative-config "$capped")
   [[ $c == draft ]] && args=(--speculative-config "$draft")
   "$bin/pd-serve" --model "$models/demo" --served-model-name demo --threads 2 --kv-cache-memory 2G \
     --max-model-len 4096 --port 0 --port-file "$work/port-$c" "${args[@]}" >"$work/serve-$c.log" 2>&1 &
@@ -56,7 +59,7 @@ declare -A tpot tput acc gaps
 workloads=("repeat 0" "random 0" "random 1")
 for round in 1 2; do
   order=("${configs[@]}")
-  [[ $round == 2 ]] && order=(draft ngram off)
+  [[ $round == 2 ]] && order=(draft ngram-cap4 ngram off)
   for w in "${workloads[@]}"; do
     read -r data temp <<<"$w"
     for conc in 1 4; do
@@ -115,7 +118,7 @@ for w in "${workloads[@]}"; do
   read -r data temp <<<"$w"
   for conc in 1 4; do
     key="$data-t$temp-c$conc"
-    for config in ngram draft; do
+    for config in ngram ngram-cap4 draft; do
       rows+=("$(python3 -c '
 import sys
 a, b = sys.argv[3:5]
@@ -131,9 +134,10 @@ done
   echo
   echo "Command: \`tools/bench-spec.sh $build\`. Machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)."
   echo "pd-serve --threads 2 on the demo model (bf16), without and with \`--speculative-config '$spec'\`"
-  echo "(ngram) or a draft model, the demo model cut after 2 of its 8 layers, 3 draft tokens (draft);"
+  echo "(ngram), the same with \"disable_by_batch_size\": 4 (ngram-cap4: no drafts while 4 requests run)"
+  echo "or a draft model, the demo model cut after 2 of its 8 layers, 3 draft tokens (draft);"
   echo "256-token prompts, 128 output tokens (ignore_eos), $prompts requests per point (+4 warmups), seed 7;"
-  echo "the three servers run side by side, each point back to back on all three, two rounds in"
+  echo "the four servers run side by side, each point back to back on all four, two rounds in"
   echo "alternating order, the mean of the rounds shown (acceptance: the second round's)."
   echo "repeat: a random 8-token phrase repeated; random: vLLM's random ids. Baseline: the same server"
   echo "without speculation, same run. TPOT off/on > 1 and throughput on/off > 1 mean speculation helps."
@@ -156,4 +160,4 @@ done
     echo "| $n | $t0 | $t1 | $g0 | $g1 | $h0 | $h1 |"
   done
 } >>"$results"
-tail -n $(( ${#rows[@]} + 21 )) "$results"
+tail -n $(( ${#rows[@]} + 22 )) "$results"

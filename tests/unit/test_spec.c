@@ -76,6 +76,11 @@ START_TEST(test_spec_config_parse)
         pd_spec_config_parse("{\"model\": \"/m\", \"num_speculative_tokens\": 2}", &c, err, sizeof(err)),
         PD_OK); /* vLLM infers the method from "model" */
     ck_assert_int_eq(c.method, PD_SPEC_DRAFT_MODEL);
+    ck_assert_int_eq(pd_spec_config_parse("{\"method\": \"ngram\", \"num_speculative_tokens\": 2, "
+                                          "\"disable_by_batch_size\": 4}",
+                                          &c, err, sizeof(err)),
+                     PD_OK);
+    ck_assert_int_eq(c.disable_by_batch_size, 4);
     const char *bad[] = {
         "{\"method\": \"ngram\"}",
         "{\"method\": \"ngram\", \"num_speculative_tokens\": 0}",
@@ -88,6 +93,7 @@ START_TEST(test_spec_config_parse)
         "{\"method\": \"ngram\", \"model\": \"/m\", \"num_speculative_tokens\": 2}",
         "{\"model\": \"/m\", \"num_speculative_tokens\": 2, \"prompt_lookup_max\": 3}",
         "{\"model\": 3, \"num_speculative_tokens\": 2}",
+        "{\"method\": \"ngram\", \"num_speculative_tokens\": 2, \"disable_by_batch_size\": 1}",
         "[1]",
         "{",
     };
@@ -617,6 +623,43 @@ START_TEST(test_distribution_unchanged)
 }
 END_TEST
 
+/* disable_by_batch_size: no drafts in steps that start with that many requests running; the tail of
+ * a batch (fewer left) drafts again. Greedy outputs are the same either way. */
+START_TEST(test_disable_by_batch_size)
+{
+    enum { N = 16 };
+    req_t *q = malloc(N * sizeof(req_t));
+    gen_t *ref = malloc(N * sizeof(gen_t)), *got = malloc(N * sizeof(gen_t));
+    pd_engine_t *plain = make_engine(NULL, 512, 0, false);
+    make_reqs(q, N, pd_engine_model_config(plain)->vocab_size, 18);
+    for (int i = 0; i < N; i++) {
+        q[i].max_tokens = 20 + 3 * i; /* they finish one by one: the batch shrinks below the limit */
+    }
+    run_all(plain, q, N, ref);
+    pd_engine_destroy(plain);
+    uint64_t drafts[2];
+    const char *cfgs[2] = {NGRAM,
+                           "{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 1, "
+                           "\"prompt_lookup_max\": 3, \"disable_by_batch_size\": 4}"};
+    for (int c = 0; c < 2; c++) {
+        pd_engine_t *e = make_engine(cfgs[c], 512, 0, false);
+        run_all(e, q, N, got);
+        for (int i = 0; i < N; i++) {
+            assert_same(&got[i], &ref[i], i);
+        }
+        pd_engine_stats_t st;
+        pd_engine_get_stats(e, &st);
+        drafts[c] = st.spec_drafts;
+        pd_engine_destroy(e);
+    }
+    fprintf(stderr, "disable_by_batch_size 4: %lu drafts, without it %lu\n", (unsigned long)drafts[1],
+            (unsigned long)drafts[0]);
+    ck_assert_uint_gt(drafts[1], 0);             /* the last three requests drafted */
+    ck_assert_uint_lt(drafts[1], drafts[0] / 2); /* the full batch did not */
+    free(q), free(ref), free(got);
+}
+END_TEST
+
 static char *draft_config(const char *dir, int k)
 {
     char *s = malloc(1200);
@@ -723,6 +766,7 @@ int main(void)
     tcase_add_test(tc, test_stop_strings_and_limits);
     tcase_add_test(tc, test_seeded_reproducible);
     tcase_add_test(tc, test_distribution_unchanged);
+    tcase_add_test(tc, test_disable_by_batch_size);
     tcase_add_test(tc, test_draft_model_greedy_identical);
     tcase_add_test(tc, test_draft_model_under_preemption);
     tcase_add_test(tc, test_draft_model_refused);
