@@ -68,15 +68,9 @@ pd_status_t pd_bench_dataset_random(uint64_t seed, size_t n, int32_t input_len, 
     return PD_OK;
 }
 
-pd_status_t pd_bench_dataset_repeat(uint64_t seed, size_t n, int32_t input_len, int32_t phrase_len,
-                                    int32_t output_len, int32_t vocab, pd_bench_dataset_t *out)
+/* n prompts of num_ids ids (unset) and output_len output tokens each; out is empty on failure. */
+static pd_status_t prompts_alloc(pd_bench_dataset_t *out, size_t n, int32_t num_ids, int32_t output_len)
 {
-    if (n == 0 || input_len < 1 || phrase_len < 1 || output_len < 1 || vocab < 2) {
-        pd_log_error("repeat dataset: need input, phrase and output lengths >= 1");
-        return PD_ERR_INVALID_ARG;
-    }
-    pd_rng_t rng;
-    pd_rng_seed(&rng, seed);
     out->prompts = calloc(n, sizeof(pd_bench_prompt_t));
     if (out->prompts == NULL) {
         return PD_ERR_NO_MEMORY;
@@ -84,13 +78,32 @@ pd_status_t pd_bench_dataset_repeat(uint64_t seed, size_t n, int32_t input_len, 
     out->n = n;
     for (size_t i = 0; i < n; i++) {
         pd_bench_prompt_t *p = &out->prompts[i];
-        p->num_ids = p->input_len = input_len;
+        p->num_ids = p->input_len = num_ids;
         p->output_len = output_len;
-        p->ids = malloc((size_t)input_len * sizeof(int32_t));
+        p->ids = malloc((size_t)num_ids * sizeof(int32_t));
         if (p->ids == NULL) {
             pd_bench_dataset_free(out);
             return PD_ERR_NO_MEMORY;
         }
+    }
+    return PD_OK;
+}
+
+pd_status_t pd_bench_dataset_repeat(uint64_t seed, size_t n, int32_t input_len, int32_t phrase_len,
+                                    int32_t output_len, int32_t vocab, pd_bench_dataset_t *out)
+{
+    if (n == 0 || input_len < 1 || phrase_len < 1 || output_len < 1 || vocab < 2) {
+        pd_log_error("repeat dataset: need input, phrase and output lengths >= 1");
+        return PD_ERR_INVALID_ARG;
+    }
+    pd_status_t st = prompts_alloc(out, n, input_len, output_len);
+    if (st != PD_OK) {
+        return st;
+    }
+    pd_rng_t rng;
+    pd_rng_seed(&rng, seed);
+    for (size_t i = 0; i < n; i++) {
+        pd_bench_prompt_t *p = &out->prompts[i];
         for (int32_t t = 0; t < input_len; t++) {
             p->ids[t] =
                 t < phrase_len ? (int32_t)pd_rng_below(&rng, (uint64_t)vocab) : p->ids[t - phrase_len];
@@ -107,13 +120,12 @@ pd_status_t pd_bench_dataset_prefix_repetition(uint64_t seed, size_t n, int32_t 
         pd_log_error("prefix-repetition dataset: need suffix/output lengths >= 1 and at least one prefix");
         return PD_ERR_INVALID_ARG;
     }
+    pd_status_t st = prompts_alloc(out, n, prefix_len + suffix_len, output_len);
+    if (st != PD_OK) {
+        return st;
+    }
     pd_rng_t rng;
     pd_rng_seed(&rng, seed);
-    out->prompts = calloc(n, sizeof(pd_bench_prompt_t));
-    if (out->prompts == NULL) {
-        return PD_ERR_NO_MEMORY;
-    }
-    out->n = n;
     int32_t *prefixes =
         malloc((size_t)num_prefixes * (size_t)(prefix_len > 0 ? prefix_len : 1) * sizeof(int32_t));
     if (prefixes == NULL) {
@@ -125,15 +137,6 @@ pd_status_t pd_bench_dataset_prefix_repetition(uint64_t seed, size_t n, int32_t 
     }
     for (size_t i = 0; i < n; i++) {
         pd_bench_prompt_t *p = &out->prompts[i];
-        p->num_ids = prefix_len + suffix_len;
-        p->input_len = p->num_ids;
-        p->output_len = output_len;
-        p->ids = malloc((size_t)p->num_ids * sizeof(int32_t));
-        if (p->ids == NULL) {
-            free(prefixes);
-            pd_bench_dataset_free(out);
-            return PD_ERR_NO_MEMORY;
-        }
         memcpy(p->ids, prefixes + (size_t)(i % (size_t)num_prefixes) * (size_t)prefix_len,
                (size_t)prefix_len * sizeof(int32_t));
         for (int32_t t = 0; t < suffix_len; t++) {

@@ -386,7 +386,6 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
     }
     e->cfg = *cfg;
     e->spec = spec;
-
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->cv, NULL);
     const char *base = strrchr(cfg->model_dir, '/');

@@ -146,6 +146,20 @@ out:
     return PD_OK;
 }
 
+/* The bytes one block id costs with these layer specs: a plan with a huge budget, read back
+ * (0 when the specs cannot be planned). */
+static size_t specs_block_bytes(const pd_kv_spec_t *specs, int32_t num_layers, const pd_kv_init_params_t *p)
+{
+    pd_kv_cache_config_t *probe = malloc(sizeof(*probe));
+    size_t per_block = 0;
+    if (probe != NULL && pd_kv_cache_config_compute(specs, num_layers, (size_t)1 << 50, p->max_model_len,
+                                                    p->max_num_batched_tokens, probe) == PD_OK) {
+        per_block = probe->region_bytes / probe->num_blocks;
+    }
+    free(probe);
+    return per_block;
+}
+
 pd_status_t pd_kv_cache_init(pd_model_t *model, pd_backend_t *be, const pd_kv_init_params_t *p,
                              pd_kv_cache_t **kv_out)
 {
@@ -164,33 +178,29 @@ pd_status_t pd_kv_cache_init(pd_model_t *model, pd_backend_t *be, const pd_kv_in
     if (st == PD_OK && !(p->skip_profile && p->num_blocks_override > 0)) {
         st = pd_kv_profile_available(model, be, p, &kv->profile);
     }
-    size_t per_block = st == PD_OK ? pd_kv_block_bytes(mc, p->block_size, p->cache_dtype, p->max_model_len,
-                                                       p->max_num_batched_tokens)
-                                   : 0;
-    if (st == PD_OK && per_block == 0) {
+    /* the bytes one block id costs, when the plan needs them */
+    bool per_block_needed = p->num_blocks_override > 0 || p->companion_block_bytes > 0;
+    size_t per_block = st == PD_OK && per_block_needed ? specs_block_bytes(kv->specs, mc->num_layers, p) : 0;
+    if (st == PD_OK && per_block_needed && per_block == 0) {
         st = PD_ERR_INVALID_ARG;
     }
     if (st != PD_OK) {
         free(kv);
         return st;
     }
+    if (!p->skip_profile) {
+        pd_log_info("Available KV cache memory: %.2f GiB", (double)kv->profile.available_bytes / (1u << 30));
+    }
     size_t plan_bytes = kv->profile.available_bytes;
     if (p->num_blocks_override > 0) {
         pd_log_info("overriding the profiled number of KV blocks with %u", p->num_blocks_override);
         plan_bytes = per_block * p->num_blocks_override;
-    }
-    if (!p->skip_profile) {
-        pd_log_info("Available KV cache memory: %.2f GiB", (double)kv->profile.available_bytes / (1u << 30));
-    }
-    if (p->num_blocks_override == 0) {
-        if (p->companion_block_bytes > 0) { /* the draft's pages take their share of every block */
-            plan_bytes = (size_t)((double)plan_bytes * (double)per_block /
-                                  (double)(per_block + p->companion_block_bytes));
-            pd_log_info(
-                "KV cache memory for the target model: %.2f GiB (the draft model's pages take %.2f GiB)",
-                (double)plan_bytes / (1u << 30),
-                (double)(kv->profile.available_bytes - plan_bytes) / (1u << 30));
-        }
+    } else if (p->companion_block_bytes > 0) { /* the draft's pages take their share of every block */
+        plan_bytes =
+            (size_t)((double)plan_bytes * (double)per_block / (double)(per_block + p->companion_block_bytes));
+        pd_log_info("KV cache memory for the target model: %.2f GiB (the draft model's pages take %.2f GiB)",
+                    (double)plan_bytes / (1u << 30),
+                    (double)(kv->profile.available_bytes - plan_bytes) / (1u << 30));
     }
     st = pd_kv_cache_config_compute(kv->specs, mc->num_layers, plan_bytes, p->max_model_len,
                                     p->max_num_batched_tokens, &kv->cfg);
@@ -241,16 +251,14 @@ pd_status_t pd_kv_cache_init(pd_model_t *model, pd_backend_t *be, const pd_kv_in
 size_t pd_kv_block_bytes(const pd_model_config_t *mc, int32_t block_size, pd_dtype_t dtype,
                          int32_t max_model_len, int32_t max_num_batched_tokens)
 {
-    /* plan with a huge budget and read the bytes of one block id back */
     pd_kv_spec_t *specs = malloc(PD_KV_MAX_LAYERS * sizeof(pd_kv_spec_t));
-    pd_kv_cache_config_t *probe = malloc(sizeof(*probe));
-    size_t per_block = 0;
-    if (specs != NULL && probe != NULL && pd_kv_specs_from_model(mc, block_size, dtype, specs) == PD_OK &&
-        pd_kv_cache_config_compute(specs, mc->num_layers, (size_t)1 << 50, max_model_len,
-                                   max_num_batched_tokens, probe) == PD_OK) {
-        per_block = probe->region_bytes / probe->num_blocks;
-    }
-    free(specs), free(probe);
+    pd_kv_init_params_t p = {.block_size = block_size,
+                             .max_model_len = max_model_len,
+                             .max_num_batched_tokens = max_num_batched_tokens};
+    size_t per_block = specs != NULL && pd_kv_specs_from_model(mc, block_size, dtype, specs) == PD_OK
+                           ? specs_block_bytes(specs, mc->num_layers, &p)
+                           : 0;
+    free(specs);
     return per_block;
 }
 

@@ -4,8 +4,6 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#define SAMPLING_EPS 1e-5f /* as kernels/cpu/sample.c: below it a row is greedy */
-
 /* The unnormalised probability of tok in a distribution listed by ascending id (0 if not kept). */
 static float prob_of(const pd_sample_cand_t *c, int n, int32_t tok)
 {
@@ -24,7 +22,7 @@ static float prob_of(const pd_sample_cand_t *c, int n, int32_t tok)
 int32_t pd_spec_verify(const float *rows, int32_t vocab, const int32_t *drafts, int32_t s,
                        const pd_sampling_params_t *p, pd_rng_t *rng, pd_sample_cand_t *c, int32_t *out)
 {
-    bool greedy = p->temperature < SAMPLING_EPS;
+    bool greedy = p->temperature < PD_SAMPLING_EPS;
     for (int32_t j = 0; j <= s; j++) {
         const float *row = rows + (size_t)j * (size_t)vocab;
         if (greedy) {

@@ -220,10 +220,11 @@ pd_status_t pd_scheduler_add_request(pd_scheduler_t *s, pd_request_t *r)
 
 bool pd_scheduler_reserve_lookahead(pd_scheduler_t *s, pd_request_t *r, int32_t num_tokens)
 {
+    if (pd_request_is_finished(r)) {
+        return false;
+    }
     int32_t more = num_tokens - r->num_computed_tokens;
-    return more <= 0 || pd_request_is_finished(r)
-               ? !pd_request_is_finished(r)
-               : pd_kv_manager_allocate_slots(&s->kv, r, more, NULL, 0, 0, true);
+    return more <= 0 || pd_kv_manager_allocate_slots(&s->kv, r, more, NULL, 0, 0, true);
 }
 
 pd_request_t *pd_scheduler_find(const pd_scheduler_t *s, const char *id)
@@ -412,7 +413,9 @@ const pd_scheduler_output_t *pd_scheduler_schedule(pd_scheduler_t *s)
         int32_t num_new = r->num_tokens - r->num_computed_tokens;
         if (r->num_spec_tokens > 0) { /* drafts ride along as far as the budget goes */
             int32_t room = budget - num_new;
-            r->num_spec_tokens = room < r->num_spec_tokens ? (room > 0 ? room : 0) : r->num_spec_tokens;
+            if (room < r->num_spec_tokens) {
+                r->num_spec_tokens = room > 0 ? room : 0;
+            }
             num_new += r->num_spec_tokens;
         }
         if (r->params.want_prompt_logprobs && s->cfg.enable_chunked_prefill &&

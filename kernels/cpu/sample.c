@@ -16,8 +16,6 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/sample.h"
 
-#define SAMPLING_EPS 1e-5f
-
 typedef pd_sample_cand_t cand_t;
 
 /* (z desc, id asc) */
@@ -139,7 +137,7 @@ pd_status_t pd_cpu_sample_ref(pd_backend_t *be, int32_t *tokens_out, float *logi
             return st;
         }
         float *z = logits + (size_t)r * vocab;
-        if (p->temperature < SAMPLING_EPS) {
+        if (p->temperature < PD_SAMPLING_EPS) {
             tokens_out[r] = argmax_row(z, vocab);
             continue;
         }
@@ -236,7 +234,7 @@ pd_status_t pd_cpu_sample(pd_backend_t *be, int32_t *tokens_out, float *logits, 
             return st;
         }
         float *z = logits + (size_t)r * vocab;
-        if (p->temperature < SAMPLING_EPS) {
+        if (p->temperature < PD_SAMPLING_EPS) {
             tokens_out[r] = argmax_row(z, vocab);
             continue;
         }

@@ -1,6 +1,7 @@
 /* kernels/cuda/cuda_sample.cu — tokens from device logits: greedy argmax, and sampling with the CPU
  * sampler's semantics and draws (temperature, top-k, top-p, min-p). */
 #include "kernels/cuda/cuda_internal.cuh"
+#include "kernels/sample.h"
 
 namespace pd_cuda
 {
@@ -279,7 +280,7 @@ pd_status_t cu_sample(pd_backend_t *be, int32_t *tokens, float *logits, int n, i
                          p->temperature, p->top_p, p->min_p);
             return PD_ERR_INVALID_ARG;
         }
-        greedy = greedy && p->temperature < 1e-5f;
+        greedy = greedy && p->temperature < PD_SAMPLING_EPS;
     }
     int32_t *d_tok = nullptr;
     TRY(cu_alloc(be, (size_t)n * sizeof(int32_t), reinterpret_cast<void **>(&d_tok)));
@@ -292,7 +293,7 @@ pd_status_t cu_sample(pd_backend_t *be, int32_t *tokens, float *logits, int n, i
         std::vector<sample_row> rows((size_t)n);
         for (int i = 0; i < n; i++) {
             const pd_sampling_params_t *p = &params[i];
-            bool g = p->temperature < 1e-5f;
+            bool g = p->temperature < PD_SAMPLING_EPS;
             int k = p->top_k > 0 && p->top_k < vocab ? p->top_k : vocab;
             rows[(size_t)i] = sample_row{i,
                                          g ? 1 : k,

@@ -17,9 +17,11 @@
 #include "engine/spec_decode.h"
 #include "engine/spec_verify.h"
 #include "kernels/sample.h"
+#include "model/config.h"
 #include "scheduler/block_pool.h"
 
 static char *g_model, *g_draft; /* the target; a smaller draft with its vocabulary */
+static int32_t g_vocab;         /* the target's vocabulary size */
 
 /* ------------------------------------------------------------------ proposer and verifier */
 
@@ -315,8 +317,9 @@ static void add(pd_engine_t *e, const req_t *q, int i, gen_t *g)
 }
 
 /* Prompts the n-gram lookup finds something in: a random phrase repeated, then a random tail. */
-static void make_reqs(req_t *q, int count, int vocab, uint64_t seed)
+static void make_reqs(req_t *q, int count, uint64_t seed)
 {
+    int32_t vocab = g_vocab;
     pd_rng_t r;
     pd_rng_seed(&r, seed);
     memset(q, 0, (size_t)count * sizeof(req_t));
@@ -348,6 +351,14 @@ static void run_all(pd_engine_t *e, const req_t *q, int n, gen_t *g)
         add(e, &q[i], i, &g[i]);
     }
     run_until_idle(e);
+}
+
+/* The outputs of q[n] on an engine without speculation. */
+static void reference(const req_t *q, int n, gen_t *ref)
+{
+    pd_engine_t *plain = make_engine(NULL, 512, 0, false);
+    run_all(plain, q, n, ref);
+    pd_engine_destroy(plain);
 }
 
 static void assert_same(const gen_t *a, const gen_t *b, int i)
@@ -425,10 +436,8 @@ START_TEST(test_greedy_identical)
     enum { N = 40 };
     req_t *q = malloc(N * sizeof(req_t));
     gen_t *ref = malloc(N * sizeof(gen_t)), *got = malloc(N * sizeof(gen_t));
-    pd_engine_t *plain = make_engine(NULL, 256, 0, true);
-    make_reqs(q, N, pd_engine_model_config(plain)->vocab_size, 11);
-    run_all(plain, q, N, ref);
-    pd_engine_destroy(plain);
+    make_reqs(q, N, 11);
+    reference(q, N, ref);
     int budgets[] = {256, 48, 7}; /* 7: most steps cut some request's drafts short */
     for (int b = 0; b < 3; b++) {
         pd_engine_t *e = make_engine(NGRAM, budgets[b], 0, true);
@@ -451,13 +460,11 @@ static void greedy_identical_under_preemption(const char *spec, uint64_t seed)
     enum { N = 12 };
     req_t *q = malloc(N * sizeof(req_t));
     gen_t *ref = malloc(N * sizeof(gen_t)), *got = malloc(N * sizeof(gen_t));
-    pd_engine_t *plain = make_engine(NULL, 256, 0, false);
-    make_reqs(q, N, pd_engine_model_config(plain)->vocab_size, seed);
+    make_reqs(q, N, seed);
     for (int i = 0; i < N; i++) {
         q[i].max_tokens = 60;
     }
-    run_all(plain, q, N, ref);
-    pd_engine_destroy(plain);
+    reference(q, N, ref);
     pd_engine_t *e = make_engine(spec, 256, 40, false);
     run_all(e, q, N, got);
     pd_engine_stats_t st;
@@ -488,12 +495,11 @@ START_TEST(test_stop_strings_and_limits)
     gen_t *full = malloc(N * sizeof(gen_t)), *ref = malloc(N * sizeof(gen_t)),
           *got = malloc(N * sizeof(gen_t));
     char stops[N][8];
-    pd_engine_t *plain = make_engine(NULL, 256, 0, true);
-    make_reqs(q, N, pd_engine_model_config(plain)->vocab_size, 13);
+    make_reqs(q, N, 13);
     for (int i = 0; i < N; i++) {
         q[i].max_tokens = 40;
     }
-    run_all(plain, q, N, full);
+    reference(q, N, full);
     int with_stop = 0;
     for (int i = 0; i < N; i++) { /* 2 bytes at a character boundary past the middle */
         size_t at = full[i].text_len / 2;
@@ -508,8 +514,7 @@ START_TEST(test_stop_strings_and_limits)
         }
     }
     ck_assert_int_gt(with_stop, N / 2);
-    run_all(plain, q, N, ref);
-    pd_engine_destroy(plain);
+    reference(q, N, ref);
     pd_engine_t *e = make_engine(NGRAM, 256, 0, true);
     run_all(e, q, N, got);
     int stopped = 0;
@@ -535,7 +540,7 @@ START_TEST(test_seeded_reproducible)
     req_t *q = malloc(N * sizeof(req_t));
     gen_t *a = malloc(N * sizeof(gen_t)), *b = calloc(N, sizeof(gen_t));
     pd_engine_t *e = make_engine(NGRAM, 256, 0, false);
-    make_reqs(q, N, pd_engine_model_config(e)->vocab_size, 14);
+    make_reqs(q, N, 14);
     for (int i = 0; i < N; i++) {
         q[i].temperature = 0.8f;
         q[i].logprobs = 1;
@@ -565,15 +570,13 @@ START_TEST(test_distribution_unchanged)
     enum { N = 3000 };
     req_t *q = malloc(N * sizeof(req_t));
     gen_t *g = malloc(N * sizeof(gen_t));
-    pd_engine_t *plain = make_engine(NULL, 512, 0, false);
-    int32_t V = pd_engine_model_config(plain)->vocab_size;
+    int32_t V = g_vocab;
     req_t base;
-    make_reqs(&base, 1, V, 15);
+    make_reqs(&base, 1, 15);
     base.n = 8;
     base.max_tokens = 24;
     base.logprobs = 0;
-    run_all(plain, &base, 1, g);
-    pd_engine_destroy(plain);
+    reference(&base, 1, g);
     memcpy(base.prompt + base.n, g[0].tokens, (size_t)g[0].n * sizeof(int32_t));
     base.n += g[0].n;
     long *cells = calloc(2 * (size_t)V * (size_t)V, sizeof(long));
@@ -630,13 +633,11 @@ START_TEST(test_disable_by_batch_size)
     enum { N = 16 };
     req_t *q = malloc(N * sizeof(req_t));
     gen_t *ref = malloc(N * sizeof(gen_t)), *got = malloc(N * sizeof(gen_t));
-    pd_engine_t *plain = make_engine(NULL, 512, 0, false);
-    make_reqs(q, N, pd_engine_model_config(plain)->vocab_size, 18);
+    make_reqs(q, N, 18);
     for (int i = 0; i < N; i++) {
         q[i].max_tokens = 20 + 3 * i; /* they finish one by one: the batch shrinks below the limit */
     }
-    run_all(plain, q, N, ref);
-    pd_engine_destroy(plain);
+    reference(q, N, ref);
     uint64_t drafts[2];
     const char *cfgs[2] = {NGRAM,
                            "{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 1, "
@@ -676,10 +677,8 @@ START_TEST(test_draft_model_greedy_identical)
     enum { N = 24 };
     req_t *q = malloc(N * sizeof(req_t));
     gen_t *ref = malloc(N * sizeof(gen_t)), *got = malloc(N * sizeof(gen_t));
-    pd_engine_t *plain = make_engine(NULL, 256, 0, true);
-    make_reqs(q, N, pd_engine_model_config(plain)->vocab_size, 16);
-    run_all(plain, q, N, ref);
-    pd_engine_destroy(plain);
+    make_reqs(q, N, 16);
+    reference(q, N, ref);
     const char *drafts[2] = {g_model, g_draft};
     int budgets[2] = {256, 9};
     for (int m = 0; m < 2; m++) {
@@ -750,10 +749,12 @@ int main(void)
         free(g_draft);
         g_draft = NULL;
     }
-    if (g_model == NULL || g_draft == NULL) {
+    pd_model_config_t mc;
+    if (g_model == NULL || g_draft == NULL || pd_model_config_load(g_model, &mc) != PD_OK) {
         fprintf(stderr, "cannot make the tiny model\n");
         return 1;
     }
+    g_vocab = mc.vocab_size;
     Suite *s = suite_create("spec");
     TCase *tc = tcase_create("spec");
     tcase_set_timeout(tc, 600);
