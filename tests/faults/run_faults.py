@@ -85,6 +85,8 @@ class Load:
                 st, out = http(self.proxy_port, "/v1/completions", body, timeout=60)
                 got = json.loads(out)["choices"][0]["token_ids"]
                 outcome = "ok" if got == ref else "wrong"
+                if outcome == "wrong":  # the evidence, for the log: which prompt, both answers
+                    print("WRONG prompt=%s pd-serve=%s proxy=%s" % (ids, ref, got), file=sys.stderr, flush=True)
             except urllib.error.HTTPError:
                 outcome = "clean failure"
             except Exception:
