@@ -108,6 +108,147 @@ static char *prompt_body(pd_rng_t *rng, int len, int vocab, int max_tokens, bool
     return s;
 }
 
+/* ------------------------------------------------------------------ streamed requests */
+
+/* One streamed completion: the arrival times of its first two token events. */
+typedef struct stream_ctx {
+    struct event_base *base;
+    struct evbuffer *acc;
+    double t_tok[2];
+    int n_tok, status;
+} stream_ctx_t;
+
+static void on_stream_chunk(struct evhttp_request *hr, void *arg)
+{
+    stream_ctx_t *c = arg;
+    double now = pd_time_now_s();
+    evbuffer_add_buffer(c->acc, evhttp_request_get_input_buffer(hr));
+    struct evbuffer_ptr end;
+    while ((end = evbuffer_search(c->acc, "\n\n", 2, NULL)).pos >= 0) {
+        size_t n = (size_t)end.pos;
+        char *ev = malloc(n + 1);
+        evbuffer_remove(c->acc, ev, n);
+        evbuffer_drain(c->acc, 2);
+        ev[n] = '\0';
+        if (strncmp(ev, "data: {", 7) == 0 && strstr(ev, "\"text\":") != NULL && c->n_tok < 2) {
+            c->t_tok[c->n_tok++] = now; /* a token's event (not the usage one) */
+        }
+        free(ev);
+    }
+}
+
+static void on_stream_done(struct evhttp_request *hr, void *arg)
+{
+    stream_ctx_t *c = arg;
+    c->status = hr != NULL ? evhttp_request_get_response_code(hr) : 0;
+    event_base_loopexit(c->base, NULL);
+}
+
+/* Sends body streamed; *ttft and *itl2: seconds to the first token's event and from it to the
+ * second's (0 when missing). Returns the status. */
+static int stream_request(struct event_base *b, const url_t *u, const char *body, double *ttft, double *itl2)
+{
+    stream_ctx_t c = {b, evbuffer_new(), {0, 0}, 0, 0};
+    struct evhttp_connection *conn = evhttp_connection_base_new(b, NULL, u->host, (ev_uint16_t)u->port);
+    evhttp_connection_set_timeout(conn, 600);
+    struct evhttp_request *hr = evhttp_request_new(on_stream_done, &c);
+    evhttp_request_set_chunked_cb(hr, on_stream_chunk);
+    struct evkeyvalq *h = evhttp_request_get_output_headers(hr);
+    evhttp_add_header(h, "Host", u->host);
+    evhttp_add_header(h, "Content-Type", "application/json");
+    evbuffer_add(evhttp_request_get_output_buffer(hr), body, strlen(body));
+    double t0 = pd_time_now_s();
+    if (evhttp_make_request(conn, hr, EVHTTP_REQ_POST, "/v1/completions") == 0) {
+        event_base_dispatch(b);
+    }
+    *ttft = c.n_tok > 0 ? c.t_tok[0] - t0 : 0;
+    *itl2 = c.n_tok > 1 ? c.t_tok[1] - c.t_tok[0] : 0;
+    evhttp_connection_free(conn);
+    evbuffer_free(c.acc);
+    return c.status;
+}
+
+/* The prefill's own TTFT sum (vllm:time_to_first_token_seconds, arrival to its first output). */
+static double server_ttft_sum(struct event_base *b, const url_t *u)
+{
+    resp_t r;
+    request(b, u, EVHTTP_REQ_GET, "/metrics", NULL, &r);
+    double v = r.status == 200 ? pd_metrics_text_value(r.body, "vllm:time_to_first_token_seconds_sum", 0) : 0;
+    free(r.body);
+    return v;
+}
+
+static char *stream_body(pd_rng_t *rng, int len, int vocab, int max_tokens)
+{
+    char *plain = prompt_body(rng, len, vocab, max_tokens, false);
+    json_t *j = json_loads(plain, 0, NULL);
+    free(plain);
+    json_object_set_new(j, "stream", json_true());
+    char *s = json_dumps(j, JSON_COMPACT);
+    json_decref(j);
+    return s;
+}
+
+/* First-token handover (pd-proxy --first-token-from-prefill) against the decode sampling it
+ * (--no-first-token-from-prefill, a second proxy over the same nodes): streamed 3-token requests
+ * one at a time, fresh prompts. The prefill's own TTFT for each request (its /metrics) is taken
+ * out of the client's, so what is left is what the path adds: HTTP hops, the proxy and, without
+ * the handover, the KV move and the decode's first step. */
+static void handover_section(struct event_base *b, const url_t *px, const url_t *legacy, const url_t *pf,
+                             const char *lens, int repeat, int vocab, pd_rng_t *rng, char *table, size_t cap)
+{
+    size_t tl = strlen(table);
+    tl += (size_t)snprintf(
+        table + tl, cap - tl,
+        "\n| prompt | path | TTFT (ms) | prefill's own TTFT (ms) | added by the path (ms) | added minus the "
+        "prefill alone's (ms) | goal ≤ 2 ms | second token − first (ms) | second token from arrival (ms) |\n"
+        "|---|---|---|---|---|---|---|---|---|\n");
+    char *list = strdup(lens), *save = NULL;
+    for (char *t = strtok_r(list, ",", &save); t != NULL; t = strtok_r(NULL, ",", &save)) {
+        int len = atoi(t);
+        const url_t *paths[3] = {pf, px, legacy};
+        const char *names[3] = {"prefill alone", "P/D, first token from the prefill",
+                                "P/D, decode samples it"};
+        double added[3] = {0, 0, 0};
+        for (int p = 0; p < 3; p++) {
+            double ttft = 0, own = 0, itl = 0;
+            int ok = 0;
+            char *w = stream_body(rng, len, vocab, 3); /* untimed: workspaces, first contact */
+            double a, c2;
+            stream_request(b, paths[p], w, &a, &c2);
+            free(w);
+            for (int k = 0; k < repeat; k++) {
+                char *body = stream_body(rng, len, vocab, 3);
+                double s0 = server_ttft_sum(b, pf), t1, i2;
+                ok += stream_request(b, paths[p], body, &t1, &i2) == 200 && t1 > 0;
+                own += server_ttft_sum(b, pf) - s0;
+                ttft += t1, itl += i2;
+                free(body);
+            }
+            if (ok != repeat) {
+                pd_log_error("handover section, %d tokens, %s: %d of %d requests failed", len, names[p],
+                             repeat - ok, repeat);
+            }
+            ttft = ttft / repeat * 1e3, own = own / repeat * 1e3, itl = itl / repeat * 1e3;
+            added[p] = ttft - own;
+            double rel = added[p] - added[0];
+            fprintf(stderr,
+                    "pd-bench-handover: %d tokens, %s: TTFT %.1f ms (prefill's own %.1f), second token +%.1f "
+                    "ms\n",
+                    len, names[p], ttft, own, itl);
+            char goal[32] = "";
+            if (p == 1) {
+                snprintf(goal, sizeof(goal), "%s", rel <= 2 ? "met" : "NOT met");
+            }
+            tl += (size_t)snprintf(table + tl, cap - tl,
+                                   "| %d | %s | %.1f | %.1f | %.2f | %s%.2f | %s | %.1f | %.1f |\n", len,
+                                   names[p], ttft, own, added[p], p == 0 ? "(baseline) " : "",
+                                   p == 0 ? 0.0 : rel, goal, itl, ttft + itl);
+        }
+    }
+    free(list);
+}
+
 static void done_cb(void *arg, pd_status_t st)
 {
     *(int *)arg = st == PD_OK ? 1 : -1;
@@ -213,11 +354,17 @@ static double pipe_read_gbps(const char *kind, size_t page, size_t bytes)
 int main(int argc, char **argv)
 {
     const char *proxy = "http://127.0.0.1:8000", *prefill = NULL, *decode = NULL, *lens = "512,2048,8192";
+    const char *proxy_legacy = NULL, *stream_lens = NULL;
     const char *pipe = "ucx", *results = NULL, *label = "";
     int repeat = 3, vocab = 256, kv_bytes_per_token = 0, page_bytes = 16384;
     int64_t seed = 1;
     const pd_flag_t flags[] = {
         {"proxy", PD_FLAG_STR, &proxy, "pd-proxy URL", NULL},
+        {"proxy-legacy", PD_FLAG_STR, &proxy_legacy,
+         "a second pd-proxy over the same nodes with --no-first-token-from-prefill: adds the streamed "
+         "first-token handover section",
+         NULL},
+        {"stream-lens", PD_FLAG_STR, &stream_lens, "prompt lengths of that section (default: --lens)", NULL},
         {"prefill", PD_FLAG_STR, &prefill, "the prefill node behind it", NULL},
         {"decode", PD_FLAG_STR, &decode, "the decode node behind it (its /metrics)", NULL},
         {"lens", PD_FLAG_STR, &lens, "prompt lengths, comma-separated", NULL},
@@ -250,7 +397,7 @@ int main(int argc, char **argv)
     struct event_base *b = event_base_new();
     pd_rng_t rng;
     pd_rng_seed(&rng, (uint64_t)seed);
-    char table[8192];
+    char table[24576];
     size_t tl = 0;
     tl += (size_t)snprintf(table + tl, sizeof(table) - tl,
                            "| prompt | KV MiB | TTFT prefill alone (ms) | TTFT via P/D (ms) | difference "
@@ -346,6 +493,11 @@ int main(int argc, char **argv)
                                       : "no");
     }
     free(list);
+    url_t lg;
+    if (proxy_legacy != NULL && parse_url(proxy_legacy, &lg)) {
+        handover_section(b, &px, &lg, &pf, stream_lens != NULL ? stream_lens : lens, repeat, vocab, &rng,
+                         table, sizeof(table));
+    }
     phases_t end;
     scrape(b, &dc, &end);
     double hs = end.count[4] > 0 ? end.sum[4] / end.count[4] * 1e3 : 0;
@@ -358,24 +510,34 @@ int main(int argc, char **argv)
             strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", gmtime(&now));
             long cores = sysconf(_SC_NPROCESSORS_ONLN);
             fprintf(f, "\n## pd-bench-handover %s — %s\n\n", label, date);
-            fprintf(f,
-                    "Command: `pd-bench-handover --proxy %s --prefill %s --decode %s --lens %s --repeat %d "
-                    "--kv-bytes-per-token %d --pipe %s` (via tools/bench-pd.sh). Machine: %ld cores.\n"
-                    "TTFT columns are means of 1-token completions sent one at a time (fresh prompts); their "
-                    "difference mixes in the prefill's run-to-run noise. The decode phase is the proxy's "
-                    "decode request to answer (pd_proxy:decode_first_byte_seconds): KV handover plus the "
-                    "decode's own first forward step and two HTTP hops. KV handover = queue + transfer + "
-                    "notify (+ remote for push), the decode's mean ms per transfer "
-                    "(pd:kv_transfer_phase_seconds); the goal compares it with the same bytes read in "
-                    "%d-byte pages between two %s endpoints of one process, + 2 ms. Handshake on first "
-                    "contact: %.2f ms. In push mode the decode's request goes out with the prefill's, so its "
-                    "decode phase and the remote column (reservation to WRITE_DONE) contain the prefill's "
-                    "compute: "
-                    "read the TTFT difference there. Last column: one memcpy of the same bytes between two "
-                    "buffers filled when the run began and left idle until that prompt's P/D requests "
-                    "finished (this VM's idle memory is slow to touch).\n\n%s",
-                    proxy, prefill, decode, lens, repeat, kv_bytes_per_token, pipe, cores, page_bytes, pipe,
-                    hs, table);
+            fprintf(
+                f,
+                "Command: `pd-bench-handover --proxy %s --prefill %s --decode %s --lens %s --repeat %d "
+                "--kv-bytes-per-token %d --pipe %s` (via tools/bench-pd.sh). Machine: %ld cores.\n"
+                "TTFT columns are means of 1-token completions sent one at a time (fresh prompts); their "
+                "difference mixes in the prefill's run-to-run noise. The decode phase is the proxy's "
+                "decode request to answer (pd_proxy:decode_first_byte_seconds): KV handover plus the "
+                "decode's own first forward step and two HTTP hops. KV handover = queue + transfer + "
+                "notify (+ remote for push), the decode's mean ms per transfer "
+                "(pd:kv_transfer_phase_seconds); the goal compares it with the same bytes read in "
+                "%d-byte pages between two %s endpoints of one process, + 2 ms. Handshake on first "
+                "contact: %.2f ms. In push mode the decode's request goes out with the prefill's, so its "
+                "decode phase and the remote column (reservation to WRITE_DONE) contain the prefill's "
+                "compute: "
+                "read the TTFT difference there. Last column: one memcpy of the same bytes between two "
+                "buffers filled when the run began and left idle until that prompt's P/D requests "
+                "finished (this VM's idle memory is slow to touch).%s\n\n%s",
+                proxy, prefill, decode, lens, repeat, kv_bytes_per_token, pipe, cores, page_bytes, pipe, hs,
+                proxy_legacy == NULL
+                    ? ""
+                    : "\nSecond table (--proxy-legacy): streamed 3-token completions one at a time, fresh "
+                      "prompts, through the prefill alone, the proxy (first token from the prefill) and a "
+                      "second proxy over the same nodes with --no-first-token-from-prefill (the decode "
+                      "samples the first token, as before). 'Added by the path' = client TTFT − the "
+                      "prefill's own TTFT for the same requests (its vllm:time_to_first_token_seconds), so "
+                      "the prefill's compute and its noise cancel; the goal compares it with the same "
+                      "figure for the prefill alone (one HTTP hop).",
+                table);
             fclose(f);
         }
     }

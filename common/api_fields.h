@@ -48,4 +48,7 @@ bool pd_api_bearer_ok(const char *authorization, const char *key);
  * NULL when unset, empty or longer than cap - 1. */
 const char *pd_api_key_from_env(const char *var, char *buf, size_t cap);
 
+/* The characters an X-Request-Id header may hold to become a response id (at most 48 of them). */
+#define PD_REQUEST_ID_CHARS "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:"
+
 #endif

@@ -35,6 +35,8 @@ typedef struct pd_connector_finished {
     int32_t num_sending;
     const char *const *recving;
     int32_t num_recving;
+    const int32_t *recving_first_token; /* [num_recving] first-token handover in push mode: the token
+                                         * the prefill sampled (WRITE_DONE), else -1; NULL: none */
 } pd_connector_finished_t;
 
 /* A pipe that needs to own the KV memory (UCX shared-memory puts) provides these; the engine
@@ -99,6 +101,19 @@ typedef struct pd_connector_ops {
     int32_t (*get_block_ids_with_load_errors)(pd_connector_t *c, uint32_t *ids_out, int32_t max);
     void (*destroy)(pd_connector_t *c);
 } pd_connector_ops_t;
+
+/* First-token handover (the proxy sets kv_transfer_params "first_token": true on both legs): a
+ * prefill node's request ends after its first output token unless that token ends it, its
+ * kv_transfer_params name that token ("first_token_id"; push: WRITE_DONE carries it), and the
+ * decode node continues from it with the KV of every prompt token. */
+
+/* Whether a request with these kv_transfer_params (json_t*, may be NULL) is a prefill's that hands
+ * over after its first token. */
+bool pd_kv_params_hands_over(const void *kv_transfer_params);
+
+/* The first output token a decode node's request continues from ("first_token_id" of a pull
+ * handover), or -1 (none, or not a non-negative integer). */
+int32_t pd_kv_params_first_token(const void *kv_transfer_params);
 
 struct pd_connector {
     const pd_connector_ops_t *ops;

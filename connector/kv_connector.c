@@ -142,9 +142,15 @@ void kv_report_sending(kv_conn_t *k, const char *req_id)
     }
 }
 
-void kv_report_recving(kv_conn_t *k, const char *req_id)
+void kv_report_recving(kv_conn_t *k, const char *req_id, int32_t first_token)
 {
-    push_str(&k->fin_recving, &k->num_fin_recving, &k->cap_fin_recving, req_id);
+    if (pd_array_reserve(&k->fin_first, &k->cap_fin_first, (size_t)k->num_fin_recving + 1) != PD_OK) {
+        pd_log_error("kv connector: out of memory reporting request %s finished", req_id);
+        return;
+    }
+    if (push_str(&k->fin_recving, &k->num_fin_recving, &k->cap_fin_recving, req_id)) {
+        k->fin_first[k->num_fin_recving - 1] = first_token;
+    }
     if (k->pub.wake != NULL) {
         k->pub.wake(k->pub.wake_arg);
     }
@@ -205,7 +211,7 @@ kv_push_t *kv_push_find(kv_conn_t *k, const char *req_id, bool unlink)
 
 /* Queues a notification for the ctl thread (mu held). */
 void kv_notice(kv_conn_t *k, pd_msg_type_t type, kv_peer_t *peer, const char *rid, uint64_t lease,
-               int32_t status)
+               int32_t status, int32_t first_token)
 {
     kv_notice_t *n = calloc(1, sizeof(*n));
     if (n == NULL) {
@@ -216,6 +222,7 @@ void kv_notice(kv_conn_t *k, pd_msg_type_t type, kv_peer_t *peer, const char *ri
     snprintf(n->request_id, sizeof(n->request_id), "%s", rid);
     n->lease_id = lease;
     n->status = status;
+    n->first_token = first_token;
     pd_list_add_tail(&k->notices, &n->link);
     kv_ctl_wake(k); /* the engine thread queues notices too: the control thread may be asleep for 50 ms */
 }
@@ -686,14 +693,14 @@ void pd_kv_connector_destroy(pd_connector_t *c)
     for (int32_t i = 0; i < k->num_rep_recving; i++) {
         free((char *)k->rep_recving[i]);
     }
-    free(k->rep_sending), free(k->rep_recving);
+    free(k->rep_sending), free(k->rep_recving), free(k->rep_first);
     for (int32_t i = 0; i < k->num_fin_sending; i++) {
         free(k->fin_sending[i]);
     }
     for (int32_t i = 0; i < k->num_fin_recving; i++) {
         free(k->fin_recving[i]);
     }
-    free(k->fin_sending), free(k->fin_recving), free(k->load_errors);
+    free(k->fin_sending), free(k->fin_recving), free(k->fin_first), free(k->load_errors);
     kv_staged_load_t *sl;
     while ((sl = pd_list_pop_head(&k->staged_loads, kv_staged_load_t, link)) != NULL) {
         free(sl->blocks);

@@ -114,6 +114,10 @@ struct kv_xfer {
     kv_peer_t *peer;
     bool cancelled; /* the request was aborted: no load errors, just release */
     bool redialed;  /* the cached peer had another engine id: dialled once more */
+    /* first-token handover, push: the token the prefill sampled (save: sent with WRITE_DONE; load:
+     * received with it and reported with the load's end) */
+    bool has_first_token;
+    int32_t first_token;
     struct kv_conn *conn;
     struct kv_resv *resv; /* push save: the reservation written into */
     size_t bytes;
@@ -193,6 +197,7 @@ struct kv_notice {
     char request_id[PD_REQ_ID_MAX];
     uint64_t lease_id;
     int32_t status;
+    int32_t first_token; /* WRITE_DONE of a first-token handover: the prefill's first token, else -1 */
     pd_list_link_t link;
 };
 
@@ -308,6 +313,9 @@ typedef struct kv_conn {
     char **fin_sending, **fin_recving;
     int32_t num_fin_sending, num_fin_recving;
     size_t cap_fin_sending, cap_fin_recving;
+    int32_t *fin_first; /* [num_fin_recving] each finished load's first token (push handover) or -1 */
+    size_t cap_fin_first;
+    int32_t *rep_first; /* what get_finished returned last beside rep_recving */
     uint32_t *load_errors;
     int32_t num_load_errors;
     size_t cap_load_errors;
@@ -321,7 +329,8 @@ void kv_ctl_wake(kv_conn_t *k);
 
 /* --- kv_connector.c, called by the ctl thread with mu held --- */
 void kv_report_sending(kv_conn_t *k, const char *req_id);
-void kv_report_recving(kv_conn_t *k, const char *req_id);
+/* A decode load ended; first_token: the prefill's first token it carried (push handover), or -1. */
+void kv_report_recving(kv_conn_t *k, const char *req_id, int32_t first_token);
 void kv_report_load_errors(kv_conn_t *k, const uint32_t *blocks, int32_t n);
 /* Prefill, push: transfer_id's decode gave up before it reserved blocks: the held request frees
  * now, or (not finished yet) holds nothing when it finishes. mu held. */
@@ -353,8 +362,9 @@ const char *kv_jstr(const json_t *o, const char *key);
 uint64_t kv_random_u52(void);
 bool kv_wants_push(const kv_conn_t *k, const json_t *p);
 kv_push_t *kv_push_find(kv_conn_t *k, const char *req_id, bool unlink);
+/* first_token: WRITE_DONE of a first-token handover (the prefill's first token), else -1. */
 void kv_notice(kv_conn_t *k, pd_msg_type_t type, kv_peer_t *peer, const char *rid, uint64_t lease,
-               int32_t status);
+               int32_t status, int32_t first_token);
 void kv_start_prefault(kv_conn_t *k);
 
 /* kv_scheduler.c */

@@ -159,6 +159,10 @@ void kv_on_message(kv_conn_t *k, kv_peer_t *p, const pd_ctl_msg_t *msg)
         if (x == NULL) {
             break;
         }
+        /* first-token handover: the decode goes on from the prefill's token even when it must
+         * recompute the prompt, since a client may have it already (the scheduler checks its range) */
+        x->has_first_token = w->has_first_token;
+        x->first_token = w->first_token;
         if (w->status == 0) {
             /* the pages the prefill wrote: each layer's entries this decode holds */
             x->pages = 0;

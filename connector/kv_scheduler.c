@@ -54,8 +54,8 @@ static bool remote_prefill_ok(const kv_conn_t *k, const pd_request_t *req, const
                     break;
                 }
             }
-            int32_t need =
-                kv_entry(&k->geom, (req->num_prompt_tokens - 1 + k->block_size - 1) / k->block_size);
+            /* the KV of every token but the last (a handed-over request's last is its first output) */
+            int32_t need = kv_entry(&k->geom, (req->num_tokens - 1 + k->block_size - 1) / k->block_size);
             if (why == NULL && (int32_t)json_array_size(b) < need) {
                 why = "remote_block_ids has fewer blocks than the prompt needs";
             }
@@ -121,7 +121,10 @@ void kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, const uin
     x->num_local = num_blocks;
     int32_t local = req->num_tokens - num_external;             /* block-aligned prefix hit */
     x->first_block = kv_entry(&k->geom, local / k->block_size); /* entries of the block list */
-    x->end_block = kv_entry(&k->geom, (req->num_tokens - 1 + k->block_size - 1) / k->block_size);
+    /* the KV of every token but the last, which is computed here for its logits; a push handover's
+     * first token arrives with WRITE_DONE, so every prompt token's KV comes */
+    int32_t moved = req->num_tokens - (push && kv_jbool(p, "first_token") ? 0 : 1);
+    x->end_block = kv_entry(&k->geom, (moved + k->block_size - 1) / k->block_size);
     if (!push) {
         const json_t *b = json_object_get(p, "remote_block_ids");
         x->num_remote = (int32_t)json_array_size(b);
@@ -218,11 +221,15 @@ static bool finished_push(kv_conn_t *k, pd_request_t *req, const uint32_t *block
     kv_push_t *ps = kv_push_find(k, req->id, true);
     const char *tid = kv_jstr(req->kv_transfer_params, "transfer_id");
     bool hold = false;
+    /* first-token handover: the decode goes on from this request's first output token */
+    int32_t first = kv_jbool(req->kv_transfer_params, "first_token") && pd_request_num_output(req) >= 1
+                        ? req->tokens[req->num_prompt_tokens]
+                        : -1;
     pthread_mutex_lock(&k->mu);
     if (ps != NULL && ps->resv != NULL && (ps->streaming || !ok)) {
         /* every layer of every step was written (or the request died): tell the decode */
         int32_t status = ok && !ps->failed ? 0 : (ok ? PD_ERR_IO : PD_ERR_CANCELLED);
-        kv_notice(k, PD_MSG_WRITE_DONE, ps->resv->peer, ps->transfer_id, ps->resv->lease_id, status);
+        kv_notice(k, PD_MSG_WRITE_DONE, ps->resv->peer, ps->transfer_id, ps->resv->lease_id, status, first);
         ps->resv->released = true;
         pd_metric_inc(status == 0 ? k->m.completed[KV_X_PUSH_SAVE] : k->m.failed[KV_X_PUSH_SAVE], 1);
     } else if (tid != NULL && k->released.slots != NULL &&
@@ -236,7 +243,9 @@ static bool finished_push(kv_conn_t *k, pd_request_t *req, const uint32_t *block
             snprintf(x->remote_req, sizeof(x->remote_req), "%s", tid);
             memcpy(x->local_blocks, block_ids, (size_t)num_blocks * sizeof(uint32_t));
             x->num_local = num_blocks;
-            x->num_tokens = req->num_prompt_tokens;
+            x->num_tokens = req->num_prompt_tokens + (first >= 0 ? 1 : 0); /* the last token's KV stays */
+            x->has_first_token = first >= 0;
+            x->first_token = first;
             x->started = pd_time_now_s();
             x->deadline = x->started + k->cfg.hold_timeout;
             if (ps != NULL && ps->resv != NULL) {
@@ -260,6 +269,10 @@ static bool finished_push(kv_conn_t *k, pd_request_t *req, const uint32_t *block
 static bool finished_pull(kv_conn_t *k, pd_request_t *req, const uint32_t *block_ids, int32_t num_blocks,
                           void **params_out)
 {
+    bool first_token = kv_jbool(req->kv_transfer_params, "first_token");
+    if (first_token && !req->handed_over) {
+        return false; /* its first token ended it here: nothing to hold (params: null) */
+    }
     kv_lease_t *l = calloc(1, sizeof(*l));
     if (l == NULL) {
         return false;
@@ -281,6 +294,9 @@ static bool finished_pull(kv_conn_t *k, pd_request_t *req, const uint32_t *block
         free(l);
         return false;
     }
+    if (first_token) { /* the decode continues from it */
+        json_object_set_new(out, "first_token_id", json_integer(req->tokens[req->num_prompt_tokens]));
+    }
     pthread_mutex_lock(&k->mu);
     pd_list_add_tail(&k->leases, &l->link);
     pthread_mutex_unlock(&k->mu);
@@ -300,6 +316,9 @@ bool kv_request_finished(pd_connector_t *c, pd_request_t *req, const uint32_t *b
     }
     if (p == NULL || !kv_jbool(p, "do_remote_decode")) {
         return false;
+    }
+    if (kv_jbool(p, "first_token") && !req->handed_over) {
+        *params_out = json_null(); /* its first token ended it: no decode goes on from here */
     }
     if (kv_wants_push(k, p)) {
         return finished_push(k, req, block_ids, num_blocks, ok);

@@ -260,14 +260,17 @@ pd_status_t kv_get_finished(pd_connector_t *c, pd_connector_finished_t *out)
     }
     free(k->rep_sending);
     free(k->rep_recving);
+    free(k->rep_first);
     pthread_mutex_lock(&k->mu);
     k->rep_sending = (const char **)k->fin_sending;
     k->num_rep_sending = k->num_fin_sending;
     k->rep_recving = (const char **)k->fin_recving;
     k->num_rep_recving = k->num_fin_recving;
+    k->rep_first = k->fin_first;
     k->fin_sending = k->fin_recving = NULL;
+    k->fin_first = NULL;
     k->num_fin_sending = k->num_fin_recving = 0;
-    k->cap_fin_sending = k->cap_fin_recving = 0;
+    k->cap_fin_sending = k->cap_fin_recving = k->cap_fin_first = 0;
     pd_list_link_t staged;
     pd_list_head_init(&staged);
     pd_list_splice_tail(&staged, &k->staged_loads);
@@ -277,6 +280,7 @@ pd_status_t kv_get_finished(pd_connector_t *c, pd_connector_finished_t *out)
     out->num_sending = k->num_rep_sending;
     out->recving = k->rep_recving;
     out->num_recving = k->num_rep_recving;
+    out->recving_first_token = k->rep_first;
     return PD_OK;
 }
 

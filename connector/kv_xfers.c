@@ -89,7 +89,7 @@ void kv_end_load(kv_conn_t *k, kv_xfer_t *x, bool ok)
     if (ok && !x->cancelled && k->staged && x->end_block > x->first_block) {
         kv_stage_load_done(k, x->local_blocks, x->first_block, x->end_block);
     }
-    kv_report_recving(k, x->req_id);
+    kv_report_recving(k, x->req_id, x->has_first_token ? x->first_token : -1);
     x->state = KV_XS_DONE;
 }
 
@@ -146,6 +146,8 @@ static void after_pages(kv_conn_t *k, kv_xfer_t *x)
     wd.lease_id = x->resv->lease_id;
     wd.status = 0;
     wd.layers_written = k->geom.num_layers;
+    wd.has_first_token = x->has_first_token;
+    wd.first_token = x->first_token;
     x->resv->released = true;
     if (kv_peer_send(k, x->peer, PD_MSG_WRITE_DONE, &wd.base) != PD_OK) {
         kv_fail_xfer(k, x, "cannot send WRITE_DONE");
@@ -394,6 +396,8 @@ void kv_send_notices(kv_conn_t *k)
             wd.lease_id = n->lease_id;
             wd.status = n->status;
             wd.layers_written = k->geom.num_layers;
+            wd.has_first_token = n->first_token >= 0;
+            wd.first_token = n->first_token;
             kv_peer_send(k, n->peer, PD_MSG_WRITE_DONE, &wd.base);
         } else if (n->type == PD_MSG_ABORT) {
             Pd__Abort a = PD__ABORT__INIT;

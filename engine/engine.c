@@ -53,6 +53,8 @@ void eng_cmd_free(cmd_t *c)
 
 /* ------------------------------------------------------------------ admission */
 
+static void continue_from(pd_engine_t *e, pd_request_t *r, int32_t token);
+
 pd_status_t pd_engine_add(pd_engine_t *e, const pd_engine_request_t *rq, char *err, size_t err_len)
 {
     const pd_model_config_t *mc = pd_model_config(e->model);
@@ -108,8 +110,21 @@ pd_status_t pd_engine_add(pd_engine_t *e, const pd_engine_request_t *rq, char *e
         return st;
     }
     r->user = ctx;
+    int32_t first = -1;
     if (rq->kv_transfer_params != NULL) {
         r->kv_transfer_params = json_incref(rq->kv_transfer_params);
+        if (e->cfg.connector != NULL) {
+            r->handover_after_first = pd_kv_params_hands_over(r->kv_transfer_params);
+            first = pd_kv_params_first_token(r->kv_transfer_params);
+        }
+    }
+    if (first >= mc->vocab_size) {
+        snprintf(err, err_len, "kv_transfer_params.first_token_id %d is outside the vocabulary [0, %d)",
+                 first, mc->vocab_size);
+        eng_ctx_free(ctx);
+        r->user = NULL;
+        pd_request_free(r);
+        return PD_ERR_INVALID_ARG;
     }
     st = pd_scheduler_add_request(e->sched, r);
     if (st != PD_OK) {
@@ -120,12 +135,51 @@ pd_status_t pd_engine_add(pd_engine_t *e, const pd_engine_request_t *rq, char *e
         return st;
     }
     e->prompt_tokens += (uint64_t)rq->num_prompt;
+    if (first >= 0) {
+        continue_from(e, r, first);
+    }
     return PD_OK;
 }
 
 static pd_engine_output_t *output_new(const pd_request_t *r);
 static void emit_text(req_ctx_t *c, pd_engine_output_t *o, bool finished);
 static void output_finish_fields(pd_engine_output_t *o, const pd_request_t *r);
+static bool emit_token(pd_engine_t *e, pd_request_t *r, int32_t pos, bool last, int64_t lp_at, char *buf,
+                       pd_engine_output_t ***tail);
+
+/* First-token handover, decode side (pull): r goes on from the token its prefill sampled. The token
+ * is appended as if sampled here and its output made now (text, stop strings; no logprobs: the
+ * prefill's output carried them), ahead of any later token's. */
+static void continue_from(pd_engine_t *e, pd_request_t *r, int32_t token)
+{
+    char *buf = malloc(e->max_token_bytes + 64);
+    if (e->aborted_tail == NULL) {
+        e->aborted_tail = &e->aborted_head;
+    }
+    if (buf != NULL && pd_scheduler_add_output_token(e->sched, r, token)) {
+        emit_token(e, r, r->num_prompt_tokens, true, -1, buf, &e->aborted_tail);
+        e->generation_tokens++;
+    }
+    free(buf);
+}
+
+/* First-token handover, prefill side: r got its first token and goes on, on a decode node. It ends
+ * here (its connector holds or writes the KV); the held-back text stays unsent, as the decode node
+ * holds it back too. The closing output says so and carries the kv_transfer_params. */
+static void hand_over(pd_engine_t *e, pd_request_t *r, pd_engine_output_t ***tail)
+{
+    r->handed_over = true;
+    pd_scheduler_finish(e->sched, r, PD_REQ_FINISHED_LENGTH);
+    pd_input_batch_remove(&e->runner.batch, r);
+    pd_engine_output_t *o = output_new(r);
+    if (o == NULL) {
+        return;
+    }
+    o->text = calloc(1, 1);
+    o->handed_over = true;
+    output_finish_fields(o, r);
+    eng_push_output(tail, o);
+}
 
 bool pd_engine_abort(pd_engine_t *e, const char *id)
 {
@@ -497,6 +551,9 @@ pd_status_t pd_engine_step(pd_engine_t *e, pd_engine_output_t **outputs)
             more = emit_token(e, r, first + j, j == cnt - 1, lp_at, buf, &tail);
             e->generation_tokens++;
         }
+        if (more && r->handover_after_first) {
+            hand_over(e, r, &tail);
+        }
     }
     free(buf);
     for (int32_t i = 0; e->spec.method != PD_SPEC_NONE && i < res.num_with_new_token; i++) {
@@ -505,8 +562,10 @@ pd_status_t pd_engine_step(pd_engine_t *e, pd_engine_output_t **outputs)
     count_spec(e);
     /* requests that finished without a new token this step (aborts, errors, stop strings are
      * covered above): a closing output each */
-    for (int32_t i = 0; i < res.num_finished; i++) {
-        pd_request_t *r = res.finished[i];
+    int32_t num_finished;
+    pd_request_t *const *finished = pd_scheduler_finished(e->sched, &num_finished);
+    for (int32_t i = 0; i < num_finished; i++) {
+        pd_request_t *r = finished[i];
         pd_input_batch_remove(&e->runner.batch, r);
         bool had_token = false;
         for (int32_t k = 0; k < res.num_with_new_token; k++) {

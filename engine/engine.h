@@ -100,6 +100,8 @@ struct pd_engine_output {
     pd_prompt_logprob_t *prompt_logprobs; /* [num_prompt_logprobs] scores of prompt tokens 1.., on the
                                            * request's first output (prompt_logprobs), else NULL */
     int32_t num_prompt_logprobs;
+    bool handed_over; /* first-token handover on a prefill node: the request ends here (finish_reason
+                       * "length", kv_transfer_params set) and a decode node continues it */
     pd_engine_output_t *next;
 };
 

@@ -306,6 +306,7 @@ static pd_status_t make_scheduler(pd_engine_t *e)
     e->num_eos = mc->num_eos < PD_MAX_EOS ? mc->num_eos : PD_MAX_EOS;
     memcpy(e->eos, mc->eos_token_ids, (size_t)e->num_eos * sizeof(int32_t));
     pd_generation_config_merge_eos(&e->gen, e->eos, &e->num_eos); /* every EOS id stops */
+    sc.vocab_size = mc->vocab_size;
     sc.num_eos = e->num_eos < 8 ? e->num_eos : 8;
     memcpy(sc.eos_token_ids, e->eos, (size_t)sc.num_eos * sizeof(int32_t));
     sc.load_failure_policy = cfg->load_failure_policy != NULL && strcmp(cfg->load_failure_policy, "fail") == 0

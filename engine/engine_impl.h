@@ -66,7 +66,8 @@ struct pd_engine {
     int32_t max_model_len;
     size_t max_token_bytes;
     uint64_t prompt_tokens, generation_tokens, steps, finished;
-    pd_engine_output_t *aborted_head; /* closing outputs of aborts made between steps */
+    pd_engine_output_t *aborted_head; /* outputs made between steps: aborts' closing outputs, the
+                                       * first token of a request a prefill handed over */
     pd_engine_output_t **aborted_tail;
     double last_step_s;
     pd_metric_t *step_hist,

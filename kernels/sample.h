@@ -9,9 +9,6 @@
 
 #include "common/sampling.h"
 
-/* Rows with temperature below this are greedy (argmax, no random draw), in every backend. */
-#define PD_SAMPLING_EPS 1e-5f
-
 typedef struct pd_sample_cand {
     float z; /* a logit / temperature while sorting, then the unnormalised probability */
     int32_t id;

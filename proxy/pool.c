@@ -182,8 +182,8 @@ void px_release_conn(proxy_t *px, struct evhttp_connection *c)
 }
 
 struct evhttp_connection *px_upstream(proxy_t *px, node_t *n, enum evhttp_cmd_type method, const char *path,
-                                      const char *client_auth, const json_t *body, up_done_cb done,
-                                      void (*chunk)(struct evhttp_request *, void *),
+                                      const char *client_auth, const char *request_id, const json_t *body,
+                                      up_done_cb done, void (*chunk)(struct evhttp_request *, void *),
                                       int (*header)(struct evhttp_request *, void *), void *arg)
 {
     struct evhttp_connection *c = evhttp_connection_base_new(px->base, NULL, n->host, (ev_uint16_t)n->port);
@@ -208,6 +208,9 @@ struct evhttp_connection *px_upstream(proxy_t *px, node_t *n, enum evhttp_cmd_ty
         evhttp_add_header(h, "Authorization", auth);
     } else if (client_auth != NULL) {
         evhttp_add_header(h, "Authorization", client_auth);
+    }
+    if (request_id != NULL) {
+        evhttp_add_header(h, "X-Request-Id", request_id);
     }
     if (body != NULL) {
         char *text = json_dumps(body, JSON_COMPACT);
@@ -285,7 +288,7 @@ void px_probe(proxy_t *px, node_t *n, int kind)
     pr->px = px;
     pr->n = n;
     pr->kind = kind;
-    pr->conn = px_upstream(px, n, EVHTTP_REQ_GET, paths[kind], NULL, NULL, on_probe, NULL, NULL, pr);
+    pr->conn = px_upstream(px, n, EVHTTP_REQ_GET, paths[kind], NULL, NULL, NULL, on_probe, NULL, NULL, pr);
     if (pr->conn == NULL) {
         free(pr);
         return;

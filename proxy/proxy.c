@@ -36,6 +36,7 @@ void pd_proxy_config_defaults(pd_proxy_config_t *c)
     c->discover_interval = 5.0;
     c->upstream_timeout = 600;
     c->affinity_prefix_chars = 256;
+    c->first_token_from_prefill = true;
     c->max_request_bytes = 16u << 20;
     /* keys from the environment (a Kubernetes Secret), so that they are not on the command line */
     static char client_key[512], node_key[512];
@@ -63,6 +64,11 @@ size_t pd_proxy_flags(pd_proxy_config_t *c, pd_flag_t *out, size_t max)
         {"discover-interval", PD_FLAG_DOUBLE, &c->discover_interval, "seconds between DNS resolutions", NULL},
         {"policy", PD_FLAG_CHOICE, &c->policy, "how nodes are picked",
          "round-robin|least-loaded|prefix-affinity"},
+        {"first-token-from-prefill", PD_FLAG_BOOL, &c->first_token_from_prefill,
+         "streamed requests with one choice: the prefill samples the first token, it is streamed to the "
+         "client at once, and the decode continues from it (--no-first-token-from-prefill: the decode "
+         "samples it, as vLLM's proxies do)",
+         NULL},
         {"health-interval", PD_FLAG_DOUBLE, &c->health_interval, "seconds between node probes", NULL},
         {"upstream-timeout", PD_FLAG_DOUBLE, &c->upstream_timeout, "seconds an upstream request may take",
          NULL},
@@ -146,6 +152,14 @@ static void metrics_register(proxy_t *px)
                                  "Requests re-sent to another node.", "phase=prefill", NULL, 0);
     pm->retry_d = pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:retries_total",
                                  "Requests re-sent to another node.", "phase=decode", NULL, 0);
+    pm->handovers = pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:first_token_handovers_total",
+                                   "Streamed requests whose first token came from the prefill and whose "
+                                   "decode went on from it (--first-token-from-prefill).",
+                                   NULL, NULL, 0);
+    pm->first_token_s =
+        pd_metrics_add(m, PD_METRIC_HISTOGRAM, "pd_proxy:first_token_seconds",
+                       "Streamed requests: arrival to the first token's event sent to the client.", NULL,
+                       PD_LATENCY_BUCKETS, PD_LATENCY_NUM_BUCKETS);
     pm->prefill_s = pd_metrics_add(m, PD_METRIC_HISTOGRAM, "pd_proxy:prefill_seconds",
                                    "Prefill phase: request arrival to the prefill's answer (pull).", NULL,
                                    PD_LATENCY_BUCKETS, PD_LATENCY_NUM_BUCKETS);

@@ -15,6 +15,8 @@
 #ifndef PD_PROXY_PROXY_H
 #define PD_PROXY_PROXY_H
 
+#include <stdbool.h>
+
 #include "common/flags.h"
 #include "common/status.h"
 
@@ -29,7 +31,8 @@ typedef struct pd_proxy_config {
     const char *discover_prefill_file; /* a file of prefill URLs, one a line (re-read each interval) */
     const char *discover_decode_file;
     double discover_interval;
-    const char *policy; /* round-robin | least-loaded | prefix-affinity */
+    const char *policy;            /* round-robin | least-loaded | prefix-affinity */
+    bool first_token_from_prefill; /* streamed requests: the prefill's first token is streamed at once */
     double health_interval;
     double upstream_timeout; /* s an upstream request may take */
     int affinity_prefix_chars;

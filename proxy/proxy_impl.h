@@ -48,6 +48,7 @@ struct preq {
     bool stream, push;
     const char *path; /* /v1/completions or /v1/chat/completions, sent to both nodes */
     char transfer_id[48];
+    char req_id[49]; /* X-Request-Id of both legs: the client's, or the transfer id's random part */
     uint64_t affinity;
     node_t *p, *d;
     bool tried_p[MAX_NODES], tried_d[MAX_NODES];
@@ -56,12 +57,23 @@ struct preq {
     bool p_done, d_done, reply_started;
     bool released; /* the prefill was told to free the KV it held for this request */
     struct evbuffer *d_body;
+    /* first-token handover (a streamed request with one choice, --first-token-from-prefill): the
+     * prefill's stream starts the answer, the decode's goes on after the events it repeats */
+    bool ft;
+    bool p_complete;                /* the prefill's stream ended the request (its first token did) */
+    struct evbuffer *p_sse, *d_sse; /* each leg's events not yet whole */
+    struct evbuffer *p_err;         /* a prefill's answer other than 200 */
+    int32_t p_events;               /* prefill events relayed (role, first token) */
+    int32_t d_skip, d_events;       /* decode events still to drop (its own first ones), relayed */
+    int d_code;                     /* the decode's status once it answered */
+    bool first_sent;                /* the first token's event went to the client */
     double t0, t_d_sent, t_first;
     preq_t *prev, *next;
 };
 
 typedef struct proxy_metrics {
     pd_metric_t *ok, *failed, *client_gone, *retry_p, *retry_d, *prefill_s, *decode_ttft_s, *e2e_s;
+    pd_metric_t *handovers, *first_token_s;
     pd_metric_t *pool_nodes[2]; /* decode, prefill */
 } proxy_metrics_t;
 
@@ -80,6 +92,36 @@ struct proxy {
     bool stopping;
 };
 
+/* --- route.c: the per-request sequence --- */
+/* Ends a request whose decode phase will not run: an error for the client (if still there). */
+void px_fail_request(preq_t *q, int status, const char *msg);
+/* The decode leg failed (or the client left) after the prefill held KV for it: tells the prefill
+ * to free it now (pull: its lease; push: the transfer waiting for a reservation). Once. */
+void px_release_prefill(preq_t *q);
+/* Sends the decode leg to a healthy decode node (fails q when there is none). */
+void px_start_decode(preq_t *q);
+/* Sends the prefill leg; false when q ended (and was freed) instead. */
+bool px_start_prefill(preq_t *q);
+/* Starts the client's event stream (once; nothing when the client is gone). */
+void px_start_client_stream(preq_t *q);
+
+/* --- handover.c: the first-token handover (q->ft) --- */
+/* The prefill leg's chunk callback: relays its events, keeps the handover event's params. */
+void px_ft_on_p_chunk(struct evhttp_request *r, void *arg);
+/* The prefill leg ended with status code: continue on the decode, end the answer, retry or fail. */
+void px_ft_on_p_done(preq_t *q, struct evhttp_request *r, int code);
+/* Relays the decode's whole events once the prefill's are out, dropping the first d_skip. */
+void px_ft_relay_decode(preq_t *q);
+/* Ends the answer once both legs are done (the decode's status in q->d_code); may free q. */
+void px_ft_end(preq_t *q);
+
+/* --- sse.c --- */
+/* Takes the next whole event off buf and returns its data (malloc'd; the data lines joined), or
+ * NULL when no whole event is buffered yet. */
+char *px_sse_next(struct evbuffer *buf);
+/* Sends one event carrying data to a client whose streamed reply has started. */
+void px_sse_send(struct evhttp_request *client, const char *data);
+
 /* --- pool.c --- */
 /* Adds the nodes of a comma-separated URL list (NULL: none) to a pool. */
 pd_status_t px_add_list(proxy_t *px, const char *list, bool prefill);
@@ -94,8 +136,8 @@ typedef void (*up_done_cb)(struct evhttp_request *, void *);
  * Authorization: --node-api-key when set, else client_auth (the client's header, or NULL).
  * Returns the connection (give it back with px_release_conn) or NULL when it cannot be made. */
 struct evhttp_connection *px_upstream(proxy_t *px, node_t *n, enum evhttp_cmd_type method, const char *path,
-                                      const char *client_auth, const json_t *body, up_done_cb done,
-                                      void (*chunk)(struct evhttp_request *, void *),
+                                      const char *client_auth, const char *request_id, const json_t *body,
+                                      up_done_cb done, void (*chunk)(struct evhttp_request *, void *),
                                       int (*header)(struct evhttp_request *, void *), void *arg);
 /* Frees an upstream connection after the current callback returns. */
 void px_release_conn(proxy_t *px, struct evhttp_connection *c);

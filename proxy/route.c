@@ -74,14 +74,17 @@ void px_preq_free(preq_t *q)
     json_decref(q->body);
     json_decref(q->ktp);
     free(q->auth);
-    if (q->d_body != NULL) {
-        evbuffer_free(q->d_body);
+    struct evbuffer *bufs[4] = {q->d_body, q->p_sse, q->d_sse, q->p_err};
+    for (int i = 0; i < 4; i++) {
+        if (bufs[i] != NULL) {
+            evbuffer_free(bufs[i]);
+        }
     }
     free(q);
 }
 
 /* Ends a request whose decode phase will not run: an error for the client (if still there). */
-static void fail_request(preq_t *q, int status, const char *msg)
+void px_fail_request(preq_t *q, int status, const char *msg)
 {
     pd_log_warn("proxy: request failed: %s", msg);
     pd_metric_inc(q->px->m.failed, 1);
@@ -120,7 +123,7 @@ static void on_release_done(struct evhttp_request *r, void *arg)
 /* The decode leg failed (or the client left) after the prefill held KV for it: tell the prefill
  * to free it now instead of at --kv-hold-timeout (pull: its lease; push: the transfer waiting for
  * a reservation). Fire and forget. */
-static void release_prefill(preq_t *q)
+void px_release_prefill(preq_t *q)
 {
     if (q->p == NULL || q->released) {
         return;
@@ -138,8 +141,8 @@ static void release_prefill(preq_t *q)
     release_ctx_t *c = body != NULL ? calloc(1, sizeof(*c)) : NULL;
     if (c != NULL) {
         c->px = q->px;
-        c->conn = px_upstream(q->px, q->p, EVHTTP_REQ_POST, "/pd/release", q->auth, body, on_release_done,
-                              NULL, NULL, c);
+        c->conn = px_upstream(q->px, q->p, EVHTTP_REQ_POST, "/pd/release", q->auth, NULL, body,
+                              on_release_done, NULL, NULL, c);
         if (c->conn == NULL) {
             free(c);
         }
@@ -150,17 +153,23 @@ static void release_prefill(preq_t *q)
 
 /* ------------------------------------------------------------------ the decode phase */
 
-static void start_decode(preq_t *q);
+void px_start_client_stream(preq_t *q)
+{
+    if (q->client == NULL || q->reply_started) {
+        return;
+    }
+    evhttp_add_header(evhttp_request_get_output_headers(q->client), "Content-Type", "text/event-stream");
+    evhttp_add_header(evhttp_request_get_output_headers(q->client), "Cache-Control", "no-cache");
+    evhttp_send_reply_start(q->client, 200, "OK");
+    q->reply_started = true;
+}
 
 static int on_d_header(struct evhttp_request *r, void *arg)
 {
     preq_t *q = arg;
     int code = evhttp_request_get_response_code(r);
-    if (q->client != NULL && code == 200 && q->stream) {
-        evhttp_add_header(evhttp_request_get_output_headers(q->client), "Content-Type", "text/event-stream");
-        evhttp_add_header(evhttp_request_get_output_headers(q->client), "Cache-Control", "no-cache");
-        evhttp_send_reply_start(q->client, 200, "OK");
-        q->reply_started = true;
+    if (code == 200 && q->stream && !q->ft) { /* first-token handover: the stream starts with an event */
+        px_start_client_stream(q);
     }
     return 0;
 }
@@ -172,8 +181,15 @@ static void on_d_chunk(struct evhttp_request *r, void *arg)
     if (q->t_first == 0 && evbuffer_get_length(in) > 0) {
         q->t_first = pd_time_now_s();
         pd_metric_observe(q->px->m.decode_ttft_s, q->t_first - q->t_d_sent);
+        if (q->stream &&
+            !q->ft) { /* the decode's first event carries the first token (chat: with its role) */
+            pd_metric_observe(q->px->m.first_token_s, q->t_first - q->t0);
+        }
     }
-    if (q->client != NULL && q->reply_started) {
+    if (q->ft && evhttp_request_get_response_code(r) == 200) {
+        evbuffer_add_buffer(q->d_sse, in);
+        px_ft_relay_decode(q);
+    } else if (q->client != NULL && q->reply_started && !q->ft) {
         evhttp_send_reply_chunk(q->client, in);
     } else {
         evbuffer_add_buffer(q->d_body, in);
@@ -188,20 +204,46 @@ static void on_d_done(struct evhttp_request *r, void *arg)
     q->d_conn = NULL;
     q->d->inflight--;
     int code = r != NULL ? evhttp_request_get_response_code(r) : 0;
+    if (q->ft && code == 0 && q->d_events == 0 && !q->push && q->client != NULL) {
+        /* nothing of this decode reached the client: the prefill's lease lets another one read */
+        px_set_health(q->d, false, "connection failed");
+        pd_metric_inc(px->m.retry_d, 1);
+        px_start_decode(q);
+        return;
+    }
+    if (q->ft) {
+        if (code != 200) {
+            if (code == 0) {
+                px_set_health(q->d, false, "connection failed");
+            }
+            px_release_prefill(q);
+        }
+        if (r != NULL && code != 200) {
+            evbuffer_add_buffer(q->d_body, evhttp_request_get_input_buffer(r));
+        } else if (r != NULL) {
+            evbuffer_add_buffer(q->d_sse, evhttp_request_get_input_buffer(r));
+        }
+        q->d_code = code;
+        q->d_done = true;
+        if (q->p_done) {
+            px_ft_end(q); /* push: else when the prefill's stream ends */
+        }
+        return;
+    }
     if (code == 0 && !q->reply_started) {
         px_set_health(q->d, false, "connection failed");
         if (!q->push && q->client != NULL) {
             /* pull: the prefill still holds the KV under its lease; another decode may read it */
             pd_metric_inc(px->m.retry_d, 1);
-            start_decode(q);
+            px_start_decode(q);
             return;
         }
-        release_prefill(q);
-        fail_request(q, 502, "the decode node failed");
+        px_release_prefill(q);
+        px_fail_request(q, 502, "the decode node failed");
         return;
     }
     if (code != 200) {
-        release_prefill(q); /* the decode refused it: nobody will read the prefill's KV */
+        px_release_prefill(q); /* the decode refused it: nobody will read the prefill's KV */
     }
     if (r != NULL) {
         evbuffer_add_buffer(q->d_body, evhttp_request_get_input_buffer(r));
@@ -224,42 +266,46 @@ static void on_d_done(struct evhttp_request *r, void *arg)
     }
 }
 
-static void start_decode(preq_t *q)
+void px_start_decode(preq_t *q)
 {
     proxy_t *px = q->px;
     node_t *d = px_pick(px, false, q->tried_d, q->affinity, false);
     if (d == NULL) {
-        release_prefill(q);
-        fail_request(q, 503, "no healthy decode node");
+        px_release_prefill(q);
+        px_fail_request(q, 503, "no healthy decode node");
         return;
     }
     q->tried_d[d - px->nodes] = true;
     q->d = d;
+    q->d_skip = q->p_events;
+    q->d_events = 0;
+    evbuffer_drain(q->d_sse, evbuffer_get_length(q->d_sse));
     json_t *body = json_deep_copy(q->body);
     if (q->push) {
-        json_object_set_new(body, "kv_transfer_params",
-                            json_pack("{s:b, s:b, s:s, s:s, s:s, s:i, s:s}", "do_remote_prefill", 1,
-                                      "do_remote_decode", 0, "transfer_mode", "push", "transfer_id",
-                                      q->transfer_id, "remote_host", q->p->kv_host, "remote_port",
-                                      q->p->kv_port, "remote_engine_id", q->p->engine_id));
+        json_t *ktp =
+            json_pack("{s:b, s:b, s:s, s:s, s:s, s:i, s:s}", "do_remote_prefill", 1, "do_remote_decode", 0,
+                      "transfer_mode", "push", "transfer_id", q->transfer_id, "remote_host", q->p->kv_host,
+                      "remote_port", q->p->kv_port, "remote_engine_id", q->p->engine_id);
+        if (q->ft) { /* the prefill's first token comes with its WRITE_DONE */
+            json_object_set_new(ktp, "first_token", json_true());
+        }
+        json_object_set_new(body, "kv_transfer_params", ktp);
     } else {
         json_object_set(body, "kv_transfer_params", q->ktp);
     }
     q->t_d_sent = pd_time_now_s();
-    q->d_conn =
-        px_upstream(px, d, EVHTTP_REQ_POST, q->path, q->auth, body, on_d_done, on_d_chunk, on_d_header, q);
+    q->d_conn = px_upstream(px, d, EVHTTP_REQ_POST, q->path, q->auth, q->req_id, body, on_d_done, on_d_chunk,
+                            on_d_header, q);
     json_decref(body);
     if (q->d_conn == NULL) {
-        release_prefill(q);
-        fail_request(q, 502, "cannot reach the decode node");
+        px_release_prefill(q);
+        px_fail_request(q, 502, "cannot reach the decode node");
         return;
     }
     d->inflight++;
 }
 
 /* ------------------------------------------------------------------ the prefill phase */
-
-static bool start_prefill(preq_t *q);
 
 static void on_p_done(struct evhttp_request *r, void *arg)
 {
@@ -269,6 +315,13 @@ static void on_p_done(struct evhttp_request *r, void *arg)
     q->p_conn = NULL;
     q->p->inflight--;
     int code = r != NULL ? evhttp_request_get_response_code(r) : 0;
+    if (q->ft) {
+        if (r != NULL) { /* what the last chunk callback did not see */
+            px_ft_on_p_chunk(r, q);
+        }
+        px_ft_on_p_done(q, r, code);
+        return;
+    }
     json_t *resp = NULL;
     if (r != NULL && code == 200) {
         struct evbuffer *in = evhttp_request_get_input_buffer(r);
@@ -300,7 +353,7 @@ static void on_p_done(struct evhttp_request *r, void *arg)
     if (code == 0 || code >= 500) {
         px_set_health(q->p, false, code == 0 ? "connection failed" : "server error");
         pd_metric_inc(px->m.retry_p, 1);
-        start_prefill(q); /* no KV was produced: another prefill may do it */
+        px_start_prefill(q); /* no KV was produced: another prefill may do it */
         return;
     }
     if (code != 200) {
@@ -320,44 +373,51 @@ static void on_p_done(struct evhttp_request *r, void *arg)
                     resp == NULL ? "a body that is not JSON" : "no kv_transfer_params", len,
                     (const char *)evbuffer_pullup(in, (ev_ssize_t)len));
         json_decref(resp);
-        fail_request(q, 502, "the prefill node returned no kv_transfer_params");
+        px_fail_request(q, 502, "the prefill node returned no kv_transfer_params");
         return;
     }
     q->ktp = json_incref(ktp);
     json_decref(resp);
-    start_decode(q);
+    px_start_decode(q);
 }
 
 /* Sends the prefill request; false when q ended (and was freed) instead. */
-static bool start_prefill(preq_t *q)
+bool px_start_prefill(preq_t *q)
 {
     proxy_t *px = q->px;
     node_t *p = px_pick(px, true, q->tried_p, q->affinity, q->push);
     if (p == NULL) {
-        fail_request(q, 503, "no healthy prefill node");
+        px_fail_request(q, 503, "no healthy prefill node");
         return false;
     }
     q->tried_p[p - px->nodes] = true;
     q->p = p;
     json_t *body = json_deep_copy(q->body);
-    json_object_set_new(body, "max_tokens", json_integer(1));
-    json_object_del(body, "max_completion_tokens");
-    json_object_set_new(body, "stream", json_false());
-    json_object_del(body, "stream_options");
-    json_object_del(body, "logprobs");
-    json_object_del(body, "top_logprobs");
-    json_object_del(body, "min_tokens"); /* the prefill's one token; the decode applies it */
-    json_object_del(body, "n");          /* one KV for the decode's choices to share */
     json_t *ktp = json_pack("{s:b, s:b}", "do_remote_decode", 1, "do_remote_prefill", 0);
+    if (q->ft) {
+        /* first-token handover: the client's request as it is; the prefill stops after the first
+         * token unless that token ends it, and the decode goes on from it */
+        json_object_set_new(ktp, "first_token", json_true());
+    } else {
+        json_object_set_new(body, "max_tokens", json_integer(1));
+        json_object_del(body, "max_completion_tokens");
+        json_object_set_new(body, "stream", json_false());
+        json_object_del(body, "stream_options");
+        json_object_del(body, "logprobs");
+        json_object_del(body, "top_logprobs");
+        json_object_del(body, "min_tokens"); /* the prefill's one token; the decode applies it */
+        json_object_del(body, "n");          /* one KV for the decode's choices to share */
+    }
     if (q->push) {
         json_object_set_new(ktp, "transfer_mode", json_string("push"));
         json_object_set_new(ktp, "transfer_id", json_string(q->transfer_id));
     }
     json_object_set_new(body, "kv_transfer_params", ktp);
-    q->p_conn = px_upstream(px, p, EVHTTP_REQ_POST, q->path, q->auth, body, on_p_done, NULL, NULL, q);
+    q->p_conn = px_upstream(px, p, EVHTTP_REQ_POST, q->path, q->auth, q->req_id, body, on_p_done,
+                            q->ft ? px_ft_on_p_chunk : NULL, NULL, q);
     json_decref(body);
     if (q->p_conn == NULL) {
-        fail_request(q, 502, "cannot reach the prefill node");
+        px_fail_request(q, 502, "cannot reach the prefill node");
         return false;
     }
     p->inflight++;
@@ -377,7 +437,7 @@ static void on_client_close(struct evhttp_connection *conn, void *arg)
     if ((q->push ? q->p_done : q->ktp != NULL) && !q->d_done) {
         /* the prefill holds KV for a decode that may not have reached it yet (still queued there:
          * its abort tells the prefill nothing); a lease already read releases nothing */
-        release_prefill(q);
+        px_release_prefill(q);
     }
     /* closing the upstream connections makes both nodes abort the request */
     if (q->p_conn != NULL) {
@@ -445,7 +505,18 @@ static void handle_completions(proxy_t *px, struct evhttp_request *req, const ch
     q->stream = json_is_true(json_object_get(body, "stream"));
     q->path = path;
     q->d_body = evbuffer_new();
+    q->p_sse = evbuffer_new();
+    q->d_sse = evbuffer_new();
+    q->p_err = evbuffer_new();
     q->t0 = pd_time_now_s();
+    /* first-token handover: streamed, one choice (n > 1 and batched prompts sample one first token
+     * per choice: the decode does, from a prefill that computed the prompt once) */
+    json_t *nc = json_object_get(body, "n");
+    json_t *pr = json_object_get(body, "prompt");
+    bool batched = json_is_array(pr) && json_array_size(pr) > 0 && !json_is_integer(json_array_get(pr, 0)) &&
+                   json_array_size(pr) != 1;
+    q->ft = px->cfg.first_token_from_prefill && q->stream &&
+            (nc == NULL || json_is_null(nc) || json_integer_value(nc) == 1) && !batched;
     json_object_del(body, "kv_transfer_params"); /* the proxy owns the transfer */
     /* affinity key: the start of the prompt (text or token ids) or of the chat messages */
     json_t *prompt = json_object_get(body, "prompt");
@@ -462,6 +533,10 @@ static void handle_completions(proxy_t *px, struct evhttp_request *req, const ch
         rnd = pd_time_now_ns();
     }
     snprintf(q->transfer_id, sizeof(q->transfer_id), "xfer-%016llx", (unsigned long long)rnd);
+    const char *xid = evhttp_find_header(evhttp_request_get_input_headers(req), "X-Request-Id");
+    bool xid_ok = xid != NULL && xid[0] != '\0' && strlen(xid) < sizeof(q->req_id) &&
+                  strspn(xid, PD_REQUEST_ID_CHARS) == strlen(xid);
+    snprintf(q->req_id, sizeof(q->req_id), "%s", xid_ok ? xid : q->transfer_id + 5);
     q->next = px->inflight;
     if (px->inflight != NULL) {
         px->inflight->prev = q;
@@ -478,8 +553,8 @@ static void handle_completions(proxy_t *px, struct evhttp_request *req, const ch
             break;
         }
     }
-    if (start_prefill(q) && q->push) {
-        start_decode(q);
+    if (px_start_prefill(q) && q->push) {
+        px_start_decode(q);
     }
 }
 
@@ -534,8 +609,8 @@ static void forward(proxy_t *px, struct evhttp_request *req, enum evhttp_cmd_typ
     m->px = px;
     m->client = req;
     m->conn = px_upstream(px, d, method == EVHTTP_REQ_HEAD ? EVHTTP_REQ_GET : method, path,
-                          evhttp_find_header(evhttp_request_get_input_headers(req), "Authorization"), body,
-                          on_forward_done, NULL, NULL, m);
+                          evhttp_find_header(evhttp_request_get_input_headers(req), "Authorization"), NULL,
+                          body, on_forward_done, NULL, NULL, m);
     json_decref(body);
     if (m->conn == NULL) {
         free(m);

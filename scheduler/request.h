@@ -94,6 +94,10 @@ struct pd_request {
     void *kv_transfer_params;       /* json_t*, owned (connector parameters), may be NULL */
     int32_t num_external_tokens;    /* tokens the connector loads from a remote peer */
     bool holds_blocks_after_finish; /* finished, blocks held for a remote reader (delay free) */
+    /* First-token handover (kv_transfer_params "first_token"): a prefill node's request ends after
+     * its first output token unless that token ends it, and a decode node continues from there */
+    bool handover_after_first;
+    bool handed_over; /* it ended that way (FINISHED_LENGTH): its decode node goes on */
 
     int32_t stop_token; /* the stop_token_ids entry that finished it (vLLM's stop_reason), or -1 */
     int32_t num_preemptions;

@@ -23,8 +23,9 @@ struct pd_scheduler {
     /* per-step buffers */
     pd_sched_item_t *items;
     pd_request_t **preempted;
-    pd_request_t **with_token;
+    pd_request_t **with_token; /* [cap_with] requests that got tokens in the update, and how many */
     int32_t *with_count;
+    int32_t cap_with;
     uint64_t spec_drafts, spec_draft_tokens, spec_accepted, spec_accepted_per_pos[PD_SPEC_MAX_TOKENS];
     pd_request_t **finished;
     int32_t num_finished, cap_finished;
@@ -148,6 +149,7 @@ pd_status_t pd_scheduler_create(const pd_scheduler_config_t *cfg, pd_connector_t
     s->preempted = calloc((size_t)cfg->max_num_seqs, sizeof(pd_request_t *));
     s->with_token = calloc((size_t)cfg->max_num_seqs, sizeof(pd_request_t *));
     s->with_count = calloc((size_t)cfg->max_num_seqs, sizeof(int32_t));
+    s->cap_with = cfg->max_num_seqs;
     s->hits = calloc((size_t)s->max_blocks_per_req * (size_t)groups, sizeof(uint32_t));
     if (s->running == NULL || s->items == NULL || s->preempted == NULL || s->with_token == NULL ||
         s->with_count == NULL || s->hits == NULL || pd_strmap_init(&s->by_id, 256) != PD_OK ||
@@ -291,6 +293,12 @@ pd_request_t *pd_scheduler_abort(pd_scheduler_t *s, const char *id)
 void pd_scheduler_finish(pd_scheduler_t *s, pd_request_t *r, pd_request_state_t st)
 {
     finish_request(s, r, st);
+}
+
+pd_request_t *const *pd_scheduler_finished(const pd_scheduler_t *s, int32_t *num_out)
+{
+    *num_out = s->num_finished;
+    return s->finished;
 }
 
 /* ------------------------------------------------------------------ schedule */
@@ -507,6 +515,44 @@ static int32_t append_tokens(pd_scheduler_t *s, pd_request_t *r, const int32_t *
     return n;
 }
 
+bool pd_scheduler_add_output_token(pd_scheduler_t *s, pd_request_t *r, int32_t token)
+{
+    if (token < 0 || (s->cfg.vocab_size > 0 && token >= s->cfg.vocab_size) || pd_request_num_output(r) > 0 ||
+        pd_request_is_finished(r)) {
+        pd_log_warn("request %s: the prefill's first token %d is unusable (outside the vocabulary, or the "
+                    "request has outputs); sampling it here",
+                    r->id, token);
+        return false;
+    }
+    if (pd_sampling_draws(&r->params.sampling)) {
+        (void)pd_rng_uniform(&r->rng); /* the draw the prefill made for it */
+    }
+    r->first_token_time = pd_time_now_s();
+    append_tokens(s, r, &token, 1);
+    return true;
+}
+
+/* Records that r got n tokens in this update (the frontend's outputs). */
+static void with_push(pd_scheduler_t *s, int32_t *n_tok, pd_request_t *r, int32_t n)
+{
+    if (*n_tok == s->cap_with) {
+        int32_t cap = 2 * s->cap_with;
+        pd_request_t **w = realloc(s->with_token, (size_t)cap * sizeof(*w));
+        if (w != NULL) {
+            s->with_token = w;
+        }
+        int32_t *c = w != NULL ? realloc(s->with_count, (size_t)cap * sizeof(*c)) : NULL;
+        if (c == NULL) {
+            pd_log_error("scheduler: out of memory; request %s's new token has no output", r->id);
+            return;
+        }
+        s->with_count = c;
+        s->cap_with = cap;
+    }
+    s->with_token[*n_tok] = r;
+    s->with_count[(*n_tok)++] = n;
+}
+
 /* vLLM's spec_decode counters: one draft of n tokens, of which the first accepted were accepted. */
 static void count_spec(pd_scheduler_t *s, int32_t n, int32_t accepted)
 {
@@ -579,8 +625,7 @@ void pd_scheduler_update(pd_scheduler_t *s, const pd_scheduler_output_t *out, co
         if (r->first_token_time == 0) {
             r->first_token_time = pd_time_now_s();
         }
-        s->with_token[n_tok] = r;
-        s->with_count[n_tok++] = append_tokens(s, r, toks, n);
+        with_push(s, &n_tok, r, append_tokens(s, r, toks, n));
         if (!pd_request_is_finished(r)) {
             /* KV rollback: only the accepted drafts' slots hold valid KV; the last token is computed
              * next step, and blocks past the tokens (rejected positions only) go back at once */
@@ -600,7 +645,14 @@ void pd_scheduler_update(pd_scheduler_t *s, const pd_scheduler_output_t *out, co
         if (r->holds_blocks_after_finish) {
             end_hold(s, r); /* aborted while loading: the transfer is over now */
         } else if (r->state == PD_REQ_WAITING_FOR_REMOTE_KV) {
-            pd_strmap_put(&s->recv_done, r->id, strlen(r->id), 1);
+            /* push with first-token handover: the prefill's first token came with its WRITE_DONE */
+            const int32_t *first = mo->finished.recving_first_token;
+            if (first != NULL && first[i] >= 0 && pd_scheduler_add_output_token(s, r, first[i])) {
+                with_push(s, &n_tok, r, 1);
+            }
+            if (!pd_request_is_finished(r)) {
+                pd_strmap_put(&s->recv_done, r->id, strlen(r->id), 1);
+            }
         }
     }
     for (int32_t i = 0; i < mo->finished.num_sending; i++) {

@@ -35,6 +35,7 @@ typedef struct pd_scheduler_config {
     int32_t eos_token_ids[8];
     int32_t num_eos;
     pd_load_failure_policy_t load_failure_policy;
+    int32_t vocab_size; /* > 0: output tokens from outside (a prefill's first token) are checked */
     /* KV cache groups (scheduler/kv_cache_manager.h): 0 or 1 = one full-attention group */
     int32_t num_kv_groups;
     int32_t kv_group_window
@@ -72,7 +73,8 @@ typedef struct pd_scheduler_update_result {
     pd_request_t **with_new_token; /* requests that got tokens this step */
     const int32_t *num_new_tokens; /* [num_with_new_token] how many each got (its last tokens) */
     int32_t num_with_new_token;
-    pd_request_t **finished; /* requests that finished this step (valid until the next schedule) */
+    pd_request_t **finished; /* requests that finished by this update and before it (the array moves
+                              * when pd_scheduler_finish adds one: read pd_scheduler_finished then) */
     int32_t num_finished;
 } pd_scheduler_update_result_t;
 
@@ -101,6 +103,17 @@ pd_request_t *pd_scheduler_abort(pd_scheduler_t *s, const char *id);
 /* Finishes a running request from outside the stop checks (stop strings found by the frontend).
  * Same lifetime rules as abort. */
 void pd_scheduler_finish(pd_scheduler_t *s, pd_request_t *req, pd_request_state_t state);
+
+/* The requests finished since the last schedule (by the update, aborts, pd_scheduler_finish or
+ * pd_scheduler_add_output_token); the array is valid until the next call that finishes one. */
+pd_request_t *const *pd_scheduler_finished(const pd_scheduler_t *s, int32_t *num_out);
+
+/* First-token handover, decode side: req's first output token was sampled by the prefill node that
+ * handed it over. Appends it as if sampled here: the stop checks run (it may finish req), the first
+ * token time is set, and a sampling request's generator skips the one draw that token took, so a
+ * seeded request goes on as it would on one node. Only before req has computed anything. Returns
+ * false (nothing changed) for a token outside the vocabulary or a request that has outputs. */
+bool pd_scheduler_add_output_token(pd_scheduler_t *s, pd_request_t *req, int32_t token);
 
 /* Plans one step. The output is owned by the scheduler and valid until the next schedule. */
 const pd_scheduler_output_t *pd_scheduler_schedule(pd_scheduler_t *s);

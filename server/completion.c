@@ -42,13 +42,15 @@ typedef struct choice {
     int32_t stop_token;
     int32_t completion_tokens, cached_tokens;
     char *kv_transfer_params;
-    char *error; /* the engine's reason when it ended with "error" and no token */
+    char *error;      /* the engine's reason when it ended with "error" and no token */
+    bool handed_over; /* a prefill's first-token handover: a decode node goes on (no finish_reason) */
 } choice_t;
 
 struct creq {
     pd_http_server_t *srv;
     struct evhttp_request *req; /* NULL once answered or the client went away */
-    char id[48];
+    char id[48];                /* the engine requests' ids (one per choice derive from it) */
+    char resp_id[72];           /* the answer's id: id, or the prefix + the client's X-Request-Id (vLLM) */
     pd_completion_req_t in;
     bool started;             /* the SSE reply was started */
     bool deferred;            /* siblings wait for choice 0's first token */
@@ -180,6 +182,12 @@ static json_t *usage_json(const creq_t *c)
 }
 
 /* vLLM's stop_reason: the stop string or stop token id that finished the choice, else null. */
+/* A finished choice's finish_reason: null when a decode node goes on (first-token handover). */
+static json_t *finish_reason_json(const choice_t *h)
+{
+    return h->handed_over ? json_null() : json_string(h->finish_reason);
+}
+
 static json_t *stop_reason_json(const choice_t *h)
 {
     if (h->finish_reason == NULL || strcmp(h->finish_reason, "stop") != 0) {
@@ -360,7 +368,7 @@ static void stream_chunk(creq_t *c, json_t *chunk)
 
 static json_t *chunk_envelope(const creq_t *c, json_t *choices)
 {
-    return json_pack("{s:s, s:s, s:I, s:s, s:o}", "id", c->id, "object",
+    return json_pack("{s:s, s:s, s:I, s:s, s:o}", "id", c->resp_id, "object",
                      c->in.chat ? "chat.completion.chunk" : "text_completion", "created",
                      (json_int_t)c->created, "model", c->srv->model_name, "choices", choices);
 }
@@ -461,7 +469,16 @@ static void stream_output(creq_t *c, choice_t *h, const pd_engine_output_t *o, s
     if (!c->started) {
         start_stream(c);
     }
-    if (finished && h->error != NULL && h->num_ids == 0) {
+    if (finished && h->handed_over) {
+        /* first-token handover: the stream so far is the request's start; the proxy takes the
+         * parameters from this last chunk and the decode node's stream goes on (its usage) */
+        json_t *chunk = chunk_envelope(c, json_array());
+        json_object_set_new(chunk, "kv_transfer_params",
+                            o->kv_transfer_params != NULL ? json_loads(o->kv_transfer_params, 0, NULL)
+                                                          : json_null());
+        stream_chunk(c, chunk);
+        json_decref(chunk);
+    } else if (finished && h->error != NULL && h->num_ids == 0) {
         pd_http_error_t e;
         pd_http_error_set(&e, 500, "InternalServerError", NULL, "%s", h->error);
         json_t *ej = pd_openai_error_json(&e);
@@ -475,7 +492,7 @@ static void stream_output(creq_t *c, choice_t *h, const pd_engine_output_t *o, s
     if (c->num_done < c->num_choices) {
         return;
     }
-    if (c->in.include_usage) {
+    if (c->in.include_usage && !c->ch[0].handed_over) {
         json_t *u = chunk_envelope(c, json_array());
         json_object_set_new(u, "usage", usage_json(c));
         stream_chunk(c, u);
@@ -501,9 +518,9 @@ static json_t *final_choice(const creq_t *c, const choice_t *h)
     if (c->in.chat) {
         json_t *msg = json_pack("{s:s, s:o, s:[]}", "role", "assistant", "content",
                                 pd_json_string_lossy(h->text, h->text_len), "tool_calls");
-        choice = json_pack("{s:i, s:o, s:o, s:s, s:o}", "index", h->index, "message", msg, "logprobs",
+        choice = json_pack("{s:i, s:o, s:o, s:o, s:o}", "index", h->index, "message", msg, "logprobs",
                            h->lp != NULL ? json_pack("{s:O}", "content", h->lp) : json_null(),
-                           "finish_reason", h->finish_reason, "stop_reason", stop_reason_json(h));
+                           "finish_reason", finish_reason_json(h), "stop_reason", stop_reason_json(h));
     } else {
         const pd_prompt_t *pr = &c->in.prompts[h->prompt];
         json_t *text;
@@ -519,9 +536,9 @@ static json_t *final_choice(const creq_t *c, const choice_t *h)
         } else {
             text = pd_json_string_lossy(h->text, h->text_len);
         }
-        choice = json_pack("{s:i, s:o, s:o, s:s, s:o}", "index", h->index, "text", text, "logprobs",
+        choice = json_pack("{s:i, s:o, s:o, s:o, s:o}", "index", h->index, "text", text, "logprobs",
                            h->lp != NULL ? json_incref(h->lp) : json_null(), "finish_reason",
-                           h->finish_reason, "stop_reason", stop_reason_json(h));
+                           finish_reason_json(h), "stop_reason", stop_reason_json(h));
         json_object_set_new(choice, "prompt_logprobs", h->plp != NULL ? json_incref(h->plp) : json_null());
     }
     if (c->in.return_token_ids) {
@@ -554,7 +571,7 @@ static void reply_final(creq_t *c)
             json_array_append_new(choices, final_choice(c, &c->ch[i]));
         }
         json_t *body =
-            json_pack("{s:s, s:s, s:I, s:s, s:o, s:o}", "id", c->id, "object",
+            json_pack("{s:s, s:s, s:I, s:s, s:o, s:o}", "id", c->resp_id, "object",
                       c->in.chat ? "chat.completion" : "text_completion", "created", (json_int_t)c->created,
                       "model", s->model_name, "choices", choices, "usage", usage_json(c));
         if (c->in.chat) { /* chat: one prompt, its scores at the top level */
@@ -640,6 +657,7 @@ static void absorb(pd_http_server_t *s, creq_t *c, choice_t *h, const pd_engine_
         h->completion_tokens = o->completion_tokens;
         h->cached_tokens = o->cached_tokens;
         h->kv_transfer_params = o->kv_transfer_params != NULL ? strdup(o->kv_transfer_params) : NULL;
+        h->handed_over = o->handed_over;
         if (strcmp(o->finish_reason, "error") == 0 && o->completion_tokens == 0) {
             h->error = strdup(o->text_len > 0 ? o->text : "generation failed");
         }
@@ -778,6 +796,15 @@ void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bo
     }
     pd_http_metrics_admitted(s, c->in.n, max_tokens);
     random_id(chat ? "chatcmpl-" : "cmpl-", c->id, sizeof(c->id));
+    snprintf(c->resp_id, sizeof(c->resp_id), "%s", c->id);
+    const char *xid = evhttp_find_header(evhttp_request_get_input_headers(req), "X-Request-Id");
+    if (xid != NULL && xid[0] != '\0' && strlen(xid) <= 48 &&
+        strspn(xid, PD_REQUEST_ID_CHARS) == strlen(xid)) {
+        /* vLLM's X-Request-Id: the answer's id (the P/D proxy gives both legs one, so the chunks of
+         * a handed-over stream share it); engine ids stay random, so a repeated header is harmless */
+        snprintf(c->resp_id, sizeof(c->resp_id), "%s%s", chat ? "chatcmpl-" : "cmpl-", xid);
+        evhttp_add_header(evhttp_request_get_output_headers(req), "X-Request-Id", xid);
+    }
     for (int32_t i = 0; c->in.echo && i < c->in.num_prompts; i++) { /* echo of token ids: their text */
         pd_prompt_t *pr = &c->in.prompts[i];
         if (pr->text == NULL &&

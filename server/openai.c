@@ -571,6 +571,15 @@ static bool parse_params(json_t *root, bool chat, const pd_tokenizer_t *tok, con
         if (!json_is_object(ktp)) {
             return pd_api_want_type(err, "kv_transfer_params", ktp, 0, "an object");
         }
+        /* first-token handover: the token the decode continues from is one of the vocabulary */
+        json_t *ft = json_object_get(ktp, "first_token_id");
+        if (ft != NULL && !json_is_null(ft) &&
+            (!json_is_integer(ft) || json_integer_value(ft) < 0 ||
+             json_integer_value(ft) >= lim->vocab_size)) {
+            return pd_http_error_set(err, 400, "BadRequestError", "kv_transfer_params",
+                                     "kv_transfer_params.first_token_id must be a token id in [0, %d)",
+                                     lim->vocab_size);
+        }
         out->kv_transfer_params = json_incref(ktp);
     }
     /* vLLM raises temperatures in (0, 0.01) to 0.01 (numerics), and treats seed -1 as no seed */

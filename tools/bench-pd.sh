@@ -2,13 +2,16 @@
 # tools/bench-pd.sh BUILD_DIR — the disaggregation benchmarks (part of `make bench`):
 #   1. handover overhead: TTFT via prefill→decode minus TTFT of the prefill alone, for 512, 2048
 #      and 8176-token prompts (the demo model's 8192 positions minus one block), by phase, against the pipe's own bandwidth (pd-bench-handover);
+#      then streamed requests with the first token from the prefill vs from the decode (a second
+#      proxy with --no-first-token-from-prefill over the same nodes), 512 and 2048 tokens;
 #   2. disaggregated 1P1D (pull and push, ucx) vs colocated pd-serve with the same total threads
 #      (2), the demo model, a sweep of request rates for a long-prompt/short-output workload and a
 #      mixed one: goodput at a TPOT SLO and TTFT/TPOT/ITL percentiles (pd-bench), plots in
 #      bench/plots/.
 # Results are appended to bench/RESULTS.md with the commands, machine and date.
 # PD_BENCH_QUICK=1 runs a smaller sweep (fewer prompts and rates); PD_BENCH_ONLY=handover|sweep
-# runs one part; PD_BENCH_MODES=pull (or push) runs the handover for one mode.
+# runs one part; PD_BENCH_MODES=pull (or push) runs the handover for one mode;
+# PD_BENCH_HANDOVER_LENS=512,2048 leaves out the 8176-token prompts (70+ s each on one thread).
 set -euo pipefail
 build=${1:-build}
 cd "$(dirname "$0")/.."
@@ -57,6 +60,10 @@ start_pd() {
   start decode pd-decode "${model[@]}" "${kv[@]}"; dport=$port
   start proxy pd-proxy --health-interval 0.5 --prefill "http://127.0.0.1:$pport" --decode "http://127.0.0.1:$dport"
   xport=$port
+  # the same nodes behind a proxy where the decode samples the first token (the handover's baseline)
+  start proxy-legacy pd-proxy --health-interval 0.5 --prefill "http://127.0.0.1:$pport" \
+    --decode "http://127.0.0.1:$dport" --no-first-token-from-prefill
+  lport=$port
   # measure after both nodes finished pre-faulting their KV regions (a background thread)
   for _ in $(seq 600); do
     if grep -q "pre-faulted" "$work/prefill.log" && grep -q "pre-faulted" "$work/decode.log"; then return 0; fi
@@ -74,8 +81,9 @@ for mode in ${PD_BENCH_MODES:-pull push}; do
   "$bin/pd-bench" --base-url "http://127.0.0.1:$xport" --wait-ready 60 --num-prompts 1 \
     --random-input-len 16 --random-output-len 1 --no-progress >/dev/null
   "$bin/pd-bench-handover" --proxy "http://127.0.0.1:$xport" --prefill "http://127.0.0.1:$pport" \
-    --decode "http://127.0.0.1:$dport" --lens 512,2048,8176 --repeat 2 --kv-bytes-per-token 8192 \
-    --page-bytes 16384 --pipe ucx --label "($mode, ucx, demo model)" --results "$results"
+    --decode "http://127.0.0.1:$dport" --lens "${PD_BENCH_HANDOVER_LENS:-512,2048,8176}" --repeat "${PD_BENCH_HANDOVER_REPEAT:-2}" --kv-bytes-per-token 8192 \
+    --page-bytes 16384 --pipe ucx --label "($mode, ucx, demo model)" --results "$results" \
+    --proxy-legacy "http://127.0.0.1:$lport" --stream-lens 512,2048
   stop_all
 done
 

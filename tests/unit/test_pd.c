@@ -13,6 +13,7 @@
 #include <check.h>
 #include <dirent.h>
 #include <jansson.h>
+#include <math.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
@@ -376,6 +377,256 @@ static const struct {
 START_TEST(test_equivalence)
 {
     equivalence(EQUIV[_i].mode, EQUIV[_i].pipe, EQUIV[_i].staged);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ first-token handover */
+
+typedef struct transcript {
+    char *text;      /* every event with ids, times and numbers taken out, in order */
+    double lp[4096]; /* the numbers (logprobs), in order */
+    int n_lp;
+    char id[96]; /* the events' id (all must share it: "" if they do not) */
+    int events;
+} transcript_t;
+
+/* Moves every real number of j (logprobs) into t->lp, leaving nulls. */
+static void take_reals(json_t *j, transcript_t *t)
+{
+    if (json_is_object(j)) {
+        const char *k;
+        json_t *v;
+        json_object_foreach(j, k, v)
+        {
+            if (json_is_real(v)) {
+                t->lp[t->n_lp < 4096 ? t->n_lp++ : 4095] = json_real_value(v);
+                json_object_set_new(j, k, json_null());
+            } else {
+                take_reals(v, t);
+            }
+        }
+    } else if (json_is_array(j)) {
+        for (size_t i = 0; i < json_array_size(j); i++) {
+            json_t *v = json_array_get(j, i);
+            if (json_is_real(v)) {
+                t->lp[t->n_lp < 4096 ? t->n_lp++ : 4095] = json_real_value(v);
+                json_array_set_new(j, i, json_null());
+            } else {
+                take_reals(v, t);
+            }
+        }
+    }
+}
+
+/* POSTs a streamed request and canonicalises its events; false when it did not answer 200. */
+static bool stream_transcript(int port, const char *path, const char *body, transcript_t *t)
+{
+    memset(t, 0, sizeof(*t));
+    http_resp_t r;
+    if (http_request(port, "POST", path, "Content-Type: application/json\r\n", body, &r, 60000) != 0 ||
+        r.status != 200) {
+        fprintf(stderr, "stream to :%d answered %d: %.300s\n", port, r.status, r.body ? r.body : "");
+        http_resp_free(&r);
+        return false;
+    }
+    size_t cap = r.body_len * 2 + 64, len = 0;
+    t->text = calloc(1, cap);
+    bool first = true;
+    for (char *ev = r.body, *end; ev != NULL && *ev != '\0'; ev = end) {
+        end = strstr(ev, "\n\n");
+        if (end != NULL) {
+            *end = '\0';
+            end += 2;
+        }
+        if (strncmp(ev, "data: ", 6) != 0) {
+            continue;
+        }
+        t->events++;
+        json_t *j = json_loads(ev + 6, JSON_ALLOW_NUL | JSON_DECODE_ANY, NULL);
+        if (json_is_object(j)) {
+            const char *id = json_string_value(json_object_get(j, "id"));
+            if (id != NULL && (first || strcmp(id, t->id) != 0)) {
+                snprintf(t->id, sizeof(t->id), "%s", first ? id : "");
+                first = false;
+            }
+            json_object_del(j, "id");
+            json_object_del(j, "created");
+            /* cached_tokens may differ: a decode going on from the first output token can hold the
+             * prompt's last full block in its prefix cache, which pd-serve recomputes */
+            json_object_del(json_object_get(j, "usage"), "prompt_tokens_details");
+            take_reals(j, t);
+        }
+        char *s = j != NULL ? json_dumps(j, JSON_COMPACT | JSON_SORT_KEYS | JSON_ENCODE_ANY) : strdup(ev + 6);
+        len += (size_t)snprintf(t->text + len, cap - len, "%s\n", s);
+        free(s);
+        json_decref(j);
+    }
+    http_resp_free(&r);
+    return true;
+}
+
+/* The proxy's stream of body equals pd-serve's: events, text, tokens, reasons, usage, logprobs. */
+static void expect_same_stream(int serve, int proxy, const char *path, const char *body, const char *what)
+{
+    transcript_t *a = malloc(sizeof(*a)), *b = malloc(sizeof(*b));
+    ck_assert_msg(stream_transcript(serve, path, body, a), "%s: pd-serve failed", what);
+    ck_assert_msg(stream_transcript(proxy, path, body, b), "%s: the proxy failed", what);
+    ck_assert_msg(strcmp(a->text, b->text) == 0, "%s: the streams differ\npd-serve:\n%s\nproxy:\n%s", what,
+                  a->text, b->text);
+    ck_assert_int_eq(a->n_lp, b->n_lp);
+    for (int i = 0; i < a->n_lp; i++) {
+        ck_assert_msg(fabs(a->lp[i] - b->lp[i]) < 2e-3, "%s: logprob %d: %f vs %f", what, i, a->lp[i],
+                      b->lp[i]);
+    }
+    ck_assert_msg(b->id[0] != '\0', "%s: the proxy's events do not share one id", what);
+    free(a->text), free(b->text), free(a), free(b);
+}
+
+/* A streamed body for prompt i with extra fields (a JSON object's members, or NULL). */
+static char *stream_body(int i, bool seeded, const char *extra)
+{
+    char *plain = body_for(i, seeded);
+    json_t *b = json_loads(plain, 0, NULL);
+    free(plain);
+    json_object_set_new(b, "stream", json_true());
+    json_object_set_new(b, "stream_options", json_pack("{s:b}", "include_usage", 1));
+    if (extra != NULL) {
+        json_t *x = json_loads(extra, 0, NULL);
+        ck_assert_ptr_nonnull(x);
+        json_object_update(b, x);
+        json_decref(x);
+    }
+    char *s = json_dumps(b, JSON_COMPACT);
+    json_decref(b);
+    return s;
+}
+
+/* The text pd-serve gives prompt i's first token and the first non-empty text after it (greedy). */
+static void first_texts(int serve, int i, char *t0, char *t1, size_t cap, int *tok0)
+{
+    char *b = stream_body(i, false, NULL);
+    http_resp_t r;
+    ck_assert_int_eq(
+        http_request(serve, "POST", "/v1/completions", "Content-Type: application/json\r\n", b, &r, 60000),
+        0);
+    free(b);
+    t1[0] = '\0';
+    int k = 0;
+    for (char *e = strstr(r.body, "data: {"); e != NULL && t1[0] == '\0'; e = strstr(e + 6, "data: {"), k++) {
+        json_t *j = json_loadb(e + 6, (size_t)(strstr(e, "\n\n") - e - 6), JSON_ALLOW_NUL, NULL);
+        json_t *c0 = json_array_get(json_object_get(j, "choices"), 0);
+        const char *text = json_string_value(json_object_get(c0, "text"));
+        if (k == 0) {
+            snprintf(t0, cap, "%s", text);
+            *tok0 = (int)json_integer_value(json_array_get(json_object_get(c0, "token_ids"), 0));
+        } else if (text != NULL) {
+            snprintf(t1, cap, "%s", text);
+        }
+        json_decref(j);
+    }
+    http_resp_free(&r);
+}
+
+/* First-token handover (pd-proxy --first-token-from-prefill, the default for streamed requests with
+ * one choice): the prefill's first token is streamed at once and the decode continues from it. The
+ * proxy's streams equal pd-serve's event for event (text, token ids, finish and stop reasons, usage,
+ * logprobs to 2e-3) for greedy and seeded prompts of every length class, a stop string that spans
+ * the first token, one that is the first token, a stop token id that is it (the prefill's stream is
+ * then the whole answer), max_tokens 1, min_tokens over a stop id, echo, penalties and a chat
+ * request with logprobs; the decode went on from the prefill's token (the proxy's handover counter),
+ * no load failed and both pools are free. */
+static const struct {
+    const char *mode, *pipe;
+} FT[] = {{"pull", "tcp"}, {"push", "ucx"}, {"pull", "ucx"}, {"push", "tcp"}};
+
+START_TEST(test_first_token_handover)
+{
+    node_t serve;
+    start(&serve, "pd-serve", "serve-ft", g_model, NULL);
+    cluster_t c;
+    cluster_start(&c, FT[_i].mode, FT[_i].pipe, NULL, NULL);
+    char what[96];
+    int handed = 0;
+    for (int seeded = 0; seeded < 2; seeded++) {
+        for (int i = seeded; i < NUM_PROMPTS; i += 3) {
+            char *b = stream_body(i, seeded, NULL);
+            snprintf(what, sizeof(what), "%s/%s prompt %d (len %d) %s", FT[_i].mode, FT[_i].pipe, i,
+                     g_lens[i], seeded ? "seeded" : "greedy");
+            expect_same_stream(serve.port, c.x.port, "/v1/completions", b, what);
+            free(b);
+            handed++;
+        }
+    }
+    char t0[256], t1[256], extra[1024];
+    int tok0 = -1, pi = 5;
+    size_t l0 = 0;
+    /* a prompt whose first token ends in an ASCII character and whose next text starts with one: the
+     * stop string of those two spans the first token */
+    for (; pi < NUM_PROMPTS; pi++) {
+        first_texts(serve.port, pi, t0, t1, sizeof(t0), &tok0);
+        l0 = strlen(t0);
+        if (l0 > 0 && (unsigned char)t0[l0 - 1] < 0x80 && t1[0] != '\0' && (unsigned char)t1[0] < 0x80) {
+            break;
+        }
+    }
+    ck_assert_int_lt(pi, NUM_PROMPTS);
+    char two[3] = {t0[l0 - 1], t1[0], '\0'};
+    json_t *span = json_pack("{s:[s]}", "stop", two);
+    json_t *whole = json_pack("{s:[s]}", "stop", t0);
+    char *span_s = json_dumps(span, JSON_COMPACT), *whole_s = json_dumps(whole, JSON_COMPACT);
+    struct {
+        const char *extra;
+        bool hands_over; /* the first token does not end it */
+    } cases[] = {
+        {"{\"logprobs\": 2}", true},
+        {"{\"max_tokens\": 1}", false},
+        {span_s, strstr(t0, two) == NULL}, /* ends after the first token, whose text is held back */
+        {whole_s, false},
+        {NULL, false}, /* stop_token_ids: [the first token] */
+        {NULL, true},  /* the same under min_tokens 3 */
+        {"{\"echo\": true}", true},
+        {"{\"temperature\": 0.8, \"seed\": 11, \"frequency_penalty\": 1.5, \"presence_penalty\": 0.5}", true},
+    };
+    char stop_id[64], min_stop[96];
+    snprintf(stop_id, sizeof(stop_id), "{\"stop_token_ids\": [%d], \"ignore_eos\": false}", tok0);
+    snprintf(min_stop, sizeof(min_stop), "{\"stop_token_ids\": [%d], \"min_tokens\": 3}", tok0);
+    cases[4].extra = stop_id;
+    cases[5].extra = min_stop;
+    for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
+        char *b = stream_body(pi, false, cases[k].extra);
+        snprintf(what, sizeof(what), "%s/%s %s", FT[_i].mode, FT[_i].pipe, cases[k].extra);
+        expect_same_stream(serve.port, c.x.port, "/v1/completions", b, what);
+        free(b);
+        handed += cases[k].hands_over;
+    }
+    snprintf(extra, sizeof(extra), "%s", "");
+    const char *chat =
+        "{\"model\": \"" MODEL_NAME "\", \"messages\": [{\"role\": \"user\", \"content\": \"hi there\"}], "
+        "\"max_tokens\": 6, \"stream\": true, \"temperature\": 0, \"logprobs\": true, "
+        "\"top_logprobs\": 2, \"stream_options\": {\"include_usage\": true}}";
+    expect_same_stream(serve.port, c.x.port, "/v1/chat/completions", chat, "chat");
+    handed++;
+    ck_assert_int_eq((int)metric(c.x.port, "pd_proxy:first_token_handovers_total"), handed);
+    /* a first token outside the vocabulary is refused before anything is loaded */
+    char *bad = stream_body(0, false,
+                            "{\"kv_transfer_params\": {\"do_remote_prefill\": true, \"first_token_id\": "
+                            "1000000, \"remote_host\": \"127.0.0.1\", \"remote_port\": 1}}");
+    http_resp_t br;
+    ck_assert_int_eq(http_request(c.d.port, "POST", "/v1/completions", "Content-Type: application/json\r\n",
+                                  bad, &br, 10000),
+                     0);
+    ck_assert_msg(br.status == 400 && strstr(br.body, "first_token_id") != NULL, "HTTP %d: %s", br.status,
+                  br.body);
+    http_resp_free(&br);
+    free(bad);
+    ck_assert_int_eq((int)metric(c.d.port, "pd:kv_transfers_failed_total{kind=\"pull_load\"}"), 0);
+    ck_assert_int_eq((int)metric(c.d.port, "pd:kv_transfers_failed_total{kind=\"push_load\"}"), 0);
+    assert_pool_free(c.p.port, "the prefill");
+    assert_pool_free(c.d.port, "the decode");
+    free(span_s), free(whole_s);
+    json_decref(span), json_decref(whole);
+    cluster_stop(&c);
+    stop(&serve);
 }
 END_TEST
 
@@ -1536,7 +1787,7 @@ int main(void)
 {
     pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_OFF);
     Suite *s = suite_create("pd");
-    /* four cases, each its own CTest entry (CK_RUN_CASE, CMakeLists.txt) so that they run side by side:
+    /* five cases, each its own CTest entry (CK_RUN_CASE, CMakeLists.txt) so that they run side by side:
      * they mostly wait on processes */
     TCase *eq = tcase_create("equivalence");
     tcase_add_loop_test(eq, test_equivalence, 0, (int)(sizeof(EQUIV) / sizeof(EQUIV[0])));
@@ -1544,6 +1795,8 @@ int main(void)
     tcase_add_test(eq, test_speculative_equivalence);
     tcase_add_test(eq, test_nccl_with_host_kv_refused);
     tcase_add_test(eq, test_prefix_hit_moves_only_missing_blocks);
+    TCase *handover = tcase_create("handover");
+    tcase_add_loop_test(handover, test_first_token_handover, 0, (int)(sizeof(FT) / sizeof(FT[0])));
     TCase *faults = tcase_create("faults");
     tcase_add_test(faults, test_prefill_gone_before_read);
     tcase_add_test(faults, test_lease_expiry_is_stale);
@@ -1563,7 +1816,7 @@ int main(void)
     tcase_add_test(proxy, test_proxy_client_gone_before_decode);
     tcase_add_test(proxy, test_proxy_keyed_cluster);
     tcase_add_test(proxy, test_dns_discovery_and_prefill_restart);
-    TCase *cases[] = {eq, faults, hostile, proxy};
+    TCase *cases[] = {eq, handover, faults, hostile, proxy};
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         tcase_add_unchecked_fixture(cases[i], suite_setup, suite_teardown);
         tcase_set_timeout(cases[i], 300);

@@ -825,6 +825,94 @@ START_TEST(test_connector_remote_load_and_delay_free)
 }
 END_TEST
 
+/* First-token handover on a decode: the prefill's token arrives with the load (push: the connector's
+ * recving_first_token) and the request goes on from it as if it had sampled it: an output of this
+ * update, the KV of every prompt token loaded, the token's own KV computed next, a seeded sampler one
+ * draw on; out-of-vocabulary tokens are refused, and a token that stops the request ends it. */
+START_TEST(test_first_token_handover)
+{
+    fake_conn_t f;
+    memset(&f, 0, sizeof(f));
+    f.base.ops = &fake_ops;
+    driver_t d = {NULL, &f, 64, 4, 0, 0};
+    pd_scheduler_config_t c = sched_cfg(4, 64, 64);
+    c.vocab_size = 2000;
+    ck_assert_int_eq(pd_scheduler_create(&c, &f.base, &d.s), PD_OK);
+    add(d.s, "remote-a", 14, 3, 1);
+    pd_scheduler_update_result_t res;
+    drive_step(&d, &res);
+    pd_request_t *ra = pd_scheduler_find(d.s, "remote-a");
+    ck_assert_int_eq(ra->state, PD_REQ_WAITING_FOR_REMOTE_KV);
+    ck_assert(!pd_scheduler_add_output_token(d.s, ra, 2000)); /* outside the vocabulary */
+    ck_assert(!pd_scheduler_add_output_token(d.s, ra, -1));
+    ck_assert_int_eq(ra->num_tokens, 14);
+    int32_t first[1] = {777};
+    snprintf(f.recving[0], PD_REQ_ID_MAX, "remote-a");
+    f.recv_ptrs[0] = f.recving[0];
+    f.num_recving = 1;
+    const pd_scheduler_output_t *o = pd_scheduler_schedule(d.s);
+    pd_model_output_t mo;
+    memset(&mo, 0, sizeof(mo));
+    mo.finished.recving = f.recv_ptrs;
+    mo.finished.num_recving = 1;
+    mo.finished.recving_first_token = first;
+    pd_scheduler_update(d.s, o, &mo, &res);
+    ck_assert_int_eq(res.num_with_new_token, 1);
+    ck_assert_ptr_eq(res.with_new_token[0], ra);
+    ck_assert_int_eq(res.num_new_tokens[0], 1);
+    ck_assert_int_eq(ra->num_tokens, 15);
+    ck_assert_int_eq(ra->tokens[14], 777);
+    ck_assert(ra->first_token_time > 0);
+    f.num_recving = 0;
+    o = drive_step(&d, &res);
+    ck_assert_int_eq(o->num_items, 1); /* computes the first token's KV (all 14 prompt tokens loaded) */
+    ck_assert_int_eq(o->items[0].num_new_tokens, 1);
+    ck_assert_int_eq(ra->num_tokens, 16);
+    ck_assert_int_eq(ra->tokens[15], 1000 + 15);
+    while (!pd_scheduler_idle(d.s)) {
+        drive_step(&d, &res);
+        ck_assert_int_lt(d.steps, 100);
+    }
+    ck_assert_int_eq(ra->num_tokens, 14 + 3); /* max_tokens counts the prefill's token */
+
+    /* a sampling request's generator skips the draw its first token took; a greedy one draws nothing */
+    int32_t toks[5] = {1, 2, 3, 4, 5};
+    pd_request_params_t p;
+    memset(&p, 0, sizeof(p));
+    p.max_tokens = 4;
+    p.sampling.top_p = 1.0f;
+    p.sampling.temperature = 0.7f;
+    p.has_seed = true;
+    p.seed = 99;
+    pd_request_t *rs = NULL, *twin = NULL;
+    ck_assert_int_eq(pd_request_create("s", toks, 5, &p, 64, &rs), PD_OK);
+    ck_assert_int_eq(pd_request_create("twin", toks, 5, &p, 64, &twin), PD_OK);
+    ck_assert_int_eq(pd_scheduler_add_request(d.s, rs), PD_OK);
+    ck_assert(pd_scheduler_add_output_token(d.s, rs, 9));
+    ck_assert(!pd_scheduler_add_output_token(d.s, rs, 9)); /* only the first output */
+    (void)pd_rng_uniform(&twin->rng);
+    ck_assert(pd_rng_uniform(&twin->rng) == pd_rng_uniform(&rs->rng));
+    pd_request_free(twin);
+    /* EOS as the first token ends the request at once */
+    add(d.s, "e", 5, 4, 3);
+    pd_request_t *re = pd_scheduler_find(d.s, "e");
+    ck_assert(pd_scheduler_add_output_token(d.s, re, 0));
+    ck_assert_int_eq(re->state, PD_REQ_FINISHED_STOPPED);
+    int32_t n_fin = 0;
+    pd_request_t *const *fin = pd_scheduler_finished(d.s, &n_fin);
+    ck_assert_int_ge(n_fin, 1);
+    ck_assert_ptr_eq(fin[n_fin - 1], re);
+    pd_scheduler_abort(d.s, "s");
+    for (int i = 0; i < 3; i++) {
+        drive_step(&d, &res);
+    }
+    ck_assert(pd_scheduler_idle(d.s));
+    pd_scheduler_schedule(d.s);
+    assert_pool_clean(d.s);
+    pd_scheduler_destroy(d.s);
+}
+END_TEST
+
 static void load_error_case(pd_load_failure_policy_t policy)
 {
     fake_conn_t f;
@@ -924,6 +1012,7 @@ int main(void)
     tcase_add_test(tc, test_preemption_recomputes);
     tcase_add_test(tc, test_abort_in_every_state);
     tcase_add_test(tc, test_connector_remote_load_and_delay_free);
+    tcase_add_test(tc, test_first_token_handover);
     tcase_add_test(tc, test_load_errors_recompute);
     tcase_add_test(tc, test_load_errors_fail);
     tcase_add_test(tc, test_stop_conditions);
