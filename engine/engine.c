@@ -583,6 +583,11 @@ pd_status_t pd_engine_step(pd_engine_t *e, pd_engine_output_t **outputs)
             eng_push_output(&tail, o);
         }
     }
+    if (e->kv_pub != NULL) { /* this step's prefix-cache changes, as one batch */
+        pd_kv_event_log_t *log = pd_scheduler_kv_events(e->sched);
+        pd_kv_events_pub_publish(e->kv_pub, log);
+        pd_kv_event_log_reset(log);
+    }
     e->last_step_s = pd_time_now_s() - t0;
     if (so->num_items > 0) {
         pd_metric_observe(e->step_hist, e->last_step_s);

@@ -44,6 +44,7 @@ typedef struct pd_engine_config {
     int max_queue;                   /* submitted-but-not-admitted requests before 503s */
     int num_blocks_override;         /* > 0: KV blocks regardless of profiling (vLLM's override) */
     const char *speculative_config;  /* vLLM's --speculative-config JSON (engine/spec_decode.h), or NULL */
+    const char *kv_events_config;    /* vLLM's --kv-events-config JSON (engine/kv_events_pub.h), or NULL */
     pd_connector_t *connector;       /* NULL: no KV transfer (pd-serve) */
     const pd_kv_region_allocator_t *kv_allocator;
     pd_metrics_t *metrics; /* optional: the engine adds its step-duration histogram */
@@ -129,6 +130,9 @@ const char *pd_engine_kv_dtype_name(const pd_engine_t *e);
 const char *pd_engine_weight_dtype_name(const pd_engine_t *e);
 /* The configuration the engine was created with (its strings are the caller's). */
 const pd_engine_config_t *pd_engine_config(const pd_engine_t *e);
+/* The KV cache events' PUB and replay endpoints as bound ("" when --kv-events-config is off). */
+const char *pd_engine_kv_events_endpoint(const pd_engine_t *e);
+const char *pd_engine_kv_events_replay_endpoint(const pd_engine_t *e);
 /* The model directory the engine loaded (--model). */
 const char *pd_engine_model_dir(const pd_engine_t *e);
 /* The model's generation_config.json as the engine uses it (empty with --generation-config vllm). */

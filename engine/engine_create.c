@@ -85,6 +85,11 @@ size_t pd_engine_flags(pd_engine_config_t *c, pd_flag_t *out, size_t max)
          "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
          "\"prompt_lookup_max\": 4} (default: none)",
          NULL},
+        {"kv-events-config", PD_FLAG_STR, &c->kv_events_config,
+         "publish the prefix cache's changes, vLLM's JSON: {\"enable_kv_cache_events\": true, \"publisher\": "
+         "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"\"} "
+         "(ZMQ PUB, msgpack batches; the events carry prompt token ids: bind to a private address)",
+         NULL},
         {"max-model-len", PD_FLAG_INT, &c->max_model_len, "context length limit (0 = the model's)", NULL},
         {"max-num-seqs", PD_FLAG_INT, &c->max_num_seqs, "sequences per step at most", NULL},
         {"max-num-batched-tokens", PD_FLAG_INT, &c->max_num_batched_tokens, "tokens per step at most", NULL},
@@ -307,6 +312,7 @@ static pd_status_t make_scheduler(pd_engine_t *e)
     memcpy(e->eos, mc->eos_token_ids, (size_t)e->num_eos * sizeof(int32_t));
     pd_generation_config_merge_eos(&e->gen, e->eos, &e->num_eos); /* every EOS id stops */
     sc.vocab_size = mc->vocab_size;
+    sc.kv_events = e->kv_events_cfg.enabled;
     sc.num_eos = e->num_eos < 8 ? e->num_eos : 8;
     memcpy(sc.eos_token_ids, e->eos, (size_t)sc.num_eos * sizeof(int32_t));
     sc.load_failure_policy = cfg->load_failure_policy != NULL && strcmp(cfg->load_failure_policy, "fail") == 0
@@ -327,6 +333,12 @@ static pd_status_t make_scheduler(pd_engine_t *e)
     if (st == PD_OK && e->draft_model != NULL) {
         st = pd_spec_draft_init(&e->draft, e->draft_model, e->draft_kv, cfg->max_num_seqs,
                                 cfg->max_num_batched_tokens, e->runner.batch.max_blocks);
+    }
+    if (st == PD_OK && e->kv_events_cfg.enabled) {
+        st = pd_kv_events_pub_create(&e->kv_events_cfg, e->be->host_memory ? "CPU" : "GPU", &e->kv_pub);
+        pd_kv_event_log_t *log = pd_scheduler_kv_events(e->sched);
+        pd_kv_events_pub_publish(e->kv_pub, log); /* AllBlocksCleared: this cache starts empty */
+        pd_kv_event_log_reset(log);
     }
     if (st == PD_OK) { /* min_tokens masks every EOS id */
         e->runner.num_eos = sc.num_eos;
@@ -376,8 +388,10 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
         return PD_ERR_INVALID_ARG;
     }
     pd_spec_config_t spec;
+    pd_kv_events_config_t kv_events;
     char why[256];
-    if (pd_spec_config_parse(cfg->speculative_config, &spec, why, sizeof(why)) != PD_OK) {
+    if (pd_spec_config_parse(cfg->speculative_config, &spec, why, sizeof(why)) != PD_OK ||
+        pd_kv_events_config_parse(cfg->kv_events_config, &kv_events, why, sizeof(why)) != PD_OK) {
         pd_log_error("engine: %s", why);
         return PD_ERR_INVALID_ARG;
     }
@@ -387,6 +401,7 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
     }
     e->cfg = *cfg;
     e->spec = spec;
+    e->kv_events_cfg = kv_events;
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->cv, NULL);
     const char *base = strrchr(cfg->model_dir, '/');
@@ -422,6 +437,16 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
     return PD_OK;
 }
 
+const char *pd_engine_kv_events_endpoint(const pd_engine_t *e)
+{
+    return pd_kv_events_pub_endpoint(e->kv_pub);
+}
+
+const char *pd_engine_kv_events_replay_endpoint(const pd_engine_t *e)
+{
+    return pd_kv_events_pub_replay_endpoint(e->kv_pub);
+}
+
 void pd_engine_destroy(pd_engine_t *e)
 {
     if (e == NULL) {
@@ -437,6 +462,7 @@ void pd_engine_destroy(pd_engine_t *e)
     if (e->runner.logits != NULL) {
         pd_model_runner_destroy(&e->runner);
     }
+    pd_kv_events_pub_destroy(e->kv_pub);
     pd_scheduler_destroy(e->sched);
     if (e->draft.tok != NULL) {
         pd_spec_draft_destroy(&e->draft);

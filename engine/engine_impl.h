@@ -7,6 +7,7 @@
 #include <pthread.h>
 
 #include "engine/engine.h"
+#include "engine/kv_events_pub.h"
 #include "engine/model_runner.h"
 #include "engine/spec_decode.h"
 #include "engine/spec_draft.h"
@@ -52,8 +53,10 @@ struct pd_engine {
     pd_kv_cache_t *kv;
     pd_scheduler_t *sched;
     pd_model_runner_t runner;
-    pd_spec_config_t spec;   /* --speculative-config */
-    pd_model_t *draft_model; /* method draft_model: the draft, its KV (the target's block ids) */
+    pd_spec_config_t spec; /* --speculative-config */
+    pd_kv_events_config_t kv_events_cfg;
+    pd_kv_events_pub_t *kv_pub; /* --kv-events-config: the prefix cache's events after each step */
+    pd_model_t *draft_model;    /* method draft_model: the draft, its KV (the target's block ids) */
     pd_kv_cache_t *draft_kv;
     pd_spec_draft_t draft;
     pd_request_t **spec_reqs; /* [max_num_seqs] requests the draft model proposes for, and how many */

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "scheduler/kv_events.h"
 
 #define NIL UINT32_MAX
 
@@ -32,6 +33,7 @@ struct pd_block_pool {
     hash_slot_t *table;
     uint32_t table_cap; /* power of two, >= 2 × num_blocks */
     uint64_t evictions;
+    pd_kv_event_log_t *events; /* BlockRemoved of evicted hashes, or NULL */
 };
 
 static uint32_t slot_of(const pd_block_pool_t *p, pd_hash128_t h)
@@ -164,6 +166,9 @@ static void evict_hash(pd_block_pool_t *p, uint32_t id)
     uint32_t i = table_find(p, b->hash);
     if (p->table[i].block == id) {
         table_delete(p, i);
+        if (p->events != NULL) {
+            pd_kv_event_removed(p->events, pd_kv_event_hash(b->hash));
+        }
     }
     b->has_hash = false;
     p->evictions++;
@@ -220,14 +225,19 @@ pd_status_t pd_block_pool_free(pd_block_pool_t *p, const uint32_t *ids, uint32_t
     return PD_OK;
 }
 
-void pd_block_pool_cache(pd_block_pool_t *p, uint32_t id, pd_hash128_t hash)
+void pd_block_pool_set_event_log(pd_block_pool_t *p, pd_kv_event_log_t *log)
+{
+    p->events = log;
+}
+
+bool pd_block_pool_cache(pd_block_pool_t *p, uint32_t id, pd_hash128_t hash)
 {
     if (!p->caching || id == 0 || id >= p->num_blocks || p->blocks[id].has_hash) {
-        return;
+        return false;
     }
     uint32_t i = table_find(p, hash);
     if (p->table[i].block != NIL) {
-        return; /* the same content is cached in another block already */
+        return false; /* the same content is cached in another block already */
     }
     p->table[i].key = hash;
     p->table[i].block = id;
@@ -237,6 +247,7 @@ void pd_block_pool_cache(pd_block_pool_t *p, uint32_t id, pd_hash128_t hash)
     if (b->ref_cnt == 0) {
         p->num_cached_free++;
     }
+    return true;
 }
 
 int64_t pd_block_pool_lookup(const pd_block_pool_t *p, pd_hash128_t hash)

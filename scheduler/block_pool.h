@@ -36,8 +36,13 @@ pd_status_t pd_block_pool_touch(pd_block_pool_t *pool, const uint32_t *ids, uint
 pd_status_t pd_block_pool_free(pd_block_pool_t *pool, const uint32_t *ids, uint32_t n);
 
 /* Records hash as the content of block id (a full block). If another block already holds the same
- * hash, the map keeps the first one; the block stays uncached. No-op without caching. */
-void pd_block_pool_cache(pd_block_pool_t *pool, uint32_t id, pd_hash128_t hash);
+ * hash, the map keeps the first one; the block stays uncached. No-op without caching. Returns
+ * whether the hash entered the cache. */
+bool pd_block_pool_cache(pd_block_pool_t *pool, uint32_t id, pd_hash128_t hash);
+
+struct pd_kv_event_log;
+/* Hashes that leave the cache from now on are logged as BlockRemoved events (NULL: none). */
+void pd_block_pool_set_event_log(pd_block_pool_t *pool, struct pd_kv_event_log *log);
 
 /* Block id holding hash, or -1. */
 int64_t pd_block_pool_lookup(const pd_block_pool_t *pool, pd_hash128_t hash);

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "scheduler/kv_events.h"
 
 pd_status_t pd_kv_manager_init(pd_kv_cache_manager_t *m, uint32_t num_blocks, int32_t block_size,
                                bool enable_caching, int32_t num_groups, const int32_t *windows)
@@ -170,8 +171,12 @@ void pd_kv_manager_cache_blocks(pd_kv_cache_manager_t *m, pd_request_t *req, int
     for (int32_t b = req->num_cached_blocks; b < full; b++) {
         for (int32_t g = 0; g < G; g++) {
             uint32_t id = req->block_ids[b * G + g];
-            if (id != 0) {
-                pd_block_pool_cache(m->pool, id, group_hash(req, b, g));
+            if (id != 0 && pd_block_pool_cache(m->pool, id, group_hash(req, b, g)) && g == 0 &&
+                m->events != NULL) {
+                /* events name group 0's keys: the block hashes a subscriber chains from tokens */
+                pd_kv_event_stored(m->events, pd_kv_event_hash(req->block_hashes[b]), b > 0,
+                                   b > 0 ? pd_kv_event_hash(req->block_hashes[b - 1]) : 0,
+                                   req->tokens + (size_t)b * m->block_size);
             }
         }
     }

@@ -26,6 +26,7 @@ typedef struct pd_kv_cache_manager {
     int32_t window[PD_KV_MANAGER_MAX_GROUPS]; /* per group: 0 = full attention, else its window */
     uint64_t prefix_queries;                  /* prompt tokens looked up */
     uint64_t prefix_hits;                     /* of which found in the cache */
+    struct pd_kv_event_log *events;           /* BlockStored of group 0's new hashes, or NULL */
 } pd_kv_cache_manager_t;
 
 /* num_groups groups with windows[g] (0 = full attention); windows NULL = one full group. */

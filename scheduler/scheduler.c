@@ -7,6 +7,7 @@
 
 #include "common/log.h"
 #include "common/time.h"
+#include "scheduler/kv_events.h"
 
 struct pd_scheduler {
     pd_scheduler_config_t cfg;
@@ -36,6 +37,7 @@ struct pd_scheduler {
     void *on_release_arg;
     int32_t max_blocks_per_req;
     pd_scheduler_output_t out;
+    pd_kv_event_log_t events; /* cfg.kv_events */
 };
 
 /* ------------------------------------------------------------------ queues */
@@ -150,6 +152,12 @@ pd_status_t pd_scheduler_create(const pd_scheduler_config_t *cfg, pd_connector_t
     s->with_token = calloc((size_t)cfg->max_num_seqs, sizeof(pd_request_t *));
     s->with_count = calloc((size_t)cfg->max_num_seqs, sizeof(int32_t));
     s->cap_with = cfg->max_num_seqs;
+    if (cfg->kv_events) {
+        s->events.block_size = cfg->block_size;
+        s->kv.events = &s->events;
+        pd_block_pool_set_event_log(s->kv.pool, &s->events);
+        pd_kv_event_cleared(&s->events);
+    }
     s->hits = calloc((size_t)s->max_blocks_per_req * (size_t)groups, sizeof(uint32_t));
     if (s->running == NULL || s->items == NULL || s->preempted == NULL || s->with_token == NULL ||
         s->with_count == NULL || s->hits == NULL || pd_strmap_init(&s->by_id, 256) != PD_OK ||
@@ -194,6 +202,7 @@ void pd_scheduler_destroy(pd_scheduler_t *s)
     pd_strmap_destroy(&s->by_id);
     pd_strmap_destroy(&s->recv_done);
     pd_kv_manager_destroy(&s->kv);
+    pd_kv_event_log_free(&s->events);
     free(s->running), free(s->items), free(s->preempted), free(s->with_token), free(s->with_count),
         free(s->hits);
     free(s->finished), free(s->release);
@@ -293,6 +302,11 @@ pd_request_t *pd_scheduler_abort(pd_scheduler_t *s, const char *id)
 void pd_scheduler_finish(pd_scheduler_t *s, pd_request_t *r, pd_request_state_t st)
 {
     finish_request(s, r, st);
+}
+
+pd_kv_event_log_t *pd_scheduler_kv_events(pd_scheduler_t *s)
+{
+    return s->cfg.kv_events ? &s->events : NULL;
 }
 
 pd_request_t *const *pd_scheduler_finished(const pd_scheduler_t *s, int32_t *num_out)

@@ -36,6 +36,7 @@ typedef struct pd_scheduler_config {
     int32_t num_eos;
     pd_load_failure_policy_t load_failure_policy;
     int32_t vocab_size; /* > 0: output tokens from outside (a prefill's first token) are checked */
+    bool kv_events;     /* log the prefix cache's changes (pd_scheduler_kv_events) */
     /* KV cache groups (scheduler/kv_cache_manager.h): 0 or 1 = one full-attention group */
     int32_t num_kv_groups;
     int32_t kv_group_window
@@ -107,6 +108,11 @@ void pd_scheduler_finish(pd_scheduler_t *s, pd_request_t *req, pd_request_state_
 /* The requests finished since the last schedule (by the update, aborts, pd_scheduler_finish or
  * pd_scheduler_add_output_token); the array is valid until the next call that finishes one. */
 pd_request_t *const *pd_scheduler_finished(const pd_scheduler_t *s, int32_t *num_out);
+
+struct pd_kv_event_log;
+/* The prefix cache's events since the engine last reset the log (config.kv_events; else NULL). It
+ * starts with AllBlocksCleared: a subscriber learns that this cache begins empty. */
+struct pd_kv_event_log *pd_scheduler_kv_events(pd_scheduler_t *s);
 
 /* First-token handover, decode side: req's first output token was sampled by the prefill node that
  * handed it over. Appends it as if sampled here: the stop checks run (it may finish req), the first

@@ -95,6 +95,11 @@ int pd_node_main(int argc, char **argv, const char *role)
     }
     if (st == PD_OK) {
         json_t *j = pd_kv_connector_info(conn);
+        if (pd_engine_kv_events_endpoint(e)[0] != '\0') { /* --kv-events-config: where a router subscribes */
+            json_object_set_new(j, "kv_events_endpoint", json_string(pd_engine_kv_events_endpoint(e)));
+            json_object_set_new(j, "kv_events_replay_endpoint",
+                                json_string(pd_engine_kv_events_replay_endpoint(e)));
+        }
         info = json_dumps(j, JSON_COMPACT);
         json_decref(j);
         hcfg.info_json = info;

@@ -10,6 +10,7 @@ PKGS=(
   libprotobuf-c-dev protobuf-c-compiler    # control plane
   libevent-dev                             # HTTP server/client, event loop
   libjansson-dev                           # JSON
+  libzmq3-dev libmsgpack-dev               # KV cache events (--kv-events-config: ZMQ PUB + msgpack)
   libopenblas-dev                          # CPU GEMM
   libxxhash-dev                            # hashing
   libpcre2-dev libutf8proc-dev             # tokenizer pre-tokenizer regex + normalizer
@@ -17,6 +18,7 @@ PKGS=(
   gnuplot-nox                              # benchmark plots
   python3-numpy python3-yaml              # reference implementation; deploy manifest checks
   python3-jinja2                           # reference renders for the chat-template interpreter
+  python3-zmq python3-msgpack              # the reference KV-events subscriber in tests
   prometheus                               # promtool check metrics (the /metrics exposition)
   clang-format                             # make format / format check
   nodejs npm                               # gpt-3-encoder / openai client peers in tests
