@@ -280,7 +280,8 @@ void px_start_decode(preq_t *q)
     q->d_skip = q->p_events;
     q->d_events = 0;
     evbuffer_drain(q->d_sse, evbuffer_get_length(q->d_sse));
-    json_t *body = json_deep_copy(q->body);
+    /* the client's body with the transfer's parameters: set while px_upstream serialises it */
+    json_t *body = q->body;
     if (q->push) {
         json_t *ktp =
             json_pack("{s:b, s:b, s:s, s:s, s:s, s:i, s:s}", "do_remote_prefill", 1, "do_remote_decode", 0,
@@ -296,7 +297,7 @@ void px_start_decode(preq_t *q)
     q->t_d_sent = pd_time_now_s();
     q->d_conn = px_upstream(px, d, EVHTTP_REQ_POST, q->path, q->auth, q->req_id, body, on_d_done, on_d_chunk,
                             on_d_header, q);
-    json_decref(body);
+    json_object_del(body, "kv_transfer_params");
     if (q->d_conn == NULL) {
         px_release_prefill(q);
         px_fail_request(q, 502, "cannot reach the decode node");
@@ -392,7 +393,9 @@ bool px_start_prefill(preq_t *q)
     }
     q->tried_p[p - px->nodes] = true;
     q->p = p;
-    json_t *body = json_deep_copy(q->body);
+    /* first-token handover: the client's body as it is (the parameters set while px_upstream
+     * serialises it); else a copy with the fields a 1-token prefill must not see */
+    json_t *body = q->ft ? q->body : json_deep_copy(q->body);
     json_t *ktp = json_pack("{s:b, s:b}", "do_remote_decode", 1, "do_remote_prefill", 0);
     if (q->ft) {
         /* first-token handover: the client's request as it is; the prefill stops after the first
@@ -415,7 +418,11 @@ bool px_start_prefill(preq_t *q)
     json_object_set_new(body, "kv_transfer_params", ktp);
     q->p_conn = px_upstream(px, p, EVHTTP_REQ_POST, q->path, q->auth, q->req_id, body, on_p_done,
                             q->ft ? px_ft_on_p_chunk : NULL, NULL, q);
-    json_decref(body);
+    if (q->ft) {
+        json_object_del(body, "kv_transfer_params");
+    } else {
+        json_decref(body);
+    }
     if (q->p_conn == NULL) {
         px_fail_request(q, 502, "cannot reach the prefill node");
         return false;
@@ -518,15 +525,18 @@ static void handle_completions(proxy_t *px, struct evhttp_request *req, const ch
     q->ft = px->cfg.first_token_from_prefill && q->stream &&
             (nc == NULL || json_is_null(nc) || json_integer_value(nc) == 1) && !batched;
     json_object_del(body, "kv_transfer_params"); /* the proxy owns the transfer */
-    /* affinity key: the start of the prompt (text or token ids) or of the chat messages */
+    /* affinity key (prefix-affinity only): the start of the prompt (text or token ids) or of the
+     * chat messages */
     json_t *prompt = json_object_get(body, "prompt");
     if (prompt == NULL) {
         prompt = json_object_get(body, "messages");
     }
-    char *ptext = json_dumps(prompt != NULL ? prompt : json_null(), JSON_COMPACT | JSON_ENCODE_ANY);
+    char *ptext = strcmp(px->cfg.policy, "prefix-affinity") == 0
+                      ? json_dumps(prompt != NULL ? prompt : json_null(), JSON_COMPACT | JSON_ENCODE_ANY)
+                      : NULL;
     size_t plen = ptext != NULL ? strlen(ptext) : 0;
     size_t lim = (size_t)(px->cfg.affinity_prefix_chars > 0 ? px->cfg.affinity_prefix_chars : 1);
-    q->affinity = pd_hash64(ptext, plen < lim ? plen : lim, 0x6166);
+    q->affinity = ptext != NULL ? pd_hash64(ptext, plen < lim ? plen : lim, 0x6166) : 0;
     free(ptext);
     uint64_t rnd = 0;
     if (getrandom(&rnd, sizeof(rnd), 0) != (ssize_t)sizeof(rnd)) {
