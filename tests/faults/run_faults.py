@@ -16,6 +16,8 @@ prompts (so KV really moves), while faults are injected at seeded random moments
                                             their leases expired (STALE) and recompute
 
 Every 200 answer is compared token for token with pd-serve's answer for the same prompt (greedy).
+Every other request is streamed, so the proxy's first-token handover runs under the faults too; a
+stream that does not end with [DONE] or carries an error event is a clean failure.
 Outcomes per request: ok, wrong (200 but different tokens), clean failure (an HTTP error or a reset
 connection), hung (no answer within 60 s). After the load drains: each live node's blocks in use
 (pd:kv_blocks_used), fds, RSS and threads, compared with the same node after warm-up.
@@ -70,7 +72,26 @@ class Load:
             n = self.rng.randint(5, 120)
             return [self.rng.randint(3, 250) for _ in range(n)]
 
+    @staticmethod
+    def streamed_tokens(out):
+        """The token ids of a streamed answer, or None when it did not end with [DONE] or carried an
+        error event (a clean failure: the stream was cut or the request failed)."""
+        got, done = [], False
+        for ev in out.decode().split("\n\n"):
+            if not ev.startswith("data: "):
+                continue
+            if ev[6:] == "[DONE]":
+                done = True
+                continue
+            j = json.loads(ev[6:])
+            if "error" in j:
+                return None
+            for c in j.get("choices", []):
+                got += c.get("token_ids", [])
+        return got if done else None
+
     def run(self, i):
+        n = 0
         while not self.stopping:
             ids = self.prompt()
             body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": MAX_TOKENS, "return_token_ids": True,
@@ -79,14 +100,17 @@ class Load:
                 ref = json.loads(http(self.serve_port, "/v1/completions", body)[1])["choices"][0]["token_ids"]
             except Exception:
                 continue  # the reference server is never faulted; retry with another prompt
+            n += 1
+            stream = n % 2 == 0  # every other request streamed: the proxy's first-token handover
             t0 = time.time()
             outcome = "clean failure"
             try:
-                st, out = http(self.proxy_port, "/v1/completions", body, timeout=60)
-                got = json.loads(out)["choices"][0]["token_ids"]
-                outcome = "ok" if got == ref else "wrong"
+                st, out = http(self.proxy_port, "/v1/completions", dict(body, stream=True) if stream else body,
+                               timeout=60)
+                got = self.streamed_tokens(out) if stream else json.loads(out)["choices"][0]["token_ids"]
+                outcome = "clean failure" if got is None else "ok" if got == ref else "wrong"
                 if outcome == "wrong":  # the evidence, for the log: which prompt, both answers
-                    print("WRONG prompt=%s pd-serve=%s proxy=%s" % (ids, ref, got), file=sys.stderr, flush=True)
+                    print("WRONG%s prompt=%s pd-serve=%s proxy=%s" % (" (streamed)" if stream else "", ids, ref, got), file=sys.stderr, flush=True)
             except urllib.error.HTTPError:
                 outcome = "clean failure"
             except Exception:
