@@ -269,6 +269,9 @@ static void on_probe(struct evhttp_request *r, void *arg)
             snprintf(n->mode, sizeof(n->mode), "%s", mode);
             n->kv_port = (int)kp;
             n->info_ok = true;
+            px_kv_events_node_info(pr->px, (int)(n - pr->px->nodes),
+                                   json_string_value(json_object_get(j, "kv_events_endpoint")),
+                                   json_string_value(json_object_get(j, "kv_events_replay_endpoint")));
         }
         json_decref(j);
     } else if (pr->kind == 2 && code == 200 && text != NULL) {

@@ -17,6 +17,7 @@
 #include <string.h>
 #include <sys/random.h>
 #include <time.h>
+#include <zmq.h>
 
 #include "common/api_fields.h"
 #include "common/hash.h"
@@ -37,6 +38,7 @@ void pd_proxy_config_defaults(pd_proxy_config_t *c)
     c->upstream_timeout = 600;
     c->affinity_prefix_chars = 256;
     c->first_token_from_prefill = true;
+    c->kv_index_max_blocks = 1 << 20;
     c->max_request_bytes = 16u << 20;
     /* keys from the environment (a Kubernetes Secret), so that they are not on the command line */
     static char client_key[512], node_key[512];
@@ -69,6 +71,12 @@ size_t pd_proxy_flags(pd_proxy_config_t *c, pd_flag_t *out, size_t max)
          "client at once, and the decode continues from it (--no-first-token-from-prefill: the decode "
          "samples it, as vLLM's proxies do)",
          NULL},
+        {"kv-events", PD_FLAG_BOOL, &c->kv_events,
+         "subscribe to every node's KV cache events (the endpoints of its /pd/info: nodes started with "
+         "--kv-events-config) and index which node caches which block (pd_proxy:kv_index_blocks)",
+         NULL},
+        {"kv-index-max-blocks", PD_FLAG_INT, &c->kv_index_max_blocks,
+         "block keys the index holds at most (16 bytes each, plus the table's slack)", NULL},
         {"health-interval", PD_FLAG_DOUBLE, &c->health_interval, "seconds between node probes", NULL},
         {"upstream-timeout", PD_FLAG_DOUBLE, &c->upstream_timeout, "seconds an upstream request may take",
          NULL},
@@ -96,6 +104,9 @@ static void on_tick(evutil_socket_t fd, short what, void *arg)
     (void)fd, (void)what;
     proxy_t *px = arg;
     double now = pd_time_now_s();
+    if (px->zmq_ctx != NULL) {
+        px_kv_events_poll(px);
+    }
     if (now - px->last_discover >= px->cfg.discover_interval) {
         px->last_discover = now;
         px_discover(px, px->cfg.discover_prefill, true);
@@ -160,6 +171,13 @@ static void metrics_register(proxy_t *px)
         pd_metrics_add(m, PD_METRIC_HISTOGRAM, "pd_proxy:first_token_seconds",
                        "Streamed requests: arrival to the first token's event sent to the client.", NULL,
                        PD_LATENCY_BUCKETS, PD_LATENCY_NUM_BUCKETS);
+    pm->kv_gaps = pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:kv_events_gaps_total",
+                                 "KV event batches found missing (a replay was asked for).", NULL, NULL, 0);
+    pm->kv_malformed =
+        pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:kv_events_malformed_total",
+                       "KV event messages that could not be decoded (dropped).", NULL, NULL, 0);
+    pm->kv_entries = pd_metrics_add(m, PD_METRIC_GAUGE, "pd_proxy:kv_index_entries",
+                                    "Block keys in the KV index (any node).", NULL, NULL, 0);
     pm->prefill_s = pd_metrics_add(m, PD_METRIC_HISTOGRAM, "pd_proxy:prefill_seconds",
                                    "Prefill phase: request arrival to the prefill's answer (pull).", NULL,
                                    PD_LATENCY_BUCKETS, PD_LATENCY_NUM_BUCKETS);
@@ -198,6 +216,15 @@ pd_status_t pd_proxy_run(const pd_proxy_config_t *cfg)
         cfg->discover_decode_file == NULL) {
         pd_log_error("proxy: give --decode URLs, --discover-decode NAME:PORT or --discover-decode-file PATH");
         st = PD_ERR_INVALID_ARG;
+    }
+    if (st == PD_OK && cfg->kv_events) {
+        px->zmq_ctx = zmq_ctx_new();
+        if (px->zmq_ctx == NULL || cfg->kv_index_max_blocks < 1 ||
+            !px_kv_index_init(&px->kv_index, (uint32_t)cfg->kv_index_max_blocks)) {
+            pd_log_error("proxy: cannot set up the KV index (--kv-index-max-blocks %d)",
+                         cfg->kv_index_max_blocks);
+            st = PD_ERR_NO_MEMORY;
+        }
     }
     if (st == PD_OK) { /* the files' first reading, before the first request */
         px_discover_file(px, cfg->discover_prefill_file, true);
@@ -254,6 +281,7 @@ pd_status_t pd_proxy_run(const pd_proxy_config_t *cfg)
         }
         px_preq_free(q);
     }
+    px_kv_events_close(px);
     if (px->tick != NULL) {
         event_free(px->tick);
     }
@@ -266,6 +294,10 @@ pd_status_t pd_proxy_run(const pd_proxy_config_t *cfg)
     if (px->base != NULL) {
         event_base_free(px->base);
     }
+    if (px->zmq_ctx != NULL) {
+        zmq_ctx_term(px->zmq_ctx);
+    }
+    px_kv_index_free(&px->kv_index);
     pd_metrics_destroy(px->metrics);
     free(px);
     return st;

@@ -33,6 +33,8 @@ typedef struct pd_proxy_config {
     double discover_interval;
     const char *policy;            /* round-robin | least-loaded | prefix-affinity */
     bool first_token_from_prefill; /* streamed requests: the prefill's first token is streamed at once */
+    bool kv_events;                /* subscribe to the nodes' KV cache events and index their blocks */
+    int kv_index_max_blocks;       /* block keys the index holds at most */
     double health_interval;
     double upstream_timeout; /* s an upstream request may take */
     int affinity_prefix_chars;

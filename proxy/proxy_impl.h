@@ -13,6 +13,7 @@
 
 #include "common/http_watch.h"
 #include "common/metrics.h"
+#include "proxy/kv_index.h"
 #include "proxy/proxy.h"
 
 #define MAX_NODES 64
@@ -74,7 +75,8 @@ struct preq {
 typedef struct proxy_metrics {
     pd_metric_t *ok, *failed, *client_gone, *retry_p, *retry_d, *prefill_s, *decode_ttft_s, *e2e_s;
     pd_metric_t *handovers, *first_token_s;
-    pd_metric_t *pool_nodes[2]; /* decode, prefill */
+    pd_metric_t *kv_gaps, *kv_malformed, *kv_entries; /* --kv-events */
+    pd_metric_t *pool_nodes[2];                       /* decode, prefill */
 } proxy_metrics_t;
 
 struct proxy {
@@ -90,6 +92,10 @@ struct proxy {
     proxy_metrics_t m;
     double last_discover;
     bool stopping;
+    /* --kv-events: every node's KV cache events (kv_events_sub.c) and the block index they keep */
+    void *zmq_ctx;
+    px_kv_index_t kv_index;
+    struct px_kv_sub *kv_subs[MAX_NODES];
 };
 
 /* --- route.c: the per-request sequence --- */
@@ -114,6 +120,15 @@ void px_ft_on_p_done(preq_t *q, struct evhttp_request *r, int code);
 void px_ft_relay_decode(preq_t *q);
 /* Ends the answer once both legs are done (the decode's status in q->d_code); may free q. */
 void px_ft_end(preq_t *q);
+
+/* --- kv_events_sub.c (--kv-events) --- */
+typedef struct px_kv_sub px_kv_sub_t;
+/* A node's /pd/info named its KV events endpoints: subscribe (again, when they changed: a new
+ * process), starting with a replay of what the node still buffers. */
+void px_kv_events_node_info(proxy_t *px, int node, const char *endpoint, const char *replay_endpoint);
+/* Drains every subscription (their fds are edge-triggered) and refreshes the index gauges. */
+void px_kv_events_poll(proxy_t *px);
+void px_kv_events_close(proxy_t *px);
 
 /* --- sse.c --- */
 /* Takes the next whole event off buf and returns its data (malloc'd; the data lines joined), or

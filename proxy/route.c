@@ -631,6 +631,9 @@ static void forward(proxy_t *px, struct evhttp_request *req, enum evhttp_cmd_typ
 static void handle_metrics(proxy_t *px, struct evhttp_request *req)
 {
     px_refresh_router_gauges(px);
+    if (px->zmq_ctx != NULL) {
+        px_kv_events_poll(px); /* the index gauges as of now */
+    }
     size_t len = 0;
     char *text = pd_metrics_render(px->metrics, &len);
     struct evbuffer *b = evbuffer_new();

@@ -630,6 +630,89 @@ START_TEST(test_first_token_handover)
 }
 END_TEST
 
+/* pd-proxy --kv-events: the proxy subscribes to both nodes' KV cache events (--kv-events-config,
+ * endpoints from /pd/info) and indexes which node caches which block. Distinct prompts of 2 full
+ * blocks each: both nodes hold 2 blocks per prompt (the prefill computed them, the decode loaded
+ * them). A proxy started after the requests learns the same from the nodes' replay buffers. With
+ * a pool of 40 blocks, evictions keep every node's count within its pool, no batch is missing and
+ * none is malformed. */
+static double node_blocks(int proxy_port, int node_port)
+{
+    char series[128];
+    snprintf(series, sizeof(series), "pd_proxy:kv_index_blocks{node=\"http://127.0.0.1:%d\"}", node_port);
+    return metric(proxy_port, series);
+}
+
+static void start_events_proxy(cluster_t *c)
+{
+    char pre[64], dec[64];
+    snprintf(pre, sizeof(pre), "http://127.0.0.1:%d", c->p.port);
+    snprintf(dec, sizeof(dec), "http://127.0.0.1:%d", c->d.port);
+    char *x[] = {"--prefill", pre, "--decode", dec, "--health-interval", "0.2", "--kv-events", NULL};
+    start(&c->x, "pd-proxy", "proxy-events", NULL, x);
+}
+
+/* Polls until both nodes' index counts equal want (or 10 s pass). */
+static void expect_index(int proxy_port, const cluster_t *c, double want, const char *what)
+{
+    double p = -1, d = -1, end = tu_now() + 10;
+    while (tu_now() < end) {
+        p = node_blocks(proxy_port, c->p.port);
+        d = node_blocks(proxy_port, c->d.port);
+        if (p == want && d == want) {
+            return;
+        }
+        usleep(100 * 1000);
+    }
+    ck_abort_msg("%s: the proxy indexes %.0f blocks on the prefill and %.0f on the decode, want %.0f", what,
+                 p, d, want);
+}
+
+START_TEST(test_proxy_kv_events_index)
+{
+    char *ev[] = {"--kv-events-config",
+                  "{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://127.0.0.1:*\", "
+                  "\"replay_endpoint\": \"tcp://127.0.0.1:*\"}",
+                  "--num-blocks-override", "40", NULL};
+    cluster_t c;
+    cluster_start(&c, "pull", "tcp", ev, ev);
+    stop(&c.x);
+    start_events_proxy(&c);
+    usleep(600 * 1000); /* the first probe round subscribes */
+    for (int k = 0; k < 4; k++) {
+        char body[1024];
+        int n =
+            snprintf(body, sizeof(body), "{\"model\": \"" MODEL_NAME "\", \"max_tokens\": 2, \"prompt\": [");
+        for (int t = 0; t < 40; t++) {
+            n += snprintf(body + n, sizeof(body) - (size_t)n, "%s%d", t ? "," : "",
+                          3 + (k * 37 + t * 11) % 240);
+        }
+        snprintf(body + n, sizeof(body) - (size_t)n, "]}");
+        int st;
+        char *out = complete(c.x.port, body, &st);
+        ck_assert_msg(st == 200, "HTTP %d", st);
+        free(out);
+    }
+    expect_index(c.x.port, &c, 8, "live");
+    /* a proxy that starts later learns the same from the replay buffers */
+    stop(&c.x);
+    start_events_proxy(&c);
+    expect_index(c.x.port, &c, 8, "replayed");
+    /* 39 usable blocks per node: the counts follow the evictions */
+    for (int i = 0; i < 24; i++) {
+        expect_same(c.x.port, i, false);
+    }
+    usleep(500 * 1000);
+    double p = node_blocks(c.x.port, c.p.port), d = node_blocks(c.x.port, c.d.port);
+    ck_assert_msg(p > 0 && p <= 39 && d > 0 && d <= 39, "index counts %.0f / %.0f for 39-block pools", p, d);
+    ck_assert_int_eq((int)metric(c.x.port, "pd_proxy:kv_events_gaps_total"), 0);
+    ck_assert_int_eq((int)metric(c.x.port, "pd_proxy:kv_events_malformed_total"), 0);
+    assert_pool_free(c.p.port, "the prefill");
+    assert_pool_free(c.d.port, "the decode");
+    cluster_stop(&c);
+}
+END_TEST
+
 /* Speculative decoding (--speculative-config) on pd-serve and on the decode node: n-gram drafts in
  * pull over tcp and push over ucx, a draft model in pull over ucx and push over tcp: greedy answers equal pd-serve's without it, drafts were proposed
  * and some accepted (vLLM's spec_decode counters), and no block is left held. */
@@ -1815,6 +1898,7 @@ int main(void)
     tcase_add_test(proxy, test_proxy_relays_nul_text);
     tcase_add_test(proxy, test_proxy_client_gone_before_decode);
     tcase_add_test(proxy, test_proxy_keyed_cluster);
+    tcase_add_test(proxy, test_proxy_kv_events_index);
     tcase_add_test(proxy, test_dns_discovery_and_prefill_restart);
     TCase *cases[] = {eq, handover, faults, hostile, proxy};
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {

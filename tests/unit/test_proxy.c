@@ -1,0 +1,116 @@
+/* tests/unit/test_proxy.c — pd-proxy's pieces that run without processes: the KV block index
+ * (proxy/kv_index.c) against a plain reference under random stores, removals, node clears and a
+ * full table. */
+#include <check.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "proxy/kv_index.h"
+#include "test_util.h"
+
+#define KEYS  600
+#define NODES 5
+
+/* The reference: which of KEYS keys each node holds (keys are spread over the 64-bit range and
+ * also crowded into one probe run by sharing their hash's high bits). */
+static uint64_t key_of(int k)
+{
+    return k % 3 == 0 ? (uint64_t)k : (uint64_t)k * 0x9e3779b97f4a7c15ull ^ 0x5555;
+}
+
+START_TEST(test_kv_index_random_vs_reference)
+{
+    for (int cap_case = 0; cap_case < 2; cap_case++) {
+        uint32_t max_entries = cap_case == 0 ? 4096 : 200; /* the second one fills up */
+        px_kv_index_t idx;
+        ck_assert(px_kv_index_init(&idx, max_entries));
+        static bool ref[NODES][KEYS];
+        memset(ref, 0, sizeof(ref));
+        uint32_t seed = 7 + (uint32_t)cap_case;
+        for (int step = 0; step < 200000; step++) {
+            seed = seed * 1103515245u + 12345u;
+            int op = (int)(seed >> 16) % 100, node = (int)(seed >> 8) % NODES;
+            seed = seed * 1103515245u + 12345u;
+            int k = (int)(seed >> 12) % KEYS;
+            if (op < 55) {
+                /* a new key is refused when the table is full, unless another node has it already */
+                bool present = false;
+                for (int n = 0; n < NODES; n++) {
+                    present |= ref[n][k];
+                }
+                bool fits = present || idx.used < max_entries;
+                px_kv_index_add(&idx, key_of(k), node);
+                uint64_t key = key_of(k);
+                ck_assert_int_eq(px_kv_index_prefix(&idx, &key, 1, node), fits || ref[node][k]);
+                ref[node][k] = fits || ref[node][k];
+            } else if (op < 98) {
+                px_kv_index_remove(&idx, key_of(k), node);
+                ref[node][k] = false;
+            } else if (op == 98) {
+                px_kv_index_clear_node(&idx, node);
+                memset(ref[node], 0, sizeof(ref[node]));
+            }
+            if (step % 997 == 0) {
+                uint32_t used = 0;
+                for (int kk = 0; kk < KEYS; kk++) {
+                    bool any = false;
+                    for (int n = 0; n < NODES; n++) {
+                        uint64_t key = key_of(kk);
+                        ck_assert_int_eq(px_kv_index_prefix(&idx, &key, 1, n), ref[n][kk]);
+                        any |= ref[n][kk];
+                    }
+                    used += any;
+                }
+                ck_assert_uint_eq(idx.used, used);
+                ck_assert_uint_le(idx.used, max_entries);
+                for (int n = 0; n < NODES; n++) {
+                    uint32_t c = 0;
+                    for (int kk = 0; kk < KEYS; kk++) {
+                        c += ref[n][kk];
+                    }
+                    ck_assert_uint_eq(idx.per_node[n], c);
+                }
+            }
+        }
+        if (cap_case == 1) {
+            ck_assert_uint_gt(idx.dropped, 0);
+        }
+        px_kv_index_free(&idx);
+    }
+}
+END_TEST
+
+START_TEST(test_kv_index_prefix)
+{
+    px_kv_index_t idx;
+    ck_assert(px_kv_index_init(&idx, 64));
+    uint64_t chain[4] = {11, 22, 33, 44};
+    px_kv_index_add(&idx, 11, 2);
+    px_kv_index_add(&idx, 22, 2);
+    px_kv_index_add(&idx, 44, 2); /* a hole at 33: the prefix stops before it */
+    px_kv_index_add(&idx, 11, 3);
+    ck_assert_int_eq(px_kv_index_prefix(&idx, chain, 4, 2), 2);
+    ck_assert_int_eq(px_kv_index_prefix(&idx, chain, 4, 3), 1);
+    ck_assert_int_eq(px_kv_index_prefix(&idx, chain, 4, 0), 0);
+    ck_assert_int_eq(px_kv_index_prefix(&idx, chain, 4, 64), 0); /* out of range: nothing */
+    px_kv_index_clear_node(&idx, 2);
+    ck_assert_int_eq(px_kv_index_prefix(&idx, chain, 4, 2), 0);
+    ck_assert_int_eq(px_kv_index_prefix(&idx, chain, 4, 3), 1);
+    ck_assert_uint_eq(idx.used, 1);
+    px_kv_index_free(&idx);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("proxy");
+    TCase *tc = tcase_create("kv_index");
+    tcase_add_test(tc, test_kv_index_random_vs_reference);
+    tcase_add_test(tc, test_kv_index_prefix);
+    suite_add_tcase(s, tc);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed == 0 ? 0 : 1;
+}
