@@ -76,6 +76,10 @@ static bool apply_payload(px_kv_sub_t *s, const char *data, size_t len)
             f[1].type != MSGPACK_OBJECT_ARRAY) {
             continue; /* an event kind this proxy does not index */
         }
+        if (stored && e->via.array.size >= 5 && f[4].type == MSGPACK_OBJECT_POSITIVE_INTEGER &&
+            f[4].via.u64 > 0 && f[4].via.u64 <= 4096) {
+            s->px->kv_block_size = (int)f[4].via.u64; /* one model behind a proxy: one block size */
+        }
         for (uint32_t k = 0; k < f[1].via.array.size; k++) {
             const msgpack_object *h = &f[1].via.array.ptr[k];
             if (h->type != MSGPACK_OBJECT_POSITIVE_INTEGER) {

@@ -133,7 +133,18 @@ static uint64_t node_score(const node_t *n, uint64_t key)
 }
 
 /* Picks a healthy node of the pool not yet tried; NULL when none is left. */
-node_t *px_pick(proxy_t *px, bool prefill, const bool *tried, uint64_t affinity, bool need_info)
+/* kv-aware: the share of the prompt's full blocks the node holds as a prefix, minus the load
+ * (requests this proxy has there + running + waiting from its /metrics) times the load weight. */
+static double kv_aware_score(const proxy_t *px, const node_t *n, const uint64_t *keys, int num_keys)
+{
+    int idx = (int)(n - px->nodes);
+    double cached =
+        num_keys > 0 ? (double)px_kv_index_prefix(&px->kv_index, keys, num_keys, idx) / num_keys : 0;
+    return cached - px->cfg.kv_aware_load_weight * (n->inflight + n->load);
+}
+
+node_t *px_pick(proxy_t *px, bool prefill, const bool *tried, uint64_t affinity, const uint64_t *keys,
+                int num_keys, bool need_info)
 {
     node_t *best = NULL;
     double best_v = 0;
@@ -155,6 +166,7 @@ node_t *px_pick(proxy_t *px, bool prefill, const bool *tried, uint64_t affinity,
     for (int k = 0; k < nc; k++) {
         node_t *n = &px->nodes[cands[(start + (uint64_t)k) % (uint64_t)nc]];
         double v = strcmp(px->cfg.policy, "least-loaded") == 0 ? -(n->inflight + n->load)
+                   : strcmp(px->cfg.policy, "kv-aware") == 0   ? kv_aware_score(px, n, keys, num_keys)
                                                                : (double)(node_score(n, affinity) >> 11);
         if (best == NULL || v > best_v) {
             best = n;

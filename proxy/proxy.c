@@ -39,6 +39,7 @@ void pd_proxy_config_defaults(pd_proxy_config_t *c)
     c->affinity_prefix_chars = 256;
     c->first_token_from_prefill = true;
     c->kv_index_max_blocks = 1 << 20;
+    c->kv_aware_load_weight = 0.1;
     c->max_request_bytes = 16u << 20;
     /* keys from the environment (a Kubernetes Secret), so that they are not on the command line */
     static char client_key[512], node_key[512];
@@ -65,7 +66,7 @@ size_t pd_proxy_flags(pd_proxy_config_t *c, pd_flag_t *out, size_t max)
         {"discover-decode-file", PD_FLAG_STR, &c->discover_decode_file, "the same for the decode pool", NULL},
         {"discover-interval", PD_FLAG_DOUBLE, &c->discover_interval, "seconds between DNS resolutions", NULL},
         {"policy", PD_FLAG_CHOICE, &c->policy, "how nodes are picked",
-         "round-robin|least-loaded|prefix-affinity"},
+         "round-robin|least-loaded|prefix-affinity|kv-aware"},
         {"first-token-from-prefill", PD_FLAG_BOOL, &c->first_token_from_prefill,
          "streamed requests with one choice: the prefill samples the first token, it is streamed to the "
          "client at once, and the decode continues from it (--no-first-token-from-prefill: the decode "
@@ -74,6 +75,10 @@ size_t pd_proxy_flags(pd_proxy_config_t *c, pd_flag_t *out, size_t max)
         {"kv-events", PD_FLAG_BOOL, &c->kv_events,
          "subscribe to every node's KV cache events (the endpoints of its /pd/info: nodes started with "
          "--kv-events-config) and index which node caches which block (pd_proxy:kv_index_blocks)",
+         NULL},
+        {"kv-aware-load-weight", PD_FLAG_DOUBLE, &c->kv_aware_load_weight,
+         "kv-aware: a node scores the share of the prompt's full blocks it holds as a prefix (0..1) minus "
+         "this times its load (requests this proxy has there + its running + waiting)",
          NULL},
         {"kv-index-max-blocks", PD_FLAG_INT, &c->kv_index_max_blocks,
          "block keys the index holds at most (16 bytes each, plus the table's slack)", NULL},
@@ -122,7 +127,7 @@ static void on_tick(evutil_socket_t fd, short what, void *arg)
         }
         px_probe(px, n, 0);
         px_probe(px, n, 1);
-        if (strcmp(px->cfg.policy, "least-loaded") == 0) {
+        if (strcmp(px->cfg.policy, "least-loaded") == 0 || strcmp(px->cfg.policy, "kv-aware") == 0) {
             px_probe(px, n, 2);
         }
     }
@@ -217,7 +222,10 @@ pd_status_t pd_proxy_run(const pd_proxy_config_t *cfg)
         pd_log_error("proxy: give --decode URLs, --discover-decode NAME:PORT or --discover-decode-file PATH");
         st = PD_ERR_INVALID_ARG;
     }
-    if (st == PD_OK && cfg->kv_events) {
+    if (strcmp(cfg->policy, "kv-aware") == 0) {
+        px->cfg.kv_events = true; /* the policy reads the index */
+    }
+    if (st == PD_OK && px->cfg.kv_events) {
         px->zmq_ctx = zmq_ctx_new();
         if (px->zmq_ctx == NULL || cfg->kv_index_max_blocks < 1 ||
             !px_kv_index_init(&px->kv_index, (uint32_t)cfg->kv_index_max_blocks)) {

@@ -50,6 +50,8 @@ struct preq {
     const char *path; /* /v1/completions or /v1/chat/completions, sent to both nodes */
     char transfer_id[48];
     char req_id[49]; /* X-Request-Id of both legs: the client's, or the transfer id's random part */
+    uint64_t *keys;  /* kv-aware: the prompt's full blocks' keys (pd_kv_event_hash chain), or NULL */
+    int num_keys;
     uint64_t affinity;
     node_t *p, *d;
     bool tried_p[MAX_NODES], tried_d[MAX_NODES];
@@ -95,6 +97,7 @@ struct proxy {
     /* --kv-events: every node's KV cache events (kv_events_sub.c) and the block index they keep */
     void *zmq_ctx;
     px_kv_index_t kv_index;
+    int kv_block_size; /* from the nodes' BlockStored events (0: none seen yet) */
     struct px_kv_sub *kv_subs[MAX_NODES];
 };
 
@@ -144,7 +147,9 @@ pd_status_t px_add_list(proxy_t *px, const char *list, bool prefill);
 void px_set_health(node_t *n, bool ok, const char *why);
 /* The node of a pool to send to by the policy, skipping tried[] ones (NULL: none). affinity is the
  * prompt-prefix key of prefix-affinity; need_info: only nodes whose /pd/info arrived. */
-node_t *px_pick(proxy_t *px, bool prefill, const bool *tried, uint64_t affinity, bool need_info);
+/* keys[num_keys]: the prompt's block keys (kv-aware; NULL: unknown, the load decides). */
+node_t *px_pick(proxy_t *px, bool prefill, const bool *tried, uint64_t affinity, const uint64_t *keys,
+                int num_keys, bool need_info);
 typedef void (*up_done_cb)(struct evhttp_request *, void *);
 /* Sends method path with a JSON body (NULL: none) to node n; done(req, arg) runs with the answer
  * (req NULL when the connection failed), chunk and header (may be NULL) as the body streams in.

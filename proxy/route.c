@@ -30,6 +30,7 @@
 #include "common/metrics.h"
 #include "common/time.h"
 #include "common/version.h"
+#include "scheduler/kv_events.h" /* pd_kv_event_hash: the nodes' block keys */
 
 /* ------------------------------------------------------------------ client replies */
 
@@ -74,6 +75,7 @@ void px_preq_free(preq_t *q)
     json_decref(q->body);
     json_decref(q->ktp);
     free(q->auth);
+    free(q->keys);
     struct evbuffer *bufs[4] = {q->d_body, q->p_sse, q->d_sse, q->p_err};
     for (int i = 0; i < 4; i++) {
         if (bufs[i] != NULL) {
@@ -269,7 +271,7 @@ static void on_d_done(struct evhttp_request *r, void *arg)
 void px_start_decode(preq_t *q)
 {
     proxy_t *px = q->px;
-    node_t *d = px_pick(px, false, q->tried_d, q->affinity, false);
+    node_t *d = px_pick(px, false, q->tried_d, q->affinity, q->keys, q->num_keys, false);
     if (d == NULL) {
         px_release_prefill(q);
         px_fail_request(q, 503, "no healthy decode node");
@@ -386,7 +388,7 @@ static void on_p_done(struct evhttp_request *r, void *arg)
 bool px_start_prefill(preq_t *q)
 {
     proxy_t *px = q->px;
-    node_t *p = px_pick(px, true, q->tried_p, q->affinity, q->push);
+    node_t *p = px_pick(px, true, q->tried_p, q->affinity, q->keys, q->num_keys, q->push);
     if (p == NULL) {
         px_fail_request(q, 503, "no healthy prefill node");
         return false;
@@ -458,6 +460,37 @@ static void on_client_close(struct evhttp_connection *conn, void *arg)
         q->d_conn = NULL;
     }
     px_preq_free(q);
+}
+
+/* kv-aware: the keys of a token-id prompt's full blocks, chained as the nodes' prefix caches chain
+ * them (pd_hash128_chain, pd_kv_event_hash). Text and chat prompts get none (tokenizing them here is
+ * not built yet): the load alone decides for them. */
+static void block_keys(const proxy_t *px, const json_t *prompt, preq_t *q)
+{
+    int bs = px->kv_block_size;
+    size_t n = json_array_size(prompt);
+    if (bs <= 0 || n < (size_t)bs || !json_is_integer(json_array_get(prompt, 0))) {
+        return;
+    }
+    int nb = (int)(n / (size_t)bs);
+    int32_t *toks = malloc(n * sizeof(int32_t));
+    q->keys = malloc((size_t)nb * sizeof(uint64_t));
+    if (toks == NULL || q->keys == NULL) {
+        free(toks);
+        free(q->keys);
+        q->keys = NULL;
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        toks[i] = (int32_t)json_integer_value(json_array_get(prompt, i));
+    }
+    pd_hash128_t prev;
+    for (int b = 0; b < nb; b++) {
+        prev = pd_hash128_chain(b > 0 ? &prev : NULL, toks + (size_t)b * bs, (size_t)bs, NULL, 0);
+        q->keys[b] = pd_kv_event_hash(prev);
+    }
+    q->num_keys = nb;
+    free(toks);
 }
 
 static void handle_completions(proxy_t *px, struct evhttp_request *req, const char *path)
@@ -538,6 +571,9 @@ static void handle_completions(proxy_t *px, struct evhttp_request *req, const ch
     size_t lim = (size_t)(px->cfg.affinity_prefix_chars > 0 ? px->cfg.affinity_prefix_chars : 1);
     q->affinity = ptext != NULL ? pd_hash64(ptext, plen < lim ? plen : lim, 0x6166) : 0;
     free(ptext);
+    if (strcmp(px->cfg.policy, "kv-aware") == 0) {
+        block_keys(px, prompt, q);
+    }
     uint64_t rnd = 0;
     if (getrandom(&rnd, sizeof(rnd), 0) != (ssize_t)sizeof(rnd)) {
         rnd = pd_time_now_ns();
@@ -609,7 +645,7 @@ static void forward(proxy_t *px, struct evhttp_request *req, enum evhttp_cmd_typ
         }
     }
     bool none[MAX_NODES] = {false};
-    node_t *d = px_pick(px, false, none, 0, false);
+    node_t *d = px_pick(px, false, none, 0, NULL, 0, false);
     fwd_ctx_t *m = d != NULL ? calloc(1, sizeof(*m)) : NULL;
     if (m == NULL) {
         json_decref(body);

@@ -1510,7 +1510,16 @@ typedef struct pool2 {
 static void pool2_start(pool2_t *c, const char *policy)
 {
     memset(c, 0, sizeof(*c));
-    char *a[] = {"--kv-transfer-mode", "pull", "--kv-pipe", "tcp", FAST_TIMEOUTS, NULL};
+    bool kv = strcmp(policy, "kv-aware") == 0; /* the nodes publish their KV cache events */
+    char *a[] = {"--kv-transfer-mode",
+                 "pull",
+                 "--kv-pipe",
+                 "tcp",
+                 FAST_TIMEOUTS,
+                 kv ? "--kv-events-config" : NULL,
+                 "{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://127.0.0.1:*\", "
+                 "\"replay_endpoint\": \"tcp://127.0.0.1:*\"}",
+                 NULL};
     start(&c->p[0], "pd-prefill", "prefill0", g_model, a);
     start(&c->p[1], "pd-prefill", "prefill1", g_model, a);
     start(&c->d, "pd-decode", "decode", g_model, a);
@@ -1564,6 +1573,48 @@ START_TEST(test_proxy_prefix_affinity_and_failover)
     ck_assert_msg(metric(c.x.port, series) == 0, "the dead prefill is not marked unhealthy");
     ck_assert_int_ge((int)metric(c.x.port, "pd_proxy:requests_total{result=\"ok\"}"), 6 + 16 + 3);
     assert_pool_free(c.p[1 - victim].port, "the surviving prefill");
+    assert_pool_free(c.d.port, "the decode");
+    pool2_stop(&c);
+}
+END_TEST
+
+/* --policy kv-aware: a prompt goes to the prefill whose KV cache events say it holds the prompt's
+ * blocks (all nodes idle, so the load ties); prompts nobody holds spread by the load's rotation;
+ * when that prefill dies, the index still names it but the proxy fails over and answers right. */
+START_TEST(test_proxy_kv_aware)
+{
+    pool2_t c;
+    pool2_start(&c, "kv-aware");
+    expect_same(c.x.port, 19, false); /* 128 tokens: 8 full blocks */
+    char s0[128], s1[128];
+    snprintf(s0, sizeof(s0), "pd_proxy:kv_index_blocks{node=\"http://127.0.0.1:%d\"}", c.p[0].port);
+    snprintf(s1, sizeof(s1), "pd_proxy:kv_index_blocks{node=\"http://127.0.0.1:%d\"}", c.p[1].port);
+    double end = tu_now() + 10;
+    while (metric(c.x.port, s0) + metric(c.x.port, s1) < 8 && tu_now() < end) {
+        usleep(50 * 1000);
+    }
+    int owner = metric(c.x.port, s0) >= 8 ? 0 : 1;
+    ck_assert_msg(metric(c.x.port, owner == 0 ? s0 : s1) >= 8, "the index never learnt prompt 19's blocks");
+    double a = served(c.p[owner].port), b = served(c.p[1 - owner].port);
+    for (int k = 0; k < 5; k++) {
+        expect_same(c.x.port, 19, false);
+    }
+    ck_assert_msg(served(c.p[owner].port) == a + 5 && served(c.p[1 - owner].port) == b,
+                  "kv-aware sent the cached prompt elsewhere: %g/%g -> %g/%g", a, b, served(c.p[owner].port),
+                  served(c.p[1 - owner].port));
+    for (int i = 20; i < 28; i++) {
+        expect_same(c.x.port, i, false); /* fresh prompts: both prefills get some */
+    }
+    ck_assert_msg(served(c.p[owner].port) > a + 5 && served(c.p[1 - owner].port) > b,
+                  "8 fresh prompts all went to one prefill");
+    kill(c.p[owner].pid, SIGKILL); /* the index still names it */
+    waitpid(c.p[owner].pid, NULL, 0);
+    c.p[owner].pid = -1;
+    for (int k = 0; k < 3; k++) {
+        expect_same(c.x.port, 19, false);
+    }
+    ck_assert_int_eq((int)metric(c.x.port, "pd_proxy:kv_events_malformed_total"), 0);
+    assert_pool_free(c.p[1 - owner].port, "the surviving prefill");
     assert_pool_free(c.d.port, "the decode");
     pool2_stop(&c);
 }
@@ -1899,6 +1950,7 @@ int main(void)
     tcase_add_test(proxy, test_proxy_client_gone_before_decode);
     tcase_add_test(proxy, test_proxy_keyed_cluster);
     tcase_add_test(proxy, test_proxy_kv_events_index);
+    tcase_add_test(proxy, test_proxy_kv_aware);
     tcase_add_test(proxy, test_dns_discovery_and_prefill_restart);
     TCase *cases[] = {eq, handover, faults, hostile, proxy};
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
