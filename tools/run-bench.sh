@@ -30,4 +30,6 @@ echo "run-bench: pd-bench-transfer (pipe throughput and round trip vs memcpy, uc
 "$build/bin/pd-bench-transfer" --results bench/RESULTS.md
 echo "run-bench: tools/bench-pd.sh (handover overhead; 1P1D vs colocated sweep)"
 tools/bench-pd.sh "$build"
+echo "run-bench: tools/bench-kvaware.sh (proxy policies on 2P+2D: round-robin, prefix-affinity, kv-aware)"
+tools/bench-kvaware.sh "$build"
 echo "run-bench: results appended to bench/RESULTS.md"

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# tools/bench-kvaware.sh BUILD_DIR — pd-proxy's routing policies on 2 prefills + 2 decodes (pull, ucx,
+# the demo model, every node publishing its KV cache events), each policy on freshly started nodes
+# (empty prefix caches):
+#   shared prefixes: pd-bench --dataset-name prefix-repetition (a few long prefixes, short
+#     suffixes), round-robin vs prefix-affinity vs kv-aware;
+#   no shared prefix: --dataset-name random, round-robin vs kv-aware (kv-aware must not lose).
+# Per run: TTFT p50/p99, goodput at the SLO (pd-bench) and the KV bytes both decodes read
+# (pd:kv_transfer_bytes_total). Appends to bench/RESULTS.md; plots in bench/plots/kvaware/.
+set -euo pipefail
+build=${1:-build}
+cd "$(dirname "$0")/.."
+bin="$build/bin"
+models="$build/models"
+results=bench/RESULTS.md
+mkdir -p "$models" bench/plots/kvaware
+if [[ ! -f "$models/demo/config.json" ]]; then
+  "$bin/pd-mkmodel" --preset demo --out "$models/demo"
+fi
+work=$(mktemp -d /tmp/pd-kvaware-XXXXXX)
+pids=()
+stop_all() {
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "${pids[@]}"; do
+    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  done
+  pids=()
+}
+trap 'stop_all; rm -rf "$work"' EXIT
+start() { # start NAME BINARY ARGS... — sets $port
+  local name=$1 exe=$2; shift 2
+  rm -f "$work/$name.port"
+  "$bin/$exe" "$@" --port 0 --port-file "$work/$name.port" >"$work/$name.log" 2>&1 &
+  local pid=$!
+  pids+=("$pid")
+  for _ in $(seq 600); do
+    if [[ -s "$work/$name.port" ]]; then port=$(cat "$work/$name.port"); return 0; fi
+    if ! kill -0 "$pid" 2>/dev/null; then echo "bench-kvaware: $name died:" >&2; cat "$work/$name.log" >&2; exit 1; fi
+    sleep 0.2
+  done
+  echo "bench-kvaware: $name did not start" >&2; exit 1
+}
+events='{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}'
+node=(--model "$models/demo" --served-model-name demo --kv-cache-memory 1G --max-model-len 2048
+      --max-num-batched-tokens 2048 --threads 1 --kv-pipe ucx --kv-transfer-mode pull --kv-listen 127.0.0.1:0
+      --kv-events-config "$events")
+n=${PD_KVAWARE_PROMPTS:-40}
+rate=${PD_KVAWARE_RATE:-2}
+slo="ttft:2000 tpot:100"
+declare -A ds
+ds[shared]="--dataset-name prefix-repetition --prefix-repetition-prefix-len 512 --prefix-repetition-suffix-len 32 --prefix-repetition-num-prefixes 4 --prefix-repetition-output-len 16"
+ds[fresh]="--dataset-name random --random-input-len 544 --random-output-len 16"
+files=()
+rows=()
+for run in "shared round-robin" "shared prefix-affinity" "shared kv-aware" "fresh round-robin" "fresh kv-aware"; do
+  set -- $run
+  w=$1 policy=$2
+  echo "bench-kvaware: $w prompts, $policy"
+  start p0 pd-prefill "${node[@]}"; p0=$port
+  start p1 pd-prefill "${node[@]}"; p1=$port
+  start d0 pd-decode "${node[@]}"; d0=$port
+  start d1 pd-decode "${node[@]}"; d1=$port
+  start proxy pd-proxy --health-interval 0.5 --policy "$policy" \
+    --prefill "http://127.0.0.1:$p0,http://127.0.0.1:$p1" --decode "http://127.0.0.1:$d0,http://127.0.0.1:$d1"
+  x=$port
+  f="$work/$w-$policy.json"
+  # shellcheck disable=SC2086
+  "$bin/pd-bench" --base-url "http://127.0.0.1:$x" --wait-ready 60 ${ds[$w]} --num-prompts "$n" \
+    --request-rate "$rate" --seed 11 --num-warmups 0 --ignore-eos --goodput "$slo" --metric-percentiles 50,99 \
+    --no-progress --label "$w $policy" --save-result --result-filename "$f" >"$work/$w-$policy.out"
+  bytes=0
+  for d in $d0 $d1; do
+    b=$(curl -s "http://127.0.0.1:$d/metrics" | awk '/^pd:kv_transfer_bytes_total /{print $2}')
+    bytes=$(awk -v a="$bytes" -v b="${b:-0}" 'BEGIN{printf "%.0f", a + b}')
+  done
+  rows+=("| $w | $policy | $(awk -v b="$bytes" 'BEGIN{printf "%.1f", b / 1048576}') |")
+  files+=("$f")
+  stop_all
+done
+{
+  echo
+  echo "## pd-proxy routing policies, 2 prefills + 2 decodes — $(date -u '+%Y-%m-%d %H:%M UTC')"
+  echo
+  echo "Command: \`tools/bench-kvaware.sh build\`. Machine: $(nproc) cores. Demo model, every node --threads 1"
+  echo "(4 processes on the cores), pull over ucx, KV cache events on every node, each run on freshly started nodes."
+  echo "$n requests at $rate req/s (Poisson), --ignore-eos, goodput SLO \`$slo\` (ms). shared = prefix-repetition:"
+  echo "4 prefixes of 512 tokens + 32-token suffixes, 16 output tokens; fresh = random 544-token prompts, 16 output."
+  echo
+  "$bin/pd-bench" table "${files[@]}"
+  echo
+  echo "| prompts | policy | KV read by the decodes (MiB) |"
+  echo "|---|---|---|"
+  printf '%s\n' "${rows[@]}"
+  echo
+  echo "Plots: bench/plots/kvaware/."
+} >>"$results"
+"$bin/pd-bench" plot bench/plots/kvaware "${files[@]}" || true
+echo "bench-kvaware: results appended to $results"
