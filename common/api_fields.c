@@ -153,3 +153,10 @@ const char *pd_api_key_from_env(const char *var, char *buf, size_t cap)
     buf[n] = '\0';
     return buf;
 }
+
+bool pd_api_request_id_ok(const char *id)
+{
+    static const char ok[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:";
+    size_t n = id != NULL ? strlen(id) : 0;
+    return n > 0 && n <= PD_REQUEST_ID_MAX && strspn(id, ok) == n;
+}

@@ -48,7 +48,9 @@ bool pd_api_bearer_ok(const char *authorization, const char *key);
  * NULL when unset, empty or longer than cap - 1. */
 const char *pd_api_key_from_env(const char *var, char *buf, size_t cap);
 
-/* The characters an X-Request-Id header may hold to become a response id (at most 48 of them). */
-#define PD_REQUEST_ID_CHARS "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:"
+/* Whether an X-Request-Id header value (may be NULL) can become a response id: 1..48 characters of
+ * [A-Za-z0-9-_.:]. */
+#define PD_REQUEST_ID_MAX 48
+bool pd_api_request_id_ok(const char *id);
 
 #endif

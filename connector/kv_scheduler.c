@@ -270,9 +270,6 @@ static bool finished_pull(kv_conn_t *k, pd_request_t *req, const uint32_t *block
                           void **params_out)
 {
     bool first_token = kv_jbool(req->kv_transfer_params, "first_token");
-    if (first_token && !req->handed_over) {
-        return false; /* its first token ended it here: nothing to hold (params: null) */
-    }
     kv_lease_t *l = calloc(1, sizeof(*l));
     if (l == NULL) {
         return false;
@@ -317,11 +314,15 @@ bool kv_request_finished(pd_connector_t *c, pd_request_t *req, const uint32_t *b
     if (p == NULL || !kv_jbool(p, "do_remote_decode")) {
         return false;
     }
-    if (kv_jbool(p, "first_token") && !req->handed_over) {
+    bool ended_here = kv_jbool(p, "first_token") && !req->handed_over;
+    if (ended_here) {
         *params_out = json_null(); /* its first token ended it: no decode goes on from here */
     }
     if (kv_wants_push(k, p)) {
-        return finished_push(k, req, block_ids, num_blocks, ok);
+        return finished_push(k, req, block_ids, num_blocks, ok); /* WRITE_DONE still carries the token */
+    }
+    if (ended_here) {
+        return false; /* pull: nothing to hold */
     }
     if (kv_stage_failed_take(k, req->id)) {
         pd_log_warn("kv connector: request %s: its KV could not be staged to host memory; no KV is "

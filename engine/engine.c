@@ -153,9 +153,6 @@ static bool emit_token(pd_engine_t *e, pd_request_t *r, int32_t pos, bool last, 
 static void continue_from(pd_engine_t *e, pd_request_t *r, int32_t token)
 {
     char *buf = malloc(e->max_token_bytes + 64);
-    if (e->aborted_tail == NULL) {
-        e->aborted_tail = &e->aborted_head;
-    }
     if (buf != NULL && pd_scheduler_add_output_token(e->sched, r, token)) {
         emit_token(e, r, r->num_prompt_tokens, true, -1, buf, &e->aborted_tail);
         e->generation_tokens++;
@@ -193,9 +190,6 @@ bool pd_engine_abort(pd_engine_t *e, const char *id)
     if (o != NULL) {
         emit_text(r->user, o, true);
         output_finish_fields(o, r);
-        if (e->aborted_tail == NULL) {
-            e->aborted_tail = &e->aborted_head;
-        }
         *e->aborted_tail = o;
         e->aborted_tail = &o->next;
     }

@@ -336,6 +336,8 @@ static pd_status_t make_scheduler(pd_engine_t *e)
     }
     if (st == PD_OK && e->kv_events_cfg.enabled) {
         st = pd_kv_events_pub_create(&e->kv_events_cfg, e->be->host_memory ? "CPU" : "GPU", &e->kv_pub);
+    }
+    if (st == PD_OK && e->kv_pub != NULL) {
         pd_kv_event_log_t *log = pd_scheduler_kv_events(e->sched);
         pd_kv_events_pub_publish(e->kv_pub, log); /* AllBlocksCleared: this cache starts empty */
         pd_kv_event_log_reset(log);
@@ -402,6 +404,7 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
     e->cfg = *cfg;
     e->spec = spec;
     e->kv_events_cfg = kv_events;
+    e->aborted_tail = &e->aborted_head;
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->cv, NULL);
     const char *base = strrchr(cfg->model_dir, '/');

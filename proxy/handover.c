@@ -112,7 +112,7 @@ void px_ft_on_p_chunk(struct evhttp_request *r, void *arg)
 }
 
 /* First-token handover: the prefill's stream ended (code: its status). */
-void px_ft_on_p_done(preq_t *q, struct evhttp_request *r, int code)
+void px_ft_on_p_done(preq_t *q, int code)
 {
     proxy_t *px = q->px;
     q->p_done = true;
@@ -177,5 +177,4 @@ void px_ft_on_p_done(preq_t *q, struct evhttp_request *r, int code)
     } else {
         px_fail_request(q, 502, "the prefill node failed after the first token was sent");
     }
-    (void)r;
 }

@@ -20,8 +20,10 @@
 
 #include "common/log.h"
 #include "common/metrics.h"
+#include "common/time.h"
 
-#define PENDING_MAX 4096 /* live batches kept while a replay runs */
+#define PENDING_MAX      4096 /* live batches kept while a replay runs */
+#define REPLAY_TIMEOUT_S 5.0  /* a replay not ended by then is given up (what waited is applied) */
 
 typedef struct pending {
     uint64_t seq;
@@ -37,6 +39,7 @@ struct px_kv_sub {
     char ep[192], replay_ep[192];
     int64_t last_seq; /* last batch applied, -1 none */
     bool replaying;
+    double replay_since; /* when the running replay was asked for */
     pending_t pending[PENDING_MAX];
     int num_pending;
     pd_metric_t *blocks_g;
@@ -109,6 +112,7 @@ static void ask_replay(px_kv_sub_t *s, uint64_t from)
         return;
     }
     s->replaying = true;
+    s->replay_since = pd_time_now_s();
 }
 
 static void keep_pending(px_kv_sub_t *s, uint64_t seq, const void *data, size_t len)
@@ -373,6 +377,11 @@ void px_kv_events_poll(proxy_t *px)
         if (s != NULL && s->sub != NULL) {
             on_sub(-1, 0, s); /* edge-triggered fds: a missed edge must not stall a socket */
             on_dealer(-1, 0, s);
+            if (s->replaying && pd_time_now_s() - s->replay_since > REPLAY_TIMEOUT_S) {
+                pd_log_warn("proxy: kv events of %s: no end of replay after %.0f s; going on without it",
+                            px->nodes[i].url, REPLAY_TIMEOUT_S);
+                replay_done(s);
+            }
             pd_metric_set(s->blocks_g, px->kv_index.per_node[i]);
         }
     }

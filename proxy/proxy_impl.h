@@ -11,6 +11,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "common/api_fields.h"
 #include "common/http_watch.h"
 #include "common/metrics.h"
 #include "proxy/kv_index.h"
@@ -49,8 +50,9 @@ struct preq {
     bool stream, push;
     const char *path; /* /v1/completions or /v1/chat/completions, sent to both nodes */
     char transfer_id[48];
-    char req_id[49]; /* X-Request-Id of both legs: the client's, or the transfer id's random part */
-    uint64_t *keys;  /* kv-aware: the prompt's full blocks' keys (pd_kv_event_hash chain), or NULL */
+    char req_id[PD_REQUEST_ID_MAX +
+                1]; /* X-Request-Id of both legs: the client's, or the transfer id's random part */
+    uint64_t *keys; /* kv-aware: the prompt's full blocks' keys (pd_kv_event_hash chain), or NULL */
     int num_keys;
     uint64_t affinity;
     node_t *p, *d;
@@ -118,7 +120,7 @@ void px_start_client_stream(preq_t *q);
 /* The prefill leg's chunk callback: relays its events, keeps the handover event's params. */
 void px_ft_on_p_chunk(struct evhttp_request *r, void *arg);
 /* The prefill leg ended with status code: continue on the decode, end the answer, retry or fail. */
-void px_ft_on_p_done(preq_t *q, struct evhttp_request *r, int code);
+void px_ft_on_p_done(preq_t *q, int code);
 /* Relays the decode's whole events once the prefill's are out, dropping the first d_skip. */
 void px_ft_relay_decode(preq_t *q);
 /* Ends the answer once both legs are done (the decode's status in q->d_code); may free q. */

@@ -322,7 +322,7 @@ static void on_p_done(struct evhttp_request *r, void *arg)
         if (r != NULL) { /* what the last chunk callback did not see */
             px_ft_on_p_chunk(r, q);
         }
-        px_ft_on_p_done(q, r, code);
+        px_ft_on_p_done(q, code);
         return;
     }
     json_t *resp = NULL;
@@ -580,9 +580,7 @@ static void handle_completions(proxy_t *px, struct evhttp_request *req, const ch
     }
     snprintf(q->transfer_id, sizeof(q->transfer_id), "xfer-%016llx", (unsigned long long)rnd);
     const char *xid = evhttp_find_header(evhttp_request_get_input_headers(req), "X-Request-Id");
-    bool xid_ok = xid != NULL && xid[0] != '\0' && strlen(xid) < sizeof(q->req_id) &&
-                  strspn(xid, PD_REQUEST_ID_CHARS) == strlen(xid);
-    snprintf(q->req_id, sizeof(q->req_id), "%s", xid_ok ? xid : q->transfer_id + 5);
+    snprintf(q->req_id, sizeof(q->req_id), "%s", pd_api_request_id_ok(xid) ? xid : q->transfer_id + 5);
     q->next = px->inflight;
     if (px->inflight != NULL) {
         px->inflight->prev = q;

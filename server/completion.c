@@ -181,13 +181,13 @@ static json_t *usage_json(const creq_t *c)
     return u;
 }
 
-/* vLLM's stop_reason: the stop string or stop token id that finished the choice, else null. */
 /* A finished choice's finish_reason: null when a decode node goes on (first-token handover). */
 static json_t *finish_reason_json(const choice_t *h)
 {
     return h->handed_over ? json_null() : json_string(h->finish_reason);
 }
 
+/* vLLM's stop_reason: the stop string or stop token id that finished the choice, else null. */
 static json_t *stop_reason_json(const choice_t *h)
 {
     if (h->finish_reason == NULL || strcmp(h->finish_reason, "stop") != 0) {
@@ -798,8 +798,7 @@ void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bo
     random_id(chat ? "chatcmpl-" : "cmpl-", c->id, sizeof(c->id));
     snprintf(c->resp_id, sizeof(c->resp_id), "%s", c->id);
     const char *xid = evhttp_find_header(evhttp_request_get_input_headers(req), "X-Request-Id");
-    if (xid != NULL && xid[0] != '\0' && strlen(xid) <= 48 &&
-        strspn(xid, PD_REQUEST_ID_CHARS) == strlen(xid)) {
+    if (pd_api_request_id_ok(xid)) {
         /* vLLM's X-Request-Id: the answer's id (the P/D proxy gives both legs one, so the chunks of
          * a handed-over stream share it); engine ids stay random, so a repeated header is harmless */
         snprintf(c->resp_id, sizeof(c->resp_id), "%s%s", chat ? "chatcmpl-" : "cmpl-", xid);

@@ -18,30 +18,8 @@ if [[ ! -f "$models/demo/config.json" ]]; then
   "$bin/pd-mkmodel" --preset demo --out "$models/demo"
 fi
 work=$(mktemp -d /tmp/pd-kvaware-XXXXXX)
-pids=()
-stop_all() {
-  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]}"; do
-    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "$pid" 2>/dev/null || true
-    wait "$pid" 2>/dev/null || true
-  done
-  pids=()
-}
+source tools/bench-procs.sh
 trap 'stop_all; rm -rf "$work"' EXIT
-start() { # start NAME BINARY ARGS... — sets $port
-  local name=$1 exe=$2; shift 2
-  rm -f "$work/$name.port"
-  "$bin/$exe" "$@" --port 0 --port-file "$work/$name.port" >"$work/$name.log" 2>&1 &
-  local pid=$!
-  pids+=("$pid")
-  for _ in $(seq 600); do
-    if [[ -s "$work/$name.port" ]]; then port=$(cat "$work/$name.port"); return 0; fi
-    if ! kill -0 "$pid" 2>/dev/null; then echo "bench-kvaware: $name died:" >&2; cat "$work/$name.log" >&2; exit 1; fi
-    sleep 0.2
-  done
-  echo "bench-kvaware: $name did not start" >&2; exit 1
-}
 events='{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}'
 node=(--model "$models/demo" --served-model-name demo --kv-cache-memory 1G --max-model-len 2048
       --max-num-batched-tokens 2048 --threads 1 --kv-pipe ucx --kv-transfer-mode pull --kv-listen 127.0.0.1:0

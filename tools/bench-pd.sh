@@ -23,32 +23,8 @@ if [[ ! -f "$models/demo/config.json" ]]; then
   "$bin/pd-mkmodel" --preset demo --out "$models/demo"
 fi
 work=$(mktemp -d /tmp/pd-bench-XXXXXX)
-pids=()
-stop_all() {
-  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]}"; do
-    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "$pid" 2>/dev/null || true
-    wait "$pid" 2>/dev/null || true
-  done
-  pids=()
-}
+source tools/bench-procs.sh
 trap 'stop_all; rm -rf "$work"' EXIT
-
-# start NAME BINARY ARGS... — starts a server with a port file; sets $port
-start() {
-  local name=$1 exe=$2; shift 2
-  rm -f "$work/$name.port"
-  "$bin/$exe" "$@" --port 0 --port-file "$work/$name.port" >"$work/$name.log" 2>&1 &
-  local pid=$!
-  pids+=("$pid")
-  for _ in $(seq 600); do
-    if [[ -s "$work/$name.port" ]]; then port=$(cat "$work/$name.port"); return 0; fi
-    if ! kill -0 "$pid" 2>/dev/null; then echo "bench-pd: $name died:" >&2; cat "$work/$name.log" >&2; exit 1; fi
-    sleep 0.2
-  done
-  echo "bench-pd: $name did not start" >&2; exit 1
-}
 
 model=(--model "$models/demo" --served-model-name demo --kv-cache-memory 3G --max-model-len 8192
        --max-num-batched-tokens 2048)

@@ -61,6 +61,8 @@ class Traffic:
             if check:
                 ref = json.loads(http(self.serve_port, "/v1/completions", body)[1])["choices"][0]["token_ids"]
                 outcome = "wrong" if got != ref else "ok"
+                if outcome == "wrong":  # the evidence, for the log: which prompt, both answers
+                    print("WRONG prompt=%s pd-serve=%s proxy=%s" % (ids, ref, got), file=sys.stderr, flush=True)
         except urllib.error.HTTPError as e:
             outcome, why = "failed", "HTTP %d: %s" % (e.code, e.read()[:200])
         except Exception as e:  # reset, timeout

@@ -1,0 +1,28 @@
+# tools/bench-procs.sh — sourced by the benchmark scripts that start servers (bench-pd.sh,
+# bench-kvaware.sh): `start NAME BINARY ARGS...` runs "$bin/BINARY" on a free loopback port with
+# its log in "$work/NAME.log" and sets $port; `stop_all` stops (TERM, then KILL after 10 s) every
+# server started so far. The caller sets $bin and $work and traps stop_all on exit.
+pids=()
+stop_all() {
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "${pids[@]}"; do
+    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  done
+  pids=()
+}
+
+start() {
+  local name=$1 exe=$2; shift 2
+  rm -f "$work/$name.port"
+  "$bin/$exe" "$@" --port 0 --port-file "$work/$name.port" >"$work/$name.log" 2>&1 &
+  local pid=$!
+  pids+=("$pid")
+  for _ in $(seq 600); do
+    if [[ -s "$work/$name.port" ]]; then port=$(cat "$work/$name.port"); return 0; fi
+    if ! kill -0 "$pid" 2>/dev/null; then echo "$(basename "$0"): $name died:" >&2; cat "$work/$name.log" >&2; exit 1; fi
+    sleep 0.2
+  done
+  echo "$(basename "$0"): $name did not start" >&2; exit 1
+}
