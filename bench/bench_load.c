@@ -112,6 +112,30 @@ pd_status_t pd_bench_dataset_repeat(uint64_t seed, size_t n, int32_t input_len, 
     return PD_OK;
 }
 
+pd_status_t pd_bench_dataset_mix(uint64_t seed, pd_bench_dataset_t *a, pd_bench_dataset_t *b, double b_share,
+                                 pd_bench_dataset_t *out)
+{
+    if (a->n != b->n || b_share < 0 || b_share > 1) {
+        pd_log_error("mixed dataset: the two parts differ in size or the share is outside [0, 1]");
+        pd_bench_dataset_free(a);
+        pd_bench_dataset_free(b);
+        return PD_ERR_INVALID_ARG;
+    }
+    pd_rng_t rng;
+    pd_rng_seed(&rng, seed ^ 0x6d6978ull);
+    for (size_t i = 0; i < a->n; i++) {
+        if (pd_rng_uniform(&rng) < b_share) {
+            pd_bench_prompt_t t = a->prompts[i];
+            a->prompts[i] = b->prompts[i];
+            b->prompts[i] = t;
+        }
+    }
+    *out = *a;
+    memset(a, 0, sizeof(*a));
+    pd_bench_dataset_free(b);
+    return PD_OK;
+}
+
 pd_status_t pd_bench_dataset_prefix_repetition(uint64_t seed, size_t n, int32_t prefix_len,
                                                int32_t suffix_len, int32_t num_prefixes, int32_t output_len,
                                                int32_t vocab, pd_bench_dataset_t *out)

@@ -38,6 +38,11 @@ pd_status_t pd_bench_dataset_prefix_repetition(uint64_t seed, size_t n, int32_t 
                                                int32_t suffix_len, int32_t num_prefixes, int32_t output_len,
                                                int32_t vocab, pd_bench_dataset_t *out);
 
+/* mixed: each of a's prompts replaced by b's at the same place with probability b_share (seeded);
+ * a and b hold the same number of prompts and are emptied (what out did not take is freed). */
+pd_status_t pd_bench_dataset_mix(uint64_t seed, pd_bench_dataset_t *a, pd_bench_dataset_t *b, double b_share,
+                                 pd_bench_dataset_t *out);
+
 /* repeat: n prompts of input_len ids, each a random phrase of phrase_len ids repeated (lists,
  * tables, code: text whose continuation repeats what came before, where n-gram speculation finds
  * its drafts); output_len tokens each. */

@@ -39,6 +39,7 @@ typedef struct cfg {
     int random_input_len, random_output_len, random_prefix_len;
     double random_range_ratio;
     int pr_prefix_len, pr_suffix_len, pr_num_prefixes, pr_output_len;
+    double mixed_fresh_share;
     int repeat_phrase_len;
     int sharegpt_output_len;
     int vocab_size;
@@ -856,6 +857,7 @@ int main(int argc, char **argv)
     c.pr_num_prefixes = 10;
     c.pr_output_len = 128;
     c.repeat_phrase_len = 8;
+    c.mixed_fresh_share = 0.25;
     c.request_rate = INFINITY;
     c.burstiness = 1.0;
     c.metric_percentiles = "99";
@@ -864,7 +866,7 @@ int main(int argc, char **argv)
         {"endpoint", PD_FLAG_STR, &c.endpoint, "completions path", NULL},
         {"model", PD_FLAG_STR, &c.model, "model name (default: the server's first)", NULL},
         {"dataset-name", PD_FLAG_CHOICE, &c.dataset_name, "workload",
-         "random|prefix-repetition|repeat|sharegpt"},
+         "random|prefix-repetition|repeat|sharegpt|mixed"},
         {"dataset-path", PD_FLAG_STR, &c.dataset_path, "ShareGPT JSON file", NULL},
         {"num-prompts", PD_FLAG_INT, &c.num_prompts, "requests to send", NULL},
         {"random-input-len", PD_FLAG_INT, &c.random_input_len, "random: prompt tokens", NULL},
@@ -882,6 +884,10 @@ int main(int argc, char **argv)
         {"repeat-phrase-len", PD_FLAG_INT, &c.repeat_phrase_len,
          "repeat: prompts of --random-input-len ids are a phrase of this many repeated", NULL},
         {"prefix-repetition-output-len", PD_FLAG_INT, &c.pr_output_len, "prefix-repetition: output tokens",
+         NULL},
+        {"mixed-fresh-share", PD_FLAG_DOUBLE, &c.mixed_fresh_share,
+         "mixed: the share of prompts that are random (--random-* lengths; fresh, long) among "
+         "prefix-repetition ones (--prefix-repetition-*: chat turns over shared prefixes)",
          NULL},
         {"sharegpt-output-len", PD_FLAG_INT, &c.sharegpt_output_len,
          "sharegpt: fixed output length (0 = dataset's)", NULL},
@@ -916,7 +922,7 @@ int main(int argc, char **argv)
     int first = 0;
     pd_status_t st = pd_flags_parse(
         flags, sizeof(flags) / sizeof(flags[0]), argc, argv,
-        "usage: pd-bench [--base-url URL] [--dataset-name random|prefix-repetition|repeat|sharegpt] "
+        "usage: pd-bench [--base-url URL] [--dataset-name random|prefix-repetition|repeat|sharegpt|mixed] "
         "[options]\n       pd-bench plot OUT_DIR RESULT.json...\n       pd-bench table RESULT.json...\n"
         "Benchmarks an OpenAI-compatible completions server (vLLM's serving metrics).",
         &first);
@@ -979,6 +985,19 @@ int main(int argc, char **argv)
     } else if (strcmp(c.dataset_name, "prefix-repetition") == 0) {
         st = pd_bench_dataset_prefix_repetition((uint64_t)c.seed, n, c.pr_prefix_len, c.pr_suffix_len,
                                                 c.pr_num_prefixes, c.pr_output_len, c.vocab_size, &r.data);
+    } else if (strcmp(c.dataset_name, "mixed") == 0) {
+        pd_bench_dataset_t a = {0}, b = {0};
+        st = pd_bench_dataset_prefix_repetition((uint64_t)c.seed, n, c.pr_prefix_len, c.pr_suffix_len,
+                                                c.pr_num_prefixes, c.pr_output_len, c.vocab_size, &a);
+        if (st == PD_OK) {
+            st = pd_bench_dataset_random((uint64_t)c.seed + 1, n, c.random_input_len, c.random_output_len,
+                                         c.random_range_ratio, 0, c.vocab_size, &b);
+        }
+        st = st == PD_OK ? pd_bench_dataset_mix((uint64_t)c.seed, &a, &b, c.mixed_fresh_share, &r.data) : st;
+        if (st != PD_OK) {
+            pd_bench_dataset_free(&a);
+            pd_bench_dataset_free(&b);
+        }
     } else if (strcmp(c.dataset_name, "repeat") == 0) {
         st = pd_bench_dataset_repeat((uint64_t)c.seed, n, c.random_input_len, c.repeat_phrase_len,
                                      c.random_output_len, c.vocab_size, &r.data);

@@ -80,6 +80,16 @@ size_t pd_proxy_flags(pd_proxy_config_t *c, pd_flag_t *out, size_t max)
          "kv-aware: a node scores the share of the prompt's full blocks it holds as a prefix (0..1) minus "
          "this times its load (requests this proxy has there + its running + waiting)",
          NULL},
+        {"pd-local-prefill-threshold", PD_FLAG_INT, &c->local_prefill_threshold,
+         "conditional disaggregation: a prompt whose part the chosen decode node does not hold (by the KV "
+         "index; the whole prompt without one) is under this many tokens is prefilled by that decode "
+         "node, with no prefill leg and no KV transfer (0: always disaggregate). Text and chat prompts "
+         "are counted through a node's /tokenize; implies --kv-events",
+         NULL},
+        {"pd-local-prefill-hit-ratio", PD_FLAG_DOUBLE, &c->local_prefill_hit_ratio,
+         "conditional disaggregation: the decode node also prefills locally when it holds at least this "
+         "share (0..1] of the prompt's tokens as cached blocks (0: off); implies --kv-events",
+         NULL},
         {"kv-index-max-blocks", PD_FLAG_INT, &c->kv_index_max_blocks,
          "block keys the index holds at most (16 bytes each, plus the table's slack)", NULL},
         {"health-interval", PD_FLAG_DOUBLE, &c->health_interval, "seconds between node probes", NULL},
@@ -176,6 +186,21 @@ static void metrics_register(proxy_t *px)
         pd_metrics_add(m, PD_METRIC_HISTOGRAM, "pd_proxy:first_token_seconds",
                        "Streamed requests: arrival to the first token's event sent to the client.", NULL,
                        PD_LATENCY_BUCKETS, PD_LATENCY_NUM_BUCKETS);
+    pm->routed_local = pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:prefills_total",
+                                      "Requests by where their prompt was computed: on the decode node "
+                                      "(--pd-local-prefill-*) or on a prefill node.",
+                                      "where=local", NULL, 0);
+    pm->routed_remote = pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:prefills_total",
+                                       "Requests by where their prompt was computed: on the decode node "
+                                       "(--pd-local-prefill-*) or on a prefill node.",
+                                       "where=remote", NULL, 0);
+    pm->tokenize_failed =
+        pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:tokenize_failures_total",
+                       "Text or chat prompts a node's /tokenize did not tokenize (routed by the load alone).",
+                       NULL, NULL, 0);
+    pm->tokenize_s = pd_metrics_add(m, PD_METRIC_HISTOGRAM, "pd_proxy:tokenize_seconds",
+                                    "Text and chat prompts: arrival to their tokens from a node's /tokenize.",
+                                    NULL, PD_LATENCY_BUCKETS, PD_LATENCY_NUM_BUCKETS);
     pm->kv_gaps = pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:kv_events_gaps_total",
                                  "KV event batches found missing (a replay was asked for).", NULL, NULL, 0);
     pm->kv_malformed =
@@ -222,8 +247,15 @@ pd_status_t pd_proxy_run(const pd_proxy_config_t *cfg)
         pd_log_error("proxy: give --decode URLs, --discover-decode NAME:PORT or --discover-decode-file PATH");
         st = PD_ERR_INVALID_ARG;
     }
-    if (strcmp(cfg->policy, "kv-aware") == 0) {
-        px->cfg.kv_events = true; /* the policy reads the index */
+    if (strcmp(cfg->policy, "kv-aware") == 0 || cfg->local_prefill_threshold > 0 ||
+        cfg->local_prefill_hit_ratio > 0) {
+        px->cfg.kv_events = true; /* the policy and the local-prefill rules read the index */
+    }
+    if (cfg->local_prefill_threshold < 0 || cfg->local_prefill_hit_ratio < 0 ||
+        cfg->local_prefill_hit_ratio > 1) {
+        pd_log_error(
+            "proxy: --pd-local-prefill-threshold must be >= 0 and --pd-local-prefill-hit-ratio in [0, 1]");
+        st = PD_ERR_INVALID_ARG;
     }
     if (st == PD_OK && px->cfg.kv_events) {
         px->zmq_ctx = zmq_ctx_new();
@@ -287,7 +319,7 @@ pd_status_t pd_proxy_run(const pd_proxy_config_t *cfg)
         if (q->d_conn != NULL) {
             evhttp_connection_free(q->d_conn);
         }
-        px_preq_free(q);
+        px_preq_free(q); /* and its /tokenize, if one runs */
     }
     px_kv_events_close(px);
     if (px->tick != NULL) {

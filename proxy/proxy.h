@@ -31,11 +31,13 @@ typedef struct pd_proxy_config {
     const char *discover_prefill_file; /* a file of prefill URLs, one a line (re-read each interval) */
     const char *discover_decode_file;
     double discover_interval;
-    const char *policy;            /* round-robin | least-loaded | prefix-affinity | kv-aware */
-    bool first_token_from_prefill; /* streamed requests: the prefill's first token is streamed at once */
-    bool kv_events;                /* subscribe to the nodes' KV cache events and index their blocks */
-    int kv_index_max_blocks;       /* block keys the index holds at most */
-    double kv_aware_load_weight;   /* kv-aware: what one request of load costs against a full prefix hit */
+    const char *policy;             /* round-robin | least-loaded | prefix-affinity | kv-aware */
+    bool first_token_from_prefill;  /* streamed requests: the prefill's first token is streamed at once */
+    bool kv_events;                 /* subscribe to the nodes' KV cache events and index their blocks */
+    int kv_index_max_blocks;        /* block keys the index holds at most */
+    double kv_aware_load_weight;    /* kv-aware: what one request of load costs against a full prefix hit */
+    int local_prefill_threshold;    /* the decode prefills prompts with fewer uncached tokens (0: never) */
+    double local_prefill_hit_ratio; /* ... or of which it holds this share (0: off) */
     double health_interval;
     double upstream_timeout; /* s an upstream request may take */
     int affinity_prefix_chars;

@@ -52,8 +52,13 @@ struct preq {
     char transfer_id[48];
     char req_id[PD_REQUEST_ID_MAX +
                 1]; /* X-Request-Id of both legs: the client's, or the transfer id's random part */
-    uint64_t *keys; /* kv-aware: the prompt's full blocks' keys (pd_kv_event_hash chain), or NULL */
+    uint64_t *keys; /* the prompt's full blocks' keys (pd_kv_event_hash chain), or NULL (kv_route.c) */
     int num_keys;
+    int32_t num_tokens;                 /* the prompt's tokens (0: unknown) */
+    struct evhttp_connection *tok_conn; /* the prompt's /tokenize while it runs */
+    node_t *tok_node;                   /* where it runs */
+    bool local;                         /* the decode prefills it itself (no prefill leg) */
+    node_t *d_hint;                     /* the decode the local-prefill rule chose */
     uint64_t affinity;
     node_t *p, *d;
     bool tried_p[MAX_NODES], tried_d[MAX_NODES];
@@ -79,8 +84,9 @@ struct preq {
 typedef struct proxy_metrics {
     pd_metric_t *ok, *failed, *client_gone, *retry_p, *retry_d, *prefill_s, *decode_ttft_s, *e2e_s;
     pd_metric_t *handovers, *first_token_s;
-    pd_metric_t *kv_gaps, *kv_malformed, *kv_entries; /* --kv-events */
-    pd_metric_t *pool_nodes[2];                       /* decode, prefill */
+    pd_metric_t *routed_local, *routed_remote, *tokenize_failed, *tokenize_s; /* kv_route.c */
+    pd_metric_t *kv_gaps, *kv_malformed, *kv_entries;                         /* --kv-events */
+    pd_metric_t *pool_nodes[2];                                               /* decode, prefill */
 } proxy_metrics_t;
 
 struct proxy {
@@ -91,6 +97,7 @@ struct proxy {
     node_t nodes[MAX_NODES];
     int num_nodes;
     uint64_t rr[2];
+    uint64_t rr_tokenize; /* the next node to ask for a /tokenize */
     preq_t *inflight;
     pd_metrics_t *metrics;
     proxy_metrics_t m;
@@ -115,6 +122,12 @@ void px_start_decode(preq_t *q);
 bool px_start_prefill(preq_t *q);
 /* Starts the client's event stream (once; nothing when the client is gone). */
 void px_start_client_stream(preq_t *q);
+
+/* --- kv_route.c: what the prompt is, and whether it needs a prefill node --- */
+/* Learns q's tokens and block keys (token ids as sent; text and chat through a node's /tokenize)
+ * when the policy or the local-prefill rules need them, then starts q's legs: the decode alone
+ * when the rules say it should prefill locally, else prefill → decode. q may end (and be freed). */
+void px_route_begin(preq_t *q);
 
 /* --- handover.c: the first-token handover (q->ft) --- */
 /* The prefill leg's chunk callback: relays its events, keeps the handover event's params. */

@@ -30,7 +30,6 @@
 #include "common/metrics.h"
 #include "common/time.h"
 #include "common/version.h"
-#include "scheduler/kv_events.h" /* pd_kv_event_hash: the nodes' block keys */
 
 /* ------------------------------------------------------------------ client replies */
 
@@ -71,6 +70,9 @@ void px_preq_free(preq_t *q)
     }
     if (q->client_watch != NULL) {
         pd_client_watch_stop(q->client_watch);
+    }
+    if (q->tok_conn != NULL) {
+        evhttp_connection_free(q->tok_conn); /* its callback does not run */
     }
     json_decref(q->body);
     json_decref(q->ktp);
@@ -271,7 +273,10 @@ static void on_d_done(struct evhttp_request *r, void *arg)
 void px_start_decode(preq_t *q)
 {
     proxy_t *px = q->px;
-    node_t *d = px_pick(px, false, q->tried_d, q->affinity, q->keys, q->num_keys, false);
+    node_t *d = q->d_hint != NULL && !q->tried_d[q->d_hint - px->nodes]
+                    ? q->d_hint
+                    : px_pick(px, false, q->tried_d, q->affinity, q->keys, q->num_keys, false);
+    q->d_hint = NULL;
     if (d == NULL) {
         px_release_prefill(q);
         px_fail_request(q, 503, "no healthy decode node");
@@ -293,7 +298,7 @@ void px_start_decode(preq_t *q)
             json_object_set_new(ktp, "first_token", json_true());
         }
         json_object_set_new(body, "kv_transfer_params", ktp);
-    } else {
+    } else if (!q->local) {
         json_object_set(body, "kv_transfer_params", q->ktp);
     }
     q->t_d_sent = pd_time_now_s();
@@ -462,37 +467,6 @@ static void on_client_close(struct evhttp_connection *conn, void *arg)
     px_preq_free(q);
 }
 
-/* kv-aware: the keys of a token-id prompt's full blocks, chained as the nodes' prefix caches chain
- * them (pd_hash128_chain, pd_kv_event_hash). Text and chat prompts get none (tokenizing them here is
- * not built yet): the load alone decides for them. */
-static void block_keys(const proxy_t *px, const json_t *prompt, preq_t *q)
-{
-    int bs = px->kv_block_size;
-    size_t n = json_array_size(prompt);
-    if (bs <= 0 || n < (size_t)bs || !json_is_integer(json_array_get(prompt, 0))) {
-        return;
-    }
-    int nb = (int)(n / (size_t)bs);
-    int32_t *toks = malloc(n * sizeof(int32_t));
-    q->keys = malloc((size_t)nb * sizeof(uint64_t));
-    if (toks == NULL || q->keys == NULL) {
-        free(toks);
-        free(q->keys);
-        q->keys = NULL;
-        return;
-    }
-    for (size_t i = 0; i < n; i++) {
-        toks[i] = (int32_t)json_integer_value(json_array_get(prompt, i));
-    }
-    pd_hash128_t prev;
-    for (int b = 0; b < nb; b++) {
-        prev = pd_hash128_chain(b > 0 ? &prev : NULL, toks + (size_t)b * bs, (size_t)bs, NULL, 0);
-        q->keys[b] = pd_kv_event_hash(prev);
-    }
-    q->num_keys = nb;
-    free(toks);
-}
-
 static void handle_completions(proxy_t *px, struct evhttp_request *req, const char *path)
 {
     struct evbuffer *in = evhttp_request_get_input_buffer(req);
@@ -571,9 +545,6 @@ static void handle_completions(proxy_t *px, struct evhttp_request *req, const ch
     size_t lim = (size_t)(px->cfg.affinity_prefix_chars > 0 ? px->cfg.affinity_prefix_chars : 1);
     q->affinity = ptext != NULL ? pd_hash64(ptext, plen < lim ? plen : lim, 0x6166) : 0;
     free(ptext);
-    if (strcmp(px->cfg.policy, "kv-aware") == 0) {
-        block_keys(px, prompt, q);
-    }
     uint64_t rnd = 0;
     if (getrandom(&rnd, sizeof(rnd), 0) != (ssize_t)sizeof(rnd)) {
         rnd = pd_time_now_ns();
@@ -597,9 +568,7 @@ static void handle_completions(proxy_t *px, struct evhttp_request *req, const ch
             break;
         }
     }
-    if (px_start_prefill(q) && q->push) {
-        px_start_decode(q);
-    }
+    px_route_begin(q);
 }
 
 typedef struct fwd_ctx {

@@ -186,6 +186,22 @@ START_TEST(test_datasets)
     }
     ck_assert_int_ne(memcmp(d.prompts[0].ids, d.prompts[1].ids, 5 * sizeof(int32_t)), 0);
     pd_bench_dataset_free(&d);
+    /* mixed: 200 prompts, about a quarter the random ones (40 ids), the rest 24-id repetitions */
+    pd_bench_dataset_t pa, pb;
+    ck_assert_int_eq(pd_bench_dataset_prefix_repetition(5, 200, 16, 8, 3, 4, 500, &pa), PD_OK);
+    ck_assert_int_eq(pd_bench_dataset_random(6, 200, 40, 7, 0, 0, 500, &pb), PD_OK);
+    ck_assert_int_eq(pd_bench_dataset_mix(7, &pa, &pb, 0.25, &d), PD_OK);
+    ck_assert_ptr_null(pa.prompts);
+    ck_assert_ptr_null(pb.prompts);
+    ck_assert_int_eq((int)d.n, 200);
+    int fresh = 0;
+    for (size_t i = 0; i < d.n; i++) {
+        ck_assert(d.prompts[i].num_ids == 40 || d.prompts[i].num_ids == 24);
+        ck_assert_int_eq(d.prompts[i].output_len, d.prompts[i].num_ids == 40 ? 7 : 4);
+        fresh += d.prompts[i].num_ids == 40;
+    }
+    ck_assert_msg(fresh > 30 && fresh < 70, "%d of 200 fresh prompts for a share of 0.25", fresh);
+    pd_bench_dataset_free(&d);
     tu_rmrf(dir);
     free(dir);
 }

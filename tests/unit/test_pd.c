@@ -41,14 +41,18 @@ typedef struct node {
     char log[512];
 } node_t;
 
-static void start(node_t *n, const char *bin, const char *tag, const char *model, char *const extra[])
+/* Starts bin on HTTP port (0: any free one) with the test's model flags (model NULL: none) and
+ * extra; fails the test when it does not start. */
+static void start_at(node_t *n, const char *bin, const char *tag, const char *model, char *const extra[],
+                     int port)
 {
-    char port_file[512], path[512];
+    char port_file[512], path[512], port_s[16];
     snprintf(port_file, sizeof(port_file), "%s/%s.port", g_dir, tag);
     snprintf(n->log, sizeof(n->log), "%s/%s.log", g_dir, tag);
     snprintf(path, sizeof(path), "%s/bin/%s", tu_binary_dir(), bin);
+    snprintf(port_s, sizeof(port_s), "%d", port);
     unlink(port_file);
-    char *argv[64] = {path, "--port", "0", "--port-file", port_file};
+    char *argv[64] = {path, "--port", port_s, "--port-file", port_file};
     int k = 5;
     if (model != NULL) {
         char *more[] = {"--model",
@@ -77,7 +81,13 @@ static void start(node_t *n, const char *bin, const char *tag, const char *model
     n->pid = tu_spawn(argv, n->log);
     ck_assert_int_gt(n->pid, 0);
     n->port = tu_wait_port(n->pid, port_file, 120);
-    ck_assert_msg(n->port > 0, "%s did not start; see %s", bin, n->log);
+    ck_assert_msg(n->port > 0 && (port == 0 || n->port == port), "%s did not start (on port %d); see %s", bin,
+                  port, n->log);
+}
+
+static void start(node_t *n, const char *bin, const char *tag, const char *model, char *const extra[])
+{
+    start_at(n, bin, tag, model, extra, 0);
 }
 
 static void stop(node_t *n)
@@ -706,6 +716,67 @@ START_TEST(test_proxy_kv_events_index)
     double p = node_blocks(c.x.port, c.p.port), d = node_blocks(c.x.port, c.d.port);
     ck_assert_msg(p > 0 && p <= 39 && d > 0 && d <= 39, "index counts %.0f / %.0f for 39-block pools", p, d);
     ck_assert_int_eq((int)metric(c.x.port, "pd_proxy:kv_events_gaps_total"), 0);
+    ck_assert_int_eq((int)metric(c.x.port, "pd_proxy:kv_events_malformed_total"), 0);
+    assert_pool_free(c.p.port, "the prefill");
+    assert_pool_free(c.d.port, "the decode");
+    cluster_stop(&c);
+}
+END_TEST
+
+/* A free loopback TCP port (bound and released: a node binds it next). */
+static int free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof(sa);
+    ck_assert(fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
+              getsockname(fd, (struct sockaddr *)&sa, &sl) == 0);
+    close(fd);
+    return ntohs(sa.sin_port);
+}
+
+/* A node restarts behind the proxy's back: the prefill is killed and started again on the same HTTP,
+ * KV ports and event sockets (so the proxy's subscription reconnects by itself). Its new process numbers
+ * its batches from 0 again: the proxy forgets what the old one held, and after one new prompt of 8
+ * blocks it indexes exactly those 8 and 2 again, not the old 4 as well. Until then its index is stale and the
+ * answers are still right. */
+START_TEST(test_proxy_index_after_node_restart)
+{
+    char evcfg[1400], kvl[64]; /* ipc endpoints are bound (a tcp one without '*' is connected) */
+    snprintf(evcfg, sizeof(evcfg),
+             "{\"enable_kv_cache_events\": true, \"endpoint\": \"ipc://%s/ev.sock\", "
+             "\"replay_endpoint\": \"ipc://%s/replay.sock\"}",
+             g_dir, g_dir);
+    snprintf(kvl, sizeof(kvl), "127.0.0.1:%d", free_port());
+    char *pev[] = {"--kv-events-config", evcfg, "--kv-listen", kvl, NULL};
+    cluster_t c;
+    cluster_start(&c, "pull", "tcp", pev, NULL);
+    stop(&c.x);
+    start_events_proxy(&c);
+    usleep(600 * 1000);
+    expect_same(c.x.port, 8, false); /* 32 and 33 tokens: 2 full blocks each */
+    expect_same(c.x.port, 9, false);
+    double end = tu_now() + 10;
+    while (node_blocks(c.x.port, c.p.port) != 4 && tu_now() < end) {
+        usleep(50 * 1000);
+    }
+    ck_assert_int_eq((int)node_blocks(c.x.port, c.p.port), 4);
+    int http_port = c.p.port;
+    kill(c.p.pid, SIGKILL);
+    waitpid(c.p.pid, NULL, 0);
+    char *common[] = {"--kv-transfer-mode", "pull", "--kv-pipe",   "tcp", FAST_TIMEOUTS,
+                      "--kv-events-config", evcfg,  "--kv-listen", kvl,   NULL};
+    start_at(&c.p, "pd-prefill", "prefill-again", g_model, common, http_port);
+    usleep(800 * 1000);               /* healthy again in the proxy's probes */
+    expect_same(c.x.port, 8, false);  /* the stale index may still name it: the answer is right */
+    expect_same(c.x.port, 19, false); /* 128 tokens: 8 blocks */
+    end = tu_now() + 10;
+    while (node_blocks(c.x.port, c.p.port) != 10 && tu_now() < end) {
+        usleep(50 * 1000);
+    }
+    ck_assert_msg(node_blocks(c.x.port, c.p.port) == 10,
+                  "after the restart the proxy indexes %.0f blocks on the prefill, want 10 (2 + 8)",
+                  node_blocks(c.x.port, c.p.port));
     ck_assert_int_eq((int)metric(c.x.port, "pd_proxy:kv_events_malformed_total"), 0);
     assert_pool_free(c.p.port, "the prefill");
     assert_pool_free(c.d.port, "the decode");
@@ -1578,6 +1649,22 @@ START_TEST(test_proxy_prefix_affinity_and_failover)
 }
 END_TEST
 
+/* A greedy completion of a 344-token text prompt (21 full blocks) (streamed or not), with its token ids. */
+static char *long_text_body(bool stream)
+{
+    char prompt[2048];
+    size_t n = 0;
+    for (int w = 0; w < 60; w++) {
+        n += (size_t)snprintf(prompt + n, sizeof(prompt) - n, "%sword%d", w ? " " : "", w * 7);
+    }
+    json_t *b =
+        json_pack("{s:s, s:s, s:i, s:f, s:b, s:b}", "model", MODEL_NAME, "prompt", prompt, "max_tokens",
+                  MAX_TOKENS, "temperature", 0.0, "return_token_ids", 1, "stream", stream);
+    char *s = json_dumps(b, JSON_COMPACT);
+    json_decref(b);
+    return s;
+}
+
 /* --policy kv-aware: a prompt goes to the prefill whose KV cache events say it holds the prompt's
  * blocks (all nodes idle, so the load ties); prompts nobody holds spread by the load's rotation;
  * when that prefill dies, the index still names it but the proxy fails over and answers right. */
@@ -1607,6 +1694,30 @@ START_TEST(test_proxy_kv_aware)
     }
     ck_assert_msg(served(c.p[owner].port) > a + 5 && served(c.p[1 - owner].port) > b,
                   "8 fresh prompts all went to one prefill");
+    /* a text prompt: tokenized through a node's /tokenize, then routed by its blocks as token ids are */
+    char *tb = long_text_body(false);
+    double t0 = served(c.p[0].port), w0 = metric(c.x.port, s0), w1 = metric(c.x.port, s1);
+    int st;
+    free(complete(c.x.port, tb, &st));
+    ck_assert_int_eq(st, 200);
+    int town = served(c.p[0].port) > t0 ? 0 : 1;
+    double before = served(c.p[town].port);
+    const char *ts = town == 0 ? s0 : s1;
+    double want = (town == 0 ? w0 : w1) + 21;
+    end = tu_now() + 10;
+    while (metric(c.x.port, ts) < want && tu_now() < end) {
+        usleep(50 * 1000);
+    }
+    double other = served(c.p[1 - town].port);
+    for (int k = 0; k < 3; k++) {
+        free(complete(c.x.port, tb, &st));
+        ck_assert_int_eq(st, 200);
+    }
+    ck_assert_msg(served(c.p[town].port) == before + 3 && served(c.p[1 - town].port) == other,
+                  "kv-aware sent a cached text prompt elsewhere (%g/%g of 3 went to its prefill)",
+                  served(c.p[town].port) - before, served(c.p[1 - town].port) - other);
+    free(tb);
+    ck_assert_int_eq((int)metric(c.x.port, "pd_proxy:tokenize_failures_total"), 0);
     kill(c.p[owner].pid, SIGKILL); /* the index still names it */
     waitpid(c.p[owner].pid, NULL, 0);
     c.p[owner].pid = -1;
@@ -1617,6 +1728,94 @@ START_TEST(test_proxy_kv_aware)
     assert_pool_free(c.p[1 - owner].port, "the surviving prefill");
     assert_pool_free(c.d.port, "the decode");
     pool2_stop(&c);
+}
+END_TEST
+
+/* Conditional disaggregation (pd-proxy --pd-local-prefill-threshold 24, KV events on): a prompt
+ * whose part the decode does not hold is under 24 tokens is prefilled by the decode alone (no
+ * prefill leg: the prefill serves nothing), token ids, text and chat alike; a long fresh prompt goes
+ * through the prefill, and the same prompt again, now held by the decode (it loaded the KV), stays
+ * on the decode; so does a chat turn asked twice. Every answer equals pd-serve's (streams event for event). A request the nodes
+ * refuse (an unknown model) is routed without tokens and refused as before. Both pools end free. */
+START_TEST(test_proxy_local_prefill)
+{
+    char *ev[] = {"--kv-events-config",
+                  "{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://127.0.0.1:*\", "
+                  "\"replay_endpoint\": \"tcp://127.0.0.1:*\"}",
+                  NULL};
+    cluster_t c;
+    cluster_start(&c, "pull", "tcp", ev, ev);
+    stop(&c.x);
+    char pre[64], dec[64];
+    snprintf(pre, sizeof(pre), "http://127.0.0.1:%d", c.p.port);
+    snprintf(dec, sizeof(dec), "http://127.0.0.1:%d", c.d.port);
+    char *x[] = {
+        "--prefill", pre, "--decode", dec, "--health-interval", "0.2", "--pd-local-prefill-threshold",
+        "24",        NULL};
+    start(&c.x, "pd-proxy", "proxy-local", NULL, x);
+    node_t serve;
+    start(&serve, "pd-serve", "serve-local", g_model, NULL);
+    usleep(600 * 1000); /* the first probe round subscribes */
+    const char *local = "pd_proxy:prefills_total{where=\"local\"}",
+               *remote = "pd_proxy:prefills_total{where=\"remote\"}";
+    /* short token-id prompts (1..17 tokens): the decode alone */
+    for (int i = 0; i < 7; i++) {
+        expect_same(c.x.port, i, false);
+        expect_same(c.x.port, i, true);
+    }
+    ck_assert_int_eq((int)served(c.p.port), 0);
+    ck_assert_int_eq((int)metric(c.x.port, local), 14);
+    /* 128 tokens: through the prefill; again, the decode holds 7 of its 8 blocks: 16 uncached */
+    expect_same(c.x.port, 19, false);
+    ck_assert_int_eq((int)served(c.p.port), 1);
+    double end = tu_now() + 10;
+    while (node_blocks(c.x.port, c.d.port) < 7 && tu_now() < end) {
+        usleep(50 * 1000);
+    }
+    expect_same(c.x.port, 19, true);
+    ck_assert_int_eq((int)served(c.p.port), 1);
+    /* a long text prompt (tokenized by a node's /tokenize): remote, then local */
+    char *tb = long_text_body(true);
+    double held = node_blocks(c.x.port, c.d.port);
+    expect_same_stream(serve.port, c.x.port, "/v1/completions", tb, "long text, first");
+    ck_assert_int_eq((int)served(c.p.port), 2);
+    end = tu_now() + 10;
+    while (node_blocks(c.x.port, c.d.port) < held + 21 && tu_now() < end) {
+        usleep(50 * 1000);
+    }
+    expect_same_stream(serve.port, c.x.port, "/v1/completions", tb, "long text, again");
+    ck_assert_int_eq((int)served(c.p.port), 2);
+    free(tb);
+    /* a chat turn (42 tokens with the template's preamble): remote; again, 10 uncached: local */
+    const char *chat =
+        "{\"model\": \"" MODEL_NAME "\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], "
+        "\"max_tokens\": 4, \"temperature\": 0, \"stream\": true}";
+    held = node_blocks(c.x.port, c.d.port);
+    expect_same_stream(serve.port, c.x.port, "/v1/chat/completions", chat, "chat, first");
+    ck_assert_int_eq((int)served(c.p.port), 3);
+    end = tu_now() + 10;
+    while (node_blocks(c.x.port, c.d.port) < held + 2 && tu_now() < end) {
+        usleep(50 * 1000);
+    }
+    expect_same_stream(serve.port, c.x.port, "/v1/chat/completions", chat, "chat, again");
+    ck_assert_int_eq((int)served(c.p.port), 3);
+    ck_assert_int_eq((int)metric(c.x.port, local), 14 + 1 + 1 + 1);
+    ck_assert_int_eq((int)metric(c.x.port, remote), 3);
+    ck_assert_int_eq((int)metric(c.x.port, "pd_proxy:tokenize_failures_total"), 0);
+    /* an unknown model: /tokenize refuses it, the request goes the P/D way and is refused there */
+    http_resp_t r;
+    ck_assert_int_eq(
+        http_request(c.x.port, "POST", "/v1/chat/completions", "Content-Type: application/json\r\n",
+                     "{\"model\": \"nope\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}", &r,
+                     30000),
+        0);
+    ck_assert_int_eq(r.status, 404);
+    http_resp_free(&r);
+    ck_assert_int_eq((int)metric(c.x.port, "pd_proxy:tokenize_failures_total"), 1);
+    assert_pool_free(c.p.port, "the prefill");
+    assert_pool_free(c.d.port, "the decode");
+    stop(&serve);
+    cluster_stop(&c);
 }
 END_TEST
 
@@ -1868,40 +2067,17 @@ START_TEST(test_dns_discovery_and_prefill_restart)
     ck_assert_int_eq(http_request(c.p.port, "GET", "/pd/info", NULL, NULL, &r, 5000), 0);
     json_t *info = json_loads(r.body, 0, NULL);
     http_resp_free(&r);
-    char kv[64], port[16], old_id[80];
+    char kv[64], old_id[80];
     snprintf(kv, sizeof(kv), "127.0.0.1:%lld",
              (long long)json_integer_value(json_object_get(info, "kv_port")));
     snprintf(old_id, sizeof(old_id), "%s", json_string_value(json_object_get(info, "engine_id")));
     json_decref(info);
-    snprintf(port, sizeof(port), "%d", c.p.port);
     kill(c.p.pid, SIGKILL);
     waitpid(c.p.pid, NULL, 0);
     /* same HTTP and KV ports, new process */
     char *again[] = {"--kv-transfer-mode", "pull",        "--kv-pipe", "tcp",
                      FAST_TIMEOUTS,        "--kv-listen", kv,          NULL};
-    node_t p2;
-    char port_file[512], path[512];
-    snprintf(port_file, sizeof(port_file), "%s/prefill2.port", g_dir);
-    snprintf(p2.log, sizeof(p2.log), "%s/prefill2.log", g_dir);
-    snprintf(path, sizeof(path), "%s/bin/pd-prefill", tu_binary_dir());
-    char *argv[48] = {path,       "--port",
-                      port,       "--port-file",
-                      port_file,  "--model",
-                      g_model,    "--served-model-name",
-                      MODEL_NAME, "--kv-cache-memory",
-                      "256M",     "--threads",
-                      "1",        "--max-model-len",
-                      "512",      "--max-num-batched-tokens",
-                      "64"};
-    int k = 17;
-    for (int i = 0; again[i] != NULL; i++) {
-        argv[k++] = again[i];
-    }
-    argv[k] = NULL;
-    p2.pid = tu_spawn(argv, p2.log);
-    p2.port = tu_wait_port(p2.pid, port_file, 60);
-    ck_assert_msg(p2.port == c.p.port, "the prefill did not come back on port %d; see %s", c.p.port, p2.log);
-    c.p = p2;
+    start_at(&c.p, "pd-prefill", "prefill2", g_model, again, c.p.port);
     usleep(800 * 1000); /* the proxy's probes see it healthy again */
     for (int i = 0; i < 3; i++) {
         expect_same(c.x.port, 6 + i, false);
@@ -1951,6 +2127,8 @@ int main(void)
     tcase_add_test(proxy, test_proxy_keyed_cluster);
     tcase_add_test(proxy, test_proxy_kv_events_index);
     tcase_add_test(proxy, test_proxy_kv_aware);
+    tcase_add_test(proxy, test_proxy_local_prefill);
+    tcase_add_test(proxy, test_proxy_index_after_node_restart);
     tcase_add_test(proxy, test_dns_discovery_and_prefill_restart);
     TCase *cases[] = {eq, handover, faults, hostile, proxy};
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
