@@ -13,14 +13,9 @@ cd "$(dirname "$0")/.."
 bin="$build/bin"
 models="$build/models"
 results=bench/RESULTS.md
-mkdir -p "$models" bench/plots/kvaware
-if [[ ! -f "$models/demo/config.json" ]]; then
-  "$bin/pd-mkmodel" --preset demo --out "$models/demo"
-fi
-work=$(mktemp -d /tmp/pd-kvaware-XXXXXX)
+mkdir -p bench/plots/kvaware
 source tools/bench-procs.sh
-trap 'stop_all; rm -rf "$work"' EXIT
-events='{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}'
+demo_setup kvaware
 node=(--model "$models/demo" --served-model-name demo --kv-cache-memory 1G --max-model-len 2048
       --max-num-batched-tokens 2048 --threads 1 --kv-pipe ucx --kv-transfer-mode pull --kv-listen 127.0.0.1:0
       --kv-events-config "$events")

@@ -18,13 +18,9 @@ cd "$(dirname "$0")/.."
 bin="$build/bin"
 models="$build/models"
 results=bench/RESULTS.md
-mkdir -p "$models" bench/plots
-if [[ ! -f "$models/demo/config.json" ]]; then
-  "$bin/pd-mkmodel" --preset demo --out "$models/demo"
-fi
-work=$(mktemp -d /tmp/pd-bench-XXXXXX)
+mkdir -p bench/plots
 source tools/bench-procs.sh
-trap 'stop_all; rm -rf "$work"' EXIT
+demo_setup bench
 
 model=(--model "$models/demo" --served-model-name demo --kv-cache-memory 3G --max-model-len 8192
        --max-num-batched-tokens 2048)

@@ -1,5 +1,7 @@
 # tools/bench-procs.sh — sourced by the benchmark scripts that start servers (bench-pd.sh,
-# bench-kvaware.sh): `start NAME BINARY ARGS...` runs "$bin/BINARY" on a free loopback port with
+# bench-kvaware.sh, bench-conditional.sh): `demo_setup TAG` makes the demo model in $models once,
+# a work directory $work (removed, with every server, on exit) and $events (KV cache events on
+# free loopback ports); `start NAME BINARY ARGS...` runs "$bin/BINARY" on a free loopback port with
 # its log in "$work/NAME.log" and sets $port; `stop_all` stops (TERM, then KILL after 10 s) every
 # server started so far. The caller sets $bin and $work and traps stop_all on exit.
 pids=()
@@ -25,4 +27,14 @@ start() {
     sleep 0.2
   done
   echo "$(basename "$0"): $name did not start" >&2; exit 1
+}
+
+demo_setup() {
+  mkdir -p "$models"
+  if [[ ! -f "$models/demo/config.json" ]]; then
+    "$bin/pd-mkmodel" --preset demo --out "$models/demo"
+  fi
+  work=$(mktemp -d "/tmp/pd-$1-XXXXXX")
+  trap 'stop_all; rm -rf "$work"' EXIT
+  events='{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}'
 }

@@ -102,6 +102,11 @@ typedef struct cluster {
     node_t p, d, x;
 } cluster_t;
 
+/* --kv-events-config: events and replay on free loopback ports (named in /pd/info) */
+#define EVENTS_CFG                                                                                           \
+    "{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://127.0.0.1:*\", "                               \
+    "\"replay_endpoint\": \"tcp://127.0.0.1:*\"}"
+
 #define FAST_TIMEOUTS                                                                                        \
     "--kv-heartbeat-interval", "0.2", "--kv-heartbeat-misses", "5", "--kv-handshake-timeout", "2",           \
         "--kv-load-timeout", "10", "--no-kv-prefault"
@@ -653,6 +658,21 @@ static double node_blocks(int proxy_port, int node_port)
     return metric(proxy_port, series);
 }
 
+/* Polls until the proxy indexes at least (exact: exactly) want blocks on the node, or 10 s pass;
+ * returns the last count. */
+static double await_blocks(int proxy_port, int node_port, double want, bool exact)
+{
+    double v = -1, end = tu_now() + 10;
+    while (tu_now() < end) {
+        v = node_blocks(proxy_port, node_port);
+        if (exact ? v == want : v >= want) {
+            break;
+        }
+        usleep(50 * 1000);
+    }
+    return v;
+}
+
 static void start_events_proxy(cluster_t *c)
 {
     char pre[64], dec[64];
@@ -680,10 +700,7 @@ static void expect_index(int proxy_port, const cluster_t *c, double want, const 
 
 START_TEST(test_proxy_kv_events_index)
 {
-    char *ev[] = {"--kv-events-config",
-                  "{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://127.0.0.1:*\", "
-                  "\"replay_endpoint\": \"tcp://127.0.0.1:*\"}",
-                  "--num-blocks-override", "40", NULL};
+    char *ev[] = {"--kv-events-config", EVENTS_CFG, "--num-blocks-override", "40", NULL};
     cluster_t c;
     cluster_start(&c, "pull", "tcp", ev, ev);
     stop(&c.x);
@@ -756,11 +773,7 @@ START_TEST(test_proxy_index_after_node_restart)
     usleep(600 * 1000);
     expect_same(c.x.port, 8, false); /* 32 and 33 tokens: 2 full blocks each */
     expect_same(c.x.port, 9, false);
-    double end = tu_now() + 10;
-    while (node_blocks(c.x.port, c.p.port) != 4 && tu_now() < end) {
-        usleep(50 * 1000);
-    }
-    ck_assert_int_eq((int)node_blocks(c.x.port, c.p.port), 4);
+    ck_assert_int_eq((int)await_blocks(c.x.port, c.p.port, 4, true), 4);
     int http_port = c.p.port;
     kill(c.p.pid, SIGKILL);
     waitpid(c.p.pid, NULL, 0);
@@ -770,13 +783,9 @@ START_TEST(test_proxy_index_after_node_restart)
     usleep(800 * 1000);               /* healthy again in the proxy's probes */
     expect_same(c.x.port, 8, false);  /* the stale index may still name it: the answer is right */
     expect_same(c.x.port, 19, false); /* 128 tokens: 8 blocks */
-    end = tu_now() + 10;
-    while (node_blocks(c.x.port, c.p.port) != 10 && tu_now() < end) {
-        usleep(50 * 1000);
-    }
-    ck_assert_msg(node_blocks(c.x.port, c.p.port) == 10,
-                  "after the restart the proxy indexes %.0f blocks on the prefill, want 10 (2 + 8)",
-                  node_blocks(c.x.port, c.p.port));
+    double got = await_blocks(c.x.port, c.p.port, 10, true);
+    ck_assert_msg(got == 10,
+                  "after the restart the proxy indexes %.0f blocks on the prefill, want 10 (2 + 8)", got);
     ck_assert_int_eq((int)metric(c.x.port, "pd_proxy:kv_events_malformed_total"), 0);
     assert_pool_free(c.p.port, "the prefill");
     assert_pool_free(c.d.port, "the decode");
@@ -1582,15 +1591,9 @@ static void pool2_start(pool2_t *c, const char *policy)
 {
     memset(c, 0, sizeof(*c));
     bool kv = strcmp(policy, "kv-aware") == 0; /* the nodes publish their KV cache events */
-    char *a[] = {"--kv-transfer-mode",
-                 "pull",
-                 "--kv-pipe",
-                 "tcp",
-                 FAST_TIMEOUTS,
-                 kv ? "--kv-events-config" : NULL,
-                 "{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://127.0.0.1:*\", "
-                 "\"replay_endpoint\": \"tcp://127.0.0.1:*\"}",
-                 NULL};
+    char *a[] = {
+        "--kv-transfer-mode", "pull", "--kv-pipe", "tcp", FAST_TIMEOUTS, kv ? "--kv-events-config" : NULL,
+        EVENTS_CFG,           NULL};
     start(&c->p[0], "pd-prefill", "prefill0", g_model, a);
     start(&c->p[1], "pd-prefill", "prefill1", g_model, a);
     start(&c->d, "pd-decode", "decode", g_model, a);
@@ -1696,18 +1699,13 @@ START_TEST(test_proxy_kv_aware)
                   "8 fresh prompts all went to one prefill");
     /* a text prompt: tokenized through a node's /tokenize, then routed by its blocks as token ids are */
     char *tb = long_text_body(false);
-    double t0 = served(c.p[0].port), w0 = metric(c.x.port, s0), w1 = metric(c.x.port, s1);
+    double t0 = served(c.p[0].port), w[2] = {metric(c.x.port, s0), metric(c.x.port, s1)};
     int st;
     free(complete(c.x.port, tb, &st));
     ck_assert_int_eq(st, 200);
     int town = served(c.p[0].port) > t0 ? 0 : 1;
     double before = served(c.p[town].port);
-    const char *ts = town == 0 ? s0 : s1;
-    double want = (town == 0 ? w0 : w1) + 21;
-    end = tu_now() + 10;
-    while (metric(c.x.port, ts) < want && tu_now() < end) {
-        usleep(50 * 1000);
-    }
+    await_blocks(c.x.port, c.p[town].port, w[town] + 21, false);
     double other = served(c.p[1 - town].port);
     for (int k = 0; k < 3; k++) {
         free(complete(c.x.port, tb, &st));
@@ -1739,10 +1737,7 @@ END_TEST
  * refuse (an unknown model) is routed without tokens and refused as before. Both pools end free. */
 START_TEST(test_proxy_local_prefill)
 {
-    char *ev[] = {"--kv-events-config",
-                  "{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://127.0.0.1:*\", "
-                  "\"replay_endpoint\": \"tcp://127.0.0.1:*\"}",
-                  NULL};
+    char *ev[] = {"--kv-events-config", EVENTS_CFG, NULL};
     cluster_t c;
     cluster_start(&c, "pull", "tcp", ev, ev);
     stop(&c.x);
@@ -1768,10 +1763,7 @@ START_TEST(test_proxy_local_prefill)
     /* 128 tokens: through the prefill; again, the decode holds 7 of its 8 blocks: 16 uncached */
     expect_same(c.x.port, 19, false);
     ck_assert_int_eq((int)served(c.p.port), 1);
-    double end = tu_now() + 10;
-    while (node_blocks(c.x.port, c.d.port) < 7 && tu_now() < end) {
-        usleep(50 * 1000);
-    }
+    await_blocks(c.x.port, c.d.port, 7, false);
     expect_same(c.x.port, 19, true);
     ck_assert_int_eq((int)served(c.p.port), 1);
     /* a long text prompt (tokenized by a node's /tokenize): remote, then local */
@@ -1779,10 +1771,7 @@ START_TEST(test_proxy_local_prefill)
     double held = node_blocks(c.x.port, c.d.port);
     expect_same_stream(serve.port, c.x.port, "/v1/completions", tb, "long text, first");
     ck_assert_int_eq((int)served(c.p.port), 2);
-    end = tu_now() + 10;
-    while (node_blocks(c.x.port, c.d.port) < held + 21 && tu_now() < end) {
-        usleep(50 * 1000);
-    }
+    await_blocks(c.x.port, c.d.port, held + 21, false);
     expect_same_stream(serve.port, c.x.port, "/v1/completions", tb, "long text, again");
     ck_assert_int_eq((int)served(c.p.port), 2);
     free(tb);
@@ -1793,10 +1782,7 @@ START_TEST(test_proxy_local_prefill)
     held = node_blocks(c.x.port, c.d.port);
     expect_same_stream(serve.port, c.x.port, "/v1/chat/completions", chat, "chat, first");
     ck_assert_int_eq((int)served(c.p.port), 3);
-    end = tu_now() + 10;
-    while (node_blocks(c.x.port, c.d.port) < held + 2 && tu_now() < end) {
-        usleep(50 * 1000);
-    }
+    await_blocks(c.x.port, c.d.port, held + 2, false);
     expect_same_stream(serve.port, c.x.port, "/v1/chat/completions", chat, "chat, again");
     ck_assert_int_eq((int)served(c.p.port), 3);
     ck_assert_int_eq((int)metric(c.x.port, local), 14 + 1 + 1 + 1);
