@@ -83,11 +83,7 @@ static node_t *local_decode(preq_t *q)
     if (d == NULL) {
         return NULL;
     }
-    int32_t cached = 0;
-    if (px->zmq_ctx != NULL && q->num_keys > 0) {
-        cached =
-            px_kv_index_prefix(&px->kv_index, q->keys, q->num_keys, (int)(d - px->nodes)) * px->kv_block_size;
-    }
+    int32_t cached = px_cached_prefix(px, d, q->keys, q->num_keys) * px->kv_block_size;
     int32_t uncached = q->num_tokens - cached;
     bool local = uncached < px->cfg.local_prefill_threshold ||
                  (px->cfg.local_prefill_hit_ratio > 0 &&

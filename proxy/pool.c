@@ -132,15 +132,43 @@ static uint64_t node_score(const node_t *n, uint64_t key)
     return pd_hash64(n->url, strlen(n->url), key);
 }
 
-/* Picks a healthy node of the pool not yet tried; NULL when none is left. */
+/* A node's load: the requests it runs and queues by its last /metrics probe, or this proxy's
+ * requests there when they are more. The probe counts the proxy's requests too (adding both would
+ * count them twice), but it is up to --health-interval old: a burst sent since shows only in
+ * inflight. */
+static double node_load(const node_t *n)
+{
+    return n->inflight > n->load ? n->inflight : n->load;
+}
+
 /* kv-aware: the share of the prompt's full blocks the node holds as a prefix, minus the load
  * (requests this proxy has there + running + waiting from its /metrics) times the load weight. */
 static double kv_aware_score(const proxy_t *px, const node_t *n, const uint64_t *keys, int num_keys)
 {
-    int idx = (int)(n - px->nodes);
-    double cached =
-        num_keys > 0 ? (double)px_kv_index_prefix(&px->kv_index, keys, num_keys, idx) / num_keys : 0;
-    return cached - px->cfg.kv_aware_load_weight * (n->inflight + n->load);
+    double cached = num_keys > 0 ? (double)px_cached_prefix(px, n, keys, num_keys) / num_keys : 0;
+    return cached - px->cfg.kv_aware_load_weight * node_load(n);
+}
+
+int px_cached_prefix(const proxy_t *px, const node_t *node, const uint64_t *keys, int n)
+{
+    if (px->zmq_ctx == NULL || n <= 0) {
+        return 0;
+    }
+    int idx = (int)(node - px->nodes);
+    int held = px_kv_index_prefix(&px->kv_index, keys, n, idx);
+    if (px->cfg.kv_aware_recent_s > 0 && held < n) {
+        int sent =
+            px_kv_recent_prefix(&px->kv_recent, keys, n, idx, pd_time_now_s(), px->cfg.kv_aware_recent_s);
+        held = sent > held ? sent : held;
+    }
+    return held;
+}
+
+void px_note_route(proxy_t *px, const node_t *node, const uint64_t *keys, int n)
+{
+    if (px->zmq_ctx != NULL && px->cfg.kv_aware_recent_s > 0 && n > 0) {
+        px_kv_recent_add(&px->kv_recent, keys, n, (int)(node - px->nodes), pd_time_now_s());
+    }
 }
 
 node_t *px_pick(proxy_t *px, bool prefill, const bool *tried, uint64_t affinity, const uint64_t *keys,
@@ -165,7 +193,7 @@ node_t *px_pick(proxy_t *px, bool prefill, const bool *tried, uint64_t affinity,
     uint64_t start = px->rr[prefill]++;
     for (int k = 0; k < nc; k++) {
         node_t *n = &px->nodes[cands[(start + (uint64_t)k) % (uint64_t)nc]];
-        double v = strcmp(px->cfg.policy, "least-loaded") == 0 ? -(n->inflight + n->load)
+        double v = strcmp(px->cfg.policy, "least-loaded") == 0 ? -node_load(n)
                    : strcmp(px->cfg.policy, "kv-aware") == 0   ? kv_aware_score(px, n, keys, num_keys)
                                                                : (double)(node_score(n, affinity) >> 11);
         if (best == NULL || v > best_v) {

@@ -40,6 +40,7 @@ void pd_proxy_config_defaults(pd_proxy_config_t *c)
     c->first_token_from_prefill = true;
     c->kv_index_max_blocks = 1 << 20;
     c->kv_aware_load_weight = 0.1;
+    c->kv_aware_recent_s = 5;
     c->max_request_bytes = 16u << 20;
     /* keys from the environment (a Kubernetes Secret), so that they are not on the command line */
     static char client_key[512], node_key[512];
@@ -78,7 +79,8 @@ size_t pd_proxy_flags(pd_proxy_config_t *c, pd_flag_t *out, size_t max)
          NULL},
         {"kv-aware-load-weight", PD_FLAG_DOUBLE, &c->kv_aware_load_weight,
          "kv-aware: a node scores the share of the prompt's full blocks it holds as a prefix (0..1) minus "
-         "this times its load (requests this proxy has there + its running + waiting)",
+         "this times its load (its running + waiting by the last probe, or the requests this proxy has "
+         "there when they are more)",
          NULL},
         {"pd-local-prefill-threshold", PD_FLAG_INT, &c->local_prefill_threshold,
          "conditional disaggregation: a prompt whose part the chosen decode node does not hold (by the KV "
@@ -89,6 +91,11 @@ size_t pd_proxy_flags(pd_proxy_config_t *c, pd_flag_t *out, size_t max)
         {"pd-local-prefill-hit-ratio", PD_FLAG_DOUBLE, &c->local_prefill_hit_ratio,
          "conditional disaggregation: the decode node also prefills locally when it holds at least this "
          "share (0..1] of the prompt's tokens as cached blocks (0: off); implies --kv-events",
+         NULL},
+        {"kv-aware-recent-seconds", PD_FLAG_DOUBLE, &c->kv_aware_recent_s,
+         "kv-aware and the local-prefill rules: a prompt sent to a node counts as held there for this "
+         "long, until its KV events say so (a burst over a new prefix then stays on one node; 0: the "
+         "events alone)",
          NULL},
         {"kv-index-max-blocks", PD_FLAG_INT, &c->kv_index_max_blocks,
          "block keys the index holds at most (16 bytes each, plus the table's slack)", NULL},
@@ -338,6 +345,7 @@ pd_status_t pd_proxy_run(const pd_proxy_config_t *cfg)
         zmq_ctx_term(px->zmq_ctx);
     }
     px_kv_index_free(&px->kv_index);
+    px_kv_recent_free(&px->kv_recent);
     pd_metrics_destroy(px->metrics);
     free(px);
     return st;

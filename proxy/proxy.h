@@ -36,6 +36,7 @@ typedef struct pd_proxy_config {
     bool kv_events;                 /* subscribe to the nodes' KV cache events and index their blocks */
     int kv_index_max_blocks;        /* block keys the index holds at most */
     double kv_aware_load_weight;    /* kv-aware: what one request of load costs against a full prefix hit */
+    double kv_aware_recent_s;       /* a prompt sent to a node counts as held there this long (0: off) */
     int local_prefill_threshold;    /* the decode prefills prompts with fewer uncached tokens (0: never) */
     double local_prefill_hit_ratio; /* ... or of which it holds this share (0: off) */
     double health_interval;

@@ -15,6 +15,7 @@
 #include "common/http_watch.h"
 #include "common/metrics.h"
 #include "proxy/kv_index.h"
+#include "proxy/kv_recent.h"
 #include "proxy/proxy.h"
 
 #define MAX_NODES 64
@@ -106,7 +107,8 @@ struct proxy {
     /* --kv-events: every node's KV cache events (kv_events_sub.c) and the block index they keep */
     void *zmq_ctx;
     px_kv_index_t kv_index;
-    int kv_block_size; /* from the nodes' BlockStored events (0: none seen yet) */
+    px_kv_recent_t kv_recent; /* prompts routed in the last --kv-aware-recent-seconds */
+    int kv_block_size;        /* from the nodes' BlockStored events (0: none seen yet) */
     struct px_kv_sub *kv_subs[MAX_NODES];
 };
 
@@ -163,6 +165,11 @@ void px_set_health(node_t *n, bool ok, const char *why);
 /* The node of a pool to send to by the policy, skipping tried[] ones (NULL: none). affinity is the
  * prompt-prefix key of prefix-affinity; need_info: only nodes whose /pd/info arrived. */
 /* keys[num_keys]: the prompt's block keys (kv-aware; NULL: unknown, the load decides). */
+/* How many of keys[0..n) node holds as a prefix: by its KV events, or (kv-aware) because a prompt
+ * with that prefix was sent there in the last --kv-aware-recent-seconds. */
+int px_cached_prefix(const proxy_t *px, const node_t *node, const uint64_t *keys, int n);
+/* Remembers that q's prompt was sent to node (kv-aware: see px_cached_prefix). */
+void px_note_route(proxy_t *px, const node_t *node, const uint64_t *keys, int n);
 node_t *px_pick(proxy_t *px, bool prefill, const bool *tried, uint64_t affinity, const uint64_t *keys,
                 int num_keys, bool need_info);
 typedef void (*up_done_cb)(struct evhttp_request *, void *);

@@ -284,6 +284,7 @@ void px_start_decode(preq_t *q)
     }
     q->tried_d[d - px->nodes] = true;
     q->d = d;
+    px_note_route(px, d, q->keys, q->num_keys);
     q->d_skip = q->p_events;
     q->d_events = 0;
     evbuffer_drain(q->d_sse, evbuffer_get_length(q->d_sse));
@@ -400,6 +401,7 @@ bool px_start_prefill(preq_t *q)
     }
     q->tried_p[p - px->nodes] = true;
     q->p = p;
+    px_note_route(px, p, q->keys, q->num_keys);
     /* first-token handover: the client's body as it is (the parameters set while px_upstream
      * serialises it); else a copy with the fields a 1-token prefill must not see */
     json_t *body = q->ft ? q->body : json_deep_copy(q->body);

@@ -54,7 +54,7 @@ for run in disaggregated conditional colocated; do
   sleep 1 # the first probe round subscribes to the events
   f="$work/$run-$rate.json"
   # shellcheck disable=SC2086
-  "$bin/pd-bench" --base-url "http://127.0.0.1:$x" --wait-ready 60 $dataset --num-prompts "$n" \
+  "$bin/pd-bench" --base-url "http://127.0.0.1:$x" --wait-ready 60 $dataset --vocab-size "$vocab" --num-prompts "$n" \
     --request-rate "$rate" --seed 13 --num-warmups 0 --ignore-eos --goodput "$slo" --metric-percentiles 50,99 \
     --no-progress --label "$run" --save-result --result-filename "$f" >"$work/$run-$rate.out"
   bytes=0

@@ -7,6 +7,8 @@
 #   no shared prefix: --dataset-name random, round-robin vs kv-aware (kv-aware must not lose).
 # Per run: TTFT p50/p99, goodput at the SLO (pd-bench) and the KV bytes both decodes read
 # (pd:kv_transfer_bytes_total). Appends to bench/RESULTS.md; plots in bench/plots/kvaware/.
+# PD_KVAWARE_RATE (2), PD_KVAWARE_PROMPTS (40), PD_KVAWARE_SEEDS (11; a list repeats every run per
+# seed), PD_KVAWARE_ONLY (shared|fresh: one workload).
 set -euo pipefail
 build=${1:-build}
 cd "$(dirname "$0")/.."
@@ -21,16 +23,20 @@ node=(--model "$models/demo" --served-model-name demo --kv-cache-memory 1G --max
       --kv-events-config "$events")
 n=${PD_KVAWARE_PROMPTS:-40}
 rate=${PD_KVAWARE_RATE:-2}
+seeds=${PD_KVAWARE_SEEDS:-11}
+only=${PD_KVAWARE_ONLY:-} # shared or fresh: that workload alone
 slo="ttft:2000 tpot:100"
 declare -A ds
 ds[shared]="--dataset-name prefix-repetition --prefix-repetition-prefix-len 512 --prefix-repetition-suffix-len 32 --prefix-repetition-num-prefixes 4 --prefix-repetition-output-len 16"
 ds[fresh]="--dataset-name random --random-input-len 544 --random-output-len 16"
 files=()
 rows=()
+for seed in ${seeds//,/ }; do
 for run in "shared round-robin" "shared prefix-affinity" "shared kv-aware" "fresh round-robin" "fresh kv-aware"; do
   set -- $run
   w=$1 policy=$2
-  echo "bench-kvaware: $w prompts, $policy"
+  [[ -z "$only" || "$only" == "$w" ]] || continue
+  echo "bench-kvaware: $w prompts, $policy, seed $seed"
   start p0 pd-prefill "${node[@]}"; p0=$port
   start p1 pd-prefill "${node[@]}"; p1=$port
   start d0 pd-decode "${node[@]}"; d0=$port
@@ -38,33 +44,34 @@ for run in "shared round-robin" "shared prefix-affinity" "shared kv-aware" "fres
   start proxy pd-proxy --health-interval 0.5 --policy "$policy" \
     --prefill "http://127.0.0.1:$p0,http://127.0.0.1:$p1" --decode "http://127.0.0.1:$d0,http://127.0.0.1:$d1"
   x=$port
-  f="$work/$w-$policy.json"
+  f="$work/$w-$policy-$seed.json"
   # shellcheck disable=SC2086
-  "$bin/pd-bench" --base-url "http://127.0.0.1:$x" --wait-ready 60 ${ds[$w]} --num-prompts "$n" \
-    --request-rate "$rate" --seed 11 --num-warmups 0 --ignore-eos --goodput "$slo" --metric-percentiles 50,99 \
-    --no-progress --label "$w $policy" --save-result --result-filename "$f" >"$work/$w-$policy.out"
+  "$bin/pd-bench" --base-url "http://127.0.0.1:$x" --wait-ready 60 ${ds[$w]} --vocab-size "$vocab" --num-prompts "$n" \
+    --request-rate "$rate" --seed "$seed" --num-warmups 0 --ignore-eos --goodput "$slo" --metric-percentiles 50,99 \
+    --no-progress --label "$w $policy seed $seed" --save-result --result-filename "$f" >"$work/$w-$policy-$seed.out"
   bytes=0
   for d in $d0 $d1; do
     b=$(curl -s "http://127.0.0.1:$d/metrics" | awk '/^pd:kv_transfer_bytes_total /{print $2}')
     bytes=$(awk -v a="$bytes" -v b="${b:-0}" 'BEGIN{printf "%.0f", a + b}')
   done
-  rows+=("| $w | $policy | $(awk -v b="$bytes" 'BEGIN{printf "%.1f", b / 1048576}') |")
+  rows+=("| $w | $policy | $seed | $(awk -v b="$bytes" 'BEGIN{printf "%.1f", b / 1048576}') |")
   files+=("$f")
   stop_all
+done
 done
 {
   echo
   echo "## pd-proxy routing policies, 2 prefills + 2 decodes — $(date -u '+%Y-%m-%d %H:%M UTC')"
   echo
-  echo "Command: \`tools/bench-kvaware.sh build\`. Machine: $(nproc) cores. Demo model, every node --threads 1"
+  echo "Command: \`PD_KVAWARE_RATE=$rate PD_KVAWARE_PROMPTS=$n PD_KVAWARE_SEEDS=$seeds PD_KVAWARE_ONLY=$only tools/bench-kvaware.sh build\`. Machine: $(nproc) cores. Demo model, every node --threads 1"
   echo "(4 processes on the cores), pull over ucx, KV cache events on every node, each run on freshly started nodes."
-  echo "$n requests at $rate req/s (Poisson), --ignore-eos, goodput SLO \`$slo\` (ms). shared = prefix-repetition:"
+  echo "$n requests at $rate req/s (Poisson; arrivals and prompts from each seed), --ignore-eos, goodput SLO \`$slo\` (ms). shared = prefix-repetition:"
   echo "4 prefixes of 512 tokens + 32-token suffixes, 16 output tokens; fresh = random 544-token prompts, 16 output."
   echo
   "$bin/pd-bench" table "${files[@]}"
   echo
-  echo "| prompts | policy | KV read by the decodes (MiB) |"
-  echo "|---|---|---|"
+  echo "| prompts | policy | seed | KV read by the decodes (MiB) |"
+  echo "|---|---|---|---|"
   printf '%s\n' "${rows[@]}"
   echo
   echo "Plots: bench/plots/kvaware/."

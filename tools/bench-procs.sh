@@ -1,6 +1,6 @@
 # tools/bench-procs.sh — sourced by the benchmark scripts that start servers (bench-pd.sh,
-# bench-kvaware.sh, bench-conditional.sh): `demo_setup TAG` makes the demo model in $models once,
-# a work directory $work (removed, with every server, on exit) and $events (KV cache events on
+# bench-kvaware.sh, bench-conditional.sh): `demo_setup TAG` makes the demo model in $models once
+# (its vocabulary size in $vocab), a work directory $work (removed, with every server, on exit) and $events (KV cache events on
 # free loopback ports); `start NAME BINARY ARGS...` runs "$bin/BINARY" on a free loopback port with
 # its log in "$work/NAME.log" and sets $port; `stop_all` stops (TERM, then KILL after 10 s) every
 # server started so far. The caller sets $bin and $work and traps stop_all on exit.
@@ -34,6 +34,9 @@ demo_setup() {
   if [[ ! -f "$models/demo/config.json" ]]; then
     "$bin/pd-mkmodel" --preset demo --out "$models/demo"
   fi
+  # pd-bench's random prompts (vLLM's) are runs of consecutive ids from a random offset, modulo the
+  # vocabulary: over its default of 256 ids, 1 pair in ~500 is the same prompt
+  vocab=$(sed -n 's/.*"vocab_size": *\([0-9]*\).*/\1/p' "$models/demo/config.json")
   work=$(mktemp -d "/tmp/pd-$1-XXXXXX")
   trap 'stop_all; rm -rf "$work"' EXIT
   events='{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}'

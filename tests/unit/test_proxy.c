@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "proxy/kv_index.h"
+#include "proxy/kv_recent.h"
 #include "test_util.h"
 
 #define KEYS  600
@@ -101,12 +102,37 @@ START_TEST(test_kv_index_prefix)
 }
 END_TEST
 
+/* Recent routes: the longest prefix sent to a node within the ttl; the ring forgets the oldest. */
+START_TEST(test_kv_recent_prefix)
+{
+    px_kv_recent_t r;
+    memset(&r, 0, sizeof(r));
+    uint64_t a[4] = {1, 2, 3, 4}, b[3] = {1, 2, 9}, q[4] = {1, 2, 3, 7};
+    px_kv_recent_add(&r, a, 4, 0, 10.0);
+    px_kv_recent_add(&r, b, 3, 1, 11.0);
+    ck_assert_int_eq(px_kv_recent_prefix(&r, q, 4, 0, 11.5, 5), 3);
+    ck_assert_int_eq(px_kv_recent_prefix(&r, q, 4, 1, 11.5, 5), 2);
+    ck_assert_int_eq(px_kv_recent_prefix(&r, q, 2, 0, 11.5, 5), 2); /* no further than the query */
+    ck_assert_int_eq(px_kv_recent_prefix(&r, q, 4, 0, 15.5, 5), 0); /* older than the ttl */
+    ck_assert_int_eq(px_kv_recent_prefix(&r, q, 4, 2, 11.5, 5), 0);
+    for (int i = 0; i < PX_KV_RECENT; i++) { /* a full ring later, the first routes are gone */
+        uint64_t other[2] = {100 + (uint64_t)i, 5};
+        px_kv_recent_add(&r, other, 2, 0, 12.0);
+    }
+    ck_assert_int_eq(px_kv_recent_prefix(&r, q, 4, 0, 12.0, 5), 0);
+    ck_assert_int_eq(px_kv_recent_prefix(&r, q, 4, 1, 12.0, 5), 0);
+    px_kv_recent_add(&r, a, 0, 0, 12.0); /* nothing to record */
+    px_kv_recent_free(&r);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("proxy");
     TCase *tc = tcase_create("kv_index");
     tcase_add_test(tc, test_kv_index_random_vs_reference);
     tcase_add_test(tc, test_kv_index_prefix);
+    tcase_add_test(tc, test_kv_recent_prefix);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
