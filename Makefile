@@ -47,9 +47,11 @@ format-check:
 bench: build
 	tools/run-bench.sh $(BUILD_DIR)
 
-# every fault × transfer mode × pipe under load (tests/faults/run_faults.py; a short subset is in `make check`)
+# every fault × transfer mode × pipe under load (tests/faults/run_faults.py; a short subset is in `make check`),
+# then again with kv-aware routing and local prefills under 48 tokens
 faults: build
 	python3 tests/faults/run_faults.py $(BUILD_DIR)/bin $(FAULTS_ARGS)
+	python3 tests/faults/run_faults.py $(BUILD_DIR)/bin --conditional 48 $(FAULTS_ARGS)
 
 # 1 prefill + 1 decode + proxy just under saturation for SOAK_SECONDS, hostile connections on the side
 # (tests/faults/run_soak.py; a 20 s form is in `make check`)

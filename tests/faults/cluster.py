@@ -217,10 +217,10 @@ class Relay:
 
 class Cluster:
     """nprefill prefills, ndecode decodes (each prefill dialled through a Relay) and pd-proxy.
-    hold_timeouts[i] is prefill i's --kv-hold-timeout."""
+    hold_timeouts[i] is prefill i's --kv-hold-timeout; extra goes to every node, proxy_extra to the proxy."""
 
     def __init__(self, bindir, tmp, model, mode, pipe, fast, nprefill=2, ndecode=2, hold_timeouts=None,
-                 extra=(), tag=None):
+                 extra=(), tag=None, proxy_extra=()):
         common = ["--model", model, "--served-model-name", MODEL_NAME, "--kv-cache-memory", "256M", "--threads",
                   "1", "--max-model-len", "512", "--max-num-batched-tokens", "64", "--kv-transfer-mode", mode,
                   "--kv-pipe", pipe] + list(fast) + list(extra)
@@ -243,7 +243,7 @@ class Cluster:
             urls = lambda ns: ",".join("http://127.0.0.1:%d" % n.port for n in ns)
             self.proxy = Node(tmp, tag + "-proxy",
                               [os.path.join(bindir, "pd-proxy"), "--prefill", urls(self.prefills), "--decode",
-                               urls(self.decodes), "--health-interval", "0.2"])
+                               urls(self.decodes), "--health-interval", "0.2"] + list(proxy_extra))
             self.proxy.start()
         except Exception:
             self.stop()

@@ -15,6 +15,9 @@ prompts (so KV really moves), while faults are injected at seeded random moments
                                             and short of the heartbeat death: its queued reads find
                                             their leases expired (STALE) and recompute
 
+--conditional N runs the same with KV events on every node and the proxy routing kv-aware, prompts
+under N tokens prefilled by a decode alone (`make faults` runs N = 48 after the plain run).
+
 Every 200 answer is compared token for token with pd-serve's answer for the same prompt (greedy).
 Every other request is streamed, so the proxy's first-token handover runs under the faults too; a
 stream that does not end with [DONE] or carries an error event is a clean failure.
@@ -193,6 +196,9 @@ def main():
     ap.add_argument("--modes", default=None, help="mode:pipe list (default all four; short pull:tcp)")
     ap.add_argument("--faults", default=None, help="comma-separated subset of the faults")
     ap.add_argument("--churn", type=int, default=10, help="decode deaths in churn-decode (default 10)")
+    ap.add_argument("--conditional", type=int, default=0, metavar="N",
+                    help="nodes publish KV events and the proxy routes kv-aware with "
+                    "--pd-local-prefill-threshold N: prompts under N tokens are prefilled by a decode alone")
     ap.add_argument("--no-rss", action="store_true",
                     help="report private RSS but do not judge it (sanitizer builds: ASan's quarantine and "
                     "shadow memory grow with every allocation)")
@@ -205,6 +211,12 @@ def main():
                "expire-lease", "churn-decode"])
     if args.faults:
         faults = args.faults.split(",")
+    node_extra, proxy_extra = [], []
+    if args.conditional > 0:
+        node_extra = ["--kv-events-config", json.dumps({"enable_kv_cache_events": True,
+                                                        "endpoint": "tcp://127.0.0.1:*",
+                                                        "replay_endpoint": "tcp://127.0.0.1:*"})]
+        proxy_extra = ["--policy", "kv-aware", "--pd-local-prefill-threshold", str(args.conditional)]
     rng = random.Random(args.seed)
     tmp = tempfile.mkdtemp(prefix="pd-faults-")
     model = os.path.join(tmp, "model")
@@ -217,7 +229,8 @@ def main():
     try:
         serve.start()
         for mode, pipe in modes:
-            c = Cluster(args.bindir, tmp, model, mode, pipe, FAST, hold_timeouts=HOLD)
+            c = Cluster(args.bindir, tmp, model, mode, pipe, FAST, hold_timeouts=HOLD, extra=node_extra,
+                        proxy_extra=proxy_extra)
             clusters.append(c)
             warm = Load(c.proxy.port, serve.port, rng.randint(0, 1 << 30))
             warm.start()
@@ -250,6 +263,13 @@ def main():
                     failed.append("%s %s/%s: %d wrong, %d hung" % (fault, mode, pipe, load.counts["wrong"],
                                                                   load.counts["hung"]))
                 time.sleep(1.0)  # restarted nodes rejoin the proxy's pools
+            if args.conditional > 0:  # both paths ran (counted since the proxy's last start)
+                where = {w: metric_sum(c.proxy.port, 'pd_proxy:prefills_total{where="%s"}' % w)
+                         for w in ("local", "remote")}
+                rows.append(("prefilled", mode, pipe, where))
+                if not where["local"] or not where["remote"]:
+                    failed.append("%s/%s: prefills local %s, remote %s: one path never ran" %
+                                  (mode, pipe, where["local"], where["remote"]))
             for n in c.nodes():
                 used = wait_free(n.port)
                 if used != 0:
