@@ -1734,7 +1734,9 @@ END_TEST
  * prefill leg: the prefill serves nothing), token ids, text and chat alike; a long fresh prompt goes
  * through the prefill, and the same prompt again, now held by the decode (it loaded the KV), stays
  * on the decode; so does a chat turn asked twice. Every answer equals pd-serve's (streams event for event). A request the nodes
- * refuse (an unknown model) is routed without tokens and refused as before. Both pools end free. */
+ * refuse (an unknown model) is routed without tokens and refused as before. With
+ * --pd-local-prefill-hit-ratio alone, a prompt the decode mostly holds stays there. Both pools end
+ * free. */
 START_TEST(test_proxy_local_prefill)
 {
     char *ev[] = {"--kv-events-config", EVENTS_CFG, NULL};
@@ -1798,6 +1800,21 @@ START_TEST(test_proxy_local_prefill)
     ck_assert_int_eq(r.status, 404);
     http_resp_free(&r);
     ck_assert_int_eq((int)metric(c.x.port, "pd_proxy:tokenize_failures_total"), 1);
+    /* --pd-local-prefill-hit-ratio 0.8 alone (a new proxy: it learns the index by replay): prompt 19,
+     * of which the decode holds 112 of 128 tokens, stays on the decode; a fresh 200-token one not */
+    stop(&c.x);
+    char *xr[] = {
+        "--prefill", pre, "--decode", dec, "--health-interval", "0.2", "--pd-local-prefill-hit-ratio",
+        "0.8",       NULL};
+    start(&c.x, "pd-proxy", "proxy-ratio", NULL, xr);
+    usleep(600 * 1000);
+    await_blocks(c.x.port, c.d.port, held + 2, false);
+    expect_same(c.x.port, 19, false);
+    ck_assert_int_eq((int)served(c.p.port), 3);
+    expect_same(c.x.port, 21, false);
+    ck_assert_int_eq((int)served(c.p.port), 4);
+    ck_assert_int_eq((int)metric(c.x.port, local), 1);
+    ck_assert_int_eq((int)metric(c.x.port, remote), 1);
     assert_pool_free(c.p.port, "the prefill");
     assert_pool_free(c.d.port, "the decode");
     stop(&serve);
