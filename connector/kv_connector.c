@@ -102,9 +102,8 @@ size_t pd_kv_connector_flags(pd_kv_connector_config_t *c, pd_flag_t *out, size_t
          "auto|always"},
     };
     size_t n = sizeof(f) / sizeof(f[0]);
-    n = n < max ? n : max;
-    memcpy(out, f, n * sizeof(f[0]));
-    return n;
+    memcpy(out, f, (n < max ? n : max) * sizeof(f[0]));
+    return n; /* all of them: more than max tells the caller its array is short */
 }
 
 /* ------------------------------------------------------------------ helpers */

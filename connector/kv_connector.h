@@ -60,8 +60,8 @@ typedef struct pd_kv_connector_config {
 
 void pd_kv_connector_config_defaults(pd_kv_connector_config_t *cfg);
 
-/* The connector's flags (--kv-transfer-mode, --kv-pipe, --kv-listen, ...) for a binary's table;
- * returns how many were written (at most max). */
+/* The connector's flags (--kv-transfer-mode, --kv-pipe, --kv-listen, ...) for a binary's table:
+ * writes at most max, returns how many there are. */
 size_t pd_kv_connector_flags(pd_kv_connector_config_t *cfg, pd_flag_t *out, size_t max);
 
 /* Applies vLLM's --kv-transfer-config JSON text (NULL or "": nothing) to cfg, whose role is set:

@@ -54,7 +54,7 @@ typedef struct pd_engine_config {
 void pd_engine_config_defaults(pd_engine_config_t *cfg);
 
 /* The engine's flags (vLLM names) for a binary's flag table: writes at most max entries to out
- * and returns how many. */
+ * and returns how many there are (more than max: the caller's array is short). */
 size_t pd_engine_flags(pd_engine_config_t *cfg, pd_flag_t *out, size_t max);
 
 #define PD_MAX_STOP_STRINGS 8

@@ -101,9 +101,8 @@ size_t pd_engine_flags(pd_engine_config_t *c, pd_flag_t *out, size_t max)
          "recompute|fail"},
     };
     size_t n = sizeof(f) / sizeof(f[0]);
-    n = n < max ? n : max;
-    memcpy(out, f, n * sizeof(pd_flag_t));
-    return n;
+    memcpy(out, f, (n < max ? n : max) * sizeof(f[0]));
+    return n; /* all of them: more than max tells the caller its array is short */
 }
 
 /* --kv-cache-dtype: auto is the model's dtype (config.json's torch_dtype), as in vLLM — a bf16

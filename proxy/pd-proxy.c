@@ -7,8 +7,12 @@ int main(int argc, char **argv)
 {
     pd_proxy_config_t cfg;
     pd_proxy_config_defaults(&cfg);
-    pd_flag_t flags[24];
-    size_t n = pd_proxy_flags(&cfg, flags, 24);
+    pd_flag_t flags[48];
+    size_t n = pd_proxy_flags(&cfg, flags, 48);
+    if (n > 48) {
+        pd_log_error("pd-proxy: %zu flags, room for 48 (proxy/pd-proxy.c)", n);
+        return 2;
+    }
     int first = 0;
     pd_status_t st = pd_flags_parse(flags, n, argc, argv,
                                     "usage: pd-proxy --prefill URL[,URL...] --decode URL[,URL...] [options]\n"

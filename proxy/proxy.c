@@ -116,8 +116,7 @@ size_t pd_proxy_flags(pd_proxy_config_t *c, pd_flag_t *out, size_t max)
          NULL},
     };
     size_t n = sizeof(f) / sizeof(f[0]);
-    n = n < max ? n : max;
-    memcpy(out, f, n * sizeof(f[0]));
+    memcpy(out, f, (n < max ? n : max) * sizeof(f[0]));
     return n;
 }
 

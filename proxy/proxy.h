@@ -48,6 +48,8 @@ typedef struct pd_proxy_config {
 } pd_proxy_config_t;
 
 void pd_proxy_config_defaults(pd_proxy_config_t *cfg);
+/* Writes up to max of pd-proxy's flags (bound to cfg) to out; returns how many there are, which
+ * may be more than max. */
 size_t pd_proxy_flags(pd_proxy_config_t *cfg, pd_flag_t *out, size_t max);
 
 /* Serves until SIGTERM/SIGINT. PD_ERR_INVALID_ARG for a bad node list, PD_ERR_IO when the port

@@ -64,9 +64,8 @@ size_t pd_http_flags(pd_http_config_t *c, pd_flag_t *out, size_t max)
          NULL},
     };
     size_t n = sizeof(f) / sizeof(f[0]);
-    n = n < max ? n : max;
-    memcpy(out, f, n * sizeof(pd_flag_t));
-    return n;
+    memcpy(out, f, (n < max ? n : max) * sizeof(f[0]));
+    return n; /* all of them: more than max tells the caller its array is short */
 }
 
 /* ------------------------------------------------------------------ replies */

@@ -33,7 +33,7 @@ typedef struct pd_http_config {
 void pd_http_config_defaults(pd_http_config_t *cfg);
 
 /* Flags for a binary's table (--host, --port, --port-file, --api-key, --max-request-bytes,
- * --drain-timeout, --served-model-name); returns how many were written (at most max). */
+ * --drain-timeout, --served-model-name): writes at most max, returns how many there are. */
 size_t pd_http_flags(pd_http_config_t *cfg, pd_flag_t *out, size_t max);
 
 typedef struct pd_http_server pd_http_server_t;

@@ -30,9 +30,14 @@ int pd_node_main(int argc, char **argv, const char *role)
     pd_kv_connector_config_defaults(&kcfg);
     kcfg.role = role;
     pd_flag_t flags[96];
-    size_t n = pd_engine_flags(&cfg, flags, 36);
-    n += pd_http_flags(&hcfg, flags + n, 16);
-    n += pd_kv_connector_flags(&kcfg, flags + n, 40);
+    size_t ne = pd_engine_flags(&cfg, flags, 36);
+    size_t nh = ne <= 36 ? pd_http_flags(&hcfg, flags + ne, 16) : 0;
+    size_t nk = ne <= 36 && nh <= 16 ? pd_kv_connector_flags(&kcfg, flags + ne + nh, 40) : 0;
+    if (ne > 36 || nh > 16 || nk > 40) {
+        pd_log_error("pd-%s: a flag table outgrew its room in server/node.c", role);
+        return 2;
+    }
+    size_t n = ne + nh + nk;
     char usage[512];
     snprintf(usage, sizeof(usage),
              "usage: pd-%s --model DIR [--port P] [--kv-listen HOST:PORT] [--kv-pipe ucx|tcp] "

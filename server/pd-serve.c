@@ -32,7 +32,12 @@ int main(int argc, char **argv)
     pd_http_config_defaults(&hcfg);
     pd_flag_t flags[64];
     size_t n = pd_engine_flags(&cfg, flags, 36);
-    n += pd_http_flags(&hcfg, flags + n, 16);
+    size_t nh = n <= 36 ? pd_http_flags(&hcfg, flags + n, 16) : 0;
+    if (n > 36 || nh > 16) {
+        pd_log_error("pd-serve: a flag table outgrew its room in server/pd-serve.c");
+        return 2;
+    }
+    n += nh;
     flags[n++] = (pd_flag_t){"Offline generation (pd-serve ... PROMPT...)", PD_FLAG_GROUP, NULL, NULL, NULL};
     flags[n++] = (pd_flag_t){"max-tokens", PD_FLAG_INT, &max_tokens, "tokens to generate per prompt", NULL};
     flags[n++] =
