@@ -8,7 +8,8 @@
 # Per run: TTFT p50/p99, goodput at the SLO (pd-bench) and the KV bytes both decodes read
 # (pd:kv_transfer_bytes_total). Appends to bench/RESULTS.md; plots in bench/plots/kvaware/.
 # PD_KVAWARE_RATE (2), PD_KVAWARE_PROMPTS (40), PD_KVAWARE_SEEDS (11; a list repeats every run per
-# seed), PD_KVAWARE_ONLY (shared|fresh: one workload).
+# seed), PD_KVAWARE_ONLY (shared|fresh: one workload), PD_KVAWARE_POLICIES (a list: those alone),
+# PD_KVAWARE_PROXY_ARGS (more pd-proxy flags).
 set -euo pipefail
 build=${1:-build}
 cd "$(dirname "$0")/.."
@@ -25,6 +26,8 @@ n=${PD_KVAWARE_PROMPTS:-40}
 rate=${PD_KVAWARE_RATE:-2}
 seeds=${PD_KVAWARE_SEEDS:-11}
 only=${PD_KVAWARE_ONLY:-} # shared or fresh: that workload alone
+policies=${PD_KVAWARE_POLICIES:-} # a list: those policies alone
+read -r -a pxargs <<<"${PD_KVAWARE_PROXY_ARGS:-}" # more pd-proxy flags, e.g. --kv-aware-load-weight 0.3
 slo="ttft:2000 tpot:100"
 declare -A ds
 ds[shared]="--dataset-name prefix-repetition --prefix-repetition-prefix-len 512 --prefix-repetition-suffix-len 32 --prefix-repetition-num-prefixes 4 --prefix-repetition-output-len 16"
@@ -36,19 +39,20 @@ for run in "shared round-robin" "shared prefix-affinity" "shared kv-aware" "fres
   set -- $run
   w=$1 policy=$2
   [[ -z "$only" || "$only" == "$w" ]] || continue
+  [[ -z "$policies" || ",$policies," == *",$policy,"* ]] || continue
   echo "bench-kvaware: $w prompts, $policy, seed $seed"
   start p0 pd-prefill "${node[@]}"; p0=$port
   start p1 pd-prefill "${node[@]}"; p1=$port
   start d0 pd-decode "${node[@]}"; d0=$port
   start d1 pd-decode "${node[@]}"; d1=$port
-  start proxy pd-proxy --health-interval 0.5 --policy "$policy" \
+  start proxy pd-proxy --health-interval 0.5 --policy "$policy" "${pxargs[@]}" \
     --prefill "http://127.0.0.1:$p0,http://127.0.0.1:$p1" --decode "http://127.0.0.1:$d0,http://127.0.0.1:$d1"
   x=$port
   f="$work/$w-$policy-$seed.json"
   # shellcheck disable=SC2086
   "$bin/pd-bench" --base-url "http://127.0.0.1:$x" --wait-ready 60 ${ds[$w]} --vocab-size "$vocab" --num-prompts "$n" \
     --request-rate "$rate" --seed "$seed" --num-warmups 0 --ignore-eos --goodput "$slo" --metric-percentiles 50,99 \
-    --no-progress --label "$w $policy seed $seed" --save-result --result-filename "$f" >"$work/$w-$policy-$seed.out"
+    --no-progress --label "$w $policy${PD_KVAWARE_PROXY_ARGS:+ ($PD_KVAWARE_PROXY_ARGS)} seed $seed" --save-result --result-filename "$f" >"$work/$w-$policy-$seed.out"
   bytes=0
   for d in $d0 $d1; do
     b=$(curl -s "http://127.0.0.1:$d/metrics" | awk '/^pd:kv_transfer_bytes_total /{print $2}')
@@ -63,7 +67,7 @@ done
   echo
   echo "## pd-proxy routing policies, 2 prefills + 2 decodes — $(date -u '+%Y-%m-%d %H:%M UTC')"
   echo
-  echo "Command: \`PD_KVAWARE_RATE=$rate PD_KVAWARE_PROMPTS=$n PD_KVAWARE_SEEDS=$seeds PD_KVAWARE_ONLY=$only tools/bench-kvaware.sh build\`. Machine: $(nproc) cores. Demo model, every node --threads 1"
+  echo "Command: \`PD_KVAWARE_RATE=$rate PD_KVAWARE_PROMPTS=$n PD_KVAWARE_SEEDS=$seeds PD_KVAWARE_ONLY=$only PD_KVAWARE_POLICIES=$policies PD_KVAWARE_PROXY_ARGS='${PD_KVAWARE_PROXY_ARGS:-}' tools/bench-kvaware.sh build\`. Machine: $(nproc) cores. Demo model, every node --threads 1"
   echo "(4 processes on the cores), pull over ucx, KV cache events on every node, each run on freshly started nodes."
   echo "$n requests at $rate req/s (Poisson; arrivals and prompts from each seed), --ignore-eos, goodput SLO \`$slo\` (ms). shared = prefix-repetition:"
   echo "4 prefixes of 512 tokens + 32-token suffixes, 16 output tokens; fresh = random 544-token prompts, 16 output."
