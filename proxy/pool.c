@@ -141,8 +141,8 @@ static double node_load(const node_t *n)
     return n->inflight > n->load ? n->inflight : n->load;
 }
 
-/* kv-aware: the share of the prompt's full blocks the node holds as a prefix, minus the load
- * (requests this proxy has there + running + waiting from its /metrics) times the load weight. */
+/* kv-aware: the share of the prompt's full blocks the node holds as a prefix (px_cached_prefix:
+ * its events, or a recent route), minus --kv-aware-load-weight times node_load. */
 static double kv_aware_score(const proxy_t *px, const node_t *n, const uint64_t *keys, int num_keys)
 {
     double cached = num_keys > 0 ? (double)px_cached_prefix(px, n, keys, num_keys) / num_keys : 0;
