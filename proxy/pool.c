@@ -196,6 +196,17 @@ node_t *px_pick(proxy_t *px, bool prefill, const bool *tried, uint64_t affinity,
         double v = strcmp(px->cfg.policy, "least-loaded") == 0 ? -node_load(n)
                    : strcmp(px->cfg.policy, "kv-aware") == 0   ? kv_aware_score(px, n, keys, num_keys)
                                                                : (double)(node_score(n, affinity) >> 11);
+        if (num_keys > 0 && strcmp(px->cfg.policy, "kv-aware") == 0 && pd_log_level() == PD_LOG_DEBUG) {
+            /* PD_LOG_LEVEL=debug: each candidate's terms, to see why a node won */
+            int idx = (int)(n - px->nodes);
+            pd_log_debug("kv-aware pick %s %s: key0 %016llx index %d recent %d of %d, load %.0f (inflight "
+                         "%d, probed %.0f) -> %.3f",
+                         prefill ? "prefill" : "decode", n->url, (unsigned long long)keys[0],
+                         px_kv_index_prefix(&px->kv_index, keys, num_keys, idx),
+                         px_kv_recent_prefix(&px->kv_recent, keys, num_keys, idx, pd_time_now_s(),
+                                             px->cfg.kv_aware_recent_s),
+                         num_keys, node_load(n), n->inflight, n->load, v);
+        }
         if (best == NULL || v > best_v) {
             best = n;
             best_v = v;
@@ -309,6 +320,11 @@ static void on_probe(struct evhttp_request *r, void *arg)
             snprintf(n->mode, sizeof(n->mode), "%s", mode);
             n->kv_port = (int)kp;
             n->info_ok = true;
+            json_int_t bs = json_integer_value(json_object_get(j, "block_size"));
+            if (pr->px->kv_block_size == 0 && bs > 0 && bs <= 1 << 16) {
+                /* before the first event: the first requests' blocks are hashed too */
+                pr->px->kv_block_size = (int)bs;
+            }
             px_kv_events_node_info(pr->px, (int)(n - pr->px->nodes),
                                    json_string_value(json_object_get(j, "kv_events_endpoint")),
                                    json_string_value(json_object_get(j, "kv_events_replay_endpoint")));

@@ -108,7 +108,7 @@ struct proxy {
     void *zmq_ctx;
     px_kv_index_t kv_index;
     px_kv_recent_t kv_recent; /* prompts routed in the last --kv-aware-recent-seconds */
-    int kv_block_size;        /* from the nodes' BlockStored events (0: none seen yet) */
+    int kv_block_size;        /* from the nodes' /pd/info or BlockStored events (0: not known yet) */
     struct px_kv_sub *kv_subs[MAX_NODES];
 };
 

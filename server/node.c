@@ -100,6 +100,8 @@ int pd_node_main(int argc, char **argv, const char *role)
     }
     if (st == PD_OK) {
         json_t *j = pd_kv_connector_info(conn);
+        /* a router hashes prompts into blocks of this many tokens before any event arrives */
+        json_object_set_new(j, "block_size", json_integer(cfg.block_size));
         if (pd_engine_kv_events_endpoint(e)[0] != '\0') { /* --kv-events-config: where a router subscribes */
             json_object_set_new(j, "kv_events_endpoint", json_string(pd_engine_kv_events_endpoint(e)));
             json_object_set_new(j, "kv_events_replay_endpoint",

@@ -1753,6 +1753,12 @@ START_TEST(test_proxy_local_prefill)
     node_t serve;
     start(&serve, "pd-serve", "serve-local", g_model, NULL);
     usleep(600 * 1000); /* the first probe round subscribes */
+    http_resp_t info;   /* the block size a router hashes with, before any event */
+    ck_assert_int_eq(http_request(c.d.port, "GET", "/pd/info", NULL, NULL, &info, 5000), 0);
+    json_t *ij = json_loads(info.body, 0, NULL);
+    ck_assert_int_eq((int)json_integer_value(json_object_get(ij, "block_size")), 16);
+    json_decref(ij);
+    http_resp_free(&info);
     const char *local = "pd_proxy:prefills_total{where=\"local\"}",
                *remote = "pd_proxy:prefills_total{where=\"remote\"}";
     /* short token-id prompts (1..17 tokens): the decode alone */
