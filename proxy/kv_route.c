@@ -79,6 +79,7 @@ static node_t *local_decode(preq_t *q)
         return NULL;
     }
     bool none[MAX_NODES] = {false};
+    uint64_t rr = px->rr[0];
     node_t *d = px_pick(px, false, none, q->affinity, q->keys, q->num_keys, false);
     if (d == NULL) {
         return NULL;
@@ -88,6 +89,11 @@ static node_t *local_decode(preq_t *q)
     bool local = uncached < px->cfg.local_prefill_threshold ||
                  (px->cfg.local_prefill_hit_ratio > 0 &&
                   (double)cached >= px->cfg.local_prefill_hit_ratio * (double)q->num_tokens);
+    if (!local) {
+        /* only a look: the decode leg picks again later, and a rotation advanced twice per
+         * request would send every disaggregated request of a 2-decode pool to one decode */
+        px->rr[0] = rr;
+    }
     return local ? d : NULL;
 }
 

@@ -57,15 +57,10 @@ for run in disaggregated conditional colocated; do
   "$bin/pd-bench" --base-url "http://127.0.0.1:$x" --wait-ready 60 $dataset --vocab-size "$vocab" --num-prompts "$n" \
     --request-rate "$rate" --seed 13 --num-warmups 0 --ignore-eos --goodput "$slo" --metric-percentiles 50,99 \
     --no-progress --label "$run" --save-result --result-filename "$f" >"$work/$run-$rate.out"
-  bytes=0
-  for d in "${dports[@]}"; do
-    b=$(curl -s "http://127.0.0.1:$d/metrics" | awk '/^pd:kv_transfer_bytes_total /{print $2}')
-    bytes=$(awk -v a="$bytes" -v b="${b:-0}" 'BEGIN{printf "%.0f", a + b}')
-  done
   pm=$(curl -s "http://127.0.0.1:$x/metrics")
   loc=$(awk '/^pd_proxy:prefills_total\{where="local"\}/{print $2}' <<<"$pm")
   rem=$(awk '/^pd_proxy:prefills_total\{where="remote"\}/{print $2}' <<<"$pm")
-  rows+=("| $run | $rate | ${loc:-0} | ${rem:-0} | $(awk -v b="$bytes" 'BEGIN{printf "%.1f", b / 1048576}') |")
+  rows+=("| $run | $rate | ${loc:-0} | ${rem:-0} | $(kv_read_mib "${dports[@]}") |")
   files+=("$f")
   stop_all
 done

@@ -53,12 +53,7 @@ for run in "shared round-robin" "shared prefix-affinity" "shared kv-aware" "fres
   "$bin/pd-bench" --base-url "http://127.0.0.1:$x" --wait-ready 60 ${ds[$w]} --vocab-size "$vocab" --num-prompts "$n" \
     --request-rate "$rate" --seed "$seed" --num-warmups 0 --ignore-eos --goodput "$slo" --metric-percentiles 50,99 \
     --no-progress --label "$w $policy${PD_KVAWARE_PROXY_ARGS:+ ($PD_KVAWARE_PROXY_ARGS)} seed $seed" --save-result --result-filename "$f" >"$work/$w-$policy-$seed.out"
-  bytes=0
-  for d in $d0 $d1; do
-    b=$(curl -s "http://127.0.0.1:$d/metrics" | awk '/^pd:kv_transfer_bytes_total /{print $2}')
-    bytes=$(awk -v a="$bytes" -v b="${b:-0}" 'BEGIN{printf "%.0f", a + b}')
-  done
-  rows+=("| $w | $policy | $seed | $(awk -v b="$bytes" 'BEGIN{printf "%.1f", b / 1048576}') |")
+  rows+=("| $w | $policy | $seed | $(kv_read_mib "$d0" "$d1") |")
   files+=("$f")
   stop_all
 done

@@ -1,9 +1,12 @@
 # tools/bench-procs.sh — sourced by the benchmark scripts that start servers (bench-pd.sh,
-# bench-kvaware.sh, bench-conditional.sh): `demo_setup TAG` makes the demo model in $models once
-# (its vocabulary size in $vocab), a work directory $work (removed, with every server, on exit) and $events (KV cache events on
-# free loopback ports); `start NAME BINARY ARGS...` runs "$bin/BINARY" on a free loopback port with
-# its log in "$work/NAME.log" and sets $port; `stop_all` stops (TERM, then KILL after 10 s) every
-# server started so far. The caller sets $bin and $work and traps stop_all on exit.
+# bench-kvaware.sh, bench-conditional.sh), after they set $bin, $models and cd to the repository:
+#   demo_setup TAG          the demo model in $models (made once; its vocabulary size in $vocab),
+#                           a work directory $work removed with every server on exit, and $events
+#                           (KV cache events on free loopback ports)
+#   start NAME BINARY ARGS  runs "$bin/BINARY" on a free loopback port, its log in $work/NAME.log;
+#                           sets $port
+#   stop_all                stops (TERM, then KILL after 10 s) every server started so far
+#   kv_read_mib PORT...     the KV the nodes on these ports read (pd:kv_transfer_bytes_total), MiB
 pids=()
 stop_all() {
   for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
@@ -27,6 +30,12 @@ start() {
     sleep 0.2
   done
   echo "$(basename "$0"): $name did not start" >&2; exit 1
+}
+
+kv_read_mib() {
+  local p
+  for p in "$@"; do curl -s "http://127.0.0.1:$p/metrics"; done |
+    awk '/^pd:kv_transfer_bytes_total /{b += $2} END{printf "%.1f", b / 1048576}'
 }
 
 demo_setup() {
