@@ -335,13 +335,24 @@ static double sgemm_gflops(pd_backend_t *be, pd_dtype_t dt, int m, int n, int k,
     return 2.0 * m * n * k / matmul_seconds(be, dt, m, n, k, reps) / 1e9;
 }
 
+/* The bf16 GEMM peak: 2048³ with bf16 weights under --matmul-precision bf16 (oneDNN). */
+static double bf16_gemm_peak(pd_backend_t *be)
+{
+    pd_matmul_precision_t saved = be->matmul_precision;
+    be->matmul_precision = PD_MATMUL_BF16;
+    double g = sgemm_gflops(be, PD_DTYPE_BF16, 2048, 2048, 2048, 5);
+    be->matmul_precision = saved;
+    return g;
+}
+
 static const char *dt_name(pd_dtype_t dt)
 {
     return dt == PD_DTYPE_BF16 ? "bf16" : dt == PD_DTYPE_F16 ? "fp16" : dt == PD_DTYPE_I8 ? "int8" : "fp32";
 }
 
-/* Returns the measured BLAS peak (GFLOP/s), used as the compute roofline of the model. */
-static double bench_matmul(pd_backend_t *be, double read_bw)
+/* Returns the measured BLAS peak (GFLOP/s), used as the compute roofline of the model; bpeak is
+ * the bf16 GEMM peak, the baseline of the bf16-math rows. */
+static double bench_matmul(pd_backend_t *be, double read_bw, double bpeak)
 {
     double peak = sgemm_gflops(be, PD_DTYPE_F32, 2048, 2048, 2048, 5);
     char base[64], val[48], name[96];
@@ -373,6 +384,19 @@ static double bench_matmul(pd_backend_t *be, double read_bw)
             add_row(name, val, base, g / peak);
         }
     }
+    /* the same shapes in bf16 math (--matmul-precision bf16: oneDNN above 8 rows) */
+    snprintf(val, sizeof(val), "%.1f GFLOP/s", bpeak);
+    add_row("bf16 GEMM 2048^3, bf16 math (oneDNN peak here)", val, base, bpeak / peak);
+    snprintf(base, sizeof(base), "bf16 GEMM 2048^3 %.1f GFLOP/s", bpeak);
+    be->matmul_precision = PD_MATMUL_BF16;
+    for (size_t i = 0; i + 1 < sizeof(shapes) / sizeof(shapes[0]); i++) {
+        double g = sgemm_gflops(be, PD_DTYPE_BF16, shapes[i].m, shapes[i].n, shapes[i].k, 20);
+        snprintf(val, sizeof(val), "%.1f GFLOP/s", g);
+        snprintf(name, sizeof(name), "%s, bf16 weights, bf16 math", shapes[i].what);
+        add_row(name, val, base, g / bpeak);
+    }
+    be->matmul_precision = PD_MATMUL_FP32;
+    snprintf(base, sizeof(base), "sgemm 2048^3 %.1f GFLOP/s", peak);
     /* batch-1 GEMV over 512 MiB of weights (as the read baseline): bytes of w per second vs reads */
     snprintf(base, sizeof(base), "read %.1f GB/s", read_bw);
     for (size_t d = 0; d < 4; d++) {
@@ -486,35 +510,64 @@ static double roofline_tps(double weight_bytes, double weight_size, double kv_by
     return batch / (t_mem > t_flop ? t_mem : t_flop);
 }
 
-/* Decode of the model with its matrices as fp32 and at the checkpoint's dtype (--dtype auto), each
- * with the KV cache serving would pick (--kv-cache-dtype auto: the model's dtype). */
-static void bench_model(pd_backend_t *be, const char *model_dir, double read_bw, double peak_gflops,
-                        const char *only_dtype, int only_batch)
+/* Logit error of logits q against a (32 rows of vocab): a row "what vs fp32". */
+static void logit_error_row(const char *what, const float *a, const float *q, int vocab)
 {
-    const char *dtypes[] = {"float32", "auto", "int8"};
-    float *logits[2] = {NULL, NULL}; /* the last prompt token's logits of the 32 sequences: fp32, int8 */
-    bool have[2] = {false, false};
+    double maxd = 0, maxa = 0;
+    int agree = 0;
+    for (int r = 0; r < 32; r++) {
+        const float *ar = a + (size_t)r * vocab, *qr = q + (size_t)r * vocab;
+        int ia = 0, iq = 0;
+        for (int v = 0; v < vocab; v++) {
+            double dd = fabs((double)qr[v] - ar[v]);
+            maxd = dd > maxd ? dd : maxd;
+            maxa = fabs(ar[v]) > maxa ? fabs(ar[v]) : maxa;
+            ia = ar[v] > ar[ia] ? v : ia;
+            iq = qr[v] > qr[iq] ? v : iq;
+        }
+        agree += ia == iq;
+    }
+    char val[64], base[64], name[96];
+    snprintf(val, sizeof(val), "max abs dlogit %.3f (%.2f%% of max)", maxd, 100 * maxd / (maxa + 1e-30));
+    snprintf(base, sizeof(base), "top-1 agrees %d/32 with fp32", agree);
+    snprintf(name, sizeof(name), "%s logit error vs fp32 (32 prompts of 64 tokens)", what);
+    add_row(name, val, base, agree / 32.0);
+}
+
+/* Decode and prefill of the model with its matrices as fp32, at the checkpoint's dtype (--dtype
+ * auto), with --quantization int8, and for a bf16 checkpoint in bf16 math (--matmul-precision
+ * bf16), each with the KV cache serving would pick (--kv-cache-dtype auto: the model's dtype).
+ * Compute-bound figures compare with the GEMM peak of their math: sgemm, or the bf16 GEMM. */
+static void bench_model(pd_backend_t *be, const char *model_dir, double read_bw, double peak_gflops,
+                        double bf16_peak, const char *only_dtype, int only_batch)
+{
+    const char *dtypes[] = {"float32", "auto", "int8", "bf16-math"};
+    float *logits[4] = {NULL, NULL, NULL, NULL}; /* last prompt token's logits of the 32 sequences */
+    bool have[4] = {false, false, false, false};
     int vocab = 0;
-    for (int d = 0; d < 3; d++) {
+    for (int d = 0; d < 4; d++) {
         if (only_dtype != NULL && strcmp(only_dtype, dtypes[d]) != 0) {
             continue;
         }
         pd_model_t *m = NULL;
-        const char *dt = d == 2 ? "auto" : dtypes[d], *quant = d == 2 ? "int8" : NULL;
+        const char *dt = d >= 1 ? "auto" : dtypes[d], *quant = d == 2 ? "int8" : NULL;
         if (pd_model_load_dtype(model_dir, be, dt, quant, &m) != PD_OK) {
             pd_log_error("bench: cannot load %s; skipping the model benchmark", model_dir);
             return;
         }
         pd_dtype_t wdt = pd_model_weight_dtype(m);
-        if (d == 1 && wdt == PD_DTYPE_F32 && only_dtype == NULL) {
-            pd_model_free(m); /* an fp32 checkpoint: auto is the row above */
+        if ((d == 1 && wdt == PD_DTYPE_F32 && only_dtype == NULL) || (d == 3 && wdt != PD_DTYPE_BF16)) {
+            pd_model_free(m); /* an fp32 checkpoint: auto is the row above; bf16 math needs bf16 */
             continue;
         }
         pd_dtype_t ldt = pd_model_linear_dtype(m);
+        bool bf16_math = d == 3;
+        be->matmul_precision = bf16_math ? PD_MATMUL_BF16 : PD_MATMUL_FP32;
+        double peak = bf16_math ? bf16_peak : peak_gflops;
+        const char *math = bf16_math ? ", bf16 math" : "";
         vocab = pd_model_config(m)->vocab_size;
-        if (logits[0] == NULL) {
-            logits[0] = malloc((size_t)32 * vocab * sizeof(float));
-            logits[1] = malloc((size_t)32 * vocab * sizeof(float));
+        if (logits[d] == NULL) {
+            logits[d] = malloc((size_t)32 * vocab * sizeof(float));
         }
         double wbytes = (double)pd_model_weight_bytes(m);
         char val[48], name[112], base[80];
@@ -523,17 +576,17 @@ static void bench_model(pd_backend_t *be, const char *model_dir, double read_bw,
             if (only_batch > 0 && batches[i] != only_batch) {
                 continue;
             }
-            snprintf(name, sizeof(name), "model decode, %s%s weights+KV, batch %d (prompt 64, 64 steps)",
-                     dt_name(wdt), ldt == PD_DTYPE_I8 ? "+int8" : "", batches[i]);
+            snprintf(name, sizeof(name), "model decode, %s%s weights+KV%s, batch %d (prompt 64, 64 steps)",
+                     dt_name(wdt), ldt == PD_DTYPE_I8 ? "+int8" : "", math, batches[i]);
             progress(name);
-            bool keep = batches[i] == 32 && (d == 0 || d == 2);
-            double tps = model_decode_tps(be, m, wdt, batches[i], 64, 64, keep ? logits[d == 2] : NULL, NULL);
-            have[d == 2] |= keep;
+            bool keep = batches[i] == 32;
+            double tps = model_decode_tps(be, m, wdt, batches[i], 64, 64, keep ? logits[d] : NULL, NULL);
+            have[d] |= keep;
             /* KV of the average context (64 prompt + 32 of the 64 steps) per sequence */
             const pd_model_config_t *c = pd_model_config(m);
             double kv = 2.0 * c->num_layers * c->num_kv_heads * c->head_size * pd_dtype_size(wdt) *
                         (64 + 32) * batches[i];
-            double roof = roofline_tps(wbytes, pd_dtype_size(ldt), kv, read_bw, peak_gflops, batches[i]);
+            double roof = roofline_tps(wbytes, pd_dtype_size(ldt), kv, read_bw, peak, batches[i]);
             snprintf(val, sizeof(val), "%.1f tok/s", tps);
             snprintf(base, sizeof(base), "roofline %.0f tok/s (%.0f MiB %s, read)", roof, wbytes / (1 << 20),
                      dt_name(ldt));
@@ -541,8 +594,8 @@ static void bench_model(pd_backend_t *be, const char *model_dir, double read_bw,
         }
         int prompts[] = {512, 2048}; /* whole prefill of one fresh prompt (one forward), vs the peak */
         for (int i = 0; only_batch == 0 && i < 2; i++) {
-            snprintf(name, sizeof(name), "model prefill, %s%s weights, %d tokens", dt_name(wdt),
-                     ldt == PD_DTYPE_I8 ? "+int8" : "", prompts[i]);
+            snprintf(name, sizeof(name), "model prefill, %s%s weights%s, %d tokens", dt_name(wdt),
+                     ldt == PD_DTYPE_I8 ? "+int8" : "", math, prompts[i]);
             progress(name);
             double best = 1e30, secs = 0;
             for (int r = 0; r < 2; r++) {
@@ -557,34 +610,23 @@ static void bench_model(pd_backend_t *be, const char *model_dir, double read_bw,
                          c->num_layers;
             double flops = 2.0 * lin * prompts[i];
             snprintf(val, sizeof(val), "%.0f tok/s", prompts[i] / best);
-            snprintf(base, sizeof(base), "%.1f GFLOP/s in linear layers; sgemm %.1f", flops / best / 1e9,
-                     peak_gflops);
-            add_row(name, val, base, flops / best / 1e9 / peak_gflops);
+            snprintf(base, sizeof(base), "%.1f GFLOP/s in linear layers; %s %.1f", flops / best / 1e9,
+                     bf16_math ? "bf16 GEMM" : "sgemm", peak);
+            add_row(name, val, base, flops / best / 1e9 / peak);
         }
+        be->matmul_precision = PD_MATMUL_FP32;
         pd_model_free(m);
     }
-    if (have[0] && have[1]) { /* --quantization int8 against fp32 weights, same prompts */
-        double maxd = 0, maxa = 0;
-        int agree = 0;
-        for (int r = 0; r < 32; r++) {
-            const float *a = logits[0] + (size_t)r * vocab, *q = logits[1] + (size_t)r * vocab;
-            int ia = 0, iq = 0;
-            for (int v = 0; v < vocab; v++) {
-                double dd = fabs((double)q[v] - a[v]);
-                maxd = dd > maxd ? dd : maxd;
-                maxa = fabs(a[v]) > maxa ? fabs(a[v]) : maxa;
-                ia = a[v] > a[ia] ? v : ia;
-                iq = q[v] > q[iq] ? v : iq;
-            }
-            agree += ia == iq;
-        }
-        char val[64], base[64];
-        snprintf(val, sizeof(val), "max abs dlogit %.3f (%.2f%% of max)", maxd, 100 * maxd / (maxa + 1e-30));
-        snprintf(base, sizeof(base), "top-1 agrees %d/32 with fp32", agree);
-        add_row("int8 logit error vs fp32 (32 prompts of 64 tokens)", val, base, agree / 32.0);
+    /* --quantization int8 and bf16 math against fp32 weights, same prompts */
+    if (have[0] && have[2]) {
+        logit_error_row("int8", logits[0], logits[2], vocab);
     }
-    free(logits[0]);
-    free(logits[1]);
+    if (have[0] && have[3]) {
+        logit_error_row("bf16 math", logits[0], logits[3], vocab);
+    }
+    for (int d = 0; d < 4; d++) {
+        free(logits[d]);
+    }
 }
 
 /* ------------------------------------------------------------------ main */
@@ -636,8 +678,9 @@ int main(int argc, char **argv)
         {"model-only", PD_FLAG_BOOL, &model_only,
          "run only the baselines (memcpy, read, sgemm peak) and the model decode", NULL},
         {"weights", PD_FLAG_CHOICE, &weights,
-         "model decode with only these weights (default: all; int8 = auto + --quantization int8)",
-         "float32|auto|int8"},
+         "model decode with only these weights (default: all; int8 = auto + --quantization int8; "
+         "bf16-math = auto + --matmul-precision bf16)",
+         "float32|auto|int8|bf16-math"},
         {"batch", PD_FLAG_INT, &batch, "model decode at only this batch, 1, 8 or 32 (0 = all)", NULL},
     };
     pd_status_t st = pd_flags_parse(flags, sizeof(flags) / sizeof(flags[0]), argc, argv,
@@ -679,13 +722,23 @@ int main(int argc, char **argv)
         return 0;
     }
     progress("matmul");
-    double peak = model_only ? sgemm_gflops(be, PD_DTYPE_F32, 2048, 2048, 2048, 5) : bench_matmul(be, rbw);
+    double bpeak = bf16_gemm_peak(be);
+    double peak =
+        model_only ? sgemm_gflops(be, PD_DTYPE_F32, 2048, 2048, 2048, 5) : bench_matmul(be, rbw, bpeak);
+    if (model_only) {
+        snprintf(v, sizeof(v), "%.1f GFLOP/s", peak);
+        add_row("sgemm 2048x2048x2048 (OpenBLAS peak here)", v, "", 0);
+        char b[64];
+        snprintf(b, sizeof(b), "sgemm 2048^3 %.1f GFLOP/s", peak);
+        snprintf(v, sizeof(v), "%.1f GFLOP/s", bpeak);
+        add_row("bf16 GEMM 2048^3, bf16 math (oneDNN peak here)", v, b, bpeak / peak);
+    }
     if (!model_only) {
         progress("prefill attention");
         bench_attention_prefill(be, peak);
     }
     if (!skip_model && model != NULL) {
-        bench_model(be, model, rbw, peak, weights, batch);
+        bench_model(be, model, rbw, peak, bpeak, weights, batch);
     }
     if (results != NULL) {
         append_results(results, argc, argv, m1, mn, threads);

@@ -61,7 +61,8 @@ size_t pd_engine_flags(pd_engine_config_t *c, pd_flag_t *out, size_t max)
          "compute backend (auto: cuda when a device is present, else cpu)", "auto|cpu|cuda"},
         {"threads", PD_FLAG_INT, &c->threads, "compute threads (0 = all cores)", NULL},
         {"matmul-precision", PD_FLAG_CHOICE, &c->matmul_precision,
-         "cuda: input rounding of matmuls on tensor cores (fp32 accumulate); cpu: always fp32",
+         "input rounding of matmuls, fp32 accumulate (cuda: tensor-core modes; cpu: fp32, or bf16 with "
+         "bf16 weights, through oneDNN)",
          "fp32|tf32|bf16|fp16"},
         {"tensor-parallel-size", PD_FLAG_INT, &c->tensor_parallel_size,
          "vLLM's flag; an engine runs on one device: only 1 is accepted", NULL},
@@ -162,8 +163,12 @@ static pd_status_t open_backend(pd_engine_t *e)
                               : strcmp(mp, "fp16") == 0 ? PD_MATMUL_FP16
                               : strcmp(mp, "tf32") == 0 ? PD_MATMUL_TF32
                                                         : PD_MATMUL_FP32;
-    if (e->be->matmul_precision != PD_MATMUL_FP32 && e->be->host_memory) {
-        pd_log_warn("engine: --matmul-precision %s has no effect on the %s backend (fp32)", mp, device);
+    if (e->be->host_memory &&
+        (e->be->matmul_precision == PD_MATMUL_TF32 || e->be->matmul_precision == PD_MATMUL_FP16)) {
+        pd_log_error("engine: --matmul-precision %s is not available on the %s backend (fp32, or bf16 "
+                     "with bf16 weights)",
+                     mp, device);
+        return PD_ERR_UNSUPPORTED;
     }
     return PD_OK;
 }
@@ -208,6 +213,18 @@ static pd_status_t load_model(pd_engine_t *e)
     }
     if (st != PD_OK) {
         return st;
+    }
+    if (e->be->host_memory && e->be->matmul_precision == PD_MATMUL_BF16) {
+        if (pd_model_linear_dtype(e->model) != PD_DTYPE_BF16) {
+            pd_log_error("engine: --matmul-precision bf16 on the CPU needs bf16 weights (--dtype bfloat16, "
+                         "no --quantization); these linear layers are %s",
+                         pd_model_linear_dtype(e->model) == PD_DTYPE_I8
+                             ? "int8"
+                             : pd_dtype_torch_name(pd_model_linear_dtype(e->model)));
+            return PD_ERR_UNSUPPORTED;
+        }
+        pd_log_info("engine: --matmul-precision bf16: matmul inputs rounded to bf16, fp32 accumulate "
+                    "(oneDNN above 8 rows)");
     }
     snprintf(e->weights_name, sizeof(e->weights_name), "%s%s",
              pd_dtype_torch_name(pd_model_weight_dtype(e->model)),

@@ -12,6 +12,7 @@ PKGS=(
   libjansson-dev                           # JSON
   libzmq3-dev libmsgpack-dev               # KV cache events (--kv-events-config: ZMQ PUB + msgpack)
   libopenblas-dev                          # CPU GEMM
+  libdnnl-dev                              # CPU bf16 GEMM (oneDNN, --matmul-precision bf16)
   libxxhash-dev                            # hashing
   libpcre2-dev libutf8proc-dev             # tokenizer pre-tokenizer regex + normalizer
   check                                    # unit tests

@@ -1,13 +1,18 @@
 /* kernels/cpu/matmul.c — y[m][n] = x[m][k] · w[n][k]ᵀ + bias: a plain loop, and the optimized op:
  * OpenBLAS sgemm/sgemv for fp32 weights; for bf16/fp16/int8 weights a GEMV that widens in registers
- * (matmul_lowp_x86.c) at small m, and tiles of w widened into fp32 for sgemm at larger m. */
+ * (matmul_lowp_x86.c) at small m, and tiles of w widened into fp32 for sgemm at larger m. With
+ * --matmul-precision bf16 and bf16 weights, x is rounded to bf16 first and multiplied in bf16
+ * (matmul_bf16.h): an AVX512-BF16 GEMV at small m, oneDNN above. */
 #include <cblas.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/log.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/matmul_bf16.h"
+#include "kernels/cpu/matmul_dnnl.h"
 #include "kernels/cpu/matmul_lowp.h"
+#include "kernels/dtype_impl.h"
 
 pd_status_t pd_cpu_matmul_ref(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias,
                               int m, int n, int k)
@@ -71,12 +76,9 @@ static int tile_rows_for(int m, int k)
  * reading w, and a lone thread reads at about half the machine's bandwidth. (A 2 MFLOP threshold
  * ran q, k, v, o and down of the demo model on one core: 147-154 tok/s at batch 1 against 198-215
  * split, pd-bench-ops, bench/RESULTS.md 2026-11-23.) Slices stay whole 64-byte rows of y. */
-pd_status_t pd_cpu_matmul(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias, int m,
-                          int n, int k)
+static pd_status_t matmul_fp32_math(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
+                                    const float *bias, int m, int n, int k)
 {
-    if (m == 0 || n == 0) {
-        return PD_OK;
-    }
     int nt = be->num_threads;
     int cols = (n + nt - 1) / nt;
     cols = (cols + 15) & ~15; /* slices of whole 64-byte rows of y */
@@ -125,4 +127,75 @@ pd_status_t pd_cpu_matmul(pd_backend_t *be, float *y, const float *x, pd_weight_
     free(tiles);
     free(xp);
     return PD_OK;
+}
+
+void pd_cpu_round_bf16(uint16_t *dst, const float *src, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        dst[i] = pd_f32_to_bf16(src[i]);
+    }
+}
+
+void pd_cpu_round_bf16_f32(float *dst, const float *src, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        dst[i] = pd_bf16_to_f32(pd_f32_to_bf16(src[i]));
+    }
+}
+
+/* --matmul-precision bf16 with bf16 weights (matmul_bf16.h): x rounded to bf16 (rows split over the
+ * threads), then the bf16 GEMV (columns split as above) or oneDNN; without either, the fp32 paths
+ * on the rounded x. */
+static pd_status_t matmul_bf16_math(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
+                                    const float *bias, int m, int n, int k)
+{
+    int nt = be->num_threads;
+    uint16_t *xb = malloc((size_t)m * k * sizeof(uint16_t));
+    if (xb == NULL) {
+        pd_log_error("matmul: cannot allocate %d x %d bf16 inputs", m, k);
+        return PD_ERR_NO_MEMORY;
+    }
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && m > 1)
+    for (int i = 0; i < m; i++) {
+        pd_cpu_round_bf16(xb + (size_t)i * k, x + (size_t)i * k, (size_t)k);
+    }
+    pd_status_t st = PD_ERR_UNSUPPORTED;
+    if (m <= PD_BF16DOT_MAX_M && pd_cpu_bf16dot_usable()) {
+        int cols = ((n + nt - 1) / nt + 15) & ~15;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+        for (int t = 0; t < nt; t++) {
+            int n0 = t * cols, n1 = n0 + cols < n ? n0 + cols : n;
+            if (n0 < n1) {
+                pd_cpu_gemv_bf16dot(y, xb, w.data, bias, m, n, k, n0, n1);
+            }
+        }
+        st = PD_OK;
+    } else if (m > PD_BF16DOT_MAX_M) {
+        st = pd_cpu_dnnl_matmul_bf16(y, xb, w.data, bias, m, n, k, nt);
+    }
+    if (st == PD_ERR_UNSUPPORTED) {
+        float *xr = malloc((size_t)m * k * sizeof(float));
+        st = xr != NULL ? PD_OK : PD_ERR_NO_MEMORY;
+        if (xr != NULL) {
+            for (size_t i = 0; i < (size_t)m * k; i++) {
+                xr[i] = pd_bf16_to_f32(xb[i]);
+            }
+            st = matmul_fp32_math(be, y, xr, w, bias, m, n, k);
+        }
+        free(xr);
+    }
+    free(xb);
+    return st;
+}
+
+pd_status_t pd_cpu_matmul(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias, int m,
+                          int n, int k)
+{
+    if (m == 0 || n == 0) {
+        return PD_OK;
+    }
+    if (be->matmul_precision == PD_MATMUL_BF16 && w.dtype == PD_DTYPE_BF16) {
+        return matmul_bf16_math(be, y, x, w, bias, m, n, k);
+    }
+    return matmul_fp32_math(be, y, x, w, bias, m, n, k);
 }

@@ -28,7 +28,8 @@ typedef struct gen {
     int32_t completion;
 } gen_t;
 
-static const char *g_dtype = "auto"; /* --dtype of the engines the tests make */
+static const char *g_dtype = "auto";     /* --dtype of the engines the tests make */
+static const char *g_precision = "fp32"; /* their --matmul-precision */
 
 /* An engine on g_model with the tests' sizes; kv_dtype as --kv-cache-dtype. */
 static pd_engine_t *make_engine_kv(int num_blocks_override, bool prefix, int max_seqs, const char *kv_dtype)
@@ -37,6 +38,7 @@ static pd_engine_t *make_engine_kv(int num_blocks_override, bool prefix, int max
     pd_engine_config_defaults(&c);
     c.kv_cache_dtype = kv_dtype;
     c.dtype = g_dtype;
+    c.matmul_precision = g_precision;
     c.model_dir = g_model;
     c.threads = 2;
     c.kv_cache_memory = 256u << 20;
@@ -591,6 +593,60 @@ START_TEST(test_dtype_keeps_checkpoint_precision)
 }
 END_TEST
 
+/* --matmul-precision bf16 on a bf16 checkpoint: 16 greedy requests batched together (their rows
+ * above 8 go through oneDNN) equal the same requests run one at a time (short prompts and decode
+ * steps take the GEMV), because every path rounds x to bf16 the same way. Checkpoints the CPU cannot
+ * do bf16 math on (fp32, int8) and the tensor-core modes are refused at start. */
+START_TEST(test_bf16_math_batch_invariant)
+{
+    char *saved = g_model;
+    g_model = tu_make_model("--preset tiny --arch llama --dtype bf16");
+    ck_assert_ptr_nonnull(g_model);
+    enum { N = 16 };
+    static spec_t specs[N];
+    static gen_t together[N], alone[N];
+    memset(together, 0, sizeof(together));
+    memset(alone, 0, sizeof(alone));
+    make_specs(specs, N, 0.0f, 512);
+    g_precision = "bf16";
+    pd_engine_t *e = make_engine(0, false, 8);
+    for (int i = 0; i < N; i++) {
+        add_spec(e, &specs[i], i, &together[i], NULL, 0);
+    }
+    run_until_idle(e);
+    pd_engine_destroy(e);
+    e = make_engine(0, false, 1);
+    for (int i = 0; i < N; i++) {
+        add_spec(e, &specs[i], i, &alone[i], NULL, 0);
+        run_until_idle(e);
+    }
+    pd_engine_destroy(e);
+    for (int i = 0; i < N; i++) {
+        assert_same(&together[i], &alone[i], i);
+        ck_assert_int_eq(together[i].n, specs[i].max_tokens);
+    }
+    pd_engine_config_t c;
+    const char *dtypes[] = {"float32", "auto", "auto"}, *quants[] = {NULL, "int8", NULL};
+    const char *precs[] = {"bf16", "bf16", "tf32"};
+    for (int i = 0; i < 3; i++) {
+        pd_engine_config_defaults(&c);
+        c.model_dir = g_model;
+        c.threads = 2;
+        c.kv_cache_memory = 64u << 20;
+        c.dtype = dtypes[i];
+        c.quantization = quants[i];
+        c.matmul_precision = precs[i];
+        e = NULL;
+        ck_assert_int_eq(pd_engine_create(&c, &e), PD_ERR_UNSUPPORTED);
+        ck_assert_ptr_null(e);
+    }
+    g_precision = "fp32";
+    tu_rmrf(g_model);
+    free(g_model);
+    g_model = saved;
+}
+END_TEST
+
 /* The memory plan without loading (issue 18): what the loader allocates is what
  * pd_model_plan_weight_bytes says, for every architecture and dtype; by that plan a 7–8 B bf16
  * model fits a 24 GiB node with a KV cache for at least one 32k-token request (the engine's own
@@ -680,6 +736,7 @@ int main(void)
     tcase_add_test(tc, test_kv_cache_dtype_auto_is_the_models);
     tcase_add_test(tc, test_dtype_keeps_checkpoint_precision);
     tcase_add_test(tc, test_memory_plan_8b_fits_24gib);
+    tcase_add_test(tc, test_bf16_math_batch_invariant);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);

@@ -2,6 +2,7 @@
  * (never zeros), the shared index math, dtype conversions, and bad-index rejection. */
 #include <check.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -9,6 +10,8 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/attention_decode.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/matmul_bf16.h"
+#include "kernels/cpu/matmul_dnnl.h"
 #include "kernels/paged_impl.h"
 
 static pd_backend_t *g_be;
@@ -188,6 +191,53 @@ START_TEST(test_matmul)
             }
             free(x), free(w), free(ws), free(scale), free(bias), free(y), free(yr), free(yf);
         }
+    }
+}
+END_TEST
+
+/* --matmul-precision bf16 with bf16 weights: every path (the AVX512-BF16 GEMV at each m <= 8, with
+ * w-row blocks and k tails; oneDNN above) is the
+ * reference on x rounded to bf16, so a row's result does not depend on the rows beside it; and the
+ * rounding happens (the result differs from fp32 math). */
+START_TEST(test_matmul_bf16_math)
+{
+    int shapes[][3] = {{1, 7, 5},     {2, 33, 100}, {3, 64, 33},      {4, 130, 512}, {5, 70, 96},
+                       {6, 9, 40},    {7, 21, 47},  {8, 600, 64},     {9, 300, 48},  {17, 129, 64},
+                       {64, 96, 200}, {1, 1, 3},    {260, 1100, 1536}};
+    for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+        int m = shapes[s][0], n = shapes[s][1], k = shapes[s][2];
+        float *x = rand_buf((size_t)m * k, -1, 1), *w = rand_buf((size_t)n * k, -1, 1);
+        float *xr = malloc((size_t)m * k * sizeof(float));
+        pd_cpu_round_bf16_f32(xr, x, (size_t)m * k);
+        void *ws = store_as(w, (size_t)n * k, PD_DTYPE_BF16);
+        pd_weight_t wt = {ws, PD_DTYPE_BF16, NULL};
+        float *bias = rand_buf((size_t)n, -1, 1);
+        float *y = rand_buf((size_t)m * n, -9, 9), *yr = rand_buf((size_t)m * n, -9, 9);
+        float *y32 = rand_buf((size_t)m * n, -9, 9), *y1 = rand_buf((size_t)n, -9, 9);
+        for (int with_bias = 0; with_bias < 2; with_bias++) {
+            const float *b = with_bias ? bias : NULL;
+            g_be->matmul_precision = PD_MATMUL_BF16;
+            ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, wt, b, m, n, k), PD_OK);
+            int row = m / 2; /* the same row alone (the GEMV when m > 8 went through oneDNN) */
+            ck_assert_int_eq(pd_cpu_matmul(g_be, y1, x + (size_t)row * k, wt, b, 1, n, k), PD_OK);
+            g_be->matmul_precision = PD_MATMUL_FP32;
+            ck_assert_int_eq(pd_cpu_matmul(g_be, y32, x, wt, b, m, n, k), PD_OK);
+            ck_assert_int_eq(pd_cpu_matmul_ref(g_be, yr, xr, wt, b, m, n, k), PD_OK);
+            ck_assert_msg(max_rel_err(y, yr, (size_t)m * n, sqrt(k)) < 1e-5, "%dx%dx%d", m, n, k);
+            ck_assert_msg(max_rel_err(y1, y + (size_t)row * n, (size_t)n, sqrt(k)) < 1e-5,
+                          "row %d of %dx%dx%d", row, m, n, k);
+            ck_assert_msg(max_rel_err(y32, y, (size_t)m * n, sqrt(k)) > 1e-5, "%dx%dx%d not rounded", m, n,
+                          k);
+        }
+        free(x), free(xr), free(w), free(ws), free(bias), free(y), free(yr), free(y32), free(y1);
+    }
+    /* on a CPU with AVX512-BF16 the rows above 8 went through oneDNN, not the fallback */
+    if (pd_cpu_dnnl_bf16_native()) {
+        uint16_t xb[9 * 16] = {0}, wb[16 * 16] = {0};
+        float yb[9 * 16];
+        ck_assert_int_eq(pd_cpu_dnnl_matmul_bf16(yb, xb, wb, NULL, 9, 16, 16, 2), PD_OK);
+    } else {
+        printf("test_matmul_bf16_math: no AVX512-BF16 on this CPU; the oneDNN path may fall back\n");
     }
 }
 END_TEST
@@ -757,6 +807,7 @@ int main(void)
     tcase_add_test(tc, test_dtype_conversions);
     tcase_add_test(tc, test_index_math);
     tcase_add_test(tc, test_matmul);
+    tcase_add_test(tc, test_matmul_bf16_math);
     tcase_add_test(tc, test_norms);
     tcase_add_test(tc, test_elementwise);
     tcase_add_test(tc, test_rope);

@@ -1,0 +1,29 @@
+/* kernels/cpu/matmul_bf16.h — the pieces of --matmul-precision bf16 on the CPU (bf16 weights): x is
+ * rounded to bf16 (round to nearest even) before every matmul, products of two bf16 values are
+ * exact in fp32, and sums are fp32. Up to PD_BF16DOT_MAX_M rows of x (decode) an AVX512-BF16 GEMV
+ * (matmul_bf16dot_x86.c); above, oneDNN (matmul_dnnl.c); on a CPU with neither, the fp32 paths on
+ * the rounded x. Every path is pd_cpu_matmul_ref on the rounded x within fp32 summation-order
+ * rounding, so a row's result does not depend on the batch it is in. */
+#ifndef PD_KERNELS_CPU_MATMUL_BF16_H
+#define PD_KERNELS_CPU_MATMUL_BF16_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Up to this many rows of x the bf16 GEMV streams w once per call; above, oneDNN's GEMM. */
+#define PD_BF16DOT_MAX_M 8
+
+/* dst[n] = src[n] rounded to bf16 (round to nearest even), as bf16 or as fp32. */
+void pd_cpu_round_bf16(uint16_t *dst, const float *src, size_t n);
+void pd_cpu_round_bf16_f32(float *dst, const float *src, size_t n);
+
+/* Whether the CPU has AVX512-BF16 (and AVX512 F/BW/VL) for pd_cpu_gemv_bf16dot. */
+int pd_cpu_bf16dot_usable(void);
+
+/* y[i][j] = bias[j] + Σ_p xb[i][p] · w[j][p] for i < m, j in [n0, n1); y is [m][n], xb [m][k] and
+ * w [n][k] bf16, bias NULL or [n]. w is streamed once; x is re-read per block of 4 w rows, so keep
+ * m small (decode). */
+void pd_cpu_gemv_bf16dot(float *y, const uint16_t *xb, const uint16_t *w, const float *bias, int m, int n,
+                         int k, int n0, int n1);
+
+#endif

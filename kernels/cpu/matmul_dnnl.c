@@ -1,0 +1,153 @@
+/* kernels/cpu/matmul_dnnl.c — bf16 × bf16 → fp32 matmul through oneDNN's C API (matmul_dnnl.h).
+ *
+ * One oneDNN engine per process, created on first use and kept (the library's own primitive cache
+ * then holds the JIT-compiled kernels). A call builds a matmul primitive whose row count m is a
+ * run-time dimension, so one primitive per (n, k, bias) shape serves every batch size: creating it
+ * again on a cache hit costs ~2 µs, and a miss ~0.4 ms (measured on the 2-core EPYC VM; a
+ * fixed-m brgemm primitive costs ~5 ms per new m, and prefill chunks come in every length). The
+ * weights are described as the transposed [k][n] view of w[n][k] (format "ba"): no reorder, no
+ * second copy of the weights. Each call has its own stream, so calls from several threads are
+ * independent. oneDNN runs on OpenMP (Debian's build) with the caller's thread count. */
+#include <omp.h>
+#include <pthread.h>
+
+#include <oneapi/dnnl/dnnl.h>
+
+#include "common/log.h"
+#include "kernels/cpu/matmul_dnnl.h"
+
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static dnnl_engine_t g_engine; /* written once under g_once, then only read */
+
+static void engine_init(void)
+{
+    /* oneDNN's verbose mode is the library's business; errors are reported through statuses */
+    if (dnnl_engine_create(&g_engine, dnnl_cpu, 0) != dnnl_success) {
+        pd_log_error("matmul: oneDNN cannot create a CPU engine");
+        g_engine = NULL;
+    }
+}
+
+bool pd_cpu_dnnl_bf16_native(void)
+{
+    /* the ISA values are nested bit sets: avx512_core_bf16 ⊂ avx512_core_amx */
+    unsigned isa = (unsigned)dnnl_get_effective_cpu_isa();
+    return (isa & (unsigned)dnnl_cpu_isa_avx512_core_bf16) == (unsigned)dnnl_cpu_isa_avx512_core_bf16;
+}
+
+/* The primitive for [m? × k] · [k × n] (+ [1 × n]); the descriptors of the run-time shapes are
+ * filled for the memories. */
+static dnnl_status_t make_primitive(int n, int k, bool bias, dnnl_primitive_t *prim_out)
+{
+    dnnl_memory_desc_t src, wei, bia, dst;
+    dnnl_dims_t src_dims = {DNNL_RUNTIME_DIM_VAL, k}, wei_dims = {k, n}, bia_dims = {1, n},
+                dst_dims = {DNNL_RUNTIME_DIM_VAL, n};
+    dnnl_status_t s = dnnl_memory_desc_init_by_tag(&src, 2, src_dims, dnnl_bf16, dnnl_ab);
+    if (s == dnnl_success) {
+        s = dnnl_memory_desc_init_by_tag(&wei, 2, wei_dims, dnnl_bf16, dnnl_ba);
+    }
+    if (s == dnnl_success) {
+        s = dnnl_memory_desc_init_by_tag(&bia, 2, bia_dims, dnnl_f32, dnnl_ab);
+    }
+    if (s == dnnl_success) {
+        s = dnnl_memory_desc_init_by_tag(&dst, 2, dst_dims, dnnl_f32, dnnl_ab);
+    }
+    dnnl_matmul_desc_t md;
+    if (s == dnnl_success) {
+        s = dnnl_matmul_desc_init(&md, &src, &wei, bias ? &bia : NULL, &dst);
+    }
+    dnnl_primitive_desc_t pd = NULL;
+    if (s == dnnl_success) {
+        s = dnnl_primitive_desc_create(&pd, &md, NULL, g_engine, NULL);
+    }
+    if (s == dnnl_success) {
+        s = dnnl_primitive_create(prim_out, pd);
+    }
+    dnnl_primitive_desc_destroy(pd);
+    return s;
+}
+
+/* A memory object over caller-owned data of dims rows × cols, row-major (or column-major: ba). */
+static dnnl_status_t wrap(dnnl_memory_t *mem, int64_t rows, int64_t cols, dnnl_data_type_t dt,
+                          dnnl_format_tag_t tag, const void *data)
+{
+    dnnl_memory_desc_t d;
+    dnnl_dims_t dims = {rows, cols};
+    dnnl_status_t s = dnnl_memory_desc_init_by_tag(&d, 2, dims, dt, tag);
+    return s == dnnl_success ? dnnl_memory_create(mem, &d, g_engine, (void *)data) : s;
+}
+
+pd_status_t pd_cpu_dnnl_matmul_bf16(float *y, const uint16_t *xb, const uint16_t *w, const float *bias, int m,
+                                    int n, int k, int num_threads)
+{
+    static int unimplemented_logged; /* each log line once per process */
+    pthread_once(&g_once, engine_init);
+    if (g_engine == NULL) {
+        return PD_ERR_BACKEND;
+    }
+    dnnl_primitive_t prim = NULL;
+    dnnl_stream_t stream = NULL;
+    dnnl_memory_t mem[4] = {NULL, NULL, NULL, NULL};
+    dnnl_status_t s = make_primitive(n, k, bias != NULL, &prim);
+    if (s == dnnl_unimplemented) {
+        if (!__atomic_exchange_n(&unimplemented_logged, 1, __ATOMIC_RELAXED)) {
+            pd_log_warn("matmul: oneDNN has no bf16 matmul on this CPU; bf16 math runs through fp32 sgemm");
+        }
+        return PD_ERR_UNSUPPORTED;
+    }
+    static int impl_logged;
+    if (s == dnnl_success && !__atomic_exchange_n(&impl_logged, 1, __ATOMIC_RELAXED)) {
+        const_dnnl_primitive_desc_t pd = NULL;
+        const char *impl = "?";
+        if (dnnl_primitive_get_primitive_desc(prim, &pd) == dnnl_success) {
+            (void)dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &impl);
+        }
+        if (pd_cpu_dnnl_bf16_native()) {
+            pd_log_info("matmul: bf16 GEMM through oneDNN (%s, AVX512-BF16)", impl);
+        } else {
+            pd_log_warn("matmul: bf16 GEMM through oneDNN (%s) on a CPU without AVX512-BF16: emulated, "
+                        "likely slower than fp32",
+                        impl);
+        }
+    }
+    if (s == dnnl_success) {
+        s = wrap(&mem[0], m, k, dnnl_bf16, dnnl_ab, xb);
+    }
+    if (s == dnnl_success) {
+        s = wrap(&mem[1], k, n, dnnl_bf16, dnnl_ba, w);
+    }
+    if (s == dnnl_success) {
+        s = wrap(&mem[2], m, n, dnnl_f32, dnnl_ab, y);
+    }
+    if (s == dnnl_success && bias != NULL) {
+        s = wrap(&mem[3], 1, n, dnnl_f32, dnnl_ab, bias);
+    }
+    if (s == dnnl_success) {
+        s = dnnl_stream_create(&stream, g_engine, dnnl_stream_default_flags);
+    }
+    if (s == dnnl_success) {
+        dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, mem[0]},
+                                   {DNNL_ARG_WEIGHTS, mem[1]},
+                                   {DNNL_ARG_DST, mem[2]},
+                                   {DNNL_ARG_BIAS, mem[3]}};
+        /* oneDNN's OpenMP regions take the calling thread's max threads: the backend's count */
+        int saved = omp_get_max_threads();
+        omp_set_num_threads(num_threads);
+        s = dnnl_primitive_execute(prim, stream, bias != NULL ? 4 : 3, args);
+        if (s == dnnl_success) {
+            s = dnnl_stream_wait(stream);
+        }
+        omp_set_num_threads(saved);
+    }
+    dnnl_stream_destroy(stream);
+    for (int i = 0; i < 4; i++) {
+        dnnl_memory_destroy(mem[i]);
+    }
+    dnnl_primitive_destroy(prim);
+    if (s != dnnl_success) {
+        pd_log_error("matmul: oneDNN bf16 matmul [%d x %d] x [%d x %d] failed (dnnl status %d)", m, k, k, n,
+                     (int)s);
+        return PD_ERR_BACKEND;
+    }
+    return PD_OK;
+}

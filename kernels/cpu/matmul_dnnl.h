@@ -1,0 +1,25 @@
+/* kernels/cpu/matmul_dnnl.h — bf16 matmul through oneDNN (Debian's libdnnl), for
+ * --matmul-precision bf16 on the CPU with bf16 weights: x is rounded to bf16 (RNE), weights are
+ * read as stored, products are exact in fp32 and sums are fp32. On a CPU with AVX512-BF16 oneDNN's
+ * JIT GEMM runs `vdpbf16ps` at about twice the fp32 sgemm peak (bench/RESULTS.md). The math is
+ * pd_cpu_matmul_ref on the rounded x, within fp32 summation-order rounding. */
+#ifndef PD_KERNELS_CPU_MATMUL_DNNL_H
+#define PD_KERNELS_CPU_MATMUL_DNNL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/backend.h"
+
+/* Whether oneDNN has a bf16 matmul that runs on this CPU's native bf16 instructions
+ * (AVX512-BF16 or newer). Without them pd_cpu_matmul keeps its own paths on the rounded x. */
+bool pd_cpu_dnnl_bf16_native(void);
+
+/* y[m][n] = xb[m][k] · w[n][k]ᵀ (+ bias[n]) with xb and w bf16, y fp32, on num_threads threads.
+ * PD_ERR_UNSUPPORTED when oneDNN has no implementation (logged once); PD_ERR_BACKEND when it
+ * fails. Safe to call from several threads at once. */
+pd_status_t pd_cpu_dnnl_matmul_bf16(float *y, const uint16_t *xb, const uint16_t *w, const float *bias, int m,
+                                    int n, int k, int num_threads);
+
+#endif
