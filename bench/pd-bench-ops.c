@@ -613,6 +613,19 @@ static void bench_model(pd_backend_t *be, const char *model_dir, double read_bw,
             snprintf(base, sizeof(base), "%.1f GFLOP/s in linear layers; %s %.1f", flops / best / 1e9,
                      bf16_math ? "bf16 GEMM" : "sgemm", peak);
             add_row(name, val, base, flops / best / 1e9 / peak);
+            /* the layer's matmuls alone at this many rows, weights of the model's shapes and dtype */
+            double qd = c->num_heads * hsz, kvd = c->num_kv_heads * hsz, secs_lin = 0;
+            int sh[][2] = {{(int)qd, (int)hid}, {(int)kvd, (int)hid},         {(int)kvd, (int)hid},
+                           {(int)hid, (int)qd}, {(int)(2 * inter), (int)hid}, {(int)hid, (int)inter}};
+            for (int q = 0; q < 6; q++) {
+                secs_lin += matmul_seconds(be, ldt, prompts[i], sh[q][0], sh[q][1], 2);
+            }
+            double g = 2.0 * lin / c->num_layers * prompts[i] / secs_lin / 1e9;
+            snprintf(name, sizeof(name), "model linear layers alone, %s%s weights%s, %d tokens", dt_name(wdt),
+                     ldt == PD_DTYPE_I8 ? "+int8" : "", math, prompts[i]);
+            snprintf(val, sizeof(val), "%.1f GFLOP/s", g);
+            snprintf(base, sizeof(base), "%s %.1f GFLOP/s", bf16_math ? "bf16 GEMM" : "sgemm", peak);
+            add_row(name, val, base, g / peak);
         }
         be->matmul_precision = PD_MATMUL_FP32;
         pd_model_free(m);

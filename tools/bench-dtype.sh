@@ -2,8 +2,9 @@
 # tools/bench-dtype.sh BUILD_DIR — serving with the weights at checkpoint precision vs widened to
 # fp32 (issue 18's no-regression check): pd-serve on the demo model (a bf16 checkpoint) with
 # --dtype float32 and --dtype auto (bf16 matrices; the KV cache is bf16 in both, --kv-cache-dtype
-# auto), each under pd-bench at concurrency 8 and 16 with the same prompts, runs alternated
-# (float32, auto, three rounds) so the VM's drift shows. Appends the table to bench/RESULTS.md.
+# auto), and --dtype auto with --matmul-precision bf16 (bf16 arithmetic), each under pd-bench at
+# concurrency 8 and 16 with the same prompts, runs alternated (float32, auto, auto+bf16-math,
+# three rounds) so the VM's drift shows. Appends the table to bench/RESULTS.md.
 # PD_DTYPE_PROMPTS sets the requests per point (default 64).
 set -euo pipefail
 build=${1:-build}
@@ -30,9 +31,11 @@ trap 'stop; rm -rf "$work"' EXIT
 
 rows=()
 for round in 1 2 3; do
-  for dtype in float32 auto; do
+  for dtype in float32 auto bf16-math; do
     rm -f "$work/port"
-    "$bin/pd-serve" --model "$models/demo" --served-model-name demo --dtype "$dtype" --threads 2 \
+    args=(--dtype "$dtype")
+    [[ "$dtype" == bf16-math ]] && args=(--dtype auto --matmul-precision bf16)
+    "$bin/pd-serve" --model "$models/demo" --served-model-name demo "${args[@]}" --threads 2 \
       --kv-cache-memory 2G --max-model-len 4096 --port 0 --port-file "$work/port" >"$work/serve-$dtype.log" 2>&1 &
     pid=$!
     for _ in $(seq 300); do [[ -s "$work/port" ]] && break; kill -0 "$pid" || { cat "$work/serve-$dtype.log"; exit 1; }; sleep 0.2; done
@@ -65,6 +68,8 @@ done
   echo "Command: \`tools/bench-dtype.sh $build\`. Machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)."
   echo "pd-serve --threads 2 on the demo model (bf16 checkpoint, bf16 KV), random 256±50% prompt / 64±50%"
   echo "output tokens, $prompts requests per point (+16 warmups), same seed for every point; rounds alternate."
+  echo
+  echo "bf16-math is \\`--dtype auto --matmul-precision bf16\\`."
   echo
   echo "| --dtype | concurrency | round | done/failed | req/s | out tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) |"
   echo "|---|---|---|---|---|---|---|---|"
