@@ -20,7 +20,9 @@
 #define DOT_INLINE __attribute__((target(DOT_ISA), always_inline)) static inline
 
 /* How far ahead of the dot products each w row stream is prefetched (as the AVX2 GEMV does). */
+#ifndef DOT_PREFETCH_BYTES
 #define DOT_PREFETCH_BYTES 512
+#endif
 
 int pd_cpu_bf16dot_usable(void)
 {

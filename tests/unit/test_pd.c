@@ -1729,6 +1729,50 @@ START_TEST(test_proxy_kv_aware)
 }
 END_TEST
 
+/* Round-robin over two decodes with --pd-local-prefill-threshold: the local-prefill rule only looks
+ * at the decode the policy would pick, so six fresh long prompts (all disaggregated) still split
+ * 3/3 over the decodes (the rule once advanced the rotation a second time per request and sent
+ * every one to the same decode), and the short ones that stay local alternate too. */
+START_TEST(test_proxy_local_prefill_round_robin)
+{
+    char *a[] = {"--kv-transfer-mode", "pull",     "--kv-pipe", "tcp", FAST_TIMEOUTS,
+                 "--kv-events-config", EVENTS_CFG, NULL};
+    node_t p, d[2], x;
+    start(&p, "pd-prefill", "prefill", g_model, a);
+    start(&d[0], "pd-decode", "decode0", g_model, a);
+    start(&d[1], "pd-decode", "decode1", g_model, a);
+    char pre[64], dec[160];
+    snprintf(pre, sizeof(pre), "http://127.0.0.1:%d", p.port);
+    snprintf(dec, sizeof(dec), "http://127.0.0.1:%d,http://127.0.0.1:%d", d[0].port, d[1].port);
+    char *xa[] = {
+        "--prefill", pre, "--decode", dec, "--health-interval", "0.2", "--pd-local-prefill-threshold",
+        "24",        NULL};
+    start(&x, "pd-proxy", "proxy-rr-local", NULL, xa);
+    usleep(600 * 1000);             /* the first probe round subscribes */
+    for (int i = 14; i < 20; i++) { /* 64..128 tokens, none cached: remote */
+        expect_same(x.port, i, false);
+    }
+    ck_assert_int_eq((int)served(p.port), 6);
+    ck_assert_msg(served(d[0].port) == 3 && served(d[1].port) == 3, "decodes served %g and %g of 6",
+                  served(d[0].port), served(d[1].port));
+    for (int i = 0; i < 4; i++) { /* 1..7 tokens: local */
+        expect_same(x.port, i, false);
+    }
+    ck_assert_int_eq((int)served(p.port), 6);
+    ck_assert_msg(served(d[0].port) == 5 && served(d[1].port) == 5, "decodes served %g and %g of 10",
+                  served(d[0].port), served(d[1].port));
+    ck_assert_int_eq((int)metric(x.port, "pd_proxy:prefills_total{where=\"local\"}"), 4);
+    ck_assert_int_eq((int)metric(x.port, "pd_proxy:prefills_total{where=\"remote\"}"), 6);
+    assert_pool_free(p.port, "the prefill");
+    assert_pool_free(d[0].port, "decode 0");
+    assert_pool_free(d[1].port, "decode 1");
+    stop(&x);
+    stop(&d[1]);
+    stop(&d[0]);
+    stop(&p);
+}
+END_TEST
+
 /* Conditional disaggregation (pd-proxy --pd-local-prefill-threshold 24, KV events on): a prompt
  * whose part the decode does not hold is under 24 tokens is prefilled by the decode alone (no
  * prefill leg: the prefill serves nothing), token ids, text and chat alike; a long fresh prompt goes
@@ -2137,6 +2181,7 @@ int main(void)
     tcase_add_test(proxy, test_proxy_kv_events_index);
     tcase_add_test(proxy, test_proxy_kv_aware);
     tcase_add_test(proxy, test_proxy_local_prefill);
+    tcase_add_test(proxy, test_proxy_local_prefill_round_robin);
     tcase_add_test(proxy, test_proxy_index_after_node_restart);
     tcase_add_test(proxy, test_dns_discovery_and_prefill_restart);
     TCase *cases[] = {eq, handover, faults, hostile, proxy};
