@@ -389,7 +389,7 @@ static double bench_matmul(pd_backend_t *be, double read_bw, double bpeak)
     add_row("bf16 GEMM 2048^3, bf16 math (oneDNN peak here)", val, base, bpeak / peak);
     snprintf(base, sizeof(base), "bf16 GEMM 2048^3 %.1f GFLOP/s", bpeak);
     be->matmul_precision = PD_MATMUL_BF16;
-    for (size_t i = 0; i + 1 < sizeof(shapes) / sizeof(shapes[0]); i++) {
+    for (size_t i = 0; i + 1 < sizeof(shapes) / sizeof(shapes[0]); i++) { /* the last, 2048³, is bpeak */
         double g = sgemm_gflops(be, PD_DTYPE_BF16, shapes[i].m, shapes[i].n, shapes[i].k, 20);
         snprintf(val, sizeof(val), "%.1f GFLOP/s", g);
         snprintf(name, sizeof(name), "%s, bf16 weights, bf16 math", shapes[i].what);

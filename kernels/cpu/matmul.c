@@ -136,13 +136,6 @@ void pd_cpu_round_bf16(uint16_t *dst, const float *src, size_t n)
     }
 }
 
-void pd_cpu_round_bf16_f32(float *dst, const float *src, size_t n)
-{
-    for (size_t i = 0; i < n; i++) {
-        dst[i] = pd_bf16_to_f32(pd_f32_to_bf16(src[i]));
-    }
-}
-
 /* --matmul-precision bf16 with bf16 weights (matmul_bf16.h): x rounded to bf16 (rows split over the
  * threads), then the bf16 GEMV (columns split as above) or oneDNN; without either, the fp32 paths
  * on the rounded x. */
@@ -177,9 +170,7 @@ static pd_status_t matmul_bf16_math(pd_backend_t *be, float *y, const float *x, 
         float *xr = malloc((size_t)m * k * sizeof(float));
         st = xr != NULL ? PD_OK : PD_ERR_NO_MEMORY;
         if (xr != NULL) {
-            for (size_t i = 0; i < (size_t)m * k; i++) {
-                xr[i] = pd_bf16_to_f32(xb[i]);
-            }
+            pd_cpu_widen(xr, xb, PD_DTYPE_BF16, (int64_t)m * k);
             st = matmul_fp32_math(be, y, xr, w, bias, m, n, k);
         }
         free(xr);

@@ -13,9 +13,8 @@
 /* Up to this many rows of x the bf16 GEMV streams w once per call; above, oneDNN's GEMM. */
 #define PD_BF16DOT_MAX_M 8
 
-/* dst[n] = src[n] rounded to bf16 (round to nearest even), as bf16 or as fp32. */
+/* dst[n] = src[n] rounded to bf16 (round to nearest even). */
 void pd_cpu_round_bf16(uint16_t *dst, const float *src, size_t n);
-void pd_cpu_round_bf16_f32(float *dst, const float *src, size_t n);
 
 /* Whether the CPU has AVX512-BF16 (and AVX512 F/BW/VL) for pd_cpu_gemv_bf16dot. */
 int pd_cpu_bf16dot_usable(void);

@@ -1,15 +1,15 @@
-/* kernels/cpu/matmul_bf16dot_x86.c — the decode GEMV of --matmul-precision bf16 (matmul_bf16.c):
+/* kernels/cpu/matmul_bf16dot_x86.c — the decode GEMV of --matmul-precision bf16 (matmul_bf16.h):
  * x already rounded to bf16, w bf16 as stored, and AVX512-BF16's `vdpbf16ps`, which multiplies 32
  * bf16 pairs exactly and adds them into 16 fp32 lanes, so neither side is widened.
  *
  * A block of 4 rows of w is streamed against up to 4 rows of x at a time (16 accumulators in
  * registers beside the loads); further passes take the next 4 rows of x and read the block's w
- * again from L1/L2. (Two w rows against 8 x rows in one pass kept only two
- * DRAM streams per thread: 19 GB/s of w at k = 1536 against 26 for four. Cutting k into chunks
- * whose x fits L1 was slower: rows read in 2 KiB pieces defeat the prefetchers.) The k % 32 tail is
- * a masked load (zeros add nothing). Each accumulator's 16 lanes are summed at the end. The hardware flushes bf16 subnormals (|v| <
- * 1.2e-38) to zero; otherwise the result is pd_cpu_matmul_ref on the rounded x within fp32
- * summation-order rounding. */
+ * again from L1/L2. (Two w rows against 8 x rows in one pass kept only two DRAM streams per
+ * thread: 19 GB/s of w at k = 1536 against 26 for four. Cutting k into chunks whose x fits L1 was
+ * slower: rows read in 2 KiB pieces defeat the prefetchers.) The k % 32 tail is a masked load
+ * (zeros add nothing). Each accumulator's 16 lanes are summed at the end. The hardware flushes
+ * bf16 subnormals (|v| < 1.2e-38) to zero; otherwise the result is pd_cpu_matmul_ref on the
+ * rounded x within fp32 summation-order rounding. */
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -95,8 +95,8 @@ DOT_INLINE void blocks(float *y, const uint16_t *xb, const uint16_t *w, const fl
     }
 }
 
-DOT static void gemv_dot(float *y, const uint16_t *xb, const uint16_t *w, const float *bias, int m, int n,
-                         int k, int n0, int n1)
+DOT void pd_cpu_gemv_bf16dot(float *y, const uint16_t *xb, const uint16_t *w, const float *bias, int m, int n,
+                             int k, int n0, int n1)
 {
     int j = n0;
     for (; j + 4 <= n1; j += 4) {
@@ -105,10 +105,4 @@ DOT static void gemv_dot(float *y, const uint16_t *xb, const uint16_t *w, const 
     for (; j < n1; j++) {
         blocks(y, xb, w, bias, m, n, k, j, 1);
     }
-}
-
-void pd_cpu_gemv_bf16dot(float *y, const uint16_t *xb, const uint16_t *w, const float *bias, int m, int n,
-                         int k, int n0, int n1)
-{
-    gemv_dot(y, xb, w, bias, m, n, k, n0, n1);
 }

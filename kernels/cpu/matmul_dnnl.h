@@ -12,8 +12,8 @@
 
 #include "kernels/backend.h"
 
-/* Whether oneDNN has a bf16 matmul that runs on this CPU's native bf16 instructions
- * (AVX512-BF16 or newer). Without them pd_cpu_matmul keeps its own paths on the rounded x. */
+/* Whether oneDNN runs bf16 on this CPU's native bf16 instructions (AVX512-BF16 or newer). Without
+ * them it may still emulate bf16 (slowly; logged once) or refuse (PD_ERR_UNSUPPORTED below). */
 bool pd_cpu_dnnl_bf16_native(void);
 
 /* y[m][n] = xb[m][k] · w[n][k]ᵀ (+ bias[n]) with xb and w bf16, y fp32, on num_threads threads.
