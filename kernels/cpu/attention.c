@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "kernels/cpu/attention_bf16.h"
 #include "kernels/cpu/attention_decode.h"
 #include "kernels/cpu/attention_prefill_tiled.h"
 #include "kernels/cpu/cpu_ops.h"
@@ -198,6 +199,72 @@ pd_status_t pd_cpu_paged_attention_prefill_ref(pd_backend_t *be, float *out, con
     return PD_OK;
 }
 
+pd_status_t pd_cpu_paged_attention_bf16_ref(pd_backend_t *be, float *out, const float *q,
+                                            const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
+                                            float scale)
+{
+    pd_status_t st = pd_cpu_attn_validate(kv, meta, num_heads, 0);
+    if (st != PD_OK) {
+        return st;
+    }
+    if (kv->dtype != PD_DTYPE_BF16) {
+        pd_log_error("attention: the bf16 reference needs a bf16 cache (dtype %d)", (int)kv->dtype);
+        return PD_ERR_INVALID_ARG;
+    }
+    const int H = kv->num_kv_heads, D = kv->head_size, bs = kv->block_size;
+    int64_t max_len = 1;
+    for (int s = 0; s < meta->num_seqs; s++) {
+        max_len = meta->seq_lens[s] > max_len ? meta->seq_lens[s] : max_len;
+    }
+    float *scores = malloc((size_t)max_len * sizeof(float)), *qh = malloc((size_t)D * sizeof(float));
+    if (scores == NULL || qh == NULL) {
+        free(scores), free(qh);
+        return PD_ERR_NO_MEMORY;
+    }
+    for (int s = 0; s < meta->num_seqs; s++) {
+        int q0 = meta->cu_seqlens_q[s], q_len = meta->cu_seqlens_q[s + 1] - q0;
+        for (int i = 0; i < q_len; i++) {
+            int64_t pos = pd_query_pos(meta->seq_lens[s], q_len, i);
+            int64_t first = pd_attn_first_key(pos, meta->sliding_window);
+            for (int h = 0; h < num_heads; h++) {
+                int g = pd_gqa_kv_head(h, num_heads, H);
+                pd_attn_bf16_query(qh, q + ((size_t)(q0 + i) * num_heads + h) * D, scale, D); /* q̂ */
+                float m = -INFINITY;
+                for (int64_t j = first; j <= pos; j++) { /* s_j = q̂ · k_j, and m = ⌈max s⌉ */
+                    int64_t slot =
+                        pd_block_table_slot(meta->block_tables, meta->max_blocks_per_seq, s, j, bs);
+                    int64_t ki = pd_slot_kv_index(slot, 0, g, bs, H, D);
+                    double dot = 0;
+                    for (int d = 0; d < D; d++) {
+                        dot += (double)qh[d] * pd_dtype_load(kv->base, ki + d, kv->dtype);
+                    }
+                    scores[j] = (float)dot;
+                    m = pd_attn_bf16_max(m, scores[j]);
+                }
+                double sum = 0; /* p̂_j = bf16(2^(s_j − m)), kept in scores */
+                for (int64_t j = first; j <= pos; j++) {
+                    scores[j] = pd_round_bf16f((float)exp2((double)scores[j] - m));
+                    sum += scores[j];
+                }
+                float *o = out + ((size_t)(q0 + i) * num_heads + h) * D;
+                for (int d = 0; d < D; d++) {
+                    double acc = 0;
+                    for (int64_t j = first; j <= pos; j++) {
+                        int64_t slot =
+                            pd_block_table_slot(meta->block_tables, meta->max_blocks_per_seq, s, j, bs);
+                        int64_t vi = pd_slot_kv_index(slot, 1, g, bs, H, D);
+                        acc += (double)scores[j] * pd_dtype_load(kv->base, vi + d, kv->dtype);
+                    }
+                    o[d] = (float)(acc / sum);
+                }
+            }
+        }
+    }
+    free(scores), free(qh);
+    (void)be;
+    return PD_OK;
+}
+
 pd_status_t pd_cpu_paged_attention_decode_ref(pd_backend_t *be, float *out, const float *q,
                                               const pd_kv_view_t *kv, const pd_attn_meta_t *meta,
                                               int num_heads, float scale)
@@ -227,6 +294,7 @@ typedef struct attn_item {
 } attn_item_t;
 
 typedef struct attn_scratch {
+    float *qh;  /* [ATTN_TILE_Q · group][head_size]: q̂ under bf16 math */
     float *k;   /* [block_size][head_size] */
     float *v;   /* [block_size][head_size] */
     float *s;   /* [block_size] */
@@ -235,9 +303,13 @@ typedef struct attn_scratch {
     float *l;   /* [ATTN_TILE_Q · group] */
 } attn_scratch_t;
 
-PD_CPU_CLONES static void attn_item_run(const attn_item_t *it, float *out, const float *q,
-                                        const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
-                                        float scale, const attn_scratch_t *sc)
+/* The per-key item; bf16 (a constant at each call) selects bf16 attention math (attention_bf16.h):
+ * q̂ prepared once per item, log2-domain scores, an integer running max, p̂ rounded to bf16. */
+static inline __attribute__((always_inline)) void attn_item_body(const attn_item_t *it, float *out,
+                                                                 const float *q, const pd_kv_view_t *kv,
+                                                                 const pd_attn_meta_t *meta, int num_heads,
+                                                                 float scale, const attn_scratch_t *sc,
+                                                                 const int bf16)
 {
     const int H = kv->num_kv_heads, D = kv->head_size, bs = kv->block_size;
     const int group = num_heads / H;
@@ -252,7 +324,12 @@ PD_CPU_CLONES static void attn_item_run(const attn_item_t *it, float *out, const
         sc->m[i] = -INFINITY;
         sc->l[i] = 0;
         memset(sc->acc + (size_t)i * D, 0, (size_t)D * sizeof(float));
+        if (bf16) {
+            int t = it->q_begin + i / group, h = it->kv_head * group + i % group;
+            pd_attn_bf16_query(sc->qh + (size_t)i * D, q + ((size_t)(q0 + t) * num_heads + h) * D, scale, D);
+        }
     }
+    const float s_scale = bf16 ? 1.0f : scale; /* q̂ carries the scale */
     int64_t pos_lo = pd_query_pos(seq_len, q_len, it->q_begin);
     int64_t pos_hi = pd_query_pos(seq_len, q_len, it->q_end - 1);
     int64_t key_lo = pd_attn_first_key(pos_lo, meta->sliding_window);
@@ -279,7 +356,7 @@ PD_CPU_CLONES static void attn_item_run(const attn_item_t *it, float *out, const
             for (int r = 0; r < group; r++) {
                 int h = it->kv_head * group + r;
                 int qi = (t - it->q_begin) * group + r;
-                const float *qv = q + ((size_t)(q0 + t) * num_heads + h) * D;
+                const float *qv = bf16 ? sc->qh + (size_t)qi * D : q + ((size_t)(q0 + t) * num_heads + h) * D;
                 float mb = -INFINITY;
                 for (int j = lo; j <= hi; j++) {
                     const float *kr = sc->k + (size_t)j * D;
@@ -288,13 +365,13 @@ PD_CPU_CLONES static void attn_item_run(const attn_item_t *it, float *out, const
                     for (int d = 0; d < D; d++) {
                         dot += qv[d] * kr[d];
                     }
-                    sc->s[j] = dot * scale;
+                    sc->s[j] = dot * s_scale;
                     mb = sc->s[j] > mb ? sc->s[j] : mb;
                 }
                 float *acc = sc->acc + (size_t)qi * D;
-                float m_new = mb > sc->m[qi] ? mb : sc->m[qi];
+                float m_new = bf16 ? pd_attn_bf16_max(sc->m[qi], mb) : (mb > sc->m[qi] ? mb : sc->m[qi]);
                 if (m_new > sc->m[qi] && sc->l[qi] > 0) {
-                    float alpha = pd_fast_expf(sc->m[qi] - m_new);
+                    float alpha = bf16 ? pd_fast_exp2f(sc->m[qi] - m_new) : pd_fast_expf(sc->m[qi] - m_new);
                     sc->l[qi] *= alpha;
 #pragma omp simd
                     for (int d = 0; d < D; d++) {
@@ -304,7 +381,8 @@ PD_CPU_CLONES static void attn_item_run(const attn_item_t *it, float *out, const
                 sc->m[qi] = m_new;
                 float lsum = 0;
                 for (int j = lo; j <= hi; j++) {
-                    float p = pd_fast_expf(sc->s[j] - m_new);
+                    float p = bf16 ? pd_round_bf16f(pd_fast_exp2f(sc->s[j] - m_new))
+                                   : pd_fast_expf(sc->s[j] - m_new);
                     lsum += p;
                     const float *vr = sc->v + (size_t)j * D;
 #pragma omp simd
@@ -330,6 +408,20 @@ PD_CPU_CLONES static void attn_item_run(const attn_item_t *it, float *out, const
     }
 }
 
+PD_CPU_CLONES static void attn_item_run(const attn_item_t *it, float *out, const float *q,
+                                        const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
+                                        float scale, const attn_scratch_t *sc)
+{
+    attn_item_body(it, out, q, kv, meta, num_heads, scale, sc, 0);
+}
+
+PD_CPU_CLONES static void attn_item_run_bf16(const attn_item_t *it, float *out, const float *q,
+                                             const pd_kv_view_t *kv, const pd_attn_meta_t *meta,
+                                             int num_heads, float scale, const attn_scratch_t *sc)
+{
+    attn_item_body(it, out, q, kv, meta, num_heads, scale, sc, 1);
+}
+
 static int g_allow_tiled = 1;
 
 void pd_cpu_attn_allow_tiled(int allow)
@@ -346,6 +438,7 @@ static pd_status_t attn_run(pd_backend_t *be, float *out, const float *q, const 
     }
     const int H = kv->num_kv_heads, D = kv->head_size, bs = kv->block_size;
     const int group = num_heads / H;
+    const int bf16 = pd_cpu_attn_bf16_math(be, kv);
     size_t n_items = 0;
     bool any_tiled = false;
     for (int s = 0; s < meta->num_seqs; s++) {
@@ -374,7 +467,7 @@ static pd_status_t attn_run(pd_backend_t *be, float *out, const float *q, const 
             }
         }
     }
-    size_t per_thread = (size_t)bs * D * 2 + (size_t)bs + (size_t)ATTN_TILE_Q * group * (D + 2);
+    size_t per_thread = (size_t)bs * D * 2 + (size_t)bs + (size_t)ATTN_TILE_Q * group * (2 * D + 2);
     size_t tiled_floats = any_tiled ? pd_cpu_attn_tiled_scratch_floats(group, D) : 0;
     per_thread = tiled_floats > per_thread ? tiled_floats : per_thread;
     int nthreads = be->num_threads < (int)n_items ? be->num_threads : (int)n_items;
@@ -384,11 +477,13 @@ static pd_status_t attn_run(pd_backend_t *be, float *out, const float *q, const 
         pd_log_error("attention: cannot allocate scratch for %d threads", nthreads);
         return PD_ERR_NO_MEMORY;
     }
+    int failed = PD_OK; /* a tiled item's oneDNN status; written under the atomic below */
 #pragma omp parallel num_threads(nthreads)
     {
         float *base = scratch + (size_t)omp_get_thread_num() * per_thread;
         attn_scratch_t sc;
-        sc.k = base;
+        sc.qh = base;
+        sc.k = sc.qh + (size_t)ATTN_TILE_Q * group * D;
         sc.v = sc.k + (size_t)bs * D;
         sc.s = sc.v + (size_t)bs * D;
         sc.acc = sc.s + bs;
@@ -397,8 +492,14 @@ static pd_status_t attn_run(pd_backend_t *be, float *out, const float *q, const 
 #pragma omp for schedule(dynamic, 1)
         for (size_t i = 0; i < n_items; i++) {
             if (items[i].tiled) {
-                pd_cpu_attn_tiled_run(out, q, kv, meta, num_heads, scale, items[i].seq, items[i].kv_head,
-                                      items[i].q_begin, items[i].q_end, base);
+                pd_status_t ts =
+                    pd_cpu_attn_tiled_run(out, q, kv, meta, num_heads, scale, bf16, items[i].seq,
+                                          items[i].kv_head, items[i].q_begin, items[i].q_end, base);
+                if (ts != PD_OK) {
+                    __atomic_store_n(&failed, (int)ts, __ATOMIC_RELAXED);
+                }
+            } else if (bf16) {
+                attn_item_run_bf16(&items[i], out, q, kv, meta, num_heads, scale, &sc);
             } else {
                 attn_item_run(&items[i], out, q, kv, meta, num_heads, scale, &sc);
             }
@@ -406,7 +507,7 @@ static pd_status_t attn_run(pd_backend_t *be, float *out, const float *q, const 
     }
     free(scratch);
     free(items);
-    return PD_OK;
+    return (pd_status_t)failed;
 }
 
 pd_status_t pd_cpu_paged_attention_prefill(pd_backend_t *be, float *out, const float *q,
@@ -428,10 +529,11 @@ void pd_cpu_attn_allow_x86(int allow)
 /* Portable twin of pd_cpu_attn_decode_x86_item (same work split and results), compiled with
  * runtime-dispatched clones; used where AVX2 is missing or the shape does not fit the vector
  * kernel (head size not a multiple of 8, very large heads or groups). */
-PD_CPU_CLONES static void attn_decode_item_portable(const pd_attn_decode_item_t *it, const float *q,
-                                                    const pd_kv_view_t *kv, const pd_attn_meta_t *meta,
-                                                    int num_heads, float scale, pd_attn_partial_t *part,
-                                                    float *scratch)
+static inline __attribute__((always_inline)) void decode_item_body(const pd_attn_decode_item_t *it,
+                                                                   const float *q, const pd_kv_view_t *kv,
+                                                                   const pd_attn_meta_t *meta, int num_heads,
+                                                                   float scale, pd_attn_partial_t *part,
+                                                                   float *scratch, const int bf16)
 {
     const int H = kv->num_kv_heads, D = kv->head_size, bs = kv->block_size, group = num_heads / H;
     const int s = it->seq;
@@ -440,6 +542,11 @@ PD_CPU_CLONES static void attn_decode_item_portable(const pd_attn_decode_item_t 
     const int row = H * D, es = pd_dtype_size(kv->dtype);
     const float *qs = q + (size_t)meta->cu_seqlens_q[s] * num_heads * D;
     float *kbuf = scratch, *vbuf = scratch + (size_t)bs * row, *sc = vbuf + (size_t)bs * row;
+    float *qh_all = sc + bs + 8; /* [num_heads][D]: q̂ under bf16 math */
+    for (int h = 0; h < num_heads && bf16; h++) {
+        pd_attn_bf16_query(qh_all + (size_t)h * D, qs + (size_t)h * D, scale, D);
+    }
+    const float s_scale = bf16 ? 1.0f : scale;
     for (int h = 0; h < num_heads; h++) {
         part->m[h] = -INFINITY;
         part->l[h] = 0;
@@ -466,7 +573,7 @@ PD_CPU_CLONES static void attn_decode_item_portable(const pd_attn_decode_item_t 
         }
         for (int h = 0; h < num_heads; h++) {
             int g = h / group;
-            const float *qh = qs + (size_t)h * D;
+            const float *qh = bf16 ? qh_all + (size_t)h * D : qs + (size_t)h * D;
             float mb = -INFINITY;
             for (int j = lo; j <= hi; j++) {
                 const float *kr = kp + (size_t)j * row + (size_t)g * D;
@@ -475,13 +582,13 @@ PD_CPU_CLONES static void attn_decode_item_portable(const pd_attn_decode_item_t 
                 for (int d = 0; d < D; d++) {
                     dot += qh[d] * kr[d];
                 }
-                sc[j] = dot * scale;
+                sc[j] = dot * s_scale;
                 mb = sc[j] > mb ? sc[j] : mb;
             }
             float *acc = part->acc + (size_t)h * D;
-            float m_new = mb > part->m[h] ? mb : part->m[h];
+            float m_new = bf16 ? pd_attn_bf16_max(part->m[h], mb) : (mb > part->m[h] ? mb : part->m[h]);
             if (m_new > part->m[h] && part->l[h] > 0) {
-                float alpha = expf(part->m[h] - m_new);
+                float alpha = bf16 ? pd_fast_exp2f(part->m[h] - m_new) : expf(part->m[h] - m_new);
                 part->l[h] *= alpha;
                 for (int d = 0; d < D; d++) {
                     acc[d] *= alpha;
@@ -489,7 +596,7 @@ PD_CPU_CLONES static void attn_decode_item_portable(const pd_attn_decode_item_t 
             }
             part->m[h] = m_new;
             for (int j = lo; j <= hi; j++) {
-                float p = pd_fast_expf(sc[j] - m_new);
+                float p = bf16 ? pd_round_bf16f(pd_fast_exp2f(sc[j] - m_new)) : pd_fast_expf(sc[j] - m_new);
                 part->l[h] += p;
                 const float *vr = vp + (size_t)j * row + (size_t)g * D;
 #pragma omp simd
@@ -501,9 +608,22 @@ PD_CPU_CLONES static void attn_decode_item_portable(const pd_attn_decode_item_t 
     }
 }
 
+PD_CPU_CLONES static void attn_decode_item_portable(const pd_attn_decode_item_t *it, const float *q,
+                                                    const pd_kv_view_t *kv, const pd_attn_meta_t *meta,
+                                                    int num_heads, float scale, pd_attn_partial_t *part,
+                                                    float *scratch, int bf16)
+{
+    if (bf16) {
+        decode_item_body(it, q, kv, meta, num_heads, scale, part, scratch, 1);
+    } else {
+        decode_item_body(it, q, kv, meta, num_heads, scale, part, scratch, 0);
+    }
+}
+
 /* Splits each sequence's visible blocks into partitions so that there are about 4 items per
  * thread (at least 8 blocks per partition), runs them, and merges the partitions of each
- * sequence with log-sum-exp weights: out = Σ_p acc_p·e^(m_p−M) / Σ_p l_p·e^(m_p−M). */
+ * sequence with log-sum-exp weights: out = Σ_p acc_p·e^(m_p−M) / Σ_p l_p·e^(m_p−M) (2^(m_p−M),
+ * exact, under bf16 attention math). */
 pd_status_t pd_cpu_paged_attention_decode(pd_backend_t *be, float *out, const float *q,
                                           const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
                                           float scale)
@@ -516,6 +636,7 @@ pd_status_t pd_cpu_paged_attention_decode(pd_backend_t *be, float *out, const fl
     if (S == 0) {
         return PD_OK;
     }
+    const int bf16 = pd_cpu_attn_bf16_math(be, kv);
     const int use_x86 =
         g_allow_x86 && bs <= PD_ATTN_MAX_BLOCK && pd_cpu_attn_decode_x86_usable(D, num_heads / H);
     int64_t total_blocks = 0;
@@ -535,7 +656,7 @@ pd_status_t pd_cpu_paged_attention_decode(pd_backend_t *be, float *out, const fl
     pd_attn_decode_item_t *items = malloc(n_items * sizeof(*items));
     int *first_item = malloc((size_t)(S + 1) * sizeof(int));
     size_t part_floats = (size_t)num_heads * (D + 2);
-    size_t scratch_floats = (size_t)2 * bs * H * D + (size_t)bs + 8;
+    size_t scratch_floats = (size_t)2 * bs * H * D + (size_t)bs + 8 + (size_t)num_heads * D;
     int nthreads = be->num_threads < (int)n_items ? be->num_threads : (int)n_items;
     float *parts = malloc(n_items * part_floats * sizeof(float));
     float *scratch = malloc((size_t)nthreads * scratch_floats * sizeof(float));
@@ -562,9 +683,10 @@ pd_status_t pd_cpu_paged_attention_decode(pd_backend_t *be, float *out, const fl
             float *p = parts + i * part_floats;
             pd_attn_partial_t part = {p, p + num_heads, p + 2 * num_heads};
             if (use_x86) {
-                pd_cpu_attn_decode_x86_item(&items[i], q, kv, meta, num_heads, scale, &part, my_scratch);
+                pd_cpu_attn_decode_x86_item(&items[i], q, kv, meta, num_heads, scale, bf16, &part,
+                                            my_scratch);
             } else {
-                attn_decode_item_portable(&items[i], q, kv, meta, num_heads, scale, &part, my_scratch);
+                attn_decode_item_portable(&items[i], q, kv, meta, num_heads, scale, &part, my_scratch, bf16);
             }
         }
 #pragma omp for schedule(static)
@@ -583,7 +705,7 @@ pd_status_t pd_cpu_paged_attention_decode(pd_backend_t *be, float *out, const fl
                 if (p[num_heads + h] == 0) {
                     continue; /* a partition with no visible key */
                 }
-                float w = expf(p[h] - M);
+                float w = bf16 ? exp2f(p[h] - M) : expf(p[h] - M);
                 L += p[num_heads + h] * w;
                 const float *acc = p + 2 * num_heads + (size_t)h * D;
                 for (int d = 0; d < D; d++) {

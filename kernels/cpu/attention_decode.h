@@ -26,9 +26,10 @@ typedef struct pd_attn_partial {
 int pd_cpu_attn_decode_x86_usable(int head_size, int group);
 
 /* Runs one item with AVX2 intrinsics, reading the pages in place (16-bit caches are widened in
- * registers). scratch is the portable kernel's and is not used here. */
+ * registers); with bf16 set (a bf16 cache), in bf16 attention math (attention_bf16.h): m and l are
+ * then log2-domain. scratch is the portable kernel's and is not used here. */
 void pd_cpu_attn_decode_x86_item(const pd_attn_decode_item_t *it, const float *q, const pd_kv_view_t *kv,
-                                 const pd_attn_meta_t *meta, int num_heads, float scale,
+                                 const pd_attn_meta_t *meta, int num_heads, float scale, int bf16,
                                  pd_attn_partial_t *part, float *scratch);
 
 /* Test hook: 0 forces the portable item kernel even where AVX2 is available. */

@@ -11,6 +11,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "kernels/cpu/attention_bf16.h"
 #include "kernels/cpu/attention_decode.h"
 #include "kernels/paged_impl.h"
 
@@ -28,14 +29,9 @@ int pd_cpu_attn_decode_x86_usable(int head_size, int group)
            group <= PD_ATTN_MAX_GROUP;
 }
 
-/* exp(x) for x <= 0, same polynomial as pd_fast_expf (kernels/cpu/simd.h). */
-X86 static inline __m256 exp256(__m256 x)
+/* e^r · 2^n for |r| <= ln 2 / 2: pd_fast_expf's polynomial (kernels/cpu/simd.h). */
+X86 static inline __m256 exp_poly256(__m256 r, __m256 n)
 {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 n =
-        _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
     __m256 p = _mm256_set1_ps(1.9875691500e-4f);
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
@@ -44,8 +40,38 @@ X86 static inline __m256 exp256(__m256 x)
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
     p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    __m256 out = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* exp(x) for x <= 0, as pd_fast_expf. */
+X86 static inline __m256 exp256(__m256 x)
+{
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n =
+        _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+    __m256 out = exp_poly256(r, n);
     return _mm256_and_ps(out, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GT_OQ));
+}
+
+/* 2^x for x <= 0, as pd_fast_exp2f: n = ⌊x + ½⌋, and the polynomial at (x − n)·ln 2. */
+X86 static inline __m256 exp2_256(__m256 x)
+{
+    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+    __m256 n = _mm256_floor_ps(_mm256_add_ps(x, _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_mul_ps(_mm256_sub_ps(x, n), _mm256_set1_ps(0.693147180559945309f));
+    __m256 out = exp_poly256(r, n);
+    return _mm256_and_ps(out, _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GT_OQ));
+}
+
+/* Each lane rounded to the nearest bf16 (ties to even), as floats; lanes finite. */
+X86 static inline __m256 round_bf16_256(__m256 x)
+{
+    __m256i u = _mm256_castps_si256(x);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
 }
 
 X86 static inline float hsum256(__m256 v)
@@ -89,11 +115,12 @@ X86 static inline __m256 ld8(const void *p, size_t i, pd_dtype_t dt)
     return _mm256_cvtph_ps(h);
 }
 
-/* The item kernel for one cache dtype; dt is a constant at each call, so ld8's branch folds away
- * and each dtype gets its own loop. The pages are read in place (no converted copy). */
+/* The item kernel for one cache dtype; dt and bf16 (bf16 attention math, attention_bf16.h) are
+ * constants at each call, so their branches fold away and each variant gets its own loop. The
+ * pages are read in place (no converted copy). */
 X86 static inline __attribute__((always_inline)) void
 item_dt(const pd_attn_decode_item_t *it, const float *q, const pd_kv_view_t *kv, const pd_attn_meta_t *meta,
-        int num_heads, float scale, pd_attn_partial_t *part, const pd_dtype_t dt)
+        int num_heads, float scale, pd_attn_partial_t *part, const pd_dtype_t dt, const int bf16)
 {
     const int H = kv->num_kv_heads, D = kv->head_size, bs = kv->block_size, group = num_heads / H;
     const int s = it->seq;
@@ -142,9 +169,10 @@ item_dt(const pd_attn_decode_item_t *it, const float *q, const pd_kv_view_t *kv,
                     }
                 }
                 const float *qh = qs + (size_t)h * D;
+                const __m256 qf = _mm256_set1_ps(bf16 ? scale * 1.44269504088896341f : scale);
                 for (int d = 0; d < D; d += 8) {
-                    _mm256_storeu_ps(qscaled + d,
-                                     _mm256_mul_ps(_mm256_loadu_ps(qh + d), _mm256_set1_ps(scale)));
+                    __m256 x = _mm256_mul_ps(_mm256_loadu_ps(qh + d), qf);
+                    _mm256_storeu_ps(qscaled + d, bf16 ? round_bf16_256(x) : x);
                 }
                 /* scores of keys lo..hi, 8 at a time (a short tail reuses row lo, masked below);
                  * kr(u): element index of key u's row for kv head g */
@@ -179,10 +207,10 @@ item_dt(const pd_attn_decode_item_t *it, const float *q, const pd_kv_view_t *kv,
                 }
                 float m_blk = hmax256(mv);
                 float m_old = part->m[h];
-                float m_new = m_blk > m_old ? m_blk : m_old;
+                float m_new = bf16 ? pd_attn_bf16_max(m_old, m_blk) : (m_blk > m_old ? m_blk : m_old);
                 float *acc = part->acc + (size_t)h * D;
                 if (m_new > m_old && part->l[h] > 0) {
-                    float alpha = expf(m_old - m_new);
+                    float alpha = bf16 ? pd_fast_exp2f(m_old - m_new) : expf(m_old - m_new);
                     part->l[h] *= alpha;
                     __m256 av = _mm256_set1_ps(alpha);
                     for (int d = 0; d < D; d += 8) {
@@ -192,7 +220,8 @@ item_dt(const pd_attn_decode_item_t *it, const float *q, const pd_kv_view_t *kv,
                 part->m[h] = m_new;
                 __m256 lsum = _mm256_setzero_ps(), mn = _mm256_set1_ps(m_new);
                 for (int j = 0; j < nk; j += 8) {
-                    __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + j), mn));
+                    __m256 x = _mm256_sub_ps(_mm256_loadu_ps(scores + j), mn);
+                    __m256 p = bf16 ? round_bf16_256(exp2_256(x)) : exp256(x);
                     _mm256_storeu_ps(scores + j, p);
                     lsum = _mm256_add_ps(lsum, p);
                 }
@@ -230,15 +259,17 @@ item_dt(const pd_attn_decode_item_t *it, const float *q, const pd_kv_view_t *kv,
 }
 
 X86 void pd_cpu_attn_decode_x86_item(const pd_attn_decode_item_t *it, const float *q, const pd_kv_view_t *kv,
-                                     const pd_attn_meta_t *meta, int num_heads, float scale,
+                                     const pd_attn_meta_t *meta, int num_heads, float scale, int bf16,
                                      pd_attn_partial_t *part, float *scratch)
 {
     (void)scratch; /* pages are read in place */
-    if (kv->dtype == PD_DTYPE_BF16) {
-        item_dt(it, q, kv, meta, num_heads, scale, part, PD_DTYPE_BF16);
+    if (kv->dtype == PD_DTYPE_BF16 && bf16) {
+        item_dt(it, q, kv, meta, num_heads, scale, part, PD_DTYPE_BF16, 1);
+    } else if (kv->dtype == PD_DTYPE_BF16) {
+        item_dt(it, q, kv, meta, num_heads, scale, part, PD_DTYPE_BF16, 0);
     } else if (kv->dtype == PD_DTYPE_F16) {
-        item_dt(it, q, kv, meta, num_heads, scale, part, PD_DTYPE_F16);
+        item_dt(it, q, kv, meta, num_heads, scale, part, PD_DTYPE_F16, 0);
     } else {
-        item_dt(it, q, kv, meta, num_heads, scale, part, PD_DTYPE_F32);
+        item_dt(it, q, kv, meta, num_heads, scale, part, PD_DTYPE_F32, 0);
     }
 }

@@ -7,12 +7,20 @@
  * O rescaled by exp(m_old − m_new) when the max grows). Tiles past the tile's last query position
  * are never visited (causal); keys outside a row's [first, pos] (causal, sliding window) are
  * masked to −inf. Same results as pd_cpu_paged_attention_prefill_ref within fp32 rounding
- * (tests/unit/test_kernels.c). */
+ * (tests/unit/test_kernels.c).
+ *
+ * Under bf16 attention math (attention_bf16.h) the item rounds Q and P to bf16 and runs the softmax
+ * in the log2 domain with an integer running max; both products then go through oneDNN's bf16
+ * GEMM on a CPU with AVX512-BF16 (K and V tiles copied from the cache as they are, zero-padded to
+ * ATTN_MM_KT keys so that one primitive serves every tile), else through sgemm on the same
+ * bf16-exact values widened (same products, exact in fp32). */
 #include <cblas.h>
 #include <math.h>
 #include <string.h>
 
+#include "kernels/cpu/attention_bf16.h"
 #include "kernels/cpu/attention_prefill_tiled.h"
+#include "kernels/cpu/matmul_dnnl.h"
 #include "kernels/cpu/matmul_lowp.h"
 #include "kernels/cpu/simd.h"
 #include "kernels/paged_impl.h"
@@ -20,7 +28,9 @@
 size_t pd_cpu_attn_tiled_scratch_floats(int group, int head_size)
 {
     size_t M = (size_t)ATTN_MM_TQ * group, D = (size_t)head_size, KT = ATTN_MM_KT;
-    return M * D /* q */ + 2 * KT * D /* k, v */ + M * KT /* s */ + M * D /* o */ + 2 * M /* m, l */;
+    size_t f32 = M * D /* q */ + 2 * KT * D /* k, v */ + M * KT /* s */ + M * D /* o */ + 2 * M /* m, l */;
+    size_t b16 = M * D /* q̂ */ + 2 * KT * D /* k, v */ + M * KT /* p̂ */; /* bf16, for oneDNN */
+    return f32 + (b16 + 1) / 2 + 16;
 }
 
 /* One row s[nk] of scores: the online softmax update of (m, l) and o's rescale over the keys in
@@ -33,6 +43,7 @@ PD_CPU_CLONES static int softmax_row(float *s, int nk, int lo, int hi, float *m,
         return 0;
     }
     float mb = -INFINITY;
+#pragma omp simd reduction(max : mb)
     for (int j = lo; j <= hi; j++) {
         mb = s[j] > mb ? s[j] : mb;
     }
@@ -47,11 +58,68 @@ PD_CPU_CLONES static int softmax_row(float *s, int nk, int lo, int hi, float *m,
     }
     *m = m_new;
     float sum = 0;
+    memset(s, 0, (size_t)lo * sizeof(float)); /* masked keys: p = 0 */
+    memset(s + hi + 1, 0, (size_t)(nk - 1 - hi) * sizeof(float));
 #pragma omp simd reduction(+ : sum)
-    for (int j = 0; j < nk; j++) {
-        float p = j >= lo && j <= hi ? pd_fast_expf(s[j] - m_new) : 0.0f;
+    for (int j = lo; j <= hi; j++) {
+        float p = pd_fast_expf(s[j] - m_new);
         s[j] = p;
         sum += p;
+    }
+    *l += sum;
+    return 1;
+}
+
+/* softmax_row under bf16 math (attention_bf16.h): s holds log2-domain scores, the running max m
+ * is an integer, and p̂ = bf16(2^(s − m)) is summed into l and left in pb as bf16 (oneDNN's
+ * operand), or in s as floats when pb is NULL. */
+PD_CPU_CLONES static int softmax_row_bf16(float *s, uint16_t *pb, int nk, int lo, int hi, float *m, float *l,
+                                          float *o, int D)
+{
+    if (hi < lo) {
+        if (pb != NULL) {
+            memset(pb, 0, (size_t)nk * sizeof(uint16_t));
+        } else {
+            memset(s, 0, (size_t)nk * sizeof(float));
+        }
+        return 0;
+    }
+    float mb = -INFINITY;
+#pragma omp simd reduction(max : mb)
+    for (int j = lo; j <= hi; j++) {
+        mb = s[j] > mb ? s[j] : mb;
+    }
+    float m_new = pd_attn_bf16_max(*m, mb);
+    if (m_new > *m && *l > 0) {
+        float alpha = pd_fast_exp2f(*m - m_new); /* an exact power of two */
+        *l *= alpha;
+#pragma omp simd
+        for (int d = 0; d < D; d++) {
+            o[d] *= alpha;
+        }
+    }
+    *m = m_new;
+    float sum = 0;
+    if (pb != NULL) {
+        memset(pb, 0, (size_t)lo * sizeof(uint16_t)); /* masked keys: p̂ = 0 */
+        memset(pb + hi + 1, 0, (size_t)(nk - 1 - hi) * sizeof(uint16_t));
+#pragma omp simd reduction(+ : sum)
+        for (int j = lo; j <= hi; j++) {
+            float p = pd_round_bf16f(pd_fast_exp2f(s[j] - m_new));
+            uint32_t u;
+            memcpy(&u, &p, 4);
+            pb[j] = (uint16_t)(u >> 16); /* exact: p is a bf16 value */
+            sum += p;
+        }
+    } else {
+        memset(s, 0, (size_t)lo * sizeof(float));
+        memset(s + hi + 1, 0, (size_t)(nk - 1 - hi) * sizeof(float));
+#pragma omp simd reduction(+ : sum)
+        for (int j = lo; j <= hi; j++) {
+            float p = pd_round_bf16f(pd_fast_exp2f(s[j] - m_new));
+            s[j] = p;
+            sum += p;
+        }
     }
     *l += sum;
     return 1;
@@ -72,9 +140,38 @@ static void gather_kv(float *k, float *v, const pd_kv_view_t *kv, const pd_attn_
     }
 }
 
-void pd_cpu_attn_tiled_run(float *out, const float *q, const pd_kv_view_t *kv, const pd_attn_meta_t *meta,
-                           int num_heads, float scale, int seq, int kv_head, int q_begin, int q_end,
-                           float *scratch)
+/* gather_kv for a bf16 cache, the rows copied as they are into kb and vb [ATTN_MM_KT][D]; rows
+ * past nk are zero (their p̂ is 0, and 0 · 0 keeps the sums clean). */
+static void gather_kv_bf16(uint16_t *kb, uint16_t *vb, const pd_kv_view_t *kv, const pd_attn_meta_t *meta,
+                           int seq, int kv_head, int64_t j0, int nk)
+{
+    const int H = kv->num_kv_heads, D = kv->head_size, bs = kv->block_size;
+    const uint16_t *base = kv->base;
+    for (int j = 0; j < nk; j++) {
+        int64_t key = j0 + j;
+        int64_t block = pd_block_table_lookup(meta->block_tables, meta->max_blocks_per_seq, seq, key, bs);
+        memcpy(kb + (size_t)j * D, base + pd_kv_index(block, 0, (int)(key % bs), kv_head, bs, H, D),
+               (size_t)D * sizeof(uint16_t));
+        memcpy(vb + (size_t)j * D, base + pd_kv_index(block, 1, (int)(key % bs), kv_head, bs, H, D),
+               (size_t)D * sizeof(uint16_t));
+    }
+    memset(kb + (size_t)nk * D, 0, (size_t)(ATTN_MM_KT - nk) * D * sizeof(uint16_t));
+    memset(vb + (size_t)nk * D, 0, (size_t)(ATTN_MM_KT - nk) * D * sizeof(uint16_t));
+}
+
+/* The top halves of n floats that are bf16 values already (no rounding left to do). */
+static void take_bf16(uint16_t *dst, const float *src, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &src[i], 4);
+        dst[i] = (uint16_t)(u >> 16);
+    }
+}
+
+pd_status_t pd_cpu_attn_tiled_run(float *out, const float *q, const pd_kv_view_t *kv,
+                                  const pd_attn_meta_t *meta, int num_heads, float scale, int bf16, int seq,
+                                  int kv_head, int q_begin, int q_end, float *scratch)
 {
     const int H = kv->num_kv_heads, D = kv->head_size;
     const int group = num_heads / H;
@@ -85,28 +182,48 @@ void pd_cpu_attn_tiled_run(float *out, const float *q, const pd_kv_view_t *kv, c
     float *qt = scratch, *kt = qt + (size_t)ATTN_MM_TQ * group * D, *vt = kt + (size_t)ATTN_MM_KT * D;
     float *st = vt + (size_t)ATTN_MM_KT * D, *ot = st + (size_t)ATTN_MM_TQ * group * ATTN_MM_KT;
     float *mt = ot + (size_t)ATTN_MM_TQ * group * D, *lt = mt + (size_t)ATTN_MM_TQ * group;
+    /* bf16 copies for oneDNN, 32-byte aligned past the fp32 area */
+    uintptr_t b16_at = ((uintptr_t)(lt + (size_t)ATTN_MM_TQ * group) + 31) & ~(uintptr_t)31;
+    uint16_t *qb = (uint16_t *)b16_at, *kb = qb + (size_t)ATTN_MM_TQ * group * D;
+    uint16_t *vb = kb + (size_t)ATTN_MM_KT * D, *pb = vb + (size_t)ATTN_MM_KT * D;
+    const int dnnl = bf16 && pd_cpu_dnnl_bf16_native();
 
     /* Q rows (token-major, heads of the group within): row (t − q_begin)·group + r, × scale */
     for (int t = q_begin; t < q_end; t++) {
         for (int r = 0; r < group; r++) {
             const float *src = q + ((size_t)(q0 + t) * num_heads + kv_head * group + r) * D;
             float *dst = qt + ((size_t)(t - q_begin) * group + r) * D;
-            for (int d = 0; d < D; d++) {
-                dst[d] = src[d] * scale;
+            if (bf16) {
+                pd_attn_bf16_query(dst, src, scale, D);
+            } else {
+                for (int d = 0; d < D; d++) {
+                    dst[d] = src[d] * scale;
+                }
             }
             mt[(t - q_begin) * group + r] = -INFINITY;
             lt[(t - q_begin) * group + r] = 0;
         }
     }
     memset(ot, 0, (size_t)M * D * sizeof(float));
+    if (dnnl) {
+        take_bf16(qb, qt, (size_t)M * D);
+    }
     int64_t pos_lo = pd_query_pos(seq_len, q_len, q_begin);
     int64_t pos_hi = pd_query_pos(seq_len, q_len, q_end - 1);
     int64_t key_lo = pd_attn_first_key(pos_lo, meta->sliding_window);
     for (int64_t j0 = key_lo; j0 <= pos_hi; j0 += ATTN_MM_KT) {
         int nk = pos_hi - j0 + 1 < ATTN_MM_KT ? (int)(pos_hi - j0 + 1) : ATTN_MM_KT;
-        gather_kv(kt, vt, kv, meta, seq, kv_head, j0, nk);
-        /* S[M][nk] = Q · Kᵀ */
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, nk, D, 1.0f, qt, D, kt, D, 0.0f, st, nk);
+        int ld = dnnl ? ATTN_MM_KT : nk; /* S's row pitch: oneDNN's tiles are padded */
+        if (dnnl) {                      /* S[M][KT] = Q̂ · K̂ᵀ */
+            gather_kv_bf16(kb, vb, kv, meta, seq, kv_head, j0, nk);
+            pd_status_t gs = pd_cpu_dnnl_gemm_bf16_1t(st, qb, kb, M, ATTN_MM_KT, D, true, false);
+            if (gs != PD_OK) {
+                return gs;
+            }
+        } else { /* S[M][nk] = Q · Kᵀ */
+            gather_kv(kt, vt, kv, meta, seq, kv_head, j0, nk);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, nk, D, 1.0f, qt, D, kt, D, 0.0f, st, nk);
+        }
         int any = 0;
         for (int t = q_begin; t < q_end; t++) {
             int64_t pos = pd_query_pos(seq_len, q_len, t);
@@ -115,11 +232,18 @@ void pd_cpu_attn_tiled_run(float *out, const float *q, const pd_kv_view_t *kv, c
             int hi = pos - j0 < nk - 1 ? (int)(pos - j0) : nk - 1; /* may be < lo: row sees nothing */
             for (int r = 0; r < group; r++) {
                 int row = (t - q_begin) * group + r;
-                any |= softmax_row(st + (size_t)row * nk, nk, lo, hi, &mt[row], &lt[row],
-                                   ot + (size_t)row * D, D);
+                float *srow = st + (size_t)row * ld, *orow = ot + (size_t)row * D;
+                uint16_t *prow = dnnl ? pb + (size_t)row * ATTN_MM_KT : NULL;
+                any |= bf16 ? softmax_row_bf16(srow, prow, ld, lo, hi, &mt[row], &lt[row], orow, D)
+                            : softmax_row(srow, ld, lo, hi, &mt[row], &lt[row], orow, D);
             }
         }
-        if (any) { /* O[M][D] += P · V */
+        if (any && dnnl) { /* O[M][D] += P̂ · V̂ */
+            pd_status_t gs = pd_cpu_dnnl_gemm_bf16_1t(ot, pb, vb, M, D, ATTN_MM_KT, false, true);
+            if (gs != PD_OK) {
+                return gs;
+            }
+        } else if (any) { /* O[M][D] += P · V */
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, D, nk, 1.0f, st, nk, vt, D, 1.0f, ot,
                         D);
         }
@@ -134,4 +258,5 @@ void pd_cpu_attn_tiled_run(float *out, const float *q, const pd_kv_view_t *kv, c
             }
         }
     }
+    return PD_OK;
 }

@@ -20,9 +20,11 @@ void pd_cpu_attn_allow_tiled(int allow);
 size_t pd_cpu_attn_tiled_scratch_floats(int group, int head_size);
 
 /* Computes out rows of query tokens [q_begin, q_end) (at most ATTN_MM_TQ) of sequence seq for the
- * query heads of kv_head's group, as paged_attention_prefill defines them. meta was validated. */
-void pd_cpu_attn_tiled_run(float *out, const float *q, const pd_kv_view_t *kv, const pd_attn_meta_t *meta,
-                           int num_heads, float scale, int seq, int kv_head, int q_begin, int q_end,
-                           float *scratch);
+ * query heads of kv_head's group, as paged_attention_prefill defines them; with bf16 set, in bf16
+ * attention math (attention_bf16.h; the cache is bf16). meta was validated. PD_OK, or oneDNN's
+ * failure status (logged there). */
+pd_status_t pd_cpu_attn_tiled_run(float *out, const float *q, const pd_kv_view_t *kv,
+                                  const pd_attn_meta_t *meta, int num_heads, float scale, int bf16, int seq,
+                                  int kv_head, int q_begin, int q_end, float *scratch);
 
 #endif

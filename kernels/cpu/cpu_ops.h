@@ -41,6 +41,13 @@ PD_CPU_OP_PAIR(pd_status_t, scatter_pages, void *region, const void *src, const 
 pd_status_t pd_cpu_copy_pages(pd_backend_t *be, void *dst, const void *src, const pd_page_range_t *ranges,
                               int n, pd_copy_kind_t kind);
 
+/* paged_attention_prefill in bf16 attention math (kernels/cpu/attention_bf16.h), plainly: one
+ * query row at a time, double sums, libm's exp2. The oracle of the optimized paths when
+ * be->matmul_precision is bf16 and the cache is bf16 (the ops follow it then); kv must be bf16. */
+pd_status_t pd_cpu_paged_attention_bf16_ref(pd_backend_t *be, float *out, const float *q,
+                                            const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
+                                            float scale);
+
 /* Checks attention metadata against the view: query/context lengths consistent, every block id the
  * step will read inside [0, num_blocks), tables wide enough. Logs the first problem found. */
 pd_status_t pd_cpu_attn_validate(const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,

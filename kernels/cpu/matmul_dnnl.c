@@ -4,12 +4,15 @@
  * then holds the JIT-compiled kernels). A call builds a matmul primitive whose row count m is a
  * run-time dimension, so one primitive per (n, k, bias) shape serves every batch size: creating it
  * again on a cache hit costs ~2 µs, and a miss ~0.4 ms (measured on the 2-core EPYC VM; a
- * fixed-m brgemm primitive costs ~5 ms per new m, and prefill chunks come in every length). The
+ * fixed-m brgemm primitive costs ~5 ms per new m, and prefill chunks come in every length). Each
+ * thread keeps the primitives it made (prim_cache_t), which saves the cache hit's ~2 µs per call:
+ * the bf16 attention tiles make thousands of small calls per layer. The
  * weights are described as the transposed [k][n] view of w[n][k] (format "ba"): no reorder, no
  * second copy of the weights. Each call has its own stream, so calls from several threads are
  * independent. oneDNN runs on OpenMP (Debian's build) with the caller's thread count. */
 #include <omp.h>
 #include <pthread.h>
+#include <stdlib.h>
 
 #include <oneapi/dnnl/dnnl.h>
 
@@ -17,10 +20,36 @@
 #include "kernels/cpu/matmul_dnnl.h"
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
-static dnnl_engine_t g_engine; /* written once under g_once, then only read */
+static dnnl_engine_t g_engine;    /* written once under g_once, then only read */
+static pthread_key_t g_cache_key; /* a thread's prim_cache_t; created under g_once */
+static int g_cache_key_ok;        /* written once under g_once */
+
+/* The primitives one thread made, by shape. oneDNN's default build shares one scratchpad among
+ * primitives, so a primitive must run on the thread that created it: the cache is per thread,
+ * touched only by its thread, and freed when the thread ends. Full, it replaces entries in turn. */
+#define PRIM_CACHE_SIZE 8
+typedef struct prim_cache {
+    struct {
+        int n, k;
+        bool bias, accumulate;
+        dnnl_format_tag_t b_tag;
+        dnnl_primitive_t prim; /* NULL: a free entry */
+    } e[PRIM_CACHE_SIZE];
+    int next; /* the entry replaced next */
+} prim_cache_t;
+
+static void cache_free(void *p)
+{
+    prim_cache_t *c = p;
+    for (int i = 0; i < PRIM_CACHE_SIZE; i++) {
+        dnnl_primitive_destroy(c->e[i].prim);
+    }
+    free(c);
+}
 
 static void engine_init(void)
 {
+    g_cache_key_ok = pthread_key_create(&g_cache_key, cache_free) == 0;
     /* oneDNN's verbose mode is the library's business; errors are reported through statuses */
     if (dnnl_engine_create(&g_engine, dnnl_cpu, 0) != dnnl_success) {
         pd_log_error("matmul: oneDNN cannot create a CPU engine");
@@ -35,16 +64,17 @@ bool pd_cpu_dnnl_bf16_native(void)
     return (isa & (unsigned)dnnl_cpu_isa_avx512_core_bf16) == (unsigned)dnnl_cpu_isa_avx512_core_bf16;
 }
 
-/* The primitive for [m? × k] · [k × n] (+ [1 × n]); the descriptors of the run-time shapes are
- * filled for the memories. */
-static dnnl_status_t make_primitive(int n, int k, bool bias, dnnl_primitive_t *prim_out)
+/* The primitive for [m? × k] · [k × n] (+ [1 × n]) (+ the destination's old values when
+ * accumulate), b stored as b_tag says (ab: [k][n] row-major; ba: [n][k], the transposed view). */
+static dnnl_status_t make_primitive(int n, int k, bool bias, dnnl_format_tag_t b_tag, bool accumulate,
+                                    dnnl_primitive_t *prim_out)
 {
     dnnl_memory_desc_t src, wei, bia, dst;
     dnnl_dims_t src_dims = {DNNL_RUNTIME_DIM_VAL, k}, wei_dims = {k, n}, bia_dims = {1, n},
                 dst_dims = {DNNL_RUNTIME_DIM_VAL, n};
     dnnl_status_t s = dnnl_memory_desc_init_by_tag(&src, 2, src_dims, dnnl_bf16, dnnl_ab);
     if (s == dnnl_success) {
-        s = dnnl_memory_desc_init_by_tag(&wei, 2, wei_dims, dnnl_bf16, dnnl_ba);
+        s = dnnl_memory_desc_init_by_tag(&wei, 2, wei_dims, dnnl_bf16, b_tag);
     }
     if (s == dnnl_success) {
         s = dnnl_memory_desc_init_by_tag(&bia, 2, bia_dims, dnnl_f32, dnnl_ab);
@@ -56,14 +86,61 @@ static dnnl_status_t make_primitive(int n, int k, bool bias, dnnl_primitive_t *p
     if (s == dnnl_success) {
         s = dnnl_matmul_desc_init(&md, &src, &wei, bias ? &bia : NULL, &dst);
     }
+    dnnl_primitive_attr_t attr = NULL;
+    dnnl_post_ops_t ops = NULL;
+    if (s == dnnl_success && accumulate) { /* dst = 1 · dst + a · b */
+        s = dnnl_primitive_attr_create(&attr);
+        if (s == dnnl_success) {
+            s = dnnl_post_ops_create(&ops);
+        }
+        if (s == dnnl_success) {
+            s = dnnl_post_ops_append_sum(ops, 1.0f);
+        }
+        if (s == dnnl_success) {
+            s = dnnl_primitive_attr_set_post_ops(attr, ops);
+        }
+    }
     dnnl_primitive_desc_t pd = NULL;
     if (s == dnnl_success) {
-        s = dnnl_primitive_desc_create(&pd, &md, NULL, g_engine, NULL);
+        s = dnnl_primitive_desc_create(&pd, &md, attr, g_engine, NULL);
     }
     if (s == dnnl_success) {
         s = dnnl_primitive_create(prim_out, pd);
     }
     dnnl_primitive_desc_destroy(pd);
+    dnnl_post_ops_destroy(ops);
+    dnnl_primitive_attr_destroy(attr);
+    return s;
+}
+
+/* The calling thread's primitive for the shape, from its cache or made (and cached). *owned is set
+ * when the cache could not take it: the caller destroys it then. */
+static dnnl_status_t get_primitive(int n, int k, bool bias, dnnl_format_tag_t b_tag, bool accumulate,
+                                   dnnl_primitive_t *prim, bool *owned)
+{
+    prim_cache_t *c = g_cache_key_ok ? pthread_getspecific(g_cache_key) : NULL;
+    if (c == NULL && g_cache_key_ok && (c = calloc(1, sizeof(*c))) != NULL &&
+        pthread_setspecific(g_cache_key, c) != 0) {
+        free(c);
+        c = NULL;
+    }
+    for (int i = 0; c != NULL && i < PRIM_CACHE_SIZE; i++) {
+        if (c->e[i].prim != NULL && c->e[i].n == n && c->e[i].k == k && c->e[i].bias == bias &&
+            c->e[i].b_tag == b_tag && c->e[i].accumulate == accumulate) {
+            *prim = c->e[i].prim;
+            *owned = false;
+            return dnnl_success;
+        }
+    }
+    dnnl_status_t s = make_primitive(n, k, bias, b_tag, accumulate, prim);
+    *owned = s == dnnl_success && c == NULL;
+    if (s == dnnl_success && c != NULL) {
+        int i = c->next;
+        c->next = (c->next + 1) % PRIM_CACHE_SIZE;
+        dnnl_primitive_destroy(c->e[i].prim);
+        c->e[i].n = n, c->e[i].k = k, c->e[i].bias = bias, c->e[i].accumulate = accumulate;
+        c->e[i].b_tag = b_tag, c->e[i].prim = *prim;
+    }
     return s;
 }
 
@@ -77,8 +154,9 @@ static dnnl_status_t wrap(dnnl_memory_t *mem, int64_t rows, int64_t cols, dnnl_d
     return s == dnnl_success ? dnnl_memory_create(mem, &d, g_engine, (void *)data) : s;
 }
 
-pd_status_t pd_cpu_dnnl_matmul_bf16(float *y, const uint16_t *xb, const uint16_t *w, const float *bias, int m,
-                                    int n, int k, int num_threads)
+/* y[m][n] (+)= xb[m][k] · b (+ bias[n]), b as b_tag says; the two public entry points. */
+static pd_status_t run_matmul(float *y, const uint16_t *xb, const uint16_t *b, const float *bias, int m,
+                              int n, int k, dnnl_format_tag_t b_tag, bool accumulate, int num_threads)
 {
     static int unimplemented_logged; /* each log line once per process */
     pthread_once(&g_once, engine_init);
@@ -88,7 +166,8 @@ pd_status_t pd_cpu_dnnl_matmul_bf16(float *y, const uint16_t *xb, const uint16_t
     dnnl_primitive_t prim = NULL;
     dnnl_stream_t stream = NULL;
     dnnl_memory_t mem[4] = {NULL, NULL, NULL, NULL};
-    dnnl_status_t s = make_primitive(n, k, bias != NULL, &prim);
+    bool owned = false;
+    dnnl_status_t s = get_primitive(n, k, bias != NULL, b_tag, accumulate, &prim, &owned);
     if (s == dnnl_unimplemented) {
         if (!__atomic_exchange_n(&unimplemented_logged, 1, __ATOMIC_RELAXED)) {
             pd_log_warn("matmul: oneDNN has no bf16 matmul on this CPU; bf16 math runs through fp32 sgemm");
@@ -114,7 +193,7 @@ pd_status_t pd_cpu_dnnl_matmul_bf16(float *y, const uint16_t *xb, const uint16_t
         s = wrap(&mem[0], m, k, dnnl_bf16, dnnl_ab, xb);
     }
     if (s == dnnl_success) {
-        s = wrap(&mem[1], k, n, dnnl_bf16, dnnl_ba, w);
+        s = wrap(&mem[1], k, n, dnnl_bf16, b_tag, b);
     }
     if (s == dnnl_success) {
         s = wrap(&mem[2], m, n, dnnl_f32, dnnl_ab, y);
@@ -143,11 +222,25 @@ pd_status_t pd_cpu_dnnl_matmul_bf16(float *y, const uint16_t *xb, const uint16_t
     for (int i = 0; i < 4; i++) {
         dnnl_memory_destroy(mem[i]);
     }
-    dnnl_primitive_destroy(prim);
+    if (owned) {
+        dnnl_primitive_destroy(prim);
+    }
     if (s != dnnl_success) {
         pd_log_error("matmul: oneDNN bf16 matmul [%d x %d] x [%d x %d] failed (dnnl status %d)", m, k, k, n,
                      (int)s);
         return PD_ERR_BACKEND;
     }
     return PD_OK;
+}
+
+pd_status_t pd_cpu_dnnl_matmul_bf16(float *y, const uint16_t *xb, const uint16_t *w, const float *bias, int m,
+                                    int n, int k, int num_threads)
+{
+    return run_matmul(y, xb, w, bias, m, n, k, dnnl_ba, false, num_threads);
+}
+
+pd_status_t pd_cpu_dnnl_gemm_bf16_1t(float *c, const uint16_t *a, const uint16_t *b, int m, int n, int k,
+                                     bool b_is_nk, bool accumulate)
+{
+    return run_matmul(c, a, b, NULL, m, n, k, b_is_nk ? dnnl_ba : dnnl_ab, accumulate, 1);
 }

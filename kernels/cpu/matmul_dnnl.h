@@ -22,4 +22,10 @@ bool pd_cpu_dnnl_bf16_native(void);
 pd_status_t pd_cpu_dnnl_matmul_bf16(float *y, const uint16_t *xb, const uint16_t *w, const float *bias, int m,
                                     int n, int k, int num_threads);
 
+/* c[m][n] = a[m][k] · b (+ c's old values when accumulate), on the calling thread only (for a
+ * caller inside its own parallel region: attention tiles). a is bf16 [m][k]; b is bf16 [n][k] when
+ * b_is_nk (c = a·bᵀ), else [k][n]; c is fp32 [m][n]. Statuses as pd_cpu_dnnl_matmul_bf16. */
+pd_status_t pd_cpu_dnnl_gemm_bf16_1t(float *c, const uint16_t *a, const uint16_t *b, int m, int n, int k,
+                                     bool b_is_nk, bool accumulate);
+
 #endif

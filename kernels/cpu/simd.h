@@ -35,4 +35,40 @@ static inline float pd_fast_expf(float x)
     return x <= -87.0f ? 0.0f : out;
 }
 
+/* 2^x for x <= 0 (softmax in the log2 domain, kernels/cpu/attention_bf16.h), relative error
+ * < 2e-7; x <= -126 gives 0. x is split as n + f with n the nearest integer (ties to even) and
+ * f = x − n exact, and 2^f is pd_fast_expf's polynomial at f·ln 2: for an integer k,
+ * pd_fast_exp2f(x − k) is exactly pd_fast_exp2f(x) · 2^−k (while x − k is exact, the result is
+ * normal, and x is not halfway between integers). Branch-free and without floorf, so loops around
+ * it vectorize inside target_clones functions too (GCC 12 does not vectorize floorf there). */
+static inline float pd_fast_exp2f(float x)
+{
+    x = x < -126.0f ? -126.0f : x;
+    float n = (x + 12582912.0f) - 12582912.0f; /* 1.5 · 2^23: rounds x to an integer */
+    float r = (x - n) * 0.693147180559945309f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t e = (int32_t)n + 127;
+    uint32_t bits = (uint32_t)e << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    float out = p * scale;
+    return x <= -126.0f ? 0.0f : out;
+}
+
+/* f rounded to the nearest bf16 (ties to even), as a float; f finite. Branch-free. */
+static inline float pd_round_bf16f(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 #endif

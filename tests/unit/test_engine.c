@@ -20,6 +20,7 @@ static char *g_model;
 
 typedef struct gen {
     int32_t tokens[256];
+    float logprob[256]; /* of each token, when g_logprobs */
     int32_t n;
     char text[4096];
     size_t text_len;
@@ -29,6 +30,7 @@ typedef struct gen {
 } gen_t;
 
 static const char *g_dtype = "auto";     /* --dtype of the engines the tests make */
+static int g_logprobs;                   /* add_spec asks for the sampled tokens' logprobs */
 static const char *g_precision = "fp32"; /* their --matmul-precision */
 
 /* An engine on g_model with the tests' sizes; kv_dtype as --kv-cache-dtype. */
@@ -63,6 +65,7 @@ static void collect(pd_engine_output_t *outs)
         gen_t *g = o->user;
         if (o->token >= 0) {
             ck_assert_int_lt(g->n, 256);
+            g->logprob[g->n] = o->logprob;
             g->tokens[g->n++] = o->token;
         }
         ck_assert_uint_lt(g->text_len + o->text_len, sizeof(g->text));
@@ -128,6 +131,7 @@ static void add_spec(pd_engine_t *e, const spec_t *s, int i, gen_t *g, const cha
     rq.prompt = s->prompt;
     rq.num_prompt = s->n;
     rq.params.max_tokens = s->max_tokens;
+    rq.params.logprobs = g_logprobs;
     rq.params.ignore_eos = true;
     rq.params.sampling = (pd_sampling_params_t){s->temperature, 0, s->temperature > 0 ? 0.9f : 1.0f, 0.0f};
     rq.params.has_seed = true;
@@ -609,6 +613,7 @@ START_TEST(test_bf16_math_batch_invariant)
     memset(alone, 0, sizeof(alone));
     make_specs(specs, N, 0.0f, 512);
     g_precision = "bf16";
+    g_logprobs = 1;
     pd_engine_t *e = make_engine(0, false, 8);
     for (int i = 0; i < N; i++) {
         add_spec(e, &specs[i], i, &together[i], NULL, 0);
@@ -621,10 +626,20 @@ START_TEST(test_bf16_math_batch_invariant)
         run_until_idle(e);
     }
     pd_engine_destroy(e);
+    /* the same tokens, and the same logprobs up to fp32 summation order: chunks of 32 tokens or more
+     * take the attention tiles and oneDNN, shorter ones the per-key item and the GEMV, decode steps
+     * the split-K kernel, and every one rounds alike (per-key items in fp32 moved them by 3e-2) */
+    double worst = 0;
     for (int i = 0; i < N; i++) {
         assert_same(&together[i], &alone[i], i);
         ck_assert_int_eq(together[i].n, specs[i].max_tokens);
+        for (int k = 0; k < together[i].n; k++) {
+            double d = fabs((double)together[i].logprob[k] - alone[i].logprob[k]);
+            worst = d > worst ? d : worst;
+        }
     }
+    ck_assert_msg(worst < 2e-3, "batched and alone logprobs differ by %g", worst); /* 7e-5 measured */
+    g_logprobs = 0;
     pd_engine_config_t c;
     const char *dtypes[] = {"float32", "auto", "auto"}, *quants[] = {NULL, "int8", NULL};
     const char *precs[] = {"bf16", "bf16", "tf32"};

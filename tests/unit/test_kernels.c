@@ -9,6 +9,7 @@
 #include "common/rng.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/attention_decode.h"
+#include "kernels/cpu/attention_prefill_tiled.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/matmul_bf16.h"
 #include "kernels/cpu/matmul_dnnl.h"
@@ -435,6 +436,48 @@ typedef struct attn_case {
     int window;
 } attn_case_t;
 
+static double mean_abs_err(const float *a, const float *b, size_t n)
+{
+    double sum = 0;
+    for (size_t i = 0; i < n; i++) {
+        sum += fabs((double)a[i] - b[i]);
+    }
+    return n > 0 ? sum / (double)n : 0;
+}
+
+/* Under bf16 attention math (bf16 matmul precision, bf16 cache) every optimized path — GEMM tiles,
+ * per-key items, the split-K decode kernel (vector and portable) — follows the bf16 reference's
+ * roundings: each is far closer to it than the fp32 result is (the roundings happened, and they
+ * are the same ones). A p̂ may still land on its bf16 neighbour where fp32 sums round apart (about
+ * once in 10⁴ keys), hence the loose bound on the largest difference. */
+static void check_attn_bf16(const pd_kv_view_t *kv, const pd_attn_meta_t *meta, const float *q, int NH,
+                            float scale, const float *o32, int all_decode)
+{
+    size_t n = (size_t)meta->num_tokens * NH * kv->head_size;
+    float *ref = malloc(n * sizeof(float)), *o = malloc(n * sizeof(float));
+    g_be->matmul_precision = PD_MATMUL_BF16;
+    ck_assert_int_eq(pd_cpu_paged_attention_bf16_ref(g_be, ref, q, kv, meta, NH, scale), PD_OK);
+    double d32 = mean_abs_err(o32, ref, n);
+    ck_assert_msg(d32 > 1e-5, "bf16 math changed nothing: %g", d32);
+    for (int path = 0; path < 4; path++) {
+        if (path >= 2 && !all_decode) {
+            break;
+        }
+        pd_cpu_attn_allow_tiled(path != 1);
+        pd_cpu_attn_allow_x86(path != 3);
+        ck_assert_int_eq(path < 2 ? pd_cpu_paged_attention_prefill(g_be, o, q, kv, meta, NH, scale)
+                                  : pd_cpu_paged_attention_decode(g_be, o, q, kv, meta, NH, scale),
+                         PD_OK);
+        double mean = mean_abs_err(o, ref, n), worst = max_rel_err(o, ref, n, 1e-2);
+        ck_assert_msg(mean < d32 / 200 && worst < 2e-2, "bf16 path %d: mean %g (fp32's %g), worst %g", path,
+                      mean, d32, worst);
+    }
+    pd_cpu_attn_allow_tiled(1);
+    pd_cpu_attn_allow_x86(1);
+    g_be->matmul_precision = PD_MATMUL_FP32;
+    free(ref), free(o);
+}
+
 /* Builds a random paged cache holding each sequence's history (blocks in shuffled order),
  * writes the new tokens' K/V with reshape_and_cache (plus padding slots), and checks both
  * attention entry points against the reference. */
@@ -533,6 +576,9 @@ static void run_attn_case(const attn_case_t *c)
     } else {
         ck_assert_int_eq(pd_cpu_paged_attention_decode(g_be, o, q, &kv, &meta, NH, scale),
                          PD_ERR_INVALID_ARG);
+    }
+    if (c->dtype == PD_DTYPE_BF16) {
+        check_attn_bf16(&kv, &meta, q, NH, scale, oref, all_decode);
     }
     free(kv.base), free(cache_ref), free(perm), free(tables), free(k), free(v), free(slots), free(q), free(o);
     free(oref);
