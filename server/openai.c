@@ -216,6 +216,7 @@ static bool refuse_unimplemented(json_t *root, bool chat, pd_http_error_t *err)
         {"truncate_prompt_tokens", NULL},
         {"logits_processors", NULL},
         {"spaces_between_special_tokens", "true"},
+        {"return_tokens_as_token_ids", "false"},
         {"suffix", NULL},
         {"prompt_embeds", NULL},
         {"functions", NULL},

@@ -33,6 +33,30 @@ size_t pd_cpu_attn_tiled_scratch_floats(int group, int head_size)
     return f32 + (b16 + 1) / 2 + 16;
 }
 
+/* The online softmax's first half for one row: the new running max over s[lo..hi] (an integer
+ * under bf16 math), with l and o rescaled when it grew; *m updated. bf16 is a constant at each
+ * call. */
+static inline __attribute__((always_inline)) float row_max_rescale(const float *s, int lo, int hi, float *m,
+                                                                   float *l, float *o, int D, const int bf16)
+{
+    float mb = -INFINITY;
+#pragma omp simd reduction(max : mb)
+    for (int j = lo; j <= hi; j++) {
+        mb = s[j] > mb ? s[j] : mb;
+    }
+    float m_new = bf16 ? pd_attn_bf16_max(*m, mb) : (mb > *m ? mb : *m);
+    if (m_new > *m && *l > 0) {
+        float alpha = bf16 ? pd_fast_exp2f(*m - m_new) /* an exact power of two */ : pd_fast_expf(*m - m_new);
+        *l *= alpha;
+#pragma omp simd
+        for (int d = 0; d < D; d++) {
+            o[d] *= alpha;
+        }
+    }
+    *m = m_new;
+    return m_new;
+}
+
 /* One row s[nk] of scores: the online softmax update of (m, l) and o's rescale over the keys in
  * [lo, hi] (tile-relative, inclusive); leaves p = exp(s − m_new) in s, 0 for keys outside (masked).
  * Returns 0 when the row sees no key of this tile (s all zero then, o and the state untouched). */
@@ -42,21 +66,7 @@ PD_CPU_CLONES static int softmax_row(float *s, int nk, int lo, int hi, float *m,
         memset(s, 0, (size_t)nk * sizeof(float));
         return 0;
     }
-    float mb = -INFINITY;
-#pragma omp simd reduction(max : mb)
-    for (int j = lo; j <= hi; j++) {
-        mb = s[j] > mb ? s[j] : mb;
-    }
-    float m_new = mb > *m ? mb : *m;
-    if (m_new > *m && *l > 0) {
-        float alpha = pd_fast_expf(*m - m_new);
-        *l *= alpha;
-#pragma omp simd
-        for (int d = 0; d < D; d++) {
-            o[d] *= alpha;
-        }
-    }
-    *m = m_new;
+    float m_new = row_max_rescale(s, lo, hi, m, l, o, D, 0);
     float sum = 0;
     memset(s, 0, (size_t)lo * sizeof(float)); /* masked keys: p = 0 */
     memset(s + hi + 1, 0, (size_t)(nk - 1 - hi) * sizeof(float));
@@ -84,21 +94,7 @@ PD_CPU_CLONES static int softmax_row_bf16(float *s, uint16_t *pb, int nk, int lo
         }
         return 0;
     }
-    float mb = -INFINITY;
-#pragma omp simd reduction(max : mb)
-    for (int j = lo; j <= hi; j++) {
-        mb = s[j] > mb ? s[j] : mb;
-    }
-    float m_new = pd_attn_bf16_max(*m, mb);
-    if (m_new > *m && *l > 0) {
-        float alpha = pd_fast_exp2f(*m - m_new); /* an exact power of two */
-        *l *= alpha;
-#pragma omp simd
-        for (int d = 0; d < D; d++) {
-            o[d] *= alpha;
-        }
-    }
-    *m = m_new;
+    float m_new = row_max_rescale(s, lo, hi, m, l, o, D, 1);
     float sum = 0;
     if (pb != NULL) {
         memset(pb, 0, (size_t)lo * sizeof(uint16_t)); /* masked keys: p̂ = 0 */

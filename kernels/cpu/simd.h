@@ -13,13 +13,9 @@
 #define PD_CPU_CLONES
 #endif
 
-/* exp(x) for x <= 0 (softmax arguments), relative error < 2e-7; -inf or very small x gives 0.
- * Branch-free so loops around it vectorize. */
-static inline float pd_fast_expf(float x)
+/* e^r · 2^n for |r| <= ln 2 / 2 and an integer n in [-126, 127]: the polynomial of both exps. */
+static inline float pd_exp_poly(float r, float n)
 {
-    x = x < -87.0f ? -87.0f : x;
-    float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
@@ -31,7 +27,17 @@ static inline float pd_fast_expf(float x)
     uint32_t bits = (uint32_t)e << 23;
     float scale;
     memcpy(&scale, &bits, 4);
-    float out = p * scale;
+    return p * scale;
+}
+
+/* exp(x) for x <= 0 (softmax arguments), relative error < 2e-7; -inf or very small x gives 0.
+ * Branch-free so loops around it vectorize. */
+static inline float pd_fast_expf(float x)
+{
+    x = x < -87.0f ? -87.0f : x;
+    float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+    float out = pd_exp_poly(r, n);
     return x <= -87.0f ? 0.0f : out;
 }
 
@@ -46,18 +52,7 @@ static inline float pd_fast_exp2f(float x)
     x = x < -126.0f ? -126.0f : x;
     float n = (x + 12582912.0f) - 12582912.0f; /* 1.5 · 2^23: rounds x to an integer */
     float r = (x - n) * 0.693147180559945309f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t e = (int32_t)n + 127;
-    uint32_t bits = (uint32_t)e << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    float out = p * scale;
+    float out = pd_exp_poly(r, n);
     return x <= -126.0f ? 0.0f : out;
 }
 

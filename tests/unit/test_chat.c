@@ -378,9 +378,9 @@ START_TEST(test_refusals_name_the_parameter)
     const char *c = "/v1/chat/completions", *p = "/v1/completions";
     const char *m = "\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]";
     char b[512];
-    static const char *const unimpl[] = {"\"best_of\": 2", "\"guided_json\": {}",
-                                         "\"spaces_between_special_tokens\": false",
-                                         "\"response_format\": {\"type\": \"json_object\"}"};
+    static const char *const unimpl[] = {
+        "\"best_of\": 2", "\"guided_json\": {}", "\"spaces_between_special_tokens\": false",
+        "\"return_tokens_as_token_ids\": true", "\"response_format\": {\"type\": \"json_object\"}"};
     for (size_t i = 0; i < sizeof(unimpl) / sizeof(unimpl[0]); i++) {
         char param[64];
         sscanf(unimpl[i], "\"%63[^\"]\"", param);
