@@ -162,14 +162,15 @@ void px_sse_send(struct evhttp_request *client, const char *data);
 pd_status_t px_add_list(proxy_t *px, const char *list, bool prefill);
 /* Marks a node (un)healthy, logging the change once. */
 void px_set_health(node_t *n, bool ok, const char *why);
-/* The node of a pool to send to by the policy, skipping tried[] ones (NULL: none). affinity is the
- * prompt-prefix key of prefix-affinity; need_info: only nodes whose /pd/info arrived. */
-/* keys[num_keys]: the prompt's block keys (kv-aware; NULL: unknown, the load decides). */
 /* How many of keys[0..n) node holds as a prefix: by its KV events, or (kv-aware) because a prompt
  * with that prefix was sent there in the last --kv-aware-recent-seconds. */
 int px_cached_prefix(const proxy_t *px, const node_t *node, const uint64_t *keys, int n);
 /* Remembers that q's prompt was sent to node (kv-aware: see px_cached_prefix). */
 void px_note_route(proxy_t *px, const node_t *node, const uint64_t *keys, int n);
+/* The node of a pool to send to by the policy, skipping tried[] ones (NULL: none). affinity is the
+ * prompt-prefix key of prefix-affinity; keys[num_keys]: the prompt's block keys (kv-aware; NULL:
+ * unknown, the load decides); need_info: only nodes whose /pd/info arrived. Advances the pool's
+ * round-robin rotation. */
 node_t *px_pick(proxy_t *px, bool prefill, const bool *tried, uint64_t affinity, const uint64_t *keys,
                 int num_keys, bool need_info);
 typedef void (*up_done_cb)(struct evhttp_request *, void *);

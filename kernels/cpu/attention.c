@@ -140,21 +140,25 @@ pd_status_t pd_cpu_attn_validate(const pd_kv_view_t *kv, const pd_attn_meta_t *m
 
 /* ---------------------------------------------------------------- reference attention */
 
-pd_status_t pd_cpu_paged_attention_prefill_ref(pd_backend_t *be, float *out, const float *q,
-                                               const pd_kv_view_t *kv, const pd_attn_meta_t *meta,
-                                               int num_heads, float scale)
+/* Both attention maths, plainly: one query row at a time, double sums. fp32: s = q·k·scale,
+ * p = e^(s − max s); bf16 (attention_bf16.h): s = q̂·k, p = bf16(2^(s − ⌈max s⌉)) with libm's exp2.
+ * o = Σ p·v / Σ p. */
+static pd_status_t attention_ref(float *out, const float *q, const pd_kv_view_t *kv,
+                                 const pd_attn_meta_t *meta, int num_heads, float scale, bool bf16)
 {
     pd_status_t st = pd_cpu_attn_validate(kv, meta, num_heads, 0);
     if (st != PD_OK) {
         return st;
     }
-    int H = kv->num_kv_heads, D = kv->head_size, bs = kv->block_size;
+    const int H = kv->num_kv_heads, D = kv->head_size, bs = kv->block_size;
     int64_t max_len = 1;
     for (int s = 0; s < meta->num_seqs; s++) {
         max_len = meta->seq_lens[s] > max_len ? meta->seq_lens[s] : max_len;
     }
-    float *scores = malloc((size_t)max_len * sizeof(float));
-    if (scores == NULL) {
+    float *scores = malloc((size_t)max_len * sizeof(float)), *qh = malloc((size_t)D * sizeof(float));
+    double *p = malloc((size_t)max_len * sizeof(double));
+    if (scores == NULL || qh == NULL || p == NULL) {
+        free(scores), free(qh), free(p);
         return PD_ERR_NO_MEMORY;
     }
     for (int s = 0; s < meta->num_seqs; s++) {
@@ -165,6 +169,10 @@ pd_status_t pd_cpu_paged_attention_prefill_ref(pd_backend_t *be, float *out, con
             for (int h = 0; h < num_heads; h++) {
                 int g = pd_gqa_kv_head(h, num_heads, H);
                 const float *qv = q + ((size_t)(q0 + i) * num_heads + h) * D;
+                if (bf16) {
+                    pd_attn_bf16_query(qh, qv, scale, D); /* q̂ carries the scale */
+                    qv = qh;
+                }
                 float m = -INFINITY;
                 for (int64_t j = first; j <= pos; j++) {
                     int64_t slot =
@@ -174,12 +182,14 @@ pd_status_t pd_cpu_paged_attention_prefill_ref(pd_backend_t *be, float *out, con
                     for (int d = 0; d < D; d++) {
                         dot += (double)qv[d] * pd_dtype_load(kv->base, ki + d, kv->dtype);
                     }
-                    scores[j] = (float)(dot * scale);
-                    m = scores[j] > m ? scores[j] : m;
+                    scores[j] = (float)(bf16 ? dot : dot * scale);
+                    m = bf16 ? pd_attn_bf16_max(m, scores[j]) : (scores[j] > m ? scores[j] : m);
                 }
                 double sum = 0;
                 for (int64_t j = first; j <= pos; j++) {
-                    sum += exp((double)scores[j] - m);
+                    p[j] = bf16 ? pd_round_bf16f((float)exp2((double)scores[j] - m))
+                                : exp((double)scores[j] - m);
+                    sum += p[j];
                 }
                 float *o = out + ((size_t)(q0 + i) * num_heads + h) * D;
                 for (int d = 0; d < D; d++) {
@@ -188,81 +198,35 @@ pd_status_t pd_cpu_paged_attention_prefill_ref(pd_backend_t *be, float *out, con
                         int64_t slot =
                             pd_block_table_slot(meta->block_tables, meta->max_blocks_per_seq, s, j, bs);
                         int64_t vi = pd_slot_kv_index(slot, 1, g, bs, H, D);
-                        acc += exp((double)scores[j] - m) / sum * pd_dtype_load(kv->base, vi + d, kv->dtype);
-                    }
-                    o[d] = (float)acc;
-                }
-            }
-        }
-    }
-    free(scores);
-    return PD_OK;
-}
-
-pd_status_t pd_cpu_paged_attention_bf16_ref(pd_backend_t *be, float *out, const float *q,
-                                            const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
-                                            float scale)
-{
-    pd_status_t st = pd_cpu_attn_validate(kv, meta, num_heads, 0);
-    if (st != PD_OK) {
-        return st;
-    }
-    if (kv->dtype != PD_DTYPE_BF16) {
-        pd_log_error("attention: the bf16 reference needs a bf16 cache (dtype %d)", (int)kv->dtype);
-        return PD_ERR_INVALID_ARG;
-    }
-    const int H = kv->num_kv_heads, D = kv->head_size, bs = kv->block_size;
-    int64_t max_len = 1;
-    for (int s = 0; s < meta->num_seqs; s++) {
-        max_len = meta->seq_lens[s] > max_len ? meta->seq_lens[s] : max_len;
-    }
-    float *scores = malloc((size_t)max_len * sizeof(float)), *qh = malloc((size_t)D * sizeof(float));
-    if (scores == NULL || qh == NULL) {
-        free(scores), free(qh);
-        return PD_ERR_NO_MEMORY;
-    }
-    for (int s = 0; s < meta->num_seqs; s++) {
-        int q0 = meta->cu_seqlens_q[s], q_len = meta->cu_seqlens_q[s + 1] - q0;
-        for (int i = 0; i < q_len; i++) {
-            int64_t pos = pd_query_pos(meta->seq_lens[s], q_len, i);
-            int64_t first = pd_attn_first_key(pos, meta->sliding_window);
-            for (int h = 0; h < num_heads; h++) {
-                int g = pd_gqa_kv_head(h, num_heads, H);
-                pd_attn_bf16_query(qh, q + ((size_t)(q0 + i) * num_heads + h) * D, scale, D); /* q̂ */
-                float m = -INFINITY;
-                for (int64_t j = first; j <= pos; j++) { /* s_j = q̂ · k_j, and m = ⌈max s⌉ */
-                    int64_t slot =
-                        pd_block_table_slot(meta->block_tables, meta->max_blocks_per_seq, s, j, bs);
-                    int64_t ki = pd_slot_kv_index(slot, 0, g, bs, H, D);
-                    double dot = 0;
-                    for (int d = 0; d < D; d++) {
-                        dot += (double)qh[d] * pd_dtype_load(kv->base, ki + d, kv->dtype);
-                    }
-                    scores[j] = (float)dot;
-                    m = pd_attn_bf16_max(m, scores[j]);
-                }
-                double sum = 0; /* p̂_j = bf16(2^(s_j − m)), kept in scores */
-                for (int64_t j = first; j <= pos; j++) {
-                    scores[j] = pd_round_bf16f((float)exp2((double)scores[j] - m));
-                    sum += scores[j];
-                }
-                float *o = out + ((size_t)(q0 + i) * num_heads + h) * D;
-                for (int d = 0; d < D; d++) {
-                    double acc = 0;
-                    for (int64_t j = first; j <= pos; j++) {
-                        int64_t slot =
-                            pd_block_table_slot(meta->block_tables, meta->max_blocks_per_seq, s, j, bs);
-                        int64_t vi = pd_slot_kv_index(slot, 1, g, bs, H, D);
-                        acc += (double)scores[j] * pd_dtype_load(kv->base, vi + d, kv->dtype);
+                        acc += p[j] * pd_dtype_load(kv->base, vi + d, kv->dtype);
                     }
                     o[d] = (float)(acc / sum);
                 }
             }
         }
     }
-    free(scores), free(qh);
-    (void)be;
+    free(scores), free(qh), free(p);
     return PD_OK;
+}
+
+pd_status_t pd_cpu_paged_attention_prefill_ref(pd_backend_t *be, float *out, const float *q,
+                                               const pd_kv_view_t *kv, const pd_attn_meta_t *meta,
+                                               int num_heads, float scale)
+{
+    (void)be;
+    return attention_ref(out, q, kv, meta, num_heads, scale, false);
+}
+
+pd_status_t pd_cpu_paged_attention_bf16_ref(pd_backend_t *be, float *out, const float *q,
+                                            const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
+                                            float scale)
+{
+    (void)be;
+    if (kv->dtype != PD_DTYPE_BF16) {
+        pd_log_error("attention: the bf16 reference needs a bf16 cache (dtype %d)", (int)kv->dtype);
+        return PD_ERR_INVALID_ARG;
+    }
+    return attention_ref(out, q, kv, meta, num_heads, scale, true);
 }
 
 pd_status_t pd_cpu_paged_attention_decode_ref(pd_backend_t *be, float *out, const float *q,

@@ -55,11 +55,13 @@ X86 static inline __m256 exp256(__m256 x)
     return _mm256_and_ps(out, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GT_OQ));
 }
 
-/* 2^x for x <= 0, as pd_fast_exp2f: n = ⌊x + ½⌋, and the polynomial at (x − n)·ln 2. */
+/* 2^x for x <= 0, as pd_fast_exp2f: n = x rounded to an integer (ties to even), and the
+ * polynomial at (x − n)·ln 2. */
 X86 static inline __m256 exp2_256(__m256 x)
 {
     x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
-    __m256 n = _mm256_floor_ps(_mm256_add_ps(x, _mm256_set1_ps(0.5f)));
+    const __m256 magic = _mm256_set1_ps(12582912.0f); /* 1.5 · 2^23 */
+    __m256 n = _mm256_sub_ps(_mm256_add_ps(x, magic), magic);
     __m256 r = _mm256_mul_ps(_mm256_sub_ps(x, n), _mm256_set1_ps(0.693147180559945309f));
     __m256 out = exp_poly256(r, n);
     return _mm256_and_ps(out, _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GT_OQ));
@@ -169,7 +171,7 @@ item_dt(const pd_attn_decode_item_t *it, const float *q, const pd_kv_view_t *kv,
                     }
                 }
                 const float *qh = qs + (size_t)h * D;
-                const __m256 qf = _mm256_set1_ps(bf16 ? scale * 1.44269504088896341f : scale);
+                const __m256 qf = _mm256_set1_ps(bf16 ? scale * PD_LOG2E : scale);
                 for (int d = 0; d < D; d += 8) {
                     __m256 x = _mm256_mul_ps(_mm256_loadu_ps(qh + d), qf);
                     _mm256_storeu_ps(qscaled + d, bf16 ? round_bf16_256(x) : x);

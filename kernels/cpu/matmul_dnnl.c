@@ -1,15 +1,14 @@
 /* kernels/cpu/matmul_dnnl.c — bf16 × bf16 → fp32 matmul through oneDNN's C API (matmul_dnnl.h).
  *
- * One oneDNN engine per process, created on first use and kept (the library's own primitive cache
- * then holds the JIT-compiled kernels). A call builds a matmul primitive whose row count m is a
- * run-time dimension, so one primitive per (n, k, bias) shape serves every batch size: creating it
- * again on a cache hit costs ~2 µs, and a miss ~0.4 ms (measured on the 2-core EPYC VM; a
- * fixed-m brgemm primitive costs ~5 ms per new m, and prefill chunks come in every length). Each
- * thread keeps the primitives it made (prim_cache_t), which saves the cache hit's ~2 µs per call:
- * the bf16 attention tiles make thousands of small calls per layer. The
- * weights are described as the transposed [k][n] view of w[n][k] (format "ba"): no reorder, no
- * second copy of the weights. Each call has its own stream, so calls from several threads are
- * independent. oneDNN runs on OpenMP (Debian's build) with the caller's thread count. */
+ * One oneDNN engine per process, created on first use and kept. A matmul primitive's row count m
+ * is a run-time dimension, so one primitive per (n, k, bias, b layout, accumulate) serves every
+ * batch size: a fixed-m brgemm primitive would cost ~5 ms per new m, and prefill chunks come in
+ * every length. Each thread keeps the primitives it made (prim_cache_t): a lookup in oneDNN's own
+ * cache still costs ~2 µs, and the bf16 attention tiles make thousands of small calls per layer
+ * (measured on the 2-core EPYC VM). The weights are described as the transposed [k][n] view of
+ * w[n][k] (format "ba"): no reorder, no second copy of the weights. Each call has its own stream, so
+ * calls from several threads are independent. oneDNN runs on OpenMP (Debian's build) with the
+ * caller's thread count. */
 #include <omp.h>
 #include <pthread.h>
 #include <stdlib.h>
