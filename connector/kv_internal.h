@@ -114,6 +114,7 @@ struct kv_xfer {
     kv_peer_t *peer;
     bool cancelled; /* the request was aborted: no load errors, just release */
     bool redialed;  /* the cached peer had another engine id: dialled once more */
+    bool overdue;   /* posted past its deadline: its peer was killed, its completion ends it */
     /* first-token handover, push: the token the prefill sampled (save: sent with WRITE_DONE; load:
      * received with it and reported with the load's end) */
     bool has_first_token;

@@ -50,7 +50,11 @@ static void sweep_peers(kv_conn_t *k, double now)
 }
 
 /* Transfers past their deadline: a push save without a reservation frees its blocks; one whose
- * pages may still move kills its peer first (only that guarantees they stop); others fail. */
+ * pages may still move kills its peer first (only that guarantees they stop); others fail. A posted
+ * one then ends through its completion, not here: until the pipe completes it, its pages may still
+ * be landing (the TCP receiver writes a read's pages without the pipe's lock), and failing it now
+ * would hand its blocks to a recompute under those writes. The pipe completes a dead peer's
+ * operations at once; should it not within another --kv-load-timeout, the transfer fails anyway. */
 static void sweep_xfer_deadlines(kv_conn_t *k, double now)
 {
     kv_xfer_t *x;
@@ -66,11 +70,15 @@ static void sweep_xfer_deadlines(kv_conn_t *k, double now)
             pd_metric_inc(k->m.nixl_expired, 1);
             kv_report_sending(k, x->req_id);
             x->state = KV_XS_DONE;
+        } else if (x->state == KV_XS_POSTED && x->overdue) {
+            pd_log_error("kv connector: request %s: the pipe did not complete a dead peer's transfer within "
+                         "another --kv-load-timeout; failing it",
+                         x->req_id);
+            kv_fail_xfer(k, x, "timed out");
         } else if (x->state == KV_XS_POSTED || (x->kind == KV_X_PUSH_LOAD && x->state == KV_XS_WAIT_PEER)) {
-            kv_peer_dead(k, x->peer, "a transfer outlived --kv-load-timeout");
-            if (x->state != KV_XS_DONE) {
-                kv_fail_xfer(k, x, "timed out");
-            }
+            x->overdue = true;
+            x->deadline = now + k->cfg.load_timeout;
+            kv_peer_dead(k, x->peer, "a transfer outlived --kv-load-timeout"); /* fails the unposted */
         } else {
             kv_fail_xfer(k, x, "timed out");
         }
