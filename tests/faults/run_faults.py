@@ -21,7 +21,10 @@ under N tokens prefilled by a decode alone (`make faults` runs N = 48 after the 
 Every 200 answer is compared token for token with pd-serve's answer for the same prompt (greedy).
 Every other request is streamed, so the proxy's first-token handover runs under the faults too; a
 stream that does not end with [DONE] or carries an error event is a clean failure.
-Outcomes per request: ok, wrong (200 but different tokens), clean failure (an HTTP error or a reset
+Outcomes per request: ok, near-tie (different tokens, but where they part the two tokens' raw
+logprobs are within 1e-4 and the rest is what pd-serve continues from there: fp32 results depend
+on the batch a request ran in, on pd-serve as on the cluster), wrong (200 but different tokens,
+not a near-tie), clean failure (an HTTP error or a reset
 connection), hung (no answer within 60 s). After the load drains: each live node's blocks in use
 (pd:kv_blocks_used), fds, RSS and threads, compared with the same node after warm-up.
 
@@ -45,7 +48,8 @@ import time
 import urllib.error
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster import MODEL_NAME, Cluster, Node, http, metric_sum, wait_free  # noqa: E402
+from cluster import (MODEL_NAME, Cluster, Node, http, metric_sum, near_tie, near_tie_selfcheck,  # noqa: E402
+                     wait_free)
 
 MAX_TOKENS = 6
 # a lease nobody will read (its decode failed while the prefill was unreachable) ends at the hold
@@ -66,7 +70,7 @@ class Load:
         self.proxy_port, self.serve_port = proxy_port, serve_port
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
-        self.counts = {"ok": 0, "wrong": 0, "clean failure": 0, "hung": 0}
+        self.counts = {"ok": 0, "near-tie": 0, "wrong": 0, "clean failure": 0, "hung": 0}
         self.stopping = False
         self.threads = [threading.Thread(target=self.run, args=(i,)) for i in range(clients)]
 
@@ -112,8 +116,10 @@ class Load:
                                timeout=60)
                 got = self.streamed_tokens(out) if stream else json.loads(out)["choices"][0]["token_ids"]
                 outcome = "clean failure" if got is None else "ok" if got == ref else "wrong"
+                tie = near_tie(self.serve_port, ids, ref, got) if outcome == "wrong" else None
                 if outcome == "wrong":  # the evidence, for the log: which prompt, both answers
-                    print("WRONG%s prompt=%s pd-serve=%s proxy=%s" % (" (streamed)" if stream else "", ids, ref, got), file=sys.stderr, flush=True)
+                    outcome = "near-tie" if tie else outcome
+                    print("%s%s prompt=%s pd-serve=%s proxy=%s%s" % ("NEAR-TIE" if tie else "WRONG", " (streamed)" if stream else "", ids, ref, got, ": " + tie if tie else ""), file=sys.stderr, flush=True)
             except urllib.error.HTTPError:
                 outcome = "clean failure"
             except Exception:
@@ -228,6 +234,9 @@ def main():
     clusters = []
     try:
         serve.start()
+        why = near_tie_selfcheck(serve.port)
+        if why is not None:
+            failed.append("the near-tie judge: " + why)
         for mode, pipe in modes:
             c = Cluster(args.bindir, tmp, model, mode, pipe, FAST, hold_timeouts=HOLD, extra=node_extra,
                         proxy_extra=proxy_extra)
