@@ -652,6 +652,7 @@ static void handle_metrics(proxy_t *px, struct evhttp_request *req)
 void px_on_request(struct evhttp_request *req, void *arg)
 {
     proxy_t *px = arg;
+    pd_http_no_delay(req);
     const struct evhttp_uri *uri = evhttp_request_get_evhttp_uri(req);
     const char *path = uri != NULL ? evhttp_uri_get_path(uri) : NULL;
     enum evhttp_cmd_type cmd = evhttp_request_get_command(req);

@@ -405,6 +405,7 @@ static void handle_metrics(pd_http_server_t *s, struct evhttp_request *req)
 static void on_request(struct evhttp_request *req, void *arg)
 {
     pd_http_server_t *s = arg;
+    pd_http_no_delay(req);
     const struct evhttp_uri *uri = evhttp_request_get_evhttp_uri(req);
     const char *path = uri != NULL ? evhttp_uri_get_path(uri) : NULL;
     enum evhttp_cmd_type cmd = evhttp_request_get_command(req);
