@@ -1,4 +1,5 @@
-/* kernels/cpu/matmul_bf16dot_x86.c — the decode GEMV of --matmul-precision bf16 (matmul_bf16.h):
+/* kernels/cpu/matmul_bf16dot_x86.c — the decode GEMV of --matmul-precision bf16 (matmul_bf16.h), up to
+ * PD_BF16DOT_MAX_M rows:
  * x already rounded to bf16, w bf16 as stored, and AVX512-BF16's `vdpbf16ps`, which multiplies 32
  * bf16 pairs exactly and adds them into 16 fp32 lanes, so neither side is widened.
  *

@@ -196,15 +196,27 @@ START_TEST(test_matmul)
 }
 END_TEST
 
-/* --matmul-precision bf16 with bf16 weights: every path (the AVX512-BF16 GEMV at each m <= 8, with
- * w-row blocks and k tails; oneDNN above) is the
+/* --matmul-precision bf16 with bf16 weights: every path (the AVX512-BF16 GEMV at each m up to
+ * PD_BF16DOT_MAX_M, with w-row blocks, passes of 4 x rows and k tails; oneDNN above) is the
  * reference on x rounded to bf16, so a row's result does not depend on the rows beside it; and the
  * rounding happens (the result differs from fp32 math). */
 START_TEST(test_matmul_bf16_math)
 {
-    int shapes[][3] = {{1, 7, 5},     {2, 33, 100}, {3, 64, 33},      {4, 130, 512}, {5, 70, 96},
-                       {6, 9, 40},    {7, 21, 47},  {8, 600, 64},     {9, 300, 48},  {17, 129, 64},
-                       {64, 96, 200}, {1, 1, 3},    {260, 1100, 1536}};
+    int shapes[][3] = {{1, 7, 5},
+                       {2, 33, 100},
+                       {3, 64, 33},
+                       {4, 130, 512},
+                       {5, 70, 96},
+                       {6, 9, 40},
+                       {7, 21, 47},
+                       {8, 600, 64},
+                       {9, 300, 48},
+                       {17, 129, 64},
+                       {64, 96, 200},
+                       {1, 1, 3},
+                       {260, 1100, 1536},
+                       {PD_BF16DOT_MAX_M, 70, 100},
+                       {PD_BF16DOT_MAX_M + 1, 40, 64}};
     for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
         int m = shapes[s][0], n = shapes[s][1], k = shapes[s][2];
         float *x = rand_buf((size_t)m * k, -1, 1), *w = rand_buf((size_t)n * k, -1, 1);
@@ -220,7 +232,7 @@ START_TEST(test_matmul_bf16_math)
             const float *b = with_bias ? bias : NULL;
             g_be->matmul_precision = PD_MATMUL_BF16;
             ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, wt, b, m, n, k), PD_OK);
-            int row = m / 2; /* the same row alone (the GEMV when m > 8 went through oneDNN) */
+            int row = m / 2; /* the same row alone (the GEMV when m > PD_BF16DOT_MAX_M went through oneDNN) */
             ck_assert_int_eq(pd_cpu_matmul(g_be, y1, x + (size_t)row * k, wt, b, 1, n, k), PD_OK);
             g_be->matmul_precision = PD_MATMUL_FP32;
             ck_assert_int_eq(pd_cpu_matmul(g_be, y32, x, wt, b, m, n, k), PD_OK);
@@ -233,11 +245,12 @@ START_TEST(test_matmul_bf16_math)
         }
         free(x), free(xr), free(w), free(ws), free(bias), free(y), free(yr), free(y32), free(y1);
     }
-    /* on a CPU with AVX512-BF16 the rows above 8 went through oneDNN, not the fallback */
+    /* on a CPU with AVX512-BF16 the rows above PD_BF16DOT_MAX_M went through oneDNN, not the fallback */
     if (pd_cpu_dnnl_bf16_native()) {
-        uint16_t xb[9 * 16] = {0}, wb[16 * 16] = {0};
-        float yb[9 * 16];
-        ck_assert_int_eq(pd_cpu_dnnl_matmul_bf16(yb, xb, wb, NULL, 9, 16, 16, 2), PD_OK);
+        enum { M = PD_BF16DOT_MAX_M + 1 };
+        uint16_t xb[M * 16] = {0}, wb[16 * 16] = {0};
+        float yb[M * 16];
+        ck_assert_int_eq(pd_cpu_dnnl_matmul_bf16(yb, xb, wb, NULL, M, 16, 16, 2), PD_OK);
     } else {
         printf("test_matmul_bf16_math: no AVX512-BF16 on this CPU; the oneDNN path may fall back\n");
     }
