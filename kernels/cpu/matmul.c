@@ -1,6 +1,8 @@
 /* kernels/cpu/matmul.c — y[m][n] = x[m][k] · w[n][k]ᵀ + bias: a plain loop, and the optimized op:
  * OpenBLAS sgemm/sgemv for fp32 weights; for bf16/fp16/int8 weights a GEMV that widens in registers
- * (matmul_lowp_x86.c) at small m, and tiles of w widened into fp32 for sgemm at larger m. With
+ * (matmul_lowp_x86.c) at small m, and tiles of w widened into fp32 for sgemm at larger m; on a CPU
+ * with AVX512-BF16, bf16 weights at small m go through the bf16 GEMV on x split in three exact bf16
+ * parts (PD_BF16X3_MAX_M, matmul_bf16.h), still fp32 math. With
  * --matmul-precision bf16 and bf16 weights, x is rounded to bf16 first and multiplied in bf16
  * (matmul_bf16.h): an AVX512-BF16 GEMV at small m, oneDNN above. */
 #include <cblas.h>
@@ -69,6 +71,41 @@ static int tile_rows_for(int m, int k)
     return rows < 16 ? 16 : rows & ~15;
 }
 
+/* fp32 math on bf16 weights at m <= PD_BF16X3_MAX_M (matmul_bf16.h): x split into 3m bf16 rows, the
+ * bf16 GEMV into y3[3m][n], and each thread adds its own columns' three rows (lo + mid + hi). */
+static pd_status_t matmul_bf16x3(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias,
+                                 int m, int n, int k)
+{
+    int nt = be->num_threads, m3 = 3 * m;
+    uint16_t *xs = malloc((size_t)m3 * k * sizeof(uint16_t));
+    float *y3 = malloc((size_t)m3 * n * sizeof(float));
+    if (xs == NULL || y3 == NULL) {
+        pd_log_error("matmul: cannot allocate %d x %d split inputs", m3, k);
+        free(xs), free(y3);
+        return PD_ERR_NO_MEMORY;
+    }
+    for (int i = 0; i < m; i++) {
+        pd_cpu_split_bf16x3(xs + (size_t)3 * i * k, x + (size_t)i * k, k);
+    }
+    int cols = ((n + nt - 1) / nt + 15) & ~15;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int t = 0; t < nt; t++) {
+        int n0 = t * cols, n1 = n0 + cols < n ? n0 + cols : n;
+        if (n0 >= n1) {
+            continue;
+        }
+        pd_cpu_gemv_bf16dot(y3, xs, w.data, NULL, m3, n, k, n0, n1);
+        for (int i = 0; i < m; i++) {
+            const float *hi = y3 + (size_t)3 * i * n, *mid = hi + n, *lo = mid + n;
+            for (int j = n0; j < n1; j++) {
+                y[(size_t)i * n + j] = (lo[j] + mid[j]) + hi[j] + (bias != NULL ? bias[j] : 0.0f);
+            }
+        }
+    }
+    free(xs), free(y3);
+    return PD_OK;
+}
+
 /* One thread pool: OpenBLAS is single-threaded (set at backend creation) and runs inside our
  * OpenMP threads, each computing a slice of the output columns (rows of w). Two pools — OpenMP
  * workers spin-waiting while OpenBLAS's own threads run — halve throughput on a small machine.
@@ -79,6 +116,9 @@ static int tile_rows_for(int m, int k)
 static pd_status_t matmul_fp32_math(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
                                     const float *bias, int m, int n, int k)
 {
+    if (w.dtype == PD_DTYPE_BF16 && m <= PD_BF16X3_MAX_M && pd_cpu_bf16dot_usable()) {
+        return matmul_bf16x3(be, y, x, w, bias, m, n, k);
+    }
     int nt = be->num_threads;
     int cols = (n + nt - 1) / nt;
     cols = (cols + 15) & ~15; /* slices of whole 64-byte rows of y */

@@ -16,6 +16,20 @@
  * in the caches (512 × 1408: 323 against 328 at 32). */
 #define PD_BF16DOT_MAX_M 32
 
+/* Up to this many rows of x, fp32 math on bf16 weights also runs on the bf16 GEMV: each x row is
+ * split into three bf16 rows whose sum is x exactly (hi = bf16(x), mid = bf16(x - hi),
+ * lo = bf16(x - hi - mid): 8 + 8 + 8 significant bits), each product with a bf16 weight is exact
+ * in fp32, and the three dot products are added (lo + mid first). So the result is the fp32
+ * product within fp32 summation-order rounding, read at the GEMV's bandwidth, and a row's result
+ * does not depend on the rows beside it. Against the register-widening GEMV (matmul_lowp_x86.c),
+ * pd-bench-ops on the 565 M model, alternating binaries: batch 1 0.83-0.90x the read roofline
+ * against 0.73-0.79x; batch 8 94-98 tok/s against 62-65 (2026-11-24). */
+#define PD_BF16X3_MAX_M (PD_BF16DOT_MAX_M / 3)
+
+/* dst[0 .. k) = hi, dst[k .. 2k) = mid, dst[2k .. 3k) = lo of x[0 .. k) as above (bf16 subnormals,
+ * |v| < 1.2e-38, flushed to zero as the GEMV would). Needs pd_cpu_bf16dot_usable(). */
+void pd_cpu_split_bf16x3(uint16_t *dst, const float *x, int k);
+
 /* dst[n] = src[n] rounded to bf16 (round to nearest even). */
 void pd_cpu_round_bf16(uint16_t *dst, const float *src, size_t n);
 

@@ -110,6 +110,27 @@ DOT_INLINE void blocks(float *y, const uint16_t *xb, const uint16_t *w, const fl
     }
 }
 
+/* v widened from bf16 (exact). */
+DOT_INLINE __m512 widen16(__m256bh h)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+}
+
+DOT void pd_cpu_split_bf16x3(uint16_t *dst, const float *x, int k)
+{
+    for (int p = 0; p < k; p += 16) {
+        __mmask16 mask = k - p >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - p)) - 1);
+        __m512 v = _mm512_maskz_loadu_ps(mask, x + p);
+        __m256bh hi = _mm512_cvtneps_pbh(v); /* round to nearest even */
+        __m512 r1 = _mm512_sub_ps(v, widen16(hi));
+        __m256bh mid = _mm512_cvtneps_pbh(r1);
+        __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(r1, widen16(mid)));
+        _mm256_mask_storeu_epi16(dst + p, mask, (__m256i)hi);
+        _mm256_mask_storeu_epi16(dst + k + p, mask, (__m256i)mid);
+        _mm256_mask_storeu_epi16(dst + 2 * k + p, mask, (__m256i)lo);
+    }
+}
+
 DOT void pd_cpu_gemv_bf16dot(float *y, const uint16_t *xb, const uint16_t *w, const float *bias, int m, int n,
                              int k, int n0, int n1)
 {

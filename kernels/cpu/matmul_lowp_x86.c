@@ -377,7 +377,8 @@ X86 void pd_cpu_gemv_lowp_x86(float *y, const float *x, const float *xp, pd_weig
 {
     /* batch 1 with AVX-512 for int8 and bf16 (L2-resident gate_up: int8 76 → 114, bf16 66–82 → 104
      * GFLOP/s; from DRAM about equal); fp16 stays on F16C at AVX2 width, whose 512 MiB GEMV was
-     * as fast or faster (pd-bench-ops A/B, 2026-11-24) */
+     * as fast or faster (pd-bench-ops A/B, 2026-11-24). bf16 reaches here only on a CPU without
+     * AVX512-BF16: with it, matmul.c sends bf16 at small m to the split-x bf16 GEMV (matmul_bf16.h) */
     if (m == 1 && w.dtype == PD_DTYPE_I8 && avx512_usable()) {
         gemv1_512_i8(y, x, w.data, w.scale, bias, k, n0, n1);
     } else if (m == 1 && w.dtype == PD_DTYPE_BF16 && avx512_usable()) {

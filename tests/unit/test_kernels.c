@@ -163,9 +163,10 @@ static int8_t *quantize_rows(float *w, int rows, int cols, float **scale_out)
  * reference, and the reference against the same weights given as fp32. */
 START_TEST(test_matmul)
 {
-    int shapes[][3] = {{1, 7, 5},    {3, 64, 33},  {17, 129, 64},   {64, 96, 200}, {1, 1000, 64},
-                       {2, 130, 72}, {4, 37, 512}, {5, 40, 9000},   {8, 600, 64},  {1, 1, 3},
-                       {7, 21, 40},  {9, 300, 48}, {260, 2100, 16}, {1, 9, 80}};
+    int shapes[][3] = {{1, 7, 5},       {3, 64, 33},  {17, 129, 64},   {64, 96, 200},
+                       {1, 1000, 64},   {2, 130, 72}, {4, 37, 512},    {5, 40, 9000},
+                       {8, 600, 64},    {1, 1, 3},    {7, 21, 40},     {9, 300, 48},
+                       {260, 2100, 16}, {1, 9, 80},   {10, 130, 1000}, {11, 40, 64}};
     pd_dtype_t dts[] = {PD_DTYPE_F32, PD_DTYPE_BF16, PD_DTYPE_F16, PD_DTYPE_I8};
     for (size_t d = 0; d < 4; d++) {
         for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
@@ -193,6 +194,51 @@ START_TEST(test_matmul)
             free(x), free(w), free(ws), free(scale), free(bias), free(y), free(yr), free(yf);
         }
     }
+}
+END_TEST
+
+/* fp32 math on bf16 weights at m <= PD_BF16X3_MAX_M (matmul_bf16.h): the three bf16 parts of x add
+ * up to x exactly, for magnitudes from 1e-30 to 1e30, signs, zeros and k tails, without writing past
+ * 3k; and a row's result is bitwise the same alone as in a batch of PD_BF16X3_MAX_M rows. */
+START_TEST(test_split_bf16x3)
+{
+    if (!pd_cpu_bf16dot_usable()) {
+        printf("test_split_bf16x3: no AVX512-BF16 on this CPU; fp32 math widens bf16 instead\n");
+        return;
+    }
+    int ks[] = {1, 15, 16, 37, 1000};
+    for (size_t c = 0; c < sizeof(ks) / sizeof(ks[0]); c++) {
+        int k = ks[c];
+        float *x = rand_buf((size_t)k, -1, 1), *e = rand_buf((size_t)k, -69, 69);
+        for (int p = 0; p < k; p++) {
+            x[p] = p % 7 == 3 ? 0.0f : x[p] * powf(2.0f, floorf(e[p])); /* |x| in about 1e-21 .. 1e21 */
+        }
+        uint16_t *d = malloc((3 * (size_t)k + 8) * sizeof(uint16_t));
+        for (int p = 0; p < 3 * k + 8; p++) {
+            d[p] = 0xdead;
+        }
+        pd_cpu_split_bf16x3(d, x, k);
+        for (int p = 0; p < k; p++) {
+            double sum =
+                (double)pd_bf16_to_f32(d[p]) + pd_bf16_to_f32(d[k + p]) + pd_bf16_to_f32(d[2 * k + p]);
+            ck_assert_msg(sum == (double)x[p], "k %d, x[%d] = %a: parts add to %a", k, p, x[p], sum);
+        }
+        for (int p = 3 * k; p < 3 * k + 8; p++) {
+            ck_assert_uint_eq(d[p], 0xdead);
+        }
+        free(x), free(e), free(d);
+    }
+    enum { M = PD_BF16X3_MAX_M, N = 70, K = 300 };
+    float *x = rand_buf((size_t)M * K, -1, 1), *w = rand_buf((size_t)N * K, -1, 1);
+    float *y = rand_buf((size_t)M * N, -9, 9), *y1 = rand_buf(N, -9, 9), *bias = rand_buf(N, -1, 1);
+    void *ws = store_as(w, (size_t)N * K, PD_DTYPE_BF16);
+    pd_weight_t wt = {ws, PD_DTYPE_BF16, NULL};
+    ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, wt, bias, M, N, K), PD_OK);
+    for (int i = 0; i < M; i += 3) {
+        ck_assert_int_eq(pd_cpu_matmul(g_be, y1, x + (size_t)i * K, wt, bias, 1, N, K), PD_OK);
+        ck_assert_msg(memcmp(y1, y + (size_t)i * N, N * sizeof(float)) == 0, "row %d differs alone", i);
+    }
+    free(x), free(w), free(y), free(y1), free(bias), free(ws);
 }
 END_TEST
 
@@ -868,6 +914,7 @@ int main(void)
     tcase_add_test(tc, test_index_math);
     tcase_add_test(tc, test_matmul);
     tcase_add_test(tc, test_matmul_bf16_math);
+    tcase_add_test(tc, test_split_bf16x3);
     tcase_add_test(tc, test_norms);
     tcase_add_test(tc, test_elementwise);
     tcase_add_test(tc, test_rope);
