@@ -121,6 +121,58 @@ PD_CPU_CLONES static int softmax_row_bf16(float *s, uint16_t *pb, int nk, int lo
     return 1;
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define SOFTMAX_512 __attribute__((target("avx512f,avx512bw,avx512vl,prefer-vector-width=512")))
+
+/* softmax_row_bf16 with pb, for a CPU with AVX-512 (the oneDNN path needs AVX512-BF16 anyway): the
+ * same p̂ (the same exp2 loop, compiled with FMA as the AVX2 clone is), but the row's max and sum
+ * are AVX-512 reductions. GCC's `omp simd reduction` ends each loop in a scalar pass over a stack
+ * array; with 128-key rows those two epilogues cost about as much as the exps (perf: 35 % of a
+ * 2048-token prefill with 64-wide heads in softmax_row_bf16). The sum's order differs from the
+ * clones' (fp32 summation order, as between any two paths). */
+SOFTMAX_512 static int softmax_row_bf16_512(float *s, uint16_t *pb, int nk, int lo, int hi, float *m,
+                                            float *l, float *o, int D)
+{
+    if (hi < lo) {
+        memset(pb, 0, (size_t)nk * sizeof(uint16_t));
+        return 0;
+    }
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int j = lo; j <= hi; j += 16) {
+        __mmask16 k = hi + 1 - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (hi + 1 - j)) - 1);
+        mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, s + j));
+    }
+    float mb = _mm512_reduce_max_ps(mv);
+    float m_new = pd_attn_bf16_max(*m, mb);
+    if (m_new > *m && *l > 0) {
+        float alpha = pd_fast_exp2f(*m - m_new); /* an exact power of two */
+        *l *= alpha;
+        for (int d = 0; d < D; d++) {
+            o[d] *= alpha;
+        }
+    }
+    *m = m_new;
+    memset(pb, 0, (size_t)lo * sizeof(uint16_t)); /* masked keys: p̂ = 0 */
+    memset(pb + hi + 1, 0, (size_t)(nk - 1 - hi) * sizeof(uint16_t));
+#pragma omp simd
+    for (int j = lo; j <= hi; j++) {
+        s[j] = pd_round_bf16f(pd_fast_exp2f(s[j] - m_new));
+    }
+    __m512 sv = _mm512_setzero_ps();
+    for (int j = lo; j <= hi; j += 16) {
+        __mmask16 k = hi + 1 - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (hi + 1 - j)) - 1);
+        __m512 p = _mm512_maskz_loadu_ps(k, s + j);
+        sv = _mm512_add_ps(sv, p);
+        /* exact: p is a bf16 value, so its high half is it */
+        _mm256_mask_storeu_epi16(pb + j, k,
+                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16)));
+    }
+    *l += _mm512_reduce_add_ps(sv);
+    return 1;
+}
+#endif
+
 /* K and V rows of keys [j0, j0 + nk) for kv_head, converted to fp32, into k and v [nk][D]. */
 static void gather_kv(float *k, float *v, const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int seq,
                       int kv_head, int64_t j0, int nk)
@@ -183,6 +235,7 @@ pd_status_t pd_cpu_attn_tiled_run(float *out, const float *q, const pd_kv_view_t
     uint16_t *qb = (uint16_t *)b16_at, *kb = qb + (size_t)ATTN_MM_TQ * group * D;
     uint16_t *vb = kb + (size_t)ATTN_MM_KT * D, *pb = vb + (size_t)ATTN_MM_KT * D;
     const int dnnl = bf16 && pd_cpu_dnnl_bf16_native();
+    const bool full = T == ATTN_MM_TQ; /* oneDNN primitives made for full items' M rows, kept per thread */
 
     /* Q rows (token-major, heads of the group within): row (t − q_begin)·group + r, × scale */
     for (int t = q_begin; t < q_end; t++) {
@@ -212,7 +265,7 @@ pd_status_t pd_cpu_attn_tiled_run(float *out, const float *q, const pd_kv_view_t
         int ld = dnnl ? ATTN_MM_KT : nk; /* S's row pitch: oneDNN's tiles are padded */
         if (dnnl) {                      /* S[M][KT] = Q̂ · K̂ᵀ */
             gather_kv_bf16(kb, vb, kv, meta, seq, kv_head, j0, nk);
-            pd_status_t gs = pd_cpu_dnnl_gemm_bf16_1t(st, qb, kb, M, ATTN_MM_KT, D, true, false);
+            pd_status_t gs = pd_cpu_dnnl_gemm_bf16_1t(st, qb, kb, M, ATTN_MM_KT, D, true, false, full);
             if (gs != PD_OK) {
                 return gs;
             }
@@ -230,12 +283,18 @@ pd_status_t pd_cpu_attn_tiled_run(float *out, const float *q, const pd_kv_view_t
                 int row = (t - q_begin) * group + r;
                 float *srow = st + (size_t)row * ld, *orow = ot + (size_t)row * D;
                 uint16_t *prow = dnnl ? pb + (size_t)row * ATTN_MM_KT : NULL;
+#if defined(__x86_64__) && defined(__GNUC__)
+                if (dnnl) {
+                    any |= softmax_row_bf16_512(srow, prow, ld, lo, hi, &mt[row], &lt[row], orow, D);
+                    continue;
+                }
+#endif
                 any |= bf16 ? softmax_row_bf16(srow, prow, ld, lo, hi, &mt[row], &lt[row], orow, D)
                             : softmax_row(srow, ld, lo, hi, &mt[row], &lt[row], orow, D);
             }
         }
         if (any && dnnl) { /* O[M][D] += P̂ · V̂ */
-            pd_status_t gs = pd_cpu_dnnl_gemm_bf16_1t(ot, pb, vb, M, D, ATTN_MM_KT, false, true);
+            pd_status_t gs = pd_cpu_dnnl_gemm_bf16_1t(ot, pb, vb, M, D, ATTN_MM_KT, false, true, full);
             if (gs != PD_OK) {
                 return gs;
             }

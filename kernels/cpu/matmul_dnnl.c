@@ -3,12 +3,15 @@
  * One oneDNN engine per process, created on first use and kept. A matmul primitive's row count m
  * is a run-time dimension, so one primitive per (n, k, bias, b layout, accumulate) serves every
  * batch size: a fixed-m brgemm primitive would cost ~5 ms per new m, and prefill chunks come in
- * every length. Each thread keeps the primitives it made (prim_cache_t): a lookup in oneDNN's own
- * cache still costs ~2 µs, and the bf16 attention tiles make thousands of small calls per layer
- * (measured on the 2-core EPYC VM). The weights are described as the transposed [k][n] view of
- * w[n][k] (format "ba"): no reorder, no second copy of the weights. Each call has its own stream, so
- * calls from several threads are independent. oneDNN runs on OpenMP (Debian's build) with the
- * caller's thread count. */
+ * every length. Only the attention tiles' full items, whose row count recurs, ask for a fixed-m
+ * primitive (brgemm: 10.6-11.0 against 11.4-13.0 µs for a 128-row tile). Each thread keeps the
+ * primitives it made (prim_cache_t) with the memory objects of their last call and one stream: a
+ * lookup in oneDNN's own cache still costs ~2 µs, making the four memory objects and a stream
+ * another ~2 µs (13.6 against 11.4 µs for a 128 × 128 × 64 tile), and the bf16 attention tiles
+ * make thousands of small calls per layer (measured on the 2-core EPYC VM). The weights are
+ * described as the transposed [k][n] view of w[n][k] (format "ba"): no reorder, no second copy of
+ * the weights. Streams and memory objects are per thread, so calls from several threads are
+ * independent. oneDNN runs on OpenMP (Debian's build) with the caller's thread count. */
 #include <omp.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -23,26 +26,46 @@ static dnnl_engine_t g_engine;    /* written once under g_once, then only read *
 static pthread_key_t g_cache_key; /* a thread's prim_cache_t; created under g_once */
 static int g_cache_key_ok;        /* written once under g_once */
 
-/* The primitives one thread made, by shape. oneDNN's default build shares one scratchpad among
- * primitives, so a primitive must run on the thread that created it: the cache is per thread,
- * touched only by its thread, and freed when the thread ends. Full, it replaces entries in turn. */
-#define PRIM_CACHE_SIZE 8
+/* A primitive and the memory objects of its last call (rows mem_m; re-pointed with
+ * dnnl_memory_set_data_handle while the row count stays: creating four memory objects and a stream
+ * per call cost more than a 128 × 128 × 64 attention tile's product). */
+typedef struct prim_entry {
+    int m_fixed; /* the primitive's row count, or 0: a run-time row count */
+    int n, k;
+    bool bias, accumulate;
+    dnnl_format_tag_t b_tag;
+    dnnl_primitive_t prim; /* NULL: a free entry */
+    int64_t mem_m;         /* the rows mem[] describe; -1: none made */
+    dnnl_memory_t mem[4];  /* src, weights, dst, bias (NULL without) */
+} prim_entry_t;
+
+/* The primitives one thread made, by shape, and its stream. oneDNN's default build shares one
+ * scratchpad among primitives, so a primitive must run on the thread that created it: the cache is
+ * per thread, touched only by its thread, and freed when the thread ends. Full, it replaces entries
+ * in turn. */
+#define PRIM_CACHE_SIZE 16
 typedef struct prim_cache {
-    struct {
-        int n, k;
-        bool bias, accumulate;
-        dnnl_format_tag_t b_tag;
-        dnnl_primitive_t prim; /* NULL: a free entry */
-    } e[PRIM_CACHE_SIZE];
-    int next; /* the entry replaced next */
+    prim_entry_t e[PRIM_CACHE_SIZE];
+    int next;             /* the entry replaced next */
+    dnnl_stream_t stream; /* NULL until the first call */
 } prim_cache_t;
+
+static void entry_clear(prim_entry_t *e)
+{
+    dnnl_primitive_destroy(e->prim);
+    for (int i = 0; i < 4; i++) {
+        dnnl_memory_destroy(e->mem[i]);
+    }
+    *e = (prim_entry_t){.mem_m = -1};
+}
 
 static void cache_free(void *p)
 {
     prim_cache_t *c = p;
     for (int i = 0; i < PRIM_CACHE_SIZE; i++) {
-        dnnl_primitive_destroy(c->e[i].prim);
+        entry_clear(&c->e[i]);
     }
+    dnnl_stream_destroy(c->stream);
     free(c);
 }
 
@@ -63,14 +86,15 @@ bool pd_cpu_dnnl_bf16_native(void)
     return (isa & (unsigned)dnnl_cpu_isa_avx512_core_bf16) == (unsigned)dnnl_cpu_isa_avx512_core_bf16;
 }
 
-/* The primitive for [m? × k] · [k × n] (+ [1 × n]) (+ the destination's old values when
- * accumulate), b stored as b_tag says (ab: [k][n] row-major; ba: [n][k], the transposed view). */
-static dnnl_status_t make_primitive(int n, int k, bool bias, dnnl_format_tag_t b_tag, bool accumulate,
-                                    dnnl_primitive_t *prim_out)
+/* The primitive for [m × k] · [k × n] (+ [1 × n]) (+ the destination's old values when
+ * accumulate), m = m_fixed or a run-time value (0), b stored as b_tag says (ab: [k][n] row-major;
+ * ba: [n][k], the transposed view). */
+static dnnl_status_t make_primitive(int m_fixed, int n, int k, bool bias, dnnl_format_tag_t b_tag,
+                                    bool accumulate, dnnl_primitive_t *prim_out)
 {
     dnnl_memory_desc_t src, wei, bia, dst;
-    dnnl_dims_t src_dims = {DNNL_RUNTIME_DIM_VAL, k}, wei_dims = {k, n}, bia_dims = {1, n},
-                dst_dims = {DNNL_RUNTIME_DIM_VAL, n};
+    dnnl_dim_t m = m_fixed > 0 ? m_fixed : DNNL_RUNTIME_DIM_VAL;
+    dnnl_dims_t src_dims = {m, k}, wei_dims = {k, n}, bia_dims = {1, n}, dst_dims = {m, n};
     dnnl_status_t s = dnnl_memory_desc_init_by_tag(&src, 2, src_dims, dnnl_bf16, dnnl_ab);
     if (s == dnnl_success) {
         s = dnnl_memory_desc_init_by_tag(&wei, 2, wei_dims, dnnl_bf16, b_tag);
@@ -112,35 +136,50 @@ static dnnl_status_t make_primitive(int n, int k, bool bias, dnnl_format_tag_t b
     return s;
 }
 
-/* The calling thread's primitive for the shape, from its cache or made (and cached). *owned is set
- * when the cache could not take it: the caller destroys it then. */
-static dnnl_status_t get_primitive(int n, int k, bool bias, dnnl_format_tag_t b_tag, bool accumulate,
-                                   dnnl_primitive_t *prim, bool *owned)
+/* The calling thread's cache, made on first use; NULL when it cannot be (then every call makes and
+ * destroys its own objects). */
+static prim_cache_t *thread_cache(void)
 {
     prim_cache_t *c = g_cache_key_ok ? pthread_getspecific(g_cache_key) : NULL;
-    if (c == NULL && g_cache_key_ok && (c = calloc(1, sizeof(*c))) != NULL &&
-        pthread_setspecific(g_cache_key, c) != 0) {
-        free(c);
-        c = NULL;
+    if (c == NULL && g_cache_key_ok && (c = calloc(1, sizeof(*c))) != NULL) {
+        for (int i = 0; i < PRIM_CACHE_SIZE; i++) {
+            c->e[i].mem_m = -1;
+        }
+        if (pthread_setspecific(g_cache_key, c) != 0) {
+            free(c);
+            c = NULL;
+        }
     }
+    return c;
+}
+
+/* The entry of the calling thread's primitive for the shape, from cache c or made (and cached);
+ * without a cache, made into *tmp, which the caller clears after the call. */
+static dnnl_status_t get_primitive(prim_cache_t *c, prim_entry_t *tmp, int m_fixed, int n, int k, bool bias,
+                                   dnnl_format_tag_t b_tag, bool accumulate, prim_entry_t **entry)
+{
     for (int i = 0; c != NULL && i < PRIM_CACHE_SIZE; i++) {
-        if (c->e[i].prim != NULL && c->e[i].n == n && c->e[i].k == k && c->e[i].bias == bias &&
-            c->e[i].b_tag == b_tag && c->e[i].accumulate == accumulate) {
-            *prim = c->e[i].prim;
-            *owned = false;
+        prim_entry_t *e = &c->e[i];
+        if (e->prim != NULL && e->m_fixed == m_fixed && e->n == n && e->k == k && e->bias == bias &&
+            e->b_tag == b_tag && e->accumulate == accumulate) {
+            *entry = e;
             return dnnl_success;
         }
     }
-    dnnl_status_t s = make_primitive(n, k, bias, b_tag, accumulate, prim);
-    *owned = s == dnnl_success && c == NULL;
-    if (s == dnnl_success && c != NULL) {
-        int i = c->next;
-        c->next = (c->next + 1) % PRIM_CACHE_SIZE;
-        dnnl_primitive_destroy(c->e[i].prim);
-        c->e[i].n = n, c->e[i].k = k, c->e[i].bias = bias, c->e[i].accumulate = accumulate;
-        c->e[i].b_tag = b_tag, c->e[i].prim = *prim;
+    dnnl_primitive_t prim = NULL;
+    dnnl_status_t s = make_primitive(m_fixed, n, k, bias, b_tag, accumulate, &prim);
+    if (s != dnnl_success) {
+        return s;
     }
-    return s;
+    prim_entry_t *e = tmp;
+    if (c != NULL) {
+        e = &c->e[c->next];
+        c->next = (c->next + 1) % PRIM_CACHE_SIZE;
+        entry_clear(e);
+    }
+    *e = (prim_entry_t){m_fixed, n, k, bias, accumulate, b_tag, prim, -1, {NULL, NULL, NULL, NULL}};
+    *entry = e;
+    return dnnl_success;
 }
 
 /* A memory object over caller-owned data of dims rows × cols, row-major (or column-major: ba). */
@@ -153,20 +192,52 @@ static dnnl_status_t wrap(dnnl_memory_t *mem, int64_t rows, int64_t cols, dnnl_d
     return s == dnnl_success ? dnnl_memory_create(mem, &d, g_engine, (void *)data) : s;
 }
 
-/* y[m][n] (+)= xb[m][k] · b (+ bias[n]), b as b_tag says; the two public entry points. */
+/* e's memory objects over y[m][n], xb[m][k], b and bias: re-pointed when they describe m rows
+ * already, else made anew. */
+static dnnl_status_t bind(prim_entry_t *e, float *y, const uint16_t *xb, const uint16_t *b, const float *bias,
+                          int64_t m)
+{
+    const void *data[4] = {xb, b, y, bias};
+    dnnl_status_t s = dnnl_success;
+    if (e->mem_m == m) {
+        for (int i = 0; i < 4 && s == dnnl_success; i++) {
+            s = e->mem[i] != NULL ? dnnl_memory_set_data_handle(e->mem[i], (void *)data[i]) : s;
+        }
+        return s;
+    }
+    for (int i = 0; i < 4; i++) {
+        dnnl_memory_destroy(e->mem[i]);
+        e->mem[i] = NULL;
+    }
+    e->mem_m = -1;
+    s = wrap(&e->mem[0], m, e->k, dnnl_bf16, dnnl_ab, xb);
+    if (s == dnnl_success) {
+        s = wrap(&e->mem[1], e->k, e->n, dnnl_bf16, e->b_tag, b);
+    }
+    if (s == dnnl_success) {
+        s = wrap(&e->mem[2], m, e->n, dnnl_f32, dnnl_ab, y);
+    }
+    if (s == dnnl_success && e->bias) {
+        s = wrap(&e->mem[3], 1, e->n, dnnl_f32, dnnl_ab, bias);
+    }
+    e->mem_m = s == dnnl_success ? m : -1;
+    return s;
+}
+
+/* y[m][n] (+)= xb[m][k] · b (+ bias[n]), b as b_tag says, through a primitive made for m rows when
+ * m_fixed, else for a run-time row count; the two public entry points. */
 static pd_status_t run_matmul(float *y, const uint16_t *xb, const uint16_t *b, const float *bias, int m,
-                              int n, int k, dnnl_format_tag_t b_tag, bool accumulate, int num_threads)
+                              int n, int k, dnnl_format_tag_t b_tag, bool accumulate, int num_threads,
+                              bool m_fixed)
 {
     static int unimplemented_logged; /* each log line once per process */
     pthread_once(&g_once, engine_init);
     if (g_engine == NULL) {
         return PD_ERR_BACKEND;
     }
-    dnnl_primitive_t prim = NULL;
-    dnnl_stream_t stream = NULL;
-    dnnl_memory_t mem[4] = {NULL, NULL, NULL, NULL};
-    bool owned = false;
-    dnnl_status_t s = get_primitive(n, k, bias != NULL, b_tag, accumulate, &prim, &owned);
+    prim_cache_t *c = thread_cache();
+    prim_entry_t tmp = {.mem_m = -1}, *e = NULL;
+    dnnl_status_t s = get_primitive(c, &tmp, m_fixed ? m : 0, n, k, bias != NULL, b_tag, accumulate, &e);
     if (s == dnnl_unimplemented) {
         if (!__atomic_exchange_n(&unimplemented_logged, 1, __ATOMIC_RELAXED)) {
             pd_log_warn("matmul: oneDNN has no bf16 matmul on this CPU; bf16 math runs through fp32 sgemm");
@@ -177,7 +248,7 @@ static pd_status_t run_matmul(float *y, const uint16_t *xb, const uint16_t *b, c
     if (s == dnnl_success && !__atomic_exchange_n(&impl_logged, 1, __ATOMIC_RELAXED)) {
         const_dnnl_primitive_desc_t pd = NULL;
         const char *impl = "?";
-        if (dnnl_primitive_get_primitive_desc(prim, &pd) == dnnl_success) {
+        if (dnnl_primitive_get_primitive_desc(e->prim, &pd) == dnnl_success) {
             (void)dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &impl);
         }
         if (pd_cpu_dnnl_bf16_native()) {
@@ -189,40 +260,34 @@ static pd_status_t run_matmul(float *y, const uint16_t *xb, const uint16_t *b, c
         }
     }
     if (s == dnnl_success) {
-        s = wrap(&mem[0], m, k, dnnl_bf16, dnnl_ab, xb);
+        s = bind(e, y, xb, b, bias, m);
     }
-    if (s == dnnl_success) {
-        s = wrap(&mem[1], k, n, dnnl_bf16, b_tag, b);
-    }
-    if (s == dnnl_success) {
-        s = wrap(&mem[2], m, n, dnnl_f32, dnnl_ab, y);
-    }
-    if (s == dnnl_success && bias != NULL) {
-        s = wrap(&mem[3], 1, n, dnnl_f32, dnnl_ab, bias);
-    }
-    if (s == dnnl_success) {
+    dnnl_stream_t own_stream = NULL, stream = c != NULL ? c->stream : NULL;
+    if (s == dnnl_success && stream == NULL) {
         s = dnnl_stream_create(&stream, g_engine, dnnl_stream_default_flags);
+        if (c != NULL) {
+            c->stream = stream;
+        } else {
+            own_stream = stream;
+        }
     }
     if (s == dnnl_success) {
-        dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, mem[0]},
-                                   {DNNL_ARG_WEIGHTS, mem[1]},
-                                   {DNNL_ARG_DST, mem[2]},
-                                   {DNNL_ARG_BIAS, mem[3]}};
+        dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, e->mem[0]},
+                                   {DNNL_ARG_WEIGHTS, e->mem[1]},
+                                   {DNNL_ARG_DST, e->mem[2]},
+                                   {DNNL_ARG_BIAS, e->mem[3]}};
         /* oneDNN's OpenMP regions take the calling thread's max threads: the backend's count */
         int saved = omp_get_max_threads();
         omp_set_num_threads(num_threads);
-        s = dnnl_primitive_execute(prim, stream, bias != NULL ? 4 : 3, args);
+        s = dnnl_primitive_execute(e->prim, stream, bias != NULL ? 4 : 3, args);
         if (s == dnnl_success) {
             s = dnnl_stream_wait(stream);
         }
         omp_set_num_threads(saved);
     }
-    dnnl_stream_destroy(stream);
-    for (int i = 0; i < 4; i++) {
-        dnnl_memory_destroy(mem[i]);
-    }
-    if (owned) {
-        dnnl_primitive_destroy(prim);
+    dnnl_stream_destroy(own_stream);
+    if (e == &tmp) {
+        entry_clear(&tmp);
     }
     if (s != dnnl_success) {
         pd_log_error("matmul: oneDNN bf16 matmul [%d x %d] x [%d x %d] failed (dnnl status %d)", m, k, k, n,
@@ -235,11 +300,11 @@ static pd_status_t run_matmul(float *y, const uint16_t *xb, const uint16_t *b, c
 pd_status_t pd_cpu_dnnl_matmul_bf16(float *y, const uint16_t *xb, const uint16_t *w, const float *bias, int m,
                                     int n, int k, int num_threads)
 {
-    return run_matmul(y, xb, w, bias, m, n, k, dnnl_ba, false, num_threads);
+    return run_matmul(y, xb, w, bias, m, n, k, dnnl_ba, false, num_threads, false);
 }
 
 pd_status_t pd_cpu_dnnl_gemm_bf16_1t(float *c, const uint16_t *a, const uint16_t *b, int m, int n, int k,
-                                     bool b_is_nk, bool accumulate)
+                                     bool b_is_nk, bool accumulate, bool m_fixed)
 {
-    return run_matmul(c, a, b, NULL, m, n, k, b_is_nk ? dnnl_ba : dnnl_ab, accumulate, 1);
+    return run_matmul(c, a, b, NULL, m, n, k, b_is_nk ? dnnl_ba : dnnl_ab, accumulate, 1, m_fixed);
 }

@@ -24,8 +24,10 @@ pd_status_t pd_cpu_dnnl_matmul_bf16(float *y, const uint16_t *xb, const uint16_t
 
 /* c[m][n] = a[m][k] · b (+ c's old values when accumulate), on the calling thread only (for a
  * caller inside its own parallel region: attention tiles). a is bf16 [m][k]; b is bf16 [n][k] when
- * b_is_nk (c = a·bᵀ), else [k][n]; c is fp32 [m][n]. Statuses as pd_cpu_dnnl_matmul_bf16. */
+ * b_is_nk (c = a·bᵀ), else [k][n]; c is fp32 [m][n]. m_fixed asks for a primitive made for exactly
+ * m rows (kept per thread: worth it for a row count that recurs, a full attention tile; making one
+ * costs milliseconds); otherwise one for any row count. Statuses as pd_cpu_dnnl_matmul_bf16. */
 pd_status_t pd_cpu_dnnl_gemm_bf16_1t(float *c, const uint16_t *a, const uint16_t *b, int m, int n, int k,
-                                     bool b_is_nk, bool accumulate);
+                                     bool b_is_nk, bool accumulate, bool m_fixed);
 
 #endif
