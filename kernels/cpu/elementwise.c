@@ -201,12 +201,21 @@ static void gated_ref(float *out, const float *gate_up, int rows, int inter, boo
     }
 }
 
+/* One loop per activation: with the choice inside the loop GCC 12 left it scalar ("no vectype"),
+ * 9.5 % of a batch-32 decode step of the 565 M model (perf). */
 PD_CPU_CLONES static void gated_row(float *o, const float *g, int inter, bool gelu)
 {
+    if (gelu) {
+#pragma omp simd
+        for (int i = 0; i < inter; i++) {
+            o[i] = gelu_tanh_fast(g[i]) * g[inter + i];
+        }
+        return;
+    }
 #pragma omp simd
     for (int i = 0; i < inter; i++) {
         float v = g[i];
-        o[i] = (gelu ? gelu_tanh_fast(v) : v * sigmoid_fast(v)) * g[inter + i];
+        o[i] = v * sigmoid_fast(v) * g[inter + i];
     }
 }
 

@@ -171,6 +171,10 @@ static pd_status_t matmul_fp32_math(pd_backend_t *be, float *y, const float *x, 
 
 void pd_cpu_round_bf16(uint16_t *dst, const float *src, size_t n)
 {
+    if (pd_cpu_bf16dot_usable()) { /* a scalar loop here was 2.4 % of a batch-32 decode step */
+        pd_cpu_round_bf16_dot(dst, src, n);
+        return;
+    }
     for (size_t i = 0; i < n; i++) {
         dst[i] = pd_f32_to_bf16(src[i]);
     }

@@ -30,8 +30,11 @@
  * |v| < 1.2e-38, flushed to zero as the GEMV would). Needs pd_cpu_bf16dot_usable(). */
 void pd_cpu_split_bf16x3(uint16_t *dst, const float *x, int k);
 
-/* dst[n] = src[n] rounded to bf16 (round to nearest even). */
+/* dst[n] = src[n] rounded to bf16 (round to nearest even); on an AVX512-BF16 CPU by
+ * pd_cpu_round_bf16_dot (`vcvtneps2bf16`, which also flushes bf16 subnormals to zero, as the GEMV
+ * and oneDNN do when they multiply them: the products are the same). */
 void pd_cpu_round_bf16(uint16_t *dst, const float *src, size_t n);
+void pd_cpu_round_bf16_dot(uint16_t *dst, const float *src, size_t n);
 
 /* Whether the CPU has AVX512-BF16 (and AVX512 F/BW/VL) for pd_cpu_gemv_bf16dot. */
 int pd_cpu_bf16dot_usable(void);

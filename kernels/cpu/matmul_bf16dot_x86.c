@@ -116,6 +116,15 @@ DOT_INLINE __m512 widen16(__m256bh h)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
 }
 
+DOT void pd_cpu_round_bf16_dot(uint16_t *dst, const float *src, size_t n)
+{
+    for (size_t p = 0; p < n; p += 16) {
+        __mmask16 mask = n - p >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - p)) - 1);
+        __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src + p));
+        _mm256_mask_storeu_epi16(dst + p, mask, (__m256i)h);
+    }
+}
+
 DOT void pd_cpu_split_bf16x3(uint16_t *dst, const float *x, int k)
 {
     for (int p = 0; p < k; p += 16) {
