@@ -84,6 +84,11 @@ typedef struct pd_connector_ops {
                                               bool *load_async_out);
     void (*update_state_after_alloc)(pd_connector_t *c, pd_request_t *req, const uint32_t *block_ids,
                                      int32_t num_blocks, int32_t num_external_tokens);
+    /* Optional (NULL: never). Whether req's asynchronous load, not started yet, may be put off while
+     * another request loads the same prefix (the scheduler then finds those blocks in its prefix
+     * cache and loads less): true for loads this node reads (pull), false where a peer writes into
+     * blocks this request reserves (push). No side effects. */
+    bool (*load_may_wait)(pd_connector_t *c, const pd_request_t *req);
     /* Builds this step's metadata for the worker half; owned by the connector. */
     void *(*build_connector_meta)(pd_connector_t *c, const struct pd_scheduler_output *out);
     /* Returns delay_free; may set *kv_transfer_params_out (json_t*, ownership to the caller). */

@@ -239,6 +239,7 @@ static const pd_connector_ops_t KV_OPS = {
     "pd-kv",
     kv_get_num_new_matched_tokens,
     kv_update_state_after_alloc,
+    kv_load_may_wait,
     kv_build_connector_meta,
     kv_request_finished,
     kv_register_kv_caches,

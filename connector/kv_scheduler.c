@@ -88,6 +88,17 @@ pd_status_t kv_get_num_new_matched_tokens(pd_connector_t *c, const pd_request_t 
     return PD_OK;
 }
 
+/* A pull load reads from the prefill's leased blocks whenever the decode starts it (by default the
+ * lease, hold_timeout 120 s, outlasts a load, load_timeout 60 s; a load started after its lease
+ * ended fails and the prompt is computed here); a push load's blocks are the target of the prefill's writes, reserved when the
+ * request is admitted, so it never waits. */
+bool kv_load_may_wait(pd_connector_t *c, const pd_request_t *req)
+{
+    kv_conn_t *k = (kv_conn_t *)c;
+    const json_t *p = req->kv_transfer_params;
+    return !k->is_prefill && p != NULL && kv_jbool(p, "do_remote_prefill") && !kv_wants_push(k, p);
+}
+
 void kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, const uint32_t *block_ids,
                                  int32_t num_blocks, int32_t num_external)
 {

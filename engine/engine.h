@@ -174,6 +174,7 @@ typedef struct pd_engine_stats {
     double kv_usage;
     uint32_t blocks_free, blocks_cached_free, blocks_used, num_blocks;
     uint64_t prefix_queries, prefix_hits, preemptions;
+    uint64_t load_waits; /* remote loads put off for another request's (scheduler stats) */
     uint64_t prompt_tokens, generation_tokens, steps, requests_finished;
     uint64_t spec_drafts, spec_draft_tokens, spec_accepted; /* speculative decoding (scheduler stats) */
     double last_step_s, last_forward_s;

@@ -38,6 +38,7 @@ static void snapshot_stats(pd_engine_t *e)
     o->prefix_queries = ss.prefix_queries;
     o->prefix_hits = ss.prefix_hits;
     o->preemptions = ss.num_preemptions;
+    o->load_waits = ss.num_load_waits;
     o->spec_drafts = ss.spec_drafts;
     o->spec_draft_tokens = ss.spec_draft_tokens;
     o->spec_accepted = ss.spec_accepted;

@@ -94,6 +94,8 @@ struct pd_request {
     void *kv_transfer_params;       /* json_t*, owned (connector parameters), may be NULL */
     int32_t num_external_tokens;    /* tokens the connector loads from a remote peer */
     bool holds_blocks_after_finish; /* finished, blocks held for a remote reader (delay free) */
+    bool prefix_counted;            /* its prefix-cache lookup is in the hit-rate stats */
+    bool load_waited;               /* its remote load was put off for another's (counted once) */
     /* First-token handover (kv_transfer_params "first_token"): a prefill node's request ends after
      * its first output token unless that token ends it, and a decode node continues from there */
     bool handover_after_first;

@@ -20,7 +20,7 @@ struct pd_scheduler {
     pd_request_t **running; /* [max_num_seqs] in admission order */
     int32_t num_running;
     int32_t num_holding;
-    uint64_t arrivals, preemptions;
+    uint64_t arrivals, preemptions, load_waits;
     /* per-step buffers */
     pd_sched_item_t *items;
     pd_request_t **preempted;
@@ -344,6 +344,35 @@ static void finish_remote_wait(pd_scheduler_t *s, pd_request_t *r)
     r->state = PD_REQ_WAITING;
 }
 
+/* Whether a request waiting for its remote KV is loading, now, the full block of fresh request r
+ * just past r's local prefix hit (local tokens), with the same chained hash (so the same tokens
+ * before it too). r then waits for that load, whose blocks the prefix cache gets when it ends,
+ * rather than reading the same KV from its own peer: concurrent requests with one new shared prefix
+ * (kv-aware routing sends them to one decode) move it once. Only when the connector allows it
+ * (pull); the wait ends with that load (done, failed or timed out: --kv-load-timeout). */
+static bool shares_inflight_load(pd_scheduler_t *s, const pd_request_t *r, int32_t local)
+{
+    if (!s->kv.caching || s->conn->ops->load_may_wait == NULL || !s->conn->ops->load_may_wait(s->conn, r)) {
+        return false;
+    }
+    int32_t bs = s->kv.block_size, b = local / bs;
+    if (b >= r->num_hashes) {
+        return false; /* only a partial block past the hit: nothing a peer's load would cache */
+    }
+    for (const pd_request_t *a = s->wait_head; a != NULL; a = a->next) {
+        if (a == r || a->state != PD_REQ_WAITING_FOR_REMOTE_KV) {
+            continue;
+        }
+        int32_t end = a->num_computed_tokens + a->num_external_tokens; /* what finish_remote_wait caches */
+        end = end < a->num_tokens - 1 ? end : a->num_tokens - 1;
+        if (a->num_computed_tokens / bs <= b && b < end / bs && b < a->num_hashes &&
+            pd_hash128_eq(a->block_hashes[b], r->block_hashes[b])) {
+            return true;
+        }
+    }
+    return false;
+}
+
 static void schedule_waiting(pd_scheduler_t *s, int32_t *budget)
 {
     pd_request_t *r = s->wait_head;
@@ -363,7 +392,8 @@ static void schedule_waiting(pd_scheduler_t *s, int32_t *budget)
         bool scored = r->params.want_prompt_logprobs;
         if (fresh && !scored) {
             n_hits = pd_kv_manager_get_computed_blocks(&s->kv, r, s->hits, s->max_blocks_per_req,
-                                                       r->num_cached_tokens < 0, &local);
+                                                       !r->prefix_counted, &local);
+            r->prefix_counted = true;
             if (s->conn != NULL) {
                 pd_status_t st =
                     s->conn->ops->get_num_new_matched_tokens(s->conn, r, local, &external, &async);
@@ -376,6 +406,16 @@ static void schedule_waiting(pd_scheduler_t *s, int32_t *budget)
                     external = external > 0 ? external : 0;
                 }
             }
+        }
+        if (async && shares_inflight_load(s, r, local)) {
+            if (!r->load_waited) {
+                r->load_waited = true;
+                s->load_waits++;
+                pd_log_debug("scheduler: %s waits for another request's load of its next %d-token block",
+                             r->id, s->kv.block_size);
+            }
+            r = next;
+            continue; /* looked up again next step, when that load may have ended */
         }
         int32_t computed = fresh ? local + (async ? 0 : external) : r->num_computed_tokens;
         int32_t num_new = async ? 0 : r->num_tokens - computed;
@@ -697,6 +737,7 @@ void pd_scheduler_get_stats(const pd_scheduler_t *s, pd_scheduler_stats_t *o)
     }
     o->num_holding = s->num_holding;
     o->num_preemptions = s->preemptions;
+    o->num_load_waits = s->load_waits;
     o->prefix_queries = s->kv.prefix_queries;
     o->prefix_hits = s->kv.prefix_hits;
     o->kv_usage = pd_kv_manager_usage(&s->kv);

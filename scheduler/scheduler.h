@@ -143,6 +143,7 @@ typedef struct pd_scheduler_stats {
     int32_t num_waiting_for_remote_kv;
     int32_t num_holding; /* finished, blocks held for a remote reader */
     uint64_t num_preemptions;
+    uint64_t num_load_waits; /* remote loads put off while another request loaded the same prefix */
     uint64_t prefix_queries, prefix_hits;
     double kv_usage;
     uint32_t blocks_free, blocks_cached_free, blocks_used;

@@ -24,8 +24,9 @@ typedef struct srv_metrics {
     pd_metric_t *success[4]; /* stop, length, abort, error */
     pd_metric_t *req_prompt, *req_gen, *req_max_gen, *req_n, *req_max_tokens;
     pd_metric_t *ttft, *itl, *tpot, *e2e, *queue, *inference, *prefill, *decode;
-    pd_metric_t *waiting_remote, *blocks_free, *blocks_cached, *blocks_used, *http_errors; /* pd: */
-    uint64_t seen_prefix_queries, seen_prefix_hits, seen_prompt, seen_gen, seen_preempt;
+    pd_metric_t *waiting_remote, *blocks_free, *blocks_cached, *blocks_used, *http_errors,
+        *load_waits; /* pd: */
+    uint64_t seen_prefix_queries, seen_prefix_hits, seen_prompt, seen_gen, seen_preempt, seen_load_waits;
 } srv_metrics_t;
 
 struct pd_http_server {

@@ -124,6 +124,9 @@ void pd_http_metrics_register(pd_http_server_t *s)
         gauge(r, "pd:kv_blocks_cached_free", "Free KV blocks that still hold a cached prefix.");
     m->blocks_used = gauge(r, "pd:kv_blocks_used", "KV blocks referenced by requests.");
     m->http_errors = counter(r, "pd:http_errors_total", "Requests answered with an error.");
+    m->load_waits = counter(r, "pd:kv_load_waits_total",
+                            "Remote KV loads put off while another request loaded the same prefix (then read "
+                            "from the local prefix cache).");
 }
 
 void pd_http_metrics_refresh(pd_http_server_t *s)
@@ -145,6 +148,8 @@ void pd_http_metrics_refresh(pd_http_server_t *s)
     pd_metric_inc(m->prompt_tokens, (double)(st.prompt_tokens - m->seen_prompt));
     pd_metric_inc(m->generation_tokens, (double)(st.generation_tokens - m->seen_gen));
     pd_metric_inc(m->preemptions, (double)(st.preemptions - m->seen_preempt));
+    pd_metric_inc(m->load_waits, (double)(st.load_waits - m->seen_load_waits));
+    m->seen_load_waits = st.load_waits;
     m->seen_prefix_queries = st.prefix_queries;
     m->seen_prefix_hits = st.prefix_hits;
     m->seen_prompt = st.prompt_tokens;

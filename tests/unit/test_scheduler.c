@@ -417,6 +417,7 @@ typedef struct fake_conn {
     uint32_t bad_blocks[8];
     int num_bad;
     int32_t external_tokens; /* what "remote-" requests get from the peer */
+    bool no_wait;            /* load_may_wait answers false */
 } fake_conn_t;
 
 static pd_status_t fake_matched(pd_connector_t *c, const pd_request_t *r, int32_t local, int32_t *ext,
@@ -438,8 +439,9 @@ static void fake_after_alloc(pd_connector_t *c, pd_request_t *r, const uint32_t 
     fake_conn_t *f = (fake_conn_t *)c;
     f->alloc_calls++;
     if (strncmp(r->id, "remote-", 7) == 0) {
-        ck_assert_int_eq(ext, r->num_prompt_tokens);
-        ck_assert_int_ge(n * 4, ext); /* blocks for every external token (block size 4) */
+        ck_assert_int_le(ext, r->num_prompt_tokens); /* less after a prefix hit */
+        ck_assert_int_ge(n * 4, ext);                /* blocks for every external token (block size 4) */
+        f->external_tokens = ext;
     }
 }
 
@@ -458,10 +460,17 @@ static bool fake_finished(pd_connector_t *c, pd_request_t *r, const uint32_t *id
            (strncmp(r->id, "remote-", 7) == 0 && r->state == PD_REQ_FINISHED_ABORTED);
 }
 
+/* "remote-" loads may wait for another's unless the test turned it off (push). */
+static bool fake_may_wait(pd_connector_t *c, const pd_request_t *r)
+{
+    return !((fake_conn_t *)c)->no_wait;
+}
+
 static const pd_connector_ops_t fake_ops = {
     .name = "fake",
     .get_num_new_matched_tokens = fake_matched,
     .update_state_after_alloc = fake_after_alloc,
+    .load_may_wait = fake_may_wait,
     .build_connector_meta = fake_meta,
     .request_finished = fake_finished,
 };
@@ -825,6 +834,74 @@ START_TEST(test_connector_remote_load_and_delay_free)
 }
 END_TEST
 
+/* Two requests with one prompt arrive together on a decode (pull): the second waits while the first
+ * loads, then finds the loaded blocks in its prefix cache and loads only the rest (the last, partial
+ * block); a request with another prompt does not wait; with load_may_wait false (push) none waits. */
+START_TEST(test_connector_shared_inflight_load)
+{
+    for (int push = 0; push <= 1; push++) {
+        fake_conn_t f;
+        memset(&f, 0, sizeof(f));
+        f.base.ops = &fake_ops;
+        f.no_wait = push;
+        driver_t d = {NULL, &f, 64, 4, 0, 0};
+        pd_scheduler_config_t c = sched_cfg(4, 64, 64);
+        ck_assert_int_eq(pd_scheduler_create(&c, &f.base, &d.s), PD_OK);
+        add(d.s, "remote-a", 14, 2, 1);
+        add(d.s, "remote-b", 14, 2, 1); /* the same 14 tokens */
+        add(d.s, "remote-c", 14, 2, 3); /* others */
+        pd_scheduler_update_result_t res;
+        drive_step(&d, &res);
+        pd_request_t *ra = pd_scheduler_find(d.s, "remote-a"), *rb = pd_scheduler_find(d.s, "remote-b");
+        pd_request_t *rc = pd_scheduler_find(d.s, "remote-c");
+        ck_assert_int_eq(ra->state, PD_REQ_WAITING_FOR_REMOTE_KV);
+        ck_assert_int_eq(rc->state, PD_REQ_WAITING_FOR_REMOTE_KV);
+        pd_scheduler_stats_t st;
+        pd_scheduler_get_stats(d.s, &st);
+        if (push) {
+            ck_assert_int_eq(rb->state, PD_REQ_WAITING_FOR_REMOTE_KV);
+            ck_assert_int_eq(rb->num_external_tokens, 14);
+            ck_assert_uint_eq(st.num_load_waits, 0);
+        } else {
+            ck_assert_int_eq(rb->state, PD_REQ_WAITING); /* put off: holds nothing */
+            ck_assert_int_eq(rb->num_blocks, 0);
+            ck_assert_uint_eq(st.num_load_waits, 1);
+            drive_step(&d, &res); /* still loading: b still waits, counted once */
+            ck_assert_int_eq(rb->state, PD_REQ_WAITING);
+            pd_scheduler_get_stats(d.s, &st);
+            ck_assert_uint_eq(st.num_load_waits, 1);
+        }
+        snprintf(f.recving[0], PD_REQ_ID_MAX, "remote-a"); /* a's KV arrived */
+        f.recv_ptrs[0] = f.recving[0];
+        f.num_recving = 1;
+        drive_step(&d, &res); /* the update applies it */
+        drive_step(&d, &res); /* a computes its last token (its blocks cached), then b is looked up */
+        ck_assert_int_eq(ra->state, PD_REQ_RUNNING);
+        if (!push) {
+            /* 3 full blocks (12 tokens) of a's load are b's now; it loads the last 2 tokens' block */
+            ck_assert_int_eq(rb->state, PD_REQ_WAITING_FOR_REMOTE_KV);
+            ck_assert_int_eq(rb->num_computed_tokens, 12);
+            ck_assert_int_eq(rb->num_external_tokens, 2);
+            ck_assert_int_eq(f.external_tokens, 2);
+            ck_assert_int_eq(rb->num_cached_tokens, 12);
+        }
+        snprintf(f.recving[0], PD_REQ_ID_MAX, "remote-b");
+        snprintf(f.recving[1], PD_REQ_ID_MAX, "remote-c");
+        f.recv_ptrs[0] = f.recving[0];
+        f.recv_ptrs[1] = f.recving[1];
+        f.num_recving = 2;
+        while (!pd_scheduler_idle(d.s)) {
+            drive_step(&d, &res);
+            ck_assert_int_lt(d.steps, 100);
+        }
+        ck_assert_int_eq(d.finished, 3);
+        pd_scheduler_schedule(d.s);
+        assert_pool_clean(d.s);
+        pd_scheduler_destroy(d.s);
+    }
+}
+END_TEST
+
 /* First-token handover on a decode: the prefill's token arrives with the load (push: the connector's
  * recving_first_token) and the request goes on from it as if it had sampled it: an output of this
  * update, the KV of every prompt token loaded, the token's own KV computed next, a seeded sampler one
@@ -1012,6 +1089,7 @@ int main(void)
     tcase_add_test(tc, test_preemption_recomputes);
     tcase_add_test(tc, test_abort_in_every_state);
     tcase_add_test(tc, test_connector_remote_load_and_delay_free);
+    tcase_add_test(tc, test_connector_shared_inflight_load);
     tcase_add_test(tc, test_first_token_handover);
     tcase_add_test(tc, test_load_errors_recompute);
     tcase_add_test(tc, test_load_errors_fail);
