@@ -391,9 +391,8 @@ static void schedule_waiting(pd_scheduler_t *s, int32_t *budget)
         /* prompt logprobs need every prompt position computed here: no prefix hit, no remote KV */
         bool scored = r->params.want_prompt_logprobs;
         if (fresh && !scored) {
-            n_hits = pd_kv_manager_get_computed_blocks(&s->kv, r, s->hits, s->max_blocks_per_req,
-                                                       !r->prefix_counted, &local);
-            r->prefix_counted = true;
+            n_hits =
+                pd_kv_manager_get_computed_blocks(&s->kv, r, s->hits, s->max_blocks_per_req, false, &local);
             if (s->conn != NULL) {
                 pd_status_t st =
                     s->conn->ops->get_num_new_matched_tokens(s->conn, r, local, &external, &async);
@@ -416,6 +415,11 @@ static void schedule_waiting(pd_scheduler_t *s, int32_t *budget)
             }
             r = next;
             continue; /* looked up again next step, when that load may have ended */
+        }
+        if (fresh && !scored && s->kv.caching && !r->prefix_counted) { /* one lookup a request in the stats */
+            r->prefix_counted = true;
+            s->kv.prefix_queries += (uint64_t)r->num_tokens;
+            s->kv.prefix_hits += (uint64_t)local;
         }
         int32_t computed = fresh ? local + (async ? 0 : external) : r->num_computed_tokens;
         int32_t num_new = async ? 0 : r->num_tokens - computed;

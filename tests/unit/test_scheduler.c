@@ -885,6 +885,10 @@ START_TEST(test_connector_shared_inflight_load)
             ck_assert_int_eq(f.external_tokens, 2);
             ck_assert_int_eq(rb->num_cached_tokens, 12);
         }
+        /* the stats count each request's one admitting lookup: b's 12-token hit once, no retries */
+        pd_scheduler_get_stats(d.s, &st);
+        ck_assert_uint_eq(st.prefix_queries, 3 * 14);
+        ck_assert_uint_eq(st.prefix_hits, push ? 0 : 12);
         snprintf(f.recving[0], PD_REQ_ID_MAX, "remote-b");
         snprintf(f.recving[1], PD_REQ_ID_MAX, "remote-c");
         f.recv_ptrs[0] = f.recving[0];
