@@ -125,17 +125,24 @@ PD_CPU_CLONES static int softmax_row_bf16(float *s, uint16_t *pb, int nk, int lo
 #include <immintrin.h>
 #define SOFTMAX_512 __attribute__((target("avx512f,avx512bw,avx512vl,prefer-vector-width=512")))
 
-/* softmax_row_bf16 with pb, for a CPU with AVX-512 (the oneDNN path needs AVX512-BF16 anyway): the
- * same p̂ (the same exp2 loop, compiled with FMA as the AVX2 clone is), but the row's max and sum
- * are AVX-512 reductions. GCC's `omp simd reduction` ends each loop in a scalar pass over a stack
- * array; with 128-key rows those two epilogues cost about as much as the exps (perf: 35 % of a
- * 2048-token prefill with 64-wide heads in softmax_row_bf16). The sum's order differs from the
- * clones' (fp32 summation order, as between any two paths). */
-SOFTMAX_512 static int softmax_row_bf16_512(float *s, uint16_t *pb, int nk, int lo, int hi, float *m,
-                                            float *l, float *o, int D)
+/* softmax_row, and softmax_row_bf16 with pb, for a CPU with AVX-512 (bf16: the oneDNN path, which
+ * needs AVX512-BF16 anyway): the same p (the same exp loops, compiled with FMA as the AVX2 clones
+ * are), but the row's max and sum are AVX-512 reductions. GCC's `omp simd reduction` ends each loop
+ * in a scalar pass over a stack array; with 128-key rows those two epilogues cost about as much as
+ * the exps (perf: 35 % of a 2048-token bf16 prefill with 64-wide heads in softmax_row_bf16). The
+ * sum's order differs from the clones' (fp32 summation order, as between any two paths). bf16 is a
+ * constant at each call. */
+SOFTMAX_512 static inline __attribute__((always_inline)) int softmax_row_512(float *s, uint16_t *pb, int nk,
+                                                                             int lo, int hi, float *m,
+                                                                             float *l, float *o, int D,
+                                                                             const int bf16)
 {
     if (hi < lo) {
-        memset(pb, 0, (size_t)nk * sizeof(uint16_t));
+        if (bf16) {
+            memset(pb, 0, (size_t)nk * sizeof(uint16_t));
+        } else {
+            memset(s, 0, (size_t)nk * sizeof(float));
+        }
         return 0;
     }
     __m512 mv = _mm512_set1_ps(-INFINITY);
@@ -144,32 +151,60 @@ SOFTMAX_512 static int softmax_row_bf16_512(float *s, uint16_t *pb, int nk, int 
         mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, s + j));
     }
     float mb = _mm512_reduce_max_ps(mv);
-    float m_new = pd_attn_bf16_max(*m, mb);
+    float m_new = bf16 ? pd_attn_bf16_max(*m, mb) : (mb > *m ? mb : *m);
     if (m_new > *m && *l > 0) {
-        float alpha = pd_fast_exp2f(*m - m_new); /* an exact power of two */
+        float alpha = bf16 ? pd_fast_exp2f(*m - m_new) /* an exact power of two */ : pd_fast_expf(*m - m_new);
         *l *= alpha;
         for (int d = 0; d < D; d++) {
             o[d] *= alpha;
         }
     }
     *m = m_new;
-    memset(pb, 0, (size_t)lo * sizeof(uint16_t)); /* masked keys: p̂ = 0 */
-    memset(pb + hi + 1, 0, (size_t)(nk - 1 - hi) * sizeof(uint16_t));
+    if (bf16) {
+        memset(pb, 0, (size_t)lo * sizeof(uint16_t)); /* masked keys: p̂ = 0 */
+        memset(pb + hi + 1, 0, (size_t)(nk - 1 - hi) * sizeof(uint16_t));
 #pragma omp simd
-    for (int j = lo; j <= hi; j++) {
-        s[j] = pd_round_bf16f(pd_fast_exp2f(s[j] - m_new));
+        for (int j = lo; j <= hi; j++) {
+            s[j] = pd_round_bf16f(pd_fast_exp2f(s[j] - m_new));
+        }
+    } else {
+        memset(s, 0, (size_t)lo * sizeof(float)); /* masked keys: p = 0 */
+        memset(s + hi + 1, 0, (size_t)(nk - 1 - hi) * sizeof(float));
+#pragma omp simd
+        for (int j = lo; j <= hi; j++) {
+            s[j] = pd_fast_expf(s[j] - m_new);
+        }
     }
     __m512 sv = _mm512_setzero_ps();
     for (int j = lo; j <= hi; j += 16) {
         __mmask16 k = hi + 1 - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (hi + 1 - j)) - 1);
         __m512 p = _mm512_maskz_loadu_ps(k, s + j);
         sv = _mm512_add_ps(sv, p);
-        /* exact: p is a bf16 value, so its high half is it */
-        _mm256_mask_storeu_epi16(pb + j, k,
-                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16)));
+        if (bf16) { /* exact: p is a bf16 value, so its high half is it */
+            _mm256_mask_storeu_epi16(pb + j, k,
+                                     _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16)));
+        }
     }
     *l += _mm512_reduce_add_ps(sv);
     return 1;
+}
+
+SOFTMAX_512 static int softmax_row_f32_512(float *s, int nk, int lo, int hi, float *m, float *l, float *o,
+                                           int D)
+{
+    return softmax_row_512(s, NULL, nk, lo, hi, m, l, o, D, 0);
+}
+
+SOFTMAX_512 static int softmax_row_bf16_512(float *s, uint16_t *pb, int nk, int lo, int hi, float *m,
+                                            float *l, float *o, int D)
+{
+    return softmax_row_512(s, pb, nk, lo, hi, m, l, o, D, 1);
+}
+
+static int avx512_usable(void)
+{
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
 }
 #endif
 
@@ -236,6 +271,9 @@ pd_status_t pd_cpu_attn_tiled_run(float *out, const float *q, const pd_kv_view_t
     uint16_t *vb = kb + (size_t)ATTN_MM_KT * D, *pb = vb + (size_t)ATTN_MM_KT * D;
     const int dnnl = bf16 && pd_cpu_dnnl_bf16_native();
     const bool full = T == ATTN_MM_TQ; /* oneDNN primitives made for full items' M rows, kept per thread */
+#if defined(__x86_64__) && defined(__GNUC__)
+    const int avx512 = avx512_usable();
+#endif
 
     /* Q rows (token-major, heads of the group within): row (t − q_begin)·group + r, × scale */
     for (int t = q_begin; t < q_end; t++) {
@@ -286,6 +324,10 @@ pd_status_t pd_cpu_attn_tiled_run(float *out, const float *q, const pd_kv_view_t
 #if defined(__x86_64__) && defined(__GNUC__)
                 if (dnnl) {
                     any |= softmax_row_bf16_512(srow, prow, ld, lo, hi, &mt[row], &lt[row], orow, D);
+                    continue;
+                }
+                if (!bf16 && avx512) {
+                    any |= softmax_row_f32_512(srow, ld, lo, hi, &mt[row], &lt[row], orow, D);
                     continue;
                 }
 #endif
