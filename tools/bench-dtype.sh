@@ -69,7 +69,7 @@ done
   echo "pd-serve --threads 2 on the demo model (bf16 checkpoint, bf16 KV), random 256±50% prompt / 64±50%"
   echo "output tokens, $prompts requests per point (+16 warmups), same seed for every point; rounds alternate."
   echo
-  echo "bf16-math is \\`--dtype auto --matmul-precision bf16\\`."
+  echo 'bf16-math is `--dtype auto --matmul-precision bf16`.'
   echo
   echo "| --dtype | concurrency | round | done/failed | req/s | out tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) |"
   echo "|---|---|---|---|---|---|---|---|"
