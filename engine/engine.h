@@ -40,6 +40,7 @@ typedef struct pd_engine_config {
     bool enable_prefix_caching;
     bool enable_chunked_prefill;
     const char *load_failure_policy; /* recompute | fail */
+    double load_share_wait;          /* s a pull load may wait for another's of its prefix; 0 = never */
     const char *generation_config;   /* auto (the model's generation_config.json) | vllm (ignore it) */
     int max_queue;                   /* submitted-but-not-admitted requests before 503s */
     int num_blocks_override;         /* > 0: KV blocks regardless of profiling (vLLM's override) */

@@ -34,6 +34,7 @@ void pd_engine_config_defaults(pd_engine_config_t *c)
     c->enable_prefix_caching = true;
     c->enable_chunked_prefill = true;
     c->load_failure_policy = "recompute";
+    c->load_share_wait = 1.0;
     c->generation_config = "auto";
     c->max_queue = 1024;
 }
@@ -100,6 +101,10 @@ size_t pd_engine_flags(pd_engine_config_t *c, pd_flag_t *out, size_t max)
         {"kv-load-failure-policy", PD_FLAG_CHOICE, &c->load_failure_policy,
          "when remote KV cannot be loaded: recompute the prompt locally, or fail the request",
          "recompute|fail"},
+        {"kv-load-share-wait", PD_FLAG_DOUBLE, &c->load_share_wait,
+         "seconds a decode's pull load may wait while another request loads the same prefix, then reads "
+         "it from the prefix cache (0: never wait)",
+         NULL},
     };
     size_t n = sizeof(f) / sizeof(f[0]);
     memcpy(out, f, (n < max ? n : max) * sizeof(f[0]));
@@ -334,6 +339,7 @@ static pd_status_t make_scheduler(pd_engine_t *e)
     sc.load_failure_policy = cfg->load_failure_policy != NULL && strcmp(cfg->load_failure_policy, "fail") == 0
                                  ? PD_LOAD_FAILURE_FAIL
                                  : PD_LOAD_FAILURE_RECOMPUTE;
+    sc.load_share_wait = cfg->load_share_wait;
     pd_status_t st = pd_scheduler_create(&sc, cfg->connector, &e->sched);
     if (st == PD_OK) {
         pd_scheduler_set_release_hook(e->sched, eng_on_release, e);
@@ -403,6 +409,11 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
         cfg->max_queue < 1) {
         pd_log_error(
             "engine: --block-size, --max-num-seqs, --max-num-batched-tokens and --max-queue must be >= 1");
+        return PD_ERR_INVALID_ARG;
+    }
+    if (!(cfg->load_share_wait >= 0 && cfg->load_share_wait <= 3600)) { /* NaN too */
+        pd_log_error("engine: --kv-load-share-wait %g: seconds from 0 (never wait) to 3600",
+                     cfg->load_share_wait);
         return PD_ERR_INVALID_ARG;
     }
     pd_spec_config_t spec;

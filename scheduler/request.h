@@ -96,6 +96,7 @@ struct pd_request {
     bool holds_blocks_after_finish; /* finished, blocks held for a remote reader (delay free) */
     bool prefix_counted;            /* its prefix-cache lookup is in the hit-rate stats */
     bool load_waited;               /* its remote load was put off for another's (counted once) */
+    double load_wait_since;         /* when it was first put off (pd_time_now_s) */
     /* First-token handover (kv_transfer_params "first_token"): a prefill node's request ends after
      * its first output token unless that token ends it, and a decode node continues from there */
     bool handover_after_first;

@@ -349,7 +349,8 @@ static void finish_remote_wait(pd_scheduler_t *s, pd_request_t *r)
  * before it too). r then waits for that load, whose blocks the prefix cache gets when it ends,
  * rather than reading the same KV from its own peer: concurrent requests with one new shared prefix
  * (kv-aware routing sends them to one decode) move it once. Only when the connector allows it
- * (pull); the wait ends with that load (done, failed or timed out: --kv-load-timeout). */
+ * (pull); the wait ends with that load, or after cfg.load_share_wait seconds (--kv-load-share-wait),
+ * when r loads for itself. */
 static bool shares_inflight_load(pd_scheduler_t *s, const pd_request_t *r, int32_t local)
 {
     if (!s->kv.caching || s->conn->ops->load_may_wait == NULL || !s->conn->ops->load_may_wait(s->conn, r)) {
@@ -406,9 +407,14 @@ static void schedule_waiting(pd_scheduler_t *s, int32_t *budget)
                 }
             }
         }
-        if (async && shares_inflight_load(s, r, local)) {
+        /* a wait is bounded: a peer stuck in its load (a stopped prefill) would hold r up to the load
+         * timeout, while r's own prefill may be healthy */
+        bool may_wait = s->cfg.load_share_wait > 0 &&
+                        (!r->load_waited || pd_time_now_s() - r->load_wait_since < s->cfg.load_share_wait);
+        if (async && may_wait && shares_inflight_load(s, r, local)) {
             if (!r->load_waited) {
                 r->load_waited = true;
+                r->load_wait_since = pd_time_now_s();
                 s->load_waits++;
                 pd_log_debug("scheduler: %s waits for another request's load of its next %d-token block",
                              r->id, s->kv.block_size);

@@ -35,6 +35,9 @@ typedef struct pd_scheduler_config {
     int32_t eos_token_ids[8];
     int32_t num_eos;
     pd_load_failure_policy_t load_failure_policy;
+    /* > 0: a fresh request's remote load may wait up to this many seconds (from its first wait)
+     * while another request loads the same prefix (scheduler.c: shares_inflight_load); 0: never */
+    double load_share_wait;
     int32_t vocab_size; /* > 0: output tokens from outside (a prefill's first token) are checked */
     bool kv_events;     /* log the prefix cache's changes (pd_scheduler_kv_events) */
     /* KV cache groups (scheduler/kv_cache_manager.h): 0 or 1 = one full-attention group */

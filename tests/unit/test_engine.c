@@ -566,6 +566,10 @@ START_TEST(test_dtype_keeps_checkpoint_precision)
     qc.kv_cache_memory = 64u << 20;
     qc.quantization = "int8";
     pd_engine_t *qe = NULL;
+    qc.load_share_wait = -1; /* refused with the flag's name, nothing made */
+    ck_assert_int_eq(pd_engine_create(&qc, &qe), PD_ERR_INVALID_ARG);
+    ck_assert_ptr_null(qe);
+    qc.load_share_wait = 1.0;
     ck_assert_int_eq(pd_engine_create(&qc, &qe), PD_OK);
     ck_assert_str_eq(pd_engine_weight_dtype_name(qe), "bfloat16+int8");
     static gen_t qg[4];

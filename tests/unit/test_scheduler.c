@@ -5,6 +5,7 @@
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/log.h"
 #include "common/rng.h"
@@ -498,6 +499,7 @@ static pd_scheduler_config_t sched_cfg(int32_t seqs, int32_t budget, uint32_t bl
     c.enable_chunked_prefill = true;
     c.eos_token_ids[0] = 0;
     c.num_eos = 1;
+    c.load_share_wait = 1.0; /* the engine's default */
     return c;
 }
 
@@ -836,16 +838,20 @@ END_TEST
 
 /* Two requests with one prompt arrive together on a decode (pull): the second waits while the first
  * loads, then finds the loaded blocks in its prefix cache and loads only the rest (the last, partial
- * block); a request with another prompt does not wait; with load_may_wait false (push) none waits. */
+ * block); a request with another prompt does not wait. None waits when load_may_wait is false
+ * (push) or load_share_wait is 0 (off); with a 50 ms cap the second loads for itself once the
+ * first has loaded for longer. */
 START_TEST(test_connector_shared_inflight_load)
 {
-    for (int push = 0; push <= 1; push++) {
+    for (int mode = 0; mode < 4; mode++) {
+        bool push = mode == 1 || mode == 2, capped = mode == 3; /* "push": nothing waits */
         fake_conn_t f;
         memset(&f, 0, sizeof(f));
         f.base.ops = &fake_ops;
-        f.no_wait = push;
+        f.no_wait = mode == 1;
         driver_t d = {NULL, &f, 64, 4, 0, 0};
         pd_scheduler_config_t c = sched_cfg(4, 64, 64);
+        c.load_share_wait = mode == 2 ? 0.0 : capped ? 0.05 : 1.0;
         ck_assert_int_eq(pd_scheduler_create(&c, &f.base, &d.s), PD_OK);
         add(d.s, "remote-a", 14, 2, 1);
         add(d.s, "remote-b", 14, 2, 1); /* the same 14 tokens */
@@ -871,6 +877,13 @@ START_TEST(test_connector_shared_inflight_load)
             pd_scheduler_get_stats(d.s, &st);
             ck_assert_uint_eq(st.num_load_waits, 1);
         }
+        if (capped) { /* past the cap b loads the whole prompt itself */
+            usleep(80 * 1000);
+            drive_step(&d, &res);
+            ck_assert_int_eq(rb->state, PD_REQ_WAITING_FOR_REMOTE_KV);
+            ck_assert_int_eq(rb->num_external_tokens, 14);
+            push = true; /* from here on as if it never waited */
+        }
         snprintf(f.recving[0], PD_REQ_ID_MAX, "remote-a"); /* a's KV arrived */
         f.recv_ptrs[0] = f.recving[0];
         f.num_recving = 1;
@@ -889,6 +902,7 @@ START_TEST(test_connector_shared_inflight_load)
         pd_scheduler_get_stats(d.s, &st);
         ck_assert_uint_eq(st.prefix_queries, 3 * 14);
         ck_assert_uint_eq(st.prefix_hits, push ? 0 : 12);
+        ck_assert_uint_eq(st.num_load_waits, mode == 0 || capped ? 1 : 0);
         snprintf(f.recving[0], PD_REQ_ID_MAX, "remote-b");
         snprintf(f.recving[1], PD_REQ_ID_MAX, "remote-c");
         f.recv_ptrs[0] = f.recving[0];
