@@ -219,9 +219,13 @@ def main():
         faults = args.faults.split(",")
     node_extra, proxy_extra = [], []
     if args.conditional > 0:
+        # the replay ring is bounded by design (vLLM's default of 10000 batches held 55-77 MB here, which
+        # tripped the private-RSS check on every prefill, before and after 2026-11-24's changes): a
+        # short ring keeps that check about leaks
         node_extra = ["--kv-events-config", json.dumps({"enable_kv_cache_events": True,
                                                         "endpoint": "tcp://127.0.0.1:*",
-                                                        "replay_endpoint": "tcp://127.0.0.1:*"})]
+                                                        "replay_endpoint": "tcp://127.0.0.1:*",
+                                                        "buffer_steps": 500})]
         proxy_extra = ["--policy", "kv-aware", "--pd-local-prefill-threshold", str(args.conditional)]
     rng = random.Random(args.seed)
     tmp = tempfile.mkdtemp(prefix="pd-faults-")
