@@ -80,6 +80,18 @@ class Load:
             return [self.rng.randint(3, 250) for _ in range(n)]
 
     @staticmethod
+    def finish_reasons(out):
+        """The finish_reason values a streamed answer's events carried, in order (for the log)."""
+        reasons = []
+        for ev in out.decode(errors="replace").split("\n\n"):
+            try:
+                j = json.loads(ev[6:]) if ev.startswith("data: {") else {}
+            except ValueError:
+                continue
+            reasons += [c["finish_reason"] for c in j.get("choices", []) if c.get("finish_reason")]
+        return reasons
+
+    @staticmethod
     def streamed_tokens(out):
         """The token ids of a streamed answer, or None when it did not end with [DONE] or carried an
         error event (a clean failure: the stream was cut or the request failed)."""
@@ -119,7 +131,8 @@ class Load:
                 tie = near_tie(self.serve_port, ids, ref, got) if outcome == "wrong" else None
                 if outcome == "wrong":  # the evidence, for the log: which prompt, both answers
                     outcome = "near-tie" if tie else outcome
-                    print("%s%s prompt=%s pd-serve=%s proxy=%s%s" % ("NEAR-TIE" if tie else "WRONG", " (streamed)" if stream else "", ids, ref, got, ": " + tie if tie else ""), file=sys.stderr, flush=True)
+                    why = " finish_reasons=%s" % self.finish_reasons(out) if stream else ""
+                    print("%s%s prompt=%s pd-serve=%s proxy=%s%s%s" % ("NEAR-TIE" if tie else "WRONG", " (streamed)" if stream else "", ids, ref, got, why, ": " + tie if tie else ""), file=sys.stderr, flush=True)
             except urllib.error.HTTPError:
                 outcome = "clean failure"
             except Exception:
