@@ -90,8 +90,8 @@ pd_status_t kv_get_num_new_matched_tokens(pd_connector_t *c, const pd_request_t 
 
 /* A pull load reads from the prefill's leased blocks whenever the decode starts it (by default the
  * lease, hold_timeout 120 s, outlasts a load, load_timeout 60 s; a load started after its lease
- * ended fails and the prompt is computed here); a push load's blocks are the target of the prefill's writes, reserved when the
- * request is admitted, so it never waits. */
+ * ended fails and the prompt is computed here); a push load's blocks are the target of the
+ * prefill's writes, reserved when the request is admitted, so it never waits. */
 bool kv_load_may_wait(pd_connector_t *c, const pd_request_t *req)
 {
     kv_conn_t *k = (kv_conn_t *)c;

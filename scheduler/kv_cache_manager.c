@@ -140,11 +140,16 @@ int32_t pd_kv_manager_get_computed_blocks(pd_kv_cache_manager_t *m, pd_request_t
         }
     }
     if (count_stats) {
-        m->prefix_queries += (uint64_t)req->num_tokens;
-        m->prefix_hits += (uint64_t)n * (uint64_t)bs;
+        pd_kv_manager_count_lookup(m, req, n * bs);
     }
     *num_tokens_out = n * bs;
     return n;
+}
+
+void pd_kv_manager_count_lookup(pd_kv_cache_manager_t *m, const pd_request_t *req, int32_t hit_tokens)
+{
+    m->prefix_queries += (uint64_t)req->num_tokens;
+    m->prefix_hits += (uint64_t)hit_tokens;
 }
 
 int32_t pd_kv_manager_held_blocks(const pd_kv_cache_manager_t *m, const pd_request_t *req)

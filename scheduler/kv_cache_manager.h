@@ -42,6 +42,9 @@ void pd_kv_manager_destroy(pd_kv_cache_manager_t *m);
  * Counts the lookup in prefix_queries/prefix_hits when count_stats. */
 int32_t pd_kv_manager_get_computed_blocks(pd_kv_cache_manager_t *m, pd_request_t *req, uint32_t *blocks_out,
                                           int32_t max, bool count_stats, int32_t *num_tokens_out);
+/* Counts one lookup of req that found hit_tokens cached in prefix_queries/prefix_hits (for a caller
+ * that decides after the lookup whether it counts: the scheduler counts the one that admits). */
+void pd_kv_manager_count_lookup(pd_kv_cache_manager_t *m, const pd_request_t *req, int32_t hit_tokens);
 
 /* Makes room for num_new_tokens after req's num_computed_tokens, plus new_computed[n_computed × G]
  * (prefix hits, adopted first) and num_external_tokens (to be loaded by a connector; the last of

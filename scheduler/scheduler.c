@@ -424,8 +424,7 @@ static void schedule_waiting(pd_scheduler_t *s, int32_t *budget)
         }
         if (fresh && !scored && s->kv.caching && !r->prefix_counted) { /* one lookup a request in the stats */
             r->prefix_counted = true;
-            s->kv.prefix_queries += (uint64_t)r->num_tokens;
-            s->kv.prefix_hits += (uint64_t)local;
+            pd_kv_manager_count_lookup(&s->kv, r, local);
         }
         int32_t computed = fresh ? local + (async ? 0 : external) : r->num_computed_tokens;
         int32_t num_new = async ? 0 : r->num_tokens - computed;

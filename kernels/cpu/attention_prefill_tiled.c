@@ -147,7 +147,7 @@ SOFTMAX_512 static inline __attribute__((always_inline)) int softmax_row_512(flo
     }
     __m512 mv = _mm512_set1_ps(-INFINITY);
     for (int j = lo; j <= hi; j += 16) {
-        __mmask16 k = hi + 1 - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (hi + 1 - j)) - 1);
+        __mmask16 k = pd_tail_mask16(hi + 1 - j);
         mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, s + j));
     }
     float mb = _mm512_reduce_max_ps(mv);
@@ -177,7 +177,7 @@ SOFTMAX_512 static inline __attribute__((always_inline)) int softmax_row_512(flo
     }
     __m512 sv = _mm512_setzero_ps();
     for (int j = lo; j <= hi; j += 16) {
-        __mmask16 k = hi + 1 - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (hi + 1 - j)) - 1);
+        __mmask16 k = pd_tail_mask16(hi + 1 - j);
         __m512 p = _mm512_maskz_loadu_ps(k, s + j);
         sv = _mm512_add_ps(sv, p);
         if (bf16) { /* exact: p is a bf16 value, so its high half is it */
@@ -201,11 +201,6 @@ SOFTMAX_512 static int softmax_row_bf16_512(float *s, uint16_t *pb, int nk, int 
     return softmax_row_512(s, pb, nk, lo, hi, m, l, o, D, 1);
 }
 
-static int avx512_usable(void)
-{
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
-}
 #endif
 
 /* K and V rows of keys [j0, j0 + nk) for kv_head, converted to fp32, into k and v [nk][D]. */
@@ -272,7 +267,7 @@ pd_status_t pd_cpu_attn_tiled_run(float *out, const float *q, const pd_kv_view_t
     const int dnnl = bf16 && pd_cpu_dnnl_bf16_native();
     const bool full = T == ATTN_MM_TQ; /* oneDNN primitives made for full items' M rows, kept per thread */
 #if defined(__x86_64__) && defined(__GNUC__)
-    const int avx512 = avx512_usable();
+    const int avx512 = pd_cpu_avx512_usable();
 #endif
 
     /* Q rows (token-major, heads of the group within): row (t − q_begin)·group + r, × scale */

@@ -19,6 +19,7 @@
 #include <stdint.h>
 
 #include "kernels/cpu/matmul_bf16.h"
+#include "kernels/cpu/simd.h"
 
 #define DOT_ISA    "avx512f,avx512bw,avx512vl,avx512bf16"
 #define DOT        __attribute__((target(DOT_ISA)))
@@ -31,8 +32,7 @@
 
 int pd_cpu_bf16dot_usable(void)
 {
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+    return pd_cpu_avx512_usable() && __builtin_cpu_supports("avx512bf16");
 }
 
 /* 32 bf16 values at p, the first `valid` of them (the rest zero). */
@@ -119,7 +119,7 @@ DOT_INLINE __m512 widen16(__m256bh h)
 DOT void pd_cpu_round_bf16_dot(uint16_t *dst, const float *src, size_t n)
 {
     for (size_t p = 0; p < n; p += 16) {
-        __mmask16 mask = n - p >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - p)) - 1);
+        __mmask16 mask = pd_tail_mask16((long)(n - p));
         __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src + p));
         _mm256_mask_storeu_epi16(dst + p, mask, (__m256i)h);
     }
@@ -128,7 +128,7 @@ DOT void pd_cpu_round_bf16_dot(uint16_t *dst, const float *src, size_t n)
 DOT void pd_cpu_split_bf16x3(uint16_t *dst, const float *x, int k)
 {
     for (int p = 0; p < k; p += 16) {
-        __mmask16 mask = k - p >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - p)) - 1);
+        __mmask16 mask = pd_tail_mask16(k - p);
         __m512 v = _mm512_maskz_loadu_ps(mask, x + p);
         __m256bh hi = _mm512_cvtneps_pbh(v); /* round to nearest even */
         __m512 r1 = _mm512_sub_ps(v, widen16(hi));

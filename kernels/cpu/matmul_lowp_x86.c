@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "kernels/cpu/matmul_lowp.h"
+#include "kernels/cpu/simd.h"
 
 #define X86 __attribute__((target("avx2,fma,f16c")))
 /* How far ahead of the FMAs each w row stream is prefetched. */
@@ -361,15 +362,9 @@ X512 static void gemv1_512_bf16(float *y, const float *x, const void *w, const f
     gemv1_512(y, x, w, NULL, bias, k, n0, n1, KIND_BF16);
 }
 
-static int avx512_usable(void)
-{
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
-}
-
 int pd_cpu_gemv_lowp_x86_wants_xp(pd_dtype_t dt, int m)
 {
-    return dt == PD_DTYPE_BF16 && !(m == 1 && avx512_usable()); /* gemv1_512 reads x as it is */
+    return dt == PD_DTYPE_BF16 && !(m == 1 && pd_cpu_avx512_usable()); /* gemv1_512 reads x as it is */
 }
 
 X86 void pd_cpu_gemv_lowp_x86(float *y, const float *x, const float *xp, pd_weight_t w, const float *bias,
@@ -379,9 +374,9 @@ X86 void pd_cpu_gemv_lowp_x86(float *y, const float *x, const float *xp, pd_weig
      * GFLOP/s; from DRAM about equal); fp16 stays on F16C at AVX2 width, whose 512 MiB GEMV was
      * as fast or faster (pd-bench-ops A/B, 2026-11-24). bf16 reaches here only on a CPU without
      * AVX512-BF16: with it, matmul.c sends bf16 at small m to the split-x bf16 GEMV (matmul_bf16.h) */
-    if (m == 1 && w.dtype == PD_DTYPE_I8 && avx512_usable()) {
+    if (m == 1 && w.dtype == PD_DTYPE_I8 && pd_cpu_avx512_usable()) {
         gemv1_512_i8(y, x, w.data, w.scale, bias, k, n0, n1);
-    } else if (m == 1 && w.dtype == PD_DTYPE_BF16 && avx512_usable()) {
+    } else if (m == 1 && w.dtype == PD_DTYPE_BF16 && pd_cpu_avx512_usable()) {
         gemv1_512_bf16(y, x, w.data, bias, k, n0, n1);
     } else if (w.dtype == PD_DTYPE_BF16) {
         gemv_bf16(y, x, xp, w.data, bias, m, n, k, n0, n1);

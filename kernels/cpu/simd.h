@@ -13,6 +13,23 @@
 #define PD_CPU_CLONES
 #endif
 
+/* Whether the CPU runs AVX-512 F, BW and VL (the kernels' AVX-512 paths need all three). */
+static inline int pd_cpu_avx512_usable(void)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+#else
+    return 0;
+#endif
+}
+
+/* The lane mask of a 16-lane step with `left` elements still to go: all 16, or the first `left`. */
+static inline uint16_t pd_tail_mask16(long left)
+{
+    return left >= 16 ? (uint16_t)0xffff : (uint16_t)((1u << left) - 1);
+}
+
 /* e^r · 2^n for |r| <= ln 2 / 2 and an integer n in [-126, 127]: the polynomial of both exps. */
 static inline float pd_exp_poly(float r, float n)
 {
