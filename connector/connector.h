@@ -79,6 +79,11 @@ typedef struct pd_kv_region_desc {
 typedef struct pd_connector_ops {
     const char *name;
     /* --- scheduler half --- */
+    /* Optional (NULL: any). Why this node cannot serve a request with these kv_transfer_params
+     * (json_t*, not NULL), or NULL when it can: a decode asked to prefill for another node
+     * (do_remote_decode), a prefill asked to load (do_remote_prefill). The engine refuses such a
+     * request (400) instead of running it in a role the node does not play. No side effects. */
+    const char *(*params_error)(pd_connector_t *c, const void *kv_transfer_params);
     pd_status_t (*get_num_new_matched_tokens)(pd_connector_t *c, const pd_request_t *req,
                                               int32_t num_computed, int32_t *num_external_out,
                                               bool *load_async_out);

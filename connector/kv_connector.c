@@ -237,6 +237,7 @@ static void kv_destroy_op(pd_connector_t *c)
 
 static const pd_connector_ops_t KV_OPS = {
     "pd-kv",
+    kv_params_error,
     kv_get_num_new_matched_tokens,
     kv_update_state_after_alloc,
     kv_load_may_wait,

@@ -374,6 +374,7 @@ pd_status_t kv_get_num_new_matched_tokens(pd_connector_t *c, const pd_request_t 
 void kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, const uint32_t *block_ids,
                                  int32_t num_blocks, int32_t num_external);
 bool kv_load_may_wait(pd_connector_t *c, const pd_request_t *req);
+const char *kv_params_error(pd_connector_t *c, const void *kv_transfer_params);
 void *kv_build_connector_meta(pd_connector_t *c, const struct pd_scheduler_output *out);
 bool kv_request_finished(pd_connector_t *c, pd_request_t *req, const uint32_t *block_ids, int32_t num_blocks,
                          void **params_out);

@@ -92,6 +92,21 @@ pd_status_t kv_get_num_new_matched_tokens(pd_connector_t *c, const pd_request_t 
  * lease, hold_timeout 120 s, outlasts a load, load_timeout 60 s; a load started after its lease
  * ended fails and the prompt is computed here); a push load's blocks are the target of the
  * prefill's writes, reserved when the request is admitted, so it never waits. */
+const char *kv_params_error(pd_connector_t *c, const void *kv_transfer_params)
+{
+    const kv_conn_t *k = (const kv_conn_t *)c;
+    const json_t *p = kv_transfer_params;
+    if (!k->is_prefill && kv_jbool(p, "do_remote_decode")) {
+        return "kv_transfer_params.do_remote_decode asks for a prefill, and this node is a decode "
+               "(kv_consumer)";
+    }
+    if (k->is_prefill && kv_jbool(p, "do_remote_prefill")) {
+        return "kv_transfer_params.do_remote_prefill asks for a decode, and this node is a prefill "
+               "(kv_producer)";
+    }
+    return NULL;
+}
+
 bool kv_load_may_wait(pd_connector_t *c, const pd_request_t *req)
 {
     kv_conn_t *k = (kv_conn_t *)c;

@@ -113,6 +113,14 @@ pd_status_t pd_engine_add(pd_engine_t *e, const pd_engine_request_t *rq, char *e
     int32_t first = -1;
     if (rq->kv_transfer_params != NULL) {
         r->kv_transfer_params = json_incref(rq->kv_transfer_params);
+        const char *why = pd_engine_params_error(e, r->kv_transfer_params);
+        if (why != NULL) {
+            snprintf(err, err_len, "%s", why);
+            eng_ctx_free(ctx);
+            r->user = NULL;
+            pd_request_free(r);
+            return PD_ERR_INVALID_ARG;
+        }
         if (e->cfg.connector != NULL) {
             r->handover_after_first = pd_kv_params_hands_over(r->kv_transfer_params);
             first = pd_kv_params_first_token(r->kv_transfer_params);
@@ -167,6 +175,11 @@ static void hand_over(pd_engine_t *e, pd_request_t *r, pd_engine_output_t ***tai
 {
     r->handed_over = true;
     pd_scheduler_finish(e->sched, r, PD_REQ_FINISHED_LENGTH);
+    if (!json_is_object((json_t *)r->kv_transfer_params)) { /* the proxy fails such a handover */
+        pd_log_warn("engine: request %s hands over without kv_transfer_params (its connector ended it as "
+                    "the last token)",
+                    r->id);
+    }
     pd_input_batch_remove(&e->runner.batch, r);
     pd_engine_output_t *o = output_new(r);
     if (o == NULL) {

@@ -121,6 +121,10 @@ void pd_engine_destroy(pd_engine_t *e);
 const pd_tokenizer_t *pd_engine_tokenizer(const pd_engine_t *e);
 const pd_model_config_t *pd_engine_model_config(const pd_engine_t *e);
 int32_t pd_engine_max_model_len(const pd_engine_t *e);
+
+/* Why this node cannot serve a request with these kv_transfer_params (json_t*, may be NULL): a role
+ * it does not play (the connector's params_error), or NULL when it can. Any thread. */
+const char *pd_engine_params_error(const pd_engine_t *e, const void *kv_transfer_params);
 const pd_kv_cache_t *pd_engine_kv(const pd_engine_t *e);
 const char *pd_engine_model_name(const pd_engine_t *e);
 /* The KV cache's storage dtype as resolved from --kv-cache-dtype: "fp32" | "fp16" | "bf16". */

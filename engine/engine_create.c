@@ -519,6 +519,15 @@ const pd_model_config_t *pd_engine_model_config(const pd_engine_t *e)
     return pd_model_config(e->model);
 }
 
+const char *pd_engine_params_error(const pd_engine_t *e, const void *kv_transfer_params)
+{
+    pd_connector_t *conn = e->cfg.connector;
+    if (kv_transfer_params == NULL || conn == NULL || conn->ops->params_error == NULL) {
+        return NULL;
+    }
+    return conn->ops->params_error(conn, kv_transfer_params);
+}
+
 int32_t pd_engine_max_model_len(const pd_engine_t *e)
 {
     return e->max_model_len;

@@ -100,6 +100,9 @@ void px_ft_on_p_chunk(struct evhttp_request *r, void *arg)
         }
         if (json_is_object(ktp)) {
             q->ktp = json_incref(ktp);
+        } else if (json_array_size(json_object_get(j, "choices")) == 0 &&
+                   json_object_get(j, "kv_transfer_params") != NULL) {
+            q->p_bad_handover = true; /* a handover nobody can continue from: not for the client */
         } else if (!(done && q->ktp != NULL) && q->client != NULL) {
             px_start_client_stream(q);
             px_sse_send(q->client, ev);
@@ -123,6 +126,16 @@ void px_ft_on_p_done(preq_t *q, int code)
         return;
     }
     pd_metric_observe(px->m.prefill_s, pd_time_now_s() - q->t0);
+    if (q->p_bad_handover && q->ktp == NULL) {
+        if (q->d_conn != NULL) { /* push: the decode waits for writes that carry nothing to go on from */
+            q->d->inflight--;
+            evhttp_connection_free(q->d_conn);
+            q->d_conn = NULL;
+            px_release_prefill(q);
+        }
+        px_fail_request(q, 502, "the prefill node handed over without kv_transfer_params");
+        return;
+    }
     if (q->p_complete || (code == 200 && q->ktp == NULL && q->p_events > 0)) {
         /* the first token ended the request: nothing to continue (push: the decode is dropped, and
          * a late reservation of it must not find a write waiting) */
@@ -133,6 +146,9 @@ void px_ft_on_p_done(preq_t *q, int code)
             px_release_prefill(q);
         }
         if (!q->p_complete) {
+            pd_log_warn("proxy: request %s: the prefill on %s ended its stream after %d events without a "
+                        "handover or [DONE]; the answer ends there",
+                        q->req_id, q->p->url, q->p_events);
             px_sse_send(q->client, "[DONE]");
         }
         evhttp_send_reply_end(q->client);

@@ -72,6 +72,7 @@ struct preq {
      * prefill's stream starts the answer, the decode's goes on after the events it repeats */
     bool ft;
     bool p_complete;                /* the prefill's stream ended the request (its first token did) */
+    bool p_bad_handover;            /* the prefill's handover event carried no kv_transfer_params */
     struct evbuffer *p_sse, *d_sse; /* each leg's events not yet whole */
     struct evbuffer *p_err;         /* a prefill's answer other than 200 */
     int32_t p_events;               /* prefill events relayed (role, first token) */

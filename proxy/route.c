@@ -420,8 +420,10 @@ bool px_start_prefill(preq_t *q)
         json_object_del(body, "min_tokens"); /* the prefill's one token; the decode applies it */
         json_object_del(body, "n");          /* one KV for the decode's choices to share */
     }
+    /* the mode is always named: a node's own default may differ from the proxy's choice (the pool's
+     * mode is unknown until a prefill's /pd/info answers, and then this request goes as pull) */
+    json_object_set_new(ktp, "transfer_mode", json_string(q->push ? "push" : "pull"));
     if (q->push) {
-        json_object_set_new(ktp, "transfer_mode", json_string("push"));
         json_object_set_new(ktp, "transfer_id", json_string(q->transfer_id));
     }
     json_object_set_new(body, "kv_transfer_params", ktp);

@@ -773,6 +773,12 @@ void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bo
     bool ok = c != NULL && (chat ? pd_openai_parse_chat(body, len, tok, s->chat, &lim, &c->in, &err)
                                  : pd_openai_parse_completion(body, len, tok, &lim, &c->in, &err));
     free(body);
+    const char *role_err = ok ? pd_engine_params_error(s->engine, c->in.kv_transfer_params) : NULL;
+    if (role_err != NULL) {
+        pd_http_error_set(&err, 400, "BadRequestError", "kv_transfer_params", "%s", role_err);
+        pd_completion_req_free(&c->in);
+        ok = false;
+    }
     if (ok) {
         c->num_choices = c->in.num_prompts * c->in.n;
         c->ch = calloc((size_t)c->num_choices, sizeof(choice_t));

@@ -131,7 +131,8 @@ class Load:
                 tie = near_tie(self.serve_port, ids, ref, got) if outcome == "wrong" else None
                 if outcome == "wrong":  # the evidence, for the log: which prompt, both answers
                     outcome = "near-tie" if tie else outcome
-                    why = " finish_reasons=%s" % self.finish_reasons(out) if stream else ""
+                    # a streamed answer's events as they came (which leg's, how it ended)
+                    why = " finish_reasons=%s at %.3f events=%s" % (self.finish_reasons(out), time.time(), out.decode(errors="replace").replace("\n\n", " | ")) if stream else ""
                     print("%s%s prompt=%s pd-serve=%s proxy=%s%s%s" % ("NEAR-TIE" if tie else "WRONG", " (streamed)" if stream else "", ids, ref, got, why, ": " + tie if tie else ""), file=sys.stderr, flush=True)
             except urllib.error.HTTPError:
                 outcome = "clean failure"

@@ -1457,13 +1457,19 @@ static long rss_kib_of(pid_t pid)
 
 /* Prompt i by hand, no proxy: the prefill's answer's kv_transfer_params go to the decode, whose
  * answer must equal pd-serve's. */
-static void pd_by_hand(int pport, int dport, int i)
+/* Prompt i through a prefill then a decode, by hand (mode: the transfer_mode the prefill is asked
+ * for, or NULL for the node's own); the answer must be pd-serve's. */
+static void pd_by_hand(int pport, int dport, int i, const char *mode)
 {
     char *b = body_for(i, false);
     json_t *j = json_loads(b, 0, NULL);
     free(b);
     json_object_set_new(j, "max_tokens", json_integer(1));
-    json_object_set_new(j, "kv_transfer_params", json_pack("{s:b}", "do_remote_decode", 1));
+    json_t *pk = json_pack("{s:b}", "do_remote_decode", 1);
+    if (mode != NULL) {
+        json_object_set_new(pk, "transfer_mode", json_string(mode));
+    }
+    json_object_set_new(j, "kv_transfer_params", pk);
     char *body = json_dumps(j, JSON_COMPACT);
     http_resp_t r;
     ck_assert_int_eq(
@@ -1485,6 +1491,40 @@ static void pd_by_hand(int pport, int dport, int i)
     json_decref(pr), json_decref(j);
 }
 
+/* A node serves a request in the role it plays only: a decode asked to prefill for another
+ * (do_remote_decode: a restarted proxy that did not know the pool's mode yet sent the prefill's
+ * echoed push parameters on to a decode, which prefilled and "handed over" with none) and a prefill
+ * asked to load answer 400. A request that names its mode runs in it: pull on push nodes. */
+START_TEST(test_roles_refused_and_named_mode)
+{
+    cluster_t c;
+    cluster_start(&c, "push", "tcp", NULL, NULL);
+    const char *bodies[2] = {
+        "{\"prompt\": [5, 6, 7], \"max_tokens\": 2, \"kv_transfer_params\": {\"do_remote_decode\": true, "
+        "\"first_token\": true, \"transfer_mode\": \"push\", \"transfer_id\": \"xfer-1\"}}",
+        "{\"prompt\": [5, 6, 7], \"max_tokens\": 2, \"kv_transfer_params\": {\"do_remote_prefill\": true, "
+        "\"remote_host\": \"127.0.0.1\", \"remote_port\": 9, \"transfer_mode\": \"pull\", "
+        "\"remote_request_id\": \"r\", \"remote_block_ids\": [0], \"remote_num_tokens\": 3}}"};
+    const int ports[2] = {c.d.port, c.p.port};
+    const char *role[2] = {"kv_consumer", "kv_producer"};
+    for (int k = 0; k < 2; k++) {
+        http_resp_t r;
+        ck_assert_int_eq(http_request(ports[k], "POST", "/v1/completions",
+                                      "Content-Type: application/json\r\n", bodies[k], &r, 10000),
+                         0);
+        ck_assert_msg(r.status == 400 && strstr(r.body, role[k]) != NULL, "%s: HTTP %d %s", role[k], r.status,
+                      r.body);
+        http_resp_free(&r);
+    }
+    pd_by_hand(c.p.port, c.d.port, 3, "pull");
+    ck_assert_int_eq((int)metric(c.d.port, "pd:kv_transfers_completed_total{kind=\"pull_load\"}"), 1);
+    ck_assert_int_eq((int)metric(c.d.port, "pd:kv_transfers_started_total{kind=\"push_load\"}"), 0);
+    assert_pool_free(c.p.port, "prefill");
+    assert_pool_free(c.d.port, "decode");
+    cluster_stop(&c);
+}
+END_TEST
+
 /* Decodes that die (SIGKILL) and come back leave nothing behind on the prefill: each death used to
  * keep the dead decode's whole KV region mapped through its UCX rkey (+235 MiB per death with 256M
  * of KV), and every pipe kept the dead peer's endpoint and record. Prefill RSS and fds stay flat
@@ -1501,7 +1541,7 @@ START_TEST(test_decode_deaths_release_prefill_memory)
         int fds0 = -1;
         for (int round = 0; round < 4; round++) {
             start(&c.d, "pd-decode", "decode", g_model, common);
-            pd_by_hand(c.p.port, c.d.port, 20 + round);
+            pd_by_hand(c.p.port, c.d.port, 20 + round, NULL);
             kill(c.d.pid, SIGKILL);
             waitpid(c.d.pid, NULL, 0);
             c.d.pid = -1;
@@ -2172,6 +2212,7 @@ int main(void)
     tcase_add_test(hostile, test_silent_kv_connections_harmless);
     tcase_add_test(hostile, test_silent_prefill_dial_harmless);
     tcase_add_test(hostile, test_refused_decode_releases_prefill);
+    tcase_add_test(hostile, test_roles_refused_and_named_mode);
     TCase *proxy = tcase_create("proxy");
     tcase_add_test(proxy, test_proxy_prefix_affinity_and_failover);
     tcase_add_test(proxy, test_proxy_least_loaded_and_client_disconnect);
