@@ -1,8 +1,9 @@
 /* kernels/cpu/matmul.c — y[m][n] = x[m][k] · w[n][k]ᵀ + bias: a plain loop, and the optimized op:
  * OpenBLAS sgemm/sgemv for fp32 weights; for bf16/fp16/int8 weights a GEMV that widens in registers
- * (matmul_lowp_x86.c) at small m, and tiles of w widened into fp32 for sgemm at larger m; on a CPU
- * with AVX512-BF16, bf16 weights at small m go through the bf16 GEMV on x split in three exact bf16
- * parts (PD_BF16X3_MAX_M, matmul_bf16.h), still fp32 math. With
+ * (matmul_lowp_x86.c) at small m, and tiles of w widened into fp32 for sgemm at larger m; on an
+ * AVX-512 CPU, bf16 weights at 2..PD_BF16W_X512_MAX_M rows go through a register-blocked kernel that
+ * widens them in registers (matmul_bf16w_x512.c), and at one row (with AVX512-BF16) through the
+ * bf16 GEMV on x split in three exact bf16 parts (matmul_bf16.h), both fp32 math. With
  * --matmul-precision bf16 and bf16 weights, x is rounded to bf16 first and multiplied in bf16
  * (matmul_bf16.h): an AVX512-BF16 GEMV at small m, oneDNN above. */
 #include <cblas.h>
@@ -14,6 +15,7 @@
 #include "kernels/cpu/matmul_bf16.h"
 #include "kernels/cpu/matmul_dnnl.h"
 #include "kernels/cpu/matmul_lowp.h"
+#include "kernels/cpu/simd.h"
 #include "kernels/dtype_impl.h"
 
 pd_status_t pd_cpu_matmul_ref(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias,
@@ -71,6 +73,16 @@ static int tile_rows_for(int m, int k)
     return rows < 16 ? 16 : rows & ~15;
 }
 
+/* Thread t's columns [*n0, *n1) of n split over nt threads in slices of whole 64-byte rows of y;
+ * false when it has none. */
+static bool thread_cols(int n, int nt, int t, int *n0, int *n1)
+{
+    int cols = ((n + nt - 1) / nt + 15) & ~15;
+    *n0 = t * cols;
+    *n1 = *n0 + cols < n ? *n0 + cols : n;
+    return *n0 < *n1;
+}
+
 /* fp32 math on bf16 weights at m <= PD_BF16X3_MAX_M (matmul_bf16.h): x split into 3m bf16 rows, the
  * bf16 GEMV into y3[3m][n], and each thread adds its own columns' three rows (lo + mid + hi). */
 static pd_status_t matmul_bf16x3(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias,
@@ -87,11 +99,10 @@ static pd_status_t matmul_bf16x3(pd_backend_t *be, float *y, const float *x, pd_
     for (int i = 0; i < m; i++) {
         pd_cpu_split_bf16x3(xs + (size_t)3 * i * k, x + (size_t)i * k, k);
     }
-    int cols = ((n + nt - 1) / nt + 15) & ~15;
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int t = 0; t < nt; t++) {
-        int n0 = t * cols, n1 = n0 + cols < n ? n0 + cols : n;
-        if (n0 >= n1) {
+        int n0, n1;
+        if (!thread_cols(n, nt, t, &n0, &n1)) {
             continue;
         }
         pd_cpu_gemv_bf16dot(y3, xs, w.data, NULL, m3, n, k, n0, n1);
@@ -106,6 +117,29 @@ static pd_status_t matmul_bf16x3(pd_backend_t *be, float *y, const float *x, pd_
     return PD_OK;
 }
 
+/* fp32 math on bf16 weights at m <= PD_BF16W_X512_MAX_M with AVX-512 (matmul_lowp.h): x copied
+ * into the kernel's order once, then each thread its own columns. */
+static pd_status_t matmul_bf16w(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias,
+                                int m, int n, int k)
+{
+    int nt = be->num_threads;
+    float *xp = malloc(pd_cpu_bf16w_x512_floats(m, k) * sizeof(float));
+    if (xp == NULL) {
+        pd_log_error("matmul: cannot allocate %d x %d inputs for the bf16 weights", m, k);
+        return PD_ERR_NO_MEMORY;
+    }
+    pd_cpu_bf16w_x512_prepare(xp, x, m, k);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int t = 0; t < nt; t++) {
+        int n0, n1;
+        if (thread_cols(n, nt, t, &n0, &n1)) {
+            pd_cpu_bf16w_x512(y, xp, w.data, bias, m, n, k, n0, n1);
+        }
+    }
+    free(xp);
+    return PD_OK;
+}
+
 /* One thread pool: OpenBLAS is single-threaded (set at backend creation) and runs inside our
  * OpenMP threads, each computing a slice of the output columns (rows of w). Two pools — OpenMP
  * workers spin-waiting while OpenBLAS's own threads run — halve throughput on a small machine.
@@ -116,12 +150,13 @@ static pd_status_t matmul_bf16x3(pd_backend_t *be, float *y, const float *x, pd_
 static pd_status_t matmul_fp32_math(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
                                     const float *bias, int m, int n, int k)
 {
+    if (w.dtype == PD_DTYPE_BF16 && m > 1 && m <= PD_BF16W_X512_MAX_M && pd_cpu_avx512_usable()) {
+        return matmul_bf16w(be, y, x, w, bias, m, n, k);
+    }
     if (w.dtype == PD_DTYPE_BF16 && m <= PD_BF16X3_MAX_M && pd_cpu_bf16dot_usable()) {
         return matmul_bf16x3(be, y, x, w, bias, m, n, k);
     }
     int nt = be->num_threads;
-    int cols = (n + nt - 1) / nt;
-    cols = (cols + 15) & ~15; /* slices of whole 64-byte rows of y */
     bool lowp = w.dtype != PD_DTYPE_F32;
     bool gemv = lowp && m <= PD_LOWP_GEMV_MAX_M;
     int tile_rows = tile_rows_for(m, k);
@@ -143,8 +178,8 @@ static pd_status_t matmul_fp32_math(pd_backend_t *be, float *y, const float *x, 
     }
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int t = 0; t < nt; t++) {
-        int n0 = t * cols, n1 = n0 + cols < n ? n0 + cols : n;
-        if (n0 >= n1) {
+        int n0, n1;
+        if (!thread_cols(n, nt, t, &n0, &n1)) {
             continue;
         }
         if (gemv) {
@@ -198,11 +233,10 @@ static pd_status_t matmul_bf16_math(pd_backend_t *be, float *y, const float *x, 
     }
     pd_status_t st = PD_ERR_UNSUPPORTED;
     if (m <= PD_BF16DOT_MAX_M && pd_cpu_bf16dot_usable()) {
-        int cols = ((n + nt - 1) / nt + 15) & ~15;
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
         for (int t = 0; t < nt; t++) {
-            int n0 = t * cols, n1 = n0 + cols < n ? n0 + cols : n;
-            if (n0 < n1) {
+            int n0, n1;
+            if (thread_cols(n, nt, t, &n0, &n1)) {
                 pd_cpu_gemv_bf16dot(y, xb, w.data, bias, m, n, k, n0, n1);
             }
         }

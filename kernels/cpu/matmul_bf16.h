@@ -23,7 +23,10 @@
  * product within fp32 summation-order rounding, read at the GEMV's bandwidth, and a row's result
  * does not depend on the rows beside it. Against the register-widening GEMV (matmul_lowp_x86.c),
  * pd-bench-ops on the 565 M model, alternating binaries: batch 1 0.83-0.90x the read roofline
- * against 0.73-0.79x; batch 8 94-98 tok/s against 62-65 (2026-11-24). */
+ * against 0.73-0.79x; batch 8 94-98 tok/s against 62-65 (2026-11-24). On an AVX-512 CPU it runs at
+ * one row only: from two rows the widening kernel of matmul_bf16w_x512.c is faster (batch 8
+ * 118-128 against 98-103 tok/s), while at one row this reads w faster (0.87-0.96x against
+ * 0.76-0.79x the read roofline). */
 #define PD_BF16X3_MAX_M (PD_BF16DOT_MAX_M / 3)
 
 /* dst[0 .. k) = hi, dst[k .. 2k) = mid, dst[2k .. 3k) = lo of x[0 .. k) as above (bf16 subnormals,

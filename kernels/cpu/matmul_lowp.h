@@ -45,4 +45,16 @@ void pd_cpu_gemv_lowp_x86(float *y, const float *x, const float *xp, pd_weight_t
 /* Whether the x86 GEMV for dt at m rows reads the permuted copy of x (the AVX2 bf16 path). */
 int pd_cpu_gemv_lowp_x86_wants_xp(pd_dtype_t dt, int m);
 
+/* fp32 math on bf16 weights widened in AVX-512 registers (matmul_bf16w_x512.c), for up to
+ * PD_BF16W_X512_MAX_M rows of x on a CPU with AVX-512 F/BW/VL (2 threads, 8192 × 1536 from L3:
+ * 180-187 GFLOP/s at 8-64 rows, sgemm's 2048³ peak 192; 49152 × 1536 from DRAM: 160 at 8 rows,
+ * 190 at 32; above 64 rows, widened tiles + sgemm): y[i][j] = bias[j] + Σ_p x[i][p] ·
+ * w[j][p] for i < m, j in [n0, n1) (bias may be NULL), from xp, x[m][k] copied by
+ * pd_cpu_bf16w_x512_prepare into pd_cpu_bf16w_x512_floats(m, k) floats (once per matmul). */
+#define PD_BF16W_X512_MAX_M 64
+size_t pd_cpu_bf16w_x512_floats(int m, int k);
+void pd_cpu_bf16w_x512_prepare(float *xp, const float *x, int m, int k);
+void pd_cpu_bf16w_x512(float *y, const float *xp, const uint16_t *w, const float *bias, int m, int n, int k,
+                       int n0, int n1);
+
 #endif

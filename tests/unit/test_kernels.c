@@ -13,6 +13,8 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/matmul_bf16.h"
 #include "kernels/cpu/matmul_dnnl.h"
+#include "kernels/cpu/matmul_lowp.h"
+#include "kernels/cpu/simd.h"
 #include "kernels/paged_impl.h"
 
 static pd_backend_t *g_be;
@@ -163,10 +165,10 @@ static int8_t *quantize_rows(float *w, int rows, int cols, float **scale_out)
  * reference, and the reference against the same weights given as fp32. */
 START_TEST(test_matmul)
 {
-    int shapes[][3] = {{1, 7, 5},       {3, 64, 33},  {17, 129, 64},   {64, 96, 200},
-                       {1, 1000, 64},   {2, 130, 72}, {4, 37, 512},    {5, 40, 9000},
-                       {8, 600, 64},    {1, 1, 3},    {7, 21, 40},     {9, 300, 48},
-                       {260, 2100, 16}, {1, 9, 80},   {10, 130, 1000}, {11, 40, 64}};
+    int shapes[][3] = {{1, 7, 5},    {3, 64, 33},  {17, 129, 64},   {64, 96, 200}, {1, 1000, 64},
+                       {2, 130, 72}, {4, 37, 512}, {5, 40, 9000},   {8, 600, 64},  {1, 1, 3},
+                       {7, 21, 40},  {9, 300, 48}, {260, 2100, 16}, {1, 9, 80},    {10, 130, 1000},
+                       {11, 40, 64}, {16, 50, 70}, {32, 97, 1000},  {33, 40, 33},  {65, 30, 64}};
     pd_dtype_t dts[] = {PD_DTYPE_F32, PD_DTYPE_BF16, PD_DTYPE_F16, PD_DTYPE_I8};
     for (size_t d = 0; d < 4; d++) {
         for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
@@ -197,9 +199,9 @@ START_TEST(test_matmul)
 }
 END_TEST
 
-/* fp32 math on bf16 weights at m <= PD_BF16X3_MAX_M (matmul_bf16.h): the three bf16 parts of x add
- * up to x exactly, for magnitudes from 1e-30 to 1e30, signs, zeros and k tails, without writing past
- * 3k; and a row's result is bitwise the same alone as in a batch of PD_BF16X3_MAX_M rows. */
+/* fp32 math on bf16 weights at one row with AVX512-BF16 (matmul_bf16.h): the three bf16 parts of x
+ * add up to x exactly, for magnitudes from 1e-30 to 1e30, signs, zeros and k tails, without writing
+ * past 3k (test_matmul checks the products). */
 START_TEST(test_split_bf16x3)
 {
     if (!pd_cpu_bf16dot_usable()) {
@@ -228,17 +230,37 @@ START_TEST(test_split_bf16x3)
         }
         free(x), free(e), free(d);
     }
-    enum { M = PD_BF16X3_MAX_M, N = 70, K = 300 };
+}
+END_TEST
+
+/* fp32 math on bf16 weights at 2..PD_BF16W_X512_MAX_M rows (AVX-512: matmul_bf16w_x512.c): a row's
+ * result is bitwise the same in a batch of 2 as in a batch of every size up to the limit (chunks of
+ * 8 rows and their tails, blocks of 3 w rows and the single-row tail, k tails: k = 300 is 9 groups
+ * of 32 and 12), and the same whichever thread's columns it falls in. */
+START_TEST(test_bf16w_batch_invariant)
+{
+    if (!pd_cpu_avx512_usable()) {
+        printf("test_bf16w_batch_invariant: no AVX-512 on this CPU; fp32 math widens bf16 in AVX2\n");
+        return;
+    }
+    enum { M = PD_BF16W_X512_MAX_M, N = 70, K = 300 };
     float *x = rand_buf((size_t)M * K, -1, 1), *w = rand_buf((size_t)N * K, -1, 1);
-    float *y = rand_buf((size_t)M * N, -9, 9), *y1 = rand_buf(N, -9, 9), *bias = rand_buf(N, -1, 1);
+    float *y = rand_buf((size_t)M * N, -9, 9), *y2 = rand_buf((size_t)M * N, -9, 9),
+          *bias = rand_buf(N, -1, 1);
     void *ws = store_as(w, (size_t)N * K, PD_DTYPE_BF16);
     pd_weight_t wt = {ws, PD_DTYPE_BF16, NULL};
-    ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, wt, bias, M, N, K), PD_OK);
-    for (int i = 0; i < M; i += 3) {
-        ck_assert_int_eq(pd_cpu_matmul(g_be, y1, x + (size_t)i * K, wt, bias, 1, N, K), PD_OK);
-        ck_assert_msg(memcmp(y1, y + (size_t)i * N, N * sizeof(float)) == 0, "row %d differs alone", i);
+    for (int i = 0; i + 2 <= M; i += 2) { /* the reference rows: pairs */
+        ck_assert_int_eq(pd_cpu_matmul(g_be, y2 + (size_t)i * N, x + (size_t)i * K, wt, bias, 2, N, K),
+                         PD_OK);
     }
-    free(x), free(w), free(y), free(y1), free(bias), free(ws);
+    int sizes[] = {3, 8, 9, 17, 37, M};
+    for (size_t s = 0; s < sizeof(sizes) / sizeof(sizes[0]); s++) {
+        int m = sizes[s] & ~1; /* whole pairs, starting at row 0 */
+        ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, wt, bias, sizes[s], N, K), PD_OK);
+        ck_assert_msg(memcmp(y, y2, (size_t)m * N * sizeof(float)) == 0, "a batch of %d differs from pairs",
+                      sizes[s]);
+    }
+    free(x), free(w), free(y), free(y2), free(bias), free(ws);
 }
 END_TEST
 
@@ -915,6 +937,7 @@ int main(void)
     tcase_add_test(tc, test_matmul);
     tcase_add_test(tc, test_matmul_bf16_math);
     tcase_add_test(tc, test_split_bf16x3);
+    tcase_add_test(tc, test_bf16w_batch_invariant);
     tcase_add_test(tc, test_norms);
     tcase_add_test(tc, test_elementwise);
     tcase_add_test(tc, test_rope);
