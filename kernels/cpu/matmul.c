@@ -3,9 +3,10 @@
  * (matmul_lowp_x86.c) at small m, and tiles of w widened into fp32 for sgemm at larger m; on an
  * AVX-512 CPU, bf16 weights at 2..PD_BF16W_X512_MAX_M rows go through a register-blocked kernel that
  * widens them in registers (matmul_bf16w_x512.c), and at one row (with AVX512-BF16) through the
- * bf16 GEMV on x split in three exact bf16 parts (matmul_bf16.h), both fp32 math. With
+ * bf16 GEMV on x split in three exact bf16 parts (matmul_bf16.h), both fp32 math; where oneDNN
+ * runs bf16 on AMX tiles, 24..64 rows split in three go through its GEMM instead. With
  * --matmul-precision bf16 and bf16 weights, x is rounded to bf16 first and multiplied in bf16
- * (matmul_bf16.h): an AVX512-BF16 GEMV at small m, oneDNN above. */
+ * (matmul_bf16.h): an AVX512-BF16 GEMV at small m (up to 32 rows, 16 with AMX), oneDNN above. */
 #include <cblas.h>
 #include <stdlib.h>
 #include <string.h>
@@ -83,8 +84,9 @@ static bool thread_cols(int n, int nt, int t, int *n0, int *n1)
     return *n0 < *n1;
 }
 
-/* fp32 math on bf16 weights at m <= PD_BF16X3_MAX_M (matmul_bf16.h): x split into 3m bf16 rows, the
- * bf16 GEMV into y3[3m][n], and each thread adds its own columns' three rows (lo + mid + hi). */
+/* fp32 math on bf16 weights (matmul_bf16.h): x split into 3m bf16 rows, then y3[3m][n] by the bf16
+ * GEMV (m <= PD_BF16X3_MAX_M, each thread its columns) or by oneDNN (on AMX), and each thread adds
+ * its own columns' three rows (lo + mid + hi). */
 static pd_status_t matmul_bf16x3(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias,
                                  int m, int n, int k)
 {
@@ -99,13 +101,21 @@ static pd_status_t matmul_bf16x3(pd_backend_t *be, float *y, const float *x, pd_
     for (int i = 0; i < m; i++) {
         pd_cpu_split_bf16x3(xs + (size_t)3 * i * k, x + (size_t)i * k, k);
     }
+    bool gemv = m <= PD_BF16X3_MAX_M;
+    pd_status_t st = gemv ? PD_OK : pd_cpu_dnnl_matmul_bf16(y3, xs, w.data, NULL, m3, n, k, nt);
+    if (st != PD_OK) {
+        free(xs), free(y3);
+        return st;
+    }
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int t = 0; t < nt; t++) {
         int n0, n1;
         if (!thread_cols(n, nt, t, &n0, &n1)) {
             continue;
         }
-        pd_cpu_gemv_bf16dot(y3, xs, w.data, NULL, m3, n, k, n0, n1);
+        if (gemv) {
+            pd_cpu_gemv_bf16dot(y3, xs, w.data, NULL, m3, n, k, n0, n1);
+        }
         for (int i = 0; i < m; i++) {
             const float *hi = y3 + (size_t)3 * i * n, *mid = hi + n, *lo = mid + n;
             for (int j = n0; j < n1; j++) {
@@ -150,6 +160,10 @@ static pd_status_t matmul_bf16w(pd_backend_t *be, float *y, const float *x, pd_w
 static pd_status_t matmul_fp32_math(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
                                     const float *bias, int m, int n, int k)
 {
+    if (w.dtype == PD_DTYPE_BF16 && m >= PD_BF16X3_AMX_MIN_M && m <= PD_BF16X3_AMX_MAX_M &&
+        pd_cpu_dnnl_amx()) {
+        return matmul_bf16x3(be, y, x, w, bias, m, n, k);
+    }
     if (w.dtype == PD_DTYPE_BF16 && m > 1 && m <= PD_BF16W_X512_MAX_M && pd_cpu_avx512_usable()) {
         return matmul_bf16w(be, y, x, w, bias, m, n, k);
     }
@@ -232,7 +246,8 @@ static pd_status_t matmul_bf16_math(pd_backend_t *be, float *y, const float *x, 
         pd_cpu_round_bf16(xb + (size_t)i * k, x + (size_t)i * k, (size_t)k);
     }
     pd_status_t st = PD_ERR_UNSUPPORTED;
-    if (m <= PD_BF16DOT_MAX_M && pd_cpu_bf16dot_usable()) {
+    int gemv_max = pd_cpu_dnnl_amx() ? PD_BF16DOT_AMX_MAX_M : PD_BF16DOT_MAX_M;
+    if (m <= gemv_max && pd_cpu_bf16dot_usable()) {
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
         for (int t = 0; t < nt; t++) {
             int n0, n1;
@@ -241,7 +256,7 @@ static pd_status_t matmul_bf16_math(pd_backend_t *be, float *y, const float *x, 
             }
         }
         st = PD_OK;
-    } else if (m > PD_BF16DOT_MAX_M) {
+    } else if (m > gemv_max) {
         st = pd_cpu_dnnl_matmul_bf16(y, xb, w.data, bias, m, n, k, nt);
     }
     if (st == PD_ERR_UNSUPPORTED) {

@@ -14,6 +14,7 @@
  * independent. oneDNN runs on OpenMP (Debian's build) with the caller's thread count. */
 #include <omp.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 
 #include <oneapi/dnnl/dnnl.h>
@@ -84,6 +85,18 @@ bool pd_cpu_dnnl_bf16_native(void)
     /* the ISA values are nested bit sets: avx512_core_bf16 ⊂ avx512_core_amx */
     unsigned isa = (unsigned)dnnl_get_effective_cpu_isa();
     return (isa & (unsigned)dnnl_cpu_isa_avx512_core_bf16) == (unsigned)dnnl_cpu_isa_avx512_core_bf16;
+}
+
+bool pd_cpu_dnnl_amx(void)
+{
+    static _Atomic int known = -1; /* asked on every matmul: the answer is kept */
+    int v = atomic_load_explicit(&known, memory_order_relaxed);
+    if (v < 0) {
+        unsigned isa = (unsigned)dnnl_get_effective_cpu_isa(), amx = (unsigned)dnnl_cpu_isa_avx512_core_amx;
+        v = (isa & amx) == amx;
+        atomic_store_explicit(&known, v, memory_order_relaxed);
+    }
+    return v == 1;
 }
 
 /* The primitive for [m × k] · [k × n] (+ [1 × n]) (+ the destination's old values when

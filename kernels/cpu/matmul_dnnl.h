@@ -16,6 +16,10 @@
  * them it may still emulate bf16 (slowly; logged once) or refuse (PD_ERR_UNSUPPORTED below). */
 bool pd_cpu_dnnl_bf16_native(void);
 
+/* Whether oneDNN runs bf16 on AMX tiles here (Sapphire Rapids and newer, with the kernel's
+ * permission): its bf16 GEMM then beats the AVX512-BF16 GEMV from about 16 rows of x. */
+bool pd_cpu_dnnl_amx(void);
+
 /* y[m][n] = xb[m][k] · w[n][k]ᵀ (+ bias[n]) with xb and w bf16, y fp32, on num_threads threads.
  * PD_ERR_UNSUPPORTED when oneDNN has no implementation (logged once); PD_ERR_BACKEND when it
  * fails. Safe to call from several threads at once. */

@@ -233,10 +233,21 @@ START_TEST(test_split_bf16x3)
 }
 END_TEST
 
-/* fp32 math on bf16 weights at 2..PD_BF16W_X512_MAX_M rows (AVX-512: matmul_bf16w_x512.c): a row's
- * result is bitwise the same in a batch of 2 as in a batch of every size up to the limit (chunks of
- * 8 rows and their tails, blocks of 3 w rows and the single-row tail, k tails: k = 300 is 9 groups
- * of 32 and 12), and the same whichever thread's columns it falls in. */
+/* Bf16 weights widened in AVX-512 registers (matmul_bf16w_x512.c), called directly (on a CPU with
+ * AMX the dispatch sends 24 rows and more to oneDNN): a row's result is bitwise the same in a batch
+ * of 2 as in a batch of every size up to PD_BF16W_X512_MAX_M (chunks of 8 rows and their tails,
+ * blocks of 3 w rows and the single-row tail, k tails: k = 300 is 9 groups of 32 and 12), and the
+ * same whichever columns a thread's slice starts at. */
+static void bf16w_direct(float *y, const float *x, const uint16_t *w, const float *bias, int m, int n, int k,
+                         int split)
+{
+    float *xp = malloc(pd_cpu_bf16w_x512_floats(m, k) * sizeof(float));
+    pd_cpu_bf16w_x512_prepare(xp, x, m, k);
+    pd_cpu_bf16w_x512(y, xp, w, bias, m, n, k, 0, split);
+    pd_cpu_bf16w_x512(y, xp, w, bias, m, n, k, split, n);
+    free(xp);
+}
+
 START_TEST(test_bf16w_batch_invariant)
 {
     if (!pd_cpu_avx512_usable()) {
@@ -247,19 +258,23 @@ START_TEST(test_bf16w_batch_invariant)
     float *x = rand_buf((size_t)M * K, -1, 1), *w = rand_buf((size_t)N * K, -1, 1);
     float *y = rand_buf((size_t)M * N, -9, 9), *y2 = rand_buf((size_t)M * N, -9, 9),
           *bias = rand_buf(N, -1, 1);
-    void *ws = store_as(w, (size_t)N * K, PD_DTYPE_BF16);
-    pd_weight_t wt = {ws, PD_DTYPE_BF16, NULL};
-    for (int i = 0; i + 2 <= M; i += 2) { /* the reference rows: pairs */
-        ck_assert_int_eq(pd_cpu_matmul(g_be, y2 + (size_t)i * N, x + (size_t)i * K, wt, bias, 2, N, K),
-                         PD_OK);
+    uint16_t *ws = store_as(w, (size_t)N * K, PD_DTYPE_BF16);
+    for (int i = 0; i + 2 <= M; i += 2) { /* the reference rows: pairs, in one slice */
+        bf16w_direct(y2 + (size_t)i * N, x + (size_t)i * K, ws, bias, 2, N, K, N);
     }
-    int sizes[] = {3, 8, 9, 17, 37, M};
+    int sizes[] = {3, 8, 9, 17, 37, M}, splits[] = {16, 35, 0, 48, 7, 69};
     for (size_t s = 0; s < sizeof(sizes) / sizeof(sizes[0]); s++) {
         int m = sizes[s] & ~1; /* whole pairs, starting at row 0 */
-        ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, wt, bias, sizes[s], N, K), PD_OK);
-        ck_assert_msg(memcmp(y, y2, (size_t)m * N * sizeof(float)) == 0, "a batch of %d differs from pairs",
-                      sizes[s]);
+        bf16w_direct(y, x, ws, bias, sizes[s], N, K, splits[s]);
+        ck_assert_msg(memcmp(y, y2, (size_t)m * N * sizeof(float)) == 0,
+                      "a batch of %d (slices split at column %d) differs from pairs", sizes[s], splits[s]);
     }
+    /* through the dispatch: the rows the kernel takes there give the same bits */
+    pd_weight_t wt = {ws, PD_DTYPE_BF16, NULL};
+    int via = pd_cpu_dnnl_amx() ? PD_BF16X3_AMX_MIN_M - 1 : M;
+    ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, wt, bias, via, N, K), PD_OK);
+    ck_assert_msg(memcmp(y, y2, (size_t)(via & ~1) * N * sizeof(float)) == 0,
+                  "pd_cpu_matmul of %d rows differs", via);
     free(x), free(w), free(y), free(y2), free(bias), free(ws);
 }
 END_TEST
