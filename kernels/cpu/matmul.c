@@ -161,7 +161,7 @@ static pd_status_t matmul_fp32_math(pd_backend_t *be, float *y, const float *x, 
                                     const float *bias, int m, int n, int k)
 {
     if (w.dtype == PD_DTYPE_BF16 && m >= PD_BF16X3_AMX_MIN_M && m <= PD_BF16X3_AMX_MAX_M &&
-        pd_cpu_dnnl_amx()) {
+        (int64_t)n * k >= PD_BF16X3_AMX_MIN_WEIGHTS && pd_cpu_dnnl_amx()) {
         return matmul_bf16x3(be, y, x, w, bias, m, n, k);
     }
     if (w.dtype == PD_DTYPE_BF16 && m > 1 && m <= PD_BF16W_X512_MAX_M && pd_cpu_avx512_usable()) {

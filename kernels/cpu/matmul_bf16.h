@@ -31,11 +31,15 @@
 
 /* On a CPU where oneDNN runs bf16 on AMX tiles (pd_cpu_dnnl_amx), its GEMM overtakes the GEMV above
  * PD_BF16DOT_AMX_MAX_M rows, and fp32 math on bf16 weights at PD_BF16X3_AMX_MIN_M..MAX_M rows goes
- * through it on x split in three (3m rows) rather than the widening kernel. Measured on a 2-core
- * Xeon with AMX (bf16 GEMM peak ~1400 GFLOP/s, sgemm ~345; bench/RESULTS.md 2026-11-24 20:43). */
-#define PD_BF16DOT_AMX_MAX_M 16
-#define PD_BF16X3_AMX_MIN_M  24
-#define PD_BF16X3_AMX_MAX_M  64
+ * through it on x split in three (3m rows) rather than the widening kernel — for matrices of at
+ * least PD_BF16X3_AMX_MIN_WEIGHTS weights only: the demo model's (at most 1.4 M) served slower that
+ * way (TTFT p50 +3-4 ms at concurrency 16), the 565 M model's big ones (8.6-25 M) decode faster.
+ * Measured on a 2-core Xeon with AMX (bf16 GEMM peak ~1400 GFLOP/s, sgemm ~345; bench/RESULTS.md
+ * 2026-11-24 20:43 and after). */
+#define PD_BF16DOT_AMX_MAX_M      16
+#define PD_BF16X3_AMX_MIN_M       24
+#define PD_BF16X3_AMX_MAX_M       64
+#define PD_BF16X3_AMX_MIN_WEIGHTS ((int64_t)4 << 20)
 
 /* dst[0 .. k) = hi, dst[k .. 2k) = mid, dst[2k .. 3k) = lo of x[0 .. k) as above (bf16 subnormals,
  * |v| < 1.2e-38, flushed to zero as the GEMV would). Needs pd_cpu_bf16dot_usable(). */

@@ -233,6 +233,30 @@ START_TEST(test_split_bf16x3)
 }
 END_TEST
 
+/* fp32 math on bf16 weights of at least PD_BF16X3_AMX_MIN_WEIGHTS at 24..64 rows: on a CPU with AMX,
+ * x split in three exact bf16 parts through oneDNN (elsewhere the widening kernel), against the
+ * reference (k = 1025: a tail; n = 4100: not a multiple of a tile). */
+START_TEST(test_matmul_bf16_big)
+{
+    int shapes[][3] = {{PD_BF16X3_AMX_MIN_M, 4096, 1024}, {37, 4100, 1025}};
+    for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+        int m = shapes[s][0], n = shapes[s][1], k = shapes[s][2];
+        ck_assert((int64_t)n * k >= PD_BF16X3_AMX_MIN_WEIGHTS && m <= PD_BF16X3_AMX_MAX_M);
+        float *x = rand_buf((size_t)m * k, -1, 1), *w = rand_buf((size_t)n * k, -1, 1);
+        float *bias = rand_buf((size_t)n, -1, 1), *y = rand_buf((size_t)m * n, -9, 9),
+              *yr = rand_buf((size_t)m * n, -9, 9);
+        void *ws = store_as(w, (size_t)n * k, PD_DTYPE_BF16);
+        pd_weight_t wt = {ws, PD_DTYPE_BF16, NULL};
+        ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, wt, bias, m, n, k), PD_OK);
+        ck_assert_int_eq(pd_cpu_matmul_ref(g_be, yr, x, wt, bias, m, n, k), PD_OK);
+        /* fp32 math: ~2e-7 here; without the lo parts of x (8 bits fewer) ~3e-6 */
+        ck_assert_msg(max_rel_err(y, yr, (size_t)m * n, sqrt(k)) < 1e-6, "%dx%dx%d (AMX: %d)", m, n, k,
+                      (int)pd_cpu_dnnl_amx());
+        free(x), free(w), free(ws), free(bias), free(y), free(yr);
+    }
+}
+END_TEST
+
 /* Bf16 weights widened in AVX-512 registers (matmul_bf16w_x512.c), called directly (on a CPU with
  * AMX the dispatch sends 24 rows and more to oneDNN): a row's result is bitwise the same in a batch
  * of 2 as in a batch of every size up to PD_BF16W_X512_MAX_M (chunks of 8 rows and their tails,
@@ -269,9 +293,9 @@ START_TEST(test_bf16w_batch_invariant)
         ck_assert_msg(memcmp(y, y2, (size_t)m * N * sizeof(float)) == 0,
                       "a batch of %d (slices split at column %d) differs from pairs", sizes[s], splits[s]);
     }
-    /* through the dispatch: the rows the kernel takes there give the same bits */
+    /* through the dispatch (a matrix this small takes the kernel at every row count, AMX or not) */
     pd_weight_t wt = {ws, PD_DTYPE_BF16, NULL};
-    int via = pd_cpu_dnnl_amx() ? PD_BF16X3_AMX_MIN_M - 1 : M;
+    int via = M;
     ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, wt, bias, via, N, K), PD_OK);
     ck_assert_msg(memcmp(y, y2, (size_t)(via & ~1) * N * sizeof(float)) == 0,
                   "pd_cpu_matmul of %d rows differs", via);
@@ -953,6 +977,7 @@ int main(void)
     tcase_add_test(tc, test_matmul_bf16_math);
     tcase_add_test(tc, test_split_bf16x3);
     tcase_add_test(tc, test_bf16w_batch_invariant);
+    tcase_add_test(tc, test_matmul_bf16_big);
     tcase_add_test(tc, test_norms);
     tcase_add_test(tc, test_elementwise);
     tcase_add_test(tc, test_rope);
