@@ -88,10 +88,7 @@ pd_status_t kv_get_num_new_matched_tokens(pd_connector_t *c, const pd_request_t 
     return PD_OK;
 }
 
-/* A pull load reads from the prefill's leased blocks whenever the decode starts it (by default the
- * lease, hold_timeout 120 s, outlasts a load, load_timeout 60 s; a load started after its lease
- * ended fails and the prompt is computed here); a push load's blocks are the target of the
- * prefill's writes, reserved when the request is admitted, so it never waits. */
+/* The connector's params_error (connector.h): each role refuses the other's parameters. */
 const char *kv_params_error(pd_connector_t *c, const void *kv_transfer_params)
 {
     const kv_conn_t *k = (const kv_conn_t *)c;
@@ -107,6 +104,10 @@ const char *kv_params_error(pd_connector_t *c, const void *kv_transfer_params)
     return NULL;
 }
 
+/* A pull load reads from the prefill's leased blocks whenever the decode starts it (by default the
+ * lease, hold_timeout 120 s, outlasts a load, load_timeout 60 s; a load started after its lease
+ * ended fails and the prompt is computed here); a push load's blocks are the target of the
+ * prefill's writes, reserved when the request is admitted, so it never waits. */
 bool kv_load_may_wait(pd_connector_t *c, const pd_request_t *req)
 {
     kv_conn_t *k = (kv_conn_t *)c;

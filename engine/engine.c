@@ -87,6 +87,11 @@ pd_status_t pd_engine_add(pd_engine_t *e, const pd_engine_request_t *rq, char *e
                  "0 <= logprobs <= 20)");
         return PD_ERR_INVALID_ARG;
     }
+    const char *role_err = pd_engine_params_error(e, rq->kv_transfer_params);
+    if (role_err != NULL) {
+        snprintf(err, err_len, "%s", role_err);
+        return PD_ERR_INVALID_ARG;
+    }
     req_ctx_t *ctx = calloc(1, sizeof(*ctx));
     if (ctx == NULL) {
         return PD_ERR_NO_MEMORY;
@@ -113,14 +118,6 @@ pd_status_t pd_engine_add(pd_engine_t *e, const pd_engine_request_t *rq, char *e
     int32_t first = -1;
     if (rq->kv_transfer_params != NULL) {
         r->kv_transfer_params = json_incref(rq->kv_transfer_params);
-        const char *why = pd_engine_params_error(e, r->kv_transfer_params);
-        if (why != NULL) {
-            snprintf(err, err_len, "%s", why);
-            eng_ctx_free(ctx);
-            r->user = NULL;
-            pd_request_free(r);
-            return PD_ERR_INVALID_ARG;
-        }
         if (e->cfg.connector != NULL) {
             r->handover_after_first = pd_kv_params_hands_over(r->kv_transfer_params);
             first = pd_kv_params_first_token(r->kv_transfer_params);

@@ -126,24 +126,20 @@ void px_ft_on_p_done(preq_t *q, int code)
         return;
     }
     pd_metric_observe(px->m.prefill_s, pd_time_now_s() - q->t0);
-    if (q->p_bad_handover && q->ktp == NULL) {
-        if (q->d_conn != NULL) { /* push: the decode waits for writes that carry nothing to go on from */
-            q->d->inflight--;
-            evhttp_connection_free(q->d_conn);
-            q->d_conn = NULL;
-            px_release_prefill(q);
-        }
-        px_fail_request(q, 502, "the prefill node handed over without kv_transfer_params");
-        return;
-    }
-    if (q->p_complete || (code == 200 && q->ktp == NULL && q->p_events > 0)) {
-        /* the first token ended the request: nothing to continue (push: the decode is dropped, and
-         * a late reservation of it must not find a write waiting) */
+    bool bad_handover = q->p_bad_handover && q->ktp == NULL;
+    if (bad_handover || q->p_complete || (code == 200 && q->ktp == NULL && q->p_events > 0)) {
+        /* nothing to continue from: the first token ended the request, or the handover carried no
+         * parameters (push: the decode is dropped, and a late reservation of it must not find a
+         * write waiting) */
         if (q->d_conn != NULL) {
             q->d->inflight--;
             evhttp_connection_free(q->d_conn);
             q->d_conn = NULL;
             px_release_prefill(q);
+        }
+        if (bad_handover) {
+            px_fail_request(q, 502, "the prefill node handed over without kv_transfer_params");
+            return;
         }
         if (!q->p_complete) {
             pd_log_warn("proxy: request %s: the prefill on %s ended its stream after %d events without a "

@@ -1,4 +1,4 @@
-# tools/bench-procs.sh — sourced by the benchmark scripts that start servers (bench-pd.sh,
+# tools/bench-procs.sh — sourced by the benchmark scripts that start servers (bench-pd.sh, bench-serve-ab.sh,
 # bench-kvaware.sh, bench-conditional.sh), after they set $bin, $models and cd to the repository:
 #   demo_setup TAG          the demo model in $models (made once; its vocabulary size in $vocab),
 #                           a work directory $work removed with every server on exit, and $events

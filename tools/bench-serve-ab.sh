@@ -6,42 +6,26 @@
 # and server arguments are tools/bench-dtype.sh's: the demo model (BIN_A's build/models/demo, made
 # if missing), 256±50 % prompt and 64 output tokens, PD_AB_PROMPTS (64) requests per point.
 # PD_AB_ARGS adds pd-serve arguments (default --dtype auto). Prints one line per point; appends
-# nothing. Loopback only; stops every server it started.
+# nothing. Loopback only; stops every server it started (tools/bench-procs.sh).
 set -euo pipefail
-a=${1:?usage: tools/bench-serve-ab.sh BIN_A BIN_B [ROUNDS]}
-b=${2:?usage: tools/bench-serve-ab.sh BIN_A BIN_B [ROUNDS]}
+a=$(realpath "${1:?usage: tools/bench-serve-ab.sh BIN_A BIN_B [ROUNDS]}")
+b=$(realpath "${2:?usage: tools/bench-serve-ab.sh BIN_A BIN_B [ROUNDS]}")
 rounds=${3:-3}
 prompts=${PD_AB_PROMPTS:-64}
 read -r -a extra <<<"${PD_AB_ARGS:---dtype auto}"
-model="$a/../models/demo"
-if [[ ! -f "$model/config.json" ]]; then
-  "$a/pd-mkmodel" --preset demo --out "$model"
-fi
-work=$(mktemp -d /tmp/pd-bench-ab-XXXXXX)
-pid=
-stop() {
-  if [[ -n "$pid" ]]; then
-    kill -TERM "$pid" 2>/dev/null || true
-    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "$pid" 2>/dev/null || true
-    wait "$pid" 2>/dev/null || true
-    pid=
-  fi
-}
-trap 'stop; rm -rf "$work"' EXIT
+cd "$(dirname "$0")/.."
+bin=$a
+models="$a/../models"
+source tools/bench-procs.sh
+demo_setup bench-ab
 
 echo "bench-serve-ab: A = $a, B = $b, $rounds rounds, $prompts requests per point, pd-serve ${extra[*]}"
 for round in $(seq "$rounds"); do
   for side in A B; do
     bin=$a
     [[ $side == B ]] && bin=$b
-    rm -f "$work/port"
-    "$bin/pd-serve" --model "$model" --served-model-name demo "${extra[@]}" --threads 2 \
-      --kv-cache-memory 2G --max-model-len 4096 --port 0 --port-file "$work/port" >"$work/serve.log" 2>&1 &
-    pid=$!
-    for _ in $(seq 300); do [[ -s "$work/port" ]] && break; kill -0 "$pid" || { cat "$work/serve.log"; exit 1; }; sleep 0.2; done
-    [[ -s "$work/port" ]] || { echo "bench-serve-ab: $side's pd-serve did not start in 60 s" >&2; exit 1; }
-    port=$(cat "$work/port")
+    start "serve-$side" pd-serve --model "$models/demo" --served-model-name demo "${extra[@]}" --threads 2 \
+      --kv-cache-memory 2G --max-model-len 4096
     for conc in 8 16; do
       "$bin/pd-bench" --base-url "http://127.0.0.1:$port" --dataset-name random --random-input-len 256 \
         --random-output-len 64 --random-range-ratio 0.5 --num-prompts "$prompts" --num-warmups 16 --seed 7 \
@@ -56,6 +40,6 @@ print("%s c%s r%s: %.2f req/s, TTFT p50 %.0f p99 %.0f ms, TPOT p50 %.1f ms, %d/%
     r["p99_ttft_ms"], r["median_tpot_ms"], r["completed"], r["completed"] + r.get("failed", 0)))
 PY
     done
-    stop
+    stop_all
   done
 done

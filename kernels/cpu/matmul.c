@@ -4,7 +4,7 @@
  * AVX-512 CPU, bf16 weights at 2..PD_BF16W_X512_MAX_M rows go through a register-blocked kernel that
  * widens them in registers (matmul_bf16w_x512.c), and at one row (with AVX512-BF16) through the
  * bf16 GEMV on x split in three exact bf16 parts (matmul_bf16.h), both fp32 math; where oneDNN
- * runs bf16 on AMX tiles, 24..64 rows split in three go through its GEMM instead. With
+ * runs bf16 on AMX tiles, 24..64 rows of a large matrix, split in three, go through its GEMM. With
  * --matmul-precision bf16 and bf16 weights, x is rounded to bf16 first and multiplied in bf16
  * (matmul_bf16.h): an AVX512-BF16 GEMV at small m (up to 32 rows, 16 with AMX), oneDNN above. */
 #include <cblas.h>

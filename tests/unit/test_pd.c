@@ -1456,9 +1456,8 @@ static long rss_kib_of(pid_t pid)
 }
 
 /* Prompt i by hand, no proxy: the prefill's answer's kv_transfer_params go to the decode, whose
- * answer must equal pd-serve's. */
-/* Prompt i through a prefill then a decode, by hand (mode: the transfer_mode the prefill is asked
- * for, or NULL for the node's own); the answer must be pd-serve's. */
+ * answer must equal pd-serve's (mode: the transfer_mode the prefill is asked for, or NULL for the
+ * node's own). */
 static void pd_by_hand(int pport, int dport, int i, const char *mode)
 {
     char *b = body_for(i, false);
