@@ -320,7 +320,7 @@ static double matmul_seconds(pd_backend_t *be, pd_dtype_t dt, int m, int n, int 
             ((int8_t *)w)[i] = (int8_t)(i % 7) - 3;
         }
     }
-    pd_weight_t wt = {w, dt, scale};
+    pd_weight_t wt = {w, dt, scale, PD_WEIGHT_ROWS, 0};
     be->ops->matmul(be, y, x, wt, NULL, m, n, k);
     double best = 1e30;
     for (int r = 0; r < reps; r++) {
@@ -554,6 +554,9 @@ static void bench_model(pd_backend_t *be, const char *model_dir, double read_bw,
         }
         pd_model_t *m = NULL;
         const char *dt = d >= 1 ? "auto" : dtypes[d], *quant = d == 2 ? "int8" : NULL;
+        bool bf16_math = d == 3;
+        /* before loading, as the engine does: the CPU backend lays out weights for the math */
+        be->matmul_precision = bf16_math ? PD_MATMUL_BF16 : PD_MATMUL_FP32;
         if (pd_model_load_dtype(model_dir, be, dt, quant, &m) != PD_OK) {
             pd_log_error("bench: cannot load %s; skipping the model benchmark", model_dir);
             return;
@@ -564,8 +567,6 @@ static void bench_model(pd_backend_t *be, const char *model_dir, double read_bw,
             continue;
         }
         pd_dtype_t ldt = pd_model_linear_dtype(m);
-        bool bf16_math = d == 3;
-        be->matmul_precision = bf16_math ? PD_MATMUL_BF16 : PD_MATMUL_FP32;
         double peak = bf16_math ? bf16_peak : peak_gflops;
         const char *math = bf16_math ? ", bf16 math" : "";
         vocab = pd_model_config(m)->vocab_size;

@@ -31,27 +31,51 @@ typedef enum pd_matmul_precision {
     PD_MATMUL_FP16,
 } pd_matmul_precision_t;
 
+/* Where element (r, c) of a [rows][cols] weight matrix lies in its data. */
+typedef enum pd_weight_layout {
+    PD_WEIGHT_ROWS = 0, /* data[r][c]: rows contiguous, as the checkpoint stores a Linear weight */
+    /* bf16 only, cols even: the first packed_rows rows (a multiple of 32) in blocks of 32 rows, each
+     * [cols / 2][32][2] — for every pair of columns (c, c + 1) the 32 rows' pairs in one 64-byte
+     * line, so a kernel multiplies 32 outputs at once by broadcast inputs
+     * (kernels/cpu/matmul_bf16p.h); the order of oneDNN's BA16a32b2a weights. The other rows
+     * follow row-major, where they would be anyway. Chosen by the backend's prepare_weight. */
+    PD_WEIGHT_PAIRS32 = 1,
+} pd_weight_layout_t;
+
 /* A weight matrix [rows][cols] in backend memory at its storage dtype (the checkpoint's precision:
- * fp32, bf16 or fp16; or int8 with --quantization int8), rows contiguous. Element (r, c) is
- * data[r][c] widened to fp32, times scale[r] for int8 (symmetric per-output-channel scales). */
+ * fp32, bf16 or fp16; or int8 with --quantization int8), laid out as layout says. Element (r, c) is
+ * that element widened to fp32, times scale[r] for int8 (symmetric per-output-channel scales). */
 typedef struct pd_weight {
     const void *data;
     pd_dtype_t dtype;
-    const float *scale; /* int8: [rows]; NULL otherwise */
+    const float *scale;        /* int8: [rows]; NULL otherwise */
+    pd_weight_layout_t layout; /* PD_WEIGHT_ROWS unless the backend rearranged the matrix */
+    int64_t packed_rows;       /* PD_WEIGHT_PAIRS32: rows [0, packed_rows) are in blocks */
 } pd_weight_t;
 
-/* The weight from row `row` of w on, for a matrix `cols` wide (a slice of a fused weight). */
+/* The weight from row `row` of w on, for a matrix `cols` wide (a slice of a fused weight). With
+ * PD_WEIGHT_PAIRS32, row must be a multiple of 32 (a whole block: the same offset). */
 static inline pd_weight_t pd_weight_rows(pd_weight_t w, int64_t row, int64_t cols)
 {
     pd_weight_t r = {(const char *)w.data + row * cols * pd_dtype_size(w.dtype), w.dtype,
-                     w.scale != NULL ? w.scale + row : NULL};
+                     w.scale != NULL ? w.scale + row : NULL, w.layout,
+                     w.packed_rows > row ? w.packed_rows - row : 0};
     return r;
+}
+
+/* The index in w's data of element (r, c) of w, a matrix cols wide. */
+PD_HD static inline int64_t pd_weight_index(pd_weight_t w, int64_t r, int64_t c, int64_t cols)
+{
+    if (w.layout == PD_WEIGHT_PAIRS32 && r < w.packed_rows) {
+        return (r & ~(int64_t)31) * cols + (c >> 1) * 64 + (r & 31) * 2 + (c & 1);
+    }
+    return r * cols + c;
 }
 
 /* Element (r, c) of w (cols wide) as fp32, scale included: the reference ops' definition. */
 PD_HD static inline float pd_weight_at(pd_weight_t w, int64_t r, int64_t c, int64_t cols)
 {
-    float v = pd_dtype_load(w.data, r * cols + c, w.dtype);
+    float v = pd_dtype_load(w.data, pd_weight_index(w, r, c, cols), w.dtype);
     return w.scale != NULL ? v * w.scale[r] : v;
 }
 
@@ -99,6 +123,14 @@ typedef struct pd_backend_ops {
     pd_status_t (*copy)(pd_backend_t *be, void *dst, const void *src, size_t bytes, pd_copy_kind_t kind);
     /* Waits for every queued op. */
     pd_status_t (*synchronize)(pd_backend_t *be);
+    /* Optional (NULL: weights stay as loaded). Called once per matrix the model multiplies by
+     * (linear layers, lm_head), after loading and before any op reads it, with w in
+     * PD_WEIGHT_ROWS: may rearrange w's data in place into a layout this backend's matmul reads
+     * faster, and set w->layout. pd_weight_at(w, r, c) is unchanged. slice_rows: the model also
+     * multiplies by slices of it starting at multiples of this row (pd_weight_rows; 0: none), so
+     * a layout must keep those rows at their row-major offsets. */
+    pd_status_t (*prepare_weight)(pd_backend_t *be, pd_weight_t *w, int64_t rows, int64_t cols,
+                                  int64_t slice_rows);
 
     /* --- ops (shapes in brackets; rows are contiguous) --- */
     /* out[n][dim] = table[ids[i]][dim] · scale (fp32; Gemma scales by √hidden); any id outside

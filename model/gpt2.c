@@ -25,13 +25,13 @@ static pd_status_t gpt2_load(pd_model_t *m, const pd_st_set_t *set, const char *
 }
 
 /* A matrix: an embedding in the weight dtype, or a linear layer's (transposed from Conv1D) in the
- * linear dtype. */
+ * linear dtype, of which the model takes slices of slice_rows rows (0: none). */
 static pd_status_t gpt2_load_w(pd_model_t *m, const pd_st_set_t *set, const char *suffix,
-                               const int64_t *shape, int linear, pd_weight_t *out)
+                               const int64_t *shape, int linear, int64_t slice_rows, pd_weight_t *out)
 {
     char name[256];
     gpt2_name(set, name, sizeof(name), suffix);
-    return linear ? pd_model_load_linear(m, set, name, shape, 1, out)
+    return linear ? pd_model_load_linear(m, set, name, shape, 1, slice_rows, out)
                   : pd_model_load_weight(m, set, name, 2, shape, 0, out);
 }
 
@@ -40,8 +40,8 @@ pd_status_t pd_gpt2_load_weights(pd_model_t *m, const pd_st_set_t *set)
     const pd_model_config_t *c = &m->cfg;
     int64_t H = c->hidden_size, I = c->intermediate_size;
     int64_t s_vh[2] = {c->vocab_size, H}, s_ph[2] = {c->max_position_embeddings, H}, s_h[1] = {H};
-    PD_TRY(gpt2_load_w(m, set, "wte.weight", s_vh, 0, &m->embed));
-    PD_TRY(gpt2_load_w(m, set, "wpe.weight", s_ph, 0, &m->pos_embed));
+    PD_TRY(gpt2_load_w(m, set, "wte.weight", s_vh, 0, 0, &m->embed));
+    PD_TRY(gpt2_load_w(m, set, "wpe.weight", s_ph, 0, 0, &m->pos_embed));
     PD_TRY(gpt2_load(m, set, "ln_f.weight", 1, s_h, 0, &m->final_w));
     PD_TRY(gpt2_load(m, set, "ln_f.bias", 1, s_h, 0, &m->final_b));
     if (c->tie_word_embeddings || pd_st_set_find(set, "lm_head.weight") == NULL) {
@@ -57,24 +57,24 @@ pd_status_t pd_gpt2_load_weights(pd_model_t *m, const pd_st_set_t *set)
 #define LOAD(field, suffix, nd, shape, tr)                                                                   \
     snprintf(n, sizeof(n), "h.%d.%s", l, suffix);                                                            \
     PD_TRY(gpt2_load(m, set, n, nd, shape, tr, &w->field))
-#define LOAD_W(field, suffix, shape)                                                                         \
+#define LOAD_W(field, suffix, shape, slice_rows)                                                             \
     snprintf(n, sizeof(n), "h.%d.%s", l, suffix);                                                            \
-    PD_TRY(gpt2_load_w(m, set, n, shape, 1, &w->field))
+    PD_TRY(gpt2_load_w(m, set, n, shape, 1, slice_rows, &w->field))
         LOAD(norm1_w, "ln_1.weight", 1, s_h, 0);
         LOAD(norm1_b, "ln_1.bias", 1, s_h, 0);
-        LOAD_W(wq, "attn.c_attn.weight", s_attn); /* → [3H][H]: rows 0..H-1 are q */
+        LOAD_W(wq, "attn.c_attn.weight", s_attn, H); /* → [3H][H]: rows 0..H-1 are q */
         LOAD(bq, "attn.c_attn.bias", 1, s_3h, 0);
         w->wk = pd_weight_rows(w->wq, H, H);
         w->wv = pd_weight_rows(w->wq, 2 * H, H);
         w->bk = w->bq + H;
         w->bv = w->bq + 2 * H;
-        LOAD_W(wo, "attn.c_proj.weight", s_hh);
+        LOAD_W(wo, "attn.c_proj.weight", s_hh, 0);
         LOAD(bo, "attn.c_proj.bias", 1, s_h, 0);
         LOAD(norm2_w, "ln_2.weight", 1, s_h, 0);
         LOAD(norm2_b, "ln_2.bias", 1, s_h, 0);
-        LOAD_W(w_up, "mlp.c_fc.weight", s_fc);
+        LOAD_W(w_up, "mlp.c_fc.weight", s_fc, 0);
         LOAD(b_up, "mlp.c_fc.bias", 1, s_i, 0);
-        LOAD_W(w_down, "mlp.c_proj.weight", s_proj);
+        LOAD_W(w_down, "mlp.c_proj.weight", s_proj, 0);
         LOAD(b_down, "mlp.c_proj.bias", 1, s_h, 0);
 #undef LOAD
 #undef LOAD_W

@@ -37,7 +37,7 @@ pd_status_t pd_llama_load_weights(pd_model_t *m, const pd_st_set_t *set)
     PD_TRY(pd_model_load_tensor(m, set, n, nd, shape, 0, &w->field))
 #define LOAD_W(field, suffix, shape)                                                                         \
     snprintf(n, sizeof(n), "model.layers.%d.%s", l, suffix);                                                 \
-    PD_TRY(pd_model_load_linear(m, set, n, shape, 0, &w->field))
+    PD_TRY(pd_model_load_linear(m, set, n, shape, 0, 0, &w->field))
 #define LOAD_NORM(field, suffix, dim)                                                                        \
     snprintf(n, sizeof(n), "model.layers.%d.%s", l, suffix);                                                 \
     PD_TRY(pd_model_load_affine(m, set, n, 1, dim, 0, one, 1.0f, &w->field))

@@ -159,8 +159,7 @@ pd_status_t pd_model_load_weight(pd_model_t *m, const pd_st_set_t *set, const ch
     }
     void *dev = NULL;
     PD_TRY(upload_tensor(m, t, m->wdtype, transpose, 0.0f, 1.0f, &dev));
-    out->data = dev;
-    out->dtype = m->wdtype;
+    *out = (pd_weight_t){dev, m->wdtype, NULL, PD_WEIGHT_ROWS, 0};
     return PD_OK;
 }
 
@@ -206,16 +205,30 @@ static pd_status_t upload_int8(pd_model_t *m, const float *f, int64_t rows, int6
     free(q);
     free(sc);
     if (st == PD_OK) {
-        *out = (pd_weight_t){dq, PD_DTYPE_I8, dsc};
+        *out = (pd_weight_t){dq, PD_DTYPE_I8, dsc, PD_WEIGHT_ROWS, 0};
     }
     return st;
 }
 
+/* Lets the backend lay out a matrix the model multiplies by (pd_backend_ops_t.prepare_weight). */
+static pd_status_t prepare_weight(pd_model_t *m, pd_weight_t *w, int64_t rows, int64_t cols,
+                                  int64_t slice_rows)
+{
+    if (m->be->ops->prepare_weight == NULL) {
+        return PD_OK;
+    }
+    PD_TRY(m->be->ops->prepare_weight(m->be, w, rows, cols, slice_rows));
+    m->packed_matrices += w->layout != PD_WEIGHT_ROWS;
+    return PD_OK;
+}
+
 pd_status_t pd_model_load_linear(pd_model_t *m, const pd_st_set_t *set, const char *name,
-                                 const int64_t *shape, int transpose, pd_weight_t *out)
+                                 const int64_t *shape, int transpose, int64_t slice_rows, pd_weight_t *out)
 {
     if (m->ldtype != PD_DTYPE_I8) { /* the linear layers are at the weight dtype */
-        return pd_model_load_weight(m, set, name, 2, shape, transpose, out);
+        PD_TRY(pd_model_load_weight(m, set, name, 2, shape, transpose, out));
+        return prepare_weight(m, out, transpose ? shape[1] : shape[0], transpose ? shape[0] : shape[1],
+                              slice_rows);
     }
     const pd_st_tensor_t *t = find_checked(set, name, 2, shape);
     if (t == NULL) {
@@ -265,9 +278,12 @@ pd_status_t pd_model_load_stacked(pd_model_t *m, const pd_st_set_t *set, const c
         if (st == PD_OK) {
             st = m->be->ops->copy(m->be, dev, all, (size_t)(total * cols) * esize, PD_COPY_H2D);
         }
-        *out = (pd_weight_t){dev, dt, NULL};
+        *out = (pd_weight_t){dev, dt, NULL, PD_WEIGHT_ROWS, 0};
     }
     free(all);
+    if (st == PD_OK && m->ldtype != PD_DTYPE_I8) {
+        st = prepare_weight(m, out, total, cols, 0);
+    }
     return st;
 }
 
@@ -362,8 +378,17 @@ pd_status_t pd_model_load_dtype(const char *dir, pd_backend_t *be, const char *d
     }
     st = m->cfg.arch == PD_ARCH_GPT2 ? pd_gpt2_load_weights(m, &set) : pd_llama_load_weights(m, &set);
     pd_st_set_close(&set);
+    if (st == PD_OK) { /* a tied lm_head is the embedding table: both see its layout */
+        bool tied = m->lm_head.data == m->embed.data;
+        st = prepare_weight(m, &m->lm_head, m->cfg.vocab_size, m->cfg.hidden_size, 0);
+        m->embed = tied ? m->lm_head : m->embed;
+    }
     if (st != PD_OK) {
         goto err_model;
+    }
+    if (m->packed_matrices > 0) {
+        pd_log_info("model: %d matrices laid out in 32-row column-pair blocks for the %s backend's matmul",
+                    m->packed_matrices, be->ops->name);
     }
     pd_log_info(
         "model loaded: %.1f MiB of weights on %s in %.2f s, matrices in %s (--dtype %s; the checkpoint "

@@ -55,6 +55,7 @@ struct pd_model {
     void **allocs; /* every weight allocation, for pd_model_free */
     int num_allocs, cap_allocs;
     size_t weight_bytes;
+    int packed_matrices; /* how many the backend's prepare_weight laid out other than row-major */
 };
 
 /* Loads tensor name (shape must equal shape[ndim]) as fp32 onto the backend. With transpose,
@@ -77,7 +78,7 @@ pd_status_t pd_model_load_weight(pd_model_t *m, const pd_st_set_t *set, const ch
  * transpose) in the linear dtype (m->ldtype): as pd_model_load_weight, or int8 with per-row scales
  * (--quantization int8). */
 pd_status_t pd_model_load_linear(pd_model_t *m, const pd_st_set_t *set, const char *name,
-                                 const int64_t *shape, int transpose, pd_weight_t *out);
+                                 const int64_t *shape, int transpose, int64_t slice_rows, pd_weight_t *out);
 
 /* Loads several same-width 2-D tensors stacked along rows into one linear weight (fused weights),
  * in the linear dtype. */

@@ -181,7 +181,8 @@ static void test_elementwise(void)
         ids[i] = (int32_t)pd_rng_below(&g_rng, (uint64_t)vocab);
     }
     float *dtab = to_gpu(table, (size_t)vocab * dim * 4), *demb = poisoned(N * 4);
-    pd_weight_t tw = {table, PD_DTYPE_F32, NULL}, dtw = {dtab, PD_DTYPE_F32, NULL};
+    pd_weight_t tw = {table, PD_DTYPE_F32, NULL, PD_WEIGHT_ROWS, 0},
+                dtw = {dtab, PD_DTYPE_F32, NULL, PD_WEIGHT_ROWS, 0};
     check_status("embed", g_cpu->ops->embed(g_cpu, ref, tw, 1.0f, ids, rows, dim, vocab),
                  g_gpu->ops->embed(g_gpu, demb, dtw, 1.0f, ids, rows, dim, vocab));
     from_gpu(got, demb, N * 4);
@@ -192,7 +193,8 @@ static void test_elementwise(void)
         t16[i] = pd_f32_to_bf16(table[i]);
     }
     void *dt16 = to_gpu(t16, (size_t)vocab * dim * 2);
-    pd_weight_t tw16 = {t16, PD_DTYPE_BF16, NULL}, dtw16 = {dt16, PD_DTYPE_BF16, NULL};
+    pd_weight_t tw16 = {t16, PD_DTYPE_BF16, NULL, PD_WEIGHT_ROWS, 0},
+                dtw16 = {dt16, PD_DTYPE_BF16, NULL, PD_WEIGHT_ROWS, 0};
     check_status("embed (bf16)", g_cpu->ops->embed(g_cpu, ref, tw16, 3.0f, ids, rows, dim, vocab),
                  g_gpu->ops->embed(g_gpu, demb, dtw16, 3.0f, ids, rows, dim, vocab));
     from_gpu(got, demb, N * 4);
@@ -207,7 +209,8 @@ static void test_elementwise(void)
     float *mx = malloc((size_t)rows * k * 4), *mw = malloc((size_t)n * k * 4), *mb = malloc((size_t)n * 4);
     fill(mx, (size_t)rows * k), fill(mw, (size_t)n * k), fill(mb, (size_t)n);
     float *dmx = to_gpu(mx, (size_t)rows * k * 4), *dmb = to_gpu(mb, (size_t)n * 4);
-    pd_weight_t mw_ = {mw, PD_DTYPE_F32, NULL}, dmw = {to_gpu(mw, (size_t)n * k * 4), PD_DTYPE_F32, NULL};
+    pd_weight_t mw_ = {mw, PD_DTYPE_F32, NULL, PD_WEIGHT_ROWS, 0},
+                dmw = {to_gpu(mw, (size_t)n * k * 4), PD_DTYPE_F32, NULL, PD_WEIGHT_ROWS, 0};
     for (int with_bias = 0; with_bias < 2; with_bias++) {
         float *dmy = poisoned((size_t)rows * n * 4);
         check_status("matmul", g_cpu->ops->matmul(g_cpu, ref, mx, mw_, with_bias ? mb : NULL, rows, n, k),
@@ -241,8 +244,8 @@ static void test_elementwise(void)
         for (size_t i = 0; i < (size_t)n * k; i++) {
             pd_dtype_store(w16, (int64_t)i, (pd_dtype_t)dt, mw[i]);
         }
-        pd_weight_t hw = {w16, (pd_dtype_t)dt, NULL},
-                    dw16 = {to_gpu(w16, (size_t)n * k * 2), (pd_dtype_t)dt, NULL};
+        pd_weight_t hw = {w16, (pd_dtype_t)dt, NULL, PD_WEIGHT_ROWS, 0},
+                    dw16 = {to_gpu(w16, (size_t)n * k * 2), (pd_dtype_t)dt, NULL, PD_WEIGHT_ROWS, 0};
         for (int with_bias = 0; with_bias < 2; with_bias++) {
             float *dmy = poisoned((size_t)rows * n * 4);
             check_status("matmul (16-bit weights)",

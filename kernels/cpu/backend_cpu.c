@@ -68,6 +68,7 @@ static const pd_backend_ops_t cpu_ops = {
     .free = cpu_free,
     .copy = cpu_copy,
     .synchronize = cpu_synchronize,
+    .prepare_weight = pd_cpu_prepare_weight,
     .embed = pd_cpu_embed,
     .matmul = pd_cpu_matmul,
     .add = pd_cpu_add,

@@ -1,5 +1,8 @@
 /* kernels/cpu/matmul.c — y[m][n] = x[m][k] · w[n][k]ᵀ + bias: a plain loop, and the optimized op:
- * OpenBLAS sgemm/sgemv for fp32 weights; for bf16/fp16/int8 weights a GEMV that widens in registers
+ * OpenBLAS sgemm/sgemv for fp32 weights; bf16 weights that prepare_weight laid out in 32-row blocks
+ * (PD_WEIGHT_PAIRS32, AVX-512, fp32 math) through the outer-product kernel of matmul_bf16p.h up to
+ * 64 rows and transposed widened tiles + sgemm above; for row-major bf16/fp16/int8 weights a GEMV
+ * that widens in registers
  * (matmul_lowp_x86.c) at small m, and tiles of w widened into fp32 for sgemm at larger m; on an
  * AVX-512 CPU, bf16 weights at 2..PD_BF16W_X512_MAX_M rows go through a register-blocked kernel that
  * widens them in registers (matmul_bf16w_x512.c), and at one row (with AVX512-BF16) through the
@@ -14,6 +17,7 @@
 #include "common/log.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/matmul_bf16.h"
+#include "kernels/cpu/matmul_bf16p.h"
 #include "kernels/cpu/matmul_dnnl.h"
 #include "kernels/cpu/matmul_lowp.h"
 #include "kernels/cpu/simd.h"
@@ -74,11 +78,12 @@ static int tile_rows_for(int m, int k)
     return rows < 16 ? 16 : rows & ~15;
 }
 
-/* Thread t's columns [*n0, *n1) of n split over nt threads in slices of whole 64-byte rows of y;
+/* Thread t's columns [*n0, *n1) of n split over nt threads in slices of whole multiples of unit
+ * (a power of two: 16, whole 64-byte rows of y; 32, whole blocks of a PD_WEIGHT_PAIRS32 weight);
  * false when it has none. */
-static bool thread_cols(int n, int nt, int t, int *n0, int *n1)
+static bool thread_cols(int n, int nt, int t, int unit, int *n0, int *n1)
 {
-    int cols = ((n + nt - 1) / nt + 15) & ~15;
+    int cols = ((n + nt - 1) / nt + unit - 1) & ~(unit - 1);
     *n0 = t * cols;
     *n1 = *n0 + cols < n ? *n0 + cols : n;
     return *n0 < *n1;
@@ -110,7 +115,7 @@ static pd_status_t matmul_bf16x3(pd_backend_t *be, float *y, const float *x, pd_
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int t = 0; t < nt; t++) {
         int n0, n1;
-        if (!thread_cols(n, nt, t, &n0, &n1)) {
+        if (!thread_cols(n, nt, t, 16, &n0, &n1)) {
             continue;
         }
         if (gemv) {
@@ -142,11 +147,95 @@ static pd_status_t matmul_bf16w(pd_backend_t *be, float *y, const float *x, pd_w
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int t = 0; t < nt; t++) {
         int n0, n1;
-        if (thread_cols(n, nt, t, &n0, &n1)) {
+        if (thread_cols(n, nt, t, 16, &n0, &n1)) {
             pd_cpu_bf16w_x512(y, xp, w.data, bias, m, n, k, n0, n1);
         }
     }
     free(xp);
+    return PD_OK;
+}
+
+/* fp32 math on bf16 weights in PD_WEIGHT_PAIRS32 (matmul_bf16p.h): up to PD_BF16P_MAX_M rows the
+ * outer-product kernel on x transposed once; above, each thread widens its blocks into transposed
+ * fp32 tiles ([k][rows]) for sgemm. Threads take whole 32-column blocks. */
+static pd_status_t matmul_bf16p(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias,
+                                int m, int n, int k)
+{
+    int nt = be->num_threads;
+    bool direct = m <= PD_BF16P_MAX_M;
+    int n_packed = w.packed_rows < n ? (int)w.packed_rows : n;
+    if (n_packed % 32 != 0) { /* a slice that ends inside a block: prepare_weight's slice_rows */
+        pd_log_error("matmul: %d rows of a weight with %lld in 32-row blocks end inside a block", n,
+                     (long long)w.packed_rows);
+        return PD_ERR_INVALID_ARG;
+    }
+    int tile_rows = tile_rows_for(m, k) & ~31;
+    tile_rows = tile_rows < 32 ? 32 : tile_rows;
+    size_t floats = direct ? pd_cpu_bf16p_x_floats(m, k) : (size_t)nt * tile_rows * k;
+    float *buf = malloc(floats * sizeof(float));
+    if (buf == NULL) {
+        pd_log_error("matmul: cannot allocate %zu floats for packed bf16 weights", floats);
+        return PD_ERR_NO_MEMORY;
+    }
+    if (direct) {
+        pd_cpu_bf16p_prepare(buf, x, m, k);
+    }
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int t = 0; t < nt; t++) {
+        int n0, n1;
+        if (!thread_cols(n, nt, t, 32, &n0, &n1)) {
+            continue;
+        }
+        if (direct) {
+            pd_cpu_bf16p_x512(y, buf, w.data, bias, m, n, k, n_packed, n0, n1);
+            continue;
+        }
+        float *tile = buf + (size_t)t * tile_rows * k;
+        for (int j0 = n0; j0 < n1; j0 += tile_rows) {
+            int rows = n1 - j0 < tile_rows ? n1 - j0 : tile_rows;
+            float beta = 0.0f;
+            if (bias != NULL) {
+                for (int i = 0; i < m; i++) {
+                    memcpy(y + (size_t)i * n + j0, bias + j0, (size_t)rows * sizeof(float));
+                }
+                beta = 1.0f;
+            }
+            pd_cpu_bf16p_widen_kn(tile, w.data, n_packed, j0, rows, k);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, rows, k, 1.0f, x, k, tile, rows, beta,
+                        y + j0, n);
+        }
+    }
+    free(buf);
+    return PD_OK;
+}
+
+/* PD_CPU_WEIGHT_PACKING=0 keeps every weight row-major (A/B benchmarks of the two layouts). */
+static bool packing_wanted(void)
+{
+    const char *v = getenv("PD_CPU_WEIGHT_PACKING");
+    return v == NULL || strcmp(v, "0") != 0;
+}
+
+pd_status_t pd_cpu_prepare_weight(pd_backend_t *be, pd_weight_t *w, int64_t rows, int64_t cols,
+                                  int64_t slice_rows)
+{
+    if (w->dtype != PD_DTYPE_BF16 || slice_rows % 32 != 0 || w->layout != PD_WEIGHT_ROWS ||
+        be->matmul_precision != PD_MATMUL_FP32 || !pd_cpu_bf16p_fits(rows, cols) || !pd_cpu_avx512_usable() ||
+        !packing_wanted()) {
+        return PD_OK;
+    }
+    int64_t blocked = rows & ~(int64_t)31; /* the rows after stay where they are, row-major */
+    size_t bytes = (size_t)blocked * (size_t)cols * sizeof(uint16_t);
+    uint16_t *copy = malloc(bytes);
+    if (copy == NULL) {
+        pd_log_error("cpu backend: cannot allocate %zu bytes to lay out a weight", bytes);
+        return PD_ERR_NO_MEMORY;
+    }
+    memcpy(copy, w->data, bytes);
+    pd_cpu_bf16p_pack((uint16_t *)w->data, copy, blocked, cols, be->num_threads);
+    free(copy);
+    w->layout = PD_WEIGHT_PAIRS32;
+    w->packed_rows = blocked;
     return PD_OK;
 }
 
@@ -160,6 +249,9 @@ static pd_status_t matmul_bf16w(pd_backend_t *be, float *y, const float *x, pd_w
 static pd_status_t matmul_fp32_math(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
                                     const float *bias, int m, int n, int k)
 {
+    if (w.layout == PD_WEIGHT_PAIRS32) {
+        return matmul_bf16p(be, y, x, w, bias, m, n, k);
+    }
     if (w.dtype == PD_DTYPE_BF16 && m >= PD_BF16X3_AMX_MIN_M && m <= PD_BF16X3_AMX_MAX_M &&
         (int64_t)n * k >= PD_BF16X3_AMX_MIN_WEIGHTS && pd_cpu_dnnl_amx()) {
         return matmul_bf16x3(be, y, x, w, bias, m, n, k);
@@ -193,7 +285,7 @@ static pd_status_t matmul_fp32_math(pd_backend_t *be, float *y, const float *x, 
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int t = 0; t < nt; t++) {
         int n0, n1;
-        if (!thread_cols(n, nt, t, &n0, &n1)) {
+        if (!thread_cols(n, nt, t, 16, &n0, &n1)) {
             continue;
         }
         if (gemv) {
@@ -247,11 +339,13 @@ static pd_status_t matmul_bf16_math(pd_backend_t *be, float *y, const float *x, 
     }
     pd_status_t st = PD_ERR_UNSUPPORTED;
     int gemv_max = pd_cpu_dnnl_amx() ? PD_BF16DOT_AMX_MAX_M : PD_BF16DOT_MAX_M;
-    if (m <= gemv_max && pd_cpu_bf16dot_usable()) {
+    if (w.layout != PD_WEIGHT_ROWS) {
+        /* prepare_weight packs only for fp32 math: the fp32 paths on the rounded x below */
+    } else if (m <= gemv_max && pd_cpu_bf16dot_usable()) {
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
         for (int t = 0; t < nt; t++) {
             int n0, n1;
-            if (thread_cols(n, nt, t, &n0, &n1)) {
+            if (thread_cols(n, nt, t, 16, &n0, &n1)) {
                 pd_cpu_gemv_bf16dot(y, xb, w.data, bias, m, n, k, n0, n1);
             }
         }

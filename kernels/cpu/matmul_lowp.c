@@ -19,6 +19,14 @@ static int x86_usable(void)
 
 void pd_cpu_widen_rows(float *dst, pd_weight_t w, int64_t row0, int64_t rows, int64_t cols)
 {
+    if (w.layout != PD_WEIGHT_ROWS) { /* a packed table's rows (a tied embedding): element by element */
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t c = 0; c < cols; c++) {
+                dst[r * cols + c] = pd_weight_at(w, row0 + r, c, cols);
+            }
+        }
+        return;
+    }
     const char *src = pd_weight_rows(w, row0, cols).data;
     if (w.dtype == PD_DTYPE_F32) {
         memcpy(dst, src, (size_t)(rows * cols) * sizeof(float));

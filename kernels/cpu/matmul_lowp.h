@@ -17,13 +17,13 @@
 #define PD_LOWP_GEMV_MAX_M 8
 
 /* dst[rows][cols] = rows row0.. of w as fp32 (pd_weight_at: exact for fp32/bf16/fp16; int8 times
- * its row's scale). */
+ * its row's scale), in any layout (a packed one element by element: embedding rows only). */
 void pd_cpu_widen_rows(float *dst, pd_weight_t w, int64_t row0, int64_t rows, int64_t cols);
 
 /* dst[n] = src[n] of dtype dt as fp32 (one row: a KV cache row, say). */
 static inline void pd_cpu_widen(float *dst, const void *src, pd_dtype_t dt, int64_t n)
 {
-    pd_weight_t w = {src, dt, NULL};
+    pd_weight_t w = {src, dt, NULL, PD_WEIGHT_ROWS, 0};
     pd_cpu_widen_rows(dst, w, 0, 1, n);
 }
 

@@ -142,12 +142,31 @@ using namespace pd_cuda;
 extern "C" {
 
 const pd_backend_ops_t pd_cuda_backend_ops = {
-    "cuda",          cu_alloc,       cu_free,     cu_copy,
-    cu_sync,         cu_embed,       cu_matmul,   cu_add,
-    cu_rmsnorm,      cu_layernorm,   cu_rope,     cu_gelu,
-    cu_silu_mul,     cu_gelu_mul,    cu_softmax,  cu_reshape_and_cache,
-    cu_attn_prefill, cu_attn_decode, cu_sample,   cu_gather,
-    cu_scatter,      cu_copy_pages,  cu_pin_host, cu_unpin_host,
+    "cuda",
+    cu_alloc,
+    cu_free,
+    cu_copy,
+    cu_sync,
+    nullptr /* prepare_weight: row-major, as cuBLAS reads it */,
+    cu_embed,
+    cu_matmul,
+    cu_add,
+    cu_rmsnorm,
+    cu_layernorm,
+    cu_rope,
+    cu_gelu,
+    cu_silu_mul,
+    cu_gelu_mul,
+    cu_softmax,
+    cu_reshape_and_cache,
+    cu_attn_prefill,
+    cu_attn_decode,
+    cu_sample,
+    cu_gather,
+    cu_scatter,
+    cu_copy_pages,
+    cu_pin_host,
+    cu_unpin_host,
 };
 
 int pd_cuda_device_count(void)

@@ -12,6 +12,7 @@
 #include "kernels/cpu/attention_prefill_tiled.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/matmul_bf16.h"
+#include "kernels/cpu/matmul_bf16p.h"
 #include "kernels/cpu/matmul_dnnl.h"
 #include "kernels/cpu/matmul_lowp.h"
 #include "kernels/cpu/simd.h"
@@ -177,7 +178,8 @@ START_TEST(test_matmul)
             float *scale = NULL;
             void *ws = dts[d] == PD_DTYPE_I8 ? (void *)quantize_rows(w, n, k, &scale)
                                              : store_as(w, (size_t)n * k, dts[d]);
-            pd_weight_t wt = {ws, dts[d], scale}, wf = {w, PD_DTYPE_F32, NULL};
+            pd_weight_t wt = {ws, dts[d], scale, PD_WEIGHT_ROWS, 0},
+                        wf = {w, PD_DTYPE_F32, NULL, PD_WEIGHT_ROWS, 0};
             float *bias = rand_buf((size_t)n, -1, 1);
             float *y = rand_buf((size_t)m * n, -9, 9), *yr = rand_buf((size_t)m * n, -9, 9);
             float *yf = rand_buf((size_t)m * n, -9, 9);
@@ -246,7 +248,7 @@ START_TEST(test_matmul_bf16_big)
         float *bias = rand_buf((size_t)n, -1, 1), *y = rand_buf((size_t)m * n, -9, 9),
               *yr = rand_buf((size_t)m * n, -9, 9);
         void *ws = store_as(w, (size_t)n * k, PD_DTYPE_BF16);
-        pd_weight_t wt = {ws, PD_DTYPE_BF16, NULL};
+        pd_weight_t wt = {ws, PD_DTYPE_BF16, NULL, PD_WEIGHT_ROWS, 0};
         ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, wt, bias, m, n, k), PD_OK);
         ck_assert_int_eq(pd_cpu_matmul_ref(g_be, yr, x, wt, bias, m, n, k), PD_OK);
         /* fp32 math: ~2e-7 here; without the lo parts of x (8 bits fewer) ~3e-6 */
@@ -296,10 +298,113 @@ START_TEST(test_bf16w_batch_invariant)
                       "a batch of %d (slices split at column %d) differs from pairs", sizes[s], splits[s]);
     }
     /* through the dispatch (a matrix this small takes the kernel at every row count, AMX or not) */
-    pd_weight_t wt = {ws, PD_DTYPE_BF16, NULL};
+    pd_weight_t wt = {ws, PD_DTYPE_BF16, NULL, PD_WEIGHT_ROWS, 0};
     ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, wt, bias, M, N, K), PD_OK);
     ck_assert_msg(memcmp(y, y2, (size_t)M * N * sizeof(float)) == 0, "pd_cpu_matmul of %d rows differs", M);
     free(x), free(w), free(y), free(y2), free(bias), free(ws);
+}
+END_TEST
+
+/* y = x · wᵀ + bias in the order matmul_bf16p.h documents: per output, fused multiply-adds in
+ * column order from 0, then the bias added. */
+static void bf16p_order_ref(float *y, const float *x, const float *w, const float *bias, int m, int n, int k)
+{
+    for (int i = 0; i < m; i++) {
+        for (int j = 0; j < n; j++) {
+            float acc = 0.0f;
+            for (int p = 0; p < k; p++) {
+                acc = fmaf(x[(size_t)i * k + p], w[(size_t)j * k + p], acc);
+            }
+            y[(size_t)i * n + j] = acc + (bias != NULL ? bias[j] : 0.0f);
+        }
+    }
+}
+
+/* Bf16 weights in PD_WEIGHT_PAIRS32 (matmul_bf16p.h), laid out by the backend's prepare_weight:
+ * every element reads back as it was (pd_weight_at, slices at whole blocks, embedding rows of a
+ * tied table); up to PD_BF16P_MAX_M rows every output is bitwise the documented order (row groups
+ * of 12 and their tails, 32-column blocks and the row-major rows after them, slices starting at
+ * any block), so a row's result does not depend on its batch; above, the sgemm tiles match the
+ * reference. Not laid out for bf16 math, under 32 rows, an odd k, or PD_CPU_WEIGHT_PACKING=0. */
+START_TEST(test_matmul_bf16_packed)
+{
+    if (!pd_cpu_avx512_usable()) {
+        printf("test_matmul_bf16_packed: no AVX-512 on this CPU; bf16 weights stay row-major\n");
+        return;
+    }
+    int shapes[][2] = {{32, 2}, {64, 300}, {70, 48}, {2050, 64}, {97, 130}};
+    int sizes[] = {1, 2, 5, 11, 12, 13, 24, 31, 37, PD_BF16P_MAX_M, PD_BF16P_MAX_M + 1, 150};
+    for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+        int n = shapes[s][0], k = shapes[s][1], M = 150;
+        float *x = rand_buf((size_t)M * k, -1, 1), *w = rand_buf((size_t)n * k, -1, 1);
+        float *bias = rand_buf((size_t)n, -1, 1), *y = rand_buf((size_t)M * n, -9, 9),
+              *yr = rand_buf((size_t)M * n, -9, 9);
+        uint16_t *ws = store_as(w, (size_t)n * k, PD_DTYPE_BF16), *wp = malloc((size_t)n * k * 2);
+        memcpy(wp, ws, (size_t)n * k * 2);
+        pd_weight_t wt = {ws, PD_DTYPE_BF16, NULL, PD_WEIGHT_ROWS, 0}, pk = {wp, PD_DTYPE_BF16, NULL, 0, 0};
+        ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &pk, n, k, 0), PD_OK);
+        ck_assert_int_eq(pk.layout, PD_WEIGHT_PAIRS32);
+        ck_assert_int_eq(pk.packed_rows, n & ~31);
+        for (int j = 0; j < n; j++) {
+            for (int p = 0; p < k; p++) {
+                ck_assert_float_eq(pd_weight_at(pk, j, p, k), w[(size_t)j * k + p]);
+            }
+        }
+        pd_weight_t sl = pd_weight_rows(pk, 32, k); /* a fused weight's slice (GPT-2's k, v) */
+        for (int j = 0; j + 32 < n; j++) {
+            ck_assert_float_eq(pd_weight_at(sl, j, k - 1, k), w[(size_t)(j + 32) * k + k - 1]);
+        }
+        int32_t ids[3] = {n - 1, 0, n / 2};
+        float *e = malloc((size_t)3 * k * sizeof(float)), *er = malloc((size_t)3 * k * sizeof(float));
+        ck_assert_int_eq(pd_cpu_embed(g_be, e, pk, 2.0f, ids, 3, k, n), PD_OK);
+        ck_assert_int_eq(pd_cpu_embed_ref(g_be, er, wt, 2.0f, ids, 3, k, n), PD_OK);
+        ck_assert(memcmp(e, er, (size_t)3 * k * sizeof(float)) == 0);
+        for (size_t c = 0; c < sizeof(sizes) / sizeof(sizes[0]); c++) {
+            int m = sizes[c];
+            const float *b = c % 2 ? bias : NULL;
+            ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, pk, b, m, n, k), PD_OK);
+            if (m <= PD_BF16P_MAX_M) {
+                bf16p_order_ref(yr, x, w, b, m, n, k);
+                ck_assert_msg(memcmp(y, yr, (size_t)m * n * sizeof(float)) == 0,
+                              "%dx%dx%d: not the documented order of sums", m, n, k);
+            } else {
+                ck_assert_int_eq(pd_cpu_matmul_ref(g_be, yr, x, wt, b, m, n, k), PD_OK);
+                ck_assert_msg(max_rel_err(y, yr, (size_t)m * n, sqrt(k)) < 1e-6, "%dx%dx%d", m, n, k);
+            }
+        }
+        /* a thread's slice may start at any block */
+        float *xt = malloc(pd_cpu_bf16p_x_floats(13, k) * sizeof(float));
+        pd_cpu_bf16p_prepare(xt, x, 13, k);
+        for (int split = 32; split < n; split += 32) {
+            pd_cpu_bf16p_x512(y, xt, wp, bias, 13, n, k, (int)pk.packed_rows, 0, split);
+            pd_cpu_bf16p_x512(y, xt, wp, bias, 13, n, k, (int)pk.packed_rows, split, n);
+            bf16p_order_ref(yr, x, w, bias, 13, n, k);
+            ck_assert_msg(memcmp(y, yr, (size_t)13 * n * sizeof(float)) == 0, "split at %d", split);
+        }
+        free(x), free(w), free(bias), free(y), free(yr), free(ws), free(wp), free(e), free(er), free(xt);
+    }
+    /* what stays row-major */
+    uint16_t buf[64 * 4] = {0};
+    pd_weight_t a = {buf, PD_DTYPE_BF16, NULL, 0, 0}, b = a, c = a, d = a,
+                f32 = {buf, PD_DTYPE_F32, NULL, 0, 0};
+    g_be->matmul_precision = PD_MATMUL_BF16;
+    ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &a, 64, 4, 0), PD_OK);
+    g_be->matmul_precision = PD_MATMUL_FP32;
+    ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &b, 31, 4, 0), PD_OK);
+    ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &c, 32, 5, 0), PD_OK);
+    ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &f32, 32, 4, 0), PD_OK);
+    setenv("PD_CPU_WEIGHT_PACKING", "0", 1);
+    ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &d, 64, 4, 0), PD_OK);
+    unsetenv("PD_CPU_WEIGHT_PACKING");
+    pd_weight_t g = {buf, PD_DTYPE_BF16, NULL, 0, 0}; /* GPT-2's fused qkv with a hidden size of 40 */
+    ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &g, 64, 4, 40), PD_OK);
+    ck_assert(a.layout == PD_WEIGHT_ROWS && b.layout == PD_WEIGHT_ROWS && c.layout == PD_WEIGHT_ROWS &&
+              d.layout == PD_WEIGHT_ROWS && f32.layout == PD_WEIGHT_ROWS && g.layout == PD_WEIGHT_ROWS);
+    ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &g, 64, 4, 32), PD_OK);
+    ck_assert_int_eq(g.layout, PD_WEIGHT_PAIRS32);
+    float xs[4] = {0}, ys[64];
+    ck_assert_int_eq(pd_cpu_matmul(g_be, ys, xs, g, NULL, 1, 40, 4),
+                     PD_ERR_INVALID_ARG); /* ends in a block */
 }
 END_TEST
 
@@ -331,7 +436,7 @@ START_TEST(test_matmul_bf16_math)
         memcpy(xr, x, (size_t)m * k * sizeof(float));
         free(store_as(xr, (size_t)m * k, PD_DTYPE_BF16)); /* xr rounded to bf16 in place */
         void *ws = store_as(w, (size_t)n * k, PD_DTYPE_BF16);
-        pd_weight_t wt = {ws, PD_DTYPE_BF16, NULL};
+        pd_weight_t wt = {ws, PD_DTYPE_BF16, NULL, PD_WEIGHT_ROWS, 0};
         float *bias = rand_buf((size_t)n, -1, 1);
         float *y = rand_buf((size_t)m * n, -9, 9), *yr = rand_buf((size_t)m * n, -9, 9);
         float *y32 = rand_buf((size_t)m * n, -9, 9), *y1 = rand_buf((size_t)n, -9, 9);
@@ -436,7 +541,7 @@ START_TEST(test_elementwise)
 
     int vocab = 50, dim = 24, ntok = 11;
     float *table = rand_buf((size_t)vocab * dim, -1, 1);
-    pd_weight_t tw = {table, PD_DTYPE_F32, NULL};
+    pd_weight_t tw = {table, PD_DTYPE_F32, NULL, PD_WEIGHT_ROWS, 0};
     int32_t ids[11] = {0, 49, 3, 3, 17, 25, 8, 1, 48, 30, 2};
     float *e1 = rand_buf((size_t)ntok * dim, -1, 1), *e2 = rand_buf((size_t)ntok * dim, -1, 1);
     ck_assert_int_eq(pd_cpu_embed(g_be, e1, tw, 1.0f, ids, ntok, dim, vocab), PD_OK);
@@ -445,7 +550,7 @@ START_TEST(test_elementwise)
     ck_assert_float_eq(e1[1 * dim + 5], table[49 * dim + 5]);
     for (int dt = PD_DTYPE_F16; dt <= PD_DTYPE_BF16; dt++) { /* 16-bit tables, scaled (Gemma's √hidden) */
         void *t16 = store_as(table, (size_t)vocab * dim, (pd_dtype_t)dt);
-        pd_weight_t w16 = {t16, (pd_dtype_t)dt, NULL};
+        pd_weight_t w16 = {t16, (pd_dtype_t)dt, NULL, PD_WEIGHT_ROWS, 0};
         ck_assert_int_eq(pd_cpu_embed(g_be, e1, w16, 2.5f, ids, ntok, dim, vocab), PD_OK);
         ck_assert_int_eq(pd_cpu_embed_ref(g_be, e2, w16, 2.5f, ids, ntok, dim, vocab), PD_OK);
         ck_assert_int_eq(memcmp(e1, e2, (size_t)ntok * dim * sizeof(float)), 0);
@@ -456,7 +561,7 @@ START_TEST(test_elementwise)
        * embeddings at --dtype) */
         float *deq = copy_buf(table, (size_t)vocab * dim), *rs = NULL;
         int8_t *t8 = quantize_rows(deq, vocab, dim, &rs);
-        pd_weight_t w8 = {t8, PD_DTYPE_I8, rs};
+        pd_weight_t w8 = {t8, PD_DTYPE_I8, rs, PD_WEIGHT_ROWS, 0};
         ck_assert_int_eq(pd_cpu_embed(g_be, e1, w8, 2.0f, ids, ntok, dim, vocab), PD_OK);
         ck_assert_int_eq(pd_cpu_embed_ref(g_be, e2, w8, 2.0f, ids, ntok, dim, vocab), PD_OK);
         ck_assert_int_eq(memcmp(e1, e2, (size_t)ntok * dim * sizeof(float)), 0);
@@ -977,6 +1082,7 @@ int main(void)
     tcase_add_test(tc, test_matmul_bf16_math);
     tcase_add_test(tc, test_split_bf16x3);
     tcase_add_test(tc, test_bf16w_batch_invariant);
+    tcase_add_test(tc, test_matmul_bf16_packed);
     tcase_add_test(tc, test_matmul_bf16_big);
     tcase_add_test(tc, test_norms);
     tcase_add_test(tc, test_elementwise);

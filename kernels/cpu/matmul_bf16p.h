@@ -1,0 +1,54 @@
+/* kernels/cpu/matmul_bf16p.h — fp32 math on bf16 weights kept in the PD_WEIGHT_PAIRS32 layout
+ * (kernels/backend.h), which the CPU backend's prepare_weight chooses on an AVX-512 CPU for bf16
+ * weights in fp32 math (--matmul-precision fp32, the default).
+ *
+ * In that layout one 64-byte load holds a column pair (c, c + 1) of 32 output rows; as 16 32-bit
+ * lanes, a shift gives column c of 16 rows as fp32 and a mask column c + 1 (exact: bf16 is fp32's
+ * top half). The kernel broadcasts x[i][c] and x[i][c + 1] and multiplies 32 outputs at once — an
+ * outer product, with x read from L1 as scalars, where the row-major kernel (matmul_bf16w_x512.c)
+ * streamed x vectors from L2 and was bound by those loads on Intel cores. Measured alone (2
+ * threads, 11264 × 1536 from L3, 2-core AMX Xeon): 24-32 rows 290-298 GFLOP/s against 195-207
+ * for the row-major kernel, 8 rows level (both read w at ~22 GB/s), 1 row 31.5 against 29.5 GB/s
+ * for the bf16 GEMV on x split in three.
+ *
+ * Each y[i][j] is bias[j] + (Σ over column pairs p of (x[i][2p] · w[j][2p] then
+ * x[i][2p+1] · w[j][2p+1]), fused multiply-adds in column order from 0): one order whatever m,
+ * the thread's columns or the batch, so a row's result is the same alone as in a batch of any
+ * size up to PD_BF16P_MAX_M. */
+#ifndef PD_KERNELS_CPU_MATMUL_BF16P_H
+#define PD_KERNELS_CPU_MATMUL_BF16P_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Up to this many rows of x the kernel below; above, tiles widened by pd_cpu_bf16p_widen_kn and
+ * sgemm (which re-reads the tile from cache per row block: prefill). */
+#define PD_BF16P_MAX_M 64
+
+/* Whether a [rows][cols] bf16 matrix can take the layout (a block of 32 rows at least, cols even). */
+static inline int pd_cpu_bf16p_fits(int64_t rows, int64_t cols)
+{
+    return rows >= 32 && cols > 0 && cols % 2 == 0;
+}
+
+/* dst = src[rows][cols] (row-major bf16, rows % 32 == 0, cols even) in PD_WEIGHT_PAIRS32 order;
+ * dst and src do not overlap. Runs on num_threads OpenMP threads. */
+void pd_cpu_bf16p_pack(uint16_t *dst, const uint16_t *src, int64_t rows, int64_t cols, int num_threads);
+
+/* Floats of pd_cpu_bf16p_prepare's copy of x[m][k], and the copy itself (x transposed, [k][m]:
+ * each column's m values side by side), made once per matmul before the threads split y. */
+size_t pd_cpu_bf16p_x_floats(int m, int k);
+void pd_cpu_bf16p_prepare(float *xt, const float *x, int m, int k);
+
+/* y[i][j] = bias[j] + Σ_p x[i][p] · w[j][p] in the order above, for i < m, j in [n0, n1) (n0 a
+ * multiple of 32; y is [m][n], bias NULL or [n]); xt from pd_cpu_bf16p_prepare, w the matrix
+ * [n][k] with its first n_packed rows packed (the rest row-major: the same order of sums, one
+ * column at a time). Needs AVX-512 F/BW/VL (pd_cpu_avx512_usable). */
+void pd_cpu_bf16p_x512(float *y, const float *xt, const uint16_t *w, const float *bias, int m, int n, int k,
+                       int n_packed, int n0, int n1);
+
+/* tile[k][rows] = rows j0 .. j0 + rows of w [.][k] (first n_packed rows packed, j0 a multiple of
+ * 32) as fp32, transposed: the B operand of sgemm (NoTrans) above PD_BF16P_MAX_M rows. AVX-512. */
+void pd_cpu_bf16p_widen_kn(float *tile, const uint16_t *w, int n_packed, int j0, int rows, int k);
+
+#endif
