@@ -219,9 +219,11 @@ static bool packing_wanted(void)
 pd_status_t pd_cpu_prepare_weight(pd_backend_t *be, pd_weight_t *w, int64_t rows, int64_t cols,
                                   int64_t slice_rows)
 {
-    if (w->dtype != PD_DTYPE_BF16 || slice_rows % 32 != 0 || w->layout != PD_WEIGHT_ROWS ||
-        be->matmul_precision != PD_MATMUL_FP32 || !pd_cpu_bf16p_fits(rows, cols) || !pd_cpu_avx512_usable() ||
-        !packing_wanted()) {
+    bool bf16_math = be->matmul_precision == PD_MATMUL_BF16;
+    bool fits = bf16_math ? pd_cpu_bf16p_dot_fits(rows, cols) && pd_cpu_bf16dot_usable()
+                          : be->matmul_precision == PD_MATMUL_FP32 && pd_cpu_bf16p_fits(rows, cols);
+    if (w->dtype != PD_DTYPE_BF16 || slice_rows % 32 != 0 || w->layout != PD_WEIGHT_ROWS || !fits ||
+        !pd_cpu_avx512_usable() || !packing_wanted()) {
         return PD_OK;
     }
     int64_t blocked = rows & ~(int64_t)31; /* the rows after stay where they are, row-major */
@@ -339,8 +341,26 @@ static pd_status_t matmul_bf16_math(pd_backend_t *be, float *y, const float *x, 
     }
     pd_status_t st = PD_ERR_UNSUPPORTED;
     int gemv_max = pd_cpu_dnnl_amx() ? PD_BF16DOT_AMX_MAX_M : PD_BF16DOT_MAX_M;
-    if (w.layout != PD_WEIGHT_ROWS) {
-        /* prepare_weight packs only for fp32 math: the fp32 paths on the rounded x below */
+    /* every row of these n in a block, k whole blocks of 32: oneDNN's BA16a32b2a (matmul_bf16p.h) */
+    bool blocked = w.layout == PD_WEIGHT_PAIRS32 && w.packed_rows >= n && n % 32 == 0 && k % 32 == 0;
+    if (blocked && m <= gemv_max && pd_cpu_bf16dot_usable()) {
+        uint32_t *xq = malloc((size_t)m * (size_t)(k / 2) * sizeof(uint32_t));
+        st = xq != NULL ? PD_OK : PD_ERR_NO_MEMORY;
+        if (xq != NULL) {
+            pd_cpu_bf16p_dot_prepare(xq, xb, m, k);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+            for (int t = 0; t < nt; t++) {
+                int n0, n1;
+                if (thread_cols(n, nt, t, 32, &n0, &n1)) {
+                    pd_cpu_bf16p_dot(y, xq, w.data, bias, m, n, k, n0, n1);
+                }
+            }
+        }
+        free(xq);
+    } else if (blocked && m > gemv_max) {
+        st = pd_cpu_dnnl_matmul_bf16_blocked(y, xb, w.data, bias, m, n, k, nt);
+    } else if (w.layout != PD_WEIGHT_ROWS) {
+        /* a layout the bf16 kernels do not read: the fp32 paths on the rounded x below */
     } else if (m <= gemv_max && pd_cpu_bf16dot_usable()) {
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
         for (int t = 0; t < nt; t++) {

@@ -51,4 +51,17 @@ void pd_cpu_bf16p_x512(float *y, const float *xt, const uint16_t *w, const float
  * 32) as fp32, transposed: the B operand of sgemm (NoTrans) above PD_BF16P_MAX_M rows. AVX-512. */
 void pd_cpu_bf16p_widen_kn(float *tile, const uint16_t *w, int n_packed, int j0, int rows, int k);
 
+/* --matmul-precision bf16 (matmul_bf16p_dot.c, AVX512-BF16): weights laid out only when every row
+ * is in a block and k % 32 == 0 (then they are also oneDNN's BA16a32b2a, matmul_dnnl.h). xq is x
+ * rounded to bf16 ([m][k]) as column pairs transposed: xq[p][i] = x[i][2p] | x[i][2p + 1] << 16
+ * (k/2 × m words); y[i][j] = bias[j] + Σ_p x[i][p] · w[j][p] for i < m, j in [n0, n1) (multiples
+ * of 32). */
+static inline int pd_cpu_bf16p_dot_fits(int64_t rows, int64_t cols)
+{
+    return rows >= 32 && rows % 32 == 0 && cols > 0 && cols % 32 == 0;
+}
+void pd_cpu_bf16p_dot_prepare(uint32_t *xq, const uint16_t *xb, int m, int k);
+void pd_cpu_bf16p_dot(float *y, const uint32_t *xq, const uint16_t *w, const float *bias, int m, int n, int k,
+                      int n0, int n1);
+
 #endif

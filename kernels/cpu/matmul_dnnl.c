@@ -16,6 +16,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include <oneapi/dnnl/dnnl.h>
 
@@ -44,7 +45,7 @@ typedef struct prim_entry {
  * scratchpad among primitives, so a primitive must run on the thread that created it: the cache is
  * per thread, touched only by its thread, and freed when the thread ends. Full, it replaces entries
  * in turn. */
-#define PRIM_CACHE_SIZE 16
+#define PRIM_CACHE_SIZE 64 /* blocked weights: a primitive per shape and row count (matmul_dnnl.h) */
 typedef struct prim_cache {
     prim_entry_t e[PRIM_CACHE_SIZE];
     int next;             /* the entry replaced next */
@@ -139,6 +140,12 @@ static dnnl_status_t make_primitive(int m_fixed, int n, int k, bool bias, dnnl_f
     dnnl_primitive_desc_t pd = NULL;
     if (s == dnnl_success) {
         s = dnnl_primitive_desc_create(&pd, &md, attr, g_engine, NULL);
+    }
+    const char *impl = "";
+    if (s == dnnl_success && b_tag == dnnl_BA16a32b2a &&
+        dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &impl) == dnnl_success &&
+        strncmp(impl, "ref", 3) == 0) {
+        s = dnnl_unimplemented; /* blocked weights with a run-time row count: ref:any, seconds per call */
     }
     if (s == dnnl_success) {
         s = dnnl_primitive_create(prim_out, pd);
@@ -314,6 +321,45 @@ pd_status_t pd_cpu_dnnl_matmul_bf16(float *y, const uint16_t *xb, const uint16_t
                                     int n, int k, int num_threads)
 {
     return run_matmul(y, xb, w, bias, m, n, k, dnnl_ba, false, num_threads, false);
+}
+
+pd_status_t pd_cpu_dnnl_matmul_bf16_blocked(float *y, const uint16_t *xb, const uint16_t *w,
+                                            const float *bias, int m, int n, int k, int num_threads)
+{
+    static _Atomic int unsupported; /* once refused, never asked again (making one costs ms) */
+    if (atomic_load_explicit(&unsupported, memory_order_relaxed)) {
+        return PD_ERR_UNSUPPORTED;
+    }
+    uint16_t *xp = NULL;
+    float *yp = NULL;
+    pd_status_t st = PD_OK;
+    for (int i0 = 0; st == PD_OK && i0 < m; i0 += PD_DNNL_BLOCKED_CHUNK) {
+        int rows = m - i0 < PD_DNNL_BLOCKED_CHUNK ? m - i0 : PD_DNNL_BLOCKED_CHUNK;
+        int mp = rows <= 64 ? (rows + 15) & ~15 : (rows + 63) & ~63; /* the primitive's row count */
+        const uint16_t *xs = xb + (size_t)i0 * k;
+        float *ys = y + (size_t)i0 * n;
+        if (mp != rows) { /* rows of zeros below x, their outputs dropped */
+            xp = xp != NULL ? xp : calloc((size_t)mp * k, sizeof(uint16_t));
+            yp = yp != NULL ? yp : malloc((size_t)mp * n * sizeof(float));
+            if (xp == NULL || yp == NULL) {
+                pd_log_error("matmul: cannot allocate %d x %d padded bf16 inputs", mp, k);
+                st = PD_ERR_NO_MEMORY;
+                break;
+            }
+            memcpy(xp, xs, (size_t)rows * k * sizeof(uint16_t));
+            xs = xp;
+            ys = yp;
+        }
+        st = run_matmul(ys, xs, w, bias, mp, n, k, dnnl_BA16a32b2a, false, num_threads, true);
+        if (st == PD_OK && ys == yp) {
+            memcpy(y + (size_t)i0 * n, yp, (size_t)rows * n * sizeof(float));
+        }
+    }
+    if (st == PD_ERR_UNSUPPORTED) {
+        atomic_store_explicit(&unsupported, 1, memory_order_relaxed);
+    }
+    free(xp), free(yp);
+    return st;
 }
 
 pd_status_t pd_cpu_dnnl_gemm_bf16_1t(float *c, const uint16_t *a, const uint16_t *b, int m, int n, int k,

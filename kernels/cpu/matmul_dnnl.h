@@ -26,6 +26,17 @@ bool pd_cpu_dnnl_amx(void);
 pd_status_t pd_cpu_dnnl_matmul_bf16(float *y, const uint16_t *xb, const uint16_t *w, const float *bias, int m,
                                     int n, int k, int num_threads);
 
+/* pd_cpu_dnnl_matmul_bf16 with w in PD_WEIGHT_PAIRS32, every row in a block and k % 32 == 0: that is
+ * oneDNN's BA16a32b2a, read as it is — no reorder of the weights per call (the row-major path's
+ * run-time GEMM packs them every call and read them from DRAM at 9-12 GB/s). oneDNN 2.6 runs these
+ * weights only with a fixed row count (a run-time one gets its reference kernel, seconds per call),
+ * so x goes in chunks of PD_DNNL_BLOCKED_CHUNK rows, the last one padded with rows of zeros to a
+ * multiple of 16 (up to 64 rows) or 64: a primitive per (shape, row count), kept per thread. PD_ERR_UNSUPPORTED when
+ * oneDNN has no such kernel here (then never tried again). */
+#define PD_DNNL_BLOCKED_CHUNK 256
+pd_status_t pd_cpu_dnnl_matmul_bf16_blocked(float *y, const uint16_t *xb, const uint16_t *w,
+                                            const float *bias, int m, int n, int k, int num_threads);
+
 /* c[m][n] = a[m][k] · b (+ c's old values when accumulate), on the calling thread only (for a
  * caller inside its own parallel region: attention tiles). a is bf16 [m][k]; b is bf16 [n][k] when
  * b_is_nk (c = a·bᵀ), else [k][n]; c is fp32 [m][n]. m_fixed asks for a primitive made for exactly

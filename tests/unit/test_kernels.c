@@ -408,6 +408,60 @@ START_TEST(test_matmul_bf16_packed)
 }
 END_TEST
 
+/* --matmul-precision bf16 on weights prepare_weight laid out (n and k multiples of 32: oneDNN's
+ * BA16a32b2a): the packed `vdpbf16ps` kernel up to the GEMV row count, oneDNN with fixed-row-count
+ * primitives above (rows padded with zeros to 16 or 64, chunks of PD_DNNL_BLOCKED_CHUNK) — each
+ * the reference on x rounded to bf16, and a row alone as in its batch, within fp32 summation order;
+ * a weight whose rows do not all fit blocks stays row-major in bf16 math. */
+START_TEST(test_matmul_bf16_math_packed)
+{
+    if (!pd_cpu_bf16dot_usable()) {
+        printf("test_matmul_bf16_math_packed: no AVX512-BF16 on this CPU; bf16 weights stay row-major\n");
+        return;
+    }
+    int shapes[][2] = {{32, 32}, {96, 64}, {320, 1536}};
+    int sizes[] = {1, 3, 12, 13, PD_BF16DOT_AMX_MAX_M, PD_BF16DOT_MAX_M, PD_BF16DOT_MAX_M + 1, 64, 65, 300};
+    g_be->matmul_precision = PD_MATMUL_BF16;
+    for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+        int n = shapes[s][0], k = shapes[s][1], M = 300;
+        float *x = rand_buf((size_t)M * k, -1, 1), *w = rand_buf((size_t)n * k, -1, 1);
+        float *xr = malloc((size_t)M * k * sizeof(float));
+        memcpy(xr, x, (size_t)M * k * sizeof(float));
+        free(store_as(xr, (size_t)M * k, PD_DTYPE_BF16)); /* xr rounded to bf16 in place */
+        uint16_t *ws = store_as(w, (size_t)n * k, PD_DTYPE_BF16);
+        pd_weight_t wt = {ws, PD_DTYPE_BF16, NULL, PD_WEIGHT_ROWS, 0}, rows = wt;
+        ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &wt, n, k, 0), PD_OK);
+        ck_assert_int_eq(wt.layout, PD_WEIGHT_PAIRS32);
+        float *bias = rand_buf((size_t)n, -1, 1), *y = rand_buf((size_t)M * n, -9, 9),
+              *yr = rand_buf((size_t)M * n, -9, 9), *y1 = rand_buf((size_t)n, -9, 9);
+        for (size_t c = 0; c < sizeof(sizes) / sizeof(sizes[0]); c++) {
+            int m = sizes[c], row = m / 2;
+            const float *b = c % 2 ? bias : NULL;
+            ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, wt, b, m, n, k), PD_OK);
+            ck_assert_int_eq(pd_cpu_matmul(g_be, y1, x + (size_t)row * k, wt, b, 1, n, k), PD_OK);
+            rows.data = w; /* the reference on the same values, row-major fp32 */
+            rows.dtype = PD_DTYPE_F32;
+            ck_assert_int_eq(pd_cpu_matmul_ref(g_be, yr, xr, rows, b, m, n, k), PD_OK);
+            ck_assert_msg(max_rel_err(y, yr, (size_t)m * n, sqrt(k)) < 1e-5, "%dx%dx%d", m, n, k);
+            ck_assert_msg(max_rel_err(y1, y + (size_t)row * n, (size_t)n, sqrt(k)) < 1e-5,
+                          "row %d of %dx%dx%d", row, m, n, k);
+        }
+        free(x), free(xr), free(w), free(ws), free(bias), free(y), free(yr), free(y1);
+    }
+    uint16_t buf[40 * 64] = {0};
+    pd_weight_t tail = {buf, PD_DTYPE_BF16, NULL, 0, 0}, oddk = {buf, PD_DTYPE_BF16, NULL, 0, 0};
+    ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &tail, 40, 64, 0), PD_OK);
+    ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &oddk, 32, 80, 0), PD_OK);
+    ck_assert(tail.layout == PD_WEIGHT_ROWS && oddk.layout == PD_WEIGHT_ROWS);
+    if (pd_cpu_dnnl_bf16_native()) { /* the blocked oneDNN path ran, not the fp32 fallback */
+        uint16_t xb[17 * 32] = {0};
+        float yb[17 * 32];
+        ck_assert_int_eq(pd_cpu_dnnl_matmul_bf16_blocked(yb, xb, buf, NULL, 17, 32, 32, 2), PD_OK);
+    }
+    g_be->matmul_precision = PD_MATMUL_FP32;
+}
+END_TEST
+
 /* --matmul-precision bf16 with bf16 weights: every path (the AVX512-BF16 GEMV at each m up to
  * PD_BF16DOT_MAX_M, with w-row blocks, passes of 4 x rows and k tails; oneDNN above) is the
  * reference on x rounded to bf16, so a row's result does not depend on the rows beside it; and the
@@ -1083,6 +1137,7 @@ int main(void)
     tcase_add_test(tc, test_split_bf16x3);
     tcase_add_test(tc, test_bf16w_batch_invariant);
     tcase_add_test(tc, test_matmul_bf16_packed);
+    tcase_add_test(tc, test_matmul_bf16_math_packed);
     tcase_add_test(tc, test_matmul_bf16_big);
     tcase_add_test(tc, test_norms);
     tcase_add_test(tc, test_elementwise);

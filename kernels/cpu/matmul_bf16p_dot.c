@@ -1,0 +1,85 @@
+/* kernels/cpu/matmul_bf16p_dot.c — --matmul-precision bf16 on bf16 weights in PD_WEIGHT_PAIRS32
+ * (matmul_bf16p.h) at few rows, with AVX512-BF16: one 64-byte load is a column pair (c, c + 1) of
+ * 16 output rows as bf16 pairs, exactly what `vdpbf16ps` multiplies against x's pair (x[i][c],
+ * x[i][c + 1]) broadcast, adding both products into the 16 outputs' lanes — no widening and no
+ * reduction across lanes. Blocks of 32 columns × ≤ 12 rows of x (24 accumulators), the weights
+ * prefetched ahead as in matmul_bf16p_x512.c. Products of two bf16 values are exact in fp32 and
+ * sums fp32, so the result is pd_cpu_matmul_ref on the rounded x within summation order (the
+ * hardware flushes bf16 subnormals, |v| < 1.2e-38, to zero). */
+#include <immintrin.h>
+#include <stdint.h>
+
+#include "kernels/cpu/matmul_bf16p.h"
+
+#define DOT_ISA    "avx512f,avx512bw,avx512vl,avx512bf16"
+#define DOT        __attribute__((target(DOT_ISA)))
+#define DOT_INLINE __attribute__((target(DOT_ISA), always_inline)) static inline
+
+enum { BD_R = 12, BD_PREFETCH_BYTES = 1536 };
+
+void pd_cpu_bf16p_dot_prepare(uint32_t *xq, const uint16_t *xb, int m, int k)
+{
+    for (int p = 0; p < k / 2; p++) {
+        for (int i = 0; i < m; i++) {
+            xq[(size_t)p * m + i] =
+                (uint32_t)xb[(size_t)i * k + 2 * p] | (uint32_t)xb[(size_t)i * k + 2 * p + 1] << 16;
+        }
+    }
+}
+
+/* y[i0 + i][j .. j + 32) for i < R (a constant where this is inlined). */
+DOT_INLINE void block(float *y, const uint32_t *xq, const uint16_t *w, const float *bias, int m, int n, int k,
+                      int i0, int j, const int R)
+{
+    __m512 acc[BD_R][2];
+#pragma GCC unroll 12
+    for (int i = 0; i < R; i++) {
+        acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    }
+    const uint16_t *wb = w + (size_t)j * k;
+    const uint32_t *xc = xq + i0;
+    for (int p = 0; p < k; p += 2, wb += 64, xc += m) {
+        _mm_prefetch((const char *)wb + BD_PREFETCH_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)wb + BD_PREFETCH_BYTES + 64, _MM_HINT_T0);
+        __m512bh v0 = (__m512bh)_mm512_loadu_si512(wb), v1 = (__m512bh)_mm512_loadu_si512(wb + 32);
+#pragma GCC unroll 12
+        for (int i = 0; i < R; i++) {
+            __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xc[i]);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], v0, xv);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], v1, xv);
+        }
+    }
+    __m512 b0 = bias != NULL ? _mm512_loadu_ps(bias + j) : _mm512_setzero_ps();
+    __m512 b1 = bias != NULL ? _mm512_loadu_ps(bias + j + 16) : _mm512_setzero_ps();
+#pragma GCC unroll 12
+    for (int i = 0; i < R; i++) {
+        _mm512_storeu_ps(y + (size_t)(i0 + i) * n + j, _mm512_add_ps(acc[i][0], b0));
+        _mm512_storeu_ps(y + (size_t)(i0 + i) * n + j + 16, _mm512_add_ps(acc[i][1], b1));
+    }
+}
+
+#define BLOCK_CASE(R_)                                                                                       \
+    case R_: block(y, xq, w, bias, m, n, k, i0, j, R_); break
+
+DOT void pd_cpu_bf16p_dot(float *y, const uint32_t *xq, const uint16_t *w, const float *bias, int m, int n,
+                          int k, int n0, int n1)
+{
+    for (int j = n0; j < n1; j += 32) {
+        for (int i0 = 0; i0 < m; i0 += BD_R) {
+            switch (m - i0 < BD_R ? m - i0 : BD_R) {
+                BLOCK_CASE(1);
+                BLOCK_CASE(2);
+                BLOCK_CASE(3);
+                BLOCK_CASE(4);
+                BLOCK_CASE(5);
+                BLOCK_CASE(6);
+                BLOCK_CASE(7);
+                BLOCK_CASE(8);
+                BLOCK_CASE(9);
+                BLOCK_CASE(10);
+                BLOCK_CASE(11);
+                BLOCK_CASE(12);
+            }
+        }
+    }
+}
