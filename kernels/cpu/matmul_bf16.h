@@ -2,7 +2,8 @@
  * rounded to bf16 (round to nearest even) before every matmul, products of two bf16 values are
  * exact in fp32, and sums are fp32. Up to PD_BF16DOT_MAX_M rows of x (decode) an AVX512-BF16 GEMV
  * (matmul_bf16dot_x86.c); above, oneDNN (matmul_dnnl.c); on a CPU with neither, the fp32 paths on
- * the rounded x. Every path is pd_cpu_matmul_ref on the rounded x within fp32 summation-order
+ * the rounded x. Weights prepare_weight laid out in 32-row blocks take the same row counts through
+ * matmul_bf16p_dot.c and pd_cpu_dnnl_matmul_bf16_blocked instead (matmul_bf16p.h). Every path is pd_cpu_matmul_ref on the rounded x within fp32 summation-order
  * rounding, so a row's result does not depend on the batch it is in. */
 #ifndef PD_KERNELS_CPU_MATMUL_BF16_H
 #define PD_KERNELS_CPU_MATMUL_BF16_H
