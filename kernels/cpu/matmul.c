@@ -343,7 +343,8 @@ static pd_status_t matmul_bf16_math(pd_backend_t *be, float *y, const float *x, 
     int gemv_max = pd_cpu_dnnl_amx() ? PD_BF16DOT_AMX_MAX_M : PD_BF16DOT_MAX_M;
     /* every row of these n in a block, k whole blocks of 32: oneDNN's BA16a32b2a (matmul_bf16p.h) */
     bool blocked = w.layout == PD_WEIGHT_PAIRS32 && w.packed_rows >= n && n % 32 == 0 && k % 32 == 0;
-    if (blocked && m <= gemv_max && pd_cpu_bf16dot_usable()) {
+    int dot_max = pd_cpu_dnnl_amx() ? PD_BF16P_DOT_AMX_MAX_M : gemv_max;
+    if (blocked && m <= dot_max && pd_cpu_bf16dot_usable()) {
         uint32_t *xq = malloc((size_t)m * (size_t)(k / 2) * sizeof(uint32_t));
         st = xq != NULL ? PD_OK : PD_ERR_NO_MEMORY;
         if (xq != NULL) {
@@ -357,7 +358,7 @@ static pd_status_t matmul_bf16_math(pd_backend_t *be, float *y, const float *x, 
             }
         }
         free(xq);
-    } else if (blocked && m > gemv_max) {
+    } else if (blocked && m > dot_max) {
         st = pd_cpu_dnnl_matmul_bf16_blocked(y, xb, w.data, bias, m, n, k, nt);
     } else if (w.layout != PD_WEIGHT_ROWS) {
         /* a layout the bf16 kernels do not read: the fp32 paths on the rounded x below */
