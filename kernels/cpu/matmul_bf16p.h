@@ -21,6 +21,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kernels/cpu/matmul_bf16.h"
+
 /* Up to this many rows of x the kernel below; above, tiles widened by pd_cpu_bf16p_widen_kn and
  * sgemm (which re-reads the tile from cache per row block: prefill). */
 #define PD_BF16P_MAX_M 64
@@ -57,9 +59,12 @@ void pd_cpu_bf16p_widen_kn(float *tile, const uint16_t *w, int n_packed, int j0,
  * (k/2 × m words); y[i][j] = bias[j] + Σ_p x[i][p] · w[j][p] for i < m, j in [n0, n1) (multiples
  * of 32). */
 /* Up to this many rows the kernel below, above oneDNN, on a CPU with AMX (elsewhere the row-major
- * GEMV's PD_BF16DOT_MAX_M): on the 2-core Xeon, 565 M model, batch 1 28-29 tok/s here against 22
- * through oneDNN (16 rows of which 15 zeros), batch 8 158-159 through oneDNN against 140-143. */
-#define PD_BF16P_DOT_AMX_MAX_M 4
+ * GEMV's PD_BF16DOT_MAX_M). oneDNN would be faster from 5 rows (2-core Xeon, 565 M model: batch 8
+ * 158-159 tok/s against 140-143 here; batch 1 22 against 28-29 here), but a decode batch and a
+ * lone sequence must take the same kernel for their bf16 roundings to agree (test_engine
+ * test_bf16_math_batch_invariant: 0.014 apart in logprobs when batch 8 went to oneDNN and batch
+ * 1 here), so the switch stays where the row-major GEMV's is. */
+#define PD_BF16P_DOT_AMX_MAX_M PD_BF16DOT_AMX_MAX_M
 
 static inline int pd_cpu_bf16p_dot_fits(int64_t rows, int64_t cols)
 {
