@@ -89,6 +89,19 @@ static bool thread_cols(int n, int nt, int t, int unit, int *n0, int *n1)
     return *n0 < *n1;
 }
 
+/* Columns [n0, n1) of y[m][n] set to the bias before an sgemm adds into them: the sgemm's beta
+ * (1, or 0 without a bias, when y's old values are ignored). */
+static float bias_into(float *y, const float *bias, int m, int n, int n0, int n1)
+{
+    if (bias == NULL) {
+        return 0.0f;
+    }
+    for (int i = 0; i < m; i++) {
+        memcpy(y + (size_t)i * n + n0, bias + n0, (size_t)(n1 - n0) * sizeof(float));
+    }
+    return 1.0f;
+}
+
 /* fp32 math on bf16 weights (matmul_bf16.h): x split into 3m bf16 rows, then y3[3m][n] by the bf16
  * GEMV (m <= PD_BF16X3_MAX_M, each thread its columns) or by oneDNN (on AMX), and each thread adds
  * its own columns' three rows (lo + mid + hi). */
@@ -193,13 +206,7 @@ static pd_status_t matmul_bf16p(pd_backend_t *be, float *y, const float *x, pd_w
         float *tile = buf + (size_t)t * tile_rows * k;
         for (int j0 = n0; j0 < n1; j0 += tile_rows) {
             int rows = n1 - j0 < tile_rows ? n1 - j0 : tile_rows;
-            float beta = 0.0f;
-            if (bias != NULL) {
-                for (int i = 0; i < m; i++) {
-                    memcpy(y + (size_t)i * n + j0, bias + j0, (size_t)rows * sizeof(float));
-                }
-                beta = 1.0f;
-            }
+            float beta = bias_into(y, bias, m, n, j0, j0 + rows);
             pd_cpu_bf16p_widen_kn(tile, w.data, n_packed, j0, rows, k);
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, rows, k, 1.0f, x, k, tile, rows, beta,
                         y + j0, n);
@@ -294,13 +301,7 @@ static pd_status_t matmul_fp32_math(pd_backend_t *be, float *y, const float *x, 
             pd_cpu_gemv_lowp(y, x, xp, w, bias, m, n, k, n0, n1);
             continue;
         }
-        float beta = 0.0f;
-        if (bias != NULL) {
-            for (int i = 0; i < m; i++) {
-                memcpy(y + (size_t)i * n + n0, bias + n0, (size_t)(n1 - n0) * sizeof(float));
-            }
-            beta = 1.0f;
-        }
+        float beta = bias_into(y, bias, m, n, n0, n1);
         if (lowp) {
             slice_lowp_tiles(y, x, w, beta, m, n, k, n0, n1, tiles + (size_t)t * tile_rows * k, tile_rows);
         } else {
@@ -343,8 +344,7 @@ static pd_status_t matmul_bf16_math(pd_backend_t *be, float *y, const float *x, 
     int gemv_max = pd_cpu_dnnl_amx() ? PD_BF16DOT_AMX_MAX_M : PD_BF16DOT_MAX_M;
     /* every row of these n in a block, k whole blocks of 32: oneDNN's BA16a32b2a (matmul_bf16p.h) */
     bool blocked = w.layout == PD_WEIGHT_PAIRS32 && w.packed_rows >= n && n % 32 == 0 && k % 32 == 0;
-    int dot_max = pd_cpu_dnnl_amx() ? PD_BF16P_DOT_AMX_MAX_M : gemv_max;
-    if (blocked && m <= dot_max && pd_cpu_bf16dot_usable()) {
+    if (blocked && m <= gemv_max && pd_cpu_bf16dot_usable()) {
         uint32_t *xq = malloc((size_t)m * (size_t)(k / 2) * sizeof(uint32_t));
         st = xq != NULL ? PD_OK : PD_ERR_NO_MEMORY;
         if (xq != NULL) {
@@ -358,7 +358,7 @@ static pd_status_t matmul_bf16_math(pd_backend_t *be, float *y, const float *x, 
             }
         }
         free(xq);
-    } else if (blocked && m > dot_max) {
+    } else if (blocked && m > gemv_max) {
         st = pd_cpu_dnnl_matmul_bf16_blocked(y, xb, w.data, bias, m, n, k, nt);
     } else if (w.layout != PD_WEIGHT_ROWS) {
         /* a layout the bf16 kernels do not read: the fp32 paths on the rounded x below */

@@ -21,8 +21,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "kernels/cpu/matmul_bf16.h"
-
 /* Up to this many rows of x the kernel below; above, tiles widened by pd_cpu_bf16p_widen_kn and
  * sgemm (which re-reads the tile from cache per row block: prefill). */
 #define PD_BF16P_MAX_M 64
@@ -58,20 +56,33 @@ void pd_cpu_bf16p_widen_kn(float *tile, const uint16_t *w, int n_packed, int j0,
  * rounded to bf16 ([m][k]) as column pairs transposed: xq[p][i] = x[i][2p] | x[i][2p + 1] << 16
  * (k/2 × m words); y[i][j] = bias[j] + Σ_p x[i][p] · w[j][p] for i < m, j in [n0, n1) (multiples
  * of 32). */
-/* Up to this many rows the kernel below, above oneDNN, on a CPU with AMX (elsewhere the row-major
- * GEMV's PD_BF16DOT_MAX_M). oneDNN would be faster from 5 rows (2-core Xeon, 565 M model: batch 8
- * 158-159 tok/s against 140-143 here; batch 1 22 against 28-29 here), but a decode batch and a
- * lone sequence must take the same kernel for their bf16 roundings to agree (test_engine
- * test_bf16_math_batch_invariant: 0.014 apart in logprobs when batch 8 went to oneDNN and batch
- * 1 here), so the switch stays where the row-major GEMV's is. */
-#define PD_BF16P_DOT_AMX_MAX_M PD_BF16DOT_AMX_MAX_M
-
 static inline int pd_cpu_bf16p_dot_fits(int64_t rows, int64_t cols)
 {
     return rows >= 32 && rows % 32 == 0 && cols > 0 && cols % 32 == 0;
 }
+/* The kernel runs up to the row-major GEMV's row count (PD_BF16DOT_AMX_MAX_M with AMX,
+ * PD_BF16DOT_MAX_M otherwise), oneDNN above. oneDNN would be faster from 5 rows on the AMX Xeon
+ * (565 M model: batch 8 158-159 tok/s against 140-143 here; batch 1 22 against 28-29 here), but a
+ * decode batch and a lone sequence must take the same kernel for their bf16 roundings to agree
+ * (test_engine test_bf16_math_batch_invariant: 0.014 apart in logprobs when batch 8 went to oneDNN
+ * and batch 1 here). */
 void pd_cpu_bf16p_dot_prepare(uint32_t *xq, const uint16_t *xb, int m, int k);
 void pd_cpu_bf16p_dot(float *y, const uint32_t *xq, const uint16_t *w, const float *bias, int m, int n, int k,
                       int n0, int n1);
+
+/* The 12 cases of a block's row count R (a constant in each), for the kernels' row groups. */
+#define PD_BF16P_ROW_CASES(CASE)                                                                             \
+    CASE(1);                                                                                                 \
+    CASE(2);                                                                                                 \
+    CASE(3);                                                                                                 \
+    CASE(4);                                                                                                 \
+    CASE(5);                                                                                                 \
+    CASE(6);                                                                                                 \
+    CASE(7);                                                                                                 \
+    CASE(8);                                                                                                 \
+    CASE(9);                                                                                                 \
+    CASE(10);                                                                                                \
+    CASE(11);                                                                                                \
+    CASE(12)
 
 #endif

@@ -67,18 +67,7 @@ DOT void pd_cpu_bf16p_dot(float *y, const uint32_t *xq, const uint16_t *w, const
     for (int j = n0; j < n1; j += 32) {
         for (int i0 = 0; i0 < m; i0 += BD_R) {
             switch (m - i0 < BD_R ? m - i0 : BD_R) {
-                BLOCK_CASE(1);
-                BLOCK_CASE(2);
-                BLOCK_CASE(3);
-                BLOCK_CASE(4);
-                BLOCK_CASE(5);
-                BLOCK_CASE(6);
-                BLOCK_CASE(7);
-                BLOCK_CASE(8);
-                BLOCK_CASE(9);
-                BLOCK_CASE(10);
-                BLOCK_CASE(11);
-                BLOCK_CASE(12);
+                PD_BF16P_ROW_CASES(BLOCK_CASE);
             }
         }
     }

@@ -121,18 +121,7 @@ X512 void pd_cpu_bf16p_x512(float *y, const float *xt, const uint16_t *w, const 
     for (; j < n1 && j < n_packed; j += 32) {
         for (int i0 = 0; i0 < m; i0 += BP_R) {
             switch (m - i0 < BP_R ? m - i0 : BP_R) {
-                BLOCK_CASE(1);
-                BLOCK_CASE(2);
-                BLOCK_CASE(3);
-                BLOCK_CASE(4);
-                BLOCK_CASE(5);
-                BLOCK_CASE(6);
-                BLOCK_CASE(7);
-                BLOCK_CASE(8);
-                BLOCK_CASE(9);
-                BLOCK_CASE(10);
-                BLOCK_CASE(11);
-                BLOCK_CASE(12);
+                PD_BF16P_ROW_CASES(BLOCK_CASE);
             }
         }
     }

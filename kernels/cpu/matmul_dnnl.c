@@ -338,9 +338,9 @@ pd_status_t pd_cpu_dnnl_matmul_bf16_blocked(float *y, const uint16_t *xb, const 
         int mp = rows <= 64 ? (rows + 15) & ~15 : (rows + 63) & ~63; /* the primitive's row count */
         const uint16_t *xs = xb + (size_t)i0 * k;
         float *ys = y + (size_t)i0 * n;
-        if (mp != rows) { /* rows of zeros below x, their outputs dropped */
-            xp = xp != NULL ? xp : calloc((size_t)mp * k, sizeof(uint16_t));
-            yp = yp != NULL ? yp : malloc((size_t)mp * n * sizeof(float));
+        if (mp != rows) { /* the last chunk only: rows of zeros below x, their outputs dropped */
+            xp = calloc((size_t)mp * k, sizeof(uint16_t));
+            yp = malloc((size_t)mp * n * sizeof(float));
             if (xp == NULL || yp == NULL) {
                 pd_log_error("matmul: cannot allocate %d x %d padded bf16 inputs", mp, k);
                 st = PD_ERR_NO_MEMORY;

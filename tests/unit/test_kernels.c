@@ -429,7 +429,8 @@ START_TEST(test_matmul_bf16_math_packed)
         memcpy(xr, x, (size_t)M * k * sizeof(float));
         free(store_as(xr, (size_t)M * k, PD_DTYPE_BF16)); /* xr rounded to bf16 in place */
         uint16_t *ws = store_as(w, (size_t)n * k, PD_DTYPE_BF16);
-        pd_weight_t wt = {ws, PD_DTYPE_BF16, NULL, PD_WEIGHT_ROWS, 0}, rows = wt;
+        pd_weight_t wt = {ws, PD_DTYPE_BF16, NULL, PD_WEIGHT_ROWS, 0};
+        pd_weight_t rows = {w, PD_DTYPE_F32, NULL, PD_WEIGHT_ROWS, 0}; /* the same values for the reference */
         ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &wt, n, k, 0), PD_OK);
         ck_assert_int_eq(wt.layout, PD_WEIGHT_PAIRS32);
         float *bias = rand_buf((size_t)n, -1, 1), *y = rand_buf((size_t)M * n, -9, 9),
@@ -439,8 +440,6 @@ START_TEST(test_matmul_bf16_math_packed)
             const float *b = c % 2 ? bias : NULL;
             ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, wt, b, m, n, k), PD_OK);
             ck_assert_int_eq(pd_cpu_matmul(g_be, y1, x + (size_t)row * k, wt, b, 1, n, k), PD_OK);
-            rows.data = w; /* the reference on the same values, row-major fp32 */
-            rows.dtype = PD_DTYPE_F32;
             ck_assert_int_eq(pd_cpu_matmul_ref(g_be, yr, xr, rows, b, m, n, k), PD_OK);
             ck_assert_msg(max_rel_err(y, yr, (size_t)m * n, sqrt(k)) < 1e-5, "%dx%dx%d", m, n, k);
             ck_assert_msg(max_rel_err(y1, y + (size_t)row * n, (size_t)n, sqrt(k)) < 1e-5,
