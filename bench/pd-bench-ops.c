@@ -299,8 +299,10 @@ static void bench_attention(pd_backend_t *be, pd_backend_t *ref, double memcpy_b
 
 /* ------------------------------------------------------------------ matmul */
 
-/* Best time of reps matmuls y[m][n] = x[m][k] · w[n][k]ᵀ with w stored as dt (after one warm-up). */
-static double matmul_seconds(pd_backend_t *be, pd_dtype_t dt, int m, int n, int k, int reps)
+/* Best time of reps matmuls y[m][n] = x[m][k] · w[n][k]ᵀ with w stored as dt (after one warm-up);
+ * as_model: w laid out first by the backend's prepare_weight, as the model's weights are (the
+ * library peaks are measured on row-major weights). */
+static double matmul_seconds(pd_backend_t *be, pd_dtype_t dt, int m, int n, int k, int reps, bool as_model)
 {
     float *x = malloc((size_t)m * k * 4), *y = malloc((size_t)m * n * 4);
     void *w = malloc((size_t)n * k * (size_t)pd_dtype_size(dt));
@@ -321,6 +323,9 @@ static double matmul_seconds(pd_backend_t *be, pd_dtype_t dt, int m, int n, int 
         }
     }
     pd_weight_t wt = {w, dt, scale, PD_WEIGHT_ROWS, 0};
+    if (as_model && be->ops->prepare_weight != NULL) { /* laid out as the model's weights are */
+        (void)be->ops->prepare_weight(be, &wt, n, k, 0);
+    }
     be->ops->matmul(be, y, x, wt, NULL, m, n, k);
     double best = 1e30;
     for (int r = 0; r < reps; r++) {
@@ -335,7 +340,7 @@ static double matmul_seconds(pd_backend_t *be, pd_dtype_t dt, int m, int n, int 
 
 static double sgemm_gflops(pd_backend_t *be, pd_dtype_t dt, int m, int n, int k, int reps)
 {
-    return 2.0 * m * n * k / matmul_seconds(be, dt, m, n, k, reps) / 1e9;
+    return 2.0 * m * n * k / matmul_seconds(be, dt, m, n, k, reps, false) / 1e9;
 }
 
 /* The bf16 GEMM peak: 2048³ with bf16 weights under --matmul-precision bf16 (oneDNN). */
@@ -387,7 +392,7 @@ static double bench_matmul(pd_backend_t *be, double read_bw, double bpeak)
             add_row(name, val, base, g / peak);
         }
     }
-    /* the same shapes in bf16 math (--matmul-precision bf16: oneDNN above 8 rows) */
+    /* the same shapes in bf16 math (--matmul-precision bf16: oneDNN above 16 or 32 rows) */
     snprintf(val, sizeof(val), "%.1f GFLOP/s", bpeak);
     add_row("bf16 GEMM 2048^3, bf16 math (oneDNN peak here)", val, base, bpeak / peak);
     snprintf(base, sizeof(base), "bf16 GEMM 2048^3 %.1f GFLOP/s", bpeak);
@@ -405,7 +410,7 @@ static double bench_matmul(pd_backend_t *be, double read_bw, double bpeak)
     for (size_t d = 0; d < 4; d++) {
         int k = 4096, n = (int)((512u << 20) / ((size_t)k * pd_dtype_size(dts[d])));
         double bytes = (double)n * k * pd_dtype_size(dts[d]);
-        double gbs = bytes / matmul_seconds(be, dts[d], 1, n, k, 5) / 1e9;
+        double gbs = bytes / matmul_seconds(be, dts[d], 1, n, k, 5, false) / 1e9;
         snprintf(val, sizeof(val), "%.2f GB/s", gbs);
         snprintf(name, sizeof(name), "gemv 4096->%d, %s weights (%.0f MiB, DRAM)", n, dt_name(dts[d]),
                  bytes / (1 << 20));
@@ -622,7 +627,7 @@ static void bench_model(pd_backend_t *be, const char *model_dir, double read_bw,
             int sh[][2] = {{(int)qd, (int)hid}, {(int)kvd, (int)hid},         {(int)kvd, (int)hid},
                            {(int)hid, (int)qd}, {(int)(2 * inter), (int)hid}, {(int)hid, (int)inter}};
             for (int q = 0; q < 6; q++) {
-                secs_lin += matmul_seconds(be, ldt, prompts[i], sh[q][0], sh[q][1], 2);
+                secs_lin += matmul_seconds(be, ldt, prompts[i], sh[q][0], sh[q][1], 2, true);
             }
             double g = 2.0 * lin / c->num_layers * prompts[i] / secs_lin / 1e9;
             snprintf(name, sizeof(name), "model linear layers alone, %s%s weights%s, %d tokens", dt_name(wdt),

@@ -229,7 +229,7 @@ static pd_status_t load_model(pd_engine_t *e)
             return PD_ERR_UNSUPPORTED;
         }
         pd_log_info("engine: --matmul-precision bf16: matmul inputs rounded to bf16, fp32 accumulate "
-                    "(oneDNN above 8 rows)");
+                    "(an AVX512-BF16 GEMV up to 16 rows with AMX, 32 without; oneDNN above)");
     }
     snprintf(e->weights_name, sizeof(e->weights_name), "%s%s",
              pd_dtype_torch_name(pd_model_weight_dtype(e->model)),

@@ -20,6 +20,9 @@ if [[ ! -f "$models/llama-565m/config.json" ]]; then
 fi
 echo "run-bench: pd-bench-ops model decode of the 565 M model (fp32, bf16, int8 weights)"
 "$build/bin/pd-bench-ops" --model "$models/llama-565m" --model-only --results bench/RESULTS.md
+echo "run-bench: bench/llamacpp-baseline.sh (llama.cpp on the same weights, the demo and the 565 M model)"
+PD_BUILD="$build" bench/llamacpp-baseline.sh "$models/demo" --results bench/RESULTS.md
+PD_BUILD="$build" bench/llamacpp-baseline.sh "$models/llama-565m" --results bench/RESULTS.md
 echo "run-bench: tools/bench-dtype.sh (pd-serve with fp32 vs bf16 weights under load)"
 tools/bench-dtype.sh "$build"
 echo "run-bench: tools/bench-spec.sh (speculative decoding with n-gram drafts vs none)"
