@@ -40,6 +40,10 @@ typedef enum pd_weight_layout {
      * (kernels/cpu/matmul_bf16p.h); the order of oneDNN's BA16a32b2a weights. The other rows
      * follow row-major, where they would be anyway. Chosen by the backend's prepare_weight. */
     PD_WEIGHT_PAIRS32 = 1,
+    /* int8 only: the first packed_rows rows (a multiple of 32) in blocks of 32 rows, each [cols][32]
+     * — column c of the block's 32 rows in 32 bytes, two columns per 64-byte line
+     * (kernels/cpu/matmul_i8p.h). The other rows follow row-major. */
+    PD_WEIGHT_COLS32 = 2,
 } pd_weight_layout_t;
 
 /* A weight matrix [rows][cols] in backend memory at its storage dtype (the checkpoint's precision:
@@ -50,11 +54,11 @@ typedef struct pd_weight {
     pd_dtype_t dtype;
     const float *scale;        /* int8: [rows]; NULL otherwise */
     pd_weight_layout_t layout; /* PD_WEIGHT_ROWS unless the backend rearranged the matrix */
-    int64_t packed_rows;       /* PD_WEIGHT_PAIRS32: rows [0, packed_rows) are in blocks */
+    int64_t packed_rows;       /* PAIRS32 / COLS32: rows [0, packed_rows) are in blocks */
 } pd_weight_t;
 
-/* The weight from row `row` of w on, for a matrix `cols` wide (a slice of a fused weight). With
- * PD_WEIGHT_PAIRS32, row must be a multiple of 32 (a whole block: the same offset). */
+/* The weight from row `row` of w on, for a matrix `cols` wide (a slice of a fused weight). With a
+ * blocked layout, row must be a multiple of 32 (a whole block: the same offset). */
 static inline pd_weight_t pd_weight_rows(pd_weight_t w, int64_t row, int64_t cols)
 {
     pd_weight_t r = {(const char *)w.data + row * cols * pd_dtype_size(w.dtype), w.dtype,
@@ -68,6 +72,9 @@ PD_HD static inline int64_t pd_weight_index(pd_weight_t w, int64_t r, int64_t c,
 {
     if (w.layout == PD_WEIGHT_PAIRS32 && r < w.packed_rows) {
         return (r & ~(int64_t)31) * cols + (c >> 1) * 64 + (r & 31) * 2 + (c & 1);
+    }
+    if (w.layout == PD_WEIGHT_COLS32 && r < w.packed_rows) {
+        return (r & ~(int64_t)31) * cols + c * 32 + (r & 31);
     }
     return r * cols + c;
 }

@@ -242,7 +242,7 @@ pd_status_t pd_model_load_linear(pd_model_t *m, const pd_st_set_t *set, const ch
     int64_t rows = transpose ? shape[1] : shape[0], cols = transpose ? shape[0] : shape[1];
     pd_status_t st = upload_int8(m, f, rows, cols, out);
     free(f);
-    return st;
+    return st == PD_OK ? prepare_weight(m, out, rows, cols, slice_rows) : st;
 }
 
 pd_status_t pd_model_load_stacked(pd_model_t *m, const pd_st_set_t *set, const char *const *names, int n,
@@ -281,7 +281,7 @@ pd_status_t pd_model_load_stacked(pd_model_t *m, const pd_st_set_t *set, const c
         *out = (pd_weight_t){dev, dt, NULL, PD_WEIGHT_ROWS, 0};
     }
     free(all);
-    if (st == PD_OK && m->ldtype != PD_DTYPE_I8) {
+    if (st == PD_OK) {
         st = prepare_weight(m, out, total, cols, 0);
     }
     return st;
@@ -387,7 +387,7 @@ pd_status_t pd_model_load_dtype(const char *dir, pd_backend_t *be, const char *d
         goto err_model;
     }
     if (m->packed_matrices > 0) {
-        pd_log_info("model: %d matrices laid out in 32-row column-pair blocks for the %s backend's matmul",
+        pd_log_info("model: %d matrices laid out in 32-row blocks for the %s backend's matmul",
                     m->packed_matrices, be->ops->name);
     }
     pd_log_info(

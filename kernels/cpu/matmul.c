@@ -1,7 +1,8 @@
 /* kernels/cpu/matmul.c — y[m][n] = x[m][k] · w[n][k]ᵀ + bias: a plain loop, and the optimized op:
- * OpenBLAS sgemm/sgemv for fp32 weights; bf16 weights that prepare_weight laid out in 32-row blocks
- * (PD_WEIGHT_PAIRS32, AVX-512, fp32 math) through the outer-product kernel of matmul_bf16p.h up to
- * 64 rows and transposed widened tiles + sgemm above; for row-major bf16/fp16/int8 weights a GEMV
+ * OpenBLAS sgemm/sgemv for fp32 weights; bf16 and int8 weights that prepare_weight laid out in
+ * 32-row blocks (PD_WEIGHT_PAIRS32 / PD_WEIGHT_COLS32, AVX-512, fp32 math) through the
+ * outer-product kernels of matmul_bf16p.h / matmul_i8p.h up to 64 rows and transposed widened
+ * tiles + sgemm above; for row-major bf16/fp16/int8 weights a GEMV
  * that widens in registers
  * (matmul_lowp_x86.c) at small m, and tiles of w widened into fp32 for sgemm at larger m; on an
  * AVX-512 CPU, bf16 weights at 2..PD_BF16W_X512_MAX_M rows go through a register-blocked kernel that
@@ -19,6 +20,7 @@
 #include "kernels/cpu/matmul_bf16.h"
 #include "kernels/cpu/matmul_bf16p.h"
 #include "kernels/cpu/matmul_dnnl.h"
+#include "kernels/cpu/matmul_i8p.h"
 #include "kernels/cpu/matmul_lowp.h"
 #include "kernels/cpu/simd.h"
 #include "kernels/dtype_impl.h"
@@ -79,7 +81,7 @@ static int tile_rows_for(int m, int k)
 }
 
 /* Thread t's columns [*n0, *n1) of n split over nt threads in slices of whole multiples of unit
- * (a power of two: 16, whole 64-byte rows of y; 32, whole blocks of a PD_WEIGHT_PAIRS32 weight);
+ * (a power of two: 16, whole 64-byte rows of y; 32, whole blocks of a blocked weight);
  * false when it has none. */
 static bool thread_cols(int n, int nt, int t, int unit, int *n0, int *n1)
 {
@@ -168,14 +170,16 @@ static pd_status_t matmul_bf16w(pd_backend_t *be, float *y, const float *x, pd_w
     return PD_OK;
 }
 
-/* fp32 math on bf16 weights in PD_WEIGHT_PAIRS32 (matmul_bf16p.h): up to PD_BF16P_MAX_M rows the
- * outer-product kernel on x transposed once; above, each thread widens its blocks into transposed
- * fp32 tiles ([k][rows]) for sgemm. Threads take whole 32-column blocks. */
-static pd_status_t matmul_bf16p(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias,
-                                int m, int n, int k)
+/* fp32 math on bf16 weights in PD_WEIGHT_PAIRS32 (matmul_bf16p.h) or int8 ones in PD_WEIGHT_COLS32
+ * (matmul_i8p.h): up to 64 rows the layout's outer-product kernel on x transposed once; above,
+ * each thread widens its blocks into transposed fp32 tiles ([k][rows]) for sgemm. Threads take
+ * whole 32-column blocks. */
+static pd_status_t matmul_blocked(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
+                                  const float *bias, int m, int n, int k)
 {
     int nt = be->num_threads;
-    bool direct = m <= PD_BF16P_MAX_M;
+    bool i8 = w.layout == PD_WEIGHT_COLS32;
+    bool direct = m <= (i8 ? PD_I8P_MAX_M : PD_BF16P_MAX_M);
     int n_packed = w.packed_rows < n ? (int)w.packed_rows : n;
     if (n_packed % 32 != 0) { /* a slice that ends inside a block: prepare_weight's slice_rows */
         pd_log_error("matmul: %d rows of a weight with %lld in 32-row blocks end inside a block", n,
@@ -199,6 +203,10 @@ static pd_status_t matmul_bf16p(pd_backend_t *be, float *y, const float *x, pd_w
         if (!thread_cols(n, nt, t, 32, &n0, &n1)) {
             continue;
         }
+        if (direct && i8) {
+            pd_cpu_i8p_x512(y, buf, w.data, w.scale, bias, m, n, k, n_packed, n0, n1);
+            continue;
+        }
         if (direct) {
             pd_cpu_bf16p_x512(y, buf, w.data, bias, m, n, k, n_packed, n0, n1);
             continue;
@@ -207,7 +215,11 @@ static pd_status_t matmul_bf16p(pd_backend_t *be, float *y, const float *x, pd_w
         for (int j0 = n0; j0 < n1; j0 += tile_rows) {
             int rows = n1 - j0 < tile_rows ? n1 - j0 : tile_rows;
             float beta = bias_into(y, bias, m, n, j0, j0 + rows);
-            pd_cpu_bf16p_widen_kn(tile, w.data, n_packed, j0, rows, k);
+            if (i8) {
+                pd_cpu_i8p_widen_kn(tile, w.data, w.scale, n_packed, j0, rows, k);
+            } else {
+                pd_cpu_bf16p_widen_kn(tile, w.data, n_packed, j0, rows, k);
+            }
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, rows, k, 1.0f, x, k, tile, rows, beta,
                         y + j0, n);
         }
@@ -227,23 +239,32 @@ pd_status_t pd_cpu_prepare_weight(pd_backend_t *be, pd_weight_t *w, int64_t rows
                                   int64_t slice_rows)
 {
     bool bf16_math = be->matmul_precision == PD_MATMUL_BF16;
-    bool fits = bf16_math ? pd_cpu_bf16p_dot_fits(rows, cols) && pd_cpu_bf16dot_usable()
-                          : be->matmul_precision == PD_MATMUL_FP32 && pd_cpu_bf16p_fits(rows, cols);
-    if (w->dtype != PD_DTYPE_BF16 || slice_rows % 32 != 0 || w->layout != PD_WEIGHT_ROWS || !fits ||
-        !pd_cpu_avx512_usable() || !packing_wanted()) {
+    bool fits = false;
+    if (w->dtype == PD_DTYPE_BF16) {
+        fits = bf16_math ? pd_cpu_bf16p_dot_fits(rows, cols) && pd_cpu_bf16dot_usable()
+                         : be->matmul_precision == PD_MATMUL_FP32 && pd_cpu_bf16p_fits(rows, cols);
+    } else if (w->dtype == PD_DTYPE_I8) { /* int8 is always fp32 math */
+        fits = pd_cpu_i8p_fits(rows, cols);
+    }
+    if (slice_rows % 32 != 0 || w->layout != PD_WEIGHT_ROWS || !fits || !pd_cpu_avx512_usable() ||
+        !packing_wanted()) {
         return PD_OK;
     }
     int64_t blocked = rows & ~(int64_t)31; /* the rows after stay where they are, row-major */
-    size_t bytes = (size_t)blocked * (size_t)cols * sizeof(uint16_t);
-    uint16_t *copy = malloc(bytes);
+    size_t bytes = (size_t)blocked * (size_t)cols * (size_t)pd_dtype_size(w->dtype);
+    void *copy = malloc(bytes);
     if (copy == NULL) {
         pd_log_error("cpu backend: cannot allocate %zu bytes to lay out a weight", bytes);
         return PD_ERR_NO_MEMORY;
     }
     memcpy(copy, w->data, bytes);
-    pd_cpu_bf16p_pack((uint16_t *)w->data, copy, blocked, cols, be->num_threads);
+    if (w->dtype == PD_DTYPE_I8) {
+        pd_cpu_i8p_pack((int8_t *)w->data, copy, blocked, cols, be->num_threads);
+    } else {
+        pd_cpu_bf16p_pack((uint16_t *)w->data, copy, blocked, cols, be->num_threads);
+    }
     free(copy);
-    w->layout = PD_WEIGHT_PAIRS32;
+    w->layout = w->dtype == PD_DTYPE_I8 ? PD_WEIGHT_COLS32 : PD_WEIGHT_PAIRS32;
     w->packed_rows = blocked;
     return PD_OK;
 }
@@ -258,8 +279,8 @@ pd_status_t pd_cpu_prepare_weight(pd_backend_t *be, pd_weight_t *w, int64_t rows
 static pd_status_t matmul_fp32_math(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
                                     const float *bias, int m, int n, int k)
 {
-    if (w.layout == PD_WEIGHT_PAIRS32) {
-        return matmul_bf16p(be, y, x, w, bias, m, n, k);
+    if (w.layout == PD_WEIGHT_PAIRS32 || w.layout == PD_WEIGHT_COLS32) {
+        return matmul_blocked(be, y, x, w, bias, m, n, k);
     }
     if (w.dtype == PD_DTYPE_BF16 && m >= PD_BF16X3_AMX_MIN_M && m <= PD_BF16X3_AMX_MAX_M &&
         (int64_t)n * k >= PD_BF16X3_AMX_MIN_WEIGHTS && pd_cpu_dnnl_amx()) {

@@ -1,0 +1,50 @@
+/* kernels/cpu/matmul_i8p.h — fp32 math on int8 weights (--quantization int8: per-row scales) kept in
+ * the PD_WEIGHT_COLS32 layout (kernels/backend.h), which the CPU backend's prepare_weight chooses on
+ * an AVX-512 CPU.
+ *
+ * In that layout a column c of 32 output rows is 32 bytes, so one 64-byte load is two columns of a
+ * block; `vpmovsxbd` + `vcvtdq2ps` widen a column's 16-row halves to fp32 in registers, and the
+ * kernel multiplies the 32 outputs at once by x[i][c] broadcast: the outer product of
+ * matmul_bf16p.h, with x transposed once by pd_cpu_bf16p_prepare. The row-major int8 path widened
+ * tiles for sgemm above 8 rows (0.33x / 0.41x of its roofline at batch 8 / 32 on the 565 M model).
+ *
+ * Each y[i][j] is fma(Σ_p, scale[j], bias[j]) where Σ_p is x[i][p] · q[j][p] by fused multiply-adds
+ * in column order from 0 (q the int8 values, exact in fp32): one order whatever m, the thread's
+ * columns or the batch, so a row's result is the same alone as in a batch of any size up to
+ * PD_I8P_MAX_M. It equals pd_cpu_matmul_ref (which multiplies q · scale per element) within fp32
+ * rounding. */
+#ifndef PD_KERNELS_CPU_MATMUL_I8P_H
+#define PD_KERNELS_CPU_MATMUL_I8P_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Up to this many rows of x the kernel below; above, tiles widened by pd_cpu_i8p_widen_kn (scale
+ * included, as pd_weight_at) and sgemm. */
+#define PD_I8P_MAX_M 64
+
+/* Whether a [rows][cols] int8 matrix can take the layout (a block of 32 rows at least). */
+static inline int pd_cpu_i8p_fits(int64_t rows, int64_t cols)
+{
+    return rows >= 32 && cols > 0;
+}
+
+/* dst = src[rows][cols] (row-major int8, rows % 32 == 0) in PD_WEIGHT_COLS32 order; dst and src do
+ * not overlap. Runs on num_threads OpenMP threads. */
+void pd_cpu_i8p_pack(int8_t *dst, const int8_t *src, int64_t rows, int64_t cols, int num_threads);
+
+/* y[i][j] = fma(Σ_p x[i][p] · q[j][p], scale[j], bias[j]) in the order above, for i < m, j in
+ * [n0, n1) (n0 a multiple of 32; y is [m][n], bias NULL (0) or [n], scale [n]); xt from
+ * pd_cpu_bf16p_prepare (x transposed, [k][m]), w the matrix [n][k] with its first n_packed rows
+ * packed (the rest row-major: the same order of sums, one row at a time). Needs AVX-512 F/BW/VL
+ * (pd_cpu_avx512_usable). */
+void pd_cpu_i8p_x512(float *y, const float *xt, const int8_t *w, const float *scale, const float *bias, int m,
+                     int n, int k, int n_packed, int n0, int n1);
+
+/* tile[k][rows] = rows j0 .. j0 + rows of w [.][k] (first n_packed rows packed, j0 a multiple of 32)
+ * as fp32 times their scale (pd_weight_at), transposed: the B operand of sgemm (NoTrans) above
+ * PD_I8P_MAX_M rows. AVX-512. */
+void pd_cpu_i8p_widen_kn(float *tile, const int8_t *w, const float *scale, int n_packed, int j0, int rows,
+                         int k);
+
+#endif
