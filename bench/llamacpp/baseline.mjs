@@ -59,7 +59,7 @@ async function main() {
         await seq.clearHistory();
         const prompt = promptIds(a.promptLen, vocab);
         const out = [], times = [];
-        for await (const t of seq.evaluate(prompt, { temperature: 0 })) {
+        for await (const t of seq.evaluate(prompt, { temperature: 0, yieldEogToken: true })) {
             out.push(t);
             times.push(performance.now());
             if (out.length === a.steps) break;
