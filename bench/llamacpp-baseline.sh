@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # bench/llamacpp-baseline.sh [MODEL_DIR] [--results FILE] — llama.cpp beside pdserve on the same
 # weights, the same machine, the same threads, in one run (issue 18's comparison):
-#   1. node-llama-cpp's prebuilt CPU binaries from npm (pinned in bench/llamacpp/package.json,
-#      installed once into $PD_BUILD/llamacpp; no CUDA or Vulkan packages);
+#   1. node-llama-cpp's prebuilt CPU binaries from npm (pinned in bench/llamacpp/npm-packages,
+#      installed once by tests/reference/npm_install.sh into $PD_BUILD/npm-llamacpp, which CTest
+#      llamacpp_reference shares; no CUDA or Vulkan packages);
 #   2. MODEL_DIR (default: the demo model) as GGUF through tools/pd-to-gguf.py, weights at their
 #      checkpoint dtype;
 #   3. llama.cpp: greedy decode after a 64-token prompt, single-token forwards, prefill of 512 and
@@ -32,16 +33,14 @@ source tools/bench-procs.sh
 demo_setup llamacpp
 [[ -f "$model/config.json" ]] || { echo "llamacpp-baseline: no model at $model" >&2; exit 1; }
 
-# 1. llama.cpp from npm (idempotent: skipped when the pinned version is there)
-lc=$build/llamacpp
+# 1. llama.cpp from npm (idempotent: skipped when the pinned versions are there)
+npm_dir=$build/npm-llamacpp
+command -v npm >/dev/null || { echo "llamacpp-baseline: npm is missing (tools/install-deps.sh)" >&2; exit 1; }
+# shellcheck disable=SC2046 # the package list is words
+NPM_INSTALL_FLAGS=--omit=optional tests/reference/npm_install.sh "$npm_dir" $(cat bench/llamacpp/npm-packages)
+cp bench/llamacpp/baseline.mjs "$npm_dir/baseline.mjs" # beside node_modules, so its import resolves
+lc=$build/llamacpp # the GGUF files
 mkdir -p "$lc"
-if ! cmp -s bench/llamacpp/package.json "$lc/package.json" || [[ ! -d "$lc/node_modules/node-llama-cpp" ]]; then
-  command -v npm >/dev/null || { echo "llamacpp-baseline: npm is missing (tools/install-deps.sh)" >&2; exit 1; }
-  cp bench/llamacpp/package.json "$lc/package.json"
-  echo "llamacpp-baseline: installing node-llama-cpp into $lc (npm)" >&2
-  (cd "$lc" && npm install --omit=optional --no-audit --no-fund --loglevel=error >/dev/null)
-fi
-cp bench/llamacpp/baseline.mjs "$lc/baseline.mjs"
 
 # 2. the model as GGUF
 name=$(basename "$(realpath "$model")")
@@ -53,7 +52,7 @@ fi
 # 3. llama.cpp (one libuv worker: with node's default four, successive evaluations start ggml thread
 # teams on different threads and the old ones still poll; decode ran 4-8x slower on 2 cores)
 echo "llamacpp-baseline: llama.cpp on $gguf, $threads threads" >&2
-UV_THREADPOOL_SIZE=1 node "$lc/baseline.mjs" --model "$gguf" --threads "$threads" --tokens-out "$work/ll.json" \
+UV_THREADPOOL_SIZE=1 node "$npm_dir/baseline.mjs" --model "$gguf" --threads "$threads" --tokens-out "$work/ll.json" \
   >"$work/ll-result.json" 2>"$work/ll.log" || { cat "$work/ll.log" >&2; exit 1; }
 grep -h 'llama.cpp: CPU' "$work/ll.log" >&2 || true
 

@@ -32,8 +32,8 @@ function parseArgs(argv) {
     return a;
 }
 
-// The prompt: the same ids pd-bench-ops and tools/llamacpp-compare.sh send (i·7919 + 13 mod the
-// tokenizer's ordinary ids), no BOS.
+// The prompt: ids i·7919 + 13 modulo the vocabulary less its two special tokens, no BOS (the
+// caller sends pd-serve the same ids, from --tokens-out).
 function promptIds(n, vocab) {
     const ids = [];
     for (let i = 0; i < n; i++) ids.push((i * 7919 + 13) % (vocab - 2));

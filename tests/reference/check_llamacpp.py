@@ -1,6 +1,6 @@
 """tests/reference/check_llamacpp.py BUILD_DIR — pdserve's greedy tokens against llama.cpp's, an
-independent implementation of the same models (node-llama-cpp 3.22.1's prebuilt CPU build, from
-npm; the models converted by tools/pd-to-gguf.py):
+independent implementation of the same models (node-llama-cpp's prebuilt CPU build, from npm, pinned
+in bench/llamacpp/npm-packages; the models converted by tools/pd-to-gguf.py):
 
   * two pd-mkmodel Llama models: fp32 weights with 4 query heads on 2 KV heads, and bf16 weights
     with one KV head for 4 query heads and rope_theta 500000;
@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BUILD = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else "build")
 BIN = os.path.join(BUILD, "bin")
 NPM_DIR = os.path.join(BUILD, "npm-llamacpp")
-PACKAGES = ["node-llama-cpp@3.22.1", "@node-llama-cpp/linux-x64@3.22.1"]
+PACKAGES = open(os.path.join(ROOT, "bench", "llamacpp", "npm-packages")).read().split()
 PROMPT, STEPS, MIN_EQUAL, NEAR_TIE = 16, 32, 8, 0.05
 failures = []
 
@@ -68,7 +68,7 @@ def compare(name, model, work):
     if not check(r.returncode == 0, "%s: converted to GGUF %s" % (name, r.stderr.strip())):
         return
     ref = os.path.join(work, name + "-llamacpp.json")
-    env = dict(os.environ, UV_THREADPOOL_SIZE="1", NODE_PATH=os.path.join(NPM_DIR, "node_modules"))
+    env = dict(os.environ, UV_THREADPOOL_SIZE="1")
     script = os.path.join(NPM_DIR, "baseline.mjs")  # beside node_modules, so the import resolves
     with open(os.path.join(ROOT, "bench", "llamacpp", "baseline.mjs")) as src, open(script, "w") as dst:
         dst.write(src.read())
