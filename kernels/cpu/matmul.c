@@ -170,6 +170,42 @@ static pd_status_t matmul_bf16w(pd_backend_t *be, float *y, const float *x, pd_w
     return PD_OK;
 }
 
+/* y = x · wᵀ + bias on AMX tiles (matmul_bf16p_amx.c), x given as `parts` bf16 rows per row
+ * (pd_cpu_bf16p_amx's xs); threads take whole 32-column blocks. */
+static void matmul_amx(pd_backend_t *be, float *y, const uint16_t *xs, int parts, pd_weight_t w,
+                       const float *bias, int m, int n, int k)
+{
+    int nt = be->num_threads;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int t = 0; t < nt; t++) {
+        int n0, n1;
+        if (thread_cols(n, nt, t, 32, &n0, &n1)) {
+            pd_cpu_bf16p_amx(y, xs, parts, w.data, bias, m, n, k, n0, n1);
+        }
+    }
+}
+
+/* fp32 math on PD_WEIGHT_PAIRS32 bf16 weights on AMX tiles: x split in three exact bf16 parts
+ * (pd_cpu_split_bf16x3; rows split over the threads), all three multiplied into the same sums. */
+static pd_status_t matmul_amx_x3(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias,
+                                 int m, int n, int k)
+{
+    int nt = be->num_threads, rows = pd_cpu_bf16p_amx_rows(m);
+    uint16_t *xs = malloc((size_t)rows * 3 * k * sizeof(uint16_t));
+    if (xs == NULL) {
+        pd_log_error("matmul: cannot allocate %d x 3 x %d split inputs", rows, k);
+        return PD_ERR_NO_MEMORY;
+    }
+    memset(xs + (size_t)m * 3 * k, 0, (size_t)(rows - m) * 3 * k * sizeof(uint16_t));
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && m > 1)
+    for (int i = 0; i < m; i++) {
+        pd_cpu_split_bf16x3(xs + (size_t)3 * i * k, x + (size_t)i * k, k);
+    }
+    matmul_amx(be, y, xs, 3, w, bias, m, n, k);
+    free(xs);
+    return PD_OK;
+}
+
 /* fp32 math on bf16 weights in PD_WEIGHT_PAIRS32 (matmul_bf16p.h) or int8 ones in PD_WEIGHT_COLS32
  * (matmul_i8p.h): up to 64 rows the layout's outer-product kernel on x transposed once; above,
  * each thread widens its blocks into transposed fp32 tiles ([k][rows]) for sgemm. Threads take
@@ -228,6 +264,18 @@ static pd_status_t matmul_blocked(pd_backend_t *be, float *y, const float *x, pd
     return PD_OK;
 }
 
+/* PD_CPU_AMX=0 keeps the matmuls off the AMX kernel (A/B benchmarks): bf16 math then goes to
+ * oneDNN above the GEMV's rows, fp32 math to matmul_blocked. */
+static bool amx_wanted(void)
+{
+    static int wanted = -1; /* a benign race: every thread reads the same environment */
+    if (__atomic_load_n(&wanted, __ATOMIC_RELAXED) < 0) {
+        const char *v = getenv("PD_CPU_AMX");
+        __atomic_store_n(&wanted, v == NULL || strcmp(v, "0") != 0, __ATOMIC_RELAXED);
+    }
+    return __atomic_load_n(&wanted, __ATOMIC_RELAXED);
+}
+
 /* PD_CPU_WEIGHT_PACKING=0 keeps every weight row-major (A/B benchmarks of the two layouts). */
 static bool packing_wanted(void)
 {
@@ -279,6 +327,11 @@ pd_status_t pd_cpu_prepare_weight(pd_backend_t *be, pd_weight_t *w, int64_t rows
 static pd_status_t matmul_fp32_math(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
                                     const float *bias, int m, int n, int k)
 {
+    if (w.layout == PD_WEIGHT_PAIRS32 && m >= PD_BF16P_AMX_X3_MIN_M &&
+        pd_cpu_bf16p_amx_fits(n, w.packed_rows, k) && amx_wanted() && pd_cpu_amx_usable() &&
+        pd_cpu_bf16dot_usable()) {
+        return matmul_amx_x3(be, y, x, w, bias, m, n, k);
+    }
     if (w.layout == PD_WEIGHT_PAIRS32 || w.layout == PD_WEIGHT_COLS32) {
         return matmul_blocked(be, y, x, w, bias, m, n, k);
     }
@@ -352,11 +405,13 @@ static pd_status_t matmul_bf16_math(pd_backend_t *be, float *y, const float *x, 
                                     const float *bias, int m, int n, int k)
 {
     int nt = be->num_threads;
-    uint16_t *xb = malloc((size_t)m * k * sizeof(uint16_t));
+    int rows = pd_cpu_bf16p_amx_rows(m); /* the AMX kernel's whole tiles; the rest read m rows */
+    uint16_t *xb = malloc((size_t)rows * k * sizeof(uint16_t));
     if (xb == NULL) {
         pd_log_error("matmul: cannot allocate %d x %d bf16 inputs", m, k);
         return PD_ERR_NO_MEMORY;
     }
+    memset(xb + (size_t)m * k, 0, (size_t)(rows - m) * k * sizeof(uint16_t));
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && m > 1)
     for (int i = 0; i < m; i++) {
         pd_cpu_round_bf16(xb + (size_t)i * k, x + (size_t)i * k, (size_t)k);
@@ -364,8 +419,11 @@ static pd_status_t matmul_bf16_math(pd_backend_t *be, float *y, const float *x, 
     pd_status_t st = PD_ERR_UNSUPPORTED;
     int gemv_max = pd_cpu_dnnl_amx() ? PD_BF16DOT_AMX_MAX_M : PD_BF16DOT_MAX_M;
     /* every row of these n in a block, k whole blocks of 32: oneDNN's BA16a32b2a (matmul_bf16p.h) */
-    bool blocked = w.layout == PD_WEIGHT_PAIRS32 && w.packed_rows >= n && n % 32 == 0 && k % 32 == 0;
-    if (blocked && m <= gemv_max && pd_cpu_bf16dot_usable()) {
+    bool blocked = w.layout == PD_WEIGHT_PAIRS32 && pd_cpu_bf16p_amx_fits(n, w.packed_rows, k);
+    if (blocked && m >= PD_BF16P_AMX_MIN_M && amx_wanted() && pd_cpu_amx_usable()) {
+        matmul_amx(be, y, xb, 1, w, bias, m, n, k);
+        st = PD_OK;
+    } else if (blocked && m <= gemv_max && pd_cpu_bf16dot_usable()) {
         uint32_t *xq = malloc((size_t)m * (size_t)(k / 2) * sizeof(uint32_t));
         st = xq != NULL ? PD_OK : PD_ERR_NO_MEMORY;
         if (xq != NULL) {

@@ -70,6 +70,46 @@ void pd_cpu_bf16p_dot_prepare(uint32_t *xq, const uint16_t *xb, int m, int k);
 void pd_cpu_bf16p_dot(float *y, const uint32_t *xq, const uint16_t *w, const float *bias, int m, int n, int k,
                       int n0, int n1);
 
+/* AMX (matmul_bf16p_amx.c): whether this CPU has AMX-TILE and AMX-BF16 and the kernel let this
+ * process use them (asked once, for every thread). */
+int pd_cpu_amx_usable(void);
+
+/* From these row counts on the matmul takes the AMX kernel. bf16 math: above the `vdpbf16ps`
+ * kernel's rows (PD_BF16DOT_AMX_MAX_M), in place of oneDNN (565 M model, batch 32: 470-480 against
+ * 402-418 tok/s). The AMX kernel would also win at 8 rows (164-170 against 133-138 tok/s) but lose
+ * at one (22-24 against 26-28), and the two kernels round sums differently (about half the outputs
+ * differ in the last bit): a sequence alone and in a batch of 8 then part by 0.014 in logprobs
+ * through bf16 activations (test_engine test_bf16_math_batch_invariant), so one kernel serves 1-16
+ * rows. fp32 math, x in three parts: from 16 rows (batch 8 level or behind the outer-product
+ * kernel, 129-142 against 142-149 tok/s; batch 32 301-322 against 225-228; prefill 1.4-1.7x).
+ * bench/RESULTS.md 2026-11-25. */
+#define PD_BF16P_AMX_MIN_M    (PD_BF16DOT_AMX_MAX_M + 1)
+#define PD_BF16P_AMX_X3_MIN_M 16
+
+/* Whether pd_cpu_bf16p_amx takes a [rows][cols] matrix: every row in a block, k whole tiles. */
+static inline int pd_cpu_bf16p_amx_fits(int64_t rows, int64_t n_packed, int64_t cols)
+{
+    return rows % 32 == 0 && n_packed >= rows && cols % 32 == 0;
+}
+
+/* Rows of x a pd_cpu_bf16p_amx input holds: m rounded up to whole tiles of 16 (the rows after m
+ * are read, and their products dropped: zero them). */
+static inline int pd_cpu_bf16p_amx_rows(int m)
+{
+    return (m + 15) & ~15;
+}
+
+/* y[i][j] = bias[j] + Σ_p x[i][p] · w[j][p] for i < m, j in [n0, n1) (multiples of 32); y is
+ * [m][n], bias NULL or [n], w [n][k] with pd_cpu_bf16p_amx_fits. x is given as `parts` bf16 rows per
+ * row of x, xs[i][part][k] for pd_cpu_bf16p_amx_rows(m) rows i, whose sum is x: 1 part for bf16
+ * math (x rounded), 3 for fp32 math (pd_cpu_split_bf16x3's hi, mid, lo). Sums start from the bias
+ * and go 32 columns at a time from column 0, every part in turn: the same for a row whatever m is.
+ * Rows are taken in chunks of pd_cpu_bf16p_amx_chunk_rows(k, parts), ~1 MiB of x, each chunk
+ * against all of the thread's columns. Needs pd_cpu_amx_usable(). */
+void pd_cpu_bf16p_amx(float *y, const uint16_t *xs, int parts, const uint16_t *w, const float *bias, int m,
+                      int n, int k, int n0, int n1);
+int pd_cpu_bf16p_amx_chunk_rows(int k, int parts);
+
 /* The 12 cases of a block's row count R (a constant in each), for the kernels' row groups. */
 #define PD_BF16P_ROW_CASES(CASE)                                                                             \
     CASE(1);                                                                                                 \

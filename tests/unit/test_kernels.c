@@ -504,6 +504,86 @@ START_TEST(test_matmul_i8_packed)
 }
 END_TEST
 
+/* The AMX kernel (matmul_bf16p_amx.c) on weights prepare_weight laid out, x in one part (bf16
+ * math: x rounded) and in three (fp32 math: pd_cpu_split_bf16x3): the reference on the values it
+ * stands for within fp32 summation order; each row bitwise the same alone (m = 1) as in its batch,
+ * whatever the rows padding the last tile hold (NaN here) and wherever a thread's columns start;
+ * row chunks of pd_cpu_bf16p_amx_chunk_rows crossed; and pd_cpu_matmul taking it in both
+ * precisions from its row counts on. */
+START_TEST(test_matmul_bf16_amx)
+{
+    if (!pd_cpu_amx_usable() || !pd_cpu_bf16dot_usable()) {
+        printf("test_matmul_bf16_amx: no AMX on this CPU (or not allowed); skipped\n");
+        return;
+    }
+    int shapes[][2] = {{32, 32}, {96, 64}, {64, 1536}};
+    int sizes[] = {1, 5, 16, 17, 31, 32, 33, 100, 300};
+    for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+        int n = shapes[s][0], k = shapes[s][1], M = 300;
+        float *x = rand_buf((size_t)M * k, -1, 1), *w = rand_buf((size_t)n * k, -1, 1);
+        float *bias = rand_buf((size_t)n, -1, 1), *yr = malloc((size_t)M * n * sizeof(float));
+        float *xr = copy_buf(x, (size_t)M * k);
+        free(store_as(xr, (size_t)M * k, PD_DTYPE_BF16)); /* xr: x rounded to bf16 */
+        uint16_t *ws = store_as(w, (size_t)n * k, PD_DTYPE_BF16);
+        pd_weight_t pk = {ws, PD_DTYPE_BF16, NULL, PD_WEIGHT_ROWS, 0};
+        pd_weight_t ref = {w, PD_DTYPE_F32, NULL, PD_WEIGHT_ROWS, 0};
+        ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &pk, n, k, 0), PD_OK);
+        ck_assert(pk.layout == PD_WEIGHT_PAIRS32 && pd_cpu_bf16p_amx_fits(n, pk.packed_rows, k));
+        for (int parts = 1; parts <= 3; parts += 2) {
+            /* xs[i][part][k] for pd_cpu_bf16p_amx_rows(M) rows, the padding NaN */
+            size_t rows = (size_t)pd_cpu_bf16p_amx_rows(M), row_words = (size_t)parts * k;
+            uint16_t *xs = malloc(rows * row_words * sizeof(uint16_t)), *x1 = malloc(16 * row_words * 2);
+            for (size_t i = 0; i < 16 * row_words; i++) {
+                x1[i] = 0x7fc0; /* bf16 NaN */
+            }
+            float *y = malloc((size_t)M * n * sizeof(float)), *y1 = malloc((size_t)n * sizeof(float));
+            for (size_t c = 0; c < sizeof(sizes) / sizeof(sizes[0]); c++) {
+                int m = sizes[c];
+                const float *b = c % 2 ? bias : NULL;
+                for (size_t i = 0; i < (size_t)m; i++) {
+                    if (parts == 1) {
+                        pd_cpu_round_bf16(xs + i * row_words, x + i * k, (size_t)k);
+                    } else {
+                        pd_cpu_split_bf16x3(xs + i * row_words, x + i * k, k);
+                    }
+                }
+                for (size_t i = (size_t)m * row_words; i < (size_t)pd_cpu_bf16p_amx_rows(m) * row_words;
+                     i++) {
+                    xs[i] = 0x7fc0;
+                }
+                int split = 32 * (int)(c % (size_t)(n / 32)); /* two threads' columns, split anywhere */
+                pd_cpu_bf16p_amx(y, xs, parts, pk.data, b, m, n, k, 0, split);
+                pd_cpu_bf16p_amx(y, xs, parts, pk.data, b, m, n, k, split, n);
+                ck_assert_int_eq(pd_cpu_matmul_ref(g_be, yr, parts == 1 ? xr : x, ref, b, m, n, k), PD_OK);
+                double err = max_rel_err(y, yr, (size_t)m * n, sqrt(k));
+                ck_assert_msg(err < (parts == 1 ? 1e-5 : 1e-6), "%d parts, %dx%dx%d: %g", parts, m, n, k,
+                              err);
+                for (int row = 0; row < m; row += m / 3 + 1) { /* the row alone, NaN beside it */
+                    memcpy(x1, xs + (size_t)row * row_words, row_words * sizeof(uint16_t));
+                    pd_cpu_bf16p_amx(y1, x1, parts, pk.data, b, 1, n, k, 0, n);
+                    ck_assert_msg(memcmp(y1, y + (size_t)row * n, (size_t)n * sizeof(float)) == 0,
+                                  "%d parts: row %d of %dx%dx%d alone differs", parts, row, m, n, k);
+                }
+            }
+            free(xs), free(x1), free(y), free(y1);
+        }
+        /* pd_cpu_matmul from the AMX row counts on: fp32 math, then bf16 math */
+        float *y = malloc((size_t)M * n * sizeof(float));
+        ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, pk, bias, PD_BF16P_AMX_X3_MIN_M, n, k), PD_OK);
+        ck_assert_int_eq(pd_cpu_matmul_ref(g_be, yr, x, ref, bias, PD_BF16P_AMX_X3_MIN_M, n, k), PD_OK);
+        ck_assert(max_rel_err(y, yr, (size_t)PD_BF16P_AMX_X3_MIN_M * n, sqrt(k)) < 1e-6);
+        g_be->matmul_precision = PD_MATMUL_BF16;
+        ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, pk, bias, M, n, k), PD_OK);
+        g_be->matmul_precision = PD_MATMUL_FP32;
+        ck_assert_int_eq(pd_cpu_matmul_ref(g_be, yr, xr, ref, bias, M, n, k), PD_OK);
+        ck_assert(max_rel_err(y, yr, (size_t)M * n, sqrt(k)) < 1e-5);
+        free(x), free(w), free(bias), free(yr), free(xr), free(ws), free(y);
+    }
+    ck_assert_int_eq(pd_cpu_bf16p_amx_chunk_rows(1536, 1), 256);
+    ck_assert_int_eq(pd_cpu_bf16p_amx_chunk_rows(1536, 3), 96);
+}
+END_TEST
+
 /* --matmul-precision bf16 on weights prepare_weight laid out (n and k multiples of 32: oneDNN's
  * BA16a32b2a): the packed `vdpbf16ps` kernel up to the GEMV row count, oneDNN with fixed-row-count
  * primitives above (rows padded with zeros to 16 or 64, chunks of PD_DNNL_BLOCKED_CHUNK) — each
@@ -1234,6 +1314,7 @@ int main(void)
     tcase_add_test(tc, test_matmul_bf16_packed);
     tcase_add_test(tc, test_matmul_i8_packed);
     tcase_add_test(tc, test_matmul_bf16_math_packed);
+    tcase_add_test(tc, test_matmul_bf16_amx);
     tcase_add_test(tc, test_matmul_bf16_big);
     tcase_add_test(tc, test_norms);
     tcase_add_test(tc, test_elementwise);

@@ -1,0 +1,207 @@
+/* kernels/cpu/matmul_bf16p_amx.c — bf16 weights in PD_WEIGHT_PAIRS32 (matmul_bf16p.h) multiplied
+ * on AMX tiles (Sapphire Rapids and newer), at every row count.
+ *
+ * The layout is already what `tdpbf16ps` wants for its B operand: a B tile is 16 rows of 64 bytes,
+ * row p holding the pair (x[2p], x[2p + 1]) for 16 outputs — and in PAIRS32 the pair p of a
+ * block's 32 outputs is one 128-byte run. So the tile of outputs j .. j + 16 and columns
+ * c .. c + 32 is a tile load at w + j·k + c·32 with a 128-byte stride, and its neighbour
+ * (outputs j + 16 .. j + 32) 64 bytes on: no reorder, no copy. A tile (A) is 16 rows of x, 32
+ * columns of bf16; C is 16 × 16 fp32. Each block of 32 outputs × 32 rows of x keeps four C tiles,
+ * two A and two B: per step of 32 columns, four loads and four `tdpbf16ps`.
+ *
+ * x comes in `parts` bf16 copies (matmul_bf16p.h): one for --matmul-precision bf16 (x rounded), or
+ * three whose sum is x exactly for fp32 math (matmul_bf16.h's split: every product with a bf16
+ * weight is exact in fp32), all accumulated into the same C tiles.
+ *
+ * Order of sums: each output starts from its bias (or 0) and adds, per 32 columns from column 0,
+ * the tile product of each part in turn; a row's result depends neither on the rows beside it nor
+ * on how many there are, nor on the threads' split. So one kernel serves a lone decode and a
+ * batch alike, and their roundings agree.
+ *
+ * Measured alone (2 threads, 2-core AMX Xeon, 4608 × 1536, weights ≫ L3): reads w at 24-25 GB/s
+ * from 1 to 16 rows and 22-23 at 32 (oneDNN's brgemm on the same weights: 15-16.5); from L3, 1.8-1.9
+ * TFLOP/s at 128-512 rows (oneDNN: brgemm 815-846, gemm:jit on row-major weights 1180-1455). */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include "kernels/cpu/matmul_bf16p.h"
+#include "kernels/cpu/simd.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+
+#define AMX_ISA    "amx-tile,amx-bf16,avx512f,avx512bw,avx512vl"
+#define AMX        __attribute__((target(AMX_ISA)))
+#define AMX_INLINE __attribute__((target(AMX_ISA), always_inline)) static inline
+
+/* Linux: a process asks before its threads may use the tile data state (arch/x86 xstate). */
+enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+
+/* Tiles: C[row block][column half] in 0-3, A in 4-5, B in 6-7 (macros: the intrinsics paste the
+ * number into the instruction). */
+#define T_C00 0
+#define T_C01 1
+#define T_C10 2
+#define T_C11 3
+#define T_A0  4
+#define T_A1  5
+#define T_B0  6
+#define T_B1  7
+
+/* How far ahead of the B loads the weights are prefetched: one step of 32 columns is 2 KiB. */
+enum { AMX_PREFETCH_BYTES = 4096 };
+
+/* The tile configuration (palette 1): every tile 16 rows of 64 bytes. */
+typedef struct tile_config {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config_t;
+
+static int amx_probe(void)
+{
+    unsigned a, b, c, d;
+    if (!pd_cpu_avx512_usable() || __get_cpuid_max(0, NULL) < 7) {
+        return 0;
+    }
+    __cpuid_count(7, 0, a, b, c, d);
+    int tile = (d >> 24) & 1, bf16 = (d >> 22) & 1;
+    return tile && bf16 && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+int pd_cpu_amx_usable(void)
+{
+    static int usable = -1; /* a benign race: every thread gets the same answer */
+    if (__atomic_load_n(&usable, __ATOMIC_ACQUIRE) < 0) {
+        __atomic_store_n(&usable, amx_probe(), __ATOMIC_RELEASE);
+    }
+    return __atomic_load_n(&usable, __ATOMIC_ACQUIRE);
+}
+
+/* C tile `ct` starts at the bias of its 16 outputs (16 equal rows: a 0 stride) or at 0. */
+#define AMX_START(ct, bias, j)                                                                               \
+    do {                                                                                                     \
+        if ((bias) != NULL) {                                                                                \
+            _tile_loadd(ct, (bias) + (j), 0);                                                                \
+        } else {                                                                                             \
+            _tile_zero(ct);                                                                                  \
+        }                                                                                                    \
+    } while (0)
+
+/* Rows i0 .. i0 + 16 of C tile `ct` into y's columns j .. j + 16: straight when all 16 rows are
+ * in y, else through `spill` and only rows below m. */
+#define AMX_STORE(ct, y, spill, m, n, i0, j)                                                                 \
+    do {                                                                                                     \
+        if ((i0) + 16 <= (m)) {                                                                              \
+            _tile_stored(ct, (y) + (size_t)(i0) * (n) + (j), (long)(n)*4);                                   \
+        } else {                                                                                             \
+            _tile_stored(ct, spill, 64);                                                                     \
+            __asm__ volatile("" ::: "memory");                                                               \
+            for (int r_ = 0; (i0) + r_ < (m); r_++) {                                                        \
+                memcpy((y) + (size_t)((i0) + r_) * (n) + (j), (spill) + r_ * 16, 64);                        \
+            }                                                                                                \
+        }                                                                                                    \
+    } while (0)
+
+/* y rows i0 .. min(i0 + 32, m), columns j .. j + 32: two C tile rows when more than 16 rows are
+ * left, one otherwise. xs as pd_cpu_bf16p_amx's; prefetch whether this pass brings w in. */
+AMX_INLINE void block(float *y, const uint16_t *xs, int parts, const uint16_t *w, const float *bias, int m,
+                      int n, int k, int i0, int j, int prefetch)
+{
+    const int two = m - i0 > 16;
+    const long xstride = (long)parts * k * 2; /* bytes from one row of x to the next, per part */
+    const uint16_t *wb = w + (size_t)j * k;
+    const uint16_t *x0 = xs + (size_t)i0 * parts * k, *x1 = x0 + (size_t)16 * parts * k;
+    AMX_START(T_C00, bias, j);
+    AMX_START(T_C01, bias, j + 16);
+    if (two) {
+        AMX_START(T_C10, bias, j);
+        AMX_START(T_C11, bias, j + 16);
+    }
+    for (int c = 0; c < k; c += 32) {
+        const uint16_t *b = wb + (size_t)c * 32;
+        if (prefetch) {
+            const char *pf = (const char *)b + AMX_PREFETCH_BYTES;
+            for (int l = 0; l < 32; l++) {
+                _mm_prefetch(pf + l * 64, _MM_HINT_T0);
+            }
+        }
+        _tile_loadd(T_B0, b, 128);
+        _tile_loadd(T_B1, b + 32, 128);
+        for (int p = 0; p < parts; p++) {
+            _tile_loadd(T_A0, x0 + (size_t)p * k + c, xstride);
+            _tile_dpbf16ps(T_C00, T_A0, T_B0);
+            _tile_dpbf16ps(T_C01, T_A0, T_B1);
+            if (two) {
+                _tile_loadd(T_A1, x1 + (size_t)p * k + c, xstride);
+                _tile_dpbf16ps(T_C10, T_A1, T_B0);
+                _tile_dpbf16ps(T_C11, T_A1, T_B1);
+            }
+        }
+    }
+    float spill[16 * 16] __attribute__((aligned(64)));
+    AMX_STORE(T_C00, y, spill, m, n, i0, j);
+    AMX_STORE(T_C01, y, spill, m, n, i0, j + 16);
+    if (two) {
+        AMX_STORE(T_C10, y, spill, m, n, i0 + 16, j);
+        AMX_STORE(T_C11, y, spill, m, n, i0 + 16, j + 16);
+    }
+}
+
+int pd_cpu_bf16p_amx_chunk_rows(int k, int parts)
+{
+    int rows = (int)((1 << 20) / ((int64_t)2 * k * parts)) & ~31; /* x's chunk: ~1 MiB of L2 */
+    return rows < 32 ? 32 : rows > 256 ? 256 : rows;
+}
+
+AMX void pd_cpu_bf16p_amx(float *y, const uint16_t *xs, int parts, const uint16_t *w, const float *bias,
+                          int m, int n, int k, int n0, int n1)
+{
+    tile_config_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    __asm__ volatile("" ::: "memory"); /* the tile loads below read x and bias, written before */
+    _tile_loadconfig(&cfg);
+    int chunk = pd_cpu_bf16p_amx_chunk_rows(k, parts);
+    for (int ic = 0; ic < m; ic += chunk) {
+        int iend = m - ic < chunk ? m : ic + chunk;
+        for (int j = n0; j < n1; j += 32) {
+            for (int i0 = ic; i0 < iend; i0 += 32) {
+                block(y, xs, parts, w, bias, iend, n, k, i0, j, i0 == ic);
+            }
+        }
+    }
+    _tile_release();
+    __asm__ volatile("" ::: "memory"); /* y was written by tile stores */
+}
+
+#else
+
+int pd_cpu_amx_usable(void)
+{
+    return 0;
+}
+
+int pd_cpu_bf16p_amx_chunk_rows(int k, int parts)
+{
+    (void)k, (void)parts;
+    return 32;
+}
+
+void pd_cpu_bf16p_amx(float *y, const uint16_t *xs, int parts, const uint16_t *w, const float *bias, int m,
+                      int n, int k, int n0, int n1)
+{
+    (void)y, (void)xs, (void)parts, (void)w, (void)bias, (void)m, (void)n, (void)k, (void)n0, (void)n1;
+}
+
+#endif
