@@ -80,11 +80,12 @@ int pd_cpu_amx_usable(void);
  * at one (22-24 against 26-28), and the two kernels round sums differently (about half the outputs
  * differ in the last bit): a sequence alone and in a batch of 8 then part by 0.014 in logprobs
  * through bf16 activations (test_engine test_bf16_math_batch_invariant), so one kernel serves 1-16
- * rows. fp32 math, x in three parts: from 16 rows (batch 8 level or behind the outer-product
- * kernel, 129-142 against 142-149 tok/s; batch 32 301-322 against 225-228; prefill 1.4-1.7x).
- * bench/RESULTS.md 2026-11-25. */
+ * rows. fp32 math, x in three parts (three times the products): from 32 rows (565 M model batch 32
+ * 301-322 against 225-228 tok/s, prefill 1.4-1.8x; batch 8 129-142 against 142-149; serving the
+ * demo model, whose 47 MiB sit in L3, from 16 rows lost 11-15 % requests/s at concurrency 16, from
+ * 32 level there and +12-18 % at concurrency 8). bench/RESULTS.md 2026-11-25. */
 #define PD_BF16P_AMX_MIN_M    (PD_BF16DOT_AMX_MAX_M + 1)
-#define PD_BF16P_AMX_X3_MIN_M 16
+#define PD_BF16P_AMX_X3_MIN_M 32
 
 /* Whether pd_cpu_bf16p_amx takes a [rows][cols] matrix: every row in a block, k whole tiles. */
 static inline int pd_cpu_bf16p_amx_fits(int64_t rows, int64_t n_packed, int64_t cols)
