@@ -2,7 +2,9 @@
  * OpenBLAS sgemm/sgemv for fp32 weights; bf16 and int8 weights that prepare_weight laid out in
  * 32-row blocks (PD_WEIGHT_PAIRS32 / PD_WEIGHT_COLS32, AVX-512, fp32 math) through the
  * outer-product kernels of matmul_bf16p.h / matmul_i8p.h up to 64 rows and transposed widened
- * tiles + sgemm above; for row-major bf16/fp16/int8 weights a GEMV
+ * tiles + sgemm above — on an AMX CPU, the AMX kernel (matmul_bf16p_amx.c) on x in three exact bf16
+ * parts instead, bf16 from PD_BF16P_AMX_X3_MIN_M rows and int8 above 64, and bf16 math above the
+ * GEMV's rows; for row-major bf16/fp16/int8 weights a GEMV
  * that widens in registers
  * (matmul_lowp_x86.c) at small m, and tiles of w widened into fp32 for sgemm at larger m; on an
  * AVX-512 CPU, bf16 weights at 2..PD_BF16W_X512_MAX_M rows go through a register-blocked kernel that
@@ -171,27 +173,35 @@ static pd_status_t matmul_bf16w(pd_backend_t *be, float *y, const float *x, pd_w
 }
 
 /* y = x · wᵀ + bias on AMX tiles (matmul_bf16p_amx.c), x given as `parts` bf16 rows per row
- * (pd_cpu_bf16p_amx's xs); threads take whole 32-column blocks. */
+ * (pd_cpu_bf16p_amx's xs); w bf16 in PD_WEIGHT_PAIRS32, or int8 in PD_WEIGHT_COLS32 (three parts;
+ * panels[t] the thread's k × 32 bf16 panel); threads take whole 32-column blocks. */
 static void matmul_amx(pd_backend_t *be, float *y, const uint16_t *xs, int parts, pd_weight_t w,
-                       const float *bias, int m, int n, int k)
+                       const float *bias, int m, int n, int k, uint16_t *panels)
 {
     int nt = be->num_threads;
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int t = 0; t < nt; t++) {
         int n0, n1;
-        if (thread_cols(n, nt, t, 32, &n0, &n1)) {
+        if (!thread_cols(n, nt, t, 32, &n0, &n1)) {
+            continue;
+        }
+        if (w.dtype == PD_DTYPE_I8) {
+            pd_cpu_i8p_amx(y, xs, w.data, w.scale, bias, m, n, k, n0, n1, panels + (size_t)t * k * 32);
+        } else {
             pd_cpu_bf16p_amx(y, xs, parts, w.data, bias, m, n, k, n0, n1);
         }
     }
 }
 
-/* fp32 math on PD_WEIGHT_PAIRS32 bf16 weights on AMX tiles: x split in three exact bf16 parts
- * (pd_cpu_split_bf16x3; rows split over the threads), all three multiplied into the same sums. */
+/* fp32 math on AMX tiles, for PD_WEIGHT_PAIRS32 bf16 weights or PD_WEIGHT_COLS32 int8 ones: x split
+ * in three exact bf16 parts (pd_cpu_split_bf16x3; rows split over the threads), all three
+ * multiplied into the same sums. */
 static pd_status_t matmul_amx_x3(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias,
                                  int m, int n, int k)
 {
     int nt = be->num_threads, rows = pd_cpu_bf16p_amx_rows(m);
-    uint16_t *xs = malloc((size_t)rows * 3 * k * sizeof(uint16_t));
+    size_t panel_words = w.dtype == PD_DTYPE_I8 ? (size_t)nt * k * 32 : 0;
+    uint16_t *xs = malloc(((size_t)rows * 3 * k + panel_words) * sizeof(uint16_t));
     if (xs == NULL) {
         pd_log_error("matmul: cannot allocate %d x 3 x %d split inputs", rows, k);
         return PD_ERR_NO_MEMORY;
@@ -201,7 +211,7 @@ static pd_status_t matmul_amx_x3(pd_backend_t *be, float *y, const float *x, pd_
     for (int i = 0; i < m; i++) {
         pd_cpu_split_bf16x3(xs + (size_t)3 * i * k, x + (size_t)i * k, k);
     }
-    matmul_amx(be, y, xs, 3, w, bias, m, n, k);
+    matmul_amx(be, y, xs, 3, w, bias, m, n, k, xs + (size_t)rows * 3 * k);
     free(xs);
     return PD_OK;
 }
@@ -332,6 +342,10 @@ static pd_status_t matmul_fp32_math(pd_backend_t *be, float *y, const float *x, 
         pd_cpu_bf16dot_usable()) {
         return matmul_amx_x3(be, y, x, w, bias, m, n, k);
     }
+    if (w.layout == PD_WEIGHT_COLS32 && m > PD_I8P_MAX_M && pd_cpu_bf16p_amx_fits(n, w.packed_rows, k) &&
+        amx_wanted() && pd_cpu_amx_usable() && pd_cpu_bf16dot_usable()) {
+        return matmul_amx_x3(be, y, x, w, bias, m, n, k);
+    }
     if (w.layout == PD_WEIGHT_PAIRS32 || w.layout == PD_WEIGHT_COLS32) {
         return matmul_blocked(be, y, x, w, bias, m, n, k);
     }
@@ -421,7 +435,7 @@ static pd_status_t matmul_bf16_math(pd_backend_t *be, float *y, const float *x, 
     /* every row of these n in a block, k whole blocks of 32: oneDNN's BA16a32b2a (matmul_bf16p.h) */
     bool blocked = w.layout == PD_WEIGHT_PAIRS32 && pd_cpu_bf16p_amx_fits(n, w.packed_rows, k);
     if (blocked && m >= PD_BF16P_AMX_MIN_M && amx_wanted() && pd_cpu_amx_usable()) {
-        matmul_amx(be, y, xb, 1, w, bias, m, n, k);
+        matmul_amx(be, y, xb, 1, w, bias, m, n, k, NULL);
         st = PD_OK;
     } else if (blocked && m <= gemv_max && pd_cpu_bf16dot_usable()) {
         uint32_t *xq = malloc((size_t)m * (size_t)(k / 2) * sizeof(uint32_t));

@@ -110,13 +110,13 @@ int pd_cpu_amx_usable(void)
     } while (0)
 
 /* y rows i0 .. min(i0 + 32, m), columns j .. j + 32: two C tile rows when more than 16 rows are
- * left, one otherwise. xs as pd_cpu_bf16p_amx's; prefetch whether this pass brings w in. */
-AMX_INLINE void block(float *y, const uint16_t *xs, int parts, const uint16_t *w, const float *bias, int m,
+ * left, one otherwise. xs as pd_cpu_bf16p_amx's; wb the 32 rows' block of w (PAIRS32); prefetch
+ * whether this pass brings wb in. */
+AMX_INLINE void block(float *y, const uint16_t *xs, int parts, const uint16_t *wb, const float *bias, int m,
                       int n, int k, int i0, int j, int prefetch)
 {
     const int two = m - i0 > 16;
     const long xstride = (long)parts * k * 2; /* bytes from one row of x to the next, per part */
-    const uint16_t *wb = w + (size_t)j * k;
     const uint16_t *x0 = xs + (size_t)i0 * parts * k, *x1 = x0 + (size_t)16 * parts * k;
     AMX_START(T_C00, bias, j);
     AMX_START(T_C01, bias, j + 16);
@@ -160,8 +160,8 @@ int pd_cpu_bf16p_amx_chunk_rows(int k, int parts)
     return rows < 32 ? 32 : rows > 256 ? 256 : rows;
 }
 
-AMX void pd_cpu_bf16p_amx(float *y, const uint16_t *xs, int parts, const uint16_t *w, const float *bias,
-                          int m, int n, int k, int n0, int n1)
+/* Every tile 16 rows of 64 bytes (palette 1), loaded on the calling thread. */
+AMX_INLINE void tiles_configure(void)
 {
     tile_config_t cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -170,19 +170,71 @@ AMX void pd_cpu_bf16p_amx(float *y, const uint16_t *xs, int parts, const uint16_
         cfg.colsb[t] = 64;
         cfg.rows[t] = 16;
     }
-    __asm__ volatile("" ::: "memory"); /* the tile loads below read x and bias, written before */
+    __asm__ volatile("" ::: "memory"); /* the tile loads after this read x and bias, written before */
     _tile_loadconfig(&cfg);
+}
+
+AMX void pd_cpu_bf16p_amx(float *y, const uint16_t *xs, int parts, const uint16_t *w, const float *bias,
+                          int m, int n, int k, int n0, int n1)
+{
+    tiles_configure();
     int chunk = pd_cpu_bf16p_amx_chunk_rows(k, parts);
     for (int ic = 0; ic < m; ic += chunk) {
         int iend = m - ic < chunk ? m : ic + chunk;
         for (int j = n0; j < n1; j += 32) {
             for (int i0 = ic; i0 < iend; i0 += 32) {
-                block(y, xs, parts, w, bias, iend, n, k, i0, j, i0 == ic);
+                block(y, xs, parts, w + (size_t)j * k, bias, iend, n, k, i0, j, i0 == ic);
             }
         }
     }
     _tile_release();
     __asm__ volatile("" ::: "memory"); /* y was written by tile stores */
+}
+
+/* One PD_WEIGHT_COLS32 int8 block (32 rows, column c's 32 bytes at wb + 32c) as bf16 in the
+ * PAIRS32 order of one block ([k/2][32][2]): the int8 values are exact in bf16 (≤ 8 significant
+ * bits), so the float's top half is the value. k even. */
+AMX_INLINE void i8_block_to_pairs(uint16_t *panel, const int8_t *wb, int k)
+{
+    const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
+    for (int c = 0; c < k; c += 2) {
+        const int8_t *col = wb + (size_t)c * 32; /* column c, then column c + 1 */
+        for (int h = 0; h < 32; h += 16) {       /* rows h .. h + 16 */
+            __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(col + h))));
+            __m512 f1 =
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(col + 32 + h))));
+            __m512i pair = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(f0), 16),
+                                           _mm512_and_si512(_mm512_castps_si512(f1), top));
+            _mm512_storeu_si512(panel + (size_t)c * 32 + 2 * h, pair);
+        }
+    }
+}
+
+AMX void pd_cpu_i8p_amx(float *y, const uint16_t *xs, const int8_t *w, const float *scale, const float *bias,
+                        int m, int n, int k, int n0, int n1, uint16_t *panel)
+{
+    tiles_configure();
+    int chunk = pd_cpu_bf16p_amx_chunk_rows(k, 3);
+    for (int ic = 0; ic < m; ic += chunk) {
+        int iend = m - ic < chunk ? m : ic + chunk;
+        for (int j = n0; j < n1; j += 32) {
+            i8_block_to_pairs(panel, w + (size_t)j * k, k);
+            __asm__ volatile("" ::: "memory"); /* the tile loads read the panel */
+            for (int i0 = ic; i0 < iend; i0 += 32) {
+                block(y, xs, 3, panel, NULL, iend, n, k, i0, j, 0);
+            }
+            __asm__ volatile("" ::: "memory"); /* y was written by tile stores */
+            const __m512 s0 = _mm512_loadu_ps(scale + j), s1 = _mm512_loadu_ps(scale + j + 16);
+            const __m512 b0 = bias != NULL ? _mm512_loadu_ps(bias + j) : _mm512_setzero_ps();
+            const __m512 b1 = bias != NULL ? _mm512_loadu_ps(bias + j + 16) : _mm512_setzero_ps();
+            for (int i = ic; i < iend; i++) {
+                float *yr = y + (size_t)i * n + j;
+                _mm512_storeu_ps(yr, _mm512_fmadd_ps(_mm512_loadu_ps(yr), s0, b0));
+                _mm512_storeu_ps(yr + 16, _mm512_fmadd_ps(_mm512_loadu_ps(yr + 16), s1, b1));
+            }
+        }
+    }
+    _tile_release();
 }
 
 #else
@@ -202,6 +254,13 @@ void pd_cpu_bf16p_amx(float *y, const uint16_t *xs, int parts, const uint16_t *w
                       int n, int k, int n0, int n1)
 {
     (void)y, (void)xs, (void)parts, (void)w, (void)bias, (void)m, (void)n, (void)k, (void)n0, (void)n1;
+}
+
+void pd_cpu_i8p_amx(float *y, const uint16_t *xs, const int8_t *w, const float *scale, const float *bias,
+                    int m, int n, int k, int n0, int n1, uint16_t *panel)
+{
+    (void)y, (void)xs, (void)w, (void)scale, (void)bias, (void)m, (void)n, (void)k, (void)n0, (void)n1;
+    (void)panel;
 }
 
 #endif

@@ -20,7 +20,7 @@
 #include <stdint.h>
 
 /* Up to this many rows of x the kernel below; above, tiles widened by pd_cpu_i8p_widen_kn (scale
- * included, as pd_weight_at) and sgemm. */
+ * included, as pd_weight_at) and sgemm, or pd_cpu_i8p_amx (matmul_bf16p.h) on an AMX CPU. */
 #define PD_I8P_MAX_M 64
 
 /* Whether a [rows][cols] int8 matrix can take the layout (a block of 32 rows at least). */

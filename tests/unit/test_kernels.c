@@ -509,7 +509,9 @@ END_TEST
  * stands for within fp32 summation order; each row bitwise the same alone (m = 1) as in its batch,
  * whatever the rows padding the last tile hold (NaN here) and wherever a thread's columns start;
  * row chunks of pd_cpu_bf16p_amx_chunk_rows crossed; and pd_cpu_matmul taking it in both
- * precisions from its row counts on. */
+ * precisions from its row counts on; and int8 weights in PD_WEIGHT_COLS32 above PD_I8P_MAX_M rows
+ * (pd_cpu_i8p_amx: blocks widened into bf16 panels, scale and bias after), against the reference
+ * and row by row alone. */
 START_TEST(test_matmul_bf16_amx)
 {
     if (!pd_cpu_amx_usable() || !pd_cpu_bf16dot_usable()) {
@@ -577,6 +579,36 @@ START_TEST(test_matmul_bf16_amx)
         g_be->matmul_precision = PD_MATMUL_FP32;
         ck_assert_int_eq(pd_cpu_matmul_ref(g_be, yr, xr, ref, bias, M, n, k), PD_OK);
         ck_assert(max_rel_err(y, yr, (size_t)M * n, sqrt(k)) < 1e-5);
+        /* int8: quantized w, through pd_cpu_matmul above PD_I8P_MAX_M, then rows alone */
+        float *scale = NULL;
+        int8_t *q = quantize_rows(w, n, k, &scale); /* w now the values q stands for */
+        pd_weight_t qk = {q, PD_DTYPE_I8, scale, PD_WEIGHT_ROWS, 0};
+        ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &qk, n, k, 0), PD_OK);
+        ck_assert_int_eq(qk.layout, PD_WEIGHT_COLS32);
+        int i8_sizes[] = {PD_I8P_MAX_M + 1, 100, M};
+        for (size_t c = 0; c < sizeof(i8_sizes) / sizeof(i8_sizes[0]); c++) {
+            int m = i8_sizes[c];
+            const float *b = c % 2 ? NULL : bias;
+            ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, qk, b, m, n, k), PD_OK);
+            ck_assert_int_eq(pd_cpu_matmul_ref(g_be, yr, x, ref, b, m, n, k), PD_OK);
+            double err = max_rel_err(y, yr, (size_t)m * n, sqrt(k));
+            ck_assert_msg(err < 1e-6, "int8 %dx%dx%d: %g", m, n, k, err);
+        }
+        uint16_t *xs = calloc((size_t)pd_cpu_bf16p_amx_rows(M) * 3 * k, sizeof(uint16_t));
+        uint16_t *xs1 = calloc((size_t)16 * 3 * k, sizeof(uint16_t)), *panel = malloc((size_t)k * 32 * 2);
+        float *y1 = malloc((size_t)n * sizeof(float));
+        for (int i = 0; i < M; i++) {
+            pd_cpu_split_bf16x3(xs + (size_t)3 * i * k, x + (size_t)i * k, k);
+        }
+        pd_cpu_i8p_amx(y, xs, qk.data, scale, bias, M, n, k, 0, 32, panel); /* two threads' columns */
+        pd_cpu_i8p_amx(y, xs, qk.data, scale, bias, M, n, k, 32, n, panel);
+        for (int row = 0; row < M; row += 37) {
+            memcpy(xs1, xs + (size_t)3 * row * k, (size_t)3 * k * sizeof(uint16_t));
+            pd_cpu_i8p_amx(y1, xs1, qk.data, scale, bias, 1, n, k, 0, n, panel);
+            ck_assert_msg(memcmp(y1, y + (size_t)row * n, (size_t)n * sizeof(float)) == 0,
+                          "int8: row %d of %dx%dx%d alone differs", row, M, n, k);
+        }
+        free(scale), free(q), free(xs), free(xs1), free(panel), free(y1);
         free(x), free(w), free(bias), free(yr), free(xr), free(ws), free(y);
     }
     ck_assert_int_eq(pd_cpu_bf16p_amx_chunk_rows(1536, 1), 256);
