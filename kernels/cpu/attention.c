@@ -434,8 +434,9 @@ static pd_status_t attn_run(pd_backend_t *be, float *out, const float *q, const 
     size_t per_thread = (size_t)bs * D * 2 + (size_t)bs + (size_t)ATTN_TILE_Q * group * (2 * D + 2);
     size_t tiled_floats = any_tiled ? pd_cpu_attn_tiled_scratch_floats(group, D) : 0;
     per_thread = tiled_floats > per_thread ? tiled_floats : per_thread;
+    per_thread = (per_thread + 15) & ~(size_t)15; /* every thread's area on a 64-byte line */
     int nthreads = be->num_threads < (int)n_items ? be->num_threads : (int)n_items;
-    float *scratch = malloc((size_t)nthreads * per_thread * sizeof(float));
+    float *scratch = aligned_alloc(64, (size_t)nthreads * per_thread * sizeof(float));
     if (scratch == NULL) {
         free(items);
         pd_log_error("attention: cannot allocate scratch for %d threads", nthreads);

@@ -281,8 +281,8 @@ pd_status_t pd_cpu_attn_tiled_run(float *out, const float *q, const pd_kv_view_t
     float *qt = scratch, *kt = qt + (size_t)ATTN_MM_TQ * group * D, *vt = kt + (size_t)ATTN_MM_KT * D;
     float *st = vt + (size_t)ATTN_MM_KT * D, *ot = st + (size_t)ATTN_MM_TQ * group * ATTN_MM_KT;
     float *mt = ot + (size_t)ATTN_MM_TQ * group * D, *lt = mt + (size_t)ATTN_MM_TQ * group;
-    /* bf16 copies for oneDNN, 32-byte aligned past the fp32 area */
-    uintptr_t b16_at = ((uintptr_t)(lt + (size_t)ATTN_MM_TQ * group) + 31) & ~(uintptr_t)31;
+    /* bf16 copies for oneDNN, on a 64-byte line past the fp32 area */
+    uintptr_t b16_at = ((uintptr_t)(lt + (size_t)ATTN_MM_TQ * group) + 63) & ~(uintptr_t)63;
     uint16_t *qb = (uint16_t *)b16_at, *kb = qb + (size_t)ATTN_MM_TQ * group * D;
     uint16_t *vb = kb + (size_t)ATTN_MM_KT * D, *pb = vb + (size_t)ATTN_MM_KT * D;
     const int dnnl = bf16 && pd_cpu_dnnl_bf16_native();
