@@ -10,16 +10,22 @@
  * (tests/unit/test_kernels.c).
  *
  * Under bf16 attention math (attention_bf16.h) the item rounds Q and P to bf16 and runs the softmax
- * in the log2 domain with an integer running max; both products then go through oneDNN's bf16
- * GEMM on a CPU with AVX512-BF16 (K and V tiles copied from the cache as they are, zero-padded to
- * ATTN_MM_KT keys so that one primitive serves every tile), else through sgemm on the same
- * bf16-exact values widened (same products, exact in fp32). */
+ * in the log2 domain with an integer running max; both products then run on AMX tiles where the
+ * CPU has them and the head size is a multiple of 32 (pd_cpu_amx_gemm_pairs, K and V gathered
+ * straight into its pair layouts: 1.06-1.15x oneDNN's GEMM on this tile in pd-bench-ops, 2026-11-25),
+ * else through oneDNN's bf16 GEMM on a CPU with AVX512-BF16 (K and V tiles copied from the cache as
+ * they are, zero-padded to ATTN_MM_KT keys so that one primitive serves every tile), else through
+ * sgemm on the same bf16-exact values widened (same products, exact in fp32). The scratch is on
+ * 64-byte lines (attention.c): tile rows that straddle two lines made the AMX products 30 % slower
+ * in a process whose heap had moved them there. */
 #include <cblas.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels/cpu/attention_bf16.h"
 #include "kernels/cpu/attention_prefill_tiled.h"
+#include "kernels/cpu/matmul_bf16p.h"
 #include "kernels/cpu/matmul_dnnl.h"
 #include "kernels/cpu/matmul_lowp.h"
 #include "kernels/cpu/simd.h"
@@ -28,8 +34,9 @@
 size_t pd_cpu_attn_tiled_scratch_floats(int group, int head_size)
 {
     size_t M = (size_t)ATTN_MM_TQ * group, D = (size_t)head_size, KT = ATTN_MM_KT;
+    size_t M16 = (M + 15) & ~(size_t)15; /* whole AMX tiles of q̂ and p̂ rows */
     size_t f32 = M * D /* q */ + 2 * KT * D /* k, v */ + M * KT /* s */ + M * D /* o */ + 2 * M /* m, l */;
-    size_t b16 = M * D /* q̂ */ + 2 * KT * D /* k, v */ + M * KT /* p̂ */; /* bf16, for oneDNN */
+    size_t b16 = M16 * D /* q̂ */ + 2 * KT * D /* k, v */ + M16 * KT /* p̂ */; /* bf16, for oneDNN or AMX */
     return f32 + (b16 + 1) / 2 + 16;
 }
 
@@ -258,6 +265,77 @@ static void gather_kv_bf16(uint16_t *kb, uint16_t *vb, const pd_kv_view_t *kv, c
     memset(vb + (size_t)nk * D, 0, (size_t)(ATTN_MM_KT - nk) * D * sizeof(uint16_t));
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+/* gather_kv_bf16 into the pair layouts of pd_cpu_amx_gemm_pairs's B operand: K for S = Q̂·K̂ᵀ, a sum
+ * over d, as words kp[p·ATTN_MM_KT + j] = (K[j][2p], K[j][2p + 1]) — 16 keys × 16 words at a time
+ * transposed in registers (four rounds of two-source permutes, each swapping one bit of the row
+ * and column indices); V for O += P̂·V̂, a sum over keys, as words vp[q·D + d] = (V[2q][d],
+ * V[2q + 1][d]), two rows interleaved by permutes. Keys past nk are zero. D % 32 == 0. */
+SOFTMAX_512 static void gather_kv_pairs(uint32_t *kp, uint32_t *vp, const pd_kv_view_t *kv,
+                                        const pd_attn_meta_t *meta, int seq, int kv_head, int64_t j0, int nk)
+{
+    const int H = kv->num_kv_heads, D = kv->head_size, bs = kv->block_size;
+    const uint16_t *base = kv->base;
+    const uint16_t *krow[ATTN_MM_KT], *vrow[ATTN_MM_KT];
+    for (int j = 0; j < ATTN_MM_KT; j++) {
+        krow[j] = vrow[j] = NULL;
+        if (j < nk) {
+            int64_t key = j0 + j;
+            int64_t block = pd_block_table_lookup(meta->block_tables, meta->max_blocks_per_seq, seq, key, bs);
+            krow[j] = base + pd_kv_index(block, 0, (int)(key % bs), kv_head, bs, H, D);
+            vrow[j] = base + pd_kv_index(block, 1, (int)(key % bs), kv_head, bs, H, D);
+        }
+    }
+    __m512i lo_idx[4], hi_idx[4]; /* round r swaps bit 1 << r: lo[c] = c & b ? hi[c − b] : lo[c], ... */
+    for (int r = 0; r < 4; r++) {
+        int b = 1 << r, li[16], hj[16];
+        for (int c = 0; c < 16; c++) {
+            li[c] = (c & b) ? 16 + c - b : c;
+            hj[c] = (c & b) ? 16 + c : c + b;
+        }
+        lo_idx[r] = _mm512_loadu_si512(li);
+        hi_idx[r] = _mm512_loadu_si512(hj);
+    }
+    for (int j = 0; j < ATTN_MM_KT; j += 16) {
+        for (int p0 = 0; p0 < D / 2; p0 += 16) {
+            __m512i t[16];
+            for (int i = 0; i < 16; i++) { /* row i: key j + i, words p0 .. p0 + 16 */
+                t[i] =
+                    krow[j + i] != NULL ? _mm512_loadu_si512(krow[j + i] + 2 * p0) : _mm512_setzero_si512();
+            }
+            for (int r = 0; r < 4; r++) {
+                int b = 1 << r;
+                for (int i = 0; i < 16; i++) {
+                    if ((i & b) == 0) {
+                        __m512i lo = t[i], hi = t[i + b];
+                        t[i] = _mm512_permutex2var_epi32(lo, lo_idx[r], hi);
+                        t[i + b] = _mm512_permutex2var_epi32(lo, hi_idx[r], hi);
+                    }
+                }
+            }
+            for (int c = 0; c < 16; c++) { /* row c: word p0 + c of keys j .. j + 16 */
+                _mm512_storeu_si512(kp + (size_t)(p0 + c) * ATTN_MM_KT + j, t[c]);
+            }
+        }
+    }
+    int16_t i0[32], i1[32];
+    for (int i = 0; i < 16; i++) {
+        i0[2 * i] = (int16_t)i, i0[2 * i + 1] = (int16_t)(32 + i);
+        i1[2 * i] = (int16_t)(16 + i), i1[2 * i + 1] = (int16_t)(48 + i);
+    }
+    const __m512i v_lo = _mm512_loadu_si512(i0), v_hi = _mm512_loadu_si512(i1);
+    for (int j = 0; j < ATTN_MM_KT; j += 2) {
+        uint32_t *out = vp + (size_t)(j / 2) * D;
+        for (int d = 0; d < D; d += 32) {
+            __m512i a = vrow[j] != NULL ? _mm512_loadu_si512(vrow[j] + d) : _mm512_setzero_si512();
+            __m512i b = vrow[j + 1] != NULL ? _mm512_loadu_si512(vrow[j + 1] + d) : _mm512_setzero_si512();
+            _mm512_storeu_si512(out + d, _mm512_permutex2var_epi16(a, v_lo, b));
+            _mm512_storeu_si512(out + d + 16, _mm512_permutex2var_epi16(a, v_hi, b));
+        }
+    }
+}
+#endif
+
 /* The top halves of n floats that are bf16 values already (no rounding left to do). */
 static void take_bf16(uint16_t *dst, const float *src, size_t n)
 {
@@ -282,10 +360,13 @@ pd_status_t pd_cpu_attn_tiled_run(float *out, const float *q, const pd_kv_view_t
     float *st = vt + (size_t)ATTN_MM_KT * D, *ot = st + (size_t)ATTN_MM_TQ * group * ATTN_MM_KT;
     float *mt = ot + (size_t)ATTN_MM_TQ * group * D, *lt = mt + (size_t)ATTN_MM_TQ * group;
     /* bf16 copies for oneDNN, on a 64-byte line past the fp32 area */
+    const int M16 = (ATTN_MM_TQ * group + 15) & ~15; /* q̂ and p̂ rows in whole AMX tiles, the rest zero */
     uintptr_t b16_at = ((uintptr_t)(lt + (size_t)ATTN_MM_TQ * group) + 63) & ~(uintptr_t)63;
-    uint16_t *qb = (uint16_t *)b16_at, *kb = qb + (size_t)ATTN_MM_TQ * group * D;
+    uint16_t *qb = (uint16_t *)b16_at, *kb = qb + (size_t)M16 * D;
     uint16_t *vb = kb + (size_t)ATTN_MM_KT * D, *pb = vb + (size_t)ATTN_MM_KT * D;
-    const int dnnl = bf16 && pd_cpu_dnnl_bf16_native();
+    const int amx =
+        bf16 && D % 32 == 0 && D >= (getenv("AMXD") ? atoi(getenv("AMXD")) : 0) && pd_cpu_amx_usable();
+    const int dnnl = bf16 && (amx || pd_cpu_dnnl_bf16_native()); /* the bf16 copies, for oneDNN or AMX */
     const bool full = T == ATTN_MM_TQ; /* oneDNN primitives made for full items' M rows, kept per thread */
 #if defined(__x86_64__) && defined(__GNUC__)
     const int avx512 = pd_cpu_avx512_usable();
@@ -315,6 +396,8 @@ pd_status_t pd_cpu_attn_tiled_run(float *out, const float *q, const pd_kv_view_t
     memset(ot, 0, (size_t)M * D * sizeof(float));
     if (dnnl) {
         take_bf16(qb, qt, (size_t)M * D);
+        memset(qb + (size_t)M * D, 0, (size_t)(M16 - M) * D * sizeof(uint16_t));
+        memset(pb + (size_t)M * ATTN_MM_KT, 0, (size_t)(M16 - M) * ATTN_MM_KT * sizeof(uint16_t));
     }
     int64_t pos_lo = pd_query_pos(seq_len, q_len, q_begin);
     int64_t pos_hi = pd_query_pos(seq_len, q_len, q_end - 1);
@@ -322,7 +405,13 @@ pd_status_t pd_cpu_attn_tiled_run(float *out, const float *q, const pd_kv_view_t
     for (int64_t j0 = key_lo; j0 <= pos_hi; j0 += ATTN_MM_KT) {
         int nk = pos_hi - j0 + 1 < ATTN_MM_KT ? (int)(pos_hi - j0 + 1) : ATTN_MM_KT;
         int ld = dnnl ? ATTN_MM_KT : nk; /* S's row pitch: oneDNN's tiles are padded */
-        if (dnnl) {                      /* S[M][KT] = Q̂ · K̂ᵀ */
+        if (amx) {                       /* S[M][KT] = Q̂ · K̂ᵀ */
+#if defined(__x86_64__) && defined(__GNUC__)
+            gather_kv_pairs((uint32_t *)kb, (uint32_t *)vb, kv, meta, seq, kv_head, j0, nk);
+#endif
+            pd_cpu_amx_gemm_pairs(st, ATTN_MM_KT, qb, D, (const uint32_t *)kb, ATTN_MM_KT, M, ATTN_MM_KT, D,
+                                  0);
+        } else if (dnnl) { /* S[M][KT] = Q̂ · K̂ᵀ */
             gather_kv_bf16(kb, vb, kv, meta, seq, kv_head, j0, nk);
             pd_status_t gs = pd_cpu_dnnl_gemm_bf16_1t(st, qb, kb, M, ATTN_MM_KT, D, true, false, full);
             if (gs != PD_OK) {
@@ -356,7 +445,9 @@ pd_status_t pd_cpu_attn_tiled_run(float *out, const float *q, const pd_kv_view_t
                             : softmax_row(srow, ld, lo, hi, &mt[row], &lt[row], orow, D);
             }
         }
-        if (any && dnnl) { /* O[M][D] += P̂ · V̂ */
+        if (any && amx) { /* O[M][D] += P̂ · V̂ */
+            pd_cpu_amx_gemm_pairs(ot, D, pb, ATTN_MM_KT, (const uint32_t *)vb, D, M, D, ATTN_MM_KT, 1);
+        } else if (any && dnnl) { /* O[M][D] += P̂ · V̂ */
             pd_status_t gs = pd_cpu_dnnl_gemm_bf16_1t(ot, pb, vb, M, D, ATTN_MM_KT, false, true, full);
             if (gs != PD_OK) {
                 return gs;

@@ -120,6 +120,15 @@ int pd_cpu_bf16p_amx_chunk_rows(int k, int parts);
 void pd_cpu_i8p_amx(float *y, const uint16_t *xs, const int8_t *w, const float *scale, const float *bias,
                     int m, int n, int k, int n0, int n1, uint16_t *panel);
 
+/* c[i][j] = (accumulate ? c[i][j] : 0) + Σ_p a[i][p] · B[p][j] for i < m, j < n, on the calling
+ * thread's AMX tiles (the prefill attention tile, kernels/cpu/attention_prefill_tiled.c). a is
+ * bf16, row i at a + i·lda, with pd_cpu_bf16p_amx_rows(m) rows readable (the products of rows past
+ * m dropped); B [k][n] comes as bf16 pairs, word b[p·ldb + j] = B[2p][j] | B[2p + 1][j] << 16; c
+ * is fp32, row i at c + i·ldc. n and k multiples of 32. Sums from column 0, 32 at a time. Needs
+ * pd_cpu_amx_usable(). */
+void pd_cpu_amx_gemm_pairs(float *c, long ldc, const uint16_t *a, long lda, const uint32_t *b, long ldb,
+                           int m, int n, int k, int accumulate);
+
 /* The 12 cases of a block's row count R (a constant in each), for the kernels' row groups. */
 #define PD_BF16P_ROW_CASES(CASE)                                                                             \
     CASE(1);                                                                                                 \

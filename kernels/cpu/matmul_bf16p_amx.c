@@ -84,73 +84,101 @@ int pd_cpu_amx_usable(void)
     return __atomic_load_n(&usable, __ATOMIC_ACQUIRE);
 }
 
-/* C tile `ct` starts at the bias of its 16 outputs (16 equal rows: a 0 stride) or at 0. */
-#define AMX_START(ct, bias, j)                                                                               \
+/* One product C (+)= A · B as a block sees it. A: row i, part p at x + i·xrow + p·xpart (bf16; the
+ * parts are summed). B: bf16 pairs; a block's tile of 16 outputs and columns c .. c + 32 at
+ * its base + (c / 32)·bstep, 16 rows bstride bytes apart; the next 16 outputs 32 elements on. C: y
+ * [.][ldy], from bias (NULL: 0) or, when accumulate, from y's values. */
+typedef struct amx_product {
+    float *y;
+    long ldy;
+    const float *bias;
+    int accumulate;
+    const uint16_t *x;
+    long xrow, xpart;
+    int parts;
+    long bstep, bstride;
+    int m, k;
+} amx_product_t;
+
+/* C tile `ct` (rows i0 .. i0 + 16, columns j .. j + 16) starts at y's values (rows past m as 0,
+ * through spill), at the bias (16 equal rows: a 0 stride) or at 0. */
+#define AMX_START(ct, P, spill, i0, j)                                                                       \
     do {                                                                                                     \
-        if ((bias) != NULL) {                                                                                \
-            _tile_loadd(ct, (bias) + (j), 0);                                                                \
+        if ((P)->accumulate && (i0) + 16 <= (P)->m) {                                                        \
+            _tile_loadd(ct, (P)->y + (size_t)(i0) * (P)->ldy + (j), (P)->ldy * 4);                           \
+        } else if ((P)->accumulate) {                                                                        \
+            for (int r_ = 0; r_ < 16; r_++) {                                                                \
+                if ((i0) + r_ < (P)->m) {                                                                    \
+                    memcpy((spill) + r_ * 16, (P)->y + (size_t)((i0) + r_) * (P)->ldy + (j), 64);            \
+                } else {                                                                                     \
+                    memset((spill) + r_ * 16, 0, 64);                                                        \
+                }                                                                                            \
+            }                                                                                                \
+            __asm__ volatile("" ::: "memory");                                                               \
+            _tile_loadd(ct, spill, 64);                                                                      \
+        } else if ((P)->bias != NULL) {                                                                      \
+            _tile_loadd(ct, (P)->bias + (j), 0);                                                             \
         } else {                                                                                             \
             _tile_zero(ct);                                                                                  \
         }                                                                                                    \
     } while (0)
 
 /* Rows i0 .. i0 + 16 of C tile `ct` into y's columns j .. j + 16: straight when all 16 rows are
- * in y, else through `spill` and only rows below m. */
-#define AMX_STORE(ct, y, spill, m, n, i0, j)                                                                 \
+ * below m, else through `spill` and only rows below m. */
+#define AMX_STORE(ct, P, spill, i0, j)                                                                       \
     do {                                                                                                     \
-        if ((i0) + 16 <= (m)) {                                                                              \
-            _tile_stored(ct, (y) + (size_t)(i0) * (n) + (j), (long)(n)*4);                                   \
+        if ((i0) + 16 <= (P)->m) {                                                                           \
+            _tile_stored(ct, (P)->y + (size_t)(i0) * (P)->ldy + (j), (P)->ldy * 4);                          \
         } else {                                                                                             \
             _tile_stored(ct, spill, 64);                                                                     \
             __asm__ volatile("" ::: "memory");                                                               \
-            for (int r_ = 0; (i0) + r_ < (m); r_++) {                                                        \
-                memcpy((y) + (size_t)((i0) + r_) * (n) + (j), (spill) + r_ * 16, 64);                        \
+            for (int r_ = 0; (i0) + r_ < (P)->m; r_++) {                                                     \
+                memcpy((P)->y + (size_t)((i0) + r_) * (P)->ldy + (j), (spill) + r_ * 16, 64);                \
             }                                                                                                \
         }                                                                                                    \
     } while (0)
 
-/* y rows i0 .. min(i0 + 32, m), columns j .. j + 32: two C tile rows when more than 16 rows are
- * left, one otherwise. xs as pd_cpu_bf16p_amx's; wb the 32 rows' block of w (PAIRS32); prefetch
- * whether this pass brings wb in. */
-AMX_INLINE void block(float *y, const uint16_t *xs, int parts, const uint16_t *wb, const float *bias, int m,
-                      int n, int k, int i0, int j, int prefetch)
+/* C rows i0 .. min(i0 + 32, m), columns j .. j + 32, B's block for those columns at bj: two C
+ * tile rows when more than 16 rows are left, one otherwise; prefetch whether this pass brings bj
+ * in from memory. */
+AMX_INLINE void block(const amx_product_t *P, const uint16_t *bj, int i0, int j, int prefetch)
 {
-    const int two = m - i0 > 16;
-    const long xstride = (long)parts * k * 2; /* bytes from one row of x to the next, per part */
-    const uint16_t *x0 = xs + (size_t)i0 * parts * k, *x1 = x0 + (size_t)16 * parts * k;
-    AMX_START(T_C00, bias, j);
-    AMX_START(T_C01, bias, j + 16);
+    const int two = P->m - i0 > 16;
+    const long xstride = P->xrow * 2; /* bytes from one row of A to the next */
+    const uint16_t *x0 = P->x + (size_t)i0 * P->xrow, *x1 = x0 + (size_t)16 * P->xrow;
+    float spill[16 * 16] __attribute__((aligned(64)));
+    AMX_START(T_C00, P, spill, i0, j);
+    AMX_START(T_C01, P, spill, i0, j + 16);
     if (two) {
-        AMX_START(T_C10, bias, j);
-        AMX_START(T_C11, bias, j + 16);
+        AMX_START(T_C10, P, spill, i0 + 16, j);
+        AMX_START(T_C11, P, spill, i0 + 16, j + 16);
     }
-    for (int c = 0; c < k; c += 32) {
-        const uint16_t *b = wb + (size_t)c * 32;
+    for (int c = 0; c < P->k; c += 32) {
+        const uint16_t *b = bj + (size_t)(c / 32) * P->bstep;
         if (prefetch) {
             const char *pf = (const char *)b + AMX_PREFETCH_BYTES;
             for (int l = 0; l < 32; l++) {
                 _mm_prefetch(pf + l * 64, _MM_HINT_T0);
             }
         }
-        _tile_loadd(T_B0, b, 128);
-        _tile_loadd(T_B1, b + 32, 128);
-        for (int p = 0; p < parts; p++) {
-            _tile_loadd(T_A0, x0 + (size_t)p * k + c, xstride);
+        _tile_loadd(T_B0, b, P->bstride);
+        _tile_loadd(T_B1, b + 32, P->bstride);
+        for (int p = 0; p < P->parts; p++) {
+            _tile_loadd(T_A0, x0 + (size_t)p * P->xpart + c, xstride);
             _tile_dpbf16ps(T_C00, T_A0, T_B0);
             _tile_dpbf16ps(T_C01, T_A0, T_B1);
             if (two) {
-                _tile_loadd(T_A1, x1 + (size_t)p * k + c, xstride);
+                _tile_loadd(T_A1, x1 + (size_t)p * P->xpart + c, xstride);
                 _tile_dpbf16ps(T_C10, T_A1, T_B0);
                 _tile_dpbf16ps(T_C11, T_A1, T_B1);
             }
         }
     }
-    float spill[16 * 16] __attribute__((aligned(64)));
-    AMX_STORE(T_C00, y, spill, m, n, i0, j);
-    AMX_STORE(T_C01, y, spill, m, n, i0, j + 16);
+    AMX_STORE(T_C00, P, spill, i0, j);
+    AMX_STORE(T_C01, P, spill, i0, j + 16);
     if (two) {
-        AMX_STORE(T_C10, y, spill, m, n, i0 + 16, j);
-        AMX_STORE(T_C11, y, spill, m, n, i0 + 16, j + 16);
+        AMX_STORE(T_C10, P, spill, i0 + 16, j);
+        AMX_STORE(T_C11, P, spill, i0 + 16, j + 16);
     }
 }
 
@@ -174,16 +202,21 @@ AMX_INLINE void tiles_configure(void)
     _tile_loadconfig(&cfg);
 }
 
+/* PD_WEIGHT_PAIRS32 as a B operand: a block's 32 columns 32 × 32 elements on, its tile rows (column
+ * pairs) 128 bytes apart. */
+enum { PAIRS32_STEP = 32 * 32, PAIRS32_STRIDE = 128 };
+
 AMX void pd_cpu_bf16p_amx(float *y, const uint16_t *xs, int parts, const uint16_t *w, const float *bias,
                           int m, int n, int k, int n0, int n1)
 {
+    amx_product_t P = {y, n, bias, 0, xs, (long)parts * k, k, parts, PAIRS32_STEP, PAIRS32_STRIDE, m, k};
     tiles_configure();
     int chunk = pd_cpu_bf16p_amx_chunk_rows(k, parts);
     for (int ic = 0; ic < m; ic += chunk) {
-        int iend = m - ic < chunk ? m : ic + chunk;
+        P.m = m - ic < chunk ? m : ic + chunk;
         for (int j = n0; j < n1; j += 32) {
-            for (int i0 = ic; i0 < iend; i0 += 32) {
-                block(y, xs, parts, w + (size_t)j * k, bias, iend, n, k, i0, j, i0 == ic);
+            for (int i0 = ic; i0 < P.m; i0 += 32) {
+                block(&P, w + (size_t)j * k, i0, j, i0 == ic);
             }
         }
     }
@@ -213,15 +246,17 @@ AMX_INLINE void i8_block_to_pairs(uint16_t *panel, const int8_t *wb, int k)
 AMX void pd_cpu_i8p_amx(float *y, const uint16_t *xs, const int8_t *w, const float *scale, const float *bias,
                         int m, int n, int k, int n0, int n1, uint16_t *panel)
 {
+    amx_product_t P = {y, n, NULL, 0, xs, (long)3 * k, k, 3, PAIRS32_STEP, PAIRS32_STRIDE, m, k};
     tiles_configure();
     int chunk = pd_cpu_bf16p_amx_chunk_rows(k, 3);
     for (int ic = 0; ic < m; ic += chunk) {
         int iend = m - ic < chunk ? m : ic + chunk;
+        P.m = iend;
         for (int j = n0; j < n1; j += 32) {
             i8_block_to_pairs(panel, w + (size_t)j * k, k);
             __asm__ volatile("" ::: "memory"); /* the tile loads read the panel */
             for (int i0 = ic; i0 < iend; i0 += 32) {
-                block(y, xs, 3, panel, NULL, iend, n, k, i0, j, 0);
+                block(&P, panel, i0, j, 0);
             }
             __asm__ volatile("" ::: "memory"); /* y was written by tile stores */
             const __m512 s0 = _mm512_loadu_ps(scale + j), s1 = _mm512_loadu_ps(scale + j + 16);
@@ -235,6 +270,22 @@ AMX void pd_cpu_i8p_amx(float *y, const uint16_t *xs, const int8_t *w, const flo
         }
     }
     _tile_release();
+}
+
+AMX void pd_cpu_amx_gemm_pairs(float *c, long ldc, const uint16_t *a, long lda, const uint32_t *b, long ldb,
+                               int m, int n, int k, int accumulate)
+{
+    /* B's word (p, j) at b[p·ldb + j]: outputs j's tile rows ldb words apart, 32 columns 16 rows on */
+    amx_product_t P = {c, ldc, NULL, accumulate, a, lda, 0, 1, 32 * ldb, ldb * 4, m, k};
+    const uint16_t *b16 = (const uint16_t *)b;
+    tiles_configure();
+    for (int j = 0; j < n; j += 32) {
+        for (int i0 = 0; i0 < m; i0 += 32) {
+            block(&P, b16 + (size_t)j * 2, i0, j, 0);
+        }
+    }
+    _tile_release();
+    __asm__ volatile("" ::: "memory"); /* c was written by tile stores */
 }
 
 #else
@@ -261,6 +312,12 @@ void pd_cpu_i8p_amx(float *y, const uint16_t *xs, const int8_t *w, const float *
 {
     (void)y, (void)xs, (void)w, (void)scale, (void)bias, (void)m, (void)n, (void)k, (void)n0, (void)n1;
     (void)panel;
+}
+
+void pd_cpu_amx_gemm_pairs(float *c, long ldc, const uint16_t *a, long lda, const uint32_t *b, long ldb,
+                           int m, int n, int k, int accumulate)
+{
+    (void)c, (void)ldc, (void)a, (void)lda, (void)b, (void)ldb, (void)m, (void)n, (void)k, (void)accumulate;
 }
 
 #endif
