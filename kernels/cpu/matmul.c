@@ -337,16 +337,14 @@ pd_status_t pd_cpu_prepare_weight(pd_backend_t *be, pd_weight_t *w, int64_t rows
 static pd_status_t matmul_fp32_math(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
                                     const float *bias, int m, int n, int k)
 {
-    if (w.layout == PD_WEIGHT_PAIRS32 && m >= PD_BF16P_AMX_X3_MIN_M &&
-        pd_cpu_bf16p_amx_fits(n, w.packed_rows, k) && amx_wanted() && pd_cpu_amx_usable() &&
-        pd_cpu_bf16dot_usable()) {
-        return matmul_amx_x3(be, y, x, w, bias, m, n, k);
-    }
-    if (w.layout == PD_WEIGHT_COLS32 && m > PD_I8P_MAX_M && pd_cpu_bf16p_amx_fits(n, w.packed_rows, k) &&
-        amx_wanted() && pd_cpu_amx_usable() && pd_cpu_bf16dot_usable()) {
-        return matmul_amx_x3(be, y, x, w, bias, m, n, k);
-    }
     if (w.layout == PD_WEIGHT_PAIRS32 || w.layout == PD_WEIGHT_COLS32) {
+        /* the AMX kernel from its row count on: bf16 from PD_BF16P_AMX_X3_MIN_M, int8 above the
+         * outer-product kernel's rows (matmul_bf16p.h) */
+        int amx_from = w.layout == PD_WEIGHT_PAIRS32 ? PD_BF16P_AMX_X3_MIN_M : PD_I8P_MAX_M + 1;
+        if (m >= amx_from && pd_cpu_bf16p_amx_fits(n, w.packed_rows, k) && amx_wanted() &&
+            pd_cpu_amx_usable() && pd_cpu_bf16dot_usable()) {
+            return matmul_amx_x3(be, y, x, w, bias, m, n, k);
+        }
         return matmul_blocked(be, y, x, w, bias, m, n, k);
     }
     if (w.dtype == PD_DTYPE_BF16 && m >= PD_BF16X3_AMX_MIN_M && m <= PD_BF16X3_AMX_MAX_M &&
