@@ -1,5 +1,7 @@
 /* kernels/cpu/matmul_bf16p_amx.c — bf16 weights in PD_WEIGHT_PAIRS32 (matmul_bf16p.h) multiplied
- * on AMX tiles (Sapphire Rapids and newer), at every row count.
+ * on AMX tiles (Sapphire Rapids and newer); int8 weights in PD_WEIGHT_COLS32 through bf16 panels
+ * widened per block (pd_cpu_i8p_amx); and any B operand in bf16 pairs (pd_cpu_amx_gemm_pairs: the
+ * prefill attention tile). matmul.c decides the row counts that come here.
  *
  * The layout is already what `tdpbf16ps` wants for its B operand: a B tile is 16 rows of 64 bytes,
  * row p holding the pair (x[2p], x[2p + 1]) for 16 outputs — and in PAIRS32 the pair p of a
@@ -15,8 +17,10 @@
  *
  * Order of sums: each output starts from its bias (or 0) and adds, per 32 columns from column 0,
  * the tile product of each part in turn; a row's result depends neither on the rows beside it nor
- * on how many there are, nor on the threads' split. So one kernel serves a lone decode and a
- * batch alike, and their roundings agree.
+ * on how many there are, nor on the threads' split. It could serve every row count alike, but at
+ * one row it was slower in the model than the `vdpbf16ps` kernel, and at 2-16 rows it rounds
+ * differently from it (matmul_bf16p.h, PD_BF16P_AMX_MIN_M), so the batches that come here do not
+ * round as a lone sequence does.
  *
  * Measured alone (2 threads, 2-core AMX Xeon, 4608 × 1536, weights ≫ L3): reads w at 24-25 GB/s
  * from 1 to 16 rows and 22-23 at 32 (oneDNN's brgemm on the same weights: 15-16.5); from L3, 1.8-1.9
