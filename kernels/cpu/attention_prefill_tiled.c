@@ -20,7 +20,6 @@
  * in a process whose heap had moved them there. */
 #include <cblas.h>
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "kernels/cpu/attention_bf16.h"
@@ -359,13 +358,12 @@ pd_status_t pd_cpu_attn_tiled_run(float *out, const float *q, const pd_kv_view_t
     float *qt = scratch, *kt = qt + (size_t)ATTN_MM_TQ * group * D, *vt = kt + (size_t)ATTN_MM_KT * D;
     float *st = vt + (size_t)ATTN_MM_KT * D, *ot = st + (size_t)ATTN_MM_TQ * group * ATTN_MM_KT;
     float *mt = ot + (size_t)ATTN_MM_TQ * group * D, *lt = mt + (size_t)ATTN_MM_TQ * group;
-    /* bf16 copies for oneDNN, on a 64-byte line past the fp32 area */
+    /* bf16 copies for oneDNN or AMX, on a 64-byte line past the fp32 area */
     const int M16 = (ATTN_MM_TQ * group + 15) & ~15; /* q̂ and p̂ rows in whole AMX tiles, the rest zero */
     uintptr_t b16_at = ((uintptr_t)(lt + (size_t)ATTN_MM_TQ * group) + 63) & ~(uintptr_t)63;
     uint16_t *qb = (uint16_t *)b16_at, *kb = qb + (size_t)M16 * D;
     uint16_t *vb = kb + (size_t)ATTN_MM_KT * D, *pb = vb + (size_t)ATTN_MM_KT * D;
-    const int amx =
-        bf16 && D % 32 == 0 && D >= (getenv("AMXD") ? atoi(getenv("AMXD")) : 0) && pd_cpu_amx_usable();
+    const int amx = bf16 && D % 32 == 0 && pd_cpu_amx_usable();  /* both products on AMX tiles */
     const int dnnl = bf16 && (amx || pd_cpu_dnnl_bf16_native()); /* the bf16 copies, for oneDNN or AMX */
     const bool full = T == ATTN_MM_TQ; /* oneDNN primitives made for full items' M rows, kept per thread */
 #if defined(__x86_64__) && defined(__GNUC__)

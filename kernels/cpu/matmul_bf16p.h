@@ -21,6 +21,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kernels/cpu/matmul_bf16.h" /* PD_BF16DOT_AMX_MAX_M */
+
 /* Up to this many rows of x the kernel below; above, tiles widened by pd_cpu_bf16p_widen_kn and
  * sgemm (which re-reads the tile from cache per row block: prefill). */
 #define PD_BF16P_MAX_M 64

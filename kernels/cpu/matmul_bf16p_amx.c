@@ -254,19 +254,18 @@ AMX void pd_cpu_i8p_amx(float *y, const uint16_t *xs, const int8_t *w, const flo
     tiles_configure();
     int chunk = pd_cpu_bf16p_amx_chunk_rows(k, 3);
     for (int ic = 0; ic < m; ic += chunk) {
-        int iend = m - ic < chunk ? m : ic + chunk;
-        P.m = iend;
+        P.m = m - ic < chunk ? m : ic + chunk;
         for (int j = n0; j < n1; j += 32) {
             i8_block_to_pairs(panel, w + (size_t)j * k, k);
             __asm__ volatile("" ::: "memory"); /* the tile loads read the panel */
-            for (int i0 = ic; i0 < iend; i0 += 32) {
+            for (int i0 = ic; i0 < P.m; i0 += 32) {
                 block(&P, panel, i0, j, 0);
             }
             __asm__ volatile("" ::: "memory"); /* y was written by tile stores */
             const __m512 s0 = _mm512_loadu_ps(scale + j), s1 = _mm512_loadu_ps(scale + j + 16);
             const __m512 b0 = bias != NULL ? _mm512_loadu_ps(bias + j) : _mm512_setzero_ps();
             const __m512 b1 = bias != NULL ? _mm512_loadu_ps(bias + j + 16) : _mm512_setzero_ps();
-            for (int i = ic; i < iend; i++) {
+            for (int i = ic; i < P.m; i++) {
                 float *yr = y + (size_t)i * n + j;
                 _mm512_storeu_ps(yr, _mm512_fmadd_ps(_mm512_loadu_ps(yr), s0, b0));
                 _mm512_storeu_ps(yr + 16, _mm512_fmadd_ps(_mm512_loadu_ps(yr + 16), s1, b1));
