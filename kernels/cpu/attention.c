@@ -484,7 +484,7 @@ pd_status_t pd_cpu_paged_attention_prefill(pd_backend_t *be, float *out, const f
 
 /* ---------------------------------------------------------------- optimized decode (split-K) */
 
-static int g_allow_x86 = 1;
+static int g_allow_x86 = 2;
 
 void pd_cpu_attn_allow_x86(int allow)
 {
@@ -512,11 +512,7 @@ static inline __attribute__((always_inline)) void decode_item_body(const pd_attn
         pd_attn_bf16_query(qh_all + (size_t)h * D, qs + (size_t)h * D, scale, D);
     }
     const float s_scale = bf16 ? 1.0f : scale;
-    for (int h = 0; h < num_heads; h++) {
-        part->m[h] = -INFINITY;
-        part->l[h] = 0;
-        memset(part->acc + (size_t)h * D, 0, (size_t)D * sizeof(float));
-    }
+    pd_attn_partial_reset(part, num_heads, D);
     for (int64_t b = it->block_begin; b < it->block_end; b++) {
         int64_t j0 = b * bs;
         int lo = first > j0 ? (int)(first - j0) : 0;
@@ -602,8 +598,10 @@ pd_status_t pd_cpu_paged_attention_decode(pd_backend_t *be, float *out, const fl
         return PD_OK;
     }
     const int bf16 = pd_cpu_attn_bf16_math(be, kv);
+    const int use_x512 =
+        g_allow_x86 >= 2 && bs <= PD_ATTN_MAX_BLOCK && pd_cpu_attn_decode_x512_usable(D, num_heads / H);
     const int use_x86 =
-        g_allow_x86 && bs <= PD_ATTN_MAX_BLOCK && pd_cpu_attn_decode_x86_usable(D, num_heads / H);
+        g_allow_x86 >= 1 && bs <= PD_ATTN_MAX_BLOCK && pd_cpu_attn_decode_x86_usable(D, num_heads / H);
     int64_t total_blocks = 0;
     for (int s = 0; s < S; s++) {
         int64_t pos = meta->seq_lens[s] - 1;
@@ -647,7 +645,10 @@ pd_status_t pd_cpu_paged_attention_decode(pd_backend_t *be, float *out, const fl
         for (size_t i = 0; i < n_items; i++) {
             float *p = parts + i * part_floats;
             pd_attn_partial_t part = {p, p + num_heads, p + 2 * num_heads};
-            if (use_x86) {
+            if (use_x512) {
+                pd_cpu_attn_decode_x512_item(&items[i], q, kv, meta, num_heads, scale, bf16, &part,
+                                             my_scratch);
+            } else if (use_x86) {
                 pd_cpu_attn_decode_x86_item(&items[i], q, kv, meta, num_heads, scale, bf16, &part,
                                             my_scratch);
             } else {

@@ -3,6 +3,9 @@
 #ifndef PD_KERNELS_CPU_ATTENTION_DECODE_H
 #define PD_KERNELS_CPU_ATTENTION_DECODE_H
 
+#include <math.h>
+#include <string.h>
+
 #include "kernels/backend.h"
 
 #define PD_ATTN_MAX_HEAD  256 /* head sizes the vector kernel handles (multiples of 8) */
@@ -22,6 +25,16 @@ typedef struct pd_attn_partial {
     float *acc; /* [num_heads][head_size], not yet divided by l */
 } pd_attn_partial_t;
 
+/* An item's state before its first key: m = −∞, l = 0, acc = 0 for every head. */
+static inline void pd_attn_partial_reset(pd_attn_partial_t *part, int num_heads, int head_size)
+{
+    for (int h = 0; h < num_heads; h++) {
+        part->m[h] = -INFINITY;
+        part->l[h] = 0;
+    }
+    memset(part->acc, 0, (size_t)num_heads * head_size * sizeof(float));
+}
+
 /* Whether the AVX2/FMA/F16C kernel runs here for this shape. */
 int pd_cpu_attn_decode_x86_usable(int head_size, int group);
 
@@ -32,7 +45,18 @@ void pd_cpu_attn_decode_x86_item(const pd_attn_decode_item_t *it, const float *q
                                  const pd_attn_meta_t *meta, int num_heads, float scale, int bf16,
                                  pd_attn_partial_t *part, float *scratch);
 
-/* Test hook: 0 forces the portable item kernel even where AVX2 is available. */
+/* Whether the AVX-512 kernel (attention_decode_x512.c) runs here for this shape. */
+int pd_cpu_attn_decode_x512_usable(int head_size, int group);
+
+/* Runs one item with AVX-512, the query heads of each kv head's group in register tiles of four;
+ * the same contract as pd_cpu_attn_decode_x86_item, except that scratch must hold num_heads ×
+ * head_size floats (the pre-scaled queries). */
+void pd_cpu_attn_decode_x512_item(const pd_attn_decode_item_t *it, const float *q, const pd_kv_view_t *kv,
+                                  const pd_attn_meta_t *meta, int num_heads, float scale, int bf16,
+                                  pd_attn_partial_t *part, float *scratch);
+
+/* Test hook: the widest decode item kernel allowed where the CPU has it: 2 AVX-512 (the default),
+ * 1 AVX2, 0 the portable one. */
 void pd_cpu_attn_allow_x86(int allow);
 
 #endif

@@ -135,11 +135,7 @@ item_dt(const pd_attn_decode_item_t *it, const float *q, const pd_kv_view_t *kv,
     float qscaled[PD_ATTN_MAX_HEAD];
     float scores[PD_ATTN_MAX_BLOCK + 8];
 
-    for (int h = 0; h < num_heads; h++) {
-        part->m[h] = -INFINITY;
-        part->l[h] = 0;
-        memset(part->acc + (size_t)h * D, 0, (size_t)D * sizeof(float));
-    }
+    pd_attn_partial_reset(part, num_heads, D);
     for (int64_t b = it->block_begin; b < it->block_end; b++) {
         int64_t j0 = b * bs;
         int lo = first > j0 ? (int)(first - j0) : 0;

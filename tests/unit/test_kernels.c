@@ -945,12 +945,12 @@ static void check_attn_bf16(const pd_kv_view_t *kv, const pd_attn_meta_t *meta, 
     ck_assert_int_eq(pd_cpu_paged_attention_bf16_ref(g_be, ref, q, kv, meta, NH, scale), PD_OK);
     double d32 = mean_abs_err(o32, ref, n);
     ck_assert_msg(d32 > 1e-5, "bf16 math changed nothing: %g", d32);
-    for (int path = 0; path < 4; path++) {
+    for (int path = 0; path < 5; path++) { /* tiled, per-key; decode AVX-512, AVX2, portable */
         if (path >= 2 && !all_decode) {
             break;
         }
         pd_cpu_attn_allow_tiled(path != 1);
-        pd_cpu_attn_allow_x86(path != 3);
+        pd_cpu_attn_allow_x86(path < 2 ? 2 : 4 - path);
         ck_assert_int_eq(path < 2 ? pd_cpu_paged_attention_prefill(g_be, o, q, kv, meta, NH, scale)
                                   : pd_cpu_paged_attention_decode(g_be, o, q, kv, meta, NH, scale),
                          PD_OK);
@@ -959,7 +959,7 @@ static void check_attn_bf16(const pd_kv_view_t *kv, const pd_attn_meta_t *meta, 
                       mean, d32, worst);
     }
     pd_cpu_attn_allow_tiled(1);
-    pd_cpu_attn_allow_x86(1);
+    pd_cpu_attn_allow_x86(2);
     g_be->matmul_precision = PD_MATMUL_FP32;
     free(ref), free(o);
 }
@@ -1048,8 +1048,8 @@ static void run_attn_case(const attn_case_t *c)
         all_decode &= c->q_lens[s] == 1;
     }
     if (all_decode) {
-        /* the split-K decode kernel, vector (AVX2) and portable variants */
-        for (int allow = 1; allow >= 0; allow--) {
+        /* the split-K decode kernel: AVX-512, AVX2 and portable variants */
+        for (int allow = 2; allow >= 0; allow--) {
             pd_cpu_attn_allow_x86(allow);
             float *od = rand_buf((size_t)num_tokens * NH * D, -5, 5);
             ck_assert_int_eq(pd_cpu_paged_attention_decode(g_be, od, q, &kv, &meta, NH, scale), PD_OK);
@@ -1058,7 +1058,7 @@ static void run_attn_case(const attn_case_t *c)
                           max_rel_err(od, oref, (size_t)num_tokens * NH * D, 1e-2));
             free(od);
         }
-        pd_cpu_attn_allow_x86(1);
+        pd_cpu_attn_allow_x86(2);
     } else {
         ck_assert_int_eq(pd_cpu_paged_attention_decode(g_be, o, q, &kv, &meta, NH, scale),
                          PD_ERR_INVALID_ARG);
@@ -1103,6 +1103,15 @@ START_TEST(test_attention_random)
     run_attn_case(&longw);
     attn_case_t longb = {3, {1, 1, 1}, {1000, 37, 600}, 32, 4, 4, 128, PD_DTYPE_BF16, 0};
     run_attn_case(&longb);
+    /* the AVX-512 decode kernel's register tiles: a group of 3 with 128-wide heads (two 64-column
+     * tiles; the 565 M model's shape), a group of 16 (four tiles of heads), 48-wide heads (a
+     * partial column tile) */
+    attn_case_t g3 = {4, {1, 1, 1, 1}, {200, 17, 64, 3}, 16, 12, 4, 128, PD_DTYPE_BF16, 0};
+    run_attn_case(&g3);
+    attn_case_t g16 = {3, {1, 1, 1}, {40, 100, 7}, 16, 16, 1, 64, PD_DTYPE_F32, 0};
+    run_attn_case(&g16);
+    attn_case_t d48 = {3, {1, 1, 1}, {90, 31, 250}, 32, 10, 2, 48, PD_DTYPE_F16, 40};
+    run_attn_case(&d48);
     /* the GEMM-tiled prefill (q_len >= ATTN_MM_MIN_Q): several query tiles and key tiles, chunked
      * prefill after a context, sliding windows that cut inside tiles, GQA, every KV dtype, block 1 */
     attn_case_t tl = {3, {300, 33, 64}, {100, 0, 129}, 16, 8, 2, 64, PD_DTYPE_F32, 0};
