@@ -179,6 +179,19 @@ static void attn_free(attn_setup_t *s, pd_backend_t *be)
     free(s->tables), free(s->cu), free(s->seq_lens), free(s->slots), free(s->q), free(s->out);
 }
 
+/* The median of t[n] (sorted in place; n is small). */
+static double median_s(double *t, int n)
+{
+    for (int i = 1; i < n; i++) { /* insertion sort */
+        for (int j = i; j > 0 && t[j] < t[j - 1]; j--) {
+            double x = t[j];
+            t[j] = t[j - 1];
+            t[j - 1] = x;
+        }
+    }
+    return t[n / 2];
+}
+
 /* Median seconds of reps calls of the backend's decode attention. */
 static double attn_time(attn_setup_t *s, pd_backend_t *be, int reps)
 {
@@ -190,14 +203,7 @@ static double attn_time(attn_setup_t *s, pd_backend_t *be, int reps)
         be->ops->paged_attention_decode(be, s->out, s->q, &s->kv, &s->meta, s->num_heads, scale);
         t[i] = pd_time_now_s() - t0;
     }
-    for (int i = 1; i < reps; i++) { /* insertion sort: reps is small */
-        for (int j = i; j > 0 && t[j] < t[j - 1]; j--) {
-            double x = t[j];
-            t[j] = t[j - 1];
-            t[j - 1] = x;
-        }
-    }
-    double med = t[reps / 2];
+    double med = median_s(t, reps);
     free(t);
     return med;
 }
@@ -429,7 +435,9 @@ typedef struct decoder {
 } decoder_t;
 
 /* Greedy decode of n_seqs sequences: prefill `prompt` tokens each, then `steps` decode steps.
- * Returns decode tokens per second (all sequences). */
+ * Returns decode tokens per second (all sequences) of the median step: its context is the
+ * roofline's average one, and a step the VM's other tenants held up does not move it (whole-run
+ * figures of one build moved by ±10 % between runs on the 2-core VM, 2026-11-25). */
 static double model_decode_tps(pd_backend_t *be, pd_model_t *m, pd_dtype_t kv_dtype, int n_seqs, int prompt,
                                int steps, float *prefill_logits, double *prefill_s)
 {
@@ -479,8 +487,9 @@ static double model_decode_tps(pd_backend_t *be, pd_model_t *m, pd_dtype_t kv_dt
     if (prefill_logits != NULL) {
         memcpy(prefill_logits, logits, (size_t)n_seqs * c->vocab_size * sizeof(float));
     }
-    double t0 = pd_time_now_s();
+    double *step_s = malloc((size_t)(steps > 0 ? steps : 1) * sizeof(double));
     for (int step = 0; step < steps; step++) {
+        double t0 = pd_time_now_s();
         for (int s = 0; s < n_seqs; s++) {
             const float *row = logits + (size_t)s * c->vocab_size;
             int best = 0;
@@ -498,14 +507,16 @@ static double model_decode_tps(pd_backend_t *be, pd_model_t *m, pd_dtype_t kv_dt
         batch.num_tokens = n_seqs;
         meta.num_tokens = n_seqs;
         pd_model_forward(m, &batch, views, &meta, lidx, n_seqs, NULL, logits);
+        step_s[step] = pd_time_now_s() - t0;
     }
-    double dt = pd_time_now_s() - t0;
+    double med = steps > 0 ? median_s(step_s, steps) : 0.0;
+    free(step_s);
     for (int l = 0; l < c->num_layers; l++) {
         be->ops->free(be, views[l].base);
     }
     free(views), free(tables), free(ids), free(pos), free(slots), free(cu), free(lens), free(lidx),
         free(logits);
-    return steps > 0 ? (double)n_seqs * steps / dt : 0.0;
+    return med > 0 ? (double)n_seqs / med : 0.0;
 }
 
 /* Roofline of a decode step of `batch` sequences: it reads every weight once and each sequence's
