@@ -9,7 +9,9 @@
 # (pd:kv_transfer_bytes_total). Appends to bench/RESULTS.md; plots in bench/plots/kvaware/.
 # PD_KVAWARE_RATE (2), PD_KVAWARE_PROMPTS (40), PD_KVAWARE_SEEDS (11; a list repeats every run per
 # seed), PD_KVAWARE_ONLY (shared|fresh: one workload), PD_KVAWARE_POLICIES (a list: those alone),
-# PD_KVAWARE_PROXY_ARGS (more pd-proxy flags).
+# PD_KVAWARE_PROXY_ARGS (more pd-proxy flags), PD_KVAWARE_PREFIXES (4: shared prefixes),
+# PD_KVAWARE_NODE_ARGS (more flags for every node, e.g. --num-blocks-override 500: a prefix cache
+# smaller than the prefixes, so that where a prefix is served decides whether it is still cached).
 set -euo pipefail
 build=${1:-build}
 cd "$(dirname "$0")/.."
@@ -22,6 +24,9 @@ demo_setup kvaware
 node=(--model "$models/demo" --served-model-name demo --kv-cache-memory 1G --max-model-len 2048
       --max-num-batched-tokens 2048 --threads 1 --kv-pipe ucx --kv-transfer-mode pull --kv-listen 127.0.0.1:0
       --kv-events-config "$events")
+read -r -a nodeargs <<<"${PD_KVAWARE_NODE_ARGS:-}"
+node+=("${nodeargs[@]}")
+prefixes=${PD_KVAWARE_PREFIXES:-4}
 n=${PD_KVAWARE_PROMPTS:-40}
 rate=${PD_KVAWARE_RATE:-2}
 seeds=${PD_KVAWARE_SEEDS:-11}
@@ -30,7 +35,7 @@ policies=${PD_KVAWARE_POLICIES:-} # a list: those policies alone
 read -r -a pxargs <<<"${PD_KVAWARE_PROXY_ARGS:-}" # more pd-proxy flags, e.g. --kv-aware-load-weight 0.3
 slo="ttft:2000 tpot:100"
 declare -A ds
-ds[shared]="--dataset-name prefix-repetition --prefix-repetition-prefix-len 512 --prefix-repetition-suffix-len 32 --prefix-repetition-num-prefixes 4 --prefix-repetition-output-len 16"
+ds[shared]="--dataset-name prefix-repetition --prefix-repetition-prefix-len 512 --prefix-repetition-suffix-len 32 --prefix-repetition-num-prefixes $prefixes --prefix-repetition-output-len 16"
 ds[fresh]="--dataset-name random --random-input-len 544 --random-output-len 16"
 files=()
 rows=()
@@ -62,10 +67,10 @@ done
   echo
   echo "## pd-proxy routing policies, 2 prefills + 2 decodes — $(date -u '+%Y-%m-%d %H:%M UTC')"
   echo
-  echo "Command: \`PD_KVAWARE_RATE=$rate PD_KVAWARE_PROMPTS=$n PD_KVAWARE_SEEDS=$seeds PD_KVAWARE_ONLY=$only PD_KVAWARE_POLICIES=$policies PD_KVAWARE_PROXY_ARGS='${PD_KVAWARE_PROXY_ARGS:-}' tools/bench-kvaware.sh build\`. Machine: $(nproc) cores. Demo model, every node --threads 1"
+  echo "Command: \`PD_KVAWARE_RATE=$rate PD_KVAWARE_PROMPTS=$n PD_KVAWARE_SEEDS=$seeds PD_KVAWARE_ONLY=$only PD_KVAWARE_POLICIES=$policies PD_KVAWARE_PROXY_ARGS='${PD_KVAWARE_PROXY_ARGS:-}' PD_KVAWARE_PREFIXES=$prefixes PD_KVAWARE_NODE_ARGS='${PD_KVAWARE_NODE_ARGS:-}' tools/bench-kvaware.sh build\`. Machine: $(nproc) cores. Demo model, every node --threads 1${PD_KVAWARE_NODE_ARGS:+ $PD_KVAWARE_NODE_ARGS}"
   echo "(4 processes on the cores), pull over ucx, KV cache events on every node, each run on freshly started nodes."
   echo "$n requests at $rate req/s (Poisson; arrivals and prompts from each seed), --ignore-eos, goodput SLO \`$slo\` (ms). shared = prefix-repetition:"
-  echo "4 prefixes of 512 tokens + 32-token suffixes, 16 output tokens; fresh = random 544-token prompts, 16 output."
+  echo "$prefixes prefixes of 512 tokens + 32-token suffixes, 16 output tokens; fresh = random 544-token prompts, 16 output."
   echo
   "$bin/pd-bench" table "${files[@]}"
   echo
