@@ -1,5 +1,6 @@
 /* kernels/cpu/matmul.c — y[m][n] = x[m][k] · w[n][k]ᵀ + bias: a plain loop, and the optimized op:
- * OpenBLAS sgemm/sgemv for fp32 weights; bf16 and int8 weights that prepare_weight laid out in
+ * OpenBLAS sgemm/sgemv for fp32 weights (on an AVX-512 CPU, 2..PD_BF16W_X512_MAX_M rows through
+ * matmul_bf16w_x512.c's register-blocked kernel instead); bf16 and int8 weights that prepare_weight laid out in
  * 32-row blocks (PD_WEIGHT_PAIRS32 / PD_WEIGHT_COLS32, AVX-512, fp32 math) through the
  * outer-product kernels of matmul_bf16p.h / matmul_i8p.h up to 64 rows and transposed widened
  * tiles + sgemm above — on an AMX CPU, the AMX kernel (matmul_bf16p_amx.c) on x in three exact bf16
@@ -149,22 +150,33 @@ static pd_status_t matmul_bf16x3(pd_backend_t *be, float *y, const float *x, pd_
     return PD_OK;
 }
 
-/* fp32 math on bf16 weights at m <= PD_BF16W_X512_MAX_M with AVX-512 (matmul_lowp.h): x copied
- * into the kernel's order once, then each thread its own columns. */
+/* fp32 math on bf16 or fp32 weights at m <= PD_BF16W_X512_MAX_M with AVX-512 (matmul_lowp.h): x
+ * copied into the kernel's order once, then each thread its own columns. */
 static pd_status_t matmul_bf16w(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias,
                                 int m, int n, int k)
 {
     int nt = be->num_threads;
+    bool f32 = w.dtype == PD_DTYPE_F32;
     float *xp = malloc(pd_cpu_bf16w_x512_floats(m, k) * sizeof(float));
     if (xp == NULL) {
-        pd_log_error("matmul: cannot allocate %d x %d inputs for the bf16 weights", m, k);
+        pd_log_error("matmul: cannot allocate %d x %d inputs for the %s weights", m, k,
+                     f32 ? "fp32" : "bf16");
         return PD_ERR_NO_MEMORY;
     }
-    pd_cpu_bf16w_x512_prepare(xp, x, m, k);
+    if (f32) {
+        pd_cpu_f32w_x512_prepare(xp, x, m, k);
+    } else {
+        pd_cpu_bf16w_x512_prepare(xp, x, m, k);
+    }
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int t = 0; t < nt; t++) {
         int n0, n1;
-        if (thread_cols(n, nt, t, 16, &n0, &n1)) {
+        if (!thread_cols(n, nt, t, 16, &n0, &n1)) {
+            continue;
+        }
+        if (f32) {
+            pd_cpu_f32w_x512(y, xp, w.data, bias, m, n, k, n0, n1);
+        } else {
             pd_cpu_bf16w_x512(y, xp, w.data, bias, m, n, k, n0, n1);
         }
     }
@@ -351,7 +363,8 @@ static pd_status_t matmul_fp32_math(pd_backend_t *be, float *y, const float *x, 
         (int64_t)n * k >= PD_BF16X3_AMX_MIN_WEIGHTS && pd_cpu_dnnl_amx()) {
         return matmul_bf16x3(be, y, x, w, bias, m, n, k);
     }
-    if (w.dtype == PD_DTYPE_BF16 && m > 1 && m <= PD_BF16W_X512_MAX_M && pd_cpu_avx512_usable()) {
+    if ((w.dtype == PD_DTYPE_BF16 || w.dtype == PD_DTYPE_F32) && m > 1 && m <= PD_BF16W_X512_MAX_M &&
+        pd_cpu_avx512_usable()) {
         return matmul_bf16w(be, y, x, w, bias, m, n, k);
     }
     if (w.dtype == PD_DTYPE_BF16 && m <= PD_BF16X3_MAX_M && pd_cpu_bf16dot_usable()) {

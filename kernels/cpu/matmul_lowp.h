@@ -57,4 +57,11 @@ void pd_cpu_bf16w_x512_prepare(float *xp, const float *x, int m, int k);
 void pd_cpu_bf16w_x512(float *y, const float *xp, const uint16_t *w, const float *bias, int m, int n, int k,
                        int n0, int n1);
 
+/* The same kernel for fp32 weights (2-PD_BF16W_X512_MAX_M rows, AVX-512 F/BW/VL), in place of sgemm:
+ * the same contract, with x copied by pd_cpu_f32w_x512_prepare (unpermuted, zero-padded to whole
+ * groups of 32) into pd_cpu_bf16w_x512_floats(m, k) floats. */
+void pd_cpu_f32w_x512_prepare(float *xp, const float *x, int m, int k);
+void pd_cpu_f32w_x512(float *y, const float *xp, const float *w, const float *bias, int m, int n, int k,
+                      int n0, int n1);
+
 #endif

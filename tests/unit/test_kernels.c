@@ -260,15 +260,22 @@ START_TEST(test_matmul_bf16_big)
 }
 END_TEST
 
-/* y = x · wᵀ + bias through matmul_bf16w_x512.c directly, as two threads' slices split at a column. */
-static void bf16w_direct(float *y, const float *x, const uint16_t *w, const float *bias, int m, int n, int k,
-                         int split)
+/* y = x · wᵀ + bias through matmul_bf16w_x512.c directly (w bf16, or fp32 with f32), as two
+ * threads' slices split at a column. */
+static void bf16w_direct(float *y, const float *x, const void *w, int f32, const float *bias, int m, int n,
+                         int k, int split)
 {
     float *xp = malloc(pd_cpu_bf16w_x512_floats(m, k) * sizeof(float));
     ck_assert_ptr_nonnull(xp);
-    pd_cpu_bf16w_x512_prepare(xp, x, m, k);
-    pd_cpu_bf16w_x512(y, xp, w, bias, m, n, k, 0, split);
-    pd_cpu_bf16w_x512(y, xp, w, bias, m, n, k, split, n);
+    if (f32) {
+        pd_cpu_f32w_x512_prepare(xp, x, m, k);
+        pd_cpu_f32w_x512(y, xp, w, bias, m, n, k, 0, split);
+        pd_cpu_f32w_x512(y, xp, w, bias, m, n, k, split, n);
+    } else {
+        pd_cpu_bf16w_x512_prepare(xp, x, m, k);
+        pd_cpu_bf16w_x512(y, xp, w, bias, m, n, k, 0, split);
+        pd_cpu_bf16w_x512(y, xp, w, bias, m, n, k, split, n);
+    }
     free(xp);
 }
 
@@ -276,7 +283,7 @@ static void bf16w_direct(float *y, const float *x, const uint16_t *w, const floa
  * AMX the dispatch sends 24 rows and more of a large matrix to oneDNN): a row's result is bitwise the
  * same in a batch of 2 as in a batch of every size up to PD_BF16W_X512_MAX_M (chunks of 8 rows and
  * their tails, blocks of 3 w rows and the single-row tail, k tails: k = 300 is 9 groups of 32 and
- * 12), and the same whichever columns a thread's slice starts at. */
+ * 12), and the same whichever columns a thread's slice starts at; for fp32 weights too. */
 START_TEST(test_bf16w_batch_invariant)
 {
     if (!pd_cpu_avx512_usable()) {
@@ -288,20 +295,25 @@ START_TEST(test_bf16w_batch_invariant)
     float *y = rand_buf((size_t)M * N, -9, 9), *y2 = rand_buf((size_t)M * N, -9, 9),
           *bias = rand_buf(N, -1, 1);
     uint16_t *ws = store_as(w, (size_t)N * K, PD_DTYPE_BF16);
-    for (int i = 0; i + 2 <= M; i += 2) { /* the reference rows: pairs, in one slice */
-        bf16w_direct(y2 + (size_t)i * N, x + (size_t)i * K, ws, bias, 2, N, K, N);
+    for (int f32 = 0; f32 < 2; f32++) {
+        const void *wd = f32 ? (const void *)w : ws;
+        for (int i = 0; i + 2 <= M; i += 2) { /* the reference rows: pairs, in one slice */
+            bf16w_direct(y2 + (size_t)i * N, x + (size_t)i * K, wd, f32, bias, 2, N, K, N);
+        }
+        int sizes[] = {3, 8, 9, 17, 37, M}, splits[] = {16, 35, 0, 48, 7, 69};
+        for (size_t s = 0; s < sizeof(sizes) / sizeof(sizes[0]); s++) {
+            int m = sizes[s] & ~1; /* whole pairs, starting at row 0 */
+            bf16w_direct(y, x, wd, f32, bias, sizes[s], N, K, splits[s]);
+            ck_assert_msg(memcmp(y, y2, (size_t)m * N * sizeof(float)) == 0,
+                          "fp32 weights %d: a batch of %d (slices split at column %d) differs from pairs",
+                          f32, sizes[s], splits[s]);
+        }
+        /* through the dispatch (a matrix this small takes the kernel at every row count, AMX or not) */
+        pd_weight_t wt = {(void *)wd, f32 ? PD_DTYPE_F32 : PD_DTYPE_BF16, NULL, PD_WEIGHT_ROWS, 0};
+        ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, wt, bias, M, N, K), PD_OK);
+        ck_assert_msg(memcmp(y, y2, (size_t)M * N * sizeof(float)) == 0,
+                      "fp32 weights %d: pd_cpu_matmul of %d rows differs", f32, M);
     }
-    int sizes[] = {3, 8, 9, 17, 37, M}, splits[] = {16, 35, 0, 48, 7, 69};
-    for (size_t s = 0; s < sizeof(sizes) / sizeof(sizes[0]); s++) {
-        int m = sizes[s] & ~1; /* whole pairs, starting at row 0 */
-        bf16w_direct(y, x, ws, bias, sizes[s], N, K, splits[s]);
-        ck_assert_msg(memcmp(y, y2, (size_t)m * N * sizeof(float)) == 0,
-                      "a batch of %d (slices split at column %d) differs from pairs", sizes[s], splits[s]);
-    }
-    /* through the dispatch (a matrix this small takes the kernel at every row count, AMX or not) */
-    pd_weight_t wt = {ws, PD_DTYPE_BF16, NULL, PD_WEIGHT_ROWS, 0};
-    ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, wt, bias, M, N, K), PD_OK);
-    ck_assert_msg(memcmp(y, y2, (size_t)M * N * sizeof(float)) == 0, "pd_cpu_matmul of %d rows differs", M);
     free(x), free(w), free(y), free(y2), free(bias), free(ws);
 }
 END_TEST
