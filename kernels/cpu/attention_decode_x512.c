@@ -25,6 +25,7 @@
 
 #include "kernels/cpu/attention_bf16.h"
 #include "kernels/cpu/attention_decode.h"
+#include "kernels/cpu/exp_x512.h"
 #include "kernels/cpu/simd.h"
 #include "kernels/paged_impl.h"
 
@@ -58,53 +59,6 @@ X512 static INLINE __m512 ld16(const void *p, size_t i, __mmask16 k, pd_dtype_t 
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     }
     return _mm512_cvtph_ps(h);
-}
-
-/* e^r · 2^n, pd_exp_poly's polynomial 16 lanes at a time. */
-X512 static INLINE __m512 exp_poly512(__m512 r, __m512 n)
-{
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
-/* exp(x) for x <= 0, as pd_fast_expf (and the AVX2 kernel's exp256). */
-X512 static INLINE __m512 exp512(__m512 x)
-{
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n =
-        _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                             _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
-    return _mm512_maskz_mov_ps(live, exp_poly512(r, n));
-}
-
-/* 2^x for x <= 0, as pd_fast_exp2f. */
-X512 static INLINE __m512 exp2_512(__m512 x)
-{
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-    const __m512 magic = _mm512_set1_ps(12582912.0f); /* 1.5 · 2^23: rounds to an integer */
-    __m512 n = _mm512_sub_ps(_mm512_add_ps(x, magic), magic);
-    __m512 r = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.693147180559945309f));
-    __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GT_OQ);
-    return _mm512_maskz_mov_ps(live, exp_poly512(r, n));
-}
-
-/* Each lane rounded to the nearest bf16 (ties to even), as floats; lanes finite. */
-X512 static INLINE __m512 round_bf16_512(__m512 x)
-{
-    __m512i u = _mm512_castps_si512(x);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
 /* The sums of 16 vectors, four to a 128-bit lane: lane r of the result is
@@ -225,7 +179,7 @@ X512 static INLINE void softmax_chunk(float *s, int kc, int h, int D, pd_attn_pa
     }
     part->m[h] = m_new;
     __m512 x = _mm512_sub_ps(sv, _mm512_set1_ps(m_new));
-    __m512 p = bf16 ? round_bf16_512(exp2_512(x)) : exp512(x);
+    __m512 p = bf16 ? pd_round_bf16_512(pd_exp2f512(x)) : pd_expf512(x);
     p = _mm512_maskz_mov_ps(km, p);
     part->l[h] += _mm512_reduce_add_ps(p);
     _mm512_storeu_ps(s, p);
@@ -250,7 +204,7 @@ X512 static INLINE void item_dt(const pd_attn_decode_item_t *it, const float *q,
     const __m512 qf = _mm512_set1_ps(bf16 ? scale * PD_LOG2E : scale);
     for (size_t i = 0; i < (size_t)num_heads * D; i += 16) {
         __m512 x = _mm512_mul_ps(_mm512_loadu_ps(qs + i), qf);
-        _mm512_storeu_ps(qh + i, bf16 ? round_bf16_512(x) : x);
+        _mm512_storeu_ps(qh + i, bf16 ? pd_round_bf16_512(x) : x);
     }
     pd_attn_partial_reset(part, num_heads, D);
     for (int64_t b = it->block_begin; b < it->block_end; b++) {

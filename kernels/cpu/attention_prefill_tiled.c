@@ -128,7 +128,7 @@ PD_CPU_CLONES static int softmax_row_bf16(float *s, uint16_t *pb, int nk, int lo
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
+#include "kernels/cpu/exp_x512.h"
 #define SOFTMAX_512 __attribute__((target("avx512f,avx512bw,avx512vl,prefer-vector-width=512")))
 
 /* softmax_row, and softmax_row_bf16 with pb, for a CPU with AVX-512 (bf16: the oneDNN path, which
@@ -161,34 +161,34 @@ SOFTMAX_512 static inline __attribute__((always_inline)) int softmax_row_512(flo
     if (m_new > *m && *l > 0) {
         float alpha = bf16 ? pd_fast_exp2f(*m - m_new) /* an exact power of two */ : pd_fast_expf(*m - m_new);
         *l *= alpha;
-        for (int d = 0; d < D; d++) {
-            o[d] *= alpha;
+        const __m512 av = _mm512_set1_ps(alpha);
+        for (int d = 0; d < D; d += 16) {
+            __mmask16 k = pd_tail_mask16(D - d);
+            _mm512_mask_storeu_ps(o + d, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, o + d), av));
         }
     }
     *m = m_new;
     if (bf16) {
         memset(pb, 0, (size_t)lo * sizeof(uint16_t)); /* masked keys: p̂ = 0 */
         memset(pb + hi + 1, 0, (size_t)(nk - 1 - hi) * sizeof(uint16_t));
-#pragma omp simd
-        for (int j = lo; j <= hi; j++) {
-            s[j] = pd_round_bf16f(pd_fast_exp2f(s[j] - m_new));
-        }
     } else {
         memset(s, 0, (size_t)lo * sizeof(float)); /* masked keys: p = 0 */
         memset(s + hi + 1, 0, (size_t)(nk - 1 - hi) * sizeof(float));
-#pragma omp simd
-        for (int j = lo; j <= hi; j++) {
-            s[j] = pd_fast_expf(s[j] - m_new);
-        }
     }
+    /* p (bitwise the vectorized pd_fast_exp2f / pd_fast_expf: exp_x512.h), its sum, and where the
+     * products read it (pb's bf16 values under bf16 math, s otherwise) in one pass */
+    const __m512 mn = _mm512_set1_ps(m_new);
     __m512 sv = _mm512_setzero_ps();
     for (int j = lo; j <= hi; j += 16) {
         __mmask16 k = pd_tail_mask16(hi + 1 - j);
-        __m512 p = _mm512_maskz_loadu_ps(k, s + j);
+        __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), mn);
+        __m512 p = _mm512_maskz_mov_ps(k, bf16 ? pd_round_bf16_512(pd_exp2f512(x)) : pd_expf512(x));
         sv = _mm512_add_ps(sv, p);
         if (bf16) { /* exact: p is a bf16 value, so its high half is it */
             _mm256_mask_storeu_epi16(pb + j, k,
                                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16)));
+        } else {
+            _mm512_mask_storeu_ps(s + j, k, p);
         }
     }
     *l += _mm512_reduce_add_ps(sv);
