@@ -504,7 +504,7 @@ static inline __attribute__((always_inline)) void decode_item_body(const pd_attn
     const int s = it->seq;
     const int64_t pos = meta->seq_lens[s] - 1;
     const int64_t first = pd_attn_first_key(pos, meta->sliding_window);
-    const int row = H * D, es = pd_dtype_size(kv->dtype);
+    const int row = H * D;
     const float *qs = q + (size_t)meta->cu_seqlens_q[s] * num_heads * D;
     float *kbuf = scratch, *vbuf = scratch + (size_t)bs * row, *sc = vbuf + (size_t)bs * row;
     float *qh_all = sc + bs + 8; /* [num_heads][D]: q̂ under bf16 math */
@@ -514,21 +514,19 @@ static inline __attribute__((always_inline)) void decode_item_body(const pd_attn
     const float s_scale = bf16 ? 1.0f : scale;
     pd_attn_partial_reset(part, num_heads, D);
     for (int64_t b = it->block_begin; b < it->block_end; b++) {
-        int64_t j0 = b * bs;
-        int lo = first > j0 ? (int)(first - j0) : 0;
-        int hi = pos < j0 + bs - 1 ? (int)(pos - j0) : bs - 1;
-        if (hi < lo) {
+        int lo, hi;
+        if (!pd_attn_block_keys(b, bs, first, pos, &lo, &hi)) {
             continue;
         }
-        int64_t block = meta->block_tables[(int64_t)s * meta->max_blocks_per_seq + b];
-        const char *base = kv->base;
+        const char *kpage = pd_attn_block_plane(kv, meta, s, b, 0),
+                   *vpage = pd_attn_block_plane(kv, meta, s, b, 1);
         const float *kp, *vp;
         if (kv->dtype == PD_DTYPE_F32) {
-            kp = (const float *)kv->base + pd_kv_index(block, 0, 0, 0, bs, H, D);
-            vp = (const float *)kv->base + pd_kv_index(block, 1, 0, 0, bs, H, D);
+            kp = (const float *)kpage;
+            vp = (const float *)vpage;
         } else {
-            pd_cpu_widen(kbuf, base + pd_kv_index(block, 0, 0, 0, bs, H, D) * es, kv->dtype, (hi + 1) * row);
-            pd_cpu_widen(vbuf, base + pd_kv_index(block, 1, 0, 0, bs, H, D) * es, kv->dtype, (hi + 1) * row);
+            pd_cpu_widen(kbuf, kpage, kv->dtype, (hi + 1) * row);
+            pd_cpu_widen(vbuf, vpage, kv->dtype, (hi + 1) * row);
             kp = kbuf;
             vp = vbuf;
         }

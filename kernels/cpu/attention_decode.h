@@ -4,9 +4,11 @@
 #define PD_KERNELS_CPU_ATTENTION_DECODE_H
 
 #include <math.h>
+#include <stdbool.h>
 #include <string.h>
 
 #include "kernels/backend.h"
+#include "kernels/paged_impl.h"
 
 #define PD_ATTN_MAX_HEAD  256 /* head sizes the vector kernel handles (multiples of 8) */
 #define PD_ATTN_MAX_GROUP 16  /* query heads per kv head */
@@ -24,6 +26,26 @@ typedef struct pd_attn_partial {
     float *l;   /* [num_heads] */
     float *acc; /* [num_heads][head_size], not yet divided by l */
 } pd_attn_partial_t;
+
+/* The keys of block-table entry b that the new token at pos sees (first: its first visible key),
+ * as [*lo, *hi] within the block; false when it sees none there. */
+static inline bool pd_attn_block_keys(int64_t b, int block_size, int64_t first, int64_t pos, int *lo, int *hi)
+{
+    int64_t j0 = b * block_size;
+    *lo = first > j0 ? (int)(first - j0) : 0;
+    *hi = pos < j0 + block_size - 1 ? (int)(pos - j0) : block_size - 1; /* inclusive */
+    return *hi >= *lo;
+}
+
+/* Where plane (0 = K, 1 = V) of sequence s's block-table entry b starts in the cache. */
+static inline const char *pd_attn_block_plane(const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int s,
+                                              int64_t b, int plane)
+{
+    int64_t block = meta->block_tables[(int64_t)s * meta->max_blocks_per_seq + b];
+    return (const char *)kv->base +
+           (size_t)pd_kv_index(block, plane, 0, 0, kv->block_size, kv->num_kv_heads, kv->head_size) *
+               (size_t)pd_dtype_size(kv->dtype);
+}
 
 /* An item's state before its first key: m = −∞, l = 0, acc = 0 for every head. */
 static inline void pd_attn_partial_reset(pd_attn_partial_t *part, int num_heads, int head_size)

@@ -138,24 +138,19 @@ item_dt(const pd_attn_decode_item_t *it, const float *q, const pd_kv_view_t *kv,
 
     pd_attn_partial_reset(part, num_heads, D);
     for (int64_t b = it->block_begin; b < it->block_end; b++) {
-        int64_t j0 = b * bs;
-        int lo = first > j0 ? (int)(first - j0) : 0;
-        int hi = pos < j0 + bs - 1 ? (int)(pos - j0) : bs - 1; /* inclusive */
-        if (hi < lo) {
+        int lo, hi;
+        if (!pd_attn_block_keys(b, bs, first, pos, &lo, &hi)) {
             continue;
         }
-        int64_t block = meta->block_tables[(int64_t)s * meta->max_blocks_per_seq + b];
         /* the block's K and V planes, in the cache's own dtype */
-        const char *kp = (const char *)kv->base + (size_t)pd_kv_index(block, 0, 0, 0, bs, H, D) * esize;
-        const char *vp = (const char *)kv->base + (size_t)pd_kv_index(block, 1, 0, 0, bs, H, D) * esize;
+        const char *kp = pd_attn_block_plane(kv, meta, s, b, 0), *vp = pd_attn_block_plane(kv, meta, s, b, 1);
         int nk = hi - lo + 1;
         /* the next block's page is somewhere else in the region: prefetch it while this one is
          * computed, a slice per head so the requests spread over the block's work */
         const char *next_page = NULL;
         size_t page_bytes = (size_t)2 * bs * row * esize, slice = 0;
         if (b + PREFETCH_BLOCKS < it->block_end) {
-            int64_t nblock = meta->block_tables[(int64_t)s * meta->max_blocks_per_seq + b + PREFETCH_BLOCKS];
-            next_page = (const char *)kv->base + (size_t)pd_kv_index(nblock, 0, 0, 0, bs, H, D) * esize;
+            next_page = pd_attn_block_plane(kv, meta, s, b + PREFETCH_BLOCKS, 0);
             slice = (page_bytes / (size_t)num_heads + 63) & ~(size_t)63;
         }
         for (int g = 0; g < H; g++) {

@@ -152,8 +152,8 @@ static pd_status_t matmul_bf16x3(pd_backend_t *be, float *y, const float *x, pd_
 
 /* fp32 math on bf16 or fp32 weights at m <= PD_BF16W_X512_MAX_M with AVX-512 (matmul_lowp.h): x
  * copied into the kernel's order once, then each thread its own columns. */
-static pd_status_t matmul_bf16w(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias,
-                                int m, int n, int k)
+static pd_status_t matmul_w_x512(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias,
+                                 int m, int n, int k)
 {
     int nt = be->num_threads;
     bool f32 = w.dtype == PD_DTYPE_F32;
@@ -365,7 +365,7 @@ static pd_status_t matmul_fp32_math(pd_backend_t *be, float *y, const float *x, 
     }
     if ((w.dtype == PD_DTYPE_BF16 || w.dtype == PD_DTYPE_F32) && m > 1 && m <= PD_BF16W_X512_MAX_M &&
         pd_cpu_avx512_usable()) {
-        return matmul_bf16w(be, y, x, w, bias, m, n, k);
+        return matmul_w_x512(be, y, x, w, bias, m, n, k);
     }
     if (w.dtype == PD_DTYPE_BF16 && m <= PD_BF16X3_MAX_M && pd_cpu_bf16dot_usable()) {
         return matmul_bf16x3(be, y, x, w, bias, m, n, k);
