@@ -40,9 +40,9 @@ typedef enum pd_weight_layout {
      * (kernels/cpu/matmul_bf16p.h); the order of oneDNN's BA16a32b2a weights. The other rows
      * follow row-major, where they would be anyway. Chosen by the backend's prepare_weight. */
     PD_WEIGHT_PAIRS32 = 1,
-    /* int8 only: the first packed_rows rows (a multiple of 32) in blocks of 32 rows, each [cols][32]
-     * — column c of the block's 32 rows in 32 bytes, two columns per 64-byte line
-     * (kernels/cpu/matmul_i8p.h). The other rows follow row-major. */
+    /* int8 or fp32: the first packed_rows rows (a multiple of 32) in blocks of 32 rows, each [cols][32]
+     * — column c of the block's 32 rows in 32 bytes (int8: two columns per 64-byte line) or 128
+     * bytes (fp32: two lines) (kernels/cpu/matmul_cols32.h). The other rows follow row-major. */
     PD_WEIGHT_COLS32 = 2,
 } pd_weight_layout_t;
 

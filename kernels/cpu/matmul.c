@@ -2,7 +2,7 @@
  * OpenBLAS sgemm/sgemv for fp32 weights (on an AVX-512 CPU, 2..PD_BF16W_X512_MAX_M rows through
  * matmul_bf16w_x512.c's register-blocked kernel instead); bf16 and int8 weights that prepare_weight laid out in
  * 32-row blocks (PD_WEIGHT_PAIRS32 / PD_WEIGHT_COLS32, AVX-512, fp32 math) through the
- * outer-product kernels of matmul_bf16p.h / matmul_i8p.h up to 64 rows and transposed widened
+ * outer-product kernels of matmul_bf16p.h / matmul_cols32.h up to 64 rows and transposed widened
  * tiles + sgemm above — on an AMX CPU, the AMX kernel (matmul_bf16p_amx.c) on x in three exact bf16
  * parts instead, bf16 from PD_BF16P_AMX_X3_MIN_M rows and int8 above 64, and bf16 math above the
  * GEMV's rows; for row-major bf16/fp16/int8 weights a GEMV
@@ -22,8 +22,8 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/matmul_bf16.h"
 #include "kernels/cpu/matmul_bf16p.h"
+#include "kernels/cpu/matmul_cols32.h"
 #include "kernels/cpu/matmul_dnnl.h"
-#include "kernels/cpu/matmul_i8p.h"
 #include "kernels/cpu/matmul_lowp.h"
 #include "kernels/cpu/simd.h"
 #include "kernels/dtype_impl.h"
@@ -228,16 +228,16 @@ static pd_status_t matmul_amx_x3(pd_backend_t *be, float *y, const float *x, pd_
     return PD_OK;
 }
 
-/* fp32 math on bf16 weights in PD_WEIGHT_PAIRS32 (matmul_bf16p.h) or int8 ones in PD_WEIGHT_COLS32
- * (matmul_i8p.h): up to 64 rows the layout's outer-product kernel on x transposed once; above,
- * each thread widens its blocks into transposed fp32 tiles ([k][rows]) for sgemm. Threads take
- * whole 32-column blocks. */
+/* fp32 math on bf16 weights in PD_WEIGHT_PAIRS32 (matmul_bf16p.h) or int8 and fp32 ones in
+ * PD_WEIGHT_COLS32 (matmul_cols32.h): up to 64 rows the layout's outer-product kernel on x
+ * transposed once; above, each thread widens (copies) its blocks into transposed fp32 tiles
+ * ([k][rows]) for sgemm. Threads take whole 32-column blocks. */
 static pd_status_t matmul_blocked(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
                                   const float *bias, int m, int n, int k)
 {
     int nt = be->num_threads;
-    bool i8 = w.layout == PD_WEIGHT_COLS32;
-    bool direct = m <= (i8 ? PD_I8P_MAX_M : PD_BF16P_MAX_M);
+    bool i8 = w.dtype == PD_DTYPE_I8, f32 = w.dtype == PD_DTYPE_F32;
+    bool direct = m <= (w.layout == PD_WEIGHT_COLS32 ? PD_COLS32_MAX_M : PD_BF16P_MAX_M);
     int n_packed = w.packed_rows < n ? (int)w.packed_rows : n;
     if (n_packed % 32 != 0) { /* a slice that ends inside a block: prepare_weight's slice_rows */
         pd_log_error("matmul: %d rows of a weight with %lld in 32-row blocks end inside a block", n,
@@ -249,7 +249,7 @@ static pd_status_t matmul_blocked(pd_backend_t *be, float *y, const float *x, pd
     size_t floats = direct ? pd_cpu_bf16p_x_floats(m, k) : (size_t)nt * tile_rows * k;
     float *buf = malloc(floats * sizeof(float));
     if (buf == NULL) {
-        pd_log_error("matmul: cannot allocate %zu floats for packed bf16 weights", floats);
+        pd_log_error("matmul: cannot allocate %zu floats for a blocked weight", floats);
         return PD_ERR_NO_MEMORY;
     }
     if (direct) {
@@ -265,6 +265,10 @@ static pd_status_t matmul_blocked(pd_backend_t *be, float *y, const float *x, pd
             pd_cpu_i8p_x512(y, buf, w.data, w.scale, bias, m, n, k, n_packed, n0, n1);
             continue;
         }
+        if (direct && f32) {
+            pd_cpu_f32p_x512(y, buf, w.data, bias, m, n, k, n_packed, n0, n1);
+            continue;
+        }
         if (direct) {
             pd_cpu_bf16p_x512(y, buf, w.data, bias, m, n, k, n_packed, n0, n1);
             continue;
@@ -275,6 +279,8 @@ static pd_status_t matmul_blocked(pd_backend_t *be, float *y, const float *x, pd
             float beta = bias_into(y, bias, m, n, j0, j0 + rows);
             if (i8) {
                 pd_cpu_i8p_widen_kn(tile, w.data, w.scale, n_packed, j0, rows, k);
+            } else if (f32) {
+                pd_cpu_f32p_copy_kn(tile, w.data, n_packed, j0, rows, k);
             } else {
                 pd_cpu_bf16p_widen_kn(tile, w.data, n_packed, j0, rows, k);
             }
@@ -313,8 +319,8 @@ pd_status_t pd_cpu_prepare_weight(pd_backend_t *be, pd_weight_t *w, int64_t rows
     if (w->dtype == PD_DTYPE_BF16) {
         fits = bf16_math ? pd_cpu_bf16p_dot_fits(rows, cols) && pd_cpu_bf16dot_usable()
                          : be->matmul_precision == PD_MATMUL_FP32 && pd_cpu_bf16p_fits(rows, cols);
-    } else if (w->dtype == PD_DTYPE_I8) { /* int8 is always fp32 math */
-        fits = pd_cpu_i8p_fits(rows, cols);
+    } else if (w->dtype == PD_DTYPE_I8 || w->dtype == PD_DTYPE_F32) { /* always fp32 math */
+        fits = pd_cpu_cols32_fits(rows, cols);
     }
     if (slice_rows % 32 != 0 || w->layout != PD_WEIGHT_ROWS || !fits || !pd_cpu_avx512_usable() ||
         !packing_wanted()) {
@@ -330,11 +336,13 @@ pd_status_t pd_cpu_prepare_weight(pd_backend_t *be, pd_weight_t *w, int64_t rows
     memcpy(copy, w->data, bytes);
     if (w->dtype == PD_DTYPE_I8) {
         pd_cpu_i8p_pack((int8_t *)w->data, copy, blocked, cols, be->num_threads);
+    } else if (w->dtype == PD_DTYPE_F32) {
+        pd_cpu_f32p_pack((float *)w->data, copy, blocked, cols, be->num_threads);
     } else {
         pd_cpu_bf16p_pack((uint16_t *)w->data, copy, blocked, cols, be->num_threads);
     }
     free(copy);
-    w->layout = w->dtype == PD_DTYPE_I8 ? PD_WEIGHT_COLS32 : PD_WEIGHT_PAIRS32;
+    w->layout = w->dtype == PD_DTYPE_BF16 ? PD_WEIGHT_PAIRS32 : PD_WEIGHT_COLS32;
     w->packed_rows = blocked;
     return PD_OK;
 }
@@ -352,9 +360,9 @@ static pd_status_t matmul_fp32_math(pd_backend_t *be, float *y, const float *x, 
     if (w.layout == PD_WEIGHT_PAIRS32 || w.layout == PD_WEIGHT_COLS32) {
         /* the AMX kernel from its row count on: bf16 from PD_BF16P_AMX_X3_MIN_M, int8 above the
          * outer-product kernel's rows (matmul_bf16p.h) */
-        int amx_from = w.layout == PD_WEIGHT_PAIRS32 ? PD_BF16P_AMX_X3_MIN_M : PD_I8P_MAX_M + 1;
-        if (m >= amx_from && pd_cpu_bf16p_amx_fits(n, w.packed_rows, k) && amx_wanted() &&
-            pd_cpu_amx_usable() && pd_cpu_bf16dot_usable()) {
+        int amx_from = w.layout == PD_WEIGHT_PAIRS32 ? PD_BF16P_AMX_X3_MIN_M : PD_COLS32_MAX_M + 1;
+        if (w.dtype != PD_DTYPE_F32 && m >= amx_from && pd_cpu_bf16p_amx_fits(n, w.packed_rows, k) &&
+            amx_wanted() && pd_cpu_amx_usable() && pd_cpu_bf16dot_usable()) {
             return matmul_amx_x3(be, y, x, w, bias, m, n, k);
         }
         return matmul_blocked(be, y, x, w, bias, m, n, k);

@@ -114,10 +114,10 @@ void pd_cpu_bf16p_amx(float *y, const uint16_t *xs, int parts, const uint16_t *w
 int pd_cpu_bf16p_amx_chunk_rows(int k, int parts);
 
 /* pd_cpu_bf16p_amx (x in three parts, fp32 math) for int8 weights in PD_WEIGHT_COLS32
- * (matmul_i8p.h) with every row in a block and k % 32 == 0: per chunk of rows and 32-row block,
+ * (matmul_cols32.h) with every row in a block and k % 32 == 0: per chunk of rows and 32-row block,
  * the block's int8 values widened into `panel` (k × 32 bf16, exact: int8 fits bf16) in PAIRS32
  * order, multiplied on the tiles, then y = fma(y, scale[j], bias[j]). The products are exact, sums
- * fp32: pd_cpu_matmul_ref within fp32 rounding. Above PD_I8P_MAX_M rows (prefill), in place of
+ * fp32: pd_cpu_matmul_ref within fp32 rounding. Above PD_COLS32_MAX_M rows (prefill), in place of
  * widened tiles and sgemm. */
 void pd_cpu_i8p_amx(float *y, const uint16_t *xs, const int8_t *w, const float *scale, const float *bias,
                     int m, int n, int k, int n0, int n1, uint16_t *panel);

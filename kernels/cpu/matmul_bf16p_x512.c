@@ -60,9 +60,9 @@ X512_INLINE void block(float *y, const float *xt, const uint16_t *w, const float
     for (int i = 0; i < R; i++) {
         acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     }
-    const uint16_t *wb = w + (size_t)j * k; /* j % 32 == 0: the block's start (backend.h) */
-    const float *xc = xt + i0;
-    for (int p = 0; p < k; p += 2, wb += 64, xc += 2 * (size_t)m) {
+    const uint16_t *wb = w + (size_t)j * k;       /* j % 32 == 0: the block's start (backend.h) */
+    const float *xc = xt + i0, *xn = xt + m + i0; /* columns p, p + 1 (matmul_cols32_x512.c) */
+    for (int p = 0; p < k; p += 2, wb += 64, xc += 2 * (size_t)m, xn += 2 * (size_t)m) {
         _mm_prefetch((const char *)wb + BP_PREFETCH_BYTES, _MM_HINT_T0);
         _mm_prefetch((const char *)wb + BP_PREFETCH_BYTES + 64, _MM_HINT_T0);
         __m512i v0 = _mm512_loadu_si512(wb), v1 = _mm512_loadu_si512(wb + 32);
@@ -72,7 +72,7 @@ X512_INLINE void block(float *y, const float *xt, const uint16_t *w, const float
                o1 = _mm512_castsi512_ps(_mm512_and_si512(v1, hi));
 #pragma GCC unroll 12
         for (int i = 0; i < R; i++) {
-            __m512 xe = _mm512_set1_ps(xc[i]), xo = _mm512_set1_ps(xc[m + i]);
+            __m512 xe = _mm512_set1_ps(xc[i]), xo = _mm512_set1_ps(xn[i]);
             acc[i][0] = _mm512_fmadd_ps(o0, xo, _mm512_fmadd_ps(e0, xe, acc[i][0]));
             acc[i][1] = _mm512_fmadd_ps(o1, xo, _mm512_fmadd_ps(e1, xe, acc[i][1]));
         }

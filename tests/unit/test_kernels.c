@@ -13,8 +13,8 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/matmul_bf16.h"
 #include "kernels/cpu/matmul_bf16p.h"
+#include "kernels/cpu/matmul_cols32.h"
 #include "kernels/cpu/matmul_dnnl.h"
-#include "kernels/cpu/matmul_i8p.h"
 #include "kernels/cpu/matmul_lowp.h"
 #include "kernels/cpu/simd.h"
 #include "kernels/paged_impl.h"
@@ -398,21 +398,19 @@ START_TEST(test_matmul_bf16_packed)
     }
     /* what stays row-major */
     uint16_t buf[64 * 4] = {0};
-    pd_weight_t a = {buf, PD_DTYPE_BF16, NULL, 0, 0}, b = a, c = a, d = a,
-                f32 = {buf, PD_DTYPE_F32, NULL, 0, 0};
+    pd_weight_t a = {buf, PD_DTYPE_BF16, NULL, 0, 0}, b = a, c = a, d = a;
     g_be->matmul_precision = PD_MATMUL_BF16;
     ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &a, 64, 4, 0), PD_OK);
     g_be->matmul_precision = PD_MATMUL_FP32;
     ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &b, 31, 4, 0), PD_OK);
     ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &c, 32, 5, 0), PD_OK);
-    ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &f32, 32, 4, 0), PD_OK);
     setenv("PD_CPU_WEIGHT_PACKING", "0", 1);
     ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &d, 64, 4, 0), PD_OK);
     unsetenv("PD_CPU_WEIGHT_PACKING");
     pd_weight_t g = {buf, PD_DTYPE_BF16, NULL, 0, 0}; /* GPT-2's fused qkv with a hidden size of 40 */
     ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &g, 64, 4, 40), PD_OK);
     ck_assert(a.layout == PD_WEIGHT_ROWS && b.layout == PD_WEIGHT_ROWS && c.layout == PD_WEIGHT_ROWS &&
-              d.layout == PD_WEIGHT_ROWS && f32.layout == PD_WEIGHT_ROWS && g.layout == PD_WEIGHT_ROWS);
+              d.layout == PD_WEIGHT_ROWS && g.layout == PD_WEIGHT_ROWS);
     ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &g, 64, 4, 32), PD_OK);
     ck_assert_int_eq(g.layout, PD_WEIGHT_PAIRS32);
     float xs[4] = {0}, ys[64];
@@ -421,98 +419,121 @@ START_TEST(test_matmul_bf16_packed)
 }
 END_TEST
 
-/* y = x · wᵀ + bias in the order matmul_i8p.h documents: per output, fused multiply-adds of the
- * int8 values in column order from 0, then one fused multiply-add of the sum by the row's scale
- * and the bias. */
-static void i8p_order_ref(float *y, const float *x, const int8_t *q, const float *scale, const float *bias,
-                          int m, int n, int k)
+/* y = x · wᵀ + bias in the order matmul_cols32.h documents: per output, fused multiply-adds of the
+ * weight's values (int8 ones unscaled) in column order from 0, then one fused multiply-add of the
+ * sum by the row's scale (1 for fp32) and the bias. w is row-major int8 or fp32. */
+static void cols32_order_ref(float *y, const float *x, const void *w, pd_dtype_t dt, const float *scale,
+                             const float *bias, int m, int n, int k)
 {
     for (int i = 0; i < m; i++) {
         for (int j = 0; j < n; j++) {
             float acc = 0.0f;
             for (int p = 0; p < k; p++) {
-                acc = fmaf(x[(size_t)i * k + p], (float)q[(size_t)j * k + p], acc);
+                size_t e = (size_t)j * k + p;
+                float v = dt == PD_DTYPE_I8 ? (float)((const int8_t *)w)[e] : ((const float *)w)[e];
+                acc = fmaf(x[(size_t)i * k + p], v, acc);
             }
-            y[(size_t)i * n + j] = fmaf(acc, scale[j], bias != NULL ? bias[j] : 0.0f);
+            y[(size_t)i * n + j] = fmaf(acc, scale != NULL ? scale[j] : 1.0f, bias != NULL ? bias[j] : 0.0f);
         }
     }
 }
 
-/* Int8 weights in PD_WEIGHT_COLS32 (matmul_i8p.h), laid out by prepare_weight: every element reads
- * back as the int8 value times its scale (pd_weight_at, a slice at a whole block); up to
- * PD_I8P_MAX_M rows every output is bitwise the documented order (row groups of 12 and their tails,
- * 32-row blocks and the row-major rows after them, an odd k, slices starting at any block), so a
- * row's result does not depend on its batch; above, the sgemm tiles match the reference. Not laid
- * out under 32 rows, off-block slices, or with PD_CPU_WEIGHT_PACKING=0. */
-START_TEST(test_matmul_i8_packed)
+/* Int8 and fp32 weights in PD_WEIGHT_COLS32 (matmul_cols32.h), laid out by prepare_weight: every
+ * element reads back as the int8 value times its scale, or the fp32 value (pd_weight_at, a slice at
+ * a whole block); up to PD_COLS32_MAX_M rows every output is bitwise the documented order (row
+ * groups of 12 and their tails, 32-row blocks and the row-major rows after them, an odd k, slices
+ * starting at any block), so a row's result does not depend on its batch; above, the sgemm tiles
+ * match the reference. Not laid out under 32 rows, off-block slices, or with
+ * PD_CPU_WEIGHT_PACKING=0. */
+START_TEST(test_matmul_cols32)
 {
     if (!pd_cpu_avx512_usable()) {
-        printf("test_matmul_i8_packed: no AVX-512 on this CPU; int8 weights stay row-major\n");
+        printf("test_matmul_cols32: no AVX-512 on this CPU; int8 and fp32 weights stay row-major\n");
         return;
     }
     int shapes[][2] = {{32, 1}, {64, 300}, {70, 47}, {2050, 64}, {97, 131}};
-    int sizes[] = {1, 2, 5, 11, 12, 13, 24, 31, 37, PD_I8P_MAX_M, PD_I8P_MAX_M + 1, 150};
-    for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
-        int n = shapes[s][0], k = shapes[s][1], M = 150;
-        float *x = rand_buf((size_t)M * k, -1, 1), *w = rand_buf((size_t)n * k, -1, 1), *scale = NULL;
-        int8_t *q = quantize_rows(w, n, k, &scale), *wp = malloc((size_t)n * k);
-        memcpy(wp, q, (size_t)n * k);
-        float *bias = rand_buf((size_t)n, -1, 1), *y = rand_buf((size_t)M * n, -9, 9),
-              *yr = rand_buf((size_t)M * n, -9, 9);
-        pd_weight_t wt = {q, PD_DTYPE_I8, scale, PD_WEIGHT_ROWS, 0}, pk = {wp, PD_DTYPE_I8, scale, 0, 0};
-        ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &pk, n, k, 0), PD_OK);
-        ck_assert_int_eq(pk.layout, PD_WEIGHT_COLS32);
-        ck_assert_int_eq(pk.packed_rows, n & ~31);
-        for (int j = 0; j < n; j++) {
-            for (int p = 0; p < k; p++) {
-                ck_assert_float_eq(pd_weight_at(pk, j, p, k), w[(size_t)j * k + p]);
+    int sizes[] = {1, 2, 5, 11, 12, 13, 24, 31, 37, PD_COLS32_MAX_M, PD_COLS32_MAX_M + 1, 150};
+    pd_dtype_t dts[] = {PD_DTYPE_I8, PD_DTYPE_F32};
+    for (size_t d = 0; d < 2; d++) {
+        pd_dtype_t dt = dts[d];
+        const char *name = dt == PD_DTYPE_I8 ? "int8" : "fp32";
+        size_t esize = (size_t)pd_dtype_size(dt);
+        for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+            int n = shapes[s][0], k = shapes[s][1], M = 150;
+            float *x = rand_buf((size_t)M * k, -1, 1), *w = rand_buf((size_t)n * k, -1, 1), *scale = NULL;
+            /* q: the row-major matrix prepare_weight is given (int8 values, or w itself); w then
+             * holds the values it stands for */
+            void *q = dt == PD_DTYPE_I8 ? (void *)quantize_rows(w, n, k, &scale) : (void *)w;
+            void *wp = malloc((size_t)n * k * esize);
+            memcpy(wp, q, (size_t)n * k * esize);
+            float *bias = rand_buf((size_t)n, -1, 1), *y = rand_buf((size_t)M * n, -9, 9),
+                  *yr = rand_buf((size_t)M * n, -9, 9);
+            pd_weight_t wt = {q, dt, scale, PD_WEIGHT_ROWS, 0}, pk = {wp, dt, scale, 0, 0};
+            ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &pk, n, k, 0), PD_OK);
+            ck_assert_int_eq(pk.layout, PD_WEIGHT_COLS32);
+            ck_assert_int_eq(pk.packed_rows, n & ~31);
+            for (int j = 0; j < n; j++) {
+                for (int p = 0; p < k; p++) {
+                    ck_assert_float_eq(pd_weight_at(pk, j, p, k), w[(size_t)j * k + p]);
+                }
             }
-        }
-        pd_weight_t sl = pd_weight_rows(pk, 32, k);
-        for (int j = 0; j + 32 < n; j++) {
-            ck_assert_float_eq(pd_weight_at(sl, j, k - 1, k), w[(size_t)(j + 32) * k + k - 1]);
-        }
-        for (size_t c = 0; c < sizeof(sizes) / sizeof(sizes[0]); c++) {
-            int m = sizes[c];
-            const float *b = c % 2 ? bias : NULL;
-            ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, pk, b, m, n, k), PD_OK);
-            if (m <= PD_I8P_MAX_M) {
-                i8p_order_ref(yr, x, q, scale, b, m, n, k);
-                ck_assert_msg(memcmp(y, yr, (size_t)m * n * sizeof(float)) == 0,
-                              "%dx%dx%d: not the documented order of sums", m, n, k);
-            } else {
-                ck_assert_int_eq(pd_cpu_matmul_ref(g_be, yr, x, wt, b, m, n, k), PD_OK);
-                ck_assert_msg(max_rel_err(y, yr, (size_t)m * n, sqrt(k)) < 1e-6, "%dx%dx%d", m, n, k);
+            pd_weight_t sl = pd_weight_rows(pk, 32, k);
+            for (int j = 0; j + 32 < n; j++) {
+                ck_assert_float_eq(pd_weight_at(sl, j, k - 1, k), w[(size_t)(j + 32) * k + k - 1]);
             }
+            for (size_t c = 0; c < sizeof(sizes) / sizeof(sizes[0]); c++) {
+                int m = sizes[c];
+                const float *b = c % 2 ? bias : NULL;
+                ck_assert_int_eq(pd_cpu_matmul(g_be, y, x, pk, b, m, n, k), PD_OK);
+                if (m <= PD_COLS32_MAX_M) {
+                    cols32_order_ref(yr, x, q, dt, scale, b, m, n, k);
+                    ck_assert_msg(memcmp(y, yr, (size_t)m * n * sizeof(float)) == 0,
+                                  "%s %dx%dx%d: not the documented order of sums", name, m, n, k);
+                } else {
+                    ck_assert_int_eq(pd_cpu_matmul_ref(g_be, yr, x, wt, b, m, n, k), PD_OK);
+                    ck_assert_msg(max_rel_err(y, yr, (size_t)m * n, sqrt(k)) < 1e-6, "%s %dx%dx%d", name, m,
+                                  n, k);
+                }
+            }
+            float *xt = malloc(pd_cpu_bf16p_x_floats(13, k) * sizeof(float));
+            pd_cpu_bf16p_prepare(xt, x, 13, k);
+            for (int split = 32; split < n; split += 32) { /* a thread's slice may start at any block */
+                for (int half = 0; half < 2; half++) {
+                    int n0 = half ? split : 0, n1 = half ? n : split;
+                    if (dt == PD_DTYPE_I8) {
+                        pd_cpu_i8p_x512(y, xt, wp, scale, bias, 13, n, k, (int)pk.packed_rows, n0, n1);
+                    } else {
+                        pd_cpu_f32p_x512(y, xt, wp, bias, 13, n, k, (int)pk.packed_rows, n0, n1);
+                    }
+                }
+                cols32_order_ref(yr, x, q, dt, scale, bias, 13, n, k);
+                ck_assert_msg(memcmp(y, yr, (size_t)13 * n * sizeof(float)) == 0, "%s split at %d", name,
+                              split);
+            }
+            if (dt == PD_DTYPE_I8) {
+                free(q);
+            }
+            free(x), free(w), free(scale), free(wp), free(bias), free(y), free(yr), free(xt);
         }
-        float *xt = malloc(pd_cpu_bf16p_x_floats(13, k) * sizeof(float));
-        pd_cpu_bf16p_prepare(xt, x, 13, k);
-        for (int split = 32; split < n; split += 32) { /* a thread's slice may start at any block */
-            pd_cpu_i8p_x512(y, xt, wp, scale, bias, 13, n, k, (int)pk.packed_rows, 0, split);
-            pd_cpu_i8p_x512(y, xt, wp, scale, bias, 13, n, k, (int)pk.packed_rows, split, n);
-            i8p_order_ref(yr, x, q, scale, bias, 13, n, k);
-            ck_assert_msg(memcmp(y, yr, (size_t)13 * n * sizeof(float)) == 0, "split at %d", split);
+        /* what stays row-major */
+        float buf[64 * 4] = {0}, sc[64];
+        for (int j = 0; j < 64; j++) {
+            sc[j] = 1.0f;
         }
-        free(x), free(w), free(scale), free(q), free(wp), free(bias), free(y), free(yr), free(xt);
+        const float *bsc = dt == PD_DTYPE_I8 ? sc : NULL;
+        pd_weight_t a = {buf, dt, bsc, 0, 0}, dd = a, g = a;
+        ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &a, 31, 4, 0), PD_OK);
+        setenv("PD_CPU_WEIGHT_PACKING", "0", 1);
+        ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &dd, 64, 4, 0), PD_OK);
+        unsetenv("PD_CPU_WEIGHT_PACKING");
+        ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &g, 64, 4, 40), PD_OK);
+        ck_assert(a.layout == PD_WEIGHT_ROWS && dd.layout == PD_WEIGHT_ROWS && g.layout == PD_WEIGHT_ROWS);
+        ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &g, 64, 4, 32), PD_OK);
+        ck_assert_int_eq(g.layout, PD_WEIGHT_COLS32);
+        float xs[4] = {0}, ys[64];
+        ck_assert_int_eq(pd_cpu_matmul(g_be, ys, xs, g, NULL, 1, 40, 4),
+                         PD_ERR_INVALID_ARG); /* ends in a block */
     }
-    /* what stays row-major */
-    int8_t buf[64 * 4] = {0};
-    float sc[64];
-    for (int j = 0; j < 64; j++) {
-        sc[j] = 1.0f;
-    }
-    pd_weight_t a = {buf, PD_DTYPE_I8, sc, 0, 0}, d = a, g = a;
-    ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &a, 31, 4, 0), PD_OK);
-    setenv("PD_CPU_WEIGHT_PACKING", "0", 1);
-    ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &d, 64, 4, 0), PD_OK);
-    unsetenv("PD_CPU_WEIGHT_PACKING");
-    ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &g, 64, 4, 40), PD_OK);
-    ck_assert(a.layout == PD_WEIGHT_ROWS && d.layout == PD_WEIGHT_ROWS && g.layout == PD_WEIGHT_ROWS);
-    ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &g, 64, 4, 32), PD_OK);
-    ck_assert_int_eq(g.layout, PD_WEIGHT_COLS32);
-    float xs[4] = {0}, ys[64];
-    ck_assert_int_eq(pd_cpu_matmul(g_be, ys, xs, g, NULL, 1, 40, 4),
-                     PD_ERR_INVALID_ARG); /* ends in a block */
 }
 END_TEST
 
@@ -521,7 +542,7 @@ END_TEST
  * stands for within fp32 summation order; each row bitwise the same alone (m = 1) as in its batch,
  * whatever the rows padding the last tile hold (NaN here) and wherever a thread's columns start;
  * row chunks of pd_cpu_bf16p_amx_chunk_rows crossed; and pd_cpu_matmul taking it in both
- * precisions from its row counts on; and int8 weights in PD_WEIGHT_COLS32 above PD_I8P_MAX_M rows
+ * precisions from its row counts on; and int8 weights in PD_WEIGHT_COLS32 above PD_COLS32_MAX_M rows
  * (pd_cpu_i8p_amx: blocks widened into bf16 panels, scale and bias after), against the reference
  * and row by row alone. */
 START_TEST(test_matmul_bf16_amx)
@@ -591,13 +612,13 @@ START_TEST(test_matmul_bf16_amx)
         g_be->matmul_precision = PD_MATMUL_FP32;
         ck_assert_int_eq(pd_cpu_matmul_ref(g_be, yr, xr, ref, bias, M, n, k), PD_OK);
         ck_assert(max_rel_err(y, yr, (size_t)M * n, sqrt(k)) < 1e-5);
-        /* int8: quantized w, through pd_cpu_matmul above PD_I8P_MAX_M, then rows alone */
+        /* int8: quantized w, through pd_cpu_matmul above PD_COLS32_MAX_M, then rows alone */
         float *scale = NULL;
         int8_t *q = quantize_rows(w, n, k, &scale); /* w now the values q stands for */
         pd_weight_t qk = {q, PD_DTYPE_I8, scale, PD_WEIGHT_ROWS, 0};
         ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &qk, n, k, 0), PD_OK);
         ck_assert_int_eq(qk.layout, PD_WEIGHT_COLS32);
-        int i8_sizes[] = {PD_I8P_MAX_M + 1, 100, M};
+        int i8_sizes[] = {PD_COLS32_MAX_M + 1, 100, M};
         for (size_t c = 0; c < sizeof(i8_sizes) / sizeof(i8_sizes[0]); c++) {
             int m = i8_sizes[c];
             const float *b = c % 2 ? NULL : bias;
@@ -1365,7 +1386,7 @@ int main(void)
     tcase_add_test(tc, test_split_bf16x3);
     tcase_add_test(tc, test_bf16w_batch_invariant);
     tcase_add_test(tc, test_matmul_bf16_packed);
-    tcase_add_test(tc, test_matmul_i8_packed);
+    tcase_add_test(tc, test_matmul_cols32);
     tcase_add_test(tc, test_matmul_bf16_math_packed);
     tcase_add_test(tc, test_matmul_bf16_amx);
     tcase_add_test(tc, test_matmul_bf16_big);
