@@ -18,6 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench/op_profile.h"
 #include "common/flags.h"
 #include "common/log.h"
 #include "common/rng.h"
@@ -428,6 +429,8 @@ static double bench_matmul(pd_backend_t *be, double read_bw, double bpeak)
 
 /* ------------------------------------------------------------------ model decode */
 
+static bool g_op_profile; /* --op-profile: model_decode_tps prints where its steps' time went */
+
 typedef struct decoder {
     pd_model_t *m;
     pd_kv_view_t *views;
@@ -488,6 +491,10 @@ static double model_decode_tps(pd_backend_t *be, pd_model_t *m, pd_dtype_t kv_dt
         memcpy(prefill_logits, logits, (size_t)n_seqs * c->vocab_size * sizeof(float));
     }
     double *step_s = malloc((size_t)(steps > 0 ? steps : 1) * sizeof(double));
+    if (g_op_profile) {
+        pd_op_profile_attach(be);
+        pd_op_profile_reset();
+    }
     for (int step = 0; step < steps; step++) {
         double t0 = pd_time_now_s();
         for (int s = 0; s < n_seqs; s++) {
@@ -509,6 +516,16 @@ static double model_decode_tps(pd_backend_t *be, pd_model_t *m, pd_dtype_t kv_dt
         pd_model_forward(m, &batch, views, &meta, lidx, n_seqs, NULL, logits);
         step_s[step] = pd_time_now_s() - t0;
     }
+    if (g_op_profile && steps > 0) {
+        double total = 0;
+        for (int step = 0; step < steps; step++) {
+            total += step_s[step];
+        }
+        char title[96];
+        snprintf(title, sizeof(title), "decode, batch %d, context %d-%d", n_seqs, prompt + 1, prompt + steps);
+        pd_op_profile_print(title, total, steps);
+    }
+    pd_op_profile_detach(be);
     double med = steps > 0 ? median_s(step_s, steps) : 0.0;
     free(step_s);
     for (int l = 0; l < c->num_layers; l++) {
@@ -717,6 +734,10 @@ int main(int argc, char **argv)
          "bf16-math = auto + --matmul-precision bf16)",
          "float32|auto|int8|bf16-math"},
         {"batch", PD_FLAG_INT, &batch, "model decode at only this batch, 1, 8 or 32 (0 = all)", NULL},
+        {"op-profile", PD_FLAG_BOOL, &g_op_profile,
+         "after each model decode row, the decode steps' wall time per backend op and matmul shape "
+         "(bench/op_profile.h)",
+         NULL},
     };
     pd_status_t st = pd_flags_parse(flags, sizeof(flags) / sizeof(flags[0]), argc, argv,
                                     "usage: pd-bench-ops [--model DIR] [--results bench/RESULTS.md]", NULL);
