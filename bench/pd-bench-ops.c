@@ -491,19 +491,20 @@ static double model_decode_tps(pd_backend_t *be, pd_model_t *m, pd_dtype_t kv_dt
         memcpy(prefill_logits, logits, (size_t)n_seqs * c->vocab_size * sizeof(float));
     }
     double *step_s = malloc((size_t)(steps > 0 ? steps : 1) * sizeof(double));
+    pd_sampling_params_t *greedy = calloc((size_t)n_seqs, sizeof(pd_sampling_params_t));
+    int32_t *next = malloc((size_t)n_seqs * sizeof(int32_t));
+    for (int s = 0; s < n_seqs; s++) {
+        greedy[s].top_p = 1.0f; /* temperature 0: the argmax, as the engine samples greedy rows */
+    }
     if (g_op_profile) {
         pd_op_profile_attach(be);
         pd_op_profile_reset();
     }
     for (int step = 0; step < steps; step++) {
         double t0 = pd_time_now_s();
+        be->ops->sample(be, next, logits, n_seqs, c->vocab_size, greedy, NULL);
         for (int s = 0; s < n_seqs; s++) {
-            const float *row = logits + (size_t)s * c->vocab_size;
-            int best = 0;
-            for (int v = 1; v < c->vocab_size; v++) {
-                best = row[v] > row[best] ? v : best;
-            }
-            ids[s] = best;
+            ids[s] = next[s];
             pos[s] = prompt + step;
             slots[s] = (int32_t)pd_block_table_slot(tables, max_blocks, s, prompt + step, bs);
             cu[s] = s;
@@ -527,7 +528,7 @@ static double model_decode_tps(pd_backend_t *be, pd_model_t *m, pd_dtype_t kv_dt
     }
     pd_op_profile_detach(be);
     double med = steps > 0 ? median_s(step_s, steps) : 0.0;
-    free(step_s);
+    free(step_s), free(greedy), free(next);
     for (int l = 0; l < c->num_layers; l++) {
         be->ops->free(be, views[l].base);
     }

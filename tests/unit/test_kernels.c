@@ -18,6 +18,7 @@
 #include "kernels/cpu/matmul_lowp.h"
 #include "kernels/cpu/simd.h"
 #include "kernels/paged_impl.h"
+#include "kernels/sample.h"
 
 static pd_backend_t *g_be;
 static pd_rng_t g_rng;
@@ -1245,6 +1246,82 @@ START_TEST(test_sampling_matches_reference)
 }
 END_TEST
 
+/* The greedy token through pd_sample_argmax (vectorized where the CPU has AVX-512) and through the
+ * op, on rows built to catch a wrong index: ties at the maximum (lowest id wins), NaNs anywhere
+ * (never win; a NaN at 0 stays), −0 before +0, −∞, a maximum in every tail position, every row
+ * length from 1 to 70 and a 128 K vocabulary; checked against the scalar definition. */
+static int32_t argmax_def(const float *z, int vocab)
+{
+    int32_t best = 0;
+    for (int32_t i = 1; i < vocab; i++) {
+        best = z[i] > z[best] ? i : best;
+    }
+    return best;
+}
+
+START_TEST(test_sampling_argmax_edges)
+{
+    pd_rng_t r;
+    pd_rng_seed(&r, 17);
+    int lens[] = {1, 2, 15, 16, 17, 31, 33, 64, 70, 131072};
+    float *z = malloc((size_t)131072 * sizeof(float));
+    for (size_t li = 0; li < sizeof(lens) / sizeof(lens[0]); li++) {
+        int vocab = lens[li];
+        for (int trial = 0; trial < 400; trial++) {
+            int kind = trial % 8;
+            for (int i = 0; i < vocab; i++) { /* few distinct values: ties are common */
+                z[i] = kind < 4 ? (float)(int)pd_rng_below(&r, 5) - 2.0f : pd_rng_uniform_f(&r, -3, 3);
+            }
+            int at = (int)pd_rng_below(&r, (uint64_t)vocab);
+            if (kind == 1 || kind == 5) {
+                z[at] = NAN;
+            }
+            if (kind == 2) {
+                z[0] = NAN;
+            }
+            if (kind == 3) {
+                for (int i = 0; i < vocab; i++) {
+                    z[i] = i % 3 == 0 ? -0.0f : (i % 3 == 1 ? 0.0f : -INFINITY);
+                }
+            }
+            if (kind == 6) {
+                z[vocab - 1] = 9.0f; /* the maximum in the last, possibly partial, vector */
+            }
+            if (kind == 7) {
+                for (int i = 0; i < vocab; i++) {
+                    z[i] = -INFINITY;
+                }
+            }
+            int32_t want = argmax_def(z, vocab);
+            ck_assert_msg(pd_sample_argmax(z, vocab) == want, "vocab %d kind %d: %d, not %d", vocab, kind,
+                          pd_sample_argmax(z, vocab), want);
+        }
+    }
+    /* the op, rows split over the threads: greedy rows are the argmax; a batch with an invalid row
+     * samples nothing */
+    int vocab = 1000, rows = 7;
+    float *l = rand_buf((size_t)rows * vocab, -5, 5);
+    pd_sampling_params_t p[7];
+    pd_rng_t rngs[7];
+    for (int i = 0; i < rows; i++) {
+        p[i] = (pd_sampling_params_t){0.0f, 0, 1.0f, 0.0f};
+        pd_rng_seed(&rngs[i], (uint64_t)i);
+    }
+    int32_t t[7];
+    ck_assert_int_eq(pd_cpu_sample(g_be, t, l, rows, vocab, p, rngs), PD_OK);
+    for (int i = 0; i < rows; i++) {
+        ck_assert_int_eq(t[i], argmax_def(l + (size_t)i * vocab, vocab));
+    }
+    p[5].temperature = -1.0f;
+    int32_t untouched[7] = {-7, -7, -7, -7, -7, -7, -7};
+    ck_assert_int_eq(pd_cpu_sample(g_be, untouched, l, rows, vocab, p, rngs), PD_ERR_INVALID_ARG);
+    for (int i = 0; i < rows; i++) {
+        ck_assert_int_eq(untouched[i], -7);
+    }
+    free(z), free(l);
+}
+END_TEST
+
 START_TEST(test_sampling_distribution)
 {
     /* 4 tokens with probabilities 0.1/0.2/0.3/0.4 at T = 1: empirical frequencies match, and
@@ -1397,6 +1474,7 @@ int main(void)
     tcase_add_test(tc, test_attention_rejects_bad_ids);
     tcase_add_test(tc, test_sampling_matches_reference);
     tcase_add_test(tc, test_sampling_distribution);
+    tcase_add_test(tc, test_sampling_argmax_edges);
     tcase_add_test(tc, test_pages_gather_scatter);
     tcase_add_test(tc, test_backend_accounting);
     suite_add_tcase(s, tc);
