@@ -484,7 +484,7 @@ pd_status_t pd_cpu_paged_attention_prefill(pd_backend_t *be, float *out, const f
 
 /* ---------------------------------------------------------------- optimized decode (split-K) */
 
-static int g_allow_x86 = 2;
+static int g_allow_x86 = 3;
 
 void pd_cpu_attn_allow_x86(int allow)
 {
@@ -596,6 +596,8 @@ pd_status_t pd_cpu_paged_attention_decode(pd_backend_t *be, float *out, const fl
         return PD_OK;
     }
     const int bf16 = pd_cpu_attn_bf16_math(be, kv);
+    const int use_dot = g_allow_x86 >= 3 && bf16 && bs <= PD_ATTN_MAX_BLOCK &&
+                        pd_cpu_attn_decode_dot_usable(D, num_heads / H);
     const int use_x512 =
         g_allow_x86 >= 2 && bs <= PD_ATTN_MAX_BLOCK && pd_cpu_attn_decode_x512_usable(D, num_heads / H);
     const int use_x86 =
@@ -643,7 +645,9 @@ pd_status_t pd_cpu_paged_attention_decode(pd_backend_t *be, float *out, const fl
         for (size_t i = 0; i < n_items; i++) {
             float *p = parts + i * part_floats;
             pd_attn_partial_t part = {p, p + num_heads, p + 2 * num_heads};
-            if (use_x512) {
+            if (use_dot) {
+                pd_cpu_attn_decode_dot_item(&items[i], q, kv, meta, num_heads, scale, &part, my_scratch);
+            } else if (use_x512) {
                 pd_cpu_attn_decode_x512_item(&items[i], q, kv, meta, num_heads, scale, bf16, &part,
                                              my_scratch);
             } else if (use_x86) {

@@ -77,8 +77,17 @@ void pd_cpu_attn_decode_x512_item(const pd_attn_decode_item_t *it, const float *
                                   const pd_attn_meta_t *meta, int num_heads, float scale, int bf16,
                                   pd_attn_partial_t *part, float *scratch);
 
-/* Test hook: the widest decode item kernel allowed where the CPU has it: 2 AVX-512 (the default),
- * 1 AVX2, 0 the portable one. */
+/* Whether the AVX512-BF16 item below runs here for this shape (a multiple of 32 wide heads). */
+int pd_cpu_attn_decode_dot_usable(int head_size, int group);
+
+/* Runs one item of a bf16 cache under bf16 attention math (m and l log2-domain) with vdpbf16ps
+ * for both products (attention_decode_x512.c); the contract of pd_cpu_attn_decode_x512_item. */
+void pd_cpu_attn_decode_dot_item(const pd_attn_decode_item_t *it, const float *q, const pd_kv_view_t *kv,
+                                 const pd_attn_meta_t *meta, int num_heads, float scale,
+                                 pd_attn_partial_t *part, float *scratch);
+
+/* Test hook: the widest decode item kernel allowed where the CPU has it: 3 (the default) the
+ * AVX512-BF16 item under bf16 attention math, else as 2; 2 AVX-512; 1 AVX2; 0 the portable one. */
 void pd_cpu_attn_allow_x86(int allow);
 
 #endif

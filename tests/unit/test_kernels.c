@@ -979,12 +979,12 @@ static void check_attn_bf16(const pd_kv_view_t *kv, const pd_attn_meta_t *meta, 
     ck_assert_int_eq(pd_cpu_paged_attention_bf16_ref(g_be, ref, q, kv, meta, NH, scale), PD_OK);
     double d32 = mean_abs_err(o32, ref, n);
     ck_assert_msg(d32 > 1e-5, "bf16 math changed nothing: %g", d32);
-    for (int path = 0; path < 5; path++) { /* tiled, per-key; decode AVX-512, AVX2, portable */
+    for (int path = 0; path < 6; path++) { /* tiled, per-key; decode AVX512-BF16, AVX-512, AVX2, portable */
         if (path >= 2 && !all_decode) {
             break;
         }
         pd_cpu_attn_allow_tiled(path != 1);
-        pd_cpu_attn_allow_x86(path < 2 ? 2 : 4 - path);
+        pd_cpu_attn_allow_x86(path < 2 ? 3 : 5 - path);
         ck_assert_int_eq(path < 2 ? pd_cpu_paged_attention_prefill(g_be, o, q, kv, meta, NH, scale)
                                   : pd_cpu_paged_attention_decode(g_be, o, q, kv, meta, NH, scale),
                          PD_OK);
@@ -993,7 +993,7 @@ static void check_attn_bf16(const pd_kv_view_t *kv, const pd_attn_meta_t *meta, 
                       mean, d32, worst);
     }
     pd_cpu_attn_allow_tiled(1);
-    pd_cpu_attn_allow_x86(2);
+    pd_cpu_attn_allow_x86(3);
     g_be->matmul_precision = PD_MATMUL_FP32;
     free(ref), free(o);
 }
@@ -1082,8 +1082,8 @@ static void run_attn_case(const attn_case_t *c)
         all_decode &= c->q_lens[s] == 1;
     }
     if (all_decode) {
-        /* the split-K decode kernel: AVX-512, AVX2 and portable variants */
-        for (int allow = 2; allow >= 0; allow--) {
+        /* the split-K decode kernel: AVX-512 (3 is 2 in fp32 math), AVX2 and portable variants */
+        for (int allow = 3; allow >= 0; allow--) {
             pd_cpu_attn_allow_x86(allow);
             float *od = rand_buf((size_t)num_tokens * NH * D, -5, 5);
             ck_assert_int_eq(pd_cpu_paged_attention_decode(g_be, od, q, &kv, &meta, NH, scale), PD_OK);
@@ -1092,7 +1092,7 @@ static void run_attn_case(const attn_case_t *c)
                           max_rel_err(od, oref, (size_t)num_tokens * NH * D, 1e-2));
             free(od);
         }
-        pd_cpu_attn_allow_x86(2);
+        pd_cpu_attn_allow_x86(3);
     } else {
         ck_assert_int_eq(pd_cpu_paged_attention_decode(g_be, o, q, &kv, &meta, NH, scale),
                          PD_ERR_INVALID_ARG);
