@@ -8,7 +8,7 @@
 # Per run: TTFT p50/p99, goodput at the SLO (pd-bench) and the KV bytes both decodes read
 # (pd:kv_transfer_bytes_total). Appends to bench/RESULTS.md; plots in bench/plots/kvaware/.
 # PD_KVAWARE_RATE (2), PD_KVAWARE_PROMPTS (40), PD_KVAWARE_SEEDS (11; a list repeats every run per
-# seed), PD_KVAWARE_ONLY (shared|fresh: one workload), PD_KVAWARE_POLICIES (a list: those alone),
+# seed), PD_KVAWARE_ONLY (shared|fresh: one workload), PD_KVAWARE_POLICIES (a list, commas or spaces: those alone),
 # PD_KVAWARE_PROXY_ARGS (more pd-proxy flags), PD_KVAWARE_PREFIXES (4: shared prefixes),
 # PD_KVAWARE_NODE_ARGS (more flags for every node, e.g. --num-blocks-override 500: a prefix cache
 # smaller than the prefixes, so that where a prefix is served decides whether it is still cached).
@@ -32,6 +32,17 @@ rate=${PD_KVAWARE_RATE:-2}
 seeds=${PD_KVAWARE_SEEDS:-11}
 only=${PD_KVAWARE_ONLY:-} # shared or fresh: that workload alone
 policies=${PD_KVAWARE_POLICIES:-} # a list: those policies alone
+for p in ${policies//,/ }; do # a misspelt list would run nothing and append an empty table
+  case "$p" in
+  round-robin | prefix-affinity | kv-aware) ;;
+  *) echo "bench-kvaware: PD_KVAWARE_POLICIES: '$p' is not round-robin, prefix-affinity or kv-aware" >&2; exit 2 ;;
+  esac
+done
+policies=${policies// /,}
+case "$only" in
+"" | shared | fresh) ;;
+*) echo "bench-kvaware: PD_KVAWARE_ONLY must be shared or fresh, not '$only'" >&2; exit 2 ;;
+esac
 read -r -a pxargs <<<"${PD_KVAWARE_PROXY_ARGS:-}" # more pd-proxy flags, e.g. --kv-aware-load-weight 0.3
 slo="ttft:2000 tpot:100"
 declare -A ds
