@@ -1,14 +1,14 @@
 /* kernels/cpu/matmul.c — y[m][n] = x[m][k] · w[n][k]ᵀ + bias: a plain loop, and the optimized op:
- * OpenBLAS sgemm/sgemv for fp32 weights (on an AVX-512 CPU, 2..PD_BF16W_X512_MAX_M rows through
- * matmul_bf16w_x512.c's register-blocked kernel instead); bf16 and int8 weights that prepare_weight laid out in
- * 32-row blocks (PD_WEIGHT_PAIRS32 / PD_WEIGHT_COLS32, AVX-512, fp32 math) through the
- * outer-product kernels of matmul_bf16p.h / matmul_cols32.h up to 64 rows and transposed widened
- * tiles + sgemm above — on an AMX CPU, the AMX kernel (matmul_bf16p_amx.c) on x in three exact bf16
- * parts instead, bf16 from PD_BF16P_AMX_X3_MIN_M rows and int8 above 64, and bf16 math above the
- * GEMV's rows; for row-major bf16/fp16/int8 weights a GEMV
- * that widens in registers
- * (matmul_lowp_x86.c) at small m, and tiles of w widened into fp32 for sgemm at larger m; on an
- * AVX-512 CPU, bf16 weights at 2..PD_BF16W_X512_MAX_M rows go through a register-blocked kernel that
+ * bf16, int8 and fp32 weights that prepare_weight laid out in 32-row blocks (PD_WEIGHT_PAIRS32 /
+ * PD_WEIGHT_COLS32, AVX-512, fp32 math) through the outer-product kernels of matmul_bf16p.h /
+ * matmul_cols32.h up to 64 rows and transposed widened (copied) tiles + sgemm above — on an AMX CPU,
+ * the AMX kernel (matmul_bf16p_amx.c) on x in three exact bf16 parts instead, bf16 from
+ * PD_BF16P_AMX_X3_MIN_M rows and int8 above 64 (fp32 weights never: not exact in bf16 parts), and
+ * bf16 math above the GEMV's rows; row-major fp32 weights (under 32 rows, a slice off the blocks, no
+ * AVX-512) through OpenBLAS sgemm/sgemv, on an AVX-512 CPU at 2..PD_BF16W_X512_MAX_M rows through
+ * matmul_bf16w_x512.c's register-blocked kernel instead; for row-major bf16/fp16/int8 weights a
+ * GEMV that widens in registers (matmul_lowp_x86.c) at small m, and tiles of w widened into fp32
+ * for sgemm at larger m; on an AVX-512 CPU, bf16 weights at 2..PD_BF16W_X512_MAX_M rows go through a register-blocked kernel that
  * widens them in registers (matmul_bf16w_x512.c), and at one row (with AVX512-BF16) through the
  * bf16 GEMV on x split in three exact bf16 parts (matmul_bf16.h), both fp32 math; where oneDNN
  * runs bf16 on AMX tiles, 24..64 rows of a large matrix, split in three, go through its GEMM. With

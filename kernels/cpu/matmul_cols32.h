@@ -26,8 +26,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Up to this many rows of x the kernel below; above, tiles widened by pd_cpu_i8p_widen_kn (scale
- * included, as pd_weight_at) and sgemm, or pd_cpu_i8p_amx (matmul_bf16p.h) on an AMX CPU. */
+/* Up to this many rows of x the kernels below; above, tiles widened by pd_cpu_i8p_widen_kn (scale
+ * included, as pd_weight_at) or copied by pd_cpu_f32p_copy_kn, and sgemm; int8 on an AMX CPU
+ * through pd_cpu_i8p_amx (matmul_bf16p.h) instead. */
 #define PD_COLS32_MAX_M 64
 
 /* Whether a [rows][cols] int8 or fp32 matrix can take the layout (a block of 32 rows at least). */
