@@ -129,6 +129,7 @@ PD_CPU_CLONES static int softmax_row_bf16(float *s, uint16_t *pb, int nk, int lo
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include "kernels/cpu/exp_x512.h"
+#include "kernels/cpu/transpose_x512.h"
 #define SOFTMAX_512 __attribute__((target("avx512f,avx512bw,avx512vl,prefer-vector-width=512")))
 
 /* softmax_row, and softmax_row_bf16 with pb, for a CPU with AVX-512 (bf16: the oneDNN path, which
@@ -267,8 +268,7 @@ static void gather_kv_bf16(uint16_t *kb, uint16_t *vb, const pd_kv_view_t *kv, c
 #if defined(__x86_64__) && defined(__GNUC__)
 /* gather_kv_bf16 into the pair layouts of pd_cpu_amx_gemm_pairs's B operand: K for S = Q̂·K̂ᵀ, a sum
  * over d, as words kp[p·ATTN_MM_KT + j] = (K[j][2p], K[j][2p + 1]) — 16 keys × 16 words at a time
- * transposed in registers (four rounds of two-source permutes, each swapping one bit of the row
- * and column indices); V for O += P̂·V̂, a sum over keys, as words vp[q·D + d] = (V[2q][d],
+ * transposed in registers (transpose_x512.h); V for O += P̂·V̂, a sum over keys, as words vp[q·D + d] = (V[2q][d],
  * V[2q + 1][d]), two rows interleaved by permutes. Keys past nk are zero. D % 32 == 0. */
 SOFTMAX_512 static void gather_kv_pairs(uint32_t *kp, uint32_t *vp, const pd_kv_view_t *kv,
                                         const pd_attn_meta_t *meta, int seq, int kv_head, int64_t j0, int nk)
@@ -285,16 +285,6 @@ SOFTMAX_512 static void gather_kv_pairs(uint32_t *kp, uint32_t *vp, const pd_kv_
             vrow[j] = base + pd_kv_index(block, 1, (int)(key % bs), kv_head, bs, H, D);
         }
     }
-    __m512i lo_idx[4], hi_idx[4]; /* round r swaps bit 1 << r: lo[c] = c & b ? hi[c − b] : lo[c], ... */
-    for (int r = 0; r < 4; r++) {
-        int b = 1 << r, li[16], hj[16];
-        for (int c = 0; c < 16; c++) {
-            li[c] = (c & b) ? 16 + c - b : c;
-            hj[c] = (c & b) ? 16 + c : c + b;
-        }
-        lo_idx[r] = _mm512_loadu_si512(li);
-        hi_idx[r] = _mm512_loadu_si512(hj);
-    }
     for (int j = 0; j < ATTN_MM_KT; j += 16) {
         for (int p0 = 0; p0 < D / 2; p0 += 16) {
             __m512i t[16];
@@ -302,16 +292,7 @@ SOFTMAX_512 static void gather_kv_pairs(uint32_t *kp, uint32_t *vp, const pd_kv_
                 t[i] =
                     krow[j + i] != NULL ? _mm512_loadu_si512(krow[j + i] + 2 * p0) : _mm512_setzero_si512();
             }
-            for (int r = 0; r < 4; r++) {
-                int b = 1 << r;
-                for (int i = 0; i < 16; i++) {
-                    if ((i & b) == 0) {
-                        __m512i lo = t[i], hi = t[i + b];
-                        t[i] = _mm512_permutex2var_epi32(lo, lo_idx[r], hi);
-                        t[i + b] = _mm512_permutex2var_epi32(lo, hi_idx[r], hi);
-                    }
-                }
-            }
+            pd_transpose16_epi32(t);
             for (int c = 0; c < 16; c++) { /* row c: word p0 + c of keys j .. j + 16 */
                 _mm512_storeu_si512(kp + (size_t)(p0 + c) * ATTN_MM_KT + j, t[c]);
             }

@@ -38,8 +38,8 @@ PD_CPU_OP_PAIR(pd_status_t, gather_pages, void *dst, const void *region, const p
 PD_CPU_OP_PAIR(pd_status_t, scatter_pages, void *region, const void *src, const pd_page_range_t *ranges,
                int n);
 /* prepare_weight of the optimized backend (pd_backend_ops_t), on an AVX-512 CPU: bf16 weights of a
- * shape that fits go to PD_WEIGHT_PAIRS32 (matmul_bf16p.h: fp32 math; bf16 math when every row is
- * in a block and k % 32 == 0, for the packed dot kernel and oneDNN), int8 and fp32 ones to
+ * shape that fits go to PD_WEIGHT_PAIRS32 (matmul_bf16p.h: fp32 math; bf16 math when k % 32 == 0,
+ * for the packed dot kernels, and oneDNN when every row is in a block), int8 and fp32 ones to
  * PD_WEIGHT_COLS32 (matmul_cols32.h); others stay row-major. PD_CPU_WEIGHT_PACKING=0 keeps all
  * row-major. */
 pd_status_t pd_cpu_prepare_weight(pd_backend_t *be, pd_weight_t *w, int64_t rows, int64_t cols,

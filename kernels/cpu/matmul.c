@@ -15,6 +15,7 @@
  * --matmul-precision bf16 and bf16 weights, x is rounded to bf16 first and multiplied in bf16
  * (matmul_bf16.h): an AVX512-BF16 GEMV at small m (up to 32 rows, 16 with AMX), oneDNN above. */
 #include <cblas.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -431,6 +432,46 @@ void pd_cpu_round_bf16(uint16_t *dst, const float *src, size_t n)
     }
 }
 
+#define PD_BF16P_SPLIT_PREPARE 8192
+
+/* --matmul-precision bf16 on weights in PD_WEIGHT_PAIRS32 through the `vdpbf16ps` kernels
+ * (matmul_bf16p.h), in one parallel region: each thread rounds and transposes a share of x's column
+ * pairs into xq, then, after the barrier, multiplies its share of the blocks' columns; the last
+ * thread also the rows past the blocks. (Rounding on its own region and transposing on one thread
+ * cost 5-8 µs a matmul, a tenth of a batch-32 decode step of the demo model.) Under
+ * PD_BF16P_SPLIT_PREPARE elements of x the caller prepares xq alone: less than the barrier costs. */
+static pd_status_t matmul_bf16_dot(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
+                                   const float *bias, int m, int n, int k)
+{
+    uint32_t *xq = malloc((size_t)m * (size_t)(k / 2) * sizeof(uint32_t));
+    if (xq == NULL) {
+        pd_log_error("matmul: cannot allocate %d x %d bf16 inputs", m, k);
+        return PD_ERR_NO_MEMORY;
+    }
+    int packed = (int)w.packed_rows, units = k / 32; /* units of 16 column pairs */
+    bool split = (int64_t)m * k >= PD_BF16P_SPLIT_PREPARE;
+    if (!split) {
+        pd_cpu_bf16p_dot_prepare(xq, x, m, k, 0, k / 2);
+    }
+#pragma omp parallel num_threads(be->num_threads) if (be->num_threads > 1)
+    {
+        int t = omp_get_thread_num(), nth = omp_get_num_threads();
+        if (split) { /* the same for every thread, so all or none meet the barrier */
+            pd_cpu_bf16p_dot_prepare(xq, x, m, k, 16 * (units * t / nth), 16 * (units * (t + 1) / nth));
+#pragma omp barrier
+        }
+        int n0, n1;
+        if (thread_cols(packed, nth, t, 32, &n0, &n1)) {
+            pd_cpu_bf16p_dot(y, xq, w.data, bias, m, n, k, n0, n1);
+        }
+        if (t == nth - 1 && packed < n) {
+            pd_cpu_bf16p_dot_rows(y, xq, w.data, bias, m, n, k, packed, n);
+        }
+    }
+    free(xq);
+    return PD_OK;
+}
+
 /* --matmul-precision bf16 with bf16 weights (matmul_bf16.h): x rounded to bf16 (rows split over the
  * threads), then the bf16 GEMV (columns split as above) or oneDNN; without either, the fp32 paths
  * on the rounded x. */
@@ -438,6 +479,15 @@ static pd_status_t matmul_bf16_math(pd_backend_t *be, float *y, const float *x, 
                                     const float *bias, int m, int n, int k)
 {
     int nt = be->num_threads;
+    int gemv_max = pd_cpu_dnnl_amx() ? PD_BF16DOT_AMX_MAX_M : PD_BF16DOT_MAX_M;
+    /* every row of these n in a block, k whole blocks of 32: oneDNN's BA16a32b2a (matmul_bf16p.h) */
+    bool blocked = w.layout == PD_WEIGHT_PAIRS32 && pd_cpu_bf16p_amx_fits(n, w.packed_rows, k);
+    /* the `vdpbf16ps` kernels up to the GEMV's rows (above them AMX or oneDNN: gemv_max < 
+     * PD_BF16P_AMX_MIN_M), and at every row count for rows past the blocks, which only they read */
+    bool dot = w.layout == PD_WEIGHT_PAIRS32 && k % 32 == 0 && pd_cpu_bf16dot_usable();
+    if (dot && (m <= gemv_max || !blocked)) {
+        return matmul_bf16_dot(be, y, x, w, bias, m, n, k);
+    }
     int rows = pd_cpu_bf16p_amx_rows(m); /* the AMX kernel's whole tiles; the rest read m rows */
     uint16_t *xb = malloc((size_t)rows * k * sizeof(uint16_t));
     if (xb == NULL) {
@@ -450,26 +500,9 @@ static pd_status_t matmul_bf16_math(pd_backend_t *be, float *y, const float *x, 
         pd_cpu_round_bf16(xb + (size_t)i * k, x + (size_t)i * k, (size_t)k);
     }
     pd_status_t st = PD_ERR_UNSUPPORTED;
-    int gemv_max = pd_cpu_dnnl_amx() ? PD_BF16DOT_AMX_MAX_M : PD_BF16DOT_MAX_M;
-    /* every row of these n in a block, k whole blocks of 32: oneDNN's BA16a32b2a (matmul_bf16p.h) */
-    bool blocked = w.layout == PD_WEIGHT_PAIRS32 && pd_cpu_bf16p_amx_fits(n, w.packed_rows, k);
     if (blocked && m >= PD_BF16P_AMX_MIN_M && amx_wanted() && pd_cpu_amx_usable()) {
         matmul_amx(be, y, xb, 1, w, bias, m, n, k, NULL);
         st = PD_OK;
-    } else if (blocked && m <= gemv_max && pd_cpu_bf16dot_usable()) {
-        uint32_t *xq = malloc((size_t)m * (size_t)(k / 2) * sizeof(uint32_t));
-        st = xq != NULL ? PD_OK : PD_ERR_NO_MEMORY;
-        if (xq != NULL) {
-            pd_cpu_bf16p_dot_prepare(xq, xb, m, k);
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-            for (int t = 0; t < nt; t++) {
-                int n0, n1;
-                if (thread_cols(n, nt, t, 32, &n0, &n1)) {
-                    pd_cpu_bf16p_dot(y, xq, w.data, bias, m, n, k, n0, n1);
-                }
-            }
-        }
-        free(xq);
     } else if (blocked && m > gemv_max) {
         st = pd_cpu_dnnl_matmul_bf16_blocked(y, xb, w.data, bias, m, n, k, nt);
     } else if (w.layout != PD_WEIGHT_ROWS) {

@@ -53,24 +53,31 @@ void pd_cpu_bf16p_x512(float *y, const float *xt, const uint16_t *w, const float
  * 32) as fp32, transposed: the B operand of sgemm (NoTrans) above PD_BF16P_MAX_M rows. AVX-512. */
 void pd_cpu_bf16p_widen_kn(float *tile, const uint16_t *w, int n_packed, int j0, int rows, int k);
 
-/* --matmul-precision bf16 (matmul_bf16p_dot.c, AVX512-BF16): weights laid out only when every row
- * is in a block and k % 32 == 0 (then they are also oneDNN's BA16a32b2a, matmul_dnnl.h). xq is x
- * rounded to bf16 ([m][k]) as column pairs transposed: xq[p][i] = x[i][2p] | x[i][2p + 1] << 16
- * (k/2 × m words); y[i][j] = bias[j] + Σ_p x[i][p] · w[j][p] for i < m, j in [n0, n1) (multiples
- * of 32). */
+/* --matmul-precision bf16 (matmul_bf16p_dot.c, AVX512-BF16): weights laid out when k % 32 == 0 and
+ * there is a block; with every row in a block they are also oneDNN's BA16a32b2a (matmul_dnnl.h),
+ * otherwise the rows past the blocks (an odd vocabulary's lm_head) stay row-major and only these
+ * kernels read them. xq is x rounded to bf16 as column pairs transposed: xq[p][i] = x[i][2p] |
+ * x[i][2p + 1] << 16 (k/2 × m words), pd_cpu_bf16p_dot_prepare writing pairs [p0, p1) (multiples
+ * of 16) from x[m][k] fp32 (rounded as pd_cpu_round_bf16_dot rounds). pd_cpu_bf16p_dot: y[i][j] =
+ * bias[j] + Σ_p x[i][p] · w[j][p] for i < m, j in [n0, n1) (multiples of 32, inside the blocks);
+ * pd_cpu_bf16p_dot_rows the same for rows [j0, j1) past the blocks, with the same products in the
+ * same order, so every output is what a block would give. */
 static inline int pd_cpu_bf16p_dot_fits(int64_t rows, int64_t cols)
 {
-    return rows >= 32 && rows % 32 == 0 && cols > 0 && cols % 32 == 0;
+    return rows >= 32 && cols > 0 && cols % 32 == 0;
 }
 /* The kernel runs up to the row-major GEMV's row count (PD_BF16DOT_AMX_MAX_M with AMX,
- * PD_BF16DOT_MAX_M otherwise), oneDNN above. oneDNN would be faster from 5 rows on the AMX Xeon
+ * PD_BF16DOT_MAX_M otherwise), oneDNN above — at every row count when some rows are past the
+ * blocks. oneDNN would be faster from 5 rows on the AMX Xeon
  * (565 M model: batch 8 158-159 tok/s against 140-143 here; batch 1 22 against 28-29 here), but a
  * decode batch and a lone sequence must take the same kernel for their bf16 roundings to agree
  * (test_engine test_bf16_math_batch_invariant: 0.014 apart in logprobs when batch 8 went to oneDNN
  * and batch 1 here). */
-void pd_cpu_bf16p_dot_prepare(uint32_t *xq, const uint16_t *xb, int m, int k);
+void pd_cpu_bf16p_dot_prepare(uint32_t *xq, const float *x, int m, int k, int p0, int p1);
 void pd_cpu_bf16p_dot(float *y, const uint32_t *xq, const uint16_t *w, const float *bias, int m, int n, int k,
                       int n0, int n1);
+void pd_cpu_bf16p_dot_rows(float *y, const uint32_t *xq, const uint16_t *w, const float *bias, int m, int n,
+                           int k, int j0, int j1);
 
 /* AMX (matmul_bf16p_amx.c): whether this CPU has AMX-TILE and AMX-BF16 and the kernel let this
  * process use them (asked once, for every thread). */

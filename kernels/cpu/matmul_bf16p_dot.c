@@ -10,6 +10,8 @@
 #include <stdint.h>
 
 #include "kernels/cpu/matmul_bf16p.h"
+#include "kernels/cpu/simd.h"
+#include "kernels/cpu/transpose_x512.h"
 
 #define DOT_ISA    "avx512f,avx512bw,avx512vl,avx512bf16"
 #define DOT        __attribute__((target(DOT_ISA)))
@@ -17,12 +19,31 @@
 
 enum { BD_R = 12, BD_PREFETCH_BYTES = 1536 };
 
-void pd_cpu_bf16p_dot_prepare(uint32_t *xq, const uint16_t *xb, int m, int k)
+DOT void pd_cpu_bf16p_dot_prepare(uint32_t *xq, const float *x, int m, int k, int p0, int p1)
 {
-    for (int p = 0; p < k / 2; p++) {
-        for (int i = 0; i < m; i++) {
-            xq[(size_t)p * m + i] =
-                (uint32_t)xb[(size_t)i * k + 2 * p] | (uint32_t)xb[(size_t)i * k + 2 * p + 1] << 16;
+    for (int p = p0; p < p1; p += 16) {
+        for (int i0 = 0; i0 < m; i0 += 16) {
+            int rows = m - i0 < 16 ? m - i0 : 16;
+            __m512i r[16];
+            for (int i = 0; i < 16;
+                 i++) { /* row i0 + i's pairs p .. p + 16, as pd_cpu_round_bf16_dot rounds */
+                r[i] = _mm512_setzero_si512();
+                if (i < rows) {
+                    const float *src = x + (size_t)(i0 + i) * k + 2 * p;
+                    __m256bh lo = _mm512_cvtneps_pbh(_mm512_loadu_ps(src));
+                    __m256bh hi = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + 16));
+                    r[i] = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)lo), (__m256i)hi, 1);
+                }
+            }
+            if (m == 1) { /* one row: its pairs are xq's words already */
+                _mm512_storeu_si512(xq + p, r[0]);
+                continue;
+            }
+            pd_transpose16_epi32(r);
+            __mmask16 mask = pd_tail_mask16(rows);
+            for (int j = 0; j < 16; j++) {
+                _mm512_mask_storeu_epi32(xq + (size_t)(p + j) * m + i0, mask, r[j]);
+            }
         }
     }
 }
@@ -68,6 +89,30 @@ DOT void pd_cpu_bf16p_dot(float *y, const uint32_t *xq, const uint16_t *w, const
         for (int i0 = 0; i0 < m; i0 += BD_R) {
             switch (m - i0 < BD_R ? m - i0 : BD_R) {
                 PD_BF16P_ROW_CASES(BLOCK_CASE);
+            }
+        }
+    }
+}
+
+/* Rows [j0, j1) of w past the blocks, row-major: the lanes are 16 rows of x (xq[p][i0 .. i0 + 16)),
+ * w's pair p broadcast — per output the products and the order of the block kernel above. */
+DOT void pd_cpu_bf16p_dot_rows(float *y, const uint32_t *xq, const uint16_t *w, const float *bias, int m,
+                               int n, int k, int j0, int j1)
+{
+    for (int j = j0; j < j1; j++) {
+        const uint32_t *wj = (const uint32_t *)(const void *)(w + (size_t)j * k);
+        float b = bias != NULL ? bias[j] : 0.0f;
+        for (int i0 = 0; i0 < m; i0 += 16) {
+            __mmask16 mask = pd_tail_mask16(m - i0);
+            __m512 acc = _mm512_setzero_ps();
+            for (int p = 0; p < k / 2; p++) {
+                __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi32(mask, xq + (size_t)p * m + i0);
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)wj[p]), xv);
+            }
+            float out[16];
+            _mm512_storeu_ps(out, _mm512_add_ps(acc, _mm512_set1_ps(b)));
+            for (int i = 0; i < 16 && i0 + i < m; i++) {
+                y[(size_t)(i0 + i) * n + j] = out[i];
             }
         }
     }

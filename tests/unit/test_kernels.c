@@ -650,19 +650,24 @@ START_TEST(test_matmul_bf16_amx)
 }
 END_TEST
 
-/* --matmul-precision bf16 on weights prepare_weight laid out (n and k multiples of 32: oneDNN's
- * BA16a32b2a): the packed `vdpbf16ps` kernel up to the GEMV row count, oneDNN with fixed-row-count
- * primitives above (rows padded with zeros to 16 or 64, chunks of PD_DNNL_BLOCKED_CHUNK) — each
- * the reference on x rounded to bf16, and a row alone as in its batch, within fp32 summation order;
- * a weight whose rows do not all fit blocks stays row-major in bf16 math. */
+/* --matmul-precision bf16 on weights prepare_weight laid out (k a multiple of 32; with n one too,
+ * oneDNN's BA16a32b2a): the packed `vdpbf16ps` kernel up to the GEMV row count, oneDNN with
+ * fixed-row-count primitives above (rows padded with zeros to 16 or 64, chunks of
+ * PD_DNNL_BLOCKED_CHUNK) — each the reference on x rounded to bf16, and a row alone as in its batch,
+ * within fp32 summation order, and bit for bit where the packed kernel serves both. Rows past the
+ * last block (n = 70, 40, 330) go through pd_cpu_bf16p_dot_rows at every row count, so there a row
+ * alone is its batch's row bit for bit at every m; x's rounding and transposition into column pairs
+ * (16 × 16 words in registers) is checked through the same results, at 1..300 rows. */
 START_TEST(test_matmul_bf16_math_packed)
 {
     if (!pd_cpu_bf16dot_usable()) {
         printf("test_matmul_bf16_math_packed: no AVX512-BF16 on this CPU; bf16 weights stay row-major\n");
         return;
     }
-    int shapes[][2] = {{32, 32}, {96, 64}, {320, 1536}};
-    int sizes[] = {1, 3, 12, 13, PD_BF16DOT_AMX_MAX_M, PD_BF16DOT_MAX_M, PD_BF16DOT_MAX_M + 1, 64, 65, 300};
+    int shapes[][2] = {{32, 32}, {96, 64}, {320, 1536}, {70, 64}, {40, 96}, {330, 128}};
+    int sizes[] = {1,  3,  12, 13, 17, PD_BF16DOT_AMX_MAX_M, PD_BF16DOT_MAX_M, PD_BF16DOT_MAX_M + 1,
+                   64, 65, 300};
+    int gemv_max = pd_cpu_dnnl_amx() ? PD_BF16DOT_AMX_MAX_M : PD_BF16DOT_MAX_M;
     g_be->matmul_precision = PD_MATMUL_BF16;
     for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
         int n = shapes[s][0], k = shapes[s][1], M = 300;
@@ -675,6 +680,8 @@ START_TEST(test_matmul_bf16_math_packed)
         pd_weight_t rows = {w, PD_DTYPE_F32, NULL, PD_WEIGHT_ROWS, 0}; /* the same values for the reference */
         ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &wt, n, k, 0), PD_OK);
         ck_assert_int_eq(wt.layout, PD_WEIGHT_PAIRS32);
+        ck_assert_int_eq(wt.packed_rows, n & ~31);
+        bool tail = n % 32 != 0;
         float *bias = rand_buf((size_t)n, -1, 1), *y = rand_buf((size_t)M * n, -9, 9),
               *yr = rand_buf((size_t)M * n, -9, 9), *y1 = rand_buf((size_t)n, -9, 9);
         for (size_t c = 0; c < sizeof(sizes) / sizeof(sizes[0]); c++) {
@@ -686,14 +693,18 @@ START_TEST(test_matmul_bf16_math_packed)
             ck_assert_msg(max_rel_err(y, yr, (size_t)m * n, sqrt(k)) < 1e-5, "%dx%dx%d", m, n, k);
             ck_assert_msg(max_rel_err(y1, y + (size_t)row * n, (size_t)n, sqrt(k)) < 1e-5,
                           "row %d of %dx%dx%d", row, m, n, k);
+            if (m <= gemv_max || tail) {
+                ck_assert_msg(memcmp(y1, y + (size_t)row * n, (size_t)n * sizeof(float)) == 0,
+                              "row %d of %dx%dx%d alone differs in bits", row, m, n, k);
+            }
         }
         free(x), free(xr), free(w), free(ws), free(bias), free(y), free(yr), free(y1);
     }
-    uint16_t buf[40 * 64] = {0};
-    pd_weight_t tail = {buf, PD_DTYPE_BF16, NULL, 0, 0}, oddk = {buf, PD_DTYPE_BF16, NULL, 0, 0};
-    ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &tail, 40, 64, 0), PD_OK);
-    ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &oddk, 32, 80, 0), PD_OK);
-    ck_assert(tail.layout == PD_WEIGHT_ROWS && oddk.layout == PD_WEIGHT_ROWS);
+    uint16_t buf[40 * 80] = {0};
+    pd_weight_t small = {buf, PD_DTYPE_BF16, NULL, 0, 0}, oddk = {buf, PD_DTYPE_BF16, NULL, 0, 0};
+    ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &small, 31, 64, 0), PD_OK);
+    ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &oddk, 40, 80, 0), PD_OK);
+    ck_assert(small.layout == PD_WEIGHT_ROWS && oddk.layout == PD_WEIGHT_ROWS); /* no block; k % 32 != 0 */
     if (pd_cpu_dnnl_bf16_native()) { /* the blocked oneDNN path ran, not the fp32 fallback */
         uint16_t xb[17 * 32] = {0};
         float yb[17 * 32];
