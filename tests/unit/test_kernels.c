@@ -1208,6 +1208,36 @@ START_TEST(test_attention_rejects_bad_ids)
 }
 END_TEST
 
+/* reshape_and_cache rounds as pd_dtype_store does, bit for bit, on the values a vectorized rounding
+ * gets wrong: NaNs (quiet and signaling, either sign: made quiet, never rounded into infinity),
+ * infinities, zeros, subnormals, ties to even either way, and the largest floats (rounding up to
+ * infinity). */
+START_TEST(test_cache_store_edges)
+{
+    static const uint32_t bits[] = {0x7fc00000u, 0xffc00001u, 0x7f800001u, 0xff80ffffu, 0x7fbfffffu,
+                                    0x7f800000u, 0xff800000u, 0x00000000u, 0x80000000u, 0x00000001u,
+                                    0x807fffffu, 0x00008000u, 0x3f808000u, 0x3f818000u, 0xbf808000u,
+                                    0x3f808001u, 0x3f807fffu, 0x7f7fffffu, 0xff7f8000u, 0x7f7f7fffu};
+    enum { N = sizeof(bits) / sizeof(bits[0]), D = 32 }; /* one token, one head of D */
+    float k[D], v[D];
+    for (int d = 0; d < D; d++) {
+        uint32_t kb = bits[d % N], vb = bits[(d + 7) % N];
+        memcpy(&k[d], &kb, 4), memcpy(&v[d], &vb, 4);
+    }
+    pd_dtype_t dts[] = {PD_DTYPE_BF16, PD_DTYPE_F16, PD_DTYPE_F32};
+    for (int i = 0; i < 3; i++) {
+        size_t bytes = (size_t)pd_page_elems(4, 1, D) * pd_dtype_size(dts[i]);
+        pd_kv_view_t kv = {calloc(1, bytes), dts[i], 1, 4, 1, D}, kv_ref = kv;
+        kv_ref.base = calloc(1, bytes);
+        int32_t slot = 2;
+        ck_assert_int_eq(pd_cpu_reshape_and_cache(g_be, &kv, k, v, &slot, 1), PD_OK);
+        ck_assert_int_eq(pd_cpu_reshape_and_cache_ref(g_be, &kv_ref, k, v, &slot, 1), PD_OK);
+        ck_assert_msg(memcmp(kv.base, kv_ref.base, bytes) == 0, "dtype %d", (int)dts[i]);
+        free(kv.base), free(kv_ref.base);
+    }
+}
+END_TEST
+
 /* ------------------------------------------------------------ sampling */
 
 START_TEST(test_sampling_matches_reference)
@@ -1483,6 +1513,7 @@ int main(void)
     tcase_add_test(tc, test_rope);
     tcase_add_test(tc, test_attention_random);
     tcase_add_test(tc, test_attention_rejects_bad_ids);
+    tcase_add_test(tc, test_cache_store_edges);
     tcase_add_test(tc, test_sampling_matches_reference);
     tcase_add_test(tc, test_sampling_distribution);
     tcase_add_test(tc, test_sampling_argmax_edges);
