@@ -46,7 +46,7 @@ static const backend_entry_t REGISTRY[] = {
 #ifdef PD_HAVE_CUDA
     {"cuda", pd_cuda_device_count, cuda_init, pd_cuda_backend_fini},
 #endif
-    {"cpu", one_device, cpu_init, NULL},
+    {"cpu", one_device, cpu_init, pd_cpu_backend_fini},
     {"cpu-ref", one_device, cpu_ref_init, NULL},
 };
 #define NUM_BACKENDS (sizeof(REGISTRY) / sizeof(REGISTRY[0]))

@@ -129,7 +129,31 @@ pd_status_t pd_cpu_backend_init(pd_backend_t *be, int num_threads, bool referenc
 #endif
     /* one thread pool (OpenMP): OpenBLAS runs single-threaded inside it (kernels/cpu/matmul.c) */
     openblas_set_num_threads(1);
+    if (reference) {
+        return PD_OK;
+    }
+    pd_cpu_state_t *state = calloc(1, sizeof(*state));
+    if (state == NULL) {
+        pd_log_error("cpu backend: cannot allocate its state");
+        return PD_ERR_NO_MEMORY;
+    }
+    pd_status_t st = pd_cpu_rope_cache_create(&state->rope);
+    if (st != PD_OK) {
+        free(state);
+        return st;
+    }
+    be->impl = state;
     return PD_OK;
+}
+
+void pd_cpu_backend_fini(pd_backend_t *be)
+{
+    pd_cpu_state_t *state = be->impl;
+    if (state != NULL) {
+        pd_cpu_rope_cache_destroy(state->rope);
+        free(state);
+        be->impl = NULL;
+    }
 }
 
 void pd_backend_reset_peak(pd_backend_t *be)

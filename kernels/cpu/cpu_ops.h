@@ -61,7 +61,19 @@ pd_status_t pd_cpu_paged_attention_bf16_ref(pd_backend_t *be, float *out, const 
 pd_status_t pd_cpu_attn_validate(const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
                                  int decode_only);
 
-/* Sets be up as the CPU backend (reference: the plain ops; num_threads <= 0: all cores). */
+/* The "cpu" backend's private state (be->impl; NULL for "cpu-ref", whose ops keep nothing, and for a
+ * backend object made by hand: the ops then run uncached). */
+typedef struct pd_cpu_rope_cache pd_cpu_rope_cache_t; /* rope.c: the last batch's cos/sin */
+typedef struct pd_cpu_state {
+    pd_cpu_rope_cache_t *rope;
+} pd_cpu_state_t;
+
+pd_status_t pd_cpu_rope_cache_create(pd_cpu_rope_cache_t **out);
+void pd_cpu_rope_cache_destroy(pd_cpu_rope_cache_t *c);
+
+/* Sets be up as the CPU backend (reference: the plain ops; num_threads <= 0: all cores); fini frees
+ * what init made (be->impl), not the object. */
 pd_status_t pd_cpu_backend_init(pd_backend_t *be, int num_threads, bool reference);
+void pd_cpu_backend_fini(pd_backend_t *be);
 
 #endif

@@ -1,4 +1,4 @@
-/* kernels/cpu/elementwise.c — embedding lookup, residual add, RoPE, GELU, SiLU×mul, softmax. */
+/* kernels/cpu/elementwise.c — embedding lookup, residual add, GELU, SiLU×mul, softmax (RoPE: rope.c). */
 #include <math.h>
 #include <stdbool.h>
 #include <string.h>
@@ -73,71 +73,6 @@ PD_CPU_CLONES static void add_range(float *y, const float *x, size_t n)
 pd_status_t pd_cpu_add(pd_backend_t *be, float *y, const float *x, size_t n)
 {
     add_range(y, x, n);
-    return PD_OK;
-}
-
-static pd_status_t rope_check(const pd_rope_t *rope, int head_size)
-{
-    if (rope == NULL || head_size % 2 != 0 || rope->half != head_size / 2 || rope->half > PD_ROPE_MAX_HALF) {
-        pd_log_error("rope: the rotary table does not fit head size %d", head_size);
-        return PD_ERR_INVALID_ARG;
-    }
-    return PD_OK;
-}
-
-/* HF rotate_half: pairs (i, i + half) turned by position × inv_freq[i] (kernels/rope_impl.h). */
-pd_status_t pd_cpu_rope_ref(pd_backend_t *be, float *x, const int32_t *positions, int num_tokens,
-                            int num_heads, int head_size, const pd_rope_t *rope)
-{
-    pd_status_t st = rope_check(rope, head_size);
-    if (st != PD_OK) {
-        return st;
-    }
-    int half = head_size / 2;
-    for (int t = 0; t < num_tokens; t++) {
-        for (int h = 0; h < num_heads; h++) {
-            float *v = x + ((size_t)t * num_heads + h) * head_size;
-            for (int i = 0; i < half; i++) {
-                float c, s;
-                pd_rope_cos_sin(rope, i, positions[t], &c, &s);
-                pd_rope_rotate(v, i, half, c, s);
-            }
-        }
-    }
-    return PD_OK;
-}
-
-PD_CPU_CLONES static void rope_token(float *xt, int num_heads, int head_size, const float *cs,
-                                     const float *sn)
-{
-    int half = head_size / 2;
-    for (int h = 0; h < num_heads; h++) {
-        float *v = xt + (size_t)h * head_size;
-#pragma omp simd
-        for (int i = 0; i < half; i++) {
-            float x1 = v[i], x2 = v[i + half];
-            v[i] = x1 * cs[i] - x2 * sn[i];
-            v[i + half] = x2 * cs[i] + x1 * sn[i];
-        }
-    }
-}
-
-pd_status_t pd_cpu_rope(pd_backend_t *be, float *x, const int32_t *positions, int num_tokens, int num_heads,
-                        int head_size, const pd_rope_t *rope)
-{
-    pd_status_t st = rope_check(rope, head_size);
-    if (st != PD_OK) {
-        return st;
-    }
-    int half = head_size / 2;
-#pragma omp parallel for num_threads(be->num_threads) schedule(static) if (num_tokens > 16)
-    for (int t = 0; t < num_tokens; t++) {
-        float cs[PD_ROPE_MAX_HALF], sn[PD_ROPE_MAX_HALF];
-        for (int i = 0; i < half; i++) { /* the table's cos/sin once per token, for every head */
-            pd_rope_cos_sin(rope, i, positions[t], &cs[i], &sn[i]);
-        }
-        rope_token(x + (size_t)t * num_heads * head_size, num_heads, head_size, cs, sn);
-    }
     return PD_OK;
 }
 

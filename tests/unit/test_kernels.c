@@ -953,6 +953,46 @@ START_TEST(test_rope)
 }
 END_TEST
 
+/* The "cpu" backend keeps the last batch's cos/sin (kernels/cpu/rope.c): every call, hit or miss,
+ * equals the op on a backend without that state bit for bit — the same positions and table again
+ * (q then k), one position changed, the same table at another scale, another table, fewer tokens, a
+ * batch over the cache's cap, and the small batch after it. */
+START_TEST(test_rope_cache)
+{
+    ck_assert_ptr_nonnull(g_be->impl);
+    pd_backend_t plain = *g_be; /* the same ops, no cache */
+    plain.impl = NULL;
+    enum { BIG = 9000, HD = 128 }; /* 9000 × 64 frequencies: over the cache's 2^19 entries */
+    int32_t *pos = malloc(BIG * sizeof(int32_t));
+    for (int i = 0; i < BIG; i++) {
+        pos[i] = (int32_t)pd_rng_below(&g_rng, 8192);
+    }
+    pd_rope_t r1 = rope_default(HD, 10000.0), r5 = rope_default(HD, 500000.0), rs = r1;
+    rs.scale = 1.37f;
+    struct {
+        int ntok, heads;
+        const pd_rope_t *rope;
+        int change; /* a position to change first, or -1 */
+    } calls[] = {{32, 8, &r1, -1}, {32, 2, &r1, -1}, {32, 8, &r1, 31},  {32, 8, &rs, -1},
+                 {32, 8, &r5, -1}, {31, 2, &r5, -1}, {BIG, 1, &r1, -1}, {32, 8, &r1, -1}};
+    size_t most = (size_t)BIG * HD;
+    float *x = rand_buf(most, -2, 2), *a = malloc(most * sizeof(float)), *b = malloc(most * sizeof(float));
+    for (size_t c = 0; c < sizeof(calls) / sizeof(calls[0]); c++) {
+        if (calls[c].change >= 0) {
+            pos[calls[c].change] += 1;
+        }
+        size_t n = (size_t)calls[c].ntok * calls[c].heads * HD;
+        memcpy(a, x, n * sizeof(float));
+        memcpy(b, x, n * sizeof(float));
+        ck_assert_int_eq(pd_cpu_rope(g_be, a, pos, calls[c].ntok, calls[c].heads, HD, calls[c].rope), PD_OK);
+        ck_assert_int_eq(pd_cpu_rope(&plain, b, pos, calls[c].ntok, calls[c].heads, HD, calls[c].rope),
+                         PD_OK);
+        ck_assert_msg(memcmp(a, b, n * sizeof(float)) == 0, "call %zu differs from the uncached op", c);
+    }
+    free(pos), free(x), free(a), free(b);
+}
+END_TEST
+
 /* ------------------------------------------------------------ paged KV cache and attention */
 
 typedef struct attn_case {
@@ -1511,6 +1551,7 @@ int main(void)
     tcase_add_test(tc, test_norms);
     tcase_add_test(tc, test_elementwise);
     tcase_add_test(tc, test_rope);
+    tcase_add_test(tc, test_rope_cache);
     tcase_add_test(tc, test_attention_random);
     tcase_add_test(tc, test_attention_rejects_bad_ids);
     tcase_add_test(tc, test_cache_store_edges);
