@@ -673,6 +673,18 @@ pd_status_t pd_cpu_paged_attention_decode(pd_backend_t *be, float *out, const fl
 #pragma omp for schedule(static)
         for (int sh = 0; sh < S * num_heads; sh++) {
             int s = sh / num_heads, h = sh % num_heads;
+            if (first_item[s + 1] - first_item[s] == 1) {
+                /* one partition (a short context): its weight is exactly 1, so this is the loop
+                 * below without the exp and the second pass, bit for bit (0 + acc as it adds) */
+                const float *p = parts + (size_t)first_item[s] * part_floats;
+                float l = p[num_heads + h], inv = l > 0 ? 1.0f / l : 0.0f;
+                const float *acc = p + 2 * num_heads + (size_t)h * D;
+                float *o = out + ((size_t)meta->cu_seqlens_q[s] * num_heads + h) * D;
+                for (int d = 0; d < D; d++) {
+                    o[d] = (0.0f + acc[d]) * inv;
+                }
+                continue;
+            }
             float M = -INFINITY;
             for (int i = first_item[s]; i < first_item[s + 1]; i++) {
                 float m = parts[(size_t)i * part_floats + h];
