@@ -658,6 +658,11 @@ pd_status_t pd_cpu_paged_attention_decode(pd_backend_t *be, float *out, const fl
         for (size_t i = 0; i < n_items; i++) {
             float *p = parts + i * part_floats;
             pd_attn_partial_t part = {p, p + num_heads, p + 2 * num_heads};
+            /* the item this thread most likely takes next (dynamic, 1 hands them out in turn):
+             * its first pages towards L2 while this one computes */
+            if (i + (size_t)nthreads < n_items) {
+                pd_attn_prefetch_first_pages(&items[i + nthreads], kv, meta, 2, false);
+            }
             if (use_dot) {
                 pd_cpu_attn_decode_dot_item(&items[i], q, kv, meta, num_heads, scale, &part, my_scratch);
             } else if (use_x512) {

@@ -47,19 +47,25 @@ static inline const char *pd_attn_block_plane(const pd_kv_view_t *kv, const pd_a
                (size_t)pd_dtype_size(kv->dtype);
 }
 
-/* Prefetches (into L1) the whole pages of an item's first n blocks, which no earlier block of the
- * item prefetched: asked for all at once rather than line by line as the loads reach them. Short
- * sequences are mostly first blocks (batch 32 of the demo model at 64-128 keys: 13 % less time in
- * attention, bench/RESULTS.md 2026-11-27). */
+/* Prefetches the whole pages of an item's first n blocks (into L1, or L2 when !l1), which no
+ * earlier block of the item prefetched: asked for all at once rather than line by line as the
+ * loads reach them. Each item does so for itself as it starts, and the decode loop for the item
+ * its thread most likely takes next. Short sequences are mostly first blocks (batch 32 of the
+ * demo model at 64-128 keys: 13 % and then another ~10 % less time in attention,
+ * bench/RESULTS.md 2026-11-27). */
 static inline void pd_attn_prefetch_first_pages(const pd_attn_decode_item_t *it, const pd_kv_view_t *kv,
-                                                const pd_attn_meta_t *meta, int n)
+                                                const pd_attn_meta_t *meta, int n, bool l1)
 {
     size_t page_bytes =
         (size_t)2 * kv->block_size * kv->num_kv_heads * kv->head_size * pd_dtype_size(kv->dtype);
     for (int64_t b = it->block_begin; b < it->block_end && b < it->block_begin + n; b++) {
         const char *page = pd_attn_block_plane(kv, meta, it->seq, b, 0);
         for (size_t off = 0; off < page_bytes; off += 64) {
-            __builtin_prefetch(page + off, 0, 3);
+            if (l1) {
+                __builtin_prefetch(page + off, 0, 3);
+            } else {
+                __builtin_prefetch(page + off, 0, 2);
+            }
         }
     }
 }

@@ -208,7 +208,7 @@ X512 static INLINE void item_dt(const pd_attn_decode_item_t *it, const float *q,
         _mm512_storeu_ps(qh + i, bf16 ? pd_round_bf16_512(x) : x);
     }
     pd_attn_partial_reset(part, num_heads, D);
-    pd_attn_prefetch_first_pages(it, kv, meta, PREFETCH_BLOCKS);
+    pd_attn_prefetch_first_pages(it, kv, meta, PREFETCH_BLOCKS, true);
     for (int64_t b = it->block_begin; b < it->block_end; b++) {
         int lo, hi;
         if (!pd_attn_block_keys(b, bs, first, pos, &lo, &hi)) {
@@ -417,7 +417,7 @@ XDOT void pd_cpu_attn_decode_dot_item(const pd_attn_decode_item_t *it, const flo
         _mm256_storeu_si256((__m256i *)(qb + i), bf16_words(x));
     }
     pd_attn_partial_reset(part, num_heads, D);
-    pd_attn_prefetch_first_pages(it, kv, meta, PREFETCH_BLOCKS);
+    pd_attn_prefetch_first_pages(it, kv, meta, PREFETCH_BLOCKS, true);
     for (int64_t b = it->block_begin; b < it->block_end; b++) {
         int lo, hi;
         if (!pd_attn_block_keys(b, bs, first, pos, &lo, &hi)) {

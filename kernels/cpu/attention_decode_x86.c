@@ -137,7 +137,7 @@ item_dt(const pd_attn_decode_item_t *it, const float *q, const pd_kv_view_t *kv,
     float scores[PD_ATTN_MAX_BLOCK + 8];
 
     pd_attn_partial_reset(part, num_heads, D);
-    pd_attn_prefetch_first_pages(it, kv, meta, PREFETCH_BLOCKS);
+    pd_attn_prefetch_first_pages(it, kv, meta, PREFETCH_BLOCKS, true);
     for (int64_t b = it->block_begin; b < it->block_end; b++) {
         int lo, hi;
         if (!pd_attn_block_keys(b, bs, first, pos, &lo, &hi)) {
