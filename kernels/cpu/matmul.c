@@ -438,7 +438,7 @@ void pd_cpu_round_bf16(uint16_t *dst, const float *src, size_t n)
  * (matmul_bf16p.h), in one parallel region: each thread rounds and transposes a share of x's column
  * pairs into xq, then, after the barrier, multiplies its share of the blocks' columns; the last
  * thread also the rows past the blocks. (Rounding on its own region and transposing on one thread
- * cost 5-8 µs a matmul, a tenth of a batch-32 decode step of the demo model.) Under
+ * cost 5-8 µs a matmul, 5-7 % of a batch-32 decode step of the demo model.) Under
  * PD_BF16P_SPLIT_PREPARE elements of x the caller prepares xq alone: less than the barrier costs. */
 static pd_status_t matmul_bf16_dot(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
                                    const float *bias, int m, int n, int k)
@@ -482,7 +482,7 @@ static pd_status_t matmul_bf16_math(pd_backend_t *be, float *y, const float *x, 
     int gemv_max = pd_cpu_dnnl_amx() ? PD_BF16DOT_AMX_MAX_M : PD_BF16DOT_MAX_M;
     /* every row of these n in a block, k whole blocks of 32: oneDNN's BA16a32b2a (matmul_bf16p.h) */
     bool blocked = w.layout == PD_WEIGHT_PAIRS32 && pd_cpu_bf16p_amx_fits(n, w.packed_rows, k);
-    /* the `vdpbf16ps` kernels up to the GEMV's rows (above them AMX or oneDNN: gemv_max < 
+    /* the `vdpbf16ps` kernels up to the GEMV's rows (above them AMX or oneDNN: gemv_max <
      * PD_BF16P_AMX_MIN_M), and at every row count for rows past the blocks, which only they read */
     bool dot = w.layout == PD_WEIGHT_PAIRS32 && k % 32 == 0 && pd_cpu_bf16dot_usable();
     if (dot && (m <= gemv_max || !blocked)) {
