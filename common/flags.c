@@ -123,6 +123,12 @@ static pd_status_t flag_set(const pd_flag_t *f, const char *v)
         }
         *(const char **)f->dst = v;
         return PD_OK;
+    case PD_FLAG_STRS: { /* the first value; pd_flags_parse appends the ones that follow */
+        pd_flag_strs_t *l = f->dst;
+        l->v[0] = v;
+        l->n = 1;
+        return PD_OK;
+    }
     case PD_FLAG_GROUP: break; /* never an option (pd_flags_parse skips it) */
     }
     pd_log_error("--%s: invalid value '%s'", f->name, v);
@@ -143,6 +149,18 @@ static void flag_default(const pd_flag_t *f, char *buf, size_t len)
         size_t nl = strlen(f->name);
         bool secret = nl >= 7 && strcmp(f->name + nl - 7, "api-key") == 0; /* from the environment */
         snprintf(buf, len, "%s", s == NULL ? "(none)" : secret ? "(set, not shown)" : s);
+        break;
+    }
+    case PD_FLAG_STRS: {
+        const pd_flag_strs_t *l = f->dst;
+        size_t k = 0;
+        buf[0] = '\0';
+        for (int i = 0; i < l->n && k < len; i++) {
+            k += (size_t)snprintf(buf + k, len - k, "%s%s", i > 0 ? " " : "", l->v[i]);
+        }
+        if (l->n == 0) {
+            snprintf(buf, len, "(none)");
+        }
         break;
     }
     case PD_FLAG_GROUP: buf[0] = '\0'; break;
@@ -168,6 +186,8 @@ void pd_flags_print_help(const pd_flag_t *flags, size_t n, const char *usage, FI
             snprintf(head, sizeof(head), "--%s, --no-%s", f->name, f->name);
         } else if (f->type == PD_FLAG_CHOICE) {
             snprintf(head, sizeof(head), "--%s {%s}", f->name, f->choices);
+        } else if (f->type == PD_FLAG_STRS) {
+            snprintf(head, sizeof(head), "--%s VALUE [VALUE ...]", f->name);
         } else {
             snprintf(head, sizeof(head), "--%s VALUE", f->name);
         }
@@ -225,9 +245,19 @@ pd_status_t pd_flags_parse(const pd_flag_t *flags, size_t n, int argc, char **ar
             continue;
         }
         if (c >= 1000 && (size_t)(c - 1000) < n) {
-            st = flag_set(&flags[c - 1000], optarg);
+            const pd_flag_t *f = &flags[c - 1000];
+            st = flag_set(f, optarg);
             if (st != PD_OK) {
                 goto out;
+            }
+            for (pd_flag_strs_t *l = f->dst;
+                 f->type == PD_FLAG_STRS && optind < argc && argv[optind][0] != '-';) {
+                if (l->n == PD_FLAG_STRS_MAX) {
+                    pd_log_error("--%s: at most %d values", f->name, PD_FLAG_STRS_MAX);
+                    st = PD_ERR_INVALID_ARG;
+                    goto out;
+                }
+                l->v[l->n++] = argv[optind++];
             }
             continue;
         }

@@ -17,7 +17,16 @@ typedef enum pd_flag_type {
     PD_FLAG_SIZE,   /* size_t *; accepts 123, 64K, 1.5G, 2GiB (binary units) */
     PD_FLAG_CHOICE, /* const char **; value must be one of choices ("a|b|c") */
     PD_FLAG_GROUP,  /* not a flag: --help starts a section titled name with the entries after it */
+    PD_FLAG_STRS,   /* pd_flag_strs_t *; one or more values, as argparse's nargs="+": "--x a b c" takes
+                     * the arguments up to the next one that starts with '-' (end a list before
+                     * positional arguments with "--"); a later --x replaces the list */
 } pd_flag_type_t;
+
+#define PD_FLAG_STRS_MAX 8
+typedef struct pd_flag_strs {
+    const char *v[PD_FLAG_STRS_MAX]; /* point into argv */
+    int n;
+} pd_flag_strs_t;
 
 typedef struct pd_flag {
     const char *name; /* long name without dashes: "block-size" (PD_FLAG_GROUP: the section title) */

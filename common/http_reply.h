@@ -5,13 +5,33 @@
 #ifndef PD_COMMON_HTTP_REPLY_H
 #define PD_COMMON_HTTP_REPLY_H
 
+#include <sys/queue.h> /* TAILQ_FOREACH, before libevent's keyvalq_struct.h */
+
 #include <event2/buffer.h>
 #include <event2/bufferevent.h>
 #include <event2/http.h>
+#include <event2/keyvalq_struct.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <stdio.h>
 #include <sys/socket.h>
+
+/* The value of req's header `name` when it has exactly one (NULL when none or several): an
+ * Authorization header given twice is no credential, whichever of them a check would read first. */
+static inline const char *pd_http_sole_header(struct evhttp_request *req, const char *name)
+{
+    const struct evkeyval *h, *found = NULL;
+    TAILQ_FOREACH(h, evhttp_request_get_input_headers(req), next)
+    {
+        if (evutil_ascii_strcasecmp(h->key, name) == 0) {
+            if (found != NULL) {
+                return NULL;
+            }
+            found = h;
+        }
+    }
+    return found != NULL ? found->value : NULL;
+}
 
 /* Turns Nagle's algorithm off on req's connection (TCP_NODELAY), as uvicorn does for vLLM's
  * server: a streamed token is one small write, and under Nagle a write waits while the previous

@@ -256,10 +256,12 @@ bool pd_ctl_fingerprint_equal(const Pd__Fingerprint *a, const Pd__Fingerprint *b
     return true;
 }
 
+/* HMAC(token, label | n1 | n2 | server address): nonces over 64 bytes and addresses over 255 are
+ * cut (a handshake refuses other nonce lengths; an address is at most host[64]:port). */
 static void proof(const pd_ctl_identity_t *me, const char *label, const uint8_t *n1, size_t l1,
                   const uint8_t *n2, size_t l2, uint8_t out[32])
 {
-    uint8_t msg[16 + 64 + 64];
+    uint8_t msg[16 + 64 + 64 + 1 + 255];
     size_t k = strlen(label) < 16 ? strlen(label) : 16;
     memcpy(msg, label, k);
     l1 = l1 > 64 ? 64 : l1;
@@ -272,6 +274,12 @@ static void proof(const pd_ctl_identity_t *me, const char *label, const uint8_t 
         memcpy(msg + k, n2, l2);
     }
     k += l2;
+    size_t la = me->server_addr != NULL ? strnlen(me->server_addr, 255) : 0;
+    msg[k++] = (uint8_t)la; /* length first: "a" | "bc" and "ab" | "c" differ */
+    if (la > 0) {
+        memcpy(msg + k, me->server_addr, la);
+    }
+    k += la;
     pd_hmac_sha256(me->token, me->token_len, msg, k, out);
 }
 
@@ -394,7 +402,9 @@ static pd_status_t hs_on_ack(pd_ctl_client_hs_t *hs, int fd, const pd_ctl_identi
     proof(me, "pd-server", hs->nonce, sizeof(hs->nonce), a->nonce.data, a->nonce.len, want);
     if (a->nonce.len != sizeof(hs->peer_nonce) || a->proof.len != 32 ||
         !pd_ct_equal(want, a->proof.data, 32)) {
-        snprintf(reason, reason_len, "the peer does not know the cluster token");
+        snprintf(reason, reason_len,
+                 "the peer does not know the cluster token, or is not the server at %s (a relay)",
+                 me->server_addr != NULL ? me->server_addr : "");
         send_reject(fd, false, PD_REJECT_TOKEN, reason, send_ms);
         return PD_ERR_REJECTED;
     }

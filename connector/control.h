@@ -4,16 +4,20 @@
  * (a protobuf-c message of proto/pd.proto). Frames above max_frame, an unknown version or type,
  * a non-zero reserved field or an undecodable payload are errors: the connection is closed.
  *
- * Handshake (client = the side that connects; protocol 2):
+ * Handshake (client = the side that connects; protocol 3):
  *   C → S  Hello{version, nonce_c}
- *   S → C  HelloAck{nonce_s, proof_s = HMAC(token, "pd-server" | nonce_c | nonce_s)}          or Reject
- *   C → S  HelloFinish{proof_c = HMAC(token, "pd-client" | nonce_s | nonce_c), identity_c}   or Reject
+ *   S → C  HelloAck{nonce_s, proof_s = HMAC(token, "pd-server" | nonce_c | nonce_s | A)}      or Reject
+ *   C → S  HelloFinish{proof_c = HMAC(token, "pd-client" | nonce_s | nonce_c | A), identity_c} or Reject
  *   S → C  Welcome{identity_s}                                                              or Reject
- * The token never crosses the wire; each side proves it knows it over the other's fresh nonce
- * before it learns anything about the other (engine id, role, fingerprint, pipe address). A Reject
- * to a side that has not proven the token says only "rejected". The frames are not MACed: the
- * token authenticates the peer at connect time, not the channel (an on-path attacker can still
- * tamper with a connection; keep the KV ports on a private network, deploy/networkpolicy.yaml). */
+ * A is the server's control address "host:port" as the server advertises it and as the client
+ * dialled it (pd_ctl_identity_t.server_addr): a relay at another address that passes the frames on
+ * between a client and the real server cannot complete the handshake, since the two sides' proofs
+ * are over different addresses (test_control `test_relay_cannot_join`). The token never crosses the
+ * wire; each side proves it knows it over the other's fresh nonce before it learns anything about
+ * the other (engine id, role, fingerprint, pipe address). A Reject to a side that has not proven the
+ * token says only "rejected". The frames are not MACed: the token authenticates the peer at connect
+ * time, not the channel (an attacker on the network path itself can still tamper with a connection;
+ * keep the KV ports on a private network, deploy/networkpolicy.yaml). */
 #ifndef PD_PIPE_CONTROL_H
 #define PD_PIPE_CONTROL_H
 
@@ -24,7 +28,9 @@
 #include "common/status.h"
 #include "pd.pb-c.h"
 
-#define PD_PROTOCOL_VERSION      2 /* 2: the token is proven both ways before any identity is sent */
+#define PD_PROTOCOL_VERSION                                                                                  \
+    3 /* 2: the token is proven both ways before any identity is sent;
+                                     * 3: the proofs cover the server's address, WRITE_DONE the prompt */
 #define PD_CTL_HEADER            8
 #define PD_CTL_DEFAULT_MAX_FRAME (1u << 20)
 
@@ -97,6 +103,9 @@ typedef struct pd_ctl_identity {
     size_t pipe_address_len;
     const uint8_t *token; /* cluster token (may be empty: then both sides must have none) */
     size_t token_len;
+    /* the server's control address, "host:port": on the server its advertised one, on the client the
+     * one it dialled; both proofs cover it (NULL = ""). The Identity message does not carry it. */
+    const char *server_addr;
 } pd_ctl_identity_t;
 
 /* The handshake (proto/pd.proto, protocol 2): Hello (version, client nonce) → HelloAck (server

@@ -78,7 +78,14 @@ size_t pd_kv_connector_flags(pd_kv_connector_config_t *c, pd_flag_t *out, size_t
          "(spends a core while requests keep coming; saves a thread wake-up per page request)",
          NULL},
         {"cluster-token-file", PD_FLAG_STR, &c->cluster_token_file,
-         "file holding the secret every node of the cluster shares (proved, never sent)", NULL},
+         "file holding the secret every node of the cluster shares (proved, never sent; required unless "
+         "--insecure-no-kv-auth)",
+         NULL},
+        {"insecure-no-kv-auth", PD_FLAG_BOOL, &c->insecure_no_kv_auth,
+         "run without --cluster-token-file: the KV ports accept any peer that reaches them, which may then "
+         "read every KV page this node exports and write pages or answers into it (a test or a sealed host "
+         "only)",
+         NULL},
         {"kv-hold-timeout", PD_FLAG_DOUBLE, &c->hold_timeout,
          "seconds a prefill holds a finished request's blocks for its reader (pull) or its reservation "
          "(push)",
@@ -210,7 +217,7 @@ kv_push_t *kv_push_find(kv_conn_t *k, const char *req_id, bool unlink)
 
 /* Queues a notification for the ctl thread (mu held). */
 void kv_notice(kv_conn_t *k, pd_msg_type_t type, kv_peer_t *peer, const char *rid, uint64_t lease,
-               int32_t status, int32_t first_token)
+               int32_t status, int32_t first_token, const uint8_t *prompt_hash)
 {
     kv_notice_t *n = calloc(1, sizeof(*n));
     if (n == NULL) {
@@ -222,6 +229,9 @@ void kv_notice(kv_conn_t *k, pd_msg_type_t type, kv_peer_t *peer, const char *ri
     n->lease_id = lease;
     n->status = status;
     n->first_token = first_token;
+    if (prompt_hash != NULL) {
+        memcpy(n->prompt_hash, prompt_hash, sizeof(n->prompt_hash));
+    }
     pd_list_add_tail(&k->notices, &n->link);
     kv_ctl_wake(k); /* the engine thread queues notices too: the control thread may be asleep for 50 ms */
 }
@@ -388,6 +398,16 @@ static void metrics_register(kv_conn_t *k, pd_metrics_t *m)
                                         "Control-plane handshakes, by result.", "result=ok", NULL, 0);
     k->m.handshakes_failed = pd_metrics_add(m, PD_METRIC_COUNTER, "pd:kv_handshakes_total",
                                             "Control-plane handshakes, by result.", "result=failed", NULL, 0);
+    k->m.imported = pd_metrics_add(m, PD_METRIC_GAUGE, "pd:kv_imported_regions",
+                                   "Peers' KV regions this node holds imported (UCX maps a peer's region on "
+                                   "one host); a dead peer's goes once no transfer addresses it.",
+                                   NULL, NULL, 0);
+    k->m.params_refused = pd_metrics_add(
+        m, PD_METRIC_COUNTER, "pd:kv_params_refused_total",
+        "Decode requests whose kv_transfer_params could not be used (incomplete, or pull parameters not "
+        "issued for their prompt by a prefill of the cluster: another prompt, altered, unsigned); their "
+        "prompts were computed locally.",
+        NULL, NULL, 0);
     k->m.policy_recompute =
         pd_metrics_add(m, PD_METRIC_COUNTER, "pd:kv_load_failure_policy_actions_total",
                        "KV load failures handed to the failure policy.", "policy=recompute", NULL, 0);
@@ -524,6 +544,13 @@ pd_status_t pd_kv_connector_create(const pd_kv_connector_config_t *cfg, pd_metri
         pd_kv_connector_destroy(&k->pub);
         return st;
     }
+    if (k->token_len == 0 && !cfg->insecure_no_kv_auth) {
+        pd_log_error("kv connector: no cluster token: give every node the same --cluster-token-file (e.g. "
+                     "`head -c 32 /dev/urandom | base64 > token`), or --insecure-no-kv-auth to accept any "
+                     "peer that reaches the KV ports");
+        pd_kv_connector_destroy(&k->pub);
+        return PD_ERR_INVALID_ARG;
+    }
     pd_pipe_config_t pc;
     memset(&pc, 0, sizeof(pc));
     pc.kind = cfg->pipe;
@@ -573,8 +600,8 @@ pd_status_t pd_kv_connector_start(pd_connector_t *c, const Pd__Fingerprint *fp)
         return PD_ERR_INVALID_ARG;
     }
     if (k->token_len == 0) {
-        pd_log_warn("kv connector: no --cluster-token-file: the KV control port (%s) and the pipe's data "
-                    "port accept any peer that can reach them; give every node the same token file",
+        pd_log_warn("kv connector: --insecure-no-kv-auth: the KV control port (%s) and the pipe's data "
+                    "port accept any peer that can reach them; give every node the same --cluster-token-file",
                     k->cfg.listen);
     }
     return kv_ctl_start(k);
@@ -594,8 +621,8 @@ bool kv_release_push(kv_conn_t *k, const char *transfer_id)
             }
         }
     }
-    /* the decode gave up before this prefill finished; its request_finished holds nothing (bounded:
-     * a flood of unknown ids only resets the set) */
+    /* the decode (push) or the proxy (pull: its client left) gave up before this prefill finished; its
+     * request_finished holds nothing (bounded: a flood of unknown ids only resets the set) */
     if (k->released.slots == NULL || k->released.count >= 4096) {
         pd_strmap_destroy(&k->released);
         pd_strmap_init(&k->released, 64);
@@ -612,8 +639,9 @@ bool pd_kv_connector_release(pd_connector_t *c, const char *request_id, uint64_t
     pthread_mutex_lock(&k->mu);
     kv_lease_t *l;
     pd_list_for_each (l, &k->leases, link) {
-        if (request_id != NULL && !l->expired && l->lease_id == lease_id &&
-            strcmp(l->req_id, request_id) == 0) {
+        bool by_lease = request_id != NULL && l->lease_id == lease_id && strcmp(l->req_id, request_id) == 0;
+        bool by_transfer = transfer_id != NULL && transfer_id[0] && strcmp(l->transfer_id, transfer_id) == 0;
+        if (!l->expired && (by_lease || by_transfer)) {
             l->expired = true; /* a late READ_DONE is answered STALE */
             kv_report_sending(k, l->req_id);
             done = true;

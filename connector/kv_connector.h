@@ -44,7 +44,8 @@ typedef struct pd_kv_connector_config {
     int advertise_port;              /* port peers dial (0 = the listen port: behind a NAT or a relay) */
     int data_port;                   /* tcp pipe: the data listener's port (0 = any free) */
     const char *ucx_err_mode;        /* none | peer */
-    const char *cluster_token_file;  /* secret shared by the cluster (empty file or NULL = none) */
+    const char *cluster_token_file;  /* secret shared by the cluster (required unless insecure_no_kv_auth) */
+    bool insecure_no_kv_auth;        /* --insecure-no-kv-auth: run without a token, any peer accepted */
     double hold_timeout;             /* s a prefill holds blocks for a reader / a reservation */
     double load_timeout;             /* s a decode waits for remote KV */
     double handshake_timeout;        /* s for dial + handshake + region exchange */
@@ -76,7 +77,8 @@ pd_status_t pd_kv_transfer_config_apply(const char *text, pd_kv_connector_config
 
 /* Creates the connector and its pipe (not yet listening). Metrics are registered in m (may be
  * NULL). PD_ERR_INVALID_ARG for a bad role/mode/listen address, PD_ERR_NOT_FOUND for a pipe kind
- * this build lacks, PD_ERR_IO for an unreadable token file. */
+ * this build lacks, PD_ERR_IO for an unreadable token file, PD_ERR_INVALID_ARG without a token unless
+ * insecure_no_kv_auth. */
 pd_status_t pd_kv_connector_create(const pd_kv_connector_config_t *cfg, pd_metrics_t *m,
                                    pd_connector_t **out);
 
@@ -106,10 +108,12 @@ void pd_kv_connector_stop(pd_connector_t *c);
 void pd_kv_connector_destroy(pd_connector_t *c);
 
 /* Prefill: gives up what it holds for a decode that will not come (the proxy calls it, through
- * POST /pd/release, when the decode leg failed): the pull lease of request_id with lease_id, or the
- * push transfer waiting for transfer_id's reservation; its blocks are freed at the next step. The
- * ids are the capability (the lease id is random and only the params' receiver knows it). Returns
- * whether something was released. */
+ * POST /pd/release, when the decode leg failed or its client left): the pull lease of request_id
+ * with lease_id, or whatever it holds for transfer_id (the proxy's random id, in the request's
+ * kv_transfer_params): a pull lease, the push transfer waiting for its reservation, or — not
+ * finished yet — nothing when it finishes. Its blocks are freed at the next step. The ids are the
+ * capability (random, known only to the proxy and the params' receiver). Returns whether something
+ * was released (an id not seen yet counts: it is remembered). */
 bool pd_kv_connector_release(pd_connector_t *c, const char *request_id, uint64_t lease_id,
                              const char *transfer_id);
 

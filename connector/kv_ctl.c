@@ -259,6 +259,7 @@ pd_status_t kv_ctl_start(kv_conn_t *k)
     getsockname(fd, (struct sockaddr *)&a, &al);
     k->listen_port = ntohs(a.sin_port);
     k->advertise_port = k->cfg.advertise_port > 0 ? k->cfg.advertise_port : k->listen_port;
+    snprintf(k->advertise_addr, sizeof(k->advertise_addr), "%s:%d", k->advertise_host, k->advertise_port);
     k->listen_fd = fd;
     k->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (k->wake_fd < 0) {

@@ -112,13 +112,16 @@ struct kv_xfer {
     double started, deadline;
     double t_posted, t_moved; /* pages posted (or reservation sent), pages landed */
     kv_peer_t *peer;
-    bool cancelled; /* the request was aborted: no load errors, just release */
-    bool redialed;  /* the cached peer had another engine id: dialled once more */
-    bool overdue;   /* posted past its deadline: its peer was killed, its completion ends it */
+    bool cancelled;     /* the request was aborted: no load errors, just release */
+    bool redialed;      /* the cached peer had another engine id: dialled once more */
+    bool overdue;       /* posted past its deadline: its peer was killed, its completion ends it */
+    bool start_counted; /* push save continuing a stream whose start the metrics already counted */
     /* first-token handover, push: the token the prefill sampled (save: sent with WRITE_DONE; load:
      * received with it and reported with the load's end) */
     bool has_first_token;
     int32_t first_token;
+    /* push: the prompt's kv_prompt_hash (save: sent with WRITE_DONE; load: what WRITE_DONE must name) */
+    uint8_t prompt_hash[32];
     struct kv_conn *conn;
     struct kv_resv *resv; /* push save: the reservation written into */
     size_t bytes;
@@ -130,6 +133,7 @@ struct kv_xfer {
 typedef struct kv_lease kv_lease_t;
 struct kv_lease {
     char req_id[PD_REQ_ID_MAX];
+    char transfer_id[PD_REQ_ID_MAX]; /* the proxy's id for the request ("" = none): releases it too */
     uint64_t lease_id;
     double expires;
     bool expired; /* blocks released; kept a while to answer STALE */
@@ -198,7 +202,8 @@ struct kv_notice {
     char request_id[PD_REQ_ID_MAX];
     uint64_t lease_id;
     int32_t status;
-    int32_t first_token; /* WRITE_DONE of a first-token handover: the prefill's first token, else -1 */
+    int32_t first_token;     /* WRITE_DONE of a first-token handover: the prefill's first token, else -1 */
+    uint8_t prompt_hash[32]; /* WRITE_DONE: the prompt's kv_prompt_hash */
     pd_list_link_t link;
 };
 
@@ -235,7 +240,7 @@ typedef struct kv_meta {
 typedef struct kv_metrics {
     pd_metric_t *started[3], *completed[3], *failed[3]; /* pull_load, push_load, push_save */
     pd_metric_t *bytes, *latency, *pages, *leases_held, *leases_now, *resvs_now, *leases_expired,
-        *handshakes_ok, *handshakes_failed;
+        *handshakes_ok, *handshakes_failed, *params_refused, *imported;
     pd_metric_t *policy_recompute, *policy_fail, *stale, *peers;
     pd_metric_t *phase_queue, *phase_transfer, *phase_notify, *phase_remote, *handshake_s;
     pd_metric_t *staged_d2h, *staged_h2d, *staged_seconds;
@@ -251,7 +256,8 @@ typedef struct kv_conn {
     char listen_host[64];
     int listen_port;
     char advertise_host[64];
-    int advertise_port; /* 0 until the listener is bound: then --kv-advertise-port or the listen port */
+    int advertise_port;      /* 0 until the listener is bound: then --kv-advertise-port or the listen port */
+    char advertise_addr[80]; /* "advertise_host:advertise_port", set with it (handshake proofs cover it) */
     uint8_t token[256];
     size_t token_len;
     Pd__Fingerprint fp;
@@ -359,13 +365,19 @@ void kv_xfer_free(kv_xfer_t *x);
 
 /* kv_connector.c */
 bool kv_jbool(const json_t *o, const char *key);
+/* kv_sign.c: SHA-256 of a prompt's token ids (int32 little-endian). */
+void kv_prompt_hash(const int32_t *tokens, int32_t n, uint8_t out[32]);
+/* Adds prompt_sha256 and (with a token) pd_sig to pull params p that are otherwise complete. */
+pd_status_t kv_params_sign(const kv_conn_t *k, json_t *p, const int32_t *prompt, int32_t num_prompt);
+/* Why pull params p cannot load prompt[num_prompt] (static text), or NULL: the hash, the MAC. */
+const char *kv_params_verify(const kv_conn_t *k, const json_t *p, const int32_t *prompt, int32_t num_prompt);
 const char *kv_jstr(const json_t *o, const char *key);
 uint64_t kv_random_u52(void);
 bool kv_wants_push(const kv_conn_t *k, const json_t *p);
 kv_push_t *kv_push_find(kv_conn_t *k, const char *req_id, bool unlink);
 /* first_token: WRITE_DONE of a first-token handover (the prefill's first token), else -1. */
 void kv_notice(kv_conn_t *k, pd_msg_type_t type, kv_peer_t *peer, const char *rid, uint64_t lease,
-               int32_t status, int32_t first_token);
+               int32_t status, int32_t first_token, const uint8_t *prompt_hash /* [32] or NULL */);
 void kv_start_prefault(kv_conn_t *k);
 
 /* kv_scheduler.c */

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "common/log.h"
+#include "common/sha256.h"
 #include "common/time.h"
 #include "connector/kv_internal.h"
 
@@ -163,7 +164,14 @@ void kv_on_message(kv_conn_t *k, kv_peer_t *p, const pd_ctl_msg_t *msg)
          * recompute the prompt, since a client may have it already (the scheduler checks its range) */
         x->has_first_token = w->has_first_token;
         x->first_token = w->first_token;
-        if (w->status == 0) {
+        if (w->status == 0 && (w->prompt_sha256.len != sizeof(x->prompt_hash) ||
+                               !pd_ct_equal(w->prompt_sha256.data, x->prompt_hash, sizeof(x->prompt_hash)))) {
+            /* the prefill computed another prompt under this transfer id (a caller paired two
+             * requests): what it wrote is not this request's KV */
+            x->has_first_token = false;
+            kv_fail_xfer(k, x,
+                         "the prefill wrote KV for another prompt under this transfer id: KV discarded");
+        } else if (w->status == 0) {
             /* the pages the prefill wrote: each layer's entries this decode holds */
             x->pages = 0;
             for (uint32_t l = 0; l < k->geom.num_layers; l++) {

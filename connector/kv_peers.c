@@ -210,6 +210,7 @@ static pd_ctl_identity_t identity(kv_conn_t *k, uint8_t *addr, size_t *addr_len)
     me.pipe_address_len = *addr_len;
     me.token = k->token;
     me.token_len = k->token_len;
+    me.server_addr = k->advertise_addr; /* as a server; a dial names the address it dialled */
     return me;
 }
 
@@ -337,6 +338,7 @@ void kv_dial_io(kv_conn_t *k, kv_dial_t *d)
     uint8_t a[PD_PIPE_ADDR_MAX];
     size_t al = sizeof(a);
     pd_ctl_identity_t me = identity(k, a, &al);
+    me.server_addr = d->addr; /* the server proves it is the one at this address */
     pd_status_t st;
     if (!d->connected) {
         int err = 0;
@@ -494,7 +496,17 @@ void kv_hs_read(kv_conn_t *k, kv_hs_t *h)
         pd_ctl_server_hs_destroy(&h->hs);
         free(h);
         pd_metric_inc(k->m.handshakes_ok, 1);
-        pd_log_info("kv connector: accepted engine %s", p->engine_id);
+        char from[64] = "?";
+        struct sockaddr_in a;
+        socklen_t al = sizeof(a);
+        if (getpeername(p->fd, (struct sockaddr *)&a, &al) == 0 && a.sin_family == AF_INET) {
+            char ip[INET_ADDRSTRLEN];
+            snprintf(from, sizeof(from), "%s:%d", inet_ntop(AF_INET, &a.sin_addr, ip, sizeof(ip)),
+                     ntohs(a.sin_port));
+        }
+        pd_log_info("kv connector: accepted %s engine %s from %s (%s)",
+                    m->role == PD__ROLE__ROLE_PREFILL ? "prefill" : "decode", p->engine_id, from,
+                    k->token_len > 0 ? "proved the cluster token" : "no cluster token: not authenticated");
     }
     pd_ctl_msg_free(&hello);
 }

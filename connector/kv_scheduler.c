@@ -59,9 +59,14 @@ static bool remote_prefill_ok(const kv_conn_t *k, const pd_request_t *req, const
             if (why == NULL && (int32_t)json_array_size(b) < need) {
                 why = "remote_block_ids has fewer blocks than the prompt needs";
             }
+            /* issued by a prefill of this cluster for this very prompt, unaltered (kv_sign.c) */
+            if (why == NULL) {
+                why = kv_params_verify(k, p, req->tokens, req->num_prompt_tokens);
+            }
         }
     }
     if (why != NULL) {
+        pd_metric_inc(k->m.params_refused, 1);
         pd_log_warn(
             "kv connector: request %s: kv_transfer_params unusable (%s); computing the prompt locally",
             req->id, why);
@@ -139,6 +144,7 @@ void kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, const uin
     snprintf(x->remote_engine, sizeof(x->remote_engine), "%s", eng != NULL ? eng : "");
     x->lease_id = (uint64_t)json_integer_value(json_object_get(p, "lease_id"));
     x->num_tokens = req->num_tokens;
+    kv_prompt_hash(req->tokens, req->num_prompt_tokens, x->prompt_hash); /* push: WRITE_DONE must name it */
     x->local_blocks = malloc((size_t)(num_blocks > 0 ? num_blocks : 1) * sizeof(uint32_t));
     if (x->local_blocks == NULL) {
         free(x);
@@ -252,11 +258,14 @@ static bool finished_push(kv_conn_t *k, pd_request_t *req, const uint32_t *block
     int32_t first = kv_jbool(req->kv_transfer_params, "first_token") && pd_request_num_output(req) >= 1
                         ? req->tokens[req->num_prompt_tokens]
                         : -1;
+    uint8_t hash[32]; /* the decode checks it names its own prompt */
+    kv_prompt_hash(req->tokens, req->num_prompt_tokens, hash);
     pthread_mutex_lock(&k->mu);
     if (ps != NULL && ps->resv != NULL && (ps->streaming || !ok)) {
         /* every layer of every step was written (or the request died): tell the decode */
         int32_t status = ok && !ps->failed ? 0 : (ok ? PD_ERR_IO : PD_ERR_CANCELLED);
-        kv_notice(k, PD_MSG_WRITE_DONE, ps->resv->peer, ps->transfer_id, ps->resv->lease_id, status, first);
+        kv_notice(k, PD_MSG_WRITE_DONE, ps->resv->peer, ps->transfer_id, ps->resv->lease_id, status, first,
+                  hash);
         ps->resv->released = true;
         pd_metric_inc(status == 0 ? k->m.completed[KV_X_PUSH_SAVE] : k->m.failed[KV_X_PUSH_SAVE], 1);
     } else if (tid != NULL && k->released.slots != NULL &&
@@ -273,10 +282,12 @@ static bool finished_push(kv_conn_t *k, pd_request_t *req, const uint32_t *block
             x->num_tokens = req->num_prompt_tokens + (first >= 0 ? 1 : 0); /* the last token's KV stays */
             x->has_first_token = first >= 0;
             x->first_token = first;
+            memcpy(x->prompt_hash, hash, sizeof(hash));
             x->started = pd_time_now_s();
             x->deadline = x->started + k->cfg.hold_timeout;
             if (ps != NULL && ps->resv != NULL) {
                 ps->resv->taken = false; /* the transfer takes it over */
+                x->start_counted = true; /* as the stream's continuation */
             }
             pd_list_add_tail(&k->handoff, &x->link);
             hold = true;
@@ -297,11 +308,23 @@ static bool finished_pull(kv_conn_t *k, pd_request_t *req, const uint32_t *block
                           void **params_out)
 {
     bool first_token = kv_jbool(req->kv_transfer_params, "first_token");
+    const char *tid = kv_jstr(req->kv_transfer_params, "transfer_id");
+    if (tid != NULL && tid[0] != '\0') {
+        pthread_mutex_lock(&k->mu);
+        bool released = k->released.slots != NULL && pd_strmap_del(&k->released, tid, strlen(tid), NULL) == 1;
+        pthread_mutex_unlock(&k->mu);
+        if (released) { /* the proxy gave it up while it ran (its client left): hold nothing */
+            pd_log_info("kv connector: request %s: released by the proxy before it finished; no lease",
+                        req->id);
+            return false;
+        }
+    }
     kv_lease_t *l = calloc(1, sizeof(*l));
     if (l == NULL) {
         return false;
     }
     snprintf(l->req_id, sizeof(l->req_id), "%s", req->id);
+    snprintf(l->transfer_id, sizeof(l->transfer_id), "%s", tid != NULL ? tid : "");
     l->lease_id = kv_random_u52();
     l->expires = pd_time_now_s() + k->cfg.hold_timeout;
     json_t *blocks = json_array();
@@ -320,6 +343,12 @@ static bool finished_pull(kv_conn_t *k, pd_request_t *req, const uint32_t *block
     }
     if (first_token) { /* the decode continues from it */
         json_object_set_new(out, "first_token_id", json_integer(req->tokens[req->num_prompt_tokens]));
+    }
+    if (kv_params_sign(k, out, req->tokens, req->num_prompt_tokens) != PD_OK) {
+        pd_log_error("kv connector: request %s: cannot sign its kv_transfer_params (out of memory)", req->id);
+        json_decref(out);
+        free(l);
+        return false;
     }
     pthread_mutex_lock(&k->mu);
     pd_list_add_tail(&k->leases, &l->link);

@@ -184,14 +184,41 @@ static bool peer_referenced(kv_conn_t *k, const kv_peer_t *p)
     return false;
 }
 
-/* A dead peer nothing refers to any more is freed: its imported region goes back to the pipe (UCX:
- * the rkey and any mapping of the peer's memory), the pipe releases its side (endpoint, sockets,
- * record), then its reader and record go. Peers come and go for
- * weeks; their records must not pile up. */
+/* Whether a transfer or a queued write job of peer p may still address its imported region. */
+static bool peer_region_used(kv_conn_t *k, const kv_peer_t *p)
+{
+    const kv_xfer_t *x;
+    pd_list_for_each (x, &k->xfers, link) {
+        if (x->peer == p) {
+            return true;
+        }
+    }
+    const kv_write_job_t *j;
+    pd_list_for_each (j, &k->jobs, link) {
+        if (j->peer == p) {
+            return true;
+        }
+    }
+    return false;
+}
+
+/* A dead peer's imported region goes back to the pipe (UCX: the rkey and any mapping of the peer's
+ * memory: a decode's whole KV cache) as soon as no transfer can address it, even while its
+ * reservation tombstones keep the record until --kv-hold-timeout (issue 51: +32 MiB of prefill RSS
+ * per push decode death until then). A dead peer nothing refers to any more is freed: the pipe
+ * releases its side (endpoint, sockets, record), then its reader and record go. Peers come and go
+ * for weeks; their records must not pile up. */
 static void sweep_dead_peers(kv_conn_t *k)
 {
     kv_peer_t *p, *tmp;
+    int64_t imported = 0;
     pd_list_for_each_safe (p, tmp, &k->peers, link) {
+        /* (posted write jobs have left the list: none may be in flight, whoever they write to) */
+        if (p->state == KV_PEER_DEAD && p->remote != NULL && k->jobs_posted == 0 && !peer_region_used(k, p)) {
+            k->pipe->ops->release_remote(k->pipe, p->remote);
+            p->remote = NULL;
+        }
+        imported += p->remote != NULL;
         if (p->state != KV_PEER_DEAD || peer_referenced(k, p)) {
             continue;
         }
@@ -205,6 +232,7 @@ static void sweep_dead_peers(kv_conn_t *k)
         pd_list_del(&p->link);
         free(p);
     }
+    pd_metric_set(k->m.imported, (double)imported);
 }
 
 /* Every deadline of the connector, once per loop tick. */

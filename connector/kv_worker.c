@@ -187,6 +187,7 @@ pd_status_t kv_save_kv_layer(pd_connector_t *c, int32_t layer)
                         strcmp(rv->transfer_id, ps->transfer_id) == 0) {
                         rv->taken = true;
                         ps->resv = rv;
+                        pd_metric_inc(k->m.started[KV_X_PUSH_SAVE], 1); /* the stream starts */
                         break;
                     }
                 }

@@ -148,6 +148,8 @@ static void after_pages(kv_conn_t *k, kv_xfer_t *x)
     wd.layers_written = k->geom.num_layers;
     wd.has_first_token = x->has_first_token;
     wd.first_token = x->first_token;
+    wd.prompt_sha256.data = x->prompt_hash;
+    wd.prompt_sha256.len = sizeof(x->prompt_hash);
     x->resv->released = true;
     if (kv_peer_send(k, x->peer, PD_MSG_WRITE_DONE, &wd.base) != PD_OK) {
         kv_fail_xfer(k, x, "cannot send WRITE_DONE");
@@ -232,7 +234,9 @@ static void start_xfer(kv_conn_t *k, kv_xfer_t *x)
         kv_fail_xfer(k, x, why);
         return;
     }
-    pd_metric_inc(k->m.started[x->kind], 1);
+    if (!x->start_counted) {
+        pd_metric_inc(k->m.started[x->kind], 1);
+    }
     pd_log_debug("kv connector: request %s: starting %s of blocks [%d, %d) %.3f ms after it was queued",
                  x->req_id, x->kind == KV_X_PULL_LOAD ? "a read" : "a write", x->first_block, x->end_block,
                  (pd_time_now_s() - x->started) * 1e3);
@@ -398,6 +402,8 @@ void kv_send_notices(kv_conn_t *k)
             wd.layers_written = k->geom.num_layers;
             wd.has_first_token = n->first_token >= 0;
             wd.first_token = n->first_token;
+            wd.prompt_sha256.data = n->prompt_hash;
+            wd.prompt_sha256.len = sizeof(n->prompt_hash);
             kv_peer_send(k, n->peer, PD_MSG_WRITE_DONE, &wd.base);
         } else if (n->type == PD_MSG_ABORT) {
             Pd__Abort a = PD__ABORT__INIT;

@@ -108,10 +108,48 @@ static pd_status_t st_parse_tensor(const char *path, const char *name, json_t *d
     return PD_OK;
 }
 
+static int cmp_by_data(const void *a, const void *b)
+{
+    const pd_st_tensor_t *x = *(const pd_st_tensor_t *const *)a, *y = *(const pd_st_tensor_t *const *)b;
+    uintptr_t p = (uintptr_t)x->data, q = (uintptr_t)y->data;
+    return p < q ? -1 : p > q;
+}
+
+/* No two tensors share a byte (a file whose tensors overlap writes one weight through another, and
+ * the safetensors format refuses it); empty tensors take no bytes. */
+static pd_status_t st_check_overlaps(const char *path, const pd_st_file_t *f)
+{
+    size_t n = f->count > 0 ? (size_t)f->count : 0;
+    const pd_st_tensor_t **by = malloc((n ? n : 1) * sizeof(*by));
+    if (by == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
+    for (size_t i = 0; i < n; i++) {
+        by[i] = &f->tensors[i];
+    }
+    qsort(by, n, sizeof(*by), cmp_by_data);
+    pd_status_t st = PD_OK;
+    const pd_st_tensor_t *prev = NULL;
+    for (size_t i = 0; i < n && st == PD_OK; i++) {
+        if (by[i]->nbytes == 0) {
+            continue;
+        }
+        if (prev != NULL && (uintptr_t)prev->data + prev->nbytes > (uintptr_t)by[i]->data) {
+            pd_log_error("%s: tensors '%s' and '%s' overlap in the data area", path, prev->name, by[i]->name);
+            st = PD_ERR_PARSE;
+        }
+        prev = by[i];
+    }
+    free(by);
+    return st;
+}
+
 pd_status_t pd_st_file_open(const char *path, pd_st_file_t **file_out)
 {
     pd_status_t st = PD_OK;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: opening a FIFO for reading would wait for a writer (start-up hung); a regular file
+     * ignores the flag */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) {
         pd_log_error("cannot open %s: %s", path, strerror(errno));
         return errno == ENOENT ? PD_ERR_NOT_FOUND : PD_ERR_IO;
@@ -126,6 +164,12 @@ pd_status_t pd_st_file_open(const char *path, pd_st_file_t **file_out)
     if (fstat(fd, &sb) != 0) {
         pd_log_error("cannot stat %s: %s", path, strerror(errno));
         st = PD_ERR_IO;
+        goto err_close;
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        pd_log_error("%s is not a regular file (a FIFO, a device or a directory): not a safetensors file",
+                     path);
+        st = PD_ERR_PARSE;
         goto err_close;
     }
     f->size = (size_t)sb.st_size;
@@ -184,6 +228,10 @@ pd_status_t pd_st_file_open(const char *path, pd_st_file_t **file_out)
             goto err_close;
         }
         f->count++;
+    }
+    st = st_check_overlaps(path, f);
+    if (st != PD_OK) {
+        goto err_close;
     }
     *file_out = f;
     return PD_OK;

@@ -163,7 +163,8 @@ static json_t *tokenize_body(const preq_t *q)
                                              "tools",
                                              "chat_template_kwargs",
                                              "add_generation_prompt",
-                                             "continue_final_message"};
+                                             "continue_final_message",
+                                             "add_special_tokens"};
         for (size_t i = 0; i < sizeof(fields) / sizeof(fields[0]); i++) {
             json_t *v = json_object_get(b, fields[i]);
             if (v != NULL) {
@@ -180,9 +181,12 @@ static json_t *tokenize_body(const preq_t *q)
         return NULL;
     }
     json_t *t = json_pack("{s:O}", "prompt", p);
-    json_t *model = json_object_get(b, "model");
-    if (model != NULL) {
-        json_object_set(t, "model", model);
+    static const char *const fields[] = {"model", "add_special_tokens"};
+    for (size_t i = 0; i < sizeof(fields) / sizeof(fields[0]); i++) {
+        json_t *v = json_object_get(b, fields[i]);
+        if (v != NULL) {
+            json_object_set(t, fields[i], v);
+        }
     }
     return t;
 }

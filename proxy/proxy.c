@@ -21,6 +21,7 @@
 
 #include "common/api_fields.h"
 #include "common/hash.h"
+#include "common/http_guard.h"
 #include "common/http_reply.h"
 #include "common/log.h"
 #include "common/metrics.h"
@@ -42,6 +43,7 @@ void pd_proxy_config_defaults(pd_proxy_config_t *c)
     c->kv_aware_load_weight = 0.1;
     c->kv_aware_recent_s = 5;
     c->max_request_bytes = 16u << 20;
+    c->request_timeout = 30.0;
     /* keys from the environment (a Kubernetes Secret), so that they are not on the command line */
     static char client_key[512], node_key[512];
     c->api_key = pd_api_key_from_env("PD_PROXY_API_KEY", client_key, sizeof(client_key));
@@ -105,6 +107,13 @@ size_t pd_proxy_flags(pd_proxy_config_t *c, pd_flag_t *out, size_t max)
         {"affinity-prefix-chars", PD_FLAG_INT, &c->affinity_prefix_chars,
          "prompt characters hashed by prefix-affinity", NULL},
         {"max-request-bytes", PD_FLAG_SIZE, &c->max_request_bytes, "largest request body accepted", NULL},
+        {"http-request-timeout", PD_FLAG_DOUBLE, &c->request_timeout,
+         "seconds a client connection has to deliver a whole request (headers and body) before it is closed",
+         NULL},
+        {"http-max-connections", PD_FLAG_INT, &c->max_connections,
+         "client connections at most; past it the oldest still waiting for its request is closed (0: half "
+         "the open-file limit: upstream connections need the rest)",
+         NULL},
         {"api-key", PD_FLAG_STR, &c->api_key,
          "require 'Authorization: Bearer KEY' from clients on /v1/ routes, /tokenize and /detokenize "
          "($PD_PROXY_API_KEY when not given)",
@@ -283,8 +292,9 @@ pd_status_t pd_proxy_run(const pd_proxy_config_t *cfg)
         px->http = evhttp_new(px->base);
         evhttp_set_max_body_size(px->http, (ev_ssize_t)(cfg->max_request_bytes * 2 + 4096));
         evhttp_set_gencb(px->http, px_on_request, px);
-        bs = evhttp_bind_socket_with_handle(px->http, cfg->host, (ev_uint16_t)cfg->port);
-        if (bs == NULL) {
+        st = pd_http_guard_create(px->base, px->http, cfg->request_timeout, cfg->max_connections, &px->guard);
+        bs = st == PD_OK ? evhttp_bind_socket_with_handle(px->http, cfg->host, (ev_uint16_t)cfg->port) : NULL;
+        if (st == PD_OK && bs == NULL) {
             pd_log_error("proxy: cannot listen on %s:%d", cfg->host, cfg->port);
             st = PD_ERR_IO;
         }
@@ -334,6 +344,7 @@ pd_status_t pd_proxy_run(const pd_proxy_config_t *cfg)
     if (px->sigterm != NULL) {
         event_free(px->sigterm), event_free(px->sigint);
     }
+    pd_http_guard_destroy(px->guard); /* before the evhttp: its timer goes first */
     if (px->http != NULL) {
         evhttp_free(px->http);
     }

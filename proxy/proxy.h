@@ -43,6 +43,8 @@ typedef struct pd_proxy_config {
     double upstream_timeout; /* s an upstream request may take */
     int affinity_prefix_chars;
     size_t max_request_bytes;
+    double request_timeout;   /* s a client connection has to deliver a whole request (slowloris) */
+    int max_connections;      /* client connections at most (0: half the fd limit) */
     const char *api_key;      /* when set, /v1/ and tokenizer routes need "Authorization: Bearer KEY" */
     const char *node_api_key; /* sent to the nodes; unset: the client's Authorization is forwarded */
 } pd_proxy_config_t;

@@ -95,6 +95,7 @@ struct proxy {
     pd_proxy_config_t cfg;
     struct event_base *base;
     struct evhttp *http;
+    struct pd_http_guard *guard; /* slow clients' deadline and the connection cap */
     struct event *tick, *sigterm, *sigint;
     node_t nodes[MAX_NODES];
     int num_nodes;

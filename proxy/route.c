@@ -24,6 +24,7 @@
 
 #include "common/api_fields.h"
 #include "common/hash.h"
+#include "common/http_guard.h"
 #include "common/http_reply.h"
 #include "common/http_watch.h"
 #include "common/log.h"
@@ -133,14 +134,12 @@ void px_release_prefill(preq_t *q)
         return;
     }
     json_t *body = NULL;
-    if (q->push) {
+    const char *rid = json_string_value(json_object_get(q->ktp, "remote_request_id"));
+    json_t *lid = json_object_get(q->ktp, "lease_id");
+    if (!q->push && rid != NULL && json_is_integer(lid)) {
+        body = json_pack("{s:s, s:O}", "remote_request_id", rid, "lease_id", lid);
+    } else { /* push, or a pull prefill that has not answered yet: the id the proxy gave the request */
         body = json_pack("{s:s}", "transfer_id", q->transfer_id);
-    } else if (q->ktp != NULL) {
-        const char *rid = json_string_value(json_object_get(q->ktp, "remote_request_id"));
-        json_t *lid = json_object_get(q->ktp, "lease_id");
-        if (rid != NULL && json_is_integer(lid)) {
-            body = json_pack("{s:s, s:O}", "remote_request_id", rid, "lease_id", lid);
-        }
     }
     release_ctx_t *c = body != NULL ? calloc(1, sizeof(*c)) : NULL;
     if (c != NULL) {
@@ -355,7 +354,7 @@ static void on_p_done(struct evhttp_request *r, void *arg)
     }
     if (q->client == NULL) {
         json_decref(resp);
-        px_preq_free(q); /* the client left during prefill (the prefill lease frees its blocks) */
+        px_preq_free(q); /* the client left during prefill (on_client_close released what it holds) */
         return;
     }
     pd_metric_observe(px->m.prefill_s, pd_time_now_s() - q->t0);
@@ -423,9 +422,9 @@ bool px_start_prefill(preq_t *q)
     /* the mode is always named: a node's own default may differ from the proxy's choice (the pool's
      * mode is unknown until a prefill's /pd/info answers, and then this request goes as pull) */
     json_object_set_new(ktp, "transfer_mode", json_string(q->push ? "push" : "pull"));
-    if (q->push) {
-        json_object_set_new(ktp, "transfer_id", json_string(q->transfer_id));
-    }
+    /* push: the decode names it in its reservation; both: the proxy releases what the prefill holds
+     * for the request with it, even before the prefill answered (its client left) */
+    json_object_set_new(ktp, "transfer_id", json_string(q->transfer_id));
     json_object_set_new(body, "kv_transfer_params", ktp);
     q->p_conn = px_upstream(px, p, EVHTTP_REQ_POST, q->path, q->auth, q->req_id, body, on_p_done,
                             q->ft ? px_ft_on_p_chunk : NULL, NULL, q);
@@ -452,9 +451,10 @@ static void on_client_close(struct evhttp_connection *conn, void *arg)
     pd_metric_inc(q->px->m.client_gone, 1);
     q->client = NULL;
     q->client_conn = NULL;
-    if ((q->push ? q->p_done : q->ktp != NULL) && !q->d_done) {
-        /* the prefill holds KV for a decode that may not have reached it yet (still queued there:
-         * its abort tells the prefill nothing); a lease already read releases nothing */
+    if (q->p != NULL && !q->d_done && !q->local) {
+        /* the prefill holds (or, still computing, may finish holding) KV for a decode that may not
+         * have reached it yet (still queued there: its abort tells the prefill nothing); a lease
+         * already read releases nothing, and a prefill that aborts the request holds nothing */
         px_release_prefill(q);
     }
     /* closing the upstream connections makes both nodes abort the request */
@@ -654,6 +654,7 @@ static void handle_metrics(proxy_t *px, struct evhttp_request *req)
 void px_on_request(struct evhttp_request *req, void *arg)
 {
     proxy_t *px = arg;
+    pd_http_guard_request(px->guard, req); /* a whole request arrived on its connection */
     pd_http_no_delay(req);
     const struct evhttp_uri *uri = evhttp_request_get_evhttp_uri(req);
     const char *path = uri != NULL ? evhttp_uri_get_path(uri) : NULL;
@@ -664,9 +665,7 @@ void px_on_request(struct evhttp_request *req, void *arg)
                                   strcmp(path, "/detokenize") == 0);
     if (path == NULL) {
         reply_error(req, 400, "BadRequestError", "malformed request URI");
-    } else if (keyed &&
-               !pd_api_bearer_ok(evhttp_find_header(evhttp_request_get_input_headers(req), "Authorization"),
-                                 px->cfg.api_key)) {
+    } else if (keyed && !pd_api_bearer_ok(pd_http_sole_header(req, "Authorization"), px->cfg.api_key)) {
         reply_error(req, 401, "AuthenticationError", "invalid or missing API key");
     } else if (strcmp(path, "/v1/completions") == 0 || strcmp(path, "/v1/chat/completions") == 0) {
         if (!post) {

@@ -64,8 +64,11 @@ static bool ensure_hashes(pd_kv_cache_manager_t *m, pd_request_t *req, int32_t n
     }
     for (int32_t b = req->num_hashes; b < n_blocks; b++) {
         const pd_hash128_t *parent = b > 0 ? &req->block_hashes[b - 1] : NULL;
-        req->block_hashes[b] =
-            pd_hash128_chain(parent, req->tokens + (size_t)b * m->block_size, (size_t)m->block_size, NULL, 0);
+        /* a cache_salt joins the first block's hash (as vLLM's extra keys), so every later one differs */
+        bool salted = b == 0 && req->params.has_cache_salt;
+        req->block_hashes[b] = pd_hash128_chain(parent, req->tokens + (size_t)b * m->block_size,
+                                                (size_t)m->block_size, salted ? req->params.cache_salt : NULL,
+                                                salted ? sizeof(req->params.cache_salt) : 0);
     }
     req->num_hashes = n_blocks;
     return true;

@@ -59,6 +59,10 @@ typedef struct pd_request_params {
     bool keep_special_tokens;  /* skip_special_tokens: false (vLLM's default drops special tokens) */
     bool want_prompt_logprobs; /* prompt_logprobs: the prompt's tokens scored (no prefix cache then) */
     int32_t prompt_logprobs;   /* top entries per prompt position beside the prompt token */
+    /* cache_salt (vLLM's): its hash joins the first block's prefix-cache hash, so requests share
+     * cached blocks only with requests of the same salt (tenants isolated in the prefix cache) */
+    bool has_cache_salt;
+    uint64_t cache_salt[2];
 } pd_request_params_t;
 
 /* Prompt tokens a prompt-logprobs request computes per step at most (each needs a logits row). */

@@ -215,6 +215,35 @@ static json_t *new_logprobs(void)
     return json_pack("{s:[], s:[], s:[], s:[]}", "tokens", "token_logprobs", "top_logprobs", "text_offset");
 }
 
+/* Adds token id's text → logprob to a completions top_logprobs object unless its text is there
+ * already. Keys keep their length: a token whose text is U+0000 is "\u0000", not "". */
+static void top_add(const pd_tokenizer_t *tok, json_t *top, int32_t id, double logprob)
+{
+    size_t tl = 0;
+    char *t = token_text(tok, id, &tl);
+    json_t *key = pd_json_string_lossy(t, tl);
+    const char *kv = json_string_value(key);
+    size_t kl = json_string_length(key);
+    if (json_object_getn(top, kv, kl) == NULL) {
+        json_object_setn_new(top, kv, kl, json_real(logprob));
+    }
+    json_decref(key);
+    free(t);
+}
+
+/* A completions top_logprobs entry: the chosen token first, then the top ones (OpenAI and vLLM
+ * always include the chosen token: up to logprobs + 1 entries). */
+static json_t *top_json(const pd_tokenizer_t *tok, int32_t chosen, double chosen_lp, const int32_t *ids,
+                        const float *lps, int32_t n)
+{
+    json_t *top = json_object();
+    top_add(tok, top, chosen, chosen_lp);
+    for (int32_t k = 0; k < n; k++) {
+        top_add(tok, top, ids[k], lps[k]);
+    }
+    return top;
+}
+
 static void logprobs_append(const pd_tokenizer_t *tok, json_t *lp, const pd_engine_output_t *o, size_t offset)
 {
     size_t tl = 0;
@@ -222,18 +251,8 @@ static void logprobs_append(const pd_tokenizer_t *tok, json_t *lp, const pd_engi
     json_array_append_new(json_object_get(lp, "tokens"), pd_json_string_lossy(t, tl));
     json_array_append_new(json_object_get(lp, "token_logprobs"), json_real(o->logprob));
     json_array_append_new(json_object_get(lp, "text_offset"), json_integer((json_int_t)offset));
-    json_t *top = json_object();
-    for (int32_t k = 0; k < o->num_top; k++) {
-        size_t ttl = 0;
-        char *tt = token_text(tok, o->top_ids[k], &ttl);
-        json_t *key = pd_json_string_lossy(tt, ttl);
-        if (json_object_get(top, json_string_value(key)) == NULL) {
-            json_object_set_new(top, json_string_value(key), json_real(o->top_logprobs[k]));
-        }
-        json_decref(key);
-        free(tt);
-    }
-    json_array_append_new(json_object_get(lp, "top_logprobs"), top);
+    json_array_append_new(json_object_get(lp, "top_logprobs"),
+                          top_json(tok, o->token, o->logprob, o->top_ids, o->top_logprobs, o->num_top));
     free(t);
 }
 
@@ -270,21 +289,9 @@ static size_t echo_logprobs_append(const pd_tokenizer_t *tok, json_t *lp, const 
         }
         json_array_append_new(json_object_get(lp, "token_logprobs"),
                               json_real(p->logprob > -9999 ? p->logprob : -9999));
-        json_t *top = json_object();
-        json_t *own = pd_json_string_lossy(t, tl);
-        json_object_set_new(top, json_string_value(own), json_real(p->logprob > -9999 ? p->logprob : -9999));
-        json_decref(own);
-        for (int32_t k = 0; k < p->num_top; k++) {
-            size_t ttl = 0;
-            char *tt = token_text(tok, p->top_ids[k], &ttl);
-            json_t *key = pd_json_string_lossy(tt, ttl);
-            if (json_object_get(top, json_string_value(key)) == NULL) {
-                json_object_set_new(top, json_string_value(key), json_real(p->top_logprobs[k]));
-            }
-            json_decref(key);
-            free(tt);
-        }
-        json_array_append_new(json_object_get(lp, "top_logprobs"), top);
+        json_array_append_new(json_object_get(lp, "top_logprobs"),
+                              top_json(tok, pr->ids[i], p->logprob > -9999 ? p->logprob : -9999, p->top_ids,
+                                       p->top_logprobs, p->num_top));
         free(t);
     }
     return off;
@@ -447,11 +454,12 @@ static json_t *output_chunk(creq_t *c, choice_t *h, const pd_engine_output_t *o,
         h->opened = true;
         choice = json_pack("{s:i, s:o, s:o, s:o}", "index", h->index, "text", text, "logprobs", lp,
                            "finish_reason", finished ? json_string(o->finish_reason) : json_null());
-        if (c->in.return_token_ids) {
-            json_object_set_new(choice, "token_ids", o->token >= 0 ? ids_json(&o->token, 1) : json_array());
-            if (h->num_ids <= 1 && o->token >= 0) {
-                json_object_set_new(choice, "prompt_token_ids", ids_json(pr->ids, pr->len));
-            }
+    }
+    if (c->in.return_token_ids) { /* chat and completions streams alike (issue 51: chat left them out) */
+        const pd_prompt_t *pr = &c->in.prompts[h->prompt];
+        json_object_set_new(choice, "token_ids", o->token >= 0 ? ids_json(&o->token, 1) : json_array());
+        if (h->num_ids <= 1 && o->token >= 0) {
+            json_object_set_new(choice, "prompt_token_ids", ids_json(pr->ids, pr->len));
         }
     }
     if (finished) {
@@ -767,8 +775,12 @@ void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bo
     pd_http_error_t err;
     pd_http_error_set(&err, 500, "InternalServerError", NULL, "out of memory");
     const pd_model_config_t *mc = pd_engine_model_config(s->engine);
-    pd_openai_limits_t lim = {s->model_name, mc->vocab_size, pd_engine_max_model_len(s->engine),
-                              s->cfg.max_json_depth, pd_engine_generation_config(s->engine)};
+    pd_openai_limits_t lim = {s->aliases,
+                              s->num_aliases,
+                              mc->vocab_size,
+                              pd_engine_max_model_len(s->engine),
+                              s->cfg.max_json_depth,
+                              pd_engine_generation_config(s->engine)};
     const pd_tokenizer_t *tok = pd_engine_tokenizer(s->engine);
     bool ok = c != NULL && (chat ? pd_openai_parse_chat(body, len, tok, s->chat, &lim, &c->in, &err)
                                  : pd_openai_parse_completion(body, len, tok, &lim, &c->in, &err));

@@ -32,12 +32,15 @@ typedef struct srv_metrics {
 struct pd_http_server {
     pd_http_config_t cfg;
     char model_name[256];
+    const char *aliases[PD_FLAG_STRS_MAX]; /* every --served-model-name (aliases[0] = model_name) */
+    int num_aliases;
     pd_engine_t *engine;
     pd_chat_t *chat; /* the model's chat template (may have none) */
     pd_metrics_t *metrics;
     srv_metrics_t m;
     struct event_base *base;
     struct evhttp *http;
+    struct pd_http_guard *guard; /* slow clients' deadline and the connection cap */
     struct event *wake, *sigterm, *sigint, *drain_timer;
     int port;
     creq_t *inflight; /* generation requests with engine work outstanding */

@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "common/api_fields.h"
+#include "common/http_guard.h"
 #include "common/http_reply.h"
 #include "common/log.h"
 #include "common/strmap.h"
@@ -38,6 +39,7 @@ void pd_http_config_defaults(pd_http_config_t *c)
     c->port = 8000; /* vLLM's */
     c->max_request_bytes = 4u << 20;
     c->drain_timeout = 30.0;
+    c->request_timeout = 30.0;
     c->max_json_depth = 32;
     static char env_key[512]; /* as vLLM: a Secret in the environment, not on the command line */
     c->api_key = pd_api_key_from_env("VLLM_API_KEY", env_key, sizeof(env_key));
@@ -56,7 +58,16 @@ size_t pd_http_flags(pd_http_config_t *c, pd_flag_t *out, size_t max)
         {"max-request-bytes", PD_FLAG_SIZE, &c->max_request_bytes, "largest request body accepted", NULL},
         {"drain-timeout", PD_FLAG_DOUBLE, &c->drain_timeout, "seconds in-flight requests get after SIGTERM",
          NULL},
-        {"served-model-name", PD_FLAG_STR, &c->served_model_name, "model name in the API (default: dir name)",
+        {"http-request-timeout", PD_FLAG_DOUBLE, &c->request_timeout,
+         "seconds a client connection has to deliver a whole request (headers and body) before it is closed",
+         NULL},
+        {"http-max-connections", PD_FLAG_INT, &c->max_connections,
+         "client connections at most; past it the oldest still waiting for its request is closed (0: half "
+         "the open-file limit)",
+         NULL},
+        {"served-model-name", PD_FLAG_STRS, &c->served_model_names,
+         "model name(s) in the API: requests may name any, answers and metrics carry the first (default: "
+         "dir name)",
          NULL},
         {"chat-template", PD_FLAG_STR, &c->chat_template,
          "chat template: a file, or the template text (default: chat_template.jinja, then "
@@ -158,8 +169,7 @@ char *pd_http_read_body(pd_http_server_t *s, struct evhttp_request *req, size_t 
 
 static bool authorized(pd_http_server_t *s, struct evhttp_request *req)
 {
-    return pd_api_bearer_ok(evhttp_find_header(evhttp_request_get_input_headers(req), "Authorization"),
-                            s->cfg.api_key);
+    return pd_api_bearer_ok(pd_http_sole_header(req, "Authorization"), s->cfg.api_key);
 }
 
 static void handle_completions(pd_http_server_t *s, struct evhttp_request *req)
@@ -172,16 +182,31 @@ static void handle_chat(pd_http_server_t *s, struct evhttp_request *req)
     pd_http_handle_generate(s, req, true);
 }
 
-static json_t *model_card(const pd_http_server_t *s)
+/* Whether name is one of the --served-model-name aliases. */
+static bool model_known(const pd_http_server_t *s, const char *name)
 {
-    return json_pack("{s:s, s:s, s:I, s:s, s:s, s:i}", "id", s->model_name, "object", "model", "created",
+    for (int i = 0; i < s->num_aliases; i++) {
+        if (strcmp(name, s->aliases[i]) == 0) {
+            return true;
+        }
+    }
+    return false;
+}
+
+static json_t *model_card(const pd_http_server_t *s, const char *id)
+{
+    return json_pack("{s:s, s:s, s:I, s:s, s:s, s:i}", "id", id, "object", "model", "created",
                      (json_int_t)s->started_at, "owned_by", "pdserve", "root", pd_engine_model_dir(s->engine),
                      "max_model_len", pd_engine_max_model_len(s->engine));
 }
 
 static void handle_models(pd_http_server_t *s, struct evhttp_request *req)
 {
-    json_t *j = json_pack("{s:s, s:[o]}", "object", "list", "data", model_card(s));
+    json_t *data = json_array(); /* every alias, as vLLM lists its served model names */
+    for (int i = 0; i < s->num_aliases; i++) {
+        json_array_append_new(data, model_card(s, s->aliases[i]));
+    }
+    json_t *j = json_pack("{s:s, s:o}", "object", "list", "data", data);
     pd_http_send_json(s, req, 200, j);
     json_decref(j);
 }
@@ -190,13 +215,13 @@ static void handle_models(pd_http_server_t *s, struct evhttp_request *req)
 static void handle_model(pd_http_server_t *s, struct evhttp_request *req, const char *id)
 {
     char *dec = evhttp_uridecode(id, 0, NULL);
-    if (dec == NULL || strcmp(dec, s->model_name) != 0) {
+    if (dec == NULL || !model_known(s, dec)) {
         pd_http_error_t e;
         pd_http_error_set(&e, 404, "NotFoundError", "model", "The model `%s` does not exist.",
                           dec ? dec : id);
         pd_http_send_error(s, req, &e);
     } else {
-        json_t *j = model_card(s);
+        json_t *j = model_card(s, dec);
         pd_http_send_json(s, req, 200, j);
         json_decref(j);
     }
@@ -243,7 +268,7 @@ static void handle_tokenize(pd_http_server_t *s, struct evhttp_request *req)
         }
         token_strs = json_is_true(rts);
         if (model != NULL && !json_is_null(model) &&
-            (!json_is_string(model) || strcmp(json_string_value(model), s->model_name) != 0)) {
+            (!json_is_string(model) || !model_known(s, json_string_value(model)))) {
             ok = pd_http_error_set(&err, 404, "NotFoundError", "model", "The model `%s` does not exist.",
                                    json_is_string(model) ? json_string_value(model) : "?");
         } else if (chat) {
@@ -311,7 +336,7 @@ static void handle_detokenize(pd_http_server_t *s, struct evhttp_request *req)
         ok =
             pd_http_error_set(&err, 400, "BadRequestError", "tokens", "'tokens' must be a list of token ids");
     } else if (ok && model != NULL && !json_is_null(model) &&
-               (!json_is_string(model) || strcmp(json_string_value(model), s->model_name) != 0)) {
+               (!json_is_string(model) || !model_known(s, json_string_value(model)))) {
         ok = pd_http_error_set(&err, 404, "NotFoundError", "model", "The model `%s` does not exist.",
                                json_is_string(model) ? json_string_value(model) : "?");
     }
@@ -405,6 +430,7 @@ static void handle_metrics(pd_http_server_t *s, struct evhttp_request *req)
 static void on_request(struct evhttp_request *req, void *arg)
 {
     pd_http_server_t *s = arg;
+    pd_http_guard_request(s->guard, req); /* a whole request arrived on its connection */
     pd_http_no_delay(req);
     const struct evhttp_uri *uri = evhttp_request_get_evhttp_uri(req);
     const char *path = uri != NULL ? evhttp_uri_get_path(uri) : NULL;
@@ -432,8 +458,10 @@ static void on_request(struct evhttp_request *req, void *arg)
         {"/pd/info", GET, handle_info},
         {"/pd/release", POST, handle_release},
     };
-    bool v1 = strncmp(path, "/v1/", 4) == 0;
-    if (v1 && !authorized(s, req)) {
+    /* the key guards every route that tells about the model or runs it (the proxy's too) */
+    bool keyed =
+        strncmp(path, "/v1/", 4) == 0 || strcmp(path, "/tokenize") == 0 || strcmp(path, "/detokenize") == 0;
+    if (keyed && !authorized(s, req)) {
         pd_http_reply_error(s, req, 401, "AuthenticationError", NULL, "invalid or missing API key");
         return;
     }
@@ -524,7 +552,12 @@ pd_status_t pd_http_server_create(const pd_http_config_t *cfg, pd_engine_t *engi
     s->metrics = metrics;
     s->started_at = (int64_t)time(NULL);
     snprintf(s->model_name, sizeof(s->model_name), "%s",
-             cfg->served_model_name != NULL ? cfg->served_model_name : pd_engine_model_name(engine));
+             cfg->served_model_names.n > 0 ? cfg->served_model_names.v[0] : pd_engine_model_name(engine));
+    s->aliases[0] = s->model_name;
+    s->num_aliases = 1;
+    for (int i = 1; i < cfg->served_model_names.n; i++) {
+        s->aliases[s->num_aliases++] = cfg->served_model_names.v[i];
+    }
     pd_status_t st = pd_chat_load(pd_engine_model_dir(engine), cfg->chat_template, &s->chat);
     if (st != PD_OK) {
         free(s);
@@ -567,6 +600,11 @@ pd_status_t pd_http_server_create(const pd_http_config_t *cfg, pd_engine_t *engi
                                             EVHTTP_REQ_DELETE | EVHTTP_REQ_HEAD | EVHTTP_REQ_OPTIONS |
                                             EVHTTP_REQ_PATCH);
     evhttp_set_gencb(s->http, on_request, s);
+    if (pd_http_guard_create(s->base, s->http, cfg->request_timeout, cfg->max_connections, &s->guard) !=
+        PD_OK) {
+        pd_http_server_destroy(s);
+        return PD_ERR_NO_MEMORY;
+    }
     struct evhttp_bound_socket *bs =
         evhttp_bind_socket_with_handle(s->http, cfg->host, (ev_uint16_t)cfg->port);
     if (bs == NULL) {
@@ -634,6 +672,7 @@ void pd_http_server_destroy(pd_http_server_t *s)
     if (s->drain_timer != NULL) {
         event_free(s->drain_timer);
     }
+    pd_http_guard_destroy(s->guard); /* before the evhttp: its timer goes first */
     if (s->http != NULL) {
         evhttp_free(s->http);
     }

@@ -14,13 +14,16 @@
 #include "engine/engine.h"
 
 typedef struct pd_http_config {
-    const char *host;              /* default 127.0.0.1 */
-    int port;                      /* 0 = any free port (see port_file) */
-    const char *port_file;         /* written with the bound port once listening */
-    const char *api_key;           /* when set, /v1/ requests need "Authorization: Bearer KEY" */
-    size_t max_request_bytes;      /* bodies above get 413 */
-    double drain_timeout;          /* seconds in-flight requests get after SIGTERM */
-    const char *served_model_name; /* default: the model directory's name */
+    const char *host;                  /* default 127.0.0.1 */
+    int port;                          /* 0 = any free port (see port_file) */
+    const char *port_file;             /* written with the bound port once listening */
+    const char *api_key;               /* when set, /v1/ requests need "Authorization: Bearer KEY" */
+    size_t max_request_bytes;          /* bodies above get 413 */
+    double drain_timeout;              /* seconds in-flight requests get after SIGTERM */
+    double request_timeout;            /* s a connection has to deliver a whole request (slowloris) */
+    int max_connections;               /* client connections at most (0: half the fd limit) */
+    pd_flag_strs_t served_model_names; /* the first names the model in answers, all are accepted
+                                        * (default: the model directory's name) */
     int max_json_depth;
     const char *info_json;     /* P/D nodes: served at GET /pd/info (role, engine id, KV address) */
     const char *chat_template; /* --chat-template: a file or the template text (NULL: the model's) */

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/hash.h"
 #include "common/json.h"
 #include "model/generation_config.h"
 #include "server/chat.h"
@@ -62,12 +63,13 @@ static bool add_prompt(pd_completion_req_t *out, int32_t *ids, int32_t n, pd_htt
     return true;
 }
 
-static bool prompt_from_text(json_t *p, const pd_tokenizer_t *tok, pd_completion_req_t *out,
+static bool prompt_from_text(json_t *p, const pd_tokenizer_t *tok, bool add_special, pd_completion_req_t *out,
                              pd_http_error_t *err)
 {
     size_t n = 0;
     int32_t *ids = NULL;
-    if (pd_tokenizer_encode(tok, json_string_value(p), json_string_length(p), true, &ids, &n) != PD_OK) {
+    if (pd_tokenizer_encode(tok, json_string_value(p), json_string_length(p), add_special, &ids, &n) !=
+        PD_OK) {
         return pd_http_error_set(err, 400, "BadRequestError", "prompt", "'prompt' could not be tokenized");
     }
     if (!add_prompt(out, ids, (int32_t)n, err)) {
@@ -120,14 +122,15 @@ static bool prompt_from_ids(json_t *p, const pd_openai_limits_t *lim, pd_complet
 }
 
 /* prompt: "text", ["text", ...], [ids...] or [[ids...], ...] (vLLM's batched prompts). */
-static bool parse_prompt(json_t *p, const pd_tokenizer_t *tok, const pd_openai_limits_t *lim,
-                         pd_completion_req_t *out, pd_http_error_t *err)
+/* add_special: the tokenizer's BOS/EOS around text prompts (vLLM's add_special_tokens, default true) */
+static bool parse_prompt(json_t *p, const pd_tokenizer_t *tok, bool add_special,
+                         const pd_openai_limits_t *lim, pd_completion_req_t *out, pd_http_error_t *err)
 {
     if (p == NULL) {
         return pd_http_error_set(err, 400, "BadRequestError", "prompt", "'prompt' is required");
     }
     if (json_is_string(p)) {
-        return prompt_from_text(p, tok, out, err);
+        return prompt_from_text(p, tok, add_special, out, err);
     }
     if (!json_is_array(p)) {
         return pd_http_error_set(err, 400, "BadRequestError", "prompt",
@@ -147,7 +150,7 @@ static bool parse_prompt(json_t *p, const pd_tokenizer_t *tok, const pd_openai_l
     {
         bool ok;
         if (json_is_string(first) && json_is_string(v)) {
-            ok = prompt_from_text(v, tok, out, err);
+            ok = prompt_from_text(v, tok, add_special, out, err);
         } else if (json_is_array(first) && json_is_array(v)) {
             ok = prompt_from_ids(v, lim, out, err);
         } else {
@@ -224,6 +227,9 @@ static bool refuse_unimplemented(json_t *root, bool chat, pd_http_error_t *err)
         {"audio", NULL},
         {"modalities", NULL},
         {"prediction", NULL},
+        {"priority", "0"},           /* no priority scheduling (vLLM refuses it under fcfs too) */
+        {"logprob_token_ids", NULL}, /* logprobs of chosen ids */
+        {"chat_template", NULL},     /* a template from the request (vLLM: --trust-request-chat-template) */
     };
     for (size_t i = 0; i < sizeof(params) / sizeof(params[0]); i++) {
         json_t *v = json_object_get(root, params[i].name);
@@ -301,7 +307,11 @@ static json_t *parse_root(const char *body, size_t len, const pd_openai_limits_t
             json_decref(root);
             return NULL;
         }
-        if (strcmp(json_string_value(model), lim->model_name) != 0) {
+        bool known = false;
+        for (int i = 0; i < lim->num_model_names && !known; i++) {
+            known = strcmp(json_string_value(model), lim->model_names[i]) == 0;
+        }
+        if (!known) {
             pd_http_error_set(err, 404, "NotFoundError", "model", "The model `%s` does not exist.",
                               json_string_value(model));
             json_decref(root);
@@ -547,6 +557,17 @@ static bool parse_params(json_t *root, bool chat, const pd_tokenizer_t *tok, con
             return false;
         }
     }
+    json_t *salt = json_object_get(root, "cache_salt");
+    if (salt != NULL && !json_is_null(salt)) {
+        if (!json_is_string(salt) || json_string_length(salt) == 0) {
+            return pd_http_error_set(err, 400, "BadRequestError", "cache_salt",
+                                     "'cache_salt' must be a non-empty string");
+        }
+        pd_hash128_t h = pd_hash128(json_string_value(salt), json_string_length(salt), 0x73616c74);
+        p->has_cache_salt = true;
+        p->cache_salt[0] = h.lo;
+        p->cache_salt[1] = h.hi;
+    }
     json_t *sti = json_object_get(root, "stop_token_ids");
     if (sti != NULL && !json_is_null(sti)) {
         if (!json_is_array(sti) || json_array_size(sti) > PD_MAX_STOP_TOKEN_IDS) {
@@ -561,7 +582,13 @@ static bool parse_params(json_t *root, bool chat, const pd_tokenizer_t *tok, con
             if (!json_is_integer(v)) {
                 return pd_api_want_type(err, "stop_token_ids", v, 0, "a list of integers");
             }
-            p->stop_token_ids[p->num_stop_token_ids++] = (int32_t)json_integer_value(v);
+            json_int_t id = json_integer_value(v); /* checked whole: 4294967698 is not token 402 */
+            if (id < 0 || id >= lim->vocab_size) {
+                return pd_http_error_set(err, 400, "BadRequestError", "stop_token_ids",
+                                         "stop token id %lld is outside the vocabulary [0, %d)",
+                                         (long long)id, lim->vocab_size);
+            }
+            p->stop_token_ids[p->num_stop_token_ids++] = (int32_t)id;
         }
     }
     if (!parse_stop(json_object_get(root, "stop"), out, err)) {
@@ -643,8 +670,10 @@ bool pd_openai_parse_completion(const char *body, size_t len, const pd_tokenizer
         return false;
     }
     int64_t max_tokens = 16;
+    bool add_special = true;
     bool ok = parse_params(root, false, tok, lim, &max_tokens, out, err) &&
-              parse_prompt(json_object_get(root, "prompt"), tok, lim, out, err) &&
+              pd_api_get_bool(root, "add_special_tokens", &add_special, err) &&
+              parse_prompt(json_object_get(root, "prompt"), tok, add_special, lim, out, err) &&
               finish_request(lim, max_tokens, out, err);
     json_decref(root);
     if (!ok) {
@@ -667,7 +696,9 @@ bool pd_openai_parse_chat(const char *body, size_t len, const pd_tokenizer_t *to
                             json_object_get(root, "chat_template_kwargs"), true, false};
     char *prompt = NULL;
     size_t plen = 0;
+    bool add_special = false; /* the template writes the special tokens itself (vLLM's default for chat) */
     bool ok = parse_params(root, true, tok, lim, &max_tokens, out, err) &&
+              pd_api_get_bool(root, "add_special_tokens", &add_special, err) &&
               pd_api_get_bool(root, "add_generation_prompt", &cr.add_generation_prompt, err) &&
               pd_api_get_bool(root, "continue_final_message", &cr.continue_final_message, err);
     if (ok && cr.messages == NULL) {
@@ -677,8 +708,7 @@ bool pd_openai_parse_chat(const char *body, size_t len, const pd_tokenizer_t *to
     if (ok) {
         size_t n = 0;
         int32_t *ids = NULL;
-        /* the template writes the special tokens itself (vLLM: add_special_tokens false for chat) */
-        if (pd_tokenizer_encode(tok, prompt, plen, false, &ids, &n) != PD_OK) {
+        if (pd_tokenizer_encode(tok, prompt, plen, add_special, &ids, &n) != PD_OK) {
             ok = pd_http_error_set(err, 400, "BadRequestError", "messages",
                                    "the rendered chat could not be tokenized");
         } else if (n == 0) {

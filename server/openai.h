@@ -40,7 +40,8 @@ typedef struct pd_completion_req {
 } pd_completion_req_t;
 
 typedef struct pd_openai_limits {
-    const char *model_name;
+    const char *const *model_names; /* [num_model_names] the names a request's "model" may give */
+    int num_model_names;
     int32_t vocab_size;
     int32_t max_model_len;
     int max_depth;                          /* JSON nesting limit */

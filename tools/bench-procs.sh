@@ -3,7 +3,8 @@
 #   demo_setup TAG          the demo model in $models (made once; its vocabulary size in $vocab),
 #                           a work directory $work removed with every server on exit, and $events
 #                           (KV cache events on free loopback ports)
-#   start NAME BINARY ARGS  runs "$bin/BINARY" on a free loopback port, its log in $work/NAME.log;
+#   start NAME BINARY ARGS  runs "$bin/BINARY" on a free loopback port, its log in $work/NAME.log
+#                           (pd-prefill and pd-decode with the cluster token $work/cluster-token);
 #                           sets $port
 #   stop_all                stops (TERM, then KILL after 10 s) every server started so far
 #   kv_read_mib PORT...     the KV the nodes on these ports read (pd:kv_transfer_bytes_total), MiB
@@ -21,7 +22,9 @@ stop_all() {
 start() {
   local name=$1 exe=$2; shift 2
   rm -f "$work/$name.port"
-  "$bin/$exe" "$@" --port 0 --port-file "$work/$name.port" >"$work/$name.log" 2>&1 &
+  local token=()
+  if [[ $exe == pd-prefill || $exe == pd-decode ]]; then token=(--cluster-token-file "$work/cluster-token"); fi
+  "$bin/$exe" "$@" "${token[@]}" --port 0 --port-file "$work/$name.port" >"$work/$name.log" 2>&1 &
   local pid=$!
   pids+=("$pid")
   for _ in $(seq 600); do
@@ -48,5 +51,6 @@ demo_setup() {
   vocab=$(sed -n 's/.*"vocab_size": *\([0-9]*\).*/\1/p' "$models/demo/config.json")
   work=$(mktemp -d "/tmp/pd-$1-XXXXXX")
   trap 'stop_all; rm -rf "$work"' EXIT
+  head -c 32 /dev/urandom | base64 >"$work/cluster-token" # the nodes' shared secret
   events='{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}'
 }

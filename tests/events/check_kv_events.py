@@ -45,6 +45,7 @@ def start_node(work, model, tag, events_cfg, extra=()):
     args = [os.path.join(BIN, "pd-prefill"), "--model", model, "--served-model-name", "m", "--port", "0",
             "--port-file", port_file, "--kv-cache-memory", "128M", "--threads", "1", "--max-model-len", "256",
             "--num-blocks-override", "24", "--kv-pipe", "tcp", "--no-kv-prefault",
+            "--insecure-no-kv-auth",  # one node, no peers: the flag's own path
             "--kv-events-config", json.dumps(events_cfg)] + list(extra)
     p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 60

@@ -291,6 +291,11 @@ class Cluster:
         common = ["--model", model, "--served-model-name", MODEL_NAME, "--kv-cache-memory", "256M", "--threads",
                   "1", "--max-model-len", "512", "--max-num-batched-tokens", "64", "--kv-transfer-mode", mode,
                   "--kv-pipe", pipe] + list(fast) + list(extra)
+        if "--cluster-token-file" not in extra:  # nodes refuse to start without a token
+            token = os.path.join(tmp, "cluster-token")
+            with open(token, "w") as f:
+                f.write("faults-cluster-token\n")
+            common += ["--cluster-token-file", token]
         tag = tag or "%s-%s" % (mode, pipe)
         self.relays, self.prefills = [], []
         for i in range(nprefill):

@@ -67,7 +67,8 @@ static void handshake(const uint8_t *data, size_t size, bool server, const char 
                             (const uint8_t *)"tcp:127.0.0.1:1:1",
                             17,
                             (const uint8_t *)token,
-                            strlen(token)};
+                            strlen(token),
+                            "127.0.0.1:7000"};
     pd_ctl_reader_t r;
     pd_ctl_reader_init(&r, 1u << 16);
     pd_ctl_reader_feed(&r, data, size);

@@ -27,7 +27,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (size > (1u << 20)) {
         return 0;
     }
-    pd_openai_limits_t lim = {"m", pd_tokenizer_vocab_size(g_tok), 256, 32, NULL};
+    static const char *const names[] = {"m"};
+    pd_openai_limits_t lim = {names, 1, pd_tokenizer_vocab_size(g_tok), 256, 32, NULL};
     pd_completion_req_t req;
     pd_http_error_t err;
     memset(&req, 0, sizeof(req));

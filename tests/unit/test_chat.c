@@ -441,6 +441,9 @@ START_TEST(test_refusals_name_the_parameter)
     snprintf(b, sizeof(b), "{%s, \"stop_token_ids\": [100000]}", m);
     expect_400(g_port, c, b, "stop_token_ids", "outside the vocabulary");
     expect_400(g_port, p, "{\"prompt\": \"hi\", \"stop_token_ids\": [-1]}", "stop_token_ids", "outside");
+    /* checked before any narrowing: 2^32 + 402 is not token 402 (issue 51) */
+    expect_400(g_port, p, "{\"prompt\": \"hi\", \"stop_token_ids\": [4294967698]}", "stop_token_ids",
+               "4294967698 is outside");
     snprintf(b, sizeof(b), "{%s, \"tools\": [{\"type\": \"function\"}]}", m);
     expect_400(g_port, c, b, "tools", "tools[0]");
     json_t *nf = post(
@@ -1079,6 +1082,9 @@ START_TEST(test_openai_client_chat_through_pd_proxy)
     npm_openai("4", "4", v4, sizeof(v4));
     char *want = reference_chat(g_port, 8);
     static const char *const modes[] = {"pull", "push"};
+    char tok[600]; /* the nodes' cluster token */
+    snprintf(tok, sizeof(tok), "%s/cluster-token", g_dir);
+    ck_assert_int_eq(tu_write_file(tok, "chat-cluster\n", 13), 0);
     for (int m = 0; m < 2; m++) {
         char *kv[] = {"--kv-transfer-mode",
                       (char *)modes[m],
@@ -1087,6 +1093,8 @@ START_TEST(test_openai_client_chat_through_pd_proxy)
                       "--kv-heartbeat-interval",
                       "0.2",
                       "--no-kv-prefault",
+                      "--cluster-token-file",
+                      tok,
                       NULL};
         int pp, dp, xp;
         char tag[32];

@@ -26,6 +26,7 @@
 #include "common/metrics.h"
 #include "connector/control.h"
 #include "connector/kv_connector.h"
+#include "connector/kv_internal.h" /* kv_params_verify: the reason a decode refuses pull params */
 #include "http_client.h"
 #include "pipe/pipe.h"
 #include "scheduler/scheduler.h"
@@ -81,6 +82,7 @@ static void node_start(node_t *n, const char *role, char tag, const opts_t *o)
     cfg.mode = o->mode;
     cfg.pipe = o->pipe;
     cfg.cluster_token_file = o->token_file;
+    cfg.insecure_no_kv_auth = o->token_file == NULL; /* the cases without a token say so */
     cfg.advertise_port = o->advertise_port;
     cfg.hold_timeout = o->hold_timeout > 0 ? o->hold_timeout : 30;
     cfg.load_timeout = o->load_timeout > 0 ? o->load_timeout : 5;
@@ -144,6 +146,7 @@ static void pair_start(node_t *p, node_t *d, const opts_t *po, const opts_t *dop
 }
 
 static double metric(node_t *n, const char *series);
+static int32_t would_load(node_t *d, json_t *params);
 
 /* Stops both, once any handshake between them has settled on both sides (a node stopped while its
  * peer still imports its region makes UCX fail to attach memory that is gone: logged, harmless, but
@@ -159,12 +162,21 @@ static void pair_stop(node_t *p, node_t *d)
     node_stop(p);
 }
 
+/* The first token id of request()'s prompt (3, 4, ... by default); a case that pairs a prefill and
+ * a decode request of different prompts sets it between them (each case runs in its own process). */
+static int g_prompt_base = 3;
+
+static void prompt_ids(int32_t *prompt)
+{
+    for (int i = 0; i < PROMPT; i++) {
+        prompt[i] = g_prompt_base + i;
+    }
+}
+
 static pd_request_t *request(const char *id, json_t *params)
 {
     int32_t prompt[PROMPT];
-    for (int i = 0; i < PROMPT; i++) {
-        prompt[i] = 3 + i;
-    }
+    prompt_ids(prompt);
     pd_request_params_t rp;
     memset(&rp, 0, sizeof(rp));
     rp.max_tokens = 4;
@@ -316,6 +328,8 @@ START_TEST(test_push_into_a_late_reservation)
     ck_assert_int_eq(errors, 0);
     expect_moved(&p, &d);
     ck_assert(wait_finished(&p, "req-p", true, 3, NULL));
+    ck_assert_int_eq((int)metric(&p, "pd:kv_transfers_started_total{kind=\"push_save\"}"), 1);
+    ck_assert_int_eq((int)metric(&p, "pd:kv_transfers_completed_total{kind=\"push_save\"}"), 1);
     pd_request_free(r);
     pair_stop(&p, &d);
     ck_assert_int_eq(tu_count_fds(), fds);
@@ -379,6 +393,9 @@ START_TEST(test_push_streams_layers)
     ck_assert_int_eq(errors, 0);
     expect_moved(&p, &d);
     ck_assert_int_eq((int)metric(&d, "pd:kv_transfers_completed_total{kind=\"push_load\"}"), 1);
+    /* one save, started and completed once (issue 51: the streamed path completed without a start) */
+    ck_assert_int_eq((int)metric(&p, "pd:kv_transfers_started_total{kind=\"push_save\"}"), 1);
+    ck_assert_int_eq((int)metric(&p, "pd:kv_transfers_completed_total{kind=\"push_save\"}"), 1);
     pd_request_free(pr); /* and its block list */
     pd_request_free(r);
     pair_stop(&p, &d);
@@ -447,6 +464,13 @@ START_TEST(test_failed_loads_are_load_errors)
         pair_start(&p, &d, &po, &dop);
         bool hold = false;
         json_t *params = prefill_finish(&p, "req-p", pull_params_in(), P_BLOCKS, &hold);
+        if (k == 2) { /* signed under another token: refused before any dial (the handshake would fail) */
+            ck_assert_int_eq(would_load(&d, params), 0);
+            ck_assert_int_eq((int)metric(&d, "pd:kv_params_refused_total"), 1);
+            json_decref(params);
+            pair_stop(&p, &d);
+            continue;
+        }
         if (k == 0) {
             json_object_set_new(params, "remote_port", json_integer(1)); /* nothing listens there */
         } else if (k == 1) {
@@ -542,7 +566,11 @@ static void rogue_connect(rogue_t *r, node_t *target, const char *pipe)
         "rogue", PD__ROLE__ROLE_DECODE,
         &fp,     strcmp(pipe, "tcp") == 0 ? PD__PIPE_KIND__PIPE_TCP : PD__PIPE_KIND__PIPE_UCX,
         addr,    al,
-        NULL,    0};
+        NULL,    0,
+        NULL};
+    char server_addr[32];
+    snprintf(server_addr, sizeof(server_addr), "127.0.0.1:%d", pd_kv_connector_port(target->c));
+    me.server_addr = server_addr; /* the address it dials: both proofs cover it */
     r->fd = http_connect(pd_kv_connector_port(target->c), 1000);
     ck_assert_int_ge(r->fd, 0);
     pd_ctl_reader_init(&r->rd, 0);
@@ -852,6 +880,226 @@ START_TEST(test_abort_waits_for_the_reconnect)
 }
 END_TEST
 
+/* Writes a cluster token file into dir (for both nodes of a pair); returns its path (malloc'd). */
+static char *token_file(const char *dir, const char *token)
+{
+    char *path = malloc(600);
+    snprintf(path, 600, "%s/token", dir);
+    ck_assert_int_eq(tu_write_file(path, token, strlen(token)), 0);
+    return path;
+}
+
+/* How many tokens the decode would load for a request of this node's prompt with these params (0:
+ * it computes the prompt itself). */
+static int32_t would_load(node_t *d, json_t *params)
+{
+    pd_request_t *r = request("probe", json_incref(params));
+    int32_t ext = 0;
+    bool async = false;
+    ck_assert_int_eq(d->c->ops->get_num_new_matched_tokens(d->c, r, 0, &ext, &async), PD_OK);
+    pd_request_free(r);
+    return ext;
+}
+
+/* Pull parameters bind the prompt they were computed for and, with a cluster token, every field a
+ * decode acts on (issue 51: a caller relaying prompt B's params with prompt A made the decode load
+ * B's KV as A's and cache it; editing block ids read another request's KV). A decode refuses to
+ * load with another prompt's, edited or unsigned params (it computes the prompt itself, counted in
+ * pd:kv_params_refused_total); the genuine ones load. */
+START_TEST(test_pull_params_bound)
+{
+    const char *dir = tu_mkdtemp("conn");
+    char *tok = token_file(dir, "pull-secret");
+    opts_t o = {"pull", PIPES[_i], tok, 0, 0, 0};
+    node_t p, d;
+    pair_start(&p, &d, &o, NULL);
+    bool hold = false;
+    json_t *params = prefill_finish(&p, "req-p", pull_params_in(), P_BLOCKS, &hold);
+    ck_assert(hold);
+    ck_assert_uint_eq(strlen(json_string_value(json_object_get(params, "prompt_sha256"))), 64);
+    ck_assert_uint_eq(strlen(json_string_value(json_object_get(params, "pd_sig"))), 64);
+    int32_t prompt[PROMPT], other[PROMPT];
+    prompt_ids(prompt);
+    memcpy(other, prompt, sizeof(other));
+    other[PROMPT - 1] += 1; /* the same length, one token apart */
+    kv_conn_t *dk = (kv_conn_t *)d.c;
+    const char *e = kv_params_verify(dk, params, prompt, PROMPT);
+    ck_assert_msg(e == NULL, "genuine params refused: %s", e);
+    e = kv_params_verify(dk, params, other, PROMPT);
+    ck_assert_ptr_nonnull(e);
+    ck_assert_ptr_nonnull(strstr(e, "another prompt"));
+    ck_assert_ptr_nonnull(kv_params_verify(dk, params, prompt, PROMPT - 1));
+    ck_assert_int_eq(would_load(&d, params), PROMPT); /* the decode's prompt is the prefill's */
+    g_prompt_base = 4;                                /* another prompt of the same length */
+    ck_assert_int_eq(would_load(&d, params), 0);
+    g_prompt_base = 3;
+    ck_assert_int_eq((int)metric(&d, "pd:kv_params_refused_total"), 1);
+    /* each field the decode acts on, edited; then the signature left out */
+    for (int k = 0; k < 7; k++) {
+        json_t *t = json_deep_copy(params);
+        switch (k) {
+        case 0: json_array_set_new(json_object_get(t, "remote_block_ids"), 2, json_integer(3)); break;
+        case 1: json_array_append_new(json_object_get(t, "remote_block_ids"), json_integer(3)); break;
+        case 2: json_object_set_new(t, "remote_port", json_integer(1)); break;
+        case 3: json_object_set_new(t, "remote_host", json_string("127.0.0.2")); break;
+        case 4: json_object_set_new(t, "lease_id", json_integer(12345)); break;
+        case 5: json_object_set_new(t, "first_token_id", json_integer(7)); break;
+        case 6: json_object_del(t, "pd_sig"); break;
+        }
+        e = kv_params_verify(dk, t, prompt, PROMPT);
+        ck_assert_msg(e != NULL, "edit %d accepted", k);
+        ck_assert_msg(strstr(e, k == 6 ? "not signed" : "does not verify") != NULL, "edit %d: %s", k, e);
+        ck_assert_msg(would_load(&d, t) == 0, "edit %d: would load", k);
+        json_decref(t);
+    }
+    ck_assert_int_eq((int)metric(&d, "pd:kv_params_refused_total"), 8);
+    /* a prompt hash made to match another prompt is caught by the signature */
+    json_t *t = json_deep_copy(params);
+    json_object_set_new(t, "prompt_sha256",
+                        json_string("00000000000000000000000000000000000000000000000000000"
+                                    "00000000000"));
+    ck_assert_ptr_nonnull(kv_params_verify(dk, t, prompt, PROMPT));
+    json_decref(t);
+    /* the genuine params load (the signature survives a JSON round trip, as through pd-proxy) */
+    char *text = json_dumps(params, 0);
+    json_decref(params);
+    params = json_loads(text, 0, NULL);
+    free(text);
+    ck_assert_ptr_null(kv_params_verify(dk, params, prompt, PROMPT));
+    int errors = 0;
+    pd_request_t *r = decode_load(&d, "req-d", params, D_BLOCKS);
+    ck_assert(wait_finished(&d, "req-d", false, 3, &errors));
+    ck_assert_int_eq(errors, 0);
+    expect_moved(&p, &d);
+    pd_request_free(r);
+    pair_stop(&p, &d);
+    tu_rmrf(dir);
+    free((void *)dir);
+    free(tok);
+}
+END_TEST
+
+/* Push: a decode request paired with a prefill request of another prompt under one transfer id (a
+ * caller sending prompt B to the prefill and A to the decode) gets no KV: the prefill's WRITE_DONE
+ * names its prompt's hash and the decode discards what was written (load errors: the failure policy
+ * recomputes). Before issue 51 the decode took B's KV as A's. */
+START_TEST(test_push_bound_to_prompt)
+{
+    opts_t o = {"push", PIPES[_i], NULL, 0, 0, 0};
+    node_t p, d;
+    pair_start(&p, &d, &o, NULL);
+    bool hold = false;
+    json_t *out = prefill_finish(
+        &p, "req-p",
+        json_pack("{s:b, s:s, s:s}", "do_remote_decode", 1, "transfer_mode", "push", "transfer_id", "x-7"),
+        P_BLOCKS, &hold);
+    ck_assert(hold);
+    json_decref(out);
+    g_prompt_base = 4; /* the decode's request: another prompt of the same length */
+    json_t *dp =
+        json_pack("{s:b, s:s, s:s, s:s, s:i}", "do_remote_prefill", 1, "transfer_mode", "push", "transfer_id",
+                  "x-7", "remote_host", "127.0.0.1", "remote_port", pd_kv_connector_port(p.c));
+    int errors = 0;
+    pd_request_t *r = decode_load(&d, "req-d", dp, D_BLOCKS);
+    ck_assert(wait_finished(&d, "req-d", false, 3, &errors));
+    ck_assert_int_eq(errors, NEED);
+    pd_request_free(r);
+    pair_stop(&p, &d);
+}
+END_TEST
+
+/* A relay at another address cannot put itself between two nodes (issue 51: a caller naming its own
+ * host:port as remote_host/remote_port relayed the handshake to the real prefill, read both
+ * identities and could inject frames). Both proofs cover the address the decode dialled and the one
+ * the prefill advertises, so through the relay the handshake fails and the load ends as load errors,
+ * while a relay the prefill itself advertises (a NAT, a Service) works
+ * (test_abort_waits_for_the_reconnect). */
+START_TEST(test_relay_cannot_join)
+{
+    const char *dir = tu_mkdtemp("conn");
+    char *tok = token_file(dir, "relay-secret");
+    for (int push = 0; push < 2; push++) {
+        opts_t o = {push ? "push" : "pull", PIPES[_i], tok, 0, 0, 0};
+        node_t p, d;
+        pair_start(&p, &d, &o, NULL);
+        fwd_t f;
+        int fport = fwd_bind(&f, pd_kv_connector_port(p.c));
+        fwd_start(&f);
+        bool hold = false;
+        json_t *in = push ? json_pack("{s:b, s:s, s:s}", "do_remote_decode", 1, "transfer_mode", "push",
+                                      "transfer_id", "x-8")
+                          : pull_params_in();
+        json_t *params = prefill_finish(&p, "req-p", in, P_BLOCKS, &hold);
+        ck_assert(hold);
+        if (push) {
+            json_decref(params);
+            params = json_pack("{s:b, s:s, s:s}", "do_remote_prefill", 1, "transfer_mode", "push",
+                               "transfer_id", "x-8");
+        }
+        json_object_set_new(params, "remote_host", json_string("127.0.0.1"));
+        json_object_set_new(params, "remote_port", json_integer(fport)); /* the relay */
+        if (!push) { /* pull: the port is signed; the decode does not even dial */
+            ck_assert_int_eq(would_load(&d, params), 0);
+            json_decref(params);
+            fwd_stop(&f);
+            pair_stop(&p, &d);
+            continue;
+        }
+        int errors = 0;
+        pd_request_t *r = decode_load(&d, "req-d", params, D_BLOCKS);
+        ck_assert(wait_finished(&d, "req-d", false, 3, &errors));
+        ck_assert_msg(errors == NEED, "%s: the load through the relay succeeded", o.mode);
+        ck_assert(metric(&d, "pd:kv_peers") <= 0);
+        pd_request_free(r);
+        fwd_stop(&f);
+        pair_stop(&p, &d);
+    }
+    tu_rmrf(dir);
+    free((void *)dir);
+    free(tok);
+}
+END_TEST
+
+/* A push decode that dies leaves its KV region imported on the prefill only while a transfer can
+ * address it: its reservation's tombstone keeps the peer record until --kv-hold-timeout (30 s here),
+ * but the region (UCX: the decode's whole KV cache mapped into the prefill) goes at once (issue 51:
+ * +32 MiB of prefill RSS per decode death). */
+START_TEST(test_dead_push_decode_region_released)
+{
+    opts_t o = {"push", PIPES[_i], NULL, 0, 0, 0};
+    node_t p, d;
+    pair_start(&p, &d, &o, NULL);
+    bool hold = false;
+    json_t *out = prefill_finish(
+        &p, "req-p",
+        json_pack("{s:b, s:s, s:s}", "do_remote_decode", 1, "transfer_mode", "push", "transfer_id", "x-3"),
+        P_BLOCKS, &hold);
+    json_decref(out);
+    json_t *dp =
+        json_pack("{s:b, s:s, s:s, s:s, s:i}", "do_remote_prefill", 1, "transfer_mode", "push", "transfer_id",
+                  "x-3", "remote_host", "127.0.0.1", "remote_port", pd_kv_connector_port(p.c));
+    int errors = 0;
+    pd_request_t *r = decode_load(&d, "req-d", dp, D_BLOCKS);
+    ck_assert(wait_finished(&d, "req-d", false, 3, &errors));
+    ck_assert_int_eq(errors, 0);
+    ck_assert(wait_finished(&p, "req-p", true, 3, NULL));
+    double end = tu_now() + 2;
+    while (metric(&p, "pd:kv_imported_regions") != 1 && tu_now() < end) {
+        usleep(2000);
+    }
+    ck_assert_int_eq((int)metric(&p, "pd:kv_imported_regions"), 1);
+    pd_request_free(r);
+    node_stop(&d); /* the decode dies */
+    end = tu_now() + 3;
+    while ((metric(&p, "pd:kv_peers") != 0 || metric(&p, "pd:kv_imported_regions") != 0) && tu_now() < end) {
+        usleep(5000);
+    }
+    ck_assert_int_eq((int)metric(&p, "pd:kv_peers"), 0);
+    ck_assert_msg(metric(&p, "pd:kv_imported_regions") == 0, "the dead decode's region is still imported");
+    node_stop(&p);
+}
+END_TEST
+
 /* vLLM's --kv-transfer-config maps onto the flags: connector names to pipes, kv_ip/kv_port to the
  * listener, extra keys to settings; a role the binary does not play, kv_both, an unknown connector,
  * key or extra key, or a wrong type is refused (nothing applied to the caller's keep). */
@@ -925,6 +1173,10 @@ int main(void)
     tcase_add_loop_test(tc, test_abort_during_load, 0, np);
     tcase_add_loop_test(tc, test_abort_waits_for_the_reconnect, 0, np);
     tcase_add_test(tc, test_kv_transfer_config);
+    tcase_add_loop_test(tc, test_pull_params_bound, 0, np);
+    tcase_add_loop_test(tc, test_push_bound_to_prompt, 0, np);
+    tcase_add_loop_test(tc, test_relay_cannot_join, 0, np);
+    tcase_add_loop_test(tc, test_dead_push_decode_region_released, 0, np);
     tcase_add_loop_test(tc, test_hostile_authenticated_peer, 0, np);
     tcase_add_loop_test(tc, test_peer_deaths_leave_nothing, 0, np);
     tcase_add_loop_test(tc, test_control_listener_emfile_backoff, 0, np);

@@ -362,6 +362,19 @@ START_TEST(test_handshake_outcomes)
     ck_assert_str_eq(s.reason, "rejected by peer: rejected"); /* nothing said to an unproven peer */
     close(sv[0]), close(sv[1]);
 
+    /* a relay: the client dialled another address than the one the server proves it has (the bytes
+     * a forwarding relay passes on are exactly these): refused on both sides */
+    ck_assert_int_eq(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+    init_side(&c, sv[0], "dec-1", "demo", "s3cret");
+    init_side(&s, sv[1], "pre-1", "demo", "s3cret");
+    c.id.server_addr = "127.0.0.1:4000"; /* the relay */
+    s.id.server_addr = "127.0.0.1:5000"; /* the real server */
+    handshake(&c, &s);
+    ck_assert_int_eq(c.st, PD_ERR_REJECTED);
+    ck_assert_ptr_nonnull(strstr(c.reason, "127.0.0.1:4000"));
+    ck_assert_int_ne(s.st, PD_OK);
+    close(sv[0]), close(sv[1]);
+
     /* a different model: refused with the field named */
     ck_assert_int_eq(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
     init_side(&c, sv[0], "dec-1", "demo", "t");

@@ -6,6 +6,7 @@
 #include <check.h>
 #include <jansson.h>
 #include <math.h>
+#include <sys/stat.h>
 
 #include "common/log.h"
 #include "common/rng.h"
@@ -855,6 +856,23 @@ START_TEST(test_safetensors_roundtrip)
     }
     ck_assert_int_eq(found, 2);
     pd_st_file_close(f);
+    /* hostile files (issue 51): tensors that overlap are refused; so is a FIFO, at once (opening it
+     * for reading used to wait for a writer: start-up hung) */
+    static const char hdr[] = "{\"a\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]},"
+                              "\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,16]}}";
+    unsigned char buf[8 + sizeof(hdr) - 1 + 16] = {0};
+    buf[0] = (unsigned char)(sizeof(hdr) - 1);
+    memcpy(buf + 8, hdr, sizeof(hdr) - 1);
+    ck_assert_int_eq(tu_write_file(path, buf, sizeof(buf)), 0);
+    f = NULL;
+    ck_assert_int_eq(pd_st_file_open(path, &f), PD_ERR_PARSE);
+    ck_assert_ptr_null(f);
+    char fifo[600];
+    snprintf(fifo, sizeof(fifo), "%s/model.safetensors", dir);
+    ck_assert_int_eq(mkfifo(fifo, 0600), 0);
+    double t0 = tu_now();
+    ck_assert_int_eq(pd_st_file_open(fifo, &f), PD_ERR_PARSE);
+    ck_assert(tu_now() - t0 < 5);
     tu_rmrf(dir);
     free(dir);
 }

@@ -74,8 +74,18 @@ static void start_at(node_t *n, const char *bin, const char *tag, const char *mo
             argv[k++] = more[i];
         }
     }
+    bool token = false;
     for (int i = 0; extra != NULL && extra[i] != NULL; i++) {
+        token |=
+            strcmp(extra[i], "--cluster-token-file") == 0 || strcmp(extra[i], "--insecure-no-kv-auth") == 0;
         argv[k++] = extra[i];
+    }
+    char token_file[600];
+    if (!token && (strcmp(bin, "pd-prefill") == 0 || strcmp(bin, "pd-decode") == 0)) {
+        /* nodes need a cluster token (or --insecure-no-kv-auth): the suite's own, unless a case names one */
+        snprintf(token_file, sizeof(token_file), "%s/cluster-token", g_dir);
+        argv[k++] = "--cluster-token-file";
+        argv[k++] = token_file;
     }
     argv[k] = NULL;
     n->pid = tu_spawn(argv, n->log);
@@ -289,6 +299,9 @@ static void reference_answers(const char *model, int n, char *ref[2][NUM_PROMPTS
 static void suite_setup(void)
 {
     g_dir = tu_mkdtemp("pd");
+    char tok[600];
+    snprintf(tok, sizeof(tok), "%s/cluster-token", g_dir);
+    ck_assert_int_eq(tu_write_file(tok, "test-pd-cluster\n", 16), 0);
     g_model = tu_make_model("--preset tiny --arch llama --seed 3");
     g_model2 = tu_make_model("--preset tiny --arch llama --seed 4");
     ck_assert(g_dir != NULL && g_model != NULL && g_model2 != NULL);
@@ -943,7 +956,7 @@ START_TEST(test_nccl_with_host_kv_refused)
     int rc =
         tu_run(60,
                "%s/bin/pd-prefill --model %s --device cpu --kv-pipe nccl --port 0 --kv-listen 127.0.0.1:0 "
-               "--no-kv-prefault >%s 2>&1",
+               "--no-kv-prefault --insecure-no-kv-auth >%s 2>&1",
                tu_binary_dir(), g_model, log);
     size_t n = 0;
     char *text = tu_read_file(log, &n);
@@ -1097,8 +1110,9 @@ START_TEST(test_silent_kv_connections_harmless)
 }
 END_TEST
 
-/* A decode told to load from a KV port that accepts TCP but never answers (a request's
- * kv_transfer_params name it) dials it without stopping its control loop: while that handshake
+/* A decode told to load from a KV port that accepts TCP but never answers (a request's push
+ * kv_transfer_params name it: pull ones are signed by the prefill) dials it without stopping its
+ * control loop: while that handshake
  * waits out its 2 s, heartbeats go on and every other request moves its KV (no peer declared
  * dead, one handshake); the bogus request recomputes its prompt. */
 START_TEST(test_silent_prefill_dial_harmless)
@@ -1118,11 +1132,9 @@ START_TEST(test_silent_prefill_dial_harmless)
     json_t *j = json_loads(b, 0, NULL);
     free(b);
     json_object_set_new(j, "kv_transfer_params",
-                        json_pack("{s:b, s:s, s:s, s:i, s:[i,i,i,i,i,i,i,i,i,i,i,i,i,i,i,i], s:s, s:s}",
-                                  "do_remote_prefill", 1, "transfer_mode", "pull", "remote_host", "127.0.0.1",
-                                  "remote_port", (int)ntohs(a.sin_port), "remote_block_ids", 1, 2, 3, 4, 5, 6,
-                                  7, 8, 9, 10, 11, 12, 13, 14, 15, 16, "remote_request_id", "bogus",
-                                  "remote_engine_id", "nobody"));
+                        json_pack("{s:b, s:s, s:s, s:s, s:i, s:s}", "do_remote_prefill", 1, "transfer_mode",
+                                  "push", "transfer_id", "bogus", "remote_host", "127.0.0.1", "remote_port",
+                                  (int)ntohs(a.sin_port), "remote_engine_id", "nobody"));
     char *body = json_dumps(j, JSON_COMPACT);
     json_decref(j);
     int fd = http_send(c.d.port, "POST", "/v1/completions", "Content-Type: application/json\r\n", body,
@@ -1142,7 +1154,7 @@ START_TEST(test_silent_prefill_dial_harmless)
     close(fd);
     close(lfd);
     ck_assert_msg(strstr(resp, " 200 ") != NULL, "the bogus-KV request did not recompute: %s", resp);
-    ck_assert_int_eq((int)metric(c.d.port, "pd:kv_transfers_failed_total{kind=\"pull_load\"}"), 1);
+    ck_assert_int_eq((int)metric(c.d.port, "pd:kv_transfers_failed_total{kind=\"push_load\"}"), 1);
     ck_assert_int_eq((int)metric(c.d.port, "pd:kv_transfers_completed_total{kind=\"pull_load\"}"), N + 1);
     ck_assert_int_eq((int)metric(c.d.port, "pd:kv_handshakes_total{result=\"ok\"}"), 1);
     ck_assert_int_eq((int)metric(c.p.port, "pd:kv_handshakes_total{result=\"ok\"}"), 1);
@@ -1323,7 +1335,11 @@ START_TEST(test_wrong_token_and_other_model_recompute)
         for (int i = 0; i < 3; i++) {
             expect_same(c.x.port, i + 10, false);
         }
-        ck_assert_int_ge((int)metric(c.d.port, "pd:kv_handshakes_total{result=\"failed\"}"), 1);
+        /* another token: the prefill's signature does not verify, so the decode dials nothing; another
+         * model: the handshake refuses it */
+        ck_assert_int_ge((int)metric(c.d.port, which == 0 ? "pd:kv_params_refused_total"
+                                                          : "pd:kv_handshakes_total{result=\"failed\"}"),
+                         1);
         ck_assert_int_eq((int)metric(c.d.port, "pd:kv_transfers_completed_total{kind=\"pull_load\"}"), 0);
         assert_pool_free(c.p.port, "the prefill");
         assert_pool_free(c.d.port, "the decode");
@@ -1521,6 +1537,93 @@ START_TEST(test_roles_refused_and_named_mode)
     assert_pool_free(c.p.port, "prefill");
     assert_pool_free(c.d.port, "decode");
     cluster_stop(&c);
+}
+END_TEST
+
+/* POSTs body (a JSON object, consumed) to port; returns the HTTP status and the parsed answer. */
+static int post_json(int port, json_t *body, json_t **resp_out)
+{
+    char *text = json_dumps(body, JSON_COMPACT);
+    json_decref(body);
+    http_resp_t r;
+    int rc =
+        http_request(port, "POST", "/v1/completions", "Content-Type: application/json\r\n", text, &r, 60000);
+    free(text);
+    ck_assert_int_eq(rc, 0);
+    int status = r.status;
+    *resp_out = json_loads(r.body, JSON_ALLOW_NUL, NULL);
+    if (*resp_out == NULL) {
+        *resp_out = json_string(r.body);
+    }
+    http_resp_free(&r);
+    return status;
+}
+
+/* Prompt i as a JSON body of max_tokens tokens with kv_transfer_params ktp (consumed). */
+static json_t *body_with(int i, int max_tokens, json_t *ktp)
+{
+    char *b = body_for(i, false);
+    json_t *j = json_loads(b, 0, NULL);
+    free(b);
+    json_object_set_new(j, "max_tokens", json_integer(max_tokens));
+    json_object_set_new(j, "kv_transfer_params", ktp);
+    return j;
+}
+
+/* Issue 51's KV poisoning, as a client with the API would try it against the nodes directly, with a
+ * cluster token: prompt B's pull params (from a prefill, asked with do_remote_decode) sent to the
+ * decode with prompt A, and A's own params with another request's block id, are not used (the
+ * decode computes A itself, pd:kv_params_refused_total) instead of loading B's KV as A's, which the
+ * decode then cached: the victim's A through the proxy answered wrongly, 3 of 3. A push transfer id
+ * shared by B on the prefill and A on the decode loads nothing either (the decode recomputes A).
+ * Every answer equals pd-serve's, the victim's through the proxy too (twice: the second a prefix hit
+ * on what the decode cached). */
+START_TEST(test_kv_params_from_clients_refused)
+{
+    cluster_t c;
+    cluster_start(&c, "pull", "tcp", NULL, NULL); /* with the suite's cluster token */
+    const int A = 19; /* 128 tokens; B: A with another last token (the same length, 7 shared blocks) */
+    json_t *bb = body_with(A, 1, json_pack("{s:b}", "do_remote_decode", 1));
+    json_t *bp = json_object_get(bb, "prompt");
+    json_array_set_new(bp, 127, json_integer(json_integer_value(json_array_get(bp, 127)) == 5 ? 6 : 5));
+    json_t *pb = NULL, *resp = NULL;
+    ck_assert_int_eq(post_json(c.p.port, json_deep_copy(bb), &pb), 200);
+    json_t *ktp_b = json_object_get(pb, "kv_transfer_params");
+    ck_assert(json_is_string(json_object_get(ktp_b, "pd_sig")));
+    json_t *pa = NULL;
+    ck_assert_int_eq(post_json(c.p.port, body_with(A, 1, json_pack("{s:b}", "do_remote_decode", 1)), &pa),
+                     200);
+    json_t *ktp_a = json_deep_copy(json_object_get(pa, "kv_transfer_params"));
+    json_array_set(json_object_get(ktp_a, "remote_block_ids"), 0,
+                   json_array_get(json_object_get(ktp_b, "remote_block_ids"), 7)); /* B's own last block */
+    json_t *attempts[3] = {
+        json_deep_copy(ktp_b), /* B's params with A */
+        ktp_a,                 /* A's own with one of B's blocks */
+        json_pack("{s:b, s:s, s:s, s:s, s:i}", "do_remote_prefill", 1, "transfer_mode", "push", "transfer_id",
+                  "poison-1", "remote_host", "127.0.0.1", "remote_port", kv_port_of(c.p.port)),
+    };
+    json_t *pp = NULL; /* push: B waits on the prefill under the transfer id A's decode request names */
+    json_object_set_new(bb, "kv_transfer_params",
+                        json_pack("{s:b, s:s, s:s}", "do_remote_decode", 1, "transfer_mode", "push",
+                                  "transfer_id", "poison-1"));
+    ck_assert_int_eq(post_json(c.p.port, bb, &pp), 200);
+    json_decref(pp);
+    for (int k = 0; k < 3; k++) {
+        int st = post_json(c.d.port, body_with(A, MAX_TOKENS, attempts[k]), &resp);
+        ck_assert_int_eq(st, 200);
+        char *ids = json_dumps(
+            json_object_get(json_array_get(json_object_get(resp, "choices"), 0), "token_ids"), JSON_COMPACT);
+        ck_assert_msg(strcmp(ids, g_ref[0][A]) == 0, "attempt %d: %s != pd-serve %s", k, ids, g_ref[0][A]);
+        free(ids), json_decref(resp);
+    }
+    ck_assert_int_eq((int)metric(c.d.port, "pd:kv_params_refused_total"), 2);
+    ck_assert_int_eq((int)metric(c.d.port, "pd:kv_transfers_started_total{kind=\"pull_load\"}"), 0);
+    ck_assert_int_eq((int)metric(c.d.port, "pd:kv_transfers_failed_total{kind=\"push_load\"}"), 1);
+    /* the victim: A through the proxy, twice */
+    expect_same(c.x.port, A, false);
+    expect_same(c.x.port, A, false);
+    json_decref(pb), json_decref(pa);
+    cluster_stop(&c); /* the prefill's held leases would end at --kv-hold-timeout */
 }
 END_TEST
 
@@ -1999,7 +2102,7 @@ END_TEST
 /* A client that leaves before the decode took its request (here the decode is stopped; in life,
  * queued behind others: either way not yet in its connector, so its abort tells the prefill
  * nothing): pd-proxy releases the prefill's lease at once instead of leaving it to
- * --kv-hold-timeout (120 s here). */
+ * --kv-hold-timeout (120 s here). So do clients that leave while the prefill computes. */
 START_TEST(test_proxy_client_gone_before_decode)
 {
     cluster_t c;
@@ -2027,6 +2130,22 @@ START_TEST(test_proxy_client_gone_before_decode)
     ck_assert_msg(left == 0, "the lease of a client that left is still held");
     assert_pool_free(c.p.port, "the prefill");
     assert_pool_free(c.d.port, "the decode");
+    /* 40 clients that hang up right after sending, while the prefill computes (issue 51: leases 3 → 8,
+     * blocks 102 → 267, held until --kv-hold-timeout): the proxy releases by the request's transfer
+     * id, before or after the prefill finishes, and nothing stays held */
+    for (int i = 0; i < 40; i++) {
+        char *body = body_for(20 + i % 40, false);
+        int fd = http_send(c.x.port, "POST", "/v1/completions", "Content-Type: application/json\r\n", body,
+                           strlen(body), 5000);
+        free(body);
+        ck_assert_int_ge(fd, 0);
+        usleep((useconds_t)(i % 8) * 3000); /* hang-ups at different points of the prefill */
+        close(fd);
+    }
+    assert_pool_free(c.p.port, "the prefill after 40 early hang-ups");
+    ck_assert_int_eq((int)metric(c.p.port, "pd:kv_leases_held"), 0);
+    assert_pool_free(c.d.port, "the decode");
+    expect_same(c.x.port, 2, false); /* still serving */
     cluster_stop(&c);
 }
 END_TEST
@@ -2212,6 +2331,7 @@ int main(void)
     tcase_add_test(hostile, test_silent_prefill_dial_harmless);
     tcase_add_test(hostile, test_refused_decode_releases_prefill);
     tcase_add_test(hostile, test_roles_refused_and_named_mode);
+    tcase_add_test(hostile, test_kv_params_from_clients_refused);
     TCase *proxy = tcase_create("proxy");
     tcase_add_test(proxy, test_proxy_prefix_affinity_and_failover);
     tcase_add_test(proxy, test_proxy_least_loaded_and_client_disconnect);

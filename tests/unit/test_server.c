@@ -9,9 +9,12 @@
 
 #include <check.h>
 #include <ctype.h>
+#include <dirent.h>
+#include <errno.h>
 #include <jansson.h>
 #include <math.h>
 #include <pthread.h>
+#include <sys/socket.h>
 
 #include "common/log.h"
 #include "common/metrics.h"
@@ -218,6 +221,58 @@ START_TEST(test_completion_equals_engine_seeded)
 }
 END_TEST
 
+/* Completions top_logprobs always hold the chosen token, under its own text, with its logprob: at a
+ * high temperature most chosen tokens are outside the top 1, and with logprobs 1 an entry has 1 or 2
+ * keys (issue 51: the chosen one was missing). A token whose text is U+0000 is keyed "\u0000" (it
+ * was ""). */
+START_TEST(test_top_logprobs_hold_the_chosen_token)
+{
+    int status;
+    json_t *j = post_json(g_port,
+                          "{\"prompt\": [5, 77, 300], \"max_tokens\": 12, \"temperature\": 2.0, \"seed\": 3, "
+                          "\"logprobs\": 1, \"ignore_eos\": true}",
+                          &status);
+    ck_assert_int_eq(status, 200);
+    json_t *lp = json_object_get(json_array_get(json_object_get(j, "choices"), 0), "logprobs");
+    size_t n = json_array_size(json_object_get(lp, "tokens"));
+    ck_assert_uint_eq(n, 12);
+    int outside = 0;
+    for (size_t i = 0; i < n; i++) {
+        json_t *tok = json_array_get(json_object_get(lp, "tokens"), i);
+        json_t *top = json_array_get(json_object_get(lp, "top_logprobs"), i);
+        json_t *v = json_object_getn(top, json_string_value(tok), json_string_length(tok));
+        ck_assert_msg(v != NULL, "entry %zu lacks the chosen token", i);
+        ck_assert(fabs(json_real_value(v) -
+                       json_real_value(json_array_get(json_object_get(lp, "token_logprobs"), i))) < 1e-6);
+        ck_assert_uint_le(json_object_size(top), 2);
+        outside += json_object_size(top) == 2;
+    }
+    ck_assert_int_gt(outside, 0); /* the case the fix is about did occur */
+    json_decref(j);
+    /* the token that decodes to U+0000, forced */
+    http_resp_t r;
+    ck_assert_int_eq(http_request(g_port, "POST", "/tokenize", NULL,
+                                  "{\"prompt\": \"\\u0000\", \"add_special_tokens\": false}", &r, 10000),
+                     0);
+    json_t *t = json_loads(r.body, 0, NULL);
+    http_resp_free(&r);
+    json_t *ids = json_object_get(t, "tokens");
+    ck_assert_uint_eq(json_array_size(ids), 1);
+    char body[256];
+    snprintf(body, sizeof(body),
+             "{\"prompt\": [5, 77], \"max_tokens\": 1, \"logprobs\": 1, \"logit_bias\": {\"%lld\": 100}}",
+             (long long)json_integer_value(json_array_get(ids, 0)));
+    json_decref(t);
+    /* (jansson parses no NUL in object keys: the text is checked as it is) */
+    ck_assert_int_eq(http_request(g_port, "POST", "/v1/completions", NULL, body, &r, 60000), 0);
+    ck_assert_int_eq(r.status, 200);
+    ck_assert_msg(strstr(r.body, "\"tokens\":[\"\\u0000\"]") != NULL, "%s", r.body);
+    ck_assert_msg(strstr(r.body, "\"top_logprobs\":[{\"\\u0000\":") != NULL, "%s", r.body);
+    ck_assert_msg(strstr(r.body, "{\"\":") == NULL, "an empty key: %s", r.body);
+    http_resp_free(&r);
+}
+END_TEST
+
 /* logprobs: recompute the logits of prompt + generated tokens with one forward here */
 START_TEST(test_logprobs_match_recomputed)
 {
@@ -308,7 +363,8 @@ static void expect_error(int port, const char *method, const char *path, const c
     http_resp_t r;
     int fd = http_send(port, method, path, headers, body, body ? strlen(body) : 0, 30000);
     ck_assert_int_ge(fd, 0);
-    ck_assert_int_eq(http_read_response(fd, &r), 0);
+    ck_assert_msg(http_read_response(fd, &r) == 0, "%s %s: no answer (body %.40s)", method, path,
+                  body != NULL ? body : "");
     ck_assert_msg(r.status == status, "%s %s: status %d, want %d (%s)", method, path, r.status, status,
                   r.body);
     json_t *j = json_loads(r.body, 0, NULL);
@@ -384,6 +440,187 @@ START_TEST(test_error_codes)
 }
 END_TEST
 
+/* cached_tokens of a completion (0 when the usage has no prompt_tokens_details). */
+static int cached_tokens(const char *body)
+{
+    int status;
+    json_t *j = post_json(g_port, body, &status);
+    ck_assert_msg(status == 200, "HTTP %d", status);
+    int n = (int)json_integer_value(json_object_get(
+        json_object_get(json_object_get(j, "usage"), "prompt_tokens_details"), "cached_tokens"));
+    json_decref(j);
+    return n;
+}
+
+/* Fields a client sets are honoured or refused, never ignored (issue 51): cache_salt isolates the
+ * prefix cache (the same prompt under another salt, or none, finds nothing cached; the same salt
+ * does); add_special_tokens false drops the BOS of a text prompt; priority, logprob_token_ids and a
+ * request's own chat_template get a 400 naming them. */
+START_TEST(test_request_fields_honoured_or_refused)
+{
+    char body[1024], ids[600] = "";
+    for (int i = 0, k = 0; i < 100; i++) { /* 100 tokens: several full blocks */
+        k += snprintf(ids + k, sizeof(ids) - (size_t)k, "%s%d", i ? "," : "", 7 + (i * 13) % 200);
+    }
+    snprintf(body, sizeof(body), "{\"prompt\": [%s], \"max_tokens\": 1, \"cache_salt\": \"tenant-a\"}", ids);
+    cached_tokens(body);
+    ck_assert_int_gt(cached_tokens(body), 0); /* the same salt: cached */
+    snprintf(body, sizeof(body), "{\"prompt\": [%s], \"max_tokens\": 1, \"cache_salt\": \"tenant-b\"}", ids);
+    ck_assert_int_eq(cached_tokens(body), 0); /* another salt: nothing */
+    snprintf(body, sizeof(body), "{\"prompt\": [%s], \"max_tokens\": 1}", ids);
+    ck_assert_int_eq(cached_tokens(body), 0); /* no salt: nothing either */
+    expect_error(g_port, "POST", "/v1/completions", NULL, "{\"prompt\": \"x\", \"cache_salt\": \"\"}", 400,
+                 "BadRequestError", "cache_salt");
+    int status;
+    json_t *a =
+        post_json(g_port, "{\"prompt\": \"hello\", \"max_tokens\": 1, \"return_token_ids\": true}", &status);
+    json_t *b = post_json(g_port,
+                          "{\"prompt\": \"hello\", \"max_tokens\": 1, \"return_token_ids\": true, "
+                          "\"add_special_tokens\": false}",
+                          &status);
+    json_t *pa = json_object_get(json_array_get(json_object_get(a, "choices"), 0), "prompt_token_ids");
+    json_t *pb = json_object_get(json_array_get(json_object_get(b, "choices"), 0), "prompt_token_ids");
+    ck_assert_uint_eq(json_array_size(pa), json_array_size(pb) + 1); /* the BOS */
+    ck_assert(json_equal(json_array_get(pa, 1), json_array_get(pb, 0)));
+    json_decref(a), json_decref(b);
+    expect_error(g_port, "POST", "/v1/completions", NULL, "{\"prompt\": \"x\", \"priority\": 5}", 400,
+                 "BadRequestError", "priority");
+    expect_error(g_port, "POST", "/v1/completions", NULL, "{\"prompt\": \"x\", \"logprob_token_ids\": [5]}",
+                 400, "BadRequestError", "logprob_token_ids");
+    expect_error(g_port, "POST", "/v1/chat/completions", NULL,
+                 "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"chat_template\": \"{{ 1 }}\"}",
+                 400, "BadRequestError", "chat_template");
+}
+END_TEST
+
+/* Open fds of process pid. */
+static int fds_of(pid_t pid)
+{
+    char dir[64];
+    snprintf(dir, sizeof(dir), "/proc/%d/fd", (int)pid);
+    DIR *d = opendir(dir);
+    int n = 0;
+    for (struct dirent *e; d != NULL && (e = readdir(d)) != NULL;) {
+        n += e->d_name[0] != '.';
+    }
+    if (d != NULL) {
+        closedir(d);
+    }
+    return n;
+}
+
+/* Slow clients against a listener started with --http-request-timeout 1 --http-max-connections 24
+ * (issue 51: 1,100 connections sending a byte every 2 s held every fd and legitimate requests hung):
+ * 40 connections stuck in their headers, 8 of them dribbling a byte every 0.2 s. The listener never
+ * holds more than the cap (plus its own fds), a legitimate GET is answered at once meanwhile, and
+ * every slow connection is closed by the deadline. */
+static void check_slow_clients(int port, pid_t pid, const char *get_path)
+{
+    int base = fds_of(pid);
+    int slow[40];
+    for (int i = 0; i < 40; i++) {
+        slow[i] = http_connect(port, 2000);
+        ck_assert_int_ge(slow[i], 0);
+        const char part[] = "POST /v1/completions HTTP/1.1\r\nHost: x\r\n";
+        ck_assert_int_eq(write(slow[i], part, sizeof(part) - 1), (ssize_t)(sizeof(part) - 1));
+    }
+    usleep(300 * 1000);
+    ck_assert_msg(fds_of(pid) <= base + 24 + 2, "%d fds with 40 slow clients, %d before (cap 24)",
+                  fds_of(pid), base);
+    double t0 = tu_now();
+    http_resp_t r;
+    ck_assert_int_eq(http_request(port, "GET", get_path, NULL, NULL, &r, 5000), 0);
+    ck_assert_int_eq(r.status, 200);
+    http_resp_free(&r);
+    ck_assert_msg(tu_now() - t0 < 1.0, "a GET took %.2f s beside the slow clients", tu_now() - t0);
+    for (int k = 0; k < 10; k++) { /* 2 s of dribbling */
+        for (int i = 32; i < 40; i++) {
+            ssize_t w = send(slow[i], "X", 1, MSG_NOSIGNAL);
+            (void)w;
+        }
+        usleep(200 * 1000);
+    }
+    for (int i = 0; i < 40; i++) {
+        char buf[256];
+        struct timeval tv = {3, 0};
+        setsockopt(slow[i], SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+        ssize_t n;
+        while ((n = recv(slow[i], buf, sizeof(buf), 0)) > 0) {
+        }
+        ck_assert_msg(n == 0 || (n < 0 && errno == ECONNRESET), "slow client %d still open (%zd, %s)", i, n,
+                      strerror(errno));
+        close(slow[i]);
+    }
+    usleep(300 * 1000);
+    ck_assert_msg(fds_of(pid) <= base + 1, "%d fds after the slow clients left, %d before", fds_of(pid),
+                  base);
+}
+
+START_TEST(test_slow_clients_cannot_fill_the_listener)
+{
+    int port;
+    char *extra[] = {"--http-request-timeout", "1", "--http-max-connections", "24", NULL};
+    pid_t pid = start_server("slow", extra, &port);
+    check_slow_clients(port, pid, "/health");
+    tu_stop(pid, 30);
+    /* pd-proxy's listener: the same guard (no nodes needed for /version) */
+    char port_file[512], log_file[512], bin[512];
+    snprintf(port_file, sizeof(port_file), "%s/slowproxy.port", g_dir);
+    snprintf(log_file, sizeof(log_file), "%s/slowproxy.log", g_dir);
+    snprintf(bin, sizeof(bin), "%s/bin/pd-proxy", tu_binary_dir());
+    char *argv[] = {bin,
+                    "--port",
+                    "0",
+                    "--port-file",
+                    port_file,
+                    "--prefill",
+                    "http://127.0.0.1:9",
+                    "--decode",
+                    "http://127.0.0.1:9",
+                    "--http-request-timeout",
+                    "1",
+                    "--http-max-connections",
+                    "24",
+                    NULL};
+    pid = tu_spawn(argv, log_file);
+    port = tu_wait_port(pid, port_file, 60);
+    ck_assert_int_gt(port, 0);
+    check_slow_clients(port, pid, "/version");
+    tu_stop(pid, 30);
+}
+END_TEST
+
+/* --served-model-name takes several names, as vLLM's: /v1/models lists each, a request may name any,
+ * answers carry the first (issue 51: the second name and every flag after it became offline prompts
+ * and pd-serve exited 0). */
+START_TEST(test_served_model_name_aliases)
+{
+    int port;
+    char *extra[] = {"--served-model-name", "alpha", "beta", "--max-queue", "4", NULL};
+    pid_t pid = start_server("alias", extra, &port);
+    http_resp_t r;
+    ck_assert_int_eq(http_request(port, "GET", "/v1/models", NULL, NULL, &r, 10000), 0);
+    json_t *j = json_loads(r.body, 0, NULL);
+    http_resp_free(&r);
+    json_t *data = json_object_get(j, "data");
+    ck_assert_uint_eq(json_array_size(data), 2);
+    ck_assert_str_eq(json_string_value(json_object_get(json_array_get(data, 0), "id")), "alpha");
+    ck_assert_str_eq(json_string_value(json_object_get(json_array_get(data, 1), "id")), "beta");
+    json_decref(j);
+    int status;
+    j = post_json(port, "{\"model\": \"beta\", \"prompt\": [5, 6], \"max_tokens\": 2}", &status);
+    ck_assert_int_eq(status, 200);
+    ck_assert_str_eq(json_string_value(json_object_get(j, "model")), "alpha");
+    json_decref(j);
+    expect_error(port, "POST", "/v1/completions", NULL, "{\"model\": \"gamma\", \"prompt\": \"x\"}", 404,
+                 "NotFoundError", "gamma");
+    ck_assert_int_eq(http_request(port, "GET", "/v1/models/beta", NULL, NULL, &r, 10000), 0);
+    ck_assert_int_eq(r.status, 200);
+    http_resp_free(&r);
+    tu_stop(pid, 30);
+}
+END_TEST
+
 START_TEST(test_api_key_and_queue_limit)
 {
     int port;
@@ -394,7 +631,20 @@ START_TEST(test_api_key_and_queue_limit)
     expect_error(port, "POST", "/v1/completions", "Authorization: Bearer wrong\r\n", "{\"prompt\": \"x\"}",
                  401, "AuthenticationError", NULL);
     expect_error(port, "GET", "/v1/models", NULL, NULL, 401, "AuthenticationError", NULL);
+    /* the tokenizer routes need the key too (issue 51: they did not), and the key given twice is
+     * none (the first header decided) */
+    expect_error(port, "POST", "/tokenize", NULL, "{\"prompt\": \"x\"}", 401, "AuthenticationError", NULL);
+    expect_error(port, "POST", "/detokenize", NULL, "{\"tokens\": [5]}", 401, "AuthenticationError", NULL);
+    expect_error(port, "GET", "/v1/models", "Authorization: Bearer sekret\r\nAuthorization: Bearer wrong\r\n",
+                 NULL, 401, "AuthenticationError", NULL);
+    expect_error(port, "GET", "/v1/models", "Authorization: Bearer wrong\r\nauthorization: Bearer sekret\r\n",
+                 NULL, 401, "AuthenticationError", NULL);
     http_resp_t r;
+    ck_assert_int_eq(http_request(port, "POST", "/tokenize", "Authorization: Bearer sekret\r\n",
+                                  "{\"prompt\": \"x\"}", &r, 10000),
+                     0);
+    ck_assert_int_eq(r.status, 200);
+    http_resp_free(&r);
     ck_assert_int_eq(
         http_request(port, "GET", "/v1/models", "Authorization: Bearer sekret\r\n", NULL, &r, 10000), 0);
     ck_assert_int_eq(r.status, 200);
@@ -864,6 +1114,10 @@ int main(void)
     tcase_add_test(tc, test_completion_equals_engine_greedy);
     tcase_add_test(tc, test_completion_equals_engine_seeded);
     tcase_add_test(tc, test_logprobs_match_recomputed);
+    tcase_add_test(tc, test_top_logprobs_hold_the_chosen_token);
+    tcase_add_test(tc, test_served_model_name_aliases);
+    tcase_add_test(tc, test_request_fields_honoured_or_refused);
+    tcase_add_test(tc, test_slow_clients_cannot_fill_the_listener);
     tcase_add_test(tc, test_error_codes);
     tcase_add_test(tc, test_metrics_parse_and_monotonic);
     tcase_add_test(tc, test_metrics_vllm_names);
