@@ -12,7 +12,8 @@
 #include "template/template.h"
 
 struct pd_chat {
-    pd_template_t *tpl; /* NULL: the model has no chat template */
+    pd_template_t *tpl; /* NULL: the model has no chat template, or one we cannot parse (error) */
+    char error[512];    /* why the model's own template is unusable ("" = it is fine or absent) */
     char source[64];
     json_t *special; /* {"bos_token": "...", ...} for the render context */
 };
@@ -53,14 +54,28 @@ static char *read_text(const char *path, size_t max, size_t *len_out)
     return buf;
 }
 
-static pd_status_t parse_template(pd_chat_t *c, const char *src, size_t len, const char *where)
+/* A --chat-template the operator gave must parse (the node does not start otherwise); the model's
+ * own one that does not (a construct pdserve's Jinja lacks) leaves the node serving completions, and
+ * chat requests get a 400 that says why. */
+static pd_status_t parse_template(pd_chat_t *c, const char *src, size_t len, const char *where, bool fatal)
 {
     pd_template_error_t err;
     pd_status_t st = pd_template_parse(src, len, &c->tpl, &err);
     if (st != PD_OK) {
-        pd_log_error("chat template from %s does not parse: line %d column %d: %s", where, err.line,
-                     err.column, err.message);
-        return st;
+        pd_log_error(
+            "chat template from %s does not parse: line %d column %d: %s%s", where, err.line, err.column,
+            err.message,
+            fatal ? "" : " (serving on: /v1/chat/completions answers 400 until --chat-template is given)");
+        if (fatal || st == PD_ERR_NO_MEMORY) {
+            return st;
+        }
+        c->tpl = NULL;
+        snprintf(
+            c->error, sizeof(c->error),
+            "this model's chat template (%s) cannot be rendered by pdserve: line %d column %d: %s; start "
+            "the server with --chat-template, or use /v1/completions",
+            where, err.line, err.column, err.message);
+        return PD_OK;
     }
     snprintf(c->source, sizeof(c->source), "%s", where);
     return PD_OK;
@@ -99,13 +114,13 @@ pd_status_t pd_chat_load(const char *model_dir, const char *override, pd_chat_t 
     if (override != NULL && override[0] != '\0') {
         src = read_text(override, 16u << 20, &len);
         if (src != NULL) {
-            st = parse_template(c, src, len, "--chat-template file");
+            st = parse_template(c, src, len, "--chat-template file", true);
         } else {
-            st = parse_template(c, override, strlen(override), "--chat-template");
+            st = parse_template(c, override, strlen(override), "--chat-template", true);
         }
     } else if (snprintf(path, sizeof(path), "%s/chat_template.jinja", model_dir) > 0 &&
                (src = read_text(path, 16u << 20, &len)) != NULL) {
-        st = parse_template(c, src, len, "chat_template.jinja");
+        st = parse_template(c, src, len, "chat_template.jinja", false);
     } else if (tcfg != NULL) {
         json_t *ct = json_object_get(tcfg, "chat_template");
         if (json_is_array(ct)) { /* named templates: the default one */
@@ -122,7 +137,8 @@ pd_status_t pd_chat_load(const char *model_dir, const char *override, pd_chat_t 
             ct = pick;
         }
         if (json_is_string(ct)) {
-            st = parse_template(c, json_string_value(ct), json_string_length(ct), "tokenizer_config.json");
+            st = parse_template(c, json_string_value(ct), json_string_length(ct), "tokenizer_config.json",
+                                false);
         }
     }
     free(src);
@@ -134,7 +150,7 @@ pd_status_t pd_chat_load(const char *model_dir, const char *override, pd_chat_t 
     if (c->tpl != NULL) {
         pd_log_info("chat template from %s (content format: %s)", c->source,
                     pd_template_iterates_content(c->tpl) ? "openai" : "string");
-    } else {
+    } else if (c->error[0] == '\0') {
         pd_log_info("%s has no chat template: /v1/chat/completions answers 400 (give --chat-template)",
                     model_dir);
     }
@@ -416,6 +432,9 @@ static bool cut_after_final(const json_t *messages, char *out, size_t *len, pd_h
 bool pd_chat_render(const pd_chat_t *c, const pd_chat_request_t *req, char **prompt_out, size_t *len_out,
                     pd_http_error_t *err)
 {
+    if (c != NULL && c->error[0] != '\0') {
+        return pd_http_error_set(err, 400, "BadRequestError", NULL, "%s", c->error);
+    }
     if (!pd_chat_has_template(c)) {
         return pd_http_error_set(
             err, 400, "BadRequestError", NULL,

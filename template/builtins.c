@@ -1,6 +1,7 @@
 /* template/builtins.c — Jinja2's filters and tests, the globals chat templates call (range,
  * namespace, dict, raise_exception, strftime_now) and the str / dict methods the sandbox allows. */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -276,6 +277,173 @@ static tpl_value_t *split(tpl_render_t *r, const tpl_node_t *at, tpl_value_t *s,
     return out;
 }
 
+/* Code points in s[0, n), and the byte offset of code point k (n when past the end). */
+static size_t cp_count(const char *s, size_t n)
+{
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        k += ((unsigned char)s[i] & 0xc0) != 0x80;
+    }
+    return k;
+}
+
+static size_t cp_offset(const char *s, size_t n, size_t k)
+{
+    size_t i = 0;
+    for (int32_t cp; i < n && k > 0; k--) {
+        i += tv_utf8_next(s, n, i, &cp);
+    }
+    return i;
+}
+
+/* Python's str.center(width, fillchar) (the extra fill of an odd margin goes left when width is odd,
+ * as CPython's pad()), str.zfill(width). */
+static tpl_value_t *pad(tpl_render_t *r, const tpl_node_t *at, const tpl_value_t *s, const tpl_value_t *width,
+                        const tpl_value_t *fill, bool zfill)
+{
+    if (width == NULL || width->kind != TV_INT) {
+        return tpl_fail(r, at, "%s: the width must be an integer", zfill ? "zfill" : "center");
+    }
+    const char *f = " ";
+    size_t fl = 1;
+    if (fill != NULL) {
+        if (fill->kind != TV_STR || cp_count(fill->u.str.s, fill->u.str.len) != 1) {
+            return tpl_fail(r, at, "center: the fill character must be exactly one character long");
+        }
+        f = fill->u.str.s;
+        fl = fill->u.str.len;
+    }
+    size_t len = cp_count(s->u.str.s, s->u.str.len);
+    if (width->u.i <= (int64_t)len) {
+        return tv_str(r, s->u.str.s, s->u.str.len);
+    }
+    if (width->u.i > (1 << 20)) {
+        return tpl_fail(r, at, "%s: width %lld is too large", zfill ? "zfill" : "center",
+                        (long long)width->u.i);
+    }
+    size_t marg = (size_t)width->u.i - len;
+    size_t left = zfill ? marg : marg / 2 + (marg & (size_t)width->u.i & 1);
+    tpl_buf_t b = {0};
+    size_t sign = zfill && s->u.str.len > 0 && (s->u.str.s[0] == '+' || s->u.str.s[0] == '-');
+    tb_put(&b, s->u.str.s, sign);
+    for (size_t i = 0; i < left; i++) {
+        tb_put(&b, zfill ? "0" : f, zfill ? 1 : fl);
+    }
+    tb_put(&b, s->u.str.s + sign, s->u.str.len - sign);
+    for (size_t i = left; i < marg; i++) {
+        tb_put(&b, f, fl);
+    }
+    tpl_value_t *v = b.failed ? tpl_fail(r, at, "out of memory") : tv_str(r, b.p ? b.p : "", b.n);
+    tb_free(&b);
+    return v;
+}
+
+/* Python's str.rsplit(sep, maxsplit): split's parts, taken from the right when maxsplit is set. */
+#define ASCII_SPACE(c) ((unsigned char)(c) < 0x80 && py_space_cp((unsigned char)(c)))
+
+/* (with maxsplit and no separator, only ASCII whitespace separates: a multi-byte space does not) */
+static tpl_value_t *rsplit(tpl_render_t *r, const tpl_node_t *at, tpl_value_t *s, tpl_value_t *sep,
+                           int64_t maxsplit)
+{
+    if (maxsplit < 0) {
+        return split(r, at, s, sep, -1);
+    }
+    if (sep != NULL && sep->kind != TV_NONE && (!need_str(r, at, "rsplit", sep) || sep->u.str.len == 0)) {
+        return sep->kind == TV_STR ? tpl_fail(r, at, "empty separator") : NULL;
+    }
+    tpl_value_t *parts[4096];
+    size_t np = 0;
+    const char *S = s->u.str.s;
+    size_t e = s->u.str.len; /* the unsplit part is S[0, e) */
+    bool ws = sep == NULL || sep->kind == TV_NONE;
+    while (np < 4096) {
+        if (ws) {
+            while (e > 0 && ASCII_SPACE(S[e - 1])) { /* whitespace from the right */
+                e--;
+            }
+            if (e == 0) {
+                break;
+            }
+            size_t b = e;
+            while (b > 0 && !ASCII_SPACE(S[b - 1])) {
+                b--;
+            }
+            if ((int64_t)np == maxsplit || b == 0) { /* the rest, its leading whitespace kept */
+                parts[np++] = tv_str(r, S, e);
+                break;
+            }
+            parts[np++] = tv_str(r, S + b, e - b);
+            e = b;
+        } else {
+            const char *hit = NULL;
+            size_t L = sep->u.str.len;
+            for (size_t i = e >= L ? e - L + 1 : 0; (int64_t)np < maxsplit && i-- > 0;) {
+                if (memcmp(S + i, sep->u.str.s, L) == 0) {
+                    hit = S + i;
+                    break;
+                }
+            }
+            if (hit == NULL) {
+                parts[np++] = tv_str(r, S, e);
+                break;
+            }
+            parts[np++] = tv_str(r, hit + L, e - (size_t)(hit - S) - L);
+            e = (size_t)(hit - S);
+        }
+    }
+    if (np == 4096) {
+        return tpl_fail(r, at, "rsplit: too many parts");
+    }
+    tpl_value_t *out = tv_list(r, np);
+    for (size_t k = 0; out != NULL && k < np; k++) {
+        if (parts[np - 1 - k] == NULL) {
+            return NULL;
+        }
+        out->u.list.items[k] = parts[np - 1 - k];
+    }
+    return out;
+}
+
+/* Python's str.splitlines(): lines end at \n, \r, \r\n (one break), \v, \f, \x1c-\x1e, U+0085,
+ * U+2028 and U+2029; the break is not kept and a break at the end starts no line. */
+static tpl_value_t *splitlines(tpl_render_t *r, const tpl_node_t *at, const tpl_value_t *s)
+{
+    tpl_value_t *parts[4096];
+    size_t np = 0;
+    const char *S = s->u.str.s;
+    size_t n = s->u.str.len, b = 0;
+    for (size_t i = 0; i < n;) {
+        int32_t cp;
+        size_t len = tv_utf8_next(S, n, i, &cp);
+        bool brk = cp == '\n' || cp == '\r' || cp == 0x0b || cp == 0x0c || (cp >= 0x1c && cp <= 0x1e) ||
+                   cp == 0x85 || cp == 0x2028 || cp == 0x2029;
+        if (!brk) {
+            i += len;
+            continue;
+        }
+        if (np == 4096) {
+            return tpl_fail(r, at, "splitlines: too many lines");
+        }
+        parts[np++] = tv_str(r, S + b, i - b);
+        i += len + (cp == '\r' && i + len < n && S[i + len] == '\n'); /* \r\n is one break */
+        b = i;
+    }
+    if (b < n) {
+        if (np == 4096) {
+            return tpl_fail(r, at, "splitlines: too many lines");
+        }
+        parts[np++] = tv_str(r, S + b, n - b);
+    }
+    tpl_value_t *out = tv_list(r, np);
+    for (size_t k = 0; out != NULL && k < np; k++) {
+        if (parts[k] == NULL) {
+            return NULL;
+        }
+        out->u.list.items[k] = parts[k];
+    }
+    return out;
+}
+
 static int prefix_test(const tpl_value_t *s, const tpl_value_t *p, bool suffix)
 {
     if (p->kind == TV_LIST) {
@@ -315,12 +483,16 @@ static tpl_value_t *to_int(tpl_render_t *r, tpl_value_t *v, tpl_value_t *def)
         memcpy(buf, v->u.str.s, n);
         buf[n] = '\0';
         char *e = NULL;
+        errno = 0;
         long long x = strtoll(buf, &e, 10);
+        bool range = errno == ERANGE;
         while (e != NULL && (*e == ' ' || *e == '\t' || *e == '\n')) {
             e++;
         }
         if (e != buf && e != NULL && *e == '\0') {
-            return tv_int(r, x);
+            /* Python's int is unbounded: a clamped number would be a wrong answer */
+            return range ? tpl_fail(r, NULL, "int: %s is past the 64-bit integers pdserve computes with", buf)
+                         : tv_int(r, x);
         }
         double d = strtod(buf, &e);
         while (e != NULL && (*e == ' ' || *e == '\t' || *e == '\n')) {
@@ -773,6 +945,81 @@ static tpl_value_t *f_tojson(tpl_render_t *r, const tpl_node_t *at, tpl_value_t 
     return v;
 }
 
+/* Jinja's truncate(s, length=255, killwords=False, end='...', leeway=5): a string within length +
+ * leeway characters stays; else cut to length - len(end), at the last space unless killwords. */
+static tpl_value_t *f_truncate(tpl_render_t *r, const tpl_node_t *at, tpl_value_t *in, const args_t *a)
+{
+    tpl_value_t *s = tv_to_str(r, in);
+    tpl_value_t *length = arg(a, 0, "length"), *kill = arg(a, 1, "killwords"), *end = arg(a, 2, "end"),
+                *leeway = arg(a, 3, "leeway");
+    if (s == NULL) {
+        return NULL;
+    }
+    if ((length != NULL && length->kind != TV_INT) || (end != NULL && end->kind != TV_STR) ||
+        (leeway != NULL && leeway->kind != TV_INT && leeway->kind != TV_NONE)) {
+        return tpl_fail(r, at, "truncate: length and leeway must be integers, end a string");
+    }
+    int64_t L = length != NULL ? length->u.i : 255;
+    int64_t lw = leeway != NULL && leeway->kind == TV_INT ? leeway->u.i : 5;
+    const char *e = end != NULL ? end->u.str.s : "...";
+    size_t el = end != NULL ? end->u.str.len : 3;
+    int64_t ecp = (int64_t)cp_count(e, el);
+    if (L < ecp) {
+        return tpl_fail(r, at, "expected length >= %lld, got %lld", (long long)ecp, (long long)L);
+    }
+    if (lw < 0) {
+        return tpl_fail(r, at, "expected leeway >= 0, got %lld", (long long)lw);
+    }
+    size_t n = cp_count(s->u.str.s, s->u.str.len);
+    if ((int64_t)n <= L + lw) {
+        return s;
+    }
+    size_t cut = cp_offset(s->u.str.s, s->u.str.len, (size_t)(L - ecp));
+    if (kill == NULL || !tv_truthy(kill)) { /* s[:cut].rsplit(" ", 1)[0] */
+        for (size_t i = cut; i-- > 0;) {
+            if (s->u.str.s[i] == ' ') {
+                cut = i;
+                break;
+            }
+        }
+    }
+    tpl_buf_t b = {0};
+    tb_put(&b, s->u.str.s, cut);
+    tb_put(&b, e, el);
+    tpl_value_t *v = b.failed ? tpl_fail(r, at, "out of memory") : tv_str(r, b.p ? b.p : "", b.n);
+    tb_free(&b);
+    return v;
+}
+
+/* Jinja's batch(value, linecount, fill_with=None): lists of linecount items, the last filled up with
+ * fill_with when given. */
+static tpl_value_t *f_batch(tpl_render_t *r, const tpl_node_t *at, tpl_value_t *in, const args_t *a)
+{
+    tpl_value_t *cnt = arg(a, 0, "linecount"), *fill = arg(a, 1, "fill_with");
+    tpl_value_t *items = tpl_iterable(r, at, in);
+    if (items == NULL) {
+        return NULL;
+    }
+    if (cnt == NULL || cnt->kind != TV_INT || cnt->u.i <= 0) {
+        return tpl_fail(r, at, "batch: linecount must be a positive integer");
+    }
+    size_t k = (size_t)cnt->u.i, n = items->u.list.n, nb = (n + k - 1) / k;
+    tpl_value_t *out = tv_list(r, nb);
+    for (size_t i = 0; out != NULL && i < nb; i++) {
+        size_t m = n - i * k < k ? n - i * k : k;
+        bool filled = fill != NULL && fill->kind != TV_NONE && m < k;
+        tpl_value_t *row = tv_list(r, filled ? k : m);
+        if (row == NULL) {
+            return NULL;
+        }
+        for (size_t j = 0; j < row->u.list.n; j++) {
+            row->u.list.items[j] = j < m ? items->u.list.items[i * k + j] : fill;
+        }
+        out->u.list.items[i] = row;
+    }
+    return out;
+}
+
 static tpl_value_t *f_indent(tpl_render_t *r, const tpl_node_t *at, tpl_value_t *in, const args_t *a)
 {
     tpl_value_t *s = tv_to_str(r, in);
@@ -791,28 +1038,30 @@ static tpl_value_t *f_indent(tpl_render_t *r, const tpl_node_t *at, tpl_value_t 
         pl = width < 0 ? 0 : width > 255 ? 255 : (size_t)width;
         memset(pad, ' ', pl);
     }
+    /* Jinja 3's: the lines of s + "\n" (str.splitlines: every line break), joined by "\n" and the pad
+     * (blank: before every line; else before the non-empty ones after the first) */
+    tpl_buf_t sn = {0};
+    tb_put(&sn, s->u.str.s, s->u.str.len);
+    tb_puts(&sn, "\n");
+    tpl_value_t *whole = sn.failed ? NULL : tv_str(r, sn.p, sn.n);
+    tb_free(&sn);
+    tpl_value_t *lines = whole != NULL ? splitlines(r, at, whole) : NULL;
+    if (lines == NULL) {
+        return NULL; /* the limit or out of memory: the render failed with why */
+    }
     tpl_buf_t b = {0};
     if (first) {
         tb_put(&b, pad, pl);
     }
-    const char *S = s->u.str.s;
-    size_t n = s->u.str.len, i = 0;
-    bool line0 = true;
-    while (i < n || (i == n && n == 0 && line0)) {
-        const char *nl = memchr(S + i, '\n', n - i);
-        size_t e = nl != NULL ? (size_t)(nl - S) : n;
-        if (!line0) {
+    for (size_t k = 0; k < lines->u.list.n; k++) {
+        const tpl_value_t *line = lines->u.list.items[k];
+        if (k > 0) {
             tb_puts(&b, "\n");
-            if (e > i || blank) {
+            if (line->u.str.len > 0 || blank) {
                 tb_put(&b, pad, pl);
             }
         }
-        tb_put(&b, S + i, e - i);
-        line0 = false;
-        if (nl == NULL) {
-            break;
-        }
-        i = e + 1;
+        tb_put(&b, line->u.str.s, line->u.str.len);
     }
     tpl_value_t *v = b.failed ? tpl_fail(r, at, "out of memory") : tv_str(r, b.p ? b.p : "", b.n);
     tb_free(&b);
@@ -1241,6 +1490,17 @@ tpl_value_t *tpl_filter(tpl_render_t *r, const tpl_node_t *at, const char *name,
         tpl_value_t *w = split(r, at, s, NULL, -1);
         return w != NULL ? tv_int(r, (int64_t)w->u.list.n) : NULL;
     }
+    if (IS("center")) { /* Jinja's center(width=80) */
+        tpl_value_t *w = arg(&a, 0, "width");
+        tpl_value_t w80 = {.kind = TV_INT, .u.i = 80};
+        return pad(r, at, s, w != NULL ? w : &w80, NULL, false);
+    }
+    if (IS("truncate")) {
+        return f_truncate(r, at, in, &a);
+    }
+    if (IS("batch")) {
+        return f_batch(r, at, in, &a);
+    }
 #undef IS
     return tpl_fail(r, at, "no filter named '%s'", name);
 }
@@ -1266,9 +1526,10 @@ tpl_value_t *tpl_global(tpl_render_t *r, const char *name)
 }
 
 static const char *const STR_METHODS[] = {
-    "strip",   "lstrip",     "rstrip",  "split",   "startswith", "endswith", "upper",  "lower",
-    "title",   "capitalize", "replace", "find",    "rfind",      "count",    "join",   "splitlines",
-    "isdigit", "isalpha",    "isspace", "isalnum", "islower",    "isupper",  "format", NULL};
+    "strip",   "lstrip",     "rstrip",     "split",   "startswith", "endswith", "upper",
+    "lower",   "title",      "capitalize", "replace", "find",       "rfind",    "count",
+    "join",    "splitlines", "isdigit",    "isalpha", "isspace",    "isalnum",  "islower",
+    "isupper", "format",     "center",     "zfill",   "rsplit",     NULL};
 static const char *const DICT_METHODS[] = {"items", "keys", "values", "get", NULL};
 
 tpl_value_t *tpl_method(tpl_render_t *r, tpl_value_t *self, const char *name, size_t len)
@@ -1384,9 +1645,13 @@ static tpl_value_t *str_method(tpl_render_t *r, const tpl_node_t *at, const char
         }
         return strip(r, s, a0, IS("strip") ? 3 : IS("lstrip") ? 1 : 2);
     }
-    if (IS("split")) {
+    if (IS("split") || IS("rsplit")) {
         tpl_value_t *sep = arg(a, 0, "sep"), *mx = arg(a, 1, "maxsplit");
-        return split(r, at, s, sep, mx != NULL && mx->kind == TV_INT ? mx->u.i : -1);
+        int64_t m = mx != NULL && mx->kind == TV_INT ? mx->u.i : -1;
+        return IS("split") ? split(r, at, s, sep, m) : rsplit(r, at, s, sep, m);
+    }
+    if (IS("center") || IS("zfill")) {
+        return pad(r, at, s, a0, IS("center") ? arg(a, 1, NULL) : NULL, IS("zfill"));
     }
     if (IS("startswith") || IS("endswith")) {
         int t = a0 != NULL ? prefix_test(s, a0, IS("endswith")) : -1;
@@ -1444,13 +1709,7 @@ static tpl_value_t *str_method(tpl_render_t *r, const tpl_node_t *at, const char
         return v;
     }
     if (IS("splitlines")) {
-        tpl_value_t *nl = tv_str(r, "\n", 1);
-        tpl_value_t *parts = nl != NULL ? split(r, at, s, nl, -1) : NULL;
-        if (parts != NULL && parts->u.list.n > 0 &&
-            parts->u.list.items[parts->u.list.n - 1]->u.str.len == 0) {
-            parts->u.list.n--; /* a trailing newline ends the last line, it does not start one */
-        }
-        return parts;
+        return splitlines(r, at, s);
     }
     if (IS("format")) {
         return str_format(r, at, s, a);

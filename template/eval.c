@@ -1101,6 +1101,61 @@ static void exec_set(tpl_render_t *r, const tpl_node_t *st)
     bind_targets(r, st, r->scope, st->names, st->n_names, v);
 }
 
+/* Writes v's str() to the output, as {{ v }} does. */
+static void emit_value(tpl_render_t *r, const tpl_node_t *at, const tpl_value_t *v)
+{
+    if (v->kind == TV_STR) {
+        emit(r, at, v->u.str.s, v->u.str.len);
+        return;
+    }
+    tpl_buf_t b = {0};
+    tv_str_into(&b, v);
+    emit(r, at, b.p != NULL ? b.p : "", b.n);
+    tb_free(&b);
+}
+
+/* {% with %}: the values in the enclosing scope, the body in a scope of its own (its sets stay in). */
+static void exec_with(tpl_render_t *r, const tpl_node_t *st)
+{
+    scope_t *outer = r->scope;
+    scope_t *s = scope_new(r, outer);
+    for (size_t i = 0; s != NULL && i < st->n_names; i++) {
+        tpl_value_t *v = eval(r, st->kids[i]);
+        if (v == NULL || !scope_set(r, s, st->names[i], v)) {
+            return;
+        }
+    }
+    if (s == NULL) {
+        return;
+    }
+    r->scope = s;
+    exec_body(r, st->b);
+    r->scope = outer;
+}
+
+/* {% filter %}: the body rendered apart, then the chain applied to it and written out. */
+static void exec_filter_block(tpl_render_t *r, const tpl_node_t *st)
+{
+    tpl_buf_t *saved = r->out;
+    tpl_buf_t body = {0};
+    r->out = &body;
+    exec_body(r, st->b);
+    r->out = saved;
+    tpl_value_t *text = r->failed ? NULL : tv_str(r, body.p != NULL ? body.p : "", body.n);
+    tb_free(&body);
+    scope_t *outer = r->scope;
+    scope_t *s = text != NULL ? scope_new(r, outer) : NULL;
+    if (s == NULL || !scope_set(r, s, TPL_FILTER_BODY, text)) {
+        return;
+    }
+    r->scope = s;
+    tpl_value_t *v = eval(r, st->a);
+    r->scope = outer;
+    if (v != NULL) {
+        emit_value(r, st, v);
+    }
+}
+
 static void exec_body(tpl_render_t *r, const tpl_node_t *body)
 {
     for (size_t i = 0; i < body->n_kids && !r->failed && r->loop_ctl == 0; i++) {
@@ -1155,6 +1210,8 @@ static void exec_body(tpl_render_t *r, const tpl_node_t *body)
             }
             break;
         }
+        case ND_WITH: exec_with(r, st); break;
+        case ND_FILTER_BLOCK: exec_filter_block(r, st); break;
         case ND_BREAK: r->loop_ctl = 1; break;
         case ND_CONTINUE: r->loop_ctl = 2; break;
         case ND_BODY: exec_body(r, st); break;

@@ -1009,6 +1009,92 @@ static tpl_node_t *parse_macro(parser_t *P, const tpl_token_t *at)
     return end_tag(P) ? nd : NULL;
 }
 
+/* {% with a = x, b = y %} ... {% endwith %} */
+static tpl_node_t *parse_with(parser_t *P, const tpl_token_t *at)
+{
+    tpl_node_t *nd = node(P, ND_WITH, at);
+    if (nd == NULL) {
+        return NULL;
+    }
+    nlist_t l = {0};
+    while (peek(P)->kind != TK_BLOCK_END) {
+        if (l.n > 0 && !expect_op(P, ",")) {
+            nl_drop(&l);
+            return NULL;
+        }
+        const tpl_token_t *t = next(P);
+        if (t->kind != TK_NAME) {
+            nl_drop(&l);
+            return fail(P, t, "expected a variable name");
+        }
+        if (!expect_op(P, "=")) {
+            nl_drop(&l);
+            return NULL;
+        }
+        tpl_node_t *v = parse_expr(P);
+        if (v == NULL || !nl_push(&l, v, t->text)) {
+            nl_drop(&l);
+            if (v != NULL) {
+                P->st = PD_ERR_NO_MEMORY;
+            }
+            return NULL;
+        }
+    }
+    size_t n = l.n;
+    if (!nl_finish(P, &l, nd, true) || !end_tag(P)) {
+        return NULL;
+    }
+    nd->names = nd->kwnames;
+    nd->n_names = n;
+    static const char *const ends[] = {"endwith", NULL};
+    const char *ended = NULL;
+    if ((nd->b = parse_body(P, ends, &ended)) == NULL) {
+        return NULL;
+    }
+    return end_tag(P) ? nd : NULL;
+}
+
+/* {% filter name(args) | more %} ... {% endfilter %}: the chain applied to the rendered body. */
+static tpl_node_t *parse_filter_block(parser_t *P, const tpl_token_t *at)
+{
+    tpl_node_t *nd = node(P, ND_FILTER_BLOCK, at);
+    tpl_node_t *body = node(P, ND_NAME, at);
+    const tpl_token_t *name = next(P);
+    if (nd == NULL || body == NULL) {
+        return NULL;
+    }
+    if (name->kind != TK_NAME) {
+        return fail(P, name, "expected a filter name");
+    }
+    body->s = TPL_FILTER_BODY;
+    tpl_node_t *f = node(P, ND_FILTER, name);
+    if (f == NULL) {
+        return NULL;
+    }
+    f->s = name->text;
+    f->a = body;
+    if (is_op(peek(P), "(")) {
+        next(P);
+        if (!parse_args(P, f)) {
+            return NULL;
+        }
+    } else {
+        nlist_t l = {0};
+        if (!nl_finish(P, &l, f, true)) {
+            return NULL;
+        }
+    }
+    if ((nd->a = parse_filters(P, f)) == NULL || !end_tag(P)) {
+        return NULL;
+    }
+    static const char *const ends[] = {"endfilter", NULL};
+    const char *ended = NULL;
+    if ((nd->b = parse_body(P, ends, &ended)) == NULL) {
+        return NULL;
+    }
+    return end_tag(P) ? nd : NULL;
+}
+
 /* One {% ... %} statement after its keyword was read. */
 static tpl_node_t *parse_statement(parser_t *P, const tpl_token_t *kw)
 {
@@ -1024,6 +1110,12 @@ static tpl_node_t *parse_statement(parser_t *P, const tpl_token_t *kw)
     }
     if (strcmp(k, "macro") == 0) {
         return parse_macro(P, kw);
+    }
+    if (strcmp(k, "with") == 0) {
+        return parse_with(P, kw);
+    }
+    if (strcmp(k, "filter") == 0) {
+        return parse_filter_block(P, kw);
     }
     if (strcmp(k, "break") == 0 || strcmp(k, "continue") == 0) {
         tpl_node_t *nd = node(P, k[0] == 'b' ? ND_BREAK : ND_CONTINUE, kw);

@@ -55,6 +55,8 @@ typedef enum nd_kind {
     ND_MACRO,     /* s = name, names[] params, kids[] defaults (NULL = none), b = body */
     ND_BREAK,
     ND_CONTINUE,
+    ND_WITH,         /* names[n_names] = kids[i] (evaluated outside), b = body in a scope of its own */
+    ND_FILTER_BLOCK, /* b = body; a = the filter chain, whose innermost input is TPL_FILTER_BODY */
     /* expressions */
     ND_LITERAL, /* v */
     ND_NAME,    /* s */
@@ -95,6 +97,10 @@ struct tpl_node {
     int *ops;             /* COMPARE */
     tpl_value_t *v;       /* LITERAL */
 };
+
+/* The name under which a {% filter %} block's rendered body reaches its filter chain (no template
+ * can name it: it is not an identifier). */
+#define TPL_FILTER_BODY "\x01filter-body"
 
 /* Operator codes of ND_UNARY / ND_BINARY / ND_COMPARE. */
 enum {

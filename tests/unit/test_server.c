@@ -590,6 +590,33 @@ START_TEST(test_slow_clients_cannot_fill_the_listener)
 }
 END_TEST
 
+/* A model whose own chat template uses a construct pdserve's Jinja lacks ({% call %}) still starts
+ * (issue 51: it stopped the node): completions are served, chat requests get a 400 that names the
+ * problem and the way out. */
+START_TEST(test_unparsable_model_template_serves_completions)
+{
+    char *model = tu_make_model("--preset tiny --arch llama");
+    ck_assert_ptr_nonnull(model);
+    char path[600];
+    snprintf(path, sizeof(path), "%s/chat_template.jinja", model);
+    const char *tpl = "{% macro box(x) %}[{{ caller() }}]{% endmacro %}"
+                      "{% for m in messages %}{% call box(m) %}{{ m.content }}{% endcall %}{% endfor %}";
+    ck_assert_int_eq(tu_write_file(path, tpl, strlen(tpl)), 0);
+    int port;
+    pid_t pid = start_server_model(model, "badtpl", NULL, &port);
+    int status;
+    json_t *j = post_json(port, "{\"prompt\": [5, 6], \"max_tokens\": 2}", &status);
+    ck_assert_int_eq(status, 200);
+    json_decref(j);
+    expect_error(port, "POST", "/v1/chat/completions", NULL,
+                 "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}", 400, "BadRequestError",
+                 "--chat-template");
+    tu_stop(pid, 30);
+    tu_rmrf(model);
+    free(model);
+}
+END_TEST
+
 /* --served-model-name takes several names, as vLLM's: /v1/models lists each, a request may name any,
  * answers carry the first (issue 51: the second name and every flag after it became offline prompts
  * and pd-serve exited 0). */
@@ -1118,6 +1145,7 @@ int main(void)
     tcase_add_test(tc, test_served_model_name_aliases);
     tcase_add_test(tc, test_request_fields_honoured_or_refused);
     tcase_add_test(tc, test_slow_clients_cannot_fill_the_listener);
+    tcase_add_test(tc, test_unparsable_model_template_serves_completions);
     tcase_add_test(tc, test_error_codes);
     tcase_add_test(tc, test_metrics_parse_and_monotonic);
     tcase_add_test(tc, test_metrics_vllm_names);

@@ -129,7 +129,8 @@ START_TEST(test_construct_templates_match_jinja2)
     if (!tu_need(TU_JINJA2)) {
         return;
     }
-    static const char *const names[] = {"constructs_control", "constructs_expr", "llama31_style", "errors"};
+    static const char *const names[] = {"constructs_control", "constructs_expr", "constructs_more",
+                                        "llama31_style", "errors"};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         char path[1200];
         snprintf(path, sizeof(path), "%s/tests/template/templates/%s.jinja", tu_source_dir(), names[i]);
@@ -200,6 +201,16 @@ START_TEST(test_render_errors_name_the_problem)
     ck_assert_int_eq(render_str("{{ missing.attr }}", NULL, NULL, &out, &err), PD_ERR_INVALID_ARG);
     ck_assert_ptr_nonnull(strstr(err.message, "'missing' is undefined"));
     ck_assert_int_eq(render_str("{{ [1].append(2) }}", NULL, NULL, &out, &err), PD_ERR_INVALID_ARG);
+    /* integers past int64 fail, never come out clamped or wrapped (issue 51): a string through int,
+     * arithmetic, a literal */
+    ck_assert_int_eq(render_str("{{ '99999999999999999999' | int }}", NULL, NULL, &out, &err),
+                     PD_ERR_INVALID_ARG);
+    ck_assert_ptr_nonnull(strstr(err.message, "64-bit"));
+    ck_assert_int_eq(render_str("{{ 922337203685477580 * 10 + 8 }}", NULL, NULL, &out, &err),
+                     PD_ERR_INVALID_ARG);
+    ck_assert_int_eq(render_str("{{ 2 ** 64 }}", NULL, NULL, &out, &err), PD_ERR_INVALID_ARG);
+    pd_template_t *big = NULL;
+    ck_assert_int_eq(pd_template_parse("{{ 99999999999999999999 }}", 26, &big, &err), PD_ERR_PARSE);
     /* undefined prints empty, a NUL byte survives */
     ck_assert_int_eq(render_str("[{{ missing }}]{{ s }}", "{\"s\": \"a\\u0000b\"}", NULL, &out, &err), PD_OK);
     ck_assert_mem_eq(out, "[]a\0b", 6);
@@ -264,7 +275,8 @@ END_TEST
  * tight limits: every outcome must be a render or a clean error. */
 START_TEST(test_fuzz_mutated_templates)
 {
-    static const char *const names[] = {"constructs_control", "constructs_expr", "llama31_style", "errors"};
+    static const char *const names[] = {"constructs_control", "constructs_expr", "constructs_more",
+                                        "llama31_style", "errors"};
     static const char *const splice[] = {"{%",
                                          "%}",
                                          "{{",
