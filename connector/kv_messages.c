@@ -90,10 +90,18 @@ static void on_reservation(kv_conn_t *k, kv_peer_t *p, const Pd__Reservation *m)
             }
         }
         kv_resv_t *rv;
+        uint64_t held = 0; /* block ids this peer's open reservations name */
         pd_list_for_each (rv, &k->resvs, link) {
             if (why == NULL && !rv->released && strcmp(rv->transfer_id, m->request_id) == 0) {
                 why = "duplicate transfer id";
             }
+            held += rv->peer == p && !rv->released ? (uint64_t)rv->num_blocks : 0;
+        }
+        /* a decode reserves blocks it allocated, each to one request: its open reservations never
+         * name more than its cache holds (twice that leaves room for retries); a peer that does is
+         * refused instead of holding memory here until --kv-hold-timeout */
+        if (why == NULL && held + m->n_block_ids > 2ull * p->geom.num_blocks) {
+            why = "more blocks reserved than the decode's KV cache holds";
         }
     }
     kv_resv_t *rv = why == NULL ? calloc(1, sizeof(*rv)) : NULL;

@@ -552,10 +552,14 @@ void kv_parse_frames(kv_conn_t *k, kv_peer_t *p)
     }
 }
 
+/* Takes what p's control socket has, each slice's whole frames handled before the next is read: the
+ * reader holds at most one partial frame, so any number of legal frames in a row fit its bound
+ * (issue 51: several large ones read before any was parsed overflowed it and killed the peer). At
+ * most 64 slices (1 MiB) a call, so one peer cannot hold the control loop. */
 void kv_read_peer(kv_conn_t *k, kv_peer_t *p)
 {
     uint8_t buf[16384];
-    for (;;) {
+    for (int slice = 0; slice < 64 && p->state != KV_PEER_DEAD; slice++) {
         ssize_t n = recv(p->fd, buf, sizeof(buf), MSG_DONTWAIT);
         if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
             kv_peer_dead(k, p, "control connection closed");
@@ -569,6 +573,6 @@ void kv_read_peer(kv_conn_t *k, kv_peer_t *p)
             return;
         }
         p->last_rx = pd_time_now_s();
+        kv_parse_frames(k, p);
     }
-    kv_parse_frames(k, p);
 }

@@ -617,6 +617,7 @@ static pd_status_t tcp_recv_tensor(pd_pipe_t *p, pd_pipe_peer_t *peer, uint64_t 
             continue;
         }
         pd_list_del(&u->link);
+        peer->unexpected_bytes -= u->hdr_len + u->payload_len;
         pd_status_t st = PD_OK;
         if (u->hdr_len <= hdr_cap && u->payload_len <= payload_cap) {
             memcpy(hdr, u->hdr, u->hdr_len);

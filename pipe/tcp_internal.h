@@ -142,6 +142,9 @@ struct pd_pipe_peer {
     uint8_t session[PD_PIPE_SESSION_BYTES]; /* from connect: what its data connection's HELLO is MACed with */
     bool released;             /* the user gave it up: the rx thread frees it once nothing uses it */
     pd_list_link_t unexpected; /* unexpected_t, in arrival order */
+    size_t unexpected_bytes;   /* their headers and payloads: at most the pipe's max_msg, one
+                                * message's worth (past it the peer is dropped: it sends what nobody
+                                * asks for; issue 51 held +196 MiB that way) */
     pd_list_link_t link;
 };
 

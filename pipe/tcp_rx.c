@@ -137,6 +137,14 @@ static op_t *take_recv(tcp_pipe_t *t, pd_pipe_peer_t *peer, uint64_t tag)
  * while its payload was arriving. */
 static int rx_tensor_unexpected(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, const hdr_t *h)
 {
+    pthread_mutex_lock(&t->mu);
+    size_t buffered = peer->unexpected_bytes;
+    pthread_mutex_unlock(&t->mu);
+    if (buffered + h->count + h->len > t->max_msg) {
+        pd_log_warn("tcp pipe: peer %016llx sent %zu bytes of tensors nobody has asked for; dropping it",
+                    (unsigned long long)peer->id, buffered + (size_t)h->count + (size_t)h->len);
+        return -1;
+    }
     unexpected_t *u = calloc(1, sizeof(*u));
     if (u != NULL) {
         u->tag = h->op_id;
@@ -165,6 +173,7 @@ static int rx_tensor_unexpected(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, con
         tcpi_unexpected_free(u);
     } else {
         pd_list_add_tail(&peer->unexpected, &u->link);
+        peer->unexpected_bytes += u->hdr_len + u->payload_len;
     }
     pthread_mutex_unlock(&t->mu);
     return 0;

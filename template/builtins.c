@@ -1097,6 +1097,17 @@ static tpl_value_t *f_join(tpl_render_t *r, const tpl_node_t *at, tpl_value_t *i
 }
 
 static tpl_value_t *f_format(tpl_render_t *r, const tpl_node_t *at, tpl_value_t *fmt, tpl_value_t **args,
+                             size_t n);
+
+tpl_value_t *tpl_percent(tpl_render_t *r, const tpl_node_t *at, tpl_value_t *fmt, tpl_value_t *arg)
+{
+    if (arg->kind == TV_LIST && arg->is_tuple) {
+        return f_format(r, at, fmt, arg->u.list.items, arg->u.list.n);
+    }
+    return f_format(r, at, fmt, &arg, 1);
+}
+
+static tpl_value_t *f_format(tpl_render_t *r, const tpl_node_t *at, tpl_value_t *fmt, tpl_value_t **args,
                              size_t n)
 {
     if (!need_str(r, at, "format", fmt)) {
@@ -1119,22 +1130,91 @@ static tpl_value_t *f_format(tpl_render_t *r, const tpl_node_t *at, tpl_value_t 
             tb_free(&b);
             return tpl_fail(r, at, "not enough arguments for format string");
         }
+        /* %[flags][width][.precision]conversion, as Python's printf-style formatting */
+        char flags[8];
+        size_t nf = 0;
+        while (strchr("-+ 0#", c) != NULL && c != '\0' && nf < sizeof(flags) - 1 && i + 1 < fmt->u.str.len) {
+            flags[nf++] = c;
+            c = s[++i];
+        }
+        flags[nf] = '\0';
+        int width = 0, prec = -1;
+        while (c >= '0' && c <= '9' && i + 1 < fmt->u.str.len && width < 10000) {
+            width = width * 10 + (c - '0');
+            c = s[++i];
+        }
+        if (c == '.' && i + 1 < fmt->u.str.len) {
+            prec = 0;
+            c = s[++i];
+            while (c >= '0' && c <= '9' && i + 1 < fmt->u.str.len && prec < 10000) {
+                prec = prec * 10 + (c - '0');
+                c = s[++i];
+            }
+        }
+        if (c == '%') {
+            tb_puts(&b, "%");
+            continue;
+        }
+        if (ai >= n) {
+            tb_free(&b);
+            return tpl_fail(r, at, "not enough arguments for format string");
+        }
         tpl_value_t *v = args[ai++];
-        char num[64];
-        if (c == 's') {
-            tv_str_into(&b, v);
-        } else if (c == 'r') {
-            tv_repr_into(&b, v);
-        } else if ((c == 'd' || c == 'i') && tv_is_number(v)) {
-            snprintf(num, sizeof(num), "%lld", (long long)tv_as_double(v));
+        char spec[32], num[512];
+        if (c == 's' || c == 'r') { /* the text, cut to precision characters, padded to width */
+            tpl_buf_t t = {0};
+            if (c == 's') {
+                tv_str_into(&t, v);
+            } else {
+                tv_repr_into(&t, v);
+            }
+            size_t len = t.n, chars = cp_count(t.p != NULL ? t.p : "", t.n);
+            if (prec >= 0 && (size_t)prec < chars) {
+                len = cp_offset(t.p, t.n, (size_t)prec);
+                chars = (size_t)prec;
+            }
+            bool left = strchr(flags, '-') != NULL;
+            for (size_t k = chars; !left && k < (size_t)width; k++) {
+                tb_puts(&b, " ");
+            }
+            tb_put(&b, t.p != NULL ? t.p : "", len);
+            for (size_t k = chars; left && k < (size_t)width; k++) {
+                tb_puts(&b, " ");
+            }
+            tb_free(&t);
+        } else if ((c == 'd' || c == 'i' || c == 'u' || c == 'x' || c == 'X' || c == 'o' || c == 'c') &&
+                   tv_is_number(v)) {
+            long long x = v->kind == TV_INT ? (long long)v->u.i : (long long)tv_as_double(v);
+            snprintf(spec, sizeof(spec), "%%%s%d%s%s", flags, width, prec >= 0 && c != 'c' ? "." : "", "");
+            if (prec >= 0 && c != 'c') {
+                snprintf(spec + strlen(spec), sizeof(spec) - strlen(spec), "%d", prec);
+            }
+            snprintf(spec + strlen(spec), sizeof(spec) - strlen(spec), "ll%c",
+                     c == 'i' || c == 'u' ? 'd' : c);
+            if (c == 'c') { /* a code point */
+                if (x < 0 || x > 0x10ffff) {
+                    tb_free(&b);
+                    return tpl_fail(r, at, "%%c arg not in range(0x110000)");
+                }
+                uint8_t u8[4];
+                utf8proc_ssize_t k = utf8proc_encode_char((utf8proc_int32_t)x, u8);
+                tb_put(&b, (const char *)u8, (size_t)k);
+                continue;
+            }
+            snprintf(num, sizeof(num), spec, x);
             tb_puts(&b, num);
-        } else if (c == 'f' && tv_is_number(v)) {
-            snprintf(num, sizeof(num), "%f", tv_as_double(v));
+        } else if (strchr("fFeEgG", c) != NULL && c != '\0' && tv_is_number(v)) {
+            snprintf(spec, sizeof(spec), "%%%s%d.%d%c", flags, width, prec >= 0 ? prec : 6, c);
+            snprintf(num, sizeof(num), spec, tv_as_double(v));
             tb_puts(&b, num);
         } else {
             tb_free(&b);
             return tpl_fail(r, at, "format: unsupported conversion '%%%c' for %s", c, tv_type_name(v));
         }
+    }
+    if (ai < n) {
+        tb_free(&b);
+        return tpl_fail(r, at, "not all arguments converted during string formatting");
     }
     tpl_value_t *v = b.failed ? tpl_fail(r, at, "out of memory") : tv_str(r, b.p ? b.p : "", b.n);
     tb_free(&b);

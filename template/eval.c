@@ -31,7 +31,9 @@ struct tpl_render {
     scope_t *root;
     pd_template_error_t *err;
     bool failed;
-    int loop_ctl; /* 1 break, 2 continue (pending until the enclosing loop takes it) */
+    int loop_ctl;                /* 1 break, 2 continue (pending until the enclosing loop takes it) */
+    tpl_value_t *caller;         /* a call block's caller, for the macro call at caller_at */
+    const tpl_node_t *caller_at; /* the call block's ND_CALL */
 };
 
 void pd_template_limits_default(pd_template_limits_t *lim)
@@ -211,7 +213,7 @@ static tpl_value_t *loop_attr(tpl_render_t *r, const tpl_node_t *at, tpl_value_t
         return tv_int(r, l->length);
     }
     if (strcmp(name, "depth") == 0 || strcmp(name, "depth0") == 0) {
-        return tv_int(r, name[5] == '0' ? 0 : 1);
+        return tv_int(r, l->depth0 + (name[5] == '0' ? 0 : 1));
     }
     if (strcmp(name, "previtem") == 0) {
         return l->prev != NULL ? l->prev : undef_msg(r, "there is no previous item%s%s", "", "");
@@ -497,6 +499,9 @@ static tpl_value_t *arith(tpl_render_t *r, const tpl_node_t *at, int op, tpl_val
             memcpy(out->u.list.items + a->u.list.n, b->u.list.items, b->u.list.n * sizeof(tpl_value_t *));
             return out;
         }
+    }
+    if (op == OP_MOD && a->kind == TV_STR) { /* "%s and %d" % (x, 3) */
+        return tpl_percent(r, at, a, b);
     }
     if (op == OP_MUL) {
         if ((a->kind == TV_STR || a->kind == TV_LIST) && (b->kind == TV_INT || b->kind == TV_BOOL)) {
@@ -841,15 +846,28 @@ static tpl_value_t *eval(tpl_render_t *r, const tpl_node_t *e)
 
 /* ------------------------------------------------------------------ calls */
 
-static tpl_value_t *call_macro(tpl_render_t *r, const tpl_node_t *at, const tpl_node_t *m, tpl_value_t **args,
-                               size_t n, const char **kwnames)
+static tpl_value_t *loop_again(tpl_render_t *r, const tpl_node_t *at, const tpl_loop_t *l, tpl_value_t *it);
+static void emit_value(tpl_render_t *r, const tpl_node_t *at, const tpl_value_t *v);
+
+/* A macro's body rendered with its arguments: in a scope over the globals, or for a call block's
+ * caller over the scope of the call site; the macro a call block calls gets the caller as caller. */
+static tpl_value_t *call_macro(tpl_render_t *r, const tpl_node_t *at, const tpl_value_t *fn,
+                               tpl_value_t **args, size_t n, const char **kwnames)
 {
+    const tpl_node_t *m = fn->u.macro.node;
     if (r->call_depth >= r->lim.max_call_depth) {
         return tpl_fail(r, at, "macro calls nest deeper than %d", r->lim.max_call_depth);
     }
-    scope_t *s = scope_new(r, r->root);
+    scope_t *s = scope_new(r, fn->u.macro.closure != NULL ? fn->u.macro.closure : r->root);
     if (s == NULL) {
         return NULL;
+    }
+    if (r->caller != NULL && at == r->caller_at) {
+        tpl_value_t *c = r->caller;
+        r->caller = NULL; /* for this call only, not for calls its arguments made */
+        if (!scope_set(r, s, "caller", c)) {
+            return NULL;
+        }
     }
     size_t npos = 0;
     for (size_t i = 0; i < n; i++) {
@@ -915,7 +933,15 @@ tpl_value_t *tpl_call_value(tpl_render_t *r, const tpl_node_t *at, tpl_value_t *
                             size_t n_args, const char **kwnames)
 {
     switch (fn->kind) {
-    case TV_MACRO: return call_macro(r, at, fn->u.macro, args, n_args, kwnames);
+    case TV_MACRO: return call_macro(r, at, fn, args, n_args, kwnames);
+    case TV_LOOP:
+        if (fn->u.loop->recursive != NULL && n_args == 1 && (kwnames == NULL || kwnames[0] == NULL)) {
+            return loop_again(r, at, fn->u.loop, args[0]);
+        }
+        return tpl_fail(r, at, "%s",
+                        fn->u.loop->recursive != NULL ? "loop() takes one iterable"
+                                                      : "the loop is not recursive: loop() is "
+                                                        "callable only in a 'for ... recursive' loop");
     case TV_FUNC:
     case TV_METHOD: return tpl_call_builtin(r, at, fn->u.fn.name, fn->u.fn.self, args, n_args, kwnames);
     case TV_UNDEF: return undefined_error(r, at, fn);
@@ -986,14 +1012,9 @@ static bool bind_targets(tpl_render_t *r, const tpl_node_t *at, scope_t *s, cons
     return true;
 }
 
-static void exec_for(tpl_render_t *r, const tpl_node_t *st)
+/* The for loop st over items (its filter, body, else) in scope outer, at recursion depth depth0. */
+static void run_for(tpl_render_t *r, const tpl_node_t *st, tpl_value_t *items, scope_t *outer, int64_t depth0)
 {
-    tpl_value_t *it = eval(r, st->a);
-    tpl_value_t *items = it != NULL ? iterable_items(r, st, it) : NULL;
-    if (items == NULL) {
-        return;
-    }
-    scope_t *outer = r->scope;
     if (st->d != NULL) { /* the loop filter runs before the loop (loop.length counts kept items) */
         tpl_value_t *kept = tv_list(r, items->u.list.n);
         if (kept == NULL) {
@@ -1005,9 +1026,10 @@ static void exec_for(tpl_render_t *r, const tpl_node_t *st)
             if (s == NULL || !bind_targets(r, st, s, st->names, st->n_names, items->u.list.items[i])) {
                 return;
             }
+            scope_t *saved = r->scope;
             r->scope = s;
             tpl_value_t *c = eval(r, st->d);
-            r->scope = outer;
+            r->scope = saved;
             if (c == NULL) {
                 return;
             }
@@ -1018,6 +1040,7 @@ static void exec_for(tpl_render_t *r, const tpl_node_t *st)
         kept->u.list.n = k;
         items = kept;
     }
+    scope_t *saved = r->scope;
     size_t n = items->u.list.n;
     for (size_t i = 0; i < n && !r->failed; i++) {
         if (!tpl_step(r, st)) {
@@ -1030,19 +1053,23 @@ static void exec_for(tpl_render_t *r, const tpl_node_t *st)
             return;
         }
         memset(lv, 0, sizeof(*lv));
+        memset(loop, 0, sizeof(*loop));
         lv->kind = TV_LOOP;
         lv->u.loop = loop;
         loop->index0 = (int64_t)i;
         loop->length = (int64_t)n;
         loop->prev = i > 0 ? items->u.list.items[i - 1] : NULL;
         loop->next = i + 1 < n ? items->u.list.items[i + 1] : NULL;
+        loop->depth0 = depth0;
+        loop->recursive = st->neg ? st : NULL;
+        loop->outer = outer;
         if (!scope_set(r, s, "loop", lv) ||
             !bind_targets(r, st, s, st->names, st->n_names, items->u.list.items[i])) {
             return;
         }
         r->scope = s;
         exec_body(r, st->b);
-        r->scope = outer;
+        r->scope = saved;
         int ctl = r->loop_ctl;
         r->loop_ctl = 0;
         if (ctl == 1) {
@@ -1051,6 +1078,63 @@ static void exec_for(tpl_render_t *r, const tpl_node_t *st)
     }
     if (n == 0 && st->c != NULL) {
         exec_body(r, st->c);
+    }
+}
+
+static void exec_for(tpl_render_t *r, const tpl_node_t *st)
+{
+    tpl_value_t *it = eval(r, st->a);
+    tpl_value_t *items = it != NULL ? iterable_items(r, st, it) : NULL;
+    if (items != NULL) {
+        run_for(r, st, items, r->scope, 0);
+    }
+}
+
+/* loop(items) in a recursive for loop: its body over items one level deeper, as a string. */
+static tpl_value_t *loop_again(tpl_render_t *r, const tpl_node_t *at, const tpl_loop_t *l, tpl_value_t *it)
+{
+    if (r->call_depth >= r->lim.max_call_depth) {
+        return tpl_fail(r, at, "recursive loops nest deeper than %d", r->lim.max_call_depth);
+    }
+    tpl_value_t *items = iterable_items(r, at, it);
+    if (items == NULL) {
+        return NULL;
+    }
+    tpl_buf_t *saved_out = r->out;
+    tpl_buf_t body = {0};
+    r->out = &body;
+    r->call_depth++;
+    int saved_ctl = r->loop_ctl;
+    r->loop_ctl = 0;
+    run_for(r, l->recursive, items, l->outer, l->depth0 + 1);
+    r->loop_ctl = saved_ctl;
+    r->call_depth--;
+    r->out = saved_out;
+    tpl_value_t *res = r->failed ? NULL : tv_str(r, body.p != NULL ? body.p : "", body.n);
+    tb_free(&body);
+    return res;
+}
+
+/* {% call %}: the macro call with caller() bound to the block (rendered in this scope), written out. */
+static void exec_call_block(tpl_render_t *r, const tpl_node_t *st)
+{
+    tpl_value_t *c = tpl_alloc(r, sizeof(tpl_value_t));
+    if (c == NULL) {
+        return;
+    }
+    memset(c, 0, sizeof(*c));
+    c->kind = TV_MACRO;
+    c->u.macro.node = st->c;
+    c->u.macro.closure = r->scope;
+    tpl_value_t *saved = r->caller;
+    const tpl_node_t *saved_at = r->caller_at;
+    r->caller = c;
+    r->caller_at = st->a;
+    tpl_value_t *v = eval(r, st->a);
+    r->caller = saved;
+    r->caller_at = saved_at;
+    if (v != NULL) {
+        emit_value(r, st, v);
     }
 }
 
@@ -1205,12 +1289,13 @@ static void exec_body(tpl_render_t *r, const tpl_node_t *body)
             if (m != NULL) {
                 memset(m, 0, sizeof(*m));
                 m->kind = TV_MACRO;
-                m->u.macro = st;
+                m->u.macro.node = st;
                 scope_set(r, r->scope, st->s, m);
             }
             break;
         }
         case ND_WITH: exec_with(r, st); break;
+        case ND_CALL_BLOCK: exec_call_block(r, st); break;
         case ND_FILTER_BLOCK: exec_filter_block(r, st); break;
         case ND_BREAK: r->loop_ctl = 1; break;
         case ND_CONTINUE: r->loop_ctl = 2; break;

@@ -873,8 +873,9 @@ static tpl_node_t *parse_for(parser_t *P, const tpl_token_t *at)
             return NULL;
         }
     }
-    if (is_name(peek(P), "recursive")) {
-        return fail(P, peek(P), "recursive loops are not supported");
+    if (is_name(peek(P), "recursive")) { /* loop(items) renders the body over items, one level deeper */
+        next(P);
+        nd->neg = true;
     }
     if (!end_tag(P)) {
         return NULL;
@@ -953,6 +954,9 @@ static tpl_node_t *parse_set(parser_t *P, const tpl_token_t *at)
     return nd->a != NULL && end_tag(P) ? nd : NULL;
 }
 
+/* A macro's parameter list after its '(' (names, defaults in kids) into nd, through the ')'. */
+static bool parse_params(parser_t *P, tpl_node_t *nd);
+
 static tpl_node_t *parse_macro(parser_t *P, const tpl_token_t *at)
 {
     tpl_node_t *nd = node(P, ND_MACRO, at);
@@ -961,52 +965,100 @@ static tpl_node_t *parse_macro(parser_t *P, const tpl_token_t *at)
         return nd != NULL ? fail(P, name, "expected a macro name") : NULL;
     }
     nd->s = name->text;
-    if (!expect_op(P, "(")) {
+    if (!expect_op(P, "(") || !parse_params(P, nd) || !end_tag(P)) {
         return NULL;
     }
-    nlist_t l = {0};
-    bool default_seen = false;
-    while (!is_op(peek(P), ")")) {
-        if (l.n > 0 && !expect_op(P, ",")) {
-            nl_drop(&l);
-            return NULL;
-        }
-        const tpl_token_t *p = next(P);
-        if (p->kind != TK_NAME) {
-            nl_drop(&l);
-            return fail(P, p, "expected a parameter name");
-        }
-        tpl_node_t *def = NULL;
-        if (is_op(peek(P), "=")) {
-            next(P);
-            if ((def = parse_expr(P)) == NULL) {
-                nl_drop(&l);
-                return NULL;
-            }
-            default_seen = true;
-        } else if (default_seen) {
-            nl_drop(&l);
-            return fail(P, p, "parameter without a default after one with a default");
-        }
-        if (!nl_push(&l, def, p->text)) {
-            nl_drop(&l);
-            P->st = PD_ERR_NO_MEMORY;
-            return NULL;
-        }
-    }
-    next(P);
-    size_t n = l.n;
-    if (!nl_finish(P, &l, nd, true) || !end_tag(P)) {
-        return NULL;
-    }
-    nd->names = nd->kwnames;
-    nd->n_names = n;
     static const char *const ends[] = {"endmacro", NULL};
     const char *ended = NULL;
     if ((nd->b = parse_body(P, ends, &ended)) == NULL) {
         return NULL;
     }
     return end_tag(P) ? nd : NULL;
+}
+
+/* {% call(params) macro(args) %} body {% endcall %}: the macro's caller() renders body. */
+static tpl_node_t *parse_call_block(parser_t *P, const tpl_token_t *at)
+{
+    tpl_node_t *nd = node(P, ND_CALL_BLOCK, at);
+    tpl_node_t *caller = node(P, ND_MACRO, at);
+    if (nd == NULL || caller == NULL) {
+        return NULL;
+    }
+    caller->s = "caller";
+    if (is_op(peek(P), "(")) {
+        next(P);
+        if (!parse_params(P, caller)) {
+            return NULL;
+        }
+    } else {
+        nlist_t l = {0};
+        if (!nl_finish(P, &l, caller, true)) {
+            return NULL;
+        }
+        caller->names = caller->kwnames;
+        caller->n_names = 0;
+    }
+    const tpl_token_t *ct = peek(P);
+    if ((nd->a = parse_expr(P)) == NULL) {
+        return NULL;
+    }
+    if (nd->a->kind != ND_CALL) {
+        return fail(P, ct, "a call block needs a macro call");
+    }
+    if (!end_tag(P)) {
+        return NULL;
+    }
+    static const char *const ends[] = {"endcall", NULL};
+    const char *ended = NULL;
+    if ((caller->b = parse_body(P, ends, &ended)) == NULL) {
+        return NULL;
+    }
+    nd->c = caller;
+    return end_tag(P) ? nd : NULL;
+}
+
+static bool parse_params(parser_t *P, tpl_node_t *nd)
+{
+    nlist_t l = {0};
+    bool default_seen = false;
+    while (!is_op(peek(P), ")")) {
+        if (l.n > 0 && !expect_op(P, ",")) {
+            nl_drop(&l);
+            return false;
+        }
+        const tpl_token_t *p = next(P);
+        if (p->kind != TK_NAME) {
+            nl_drop(&l);
+            fail(P, p, "expected a parameter name");
+            return false;
+        }
+        tpl_node_t *def = NULL;
+        if (is_op(peek(P), "=")) {
+            next(P);
+            if ((def = parse_expr(P)) == NULL) {
+                nl_drop(&l);
+                return false;
+            }
+            default_seen = true;
+        } else if (default_seen) {
+            nl_drop(&l);
+            fail(P, p, "parameter without a default after one with a default");
+            return false;
+        }
+        if (!nl_push(&l, def, p->text)) {
+            nl_drop(&l);
+            P->st = PD_ERR_NO_MEMORY;
+            return false;
+        }
+    }
+    next(P);
+    size_t n = l.n;
+    if (!nl_finish(P, &l, nd, true)) {
+        return false;
+    }
+    nd->names = nd->kwnames;
+    nd->n_names = n;
+    return true;
 }
 
 /* {% with a = x, b = y %} ... {% endwith %} */
@@ -1113,6 +1165,9 @@ static tpl_node_t *parse_statement(parser_t *P, const tpl_token_t *kw)
     }
     if (strcmp(k, "with") == 0) {
         return parse_with(P, kw);
+    }
+    if (strcmp(k, "call") == 0) {
+        return parse_call_block(P, kw);
     }
     if (strcmp(k, "filter") == 0) {
         return parse_filter_block(P, kw);

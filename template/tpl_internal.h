@@ -56,6 +56,7 @@ typedef enum nd_kind {
     ND_BREAK,
     ND_CONTINUE,
     ND_WITH,         /* names[n_names] = kids[i] (evaluated outside), b = body in a scope of its own */
+    ND_CALL_BLOCK,   /* a = the macro call, c = the caller (an ND_MACRO named "caller": params, body) */
     ND_FILTER_BLOCK, /* b = body; a = the filter chain, whose innermost input is TPL_FILTER_BODY */
     /* expressions */
     ND_LITERAL, /* v */
@@ -158,6 +159,9 @@ typedef struct tpl_dict {
 typedef struct tpl_loop {
     int64_t index0, length;
     tpl_value_t *prev, *next;
+    int64_t depth0;              /* recursive loops: 0 at the top, +1 per loop(...) call */
+    const tpl_node_t *recursive; /* the {% for ... recursive %} node (callable: loop(items)), or NULL */
+    struct scope *outer;         /* the scope the loop runs in */
 } tpl_loop_t;
 
 struct tpl_value {
@@ -176,7 +180,10 @@ struct tpl_value {
             size_t n;
         } list;
         tpl_dict_t *dict; /* DICT, NS */
-        const tpl_node_t *macro;
+        struct {
+            const tpl_node_t *node;
+            struct scope *closure; /* the scope a call block's caller renders in (NULL: globals) */
+        } macro;
         struct {
             const char *name;
             tpl_value_t *self;
@@ -249,6 +256,8 @@ tpl_value_t *tpl_call_value(tpl_render_t *r, const tpl_node_t *at, tpl_value_t *
 int tpl_order(const tpl_value_t *a, const tpl_value_t *b);
 /* The items a for loop walks (list items, dict keys, string characters; undefined: none). */
 tpl_value_t *tpl_iterable(tpl_render_t *r, const tpl_node_t *at, tpl_value_t *v);
+/* Python's fmt % arg: printf-style with a tuple's items, or arg alone (the format filter's rules). */
+tpl_value_t *tpl_percent(tpl_render_t *r, const tpl_node_t *at, tpl_value_t *fmt, tpl_value_t *arg);
 /* Counts one unit of work; false (and the render failed) past max_steps. */
 bool tpl_step(tpl_render_t *r, const tpl_node_t *at);
 

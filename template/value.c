@@ -265,7 +265,7 @@ bool tv_equal(const tpl_value_t *a, const tpl_value_t *b)
         }
         return true;
     case TV_NS: return a->u.dict == b->u.dict;
-    case TV_MACRO: return a->u.macro == b->u.macro;
+    case TV_MACRO: return a->u.macro.node == b->u.macro.node;
     case TV_FUNC:
     case TV_METHOD: return strcmp(a->u.fn.name, b->u.fn.name) == 0 && a->u.fn.self == b->u.fn.self;
     default: return a == b;
@@ -531,7 +531,7 @@ void tv_str_into(tpl_buf_t *b, const tpl_value_t *v)
     case TV_STR: tb_put(b, v->u.str.s, v->u.str.len); return;
     case TV_MACRO:
         tb_puts(b, "<Macro '");
-        tb_puts(b, v->u.macro->s);
+        tb_puts(b, v->u.macro.node->s);
         tb_puts(b, "'>");
         return;
     case TV_FUNC:

@@ -653,6 +653,48 @@ START_TEST(test_hostile_authenticated_peer)
     ck_assert_ptr_nonnull(m.msg);
     ck_assert_int_ne(((Pd__WriteDone *)m.msg)->status, 0);
     pd_ctl_msg_free(&m);
+    /* three large legal frames in one burst (3 MB, each just under the 1 MiB frame limit) are each
+     * refused, and the peer stays (issue 51: they overflowed the reader before any was parsed and the
+     * peer was dropped for a "control stream overflow") */
+    size_t nbig = 250000;
+    uint32_t *big = malloc(nbig * sizeof(uint32_t));
+    for (size_t i = 0; i < nbig; i++) {
+        big[i] = 3000000 + (uint32_t)i; /* 4-byte varints, outside any cache */
+    }
+    Pd__Reservation brv = PD__RESERVATION__INIT;
+    brv.request_id = "x-big";
+    brv.block_ids = big;
+    brv.n_block_ids = nbig;
+    uint8_t *burst = NULL;
+    size_t burst_len = 0;
+    for (int k = 0; k < 3; k++) {
+        uint8_t *f = NULL;
+        size_t fl = 0;
+        ck_assert_int_eq(pd_ctl_encode(PD_MSG_RESERVATION, &brv.base, &f, &fl), PD_OK);
+        ck_assert_uint_lt(fl, PD_CTL_DEFAULT_MAX_FRAME);
+        burst = realloc(burst, burst_len + fl);
+        memcpy(burst + burst_len, f, fl);
+        burst_len += fl;
+        free(f);
+    }
+    for (size_t off = 0; off < burst_len;) {
+        ssize_t w = write(r.fd, burst + off, burst_len - off);
+        ck_assert_int_gt(w, 0);
+        off += (size_t)w;
+    }
+    free(burst), free(big);
+    for (int k = 0; k < 3; k++) {
+        pd_ctl_msg_t bm = rogue_expect(&r, PD_MSG_WRITE_DONE, 3000);
+        ck_assert_msg(bm.msg != NULL, "large reservation %d: no answer (the peer was dropped?)", k);
+        ck_assert_int_ne(((Pd__WriteDone *)bm.msg)->status, 0);
+        pd_ctl_msg_free(&bm);
+    }
+    Pd__ReadDone still = PD__READ_DONE__INIT; /* and the connection still answers */
+    still.request_id = "no-such-request";
+    ck_assert_int_eq(pd_ctl_send(r.fd, PD_MSG_READ_DONE, &still.base, 500), PD_OK);
+    pd_ctl_msg_t sm = rogue_expect(&r, PD_MSG_TRANSFER_ACK, 2000);
+    ck_assert_ptr_nonnull(sm.msg);
+    pd_ctl_msg_free(&sm);
     ck_assert(!wait_finished(&p, "req-p", true, 0.2, NULL)); /* still held */
     ck_assert_int_eq((int)metric(&p, "pd:kv_reservations"), 0);
     /* the real decode reads it intact */

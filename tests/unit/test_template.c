@@ -211,6 +211,15 @@ START_TEST(test_render_errors_name_the_problem)
     ck_assert_int_eq(render_str("{{ 2 ** 64 }}", NULL, NULL, &out, &err), PD_ERR_INVALID_ARG);
     pd_template_t *big = NULL;
     ck_assert_int_eq(pd_template_parse("{{ 99999999999999999999 }}", 26, &big, &err), PD_ERR_PARSE);
+    /* Python's % formatting: arguments left over or missing are errors */
+    ck_assert_int_eq(render_str("{{ '%s' % (1, 2) }}", NULL, NULL, &out, &err), PD_ERR_INVALID_ARG);
+    ck_assert_ptr_nonnull(strstr(err.message, "not all arguments converted"));
+    ck_assert_int_eq(render_str("{{ '%s %s' % ('a',) }}", NULL, NULL, &out, &err), PD_ERR_INVALID_ARG);
+    /* loop() outside a recursive loop, and a call block around something that is not a call */
+    ck_assert_int_eq(render_str("{% for x in [1] %}{{ loop([2]) }}{% endfor %}", NULL, NULL, &out, &err),
+                     PD_ERR_INVALID_ARG);
+    ck_assert_ptr_nonnull(strstr(err.message, "not recursive"));
+    ck_assert_int_eq(pd_template_parse("{% call 3 %}x{% endcall %}", 26, &big, &err), PD_ERR_PARSE);
     /* undefined prints empty, a NUL byte survives */
     ck_assert_int_eq(render_str("[{{ missing }}]{{ s }}", "{\"s\": \"a\\u0000b\"}", NULL, &out, &err), PD_OK);
     ck_assert_mem_eq(out, "[]a\0b", 6);
