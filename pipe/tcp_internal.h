@@ -142,6 +142,8 @@ struct pd_pipe_peer {
     uint8_t session[PD_PIPE_SESSION_BYTES]; /* from connect: what its data connection's HELLO is MACed with */
     bool released;             /* the user gave it up: the rx thread frees it once nothing uses it */
     pd_list_link_t unexpected; /* unexpected_t, in arrival order */
+    double tx_blocked_since;   /* sender thread: when its socket stopped taking its queued bytes (0: it
+                                * takes them); past TCP_SEND_STALL_S the peer is dropped */
     size_t unexpected_bytes;   /* their headers and payloads: at most the pipe's max_msg, one
                                 * message's worth (past it the peer is dropped: it sends what nobody
                                 * asks for; issue 51 held +196 MiB that way) */
@@ -157,6 +159,10 @@ typedef struct job {
     op_t *complete_on_send; /* OP_SEND */
     pd_list_link_t link;
 } job_t;
+
+/* Seconds a peer's socket may take none of the bytes queued for it before the peer is dropped (it
+ * stopped reading; the other peers' sends go on meanwhile). */
+#define TCP_SEND_STALL_S 30.0
 
 typedef struct tcp_pipe {
     pd_pipe_t base;

@@ -297,38 +297,86 @@ void tcpi_tune_socket(int fd)
 
 /* ------------------------------------------------------------------ sender thread */
 
+/* The sender thread: the queued jobs in order per peer, each written without blocking, so a peer
+ * whose socket takes nothing (it stopped reading) delays only its own jobs (issue 51: one such peer
+ * held the single sender and every other peer's transfers); while every job left waits on a full
+ * socket, it polls those sockets (5 ms at a time, so new jobs for other peers are not kept waiting
+ * long). A peer whose socket takes nothing for TCP_SEND_STALL_S is dropped. */
 void *tcpi_tx_main(void *arg)
 {
+    enum { MAX_BLOCKED = 64 };
     tcp_pipe_t *t = arg;
     pthread_mutex_lock(&t->mu);
-    for (;;) {
-        while (!t->stop && pd_list_is_empty(&t->jobs)) {
+    while (!t->stop) {
+        if (pd_list_is_empty(&t->jobs)) {
             pthread_cond_wait(&t->tx_cv, &t->mu);
+            continue;
         }
-        if (t->stop) {
-            break;
-        }
-        job_t *j = pd_list_pop_head(&t->jobs, job_t, link);
-        pd_pipe_peer_t *peer = j->peer;
-        int fd = peer->out_fd;
-        bool dead = peer->dead || fd < 0;
-        t->tx_busy = true;
-        t->tx_peer = peer;
-        pthread_mutex_unlock(&t->mu);
-        int rc = dead ? -1 : tcpi_writev_full(fd, j->iov + j->first, j->niov - j->first);
-        pthread_mutex_lock(&t->mu);
-        t->tx_busy = false;
-        t->tx_peer = NULL;
-        tcpi_reap_fds(t, peer); /* it died while we wrote */
-        if (rc != 0) {
-            tcpi_mark_dead(t, peer, PD_ERR_PEER_GONE);
-            if (j->complete_on_send != NULL) {
-                tcpi_complete_op(t, j->complete_on_send, PD_ERR_PEER_GONE, 0, 0);
+        pd_pipe_peer_t *bpeer[MAX_BLOCKED];
+        struct pollfd bfd[MAX_BLOCKED];
+        int nb = 0;
+        job_t *j, *tmp;
+        pd_list_for_each_safe (j, tmp, &t->jobs, link) {
+            pd_pipe_peer_t *peer = j->peer;
+            bool later = false; /* an earlier job of this peer is waiting: keep the order */
+            for (int k = 0; k < nb && !later; k++) {
+                later = bpeer[k] == peer;
             }
-        } else if (j->complete_on_send != NULL) {
-            tcpi_complete_op(t, j->complete_on_send, PD_OK, 0, 0);
+            if (later) {
+                continue;
+            }
+            int fd = peer->out_fd, rc = -1;
+            if (!peer->dead && fd >= 0) {
+                t->tx_busy = true;
+                t->tx_peer = peer;
+                pthread_mutex_unlock(&t->mu);
+                rc = write_some(fd, j);
+                pthread_mutex_lock(&t->mu);
+                t->tx_busy = false;
+                t->tx_peer = NULL;
+                tcpi_reap_fds(t, peer); /* it died while we wrote */
+            }
+            double now = pd_time_now_s();
+            if (rc == 0 && peer->tx_blocked_since > 0 && now - peer->tx_blocked_since > TCP_SEND_STALL_S) {
+                pd_log_warn("tcp pipe: peer %016llx took none of its queued bytes for %.0f s; dropping it",
+                            (unsigned long long)peer->id, TCP_SEND_STALL_S);
+                rc = -1;
+            }
+            if (rc == 0) {
+                if (peer->tx_blocked_since == 0) {
+                    peer->tx_blocked_since = now;
+                }
+                if (nb < MAX_BLOCKED) {
+                    bpeer[nb] = peer;
+                    bfd[nb] = (struct pollfd){fd, POLLOUT, 0};
+                    nb++;
+                }
+                continue;
+            }
+            peer->tx_blocked_since = 0;
+            pd_list_del(&j->link);
+            if (rc < 0) {
+                tcpi_mark_dead(t, peer, PD_ERR_PEER_GONE);
+            }
+            if (j->complete_on_send != NULL) {
+                tcpi_complete_op(t, j->complete_on_send, rc > 0 ? PD_OK : PD_ERR_PEER_GONE, 0, 0);
+            }
+            tcpi_job_free(j);
         }
-        tcpi_job_free(j);
+        bool runnable = false; /* a job of a peer whose socket was not full */
+        pd_list_for_each (j, &t->jobs, link) {
+            bool blocked = false;
+            for (int k = 0; k < nb && !blocked; k++) {
+                blocked = bpeer[k] == j->peer;
+            }
+            runnable |= !blocked;
+        }
+        if (nb > 0 && !runnable && !t->stop) {
+            /* (a socket closed meanwhile only wakes the poll: nothing is written without mu) */
+            pthread_mutex_unlock(&t->mu);
+            poll(bfd, (nfds_t)nb, 5);
+            pthread_mutex_lock(&t->mu);
+        }
     }
     pthread_mutex_unlock(&t->mu);
     return NULL;

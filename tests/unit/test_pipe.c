@@ -1014,6 +1014,76 @@ START_TEST(test_unexpected_tensors_bounded)
 }
 END_TEST
 
+/* tcp: a peer that stops reading (a process stopped with SIGSTOP, here a child that made a pipe and
+ * stopped itself) delays only its own sends: 64 MiB queued to it fill its socket, and a small tensor to
+ * another peer still arrives at once (issue 51: the single sender thread blocked on the full socket and
+ * every other peer's transfers waited: a legitimate decode's 6 requests took 40.6 s). */
+START_TEST(test_stalled_peer_delays_only_itself)
+{
+    int addr_pipe[2];
+    ck_assert_int_eq(pipe(addr_pipe), 0);
+    pid_t child = fork();
+    if (child == 0) {
+        pd_pipe_config_t cc;
+        memset(&cc, 0, sizeof(cc));
+        cc.kind = "tcp";
+        pd_pipe_t *b = NULL;
+        if (pd_pipe_create(&cc, &b) != PD_OK) {
+            _exit(1);
+        }
+        uint8_t ba[PD_PIPE_ADDR_MAX];
+        size_t bl = sizeof(ba);
+        b->ops->address(b, ba, &bl);
+        if (write(addr_pipe[1], &bl, sizeof(bl)) != (ssize_t)sizeof(bl) ||
+            write(addr_pipe[1], ba, bl) != (ssize_t)bl) {
+            _exit(1);
+        }
+        raise(SIGSTOP); /* reads nothing from now on */
+        _exit(0);
+    }
+    ck_assert_int_gt(child, 0);
+    size_t bl = 0;
+    uint8_t ba[PD_PIPE_ADDR_MAX];
+    ck_assert_int_eq(read(addr_pipe[0], &bl, sizeof(bl)), (ssize_t)sizeof(bl));
+    ck_assert_int_eq(read(addr_pipe[0], ba, bl), (ssize_t)bl);
+    int st = 0;
+    ck_assert_int_eq(waitpid(child, &st, WUNTRACED), child); /* stopped */
+    pd_pipe_config_t c;
+    memset(&c, 0, sizeof(c));
+    c.kind = "tcp";
+    pd_pipe_t *a = NULL, *cp = NULL;
+    ck_assert_int_eq(pd_pipe_create(&c, &a), PD_OK);
+    ck_assert_int_eq(pd_pipe_create(&c, &cp), PD_OK);
+    pd_pipe_peer_t *ab = NULL, *ac, *ca;
+    ck_assert_int_eq(a->ops->connect(a, ba, bl, SESSION, &ab), PD_OK);
+    link2(a, cp, &ac, &ca);
+    size_t big = 64u << 20;
+    uint8_t *payload = calloc(1, big), hdr[8] = {0};
+    counter_t to_b = {0, 0, PD_OK}, to_c = {0, 0, PD_OK};
+    ck_assert_int_eq(a->ops->send_tensor(a, ab, 1, hdr, sizeof(hdr), payload, big, on_done, &to_b), PD_OK);
+    usleep(100 * 1000); /* the sender is on it: the stopped peer's socket fills */
+    recv_state_t rs = {0, PD_OK, 0, 0, 0};
+    uint8_t small[64] = {7}, hr[16], pr[64];
+    ck_assert_int_eq(cp->ops->recv_tensor(cp, ca, 2, hr, sizeof(hr), pr, sizeof(pr), on_recv, &rs), PD_OK);
+    double t0 = pd_time_now_s();
+    ck_assert_int_eq(a->ops->send_tensor(a, ac, 2, hdr, sizeof(hdr), small, sizeof(small), on_done, &to_c),
+                     PD_OK);
+    while ((rs.done == 0 || to_c.done == 0) && pd_time_now_s() - t0 < 5) {
+        pd_pipe_progress(a);
+        pd_pipe_progress(cp);
+    }
+    ck_assert_msg(rs.done == 1 && rs.st == PD_OK, "the other peer's tensor did not arrive in 5 s");
+    ck_assert_msg(pd_time_now_s() - t0 < 1.0, "the other peer's tensor took %.2f s", pd_time_now_s() - t0);
+    ck_assert_int_eq(to_b.done, 0); /* still waiting for the stopped peer */
+    kill(child, SIGKILL);
+    waitpid(child, NULL, 0);
+    pd_pipe_destroy(a); /* the queued send ends cancelled */
+    pd_pipe_destroy(cp);
+    free(payload);
+    close(addr_pipe[0]), close(addr_pipe[1]);
+}
+END_TEST
+
 START_TEST(test_coalesce)
 {
     pd_page_xfer_t in[6] = {{8192, 4096, 4096},   {0, 0, 4096},  {4096, 8192, 4096},
@@ -1079,6 +1149,7 @@ int main(void)
     tcase_set_timeout(tc, 600);
     tcase_add_test(tc, test_coalesce);
     tcase_add_test(tc, test_unexpected_tensors_bounded);
+    tcase_add_test(tc, test_stalled_peer_delays_only_itself);
     tcase_add_loop_test(tc, test_tensors, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_random_pages, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_in_flight_and_two_peers, 0, NUM_BACKENDS);
