@@ -150,15 +150,33 @@ pd_status_t pd_http_guard_create(struct event_base *base, struct evhttp *http, d
     return PD_OK;
 }
 
-void pd_http_guard_request(pd_http_guard_t *g, struct evhttp_request *req)
+/* The entry of req's connection, or NULL (untracked). */
+static guard_conn_t *entry_of(pd_http_guard_t *g, struct evhttp_request *req)
 {
     struct evhttp_connection *conn = evhttp_request_get_connection(req);
     struct bufferevent *bev = conn != NULL ? evhttp_connection_get_bufferevent(conn) : NULL;
     for (size_t i = g->num; bev != NULL && i-- > 0;) { /* newest first: the usual case */
         if (g->conns[i].bev == bev) {
-            g->conns[i].served = true;
-            return;
+            return &g->conns[i];
         }
+    }
+    return NULL;
+}
+
+void pd_http_guard_request(pd_http_guard_t *g, struct evhttp_request *req)
+{
+    guard_conn_t *c = entry_of(g, req);
+    if (c != NULL) {
+        c->served = true;
+    }
+}
+
+void pd_http_guard_reply_done(pd_http_guard_t *g, struct evhttp_request *req)
+{
+    guard_conn_t *c = entry_of(g, req);
+    if (c != NULL) {
+        c->served = false; /* waiting for its next request, from now */
+        c->since = pd_time_now_s();
     }
 }
 

@@ -9,9 +9,9 @@
  *   - keeps at most max_conns connections: past that, the oldest one still waiting for its first
  *     request is closed first (connections that delivered a request are never dropped for room).
  * A closed connection's fd is released at the next sweep (0.1 s), not at once (http_guard.c says why).
- * A connection that delivered a request is left to evhttp (and its owner) from then on: a client
- * holding a keep-alive connection to dribble its second request is not caught (the owner cannot
- * tell the guard when a reply is done without taking the request's on-complete callback).
+ * While a request is being served its connection is exempt; once the owner reports the reply written
+ * (pd_http_guard_reply_done) it waits under the deadline again, so a client that sends one request
+ * quickly and dribbles the next on the same keep-alive connection is closed as well.
  * Loop thread only. The server and pd-proxy use it (`--http-request-timeout`,
  * `--http-max-connections`). */
 #ifndef PD_COMMON_HTTP_GUARD_H
@@ -36,6 +36,11 @@ pd_status_t pd_http_guard_create(struct event_base *base, struct evhttp *http, d
 
 /* The owner's request callback calls this first: req's connection delivered a whole request. */
 void pd_http_guard_request(pd_http_guard_t *g, struct evhttp_request *req);
+
+/* req's reply is written out (its on-complete callback): its connection waits for its next request
+ * from now on, under the same deadline as a new one (an idle keep-alive connection is closed after
+ * request_timeout_s, as uvicorn closes one after its keep-alive timeout). */
+void pd_http_guard_reply_done(pd_http_guard_t *g, struct evhttp_request *req);
 
 /* Connections open now, and those closed by the guard so far (deadline, cap). */
 int pd_http_guard_open(const pd_http_guard_t *g);

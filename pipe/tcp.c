@@ -340,7 +340,9 @@ static pd_status_t tcp_connect(pd_pipe_t *p, const uint8_t *addr, size_t len, co
         return PD_ERR_PEER_GONE;
     }
     pthread_mutex_lock(&t->mu);
-    pd_pipe_peer_t *peer = tcpi_peer_by_id(t, (uint64_t)id, true);
+    /* a record per (id, session): another peer claiming this id (issue 51: it locked the real one
+     * out) has its own record, and each HELLO is matched by its MAC */
+    pd_pipe_peer_t *peer = tcpi_peer_by_id(t, (uint64_t)id, key, true);
     if (peer == NULL || peer->out_fd >= 0) {
         pthread_mutex_unlock(&t->mu);
         close(fd);

@@ -216,7 +216,10 @@ void tcpi_hello_mac(const uint8_t *session, uint64_t from, uint64_t to, const ui
 void tcpi_job_free(job_t *j);
 job_t *tcpi_job_new(pd_pipe_peer_t *peer, int niov, size_t owned_bytes);
 void tcpi_mark_dead(tcp_pipe_t *t, pd_pipe_peer_t *peer, pd_status_t st);
-pd_pipe_peer_t *tcpi_peer_by_id(tcp_pipe_t *t, uint64_t id, bool create);
+/* The live peer with pipe id `id` (and, session not NULL, that session secret), or a new record
+ * (create). A pipe id is only a claim: records are told apart by the session their control handshake
+ * derived, so a peer that claims another's id cannot take its place (mu held). */
+pd_pipe_peer_t *tcpi_peer_by_id(tcp_pipe_t *t, uint64_t id, const uint8_t *session, bool create);
 void tcpi_peer_free(pd_pipe_peer_t *pe);
 void tcpi_pending_drop(tcp_pipe_t *t, pending_in_t *c);
 int tcpi_read_full(int fd, void *buf, size_t n);

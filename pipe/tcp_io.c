@@ -108,11 +108,12 @@ bool tcpi_allowed(tcp_pipe_t *t, uint32_t region_id, pd_pipe_peer_t *peer, bool 
  * dead is never revived: callers may still hold it, and its operations have failed. When the
  * peer connects again (the connector's next handshake), a fresh record takes its place; dead ones
  * are freed with the pipe. */
-pd_pipe_peer_t *tcpi_peer_by_id(tcp_pipe_t *t, uint64_t id, bool create)
+pd_pipe_peer_t *tcpi_peer_by_id(tcp_pipe_t *t, uint64_t id, const uint8_t *session, bool create)
 {
     pd_pipe_peer_t *p;
     pd_list_for_each (p, &t->peers, link) {
-        if (p->id == id && !p->dead) {
+        if (p->id == id && !p->dead &&
+            (session == NULL || memcmp(p->session, session, PD_PIPE_SESSION_BYTES) == 0)) {
             return p;
         }
     }

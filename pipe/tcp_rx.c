@@ -249,11 +249,15 @@ int tcpi_rx_frame(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd)
     return rc;
 }
 
-/* fd sent HELLO h: it becomes the incoming connection of the peer h names (by pipe id). */
-static void hello_to_peer(tcp_pipe_t *t, int fd, const hdr_t *h)
+/* fd sent HELLO h, authenticated for peer (whose session its MAC matched): it becomes that peer's
+ * incoming connection, unless the peer died meanwhile. */
+static void hello_to_peer(tcp_pipe_t *t, int fd, const hdr_t *h, pd_pipe_peer_t *peer)
 {
+    (void)h;
     pthread_mutex_lock(&t->mu);
-    pd_pipe_peer_t *peer = tcpi_peer_by_id(t, h->op_id, false); /* connect made it: a HELLO creates none */
+    if (peer->dead) {
+        peer = NULL;
+    }
     if (peer != NULL && peer->in_fd >= 0 && !peer->in_used && !peer->reading) {
         /* a connection that never carried a frame, superseded: the peer connects again only after
          * declaring us dead, so the older one is its previous incarnation's (accepted late, after
@@ -343,10 +347,11 @@ static void pending_wait(tcp_pipe_t *t, pending_in_t *c)
 }
 
 /* c's HELLO (header + authentication, read into c->hello as it arrives) is usable: the magic, a
- * peer this side connected to, and a MAC under that peer's session. 1 yes (*h filled), 0 not yet
- * (more bytes to come, or the peer unknown so far: c waits), -1 drop it (garbled, unauthenticated,
- * or closed first). */
-static int hello_check(tcp_pipe_t *t, pending_in_t *c, hdr_t *h)
+ * peer this side connected to, and a MAC under that peer's session (of the live records claiming
+ * its pipe id, the one whose session the MAC matches: *peer_out). 1 yes (*h filled), 0 not yet (more
+ * bytes to come, or no such peer so far: c waits), -1 drop it (garbled, unauthenticated, or closed
+ * first). */
+static int hello_check(tcp_pipe_t *t, pending_in_t *c, hdr_t *h, pd_pipe_peer_t **peer_out)
 {
     while (c->got < sizeof(c->hello)) {
         ssize_t k = recv(c->fd, c->hello + c->got, sizeof(c->hello) - c->got, MSG_DONTWAIT);
@@ -368,13 +373,22 @@ static int hello_check(tcp_pipe_t *t, pending_in_t *c, hdr_t *h)
         return -1;
     }
     uint8_t want[32];
+    pd_pipe_peer_t *peer = NULL, *p;
+    bool claimed = false; /* a live record has this id */
     pthread_mutex_lock(&t->mu);
-    pd_pipe_peer_t *peer = tcpi_peer_by_id(t, h->op_id, false);
-    if (peer != NULL) {
-        tcpi_hello_mac(peer->session, h->op_id, t->id, buf + sizeof(*h), want);
+    pd_list_for_each (p, &t->peers, link) {
+        if (p->id != h->op_id || p->dead) {
+            continue;
+        }
+        claimed = true;
+        tcpi_hello_mac(p->session, h->op_id, t->id, buf + sizeof(*h), want);
+        if (pd_ct_equal(want, buf + sizeof(*h) + TCP_HELLO_NONCE, 32)) {
+            peer = p;
+            break;
+        }
     }
     pthread_mutex_unlock(&t->mu);
-    if (peer == NULL) {
+    if (!claimed) {
         struct pollfd pf = {c->fd, POLLRDHUP, 0};
         if (poll(&pf, 1, 0) > 0 && (pf.revents & (POLLRDHUP | POLLHUP | POLLERR))) {
             return -1; /* the dialer gave up waiting */
@@ -382,11 +396,12 @@ static int hello_check(tcp_pipe_t *t, pending_in_t *c, hdr_t *h)
         pending_wait(t, c);
         return 0;
     }
-    if (!pd_ct_equal(want, buf + sizeof(*h) + TCP_HELLO_NONCE, 32)) {
+    if (peer == NULL) {
         pd_log_warn("tcp pipe: refused a data connection claiming to be peer %016llx (wrong session proof)",
                     (unsigned long long)h->op_id);
         return -1;
     }
+    *peer_out = peer;
     return 1;
 }
 
@@ -404,7 +419,8 @@ static void rx_pending(tcp_pipe_t *t, pending_in_t *c)
         return; /* dropped earlier in this batch of events */
     }
     hdr_t h;
-    int ok = hello_check(t, c, &h);
+    pd_pipe_peer_t *peer = NULL; /* records are freed on this thread only: valid through this call */
+    int ok = hello_check(t, c, &h, &peer);
     if (ok <= 0) {
         if (ok < 0) {
             tcpi_pending_drop(t, c);
@@ -412,8 +428,7 @@ static void rx_pending(tcp_pipe_t *t, pending_in_t *c)
         return;
     }
     pthread_mutex_lock(&t->mu);
-    pd_pipe_peer_t *peer = tcpi_peer_by_id(t, h.op_id, false);
-    bool wait = peer != NULL && peer->in_fd >= 0 && !peer->in_used && peer->reading;
+    bool wait = !peer->dead && peer->in_fd >= 0 && !peer->in_used && peer->reading;
     pthread_mutex_unlock(&t->mu);
     if (wait) {
         /* the peer's earlier, unused connection (a previous incarnation's) is being read this
@@ -434,7 +449,7 @@ static void rx_pending(tcp_pipe_t *t, pending_in_t *c)
     t->num_pending--;
     epoll_ctl(t->epfd, EPOLL_CTL_DEL, fd, NULL);
     free(c);
-    hello_to_peer(t, fd, &h);
+    hello_to_peer(t, fd, &h, peer);
 }
 
 /* connect added a peer: pending connections that waited for one look again. */

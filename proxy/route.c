@@ -651,10 +651,18 @@ static void handle_metrics(proxy_t *px, struct evhttp_request *req)
     free(text);
 }
 
+/* A client's reply is written out: its connection waits for its next request (http_guard.h). */
+static void on_reply_written(struct evhttp_request *req, void *arg)
+{
+    proxy_t *px = arg;
+    pd_http_guard_reply_done(px->guard, req);
+}
+
 void px_on_request(struct evhttp_request *req, void *arg)
 {
     proxy_t *px = arg;
     pd_http_guard_request(px->guard, req); /* a whole request arrived on its connection */
+    evhttp_request_set_on_complete_cb(req, on_reply_written, px);
     pd_http_no_delay(req);
     const struct evhttp_uri *uri = evhttp_request_get_evhttp_uri(req);
     const char *path = uri != NULL ? evhttp_uri_get_path(uri) : NULL;

@@ -85,6 +85,7 @@ static void on_reply_sent(struct evhttp_request *req, void *arg)
 {
     pd_http_server_t *s = arg;
     s->unsent--;
+    pd_http_guard_reply_done(s->guard, req); /* the connection waits for its next request now */
 }
 
 /* Every reply is counted until libevent has written it, so a drain does not exit with replies

@@ -1142,6 +1142,44 @@ START_TEST(test_dead_push_decode_region_released)
 }
 END_TEST
 
+/* A decode's open reservations may name at most twice its KV cache's blocks on a prefill (issue 51:
+ * reservations from one peer were held without bound until --kv-hold-timeout): with 32 blocks, seven
+ * reservations of 9 wait for their prefill requests, the eighth is refused at once (its load ends as
+ * load errors) and the seven still wait. */
+START_TEST(test_reservations_bounded_per_peer)
+{
+    opts_t o = {"push", PIPES[_i], NULL, 0, 0, 0};
+    node_t p, d;
+    pair_start(&p, &d, &o, NULL);
+    pd_request_t *r[8];
+    for (int i = 0; i < 8; i++) {
+        char tid[16], rid[16];
+        snprintf(tid, sizeof(tid), "r-%d", i);
+        snprintf(rid, sizeof(rid), "req-d%d", i);
+        json_t *dp = json_pack("{s:b, s:s, s:s, s:s, s:i}", "do_remote_prefill", 1, "transfer_mode", "push",
+                               "transfer_id", tid, "remote_host", "127.0.0.1", "remote_port",
+                               pd_kv_connector_port(p.c));
+        r[i] = decode_load(&d, rid, dp, D_BLOCKS);
+        if (i < 7) { /* in order: each reservation is on the prefill before the next */
+            double end = tu_now() + 2;
+            while (metric(&p, "pd:kv_reservations") < i + 1 && tu_now() < end) {
+                usleep(2000);
+            }
+            ck_assert_int_eq((int)metric(&p, "pd:kv_reservations"), i + 1);
+        }
+    }
+    int errors = 0;
+    ck_assert_msg(wait_finished(&d, "req-d7", false, 2, &errors), "the eighth reservation was not refused");
+    ck_assert_int_eq(errors, NEED);
+    ck_assert_int_eq((int)metric(&p, "pd:kv_reservations"), 7);
+    ck_assert(!wait_finished(&d, "req-d0", false, 0.1, NULL));
+    for (int i = 0; i < 8; i++) {
+        pd_request_free(r[i]);
+    }
+    pair_stop(&p, &d);
+}
+END_TEST
+
 /* vLLM's --kv-transfer-config maps onto the flags: connector names to pipes, kv_ip/kv_port to the
  * listener, extra keys to settings; a role the binary does not play, kv_both, an unknown connector,
  * key or extra key, or a wrong type is refused (nothing applied to the caller's keep). */
@@ -1219,6 +1257,7 @@ int main(void)
     tcase_add_loop_test(tc, test_push_bound_to_prompt, 0, np);
     tcase_add_loop_test(tc, test_relay_cannot_join, 0, np);
     tcase_add_loop_test(tc, test_dead_push_decode_region_released, 0, np);
+    tcase_add_loop_test(tc, test_reservations_bounded_per_peer, 0, np);
     tcase_add_loop_test(tc, test_hostile_authenticated_peer, 0, np);
     tcase_add_loop_test(tc, test_peer_deaths_leave_nothing, 0, np);
     tcase_add_loop_test(tc, test_control_listener_emfile_backoff, 0, np);

@@ -1084,6 +1084,53 @@ START_TEST(test_stalled_peer_delays_only_itself)
 }
 END_TEST
 
+/* tcp: a pipe id is a claim, not an identity. A peer that names another's pipe id with its own
+ * address and session (what a hostile control peer can make a node connect to) gets a record of its
+ * own, and the real owner of the id still connects and moves data (issue 51: the second connect was
+ * refused, locking the real prefill out). */
+START_TEST(test_pipe_id_claim_locks_nobody_out)
+{
+    pd_pipe_config_t c;
+    memset(&c, 0, sizeof(c));
+    c.kind = "tcp";
+    pd_pipe_t *a = NULL, *b = NULL, *x = NULL;
+    ck_assert_int_eq(pd_pipe_create(&c, &a), PD_OK);
+    ck_assert_int_eq(pd_pipe_create(&c, &b), PD_OK);
+    ck_assert_int_eq(pd_pipe_create(&c, &x), PD_OK);
+    char aa[PD_PIPE_ADDR_MAX + 1] = "", ba[PD_PIPE_ADDR_MAX + 1] = "", xa[PD_PIPE_ADDR_MAX + 1] = "";
+    size_t al = PD_PIPE_ADDR_MAX, bl = PD_PIPE_ADDR_MAX, xl = PD_PIPE_ADDR_MAX;
+    ck_assert_int_eq(a->ops->address(a, (uint8_t *)aa, &al), PD_OK);
+    ck_assert_int_eq(b->ops->address(b, (uint8_t *)ba, &bl), PD_OK);
+    ck_assert_int_eq(x->ops->address(x, (uint8_t *)xa, &xl), PD_OK);
+    aa[al] = ba[bl] = xa[xl] = '\0';
+    char forged[PD_PIPE_ADDR_MAX + 1];
+    const char *b_id = strrchr(ba, ':'), *x_id = strrchr(xa, ':');
+    ck_assert(b_id != NULL && x_id != NULL);
+    snprintf(forged, sizeof(forged), "%.*s%s", (int)(x_id - xa), xa, b_id); /* x's host:port, b's id */
+    uint8_t other[PD_PIPE_SESSION_BYTES];
+    memset(other, 0x5a, sizeof(other));
+    pd_pipe_peer_t *a_x = NULL, *a_b = NULL, *b_a = NULL;
+    ck_assert_int_eq(a->ops->connect(a, (const uint8_t *)forged, strlen(forged), other, &a_x), PD_OK);
+    ck_assert_int_eq(a->ops->connect(a, (const uint8_t *)ba, bl, SESSION, &a_b), PD_OK);
+    ck_assert_ptr_ne(a_x, a_b);
+    ck_assert_int_eq(b->ops->connect(b, (const uint8_t *)aa, al, SESSION, &b_a), PD_OK);
+    recv_state_t rs = {0, PD_OK, 0, 0, 0};
+    uint8_t h[8] = {1}, p[32] = {2}, hr[16], pr[64];
+    counter_t sent = {0, 0, PD_OK};
+    ck_assert_int_eq(a->ops->recv_tensor(a, a_b, 4, hr, sizeof(hr), pr, sizeof(pr), on_recv, &rs), PD_OK);
+    ck_assert_int_eq(b->ops->send_tensor(b, b_a, 4, h, sizeof(h), p, sizeof(p), on_done, &sent), PD_OK);
+    for (double end = pd_time_now_s() + 5; rs.done == 0 && pd_time_now_s() < end;) {
+        pd_pipe_progress(a);
+        pd_pipe_progress(b);
+    }
+    ck_assert_msg(rs.done == 1 && rs.st == PD_OK && rs.plen == sizeof(p),
+                  "the real peer's data did not arrive");
+    pd_pipe_destroy(a);
+    pd_pipe_destroy(b);
+    pd_pipe_destroy(x);
+}
+END_TEST
+
 START_TEST(test_coalesce)
 {
     pd_page_xfer_t in[6] = {{8192, 4096, 4096},   {0, 0, 4096},  {4096, 8192, 4096},
@@ -1150,6 +1197,7 @@ int main(void)
     tcase_add_test(tc, test_coalesce);
     tcase_add_test(tc, test_unexpected_tensors_bounded);
     tcase_add_test(tc, test_stalled_peer_delays_only_itself);
+    tcase_add_test(tc, test_pipe_id_claim_locks_nobody_out);
     tcase_add_loop_test(tc, test_tensors, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_random_pages, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_in_flight_and_two_peers, 0, NUM_BACKENDS);

@@ -554,6 +554,27 @@ static void check_slow_clients(int port, pid_t pid, const char *get_path)
     usleep(300 * 1000);
     ck_assert_msg(fds_of(pid) <= base + 1, "%d fds after the slow clients left, %d before", fds_of(pid),
                   base);
+    /* keep-alive: one request answered at once, then a second dribbled on the same connection is
+     * held to the same deadline (from the end of the first reply) */
+    int ka = http_connect(port, 3000);
+    ck_assert_int_ge(ka, 0);
+    char req[256];
+    int rl = snprintf(req, sizeof(req), "GET %s HTTP/1.1\r\nHost: x\r\n\r\n", get_path);
+    ck_assert_int_eq(write(ka, req, (size_t)rl), rl);
+    char buf[4096];
+    ssize_t got = recv(ka, buf, sizeof(buf) - 1, 0);
+    ck_assert_msg(got > 12 && memcmp(buf, "HTTP/1.1 200", 12) == 0,
+                  "keep-alive: no answer to the first request");
+    const char part[] = "GET / HTTP/1.1\r\nHo";
+    ck_assert_int_eq(send(ka, part, sizeof(part) - 1, MSG_NOSIGNAL), (ssize_t)(sizeof(part) - 1));
+    double t1 = tu_now();
+    ssize_t n;
+    while ((n = recv(ka, buf, sizeof(buf), 0)) > 0) {
+    }
+    ck_assert_msg(n == 0 || (n < 0 && errno == ECONNRESET),
+                  "keep-alive: the dribbling connection stayed open");
+    ck_assert_msg(tu_now() - t1 < 2.9, "keep-alive: closed only after %.2f s", tu_now() - t1);
+    close(ka);
 }
 
 START_TEST(test_slow_clients_cannot_fill_the_listener)
