@@ -24,9 +24,9 @@
 
 int pd_cpu_attn_decode_x86_usable(int head_size, int group)
 {
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c") && head_size % 8 == 0 && head_size <= PD_ATTN_MAX_HEAD &&
-           group <= PD_ATTN_MAX_GROUP;
+    return pd_cpu_isa_cap() >= PD_ISA_AVX2 && __builtin_cpu_supports("avx2") &&
+           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") && head_size % 8 == 0 &&
+           head_size <= PD_ATTN_MAX_HEAD && group <= PD_ATTN_MAX_GROUP;
 }
 
 /* e^r · 2^n for |r| <= ln 2 / 2: pd_fast_expf's polynomial (kernels/cpu/simd.h). */

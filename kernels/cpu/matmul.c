@@ -503,7 +503,7 @@ static pd_status_t matmul_bf16_math(pd_backend_t *be, float *y, const float *x, 
     if (blocked && m >= PD_BF16P_AMX_MIN_M && amx_wanted() && pd_cpu_amx_usable()) {
         matmul_amx(be, y, xb, 1, w, bias, m, n, k, NULL);
         st = PD_OK;
-    } else if (blocked && m > gemv_max) {
+    } else if (blocked && m > gemv_max && pd_cpu_dnnl_bf16_native()) {
         st = pd_cpu_dnnl_matmul_bf16_blocked(y, xb, w.data, bias, m, n, k, nt);
     } else if (w.layout != PD_WEIGHT_ROWS) {
         /* a layout the bf16 kernels do not read: the fp32 paths on the rounded x below */
@@ -516,7 +516,9 @@ static pd_status_t matmul_bf16_math(pd_backend_t *be, float *y, const float *x, 
             }
         }
         st = PD_OK;
-    } else if (m > gemv_max) {
+    } else if (m > gemv_max && pd_cpu_dnnl_bf16_native()) {
+        /* (where oneDNN would emulate bf16 — no AVX512-BF16 — the fp32 kernels on the rounded x
+         * below compute the same exact products, faster, and round alike at every row count) */
         st = pd_cpu_dnnl_matmul_bf16(y, xb, w.data, bias, m, n, k, nt);
     }
     if (st == PD_ERR_UNSUPPORTED) {

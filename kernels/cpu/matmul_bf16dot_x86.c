@@ -32,7 +32,8 @@
 
 int pd_cpu_bf16dot_usable(void)
 {
-    return pd_cpu_avx512_usable() && __builtin_cpu_supports("avx512bf16");
+    return pd_cpu_isa_cap() >= PD_ISA_AVX512_BF16 && pd_cpu_avx512_usable() &&
+           __builtin_cpu_supports("avx512bf16");
 }
 
 /* 32 bf16 values at p, the first `valid` of them (the rest zero). */

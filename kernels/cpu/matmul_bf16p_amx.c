@@ -83,7 +83,7 @@ int pd_cpu_amx_usable(void)
 {
     static int usable = -1; /* a benign race: every thread gets the same answer */
     if (__atomic_load_n(&usable, __ATOMIC_ACQUIRE) < 0) {
-        __atomic_store_n(&usable, amx_probe(), __ATOMIC_RELEASE);
+        __atomic_store_n(&usable, pd_cpu_isa_cap() >= PD_ISA_AMX && amx_probe(), __ATOMIC_RELEASE);
     }
     return __atomic_load_n(&usable, __ATOMIC_ACQUIRE);
 }

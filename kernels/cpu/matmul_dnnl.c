@@ -21,6 +21,7 @@
 #include <oneapi/dnnl/dnnl.h>
 
 #include "common/log.h"
+#include "kernels/cpu/isa.h"
 #include "kernels/cpu/matmul_dnnl.h"
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
@@ -74,6 +75,13 @@ static void cache_free(void *p)
 static void engine_init(void)
 {
     g_cache_key_ok = pthread_key_create(&g_cache_key, cache_free) == 0;
+    /* the ISA cap (kernels/cpu/isa.h) holds for oneDNN too: set before its first primitive */
+    static const dnnl_cpu_isa_t caps[] = {dnnl_cpu_isa_sse41, dnnl_cpu_isa_avx2, dnnl_cpu_isa_avx512_core,
+                                          dnnl_cpu_isa_avx512_core_bf16, dnnl_cpu_isa_all};
+    pd_cpu_isa_t cap = pd_cpu_isa_cap();
+    if (cap < PD_ISA_AMX && dnnl_set_max_cpu_isa(caps[cap]) != dnnl_success) {
+        pd_log_warn("matmul: oneDNN did not take the ISA cap %s", pd_cpu_isa_name(cap));
+    }
     /* oneDNN's verbose mode is the library's business; errors are reported through statuses */
     if (dnnl_engine_create(&g_engine, dnnl_cpu, 0) != dnnl_success) {
         pd_log_error("matmul: oneDNN cannot create a CPU engine");

@@ -27,7 +27,8 @@
 
 int pd_cpu_lowp_x86_usable(void)
 {
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    return pd_cpu_isa_cap() >= PD_ISA_AVX2 && __builtin_cpu_supports("avx2") &&
+           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
 enum { KIND_F16, KIND_BF16, KIND_I8 };

@@ -6,6 +6,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels/cpu/isa.h"
+
 /* The function is compiled twice and picked at load time by the CPU's features (ifunc). */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
 #define PD_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
@@ -17,8 +19,8 @@
 static inline int pd_cpu_avx512_usable(void)
 {
 #if defined(__x86_64__) && defined(__GNUC__)
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
+    return pd_cpu_isa_cap() >= PD_ISA_AVX512 && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 #else
     return 0;
 #endif
