@@ -228,8 +228,15 @@ static pd_status_t load_model(pd_engine_t *e)
                              : pd_dtype_torch_name(pd_model_linear_dtype(e->model)));
             return PD_ERR_UNSUPPORTED;
         }
-        pd_log_info("engine: --matmul-precision bf16: matmul inputs rounded to bf16, fp32 accumulate "
-                    "(an AVX512-BF16 GEMV up to 16 rows with AMX, 32 without; oneDNN above)");
+        if (!e->be->bf16_math_native) {
+            /* issue 45: emulated bf16 math was slower than fp32 math here and not batch-invariant */
+            pd_log_warn("engine: this CPU has no bf16 arithmetic (AVX512-BF16 or AMX, PD_CPU_ISA allowing): "
+                        "--matmul-precision bf16 runs as fp32 math");
+            e->be->matmul_precision = PD_MATMUL_FP32;
+        } else {
+            pd_log_info("engine: --matmul-precision bf16: matmul inputs rounded to bf16, fp32 accumulate "
+                        "(an AVX512-BF16 GEMV up to 16 rows with AMX, 32 without; oneDNN above)");
+        }
     }
     snprintf(e->weights_name, sizeof(e->weights_name), "%s%s",
              pd_dtype_torch_name(pd_model_weight_dtype(e->model)),

@@ -206,6 +206,10 @@ struct pd_backend {
     const pd_backend_ops_t *ops;
     int num_threads;  /* CPU worker threads for ops (OpenMP) */
     bool host_memory; /* alloc returns memory the CPU (and so a host pipe) can address */
+    /* the backend multiplies bf16 in hardware or as its specification (CPU: AVX512-BF16 or AMX, under
+     * the PD_CPU_ISA cap; cpu-ref and CUDA: yes); the engine runs --matmul-precision bf16 as fp32 math
+     * where it does not */
+    bool bf16_math_native;
     pd_matmul_precision_t matmul_precision; /* set before the first op; the CPU backend is always fp32 */
     size_t bytes_in_use;                    /* allocator accounting, for memory profiling */
     size_t bytes_peak;

@@ -8,6 +8,7 @@
 
 #include "common/log.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/matmul_bf16.h" /* pd_cpu_bf16dot_usable */
 /* Every allocation carries a 64-byte header holding its size, for the peak accounting that the
  * memory profiler reads (bytes_in_use / bytes_peak). */
 #define CPU_ALLOC_HEADER 64
@@ -118,6 +119,10 @@ pd_status_t pd_cpu_backend_init(pd_backend_t *be, int num_threads, bool referenc
     be->ops = reference ? &cpu_ref_ops : &cpu_ops;
     be->num_threads = num_threads > 0 ? num_threads : omp_get_num_procs();
     be->host_memory = true;
+    /* without bf16 arithmetic the fallback kernels sum each row count in its own fp32 order, which
+     * bf16 rounding of the next layer's input turns into visible differences between a request
+     * alone and batched (issue 45); the reference backend is the specification of bf16 math */
+    be->bf16_math_native = reference || pd_cpu_bf16dot_usable();
 #if defined(__SANITIZE_THREAD__)
     /* libgomp and OpenBLAS are not TSan-instrumented: their internal synchronisation shows up as
      * false races. TSan builds run ops on one thread and check pdserve's own threads. */

@@ -204,6 +204,7 @@ pd_status_t pd_cuda_backend_init(pd_backend_t *be, int device)
     }
     be->impl = s;
     be->host_memory = false; /* cudaMalloc: a host pipe stages through pinned memory */
+    be->bf16_math_native = true;
     be->ops = &pd_cuda_backend_ops;
     cudaDeviceProp p;
     if (cudaGetDeviceProperties(&p, device) == cudaSuccess) {

@@ -603,8 +603,11 @@ END_TEST
 
 /* --matmul-precision bf16 on a bf16 checkpoint: 16 greedy requests batched together (their rows
  * above 8 go through oneDNN) equal the same requests run one at a time (short prompts and decode
- * steps take the GEMV), because every path rounds x to bf16 the same way. Checkpoints the CPU cannot
- * do bf16 math on (fp32, int8) and the tensor-core modes are refused at start. */
+ * steps take the GEMV), because every path rounds x to bf16 the same way. On a CPU without bf16
+ * arithmetic (AVX512-BF16 or AMX; test_engine@avx2 and @avx512 cap it away) the engine runs fp32 math
+ * instead, which holds the same bound (issue 45: the fallback kernels' per-row-count fp32 orders, bf16
+ * rounded, differed by 5e-3). Checkpoints the CPU cannot do bf16 math on (fp32, int8) and the
+ * tensor-core modes are refused at start. */
 START_TEST(test_bf16_math_batch_invariant)
 {
     char *saved = g_model;
