@@ -154,36 +154,6 @@ static void sweep_done_xfers(kv_conn_t *k)
     }
 }
 
-/* Whether anything still points at peer p: a transfer, a reservation, a write job or a notice. */
-static bool peer_referenced(kv_conn_t *k, const kv_peer_t *p)
-{
-    const kv_xfer_t *x;
-    pd_list_for_each (x, &k->xfers, link) {
-        if (x->peer == p) {
-            return true;
-        }
-    }
-    const kv_resv_t *rv;
-    pd_list_for_each (rv, &k->resvs, link) {
-        if (rv->peer == p) {
-            return true;
-        }
-    }
-    const kv_write_job_t *j;
-    pd_list_for_each (j, &k->jobs, link) {
-        if (j->peer == p) {
-            return true;
-        }
-    }
-    const kv_notice_t *n;
-    pd_list_for_each (n, &k->notices, link) {
-        if (n->peer == p) {
-            return true;
-        }
-    }
-    return false;
-}
-
 /* Whether a transfer or a queued write job of peer p may still address its imported region. */
 static bool peer_region_used(kv_conn_t *k, const kv_peer_t *p)
 {
@@ -196,6 +166,28 @@ static bool peer_region_used(kv_conn_t *k, const kv_peer_t *p)
     const kv_write_job_t *j;
     pd_list_for_each (j, &k->jobs, link) {
         if (j->peer == p) {
+            return true;
+        }
+    }
+    return false;
+}
+
+/* Whether anything still points at peer p: a transfer, a write job (peer_region_used), a
+ * reservation or a notice. */
+static bool peer_referenced(kv_conn_t *k, const kv_peer_t *p)
+{
+    if (peer_region_used(k, p)) {
+        return true;
+    }
+    const kv_resv_t *rv;
+    pd_list_for_each (rv, &k->resvs, link) {
+        if (rv->peer == p) {
+            return true;
+        }
+    }
+    const kv_notice_t *n;
+    pd_list_for_each (n, &k->notices, link) {
+        if (n->peer == p) {
             return true;
         }
     }

@@ -144,6 +144,7 @@ struct pd_pipe_peer {
     pd_list_link_t unexpected; /* unexpected_t, in arrival order */
     double tx_blocked_since;   /* sender thread: when its socket stopped taking its queued bytes (0: it
                                 * takes them); past TCP_SEND_STALL_S the peer is dropped */
+    uint64_t tx_blocked_pass;  /* sender thread: the pass of its queue in which its socket was full */
     size_t unexpected_bytes;   /* their headers and payloads: at most the pipe's max_msg, one
                                 * message's worth (past it the peer is dropped: it sends what nobody
                                 * asks for; issue 51 held +196 MiB that way) */
@@ -175,6 +176,7 @@ typedef struct tcp_pipe {
     pthread_t rx, tx;
     bool threads;
     bool tx_busy;            /* the sender thread is writing a job (outside mu) */
+    uint64_t tx_pass;        /* sender thread: passes over the job queue */
     pd_pipe_peer_t *tx_peer; /* ... to this peer's out_fd */
     /* mu guards everything below it: stop, the peer list (and each peer's unexpected queue), the
      * region table and permissions, the op list and its counters, the job queue and the completion

@@ -313,18 +313,14 @@ void *tcpi_tx_main(void *arg)
             pthread_cond_wait(&t->tx_cv, &t->mu);
             continue;
         }
-        pd_pipe_peer_t *bpeer[MAX_BLOCKED];
-        struct pollfd bfd[MAX_BLOCKED];
+        uint64_t pass = ++t->tx_pass;
+        struct pollfd bfd[MAX_BLOCKED]; /* the first blocked sockets (past them the poll's 5 ms wake) */
         int nb = 0;
         job_t *j, *tmp;
         pd_list_for_each_safe (j, tmp, &t->jobs, link) {
             pd_pipe_peer_t *peer = j->peer;
-            bool later = false; /* an earlier job of this peer is waiting: keep the order */
-            for (int k = 0; k < nb && !later; k++) {
-                later = bpeer[k] == peer;
-            }
-            if (later) {
-                continue;
+            if (peer->tx_blocked_pass == pass) {
+                continue; /* an earlier job of this peer is waiting: keep the order */
             }
             int fd = peer->out_fd, rc = -1;
             if (!peer->dead && fd >= 0) {
@@ -347,10 +343,9 @@ void *tcpi_tx_main(void *arg)
                 if (peer->tx_blocked_since == 0) {
                     peer->tx_blocked_since = now;
                 }
+                peer->tx_blocked_pass = pass;
                 if (nb < MAX_BLOCKED) {
-                    bpeer[nb] = peer;
-                    bfd[nb] = (struct pollfd){fd, POLLOUT, 0};
-                    nb++;
+                    bfd[nb++] = (struct pollfd){fd, POLLOUT, 0};
                 }
                 continue;
             }
@@ -366,11 +361,7 @@ void *tcpi_tx_main(void *arg)
         }
         bool runnable = false; /* a job of a peer whose socket was not full */
         pd_list_for_each (j, &t->jobs, link) {
-            bool blocked = false;
-            for (int k = 0; k < nb && !blocked; k++) {
-                blocked = bpeer[k] == j->peer;
-            }
-            runnable |= !blocked;
+            runnable |= j->peer->tx_blocked_pass != pass;
         }
         if (nb > 0 && !runnable && !t->stop) {
             /* (a socket closed meanwhile only wakes the poll: nothing is written without mu) */

@@ -1122,14 +1122,6 @@ static tpl_value_t *f_format(tpl_render_t *r, const tpl_node_t *at, tpl_value_t 
             continue;
         }
         char c = s[++i];
-        if (c == '%') {
-            tb_puts(&b, "%");
-            continue;
-        }
-        if (ai >= n) {
-            tb_free(&b);
-            return tpl_fail(r, at, "not enough arguments for format string");
-        }
         /* %[flags][width][.precision]conversion, as Python's printf-style formatting */
         char flags[8];
         size_t nf = 0;

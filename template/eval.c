@@ -1150,16 +1150,23 @@ static scope_t *find_scope(scope_t *s, const char *name)
     return NULL;
 }
 
+/* body rendered apart, as a string (NULL when the render failed). */
+static tpl_value_t *render_apart(tpl_render_t *r, const tpl_node_t *body)
+{
+    tpl_buf_t *saved = r->out;
+    tpl_buf_t b = {0};
+    r->out = &b;
+    exec_body(r, body);
+    r->out = saved;
+    tpl_value_t *v = r->failed ? NULL : tv_str(r, b.p != NULL ? b.p : "", b.n);
+    tb_free(&b);
+    return v;
+}
+
 static void exec_set(tpl_render_t *r, const tpl_node_t *st)
 {
     if (st->kind == ND_SET_BLOCK) {
-        tpl_buf_t *saved = r->out;
-        tpl_buf_t body = {0};
-        r->out = &body;
-        exec_body(r, st->b);
-        r->out = saved;
-        tpl_value_t *v = r->failed ? NULL : tv_str(r, body.p != NULL ? body.p : "", body.n);
-        tb_free(&body);
+        tpl_value_t *v = render_apart(r, st->b);
         if (v != NULL) {
             scope_set(r, r->scope, st->names[0], v);
         }
@@ -1220,13 +1227,7 @@ static void exec_with(tpl_render_t *r, const tpl_node_t *st)
 /* {% filter %}: the body rendered apart, then the chain applied to it and written out. */
 static void exec_filter_block(tpl_render_t *r, const tpl_node_t *st)
 {
-    tpl_buf_t *saved = r->out;
-    tpl_buf_t body = {0};
-    r->out = &body;
-    exec_body(r, st->b);
-    r->out = saved;
-    tpl_value_t *text = r->failed ? NULL : tv_str(r, body.p != NULL ? body.p : "", body.n);
-    tb_free(&body);
+    tpl_value_t *text = render_apart(r, st->b);
     scope_t *outer = r->scope;
     scope_t *s = text != NULL ? scope_new(r, outer) : NULL;
     if (s == NULL || !scope_set(r, s, TPL_FILTER_BODY, text)) {
@@ -1252,14 +1253,7 @@ static void exec_body(tpl_render_t *r, const tpl_node_t *body)
         case ND_OUTPUT: {
             tpl_value_t *v = eval(r, st->a);
             if (v != NULL) {
-                if (v->kind == TV_STR) {
-                    emit(r, st, v->u.str.s, v->u.str.len);
-                } else {
-                    tpl_buf_t b = {0};
-                    tv_str_into(&b, v);
-                    emit(r, st, b.p != NULL ? b.p : "", b.n);
-                    tb_free(&b);
-                }
+                emit_value(r, st, v);
             }
             break;
         }

@@ -436,6 +436,27 @@ static tpl_node_t *parse_postfix(parser_t *P, tpl_node_t *e)
     return e;
 }
 
+/* The filter named by the next token, with its (args) when given, applied to input. */
+static tpl_node_t *parse_filter_call(parser_t *P, tpl_node_t *input)
+{
+    const tpl_token_t *name = next(P);
+    if (name->kind != TK_NAME) {
+        return fail(P, name, "expected a filter name");
+    }
+    tpl_node_t *nd = node(P, ND_FILTER, name);
+    if (nd == NULL) {
+        return NULL;
+    }
+    nd->s = name->text;
+    nd->a = input;
+    if (is_op(peek(P), "(")) {
+        next(P);
+        return parse_args(P, nd) ? nd : NULL;
+    }
+    nlist_t l = {0};
+    return nl_finish(P, &l, nd, true) ? nd : NULL;
+}
+
 /* x | filter(args), x is [not] test args */
 static tpl_node_t *parse_filters(parser_t *P, tpl_node_t *e)
 {
@@ -443,26 +464,9 @@ static tpl_node_t *parse_filters(parser_t *P, tpl_node_t *e)
         const tpl_token_t *t = peek(P);
         if (is_op(t, "|")) {
             next(P);
-            const tpl_token_t *name = next(P);
-            if (name->kind != TK_NAME) {
-                return fail(P, name, "expected a filter name after '|'");
-            }
-            tpl_node_t *nd = node(P, ND_FILTER, name);
+            tpl_node_t *nd = parse_filter_call(P, e);
             if (nd == NULL) {
                 return NULL;
-            }
-            nd->s = name->text;
-            nd->a = e;
-            if (is_op(peek(P), "(")) {
-                next(P);
-                if (!parse_args(P, nd)) {
-                    return NULL;
-                }
-            } else {
-                nlist_t l = {0};
-                if (!nl_finish(P, &l, nd, true)) {
-                    return NULL;
-                }
             }
             e = parse_postfix(P, nd);
         } else if (is_name(t, "is")) {
@@ -1111,32 +1115,12 @@ static tpl_node_t *parse_filter_block(parser_t *P, const tpl_token_t *at)
 {
     tpl_node_t *nd = node(P, ND_FILTER_BLOCK, at);
     tpl_node_t *body = node(P, ND_NAME, at);
-    const tpl_token_t *name = next(P);
     if (nd == NULL || body == NULL) {
         return NULL;
     }
-    if (name->kind != TK_NAME) {
-        return fail(P, name, "expected a filter name");
-    }
     body->s = TPL_FILTER_BODY;
-    tpl_node_t *f = node(P, ND_FILTER, name);
-    if (f == NULL) {
-        return NULL;
-    }
-    f->s = name->text;
-    f->a = body;
-    if (is_op(peek(P), "(")) {
-        next(P);
-        if (!parse_args(P, f)) {
-            return NULL;
-        }
-    } else {
-        nlist_t l = {0};
-        if (!nl_finish(P, &l, f, true)) {
-            return NULL;
-        }
-    }
-    if ((nd->a = parse_filters(P, f)) == NULL || !end_tag(P)) {
+    tpl_node_t *f = parse_filter_call(P, body);
+    if (f == NULL || (nd->a = parse_filters(P, f)) == NULL || !end_tag(P)) {
         return NULL;
     }
     static const char *const ends[] = {"endfilter", NULL};

@@ -249,6 +249,19 @@ static json_t *pull_params_in(void)
     return json_pack("{s:b}", "do_remote_decode", 1);
 }
 
+/* A push prefill request's params (it writes into the reservation of transfer tid). */
+static json_t *push_params_in(const char *tid)
+{
+    return json_pack("{s:b, s:s, s:s}", "do_remote_decode", 1, "transfer_mode", "push", "transfer_id", tid);
+}
+
+/* A push decode request's params: transfer tid from the prefill whose control port is port. */
+static json_t *push_params_out(const char *tid, int port)
+{
+    return json_pack("{s:b, s:s, s:s, s:s, s:i}", "do_remote_prefill", 1, "transfer_mode", "push",
+                     "transfer_id", tid, "remote_host", "127.0.0.1", "remote_port", port);
+}
+
 static const uint32_t P_BLOCKS[NEED + 1] = {5, 6, 7, 8, 9, 10, 11, 12, 13, 14};
 static const uint32_t D_BLOCKS[NEED + 1] = {20, 21, 22, 23, 24, 25, 26, 27, 28, 29};
 
@@ -313,15 +326,10 @@ START_TEST(test_push_into_a_late_reservation)
     /* the prefill finishes before the decode's reservation arrives: it keeps its blocks and writes
      * them when the reservation comes */
     bool hold = false;
-    json_t *out = prefill_finish(
-        &p, "req-p",
-        json_pack("{s:b, s:s, s:s}", "do_remote_decode", 1, "transfer_mode", "push", "transfer_id", "x-1"),
-        P_BLOCKS, &hold);
+    json_t *out = prefill_finish(&p, "req-p", push_params_in("x-1"), P_BLOCKS, &hold);
     ck_assert(hold);
     json_decref(out);
-    json_t *dp =
-        json_pack("{s:b, s:s, s:s, s:s, s:i}", "do_remote_prefill", 1, "transfer_mode", "push", "transfer_id",
-                  "x-1", "remote_host", "127.0.0.1", "remote_port", pd_kv_connector_port(p.c));
+    json_t *dp = push_params_out("x-1", pd_kv_connector_port(p.c));
     int errors = 0;
     pd_request_t *r = decode_load(&d, "req-d", dp, D_BLOCKS);
     ck_assert(wait_finished(&d, "req-d", false, 3, &errors));
@@ -356,9 +364,7 @@ START_TEST(test_push_streams_layers)
     opts_t o = {"push", PIPES[_i], NULL, 0, 0, 0};
     node_t p, d;
     pair_start(&p, &d, &o, NULL);
-    json_t *dp =
-        json_pack("{s:b, s:s, s:s, s:s, s:i}", "do_remote_prefill", 1, "transfer_mode", "push", "transfer_id",
-                  "x-2", "remote_host", "127.0.0.1", "remote_port", pd_kv_connector_port(p.c));
+    json_t *dp = push_params_out("x-2", pd_kv_connector_port(p.c));
     pd_request_t *r = decode_load(&d, "req-d", dp, D_BLOCKS);
     double end = tu_now() + 3;
     while (metric(&p, "pd:kv_reservations") != 1 && tu_now() < end) {
@@ -519,9 +525,7 @@ START_TEST(test_push_waits_end)
         opts_t dop = {"push", PIPES[_i], NULL, 0, k == 1 ? 0.3 : 5, 0};
         node_t p, d;
         pair_start(&p, &d, &po, &dop);
-        json_t *dp = json_pack("{s:b, s:s, s:s, s:s, s:i}", "do_remote_prefill", 1, "transfer_mode", "push",
-                               "transfer_id", "x-3", "remote_host", "127.0.0.1", "remote_port",
-                               pd_kv_connector_port(p.c));
+        json_t *dp = push_params_out("x-3", pd_kv_connector_port(p.c));
         double t0 = tu_now();
         pd_request_t *r = decode_load(&d, "req-d", dp, D_BLOCKS);
         if (k == 2) {
@@ -895,15 +899,12 @@ START_TEST(test_abort_waits_for_the_reconnect)
         pair_start(&p, &d, &po, &dop);
         f.to = pd_kv_connector_port(p.c);
         bool hold = false;
-        json_t *in = push ? json_pack("{s:b, s:s, s:s}", "do_remote_decode", 1, "transfer_mode", "push",
-                                      "transfer_id", "x-9")
-                          : pull_params_in();
+        json_t *in = push ? push_params_in("x-9") : pull_params_in();
         json_t *params = prefill_finish(&p, "req-p", in, P_BLOCKS, &hold);
         ck_assert(hold);
         if (push) {
             json_decref(params);
-            params = json_pack("{s:b, s:s, s:s, s:s, s:i}", "do_remote_prefill", 1, "transfer_mode", "push",
-                               "transfer_id", "x-9", "remote_host", "127.0.0.1", "remote_port", fport);
+            params = push_params_out("x-9", fport);
         }
         ck_assert_int_eq((int)json_integer_value(json_object_get(params, "remote_port")), fport);
         int errors = 0;
@@ -1031,16 +1032,11 @@ START_TEST(test_push_bound_to_prompt)
     node_t p, d;
     pair_start(&p, &d, &o, NULL);
     bool hold = false;
-    json_t *out = prefill_finish(
-        &p, "req-p",
-        json_pack("{s:b, s:s, s:s}", "do_remote_decode", 1, "transfer_mode", "push", "transfer_id", "x-7"),
-        P_BLOCKS, &hold);
+    json_t *out = prefill_finish(&p, "req-p", push_params_in("x-7"), P_BLOCKS, &hold);
     ck_assert(hold);
     json_decref(out);
     g_prompt_base = 4; /* the decode's request: another prompt of the same length */
-    json_t *dp =
-        json_pack("{s:b, s:s, s:s, s:s, s:i}", "do_remote_prefill", 1, "transfer_mode", "push", "transfer_id",
-                  "x-7", "remote_host", "127.0.0.1", "remote_port", pd_kv_connector_port(p.c));
+    json_t *dp = push_params_out("x-7", pd_kv_connector_port(p.c));
     int errors = 0;
     pd_request_t *r = decode_load(&d, "req-d", dp, D_BLOCKS);
     ck_assert(wait_finished(&d, "req-d", false, 3, &errors));
@@ -1068,15 +1064,12 @@ START_TEST(test_relay_cannot_join)
         int fport = fwd_bind(&f, pd_kv_connector_port(p.c));
         fwd_start(&f);
         bool hold = false;
-        json_t *in = push ? json_pack("{s:b, s:s, s:s}", "do_remote_decode", 1, "transfer_mode", "push",
-                                      "transfer_id", "x-8")
-                          : pull_params_in();
+        json_t *in = push ? push_params_in("x-8") : pull_params_in();
         json_t *params = prefill_finish(&p, "req-p", in, P_BLOCKS, &hold);
         ck_assert(hold);
         if (push) {
             json_decref(params);
-            params = json_pack("{s:b, s:s, s:s}", "do_remote_prefill", 1, "transfer_mode", "push",
-                               "transfer_id", "x-8");
+            params = push_params_out("x-8", fport);
         }
         json_object_set_new(params, "remote_host", json_string("127.0.0.1"));
         json_object_set_new(params, "remote_port", json_integer(fport)); /* the relay */
@@ -1112,14 +1105,9 @@ START_TEST(test_dead_push_decode_region_released)
     node_t p, d;
     pair_start(&p, &d, &o, NULL);
     bool hold = false;
-    json_t *out = prefill_finish(
-        &p, "req-p",
-        json_pack("{s:b, s:s, s:s}", "do_remote_decode", 1, "transfer_mode", "push", "transfer_id", "x-3"),
-        P_BLOCKS, &hold);
+    json_t *out = prefill_finish(&p, "req-p", push_params_in("x-3"), P_BLOCKS, &hold);
     json_decref(out);
-    json_t *dp =
-        json_pack("{s:b, s:s, s:s, s:s, s:i}", "do_remote_prefill", 1, "transfer_mode", "push", "transfer_id",
-                  "x-3", "remote_host", "127.0.0.1", "remote_port", pd_kv_connector_port(p.c));
+    json_t *dp = push_params_out("x-3", pd_kv_connector_port(p.c));
     int errors = 0;
     pd_request_t *r = decode_load(&d, "req-d", dp, D_BLOCKS);
     ck_assert(wait_finished(&d, "req-d", false, 3, &errors));
@@ -1156,9 +1144,7 @@ START_TEST(test_reservations_bounded_per_peer)
         char tid[16], rid[16];
         snprintf(tid, sizeof(tid), "r-%d", i);
         snprintf(rid, sizeof(rid), "req-d%d", i);
-        json_t *dp = json_pack("{s:b, s:s, s:s, s:s, s:i}", "do_remote_prefill", 1, "transfer_mode", "push",
-                               "transfer_id", tid, "remote_host", "127.0.0.1", "remote_port",
-                               pd_kv_connector_port(p.c));
+        json_t *dp = push_params_out(tid, pd_kv_connector_port(p.c));
         r[i] = decode_load(&d, rid, dp, D_BLOCKS);
         if (i < 7) { /* in order: each reservation is on the prefill before the next */
             double end = tu_now() + 2;

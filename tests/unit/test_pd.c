@@ -1222,26 +1222,43 @@ END_TEST
 
 /* ------------------------------------------------------------------ faults */
 
-/* Sends a pull prefill directly and returns its kv_transfer_params (JSON text). */
-static char *prefill_only(int port, int i)
+/* POSTs body (a JSON object, consumed) to port; returns the HTTP status and the parsed answer. */
+static int post_json(int port, json_t *body, json_t **resp_out)
+{
+    char *text = json_dumps(body, JSON_COMPACT);
+    json_decref(body);
+    http_resp_t r;
+    int rc =
+        http_request(port, "POST", "/v1/completions", "Content-Type: application/json\r\n", text, &r, 60000);
+    free(text);
+    ck_assert_int_eq(rc, 0);
+    int status = r.status;
+    *resp_out = json_loads(r.body, JSON_ALLOW_NUL, NULL);
+    if (*resp_out == NULL) {
+        *resp_out = json_string(r.body);
+    }
+    http_resp_free(&r);
+    return status;
+}
+
+/* Prompt i as a JSON body of max_tokens tokens with kv_transfer_params ktp (consumed). */
+static json_t *body_with(int i, int max_tokens, json_t *ktp)
 {
     char *b = body_for(i, false);
     json_t *j = json_loads(b, 0, NULL);
     free(b);
-    json_object_set_new(j, "max_tokens", json_integer(1));
-    json_object_set_new(j, "kv_transfer_params", json_pack("{s:b}", "do_remote_decode", 1));
-    char *body = json_dumps(j, JSON_COMPACT);
-    json_decref(j);
-    http_resp_t r;
-    int rc =
-        http_request(port, "POST", "/v1/completions", "Content-Type: application/json\r\n", body, &r, 60000);
-    free(body);
-    ck_assert_int_eq(rc, 0);
-    ck_assert_int_eq(r.status, 200);
-    json_t *resp = json_loads(r.body, 0, NULL);
+    json_object_set_new(j, "max_tokens", json_integer(max_tokens));
+    json_object_set_new(j, "kv_transfer_params", ktp);
+    return j;
+}
+
+/* Sends a pull prefill directly and returns its kv_transfer_params (JSON text). */
+static char *prefill_only(int port, int i)
+{
+    json_t *resp = NULL;
+    ck_assert_int_eq(post_json(port, body_with(i, 1, json_pack("{s:b}", "do_remote_decode", 1)), &resp), 200);
     char *ktp = json_dumps(json_object_get(resp, "kv_transfer_params"), JSON_COMPACT);
     json_decref(resp);
-    http_resp_free(&r);
     ck_assert_ptr_nonnull(ktp);
     return ktp;
 }
@@ -1539,36 +1556,6 @@ START_TEST(test_roles_refused_and_named_mode)
     cluster_stop(&c);
 }
 END_TEST
-
-/* POSTs body (a JSON object, consumed) to port; returns the HTTP status and the parsed answer. */
-static int post_json(int port, json_t *body, json_t **resp_out)
-{
-    char *text = json_dumps(body, JSON_COMPACT);
-    json_decref(body);
-    http_resp_t r;
-    int rc =
-        http_request(port, "POST", "/v1/completions", "Content-Type: application/json\r\n", text, &r, 60000);
-    free(text);
-    ck_assert_int_eq(rc, 0);
-    int status = r.status;
-    *resp_out = json_loads(r.body, JSON_ALLOW_NUL, NULL);
-    if (*resp_out == NULL) {
-        *resp_out = json_string(r.body);
-    }
-    http_resp_free(&r);
-    return status;
-}
-
-/* Prompt i as a JSON body of max_tokens tokens with kv_transfer_params ktp (consumed). */
-static json_t *body_with(int i, int max_tokens, json_t *ktp)
-{
-    char *b = body_for(i, false);
-    json_t *j = json_loads(b, 0, NULL);
-    free(b);
-    json_object_set_new(j, "max_tokens", json_integer(max_tokens));
-    json_object_set_new(j, "kv_transfer_params", ktp);
-    return j;
-}
 
 /* Issue 51's KV poisoning, as a client with the API would try it against the nodes directly, with a
  * cluster token: prompt B's pull params (from a prefill, asked with do_remote_decode) sent to the
