@@ -200,14 +200,61 @@ class Node:
             self.proc.kill()
             self.proc.wait()
 
-    def figures(self):
+    def figures(self, samples=10, gap=0.2):
+        """fds: the fewest over `samples` looks `gap` s apart. A leaked fd stays in every look; a probe
+        or request in flight at one instant (pd-proxy's health, /pd/info and /metrics probes open a
+        connection each) is not a leak, and on a loaded CI machine one often is (stop 54's soak)."""
         pid = self.proc.pid
         fds = len(os.listdir("/proc/%d/fd" % pid))
+        for _ in range(samples - 1):
+            time.sleep(gap)
+            fds = min(fds, len(os.listdir("/proc/%d/fd" % pid)))
         status = open("/proc/%d/status" % pid).read()
         field = lambda k: int([l for l in status.splitlines() if l.startswith(k + ":")][0].split()[1])
         # private memory is what leaks; shared memory grows as peers' mapped KV pages get touched (ucx)
-        return {"pid": pid, "fds": fds, "rss_anon_kib": field("RssAnon"), "rss_shmem_kib": field("RssShmem"),
+        links = {}
+        for fd in os.listdir("/proc/%d/fd" % pid):
+            try:
+                links[fd] = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+            except OSError:
+                pass
+        return {"pid": pid, "fds": fds, "links": links, "rss_anon_kib": field("RssAnon"), "rss_shmem_kib": field("RssShmem"),
                 "threads": field("Threads")}
+
+
+def socket_fds(pid):
+    """'fd local -> remote state' for each TCP socket pid holds (the evidence when its fds grew)."""
+    inodes = {}
+    for fd in os.listdir("/proc/%d/fd" % pid):
+        try:
+            target = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes[target[8:-1]] = fd
+    states = {"01": "ESTABLISHED", "06": "TIME_WAIT", "08": "CLOSE_WAIT", "0A": "LISTEN", "04": "FIN_WAIT1",
+              "05": "FIN_WAIT2", "09": "LAST_ACK", "02": "SYN_SENT", "03": "SYN_RECV", "07": "CLOSE"}
+    port = lambda a: int(a.split(":")[1], 16)
+    table = [line.split() for line in open("/proc/%d/net/tcp" % pid).read().splitlines()[1:]]
+    owner_inode = {f[9]: port(f[1]) for f in table}  # inode -> local port, to name the far end's process
+    owners = {}
+    for other in os.listdir("/proc"):
+        if not other.isdigit():
+            continue
+        try:
+            for fd in os.listdir("/proc/%s/fd" % other):
+                target = os.readlink("/proc/%s/fd/%s" % (other, fd))
+                if target.startswith("socket:[") and target[8:-1] in owner_inode and other != str(pid):
+                    owners[owner_inode[target[8:-1]]] = open("/proc/%s/comm" % other).read().strip()
+        except OSError:
+            continue
+    out = []
+    for f in table:
+        if f[9] in inodes:
+            out.append("fd %s %d -> %d%s %s" % (inodes[f[9]], port(f[1]), port(f[2]),
+                                                " (%s)" % owners[port(f[2])] if port(f[2]) in owners else "",
+                                                states.get(f[3], f[3])))
+    return sorted(out, key=lambda x: int(x.split()[1]))
 
 
 class Relay:

@@ -48,7 +48,7 @@ import time
 import urllib.error
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster import (MODEL_NAME, Cluster, Node, http, metric_sum, near_tie, near_tie_selfcheck,  # noqa: E402
+from cluster import (MODEL_NAME, Cluster, Node, http, metric_sum, near_tie, near_tie_selfcheck, socket_fds,  # noqa: E402
                      wait_free)
 
 MAX_TOKENS = 6
@@ -307,7 +307,8 @@ def main():
                 rows.append(("after drain", mode, pipe, {"node": n.tag, **f}))
                 if not restarted:
                     if f["fds"] > b["fds"] + 4:
-                        failed.append("%s: fds %d -> %d" % (n.tag, b["fds"], f["fds"]))
+                        failed.append("%s: fds %d -> %d; its TCP sockets now: %s" %
+                                      (n.tag, b["fds"], f["fds"], "; ".join(socket_fds(f["pid"]))))
                     if not args.no_rss and f["rss_anon_kib"] > b["rss_anon_kib"] + 64 * 1024:
                         failed.append("%s: private RSS %d -> %d KiB" % (n.tag, b["rss_anon_kib"], f["rss_anon_kib"]))
                     if f["threads"] > b["threads"]:

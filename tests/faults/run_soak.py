@@ -30,7 +30,7 @@ import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster import (MODEL_NAME, Cluster, Node, http, listening_ports, metric, near_tie,  # noqa: E402
+from cluster import (MODEL_NAME, Cluster, Node, http, listening_ports, metric, near_tie, socket_fds,  # noqa: E402
                      near_tie_selfcheck, wait_free)
 
 FAST = ["--kv-heartbeat-interval", "0.2", "--kv-heartbeat-misses", "5", "--kv-handshake-timeout", "2",
@@ -233,8 +233,13 @@ def main():
         for n in procs:
             b, f = base[n.tag], n.figures()
             rows.append((n.tag, b, f))
+            if f["fds"] > b["fds"]:
+                print("soak: %s holds %d more fds than when warm; its TCP sockets: %s" %
+                      (n.tag, f["fds"] - b["fds"], "; ".join(socket_fds(f["pid"]))), flush=True)
+                print("  new: %s" % sorted((k, v) for k, v in f["links"].items() if b["links"].get(k) != v))
             if f["fds"] > max(b["fds"] * 1.05, b["fds"] + 2):
-                failed.append("%s: fds %d -> %d" % (n.tag, b["fds"], f["fds"]))
+                failed.append("%s: fds %d -> %d; its TCP sockets now: %s" % (n.tag, b["fds"], f["fds"],
+                                                                          "; ".join(socket_fds(f["pid"]))))
             if not args.no_rss and f["rss_anon_kib"] > max(b["rss_anon_kib"] * 1.05, b["rss_anon_kib"] + 1024):
                 failed.append("%s: private RSS %d -> %d KiB" % (n.tag, b["rss_anon_kib"], f["rss_anon_kib"]))
             if f["threads"] > b["threads"] + 2:
