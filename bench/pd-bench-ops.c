@@ -25,6 +25,7 @@
 #include "common/time.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/attention_prefill_tiled.h"
+#include "kernels/cpu/isa.h"
 #include "kernels/paged_impl.h"
 #include "model/model.h"
 
@@ -753,12 +754,15 @@ int main(int argc, char **argv)
     const char *model = NULL, *results = NULL;
     int threads = 0;
     bool skip_model = false, attention_only = false, model_only = false;
-    const char *weights = NULL;
+    const char *weights = NULL, *cpu_isa = "auto";
     int batch = 0;
     pd_flag_t flags[] = {
         {"model", PD_FLAG_STR, &model, "model dir for the decode benchmark (e.g. a pd-mkmodel demo preset)",
          NULL},
         {"threads", PD_FLAG_INT, &threads, "threads (0 = all cores)", NULL},
+        {"cpu-isa", PD_FLAG_CHOICE, &cpu_isa,
+         "the highest instruction-set level the CPU kernels use (auto: $PD_CPU_ISA, else all the CPU has)",
+         "auto|portable|avx2|avx512|avx512_bf16|amx"},
         {"results", PD_FLAG_STR, &results, "append the table to this markdown file", NULL},
         {"skip-model", PD_FLAG_BOOL, &skip_model, "skip the model decode benchmark", NULL},
         {"attention-only", PD_FLAG_BOOL, &attention_only,
@@ -784,6 +788,9 @@ int main(int argc, char **argv)
         return 2;
     }
     pd_backend_t *be = NULL, *ref = NULL;
+    if (pd_cpu_isa_set_cap(cpu_isa) != PD_OK) {
+        return 2;
+    }
     if (pd_backend_create("cpu", threads, &be) != PD_OK || pd_backend_create("cpu-ref", 1, &ref) != PD_OK) {
         return 1;
     }

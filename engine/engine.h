@@ -26,6 +26,7 @@ typedef struct pd_engine_config {
     const char *model_dir;
     const char *device;           /* "cpu" */
     const char *matmul_precision; /* fp32 | tf32 | bf16 | fp16 (--matmul-precision) */
+    const char *cpu_isa;          /* --cpu-isa: auto (PD_CPU_ISA or none) | portable | ... | amx */
     int threads;                  /* 0 = all cores */
     int block_size;
     int max_num_seqs;

@@ -15,6 +15,7 @@
 #include "common/log.h"
 #include "common/time.h"
 #include "engine/model_runner.h"
+#include "kernels/cpu/isa.h"
 #include "model/generation_config.h"
 #include "scheduler/scheduler.h"
 
@@ -23,6 +24,7 @@ void pd_engine_config_defaults(pd_engine_config_t *c)
     memset(c, 0, sizeof(*c));
     c->device = "auto";
     c->matmul_precision = "fp32";
+    c->cpu_isa = "auto";
     c->block_size = 16;
     c->max_num_seqs = 64;
     c->max_num_batched_tokens = 2048;
@@ -61,6 +63,10 @@ size_t pd_engine_flags(pd_engine_config_t *c, pd_flag_t *out, size_t max)
         {"device", PD_FLAG_CHOICE, &c->device,
          "compute backend (auto: cuda when a device is present, else cpu)", "auto|cpu|cuda"},
         {"threads", PD_FLAG_INT, &c->threads, "compute threads (0 = all cores)", NULL},
+        {"cpu-isa", PD_FLAG_CHOICE, &c->cpu_isa,
+         "the highest instruction-set level the CPU kernels use (auto: $PD_CPU_ISA, else all the CPU has); "
+         "the start-up log names the level and the matmul variants it allows",
+         "auto|portable|avx2|avx512|avx512_bf16|amx"},
         {"matmul-precision", PD_FLAG_CHOICE, &c->matmul_precision,
          "input rounding of matmuls, fp32 accumulate (cuda: tensor-core modes; cpu: fp32, or bf16 with "
          "bf16 weights, through oneDNN)",
@@ -159,7 +165,11 @@ static pd_status_t open_backend(pd_engine_t *e)
         device = pd_backend_resolve("auto");
         pd_log_info("engine: --device auto → %s", device);
     }
-    pd_status_t st = pd_backend_create(device, cfg->threads, &e->be);
+    pd_status_t st = pd_cpu_isa_set_cap(cfg->cpu_isa); /* before any kernel (the CPU sampler too) */
+    if (st != PD_OK) {
+        return st;
+    }
+    st = pd_backend_create(device, cfg->threads, &e->be);
     if (st != PD_OK) {
         return st;
     }

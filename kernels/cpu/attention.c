@@ -497,11 +497,11 @@ pd_status_t pd_cpu_paged_attention_prefill(pd_backend_t *be, float *out, const f
 
 /* ---------------------------------------------------------------- optimized decode (split-K) */
 
-static int g_allow_x86 = 3;
+static int g_force_decode = -1;
 
-void pd_cpu_attn_allow_x86(int allow)
+void pd_cpu_attn_decode_force(int variant)
 {
-    g_allow_x86 = allow;
+    g_force_decode = variant;
 }
 
 /* Portable twin of pd_cpu_attn_decode_x86_item (same work split and results), compiled with
@@ -592,6 +592,63 @@ PD_CPU_CLONES static void attn_decode_item_portable(const pd_attn_decode_item_t 
     }
 }
 
+static bool serves_dot(const pd_kv_view_t *kv, int bf16, int group)
+{
+    return bf16 && kv->block_size <= PD_ATTN_MAX_BLOCK && pd_cpu_attn_decode_dot_usable(kv->head_size, group);
+}
+
+static bool serves_x512(const pd_kv_view_t *kv, int bf16, int group)
+{
+    return kv->block_size <= PD_ATTN_MAX_BLOCK && pd_cpu_attn_decode_x512_usable(kv->head_size, group);
+}
+
+static bool serves_avx2(const pd_kv_view_t *kv, int bf16, int group)
+{
+    return kv->block_size <= PD_ATTN_MAX_BLOCK && pd_cpu_attn_decode_x86_usable(kv->head_size, group);
+}
+
+static bool serves_any(const pd_kv_view_t *kv, int bf16, int group)
+{
+    return true;
+}
+
+static void run_dot(const pd_attn_decode_item_t *it, const float *q, const pd_kv_view_t *kv,
+                    const pd_attn_meta_t *meta, int num_heads, float scale, int bf16, pd_attn_partial_t *part,
+                    float *scratch)
+{
+    pd_cpu_attn_decode_dot_item(it, q, kv, meta, num_heads, scale, part, scratch);
+}
+
+static void run_portable(const pd_attn_decode_item_t *it, const float *q, const pd_kv_view_t *kv,
+                         const pd_attn_meta_t *meta, int num_heads, float scale, int bf16,
+                         pd_attn_partial_t *part, float *scratch)
+{
+    attn_decode_item_portable(it, q, kv, meta, num_heads, scale, part, scratch, bf16);
+}
+
+const pd_cpu_attn_decode_variant_t pd_cpu_attn_decode_variants[] = {
+    {"dot", PD_ISA_AVX512_BF16, serves_dot, run_dot,
+     "bf16 cache under bf16 attention math, heads a multiple of 32 wide: vdpbf16ps for both products"},
+    {"x512", PD_ISA_AVX512, serves_x512, pd_cpu_attn_decode_x512_item,
+     "any cache, heads a multiple of 16 wide: AVX-512, query heads of a group in register tiles of four"},
+    {"avx2", PD_ISA_AVX2, serves_avx2, pd_cpu_attn_decode_x86_item,
+     "any cache, heads a multiple of 8 wide: AVX2/FMA/F16C, pages read in place"},
+    {"portable", PD_ISA_PORTABLE, serves_any, run_portable, "any cache: plain C (target_clones)"},
+};
+const int pd_cpu_num_attn_decode_variants =
+    (int)(sizeof(pd_cpu_attn_decode_variants) / sizeof(pd_cpu_attn_decode_variants[0]));
+
+const pd_cpu_attn_decode_variant_t *pd_cpu_attn_decode_choose(const pd_kv_view_t *kv, int bf16, int group)
+{
+    for (int i = 0; i < pd_cpu_num_attn_decode_variants; i++) {
+        const pd_cpu_attn_decode_variant_t *v = &pd_cpu_attn_decode_variants[i];
+        if (pd_cpu_isa_usable(v->isa) && v->serves(kv, bf16, group)) {
+            return v;
+        }
+    }
+    return &pd_cpu_attn_decode_variants[pd_cpu_num_attn_decode_variants - 1];
+}
+
 /* Splits each sequence's visible blocks into partitions so that there are about 4 items per
  * thread (at least 8 blocks per partition), runs them, and merges the partitions of each
  * sequence with log-sum-exp weights: out = Σ_p acc_p·e^(m_p−M) / Σ_p l_p·e^(m_p−M) (2^(m_p−M),
@@ -609,12 +666,9 @@ pd_status_t pd_cpu_paged_attention_decode(pd_backend_t *be, float *out, const fl
         return PD_OK;
     }
     const int bf16 = pd_cpu_attn_bf16_math(be, kv);
-    const int use_dot = g_allow_x86 >= 3 && bf16 && bs <= PD_ATTN_MAX_BLOCK &&
-                        pd_cpu_attn_decode_dot_usable(D, num_heads / H);
-    const int use_x512 =
-        g_allow_x86 >= 2 && bs <= PD_ATTN_MAX_BLOCK && pd_cpu_attn_decode_x512_usable(D, num_heads / H);
-    const int use_x86 =
-        g_allow_x86 >= 1 && bs <= PD_ATTN_MAX_BLOCK && pd_cpu_attn_decode_x86_usable(D, num_heads / H);
+    const pd_cpu_attn_decode_variant_t *variant = g_force_decode >= 0
+                                                      ? &pd_cpu_attn_decode_variants[g_force_decode]
+                                                      : pd_cpu_attn_decode_choose(kv, bf16, num_heads / H);
     int64_t total_blocks = 0;
     for (int s = 0; s < S; s++) {
         int64_t pos = meta->seq_lens[s] - 1;
@@ -663,17 +717,7 @@ pd_status_t pd_cpu_paged_attention_decode(pd_backend_t *be, float *out, const fl
             if (i + (size_t)nthreads < n_items) {
                 pd_attn_prefetch_first_pages(&items[i + nthreads], kv, meta, 2, false);
             }
-            if (use_dot) {
-                pd_cpu_attn_decode_dot_item(&items[i], q, kv, meta, num_heads, scale, &part, my_scratch);
-            } else if (use_x512) {
-                pd_cpu_attn_decode_x512_item(&items[i], q, kv, meta, num_heads, scale, bf16, &part,
-                                             my_scratch);
-            } else if (use_x86) {
-                pd_cpu_attn_decode_x86_item(&items[i], q, kv, meta, num_heads, scale, bf16, &part,
-                                            my_scratch);
-            } else {
-                attn_decode_item_portable(&items[i], q, kv, meta, num_heads, scale, &part, my_scratch, bf16);
-            }
+            variant->run(&items[i], q, kv, meta, num_heads, scale, bf16, &part, my_scratch);
         }
 #pragma omp for schedule(static)
         for (int sh = 0; sh < S * num_heads; sh++) {

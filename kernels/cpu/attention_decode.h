@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "kernels/backend.h"
+#include "kernels/cpu/isa.h"
 #include "kernels/paged_impl.h"
 
 #define PD_ATTN_MAX_HEAD  256 /* head sizes the vector kernel handles (multiples of 8) */
@@ -109,8 +110,28 @@ void pd_cpu_attn_decode_dot_item(const pd_attn_decode_item_t *it, const float *q
                                  const pd_attn_meta_t *meta, int num_heads, float scale,
                                  pd_attn_partial_t *part, float *scratch);
 
-/* Test hook: the widest decode item kernel allowed where the CPU has it: 3 (the default) the
- * AVX512-BF16 item under bf16 attention math, else as 2; 2 AVX-512; 1 AVX2; 0 the portable one. */
-void pd_cpu_attn_allow_x86(int allow);
+/* The decode item kernels as a variant table (issue 45; the matmul's is matmul_variants.h): each
+ * entry names a kernel, the instruction-set level it needs, the caches it serves (dtype, head size,
+ * group, block size; bf16: under bf16 attention math) and its function with one signature.
+ * pd_cpu_paged_attention_decode runs the first entry the host can run that serves the call. */
+typedef struct pd_cpu_attn_decode_variant {
+    const char *name;
+    pd_cpu_isa_t isa;
+    bool (*serves)(const pd_kv_view_t *kv, int bf16, int group);
+    void (*run)(const pd_attn_decode_item_t *it, const float *q, const pd_kv_view_t *kv,
+                const pd_attn_meta_t *meta, int num_heads, float scale, int bf16, pd_attn_partial_t *part,
+                float *scratch);
+    const char *what;
+} pd_cpu_attn_decode_variant_t;
+
+extern const pd_cpu_attn_decode_variant_t pd_cpu_attn_decode_variants[];
+extern const int pd_cpu_num_attn_decode_variants;
+
+/* The entry the decode runs for this cache (never NULL: the portable one serves every cache). */
+const pd_cpu_attn_decode_variant_t *pd_cpu_attn_decode_choose(const pd_kv_view_t *kv, int bf16, int group);
+
+/* Test hook: pd_cpu_paged_attention_decode runs entry `variant` of the table (the caller checked
+ * that the host can run it and that it serves the cache); -1 (the default): the table's choice. */
+void pd_cpu_attn_decode_force(int variant);
 
 #endif

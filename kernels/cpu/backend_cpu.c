@@ -2,13 +2,63 @@
  * "cpu" (optimized ops) and "cpu-ref" (the reference ops, for tests and as a specification). */
 #include <cblas.h>
 #include <omp.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 
 #include "common/log.h"
 #include "kernels/cpu/cpu_ops.h"
-#include "kernels/cpu/matmul_bf16.h" /* pd_cpu_bf16dot_usable */
+#include "kernels/cpu/isa.h"
+#include "kernels/cpu/matmul_bf16.h"  /* pd_cpu_bf16dot_usable */
+#include "kernels/cpu/matmul_bf16p.h" /* pd_cpu_amx_usable */
+#include "kernels/cpu/matmul_lowp.h"  /* pd_cpu_lowp_x86_usable */
+#include "kernels/cpu/matmul_variants.h"
+#include "kernels/cpu/simd.h" /* pd_cpu_avx512_usable */
+
+int pd_cpu_isa_usable(pd_cpu_isa_t isa)
+{
+    switch (isa) {
+    case PD_ISA_PORTABLE: return 1;
+    case PD_ISA_AVX2: return pd_cpu_lowp_x86_usable();
+    case PD_ISA_AVX512: return pd_cpu_avx512_usable();
+    case PD_ISA_AVX512_BF16: return pd_cpu_bf16dot_usable();
+    case PD_ISA_AMX: return pd_cpu_amx_usable() && pd_cpu_bf16dot_usable();
+    }
+    return 0;
+}
+
+pd_cpu_isa_t pd_cpu_isa_level(void)
+{
+    pd_cpu_isa_t level = PD_ISA_PORTABLE;
+    for (int i = PD_ISA_AVX2; i <= PD_ISA_AMX && pd_cpu_isa_usable((pd_cpu_isa_t)i); i++) {
+        level = (pd_cpu_isa_t)i;
+    }
+    return level;
+}
+
+/* The start-up line: the level the kernels run at, and which matmul variants run here. Once per
+ * process (the answer cannot change). */
+static void log_kernels(void)
+{
+    static int logged;
+    if (__atomic_exchange_n(&logged, 1, __ATOMIC_ACQ_REL)) {
+        return;
+    }
+    char on[512] = "", off[512] = "";
+    size_t a = 0, b = 0;
+    for (int i = 0; i < pd_cpu_num_matmul_variants; i++) {
+        const pd_cpu_matmul_variant_t *v = &pd_cpu_matmul_variants[i];
+        if (pd_cpu_matmul_variant_usable(v)) {
+            a += (size_t)snprintf(on + a, a < sizeof(on) ? sizeof(on) - a : 0, "%s%s", a ? " " : "", v->name);
+        } else {
+            b += (size_t)snprintf(off + b, b < sizeof(off) ? sizeof(off) - b : 0, "%s%s", b ? " " : "",
+                                  v->name);
+        }
+    }
+    pd_log_info("cpu kernels: %s (cap %s, --cpu-isa / PD_CPU_ISA); matmul variants: %s; not here: %s",
+                pd_cpu_isa_name(pd_cpu_isa_level()), pd_cpu_isa_name(pd_cpu_isa_cap()), on, b ? off : "none");
+}
 /* Every allocation carries a 64-byte header holding its size, for the peak accounting that the
  * memory profiler reads (bytes_in_use / bytes_peak). */
 #define CPU_ALLOC_HEADER 64
@@ -137,6 +187,7 @@ pd_status_t pd_cpu_backend_init(pd_backend_t *be, int num_threads, bool referenc
     if (reference) {
         return PD_OK;
     }
+    log_kernels();
     pd_cpu_state_t *state = calloc(1, sizeof(*state));
     if (state == NULL) {
         pd_log_error("cpu backend: cannot allocate its state");

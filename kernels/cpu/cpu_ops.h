@@ -5,6 +5,7 @@
 #define PD_KERNELS_CPU_OPS_H
 
 #include "kernels/backend.h"
+#include "kernels/cpu/isa.h"
 
 #define PD_CPU_OP_PAIR(ret, name, ...)                                                                       \
     ret pd_cpu_##name##_ref(pd_backend_t *be, __VA_ARGS__);                                                  \
@@ -75,5 +76,15 @@ void pd_cpu_rope_cache_destroy(pd_cpu_rope_cache_t *c);
  * what init made (be->impl), not the object. */
 pd_status_t pd_cpu_backend_init(pd_backend_t *be, int num_threads, bool reference);
 void pd_cpu_backend_fini(pd_backend_t *be);
+
+/* The greedy argmax's variant table (sample.c; the first entry the host can run is used): the first
+ * index of a row's maximum, NaN never winning (pd_sample_argmax). */
+typedef struct pd_cpu_argmax_variant {
+    const char *name;
+    pd_cpu_isa_t isa;
+    int32_t (*run)(const float *z, int vocab);
+} pd_cpu_argmax_variant_t;
+extern const pd_cpu_argmax_variant_t pd_cpu_argmax_variants[];
+extern const int pd_cpu_num_argmax_variants;
 
 #endif

@@ -26,6 +26,7 @@
 #include "kernels/cpu/matmul_cols32.h"
 #include "kernels/cpu/matmul_dnnl.h"
 #include "kernels/cpu/matmul_lowp.h"
+#include "kernels/cpu/matmul_variants.h"
 #include "kernels/cpu/simd.h"
 #include "kernels/dtype_impl.h"
 
@@ -112,7 +113,7 @@ static float bias_into(float *y, const float *bias, int m, int n, int n0, int n1
  * GEMV (m <= PD_BF16X3_MAX_M, each thread its columns) or by oneDNN (on AMX), and each thread adds
  * its own columns' three rows (lo + mid + hi). */
 static pd_status_t matmul_bf16x3(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias,
-                                 int m, int n, int k)
+                                 int m, int n, int k, bool gemv)
 {
     int nt = be->num_threads, m3 = 3 * m;
     uint16_t *xs = malloc((size_t)m3 * k * sizeof(uint16_t));
@@ -125,7 +126,6 @@ static pd_status_t matmul_bf16x3(pd_backend_t *be, float *y, const float *x, pd_
     for (int i = 0; i < m; i++) {
         pd_cpu_split_bf16x3(xs + (size_t)3 * i * k, x + (size_t)i * k, k);
     }
-    bool gemv = m <= PD_BF16X3_MAX_M;
     pd_status_t st = gemv ? PD_OK : pd_cpu_dnnl_matmul_bf16(y3, xs, w.data, NULL, m3, n, k, nt);
     if (st != PD_OK) {
         free(xs), free(y3);
@@ -234,11 +234,10 @@ static pd_status_t matmul_amx_x3(pd_backend_t *be, float *y, const float *x, pd_
  * transposed once; above, each thread widens (copies) its blocks into transposed fp32 tiles
  * ([k][rows]) for sgemm. Threads take whole 32-column blocks. */
 static pd_status_t matmul_blocked(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
-                                  const float *bias, int m, int n, int k)
+                                  const float *bias, int m, int n, int k, bool direct)
 {
     int nt = be->num_threads;
     bool i8 = w.dtype == PD_DTYPE_I8, f32 = w.dtype == PD_DTYPE_F32;
-    bool direct = m <= (w.layout == PD_WEIGHT_COLS32 ? PD_COLS32_MAX_M : PD_BF16P_MAX_M);
     int n_packed = w.packed_rows < n ? (int)w.packed_rows : n;
     if (n_packed % 32 != 0) { /* a slice that ends inside a block: prepare_weight's slice_rows */
         pd_log_error("matmul: %d rows of a weight with %lld in 32-row blocks end inside a block", n,
@@ -354,38 +353,20 @@ pd_status_t pd_cpu_prepare_weight(pd_backend_t *be, pd_weight_t *w, int64_t rows
  * Every matmul is split, however small: at batch 1 a decode step is a chain of GEMVs bound by
  * reading w, and a lone thread reads at about half the machine's bandwidth. (A 2 MFLOP threshold
  * ran q, k, v, o and down of the demo model on one core: 147-154 tok/s at batch 1 against 198-215
- * split, pd-bench-ops, bench/RESULTS.md 2026-11-23.) Slices stay whole 64-byte rows of y. */
-static pd_status_t matmul_fp32_math(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
-                                    const float *bias, int m, int n, int k)
+ * split, pd-bench-ops, bench/RESULTS.md 2026-11-23.) Slices stay whole 64-byte rows of y.
+ * The row-major tail of the table: 16-bit and int8 weights through the GEMV that widens in registers
+ * (AVX2, or portable C) at small m and widened tiles + sgemm above; fp32 weights through OpenBLAS. */
+typedef enum { TAIL_GEMV_X86, TAIL_GEMV, TAIL_TILES, TAIL_F32 } tail_kind_t;
+
+static pd_status_t matmul_tail(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias,
+                               int m, int n, int k, tail_kind_t kind)
 {
-    if (w.layout == PD_WEIGHT_PAIRS32 || w.layout == PD_WEIGHT_COLS32) {
-        /* the AMX kernel from its row count on: bf16 from PD_BF16P_AMX_X3_MIN_M, int8 above the
-         * outer-product kernel's rows (matmul_bf16p.h) */
-        int amx_from = w.layout == PD_WEIGHT_PAIRS32 ? PD_BF16P_AMX_X3_MIN_M : PD_COLS32_MAX_M + 1;
-        if (w.dtype != PD_DTYPE_F32 && m >= amx_from && pd_cpu_bf16p_amx_fits(n, w.packed_rows, k) &&
-            amx_wanted() && pd_cpu_amx_usable() && pd_cpu_bf16dot_usable()) {
-            return matmul_amx_x3(be, y, x, w, bias, m, n, k);
-        }
-        return matmul_blocked(be, y, x, w, bias, m, n, k);
-    }
-    if (w.dtype == PD_DTYPE_BF16 && m >= PD_BF16X3_AMX_MIN_M && m <= PD_BF16X3_AMX_MAX_M &&
-        (int64_t)n * k >= PD_BF16X3_AMX_MIN_WEIGHTS && pd_cpu_dnnl_amx()) {
-        return matmul_bf16x3(be, y, x, w, bias, m, n, k);
-    }
-    if ((w.dtype == PD_DTYPE_BF16 || w.dtype == PD_DTYPE_F32) && m > 1 && m <= PD_BF16W_X512_MAX_M &&
-        pd_cpu_avx512_usable()) {
-        return matmul_w_x512(be, y, x, w, bias, m, n, k);
-    }
-    if (w.dtype == PD_DTYPE_BF16 && m <= PD_BF16X3_MAX_M && pd_cpu_bf16dot_usable()) {
-        return matmul_bf16x3(be, y, x, w, bias, m, n, k);
-    }
     int nt = be->num_threads;
-    bool lowp = w.dtype != PD_DTYPE_F32;
-    bool gemv = lowp && m <= PD_LOWP_GEMV_MAX_M;
+    bool gemv = kind == TAIL_GEMV_X86 || kind == TAIL_GEMV;
     int tile_rows = tile_rows_for(m, k);
     float *tiles = NULL, *xp = NULL;
-    size_t xp_floats = gemv ? pd_cpu_gemv_lowp_scratch(w.dtype, m, k) : 0;
-    if (lowp && !gemv) {
+    size_t xp_floats = kind == TAIL_GEMV_X86 ? pd_cpu_gemv_lowp_scratch(w.dtype, m, k) : 0;
+    if (kind == TAIL_TILES) {
         tiles = malloc((size_t)nt * tile_rows * k * sizeof(float));
         if (tiles == NULL) {
             pd_log_error("matmul: cannot allocate %d tiles of %d x %d for 16-bit weights", nt, tile_rows, k);
@@ -406,11 +387,11 @@ static pd_status_t matmul_fp32_math(pd_backend_t *be, float *y, const float *x, 
             continue;
         }
         if (gemv) {
-            pd_cpu_gemv_lowp(y, x, xp, w, bias, m, n, k, n0, n1);
+            pd_cpu_gemv_lowp(y, x, xp, w, bias, m, n, k, n0, n1, kind == TAIL_GEMV_X86);
             continue;
         }
         float beta = bias_into(y, bias, m, n, n0, n1);
-        if (lowp) {
+        if (kind == TAIL_TILES) {
             slice_lowp_tiles(y, x, w, beta, m, n, k, n0, n1, tiles + (size_t)t * tile_rows * k, tile_rows);
         } else {
             slice_f32(y, x, w.data, beta, m, n, k, n0, n1);
@@ -472,66 +453,300 @@ static pd_status_t matmul_bf16_dot(pd_backend_t *be, float *y, const float *x, p
     return PD_OK;
 }
 
-/* --matmul-precision bf16 with bf16 weights (matmul_bf16.h): x rounded to bf16 (rows split over the
- * threads), then the bf16 GEMV (columns split as above) or oneDNN; without either, the fp32 paths
- * on the rounded x. */
-static pd_status_t matmul_bf16_math(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
-                                    const float *bias, int m, int n, int k)
+/* x[m][k] rounded to bf16 (rows split over the threads) in `rows` >= m rows, the rest zero (the AMX
+ * kernel's whole tiles); NULL when it cannot be allocated (logged). */
+static uint16_t *round_x_bf16(pd_backend_t *be, const float *x, int m, int k, int rows)
 {
     int nt = be->num_threads;
-    int gemv_max = pd_cpu_dnnl_amx() ? PD_BF16DOT_AMX_MAX_M : PD_BF16DOT_MAX_M;
-    /* every row of these n in a block, k whole blocks of 32: oneDNN's BA16a32b2a (matmul_bf16p.h) */
-    bool blocked = w.layout == PD_WEIGHT_PAIRS32 && pd_cpu_bf16p_amx_fits(n, w.packed_rows, k);
-    /* the `vdpbf16ps` kernels up to the GEMV's rows (above them AMX or oneDNN: gemv_max <
-     * PD_BF16P_AMX_MIN_M), and at every row count for rows past the blocks, which only they read */
-    bool dot = w.layout == PD_WEIGHT_PAIRS32 && k % 32 == 0 && pd_cpu_bf16dot_usable();
-    if (dot && (m <= gemv_max || !blocked)) {
-        return matmul_bf16_dot(be, y, x, w, bias, m, n, k);
-    }
-    int rows = pd_cpu_bf16p_amx_rows(m); /* the AMX kernel's whole tiles; the rest read m rows */
     uint16_t *xb = malloc((size_t)rows * k * sizeof(uint16_t));
     if (xb == NULL) {
         pd_log_error("matmul: cannot allocate %d x %d bf16 inputs", m, k);
-        return PD_ERR_NO_MEMORY;
+        return NULL;
     }
     memset(xb + (size_t)m * k, 0, (size_t)(rows - m) * k * sizeof(uint16_t));
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && m > 1)
     for (int i = 0; i < m; i++) {
         pd_cpu_round_bf16(xb + (size_t)i * k, x + (size_t)i * k, (size_t)k);
     }
-    pd_status_t st = PD_ERR_UNSUPPORTED;
-    if (blocked && m >= PD_BF16P_AMX_MIN_M && amx_wanted() && pd_cpu_amx_usable()) {
-        matmul_amx(be, y, xb, 1, w, bias, m, n, k, NULL);
-        st = PD_OK;
-    } else if (blocked && m > gemv_max && pd_cpu_dnnl_bf16_native()) {
-        st = pd_cpu_dnnl_matmul_bf16_blocked(y, xb, w.data, bias, m, n, k, nt);
-    } else if (w.layout != PD_WEIGHT_ROWS) {
-        /* a layout the bf16 kernels do not read: the fp32 paths on the rounded x below */
-    } else if (m <= gemv_max && pd_cpu_bf16dot_usable()) {
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-        for (int t = 0; t < nt; t++) {
-            int n0, n1;
-            if (thread_cols(n, nt, t, 16, &n0, &n1)) {
-                pd_cpu_gemv_bf16dot(y, xb, w.data, bias, m, n, k, n0, n1);
-            }
-        }
-        st = PD_OK;
-    } else if (m > gemv_max && pd_cpu_dnnl_bf16_native()) {
-        /* (where oneDNN would emulate bf16 — no AVX512-BF16 — the fp32 kernels on the rounded x
-         * below compute the same exact products, faster, and round alike at every row count) */
-        st = pd_cpu_dnnl_matmul_bf16(y, xb, w.data, bias, m, n, k, nt);
+    return xb;
+}
+
+/* --matmul-precision bf16 on PD_WEIGHT_PAIRS32 above the GEMV's rows: AMX tiles. */
+static pd_status_t bf16_amx(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias,
+                            int m, int n, int k)
+{
+    uint16_t *xb = round_x_bf16(be, x, m, k, pd_cpu_bf16p_amx_rows(m));
+    if (xb == NULL) {
+        return PD_ERR_NO_MEMORY;
     }
-    if (st == PD_ERR_UNSUPPORTED) {
-        float *xr = malloc((size_t)m * k * sizeof(float));
-        st = xr != NULL ? PD_OK : PD_ERR_NO_MEMORY;
-        if (xr != NULL) {
-            pd_cpu_widen(xr, xb, PD_DTYPE_BF16, (int64_t)m * k);
-            st = matmul_fp32_math(be, y, xr, w, bias, m, n, k);
-        }
-        free(xr);
+    matmul_amx(be, y, xb, 1, w, bias, m, n, k, NULL);
+    free(xb);
+    return PD_OK;
+}
+
+/* --matmul-precision bf16 through oneDNN: on PD_WEIGHT_PAIRS32 (its BA16a32b2a) or row-major. */
+static pd_status_t bf16_dnnl(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias,
+                             int m, int n, int k)
+{
+    uint16_t *xb = round_x_bf16(be, x, m, k, m);
+    if (xb == NULL) {
+        return PD_ERR_NO_MEMORY;
     }
+    pd_status_t st = w.layout == PD_WEIGHT_PAIRS32
+                         ? pd_cpu_dnnl_matmul_bf16_blocked(y, xb, w.data, bias, m, n, k, be->num_threads)
+                         : pd_cpu_dnnl_matmul_bf16(y, xb, w.data, bias, m, n, k, be->num_threads);
     free(xb);
     return st;
+}
+
+/* --matmul-precision bf16 on row-major weights up to the GEMV's rows: the AVX512-BF16 GEMV. */
+static pd_status_t bf16_gemv(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias,
+                             int m, int n, int k)
+{
+    int nt = be->num_threads;
+    uint16_t *xb = round_x_bf16(be, x, m, k, m);
+    if (xb == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int t = 0; t < nt; t++) {
+        int n0, n1;
+        if (thread_cols(n, nt, t, 16, &n0, &n1)) {
+            pd_cpu_gemv_bf16dot(y, xb, w.data, bias, m, n, k, n0, n1);
+        }
+    }
+    free(xb);
+    return PD_OK;
+}
+
+/* --matmul-precision bf16 anywhere else: x rounded to bf16, then the fp32-math part of the table on
+ * the rounded x (it computes the same exact products: where oneDNN would emulate bf16 — no
+ * AVX512-BF16 — this is faster, and rounds alike at every row count). */
+static pd_status_t bf16_via_fp32(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias,
+                                 int m, int n, int k)
+{
+    uint16_t *xb = round_x_bf16(be, x, m, k, m);
+    float *xr = xb != NULL ? malloc((size_t)m * k * sizeof(float)) : NULL;
+    pd_status_t st = xr != NULL ? PD_OK : PD_ERR_NO_MEMORY;
+    if (xr != NULL) {
+        pd_cpu_widen(xr, xb, PD_DTYPE_BF16, (int64_t)m * k);
+        pd_backend_t fp32 = *be; /* the same backend, asked for fp32 math */
+        fp32.matmul_precision = PD_MATMUL_FP32;
+        const pd_cpu_matmul_variant_t *v = pd_cpu_matmul_choose(&fp32, &w, m, n, k);
+        st = v != NULL ? v->run(be, y, xr, w, bias, m, n, k) : PD_ERR_UNSUPPORTED;
+    } else {
+        pd_log_error("matmul: cannot allocate %d x %d rounded inputs", m, k);
+    }
+    free(xr);
+    free(xb);
+    return st;
+}
+
+/* ------------------------------------------------------------------ the variant table */
+
+static bool blocked(const pd_weight_t *w)
+{
+    return w->layout == PD_WEIGHT_PAIRS32 || w->layout == PD_WEIGHT_COLS32;
+}
+
+static bool rows_bf16(const pd_weight_t *w)
+{
+    return w->layout == PD_WEIGHT_ROWS && w->dtype == PD_DTYPE_BF16;
+}
+
+static bool lowp_rows(const pd_weight_t *w)
+{
+    return w->layout == PD_WEIGHT_ROWS && w->dtype != PD_DTYPE_F32;
+}
+
+/* every row of these n in a block, k whole blocks of 32: oneDNN's BA16a32b2a (matmul_bf16p.h) */
+static bool amx_blocks(const pd_weight_t *w, int n, int k)
+{
+    return w->layout == PD_WEIGHT_PAIRS32 && pd_cpu_bf16p_amx_fits(n, w->packed_rows, k);
+}
+
+/* The bf16 GEMV's rows: above them AMX or oneDNN (gemv_max < PD_BF16P_AMX_MIN_M). */
+static int bf16_gemv_max(void)
+{
+    return pd_cpu_dnnl_amx() ? PD_BF16DOT_AMX_MAX_M : PD_BF16DOT_MAX_M;
+}
+
+static bool s_amx_x3(const pd_backend_t *be, const pd_weight_t *w, int m, int n, int k)
+{
+    /* bf16 from PD_BF16P_AMX_X3_MIN_M rows, int8 above the outer-product kernel's rows; fp32 weights
+     * never (not exact in bf16 parts); the AMX kernel multiplies bf16 parts with `vdpbf16ps` too */
+    int from = w->layout == PD_WEIGHT_PAIRS32 ? PD_BF16P_AMX_X3_MIN_M : PD_COLS32_MAX_M + 1;
+    return blocked(w) && w->dtype != PD_DTYPE_F32 && m >= from &&
+           pd_cpu_bf16p_amx_fits(n, w->packed_rows, k) && amx_wanted();
+}
+
+static bool s_blocked_outer(const pd_backend_t *be, const pd_weight_t *w, int m, int n, int k)
+{
+    return blocked(w) && m <= (w->layout == PD_WEIGHT_COLS32 ? PD_COLS32_MAX_M : PD_BF16P_MAX_M);
+}
+
+static bool s_blocked_tiles(const pd_backend_t *be, const pd_weight_t *w, int m, int n, int k)
+{
+    return blocked(w);
+}
+
+static bool s_bf16x3_dnnl(const pd_backend_t *be, const pd_weight_t *w, int m, int n, int k)
+{
+    return rows_bf16(w) && m >= PD_BF16X3_AMX_MIN_M && m <= PD_BF16X3_AMX_MAX_M &&
+           (int64_t)n * k >= PD_BF16X3_AMX_MIN_WEIGHTS;
+}
+
+static bool s_w_x512(const pd_backend_t *be, const pd_weight_t *w, int m, int n, int k)
+{
+    return w->layout == PD_WEIGHT_ROWS && (w->dtype == PD_DTYPE_BF16 || w->dtype == PD_DTYPE_F32) && m > 1 &&
+           m <= PD_BF16W_X512_MAX_M;
+}
+
+static bool s_bf16x3_gemv(const pd_backend_t *be, const pd_weight_t *w, int m, int n, int k)
+{
+    return rows_bf16(w) && m <= PD_BF16X3_MAX_M;
+}
+
+static bool s_lowp_gemv(const pd_backend_t *be, const pd_weight_t *w, int m, int n, int k)
+{
+    return lowp_rows(w) && m <= PD_LOWP_GEMV_MAX_M;
+}
+
+static bool s_lowp_tiles(const pd_backend_t *be, const pd_weight_t *w, int m, int n, int k)
+{
+    return lowp_rows(w);
+}
+
+static bool s_f32_blas(const pd_backend_t *be, const pd_weight_t *w, int m, int n, int k)
+{
+    return w->layout == PD_WEIGHT_ROWS && w->dtype == PD_DTYPE_F32;
+}
+
+static bool s_bf16_dot(const pd_backend_t *be, const pd_weight_t *w, int m, int n, int k)
+{
+    /* up to the GEMV's rows, and at every row count for rows past the blocks, which only it reads */
+    return w->layout == PD_WEIGHT_PAIRS32 && k % 32 == 0 && (m <= bf16_gemv_max() || !amx_blocks(w, n, k));
+}
+
+static bool s_bf16_amx(const pd_backend_t *be, const pd_weight_t *w, int m, int n, int k)
+{
+    return amx_blocks(w, n, k) && m >= PD_BF16P_AMX_MIN_M && amx_wanted();
+}
+
+static bool s_bf16_dnnl(const pd_backend_t *be, const pd_weight_t *w, int m, int n, int k)
+{
+    return (amx_blocks(w, n, k) || w->layout == PD_WEIGHT_ROWS) && m > bf16_gemv_max();
+}
+
+static bool s_bf16_gemv(const pd_backend_t *be, const pd_weight_t *w, int m, int n, int k)
+{
+    return w->layout == PD_WEIGHT_ROWS && m <= bf16_gemv_max();
+}
+
+static bool s_any(const pd_backend_t *be, const pd_weight_t *w, int m, int n, int k)
+{
+    return true;
+}
+
+static pd_status_t run_blocked_outer(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
+                                     const float *bias, int m, int n, int k)
+{
+    return matmul_blocked(be, y, x, w, bias, m, n, k, true);
+}
+
+static pd_status_t run_blocked_tiles(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
+                                     const float *bias, int m, int n, int k)
+{
+    return matmul_blocked(be, y, x, w, bias, m, n, k, false);
+}
+
+static pd_status_t run_bf16x3_gemv(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
+                                   const float *bias, int m, int n, int k)
+{
+    return matmul_bf16x3(be, y, x, w, bias, m, n, k, true);
+}
+
+static pd_status_t run_bf16x3_dnnl(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
+                                   const float *bias, int m, int n, int k)
+{
+    return matmul_bf16x3(be, y, x, w, bias, m, n, k, false);
+}
+
+#define TAIL(name, kind)                                                                                     \
+    static pd_status_t name(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias,    \
+                            int m, int n, int k)                                                             \
+    {                                                                                                        \
+        return matmul_tail(be, y, x, w, bias, m, n, k, kind);                                                \
+    }
+TAIL(run_lowp_gemv_x86, TAIL_GEMV_X86)
+TAIL(run_lowp_gemv, TAIL_GEMV)
+TAIL(run_lowp_tiles, TAIL_TILES)
+TAIL(run_f32_blas, TAIL_F32)
+
+static bool dnnl_amx(void)
+{
+    return pd_cpu_dnnl_amx();
+}
+
+static bool dnnl_bf16(void)
+{
+    return pd_cpu_dnnl_bf16_native();
+}
+
+const pd_cpu_matmul_variant_t pd_cpu_matmul_variants[] = {
+    /* fp32 math */
+    {"amx_x3", PD_ISA_AMX, false, NULL, s_amx_x3, matmul_amx_x3,
+     "blocked bf16 from 32 rows, blocked int8 above 64: x in three exact bf16 parts on AMX tiles"},
+    {"blocked_outer", PD_ISA_AVX512, false, NULL, s_blocked_outer, run_blocked_outer,
+     "blocked bf16/int8/fp32 up to 64 rows: the layouts' outer-product kernels"},
+    {"blocked_tiles", PD_ISA_AVX512, false, NULL, s_blocked_tiles, run_blocked_tiles,
+     "blocked bf16/int8/fp32, any rows: blocks widened into transposed fp32 tiles + sgemm"},
+    {"bf16x3_dnnl", PD_ISA_AMX, false, dnnl_amx, s_bf16x3_dnnl, run_bf16x3_dnnl,
+     "row-major bf16, 24..64 rows of >= 4 M weights: x in three bf16 parts through oneDNN on AMX"},
+    {"w_x512", PD_ISA_AVX512, false, NULL, s_w_x512, matmul_w_x512,
+     "row-major bf16/fp32, 2..64 rows: register-blocked, widened in registers"},
+    {"bf16x3_gemv", PD_ISA_AVX512_BF16, false, NULL, s_bf16x3_gemv, run_bf16x3_gemv,
+     "row-major bf16 up to 10 rows: x in three exact bf16 parts through the vdpbf16ps GEMV"},
+    {"lowp_gemv_avx2", PD_ISA_AVX2, false, NULL, s_lowp_gemv, run_lowp_gemv_x86,
+     "row-major bf16/fp16/int8 up to 8 rows: the GEMV widening in AVX2 registers"},
+    {"lowp_gemv", PD_ISA_PORTABLE, false, NULL, s_lowp_gemv, run_lowp_gemv,
+     "row-major bf16/fp16/int8 up to 8 rows: the portable GEMV"},
+    {"lowp_tiles", PD_ISA_PORTABLE, false, NULL, s_lowp_tiles, run_lowp_tiles,
+     "row-major bf16/fp16/int8, any rows: tiles widened into fp32 + sgemm"},
+    {"f32_blas", PD_ISA_PORTABLE, false, NULL, s_f32_blas, run_f32_blas,
+     "row-major fp32, any rows: OpenBLAS sgemv/sgemm"},
+    /* bf16 math (--matmul-precision bf16 on bf16 weights) */
+    {"bf16_dot", PD_ISA_AVX512_BF16, true, NULL, s_bf16_dot, matmul_bf16_dot,
+     "blocked bf16, k % 32 == 0, up to the GEMV's rows (32; 16 with AMX) or not in whole AMX blocks: "
+     "vdpbf16ps"},
+    {"bf16_amx", PD_ISA_AMX, true, NULL, s_bf16_amx, bf16_amx,
+     "blocked bf16 in whole AMX blocks from 17 rows: AMX"},
+    {"bf16_dnnl", PD_ISA_AVX512_BF16, true, dnnl_bf16, s_bf16_dnnl, bf16_dnnl,
+     "row-major or whole-block bf16 above the GEMV's rows: oneDNN"},
+    {"bf16_gemv", PD_ISA_AVX512_BF16, true, NULL, s_bf16_gemv, bf16_gemv,
+     "row-major bf16 up to the GEMV's rows: the vdpbf16ps GEMV"},
+    {"bf16_via_fp32", PD_ISA_PORTABLE, true, NULL, s_any, bf16_via_fp32,
+     "any bf16: x rounded to bf16, then the fp32-math entries"},
+};
+const int pd_cpu_num_matmul_variants =
+    (int)(sizeof(pd_cpu_matmul_variants) / sizeof(pd_cpu_matmul_variants[0]));
+
+bool pd_cpu_matmul_variant_usable(const pd_cpu_matmul_variant_t *v)
+{
+    return pd_cpu_isa_usable(v->isa) && (v->needs == NULL || v->needs());
+}
+
+const pd_cpu_matmul_variant_t *pd_cpu_matmul_choose(const pd_backend_t *be, const pd_weight_t *w, int m,
+                                                    int n, int k)
+{
+    bool bf16_math = be->matmul_precision == PD_MATMUL_BF16 && w->dtype == PD_DTYPE_BF16;
+    for (int i = 0; i < pd_cpu_num_matmul_variants; i++) {
+        const pd_cpu_matmul_variant_t *v = &pd_cpu_matmul_variants[i];
+        if (v->bf16_math == bf16_math && v->serves(be, w, m, n, k) && pd_cpu_matmul_variant_usable(v)) {
+            return v;
+        }
+    }
+    return NULL;
 }
 
 pd_status_t pd_cpu_matmul(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias, int m,
@@ -540,8 +755,11 @@ pd_status_t pd_cpu_matmul(pd_backend_t *be, float *y, const float *x, pd_weight_
     if (m == 0 || n == 0) {
         return PD_OK;
     }
-    if (be->matmul_precision == PD_MATMUL_BF16 && w.dtype == PD_DTYPE_BF16) {
-        return matmul_bf16_math(be, y, x, w, bias, m, n, k);
+    const pd_cpu_matmul_variant_t *v = pd_cpu_matmul_choose(be, &w, m, n, k);
+    if (v == NULL) {
+        pd_log_error("matmul: no CPU variant serves weights of dtype %d, layout %d at %d x %d x %d here",
+                     (int)w.dtype, (int)w.layout, m, n, k);
+        return PD_ERR_UNSUPPORTED;
     }
-    return matmul_fp32_math(be, y, x, w, bias, m, n, k);
+    return v->run(be, y, x, w, bias, m, n, k);
 }

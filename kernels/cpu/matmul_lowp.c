@@ -48,7 +48,7 @@ void pd_cpu_widen_rows(float *dst, pd_weight_t w, int64_t row0, int64_t rows, in
 
 size_t pd_cpu_gemv_lowp_scratch(pd_dtype_t dt, int m, int k)
 {
-    return x86_usable() && pd_cpu_gemv_lowp_x86_wants_xp(dt, m) ? (size_t)m * k : 0;
+    return pd_cpu_gemv_lowp_x86_wants_xp(dt, m) ? (size_t)m * k : 0;
 }
 
 /* The x86 bf16 GEMV's order: each group of 16 floats of a row as its 8 even then its 8 odd
@@ -71,9 +71,9 @@ void pd_cpu_gemv_lowp_prepare(float *xp, const float *x, pd_dtype_t dt, int m, i
 }
 
 void pd_cpu_gemv_lowp(float *y, const float *x, const float *xp, pd_weight_t w, const float *bias, int m,
-                      int n, int k, int n0, int n1)
+                      int n, int k, int n0, int n1, bool x86)
 {
-    if (x86_usable()) {
+    if (x86) {
         pd_cpu_gemv_lowp_x86(y, x, xp, w, bias, m, n, k, n0, n1);
         return;
     }

@@ -7,6 +7,7 @@
 #ifndef PD_KERNELS_CPU_MATMUL_LOWP_H
 #define PD_KERNELS_CPU_MATMUL_LOWP_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 #include "kernels/backend.h"
@@ -27,15 +28,16 @@ static inline void pd_cpu_widen(float *dst, const void *src, pd_dtype_t dt, int6
     pd_cpu_widen_rows(dst, w, 0, 1, n);
 }
 
-/* Floats of scratch pd_cpu_gemv_lowp needs for x (0: none), and filling it from x[m][k] — once
- * per matmul, before the threads split the columns. */
+/* Floats of scratch the x86 GEMV needs for x (0: none), and filling it from x[m][k] — once per
+ * matmul, before the threads split the columns. */
 size_t pd_cpu_gemv_lowp_scratch(pd_dtype_t dt, int m, int k);
 void pd_cpu_gemv_lowp_prepare(float *xp, const float *x, pd_dtype_t dt, int m, int k);
 
 /* y[i][j] = bias[j] + Σ_p x[i][p] · w[j][p] for i < m, j in [n0, n1) (y is [m][n], x [m][k],
- * w [n][k] of a 16-bit or int8 dtype, bias may be NULL; xp the prepared scratch). */
+ * w [n][k] of a 16-bit or int8 dtype, bias may be NULL; xp the prepared scratch). x86: the AVX2
+ * version (the caller checked pd_cpu_lowp_x86_usable: the matmul variant table), else portable C. */
 void pd_cpu_gemv_lowp(float *y, const float *x, const float *xp, pd_weight_t w, const float *bias, int m,
-                      int n, int k, int n0, int n1);
+                      int n, int k, int n0, int n1, bool x86);
 
 /* The x86 versions (matmul_lowp_x86.c), usable when the CPU has AVX2, FMA and F16C. */
 int pd_cpu_lowp_x86_usable(void);

@@ -81,16 +81,25 @@ SAMPLE_X512 static int32_t argmax_row_x512(const float *z, int vocab)
 }
 #endif
 
-/* argmax_row, vectorized where the CPU allows (a greedy row at a 128 K vocabulary was ~0.3 ms of
- * scalar compares, serial in every decode step). */
+/* The argmax's variant table (cpu_ops.h): vectorized where the CPU allows (a greedy row at a 128 K
+ * vocabulary was ~0.3 ms of scalar compares, serial in every decode step); every entry returns
+ * argmax_row's index. */
+const pd_cpu_argmax_variant_t pd_cpu_argmax_variants[] = {
+#if defined(__x86_64__) && defined(__GNUC__)
+    {"x512", PD_ISA_AVX512, argmax_row_x512},
+#endif
+    {"portable", PD_ISA_PORTABLE, argmax_row},
+};
+const int pd_cpu_num_argmax_variants =
+    (int)(sizeof(pd_cpu_argmax_variants) / sizeof(pd_cpu_argmax_variants[0]));
+
 static int32_t argmax_fast(const float *z, int vocab)
 {
-#if defined(__x86_64__) && defined(__GNUC__)
-    if (pd_cpu_avx512_usable()) {
-        return argmax_row_x512(z, vocab);
+    for (int i = 0;; i++) { /* the last entry is portable: usable everywhere */
+        if (pd_cpu_isa_usable(pd_cpu_argmax_variants[i].isa)) {
+            return pd_cpu_argmax_variants[i].run(z, vocab);
+        }
     }
-#endif
-    return argmax_row(z, vocab);
 }
 
 /* Given kept candidates c[n] sorted by (z desc, id asc): applies top-p and leaves the distribution

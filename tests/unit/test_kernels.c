@@ -2,6 +2,7 @@
  * (never zeros), the shared index math, dtype conversions, and bad-index rejection. */
 #include <check.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +17,7 @@
 #include "kernels/cpu/matmul_cols32.h"
 #include "kernels/cpu/matmul_dnnl.h"
 #include "kernels/cpu/matmul_lowp.h"
+#include "kernels/cpu/matmul_variants.h"
 #include "kernels/cpu/simd.h"
 #include "kernels/paged_impl.h"
 #include "kernels/sample.h"
@@ -200,6 +202,128 @@ START_TEST(test_matmul)
             free(x), free(w), free(ws), free(scale), free(bias), free(y), free(yr), free(yf);
         }
     }
+}
+END_TEST
+
+/* The matmul's variant table (kernels/cpu/matmul_variants.h): every entry the host (and PD_CPU_ISA)
+ * can run, on every case below it serves, against the reference (bf16 math: the reference on x
+ * rounded to bf16) and against the entry pd_cpu_matmul picks for the same call. An entry the host
+ * can run that no case serves fails (a variant this test never ran would pass unseen); the ones it
+ * cannot run are printed by name, with the level they need. */
+typedef struct mv_case {
+    pd_dtype_t dt;
+    bool bf16_math, pack;
+    int n, k;
+    int ms[12];
+} mv_case_t;
+
+START_TEST(test_matmul_variants)
+{
+    const mv_case_t cases[] = {
+        /* 100 rows: 3 blocks of 32 and 4 row-major rows past them; k whole blocks of 32 (bf16 math) */
+        {PD_DTYPE_F32, false, false, 100, 96, {1, 2, 7, 33, 64, 65, 130}},
+        {PD_DTYPE_F32, false, true, 100, 96, {1, 2, 33, 64, 65, 130}},
+        {PD_DTYPE_BF16, false, false, 100, 96, {1, 2, 7, 10, 33, 64, 65, 130}},
+        {PD_DTYPE_BF16, false, true, 100, 96, {1, 2, 33, 64, 65, 130}},
+        {PD_DTYPE_BF16, false, true, 96, 64, {31, 32, 64, 65, 130}}, /* whole AMX blocks */
+        {PD_DTYPE_F16, false, false, 100, 96, {1, 3, 8, 9, 65}},
+        {PD_DTYPE_I8, false, false, 100, 96, {1, 3, 8, 9, 65}},
+        {PD_DTYPE_I8, false, true, 96, 64, {1, 3, 64, 65, 130}},
+        {PD_DTYPE_BF16, true, false, 100, 96, {1, 2, 16, 17, 32, 33, 130}},
+        {PD_DTYPE_BF16, true, true, 100, 96, {1, 16, 17, 32, 33, 130}},
+        {PD_DTYPE_BF16, true, true, 96, 64, {1, 16, 17, 32, 33, 130}},
+        {PD_DTYPE_BF16, false, false, 2048, 2048, {24}}, /* >= 4 M weights: oneDNN on AMX */
+    };
+    int ran[64] = {0};
+    ck_assert_int_le(pd_cpu_num_matmul_variants, 64);
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        const mv_case_t *cs = &cases[c];
+        int n = cs->n, k = cs->k, M = 0;
+        for (int i = 0; i < 12 && cs->ms[i] > 0; i++) {
+            M = cs->ms[i] > M ? cs->ms[i] : M;
+        }
+        float *x = rand_buf((size_t)M * k, -1, 1), *w = rand_buf((size_t)n * k, -1, 1);
+        float *xr = copy_buf(x, (size_t)M * k);
+        if (cs->bf16_math) {
+            free(store_as(xr, (size_t)M * k, PD_DTYPE_BF16)); /* what bf16 math multiplies */
+        }
+        float *scale = NULL;
+        void *ws = cs->dt == PD_DTYPE_I8 ? (void *)quantize_rows(w, n, k, &scale)
+                                         : store_as(w, (size_t)n * k, cs->dt);
+        size_t bytes = (size_t)n * k * (size_t)pd_dtype_size(cs->dt);
+        void *wp = malloc(bytes);
+        memcpy(wp, ws, bytes);
+        pd_weight_t rows = {ws, cs->dt, scale, PD_WEIGHT_ROWS, 0},
+                    wt = {wp, cs->dt, scale, PD_WEIGHT_ROWS, 0};
+        g_be->matmul_precision = cs->bf16_math ? PD_MATMUL_BF16 : PD_MATMUL_FP32;
+        if (cs->pack) {
+            ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &wt, n, k, 0), PD_OK);
+        }
+        float *bias = rand_buf((size_t)n, -1, 1), *yr = malloc((size_t)M * n * sizeof(float));
+        float *yd = malloc((size_t)M * n * sizeof(float)), *y = malloc((size_t)M * n * sizeof(float));
+        for (int i = 0; i < 12 && cs->ms[i] > 0; i++) {
+            int m = cs->ms[i];
+            const float *b = i % 2 ? bias : NULL;
+            ck_assert_int_eq(pd_cpu_matmul_ref(g_be, yr, xr, rows, b, m, n, k), PD_OK);
+            const pd_cpu_matmul_variant_t *chosen = pd_cpu_matmul_choose(g_be, &wt, m, n, k);
+            ck_assert_ptr_nonnull(chosen);
+            ck_assert_int_eq(pd_cpu_matmul(g_be, yd, x, wt, b, m, n, k), PD_OK);
+            for (int v = 0; v < pd_cpu_num_matmul_variants; v++) {
+                const pd_cpu_matmul_variant_t *var = &pd_cpu_matmul_variants[v];
+                bool bf16_math = cs->bf16_math && cs->dt == PD_DTYPE_BF16;
+                if (var->bf16_math != bf16_math || !pd_cpu_matmul_variant_usable(var) ||
+                    !var->serves(g_be, &wt, m, n, k)) {
+                    continue;
+                }
+                for (size_t e = 0; e < (size_t)m * n; e++) {
+                    y[e] = NAN; /* every output written */
+                }
+                ck_assert_int_eq(var->run(g_be, y, x, wt, b, m, n, k), PD_OK);
+                ck_assert_msg(max_rel_err(y, yr, (size_t)m * n, sqrt(k)) < 1e-5,
+                              "%s: dtype %d%s%s, %dx%dx%d vs the reference", var->name, (int)cs->dt,
+                              cs->bf16_math ? ", bf16 math" : "",
+                              wt.layout != PD_WEIGHT_ROWS ? ", blocked" : "", m, n, k);
+                ck_assert_msg(max_rel_err(y, yd, (size_t)m * n, sqrt(k)) < 1e-5,
+                              "%s vs %s (the choice): %dx%dx%d", var->name, chosen->name, m, n, k);
+                ran[v]++;
+            }
+        }
+        g_be->matmul_precision = PD_MATMUL_FP32;
+        free(x), free(xr), free(w), free(ws), free(wp), free(scale), free(bias), free(yr), free(yd), free(y);
+    }
+    for (int v = 0; v < pd_cpu_num_matmul_variants; v++) {
+        const pd_cpu_matmul_variant_t *var = &pd_cpu_matmul_variants[v];
+        if (!pd_cpu_matmul_variant_usable(var)) {
+            printf("matmul variant %-15s not run: needs %s%s (kernels here run at %s)\n", var->name,
+                   pd_cpu_isa_name(var->isa), var->needs != NULL ? " and oneDNN's own support" : "",
+                   pd_cpu_isa_name(pd_cpu_isa_level()));
+            continue;
+        }
+        printf("matmul variant %-15s ran on %d shapes\n", var->name, ran[v]);
+        ck_assert_msg(ran[v] > 0, "matmul variant %s can run here but no case served it", var->name);
+    }
+}
+END_TEST
+
+/* --cpu-isa: unknown names refused; once the kernels read the cap, only the same level is accepted;
+ * the level the kernels run at is never above the cap; portable is always usable. */
+START_TEST(test_cpu_isa_cap)
+{
+    ck_assert_int_eq(pd_cpu_isa_set_cap("bogus"), PD_ERR_INVALID_ARG);
+    ck_assert_int_eq(pd_cpu_isa_set_cap("auto"), PD_OK);
+    ck_assert_int_eq(pd_cpu_isa_set_cap(NULL), PD_OK);
+    pd_cpu_isa_t cap = pd_cpu_isa_cap(); /* read: fixed from here on */
+    ck_assert_int_eq(pd_cpu_isa_set_cap(pd_cpu_isa_name(cap)), PD_OK);
+    pd_cpu_isa_t other = cap == PD_ISA_PORTABLE ? PD_ISA_AVX2 : PD_ISA_PORTABLE;
+    ck_assert_int_eq(pd_cpu_isa_set_cap(pd_cpu_isa_name(other)), PD_ERR_INVALID_ARG);
+    ck_assert_int_eq(pd_cpu_isa_cap(), cap);
+    ck_assert_int_le(pd_cpu_isa_level(), cap);
+    ck_assert(pd_cpu_isa_usable(PD_ISA_PORTABLE));
+    for (int i = PD_ISA_AVX2; i <= PD_ISA_AMX; i++) {
+        ck_assert_int_eq(pd_cpu_isa_usable((pd_cpu_isa_t)i) != 0, i <= (int)pd_cpu_isa_level());
+    }
+    printf("cpu isa: kernels run at %s under the cap %s\n", pd_cpu_isa_name(pd_cpu_isa_level()),
+           pd_cpu_isa_name(cap));
 }
 END_TEST
 
@@ -1021,6 +1145,9 @@ static double mean_abs_err(const float *a, const float *b, size_t n)
  * roundings: each is far closer to it than the fp32 result is (the roundings happened, and they
  * are the same ones). A p̂ may still land on its bf16 neighbour where fp32 sums round apart (about
  * once in 10⁴ keys), hence the loose bound on the largest difference. */
+/* cases each decode variant ran on in this process (test_attention_random reports them) */
+static int g_decode_ran[16];
+
 static void check_attn_bf16(const pd_kv_view_t *kv, const pd_attn_meta_t *meta, const float *q, int NH,
                             float scale, const float *o32, int all_decode)
 {
@@ -1030,21 +1157,30 @@ static void check_attn_bf16(const pd_kv_view_t *kv, const pd_attn_meta_t *meta, 
     ck_assert_int_eq(pd_cpu_paged_attention_bf16_ref(g_be, ref, q, kv, meta, NH, scale), PD_OK);
     double d32 = mean_abs_err(o32, ref, n);
     ck_assert_msg(d32 > 1e-5, "bf16 math changed nothing: %g", d32);
-    for (int path = 0; path < 6; path++) { /* tiled, per-key; decode AVX512-BF16, AVX-512, AVX2, portable */
+    /* tiled, per-key; then each decode variant the host can run that serves this cache */
+    for (int path = 0; path < 2 + pd_cpu_num_attn_decode_variants; path++) {
         if (path >= 2 && !all_decode) {
             break;
         }
+        const pd_cpu_attn_decode_variant_t *dv = path >= 2 ? &pd_cpu_attn_decode_variants[path - 2] : NULL;
+        if (dv != NULL && (!pd_cpu_isa_usable(dv->isa) || !dv->serves(kv, 1, NH / kv->num_kv_heads))) {
+            continue;
+        }
         pd_cpu_attn_allow_tiled(path != 1);
-        pd_cpu_attn_allow_x86(path < 2 ? 3 : 5 - path);
+        pd_cpu_attn_decode_force(path - 2);
         ck_assert_int_eq(path < 2 ? pd_cpu_paged_attention_prefill(g_be, o, q, kv, meta, NH, scale)
                                   : pd_cpu_paged_attention_decode(g_be, o, q, kv, meta, NH, scale),
                          PD_OK);
         double mean = mean_abs_err(o, ref, n), worst = max_rel_err(o, ref, n, 1e-2);
-        ck_assert_msg(mean < d32 / 200 && worst < 2e-2, "bf16 path %d: mean %g (fp32's %g), worst %g", path,
+        ck_assert_msg(mean < d32 / 200 && worst < 2e-2, "bf16 path %s: mean %g (fp32's %g), worst %g",
+                      dv != NULL ? dv->name
+                      : path     ? "per-key"
+                                 : "tiled",
                       mean, d32, worst);
+        g_decode_ran[path >= 2 ? path - 2 : 0] += dv != NULL;
     }
     pd_cpu_attn_allow_tiled(1);
-    pd_cpu_attn_allow_x86(3);
+    pd_cpu_attn_decode_force(-1);
     g_be->matmul_precision = PD_MATMUL_FP32;
     free(ref), free(o);
 }
@@ -1133,17 +1269,23 @@ static void run_attn_case(const attn_case_t *c)
         all_decode &= c->q_lens[s] == 1;
     }
     if (all_decode) {
-        /* the split-K decode kernel: AVX-512 (3 is 2 in fp32 math), AVX2 and portable variants */
-        for (int allow = 3; allow >= 0; allow--) {
-            pd_cpu_attn_allow_x86(allow);
+        /* the split-K decode kernel: each variant the host can run that serves this cache (fp32 math),
+         * and the table's own choice */
+        for (int dv = -1; dv < pd_cpu_num_attn_decode_variants; dv++) {
+            const pd_cpu_attn_decode_variant_t *var = dv >= 0 ? &pd_cpu_attn_decode_variants[dv] : NULL;
+            if (var != NULL && (!pd_cpu_isa_usable(var->isa) || !var->serves(&kv, 0, NH / H))) {
+                continue;
+            }
+            pd_cpu_attn_decode_force(dv);
             float *od = rand_buf((size_t)num_tokens * NH * D, -5, 5);
             ck_assert_int_eq(pd_cpu_paged_attention_decode(g_be, od, q, &kv, &meta, NH, scale), PD_OK);
-            ck_assert_msg(max_rel_err(od, oref, (size_t)num_tokens * NH * D, 1e-2) < 2e-5,
-                          "decode (x86 %d): %g", allow,
+            ck_assert_msg(max_rel_err(od, oref, (size_t)num_tokens * NH * D, 1e-2) < 2e-5, "decode (%s): %g",
+                          var != NULL ? var->name : "the table's choice",
                           max_rel_err(od, oref, (size_t)num_tokens * NH * D, 1e-2));
+            g_decode_ran[dv >= 0 ? dv : 0] += var != NULL;
             free(od);
         }
-        pd_cpu_attn_allow_x86(3);
+        pd_cpu_attn_decode_force(-1);
     } else {
         ck_assert_int_eq(pd_cpu_paged_attention_decode(g_be, o, q, &kv, &meta, NH, scale),
                          PD_ERR_INVALID_ARG);
@@ -1212,6 +1354,18 @@ START_TEST(test_attention_random)
     run_attn_case(&odd);
     attn_case_t oddp = {2, {9, 3}, {40, 0}, 16, 6, 2, 12, PD_DTYPE_F16, 0};
     run_attn_case(&oddp);
+    /* the decode variant table: each entry the host can run ran on some case; the rest by name */
+    for (int v = 0; v < pd_cpu_num_attn_decode_variants; v++) {
+        const pd_cpu_attn_decode_variant_t *var = &pd_cpu_attn_decode_variants[v];
+        if (!pd_cpu_isa_usable(var->isa)) {
+            printf("decode attention variant %-9s not run: needs %s (kernels here run at %s)\n", var->name,
+                   pd_cpu_isa_name(var->isa), pd_cpu_isa_name(pd_cpu_isa_level()));
+            continue;
+        }
+        printf("decode attention variant %-9s ran on %d cases\n", var->name, g_decode_ran[v]);
+        ck_assert_msg(g_decode_ran[v] > 0, "decode attention variant %s can run here but no case served it",
+                      var->name);
+    }
 }
 END_TEST
 
@@ -1346,6 +1500,12 @@ START_TEST(test_sampling_argmax_edges)
     pd_rng_seed(&r, 17);
     int lens[] = {1, 2, 15, 16, 17, 31, 33, 64, 70, 131072};
     float *z = malloc((size_t)131072 * sizeof(float));
+    for (int v = 0; v < pd_cpu_num_argmax_variants; v++) {
+        const pd_cpu_argmax_variant_t *var = &pd_cpu_argmax_variants[v];
+        printf("argmax variant %-9s %s %s\n", var->name,
+               pd_cpu_isa_usable(var->isa) ? "runs here" : "not run: needs",
+               pd_cpu_isa_usable(var->isa) ? "" : pd_cpu_isa_name(var->isa));
+    }
     for (size_t li = 0; li < sizeof(lens) / sizeof(lens[0]); li++) {
         int vocab = lens[li];
         for (int trial = 0; trial < 400; trial++) {
@@ -1376,6 +1536,13 @@ START_TEST(test_sampling_argmax_edges)
             int32_t want = argmax_def(z, vocab);
             ck_assert_msg(pd_sample_argmax(z, vocab) == want, "vocab %d kind %d: %d, not %d", vocab, kind,
                           pd_sample_argmax(z, vocab), want);
+            for (int v = 0; v < pd_cpu_num_argmax_variants; v++) { /* each variant the host can run */
+                const pd_cpu_argmax_variant_t *var = &pd_cpu_argmax_variants[v];
+                if (pd_cpu_isa_usable(var->isa)) {
+                    ck_assert_msg(var->run(z, vocab) == want, "argmax %s: vocab %d kind %d: %d, not %d",
+                                  var->name, vocab, kind, var->run(z, vocab), want);
+                }
+            }
         }
     }
     /* the op, rows split over the threads: greedy rows are the argmax; a batch with an invalid row
@@ -1540,6 +1707,8 @@ int main(void)
     tcase_add_test(tc, test_dtype_conversions);
     tcase_add_test(tc, test_index_math);
     tcase_add_test(tc, test_matmul);
+    tcase_add_test(tc, test_matmul_variants);
+    tcase_add_test(tc, test_cpu_isa_cap);
     tcase_add_test(tc, test_matmul_bf16_math);
     tcase_add_test(tc, test_split_bf16x3);
     tcase_add_test(tc, test_bf16w_batch_invariant);
