@@ -24,6 +24,7 @@ PKGS=(
   clang-format                             # make format / format check
   nodejs npm                               # gpt-3-encoder / openai client peers in tests
   kubectl                                  # kubectl kustomize renders deploy/overlays (preinstalled here)
+  xz-utils binutils                        # tools/gpu-kit: the kit's tar.xz, strip
 )
 
 if [[ "${1:-}" == "--print" ]]; then
