@@ -739,8 +739,9 @@ static void append_results(const char *path, int argc, char **argv, double memcp
     }
     fprintf(f,
             "`  \nMachine: %s %s, %ld cores, %d threads used; memcpy %.2f GB/s (1 thread), %.2f GB/s "
-            "(%d threads)\n\n",
-            u.sysname, u.machine, sysconf(_SC_NPROCESSORS_ONLN), threads, memcpy1, memcpyn, threads);
+            "(%d threads); CPU kernels at %s (cap %s)\n\n",
+            u.sysname, u.machine, sysconf(_SC_NPROCESSORS_ONLN), threads, memcpy1, memcpyn, threads,
+            pd_cpu_isa_name(pd_cpu_isa_level()), pd_cpu_isa_name(pd_cpu_isa_cap()));
     fprintf(f, "| benchmark | result | baseline (same run) | ratio |\n|---|---|---|---|\n");
     for (int i = 0; i < g_nrows; i++) {
         fprintf(f, "| %s | %s | %s | %s |\n", g_rows[i].name, g_rows[i].value, g_rows[i].baseline,
