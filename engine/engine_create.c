@@ -75,7 +75,9 @@ size_t pd_engine_flags(pd_engine_config_t *c, pd_flag_t *out, size_t max)
          "vLLM's flag; an engine runs on one device: only 1 is accepted", NULL},
         {"Memory and KV cache", PD_FLAG_GROUP, NULL, NULL, NULL},
         {"kv-cache-memory", PD_FLAG_SIZE, &c->kv_cache_memory,
-         "CPU: memory to plan KV cache + model in (e.g. 2G; 0 = physical RAM)", NULL},
+         "memory to plan KV cache + model in (e.g. 2G; 0 = the device's: physical RAM on the CPU, the GPU's "
+         "memory on cuda)",
+         NULL},
         {"memory-utilization", PD_FLAG_DOUBLE, &c->memory_utilization,
          "fraction of memory the engine plans with", NULL},
         {"gpu-memory-utilization", PD_FLAG_DOUBLE, &c->memory_utilization,

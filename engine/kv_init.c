@@ -60,7 +60,10 @@ pd_status_t pd_kv_profile_available(pd_model_t *model, pd_backend_t *be, const p
     memset(&prof, 0, sizeof(prof));
     size_t rss0 = pd_sys_rss(), be0 = be->bytes_in_use;
     prof.weight_bytes = pd_model_weight_bytes(model);
-    prof.total_bytes = p->kv_cache_memory > 0 ? p->kv_cache_memory : pd_sys_physical_ram();
+    /* a device's own memory (vLLM's gpu_memory_utilization × total), never the host's RAM */
+    prof.total_bytes = p->kv_cache_memory > 0 ? p->kv_cache_memory
+                       : be->memory_bytes > 0 ? be->memory_bytes
+                                              : pd_sys_physical_ram();
     prof.requested_bytes = (size_t)((double)prof.total_bytes * p->memory_utilization);
 
     int32_t T = p->max_num_batched_tokens, bs = p->block_size;

@@ -211,7 +211,8 @@ struct pd_backend {
      * where it does not */
     bool bf16_math_native;
     pd_matmul_precision_t matmul_precision; /* set before the first op; the CPU backend is always fp32 */
-    size_t bytes_in_use;                    /* allocator accounting, for memory profiling */
+    size_t memory_bytes; /* the device's memory the engine plans weights + KV in (0: host RAM, the CPU) */
+    size_t bytes_in_use; /* allocator accounting, for memory profiling */
     size_t bytes_peak;
     void *impl; /* backend private state */
 };

@@ -187,11 +187,18 @@ class Kit:
             lines += ["    " + line for line in tail]
         return status, lines
 
-    def serve(self, tag, model, device, extra=()):
+    def serve(self, tag, model, device, extra=(), memory=None):
+        """pd-serve on loopback; memory: its memory flags (default: a fixed plan, so several share a GPU)"""
+        memory = memory or ["--kv-cache-memory", "6G" if model == "565m" else "1G"]
         n = Node(self.tmp, tag, [self.b("pd-serve"), "--model", self.models[model], "--served-model-name", MODEL_NAME,
-                                 "--device", device, "--kv-cache-memory", "1G", "--max-model-len", "1024",
+                                 "--device", device] + memory + ["--max-model-len", "1024",
                                  "--max-num-batched-tokens", "64"] + list(extra))
-        n.start()
+        try:
+            n.start()
+        except Exception as e:  # the report says why: the server's last lines
+            n.stop()
+            tail = open(os.path.join(self.tmp, tag + ".log"), errors="replace").read().strip().splitlines()[-3:]
+            raise RuntimeError("%s: %s; its log ends: %s" % (tag, e, " | ".join(tail))) from None
         return n
 
     def prompts(self, vocab_hi):
@@ -242,21 +249,26 @@ class Kit:
                 continue
             vocab = json.load(open(os.path.join(self.models[model], "config.json")))["vocab_size"] - 1
             prompts = self.prompts(min(vocab, 30000))
-            cpu = self.serve("greedy-cpu-" + model, model, "cpu")
-            try:
-                gpu = self.serve("greedy-%s-%s" % (dev, model), model, dev,
-                                 ["--threads", "1"] if self.dry else [])
+            try:  # each model on its own: one that fails still leaves the others' figures
+                cpu = self.serve("greedy-cpu-" + model, model, "cpu")
                 try:
-                    t = time.time()
-                    got = self.greedy_all(gpu.port, prompts, 24)
-                    gpu_s = time.time() - t
-                    hits = metric_text(gpu.port, "vllm:prefix_cache_hits_total")
+                    gpu = self.serve("greedy-%s-%s" % (dev, model), model, dev,
+                                     ["--threads", "1"] if self.dry else [])
+                    try:
+                        t = time.time()
+                        got = self.greedy_all(gpu.port, prompts, 24)
+                        gpu_s = time.time() - t
+                        hits = metric_text(gpu.port, "vllm:prefix_cache_hits_total")
+                    finally:
+                        gpu.stop()
+                    ref = self.greedy_all(cpu.port, prompts, 24)
+                    eq, ties, wrong, worst, detail = self.compare(cpu.port, ref, got, prompts)
                 finally:
-                    gpu.stop()
-                ref = self.greedy_all(cpu.port, prompts, 24)
-                eq, ties, wrong, worst, detail = self.compare(cpu.port, ref, got, prompts)
-            finally:
-                cpu.stop()
+                    cpu.stop()
+            except Exception as e:
+                status = "FAIL"
+                lines.append("%s: %s" % (model, repr(e)[:400]))
+                continue
             status = "FAIL" if wrong else status
             lines.append("%s: %d prompts x 24 tokens, %s vs cpu: %d equal, %d near-ties (gap < %g), %d wrong; "
                          "max |logprob diff| on equal tokens %.2e; prefix-cache hit tokens on %s: %s; %.1f s" %
@@ -307,7 +319,14 @@ class Kit:
         dev = "cpu" if self.dry else "cuda"
         for model in ["demo", "qwen3"]:
             prompts = self.prompts(200)[1:5]
-            node = self.serve("hf-" + model, model, dev, ["--kv-cache-dtype", "fp32"])  # as transformers' fp32
+            ours_dev = dev
+            try:
+                node = self.serve("hf-" + model, model, dev, ["--kv-cache-dtype", "fp32"])  # transformers' fp32
+            except Exception as e:  # still compare the CPU path with transformers on the GPU
+                status = "FAIL"
+                lines.append("%s: pd-serve --device %s: %s" % (model, dev, repr(e)[:300]))
+                ours_dev = "cpu"
+                node = self.serve("hf-cpu-" + model, model, "cpu", ["--kv-cache-dtype", "fp32"])
             try:
                 ours = []
                 for p in prompts:
@@ -335,7 +354,8 @@ class Kit:
             if worst > 1e-2 or n == 0:
                 status = "FAIL"
             lines.append("%s (%s): %d prompt-token logprobs, pd-serve --device %s vs %s on %s: "
-                         "max |diff| %.2e" % (model, theirs["arch"], n, dev, theirs["version"], theirs["device"], worst))
+                         "max |diff| %.2e" % (model, theirs["arch"], n, ours_dev, theirs["version"], theirs["device"],
+                                              worst))
         return status, lines
 
     def bench(self):
@@ -345,7 +365,8 @@ class Kit:
                           self.log("ceilings"), 90, env=self.host_env)
             lines.append("ceilings (torch, same run): %s" % (out.strip().splitlines()[-1] if rc == 0 else "exit %d" % rc))
         dev = "cpu" if self.dry else "cuda"
-        node = self.serve("bench-" + dev, "demo", dev)
+        # planned as vLLM plans: a share of the device's memory (the GPU's own, not the host's RAM)
+        node = self.serve("bench-" + dev, "demo", dev, memory=None if self.dry else ["--gpu-memory-utilization", "0.5"])
         try:
             res = os.path.join(self.tmp, "bench.json")
             n = 40 if self.dry else 400

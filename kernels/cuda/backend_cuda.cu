@@ -210,6 +210,7 @@ pd_status_t pd_cuda_backend_init(pd_backend_t *be, int device)
     if (cudaGetDeviceProperties(&p, device) == cudaSuccess) {
         pd_log_info("cuda backend: device %d %s, %.1f GiB, sm_%d%d", device, p.name,
                     (double)p.totalGlobalMem / (1u << 30), p.major, p.minor);
+        be->memory_bytes = p.totalGlobalMem; /* --gpu-memory-utilization is a share of this, as vLLM's */
     }
     return PD_OK;
 }
