@@ -1,6 +1,6 @@
 SHELL := /bin/bash
 # Thin wrapper over CMake/CTest. `make check` is what CI runs (.ci/run).
-#   make demo | deps | build | check | check SAN=address,undefined | check SAN=thread | format | bench |
+#   make demo | deps | build | check | test-quick | check SAN=address,undefined | check SAN=thread | format | bench |
 #        faults | soak | fuzz | image-check | clean
 SAN ?=
 JOBS ?= $(shell nproc)
@@ -14,7 +14,7 @@ CMAKE_FLAGS ?=
 CTEST_ARGS ?=
 FORMAT_FILES = $(shell git ls-files --cached --others --exclude-standard '*.c' '*.h' '*.cu' '*.cuh' 2>/dev/null)
 
-.PHONY: all deps build check test demo format format-check bench faults soak fuzz image-check clean
+.PHONY: all deps build check test test-quick demo format format-check bench faults soak fuzz image-check clean
 
 all: build
 
@@ -34,6 +34,10 @@ check: deps format-check build
 
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) $(CTEST_ARGS)
+
+# the quick tier: unit suites and fuzz replays (CTest label quick), under a minute on 2 cores
+test-quick: build
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) -L quick $(CTEST_ARGS)
 
 format:
 	clang-format -i $(FORMAT_FILES)

@@ -648,40 +648,22 @@ static bool s_any(const pd_backend_t *be, const pd_weight_t *w, int m, int n, in
     return true;
 }
 
-static pd_status_t run_blocked_outer(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
-                                     const float *bias, int m, int n, int k)
-{
-    return matmul_blocked(be, y, x, w, bias, m, n, k, true);
-}
-
-static pd_status_t run_blocked_tiles(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
-                                     const float *bias, int m, int n, int k)
-{
-    return matmul_blocked(be, y, x, w, bias, m, n, k, false);
-}
-
-static pd_status_t run_bf16x3_gemv(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
-                                   const float *bias, int m, int n, int k)
-{
-    return matmul_bf16x3(be, y, x, w, bias, m, n, k, true);
-}
-
-static pd_status_t run_bf16x3_dnnl(pd_backend_t *be, float *y, const float *x, pd_weight_t w,
-                                   const float *bias, int m, int n, int k)
-{
-    return matmul_bf16x3(be, y, x, w, bias, m, n, k, false);
-}
-
-#define TAIL(name, kind)                                                                                     \
+/* The entries over one kernel function and a choice inside it (matmul_blocked: outer-product
+ * kernels or tiles; matmul_bf16x3: GEMV or oneDNN; matmul_tail: which row-major kernel). */
+#define ENTRY(name, fn, choice)                                                                              \
     static pd_status_t name(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias,    \
                             int m, int n, int k)                                                             \
     {                                                                                                        \
-        return matmul_tail(be, y, x, w, bias, m, n, k, kind);                                                \
+        return fn(be, y, x, w, bias, m, n, k, choice);                                                       \
     }
-TAIL(run_lowp_gemv_x86, TAIL_GEMV_X86)
-TAIL(run_lowp_gemv, TAIL_GEMV)
-TAIL(run_lowp_tiles, TAIL_TILES)
-TAIL(run_f32_blas, TAIL_F32)
+ENTRY(run_blocked_outer, matmul_blocked, true)
+ENTRY(run_blocked_tiles, matmul_blocked, false)
+ENTRY(run_bf16x3_gemv, matmul_bf16x3, true)
+ENTRY(run_bf16x3_dnnl, matmul_bf16x3, false)
+ENTRY(run_lowp_gemv_x86, matmul_tail, TAIL_GEMV_X86)
+ENTRY(run_lowp_gemv, matmul_tail, TAIL_GEMV)
+ENTRY(run_lowp_tiles, matmul_tail, TAIL_TILES)
+ENTRY(run_f32_blas, matmul_tail, TAIL_F32)
 
 static bool dnnl_amx(void)
 {

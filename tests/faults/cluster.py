@@ -132,16 +132,22 @@ def free_port():
     return p
 
 
-def listening_ports(pid):
-    """TCP ports pid listens on (its socket inodes matched against /proc/net/tcp)."""
-    inodes = set()
+def socket_inodes(pid):
+    """{socket inode: fd} of every socket pid holds."""
+    inodes = {}
     for fd in os.listdir("/proc/%d/fd" % pid):
         try:
             t = os.readlink("/proc/%d/fd/%s" % (pid, fd))
         except OSError:
             continue
         if t.startswith("socket:["):
-            inodes.add(t[8:-1])
+            inodes[t[8:-1]] = fd
+    return inodes
+
+
+def listening_ports(pid):
+    """TCP ports pid listens on (its socket inodes matched against /proc/net/tcp)."""
+    inodes = socket_inodes(pid)
     ports = []
     for line in open("/proc/%d/net/tcp" % pid).read().splitlines()[1:]:
         f = line.split()
@@ -224,14 +230,7 @@ class Node:
 
 def socket_fds(pid):
     """'fd local -> remote state' for each TCP socket pid holds (the evidence when its fds grew)."""
-    inodes = {}
-    for fd in os.listdir("/proc/%d/fd" % pid):
-        try:
-            target = os.readlink("/proc/%d/fd/%s" % (pid, fd))
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes[target[8:-1]] = fd
+    inodes = socket_inodes(pid)
     states = {"01": "ESTABLISHED", "06": "TIME_WAIT", "08": "CLOSE_WAIT", "0A": "LISTEN", "04": "FIN_WAIT1",
               "05": "FIN_WAIT2", "09": "LAST_ACK", "02": "SYN_SENT", "03": "SYN_RECV", "07": "CLOSE"}
     port = lambda a: int(a.split(":")[1], 16)

@@ -412,9 +412,5 @@ int main(void)
     tcase_add_test(tc, test_end_to_end_against_pd_serve);
     tcase_add_test(tc, test_plot_series_per_label);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed == 0 ? 0 : 1;
+    return tu_run_suite(s);
 }

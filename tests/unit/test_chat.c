@@ -1179,9 +1179,5 @@ int main(void)
     tcase_add_test(tc, test_openai_client_chat_pd_serve);
     tcase_add_test(tc, test_openai_client_chat_through_pd_proxy);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return tu_exit(failed);
+    return tu_run_suite(s);
 }

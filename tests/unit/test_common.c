@@ -1,5 +1,7 @@
 /* tests/unit/test_common.c — status, hashing, arena, list, array, strmap, json helpers, flags, rng, copies,
  * the metrics registry. */
+#include "test_util.h" /* first: it defines _GNU_SOURCE */
+
 #include <check.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -606,9 +608,5 @@ int main(void)
     tcase_add_test(tc, test_copy_stream);
     tcase_add_test(tc, test_metrics_labels);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+    return tu_run_suite(s);
 }

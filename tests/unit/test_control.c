@@ -3,6 +3,8 @@
  * refused without crashing (also under ASan); the token handshake accepts equal tokens and
  * fingerprints and refuses wrong tokens, other fingerprints and silent or garbage peers, within
  * its timeout. */
+#include "test_util.h" /* first: it defines _GNU_SOURCE */
+
 #define _GNU_SOURCE
 #include <check.h>
 #include <pthread.h>
@@ -531,9 +533,5 @@ int main(void)
     tcase_add_test(tc, test_handshake_outcomes);
     tcase_add_test(tc, test_nothing_disclosed_before_the_token);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+    return tu_run_suite(s);
 }

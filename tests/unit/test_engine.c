@@ -760,11 +760,8 @@ int main(void)
     tcase_add_test(tc, test_memory_plan_8b_fits_24gib);
     tcase_add_test(tc, test_bf16_math_batch_invariant);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
+    int rc = tu_run_suite(s);
     tu_rmrf(g_model);
     free(g_model);
-    return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+    return rc;
 }

@@ -1,5 +1,7 @@
 /* tests/unit/test_kernels.c — every optimized CPU op against its reference on random inputs
  * (never zeros), the shared index math, dtype conversions, and bad-index rejection. */
+#include "test_util.h" /* first: it defines _GNU_SOURCE */
+
 #include <check.h>
 #include <math.h>
 #include <stdbool.h>
@@ -1730,9 +1732,5 @@ int main(void)
     tcase_add_test(tc, test_pages_gather_scatter);
     tcase_add_test(tc, test_backend_accounting);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+    return tu_run_suite(s);
 }

@@ -906,9 +906,5 @@ int main(void)
     tcase_add_test(tc, test_forward_rejects_bad_input);
     tcase_add_test(tc, test_bad_model_files);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return tu_exit(failed);
+    return tu_run_suite(s);
 }

@@ -2338,9 +2338,5 @@ int main(void)
         suite_add_tcase(s, cases[i]);
     }
     tu_probe_tools(TU_NODE); /* the keyed cluster serves the official openai client */
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return tu_exit(failed);
+    return tu_run_suite(s);
 }

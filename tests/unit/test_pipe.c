@@ -1213,9 +1213,5 @@ int main(void)
     tcase_add_loop_test(tc, test_emfile_backoff, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_dead_peers_release_fds, 0, NUM_BACKENDS);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+    return tu_run_suite(s);
 }

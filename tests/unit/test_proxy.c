@@ -134,9 +134,5 @@ int main(void)
     tcase_add_test(tc, test_kv_index_prefix);
     tcase_add_test(tc, test_kv_recent_prefix);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed == 0 ? 0 : 1;
+    return tu_run_suite(s);
 }

@@ -1,6 +1,8 @@
 /* tests/unit/test_scheduler.c — block pool, prefix cache, KV cache specs/config, KV cache
  * manager, and the scheduler (token budget, chunked prefill, preemption, aborts, and the connector
  * hooks driven by a fake connector). No model runs here: "sampled" tokens come from the test. */
+#include "test_util.h" /* first: it defines _GNU_SOURCE */
+
 #include <check.h>
 #include <jansson.h>
 #include <stdlib.h>
@@ -1113,9 +1115,5 @@ int main(void)
     tcase_add_test(tc, test_load_errors_fail);
     tcase_add_test(tc, test_stop_conditions);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+    return tu_run_suite(s);
 }

@@ -772,11 +772,8 @@ int main(void)
     tcase_add_test(tc, test_draft_model_under_preemption);
     tcase_add_test(tc, test_draft_model_refused);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
+    int rc = tu_run_suite(s);
     tu_rmrf(g_model), tu_rmrf(g_draft);
     free(g_model), free(g_draft);
-    return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+    return rc;
 }

@@ -418,9 +418,5 @@ int main(void)
     tcase_add_test(tc, test_limits_bound_hostile_templates);
     tcase_add_test(tc, test_fuzz_mutated_templates);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return tu_exit(failed);
+    return tu_run_suite(s);
 }

@@ -574,9 +574,5 @@ int main(void)
     tcase_add_test(tc, test_matches_gpt3_encoder_package);
     tcase_add_test(tc, test_matches_lenml_tokenizers);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return tu_exit(failed);
+    return tu_run_suite(s);
 }

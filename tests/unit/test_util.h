@@ -4,6 +4,7 @@
 #define PD_TEST_UTIL_H
 
 #define _GNU_SOURCE
+#include <check.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -123,6 +124,17 @@ static inline const char *tu_tool_name(int tool)
 static inline int tu_exit(int failed)
 {
     return failed != 0 ? 1 : tu_missing_tools != 0 ? 77 : 0;
+}
+
+/* A suite's main ends here: every case run (forked, CK_NORMAL output), the runner freed, and the
+ * exit status CTest reads: 1 on a failure, 77 when a reference tool was missing outside CI, else 0. */
+static inline int tu_run_suite(Suite *s)
+{
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return tu_exit(failed);
 }
 
 /* Writes a pd-mkmodel model into a new temp dir and returns its path. */
