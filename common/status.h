@@ -24,4 +24,14 @@ typedef enum pd_status {
 /* Returns a static, human-readable name for st ("PD_ERR_TIMEOUT"); never NULL. */
 const char *pd_status_str(pd_status_t st);
 
+/* Returns expr's status from the calling function unless it is PD_OK (the error was logged where it
+ * was found). The one such macro: code with something to undo uses `goto err_*` instead. */
+#define PD_TRY(expr)                                                                                         \
+    do {                                                                                                     \
+        pd_status_t st_ = (expr);                                                                            \
+        if (st_ != PD_OK) {                                                                                  \
+            return st_;                                                                                      \
+        }                                                                                                    \
+    } while (0)
+
 #endif

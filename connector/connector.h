@@ -21,6 +21,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "common/limits.h"
 #include "common/page_range.h"
 #include "common/status.h"
 #include "scheduler/request.h"
@@ -67,13 +68,13 @@ typedef struct pd_kv_region_desc {
     bool host_memory;      /* base is host memory (else device memory of the engine's backend) */
     size_t bytes;
     int32_t num_layers;
-    size_t layer_offset[256]; /* byte offset of each layer's view */
-    size_t page_bytes;        /* one (layer, block) page */
+    size_t layer_offset[PD_MAX_LAYERS]; /* byte offset of each layer's view */
+    size_t page_bytes;                  /* one (layer, block) page */
     uint32_t num_blocks;
     int32_t block_size;
-    int32_t num_groups;       /* KV cache groups (0 or 1: one) */
-    int32_t layer_group[256]; /* layer → its group: the entries of a block list it reads */
-    char group_layout[128];   /* pd_kv_cache_config_layout: peers must agree on it */
+    int32_t num_groups;                 /* KV cache groups (0 or 1: one) */
+    int32_t layer_group[PD_MAX_LAYERS]; /* layer → its group: the entries of a block list it reads */
+    char group_layout[128];             /* pd_kv_cache_config_layout: peers must agree on it */
 } pd_kv_region_desc_t;
 
 typedef struct pd_connector_ops {

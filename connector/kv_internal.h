@@ -8,6 +8,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "common/limits.h"
 #include "common/list.h"
 #include "common/metrics.h"
 #include "common/strmap.h"
@@ -15,18 +16,16 @@
 #include "connector/kv_connector.h"
 #include "pipe/pipe.h"
 
-#define KV_MAX_LAYERS 256
-
 /* A peer engine's KV geometry, from its Regions message. */
 typedef struct kv_geom {
     uint64_t length, page_bytes;
     uint32_t num_blocks;
     uint32_t num_layers;
-    uint64_t layer_offset[KV_MAX_LAYERS];
+    uint64_t layer_offset[PD_MAX_LAYERS];
     /* KV cache groups (local geometry only; a peer's equals ours, the fingerprint says so): block
      * lists hold num_groups ids per logical block, layer l reads entry b × num_groups + group */
     uint32_t num_groups;
-    int32_t layer_group[KV_MAX_LAYERS];
+    int32_t layer_group[PD_MAX_LAYERS];
 } kv_geom_t;
 
 typedef enum kv_peer_state {

@@ -22,8 +22,8 @@ static void post_layer_pages(kv_conn_t *k, kv_push_t *ps, const kv_save_item_t *
 pd_status_t kv_register_kv_caches(pd_connector_t *c, const pd_kv_region_desc_t *rd)
 {
     kv_conn_t *k = (kv_conn_t *)c;
-    if (rd->num_layers > KV_MAX_LAYERS) {
-        pd_log_error("kv connector: %d layers, at most %d supported", rd->num_layers, KV_MAX_LAYERS);
+    if (rd->num_layers > PD_MAX_LAYERS) {
+        pd_log_error("kv connector: %d layers, at most %d supported", rd->num_layers, PD_MAX_LAYERS);
         return PD_ERR_UNSUPPORTED;
     }
     bool nccl = k->pipe_kind == PD__PIPE_KIND__PIPE_NCCL;

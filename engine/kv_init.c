@@ -31,8 +31,8 @@ size_t pd_sys_rss(void)
 pd_status_t pd_kv_specs_from_model(const pd_model_config_t *mc, int32_t block_size, pd_dtype_t dtype,
                                    pd_kv_spec_t *specs_out)
 {
-    if (mc->num_layers > PD_KV_MAX_LAYERS) {
-        pd_log_error("kv init: %d layers, at most %d supported", mc->num_layers, PD_KV_MAX_LAYERS);
+    if (mc->num_layers > PD_MAX_LAYERS) {
+        pd_log_error("kv init: %d layers, at most %d supported", mc->num_layers, PD_MAX_LAYERS);
         return PD_ERR_UNSUPPORTED;
     }
     for (int32_t l = 0; l < mc->num_layers; l++) {
@@ -254,7 +254,7 @@ pd_status_t pd_kv_cache_init(pd_model_t *model, pd_backend_t *be, const pd_kv_in
 size_t pd_kv_block_bytes(const pd_model_config_t *mc, int32_t block_size, pd_dtype_t dtype,
                          int32_t max_model_len, int32_t max_num_batched_tokens)
 {
-    pd_kv_spec_t *specs = malloc(PD_KV_MAX_LAYERS * sizeof(pd_kv_spec_t));
+    pd_kv_spec_t *specs = malloc(PD_MAX_LAYERS * sizeof(pd_kv_spec_t));
     pd_kv_init_params_t p = {.block_size = block_size,
                              .max_model_len = max_model_len,
                              .max_num_batched_tokens = max_num_batched_tokens};

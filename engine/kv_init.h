@@ -44,7 +44,7 @@ typedef struct pd_kv_profile {
 
 typedef struct pd_kv_cache {
     pd_kv_cache_config_t cfg;
-    pd_kv_spec_t specs[PD_KV_MAX_LAYERS];
+    pd_kv_spec_t specs[PD_MAX_LAYERS];
     pd_kv_view_t *views; /* [num_layers], bound in layer order */
     void *region;        /* cfg.region_bytes */
     pd_kv_profile_t profile;

@@ -8,19 +8,11 @@
 #include "common/json.h"
 #include "common/log.h"
 
-#define TRY(expr)                                                                                            \
-    do {                                                                                                     \
-        pd_status_t st_ = (expr);                                                                            \
-        if (st_ != PD_OK) {                                                                                  \
-            return st_;                                                                                      \
-        }                                                                                                    \
-    } while (0)
-
 static pd_status_t get_i32(const json_t *root, const char *doc, const char *key, int64_t def, int required,
                            int32_t *out)
 {
     int64_t v = def;
-    TRY(required ? pd_json_get_int(root, doc, key, &v) : pd_json_opt_int(root, doc, key, def, &v));
+    PD_TRY(required ? pd_json_get_int(root, doc, key, &v) : pd_json_opt_int(root, doc, key, def, &v));
     if (v < INT32_MIN || v > INT32_MAX) {
         pd_log_error("%s: field '%s' = %lld is out of range", doc, key, (long long)v);
         return PD_ERR_PARSE;
@@ -63,16 +55,16 @@ static pd_status_t parse_gpt2(const json_t *root, const char *doc, pd_model_conf
 {
     int64_t n_inner = 0;
     double eps = 1e-5;
-    TRY(get_i32(root, doc, "n_embd", 0, 1, &c->hidden_size));
-    TRY(get_i32(root, doc, "n_layer", 0, 1, &c->num_layers));
-    TRY(get_i32(root, doc, "n_head", 0, 1, &c->num_heads));
-    TRY(get_i32(root, doc, "vocab_size", 0, 1, &c->vocab_size));
-    TRY(get_i32(root, doc, "n_positions", 1024, 0, &c->max_position_embeddings));
-    TRY(pd_json_opt_int(root, doc, "n_inner", 0, &n_inner));
-    TRY(pd_json_opt_double(root, doc, "layer_norm_epsilon", 1e-5, &eps));
-    TRY(pd_json_opt_bool(root, doc, "tie_word_embeddings", true, &c->tie_word_embeddings));
+    PD_TRY(get_i32(root, doc, "n_embd", 0, 1, &c->hidden_size));
+    PD_TRY(get_i32(root, doc, "n_layer", 0, 1, &c->num_layers));
+    PD_TRY(get_i32(root, doc, "n_head", 0, 1, &c->num_heads));
+    PD_TRY(get_i32(root, doc, "vocab_size", 0, 1, &c->vocab_size));
+    PD_TRY(get_i32(root, doc, "n_positions", 1024, 0, &c->max_position_embeddings));
+    PD_TRY(pd_json_opt_int(root, doc, "n_inner", 0, &n_inner));
+    PD_TRY(pd_json_opt_double(root, doc, "layer_norm_epsilon", 1e-5, &eps));
+    PD_TRY(pd_json_opt_bool(root, doc, "tie_word_embeddings", true, &c->tie_word_embeddings));
     const char *act = NULL;
-    TRY(pd_json_opt_str(root, doc, "activation_function", "gelu_new", &act));
+    PD_TRY(pd_json_opt_str(root, doc, "activation_function", "gelu_new", &act));
     if (strcmp(act, "gelu_new") != 0 && strcmp(act, "gelu_pytorch_tanh") != 0) {
         pd_log_error("%s: activation_function '%s' is not supported (gelu_new)", doc, act);
         return PD_ERR_UNSUPPORTED;
@@ -83,7 +75,7 @@ static pd_status_t parse_gpt2(const json_t *root, const char *doc, pd_model_conf
     c->norm_eps = (float)eps;
     c->qkv_bias = c->o_bias = c->mlp_bias = true;
     c->bos_token_id = -1;
-    TRY(get_i32(root, doc, "bos_token_id", c->bos_token_id, 0, &c->bos_token_id));
+    PD_TRY(get_i32(root, doc, "bos_token_id", c->bos_token_id, 0, &c->bos_token_id));
     return PD_OK;
 }
 
@@ -96,7 +88,7 @@ static pd_status_t parse_rope_scaling(const json_t *root, const char *doc, pd_mo
     r->factor = 1.0;
     r->attention_factor = -1.0;
     double prf = 1.0;
-    TRY(pd_json_opt_double(root, doc, "partial_rotary_factor", 1.0, &prf));
+    PD_TRY(pd_json_opt_double(root, doc, "partial_rotary_factor", 1.0, &prf));
     if (prf != 1.0) {
         pd_log_error("%s: partial_rotary_factor %g is not supported (RoPE over the whole head)", doc, prf);
         return PD_ERR_UNSUPPORTED;
@@ -135,17 +127,17 @@ static pd_status_t parse_rope_scaling(const json_t *root, const char *doc, pd_mo
     r->type = types[found].t;
     const char *sdoc = "config.json rope_scaling";
     double omax = 0;
-    TRY(pd_json_opt_double(s, sdoc, "factor", 1.0, &r->factor));
-    TRY(pd_json_opt_double(s, sdoc, "original_max_position_embeddings", (double)c->max_position_embeddings,
-                           &omax));
-    TRY(pd_json_opt_double(s, sdoc, "low_freq_factor", 1.0, &r->low_freq_factor));
-    TRY(pd_json_opt_double(s, sdoc, "high_freq_factor", 4.0, &r->high_freq_factor));
-    TRY(pd_json_opt_double(s, sdoc, "beta_fast", 32.0, &r->beta_fast));
-    TRY(pd_json_opt_double(s, sdoc, "beta_slow", 1.0, &r->beta_slow));
-    TRY(pd_json_opt_double(s, sdoc, "mscale", 0.0, &r->mscale));
-    TRY(pd_json_opt_double(s, sdoc, "mscale_all_dim", 0.0, &r->mscale_all_dim));
-    TRY(pd_json_opt_double(s, sdoc, "attention_factor", -1.0, &r->attention_factor));
-    TRY(pd_json_opt_bool(s, sdoc, "truncate", true, &r->truncate));
+    PD_TRY(pd_json_opt_double(s, sdoc, "factor", 1.0, &r->factor));
+    PD_TRY(pd_json_opt_double(s, sdoc, "original_max_position_embeddings", (double)c->max_position_embeddings,
+                              &omax));
+    PD_TRY(pd_json_opt_double(s, sdoc, "low_freq_factor", 1.0, &r->low_freq_factor));
+    PD_TRY(pd_json_opt_double(s, sdoc, "high_freq_factor", 4.0, &r->high_freq_factor));
+    PD_TRY(pd_json_opt_double(s, sdoc, "beta_fast", 32.0, &r->beta_fast));
+    PD_TRY(pd_json_opt_double(s, sdoc, "beta_slow", 1.0, &r->beta_slow));
+    PD_TRY(pd_json_opt_double(s, sdoc, "mscale", 0.0, &r->mscale));
+    PD_TRY(pd_json_opt_double(s, sdoc, "mscale_all_dim", 0.0, &r->mscale_all_dim));
+    PD_TRY(pd_json_opt_double(s, sdoc, "attention_factor", -1.0, &r->attention_factor));
+    PD_TRY(pd_json_opt_bool(s, sdoc, "truncate", true, &r->truncate));
     r->original_max_position_embeddings = (int32_t)omax;
     if (!(r->factor >= 1.0) && r->type != PD_ROPE_DEFAULT) {
         pd_log_error("%s: rope_scaling.factor must be >= 1, got %g", doc, r->factor);
@@ -169,33 +161,33 @@ static pd_status_t parse_llama(const json_t *root, const char *doc, pd_model_con
     int qwen2 = family == FAMILY_QWEN2;
     double eps = 1e-6, theta = 10000.0;
     bool attention_bias = false, mlp_bias = false, use_sw = false;
-    TRY(get_i32(root, doc, "hidden_size", 0, 1, &c->hidden_size));
-    TRY(get_i32(root, doc, "num_hidden_layers", 0, 1, &c->num_layers));
-    TRY(get_i32(root, doc, "num_attention_heads", 0, 1, &c->num_heads));
-    TRY(get_i32(root, doc, "num_key_value_heads", c->num_heads, 0, &c->num_kv_heads));
-    TRY(get_i32(root, doc, "intermediate_size", 0, 1, &c->intermediate_size));
-    TRY(get_i32(root, doc, "vocab_size", 0, 1, &c->vocab_size));
-    TRY(get_i32(root, doc, "max_position_embeddings", 2048, 0, &c->max_position_embeddings));
-    TRY(pd_json_opt_double(root, doc, "rms_norm_eps", 1e-6, &eps));
-    TRY(pd_json_opt_double(root, doc, "rope_theta", 10000.0, &theta));
-    TRY(pd_json_opt_bool(root, doc, "tie_word_embeddings", false, &c->tie_word_embeddings));
-    TRY(pd_json_opt_bool(root, doc, "attention_bias", false, &attention_bias));
-    TRY(pd_json_opt_bool(root, doc, "mlp_bias", false, &mlp_bias));
+    PD_TRY(get_i32(root, doc, "hidden_size", 0, 1, &c->hidden_size));
+    PD_TRY(get_i32(root, doc, "num_hidden_layers", 0, 1, &c->num_layers));
+    PD_TRY(get_i32(root, doc, "num_attention_heads", 0, 1, &c->num_heads));
+    PD_TRY(get_i32(root, doc, "num_key_value_heads", c->num_heads, 0, &c->num_kv_heads));
+    PD_TRY(get_i32(root, doc, "intermediate_size", 0, 1, &c->intermediate_size));
+    PD_TRY(get_i32(root, doc, "vocab_size", 0, 1, &c->vocab_size));
+    PD_TRY(get_i32(root, doc, "max_position_embeddings", 2048, 0, &c->max_position_embeddings));
+    PD_TRY(pd_json_opt_double(root, doc, "rms_norm_eps", 1e-6, &eps));
+    PD_TRY(pd_json_opt_double(root, doc, "rope_theta", 10000.0, &theta));
+    PD_TRY(pd_json_opt_bool(root, doc, "tie_word_embeddings", false, &c->tie_word_embeddings));
+    PD_TRY(pd_json_opt_bool(root, doc, "attention_bias", false, &attention_bias));
+    PD_TRY(pd_json_opt_bool(root, doc, "mlp_bias", false, &mlp_bias));
     int32_t head_dim = 0;
     if (c->num_heads > 0) {
-        TRY(get_i32(root, doc, "head_dim", c->hidden_size / c->num_heads, 0, &head_dim));
+        PD_TRY(get_i32(root, doc, "head_dim", c->hidden_size / c->num_heads, 0, &head_dim));
     }
-    TRY(parse_rope_scaling(root, doc, c));
+    PD_TRY(parse_rope_scaling(root, doc, c));
     if (qwen2 || family == FAMILY_QWEN3) {
-        TRY(pd_json_opt_bool(root, doc, "use_sliding_window", false, &use_sw));
+        PD_TRY(pd_json_opt_bool(root, doc, "use_sliding_window", false, &use_sw));
         if (use_sw) {
-            TRY(get_i32(root, doc, "sliding_window", 0, 1, &c->sliding_window));
+            PD_TRY(get_i32(root, doc, "sliding_window", 0, 1, &c->sliding_window));
         }
     }
     if (family == FAMILY_MISTRAL) { /* Mistral: a window on every layer when sliding_window is set */
         json_t *sw = json_object_get(root, "sliding_window");
         if (sw != NULL && !json_is_null(sw)) {
-            TRY(get_i32(root, doc, "sliding_window", 0, 1, &c->sliding_window));
+            PD_TRY(get_i32(root, doc, "sliding_window", 0, 1, &c->sliding_window));
         }
     }
     c->qk_norm = family == FAMILY_QWEN3;
@@ -210,7 +202,7 @@ static pd_status_t parse_llama(const json_t *root, const char *doc, pd_model_con
     c->o_bias = !qwen2 && attention_bias;
     c->mlp_bias = mlp_bias;
     c->bos_token_id = -1;
-    TRY(get_i32(root, doc, "bos_token_id", -1, 0, &c->bos_token_id));
+    PD_TRY(get_i32(root, doc, "bos_token_id", -1, 0, &c->bos_token_id));
     return PD_OK;
 }
 
@@ -228,24 +220,24 @@ static pd_status_t refuse_set(const json_t *root, const char *doc, const char *k
 /* Gemma3ForCausalLM (Gemma3TextConfig): the Llama fields, plus the local/global layer pattern. */
 static pd_status_t parse_gemma3(const json_t *root, const char *doc, pd_model_config_t *c)
 {
-    TRY(refuse_set(root, doc, "attn_logit_softcapping", "Gemma3ForCausalLM"));
-    TRY(refuse_set(root, doc, "final_logit_softcapping", "Gemma3ForCausalLM"));
-    TRY(refuse_set(root, doc, "use_bidirectional_attention", "Gemma3ForCausalLM"));
+    PD_TRY(refuse_set(root, doc, "attn_logit_softcapping", "Gemma3ForCausalLM"));
+    PD_TRY(refuse_set(root, doc, "final_logit_softcapping", "Gemma3ForCausalLM"));
+    PD_TRY(refuse_set(root, doc, "use_bidirectional_attention", "Gemma3ForCausalLM"));
     const char *act = "gelu_pytorch_tanh";
-    TRY(pd_json_opt_str(root, doc, "hidden_activation", act, &act));
+    PD_TRY(pd_json_opt_str(root, doc, "hidden_activation", act, &act));
     if (strcmp(act, "gelu_pytorch_tanh") != 0) {
         pd_log_error("%s: hidden_activation '%s' is not supported for Gemma3ForCausalLM (gelu_pytorch_tanh)",
                      doc, act);
         return PD_ERR_UNSUPPORTED;
     }
     json_t *tie = json_object_get(root, "tie_word_embeddings");
-    TRY(parse_llama(root, doc, c, FAMILY_LLAMA));
+    PD_TRY(parse_llama(root, doc, c, FAMILY_LLAMA));
     c->tie_word_embeddings = tie == NULL || json_is_true(tie); /* Gemma3TextConfig defaults to tied */
     c->gemma = true;
     c->qk_norm = true;
     double local = 10000.0, scalar = 0;
-    TRY(pd_json_opt_double(root, doc, "rope_local_base_freq", 10000.0, &local));
-    TRY(pd_json_opt_double(root, doc, "query_pre_attn_scalar", c->head_size, &scalar));
+    PD_TRY(pd_json_opt_double(root, doc, "rope_local_base_freq", 10000.0, &local));
+    PD_TRY(pd_json_opt_double(root, doc, "query_pre_attn_scalar", c->head_size, &scalar));
     if (scalar <= 0) {
         pd_log_error("%s: query_pre_attn_scalar must be positive", doc);
         return PD_ERR_PARSE;
@@ -253,7 +245,7 @@ static pd_status_t parse_gemma3(const json_t *root, const char *doc, pd_model_co
     c->rope_local_theta = (float)local;
     c->attn_scale = (float)(1.0 / sqrt(scalar));
     c->sliding_window = 0;
-    TRY(get_i32(root, doc, "sliding_window", 4096, 0, &c->sliding_window));
+    PD_TRY(get_i32(root, doc, "sliding_window", 4096, 0, &c->sliding_window));
     if (c->num_layers > PD_MAX_LAYERS || c->sliding_window <= 0) {
         pd_log_error("%s: %d layers (at most %d) with sliding_window %d (positive) are not supported", doc,
                      c->num_layers, PD_MAX_LAYERS, c->sliding_window);
@@ -275,7 +267,7 @@ static pd_status_t parse_gemma3(const json_t *root, const char *doc, pd_model_co
         }
     } else { /* older configs: every sliding_window_pattern-th layer is global */
         int32_t pattern = 6;
-        TRY(get_i32(root, doc, "sliding_window_pattern", 6, 0, &pattern));
+        PD_TRY(get_i32(root, doc, "sliding_window_pattern", 6, 0, &pattern));
         if (pattern < 1) {
             pd_log_error("%s: sliding_window_pattern must be positive", doc);
             return PD_ERR_PARSE;
@@ -304,24 +296,24 @@ pd_status_t pd_model_config_parse(const void *json_root, const char *doc, pd_mod
     const char *arch = json_string_value(json_array_get(archs, 0));
     snprintf(c.arch_name, sizeof(c.arch_name), "%s", arch);
     if (strcmp(arch, "GPT2LMHeadModel") == 0) {
-        TRY(parse_gpt2(root, doc, &c));
+        PD_TRY(parse_gpt2(root, doc, &c));
     } else if (strcmp(arch, "LlamaForCausalLM") == 0) {
-        TRY(parse_llama(root, doc, &c, FAMILY_LLAMA));
+        PD_TRY(parse_llama(root, doc, &c, FAMILY_LLAMA));
     } else if (strcmp(arch, "MistralForCausalLM") == 0) {
-        TRY(parse_llama(root, doc, &c, FAMILY_MISTRAL));
+        PD_TRY(parse_llama(root, doc, &c, FAMILY_MISTRAL));
     } else if (strcmp(arch, "Qwen2ForCausalLM") == 0) {
-        TRY(parse_llama(root, doc, &c, FAMILY_QWEN2));
+        PD_TRY(parse_llama(root, doc, &c, FAMILY_QWEN2));
     } else if (strcmp(arch, "Qwen3ForCausalLM") == 0) {
-        TRY(parse_llama(root, doc, &c, FAMILY_QWEN3));
+        PD_TRY(parse_llama(root, doc, &c, FAMILY_QWEN3));
     } else if (strcmp(arch, "Gemma3ForCausalLM") == 0) {
-        TRY(parse_gemma3(root, doc, &c));
+        PD_TRY(parse_gemma3(root, doc, &c));
     } else {
         pd_log_error("%s: architecture '%s' is not supported (GPT2LMHeadModel, LlamaForCausalLM, "
                      "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM)",
                      doc, arch);
         return PD_ERR_UNSUPPORTED;
     }
-    TRY(parse_eos(root, doc, &c));
+    PD_TRY(parse_eos(root, doc, &c));
     json_t *dt = json_object_get(root, "torch_dtype"); /* transformers >= 4.56 writes "dtype" */
     dt = json_is_string(dt) ? dt : json_object_get(root, "dtype");
     if (json_is_string(dt)) {

@@ -5,6 +5,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "common/limits.h"
 #include "common/status.h"
 
 typedef enum pd_arch {
@@ -12,8 +13,7 @@ typedef enum pd_arch {
     PD_ARCH_LLAMA = 1, /* Llama / Mistral / Qwen2 / Qwen3 / Gemma3: RMSNorm, RoPE, GQA, gated MLP */
 } pd_arch_t;
 
-#define PD_MAX_EOS    8
-#define PD_MAX_LAYERS 256
+#define PD_MAX_EOS 8
 
 /* rope_scaling (transformers' ROPE_INIT_FUNCTIONS names). */
 typedef enum pd_rope_type {

@@ -102,12 +102,4 @@ pd_status_t pd_gpt2_layer(pd_model_t *m, int layer, const pd_batch_t *batch, con
 pd_status_t pd_llama_layer(pd_model_t *m, int layer, const pd_batch_t *batch, const pd_kv_view_t *kv,
                            const pd_attn_meta_t *meta, const pd_forward_hooks_t *hooks, pd_activations_t *a);
 
-#define PD_TRY(expr)                                                                                         \
-    do {                                                                                                     \
-        pd_status_t st_ = (expr);                                                                            \
-        if (st_ != PD_OK) {                                                                                  \
-            return st_;                                                                                      \
-        }                                                                                                    \
-    } while (0)
-
 #endif

@@ -65,13 +65,13 @@ static pd_status_t tcp_create(const pd_pipe_config_t *cfg, pd_pipe_t **out)
     epoll_ctl(t->epfd, EPOLL_CTL_ADD, t->listen_fd, &ev);
     struct epoll_event wev = {EPOLLIN, {.ptr = t}};
     epoll_ctl(t->epfd, EPOLL_CTL_ADD, t->wake_fd, &wev);
-    if (pthread_create(&t->rx, NULL, tcpi_rx_main, t) != 0 ||
-        pthread_create(&t->tx, NULL, tcpi_tx_main, t) != 0) {
-        pd_log_error("tcp pipe: cannot start its threads");
+    t->rx_started = pthread_create(&t->rx, NULL, tcpi_rx_main, t) == 0;
+    t->tx_started = t->rx_started && pthread_create(&t->tx, NULL, tcpi_tx_main, t) == 0;
+    if (!t->tx_started) { /* destroy joins the one that did start */
+        pd_log_error("tcp pipe: cannot start its %s thread", t->rx_started ? "sender" : "receiver");
         pd_pipe_tcp_ops.destroy(&t->base);
         return PD_ERR_INTERNAL;
     }
-    t->threads = true;
     *out = &t->base;
     return PD_OK;
 }
@@ -154,8 +154,10 @@ static void stop_threads(tcp_pipe_t *t)
         ssize_t w = write(t->wake_fd, &one, sizeof(one));
         (void)w;
     }
-    if (t->threads) {
+    if (t->tx_started) {
         pthread_join(t->tx, NULL);
+    }
+    if (t->rx_started) {
         pthread_join(t->rx, NULL);
     }
 }

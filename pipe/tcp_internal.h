@@ -174,10 +174,10 @@ typedef struct tcp_pipe {
     size_t max_msg;
     int busy_poll_us;
     pthread_t rx, tx;
-    bool threads;
-    bool tx_busy;            /* the sender thread is writing a job (outside mu) */
-    uint64_t tx_pass;        /* sender thread: passes over the job queue */
-    pd_pipe_peer_t *tx_peer; /* ... to this peer's out_fd */
+    bool rx_started, tx_started; /* each recorded as it starts: destroy is safe after any prefix of create */
+    bool tx_busy;                /* the sender thread is writing a job (outside mu) */
+    uint64_t tx_pass;            /* sender thread: passes over the job queue */
+    pd_pipe_peer_t *tx_peer;     /* ... to this peer's out_fd */
     /* mu guards everything below it: stop, the peer list (and each peer's unexpected queue), the
      * region table and permissions, the op list and its counters, the job queue and the completion
      * queue. The rx thread reads a frame's bytes and the tx thread writes a job's bytes without it:

@@ -483,7 +483,14 @@ static pd_status_t ucx_create(const pd_pipe_config_t *cfg, pd_pipe_t **out)
         return PD_ERR_IO;
     }
     u->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    if (pthread_create(&u->progress_thread, NULL, progress_main, u) != 0) {
+    if (u->wake_fd < 0) {
+        pd_log_error("ucx pipe: cannot create its wake-up eventfd: %s", strerror(errno));
+        ucx_destroy(&u->base);
+        return PD_ERR_IO;
+    }
+    int err = pthread_create(&u->progress_thread, NULL, progress_main, u);
+    if (err != 0) {
+        pd_log_error("ucx pipe: cannot start its progress thread: %s", strerror(err));
         ucx_destroy(&u->base);
         return PD_ERR_INTERNAL;
     }
@@ -793,7 +800,12 @@ static pd_status_t ucx_import_region(pd_pipe_t *p, pd_pipe_peer_t *peer, const u
         rr->direct = lp;
     }
     if (warm && rr->len >= (1u << 20) && rr->direct != NULL) {
-        rr->warming = pthread_create(&rr->warm, NULL, warm_main, rr) == 0;
+        int err = pthread_create(&rr->warm, NULL, warm_main, rr);
+        rr->warming = err == 0;
+        if (err != 0) { /* only a speed-up: the region works unwarmed */
+            pd_log_warn("ucx pipe: cannot start a thread to warm a %zu-byte region: %s (it stays cold)",
+                        (size_t)rr->len, strerror(err));
+        }
     }
     *out = rr;
     return PD_OK;

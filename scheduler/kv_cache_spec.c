@@ -64,7 +64,7 @@ static pd_status_t check_specs(const pd_kv_spec_t *specs, int32_t num_layers, in
  * layers of each kind in layer order. Returns group_size (0 when not hybrid), -1 on error. */
 static int32_t form_groups(const pd_kv_spec_t *specs, int32_t num_layers, pd_kv_cache_config_t *c)
 {
-    int32_t windows[PD_KV_MAX_LAYERS] = {0}, counts[PD_KV_MAX_LAYERS] = {0}, nk = 0;
+    int32_t windows[PD_MAX_LAYERS] = {0}, counts[PD_MAX_LAYERS] = {0}, nk = 0;
     size_t page = 0;
     bool one_page = true;
     for (int32_t l = 0; l < num_layers; l++) {
@@ -172,8 +172,8 @@ pd_status_t pd_kv_cache_config_compute(const pd_kv_spec_t *specs, int32_t num_la
                                        int32_t max_model_len, int32_t max_chunk,
                                        pd_kv_cache_config_t *cfg_out)
 {
-    if (num_layers < 1 || num_layers > PD_KV_MAX_LAYERS) {
-        pd_log_error("kv cache config: %d layers (1 .. %d supported)", num_layers, PD_KV_MAX_LAYERS);
+    if (num_layers < 1 || num_layers > PD_MAX_LAYERS) {
+        pd_log_error("kv cache config: %d layers (1 .. %d supported)", num_layers, PD_MAX_LAYERS);
         return PD_ERR_INVALID_ARG;
     }
     int32_t block_size;

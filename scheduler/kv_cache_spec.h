@@ -7,6 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/limits.h"
 #include "common/status.h"
 
 typedef enum pd_kv_spec_kind {
@@ -30,8 +31,6 @@ typedef struct pd_kv_spec {
  * 0 for a shared layer. */
 size_t pd_kv_spec_page_bytes(const pd_kv_spec_t *spec);
 
-#define PD_KV_MAX_LAYERS 256
-
 #define PD_KV_MAX_GROUPS 32
 
 /* One allocated tensor: a region slice of num_blocks pages, used by shared_by[num_shared] layers
@@ -52,7 +51,7 @@ typedef struct pd_kv_tensor {
 typedef struct pd_kv_group {
     pd_kv_spec_kind_t kind; /* FULL (also MLA) or SLIDING_WINDOW */
     int32_t sliding_window; /* SLIDING_WINDOW: attention sees this many tokens */
-    int32_t layers[PD_KV_MAX_LAYERS];
+    int32_t layers[PD_MAX_LAYERS];
     int32_t num_layers;
 } pd_kv_group_t;
 
@@ -60,12 +59,12 @@ typedef struct pd_kv_cache_config {
     uint32_t num_blocks; /* blocks in the pool, every group's (block 0 is the null block) */
     int32_t block_size;
     size_t region_bytes; /* Σ tensor sizes: one allocation for every layer */
-    pd_kv_tensor_t tensors[PD_KV_MAX_LAYERS];
+    pd_kv_tensor_t tensors[PD_MAX_LAYERS];
     int32_t num_tensors;
-    int32_t layer_tensor[PD_KV_MAX_LAYERS]; /* layer → tensor index */
+    int32_t layer_tensor[PD_MAX_LAYERS]; /* layer → tensor index */
     pd_kv_group_t groups[PD_KV_MAX_GROUPS];
     int32_t num_groups;
-    int32_t layer_group[PD_KV_MAX_LAYERS]; /* layer → group index */
+    int32_t layer_group[PD_MAX_LAYERS]; /* layer → group index */
     int32_t num_layers;
 } pd_kv_cache_config_t;
 

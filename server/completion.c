@@ -42,7 +42,8 @@ typedef struct choice {
     int32_t stop_token;
     int32_t completion_tokens, cached_tokens;
     char *kv_transfer_params;
-    char *error;      /* the engine's reason when it ended with "error" and no token */
+    char *error; /* the engine's reason when it ended with "error" and no token */
+    bool oom;    /* an id or text could not be kept (out of memory): the reply is a 500, not a short text */
     bool handed_over; /* a prefill's first-token handover: a decode node goes on (no finish_reason) */
 } choice_t;
 
@@ -562,16 +563,20 @@ static void reply_final(creq_t *c)
     pd_http_server_t *s = c->srv;
     detach_close_cb(c);
     const choice_t *failed = NULL;
-    bool any_ok = false;
+    bool any_ok = false, oom = false;
     for (int32_t i = 0; i < c->num_choices; i++) {
         const choice_t *h = &c->ch[i];
+        oom |= h->oom;
         if (h->error != NULL && h->num_ids == 0) {
             failed = failed != NULL ? failed : h;
         } else {
             any_ok = true;
         }
     }
-    if (failed != NULL && !any_ok) {
+    if (oom) { /* never a silently shortened answer */
+        pd_http_reply_error(s, c->req, 500, "InternalServerError", NULL,
+                            "out of memory while collecting the output");
+    } else if (failed != NULL && !any_ok) {
         pd_http_reply_error(s, c->req, 500, "InternalServerError", NULL, failed->error);
     } else {
         json_t *choices = json_array();
@@ -624,6 +629,9 @@ static void absorb(pd_http_server_t *s, creq_t *c, choice_t *h, const pd_engine_
             if (ids != NULL) {
                 h->ids = ids;
                 h->cap_ids = cap;
+            } else if (!h->oom) {
+                pd_log_error("completion: out of memory keeping %d token ids; the request fails", cap);
+                h->oom = true;
             }
         }
         if (h->num_ids < h->cap_ids) {
@@ -649,6 +657,9 @@ static void absorb(pd_http_server_t *s, creq_t *c, choice_t *h, const pd_engine_
         if (t != NULL) {
             h->text = t;
             h->text_cap = cap;
+        } else if (!h->oom) {
+            pd_log_error("completion: out of memory keeping %zu bytes of text; the request fails", cap);
+            h->oom = true;
         }
     }
     if (o->text_len > 0 && h->text_len + o->text_len + 1 <= h->text_cap) {

@@ -117,7 +117,12 @@ int main(int argc, char **argv)
         pd_engine_step(e, &outs);
         for (pd_engine_output_t *o = outs; o != NULL; o = o->next) {
             result_t *r = o->user;
-            r->text = realloc(r->text, r->len + o->text_len + 1);
+            char *text = realloc(r->text, r->len + o->text_len + 1);
+            if (text == NULL) {
+                pd_log_error("out of memory keeping the output of prompt %d", (int)(r - res));
+                return 1;
+            }
+            r->text = text;
             memcpy(r->text + r->len, o->text, o->text_len);
             r->len += o->text_len;
             r->text[r->len] = '\0';

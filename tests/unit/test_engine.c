@@ -716,7 +716,7 @@ START_TEST(test_memory_plan_8b_fits_24gib)
         size_t budget = (size_t)((double)node * 0.9);         /* --memory-utilization 0.9 */
         ck_assert_msg(w32 + act > budget, "%s: fp32 weights %.2f GiB fit", configs[i], (double)w32 / gib);
         ck_assert_uint_gt(budget, w16 + act);
-        pd_kv_spec_t specs[PD_KV_MAX_LAYERS];
+        pd_kv_spec_t specs[PD_MAX_LAYERS];
         ck_assert_int_eq(pd_kv_specs_from_model(&c, 16, PD_DTYPE_BF16, specs), PD_OK);
         pd_kv_cache_config_t kc;
         ck_assert_int_eq(
