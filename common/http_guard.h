@@ -25,6 +25,14 @@
 
 typedef struct pd_http_guard pd_http_guard_t;
 
+/* The help of the flags the server and pd-proxy both take (--http-request-timeout,
+ * --http-max-connections). */
+#define PD_HTTP_GUARD_TIMEOUT_HELP                                                                           \
+    "seconds a client connection has to deliver a whole request (headers and body) before it is closed"
+#define PD_HTTP_GUARD_MAX_CONNS_HELP                                                                         \
+    "client connections at most; past it the oldest still waiting for its request is closed (0: half the "   \
+    "open-file limit"
+
 /* The connection cap for max_conns 0: half the soft RLIMIT_NOFILE (the rest for the process's own
  * files, upstream and KV sockets), at least 16. */
 int pd_http_guard_auto_max(void);

@@ -107,13 +107,9 @@ size_t pd_proxy_flags(pd_proxy_config_t *c, pd_flag_t *out, size_t max)
         {"affinity-prefix-chars", PD_FLAG_INT, &c->affinity_prefix_chars,
          "prompt characters hashed by prefix-affinity", NULL},
         {"max-request-bytes", PD_FLAG_SIZE, &c->max_request_bytes, "largest request body accepted", NULL},
-        {"http-request-timeout", PD_FLAG_DOUBLE, &c->request_timeout,
-         "seconds a client connection has to deliver a whole request (headers and body) before it is closed",
-         NULL},
+        {"http-request-timeout", PD_FLAG_DOUBLE, &c->request_timeout, PD_HTTP_GUARD_TIMEOUT_HELP, NULL},
         {"http-max-connections", PD_FLAG_INT, &c->max_connections,
-         "client connections at most; past it the oldest still waiting for its request is closed (0: half "
-         "the open-file limit: upstream connections need the rest)",
-         NULL},
+         PD_HTTP_GUARD_MAX_CONNS_HELP ": upstream connections need the rest)", NULL},
         {"api-key", PD_FLAG_STR, &c->api_key,
          "require 'Authorization: Bearer KEY' from clients on /v1/ routes, /tokenize and /detokenize "
          "($PD_PROXY_API_KEY when not given)",

@@ -58,13 +58,8 @@ size_t pd_http_flags(pd_http_config_t *c, pd_flag_t *out, size_t max)
         {"max-request-bytes", PD_FLAG_SIZE, &c->max_request_bytes, "largest request body accepted", NULL},
         {"drain-timeout", PD_FLAG_DOUBLE, &c->drain_timeout, "seconds in-flight requests get after SIGTERM",
          NULL},
-        {"http-request-timeout", PD_FLAG_DOUBLE, &c->request_timeout,
-         "seconds a client connection has to deliver a whole request (headers and body) before it is closed",
-         NULL},
-        {"http-max-connections", PD_FLAG_INT, &c->max_connections,
-         "client connections at most; past it the oldest still waiting for its request is closed (0: half "
-         "the open-file limit)",
-         NULL},
+        {"http-request-timeout", PD_FLAG_DOUBLE, &c->request_timeout, PD_HTTP_GUARD_TIMEOUT_HELP, NULL},
+        {"http-max-connections", PD_FLAG_INT, &c->max_connections, PD_HTTP_GUARD_MAX_CONNS_HELP ")", NULL},
         {"served-model-name", PD_FLAG_STRS, &c->served_model_names,
          "model name(s) in the API: requests may name any, answers and metrics carry the first (default: "
          "dir name)",

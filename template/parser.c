@@ -773,6 +773,15 @@ static bool end_tag(parser_t *P)
     return true;
 }
 
+/* The body of a block that ends in one tag ({% endwith %}, ...) and that end tag; NULL on an error. */
+static tpl_node_t *parse_block_body(parser_t *P, const char *end)
+{
+    const char *const ends[] = {end, NULL};
+    const char *ended = NULL;
+    tpl_node_t *b = parse_body(P, ends, &ended);
+    return b != NULL && end_tag(P) ? b : NULL;
+}
+
 /* Names of a for/set target: a, or a, b (optionally in parentheses). */
 static bool parse_targets(parser_t *P, tpl_node_t *nd)
 {
@@ -925,12 +934,7 @@ static tpl_node_t *parse_set(parser_t *P, const tpl_token_t *at)
     if (peek(P)->kind == TK_BLOCK_END && nd->s == NULL && nd->n_names == 1) { /* {% set x %}...{% endset %} */
         next(P);
         nd->kind = ND_SET_BLOCK;
-        static const char *const ends[] = {"endset", NULL};
-        const char *ended = NULL;
-        if ((nd->b = parse_body(P, ends, &ended)) == NULL) {
-            return NULL;
-        }
-        return end_tag(P) ? nd : NULL;
+        return (nd->b = parse_block_body(P, "endset")) != NULL ? nd : NULL;
     }
     if (!expect_op(P, "=")) {
         return NULL;
@@ -972,12 +976,7 @@ static tpl_node_t *parse_macro(parser_t *P, const tpl_token_t *at)
     if (!expect_op(P, "(") || !parse_params(P, nd) || !end_tag(P)) {
         return NULL;
     }
-    static const char *const ends[] = {"endmacro", NULL};
-    const char *ended = NULL;
-    if ((nd->b = parse_body(P, ends, &ended)) == NULL) {
-        return NULL;
-    }
-    return end_tag(P) ? nd : NULL;
+    return (nd->b = parse_block_body(P, "endmacro")) != NULL ? nd : NULL;
 }
 
 /* {% call(params) macro(args) %} body {% endcall %}: the macro's caller() renders body. */
@@ -1012,13 +1011,8 @@ static tpl_node_t *parse_call_block(parser_t *P, const tpl_token_t *at)
     if (!end_tag(P)) {
         return NULL;
     }
-    static const char *const ends[] = {"endcall", NULL};
-    const char *ended = NULL;
-    if ((caller->b = parse_body(P, ends, &ended)) == NULL) {
-        return NULL;
-    }
     nd->c = caller;
-    return end_tag(P) ? nd : NULL;
+    return (caller->b = parse_block_body(P, "endcall")) != NULL ? nd : NULL;
 }
 
 static bool parse_params(parser_t *P, tpl_node_t *nd)
@@ -1102,12 +1096,7 @@ static tpl_node_t *parse_with(parser_t *P, const tpl_token_t *at)
     }
     nd->names = nd->kwnames;
     nd->n_names = n;
-    static const char *const ends[] = {"endwith", NULL};
-    const char *ended = NULL;
-    if ((nd->b = parse_body(P, ends, &ended)) == NULL) {
-        return NULL;
-    }
-    return end_tag(P) ? nd : NULL;
+    return (nd->b = parse_block_body(P, "endwith")) != NULL ? nd : NULL;
 }
 
 /* {% filter name(args) | more %} ... {% endfilter %}: the chain applied to the rendered body. */
@@ -1123,12 +1112,7 @@ static tpl_node_t *parse_filter_block(parser_t *P, const tpl_token_t *at)
     if (f == NULL || (nd->a = parse_filters(P, f)) == NULL || !end_tag(P)) {
         return NULL;
     }
-    static const char *const ends[] = {"endfilter", NULL};
-    const char *ended = NULL;
-    if ((nd->b = parse_body(P, ends, &ended)) == NULL) {
-        return NULL;
-    }
-    return end_tag(P) ? nd : NULL;
+    return (nd->b = parse_block_body(P, "endfilter")) != NULL ? nd : NULL;
 }
 
 /* One {% ... %} statement after its keyword was read. */
@@ -1161,13 +1145,7 @@ static tpl_node_t *parse_statement(parser_t *P, const tpl_token_t *kw)
         return nd != NULL && end_tag(P) ? nd : NULL;
     }
     if (strcmp(k, "generation") == 0) { /* transformers' assistant-mask tag: renders its body */
-        static const char *const ends[] = {"endgeneration", NULL};
-        const char *ended = NULL;
-        if (!end_tag(P)) {
-            return NULL;
-        }
-        tpl_node_t *b = parse_body(P, ends, &ended);
-        return b != NULL && end_tag(P) ? b : NULL;
+        return end_tag(P) ? parse_block_body(P, "endgeneration") : NULL;
     }
     return fail(P, kw, "unknown or unsupported tag '%s'", k);
 }

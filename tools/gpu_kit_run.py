@@ -37,7 +37,7 @@ from cluster import MODEL_NAME, Cluster, Node, http, raw_logprob  # noqa: E402
 GPU_TIE = 2e-3  # fp32 on two devices: a parting between tokens this close in raw logprob is a near-tie
 FAST = ["--kv-heartbeat-interval", "0.2", "--kv-heartbeat-misses", "5", "--kv-handshake-timeout", "2",
         "--kv-load-timeout", "20"]
-SECTION_BUDGET = {"hf": 120}
+HF_TIMEOUT = 120  # seconds for one transformers reference run
 DEADLINE = [time.time() + 450]  # the whole run: --budget seconds (the device tool allows 600 per command)
 
 
@@ -340,7 +340,7 @@ class Kit:
             json.dump({"model": self.models[model], "prompts": prompts, "device": dev,
                        "reference": "transformers" if self.torch else "numpy"}, open(q, "w"))
             rc, out = run([sys.executable, os.path.join(ROOT, "tools", "gpu_kit_hf.py"), q], self.log("hf-" + model),
-                          SECTION_BUDGET["hf"], env=self.host_env)
+                          HF_TIMEOUT, env=self.host_env)
             if rc != 0:
                 status = "FAIL"
                 lines.append("%s: transformers exit %d: %s" % (model, rc, out.strip().splitlines()[-1:] or ""))

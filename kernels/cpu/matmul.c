@@ -519,6 +519,10 @@ static pd_status_t bf16_gemv(pd_backend_t *be, float *y, const float *x, pd_weig
     return PD_OK;
 }
 
+/* The first entry of the table (below) that serves the call in fp32 or bf16 math. */
+static const pd_cpu_matmul_variant_t *choose(bool bf16_math, const pd_backend_t *be, const pd_weight_t *w,
+                                             int m, int n, int k);
+
 /* --matmul-precision bf16 anywhere else: x rounded to bf16, then the fp32-math part of the table on
  * the rounded x (it computes the same exact products: where oneDNN would emulate bf16 — no
  * AVX512-BF16 — this is faster, and rounds alike at every row count). */
@@ -530,9 +534,7 @@ static pd_status_t bf16_via_fp32(pd_backend_t *be, float *y, const float *x, pd_
     pd_status_t st = xr != NULL ? PD_OK : PD_ERR_NO_MEMORY;
     if (xr != NULL) {
         pd_cpu_widen(xr, xb, PD_DTYPE_BF16, (int64_t)m * k);
-        pd_backend_t fp32 = *be; /* the same backend, asked for fp32 math */
-        fp32.matmul_precision = PD_MATMUL_FP32;
-        const pd_cpu_matmul_variant_t *v = pd_cpu_matmul_choose(&fp32, &w, m, n, k);
+        const pd_cpu_matmul_variant_t *v = choose(false, be, &w, m, n, k);
         st = v != NULL ? v->run(be, y, xr, w, bias, m, n, k) : PD_ERR_UNSUPPORTED;
     } else {
         pd_log_error("matmul: cannot allocate %d x %d rounded inputs", m, k);
@@ -718,10 +720,9 @@ bool pd_cpu_matmul_variant_usable(const pd_cpu_matmul_variant_t *v)
     return pd_cpu_isa_usable(v->isa) && (v->needs == NULL || v->needs());
 }
 
-const pd_cpu_matmul_variant_t *pd_cpu_matmul_choose(const pd_backend_t *be, const pd_weight_t *w, int m,
-                                                    int n, int k)
+static const pd_cpu_matmul_variant_t *choose(bool bf16_math, const pd_backend_t *be, const pd_weight_t *w,
+                                             int m, int n, int k)
 {
-    bool bf16_math = be->matmul_precision == PD_MATMUL_BF16 && w->dtype == PD_DTYPE_BF16;
     for (int i = 0; i < pd_cpu_num_matmul_variants; i++) {
         const pd_cpu_matmul_variant_t *v = &pd_cpu_matmul_variants[i];
         if (v->bf16_math == bf16_math && v->serves(be, w, m, n, k) && pd_cpu_matmul_variant_usable(v)) {
@@ -729,6 +730,12 @@ const pd_cpu_matmul_variant_t *pd_cpu_matmul_choose(const pd_backend_t *be, cons
         }
     }
     return NULL;
+}
+
+const pd_cpu_matmul_variant_t *pd_cpu_matmul_choose(const pd_backend_t *be, const pd_weight_t *w, int m,
+                                                    int n, int k)
+{
+    return choose(be->matmul_precision == PD_MATMUL_BF16 && w->dtype == PD_DTYPE_BF16, be, w, m, n, k);
 }
 
 pd_status_t pd_cpu_matmul(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias, int m,

@@ -235,18 +235,18 @@ def socket_fds(pid):
               "05": "FIN_WAIT2", "09": "LAST_ACK", "02": "SYN_SENT", "03": "SYN_RECV", "07": "CLOSE"}
     port = lambda a: int(a.split(":")[1], 16)
     table = [line.split() for line in open("/proc/%d/net/tcp" % pid).read().splitlines()[1:]]
-    owner_inode = {f[9]: port(f[1]) for f in table}  # inode -> local port, to name the far end's process
+    local_port = {f[9]: port(f[1]) for f in table}  # inode -> local port, to name the far end's process
     owners = {}
     for other in os.listdir("/proc"):
-        if not other.isdigit():
+        if not other.isdigit() or int(other) == pid:
             continue
         try:
-            for fd in os.listdir("/proc/%s/fd" % other):
-                target = os.readlink("/proc/%s/fd/%s" % (other, fd))
-                if target.startswith("socket:[") and target[8:-1] in owner_inode and other != str(pid):
-                    owners[owner_inode[target[8:-1]]] = open("/proc/%s/comm" % other).read().strip()
+            held, comm = socket_inodes(int(other)), open("/proc/%s/comm" % other).read().strip()
         except OSError:
             continue
+        for ino in held:
+            if ino in local_port:
+                owners[local_port[ino]] = comm
     out = []
     for f in table:
         if f[9] in inodes:
