@@ -6,7 +6,9 @@
  * Contracts:
  *  - get_num_new_matched_tokens has no side effects and may be called repeatedly for a request.
  *  - update_state_after_alloc follows a successful allocation for that request, with all its
- *    block ids and how many tokens the connector will load.
+ *    block ids and how many tokens the connector will load. It may refuse (out of memory, where
+ *    vLLM's would raise): the scheduler then ends the request with an error rather than let it
+ *    wait for a load nobody will report.
  *  - Block id lists (update_state_after_alloc, request_finished) are the scheduler's: with G KV
  *    cache groups, G ids per logical block interleaved (ids[b × G + g]), num_blocks = logical
  *    blocks × G; 0 is an entry a sliding-window group does not hold (outside its window).
@@ -88,8 +90,8 @@ typedef struct pd_connector_ops {
     pd_status_t (*get_num_new_matched_tokens)(pd_connector_t *c, const pd_request_t *req,
                                               int32_t num_computed, int32_t *num_external_out,
                                               bool *load_async_out);
-    void (*update_state_after_alloc)(pd_connector_t *c, pd_request_t *req, const uint32_t *block_ids,
-                                     int32_t num_blocks, int32_t num_external_tokens);
+    pd_status_t (*update_state_after_alloc)(pd_connector_t *c, pd_request_t *req, const uint32_t *block_ids,
+                                            int32_t num_blocks, int32_t num_external_tokens);
     /* Optional (NULL: never). Whether req's asynchronous load, not started yet, may be put off while
      * another request loads the same prefix (the scheduler then finds those blocks in its prefix
      * cache and loads less): true for loads this node reads (pull), false where a peer writes into

@@ -127,56 +127,77 @@ const char *kv_jstr(const json_t *o, const char *key)
     return json_string_value(json_object_get(o, key));
 }
 
-/* Appends a copy of s; false (logged: the engine will not hear of that request) when out of memory. */
-static bool push_str(char ***arr, int32_t *n, size_t *cap, const char *s)
+kv_report_t *kv_report_new(const char *req_id, bool recving)
 {
-    char *d = strdup(s);
-    if (d == NULL || pd_array_reserve(arr, cap, (size_t)*n + 1) != PD_OK) {
-        pd_log_error("kv connector: out of memory reporting request %s finished", s);
-        free(d);
-        return false;
+    kv_report_t *r = calloc(1, sizeof(*r));
+    if (r != NULL) {
+        snprintf(r->req_id, sizeof(r->req_id), "%s", req_id);
+        r->recving = recving;
+        r->first_token = -1;
     }
-    (*arr)[(*n)++] = d;
-    return true;
+    return r;
 }
 
-void kv_report_sending(kv_conn_t *k, const char *req_id)
+static void report_free(kv_report_t *r)
 {
-    push_str(&k->fin_sending, &k->num_fin_sending, &k->cap_fin_sending, req_id);
+    if (r != NULL) {
+        free(r->blocks);
+        free(r);
+    }
+}
+
+static void report_post(kv_conn_t *k, kv_report_t *r)
+{
+    pd_list_add_tail(&k->reports, &r->link);
     if (k->pub.wake != NULL) {
         k->pub.wake(k->pub.wake_arg);
     }
 }
 
-void kv_report_recving(kv_conn_t *k, const char *req_id, int32_t first_token)
+void kv_report_sending(kv_conn_t *k, kv_report_t **report)
 {
-    if (pd_array_reserve(&k->fin_first, &k->cap_fin_first, (size_t)k->num_fin_recving + 1) != PD_OK) {
-        pd_log_error("kv connector: out of memory reporting request %s finished", req_id);
-        return;
-    }
-    if (push_str(&k->fin_recving, &k->num_fin_recving, &k->cap_fin_recving, req_id)) {
-        k->fin_first[k->num_fin_recving - 1] = first_token;
-    }
-    if (k->pub.wake != NULL) {
-        k->pub.wake(k->pub.wake_arg);
+    if (*report != NULL) {
+        report_post(k, *report);
+        *report = NULL;
     }
 }
 
-void kv_report_load_errors(kv_conn_t *k, const uint32_t *blocks, int32_t n)
+void kv_report_recving(kv_conn_t *k, kv_xfer_t *x, bool ok)
 {
-    if (pd_array_reserve(&k->load_errors, &k->cap_load_errors, (size_t)(k->num_load_errors + n)) != PD_OK) {
-        pd_log_error("kv connector: out of memory recording %d blocks that did not load", n);
+    kv_report_t *r = x->report;
+    if (r == NULL) {
         return;
     }
-    memcpy(k->load_errors + k->num_load_errors, blocks, (size_t)n * sizeof(uint32_t));
-    k->num_load_errors += n;
-    pd_metric_inc(strcmp(k->cfg.load_failure_policy, "fail") == 0 ? k->m.policy_fail : k->m.policy_recompute,
-                  1);
+    x->report = NULL;
+    r->first_token = x->has_first_token && !x->cancelled ? x->first_token : -1;
+    /* a cancelled load's blocks are its request's no more: neither load errors nor copied */
+    if (!x->cancelled && x->end_block > x->first_block && (!ok || k->staged)) {
+        r->blocks = x->local_blocks;
+        x->local_blocks = NULL;
+        r->first = x->first_block;
+        r->end = x->end_block;
+        r->failed = !ok;
+        r->staged = ok;
+    }
+    if (r->failed) {
+        pd_metric_inc(
+            strcmp(k->cfg.load_failure_policy, "fail") == 0 ? k->m.policy_fail : k->m.policy_recompute, 1);
+    }
+    report_post(k, r);
+}
+
+void kv_lease_free(kv_lease_t *l)
+{
+    if (l != NULL) {
+        report_free(l->report);
+        free(l);
+    }
 }
 
 void kv_xfer_free(kv_xfer_t *x)
 {
     if (x != NULL) {
+        report_free(x->report);
         free(x->local_blocks);
         free(x->remote_blocks);
         free(x);
@@ -472,7 +493,7 @@ static void init_lists(kv_conn_t *k)
     pd_list_link_t *heads[] = {
         &k->sched_pending, &k->pushes,  &k->meta_build.loads, &k->peers,  &k->handshakes,
         &k->dials,         &k->xfers,   &k->handoff,          &k->leases, &k->resvs,
-        &k->jobs,          &k->notices, &k->staged_loads,     &k->aborts};
+        &k->jobs,          &k->notices, &k->reports,          &k->aborts, &k->reported};
     for (size_t i = 0; i < sizeof(heads) / sizeof(heads[0]); i++) {
         pd_list_head_init(heads[i]);
     }
@@ -616,7 +637,7 @@ bool kv_release_push(kv_conn_t *k, const char *transfer_id)
             if (x->kind == KV_X_PUSH_SAVE && x->state == KV_XS_QUEUED && x->resv == NULL &&
                 strcmp(x->remote_req, transfer_id) == 0) {
                 x->state = KV_XS_DONE; /* no reservation will come */
-                kv_report_sending(k, x->req_id);
+                kv_report_sending(k, &x->report);
                 return true;
             }
         }
@@ -643,7 +664,7 @@ bool pd_kv_connector_release(pd_connector_t *c, const char *request_id, uint64_t
         bool by_transfer = transfer_id != NULL && transfer_id[0] && strcmp(l->transfer_id, transfer_id) == 0;
         if (!l->expired && (by_lease || by_transfer)) {
             l->expired = true; /* a late READ_DONE is answered STALE */
-            kv_report_sending(k, l->req_id);
+            kv_report_sending(k, &l->report);
             done = true;
             break;
         }
@@ -716,27 +737,18 @@ void pd_kv_connector_destroy(pd_connector_t *c)
     while ((p = pd_list_pop_head(&k->pushes, kv_push_t, link)) != NULL) {
         free(p);
     }
-    for (int32_t i = 0; i < k->num_rep_sending; i++) {
-        free((char *)k->rep_sending[i]);
-    }
-    for (int32_t i = 0; i < k->num_rep_recving; i++) {
-        free((char *)k->rep_recving[i]);
-    }
     free(k->rep_sending), free(k->rep_recving), free(k->rep_first);
-    for (int32_t i = 0; i < k->num_fin_sending; i++) {
-        free(k->fin_sending[i]);
-    }
-    for (int32_t i = 0; i < k->num_fin_recving; i++) {
-        free(k->fin_recving[i]);
-    }
-    free(k->fin_sending), free(k->fin_recving), free(k->fin_first), free(k->load_errors);
-    kv_staged_load_t *sl;
-    while ((sl = pd_list_pop_head(&k->staged_loads, kv_staged_load_t, link)) != NULL) {
-        free(sl->blocks);
-        free(sl);
+    pd_list_link_t *reports[2] = {&k->reports, &k->reported};
+    for (int i = 0; i < 2; i++) {
+        kv_report_t *r;
+        while ((r = pd_list_pop_head(reports[i], kv_report_t, link)) != NULL) {
+            report_free(r);
+        }
     }
     if (k->stage_failed.slots != NULL) {
         pd_strmap_destroy(&k->stage_failed);
+    }
+    if (k->released.slots != NULL) {
         pd_strmap_destroy(&k->released);
     }
     pthread_mutex_destroy(&k->mu);

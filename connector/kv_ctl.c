@@ -207,13 +207,19 @@ static void *ctl_main(void *arg)
     ctl_poll_t cp = {NULL, NULL, 0, 0, 0, 0, 0};
     int pipe_fd = pd_pipe_wait_fd(k->pipe); /* -1: the pipe moves bytes inside progress */
     bool stop = false;
-    while (!stop && poll_build(k, &cp, pipe_fd)) {
+    while (!stop) {
         long ns = poll_timeout_ns(k, pipe_fd, &stop);
         if (stop) {
             break;
         }
         struct timespec ts = {0, ns};
-        int rc = ppoll(cp.pf, cp.n, &ts, NULL);
+        int rc = 0;
+        if (poll_build(k, &cp, pipe_fd)) {
+            rc = ppoll(cp.pf, cp.n, &ts, NULL);
+        } else { /* out of memory (logged): no socket this tick; progress and timers still run */
+            struct timespec nap = {0, 10 * 1000 * 1000};
+            nanosleep(&nap, NULL);
+        }
         if (rc > 0 && (cp.pf[1].revents & POLLIN)) {
             uint64_t v;
             ssize_t r = read(k->wake_fd, &v, sizeof(v));
@@ -315,7 +321,7 @@ static void free_work(kv_conn_t *k)
     }
     kv_lease_t *l;
     while ((l = pd_list_pop_head(&k->leases, kv_lease_t, link)) != NULL) {
-        free(l);
+        kv_lease_free(l);
     }
     kv_resv_t *rv;
     while ((rv = pd_list_pop_head(&k->resvs, kv_resv_t, link)) != NULL) {

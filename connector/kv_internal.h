@@ -79,6 +79,25 @@ struct kv_peer {
     pd_list_link_t link;
 };
 
+/* One finished request on its way to get_finished: a prefill's blocks that may be freed
+ * (finished_sending) or a decode load that ended (finished_recving, with the blocks that did not
+ * arrive). Allocated with the lease or transfer that will end in it, on the engine thread, where
+ * running out of memory refuses the request cleanly; so an ending, on the control thread, is always
+ * reported (kv_report_sending / kv_report_recving move the node, they allocate nothing). */
+typedef struct kv_report kv_report_t;
+struct kv_report {
+    char req_id[PD_REQ_ID_MAX];
+    bool recving;
+    int32_t first_token; /* recving: the prefill's first token (push handover), else -1 */
+    /* recving: the load's block list (taken from its transfer) and the entries [first, end) it
+     * covered: failed → load errors; staged → copied from the host mirror in get_finished */
+    uint32_t *blocks;
+    int32_t first, end;
+    bool failed, staged;
+    int32_t errors_taken; /* failed: entries get_block_ids_with_load_errors returned so far */
+    pd_list_link_t link;  /* on kv_conn_t.reports (mu), then .reported (engine thread) */
+};
+
 typedef enum kv_xfer_kind {
     KV_X_PULL_LOAD = 0, /* decode: read from the prefill, then READ_DONE */
     KV_X_PUSH_LOAD,     /* decode: reserve, wait for WRITE_DONE */
@@ -122,6 +141,7 @@ struct kv_xfer {
     /* push: the prompt's kv_prompt_hash (save: sent with WRITE_DONE; load: what WRITE_DONE must name) */
     uint8_t prompt_hash[32];
     struct kv_conn *conn;
+    kv_report_t *report;  /* its end, for get_finished (NULL once reported) */
     struct kv_resv *resv; /* push save: the reservation written into */
     size_t bytes;
     int32_t pages;
@@ -135,7 +155,8 @@ struct kv_lease {
     char transfer_id[PD_REQ_ID_MAX]; /* the proxy's id for the request ("" = none): releases it too */
     uint64_t lease_id;
     double expires;
-    bool expired; /* blocks released; kept a while to answer STALE */
+    bool expired;        /* blocks released; kept a while to answer STALE */
+    kv_report_t *report; /* the blocks' release, for get_finished (NULL once reported) */
     pd_list_link_t link;
 };
 
@@ -206,16 +227,6 @@ struct kv_notice {
     pd_list_link_t link;
 };
 
-/* A finished load of a staged decode: pages [first, end) of these blocks (every layer) are in the
- * host mirror and must be copied to the device KV before the scheduler hears of the request. */
-typedef struct kv_staged_load kv_staged_load_t;
-struct kv_staged_load {
-    uint32_t *blocks; /* a block list's first num_blocks entries; */
-    int32_t first;    /* of which [first, num_blocks) were loaded */
-    int32_t num_blocks;
-    pd_list_link_t link;
-};
-
 /* One step's connector metadata (scheduler half → worker half). */
 typedef struct kv_save_item {
     char req_id[PD_REQ_ID_MAX];
@@ -269,13 +280,12 @@ typedef struct kv_conn {
     Pd__PipeKind pipe_kind;
     pd_pipe_region_t *region; /* the KV region, or its host mirror when staged */
     pd_kv_region_allocator_t alloc;
-    bool staged;                 /* region is a mirror of the engine's KV at kv_base */
-    void *kv_base;               /* the engine's KV region (staged) */
-    pd_kv_copy_ops_t copy;       /* the engine's page copies (staged) */
-    bool pinned;                 /* region is page-locked by be */
-    pd_list_link_t staged_loads; /* kv_staged_load_t: finished loads waiting for the H2D copy (mu) */
-    pd_strmap_t stage_failed;    /* prefill, pull: requests whose staging failed (engine thread) */
-    pd_strmap_t released;        /* prefill, push, under mu: transfer ids the proxy released before the
+    bool staged;              /* region is a mirror of the engine's KV at kv_base */
+    void *kv_base;            /* the engine's KV region (staged) */
+    pd_kv_copy_ops_t copy;    /* the engine's page copies (staged) */
+    bool pinned;              /* region is page-locked by be */
+    pd_strmap_t stage_failed; /* prefill, pull: requests whose staging failed (engine thread) */
+    pd_strmap_t released;     /* prefill, push, under mu: transfer ids the proxy released before the
                            * request finished (request_finished then holds nothing) */
     kv_geom_t geom;
     int32_t block_size;
@@ -283,9 +293,13 @@ typedef struct kv_conn {
     /* engine thread only */
     kv_meta_t meta_build, *meta_bound;
     pd_list_link_t
-        sched_pending;     /* kv_xfer_t: built in update_state_after_alloc, handed over in build_meta */
-    pd_list_link_t pushes; /* kv_push_t */
-    const char **rep_sending, **rep_recving; /* what get_finished returned last */
+        sched_pending;       /* kv_xfer_t: built in update_state_after_alloc, handed over in build_meta */
+    pd_list_link_t pushes;   /* kv_push_t */
+    pd_list_link_t reported; /* kv_report_t: what get_finished returned last, and failed loads whose
+                              * errors get_block_ids_with_load_errors has not returned yet */
+    const char **rep_sending, **rep_recving; /* what get_finished returned last (into reported) */
+    int32_t *rep_first;                      /* beside rep_recving */
+    size_t cap_rep_sending, cap_rep_recving, cap_rep_first;
     int32_t num_rep_sending, num_rep_recving;
     int32_t step_jobs; /* write jobs posted this step */
 
@@ -316,15 +330,7 @@ typedef struct kv_conn {
     uint64_t gen;                   /* step generation of write jobs */
     int32_t jobs_posted;            /* write jobs on the pipe (ctl thread) */
     int32_t jobs_done, jobs_failed; /* of this step's jobs */
-    char **fin_sending, **fin_recving;
-    int32_t num_fin_sending, num_fin_recving;
-    size_t cap_fin_sending, cap_fin_recving;
-    int32_t *fin_first; /* [num_fin_recving] each finished load's first token (push handover) or -1 */
-    size_t cap_fin_first;
-    int32_t *rep_first; /* what get_finished returned last beside rep_recving */
-    uint32_t *load_errors;
-    int32_t num_load_errors;
-    size_t cap_load_errors;
+    pd_list_link_t reports;         /* kv_report_t: ended, for the next get_finished, in ending order */
 } kv_conn_t;
 
 /* --- kv_ctl.c --- */
@@ -333,11 +339,17 @@ void kv_ctl_stop(kv_conn_t *k);
 /* Wakes the control thread (any thread). */
 void kv_ctl_wake(kv_conn_t *k);
 
-/* --- kv_connector.c, called by the ctl thread with mu held --- */
-void kv_report_sending(kv_conn_t *k, const char *req_id);
-/* A decode load ended; first_token: the prefill's first token it carried (push handover), or -1. */
-void kv_report_recving(kv_conn_t *k, const char *req_id, int32_t first_token);
-void kv_report_load_errors(kv_conn_t *k, const uint32_t *blocks, int32_t n);
+/* --- kv_connector.c, called with mu held --- */
+/* A report node for req_id (engine thread); NULL when out of memory (logged by the caller). */
+kv_report_t *kv_report_new(const char *req_id, bool recving);
+/* A prefill's blocks may be freed: *report (the lease's or transfer's) goes to get_finished and
+ * *report becomes NULL; nothing when it already went. Cannot fail. */
+void kv_report_sending(kv_conn_t *k, kv_report_t **report);
+/* Decode load x ended (ok: its pages landed; else its blocks [first, end) are load errors, unless
+ * it was cancelled): its report takes x's block list and the first token it carried (push
+ * handover). Cannot fail. */
+void kv_report_recving(kv_conn_t *k, kv_xfer_t *x, bool ok);
+void kv_lease_free(kv_lease_t *l);
 /* Prefill, push: transfer_id's decode gave up before it reserved blocks: the held request frees
  * now, or (not finished yet) holds nothing when it finishes. mu held. */
 bool kv_release_push(kv_conn_t *k, const char *transfer_id);
@@ -353,10 +365,6 @@ static inline bool kv_entry_of_layer(const kv_geom_t *g, int32_t i, int32_t l)
 {
     return g->num_groups <= 1 || i % (int32_t)g->num_groups == g->layer_group[l];
 }
-/* A staged decode's load landed in the host mirror: entries [first, end) of list are queued for
- * the H2D copy that get_finished makes before the request is reported (a failed allocation
- * reports load errors). */
-void kv_stage_load_done(kv_conn_t *k, const uint32_t *list, int32_t first, int32_t end);
 void kv_xfer_free(kv_xfer_t *x);
 
 /* ------------------------------------------------------------------ engine-thread internals
@@ -382,8 +390,8 @@ void kv_start_prefault(kv_conn_t *k);
 /* kv_scheduler.c */
 pd_status_t kv_get_num_new_matched_tokens(pd_connector_t *c, const pd_request_t *req, int32_t num_computed,
                                           int32_t *num_external_out, bool *load_async_out);
-void kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, const uint32_t *block_ids,
-                                 int32_t num_blocks, int32_t num_external);
+pd_status_t kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, const uint32_t *block_ids,
+                                        int32_t num_blocks, int32_t num_external);
 bool kv_load_may_wait(pd_connector_t *c, const pd_request_t *req);
 const char *kv_params_error(pd_connector_t *c, const void *kv_transfer_params);
 void *kv_build_connector_meta(pd_connector_t *c, const struct pd_scheduler_output *out);
@@ -402,9 +410,12 @@ int32_t kv_get_block_ids_with_load_errors(pd_connector_t *c, uint32_t *ids, int3
 
 /* kv_staging.c */
 pd_status_t kv_stage_save_layer(kv_conn_t *k, const kv_save_item_t *s, int32_t layer);
-void kv_stage_failed_add(kv_conn_t *k, const char *req_id);
+/* PD_ERR_NO_MEMORY (logged) when it cannot be recorded: the step must fail. */
+pd_status_t kv_stage_failed_add(kv_conn_t *k, const char *req_id);
 bool kv_stage_failed_take(kv_conn_t *k, const char *req_id);
-void kv_stage_finish_loads(kv_conn_t *k, pd_list_link_t *loads);
+/* Decode: copies the pages of loads that landed in the host mirror (reports marked staged) into
+ * the engine's KV; a failed copy turns the load into load errors (engine thread, mu not held). */
+void kv_stage_finish_loads(kv_conn_t *k, pd_list_link_t *reports);
 pd_status_t kv_stage_kv(kv_conn_t *k, const pd_kv_region_desc_t *rd);
 
 /* ------------------------------------------------------------------ control thread internals

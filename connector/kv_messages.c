@@ -66,7 +66,7 @@ static void on_read_done_msg(kv_conn_t *k, kv_peer_t *p, const Pd__ReadDone *m)
         send_ack(k, p, m->request_id, m->lease_id, PD__TRANSFER_ACK__RESULT__OK);
         l->expired = true; /* no longer held; kept briefly so a duplicate is answered STALE */
         l->expires = now;
-        kv_report_sending(k, l->req_id);
+        kv_report_sending(k, &l->report);
         pd_metric_inc(k->m.completed[KV_X_PULL_LOAD], 1);
         return;
     }
@@ -205,7 +205,7 @@ void kv_on_message(kv_conn_t *k, kv_peer_t *p, const pd_ctl_msg_t *msg)
             if (!l->expired && l->lease_id == a->lease_id && strcmp(l->req_id, a->request_id) == 0) {
                 l->expired = true;
                 l->expires = pd_time_now_s();
-                kv_report_sending(k, l->req_id);
+                kv_report_sending(k, &l->report);
                 lease = true;
             }
         }

@@ -120,18 +120,18 @@ bool kv_load_may_wait(pd_connector_t *c, const pd_request_t *req)
     return !k->is_prefill && p != NULL && kv_jbool(p, "do_remote_prefill") && !kv_wants_push(k, p);
 }
 
-void kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, const uint32_t *block_ids,
-                                 int32_t num_blocks, int32_t num_external)
+pd_status_t kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, const uint32_t *block_ids,
+                                        int32_t num_blocks, int32_t num_external)
 {
     kv_conn_t *k = (kv_conn_t *)c;
     json_t *p = req->kv_transfer_params;
     if (k->is_prefill || p == NULL || num_external <= 0 || !kv_jbool(p, "do_remote_prefill")) {
-        return;
+        return PD_OK;
     }
-    json_object_set_new(p, "do_remote_prefill", json_false()); /* loaded at most once */
     kv_xfer_t *x = calloc(1, sizeof(*x));
-    if (x == NULL) {
-        return;
+    if (x == NULL || (x->report = kv_report_new(req->id, true)) == NULL ||
+        json_object_set_new(p, "do_remote_prefill", json_false()) != 0) { /* loaded at most once */
+        goto err_nomem;
     }
     bool push = kv_wants_push(k, p);
     x->kind = push ? KV_X_PUSH_LOAD : KV_X_PULL_LOAD;
@@ -147,8 +147,7 @@ void kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, const uin
     kv_prompt_hash(req->tokens, req->num_prompt_tokens, x->prompt_hash); /* push: WRITE_DONE must name it */
     x->local_blocks = malloc((size_t)(num_blocks > 0 ? num_blocks : 1) * sizeof(uint32_t));
     if (x->local_blocks == NULL) {
-        free(x);
-        return;
+        goto err_nomem;
     }
     memcpy(x->local_blocks, block_ids, (size_t)num_blocks * sizeof(uint32_t));
     x->num_local = num_blocks;
@@ -163,8 +162,7 @@ void kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, const uin
         x->num_remote = (int32_t)json_array_size(b);
         x->remote_blocks = malloc((size_t)(x->num_remote > 0 ? x->num_remote : 1) * sizeof(uint32_t));
         if (x->remote_blocks == NULL) {
-            kv_xfer_free(x);
-            return;
+            goto err_nomem;
         }
         for (int32_t i = 0; i < x->num_remote; i++) {
             x->remote_blocks[i] = (uint32_t)json_integer_value(json_array_get(b, (size_t)i));
@@ -173,6 +171,12 @@ void kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, const uin
     x->started = pd_time_now_s();
     x->deadline = x->started + k->cfg.load_timeout;
     pd_list_add_tail(&k->sched_pending, &x->link);
+    return PD_OK;
+
+err_nomem:
+    pd_log_error("kv connector: request %s: out of memory starting its KV load", req->id);
+    kv_xfer_free(x);
+    return PD_ERR_NO_MEMORY;
 }
 
 void *kv_build_connector_meta(pd_connector_t *c, const pd_scheduler_output_t *out)
@@ -273,7 +277,8 @@ static bool finished_push(kv_conn_t *k, pd_request_t *req, const uint32_t *block
         /* the proxy released it: its decode refused the request, no reservation will come */
     } else if (ok && tid != NULL && num_blocks > 0) {
         kv_xfer_t *x = calloc(1, sizeof(*x));
-        if (x != NULL && (x->local_blocks = malloc((size_t)num_blocks * sizeof(uint32_t))) != NULL) {
+        if (x != NULL && (x->local_blocks = malloc((size_t)num_blocks * sizeof(uint32_t))) != NULL &&
+            (x->report = kv_report_new(req->id, false)) != NULL) {
             x->kind = KV_X_PUSH_SAVE;
             snprintf(x->req_id, sizeof(x->req_id), "%s", req->id);
             snprintf(x->remote_req, sizeof(x->remote_req), "%s", tid);
@@ -291,8 +296,10 @@ static bool finished_push(kv_conn_t *k, pd_request_t *req, const uint32_t *block
             }
             pd_list_add_tail(&k->handoff, &x->link);
             hold = true;
-        } else {
-            free(x);
+        } else { /* its blocks are freed now; the decode's load times out (its failure policy runs) */
+            pd_log_error("kv connector: request %s: out of memory holding its KV for a late reservation",
+                         req->id);
+            kv_xfer_free(x);
         }
     }
     pthread_mutex_unlock(&k->mu);
@@ -310,7 +317,10 @@ static bool finished_pull(kv_conn_t *k, pd_request_t *req, const uint32_t *block
     bool first_token = kv_jbool(req->kv_transfer_params, "first_token");
     const char *tid = kv_jstr(req->kv_transfer_params, "transfer_id");
     kv_lease_t *l = calloc(1, sizeof(*l));
-    if (l == NULL) {
+    if (l == NULL || (l->report = kv_report_new(req->id, false)) == NULL) {
+        pd_log_error("kv connector: request %s: out of memory holding its KV; no kv_transfer_params",
+                     req->id);
+        kv_lease_free(l);
         return false;
     }
     snprintf(l->req_id, sizeof(l->req_id), "%s", req->id);
@@ -318,8 +328,12 @@ static bool finished_pull(kv_conn_t *k, pd_request_t *req, const uint32_t *block
     l->lease_id = kv_random_u52();
     l->expires = pd_time_now_s() + k->cfg.hold_timeout;
     json_t *blocks = json_array();
-    for (int32_t i = 0; i < num_blocks; i++) {
-        json_array_append_new(blocks, json_integer(block_ids[i]));
+    for (int32_t i = 0; blocks != NULL && i < num_blocks; i++) {
+        if (json_array_append_new(blocks, json_integer(block_ids[i])) != 0) { /* a shorter list would
+                                                                              * name the wrong blocks */
+            json_decref(blocks);
+            blocks = NULL;
+        }
     }
     json_t *out = json_pack(
         "{s:b, s:b, s:s, s:o, s:s, s:i, s:s, s:I, s:I, s:i, s:s}", "do_remote_prefill", 1, "do_remote_decode",
@@ -327,17 +341,18 @@ static bool finished_pull(kv_conn_t *k, pd_request_t *req, const uint32_t *block
         "remote_port", k->advertise_port, "remote_request_id", req->id, "lease_id", (json_int_t)l->lease_id,
         "lease_expires_unix_ms", (json_int_t)((double)time(NULL) * 1000 + k->cfg.hold_timeout * 1000),
         "remote_num_tokens", req->num_prompt_tokens, "transfer_mode", "pull");
-    if (out == NULL) {
-        free(l);
+    if (out == NULL || (first_token && /* the decode continues from it */
+                        json_object_set_new(out, "first_token_id",
+                                            json_integer(req->tokens[req->num_prompt_tokens])) != 0)) {
+        pd_log_error("kv connector: request %s: out of memory building its kv_transfer_params", req->id);
+        json_decref(out);
+        kv_lease_free(l);
         return false;
-    }
-    if (first_token) { /* the decode continues from it */
-        json_object_set_new(out, "first_token_id", json_integer(req->tokens[req->num_prompt_tokens]));
     }
     if (kv_params_sign(k, out, req->tokens, req->num_prompt_tokens) != PD_OK) {
         pd_log_error("kv connector: request %s: cannot sign its kv_transfer_params (out of memory)", req->id);
         json_decref(out);
-        free(l);
+        kv_lease_free(l);
         return false;
     }
     /* the release check and the lease in one critical section: a POST /pd/release by transfer id
@@ -353,7 +368,7 @@ static bool finished_pull(kv_conn_t *k, pd_request_t *req, const uint32_t *block
     if (released) { /* the proxy gave it up while it ran (its client left): hold nothing */
         pd_log_info("kv connector: request %s: released by the proxy before it finished; no lease", req->id);
         json_decref(out);
-        free(l);
+        kv_lease_free(l);
         return false;
     }
     pd_metric_inc(k->m.leases_held, 1);

@@ -87,11 +87,15 @@ pd_status_t kv_stage_save_layer(kv_conn_t *k, const kv_save_item_t *s, int32_t l
 }
 
 /* Pull-mode requests whose staging failed (engine thread): request_finished offers no KV. */
-void kv_stage_failed_add(kv_conn_t *k, const char *req_id)
+pd_status_t kv_stage_failed_add(kv_conn_t *k, const char *req_id)
 {
-    if (k->stage_failed.slots != NULL || pd_strmap_init(&k->stage_failed, 16) == PD_OK) {
-        pd_strmap_put(&k->stage_failed, req_id, strlen(req_id), 1);
+    if ((k->stage_failed.slots == NULL && pd_strmap_init(&k->stage_failed, 16) != PD_OK) ||
+        pd_strmap_put(&k->stage_failed, req_id, strlen(req_id), 1) != PD_OK) {
+        /* unrecorded, its request would offer a mirror that lacks its pages: fail the step */
+        pd_log_error("kv connector: request %s: out of memory recording that its KV was not staged", req_id);
+        return PD_ERR_NO_MEMORY;
     }
+    return PD_OK;
 }
 
 bool kv_stage_failed_take(kv_conn_t *k, const char *req_id)
@@ -100,37 +104,22 @@ bool kv_stage_failed_take(kv_conn_t *k, const char *req_id)
            pd_strmap_del(&k->stage_failed, req_id, strlen(req_id), NULL) == 1;
 }
 
-void kv_stage_load_done(kv_conn_t *k, const uint32_t *list, int32_t first, int32_t end)
+void kv_stage_finish_loads(kv_conn_t *k, pd_list_link_t *reports)
 {
-    kv_staged_load_t *sl = calloc(1, sizeof(*sl));
-    if (sl == NULL || (sl->blocks = malloc((size_t)(end > 0 ? end : 1) * sizeof(uint32_t))) == NULL) {
-        free(sl);
-        kv_report_load_errors(k, list + first, end - first);
-        return;
-    }
-    memcpy(sl->blocks, list, (size_t)end * sizeof(uint32_t));
-    sl->first = first;
-    sl->num_blocks = end;
-    pd_list_add_tail(&k->staged_loads, &sl->link);
-}
-
-/* Decode: copies finished loads from the mirror into the engine's KV (engine thread, mu not held);
- * a failed copy turns into load errors reported in this same step. */
-void kv_stage_finish_loads(kv_conn_t *k, pd_list_link_t *loads)
-{
-    kv_staged_load_t *sl;
-    while ((sl = pd_list_pop_head(loads, kv_staged_load_t, link)) != NULL) {
-        pd_page_range_t *r;
-        int32_t n =
-            stage_ranges(k, 0, (int32_t)k->geom.num_layers, sl->blocks, sl->first, sl->num_blocks, &r);
+    kv_report_t *rep;
+    pd_list_for_each (rep, reports, link) {
+        if (!rep->staged || rep->failed) {
+            continue;
+        }
+        pd_page_range_t *r = NULL;
+        int32_t n = stage_ranges(k, 0, (int32_t)k->geom.num_layers, rep->blocks, rep->first, rep->end, &r);
         if (n < 0 || stage_copy(k, r, n, false) != PD_OK) {
-            pthread_mutex_lock(&k->mu);
-            kv_report_load_errors(k, sl->blocks + sl->first, sl->num_blocks - sl->first);
-            pthread_mutex_unlock(&k->mu);
+            pd_log_error("kv connector: request %s: its KV could not be copied from the host mirror; its "
+                         "blocks are load errors",
+                         rep->req_id);
+            rep->failed = true;
         }
         free(r);
-        free(sl->blocks);
-        free(sl);
     }
 }
 

@@ -68,7 +68,7 @@ static void sweep_xfer_deadlines(kv_conn_t *k, double now)
                 x->req_id);
             pd_metric_inc(k->m.leases_expired, 1);
             pd_metric_inc(k->m.nixl_expired, 1);
-            kv_report_sending(k, x->req_id);
+            kv_report_sending(k, &x->report);
             x->state = KV_XS_DONE;
         } else if (x->state == KV_XS_POSTED && x->overdue) {
             pd_log_error("kv connector: request %s: the pipe did not complete a dead peer's transfer within "
@@ -97,11 +97,11 @@ static void sweep_leases(kv_conn_t *k, double now)
             l->expired = true;
             pd_metric_inc(k->m.leases_expired, 1);
             pd_metric_inc(k->m.nixl_expired, 1);
-            kv_report_sending(k, l->req_id);
+            kv_report_sending(k, &l->report);
         }
         if (l->expired && now > l->expires + k->cfg.hold_timeout) {
             pd_list_del(&l->link);
-            free(l);
+            kv_lease_free(l);
         } else {
             held += !l->expired;
         }

@@ -10,6 +10,7 @@
 #include <sys/random.h>
 #include <time.h>
 
+#include "common/array.h"
 #include "common/log.h"
 #include "common/time.h"
 #include "connector/kv_connector.h"
@@ -161,8 +162,8 @@ pd_status_t kv_save_kv_layer(pd_connector_t *c, int32_t layer)
         const kv_save_item_t *s = &m->saves[i];
         bool staged_ok = !k->staged || kv_stage_save_layer(k, s, layer) == PD_OK;
         if (!s->push) {
-            if (!staged_ok) {
-                kv_stage_failed_add(k, s->req_id);
+            if (!staged_ok && kv_stage_failed_add(k, s->req_id) != PD_OK) {
+                return PD_ERR_NO_MEMORY;
             }
             continue;
         }
@@ -250,33 +251,59 @@ pd_status_t kv_wait_for_save(pd_connector_t *c)
     return failed ? PD_ERR_IO : PD_OK;
 }
 
+/* Reports that have nothing more to give: returned by the last get_finished, their load errors
+ * (if any) all taken. */
+static void reported_sweep(kv_conn_t *k)
+{
+    kv_report_t *r, *tmp;
+    pd_list_for_each_safe (r, tmp, &k->reported, link) {
+        if (!r->failed || r->errors_taken >= r->end - r->first) {
+            pd_list_del(&r->link);
+            free(r->blocks);
+            free(r);
+        }
+    }
+}
+
 pd_status_t kv_get_finished(pd_connector_t *c, pd_connector_finished_t *out)
 {
     kv_conn_t *k = (kv_conn_t *)c;
-    for (int32_t i = 0; i < k->num_rep_sending; i++) {
-        free((char *)k->rep_sending[i]);
-    }
-    for (int32_t i = 0; i < k->num_rep_recving; i++) {
-        free((char *)k->rep_recving[i]);
-    }
-    free(k->rep_sending);
-    free(k->rep_recving);
-    free(k->rep_first);
+    memset(out, 0, sizeof(*out));
+    k->num_rep_sending = k->num_rep_recving = 0;
+    reported_sweep(k);
     pthread_mutex_lock(&k->mu);
-    k->rep_sending = (const char **)k->fin_sending;
-    k->num_rep_sending = k->num_fin_sending;
-    k->rep_recving = (const char **)k->fin_recving;
-    k->num_rep_recving = k->num_fin_recving;
-    k->rep_first = k->fin_first;
-    k->fin_sending = k->fin_recving = NULL;
-    k->fin_first = NULL;
-    k->num_fin_sending = k->num_fin_recving = 0;
-    k->cap_fin_sending = k->cap_fin_recving = k->cap_fin_first = 0;
-    pd_list_link_t staged;
-    pd_list_head_init(&staged);
-    pd_list_splice_tail(&staged, &k->staged_loads);
+    size_t n = pd_list_length(&k->reports);
     pthread_mutex_unlock(&k->mu);
-    kv_stage_finish_loads(k, &staged); /* the KV is on the device before the scheduler hears of it */
+    if (n == 0) {
+        return PD_OK;
+    }
+    /* room for every report queued now, before taking them: running out of memory leaves them
+     * queued for the next step, nothing is lost */
+    if (pd_array_reserve(&k->rep_sending, &k->cap_rep_sending, n) != PD_OK ||
+        pd_array_reserve(&k->rep_recving, &k->cap_rep_recving, n) != PD_OK ||
+        pd_array_reserve(&k->rep_first, &k->cap_rep_first, n) != PD_OK) {
+        pd_log_error("kv connector: out of memory taking %zu finished transfers; they wait for the next step",
+                     n);
+        return PD_ERR_NO_MEMORY;
+    }
+    pd_list_link_t taken;
+    pd_list_head_init(&taken);
+    pthread_mutex_lock(&k->mu);
+    for (size_t i = 0; i < n; i++) { /* the ones counted; later ones wait for the next step */
+        pd_list_add_tail(&taken, pd_list_pop_link(&k->reports));
+    }
+    pthread_mutex_unlock(&k->mu);
+    kv_stage_finish_loads(k, &taken); /* the KV is on the device before the scheduler hears of it */
+    kv_report_t *r;
+    pd_list_for_each (r, &taken, link) {
+        if (r->recving) {
+            k->rep_first[k->num_rep_recving] = r->first_token;
+            k->rep_recving[k->num_rep_recving++] = r->req_id;
+        } else {
+            k->rep_sending[k->num_rep_sending++] = r->req_id;
+        }
+    }
+    pd_list_splice_tail(&k->reported, &taken);
     out->sending = k->rep_sending;
     out->num_sending = k->num_rep_sending;
     out->recving = k->rep_recving;
@@ -285,16 +312,16 @@ pd_status_t kv_get_finished(pd_connector_t *c, pd_connector_finished_t *out)
     return PD_OK;
 }
 
+/* The blocks of loads get_finished reported failed (engine thread only: the reports are its). */
 int32_t kv_get_block_ids_with_load_errors(pd_connector_t *c, uint32_t *ids, int32_t max)
 {
     kv_conn_t *k = (kv_conn_t *)c;
-    pthread_mutex_lock(&k->mu);
-    int32_t n = k->num_load_errors < max ? k->num_load_errors : max;
-    if (n > 0) {
-        memcpy(ids, k->load_errors, (size_t)n * sizeof(uint32_t));
-        memmove(k->load_errors, k->load_errors + n, (size_t)(k->num_load_errors - n) * sizeof(uint32_t));
-        k->num_load_errors -= n;
+    int32_t n = 0;
+    kv_report_t *r;
+    pd_list_for_each (r, &k->reported, link) {
+        for (; r->failed && r->errors_taken < r->end - r->first && n < max; r->errors_taken++) {
+            ids[n++] = r->blocks[r->first + r->errors_taken];
+        }
     }
-    pthread_mutex_unlock(&k->mu);
     return n;
 }

@@ -83,13 +83,7 @@ void kv_end_load(kv_conn_t *k, kv_xfer_t *x, bool ok)
     if (!ok) {
         abort_lease(k, x, x->cancelled ? "the request was aborted" : "the load failed");
     }
-    if (!ok && !x->cancelled && x->end_block > x->first_block) {
-        kv_report_load_errors(k, x->local_blocks + x->first_block, x->end_block - x->first_block);
-    }
-    if (ok && !x->cancelled && k->staged && x->end_block > x->first_block) {
-        kv_stage_load_done(k, x->local_blocks, x->first_block, x->end_block);
-    }
-    kv_report_recving(k, x->req_id, x->has_first_token ? x->first_token : -1);
+    kv_report_recving(k, x, ok);
     x->state = KV_XS_DONE;
 }
 
@@ -104,7 +98,7 @@ void kv_fail_xfer(kv_conn_t *k, kv_xfer_t *x, const char *why)
         pd_metric_inc(k->m.nixl_failed, 1);
     }
     if (x->kind == KV_X_PUSH_SAVE) {
-        kv_report_sending(k, x->req_id);
+        kv_report_sending(k, &x->report);
         x->state = KV_XS_DONE;
         return;
     }
@@ -156,7 +150,7 @@ static void after_pages(kv_conn_t *k, kv_xfer_t *x)
         return;
     }
     kv_observe_done(k, x);
-    kv_report_sending(k, x->req_id);
+    kv_report_sending(k, &x->report);
     x->state = KV_XS_DONE;
 }
 
@@ -276,13 +270,15 @@ static bool bind_resv(kv_conn_t *k, kv_xfer_t *x)
         if (rv->taken || rv->released || rv->dead || strcmp(rv->transfer_id, x->remote_req) != 0) {
             continue;
         }
-        rv->taken = true;
-        x->resv = rv;
-        x->peer = rv->peer;
+        /* the copy first: a transfer bound without its block list would write nothing and report
+         * WRITE_DONE (it waits for the next tick instead) */
         x->remote_blocks = malloc((size_t)(rv->num_blocks > 0 ? rv->num_blocks : 1) * sizeof(uint32_t));
         if (x->remote_blocks == NULL) {
             return false;
         }
+        rv->taken = true;
+        x->resv = rv;
+        x->peer = rv->peer;
         memcpy(x->remote_blocks, rv->blocks, (size_t)rv->num_blocks * sizeof(uint32_t));
         x->num_remote = rv->num_blocks;
         x->first_block = rv->skip_blocks;

@@ -21,18 +21,39 @@ pd_status_t pd_pipe_cq_open_fd(pd_pipe_cq_t *q)
     return PD_OK;
 }
 
-void pd_pipe_cq_close_fd(pd_pipe_cq_t *q)
+void pd_pipe_cq_close(pd_pipe_cq_t *q)
 {
     if (q->has_fd) {
         close(q->efd);
         q->has_fd = false;
     }
+    pd_pipe_completion_t *n;
+    while ((n = q->spare) != NULL) {
+        q->spare = n->next;
+        free(n);
+    }
+}
+
+pd_status_t pd_pipe_cq_reserve(pd_pipe_cq_t *q)
+{
+    pd_pipe_completion_t *n = malloc(sizeof(*n));
+    if (n == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
+    n->next = q->spare;
+    q->spare = n;
+    return PD_OK;
 }
 
 void pd_pipe_cq_push(pd_pipe_cq_t *q, const pd_pipe_completion_t *c)
 {
-    pd_pipe_completion_t *n = malloc(sizeof(*n));
-    if (n == NULL) {
+    pd_pipe_completion_t *n = q->spare;
+    if (n != NULL) {
+        q->spare = n->next;
+    } else if ((n = malloc(sizeof(*n))) == NULL) {
+        /* a backend pushed a completion it did not reserve: a bug, not an out-of-memory case */
+        pd_log_error("pipe: BUG: a completion without a reserved node was lost (status %s)",
+                     pd_status_str(c->st));
         return;
     }
     *n = *c;

@@ -1,6 +1,11 @@
 /* pipe/completion.h — the completion queue every pipe backend uses: callbacks from transport
  * threads are queued (under the backend's own lock) and run by pd_pipe_progress on the caller's
- * thread, so user callbacks never run concurrently with the caller. */
+ * thread, so user callbacks never run concurrently with the caller.
+ *
+ * Delivery cannot fail: every completion's node is reserved (pd_pipe_cq_reserve) where the
+ * operation that will complete is posted, or where the peer whose death will be reported is
+ * made, so running out of memory fails the post (PD_ERR_NO_MEMORY to its caller) and never drops
+ * a completion later ("every posted operation completes exactly once"). */
 #ifndef PD_PIPE_COMPLETION_H
 #define PD_PIPE_COMPLETION_H
 
@@ -23,7 +28,8 @@ struct pd_pipe_completion {
 
 typedef struct pd_pipe_cq {
     pd_pipe_completion_t *head, *tail;
-    bool has_fd; /* efd is readable while the queue is not empty (pd_pipe_cq_open_fd) */
+    pd_pipe_completion_t *spare; /* reserved nodes, one per completion still owed */
+    bool has_fd;                 /* efd is readable while the queue is not empty (pd_pipe_cq_open_fd) */
     int efd;
 } pd_pipe_cq_t;
 
@@ -32,10 +38,17 @@ typedef struct pd_pipe_cq {
  * sleep until a completion is queued instead of napping. PD_ERR_IO (logged) when none can be made. */
 pd_status_t pd_pipe_cq_open_fd(pd_pipe_cq_t *q);
 
-/* Closes the eventfd, if any (the queue's entries are the backend's to drain). */
-void pd_pipe_cq_close_fd(pd_pipe_cq_t *q);
+/* Closes the eventfd, if any, and frees the reserved nodes (the queued entries are the backend's
+ * to drain before). */
+void pd_pipe_cq_close(pd_pipe_cq_t *q);
 
-/* Appends a copy of c (the caller holds the lock protecting q). Drops it if memory runs out. */
+/* Reserves the node of one future completion (the caller holds the lock protecting q): call it
+ * before posting an operation, or making a peer, whose end will be pushed. PD_ERR_NO_MEMORY: the
+ * post must fail. A reservation whose operation ends without a completion (cancelled at destroy)
+ * stays spare until pd_pipe_cq_close. */
+pd_status_t pd_pipe_cq_reserve(pd_pipe_cq_t *q);
+
+/* Appends a copy of c in a reserved node (the caller holds the lock protecting q). Cannot fail. */
 void pd_pipe_cq_push(pd_pipe_cq_t *q, const pd_pipe_completion_t *c);
 
 /* Takes the whole queue (the caller holds the lock); run it with pd_pipe_cq_run after unlocking. */

@@ -610,6 +610,7 @@ static void nccl_destroy(pd_pipe_t *p)
     while ((pm = pd_list_pop_head(&t->perms, nperm_t, link)) != NULL) {
         free(pm);
     }
+    pd_pipe_cq_close(&t->cq);
     pthread_mutex_destroy(&t->mu);
     free(t);
 }
@@ -649,6 +650,14 @@ static pd_status_t nccl_connect(pd_pipe_t *p, const uint8_t *addr, size_t len, c
     if (pe == NULL || (pe->rx_ranges = malloc((size_t)MAX_RANGES * 2 * sizeof(uint64_t))) == NULL) {
         free(pe);
         return PD_ERR_NO_MEMORY;
+    }
+    pthread_mutex_lock(&t->mu);
+    pd_status_t rst = pd_pipe_cq_reserve(&t->cq); /* the node of its death's completion */
+    pthread_mutex_unlock(&t->mu);
+    if (rst != PD_OK) {
+        free(pe->rx_ranges);
+        free(pe);
+        return rst;
     }
     pe->pipe = t;
     pe->id = id;
@@ -829,6 +838,11 @@ static pd_status_t post_pages(bool write, pd_pipe_t *p, pd_pipe_peer_t *pe, pd_p
         loc[2 * i + 1] = pages[i].len;
     }
     pthread_mutex_lock(&t->mu);
+    if (pd_pipe_cq_reserve(&t->cq) != PD_OK) {
+        pthread_mutex_unlock(&t->mu);
+        free(rem), free(loc), free(o);
+        return PD_ERR_NO_MEMORY;
+    }
     if (pe->dead) {
         complete(t, cb, arg, PD_ERR_PEER_GONE);
         pthread_mutex_unlock(&t->mu);

@@ -238,7 +238,7 @@ static void tcp_destroy(pd_pipe_t *p)
     if (t->wake_fd >= 0) {
         close(t->wake_fd);
     }
-    pd_pipe_cq_close_fd(&t->cq);
+    pd_pipe_cq_close(&t->cq);
     pthread_mutex_destroy(&t->mu);
     pthread_cond_destroy(&t->tx_cv);
     free(t);
@@ -476,7 +476,8 @@ static void tcp_release_remote(pd_pipe_t *p, pd_pipe_remote_t *rr)
     free(rr);
 }
 
-/* Queues an op whose peer is already dead: it completes at the next progress. */
+/* Queues an op whose peer is already dead: it completes at the next progress (its node is
+ * reserved). */
 static pd_status_t fail_now(tcp_pipe_t *t, pd_pipe_done_cb cb, pd_pipe_recv_cb rcb, void *arg, uint64_t tag)
 {
     pd_pipe_completion_t c = {cb, rcb, NULL, NULL, arg, PD_ERR_PEER_GONE, tag, 0, 0, NULL};
@@ -528,6 +529,12 @@ static pd_status_t post_pages(bool write, pd_pipe_t *p, pd_pipe_peer_t *peer, pd
         o->total = total;
     }
     pthread_mutex_lock(&t->mu);
+    if (pd_pipe_cq_reserve(&t->cq) != PD_OK) {
+        pthread_mutex_unlock(&t->mu);
+        free(o->pages), free(o);
+        tcpi_job_free(j);
+        return PD_ERR_NO_MEMORY;
+    }
     if (peer->dead || peer->out_fd < 0) {
         free(o->pages), free(o);
         tcpi_job_free(j);
@@ -598,6 +605,12 @@ static pd_status_t tcp_send_tensor(pd_pipe_t *p, pd_pipe_peer_t *peer, uint64_t 
     j->iov[2] = (struct iovec){(void *)payload, payload_len};
     j->complete_on_send = o;
     pthread_mutex_lock(&t->mu);
+    if (pd_pipe_cq_reserve(&t->cq) != PD_OK) {
+        pthread_mutex_unlock(&t->mu);
+        free(o);
+        tcpi_job_free(j);
+        return PD_ERR_NO_MEMORY;
+    }
     if (peer->dead || peer->out_fd < 0) {
         free(o);
         tcpi_job_free(j);
@@ -615,6 +628,10 @@ static pd_status_t tcp_recv_tensor(pd_pipe_t *p, pd_pipe_peer_t *peer, uint64_t 
 {
     tcp_pipe_t *t = (tcp_pipe_t *)p;
     pthread_mutex_lock(&t->mu);
+    if (pd_pipe_cq_reserve(&t->cq) != PD_OK) {
+        pthread_mutex_unlock(&t->mu);
+        return PD_ERR_NO_MEMORY;
+    }
     unexpected_t *u;
     pd_list_for_each (u, &peer->unexpected, link) {
         if (u->tag != tag) {

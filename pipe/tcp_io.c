@@ -121,7 +121,8 @@ pd_pipe_peer_t *tcpi_peer_by_id(tcp_pipe_t *t, uint64_t id, const uint8_t *sessi
         return NULL;
     }
     p = calloc(1, sizeof(*p));
-    if (p == NULL) {
+    if (p == NULL || pd_pipe_cq_reserve(&t->cq) != PD_OK) { /* the node of its death's completion */
+        free(p);
         return NULL;
     }
     p->id = id;

@@ -7,12 +7,17 @@
 
 /* ------------------------------------------------------------------ receiver thread */
 
-static void send_reply(tcp_pipe_t *t, pd_pipe_peer_t *peer, int type, uint64_t op_id, int32_t status,
-                       const tcp_region_t *r, const desc_t *d, uint32_t n, uint64_t total)
+/* Queues the answer to a peer's request (mu held). -1 when it cannot be made (out of memory,
+ * logged): the caller drops the connection, so the peer's operation fails (PD_ERR_PEER_GONE) at
+ * once instead of waiting for an answer that never comes. */
+static int send_reply(tcp_pipe_t *t, pd_pipe_peer_t *peer, int type, uint64_t op_id, int32_t status,
+                      const tcp_region_t *r, const desc_t *d, uint32_t n, uint64_t total)
 {
     job_t *j = tcpi_job_new(peer, 1 + (int)n, sizeof(hdr_t));
     if (j == NULL) {
-        return;
+        pd_log_error("tcp pipe: out of memory answering peer %016llx; dropping its connection",
+                     (unsigned long long)peer->id);
+        return -1;
     }
     hdr_t *h = j->owned;
     *h = (hdr_t){TCP_MAGIC, (uint8_t)type, {0}, op_id, 0, status, 0, 0, r != NULL ? total : 0};
@@ -22,6 +27,7 @@ static void send_reply(tcp_pipe_t *t, pd_pipe_peer_t *peer, int type, uint64_t o
         j->iov[j->niov++] = (struct iovec){(char *)r->pub.base + d[i].off, d[i].len};
     }
     tcpi_enqueue(t, j);
+    return 0;
 }
 
 /* Validates descriptors against a region: all inside, sum equal to expected (when non-zero). */
@@ -60,7 +66,7 @@ static int rx_write(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, const hdr_t *h,
     }
     if (rc == 0) {
         pthread_mutex_lock(&t->mu);
-        send_reply(t, peer, M_WRITE_ACK, h->op_id, ok ? PD_OK : PD_ERR_OUT_OF_RANGE, NULL, NULL, 0, 0);
+        rc = send_reply(t, peer, M_WRITE_ACK, h->op_id, ok ? PD_OK : PD_ERR_OUT_OF_RANGE, NULL, NULL, 0, 0);
         pthread_mutex_unlock(&t->mu);
     }
     return rc;
@@ -76,14 +82,14 @@ static int rx_read_req(tcp_pipe_t *t, pd_pipe_peer_t *peer, const hdr_t *h, cons
     for (uint32_t i = 0; ok && i < h->count; i++) {
         total += d[i].len;
     }
-    send_reply(t, peer, M_READ_RESP, h->op_id, ok ? PD_OK : PD_ERR_OUT_OF_RANGE, ok ? r : NULL, d, h->count,
-               total);
+    int rc = send_reply(t, peer, M_READ_RESP, h->op_id, ok ? PD_OK : PD_ERR_OUT_OF_RANGE, ok ? r : NULL, d,
+                        h->count, total);
     pthread_mutex_unlock(&t->mu);
     if (!ok) {
         pd_log_warn("tcp pipe: refused a read of region %u by peer %016llx", h->region_id,
                     (unsigned long long)peer->id);
     }
-    return 0;
+    return rc;
 }
 
 /* M_WRITE_ACK: our write to the peer landed (or was refused). */

@@ -606,6 +606,7 @@ static void ucx_destroy(pd_pipe_t *p)
     if (u->wake_fd >= 0) {
         close(u->wake_fd);
     }
+    pd_pipe_cq_close(&u->cq);
     pthread_mutex_destroy(&u->mu);
     free(u);
 }
@@ -642,6 +643,13 @@ static pd_status_t ucx_connect(pd_pipe_t *p, const uint8_t *addr, size_t len, co
     pd_pipe_peer_t *peer = calloc(1, sizeof(*peer));
     if (peer == NULL) {
         return PD_ERR_NO_MEMORY;
+    }
+    pthread_mutex_lock(&u->mu);
+    pd_status_t st = pd_pipe_cq_reserve(&u->cq); /* the node of its failure's completion */
+    pthread_mutex_unlock(&u->mu);
+    if (st != PD_OK) {
+        free(peer);
+        return st;
     }
     peer->pipe = u;
     memcpy(&peer->id, addr, 8);
@@ -845,6 +853,10 @@ static pd_status_t post_pages(bool write, pd_pipe_t *p, pd_pipe_peer_t *peer, pd
         return st;
     }
     pthread_mutex_lock(&u->mu);
+    if (pd_pipe_cq_reserve(&u->cq) != PD_OK) {
+        pthread_mutex_unlock(&u->mu);
+        return PD_ERR_NO_MEMORY;
+    }
     if (peer->dead || peer->ep == NULL) {
         fail_at_once(u, cb, NULL, arg, 0);
         pthread_mutex_unlock(&u->mu);
@@ -949,6 +961,11 @@ static pd_status_t ucx_send_tensor(pd_pipe_t *p, pd_pipe_peer_t *peer, uint64_t 
     memcpy(msg, &pl, 8);
     memcpy(msg + 8, hdr, hdr_len);
     pthread_mutex_lock(&u->mu);
+    if (pd_pipe_cq_reserve(&u->cq) != PD_OK) {
+        pthread_mutex_unlock(&u->mu);
+        free(msg);
+        return PD_ERR_NO_MEMORY;
+    }
     if (peer->dead || peer->ep == NULL) {
         fail_at_once(u, cb, NULL, arg, tag);
         pthread_mutex_unlock(&u->mu);
@@ -997,6 +1014,11 @@ static pd_status_t ucx_recv_tensor(pd_pipe_t *p, pd_pipe_peer_t *peer, uint64_t 
         return PD_ERR_NO_MEMORY;
     }
     pthread_mutex_lock(&u->mu);
+    if (pd_pipe_cq_reserve(&u->cq) != PD_OK) {
+        pthread_mutex_unlock(&u->mu);
+        free(buf);
+        return PD_ERR_NO_MEMORY;
+    }
     if (peer->dead) {
         fail_at_once(u, NULL, cb, arg, tag);
         pthread_mutex_unlock(&u->mu);

@@ -442,9 +442,14 @@ static void schedule_waiting(pd_scheduler_t *s, int32_t *budget)
         if (!ok) {
             break; /* FCFS: nothing behind it jumps the queue for space */
         }
-        if (fresh && s->conn != NULL) {
+        if (fresh && s->conn != NULL &&
             s->conn->ops->update_state_after_alloc(s->conn, r, r->block_ids, r->num_blocks * s->kv.num_groups,
-                                                   external);
+                                                   external) != PD_OK) {
+            /* out of memory: no load would ever be reported for it, so it ends now (an error) */
+            pd_log_error("request %s: the KV connector cannot start its load; failing it", r->id);
+            finish_request(s, r, PD_REQ_FINISHED_ERROR);
+            r = next;
+            continue;
         }
         if (r->num_cached_tokens < 0) {
             r->num_cached_tokens = local;

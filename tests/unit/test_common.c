@@ -24,6 +24,7 @@
 #include "common/status.h"
 #include "common/strmap.h"
 #include "common/time.h"
+#include "fail_alloc.h"
 
 START_TEST(test_status_names)
 {
@@ -588,8 +589,112 @@ START_TEST(test_metrics_labels)
 }
 END_TEST
 
+/* ------------------------------------------------------------------ failing allocations */
+
+/* The allocating pieces of common/ from nothing back to nothing with any allocation failing
+ * (fail_alloc.h): a metrics registry with labelled series rendered, a string map grown past its
+ * first table, an arena, a grown array, a JSON document read through the path getters, and a
+ * flag table parsed. Each step either works, and then answers right, or returns its error. */
+static int fa_common(void)
+{
+    int wrong = 0;
+    pd_metrics_t *m = NULL;
+    if (pd_metrics_create(&m) == PD_OK) {
+        pd_metric_label_t lab[2] = {{"model_name", "m\"1"}, {"engine", "0"}};
+        if (pd_metrics_set_const_labels(m, "vllm:", lab, 2) != PD_OK) {
+            /* a clean error: the series render without them */
+        }
+        double b[3] = {0.1, 1, 10};
+        pd_metric_t *c = pd_metrics_add(m, PD_METRIC_COUNTER, "vllm:requests", "requests", "kind=a", NULL, 0);
+        pd_metric_t *h = pd_metrics_add(m, PD_METRIC_HISTOGRAM, "pd:latency", "latency", NULL, b, 3);
+        pd_metric_label_t two[2] = {{"a", "1"}, {"b", "2"}};
+        pd_metric_t *g = pd_metrics_add_labels(m, PD_METRIC_GAUGE, "pd:g", "gauge", two, 2, NULL, 0);
+        pd_metric_inc(c, 2), pd_metric_observe(h, 0.5), pd_metric_set(g, 7);
+        size_t len = 0;
+        char *text = pd_metrics_render(m, &len);
+        if (text != NULL && c != NULL && pd_metrics_text_value(text, "vllm:requests", -1) != 2) {
+            fprintf(stderr, "fa_common: rendered counter wrong:\n%s\n", text);
+            wrong++;
+        }
+        if (text != NULL && g != NULL && pd_metrics_text_value(text, "pd:g{a=\"1\"}", -1) != 7) {
+            fprintf(stderr, "fa_common: rendered gauge wrong:\n%s\n", text);
+            wrong++;
+        }
+        free(text);
+        pd_metrics_destroy(m);
+    }
+    pd_strmap_t map;
+    if (pd_strmap_init(&map, 4) == PD_OK) {
+        char key[32];
+        int put = 0;
+        for (int i = 0; i < 100; i++) {
+            snprintf(key, sizeof(key), "key-%d", i);
+            put += pd_strmap_put(&map, key, strlen(key), i) == PD_OK;
+        }
+        for (int i = 0; i < 100 && put == 100; i++) {
+            int64_t v = -1;
+            snprintf(key, sizeof(key), "key-%d", i);
+            if (!pd_strmap_get(&map, key, strlen(key), &v) || v != i) {
+                fprintf(stderr, "fa_common: strmap lost %s\n", key);
+                wrong++;
+            }
+        }
+        pd_strmap_destroy(&map);
+    }
+    pd_arena_t ar;
+    pd_arena_init(&ar, 256);
+    for (int i = 0; i < 20; i++) {
+        char *t = pd_arena_strndup(&ar, "arena text", 10);
+        if (t != NULL && strcmp(t, "arena text") != 0) {
+            wrong++;
+        }
+    }
+    pd_arena_destroy(&ar);
+    int *arr = NULL;
+    size_t cap = 0;
+    for (size_t i = 0; i < 1000; i++) {
+        if (pd_array_reserve(&arr, &cap, i + 1) != PD_OK) {
+            break;
+        }
+        arr[i] = (int)i;
+    }
+    free(arr);
+    json_t *root = NULL;
+    const char *doc = "{\"a\": {\"b\": [1, 2, {\"c\": \"x\"}]}, \"n\": 2.5}";
+    if (pd_json_parse("doc", doc, strlen(doc), &root) == PD_OK) {
+        const char *str = NULL;
+        double n = 0;
+        if (pd_json_get_str(root, "doc", "a.b[2].c", &str) == PD_OK && strcmp(str, "x") != 0) {
+            wrong++;
+        }
+        if (pd_json_get_double(root, "doc", "n", &n) == PD_OK && n != 2.5) {
+            wrong++;
+        }
+        json_decref(root);
+    }
+    int block = 16;
+    const char *model = NULL;
+    pd_flag_t flags[] = {{"block-size", PD_FLAG_INT, &block, "tokens per KV block", NULL},
+                         {"model", PD_FLAG_STR, &model, "model dir", NULL}};
+    char *argv[] = {"prog", "--block-size", "32", "--model", "/m"};
+    if (pd_flags_parse(flags, 2, 5, argv, "usage", NULL) == PD_OK &&
+        (block != 32 || strcmp(model, "/m") != 0)) {
+        wrong++;
+    }
+    return wrong;
+}
+
+static const tu_fa_scenario_t FA_SCENARIOS[] = {{"common", fa_common, NULL}};
+
+START_TEST(test_fail_alloc)
+{
+    tu_fail_alloc_loop("common", 2000, 30);
+}
+END_TEST
+
 int main(void)
 {
+    tu_fail_alloc_child(FA_SCENARIOS, 1);
     Suite *s = suite_create("common");
     TCase *tc = tcase_create("core");
     tcase_add_test(tc, test_status_names);
@@ -608,5 +713,6 @@ int main(void)
     tcase_add_test(tc, test_copy_stream);
     tcase_add_test(tc, test_metrics_labels);
     suite_add_tcase(s, tc);
+    tu_fail_alloc_add(s, test_fail_alloc, 1);
     return tu_run_suite(s);
 }

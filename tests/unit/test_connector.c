@@ -32,6 +32,8 @@
 #include "scheduler/scheduler.h"
 #include "test_util.h"
 
+#include "fail_alloc.h"
+
 #define LAYERS 2
 #define BLOCKS 32
 #define BS     4   /* tokens per block */
@@ -1222,8 +1224,236 @@ START_TEST(test_kv_transfer_config)
 }
 END_TEST
 
+/* ------------------------------------------------------------------ failing allocations */
+
+static int g_fa_pipe;  /* PIPES[g_fa_pipe] */
+static bool g_fa_push; /* push mode (the prefill finishes first: the late-reservation path) */
+
+/* node_start without assertions: PD_OK, or an error with whatever was made undone. */
+static pd_status_t fa_node_start(node_t *n, const char *role, char tag, const char *pipe)
+{
+    memset(n, 0, sizeof(*n));
+    n->tag = tag;
+    pd_kv_connector_config_t cfg;
+    pd_kv_connector_config_defaults(&cfg);
+    cfg.role = role;
+    cfg.mode = g_fa_push ? "push" : "pull";
+    cfg.pipe = pipe;
+    cfg.insecure_no_kv_auth = true;
+    cfg.hold_timeout = 1;
+    cfg.load_timeout = 1;
+    cfg.handshake_timeout = 1;
+    cfg.heartbeat_interval = 0.1;
+    cfg.heartbeat_misses = 5;
+    cfg.prefault = false;
+    pd_status_t st = pd_metrics_create(&n->m);
+    if (st != PD_OK) {
+        return st;
+    }
+    if ((st = pd_kv_connector_create(&cfg, n->m, &n->c)) != PD_OK) {
+        pd_metrics_destroy(n->m);
+        n->c = NULL;
+        return st;
+    }
+    size_t bytes = (size_t)LAYERS * BLOCKS * PAGE;
+    const pd_kv_region_allocator_t *a = pd_kv_connector_allocator(n->c);
+    void *kv = NULL;
+    st = a != NULL ? a->alloc(a->ctx, bytes, &kv) : (kv = malloc(bytes)) != NULL ? PD_OK : PD_ERR_NO_MEMORY;
+    n->kv = kv;
+    n->kv_from_pipe = a != NULL;
+    if (st == PD_OK) {
+        fill(n);
+        pd_kv_region_desc_t rd;
+        memset(&rd, 0, sizeof(rd));
+        rd.base = n->kv;
+        rd.host_memory = true;
+        rd.bytes = bytes;
+        rd.num_layers = LAYERS;
+        for (int l = 0; l < LAYERS; l++) {
+            rd.layer_offset[l] = (size_t)l * BLOCKS * PAGE;
+        }
+        rd.page_bytes = PAGE;
+        rd.num_blocks = BLOCKS;
+        rd.block_size = BS;
+        st = n->c->ops->register_kv_caches(n->c, &rd);
+    }
+    if (st == PD_OK) {
+        Pd__Fingerprint fp;
+        pd_kv_fingerprint("test-model", "fp32", BS, 2, PAGE / (BS * 2 * 2 * 4), LAYERS, &fp);
+        st = pd_kv_connector_start(n->c, &fp);
+    }
+    if (st != PD_OK) {
+        node_stop(n);
+    }
+    return st;
+}
+
+/* Polls get_finished until id is reported or timeout_s passes (no assertions); load errors are
+ * added to *errors. -1: get_finished failed. */
+static int fa_wait_finished(node_t *n, const char *id, bool sending, double timeout_s, int *errors)
+{
+    for (double end = tu_now() + timeout_s; tu_now() < end; usleep(1000)) {
+        pd_connector_finished_t f;
+        if (n->c->ops->get_finished(n->c, &f) != PD_OK) {
+            return -1;
+        }
+        uint32_t ids[64];
+        *errors += n->c->ops->get_block_ids_with_load_errors(n->c, ids, 64);
+        for (int32_t i = 0; i < (sending ? f.num_sending : f.num_recving); i++) {
+            if (strcmp((sending ? f.sending : f.recving)[i], id) == 0) {
+                return 1;
+            }
+        }
+    }
+    return 0;
+}
+
+/* A prefill and a decode connector over PIPES[g_fa_pipe] from nothing back to nothing, one pull
+ * (or push) transfer between them, with any allocation failing (fail_alloc.h). Whatever failed: a
+ * pull prefill that holds blocks handed on params; the decode's load ends (finished_recving, with
+ * or without load errors) within its timeout, unless the connector refused to start it (the
+ * scheduler then fails the request); a load reported without errors moved the right bytes; the
+ * prefill's held blocks are reported in finished_sending (READ_DONE/WRITE_DONE or the hold
+ * timeout); and with nothing failing, all of it worked. */
+static int fa_connector(void)
+{
+    int wrong = 0, errors = 0;
+    node_t p = {0}, d = {0};
+    pd_request_t *rp = NULL, *rd = NULL;
+    json_t *params = NULL;
+    int32_t prompt[PROMPT];
+    prompt_ids(prompt);
+    pd_request_params_t rpar;
+    memset(&rpar, 0, sizeof(rpar));
+    rpar.max_tokens = 4;
+    if (fa_node_start(&p, "prefill", 'p', PIPES[g_fa_pipe]) != PD_OK ||
+        fa_node_start(&d, "decode", 'd', PIPES[g_fa_pipe]) != PD_OK ||
+        pd_request_create("req-p", prompt, PROMPT, &rpar, 128, &rp) != PD_OK) {
+        goto out;
+    }
+    rp->kv_transfer_params = g_fa_push ? push_params_in("x-1") : pull_params_in();
+    if (rp->kv_transfer_params == NULL) {
+        goto out;
+    }
+    rp->state = PD_REQ_FINISHED_LENGTH;
+    void *outp = NULL;
+    bool hold = p.c->ops->request_finished(p.c, rp, P_BLOCKS, NEED + 1, &outp);
+    params = outp;
+    if (g_fa_push) { /* push: the proxy hands the decode its own params */
+        json_decref(params);
+        params = hold ? push_params_out("x-1", pd_kv_connector_port(p.c)) : NULL;
+    } else if (hold && params == NULL) {
+        fprintf(stderr, "fa_connector: the prefill holds blocks but handed on no params\n");
+        wrong++;
+    }
+    if (params == NULL || pd_request_create("req-d", prompt, PROMPT, &rpar, 128, &rd) != PD_OK) {
+        goto out_prefill;
+    }
+    rd->kv_transfer_params = json_incref(params);
+    int32_t ext = 0;
+    bool async = false;
+    if (d.c->ops->get_num_new_matched_tokens(d.c, rd, 0, &ext, &async) != PD_OK || ext <= 0) {
+        goto out_prefill; /* nothing to load: the scheduler prefills it locally */
+    }
+    if (d.c->ops->update_state_after_alloc(d.c, rd, D_BLOCKS, NEED + 1, ext) != PD_OK) {
+        goto out_decode; /* refused: the scheduler ends the request with an error */
+    }
+    pd_scheduler_output_t so;
+    memset(&so, 0, sizeof(so));
+    void *meta = d.c->ops->build_connector_meta(d.c, &so);
+    if (d.c->ops->bind_connector_metadata(d.c, meta) == PD_OK) {
+        d.c->ops->start_load_kv(d.c);
+    }
+    /* the load must end: with its bytes, or with load errors (the scheduler's policy then runs) */
+    int got = fa_wait_finished(&d, "req-d", false, 1 + 2, &errors);
+    if (got == 0) {
+        fprintf(stderr, "fa_connector: the decode's load neither finished nor failed in its timeout\n");
+        wrong++;
+    } else if (got == 1 && errors == 0) {
+        for (int l = 0; l < LAYERS; l++) {
+            for (int i = 0; i < NEED; i++) {
+                if (memcmp(page(&d, l, D_BLOCKS[i]), page(&p, l, P_BLOCKS[i]), PAGE) != 0) {
+                    fprintf(stderr, "fa_connector: a load without errors left wrong bytes (layer %d)\n", l);
+                    wrong++;
+                    l = LAYERS;
+                    break;
+                }
+            }
+        }
+    }
+    if (!tu_fail_alloc_hit() && (got != 1 || errors != 0)) {
+        fprintf(stderr, "fa_connector: with no allocation failing, the load did not work\n");
+        wrong++;
+    }
+out_decode:
+    rd->state = PD_REQ_FINISHED_LENGTH;
+    void *dout = NULL;
+    d.c->ops->request_finished(d.c, rd, D_BLOCKS, NEED + 1, &dout);
+    json_decref(dout);
+out_prefill:
+    if (hold) { /* READ_DONE or the decode's ABORT frees them; the hold timeout (1 s) at the latest */
+        int e2 = 0;
+        if (fa_wait_finished(&p, "req-p", true, 1 + 2, &e2) == 0) {
+            fprintf(stderr, "fa_connector: the prefill's held blocks were never reported free\n");
+            wrong++;
+        }
+    }
+out:
+    json_decref(params);
+    if (rd != NULL) {
+        json_decref(rd->kv_transfer_params), rd->kv_transfer_params = NULL;
+        pd_request_free(rd);
+    }
+    if (rp != NULL) {
+        json_decref(rp->kv_transfer_params), rp->kv_transfer_params = NULL;
+        pd_request_free(rp);
+    }
+    node_stop(&d);
+    node_stop(&p);
+    return wrong;
+}
+
+static int fa_pull_tcp(void)
+{
+    g_fa_pipe = 0;
+    return fa_connector();
+}
+
+static int fa_pull_ucx(void)
+{
+    g_fa_pipe = 1;
+    return fa_connector();
+}
+
+static int fa_push_tcp(void)
+{
+    g_fa_pipe = 0, g_fa_push = true;
+    return fa_connector();
+}
+
+static int fa_push_ucx(void)
+{
+    g_fa_pipe = 1, g_fa_push = true;
+    return fa_connector();
+}
+
+static const tu_fa_scenario_t FA_SCENARIOS[] = {
+    {"connector_pull_tcp", fa_pull_tcp, NULL},
+    {"connector_pull_ucx", fa_pull_ucx, NULL},
+    {"connector_push_tcp", fa_push_tcp, NULL},
+    {"connector_push_ucx", fa_push_ucx, NULL},
+};
+#define FA_NUM ((int)(sizeof(FA_SCENARIOS) / sizeof(FA_SCENARIOS[0])))
+
+START_TEST(test_fail_alloc)
+{
+    tu_fail_alloc_loop(FA_SCENARIOS[_i].name, 5000, 60);
+}
+END_TEST
+
 int main(void)
 {
+    tu_fail_alloc_child(FA_SCENARIOS, FA_NUM);
     pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_OFF);
     Suite *s = suite_create("connector");
     TCase *tc = tcase_create("connector");
@@ -1248,5 +1478,6 @@ int main(void)
     tcase_add_loop_test(tc, test_peer_deaths_leave_nothing, 0, np);
     tcase_add_loop_test(tc, test_control_listener_emfile_backoff, 0, np);
     suite_add_tcase(s, tc);
+    tu_fail_alloc_add(s, test_fail_alloc, FA_NUM);
     return tu_run_suite(s);
 }

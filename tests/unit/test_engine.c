@@ -16,6 +16,8 @@
 #include "model/config.h"
 #include "model/model.h"
 
+#include "fail_alloc.h"
+
 static char *g_model;
 
 typedef struct gen {
@@ -736,9 +738,138 @@ START_TEST(test_memory_plan_8b_fits_24gib)
 }
 END_TEST
 
+/* ------------------------------------------------------------------ failing allocations */
+
+/* Three requests (two sharing a prefix, one sampled) on an engine with prefix caching, from
+ * creating the engine to destroying it, with any allocation failing (fail_alloc.h). Whatever
+ * failed: every request added ends exactly once; one that ended "length" with every token has the
+ * tokens of the same run with nothing failing (g_fa_ref, made before arming); the pool is whole
+ * after the run; and with nothing failing, all three ran to their length. */
+enum { FA_REQS = 3 };
+static gen_t g_fa_ref[FA_REQS];
+
+static int fa_engine_run(gen_t *got, bool *added)
+{
+    pd_engine_config_t c;
+    pd_engine_config_defaults(&c);
+    c.model_dir = g_model;
+    c.threads = 2;
+    c.kv_cache_memory = 8u << 20;
+    c.max_num_batched_tokens = 64;
+    c.max_num_seqs = 4;
+    c.max_model_len = 256;
+    c.enable_prefix_caching = true;
+    pd_engine_t *e = NULL;
+    if (pd_engine_create(&c, &e) != PD_OK) {
+        return 0;
+    }
+    int wrong = 0;
+    for (int i = 0; i < FA_REQS; i++) {
+        spec_t s;
+        memset(&s, 0, sizeof(s));
+        s.n = 20 + i;
+        for (int k = 0; k < s.n; k++) {
+            s.prompt[k] = (int32_t)(k * 7 + (i == 2 ? 3 : 1)) % 200 + 2; /* 0 and 1 share 20 tokens */
+        }
+        s.max_tokens = 6;
+        s.temperature = i == 1 ? 0.8f : 0.0f;
+        s.seed = 77;
+        char id[32], err[256];
+        snprintf(id, sizeof(id), "req-%d", i);
+        pd_engine_request_t rq;
+        memset(&rq, 0, sizeof(rq));
+        rq.id = id;
+        rq.prompt = s.prompt;
+        rq.num_prompt = s.n;
+        rq.params.max_tokens = s.max_tokens;
+        rq.params.ignore_eos = true;
+        rq.params.sampling = (pd_sampling_params_t){s.temperature, 0, s.temperature > 0 ? 0.9f : 1.0f, 0.0f};
+        rq.params.has_seed = true;
+        rq.params.seed = s.seed;
+        rq.user = &got[i];
+        added[i] = pd_engine_add(e, &rq, err, sizeof(err)) == PD_OK;
+    }
+    for (int steps = 0; pd_engine_has_work(e) && steps < 500; steps++) {
+        pd_engine_output_t *outs = NULL;
+        pd_engine_step(e, &outs); /* a failed step fails its requests: they end "error" */
+        for (pd_engine_output_t *o = outs; o != NULL; o = o->next) {
+            gen_t *g = o->user;
+            if (o->token >= 0 && g->n < 256) {
+                g->tokens[g->n++] = o->token;
+            }
+            if (o->finish_reason != NULL) {
+                if (g->finish != NULL) {
+                    fprintf(stderr, "fa_engine: %s ended twice\n", o->id);
+                    wrong++;
+                }
+                g->finish = o->finish_reason;
+            }
+        }
+        pd_engine_output_free(outs);
+    }
+    pd_engine_output_t *outs = NULL; /* releases the last finished requests */
+    pd_engine_step(e, &outs);
+    pd_engine_output_free(outs);
+    pd_engine_stats_t st;
+    pd_engine_get_stats(e, &st);
+    if (pd_engine_has_work(e) || st.blocks_used != 0 ||
+        st.blocks_free + st.blocks_cached_free != st.num_blocks - 1) {
+        fprintf(stderr, "fa_engine: after the run: work left %d, blocks used %u\n", pd_engine_has_work(e),
+                (unsigned)st.blocks_used);
+        wrong++;
+    }
+    pd_engine_destroy(e);
+    return wrong;
+}
+
+static int fa_engine_prepare(void)
+{
+    bool added[FA_REQS];
+    memset(g_fa_ref, 0, sizeof(g_fa_ref));
+    return fa_engine_run(g_fa_ref, added);
+}
+
+static int fa_engine(void)
+{
+    gen_t got[FA_REQS];
+    bool added[FA_REQS] = {false};
+    memset(got, 0, sizeof(got));
+    int wrong = fa_engine_run(got, added);
+    for (int i = 0; i < FA_REQS; i++) {
+        if (added[i] && got[i].finish == NULL) {
+            fprintf(stderr, "fa_engine: req-%d never ended\n", i);
+            wrong++;
+        }
+        bool whole = got[i].finish != NULL && strcmp(got[i].finish, "length") == 0 && got[i].n == 6;
+        if (whole && memcmp(got[i].tokens, g_fa_ref[i].tokens, sizeof(int32_t) * 6) != 0) {
+            fprintf(stderr, "fa_engine: req-%d ran to its length with other tokens than without failures\n",
+                    i);
+            wrong++;
+        }
+        if (!tu_fail_alloc_hit() && !whole) {
+            fprintf(stderr, "fa_engine: with nothing failing, req-%d did not run to its length\n", i);
+            wrong++;
+        }
+    }
+    return wrong;
+}
+
+static const tu_fa_scenario_t FA_SCENARIOS[] = {{"engine", fa_engine, fa_engine_prepare}};
+
+START_TEST(test_fail_alloc)
+{
+    setenv("PD_FAIL_ALLOC_MODEL", g_model, 1); /* the children use this process's model */
+    tu_fail_alloc_sites("engine", 2000, 60);   /* ~4000 allocations: one run per call site */
+}
+END_TEST
+
 int main(void)
 {
     pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_WARN);
+    if (getenv("PD_FAIL_ALLOC_MODEL") != NULL) {
+        g_model = strdup(getenv("PD_FAIL_ALLOC_MODEL"));
+        tu_fail_alloc_child(FA_SCENARIOS, 1);
+    }
     g_model = tu_make_model("--preset tiny --arch llama");
     if (g_model == NULL) {
         fprintf(stderr, "cannot make the tiny model\n");
@@ -760,6 +891,7 @@ int main(void)
     tcase_add_test(tc, test_memory_plan_8b_fits_24gib);
     tcase_add_test(tc, test_bf16_math_batch_invariant);
     suite_add_tcase(s, tc);
+    tu_fail_alloc_add(s, test_fail_alloc, 1);
     int rc = tu_run_suite(s);
     tu_rmrf(g_model);
     free(g_model);

@@ -30,6 +30,8 @@
 #include "pipe/pipe.h"
 #include "test_util.h"
 
+#include "fail_alloc.h"
+
 typedef struct backend {
     const char *kind;
     const char *err_mode;
@@ -1187,8 +1189,132 @@ START_TEST(test_coalesce)
 }
 END_TEST
 
+/* ------------------------------------------------------------------ failing allocations */
+
+/* One pipe pair of BACKENDS[g_b] from nothing back to nothing with any allocation failing
+ * (fail_alloc.h): pages written and read, a tensor each way (one unexpected), then both pipes
+ * destroyed. Whatever failed, every operation whose post said PD_OK completes exactly once by the
+ * end of destroy, and one that completed with PD_OK moved the right bytes. */
+#define FA_BYTES (64 << 10)
+static int fa_pipe(void)
+{
+    pd_pipe_config_t c;
+    memset(&c, 0, sizeof(c));
+    c.kind = BACKENDS[g_b].kind;
+    c.ucx_err_mode = BACKENDS[g_b].err_mode;
+    pd_pipe_t *a = NULL, *b = NULL;
+    pd_pipe_peer_t *ab = NULL, *ba = NULL;
+    pd_pipe_region_t *ra = NULL, *rb = NULL;
+    pd_pipe_remote_t *b_at_a = NULL;
+    counter_t wr = {0, 0, PD_OK}, rd = {0, 0, PD_OK}, sent = {0, 0, PD_OK};
+    recv_state_t rs = {0, PD_OK, 0, 0, 0}, rs2 = {0, PD_OK, 0, 0, 0};
+    int posted_wr = 0, posted_rd = 0, posted_send = 0, posted_recv = 0, posted_recv2 = 0, wrong = 0;
+    uint8_t hdr[32], pay[512], hr[64], pr[600], hr2[64], pr2[600];
+    fill(hdr, sizeof(hdr), 1), fill(pay, sizeof(pay), 2);
+    uint8_t aa[PD_PIPE_ADDR_MAX], bad[PD_PIPE_ADDR_MAX], d[PD_PIPE_RKEY_MAX];
+    size_t al = sizeof(aa), bl = sizeof(bad), dl = sizeof(d);
+    if (pd_pipe_create(&c, &a) != PD_OK || pd_pipe_create(&c, &b) != PD_OK ||
+        a->ops->address(a, aa, &al) != PD_OK || b->ops->address(b, bad, &bl) != PD_OK ||
+        a->ops->connect(a, bad, bl, SESSION, &ab) != PD_OK ||
+        b->ops->connect(b, aa, al, SESSION, &ba) != PD_OK ||
+        a->ops->alloc_region(a, FA_BYTES, &ra) != PD_OK || b->ops->alloc_region(b, FA_BYTES, &rb) != PD_OK ||
+        b->ops->export_region(b, rb, ba, true, d, &dl) != PD_OK ||
+        a->ops->import_region(a, ab, d, dl, &b_at_a) != PD_OK) {
+        goto out;
+    }
+    fill(ra->base, FA_BYTES, 3);
+    fill(rb->base, FA_BYTES, 4);
+    pd_page_xfer_t w[2] = {{0, 4096, 4096}, {8192, 16384, 8192}}, r[1] = {{32768, 0, 4096}};
+    posted_wr = a->ops->write_pages(a, ab, ra, b_at_a, w, 2, on_done, &wr) == PD_OK;
+    posted_rd = a->ops->read_pages(a, ab, ra, b_at_a, r, 1, on_done, &rd) == PD_OK;
+    posted_recv = b->ops->recv_tensor(b, ba, 5, hr, sizeof(hr), pr, sizeof(pr), on_recv, &rs) == PD_OK;
+    posted_send = a->ops->send_tensor(a, ab, 5, hdr, sizeof(hdr), pay, sizeof(pay), on_done, &sent) == PD_OK;
+    posted_send += a->ops->send_tensor(a, ab, 6, hdr, 8, pay, 100, on_done, &sent) == PD_OK; /* unexpected */
+    /* healthy, everything completes in milliseconds; once an allocation failed, what is left may
+     * wait for a peer that dropped the connection (the connector's heartbeat ends that), so the
+     * wait is short: destroy completes the rest */
+    double t0 = pd_time_now_s();
+    while (pd_time_now_s() < t0 + (tu_fail_alloc_hit() ? 0.2 : 5)) {
+        pd_pipe_progress(a), pd_pipe_progress(b);
+        if (wr.done == posted_wr && rd.done == posted_rd && sent.done == posted_send &&
+            rs.done == posted_recv) {
+            break;
+        }
+        usleep(200);
+    }
+    posted_recv2 = b->ops->recv_tensor(b, ba, 6, hr2, sizeof(hr2), pr2, sizeof(pr2), on_recv, &rs2) == PD_OK;
+    for (t0 = pd_time_now_s();
+         pd_time_now_s() < t0 + (tu_fail_alloc_hit() ? 0.2 : 5) && rs2.done < posted_recv2;) {
+        pd_pipe_progress(a), pd_pipe_progress(b);
+        usleep(200);
+    }
+    if (!tu_fail_alloc_hit() &&
+        (wr.errors + rd.errors + sent.errors != 0 || wr.done + rd.done != 2 || sent.done != 2 ||
+         rs.st != PD_OK || rs2.st != PD_OK || rs.done + rs2.done != 2)) {
+        fprintf(stderr, "fa_pipe: with no allocation failing, an operation failed or did not complete\n");
+        wrong++;
+    }
+    if (wr.done == 1 && wr.errors == 0 &&
+        (memcmp((uint8_t *)rb->base + 4096, ra->base, 4096) != 0 ||
+         memcmp((uint8_t *)rb->base + 16384, (uint8_t *)ra->base + 8192, 8192) != 0)) {
+        fprintf(stderr, "fa_pipe: a write that succeeded moved the wrong bytes\n");
+        wrong++;
+    }
+    if (rd.done == 1 && rd.errors == 0 && memcmp((uint8_t *)ra->base + 32768, rb->base, 4096) != 0) {
+        fprintf(stderr, "fa_pipe: a read that succeeded moved the wrong bytes\n");
+        wrong++;
+    }
+    if (rs.done == 1 && rs.st == PD_OK &&
+        (rs.hlen != sizeof(hdr) || rs.plen != sizeof(pay) || memcmp(hr, hdr, sizeof(hdr)) != 0 ||
+         memcmp(pr, pay, sizeof(pay)) != 0)) {
+        fprintf(stderr, "fa_pipe: a tensor received with PD_OK is wrong\n");
+        wrong++;
+    }
+out:
+    if (b_at_a != NULL) {
+        a->ops->release_remote(a, b_at_a);
+    }
+    if (a != NULL) {
+        pd_pipe_destroy(a);
+    }
+    if (b != NULL) {
+        pd_pipe_destroy(b);
+    }
+    /* destroy completes what is still pending (CANCELLED): each operation exactly once */
+    if (wr.done != posted_wr || rd.done != posted_rd || sent.done != posted_send || rs.done != posted_recv ||
+        rs2.done != posted_recv2) {
+        fprintf(stderr, "fa_pipe: completions write %d/%d read %d/%d send %d/%d recv %d/%d+%d/%d\n", wr.done,
+                posted_wr, rd.done, posted_rd, sent.done, posted_send, rs.done, posted_recv, rs2.done,
+                posted_recv2);
+        wrong++;
+    }
+    return wrong;
+}
+
+static int fa_pipe_tcp(void)
+{
+    g_b = 0;
+    return fa_pipe();
+}
+
+static int fa_pipe_ucx(void)
+{
+    g_b = 3; /* with peer error handling: the mode that reports a peer's failure */
+    return fa_pipe();
+}
+
+static const tu_fa_scenario_t FA_SCENARIOS[] = {{"pipe_tcp", fa_pipe_tcp, NULL},
+                                                {"pipe_ucx", fa_pipe_ucx, NULL}};
+
+START_TEST(test_fail_alloc)
+{
+    tu_fail_alloc_loop(FA_SCENARIOS[_i].name, 2000, 30);
+}
+END_TEST
+
 int main(void)
 {
+    tu_fail_alloc_child(FA_SCENARIOS, 2);
     pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_ERROR);
     signal(SIGPIPE, SIG_IGN);
     Suite *s = suite_create("pipe");
@@ -1213,5 +1339,6 @@ int main(void)
     tcase_add_loop_test(tc, test_emfile_backoff, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_dead_peers_release_fds, 0, NUM_BACKENDS);
     suite_add_tcase(s, tc);
+    tu_fail_alloc_add(s, test_fail_alloc, 2);
     return tu_run_suite(s);
 }

@@ -421,6 +421,7 @@ typedef struct fake_conn {
     int num_bad;
     int32_t external_tokens; /* what "remote-" requests get from the peer */
     bool no_wait;            /* load_may_wait answers false */
+    bool refuse;             /* update_state_after_alloc answers PD_ERR_NO_MEMORY */
 } fake_conn_t;
 
 static pd_status_t fake_matched(pd_connector_t *c, const pd_request_t *r, int32_t local, int32_t *ext,
@@ -437,15 +438,20 @@ static pd_status_t fake_matched(pd_connector_t *c, const pd_request_t *r, int32_
     return PD_OK;
 }
 
-static void fake_after_alloc(pd_connector_t *c, pd_request_t *r, const uint32_t *ids, int32_t n, int32_t ext)
+static pd_status_t fake_after_alloc(pd_connector_t *c, pd_request_t *r, const uint32_t *ids, int32_t n,
+                                    int32_t ext)
 {
     fake_conn_t *f = (fake_conn_t *)c;
     f->alloc_calls++;
+    if (f->refuse) {
+        return PD_ERR_NO_MEMORY;
+    }
     if (strncmp(r->id, "remote-", 7) == 0) {
         ck_assert_int_le(ext, r->num_prompt_tokens); /* less after a prefix hit */
         ck_assert_int_ge(n * 4, ext);                /* blocks for every external token (block size 4) */
         f->external_tokens = ext;
     }
+    return PD_OK;
 }
 
 static void *fake_meta(pd_connector_t *c, const struct pd_scheduler_output *o)
@@ -838,6 +844,36 @@ START_TEST(test_connector_remote_load_and_delay_free)
 }
 END_TEST
 
+/* A connector that cannot start a request's load (out of memory) refuses it: the request ends
+ * with an error at once, its blocks freed, instead of waiting for a load nobody will report; the
+ * others go on. */
+START_TEST(test_connector_refused_load_fails_the_request)
+{
+    fake_conn_t f;
+    memset(&f, 0, sizeof(f));
+    f.base.ops = &fake_ops;
+    f.refuse = true;
+    driver_t d = {NULL, &f, 64, 4, 0, 0};
+    pd_scheduler_config_t c = sched_cfg(4, 64, 64);
+    ck_assert_int_eq(pd_scheduler_create(&c, &f.base, &d.s), PD_OK);
+    add(d.s, "remote-a", 14, 3, 1);
+    pd_scheduler_update_result_t res;
+    drive_step(&d, &res);
+    ck_assert_int_eq(res.num_finished, 1);
+    ck_assert_str_eq(res.finished[0]->id, "remote-a");
+    ck_assert_int_eq(res.finished[0]->state, PD_REQ_FINISHED_ERROR);
+    f.refuse = false;
+    add(d.s, "local", 6, 2, 2);
+    while (!pd_scheduler_idle(d.s)) {
+        drive_step(&d, &res);
+        ck_assert_int_lt(d.steps, 100);
+    }
+    pd_scheduler_schedule(d.s);
+    assert_pool_clean(d.s);
+    pd_scheduler_destroy(d.s);
+}
+END_TEST
+
 /* Two requests with one prompt arrive together on a decode (pull): the second waits while the first
  * loads, then finds the loaded blocks in its prefix cache and loads only the rest (the last, partial
  * block); a request with another prompt does not wait. None waits when load_may_wait is false
@@ -1109,6 +1145,7 @@ int main(void)
     tcase_add_test(tc, test_preemption_recomputes);
     tcase_add_test(tc, test_abort_in_every_state);
     tcase_add_test(tc, test_connector_remote_load_and_delay_free);
+    tcase_add_test(tc, test_connector_refused_load_fails_the_request);
     tcase_add_test(tc, test_connector_shared_inflight_load);
     tcase_add_test(tc, test_first_token_handover);
     tcase_add_test(tc, test_load_errors_recompute);
