@@ -255,65 +255,48 @@ static pd_status_t tcp_address(pd_pipe_t *p, uint8_t *buf, size_t *len)
     return PD_OK;
 }
 
-/* connect(fd, a) within TCP_CONNECT_TIMEOUT_MS (an unreachable host would otherwise hold the
- * caller — the connector's control thread — for the kernel's SYN retries, minutes); 0 or -1 (errno
- * set). fd is blocking again afterwards. */
-static int connect_bounded(int fd, const struct sockaddr_in *a)
+/* Starts a connect to host:port without waiting (the caller is the connector's control thread:
+ * a stalled connect held it, and every transfer, up to TCP_CONNECT_TIMEOUT_MS) and builds the
+ * authenticated HELLO, the first job of the connection; the sender thread writes it once the
+ * socket connects (tcpi_out_ready). The fd, or -1 (logged); *connecting: still in progress. */
+static int dial_data(tcp_pipe_t *t, const char *host, int port, uint64_t to, const uint8_t *session,
+                     bool *connecting, job_t **hello_out)
 {
-    int fl = fcntl(fd, F_GETFL);
-    if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) != 0) {
-        return -1;
-    }
-    int rc = connect(fd, (const struct sockaddr *)a, sizeof(*a));
-    if (rc != 0 && errno == EINPROGRESS) {
-        struct pollfd pf = {fd, POLLOUT, 0};
-        int err = 0;
-        socklen_t el = sizeof(err);
-        int n = poll(&pf, 1, TCP_CONNECT_TIMEOUT_MS);
-        if (n == 0) {
-            errno = ETIMEDOUT;
-        } else if (n > 0 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) == 0) {
-            errno = err;
-            rc = err == 0 ? 0 : -1;
-        }
-    }
-    int saved = errno;
-    if (fcntl(fd, F_SETFL, fl) != 0) {
-        return -1;
-    }
-    errno = saved;
-    return rc;
-}
-
-/* A connect to host:port (bounded, connect_bounded) with the authenticated HELLO written; -1 on
- * failure (logged). */
-static int dial_data(tcp_pipe_t *t, const char *host, int port, uint64_t to, const uint8_t *session)
-{
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     struct sockaddr_in a;
     memset(&a, 0, sizeof(a));
     a.sin_family = AF_INET;
     a.sin_port = htons((uint16_t)port);
-    if (fd < 0 || inet_pton(AF_INET, host, &a.sin_addr) != 1 || connect_bounded(fd, &a) != 0) {
+    int rc = -1;
+    if (fd >= 0 && inet_pton(AF_INET, host, &a.sin_addr) == 1) {
+        rc = connect(fd, (const struct sockaddr *)&a, sizeof(a));
+        rc = rc != 0 && errno == EINPROGRESS ? 1 : rc;
+    }
+    if (rc < 0) {
         pd_log_error("tcp pipe: cannot connect to %s:%d: %s", host, port, strerror(errno));
         if (fd >= 0) {
             close(fd);
         }
         return -1;
     }
+    *connecting = rc == 1;
     tcpi_tune_socket(fd);
-    hdr_t h = {TCP_MAGIC, M_HELLO, {0}, t->id, 0, 0, 0, 0, TCP_HELLO_AUTH};
-    uint8_t auth[TCP_HELLO_AUTH];
+    job_t *j = tcpi_job_new(NULL, 1, sizeof(hdr_t) + TCP_HELLO_AUTH);
+    if (j == NULL) {
+        close(fd);
+        return -1;
+    }
+    hdr_t *h = j->owned;
+    *h = (hdr_t){TCP_MAGIC, M_HELLO, {0}, t->id, 0, 0, 0, 0, TCP_HELLO_AUTH};
+    uint8_t *auth = (uint8_t *)(h + 1);
     if (getrandom(auth, TCP_HELLO_NONCE, 0) != TCP_HELLO_NONCE) {
+        tcpi_job_free(j);
         close(fd);
         return -1;
     }
     tcpi_hello_mac(session, t->id, to, auth, auth + TCP_HELLO_NONCE);
-    struct iovec iov[2] = {{&h, sizeof(h)}, {auth, sizeof(auth)}};
-    if (tcpi_writev_full(fd, iov, 2) != 0) {
-        close(fd);
-        return -1;
-    }
+    j->iov[0] = (struct iovec){h, sizeof(*h) + TCP_HELLO_AUTH};
+    *hello_out = j;
     return fd;
 }
 
@@ -337,7 +320,9 @@ static pd_status_t tcp_connect(pd_pipe_t *p, const uint8_t *addr, size_t len, co
     if (session != NULL) {
         memcpy(key, session, sizeof(key));
     }
-    int fd = dial_data(t, host, port, (uint64_t)id, key);
+    bool connecting = false;
+    job_t *hello = NULL;
+    int fd = dial_data(t, host, port, (uint64_t)id, key, &connecting, &hello);
     if (fd < 0) {
         return PD_ERR_PEER_GONE;
     }
@@ -347,12 +332,18 @@ static pd_status_t tcp_connect(pd_pipe_t *p, const uint8_t *addr, size_t len, co
     pd_pipe_peer_t *peer = tcpi_peer_by_id(t, (uint64_t)id, key, true);
     if (peer == NULL || peer->out_fd >= 0) {
         pthread_mutex_unlock(&t->mu);
+        tcpi_job_free(hello);
         close(fd);
         return peer == NULL ? PD_ERR_NO_MEMORY : PD_ERR_INVALID_ARG;
     }
     peer->out_fd = fd;
+    peer->connecting = connecting;
+    peer->connect_deadline = pd_time_now_s() + TCP_CONNECT_TIMEOUT_MS / 1000.0;
+    snprintf(peer->dialled, sizeof(peer->dialled), "%s:%d", host, port);
     memcpy(peer->session, key, sizeof(key));
-    t->recheck = true; /* its data connection to us may be waiting already */
+    hello->peer = peer;
+    tcpi_enqueue(t, hello); /* first on the connection: jobs of one peer keep their order */
+    t->recheck = true;      /* its data connection to us may be waiting already */
     pthread_mutex_unlock(&t->mu);
     if (t->wake_fd >= 0) {
         uint64_t one = 1;

@@ -37,7 +37,7 @@
 #define TCP_RCV_TIMEOUT_S   30
 #define TCP_HELLO_TIMEOUT_S 5 /* an accepted connection must send its HELLO within this */
 #define TCP_CONNECT_TIMEOUT_MS                                                                               \
-    2000                   /* a data connection's connect (the caller's thread waits that long at most) */
+    2000                   /* a data connection's connect (no thread waits on it: its peer dies then) */
 #define TCP_MAX_PENDING 64 /* accepted connections still without a HELLO; the oldest is dropped */
 
 /* A HELLO (op_id: the dialer's pipe id) is followed by a nonce and
@@ -136,6 +136,9 @@ struct op {
 struct pd_pipe_peer {
     uint64_t id;
     int out_fd, in_fd;
+    bool connecting;         /* out_fd's connect is in progress (tcpi_out_ready) */
+    double connect_deadline; /* ... until then (TCP_CONNECT_TIMEOUT_MS after tcp_connect) */
+    char dialled[80];        /* "host:port" of out_fd, for the log */
     bool dead;
     bool reading; /* a thread is reading a frame from in_fd (the receiver, or progress taking acks) */
     bool in_used; /* a frame has arrived on in_fd (else it may be a previous incarnation's) */
@@ -213,6 +216,9 @@ void tcpi_complete_op(tcp_pipe_t *t, op_t *o, pd_status_t st, size_t hlen, size_
 int tcpi_discard(int fd, uint64_t n);
 void tcpi_drop_in(tcp_pipe_t *t, pd_pipe_peer_t *peer);
 void tcpi_enqueue(tcp_pipe_t *t, job_t *j);
+/* Whether peer's data connection, dialled without waiting (tcp_connect), is up (mu held, no
+ * blocking): 1 yes, 0 still connecting, -1 it failed or passed its deadline (logged). */
+int tcpi_out_ready(pd_pipe_peer_t *peer);
 void tcpi_hello_mac(const uint8_t *session, uint64_t from, uint64_t to, const uint8_t *nonce,
                     uint8_t out[32]);
 void tcpi_job_free(job_t *j);

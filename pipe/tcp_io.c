@@ -168,12 +168,38 @@ static int write_some(int fd, job_t *j)
     return 1;
 }
 
+int tcpi_out_ready(pd_pipe_peer_t *peer)
+{
+    if (!peer->connecting) {
+        return 1;
+    }
+    struct pollfd pf = {peer->out_fd, POLLOUT, 0};
+    if (poll(&pf, 1, 0) > 0) {
+        int err = 0;
+        socklen_t el = sizeof(err);
+        if (getsockopt(peer->out_fd, SOL_SOCKET, SO_ERROR, &err, &el) != 0 || err != 0) {
+            pd_log_error("tcp pipe: cannot connect to peer %016llx at %s: %s", (unsigned long long)peer->id,
+                         peer->dialled, strerror(err != 0 ? err : errno));
+            return -1;
+        }
+        peer->connecting = false;
+        return 1;
+    }
+    if (pd_time_now_s() > peer->connect_deadline) {
+        pd_log_error("tcp pipe: cannot connect to peer %016llx at %s: no answer in %d ms",
+                     (unsigned long long)peer->id, peer->dialled, TCP_CONNECT_TIMEOUT_MS);
+        return -1;
+    }
+    return 0;
+}
+
 /* Sends j (mu held). When nothing is queued and the sender thread is idle, the frame is written
  * inline, without blocking (saves two thread hand-offs per operation); whatever the socket does
  * not take at once goes to the sender thread, which keeps the order. */
 void tcpi_enqueue(tcp_pipe_t *t, job_t *j)
 {
-    if (pd_list_is_empty(&t->jobs) && !t->tx_busy && !j->peer->dead && j->peer->out_fd >= 0) {
+    if (pd_list_is_empty(&t->jobs) && !t->tx_busy && !j->peer->dead && j->peer->out_fd >= 0 &&
+        tcpi_out_ready(j->peer) == 1) {
         int r = write_some(j->peer->out_fd, j);
         if (r != 0) {
             if (r < 0) {
@@ -324,7 +350,10 @@ void *tcpi_tx_main(void *arg)
                 continue; /* an earlier job of this peer is waiting: keep the order */
             }
             int fd = peer->out_fd, rc = -1;
-            if (!peer->dead && fd >= 0) {
+            int ready = !peer->dead && fd >= 0 ? tcpi_out_ready(peer) : -1;
+            if (ready == 0) {
+                rc = 0; /* still connecting: polled for POLLOUT below */
+            } else if (ready > 0) {
                 t->tx_busy = true;
                 t->tx_peer = peer;
                 pthread_mutex_unlock(&t->mu);
