@@ -241,7 +241,9 @@ void kv_notice(kv_conn_t *k, pd_msg_type_t type, kv_peer_t *peer, const char *ri
                int32_t status, int32_t first_token, const uint8_t *prompt_hash)
 {
     kv_notice_t *n = calloc(1, sizeof(*n));
-    if (n == NULL) {
+    if (n == NULL) { /* the peer's load then ends at its --kv-load-timeout (its failure policy runs) */
+        pd_log_error("kv connector: out of memory queueing a %s for %s; the peer will time out",
+                     type == PD_MSG_WRITE_DONE ? "WRITE_DONE" : "notice", rid);
         return;
     }
     n->type = type;
@@ -648,7 +650,12 @@ bool kv_release_push(kv_conn_t *k, const char *transfer_id)
         pd_strmap_destroy(&k->released);
         pd_strmap_init(&k->released, 64);
     }
-    pd_strmap_put(&k->released, transfer_id, strlen(transfer_id), 1);
+    if (pd_strmap_put(&k->released, transfer_id, strlen(transfer_id), 1) != PD_OK) {
+        pd_log_error("kv connector: out of memory remembering the release of %s; its blocks are held until "
+                     "--kv-hold-timeout",
+                     transfer_id);
+        return false;
+    }
     return true;
 }
 

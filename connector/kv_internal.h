@@ -245,6 +245,8 @@ typedef struct kv_meta {
     kv_save_item_t *saves;
     int32_t num_saves;
     size_t cap_saves;
+    bool incomplete; /* out of memory building saves: bind fails the step (a skipped save would
+                      * leave a staged mirror without the step's pages) */
 } kv_meta_t;
 
 typedef struct kv_metrics {

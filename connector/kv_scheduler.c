@@ -185,7 +185,14 @@ void *kv_build_connector_meta(pd_connector_t *c, const pd_scheduler_output_t *ou
     kv_meta_t *m = &k->meta_build;
     pd_list_splice_tail(&m->loads, &k->sched_pending);
     m->num_saves = 0;
+    m->incomplete = false;
     if (!k->is_prefill) {
+        return m;
+    }
+    if (pd_array_reserve(&m->saves, &m->cap_saves, (size_t)(out->num_items > 0 ? out->num_items : 1)) !=
+        PD_OK) {
+        pd_log_error("kv connector: out of memory building the step's saves; failing the step");
+        m->incomplete = true;
         return m;
     }
     for (int32_t i = 0; i < out->num_items; i++) {
@@ -195,9 +202,6 @@ void *kv_build_connector_meta(pd_connector_t *c, const pd_scheduler_output_t *ou
         bool push = remote_decode && kv_wants_push(k, p) && kv_jstr(p, "transfer_id") != NULL;
         if (!push && !(remote_decode && k->staged)) {
             continue;
-        }
-        if (pd_array_reserve(&m->saves, &m->cap_saves, (size_t)m->num_saves + 1) != PD_OK) {
-            break;
         }
         kv_save_item_t *s = &m->saves[m->num_saves++];
         snprintf(s->req_id, sizeof(s->req_id), "%s", r->id);

@@ -79,7 +79,7 @@ pd_status_t kv_bind_connector_metadata(pd_connector_t *c, void *meta)
 {
     kv_conn_t *k = (kv_conn_t *)c;
     k->meta_bound = meta;
-    return PD_OK;
+    return meta != NULL && ((kv_meta_t *)meta)->incomplete ? PD_ERR_NO_MEMORY : PD_OK;
 }
 
 pd_status_t kv_start_load_kv(pd_connector_t *c)
@@ -170,8 +170,10 @@ pd_status_t kv_save_kv_layer(pd_connector_t *c, int32_t layer)
         kv_push_t *ps = kv_push_find(k, s->req_id, false);
         if (ps == NULL) {
             ps = calloc(1, sizeof(*ps));
-            if (ps == NULL) {
-                continue;
+            if (ps == NULL) { /* its layers would go unrecorded: the step fails instead */
+                pd_log_error("kv connector: request %s: out of memory starting its push; failing the step",
+                             s->req_id);
+                return PD_ERR_NO_MEMORY;
             }
             snprintf(ps->req_id, sizeof(ps->req_id), "%s", s->req_id);
             snprintf(ps->transfer_id, sizeof(ps->transfer_id), "%s", s->transfer_id);

@@ -74,7 +74,11 @@ static void fill(node_t *n)
     }
 }
 
-static void node_start(node_t *n, const char *role, char tag, const opts_t *o)
+static void node_stop(node_t *n);
+
+/* A connector of role on a fresh KV region filled by fill(), started: PD_OK, or the status of the
+ * step that failed with whatever was made undone (the failing-allocator scenario takes that). */
+static pd_status_t node_try_start(node_t *n, const char *role, char tag, const opts_t *o)
 {
     memset(n, 0, sizeof(*n));
     n->tag = tag;
@@ -92,36 +96,52 @@ static void node_start(node_t *n, const char *role, char tag, const opts_t *o)
     cfg.heartbeat_interval = 0.1;
     cfg.heartbeat_misses = 5;
     cfg.prefault = false;
-    ck_assert_int_eq(pd_metrics_create(&n->m), PD_OK);
-    ck_assert_int_eq(pd_kv_connector_create(&cfg, n->m, &n->c), PD_OK);
+    pd_status_t st = pd_metrics_create(&n->m);
+    if (st != PD_OK) {
+        return st;
+    }
+    if ((st = pd_kv_connector_create(&cfg, n->m, &n->c)) != PD_OK) {
+        pd_metrics_destroy(n->m);
+        n->c = NULL;
+        return st;
+    }
     size_t bytes = (size_t)LAYERS * BLOCKS * PAGE;
     const pd_kv_region_allocator_t *a = pd_kv_connector_allocator(n->c);
-    if (a != NULL) {
-        void *p = NULL;
-        ck_assert_int_eq(a->alloc(a->ctx, bytes, &p), PD_OK);
-        n->kv = p;
-        n->kv_from_pipe = true;
-    } else {
-        n->kv = malloc(bytes);
+    void *kv = NULL;
+    st = a != NULL ? a->alloc(a->ctx, bytes, &kv) : (kv = malloc(bytes)) != NULL ? PD_OK : PD_ERR_NO_MEMORY;
+    n->kv = kv;
+    n->kv_from_pipe = a != NULL;
+    if (st == PD_OK) {
+        fill(n);
+        pd_kv_region_desc_t rd;
+        memset(&rd, 0, sizeof(rd));
+        rd.base = n->kv;
+        rd.host_memory = true;
+        rd.bytes = bytes;
+        rd.num_layers = LAYERS;
+        for (int l = 0; l < LAYERS; l++) {
+            rd.layer_offset[l] = (size_t)l * BLOCKS * PAGE;
+        }
+        rd.page_bytes = PAGE;
+        rd.num_blocks = BLOCKS;
+        rd.block_size = BS;
+        st = n->c->ops->register_kv_caches(n->c, &rd);
     }
-    ck_assert_ptr_nonnull(n->kv);
-    fill(n);
-    pd_kv_region_desc_t rd;
-    memset(&rd, 0, sizeof(rd));
-    rd.base = n->kv;
-    rd.host_memory = true;
-    rd.bytes = bytes;
-    rd.num_layers = LAYERS;
-    for (int l = 0; l < LAYERS; l++) {
-        rd.layer_offset[l] = (size_t)l * BLOCKS * PAGE;
+    if (st == PD_OK) {
+        Pd__Fingerprint fp;
+        pd_kv_fingerprint("test-model", "fp32", BS, 2, PAGE / (BS * 2 * 2 * 4), LAYERS, &fp);
+        st = pd_kv_connector_start(n->c, &fp);
     }
-    rd.page_bytes = PAGE;
-    rd.num_blocks = BLOCKS;
-    rd.block_size = BS;
-    ck_assert_int_eq(n->c->ops->register_kv_caches(n->c, &rd), PD_OK);
-    Pd__Fingerprint fp;
-    pd_kv_fingerprint("test-model", "fp32", BS, 2, PAGE / (BS * 2 * 2 * 4), LAYERS, &fp);
-    ck_assert_int_eq(pd_kv_connector_start(n->c, &fp), PD_OK);
+    if (st != PD_OK) {
+        node_stop(n);
+    }
+    return st;
+}
+
+static void node_start(node_t *n, const char *role, char tag, const opts_t *o)
+{
+    pd_status_t st = node_try_start(n, role, tag, o);
+    ck_assert_msg(st == PD_OK, "%s connector: %s", role, pd_status_str(st));
 }
 
 static void node_stop(node_t *n)
@@ -1229,65 +1249,6 @@ END_TEST
 static int g_fa_pipe;  /* PIPES[g_fa_pipe] */
 static bool g_fa_push; /* push mode (the prefill finishes first: the late-reservation path) */
 
-/* node_start without assertions: PD_OK, or an error with whatever was made undone. */
-static pd_status_t fa_node_start(node_t *n, const char *role, char tag, const char *pipe)
-{
-    memset(n, 0, sizeof(*n));
-    n->tag = tag;
-    pd_kv_connector_config_t cfg;
-    pd_kv_connector_config_defaults(&cfg);
-    cfg.role = role;
-    cfg.mode = g_fa_push ? "push" : "pull";
-    cfg.pipe = pipe;
-    cfg.insecure_no_kv_auth = true;
-    cfg.hold_timeout = 1;
-    cfg.load_timeout = 1;
-    cfg.handshake_timeout = 1;
-    cfg.heartbeat_interval = 0.1;
-    cfg.heartbeat_misses = 5;
-    cfg.prefault = false;
-    pd_status_t st = pd_metrics_create(&n->m);
-    if (st != PD_OK) {
-        return st;
-    }
-    if ((st = pd_kv_connector_create(&cfg, n->m, &n->c)) != PD_OK) {
-        pd_metrics_destroy(n->m);
-        n->c = NULL;
-        return st;
-    }
-    size_t bytes = (size_t)LAYERS * BLOCKS * PAGE;
-    const pd_kv_region_allocator_t *a = pd_kv_connector_allocator(n->c);
-    void *kv = NULL;
-    st = a != NULL ? a->alloc(a->ctx, bytes, &kv) : (kv = malloc(bytes)) != NULL ? PD_OK : PD_ERR_NO_MEMORY;
-    n->kv = kv;
-    n->kv_from_pipe = a != NULL;
-    if (st == PD_OK) {
-        fill(n);
-        pd_kv_region_desc_t rd;
-        memset(&rd, 0, sizeof(rd));
-        rd.base = n->kv;
-        rd.host_memory = true;
-        rd.bytes = bytes;
-        rd.num_layers = LAYERS;
-        for (int l = 0; l < LAYERS; l++) {
-            rd.layer_offset[l] = (size_t)l * BLOCKS * PAGE;
-        }
-        rd.page_bytes = PAGE;
-        rd.num_blocks = BLOCKS;
-        rd.block_size = BS;
-        st = n->c->ops->register_kv_caches(n->c, &rd);
-    }
-    if (st == PD_OK) {
-        Pd__Fingerprint fp;
-        pd_kv_fingerprint("test-model", "fp32", BS, 2, PAGE / (BS * 2 * 2 * 4), LAYERS, &fp);
-        st = pd_kv_connector_start(n->c, &fp);
-    }
-    if (st != PD_OK) {
-        node_stop(n);
-    }
-    return st;
-}
-
 /* Polls get_finished until id is reported or timeout_s passes (no assertions); load errors are
  * added to *errors. -1: get_finished failed. */
 static int fa_wait_finished(node_t *n, const char *id, bool sending, double timeout_s, int *errors)
@@ -1326,8 +1287,8 @@ static int fa_connector(void)
     pd_request_params_t rpar;
     memset(&rpar, 0, sizeof(rpar));
     rpar.max_tokens = 4;
-    if (fa_node_start(&p, "prefill", 'p', PIPES[g_fa_pipe]) != PD_OK ||
-        fa_node_start(&d, "decode", 'd', PIPES[g_fa_pipe]) != PD_OK ||
+    opts_t o = {g_fa_push ? "push" : "pull", PIPES[g_fa_pipe], NULL, 1, 1, 0};
+    if (node_try_start(&p, "prefill", 'p', &o) != PD_OK || node_try_start(&d, "decode", 'd', &o) != PD_OK ||
         pd_request_create("req-p", prompt, PROMPT, &rpar, 128, &rp) != PD_OK) {
         goto out;
     }

@@ -16,20 +16,11 @@
 #include "model/config.h"
 #include "model/model.h"
 
+#include "engine_driver.h"
+
 #include "fail_alloc.h"
 
 static char *g_model;
-
-typedef struct gen {
-    int32_t tokens[256];
-    float logprob[256]; /* of each token, when g_logprobs */
-    int32_t n;
-    char text[4096];
-    size_t text_len;
-    const char *finish;
-    int32_t cached;
-    int32_t completion;
-} gen_t;
 
 static const char *g_dtype = "auto";     /* --dtype of the engines the tests make */
 static int g_logprobs;                   /* add_spec asks for the sampled tokens' logprobs */
@@ -59,43 +50,6 @@ static pd_engine_t *make_engine_kv(int num_blocks_override, bool prefix, int max
 static pd_engine_t *make_engine(int num_blocks_override, bool prefix, int max_seqs)
 {
     return make_engine_kv(num_blocks_override, prefix, max_seqs, "auto");
-}
-
-static void collect(pd_engine_output_t *outs)
-{
-    for (pd_engine_output_t *o = outs; o != NULL; o = o->next) {
-        gen_t *g = o->user;
-        if (o->token >= 0) {
-            ck_assert_int_lt(g->n, 256);
-            g->logprob[g->n] = o->logprob;
-            g->tokens[g->n++] = o->token;
-        }
-        ck_assert_uint_lt(g->text_len + o->text_len, sizeof(g->text));
-        memcpy(g->text + g->text_len, o->text, o->text_len);
-        g->text_len += o->text_len;
-        if (o->finish_reason != NULL) {
-            ck_assert_ptr_null(g->finish); /* exactly one final output */
-            g->finish = o->finish_reason;
-            g->cached = o->cached_tokens;
-            g->completion = o->completion_tokens;
-        }
-    }
-}
-
-static void run_until_idle(pd_engine_t *e)
-{
-    int steps = 0;
-    while (pd_engine_has_work(e)) {
-        pd_engine_output_t *outs = NULL;
-        ck_assert_int_eq(pd_engine_step(e, &outs), PD_OK);
-        collect(outs);
-        pd_engine_output_free(outs);
-        ck_assert_int_lt(++steps, 20000);
-    }
-    pd_engine_output_t *outs = NULL; /* releases the last finished requests */
-    pd_engine_step(e, &outs);
-    collect(outs);
-    pd_engine_output_free(outs);
 }
 
 typedef struct spec {
@@ -157,14 +111,6 @@ static void assert_same(const gen_t *a, const gen_t *b, int i)
     ck_assert_int_eq(memcmp(a->text, b->text, a->text_len), 0);
 }
 
-static void assert_pool_free(pd_engine_t *e)
-{
-    pd_engine_stats_t st;
-    pd_engine_get_stats(e, &st);
-    ck_assert_uint_eq(st.blocks_used, 0);
-    ck_assert_uint_eq(st.blocks_free + st.blocks_cached_free, st.num_blocks - 1);
-}
-
 static void batch_vs_alone(float temperature)
 {
     enum { N = 32 };
@@ -174,19 +120,19 @@ static void batch_vs_alone(float temperature)
     make_specs(s, N, temperature, pd_engine_model_config(e)->vocab_size);
     for (int i = 0; i < N; i++) {
         add_spec(e, &s[i], i, &alone[i], NULL, 0);
-        run_until_idle(e);
+        tu_engine_run_until_idle(e, 20000);
         ck_assert_str_eq(alone[i].finish, "length");
         ck_assert_int_eq(alone[i].n, s[i].max_tokens);
     }
     for (int i = 0; i < N; i++) {
         add_spec(e, &s[i], i, &batched[i], NULL, 0);
     }
-    run_until_idle(e);
+    tu_engine_run_until_idle(e, 20000);
     for (int i = 0; i < N; i++) {
         assert_same(&batched[i], &alone[i], i);
         ck_assert_int_eq(batched[i].completion, s[i].max_tokens);
     }
-    assert_pool_free(e);
+    tu_engine_assert_pool_free(e);
     pd_engine_destroy(e);
     free(s), free(alone), free(batched);
 }
@@ -215,21 +161,21 @@ START_TEST(test_preemption_keeps_outputs)
         s[i].max_tokens = 40;
         add_spec(big, &s[i], i, &ref[i], NULL, 0);
     }
-    run_until_idle(big);
+    tu_engine_run_until_idle(big, 20000);
     pd_engine_destroy(big);
     /* 40 blocks × 16 tokens = 640 slots for 8 × 100 tokens: requests must be preempted */
     pd_engine_t *e = make_engine(40, false, 16);
     for (int i = 0; i < N; i++) {
         add_spec(e, &s[i], i, &tight[i], NULL, 0);
     }
-    run_until_idle(e);
+    tu_engine_run_until_idle(e, 20000);
     pd_engine_stats_t st;
     pd_engine_get_stats(e, &st);
     ck_assert_uint_gt(st.preemptions, 0);
     for (int i = 0; i < N; i++) {
         assert_same(&tight[i], &ref[i], i);
     }
-    assert_pool_free(e);
+    tu_engine_assert_pool_free(e);
     pd_engine_destroy(e);
     free(s), free(ref), free(tight);
 }
@@ -246,9 +192,9 @@ START_TEST(test_prefix_cache_reuse)
     memset(&a, 0, sizeof(a));
     memset(&b, 0, sizeof(b));
     add_spec(e, &s, 0, &a, NULL, 0);
-    run_until_idle(e);
+    tu_engine_run_until_idle(e, 20000);
     add_spec(e, &s, 1, &b, NULL, 0);
-    run_until_idle(e);
+    tu_engine_run_until_idle(e, 20000);
     ck_assert_int_eq(a.cached, 0);
     ck_assert_int_eq(b.cached, 64); /* (80 − 1) / 16 full blocks */
     assert_same(&b, &a, 0);
@@ -256,7 +202,7 @@ START_TEST(test_prefix_cache_reuse)
     pd_engine_get_stats(e, &st);
     ck_assert_uint_eq(st.prefix_hits, 64);
     ck_assert_uint_eq(st.prefix_queries, 160);
-    assert_pool_free(e);
+    tu_engine_assert_pool_free(e);
     pd_engine_destroy(e);
 }
 END_TEST
@@ -275,19 +221,19 @@ START_TEST(test_abort_and_stop_strings)
     for (int k = 0; k < 3; k++) { /* max_num_seqs 2: two run, two wait */
         pd_engine_output_t *outs = NULL;
         pd_engine_step(e, &outs);
-        collect(outs);
+        tu_engine_collect(outs);
         pd_engine_output_free(outs);
     }
     ck_assert(pd_engine_abort(e, "req-0")); /* running */
     ck_assert(pd_engine_abort(e, "req-3")); /* waiting */
     ck_assert(!pd_engine_abort(e, "req-3"));
     ck_assert(!pd_engine_abort(e, "nope"));
-    run_until_idle(e);
+    tu_engine_run_until_idle(e, 20000);
     ck_assert_str_eq(g[0].finish, "abort");
     ck_assert_str_eq(g[3].finish, "abort");
     ck_assert_int_eq(g[3].n, 0);
     ck_assert_str_eq(g[1].finish, "length");
-    assert_pool_free(e);
+    tu_engine_assert_pool_free(e);
 
     /* stop strings: take a piece of a greedy completion's text; the same request with that stop
      * string ends just before it, with finish_reason "stop" */
@@ -296,7 +242,7 @@ START_TEST(test_abort_and_stop_strings)
     memset(&cut, 0, sizeof(cut));
     s[1].max_tokens = 30;
     add_spec(e, &s[1], 10, &full, NULL, 0);
-    run_until_idle(e);
+    tu_engine_run_until_idle(e, 20000);
     ck_assert_uint_gt(full.text_len, 12);
     /* a 3-byte stop string starting at a character boundary near the middle */
     size_t at = full.text_len / 2;
@@ -310,11 +256,11 @@ START_TEST(test_abort_and_stop_strings)
     ck_assert_ptr_nonnull(first);
     const char *stops[1] = {stop};
     add_spec(e, &s[1], 11, &cut, stops, 1);
-    run_until_idle(e);
+    tu_engine_run_until_idle(e, 20000);
     ck_assert_str_eq(cut.finish, "stop");
     ck_assert_uint_eq(cut.text_len, (size_t)(first - full.text));
     ck_assert_int_eq(memcmp(cut.text, full.text, cut.text_len), 0);
-    assert_pool_free(e);
+    tu_engine_assert_pool_free(e);
     pd_engine_destroy(e);
 }
 END_TEST
@@ -352,11 +298,11 @@ START_TEST(test_bad_requests)
     rq.num_prompt = 400; /* max_tokens 0: room for 112 more tokens */
     ck_assert_int_eq(pd_engine_add(e, &rq, err, sizeof(err)), PD_OK);
     ck_assert_int_eq(pd_engine_add(e, &rq, err, sizeof(err)), PD_ERR_INVALID_ARG); /* duplicate id */
-    run_until_idle(e);
+    tu_engine_run_until_idle(e, 20000);
     /* max_tokens 0 means "up to max_model_len", and the request ends with "length" there */
     ck_assert_str_eq(g.finish, g.completion == 512 - 400 ? "length" : "stop");
     ck_assert_int_le(g.completion, 112);
-    assert_pool_free(e);
+    tu_engine_assert_pool_free(e);
     pd_engine_destroy(e);
 }
 END_TEST
@@ -388,7 +334,7 @@ START_TEST(test_threaded_submit)
     for (int i = 0; i < N; i++) {
         add_spec(e, &s[i], i, &sync[i], NULL, 0);
     }
-    run_until_idle(e);
+    tu_engine_run_until_idle(e, 20000);
     waiter_t w = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0};
     ck_assert_int_eq(pd_engine_start(e, notify, &w), PD_OK);
     for (int i = 0; i < N; i++) {
@@ -423,7 +369,7 @@ START_TEST(test_threaded_submit)
         for (pd_engine_output_t *o = outs; o != NULL; o = o->next) {
             done += o->finish_reason != NULL;
         }
-        collect(outs);
+        tu_engine_collect(outs);
         pd_engine_output_free(outs);
     }
     pd_engine_stop(e);
@@ -467,7 +413,7 @@ START_TEST(test_sliding_groups_keep_outputs)
         memcpy(s[N - 1].prompt, s[0].prompt, sizeof(s[0].prompt)); /* a shared prefix */
         for (int i = 0; i < N; i++) {
             add_spec(big, &s[i], i, &ref[i], NULL, 0);
-            run_until_idle(big);
+            tu_engine_run_until_idle(big, 20000);
         }
         pd_engine_destroy(big);
         /* a tight pool (preemption, freed blocks reused at once), then a roomy one whose second
@@ -479,7 +425,7 @@ START_TEST(test_sliding_groups_keep_outputs)
                 for (int i = 0; i < N; i++) {
                     add_spec(e, &s[i], wave * N + i, &tight[wave * N + i], NULL, 0);
                 }
-                run_until_idle(e);
+                tu_engine_run_until_idle(e, 20000);
             }
             for (int i = 0; i < 2 * N; i++) {
                 assert_same(&tight[i], &ref[i % N], i);
@@ -491,7 +437,7 @@ START_TEST(test_sliding_groups_keep_outputs)
             } else if (m == 0) { /* all-sliding requests hold a few blocks each: no pressure */
                 ck_assert_uint_gt(st.preemptions, 0);
             }
-            assert_pool_free(e);
+            tu_engine_assert_pool_free(e);
             pd_engine_destroy(e);
         }
         free(s), free(ref), free(tight);
@@ -553,7 +499,7 @@ START_TEST(test_dtype_keeps_checkpoint_precision)
         for (int i = 0; i < N; i++) {
             add_spec(e, &specs[i], i, &outs[d][i], NULL, 0);
         }
-        run_until_idle(e);
+        tu_engine_run_until_idle(e, 20000);
         pd_engine_destroy(e);
     }
     for (int i = 0; i < N; i++) {
@@ -579,7 +525,7 @@ START_TEST(test_dtype_keeps_checkpoint_precision)
     for (int i = 0; i < 4; i++) {
         add_spec(qe, &specs[i], i, &qg[i], NULL, 0);
     }
-    run_until_idle(qe);
+    tu_engine_run_until_idle(qe, 20000);
     for (int i = 0; i < 4; i++) {
         ck_assert_int_eq(qg[i].n, specs[i].max_tokens);
         ck_assert_str_eq(qg[i].finish, "length");
@@ -627,12 +573,12 @@ START_TEST(test_bf16_math_batch_invariant)
     for (int i = 0; i < N; i++) {
         add_spec(e, &specs[i], i, &together[i], NULL, 0);
     }
-    run_until_idle(e);
+    tu_engine_run_until_idle(e, 20000);
     pd_engine_destroy(e);
     e = make_engine(0, false, 1);
     for (int i = 0; i < N; i++) {
         add_spec(e, &specs[i], i, &alone[i], NULL, 0);
-        run_until_idle(e);
+        tu_engine_run_until_idle(e, 20000);
     }
     pd_engine_destroy(e);
     /* the same tokens, and the same logprobs up to fp32 summation order: chunks of 32 tokens or more

@@ -565,6 +565,19 @@ static void assert_pool_clean(pd_scheduler_t *s)
                       pd_block_pool_num_blocks(p) - 1);
 }
 
+/* Steps until idle (bounded), then checks the pool is clean and destroys the scheduler. */
+static void drain_and_destroy(driver_t *d)
+{
+    pd_scheduler_update_result_t res;
+    while (!pd_scheduler_idle(d->s)) {
+        drive_step(d, &res);
+        ck_assert_int_lt(d->steps, 100);
+    }
+    pd_scheduler_schedule(d->s);
+    assert_pool_clean(d->s);
+    pd_scheduler_destroy(d->s);
+}
+
 START_TEST(test_budget_and_max_seqs_random)
 {
     driver_t d = {NULL, NULL, 48, 6, 0, 0};
@@ -864,13 +877,7 @@ START_TEST(test_connector_refused_load_fails_the_request)
     ck_assert_int_eq(res.finished[0]->state, PD_REQ_FINISHED_ERROR);
     f.refuse = false;
     add(d.s, "local", 6, 2, 2);
-    while (!pd_scheduler_idle(d.s)) {
-        drive_step(&d, &res);
-        ck_assert_int_lt(d.steps, 100);
-    }
-    pd_scheduler_schedule(d.s);
-    assert_pool_clean(d.s);
-    pd_scheduler_destroy(d.s);
+    drain_and_destroy(&d);
 }
 END_TEST
 
@@ -1076,13 +1083,7 @@ static void load_error_case(pd_load_failure_policy_t policy)
         ck_assert_int_eq(r->state, PD_REQ_RUNNING);
         ck_assert_int_eq(o->items[0].num_new_tokens, 8); /* recomputes blocks 2 and 3 */
     }
-    while (!pd_scheduler_idle(d.s)) {
-        drive_step(&d, &res);
-        ck_assert_int_lt(d.steps, 100);
-    }
-    pd_scheduler_schedule(d.s);
-    assert_pool_clean(d.s);
-    pd_scheduler_destroy(d.s);
+    drain_and_destroy(&d);
 }
 
 START_TEST(test_load_errors_recompute)

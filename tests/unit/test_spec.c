@@ -20,6 +20,8 @@
 #include "model/config.h"
 #include "scheduler/block_pool.h"
 
+#include "engine_driver.h"
+
 static char *g_model, *g_draft; /* the target; a smaller draft with its vocabulary */
 static int32_t g_vocab;         /* the target's vocabulary size */
 
@@ -209,16 +211,6 @@ END_TEST
 
 /* ------------------------------------------------------------------ the engine */
 
-typedef struct gen {
-    int32_t tokens[256];
-    float logprob[256];
-    int32_t n;
-    char text[4096];
-    size_t text_len;
-    const char *finish;
-    int32_t completion;
-} gen_t;
-
 static const char *NGRAM = "{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 1, "
                            "\"prompt_lookup_max\": 3}";
 
@@ -238,41 +230,6 @@ static pd_engine_t *make_engine(const char *spec, int budget, int num_blocks, bo
     pd_engine_t *e = NULL;
     ck_assert_int_eq(pd_engine_create(&c, &e), PD_OK);
     return e;
-}
-
-static void collect(pd_engine_output_t *outs)
-{
-    for (pd_engine_output_t *o = outs; o != NULL; o = o->next) {
-        gen_t *g = o->user;
-        if (o->token >= 0) {
-            ck_assert_int_lt(g->n, 256);
-            g->logprob[g->n] = o->logprob;
-            g->tokens[g->n++] = o->token;
-        }
-        ck_assert_uint_lt(g->text_len + o->text_len, sizeof(g->text));
-        memcpy(g->text + g->text_len, o->text, o->text_len);
-        g->text_len += o->text_len;
-        if (o->finish_reason != NULL) {
-            ck_assert_ptr_null(g->finish);
-            g->finish = o->finish_reason;
-            g->completion = o->completion_tokens;
-        }
-    }
-}
-
-static void run_until_idle(pd_engine_t *e)
-{
-    for (int steps = 0; pd_engine_has_work(e); steps++) {
-        pd_engine_output_t *outs = NULL;
-        ck_assert_int_eq(pd_engine_step(e, &outs), PD_OK);
-        collect(outs);
-        pd_engine_output_free(outs);
-        ck_assert_int_lt(steps, 100000);
-    }
-    pd_engine_output_t *outs = NULL;
-    pd_engine_step(e, &outs);
-    collect(outs);
-    pd_engine_output_free(outs);
 }
 
 typedef struct req {
@@ -350,7 +307,7 @@ static void run_all(pd_engine_t *e, const req_t *q, int n, gen_t *g)
     for (int i = 0; i < n; i++) {
         add(e, &q[i], i, &g[i]);
     }
-    run_until_idle(e);
+    tu_engine_run_until_idle(e, 100000);
 }
 
 /* The outputs of q[n] on an engine without speculation. */
