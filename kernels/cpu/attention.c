@@ -55,7 +55,7 @@ pd_status_t pd_cpu_reshape_and_cache_ref(pd_backend_t *be, const pd_kv_view_t *k
 }
 
 /* Stores n floats as dtype (same rounding as pd_dtype_store, vectorized). */
-PD_CPU_CLONES static void store_row(void *dst, const float *src, int n, pd_dtype_t dt)
+PD_CPU_BODY void store_row_body(void *dst, const float *src, int n, pd_dtype_t dt)
 {
     if (dt == PD_DTYPE_F32) {
         memcpy(dst, src, (size_t)n * sizeof(float));
@@ -83,6 +83,7 @@ PD_CPU_CLONES static void store_row(void *dst, const float *src, int n, pd_dtype
         }
     }
 }
+PD_CPU_VARIANTS_VOID(store_row, (void *dst, const float *src, int n, pd_dtype_t dt), (dst, src, n, dt))
 
 pd_status_t pd_cpu_reshape_and_cache(pd_backend_t *be, const pd_kv_view_t *kv, const float *k, const float *v,
                                      const int32_t *slot_mapping, int num_tokens)
@@ -385,19 +386,27 @@ static inline __attribute__((always_inline)) void attn_item_body(const attn_item
     }
 }
 
-PD_CPU_CLONES static void attn_item_run(const attn_item_t *it, float *out, const float *q,
-                                        const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
-                                        float scale, const attn_scratch_t *sc)
+PD_CPU_BODY void attn_item_run_body(const attn_item_t *it, float *out, const float *q, const pd_kv_view_t *kv,
+                                    const pd_attn_meta_t *meta, int num_heads, float scale,
+                                    const attn_scratch_t *sc)
 {
     attn_item_body(it, out, q, kv, meta, num_heads, scale, sc, 0);
 }
+PD_CPU_VARIANTS_VOID(attn_item_run,
+                     (const attn_item_t *it, float *out, const float *q, const pd_kv_view_t *kv,
+                      const pd_attn_meta_t *meta, int num_heads, float scale, const attn_scratch_t *sc),
+                     (it, out, q, kv, meta, num_heads, scale, sc))
 
-PD_CPU_CLONES static void attn_item_run_bf16(const attn_item_t *it, float *out, const float *q,
-                                             const pd_kv_view_t *kv, const pd_attn_meta_t *meta,
-                                             int num_heads, float scale, const attn_scratch_t *sc)
+PD_CPU_BODY void attn_item_run_bf16_body(const attn_item_t *it, float *out, const float *q,
+                                         const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
+                                         float scale, const attn_scratch_t *sc)
 {
     attn_item_body(it, out, q, kv, meta, num_heads, scale, sc, 1);
 }
+PD_CPU_VARIANTS_VOID(attn_item_run_bf16,
+                     (const attn_item_t *it, float *out, const float *q, const pd_kv_view_t *kv,
+                      const pd_attn_meta_t *meta, int num_heads, float scale, const attn_scratch_t *sc),
+                     (it, out, q, kv, meta, num_heads, scale, sc))
 
 static int g_allow_tiled = 1;
 
@@ -580,10 +589,10 @@ static inline __attribute__((always_inline)) void decode_item_body(const pd_attn
     }
 }
 
-PD_CPU_CLONES static void attn_decode_item_portable(const pd_attn_decode_item_t *it, const float *q,
-                                                    const pd_kv_view_t *kv, const pd_attn_meta_t *meta,
-                                                    int num_heads, float scale, pd_attn_partial_t *part,
-                                                    float *scratch, int bf16)
+PD_CPU_BODY void attn_decode_item_portable_body(const pd_attn_decode_item_t *it, const float *q,
+                                                const pd_kv_view_t *kv, const pd_attn_meta_t *meta,
+                                                int num_heads, float scale, pd_attn_partial_t *part,
+                                                float *scratch, int bf16)
 {
     if (bf16) {
         decode_item_body(it, q, kv, meta, num_heads, scale, part, scratch, 1);
@@ -591,6 +600,11 @@ PD_CPU_CLONES static void attn_decode_item_portable(const pd_attn_decode_item_t 
         decode_item_body(it, q, kv, meta, num_heads, scale, part, scratch, 0);
     }
 }
+PD_CPU_VARIANTS_VOID(attn_decode_item_portable,
+                     (const pd_attn_decode_item_t *it, const float *q, const pd_kv_view_t *kv,
+                      const pd_attn_meta_t *meta, int num_heads, float scale, pd_attn_partial_t *part,
+                      float *scratch, int bf16),
+                     (it, q, kv, meta, num_heads, scale, part, scratch, bf16))
 
 static bool serves_dot(const pd_kv_view_t *kv, int bf16, int group)
 {
@@ -633,7 +647,8 @@ const pd_cpu_attn_decode_variant_t pd_cpu_attn_decode_variants[] = {
      "any cache, heads a multiple of 16 wide: AVX-512, query heads of a group in register tiles of four"},
     {"avx2", PD_ISA_AVX2, serves_avx2, pd_cpu_attn_decode_x86_item,
      "any cache, heads a multiple of 8 wide: AVX2/FMA/F16C, pages read in place"},
-    {"portable", PD_ISA_PORTABLE, serves_any, run_portable, "any cache: plain C (target_clones)"},
+    {"portable", PD_ISA_PORTABLE, serves_any, run_portable,
+     "any cache: plain C (PD_CPU_VARIANTS: an AVX2 and a baseline build)"},
 };
 const int pd_cpu_num_attn_decode_variants =
     (int)(sizeof(pd_cpu_attn_decode_variants) / sizeof(pd_cpu_attn_decode_variants[0]));

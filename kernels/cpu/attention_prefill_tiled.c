@@ -66,7 +66,7 @@ static inline __attribute__((always_inline)) float row_max_rescale(const float *
 /* One row s[nk] of scores: the online softmax update of (m, l) and o's rescale over the keys in
  * [lo, hi] (tile-relative, inclusive); leaves p = exp(s − m_new) in s, 0 for keys outside (masked).
  * Returns 0 when the row sees no key of this tile (s all zero then, o and the state untouched). */
-PD_CPU_CLONES static int softmax_row(float *s, int nk, int lo, int hi, float *m, float *l, float *o, int D)
+PD_CPU_BODY int softmax_row_body(float *s, int nk, int lo, int hi, float *m, float *l, float *o, int D)
 {
     if (hi < lo) {
         memset(s, 0, (size_t)nk * sizeof(float));
@@ -85,12 +85,14 @@ PD_CPU_CLONES static int softmax_row(float *s, int nk, int lo, int hi, float *m,
     *l += sum;
     return 1;
 }
+PD_CPU_VARIANTS(int, softmax_row, (float *s, int nk, int lo, int hi, float *m, float *l, float *o, int D),
+                (s, nk, lo, hi, m, l, o, D))
 
 /* softmax_row under bf16 math (attention_bf16.h): s holds log2-domain scores, the running max m
  * is an integer, and p̂ = bf16(2^(s − m)) is summed into l and left in pb as bf16 (oneDNN's
  * operand), or in s as floats when pb is NULL. */
-PD_CPU_CLONES static int softmax_row_bf16(float *s, uint16_t *pb, int nk, int lo, int hi, float *m, float *l,
-                                          float *o, int D)
+PD_CPU_BODY int softmax_row_bf16_body(float *s, uint16_t *pb, int nk, int lo, int hi, float *m, float *l,
+                                      float *o, int D)
 {
     if (hi < lo) {
         if (pb != NULL) {
@@ -126,6 +128,9 @@ PD_CPU_CLONES static int softmax_row_bf16(float *s, uint16_t *pb, int nk, int lo
     *l += sum;
     return 1;
 }
+PD_CPU_VARIANTS(int, softmax_row_bf16,
+                (float *s, uint16_t *pb, int nk, int lo, int hi, float *m, float *l, float *o, int D),
+                (s, pb, nk, lo, hi, m, l, o, D))
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include "kernels/cpu/exp_x512.h"

@@ -62,13 +62,14 @@ pd_status_t pd_cpu_add_ref(pd_backend_t *be, float *y, const float *x, size_t n)
     return PD_OK;
 }
 
-PD_CPU_CLONES static void add_range(float *y, const float *x, size_t n)
+PD_CPU_BODY void add_range_body(float *y, const float *x, size_t n)
 {
 #pragma omp simd
     for (size_t i = 0; i < n; i++) {
         y[i] += x[i];
     }
 }
+PD_CPU_VARIANTS_VOID(add_range, (float *y, const float *x, size_t n), (y, x, n))
 
 pd_status_t pd_cpu_add(pd_backend_t *be, float *y, const float *x, size_t n)
 {
@@ -103,13 +104,14 @@ static inline float gelu_tanh_fast(float v)
     return v * sigmoid_fast(1.5957691216f * (v + 0.044715f * v * v * v));
 }
 
-PD_CPU_CLONES static void gelu_range(float *x, size_t n)
+PD_CPU_BODY void gelu_range_body(float *x, size_t n)
 {
 #pragma omp simd
     for (size_t i = 0; i < n; i++) {
         x[i] = gelu_tanh_fast(x[i]);
     }
 }
+PD_CPU_VARIANTS_VOID(gelu_range, (float *x, size_t n), (x, n))
 
 pd_status_t pd_cpu_gelu(pd_backend_t *be, float *x, size_t n)
 {
@@ -138,7 +140,7 @@ static void gated_ref(float *out, const float *gate_up, int rows, int inter, boo
 
 /* One loop per activation: with the choice inside the loop GCC 12 left it scalar ("no vectype"),
  * 9.5 % of a batch-32 decode step of the 565 M model (perf). */
-PD_CPU_CLONES static void gated_row(float *o, const float *g, int inter, bool gelu)
+PD_CPU_BODY void gated_row_body(float *o, const float *g, int inter, bool gelu)
 {
     if (gelu) {
 #pragma omp simd
@@ -153,6 +155,7 @@ PD_CPU_CLONES static void gated_row(float *o, const float *g, int inter, bool ge
         o[i] = v * sigmoid_fast(v) * g[inter + i];
     }
 }
+PD_CPU_VARIANTS_VOID(gated_row, (float *o, const float *g, int inter, bool gelu), (o, g, inter, gelu))
 
 static void gated(pd_backend_t *be, float *out, const float *gate_up, int rows, int inter, bool gelu)
 {
@@ -205,7 +208,7 @@ pd_status_t pd_cpu_softmax_ref(pd_backend_t *be, float *x, int rows, int cols)
     return PD_OK;
 }
 
-PD_CPU_CLONES static void softmax_row(float *v, int cols)
+PD_CPU_BODY void softmax_row_body(float *v, int cols)
 {
     float m = -INFINITY;
     for (int i = 0; i < cols; i++) {
@@ -223,6 +226,7 @@ PD_CPU_CLONES static void softmax_row(float *v, int cols)
         v[i] *= inv;
     }
 }
+PD_CPU_VARIANTS_VOID(softmax_row, (float *v, int cols), (v, cols))
 
 pd_status_t pd_cpu_softmax(pd_backend_t *be, float *x, int rows, int cols)
 {

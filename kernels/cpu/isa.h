@@ -15,8 +15,8 @@ typedef enum pd_cpu_isa {
 
 /* The cap: $PD_CPU_ISA (portable | avx2 | avx512 | avx512_bf16 | amx), read once; unset means no cap
  * (amx). An unknown value is logged and means no cap. Kernels still need the CPU to have a feature:
- * the cap only takes levels away. It also caps oneDNN (dnnl_set_max_cpu_isa) at its first use. The
- * GCC target_clones of the elementwise ops pick by the CPU alone. Any thread. */
+ * the cap only takes levels away. It also caps oneDNN (dnnl_set_max_cpu_isa) at its first use and
+ * picks the build of the elementwise ops (PD_CPU_VARIANTS, simd.h). Any thread. */
 pd_cpu_isa_t pd_cpu_isa_cap(void);
 
 /* --cpu-isa NAME (every binary that runs CPU kernels): sets the cap, over $PD_CPU_ISA; "auto" (or

@@ -22,7 +22,7 @@ pd_status_t pd_cpu_rmsnorm_ref(pd_backend_t *be, float *out, const float *x, con
     return PD_OK;
 }
 
-PD_CPU_CLONES static void rmsnorm_row(float *o, const float *xr, const float *w, int dim, float eps)
+PD_CPU_BODY void rmsnorm_row_body(float *o, const float *xr, const float *w, int dim, float eps)
 {
     float ss = 0;
 #pragma omp simd reduction(+ : ss)
@@ -35,6 +35,8 @@ PD_CPU_CLONES static void rmsnorm_row(float *o, const float *xr, const float *w,
         o[i] = xr[i] * inv * w[i];
     }
 }
+PD_CPU_VARIANTS_VOID(rmsnorm_row, (float *o, const float *xr, const float *w, int dim, float eps),
+                     (o, xr, w, dim, eps))
 
 pd_status_t pd_cpu_rmsnorm(pd_backend_t *be, float *out, const float *x, const float *w, int rows, int dim,
                            float eps)
@@ -70,8 +72,8 @@ pd_status_t pd_cpu_layernorm_ref(pd_backend_t *be, float *out, const float *x, c
     return PD_OK;
 }
 
-PD_CPU_CLONES static void layernorm_row(float *o, const float *xr, const float *w, const float *b, int dim,
-                                        float eps)
+PD_CPU_BODY void layernorm_row_body(float *o, const float *xr, const float *w, const float *b, int dim,
+                                    float eps)
 {
     float sum = 0;
 #pragma omp simd reduction(+ : sum)
@@ -90,6 +92,9 @@ PD_CPU_CLONES static void layernorm_row(float *o, const float *xr, const float *
         o[i] = (xr[i] - mean) * inv * w[i] + b[i];
     }
 }
+PD_CPU_VARIANTS_VOID(layernorm_row,
+                     (float *o, const float *xr, const float *w, const float *b, int dim, float eps),
+                     (o, xr, w, b, dim, eps))
 
 pd_status_t pd_cpu_layernorm(pd_backend_t *be, float *out, const float *x, const float *w, const float *b,
                              int rows, int dim, float eps)

@@ -84,8 +84,7 @@ pd_status_t pd_cpu_rope_ref(pd_backend_t *be, float *x, const int32_t *positions
     return PD_OK;
 }
 
-PD_CPU_CLONES static void rope_token(float *xt, int num_heads, int head_size, const float *cs,
-                                     const float *sn)
+PD_CPU_BODY void rope_token_body(float *xt, int num_heads, int head_size, const float *cs, const float *sn)
 {
     int half = head_size / 2;
     for (int h = 0; h < num_heads; h++) {
@@ -98,6 +97,8 @@ PD_CPU_CLONES static void rope_token(float *xt, int num_heads, int head_size, co
         }
     }
 }
+PD_CPU_VARIANTS_VOID(rope_token, (float *xt, int num_heads, int head_size, const float *cs, const float *sn),
+                     (xt, num_heads, head_size, cs, sn))
 
 /* Rotates tokens [0, num_tokens) of x; cs/sn [num_tokens][half] are filled from the table first
  * when `fill` (each thread fills the tokens it rotates: no barrier), or NULL for per-token scratch. */

@@ -1,5 +1,5 @@
-/* kernels/cpu/simd.h — helpers for the optimized CPU ops: runtime-dispatched clones (AVX2+FMA+F16C
- * where the CPU has them, baseline x86-64 otherwise) and a vectorizable exp. */
+/* kernels/cpu/simd.h — helpers for the optimized CPU ops: kernels compiled twice (AVX2+FMA+F16C and
+ * baseline x86-64) and chosen by the ISA cap, and a vectorizable exp. */
 #ifndef PD_KERNELS_CPU_SIMD_H
 #define PD_KERNELS_CPU_SIMD_H
 
@@ -8,11 +8,57 @@
 
 #include "kernels/cpu/isa.h"
 
-/* The function is compiled twice and picked at load time by the CPU's features (ifunc). */
+/* A kernel compiled twice, for x86-64-v3 (AVX2, FMA, F16C) and for baseline x86-64, and chosen per
+ * call by the ISA cap (pd_cpu_isa_usable(PD_ISA_AVX2)), so PD_CPU_ISA=portable runs — and its test
+ * runs check — the baseline build on any machine (GCC's target_clones, used before, chose by the CPU
+ * alone: the baseline build never ran on an AVX2 machine). Write the body as
+ *     PD_CPU_BODY void name_body(params) { ... }
+ * then PD_CPU_VARIANTS_VOID(name, (params), (args)), or PD_CPU_VARIANTS(ret, name, ...) for a value.
+ * Under TSan (whose runtime mishandled the clones' ifunc) and off x86 GCC: one build. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
-#define PD_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define PD_CPU_BODY static inline __attribute__((always_inline))
+#define PD_CPU_VARIANTS(ret, name, params, args)                                                             \
+    __attribute__((target("arch=x86-64-v3"))) static ret name##_avx2 params                                  \
+    {                                                                                                        \
+        return name##_body args;                                                                             \
+    }                                                                                                        \
+    static ret name##_portable params                                                                        \
+    {                                                                                                        \
+        return name##_body args;                                                                             \
+    }                                                                                                        \
+    static ret name params                                                                                   \
+    {                                                                                                        \
+        return pd_cpu_isa_usable(PD_ISA_AVX2) ? name##_avx2 args : name##_portable args;                     \
+    }
+#define PD_CPU_VARIANTS_VOID(name, params, args)                                                             \
+    __attribute__((target("arch=x86-64-v3"))) static void name##_avx2 params                                 \
+    {                                                                                                        \
+        name##_body args;                                                                                    \
+    }                                                                                                        \
+    static void name##_portable params                                                                       \
+    {                                                                                                        \
+        name##_body args;                                                                                    \
+    }                                                                                                        \
+    static void name params                                                                                  \
+    {                                                                                                        \
+        if (pd_cpu_isa_usable(PD_ISA_AVX2)) {                                                                \
+            name##_avx2 args;                                                                                \
+        } else {                                                                                             \
+            name##_portable args;                                                                            \
+        }                                                                                                    \
+    }
 #else
-#define PD_CPU_CLONES
+#define PD_CPU_BODY static inline
+#define PD_CPU_VARIANTS(ret, name, params, args)                                                             \
+    static ret name params                                                                                   \
+    {                                                                                                        \
+        return name##_body args;                                                                             \
+    }
+#define PD_CPU_VARIANTS_VOID(name, params, args)                                                             \
+    static void name params                                                                                  \
+    {                                                                                                        \
+        name##_body args;                                                                                    \
+    }
 #endif
 
 /* Whether the CPU runs AVX-512 F, BW and VL (the kernels' AVX-512 paths need all three). */
