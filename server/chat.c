@@ -309,16 +309,38 @@ static json_t *norm_messages(const json_t *messages, bool as_parts, pd_http_erro
             json_decref(out);
             return NULL;
         }
+        bool tool = strcmp(role, "tool") == 0, assistant = strcmp(role, "assistant") == 0;
+        if (tool && json_is_array(content)) { /* a tool result's text parts, joined (vLLM: most
+                                               * templates take a tool's content as a string) */
+            json_decref(content);
+            content = norm_content(json_object_get(m, "content"), false, i, err);
+        }
         json_t *nm = json_pack("{s:s, s:o}", "role", role, "content", content);
-        static const char *const keep[] = {"name", "tool_call_id", "reasoning_content"};
+        if (nm == NULL) {
+            json_decref(out);
+            pd_http_error_set(err, 500, "InternalServerError", NULL, "out of memory");
+            return NULL;
+        }
+        static const char *const keep[] = {"name", "tool_call_id"};
         for (size_t k = 0; k < sizeof(keep) / sizeof(keep[0]); k++) {
             json_t *v = json_object_get(m, keep[k]);
             if (v != NULL && !json_is_null(v)) {
                 json_object_set(nm, keep[k], v);
             }
         }
+        json_t *reasoning = json_object_get(m, "reasoning");
+        if (reasoning == NULL || json_is_null(reasoning)) {
+            reasoning = json_object_get(m, "reasoning_content");
+        }
+        if (assistant && reasoning != NULL && !json_is_null(reasoning)) { /* both names, as vLLM */
+            json_object_set(nm, "reasoning", reasoning);
+            json_object_set(nm, "reasoning_content", reasoning);
+        }
         json_t *calls = json_object_get(m, "tool_calls");
-        if (strcmp(role, "assistant") == 0 && calls != NULL && !json_is_null(calls)) {
+        /* an empty list is dropped: templates then take the plain assistant path (the replies carry
+         * "tool_calls": [], and Llama 3.1's template refuses a message with none) */
+        if (assistant && calls != NULL && !json_is_null(calls) &&
+            !(json_is_array(calls) && json_array_size(calls) == 0)) {
             json_t *tc = norm_tool_calls(calls, i, err);
             if (tc == NULL) {
                 json_decref(nm);
@@ -342,10 +364,7 @@ static json_t *norm_tools(const json_t *tools, pd_http_error_t *err)
         pd_http_error_set(err, 400, "BadRequestError", "tools", "'tools' must be a list");
         return NULL;
     }
-    if (json_array_size(tools) == 0) {
-        return json_null();
-    }
-    json_t *out = json_array();
+    json_t *out = json_array(); /* [] stays [] (vLLM): `tools is not none` templates see a list */
     size_t i;
     json_t *t;
     json_array_foreach((json_t *)tools, i, t)
@@ -429,6 +448,48 @@ static bool cut_after_final(const json_t *messages, char *out, size_t *len, pd_h
     return true;
 }
 
+void pd_chat_request_init(pd_chat_request_t *cr, const json_t *root)
+{
+    memset(cr, 0, sizeof(*cr));
+    cr->messages = json_object_get(root, "messages");
+    cr->tools = json_object_get(root, "tools");
+    cr->chat_template_kwargs = json_object_get(root, "chat_template_kwargs");
+    cr->documents = json_object_get(root, "documents");
+    cr->reasoning_effort = json_object_get(root, "reasoning_effort");
+    json_t *agp = json_object_get(root, "add_generation_prompt"),
+           *cfm = json_object_get(root, "continue_final_message");
+    cr->add_generation_prompt = !json_is_boolean(agp) || json_is_true(agp);
+    cr->continue_final_message = json_is_true(cfm);
+}
+
+/* documents and reasoning_effort as template variables (vLLM's request fields; chat_template_kwargs
+ * may set them too, and wins). */
+static bool top_level_vars(const pd_chat_request_t *req, json_t *ctx, pd_http_error_t *err)
+{
+    const json_t *d = req->documents, *r = req->reasoning_effort;
+    if (d != NULL && !json_is_null(d)) {
+        bool ok = json_is_array(d);
+        for (size_t i = 0; ok && i < json_array_size(d); i++) {
+            ok = json_is_object(json_array_get(d, i));
+        }
+        if (!ok) {
+            return pd_http_error_set(
+                err, 400, "BadRequestError", "documents",
+                "'documents' must be a list of objects (e.g. {\"title\": ..., \"text\": ...})");
+        }
+        json_object_set(ctx, "documents", (json_t *)d);
+    }
+    if (r != NULL && !json_is_null(r)) {
+        const char *v = json_string_value(r);
+        if (v == NULL || (strcmp(v, "low") != 0 && strcmp(v, "medium") != 0 && strcmp(v, "high") != 0)) {
+            return pd_http_error_set(err, 400, "BadRequestError", "reasoning_effort",
+                                     "'reasoning_effort' must be one of 'low', 'medium', 'high'");
+        }
+        json_object_set(ctx, "reasoning_effort", (json_t *)r);
+    }
+    return true;
+}
+
 bool pd_chat_render(const pd_chat_t *c, const pd_chat_request_t *req, char **prompt_out, size_t *len_out,
                     pd_http_error_t *err)
 {
@@ -456,6 +517,10 @@ bool pd_chat_render(const pd_chat_t *c, const pd_chat_request_t *req, char **pro
         return false;
     }
     json_t *ctx = json_deep_copy(c->special);
+    if (!top_level_vars(req, ctx, err)) {
+        json_decref(ctx), json_decref(messages), json_decref(tools);
+        return false;
+    }
     if (req->chat_template_kwargs != NULL && !json_is_null(req->chat_template_kwargs)) {
         if (!json_is_object(req->chat_template_kwargs)) {
             json_decref(ctx), json_decref(messages), json_decref(tools);

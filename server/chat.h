@@ -33,12 +33,20 @@ typedef struct pd_chat_request {
     const json_t *messages;             /* required: a non-empty list of message objects */
     const json_t *tools;                /* or NULL */
     const json_t *chat_template_kwargs; /* or NULL */
+    const json_t *documents;            /* or NULL: a list of objects, the template's `documents` (RAG) */
+    const json_t *reasoning_effort;     /* or NULL: "low" | "medium" | "high", the template's variable */
     bool add_generation_prompt;         /* default true */
     bool continue_final_message;        /* default false */
 } pd_chat_request_t;
 
-/* Validates and normalises the messages (content as a string or as text parts, per the template's
- * content format; tool-call arguments given as JSON strings become objects, as vLLM does), renders
+/* The chat fields of request root (chat completions, /tokenize), with the defaults above; the two
+ * booleans are taken when they are JSON booleans (the caller validates their types). */
+void pd_chat_request_init(pd_chat_request_t *cr, const json_t *root);
+
+/* Validates and normalises the messages as vLLM does (content as a string or as text parts, per the
+ * template's content format, but a tool result's text parts joined into a string; tool-call
+ * arguments given as JSON strings become objects; an empty tool_calls list dropped; an assistant's
+ * `reasoning` or `reasoning_content` given to the template as both), renders
  * the template and, with continue_final_message, cuts the prompt after the final message's text.
  * *prompt_out is malloc'd (the caller frees; it may contain NUL bytes: use *len_out). Returns false
  * with a 400 in err naming the problem: a malformed message, unsupported content parts, no

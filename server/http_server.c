@@ -268,12 +268,8 @@ static void handle_tokenize(pd_http_server_t *s, struct evhttp_request *req)
             ok = pd_http_error_set(&err, 404, "NotFoundError", "model", "The model `%s` does not exist.",
                                    json_is_string(model) ? json_string_value(model) : "?");
         } else if (chat) {
-            pd_chat_request_t cr = {json_object_get(root, "messages"), json_object_get(root, "tools"),
-                                    json_object_get(root, "chat_template_kwargs"), true, false};
-            json_t *agp = json_object_get(root, "add_generation_prompt"),
-                   *cfm = json_object_get(root, "continue_final_message");
-            cr.add_generation_prompt = agp == NULL || json_is_null(agp) ? true : json_is_true(agp);
-            cr.continue_final_message = json_is_true(cfm);
+            pd_chat_request_t cr;
+            pd_chat_request_init(&cr, root);
             ok = pd_chat_render(s->chat, &cr, &text, &tl, &err);
         } else if (json_is_string(json_object_get(root, "prompt"))) {
             json_t *p = json_object_get(root, "prompt");

@@ -692,8 +692,8 @@ bool pd_openai_parse_chat(const char *body, size_t len, const pd_tokenizer_t *to
         return false;
     }
     int64_t max_tokens = 0; /* vLLM: up to the context length */
-    pd_chat_request_t cr = {json_object_get(root, "messages"), json_object_get(root, "tools"),
-                            json_object_get(root, "chat_template_kwargs"), true, false};
+    pd_chat_request_t cr;
+    pd_chat_request_init(&cr, root);
     char *prompt = NULL;
     size_t plen = 0;
     bool add_special = false; /* the template writes the special tokens itself (vLLM's default for chat) */

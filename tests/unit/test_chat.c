@@ -373,6 +373,81 @@ START_TEST(test_continue_final_message_and_tools)
 }
 END_TEST
 
+/* The messages a template sees are vLLM's (entrypoints/chat_utils.py): an assistant's empty tool_calls
+ * dropped (the replies carry "tool_calls": [], and a client sends that message back: Llama 3.1's
+ * template then refused the request), a tool result's text parts joined into a string, `reasoning`
+ * (or `reasoning_content`) given as both, `tools: []` kept as a list, and the top-level `documents`
+ * and `reasoning_effort` as template variables (bad ones: 400). A template that prints its context
+ * as JSON shows the structure; Llama 3.1's (tests/template/templates/llama31_style.jinja) renders
+ * the agent loop as it renders the same chat without the empty list. */
+START_TEST(test_agent_loop_messages_as_vllm)
+{
+    char tfile[600];
+    snprintf(tfile, sizeof(tfile), "%s/dump.jinja", g_dir);
+    const char *dump =
+        "{{ messages | tojson }}\n{{ tools | tojson }}\n{{ reasoning_effort | default('unset') }}\n"
+        "{{ documents | default(none) | tojson }}";
+    ck_assert_int_eq(tu_write_file(tfile, dump, strlen(dump)), 0);
+    char *ea[] = {"--chat-template", tfile, NULL};
+    int port;
+    pid_t pid = start_bin("pd-serve", g_model, "dump", ea, &port, true);
+    char *text = rendered(
+        port, "{\"messages\": [{\"role\": \"user\", \"content\": \"weather?\"}, {\"role\": \"assistant\", "
+              "\"content\": \"Let me think.\", \"tool_calls\": [], \"reasoning\": \"r1\"}, {\"role\": "
+              "\"tool\", \"tool_call_id\": \"c1\", \"content\": [{\"type\": \"text\", \"text\": \"21C\"}, "
+              "{\"type\": \"text\", \"text\": \"sunny\"}]}, {\"role\": \"assistant\", \"content\": \"ok\", "
+              "\"reasoning_content\": \"r2\"}], \"tools\": [], \"reasoning_effort\": \"low\", "
+              "\"documents\": [{\"title\": \"t\", \"text\": \"d\"}]}");
+    char *lines[4] = {text, NULL, NULL, NULL};
+    for (int i = 1; i < 4; i++) {
+        lines[i] = strchr(lines[i - 1], '\n');
+        ck_assert_msg(lines[i] != NULL, "dump template output: %s", text);
+        *lines[i]++ = '\0';
+    }
+    json_t *got = json_loads(lines[0], 0, NULL);
+    json_t *want = json_loads(
+        "[{\"role\": \"user\", \"content\": \"weather?\"}, {\"role\": \"assistant\", \"content\": \"Let me "
+        "think.\", \"reasoning\": \"r1\", \"reasoning_content\": \"r1\"}, {\"role\": \"tool\", \"content\": "
+        "\"21C\\nsunny\", \"tool_call_id\": \"c1\"}, {\"role\": \"assistant\", \"content\": \"ok\", "
+        "\"reasoning\": "
+        "\"r2\", \"reasoning_content\": \"r2\"}]",
+        0, NULL);
+    ck_assert_ptr_nonnull(want);
+    ck_assert_msg(got != NULL && json_equal(got, want), "messages the template saw: %s", lines[0]);
+    ck_assert_str_eq(lines[1], "[]");
+    ck_assert_str_eq(lines[2], "low");
+    json_t *docs = json_loads(lines[3], 0, NULL),
+           *docs_want = json_pack("[{s:s, s:s}]", "title", "t", "text", "d");
+    ck_assert_msg(docs != NULL && json_equal(docs, docs_want), "documents the template saw: %s", lines[3]);
+    json_decref(got), json_decref(want), json_decref(docs), json_decref(docs_want);
+    free(text);
+    expect_400(port, "/v1/chat/completions",
+               "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"reasoning_effort\": \"max\"}",
+               "reasoning_effort", "one of");
+    expect_400(port, "/v1/chat/completions",
+               "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"documents\": \"a doc\"}",
+               "documents", "list of objects");
+    tu_stop(pid, 30);
+
+    /* Llama 3.1: the agent loop renders, as the chat without the empty list does */
+    char l31[700];
+    snprintf(l31, sizeof(l31), "%s/tests/template/templates/llama31_style.jinja", tu_source_dir());
+    char *eb[] = {"--chat-template", l31, NULL};
+    pid = start_bin("pd-serve", g_model, "l31", eb, &port, true);
+    const char *head =
+        "{\"chat_template_kwargs\": {\"date_string\": \"26 Jul 2024\"}, \"messages\": [{\"role\": "
+        "\"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"hello\"";
+    const char *tail = "}, {\"role\": \"user\", \"content\": \"again\"}]}";
+    char with[1024], without[1024];
+    snprintf(with, sizeof(with), "%s, \"tool_calls\": []%s", head, tail);
+    snprintf(without, sizeof(without), "%s%s", head, tail);
+    char *a = rendered(port, with), *b = rendered(port, without);
+    ck_assert_str_eq(a, b);
+    free(a), free(b);
+    tu_stop(pid, 30);
+}
+END_TEST
+
 START_TEST(test_refusals_name_the_parameter)
 {
     const char *c = "/v1/chat/completions", *p = "/v1/completions";
@@ -1167,6 +1242,7 @@ int main(void)
     tcase_add_test(tc, test_chat_stream_and_logprobs_shapes);
     tcase_add_test(tc, test_template_sources_in_vllms_order);
     tcase_add_test(tc, test_continue_final_message_and_tools);
+    tcase_add_test(tc, test_agent_loop_messages_as_vllm);
     tcase_add_test(tc, test_refusals_name_the_parameter);
     tcase_add_test(tc, test_stop_reason_over_http);
     tcase_add_test(tc, test_n_batched_prompts_and_echo);
