@@ -321,6 +321,54 @@ SOFTMAX_512 static void gather_kv_pairs(uint32_t *kp, uint32_t *vp, const pd_kv_
 }
 #endif
 
+static int mm_serves_amx(int bf16, int head_size)
+{
+    return bf16 && head_size % 32 == 0 && pd_cpu_amx_usable();
+}
+
+static int mm_serves_dnnl(int bf16, int head_size)
+{
+    (void)head_size;
+    return bf16 && pd_cpu_dnnl_bf16_native();
+}
+
+static int mm_serves_any(int bf16, int head_size)
+{
+    (void)bf16, (void)head_size;
+    return 1;
+}
+
+const pd_cpu_attn_mm_variant_t pd_cpu_attn_mm_variants[] = {
+    {"amx", PD_ISA_AMX, PD_ATTN_MM_AMX, mm_serves_amx,
+     "bf16 math, head size % 32: both products on AMX tiles"},
+    {"onednn_bf16", PD_ISA_AVX512_BF16, PD_ATTN_MM_DNNL_BF16, mm_serves_dnnl,
+     "bf16 math: oneDNN bf16 GEMMs (the CPU's native bf16)"},
+    {"sgemm", PD_ISA_PORTABLE, PD_ATTN_MM_SGEMM, mm_serves_any, "any call: OpenBLAS sgemm on fp32 copies"},
+};
+const int pd_cpu_num_attn_mm_variants =
+    (int)(sizeof(pd_cpu_attn_mm_variants) / sizeof(pd_cpu_attn_mm_variants[0]));
+
+static int g_force_mm = -1;
+
+void pd_cpu_attn_mm_force(int variant)
+{
+    g_force_mm = variant;
+}
+
+const pd_cpu_attn_mm_variant_t *pd_cpu_attn_mm_choose(int bf16, int head_size)
+{
+    if (g_force_mm >= 0 && g_force_mm < pd_cpu_num_attn_mm_variants) {
+        return &pd_cpu_attn_mm_variants[g_force_mm];
+    }
+    for (int i = 0; i < pd_cpu_num_attn_mm_variants; i++) {
+        const pd_cpu_attn_mm_variant_t *v = &pd_cpu_attn_mm_variants[i];
+        if (pd_cpu_isa_usable(v->isa) && v->serves(bf16, head_size)) {
+            return v;
+        }
+    }
+    return &pd_cpu_attn_mm_variants[pd_cpu_num_attn_mm_variants - 1];
+}
+
 /* The top halves of n floats that are bf16 values already (no rounding left to do). */
 static void take_bf16(uint16_t *dst, const float *src, size_t n)
 {
@@ -349,8 +397,9 @@ pd_status_t pd_cpu_attn_tiled_run(float *out, const float *q, const pd_kv_view_t
     uintptr_t b16_at = ((uintptr_t)(lt + (size_t)ATTN_MM_TQ * group) + 63) & ~(uintptr_t)63;
     uint16_t *qb = (uint16_t *)b16_at, *kb = qb + (size_t)M16 * D;
     uint16_t *vb = kb + (size_t)ATTN_MM_KT * D, *pb = vb + (size_t)ATTN_MM_KT * D;
-    const int amx = bf16 && D % 32 == 0 && pd_cpu_amx_usable();  /* both products on AMX tiles */
-    const int dnnl = bf16 && (amx || pd_cpu_dnnl_bf16_native()); /* the bf16 copies, for oneDNN or AMX */
+    const pd_attn_mm_engine_t engine = pd_cpu_attn_mm_choose(bf16, D)->engine;
+    const int amx = engine == PD_ATTN_MM_AMX;               /* both products on AMX tiles */
+    const int dnnl = amx || engine == PD_ATTN_MM_DNNL_BF16; /* the bf16 copies, for oneDNN or AMX */
     const bool full = T == ATTN_MM_TQ; /* oneDNN primitives made for full items' M rows, kept per thread */
 #if defined(__x86_64__) && defined(__GNUC__)
     const int avx512 = pd_cpu_avx512_usable();

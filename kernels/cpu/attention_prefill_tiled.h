@@ -7,6 +7,7 @@
 #include <stddef.h>
 
 #include "kernels/backend.h"
+#include "kernels/cpu/isa.h"
 
 #define ATTN_MM_TQ    64  /* query tokens per item (× the GQA group = the GEMMs' M) */
 #define ATTN_MM_KT    128 /* keys per tile (the S GEMM's N, the P·V GEMM's K) */
@@ -15,6 +16,35 @@
 /* Test and benchmark hook: 0 sends every sequence to the per-key item (the tiled item's
  * predecessor), 1 (default) uses the tiled item from ATTN_MM_MIN_Q new tokens on. */
 void pd_cpu_attn_allow_tiled(int allow);
+
+/* The tiled item's product engines as a variant table (issue 45; the decode items' is
+ * attention_decode.h): each entry names the engine that computes S = Q·Kᵀ and O += P·V, the
+ * instruction-set level it needs and the calls it serves (bf16: under bf16 attention math; the
+ * head size). pd_cpu_attn_tiled_run uses the first entry the host can run that serves the call;
+ * the plain-sgemm one serves every call (bf16 math on it: the bf16-rounded values in fp32 GEMMs). */
+typedef enum pd_attn_mm_engine {
+    PD_ATTN_MM_AMX = 0,   /* bf16 tiles (both products) */
+    PD_ATTN_MM_DNNL_BF16, /* oneDNN bf16 GEMMs where the CPU has native bf16 */
+    PD_ATTN_MM_SGEMM,     /* OpenBLAS sgemm on fp32 copies */
+} pd_attn_mm_engine_t;
+
+typedef struct pd_cpu_attn_mm_variant {
+    const char *name;
+    pd_cpu_isa_t isa;
+    pd_attn_mm_engine_t engine;
+    int (*serves)(int bf16, int head_size); /* besides the level: what the engine itself needs */
+    const char *what;
+} pd_cpu_attn_mm_variant_t;
+
+extern const pd_cpu_attn_mm_variant_t pd_cpu_attn_mm_variants[];
+extern const int pd_cpu_num_attn_mm_variants;
+
+/* The entry the tiled item uses for this call (never NULL). */
+const pd_cpu_attn_mm_variant_t *pd_cpu_attn_mm_choose(int bf16, int head_size);
+
+/* Test hook: the tiled item uses entry `variant` (the caller checked the host can run it and it
+ * serves the call); -1 (the default): the table's choice. */
+void pd_cpu_attn_mm_force(int variant);
 
 /* Floats of per-thread scratch one item needs. */
 size_t pd_cpu_attn_tiled_scratch_floats(int group, int head_size);

@@ -1147,8 +1147,9 @@ static double mean_abs_err(const float *a, const float *b, size_t n)
  * roundings: each is far closer to it than the fp32 result is (the roundings happened, and they
  * are the same ones). A p̂ may still land on its bf16 neighbour where fp32 sums round apart (about
  * once in 10⁴ keys), hence the loose bound on the largest difference. */
-/* cases each decode variant ran on in this process (test_attention_random reports them) */
-static int g_decode_ran[16];
+/* cases each decode variant and each tiled prefill product engine ran on in this process
+ * (test_attention_random reports them) */
+static int g_decode_ran[16], g_mm_ran[8];
 
 static void check_attn_bf16(const pd_kv_view_t *kv, const pd_attn_meta_t *meta, const float *q, int NH,
                             float scale, const float *o32, int all_decode)
@@ -1159,29 +1160,40 @@ static void check_attn_bf16(const pd_kv_view_t *kv, const pd_attn_meta_t *meta, 
     ck_assert_int_eq(pd_cpu_paged_attention_bf16_ref(g_be, ref, q, kv, meta, NH, scale), PD_OK);
     double d32 = mean_abs_err(o32, ref, n);
     ck_assert_msg(d32 > 1e-5, "bf16 math changed nothing: %g", d32);
-    /* tiled, per-key; then each decode variant the host can run that serves this cache */
-    for (int path = 0; path < 2 + pd_cpu_num_attn_decode_variants; path++) {
-        if (path >= 2 && !all_decode) {
+    /* tiled with each product engine the host can run, per-key; then each decode variant the host
+     * can run that serves this cache */
+    const int n_mm = pd_cpu_num_attn_mm_variants;
+    for (int path = 0; path < n_mm + 1 + pd_cpu_num_attn_decode_variants; path++) {
+        if (path > n_mm && !all_decode) {
             break;
         }
-        const pd_cpu_attn_decode_variant_t *dv = path >= 2 ? &pd_cpu_attn_decode_variants[path - 2] : NULL;
-        if (dv != NULL && (!pd_cpu_isa_usable(dv->isa) || !dv->serves(kv, 1, NH / kv->num_kv_heads))) {
+        const pd_cpu_attn_mm_variant_t *mv = path < n_mm ? &pd_cpu_attn_mm_variants[path] : NULL;
+        const pd_cpu_attn_decode_variant_t *dv =
+            path > n_mm ? &pd_cpu_attn_decode_variants[path - n_mm - 1] : NULL;
+        if ((mv != NULL && (!pd_cpu_isa_usable(mv->isa) || !mv->serves(1, kv->head_size))) ||
+            (dv != NULL && (!pd_cpu_isa_usable(dv->isa) || !dv->serves(kv, 1, NH / kv->num_kv_heads)))) {
             continue;
         }
-        pd_cpu_attn_allow_tiled(path != 1);
-        pd_cpu_attn_decode_force(path - 2);
-        ck_assert_int_eq(path < 2 ? pd_cpu_paged_attention_prefill(g_be, o, q, kv, meta, NH, scale)
-                                  : pd_cpu_paged_attention_decode(g_be, o, q, kv, meta, NH, scale),
+        pd_cpu_attn_allow_tiled(path != n_mm);
+        pd_cpu_attn_mm_force(mv != NULL ? path : -1);
+        pd_cpu_attn_decode_force(dv != NULL ? path - n_mm - 1 : -1);
+        ck_assert_int_eq(path <= n_mm ? pd_cpu_paged_attention_prefill(g_be, o, q, kv, meta, NH, scale)
+                                      : pd_cpu_paged_attention_decode(g_be, o, q, kv, meta, NH, scale),
                          PD_OK);
         double mean = mean_abs_err(o, ref, n), worst = max_rel_err(o, ref, n, 1e-2);
-        ck_assert_msg(mean < d32 / 200 && worst < 2e-2, "bf16 path %s: mean %g (fp32's %g), worst %g",
-                      dv != NULL ? dv->name
-                      : path     ? "per-key"
-                                 : "tiled",
-                      mean, d32, worst);
-        g_decode_ran[path >= 2 ? path - 2 : 0] += dv != NULL;
+        ck_assert_msg(mean < d32 / 200 && worst < 2e-2, "bf16 path %s%s: mean %g (fp32's %g), worst %g",
+                      dv != NULL   ? dv->name
+                      : mv != NULL ? "tiled "
+                                   : "per-key",
+                      mv != NULL ? mv->name : "", mean, d32, worst);
+        if (dv != NULL) {
+            g_decode_ran[path - n_mm - 1]++;
+        } else if (mv != NULL) {
+            g_mm_ran[path]++;
+        }
     }
     pd_cpu_attn_allow_tiled(1);
+    pd_cpu_attn_mm_force(-1);
     pd_cpu_attn_decode_force(-1);
     g_be->matmul_precision = PD_MATMUL_FP32;
     free(ref), free(o);
@@ -1356,6 +1368,20 @@ START_TEST(test_attention_random)
     run_attn_case(&odd);
     attn_case_t oddp = {2, {9, 3}, {40, 0}, 16, 6, 2, 12, PD_DTYPE_F16, 0};
     run_attn_case(&oddp);
+    /* the tiled prefill's product engines: each the host can run ran on some bf16 case (a case whose
+     * prefill is tiled: ATTN_MM_MIN_Q new tokens); the rest by name */
+    for (int v = 0; v < pd_cpu_num_attn_mm_variants; v++) {
+        const pd_cpu_attn_mm_variant_t *var = &pd_cpu_attn_mm_variants[v];
+        if (!pd_cpu_isa_usable(var->isa) || !var->serves(1, 128)) {
+            printf("tiled prefill engine %-11s not run: needs %s%s (kernels here run at %s)\n", var->name,
+                   pd_cpu_isa_name(var->isa),
+                   pd_cpu_isa_usable(var->isa) ? " and what its serves() checks" : "",
+                   pd_cpu_isa_name(pd_cpu_isa_level()));
+            continue;
+        }
+        printf("tiled prefill engine %-11s ran on %d bf16 cases\n", var->name, g_mm_ran[v]);
+        ck_assert_msg(g_mm_ran[v] > 0, "tiled prefill engine %s can run here but no case used it", var->name);
+    }
     /* the decode variant table: each entry the host can run ran on some case; the rest by name */
     for (int v = 0; v < pd_cpu_num_attn_decode_variants; v++) {
         const pd_cpu_attn_decode_variant_t *var = &pd_cpu_attn_decode_variants[v];
