@@ -267,7 +267,10 @@ static void hello_to_peer(tcp_pipe_t *t, int fd, const hdr_t *h, pd_pipe_peer_t 
     if (peer != NULL && peer->in_fd >= 0 && !peer->in_used && !peer->reading) {
         /* a connection that never carried a frame, superseded: the peer connects again only after
          * declaring us dead, so the older one is its previous incarnation's (accepted late, after
-         * we had declared that one dead too) */
+         * we had declared that one dead too). This relies on each incarnation having its own
+         * session, as the connector's handshakes give it: under one session an old connection
+         * accepted after the new one would displace it (test_pipe reconnect_after_fail hung so,
+         * 1 in ~300 under load, until it used a new session as the connector does) */
         pd_log_info("tcp pipe: peer %016llx connected again; its earlier, unused connection is dropped",
                     (unsigned long long)peer->id);
         tcpi_drop_in(t, peer);

@@ -59,15 +59,21 @@ static pd_pipe_t *mk(void)
 static const uint8_t SESSION[PD_PIPE_SESSION_BYTES] = {7, 1, 4, 2, 8, 5, 7, 1, 4, 2, 8, 5, 7, 1, 4, 2,
                                                        9, 9, 9, 3, 3, 3, 6, 6, 6, 1, 1, 1, 0, 0, 0, 42};
 
-/* Connects a and b both ways. */
-static void link2(pd_pipe_t *a, pd_pipe_t *b, pd_pipe_peer_t **a_to_b, pd_pipe_peer_t **b_to_a)
+/* Connects a and b both ways under session (as two connectors do after a handshake). */
+static void link2_session(pd_pipe_t *a, pd_pipe_t *b, const uint8_t *session, pd_pipe_peer_t **a_to_b,
+                          pd_pipe_peer_t **b_to_a)
 {
     uint8_t aa[PD_PIPE_ADDR_MAX], ba[PD_PIPE_ADDR_MAX];
     size_t al = sizeof(aa), bl = sizeof(ba);
     ck_assert_int_eq(a->ops->address(a, aa, &al), PD_OK);
     ck_assert_int_eq(b->ops->address(b, ba, &bl), PD_OK);
-    ck_assert_int_eq(a->ops->connect(a, ba, bl, SESSION, a_to_b), PD_OK);
-    ck_assert_int_eq(b->ops->connect(b, aa, al, SESSION, b_to_a), PD_OK);
+    ck_assert_int_eq(a->ops->connect(a, ba, bl, session, a_to_b), PD_OK);
+    ck_assert_int_eq(b->ops->connect(b, aa, al, session, b_to_a), PD_OK);
+}
+
+static void link2(pd_pipe_t *a, pd_pipe_t *b, pd_pipe_peer_t **a_to_b, pd_pipe_peer_t **b_to_a)
+{
+    link2_session(a, b, SESSION, a_to_b, b_to_a);
 }
 
 /* Exports r from owner to peer and imports it on the other side. */
@@ -479,8 +485,14 @@ static void run_reconnect_after_fail(void)
     ck_assert_int_eq(pd_pipe_write_pages(P.a, P.ab, P.ra, P.b_at_a, &pg, 1, on_done, &c), PD_OK);
     wait_for(&c, 1, both, 2, 30);
     ck_assert_int_ne(c.last, PD_OK); /* the old peer stays dead */
+    /* a new session, as the connector's next handshake derives one: with the old one, the previous
+     * incarnation's unused connection, accepted late, could pass for the new one and displace it
+     * (the pipe keeps the last HELLO of a session for a record that has carried no frame yet) */
+    uint8_t session2[PD_PIPE_SESSION_BYTES];
+    memcpy(session2, SESSION, sizeof(session2));
+    session2[0] ^= 0x5a;
     pd_pipe_peer_t *ab2 = NULL, *ba2 = NULL;
-    link2(P.a, P.b, &ab2, &ba2);
+    link2_session(P.a, P.b, session2, &ab2, &ba2);
     ck_assert_ptr_ne(ab2, P.ab);
     pd_pipe_remote_t *b_at_a2 = share(P.b, P.rb, ba2, true, P.a, ab2);
     fill(P.ra->base, 1 << 20, 99);
