@@ -180,10 +180,15 @@ void kv_report_recving(kv_conn_t *k, kv_xfer_t *x, bool ok)
         r->staged = ok;
     }
     if (r->failed) {
-        pd_metric_inc(
-            strcmp(k->cfg.load_failure_policy, "fail") == 0 ? k->m.policy_fail : k->m.policy_recompute, 1);
+        kv_count_policy_action(k);
     }
     report_post(k, r);
+}
+
+void kv_count_policy_action(kv_conn_t *k)
+{
+    pd_metric_inc(strcmp(k->cfg.load_failure_policy, "fail") == 0 ? k->m.policy_fail : k->m.policy_recompute,
+                  1);
 }
 
 void kv_lease_free(kv_lease_t *l)

@@ -352,6 +352,8 @@ void kv_report_sending(kv_conn_t *k, kv_report_t **report);
  * handover). Cannot fail. */
 void kv_report_recving(kv_conn_t *k, kv_xfer_t *x, bool ok);
 void kv_lease_free(kv_lease_t *l);
+/* A load failed: counts the action the engine's --kv-load-failure-policy takes (any thread). */
+void kv_count_policy_action(kv_conn_t *k);
 /* Prefill, push: transfer_id's decode gave up before it reserved blocks: the held request frees
  * now, or (not finished yet) holds nothing when it finishes. mu held. */
 bool kv_release_push(kv_conn_t *k, const char *transfer_id);

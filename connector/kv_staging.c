@@ -118,6 +118,7 @@ void kv_stage_finish_loads(kv_conn_t *k, pd_list_link_t *reports)
                          "blocks are load errors",
                          rep->req_id);
             rep->failed = true;
+            kv_count_policy_action(k);
         }
         free(r);
     }
