@@ -138,7 +138,7 @@ kv_report_t *kv_report_new(const char *req_id, bool recving)
     return r;
 }
 
-static void report_free(kv_report_t *r)
+void kv_report_free(kv_report_t *r)
 {
     if (r != NULL) {
         free(r->blocks);
@@ -194,7 +194,7 @@ void kv_count_policy_action(kv_conn_t *k)
 void kv_lease_free(kv_lease_t *l)
 {
     if (l != NULL) {
-        report_free(l->report);
+        kv_report_free(l->report);
         free(l);
     }
 }
@@ -202,7 +202,7 @@ void kv_lease_free(kv_lease_t *l)
 void kv_xfer_free(kv_xfer_t *x)
 {
     if (x != NULL) {
-        report_free(x->report);
+        kv_report_free(x->report);
         free(x->local_blocks);
         free(x->remote_blocks);
         free(x);
@@ -754,7 +754,7 @@ void pd_kv_connector_destroy(pd_connector_t *c)
     for (int i = 0; i < 2; i++) {
         kv_report_t *r;
         while ((r = pd_list_pop_head(reports[i], kv_report_t, link)) != NULL) {
-            report_free(r);
+            kv_report_free(r);
         }
     }
     if (k->stage_failed.slots != NULL) {

@@ -344,6 +344,7 @@ void kv_ctl_wake(kv_conn_t *k);
 /* --- kv_connector.c, called with mu held --- */
 /* A report node for req_id (engine thread); NULL when out of memory (logged by the caller). */
 kv_report_t *kv_report_new(const char *req_id, bool recving);
+void kv_report_free(kv_report_t *r);
 /* A prefill's blocks may be freed: *report (the lease's or transfer's) goes to get_finished and
  * *report becomes NULL; nothing when it already went. Cannot fail. */
 void kv_report_sending(kv_conn_t *k, kv_report_t **report);

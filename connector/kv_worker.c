@@ -261,8 +261,7 @@ static void reported_sweep(kv_conn_t *k)
     pd_list_for_each_safe (r, tmp, &k->reported, link) {
         if (!r->failed || r->errors_taken >= r->end - r->first) {
             pd_list_del(&r->link);
-            free(r->blocks);
-            free(r);
+            kv_report_free(r);
         }
     }
 }

@@ -268,6 +268,7 @@ static int dial_data(tcp_pipe_t *t, const char *host, int port, uint64_t to, con
     a.sin_family = AF_INET;
     a.sin_port = htons((uint16_t)port);
     int rc = -1;
+    errno = EINVAL; /* a host inet_pton refuses */
     if (fd >= 0 && inet_pton(AF_INET, host, &a.sin_addr) == 1) {
         rc = connect(fd, (const struct sockaddr *)&a, sizeof(a));
         rc = rc != 0 && errno == EINPROGRESS ? 1 : rc;

@@ -137,6 +137,7 @@ struct pd_pipe_peer {
     uint64_t id;
     int out_fd, in_fd;
     bool connecting;         /* out_fd's connect is in progress (tcpi_out_ready) */
+    bool connect_failed;     /* ... and it failed (said once: SO_ERROR reads only once) */
     double connect_deadline; /* ... until then (TCP_CONNECT_TIMEOUT_MS after tcp_connect) */
     char dialled[80];        /* "host:port" of out_fd, for the log */
     bool dead;

@@ -173,6 +173,9 @@ int tcpi_out_ready(pd_pipe_peer_t *peer)
     if (!peer->connecting) {
         return 1;
     }
+    if (peer->connect_failed) {
+        return -1;
+    }
     struct pollfd pf = {peer->out_fd, POLLOUT, 0};
     if (poll(&pf, 1, 0) > 0) {
         int err = 0;
@@ -180,6 +183,7 @@ int tcpi_out_ready(pd_pipe_peer_t *peer)
         if (getsockopt(peer->out_fd, SOL_SOCKET, SO_ERROR, &err, &el) != 0 || err != 0) {
             pd_log_error("tcp pipe: cannot connect to peer %016llx at %s: %s", (unsigned long long)peer->id,
                          peer->dialled, strerror(err != 0 ? err : errno));
+            peer->connect_failed = true;
             return -1;
         }
         peer->connecting = false;
@@ -188,6 +192,7 @@ int tcpi_out_ready(pd_pipe_peer_t *peer)
     if (pd_time_now_s() > peer->connect_deadline) {
         pd_log_error("tcp pipe: cannot connect to peer %016llx at %s: no answer in %d ms",
                      (unsigned long long)peer->id, peer->dialled, TCP_CONNECT_TIMEOUT_MS);
+        peer->connect_failed = true;
         return -1;
     }
     return 0;

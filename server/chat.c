@@ -304,16 +304,13 @@ static json_t *norm_messages(const json_t *messages, bool as_parts, pd_http_erro
             bad(err, "messages", "messages[%zu] must be an object with a string 'role'%s", "", i);
             return NULL;
         }
-        json_t *content = norm_content(json_object_get(m, "content"), as_parts, i, err);
+        bool tool = strcmp(role, "tool") == 0, assistant = strcmp(role, "assistant") == 0;
+        /* a tool result's text parts are joined (vLLM: most templates take a tool's content as a
+         * string) */
+        json_t *content = norm_content(json_object_get(m, "content"), as_parts && !tool, i, err);
         if (content == NULL) {
             json_decref(out);
             return NULL;
-        }
-        bool tool = strcmp(role, "tool") == 0, assistant = strcmp(role, "assistant") == 0;
-        if (tool && json_is_array(content)) { /* a tool result's text parts, joined (vLLM: most
-                                               * templates take a tool's content as a string) */
-            json_decref(content);
-            content = norm_content(json_object_get(m, "content"), false, i, err);
         }
         json_t *nm = json_pack("{s:s, s:o}", "role", role, "content", content);
         if (nm == NULL) {

@@ -321,9 +321,9 @@ SOFTMAX_512 static void gather_kv_pairs(uint32_t *kp, uint32_t *vp, const pd_kv_
 }
 #endif
 
-static int mm_serves_amx(int bf16, int head_size)
+static int mm_serves_amx(int bf16, int head_size) /* the tiles themselves: the entry's level */
 {
-    return bf16 && head_size % 32 == 0 && pd_cpu_amx_usable();
+    return bf16 && head_size % 32 == 0;
 }
 
 static int mm_serves_dnnl(int bf16, int head_size)
