@@ -6,14 +6,14 @@
  * once connected to the same engine the ABORTs go out; an engine with another id restarted and took
  * its leases with it, so they are dropped. Each expires after --kv-hold-timeout, when the prefill's
  * own timer has ended the lease anyway. Bounded: beyond KV_MAX_DEFERRED_ABORTS the oldest is
- * dropped (its lease then ends at the timeout). Control thread, mu held. */
+ * dropped (its lease then ends at the timeout). Control thread. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/log.h"
 #include "common/time.h"
-#include "connector/kv_internal.h"
+#include "connector/kv_ctl.h"
 
 #define KV_MAX_DEFERRED_ABORTS 1024
 #define KV_ABORT_BACKOFF_MIN   0.25 /* s before the first redial; doubles up to the max */
@@ -22,7 +22,7 @@
 static void abort_free(kv_conn_t *k, kv_abort_t *a)
 {
     pd_list_del(&a->link);
-    k->num_aborts--;
+    k->c->num_aborts--;
     free(a);
 }
 
@@ -44,9 +44,9 @@ void kv_abort_defer(kv_conn_t *k, const kv_xfer_t *x)
     a->expires = now + k->cfg.hold_timeout;
     a->backoff = KV_ABORT_BACKOFF_MIN;
     a->next_dial = now + a->backoff;
-    pd_list_add_tail(&k->aborts, &a->link);
-    if (++k->num_aborts > KV_MAX_DEFERRED_ABORTS) {
-        abort_free(k, pd_list_head(&k->aborts, kv_abort_t, link));
+    pd_list_add_tail(&k->c->aborts, &a->link);
+    if (++k->c->num_aborts > KV_MAX_DEFERRED_ABORTS) {
+        abort_free(k, pd_list_head(&k->c->aborts, kv_abort_t, link));
     }
     pd_log_info("kv connector: request %s: the prefill at %s is unreachable; its lease's ABORT waits for a "
                 "reconnect",
@@ -57,7 +57,7 @@ void kv_aborts_deliver(kv_conn_t *k, kv_peer_t *p)
 {
     int sent = 0, dropped = 0;
     kv_abort_t *a, *tmp;
-    pd_list_for_each_safe (a, tmp, &k->aborts, link) {
+    pd_list_for_each_safe (a, tmp, &k->c->aborts, link) {
         if (p->state == KV_PEER_DEAD || strcmp(a->dial, p->dial) != 0) {
             continue;
         }
@@ -82,7 +82,7 @@ void kv_aborts_deliver(kv_conn_t *k, kv_peer_t *p)
 void kv_aborts_tick(kv_conn_t *k, double now)
 {
     kv_abort_t *a, *tmp;
-    pd_list_for_each_safe (a, tmp, &k->aborts, link) {
+    pd_list_for_each_safe (a, tmp, &k->c->aborts, link) {
         if (now > a->expires) {
             abort_free(k, a); /* the prefill's hold timeout has ended the lease */
             continue;
@@ -106,8 +106,8 @@ void kv_aborts_tick(kv_conn_t *k, double now)
 void kv_aborts_free(kv_conn_t *k)
 {
     kv_abort_t *a;
-    while ((a = pd_list_pop_head(&k->aborts, kv_abort_t, link)) != NULL) {
+    while ((a = pd_list_pop_head(&k->c->aborts, kv_abort_t, link)) != NULL) {
         free(a);
     }
-    k->num_aborts = 0;
+    k->c->num_aborts = 0;
 }

@@ -15,7 +15,8 @@
 #include "common/array.h"
 #include "common/log.h"
 #include "common/time.h"
-#include "connector/kv_internal.h"
+#include "connector/kv_ctl.h"
+#include "connector/kv_engine.h"
 #include "scheduler/scheduler.h"
 
 /* ------------------------------------------------------------------ configuration */
@@ -127,86 +128,10 @@ const char *kv_jstr(const json_t *o, const char *key)
     return json_string_value(json_object_get(o, key));
 }
 
-kv_report_t *kv_report_new(const char *req_id, bool recving)
-{
-    kv_report_t *r = calloc(1, sizeof(*r));
-    if (r != NULL) {
-        snprintf(r->req_id, sizeof(r->req_id), "%s", req_id);
-        r->recving = recving;
-        r->first_token = -1;
-    }
-    return r;
-}
-
-void kv_report_free(kv_report_t *r)
-{
-    if (r != NULL) {
-        free(r->blocks);
-        free(r);
-    }
-}
-
-static void report_post(kv_conn_t *k, kv_report_t *r)
-{
-    pd_list_add_tail(&k->reports, &r->link);
-    if (k->pub.wake != NULL) {
-        k->pub.wake(k->pub.wake_arg);
-    }
-}
-
-void kv_report_sending(kv_conn_t *k, kv_report_t **report)
-{
-    if (*report != NULL) {
-        report_post(k, *report);
-        *report = NULL;
-    }
-}
-
-void kv_report_recving(kv_conn_t *k, kv_xfer_t *x, bool ok)
-{
-    kv_report_t *r = x->report;
-    if (r == NULL) {
-        return;
-    }
-    x->report = NULL;
-    r->first_token = x->has_first_token && !x->cancelled ? x->first_token : -1;
-    /* a cancelled load's blocks are its request's no more: neither load errors nor copied */
-    if (!x->cancelled && x->end_block > x->first_block && (!ok || k->staged)) {
-        r->blocks = x->local_blocks;
-        x->local_blocks = NULL;
-        r->first = x->first_block;
-        r->end = x->end_block;
-        r->failed = !ok;
-        r->staged = ok;
-    }
-    if (r->failed) {
-        kv_count_policy_action(k);
-    }
-    report_post(k, r);
-}
-
 void kv_count_policy_action(kv_conn_t *k)
 {
     pd_metric_inc(strcmp(k->cfg.load_failure_policy, "fail") == 0 ? k->m.policy_fail : k->m.policy_recompute,
                   1);
-}
-
-void kv_lease_free(kv_lease_t *l)
-{
-    if (l != NULL) {
-        kv_report_free(l->report);
-        free(l);
-    }
-}
-
-void kv_xfer_free(kv_xfer_t *x)
-{
-    if (x != NULL) {
-        kv_report_free(x->report);
-        free(x->local_blocks);
-        free(x->remote_blocks);
-        free(x);
-    }
 }
 
 uint64_t kv_random_u52(void)
@@ -230,7 +155,7 @@ bool kv_wants_push(const kv_conn_t *k, const json_t *p)
 kv_push_t *kv_push_find(kv_conn_t *k, const char *req_id, bool unlink)
 {
     kv_push_t *p;
-    pd_list_for_each (p, &k->pushes, link) {
+    pd_list_for_each (p, &k->e->pushes, link) {
         if (strcmp(p->req_id, req_id) == 0) {
             if (unlink) {
                 pd_list_del(&p->link);
@@ -239,29 +164,6 @@ kv_push_t *kv_push_find(kv_conn_t *k, const char *req_id, bool unlink)
         }
     }
     return NULL;
-}
-
-/* Queues a notification for the ctl thread (mu held). */
-void kv_notice(kv_conn_t *k, pd_msg_type_t type, kv_peer_t *peer, const char *rid, uint64_t lease,
-               int32_t status, int32_t first_token, const uint8_t *prompt_hash)
-{
-    kv_notice_t *n = calloc(1, sizeof(*n));
-    if (n == NULL) { /* the peer's load then ends at its --kv-load-timeout (its failure policy runs) */
-        pd_log_error("kv connector: out of memory queueing a %s for %s; the peer will time out",
-                     type == PD_MSG_WRITE_DONE ? "WRITE_DONE" : "notice", rid);
-        return;
-    }
-    n->type = type;
-    n->peer = peer;
-    snprintf(n->request_id, sizeof(n->request_id), "%s", rid);
-    n->lease_id = lease;
-    n->status = status;
-    n->first_token = first_token;
-    if (prompt_hash != NULL) {
-        memcpy(n->prompt_hash, prompt_hash, sizeof(n->prompt_hash));
-    }
-    pd_list_add_tail(&k->notices, &n->link);
-    kv_ctl_wake(k); /* the engine thread queues notices too: the control thread may be asleep for 50 ms */
 }
 
 /* ------------------------------------------------------------------ staging (host mirror) */
@@ -495,14 +397,12 @@ static pd_status_t read_token(kv_conn_t *k, const char *path)
     return PD_OK;
 }
 
-static void init_lists(kv_conn_t *k)
+/* The engine's wake-up, called by the mailbox after an event is queued. */
+static void wake_engine(void *arg)
 {
-    pd_list_link_t *heads[] = {
-        &k->sched_pending, &k->pushes,  &k->meta_build.loads, &k->peers,  &k->handshakes,
-        &k->dials,         &k->xfers,   &k->handoff,          &k->leases, &k->resvs,
-        &k->jobs,          &k->notices, &k->reports,          &k->aborts, &k->reported};
-    for (size_t i = 0; i < sizeof(heads) / sizeof(heads[0]); i++) {
-        pd_list_head_init(heads[i]);
+    kv_conn_t *k = arg;
+    if (k->pub.wake != NULL) {
+        k->pub.wake(k->pub.wake_arg);
     }
 }
 
@@ -545,15 +445,24 @@ pd_status_t pd_kv_connector_create(const pd_kv_connector_config_t *cfg, pd_metri
     if (k == NULL) {
         return PD_ERR_NO_MEMORY;
     }
+    kv_mb_init(&k->mb); /* destroy is safe after any prefix from here */
+    k->mb.wake = wake_engine;
+    k->mb.wake_arg = k;
+    if ((k->e = calloc(1, sizeof(*k->e))) != NULL) {
+        kv_eng_init(k->e);
+    }
+    if ((k->c = calloc(1, sizeof(*k->c))) != NULL) {
+        kv_ctl_init(k->c);
+    }
+    if (k->e == NULL || k->c == NULL) {
+        pd_kv_connector_destroy(&k->pub);
+        return PD_ERR_NO_MEMORY;
+    }
     k->pub.ops = &KV_OPS;
     k->pub.impl = k;
     k->cfg = *cfg;
     k->is_prefill = prefill;
     k->push = strcmp(cfg->mode, "push") == 0;
-    k->listen_fd = k->wake_fd = -1;
-    init_lists(k);
-    pthread_mutex_init(&k->mu, NULL);
-    pthread_cond_init(&k->cv, NULL);
     char port[16] = "";
     if (sscanf(cfg->listen, "%63[^:]:%15s", k->listen_host, port) != 2 || atoi(port) < 0 ||
         atoi(port) > 65535) {
@@ -635,62 +544,35 @@ pd_status_t pd_kv_connector_start(pd_connector_t *c, const Pd__Fingerprint *fp)
     return kv_ctl_start(k);
 }
 
-bool kv_release_push(kv_conn_t *k, const char *transfer_id)
-{
-    pd_list_link_t *lists[2] = {&k->handoff, &k->xfers};
-    for (int i = 0; i < 2; i++) {
-        kv_xfer_t *x;
-        pd_list_for_each (x, lists[i], link) {
-            if (x->kind == KV_X_PUSH_SAVE && x->state == KV_XS_QUEUED && x->resv == NULL &&
-                strcmp(x->remote_req, transfer_id) == 0) {
-                x->state = KV_XS_DONE; /* no reservation will come */
-                kv_report_sending(k, &x->report);
-                return true;
-            }
-        }
-    }
-    /* the decode (push) or the proxy (pull: its client left) gave up before this prefill finished; its
-     * request_finished holds nothing (bounded: a flood of unknown ids only resets the set) */
-    if (k->released.slots == NULL || k->released.count >= 4096) {
-        pd_strmap_destroy(&k->released);
-        pd_strmap_init(&k->released, 64);
-    }
-    if (pd_strmap_put(&k->released, transfer_id, strlen(transfer_id), 1) != PD_OK) {
-        pd_log_error("kv connector: out of memory remembering the release of %s; its blocks are held until "
-                     "--kv-hold-timeout",
-                     transfer_id);
-        return false;
-    }
-    return true;
-}
-
 bool pd_kv_connector_release(pd_connector_t *c, const char *request_id, uint64_t lease_id,
                              const char *transfer_id)
 {
     kv_conn_t *k = (kv_conn_t *)c;
-    bool done = false;
-    pthread_mutex_lock(&k->mu);
-    kv_lease_t *l;
-    pd_list_for_each (l, &k->leases, link) {
-        bool by_lease = request_id != NULL && l->lease_id == lease_id && strcmp(l->req_id, request_id) == 0;
-        bool by_transfer = transfer_id != NULL && transfer_id[0] && strcmp(l->transfer_id, transfer_id) == 0;
-        if (!l->expired && (by_lease || by_transfer)) {
-            l->expired = true; /* a late READ_DONE is answered STALE */
-            kv_report_sending(k, &l->report);
-            done = true;
-            break;
-        }
+    /* ids are kept whole or not at all: a longer one names nothing held here */
+    bool by_lease = request_id != NULL && strlen(request_id) < PD_REQ_ID_MAX;
+    bool by_transfer = transfer_id != NULL && transfer_id[0] && strlen(transfer_id) < PD_REQ_ID_MAX;
+    if (!by_lease && !by_transfer) {
+        return false;
     }
-    if (!done && transfer_id != NULL && transfer_id[0] && k->is_prefill) {
-        done = kv_release_push(k, transfer_id);
+    kv_release_t *r = calloc(1, sizeof(*r));
+    if (r == NULL) {
+        pd_log_error("kv connector: out of memory releasing %s; its blocks are held until --kv-hold-timeout",
+                     by_lease ? request_id : transfer_id);
+        return false;
     }
-    pthread_mutex_unlock(&k->mu);
-    if (done) {
-        pd_log_info("kv connector: released the KV of %s at the proxy's request (its decode failed or its "
-                    "client left)",
-                    request_id != NULL ? request_id : transfer_id);
-        kv_ctl_wake(k);
+    r->msg.kind = KV_CMD_RELEASE;
+    r->by_lease = by_lease;
+    snprintf(r->request_id, sizeof(r->request_id), "%s", by_lease ? request_id : "");
+    r->lease_id = lease_id;
+    snprintf(r->transfer_id, sizeof(r->transfer_id), "%s", by_transfer ? transfer_id : "");
+    /* the control thread owns the leases: ask it (bounded; a stopped one answers at once) */
+    if (!kv_mb_send(&k->mb, &r->msg, 5.0)) {
+        pd_log_warn("kv connector: the control thread did not answer the release of %s within 5 s",
+                    by_lease ? request_id : transfer_id);
+        return false; /* it frees r when it gets to it */
     }
+    bool done = r->released;
+    free(r);
     return done;
 }
 
@@ -727,7 +609,9 @@ void pd_kv_connector_stop(pd_connector_t *c)
         k->copy.unpin_host(k->copy.ctx, k->region->base); /* before the pipe frees the mirror */
         k->pinned = false;
     }
-    kv_ctl_stop(k);
+    if (k->c != NULL) { /* NULL: create failed before it (nor is there a pipe) */
+        kv_ctl_stop(k);
+    }
 }
 
 void pd_kv_connector_destroy(pd_connector_t *c)
@@ -737,33 +621,11 @@ void pd_kv_connector_destroy(pd_connector_t *c)
     }
     kv_conn_t *k = (kv_conn_t *)c;
     pd_kv_connector_stop(c); /* destroys the pipe: every pending operation completes first */
-    kv_xfer_t *x;
-    while ((x = pd_list_pop_head(&k->sched_pending, kv_xfer_t, link)) != NULL) {
-        kv_xfer_free(x);
+    if (k->e != NULL) {
+        kv_eng_free(k->e);
+        free(k->e);
     }
-    while ((x = pd_list_pop_head(&k->meta_build.loads, kv_xfer_t, link)) != NULL) {
-        kv_xfer_free(x);
-    }
-    free(k->meta_build.saves);
-    kv_push_t *p;
-    while ((p = pd_list_pop_head(&k->pushes, kv_push_t, link)) != NULL) {
-        free(p);
-    }
-    free(k->rep_sending), free(k->rep_recving), free(k->rep_first);
-    pd_list_link_t *reports[2] = {&k->reports, &k->reported};
-    for (int i = 0; i < 2; i++) {
-        kv_report_t *r;
-        while ((r = pd_list_pop_head(reports[i], kv_report_t, link)) != NULL) {
-            kv_report_free(r);
-        }
-    }
-    if (k->stage_failed.slots != NULL) {
-        pd_strmap_destroy(&k->stage_failed);
-    }
-    if (k->released.slots != NULL) {
-        pd_strmap_destroy(&k->released);
-    }
-    pthread_mutex_destroy(&k->mu);
-    pthread_cond_destroy(&k->cv);
+    free(k->c);
+    kv_mb_destroy(&k->mb);
     free(k);
 }

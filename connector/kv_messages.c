@@ -1,6 +1,6 @@
 /* connector/kv_messages.c — what the control thread does with each control message a peer
  * sends (regions, reservations, READ_DONE / ACK, WRITE_DONE, ABORT, heartbeats). Control thread,
- * mu held. Every id a peer names is validated before use. */
+ * Every id a peer names is validated before use. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -19,7 +19,7 @@
 #include "common/log.h"
 #include "common/sha256.h"
 #include "common/time.h"
-#include "connector/kv_internal.h"
+#include "connector/kv_ctl.h"
 
 static kv_xfer_t *find_waiting(kv_conn_t *k, kv_peer_t *p, kv_xfer_kind_t kind, const char *rid,
                                uint64_t lease);
@@ -32,7 +32,7 @@ static kv_xfer_t *find_waiting(kv_conn_t *k, kv_peer_t *p, kv_xfer_kind_t kind, 
                                uint64_t lease)
 {
     kv_xfer_t *x;
-    pd_list_for_each (x, &k->xfers, link) {
+    pd_list_for_each (x, &k->c->xfers, link) {
         if (x->kind == kind && x->state == KV_XS_WAIT_PEER && x->peer == p && x->lease_id == lease &&
             strcmp(x->remote_req, rid) == 0) {
             return x;
@@ -50,14 +50,30 @@ static void send_ack(kv_conn_t *k, kv_peer_t *p, const char *rid, uint64_t lease
     kv_peer_send(k, p, PD_MSG_TRANSFER_ACK, &a.base);
 }
 
+/* The lease request_id holds under lease_id (expired ones too: they answer STALE), or NULL. A
+ * lease is granted by a command: one not found yet may be waiting in the mailbox (the decode read
+ * and answered faster than this loop took it), so the commands are taken before giving up. */
+static kv_lease_t *find_lease(kv_conn_t *k, const char *request_id, uint64_t lease_id)
+{
+    for (int pass = 0; pass < 2; pass++) {
+        kv_lease_t *l;
+        pd_list_for_each (l, &k->c->leases, link) {
+            if (l->lease_id == lease_id && request_id != NULL && strcmp(l->req_id, request_id) == 0) {
+                return l;
+            }
+        }
+        if (pass == 0) {
+            kv_ctl_commands(k);
+        }
+    }
+    return NULL;
+}
+
 static void on_read_done_msg(kv_conn_t *k, kv_peer_t *p, const Pd__ReadDone *m)
 {
     double now = pd_time_now_s();
-    kv_lease_t *l;
-    pd_list_for_each (l, &k->leases, link) {
-        if (l->lease_id != m->lease_id || strcmp(l->req_id, m->request_id) != 0) {
-            continue;
-        }
+    kv_lease_t *l = find_lease(k, m->request_id, m->lease_id);
+    if (l != NULL) {
         if (l->expired || now > l->expires) {
             send_ack(k, p, m->request_id, m->lease_id, PD__TRANSFER_ACK__RESULT__STALE);
             pd_metric_inc(k->m.stale, 1);
@@ -72,6 +88,19 @@ static void on_read_done_msg(kv_conn_t *k, kv_peer_t *p, const Pd__ReadDone *m)
     }
     send_ack(k, p, m->request_id, m->lease_id, PD__TRANSFER_ACK__RESULT__UNKNOWN);
     pd_metric_inc(k->m.stale, 1);
+}
+
+/* A reservation record with room for n block ids and its KV_EV_RESV_GONE; NULL when out of memory. */
+static kv_resv_t *resv_new(size_t n)
+{
+    kv_resv_t *rv = calloc(1, sizeof(*rv));
+    if (rv == NULL || (rv->blocks = malloc((n ? n : 1) * sizeof(uint32_t))) == NULL ||
+        (rv->gone = calloc(1, sizeof(*rv->gone))) == NULL) {
+        kv_resv_free(rv);
+        return NULL;
+    }
+    rv->gone->msg.kind = KV_EV_RESV_GONE;
+    return rv;
 }
 
 static void on_reservation(kv_conn_t *k, kv_peer_t *p, const Pd__Reservation *m)
@@ -91,7 +120,7 @@ static void on_reservation(kv_conn_t *k, kv_peer_t *p, const Pd__Reservation *m)
         }
         kv_resv_t *rv;
         uint64_t held = 0; /* block ids this peer's open reservations name */
-        pd_list_for_each (rv, &k->resvs, link) {
+        pd_list_for_each (rv, &k->c->resvs, link) {
             if (why == NULL && !rv->released && strcmp(rv->transfer_id, m->request_id) == 0) {
                 why = "duplicate transfer id";
             }
@@ -104,12 +133,16 @@ static void on_reservation(kv_conn_t *k, kv_peer_t *p, const Pd__Reservation *m)
             why = "more blocks reserved than the decode's KV cache holds";
         }
     }
-    kv_resv_t *rv = why == NULL ? calloc(1, sizeof(*rv)) : NULL;
-    if (rv != NULL &&
-        (rv->blocks = malloc((m->n_block_ids ? m->n_block_ids : 1) * sizeof(uint32_t))) == NULL) {
-        free(rv);
+    /* the record, the engine's copy and its end, all or nothing: an emit cannot fail */
+    kv_resv_t *rv = why == NULL ? resv_new(m->n_block_ids) : NULL;
+    kv_offer_t *o = rv != NULL ? calloc(1, sizeof(*o)) : NULL;
+    if (o != NULL && (o->blocks = malloc((m->n_block_ids ? m->n_block_ids : 1) * sizeof(uint32_t))) == NULL) {
+        kv_offer_free(o);
+        o = NULL;
+    }
+    if (rv != NULL && o == NULL) {
+        kv_resv_free(rv);
         rv = NULL;
-        why = "out of memory";
     }
     if (rv == NULL) {
         pd_log_warn("kv connector: rejected a reservation from %s: %s", p->engine_id,
@@ -131,7 +164,20 @@ static void on_reservation(kv_conn_t *k, kv_peer_t *p, const Pd__Reservation *m)
     rv->skip_blocks = (int32_t)m->skip_blocks;
     rv->num_tokens = (int32_t)m->num_tokens;
     rv->expires = pd_time_now_s() + k->cfg.hold_timeout;
-    pd_list_add_tail(&k->resvs, &rv->link);
+    rv->id = k->c->next_resv_id++;
+    rv->gone->resv_id = rv->id;
+    pd_list_add_tail(&k->c->resvs, &rv->link);
+    o->msg.kind = KV_EV_OFFER;
+    o->resv_id = rv->id;
+    snprintf(o->transfer_id, sizeof(o->transfer_id), "%s", rv->transfer_id);
+    if (m->n_block_ids > 0) {
+        memcpy(o->blocks, rv->blocks, m->n_block_ids * sizeof(uint32_t));
+    }
+    o->num_blocks = rv->num_blocks;
+    o->skip_blocks = rv->skip_blocks;
+    o->page_bytes = p->geom.page_bytes;
+    memcpy(o->layer_offset, p->geom.layer_offset, sizeof(o->layer_offset));
+    kv_mb_emit(&k->mb, &o->msg);
 }
 
 void kv_on_message(kv_conn_t *k, kv_peer_t *p, const pd_ctl_msg_t *msg)
@@ -199,15 +245,12 @@ void kv_on_message(kv_conn_t *k, kv_peer_t *p, const pd_ctl_msg_t *msg)
     }
     case PD_MSG_ABORT: {
         const Pd__Abort *a = (const Pd__Abort *)msg->msg;
-        kv_lease_t *l;
-        bool lease = false;
-        pd_list_for_each (l, &k->leases, link) {
-            if (!l->expired && l->lease_id == a->lease_id && strcmp(l->req_id, a->request_id) == 0) {
-                l->expired = true;
-                l->expires = pd_time_now_s();
-                kv_report_sending(k, &l->report);
-                lease = true;
-            }
+        kv_lease_t *l = k->is_prefill ? find_lease(k, a->request_id, a->lease_id) : NULL;
+        bool lease = l != NULL;
+        if (l != NULL && !l->expired) {
+            l->expired = true;
+            l->expires = pd_time_now_s();
+            kv_report_sending(k, &l->report);
         }
         if (!lease && k->is_prefill && k->push && a->request_id != NULL && a->request_id[0] &&
             strlen(a->request_id) < PD_REQ_ID_MAX) {

@@ -1,7 +1,6 @@
 /* connector/kv_peers.c — the control thread's peers: the listener's pending handshakes and our
  * dials (non-blocking, one frame at a time, a deadline each), authenticated peers and their region
- * exchange, the per-peer output queue, reading frames, and a peer's death. Control thread only;
- * functions that touch peers, transfers or reservations run with mu held unless they say not. */
+ * exchange, the per-peer output queue, reading frames, and a peer's death. Control thread. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -20,7 +19,7 @@
 #include "common/array.h"
 #include "common/log.h"
 #include "common/time.h"
-#include "connector/kv_internal.h"
+#include "connector/kv_ctl.h"
 
 #define KV_MAX_BACKLOG (4u << 20) /* control bytes queued to a peer that does not read */
 
@@ -37,7 +36,7 @@ static int count_ready(const kv_conn_t *k)
 {
     int n = 0;
     const kv_peer_t *p;
-    pd_list_for_each (p, &k->peers, link) {
+    pd_list_for_each (p, &k->c->peers, link) {
         n += p->state == KV_PEER_READY;
     }
     return n;
@@ -112,18 +111,15 @@ void kv_peer_dead(kv_conn_t *k, kv_peer_t *p, const char *why)
     }
     /* transfers not on the pipe fail now; posted ones fail through their completions */
     kv_xfer_t *x;
-    pd_list_for_each (x, &k->xfers, link) {
+    pd_list_for_each (x, &k->c->xfers, link) {
         if (x->peer == p && x->state != KV_XS_POSTED && x->state != KV_XS_DONE) {
             kv_fail_xfer(k, x, why);
         }
     }
     kv_resv_t *rv;
-    pd_list_for_each (rv, &k->resvs, link) {
+    pd_list_for_each (rv, &k->c->resvs, link) {
         if (rv->peer == p) {
-            rv->dead = true;
-            if (!rv->taken) {
-                rv->released = true;
-            }
+            kv_resv_end(k, rv, true);
         }
     }
 }
@@ -243,7 +239,7 @@ static kv_peer_t *peer_new(kv_conn_t *k, int fd, pd_ctl_reader_t *rd, const char
     snprintf(p->engine_id, sizeof(p->engine_id), "%s", engine_id);
     p->state = KV_PEER_WAIT_REGIONS;
     p->since = p->last_rx = p->last_hb = pd_time_now_s();
-    pd_list_add_tail(&k->peers, &p->link);
+    pd_list_add_tail(&k->c->peers, &p->link);
     if (send_regions(k, p) != PD_OK) {
         kv_peer_dead(k, p, "cannot export our KV region");
     }
@@ -275,7 +271,7 @@ static int dial_tcp(const char *host, int port)
 kv_dial_t *kv_find_dial(kv_conn_t *k, const char *addr)
 {
     kv_dial_t *d;
-    pd_list_for_each (d, &k->dials, link) {
+    pd_list_for_each (d, &k->c->dials, link) {
         if (strcmp(d->addr, addr) == 0) {
             return d;
         }
@@ -283,7 +279,7 @@ kv_dial_t *kv_find_dial(kv_conn_t *k, const char *addr)
     return NULL;
 }
 
-/* Starts dialling addr ("host:port"); false when that failed at once (logged). mu held. */
+/* Starts dialling addr ("host:port"); false when that failed at once (logged). */
 bool kv_dial_start(kv_conn_t *k, const char *addr)
 {
     char host[64];
@@ -308,18 +304,18 @@ bool kv_dial_start(kv_conn_t *k, const char *addr)
     pd_ctl_client_hs_init(&d->hs);
     d->started = pd_time_now_s();
     d->deadline = d->started + k->cfg.handshake_timeout;
-    pd_list_add_tail(&k->dials, &d->link);
+    pd_list_add_tail(&k->c->dials, &d->link);
     return true;
 }
 
-/* Dial d failed: its queued transfers fail (they will not find a peer), it goes. mu held. */
+/* Dial d failed: its queued transfers fail (they will not find a peer), it goes. */
 static void dial_fail(kv_conn_t *k, kv_dial_t *d, const char *why)
 {
     pd_list_del(&d->link);
     pd_log_error("kv connector: handshake with %s failed: %s", d->addr, why);
     pd_metric_inc(k->m.handshakes_failed, 1);
     kv_xfer_t *y;
-    pd_list_for_each (y, &k->xfers, link) {
+    pd_list_for_each (y, &k->c->xfers, link) {
         if (y->state == KV_XS_QUEUED && y->peer == NULL && strcmp(y->dial, d->addr) == 0) {
             kv_fail_xfer(k, y, "cannot connect to the prefill");
         }
@@ -331,7 +327,7 @@ static void dial_fail(kv_conn_t *k, kv_dial_t *d, const char *why)
 }
 
 /* Dial d's socket is ready: finish the connect and send the Hello, or take the server's frames;
- * an authenticated server becomes a kv_peer_t (d leaves the dials and is freed). mu held. */
+ * an authenticated server becomes a kv_peer_t (d leaves the dials and is freed). */
 void kv_dial_io(kv_conn_t *k, kv_dial_t *d)
 {
     char reason[256] = "";
@@ -392,12 +388,12 @@ void kv_dial_io(kv_conn_t *k, kv_dial_t *d)
     free(d);
 }
 
-/* Dials past their deadline fail. mu held. */
+/* Dials past their deadline fail. */
 void kv_dial_expire(kv_conn_t *k)
 {
     double now = pd_time_now_s();
     kv_dial_t *d, *tmp;
-    pd_list_for_each_safe (d, tmp, &k->dials, link) {
+    pd_list_for_each_safe (d, tmp, &k->c->dials, link) {
         if (d->deadline <= now) {
             dial_fail(k, d, "timed out waiting for the peer");
         }
@@ -416,7 +412,7 @@ void kv_hs_free(kv_hs_t *h)
 static void hs_drop(kv_conn_t *k, kv_hs_t *h, const char *why)
 {
     pd_list_del(&h->link);
-    k->num_handshakes--;
+    k->c->num_handshakes--;
     pd_log_warn("kv connector: refused a peer: %s", why);
     pd_metric_inc(k->m.handshakes_failed, 1);
     kv_hs_free(h);
@@ -425,18 +421,18 @@ static void hs_drop(kv_conn_t *k, kv_hs_t *h, const char *why)
 /* A new connection on the listener joins the pending handshakes (never waits for its bytes). */
 void kv_accept_peer(kv_conn_t *k)
 {
-    int fd = accept4(k->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+    int fd = accept4(k->c->listen_fd, NULL, NULL, SOCK_CLOEXEC);
     if (fd < 0) {
         if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
             /* the listener stays readable: leave it out of the poll set for a while (poll_build)
              * instead of spinning on the error */
-            if (pd_time_now_s() - k->accept_logged > 10) { /* once per episode */
+            if (pd_time_now_s() - k->c->accept_logged > 10) { /* once per episode */
                 pd_log_warn("kv connector: cannot accept a control connection (%s); pausing accepts for "
                             "100 ms at a time",
                             strerror(errno));
-                k->accept_logged = pd_time_now_s();
+                k->c->accept_logged = pd_time_now_s();
             }
-            k->accept_resume = pd_time_now_s() + 0.1;
+            k->c->accept_resume = pd_time_now_s() + 0.1;
         }
         return;
     }
@@ -451,9 +447,9 @@ void kv_accept_peer(kv_conn_t *k)
     pd_ctl_reader_init(&h->rd, 0);
     pd_ctl_server_hs_init(&h->hs);
     h->deadline = pd_time_now_s() + k->cfg.handshake_timeout;
-    pd_list_add_tail(&k->handshakes, &h->link);
-    if (++k->num_handshakes > KV_MAX_HANDSHAKES) {
-        hs_drop(k, pd_list_head(&k->handshakes, kv_hs_t, link),
+    pd_list_add_tail(&k->c->handshakes, &h->link);
+    if (++k->c->num_handshakes > KV_MAX_HANDSHAKES) {
+        hs_drop(k, pd_list_head(&k->c->handshakes, kv_hs_t, link),
                 "too many connections in the handshake (the oldest is dropped)");
     }
 }
@@ -484,11 +480,9 @@ void kv_hs_read(kv_conn_t *k, kv_hs_t *h)
         return;
     }
     pd_list_del(&h->link);
-    k->num_handshakes--;
+    k->c->num_handshakes--;
     const Pd__Identity *m = pd_ctl_peer_identity(&hello); /* checked by the handshake */
-    pthread_mutex_lock(&k->mu);
     kv_peer_t *p = peer_new(k, h->fd, &h->rd, "", m, h->hs.session);
-    pthread_mutex_unlock(&k->mu);
     if (p == NULL) {
         pd_metric_inc(k->m.handshakes_failed, 1);
         kv_hs_free(h);
@@ -516,7 +510,7 @@ void kv_hs_expire(kv_conn_t *k)
 {
     double now = pd_time_now_s();
     kv_hs_t *h, *tmp;
-    pd_list_for_each_safe (h, tmp, &k->handshakes, link) {
+    pd_list_for_each_safe (h, tmp, &k->c->handshakes, link) {
         if (h->deadline <= now) {
             hs_drop(k, h, "handshake: timed out waiting for the peer");
         }
@@ -526,7 +520,7 @@ void kv_hs_expire(kv_conn_t *k)
 kv_peer_t *kv_find_peer(kv_conn_t *k, const char *dial)
 {
     kv_peer_t *p;
-    pd_list_for_each (p, &k->peers, link) {
+    pd_list_for_each (p, &k->c->peers, link) {
         if (p->state != KV_PEER_DEAD && strcmp(p->dial, dial) == 0) {
             return p;
         }

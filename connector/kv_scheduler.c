@@ -14,11 +14,10 @@
 #include "common/log.h"
 #include "common/time.h"
 #include "connector/kv_connector.h"
-#include "connector/kv_internal.h"
+#include "connector/kv_engine.h"
 #include "scheduler/scheduler.h"
 
 static bool remote_prefill_ok(const kv_conn_t *k, const pd_request_t *req, const json_t *p);
-static bool cancel_load(kv_conn_t *k, const char *req_id);
 static bool finished_decode(kv_conn_t *k, pd_request_t *req, void **params_out);
 static bool finished_push(kv_conn_t *k, pd_request_t *req, const uint32_t *block_ids, int32_t num_blocks,
                           bool ok);
@@ -130,10 +129,14 @@ pd_status_t kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, co
     }
     kv_xfer_t *x = calloc(1, sizeof(*x));
     if (x == NULL || (x->report = kv_report_new(req->id, true)) == NULL ||
+        (x->cancel = calloc(1, sizeof(*x->cancel))) == NULL ||
         json_object_set_new(p, "do_remote_prefill", json_false()) != 0) { /* loaded at most once */
         goto err_nomem;
     }
     bool push = kv_wants_push(k, p);
+    x->msg.kind = KV_CMD_LOAD;
+    x->cancel->msg.kind = KV_CMD_CANCEL;
+    snprintf(x->cancel->req_id, sizeof(x->cancel->req_id), "%s", req->id);
     x->kind = push ? KV_X_PUSH_LOAD : KV_X_PULL_LOAD;
     snprintf(x->req_id, sizeof(x->req_id), "%s", req->id);
     snprintf(x->remote_req, sizeof(x->remote_req), "%s",
@@ -170,7 +173,7 @@ pd_status_t kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, co
     }
     x->started = pd_time_now_s();
     x->deadline = x->started + k->cfg.load_timeout;
-    pd_list_add_tail(&k->sched_pending, &x->link);
+    pd_list_add_tail(&k->e->sched_pending, &x->link);
     return PD_OK;
 
 err_nomem:
@@ -182,8 +185,8 @@ err_nomem:
 void *kv_build_connector_meta(pd_connector_t *c, const pd_scheduler_output_t *out)
 {
     kv_conn_t *k = (kv_conn_t *)c;
-    kv_meta_t *m = &k->meta_build;
-    pd_list_splice_tail(&m->loads, &k->sched_pending);
+    kv_meta_t *m = &k->e->meta_build;
+    pd_list_splice_tail(&m->loads, &k->e->sched_pending);
     m->num_saves = 0;
     m->incomplete = false;
     if (!k->is_prefill) {
@@ -217,45 +220,51 @@ void *kv_build_connector_meta(pd_connector_t *c, const pd_scheduler_output_t *ou
     return m;
 }
 
-/* Decode: a load of req that has not finished; marks it cancelled. Returns whether blocks may
- * still be written or read by the peer (delay free). mu held. */
-static bool cancel_load(kv_conn_t *k, const char *req_id)
-{
-    pd_list_link_t *lists[2] = {&k->handoff, &k->xfers};
-    for (int l = 0; l < 2; l++) {
-        kv_xfer_t *x;
-        pd_list_for_each (x, lists[l], link) {
-            if (x->kind != KV_X_PUSH_SAVE && strcmp(x->req_id, req_id) == 0 && x->state != KV_XS_DONE) {
-                x->cancelled = true;
-                return true;
-            }
-        }
-    }
-    return false;
-}
-
-/* Decode: a load not yet handed over dies with the request; one in flight keeps the blocks. */
+/* Decode: a load not yet handed over dies with the request; one sent keeps the blocks until
+ * get_finished reports it (the control thread ends it as cancelled, or it had ended already). */
 static bool finished_decode(kv_conn_t *k, pd_request_t *req, void **params_out)
 {
+    bool hold = false;
     kv_xfer_t *x;
-    pd_list_for_each (x, &k->sched_pending, link) {
+    pd_list_for_each (x, &k->e->sched_pending, link) {
         if (strcmp(x->req_id, req->id) == 0) {
             pd_list_del(&x->link);
             kv_xfer_free(x);
             break;
         }
     }
-    pthread_mutex_lock(&k->mu);
-    bool hold = cancel_load(k, req->id);
-    pthread_mutex_unlock(&k->mu);
+    kv_cancel_t *cn;
+    pd_list_for_each (cn, &k->e->loading, msg.link) {
+        if (strcmp(cn->req_id, req->id) == 0) {
+            pd_list_del(&cn->msg.link);
+            kv_mb_send(&k->mb, &cn->msg, 0);
+            hold = true;
+            break;
+        }
+    }
     if (req->kv_transfer_params != NULL) {
         *params_out = json_null(); /* a decode hands nothing on (as vLLM's decode answers) */
     }
     return hold;
 }
 
+/* Prefill, push: the stream of ps ends with status (its WRITE_DONE; the control thread ends the
+ * reservation). */
+static void push_end(kv_conn_t *k, kv_push_t *ps, int32_t status, int32_t first, const uint8_t hash[32])
+{
+    kv_notice_t *n = ps->done;
+    ps->done = NULL;
+    n->resv_id = ps->offer->resv_id;
+    n->status = status;
+    n->first_token = first;
+    memcpy(n->prompt_hash, hash, sizeof(n->prompt_hash));
+    pd_metric_inc(status == 0 ? k->m.completed[KV_X_PUSH_SAVE] : k->m.failed[KV_X_PUSH_SAVE], 1);
+    kv_mb_send(&k->mb, &n->msg, 0);
+}
+
 /* Prefill, push: a streamed request tells the decode it is complete (or died); one whose
- * reservation is late keeps its blocks and becomes a whole-prompt write for the control thread. */
+ * reservation is late keeps its blocks and becomes a whole-prompt write for the control thread
+ * (which frees them at once when the proxy or the decode released its transfer id meanwhile). */
 static bool finished_push(kv_conn_t *k, pd_request_t *req, const uint32_t *block_ids, int32_t num_blocks,
                           bool ok)
 {
@@ -268,21 +277,15 @@ static bool finished_push(kv_conn_t *k, pd_request_t *req, const uint32_t *block
                         : -1;
     uint8_t hash[32]; /* the decode checks it names its own prompt */
     kv_prompt_hash(req->tokens, req->num_prompt_tokens, hash);
-    pthread_mutex_lock(&k->mu);
-    if (ps != NULL && ps->resv != NULL && (ps->streaming || !ok)) {
+    if (ps != NULL && ps->offer != NULL && (ps->streaming || !ok)) {
         /* every layer of every step was written (or the request died): tell the decode */
-        int32_t status = ok && !ps->failed ? 0 : (ok ? PD_ERR_IO : PD_ERR_CANCELLED);
-        kv_notice(k, PD_MSG_WRITE_DONE, ps->resv->peer, ps->transfer_id, ps->resv->lease_id, status, first,
-                  hash);
-        ps->resv->released = true;
-        pd_metric_inc(status == 0 ? k->m.completed[KV_X_PUSH_SAVE] : k->m.failed[KV_X_PUSH_SAVE], 1);
-    } else if (tid != NULL && k->released.slots != NULL &&
-               pd_strmap_del(&k->released, tid, strlen(tid), NULL) == 1) {
-        /* the proxy released it: its decode refused the request, no reservation will come */
-    } else if (ok && tid != NULL && num_blocks > 0) {
+        push_end(k, ps, ok && !ps->failed && !ps->offer->gone ? 0 : (ok ? PD_ERR_IO : PD_ERR_CANCELLED),
+                 first, hash);
+    } else if (ok && tid != NULL && tid[0] != '\0' && strlen(tid) < PD_REQ_ID_MAX && num_blocks > 0) {
         kv_xfer_t *x = calloc(1, sizeof(*x));
         if (x != NULL && (x->local_blocks = malloc((size_t)num_blocks * sizeof(uint32_t))) != NULL &&
             (x->report = kv_report_new(req->id, false)) != NULL) {
+            x->msg.kind = KV_CMD_PUSH_SAVE;
             x->kind = KV_X_PUSH_SAVE;
             snprintf(x->req_id, sizeof(x->req_id), "%s", req->id);
             snprintf(x->remote_req, sizeof(x->remote_req), "%s", tid);
@@ -294,11 +297,11 @@ static bool finished_push(kv_conn_t *k, pd_request_t *req, const uint32_t *block
             memcpy(x->prompt_hash, hash, sizeof(hash));
             x->started = pd_time_now_s();
             x->deadline = x->started + k->cfg.hold_timeout;
-            if (ps != NULL && ps->resv != NULL) {
-                ps->resv->taken = false; /* the transfer takes it over */
-                x->start_counted = true; /* as the stream's continuation */
+            if (ps != NULL && ps->offer != NULL) {
+                x->resv_id = ps->offer->resv_id; /* the transfer takes it over */
+                x->start_counted = true;         /* as the stream's continuation */
             }
-            pd_list_add_tail(&k->handoff, &x->link);
+            kv_mb_send(&k->mb, &x->msg, 0);
             hold = true;
         } else { /* its blocks are freed now; the decode's load times out (its failure policy runs) */
             pd_log_error("kv connector: request %s: out of memory holding its KV for a late reservation",
@@ -306,11 +309,10 @@ static bool finished_push(kv_conn_t *k, pd_request_t *req, const uint32_t *block
             kv_xfer_free(x);
         }
     }
-    pthread_mutex_unlock(&k->mu);
-    free(ps);
-    if (hold) {
-        kv_ctl_wake(k);
+    if (!hold && ps != NULL && ps->offer != NULL && ps->done != NULL) {
+        push_end(k, ps, PD_ERR_NO_MEMORY, -1, hash); /* nothing will write into its reservation */
     }
+    kv_push_free(ps);
     return hold;
 }
 
@@ -327,8 +329,11 @@ static bool finished_pull(kv_conn_t *k, pd_request_t *req, const uint32_t *block
         kv_lease_free(l);
         return false;
     }
+    l->msg.kind = KV_CMD_LEASE;
     snprintf(l->req_id, sizeof(l->req_id), "%s", req->id);
-    snprintf(l->transfer_id, sizeof(l->transfer_id), "%s", tid != NULL ? tid : "");
+    /* (an id too long to keep whole names no lease: a release by a truncated one could match another) */
+    snprintf(l->transfer_id, sizeof(l->transfer_id), "%s",
+             tid != NULL && strlen(tid) < PD_REQ_ID_MAX ? tid : "");
     l->lease_id = kv_random_u52();
     l->expires = pd_time_now_s() + k->cfg.hold_timeout;
     json_t *blocks = json_array();
@@ -359,22 +364,9 @@ static bool finished_pull(kv_conn_t *k, pd_request_t *req, const uint32_t *block
         kv_lease_free(l);
         return false;
     }
-    /* the release check and the lease in one critical section: a POST /pd/release by transfer id
-     * either finds the lease or is found here (apart, a release between them was lost: 9 blocks held
-     * after 40 early hang-ups under TSan) */
-    pthread_mutex_lock(&k->mu);
-    bool released = tid != NULL && tid[0] != '\0' && k->released.slots != NULL &&
-                    pd_strmap_del(&k->released, tid, strlen(tid), NULL) == 1;
-    if (!released) {
-        pd_list_add_tail(&k->leases, &l->link);
-    }
-    pthread_mutex_unlock(&k->mu);
-    if (released) { /* the proxy gave it up while it ran (its client left): hold nothing */
-        pd_log_info("kv connector: request %s: released by the proxy before it finished; no lease", req->id);
-        json_decref(out);
-        kv_lease_free(l);
-        return false;
-    }
+    /* the control thread checks that the proxy did not release its transfer id while it ran (then
+     * it frees the blocks at once); in one thread, a release either finds the lease or is found */
+    kv_mb_send(&k->mb, &l->msg, 0);
     pd_metric_inc(k->m.leases_held, 1);
     *params_out = out;
     return true;

@@ -20,7 +20,7 @@
 
 #include "common/log.h"
 #include "common/sha256.h"
-#include "connector/kv_internal.h"
+#include "connector/kv_conn.h"
 
 void kv_prompt_hash(const int32_t *tokens, int32_t n, uint8_t out[32])
 {

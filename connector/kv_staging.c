@@ -12,7 +12,7 @@
 #include "common/log.h"
 #include "common/time.h"
 #include "connector/kv_connector.h"
-#include "connector/kv_internal.h"
+#include "connector/kv_engine.h"
 #include "scheduler/scheduler.h"
 
 static int32_t stage_ranges(const kv_conn_t *k, int32_t l0, int32_t l1, const uint32_t *list, int32_t e0,
@@ -89,8 +89,8 @@ pd_status_t kv_stage_save_layer(kv_conn_t *k, const kv_save_item_t *s, int32_t l
 /* Pull-mode requests whose staging failed (engine thread): request_finished offers no KV. */
 pd_status_t kv_stage_failed_add(kv_conn_t *k, const char *req_id)
 {
-    if ((k->stage_failed.slots == NULL && pd_strmap_init(&k->stage_failed, 16) != PD_OK) ||
-        pd_strmap_put(&k->stage_failed, req_id, strlen(req_id), 1) != PD_OK) {
+    if ((k->e->stage_failed.slots == NULL && pd_strmap_init(&k->e->stage_failed, 16) != PD_OK) ||
+        pd_strmap_put(&k->e->stage_failed, req_id, strlen(req_id), 1) != PD_OK) {
         /* unrecorded, its request would offer a mirror that lacks its pages: fail the step */
         pd_log_error("kv connector: request %s: out of memory recording that its KV was not staged", req_id);
         return PD_ERR_NO_MEMORY;
@@ -100,14 +100,14 @@ pd_status_t kv_stage_failed_add(kv_conn_t *k, const char *req_id)
 
 bool kv_stage_failed_take(kv_conn_t *k, const char *req_id)
 {
-    return k->stage_failed.slots != NULL &&
-           pd_strmap_del(&k->stage_failed, req_id, strlen(req_id), NULL) == 1;
+    return k->e->stage_failed.slots != NULL &&
+           pd_strmap_del(&k->e->stage_failed, req_id, strlen(req_id), NULL) == 1;
 }
 
 void kv_stage_finish_loads(kv_conn_t *k, pd_list_link_t *reports)
 {
     kv_report_t *rep;
-    pd_list_for_each (rep, reports, link) {
+    pd_list_for_each (rep, reports, msg.link) {
         if (!rep->staged || rep->failed) {
             continue;
         }

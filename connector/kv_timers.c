@@ -1,5 +1,5 @@
 /* connector/kv_timers.c — the connector's deadlines, one sweep per list: peers' heartbeats and
- * silence, transfers' load and hold timeouts, leases, reservations. Control thread, mu held. */
+ * silence, transfers' load and hold timeouts, leases, reservations. Control thread. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -17,7 +17,7 @@
 
 #include "common/log.h"
 #include "common/time.h"
-#include "connector/kv_internal.h"
+#include "connector/kv_ctl.h"
 
 /* Peers: no Regions within the handshake timeout or silent for heartbeat_interval × misses → dead;
  * a heartbeat to every live peer each interval. */
@@ -25,7 +25,7 @@ static void sweep_peers(kv_conn_t *k, double now)
 {
     double dead_after = k->cfg.heartbeat_interval * k->cfg.heartbeat_misses;
     kv_peer_t *p;
-    pd_list_for_each (p, &k->peers, link) {
+    pd_list_for_each (p, &k->c->peers, link) {
         if (p->state == KV_PEER_DEAD) {
             continue;
         }
@@ -58,7 +58,7 @@ static void sweep_peers(kv_conn_t *k, double now)
 static void sweep_xfer_deadlines(kv_conn_t *k, double now)
 {
     kv_xfer_t *x;
-    pd_list_for_each (x, &k->xfers, link) {
+    pd_list_for_each (x, &k->c->xfers, link) {
         if (x->state == KV_XS_DONE || now < x->deadline) {
             continue;
         }
@@ -90,7 +90,7 @@ static void sweep_leases(kv_conn_t *k, double now)
 {
     int held = 0;
     kv_lease_t *l, *tmp;
-    pd_list_for_each_safe (l, tmp, &k->leases, link) {
+    pd_list_for_each_safe (l, tmp, &k->c->leases, link) {
         if (!l->expired && now > l->expires) {
             pd_log_warn("kv connector: request %s: lease expired before a decode read it; freeing its blocks",
                         l->req_id);
@@ -116,7 +116,7 @@ static void sweep_reservations(kv_conn_t *k, double now)
 {
     int live = 0;
     kv_resv_t *rv, *tmp;
-    pd_list_for_each_safe (rv, tmp, &k->resvs, link) {
+    pd_list_for_each_safe (rv, tmp, &k->c->resvs, link) {
         if (!rv->taken && !rv->released && now > rv->expires) {
             pd_log_warn("kv connector: reservation %s expired without a matching prefill request",
                         rv->transfer_id);
@@ -125,12 +125,11 @@ static void sweep_reservations(kv_conn_t *k, double now)
             wd.lease_id = rv->lease_id;
             wd.status = PD_ERR_TIMEOUT;
             kv_peer_send(k, rv->peer, PD_MSG_WRITE_DONE, &wd.base);
-            rv->released = true;
+            kv_resv_end(k, rv, false);
         }
         if (rv->released && !rv->taken && (!rv->dead || now > rv->expires)) {
             pd_list_del(&rv->link);
-            free(rv->blocks);
-            free(rv);
+            kv_resv_free(rv);
         } else {
             live += !rv->released;
         }
@@ -142,11 +141,11 @@ static void sweep_reservations(kv_conn_t *k, double now)
 static void sweep_done_xfers(kv_conn_t *k)
 {
     kv_xfer_t *x, *tmp;
-    pd_list_for_each_safe (x, tmp, &k->xfers, link) {
+    pd_list_for_each_safe (x, tmp, &k->c->xfers, link) {
         if (x->state == KV_XS_DONE) {
             if (x->resv != NULL) {
                 x->resv->taken = false;
-                x->resv->released = true;
+                kv_resv_end(k, x->resv, false);
             }
             pd_list_del(&x->link);
             kv_xfer_free(x);
@@ -154,40 +153,27 @@ static void sweep_done_xfers(kv_conn_t *k)
     }
 }
 
-/* Whether a transfer or a queued write job of peer p may still address its imported region. */
+/* Whether a transfer of peer p may still address its imported region. */
 static bool peer_region_used(kv_conn_t *k, const kv_peer_t *p)
 {
     const kv_xfer_t *x;
-    pd_list_for_each (x, &k->xfers, link) {
+    pd_list_for_each (x, &k->c->xfers, link) {
         if (x->peer == p) {
             return true;
         }
     }
-    const kv_write_job_t *j;
-    pd_list_for_each (j, &k->jobs, link) {
-        if (j->peer == p) {
-            return true;
-        }
-    }
-    return false;
+    return false; /* (write jobs are posted as they arrive: none waits with a peer) */
 }
 
-/* Whether anything still points at peer p: a transfer, a write job (peer_region_used), a
- * reservation or a notice. */
+/* Whether anything still points at peer p: a transfer (peer_region_used) or a reservation. */
 static bool peer_referenced(kv_conn_t *k, const kv_peer_t *p)
 {
     if (peer_region_used(k, p)) {
         return true;
     }
     const kv_resv_t *rv;
-    pd_list_for_each (rv, &k->resvs, link) {
+    pd_list_for_each (rv, &k->c->resvs, link) {
         if (rv->peer == p) {
-            return true;
-        }
-    }
-    const kv_notice_t *n;
-    pd_list_for_each (n, &k->notices, link) {
-        if (n->peer == p) {
             return true;
         }
     }
@@ -204,9 +190,10 @@ static void sweep_dead_peers(kv_conn_t *k)
 {
     kv_peer_t *p, *tmp;
     int64_t imported = 0;
-    pd_list_for_each_safe (p, tmp, &k->peers, link) {
+    pd_list_for_each_safe (p, tmp, &k->c->peers, link) {
         /* (posted write jobs have left the list: none may be in flight, whoever they write to) */
-        if (p->state == KV_PEER_DEAD && p->remote != NULL && k->jobs_posted == 0 && !peer_region_used(k, p)) {
+        if (p->state == KV_PEER_DEAD && p->remote != NULL && k->c->jobs_posted == 0 &&
+            !peer_region_used(k, p)) {
             k->pipe->ops->release_remote(k->pipe, p->remote);
             p->remote = NULL;
         }
@@ -238,4 +225,56 @@ void kv_run_timers(kv_conn_t *k)
     sweep_done_xfers(k);
     sweep_dead_peers(k);
     kv_aborts_tick(k, now);
+}
+
+static double earlier(double a, double b)
+{
+    return b < a ? b : a;
+}
+
+double kv_next_deadline(kv_conn_t *k, double max_s)
+{
+    double now = pd_time_now_s();
+    double t = now + max_s;
+    double dead_after = k->cfg.heartbeat_interval * k->cfg.heartbeat_misses;
+    const kv_peer_t *p;
+    pd_list_for_each (p, &k->c->peers, link) {
+        if (p->state != KV_PEER_DEAD) {
+            t = earlier(t, p->last_hb + k->cfg.heartbeat_interval);
+            t = earlier(t, p->last_rx + dead_after);
+            if (p->state == KV_PEER_WAIT_REGIONS) {
+                t = earlier(t, p->since + k->cfg.handshake_timeout);
+            }
+        }
+    }
+    const kv_xfer_t *x;
+    pd_list_for_each (x, &k->c->xfers, link) {
+        t = x->state != KV_XS_DONE ? earlier(t, x->deadline) : now; /* a finished one is swept now */
+    }
+    const kv_lease_t *l;
+    pd_list_for_each (l, &k->c->leases, link) {
+        t = earlier(t, l->expired ? l->expires + k->cfg.hold_timeout : l->expires);
+    }
+    const kv_resv_t *rv;
+    pd_list_for_each (rv, &k->c->resvs, link) {
+        if (!rv->taken) { /* an open one expires; a dead one's record goes */
+            t = earlier(t, rv->expires);
+        }
+    }
+    const kv_hs_t *h;
+    pd_list_for_each (h, &k->c->handshakes, link) {
+        t = earlier(t, h->deadline);
+    }
+    const kv_dial_t *d;
+    pd_list_for_each (d, &k->c->dials, link) {
+        t = earlier(t, d->deadline);
+    }
+    const kv_abort_t *a;
+    pd_list_for_each (a, &k->c->aborts, link) {
+        t = earlier(t, earlier(a->next_dial, a->expires));
+    }
+    if (k->c->accept_resume > now) {
+        t = earlier(t, k->c->accept_resume);
+    }
+    return t;
 }

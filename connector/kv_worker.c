@@ -1,7 +1,7 @@
 /* connector/kv_worker.c — the connector's worker half (engine thread, around and inside the
- * forward): registering the KV region, handing loads to the control thread, posting a push's
- * layer pages as each layer is saved, waiting for a step's writes, and reporting finished
- * transfers and failed blocks to the scheduler. */
+ * forward): registering the KV region, sending loads to the control thread, posting a push's
+ * layer pages as each layer is saved, waiting for a step's writes, taking the control thread's
+ * events, and reporting finished transfers and failed blocks to the scheduler. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdio.h>
@@ -14,11 +14,11 @@
 #include "common/log.h"
 #include "common/time.h"
 #include "connector/kv_connector.h"
-#include "connector/kv_internal.h"
+#include "connector/kv_engine.h"
 #include "scheduler/scheduler.h"
 
-static void post_layer_pages(kv_conn_t *k, kv_push_t *ps, const kv_save_item_t *s, int32_t layer, int32_t b0,
-                             int32_t b1);
+static pd_status_t post_layer_pages(kv_conn_t *k, kv_push_t *ps, const kv_save_item_t *s, int32_t layer,
+                                    int32_t b0, int32_t b1);
 
 pd_status_t kv_register_kv_caches(pd_connector_t *c, const pd_kv_region_desc_t *rd)
 {
@@ -78,20 +78,23 @@ pd_status_t kv_register_kv_caches(pd_connector_t *c, const pd_kv_region_desc_t *
 pd_status_t kv_bind_connector_metadata(pd_connector_t *c, void *meta)
 {
     kv_conn_t *k = (kv_conn_t *)c;
-    k->meta_bound = meta;
+    k->e->meta_bound = meta;
     return meta != NULL && ((kv_meta_t *)meta)->incomplete ? PD_ERR_NO_MEMORY : PD_OK;
 }
 
 pd_status_t kv_start_load_kv(pd_connector_t *c)
 {
     kv_conn_t *k = (kv_conn_t *)c;
-    if (k->meta_bound == NULL || pd_list_is_empty(&k->meta_bound->loads)) {
+    if (k->e->meta_bound == NULL) {
         return PD_OK;
     }
-    pthread_mutex_lock(&k->mu);
-    pd_list_splice_tail(&k->handoff, &k->meta_bound->loads);
-    pthread_mutex_unlock(&k->mu);
-    kv_ctl_wake(k);
+    kv_xfer_t *x;
+    while ((x = pd_list_pop_head(&k->e->meta_bound->loads, kv_xfer_t, link)) != NULL) {
+        /* its cancel stays here until get_finished reports the load (finished_decode sends it) */
+        pd_list_add_tail(&k->e->loading, &x->cancel->msg.link);
+        x->cancel = NULL;
+        kv_mb_send(&k->mb, &x->msg, 0);
+    }
     return PD_OK;
 }
 
@@ -101,60 +104,98 @@ pd_status_t kv_wait_for_layer_load(pd_connector_t *c, int32_t layer)
     return PD_OK; /* loads complete before a request is scheduled (see the file comment) */
 }
 
-/* Posts this layer's pages of blocks [b0, b1) of save item s into its reservation. */
-static void post_layer_pages(kv_conn_t *k, kv_push_t *ps, const kv_save_item_t *s, int32_t layer, int32_t b0,
-                             int32_t b1)
+/* Posts this layer's pages of blocks [b0, b1) of save item s into its reservation (a write job for
+ * the control thread). PD_ERR_NO_MEMORY: the push failed (its WRITE_DONE says so). */
+static pd_status_t post_layer_pages(kv_conn_t *k, kv_push_t *ps, const kv_save_item_t *s, int32_t layer,
+                                    int32_t b0, int32_t b1)
 {
-    kv_resv_t *rv = ps->resv;
-    const kv_geom_t *rg = &rv->peer->geom;
-    if (b1 > rv->num_blocks) {
-        b1 = rv->num_blocks;
+    const kv_offer_t *o = ps->offer;
+    if (b1 > o->num_blocks) {
+        b1 = o->num_blocks;
     }
     if (b1 > s->num_blocks) {
         b1 = s->num_blocks;
     }
-    if (b0 < rv->skip_blocks) {
-        b0 = rv->skip_blocks;
+    if (b0 < o->skip_blocks) {
+        b0 = o->skip_blocks;
     }
     if (b0 >= b1) {
-        return;
+        return PD_OK;
     }
     kv_write_job_t *j = calloc(1, sizeof(*j));
     if (j == NULL || (j->pages = malloc((size_t)(b1 - b0) * sizeof(pd_page_xfer_t))) == NULL) {
         free(j);
-        ps->failed = true;
-        return;
+        return PD_ERR_NO_MEMORY;
     }
     int32_t np = 0;
     for (int32_t b = b0; b < b1; b++) {
         /* this layer's group; an entry the decode does not hold (outside its window) stays */
-        if (!kv_entry_of_layer(&k->geom, b, layer) || rv->blocks[b] == 0 || s->blocks[b] == 0) {
+        if (!kv_entry_of_layer(&k->geom, b, layer) || o->blocks[b] == 0 || s->blocks[b] == 0) {
             continue;
         }
         j->pages[np++] = (pd_page_xfer_t){
             k->geom.layer_offset[layer] + (uint64_t)s->blocks[b] * k->geom.page_bytes,
-            rg->layer_offset[layer] + (uint64_t)rv->blocks[b] * rg->page_bytes, k->geom.page_bytes};
+            o->layer_offset[layer] + (uint64_t)o->blocks[b] * o->page_bytes, k->geom.page_bytes};
     }
     if (np == 0) {
-        free(j->pages), free(j);
-        return;
+        kv_write_job_free(j);
+        return PD_OK;
     }
+    j->msg.kind = KV_CMD_WRITE_JOB;
+    j->resv_id = o->resv_id;
     j->num_pages = np;
     j->bytes = (size_t)j->num_pages * k->geom.page_bytes;
-    j->peer = rv->peer;
-    j->conn = k;
-    pthread_mutex_lock(&k->mu);
-    j->gen = k->gen;
-    pd_list_add_tail(&k->jobs, &j->link);
-    pthread_mutex_unlock(&k->mu);
-    k->step_jobs++;
-    kv_ctl_wake(k);
+    j->gen = k->e->gen;
+    k->e->step_jobs++;
+    kv_mb_send(&k->mb, &j->msg, 0);
+    return PD_OK;
+}
+
+/* A push's first layer of a step: the reservation offered for its transfer id binds (the control
+ * thread hears it is taken), and the push streams on while its reservation takes writes. */
+static void push_step_starts(kv_conn_t *k, kv_push_t *ps)
+{
+    if (ps->offer == NULL) {
+        kv_eng_take_events(k, 0); /* reservations that arrived meanwhile */
+        kv_offer_t *o;
+        pd_list_for_each (o, &k->e->offers, msg.link) {
+            if (!o->gone && strcmp(o->transfer_id, ps->transfer_id) == 0) {
+                pd_list_del(&o->msg.link);
+                ps->offer = o;
+                ps->take->resv_id = o->resv_id;
+                kv_mb_send(&k->mb, &ps->take->msg, 0);
+                ps->take = NULL;
+                pd_metric_inc(k->m.started[KV_X_PUSH_SAVE], 1); /* the stream starts */
+                break;
+            }
+        }
+    }
+    ps->streaming = ps->streaming && ps->offer != NULL && !ps->offer->gone;
+    ps->steps++;
+}
+
+/* A push for save item s, with the two commands it may send (a stream that can say neither would
+ * hold a reservation it never ends); NULL when out of memory. */
+static kv_push_t *push_new(const kv_save_item_t *s)
+{
+    kv_push_t *ps = calloc(1, sizeof(*ps));
+    if (ps == NULL || (ps->take = calloc(1, sizeof(*ps->take))) == NULL ||
+        (ps->done = calloc(1, sizeof(*ps->done))) == NULL) {
+        kv_push_free(ps);
+        return NULL;
+    }
+    ps->take->msg.kind = KV_CMD_TAKE_RESV;
+    ps->done->msg.kind = KV_CMD_WRITE_DONE;
+    snprintf(ps->req_id, sizeof(ps->req_id), "%s", s->req_id);
+    snprintf(ps->transfer_id, sizeof(ps->transfer_id), "%s", s->transfer_id);
+    ps->streaming = true;
+    return ps;
 }
 
 pd_status_t kv_save_kv_layer(pd_connector_t *c, int32_t layer)
 {
     kv_conn_t *k = (kv_conn_t *)c;
-    kv_meta_t *m = k->meta_bound;
+    kv_meta_t *m = k->e->meta_bound;
     if (!k->is_prefill || m == NULL) {
         return PD_OK;
     }
@@ -169,42 +210,25 @@ pd_status_t kv_save_kv_layer(pd_connector_t *c, int32_t layer)
         }
         kv_push_t *ps = kv_push_find(k, s->req_id, false);
         if (ps == NULL) {
-            ps = calloc(1, sizeof(*ps));
-            if (ps == NULL) { /* its layers would go unrecorded: the step fails instead */
+            if ((ps = push_new(s)) == NULL) { /* its layers would go unrecorded: the step fails instead */
                 pd_log_error("kv connector: request %s: out of memory starting its push; failing the step",
                              s->req_id);
                 return PD_ERR_NO_MEMORY;
             }
-            snprintf(ps->req_id, sizeof(ps->req_id), "%s", s->req_id);
-            snprintf(ps->transfer_id, sizeof(ps->transfer_id), "%s", s->transfer_id);
-            ps->streaming = true;
-            pd_list_add_tail(&k->pushes, &ps->link);
+            pd_list_add_tail(&k->e->pushes, &ps->link);
         }
         if (layer == 0) {
-            if (ps->resv == NULL) {
-                /* the transfer id is in the request's params; find its reservation */
-                pthread_mutex_lock(&k->mu);
-                kv_resv_t *rv;
-                pd_list_for_each (rv, &k->resvs, link) {
-                    if (!rv->taken && !rv->released && !rv->dead &&
-                        strcmp(rv->transfer_id, ps->transfer_id) == 0) {
-                        rv->taken = true;
-                        ps->resv = rv;
-                        pd_metric_inc(k->m.started[KV_X_PUSH_SAVE], 1); /* the stream starts */
-                        break;
-                    }
-                }
-                pthread_mutex_unlock(&k->mu);
-            }
-            pthread_mutex_lock(&k->mu);
-            ps->streaming = ps->streaming && ps->resv != NULL && !ps->resv->dead;
-            pthread_mutex_unlock(&k->mu);
-            ps->steps++;
+            push_step_starts(k, ps);
         }
         ps->failed |= !staged_ok;
         if (ps->streaming && !ps->failed) {
             int32_t end_block = kv_entry(&k->geom, (s->end_token + k->block_size - 1) / k->block_size);
-            post_layer_pages(k, ps, s, layer, ps->next_block, end_block);
+            if (post_layer_pages(k, ps, s, layer, ps->next_block, end_block) != PD_OK) {
+                pd_log_error(
+                    "kv connector: request %s: out of memory posting layer %d's pages; its push fails",
+                    s->req_id, layer);
+                ps->failed = true;
+            }
         }
     }
     return PD_OK;
@@ -213,31 +237,24 @@ pd_status_t kv_save_kv_layer(pd_connector_t *c, int32_t layer)
 pd_status_t kv_wait_for_save(pd_connector_t *c)
 {
     kv_conn_t *k = (kv_conn_t *)c;
-    kv_meta_t *m = k->meta_bound;
+    kv_meta_t *m = k->e->meta_bound;
     if (!k->is_prefill || m == NULL) {
         return PD_OK;
     }
     bool failed = false;
-    if (k->step_jobs > 0) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        double until = (double)ts.tv_sec + ts.tv_nsec * 1e-9 + k->cfg.save_timeout;
-        ts.tv_sec = (time_t)until;
-        ts.tv_nsec = (long)((until - (double)ts.tv_sec) * 1e9);
-        pthread_mutex_lock(&k->mu);
-        int rc = 0;
-        while (k->jobs_done + k->jobs_failed < k->step_jobs && rc == 0) {
-            rc = pthread_cond_timedwait(&k->cv, &k->mu, &ts);
+    kv_eng_t *e = k->e;
+    if (e->step_jobs > 0) {
+        double until = pd_time_now_s() + k->cfg.save_timeout;
+        while (e->jobs_done + e->jobs_failed < e->step_jobs && pd_time_now_s() < until) {
+            kv_eng_take_events(k, until);
         }
-        failed = k->jobs_failed > 0 || k->jobs_done + k->jobs_failed < k->step_jobs;
+        failed = e->jobs_failed > 0 || e->jobs_done + e->jobs_failed < e->step_jobs;
         if (failed) {
             pd_log_warn("kv connector: %d of %d layer writes of this step failed or timed out",
-                        k->step_jobs - k->jobs_done, k->step_jobs);
+                        e->step_jobs - e->jobs_done, e->step_jobs);
         }
-        k->gen++;
-        k->jobs_done = k->jobs_failed = 0;
-        pthread_mutex_unlock(&k->mu);
-        k->step_jobs = 0;
+        e->gen++; /* completions still to come belong to a finished step */
+        e->jobs_done = e->jobs_failed = e->step_jobs = 0;
     }
     for (int32_t i = 0; i < m->num_saves; i++) {
         kv_push_t *ps = kv_push_find(k, m->saves[i].req_id, false);
@@ -249,19 +266,84 @@ pd_status_t kv_wait_for_save(pd_connector_t *c)
             ps->next_block = kv_entry(&k->geom, m->saves[i].end_token / k->block_size);
         }
     }
-    k->meta_bound = NULL;
+    k->e->meta_bound = NULL;
     return failed ? PD_ERR_IO : PD_OK;
 }
 
 /* Reports that have nothing more to give: returned by the last get_finished, their load errors
  * (if any) all taken. */
-static void reported_sweep(kv_conn_t *k)
+static void reported_sweep(kv_eng_t *e)
 {
     kv_report_t *r, *tmp;
-    pd_list_for_each_safe (r, tmp, &k->reported, link) {
+    pd_list_for_each_safe (r, tmp, &e->reported, msg.link) {
         if (!r->failed || r->errors_taken >= r->end - r->first) {
-            pd_list_del(&r->link);
+            pd_list_del(&r->msg.link);
             kv_report_free(r);
+        }
+    }
+}
+
+/* A reservation is gone: an offer not bound yet goes, a bound one stops its stream. */
+static void on_resv_gone(kv_eng_t *e, uint64_t id)
+{
+    kv_offer_t *o, *tmp;
+    pd_list_for_each_safe (o, tmp, &e->offers, msg.link) {
+        if (o->resv_id == id) {
+            pd_list_del(&o->msg.link);
+            kv_offer_free(o);
+            return;
+        }
+    }
+    kv_push_t *ps;
+    pd_list_for_each (ps, &e->pushes, link) {
+        if (ps->offer != NULL && ps->offer->resv_id == id) {
+            ps->offer->gone = true;
+            return;
+        }
+    }
+}
+
+void kv_eng_take_events(kv_conn_t *k, double deadline)
+{
+    kv_eng_t *e = k->e;
+    pd_list_link_t in;
+    pd_list_head_init(&in);
+    kv_mb_take(&k->mb, true, &in, deadline, false);
+    kv_msg_t *m;
+    while ((m = pd_list_pop_head(&in, kv_msg_t, link)) != NULL) {
+        switch (m->kind) {
+        case KV_EV_REPORT: pd_list_add_tail(&e->ready, &m->link); break;
+        case KV_EV_OFFER: pd_list_add_tail(&e->offers, &m->link); break;
+        case KV_EV_JOB_DONE: {
+            kv_write_job_t *j = pd_container_of(m, kv_write_job_t, msg);
+            if (j->gen == e->gen) {
+                e->jobs_done += j->status == PD_OK;
+                e->jobs_failed += j->status != PD_OK;
+            }
+            kv_msg_free(m);
+            break;
+        }
+        case KV_EV_RESV_GONE:
+            on_resv_gone(e, pd_container_of(m, kv_resv_ref_t, msg)->resv_id);
+            kv_msg_free(m);
+            break;
+        default:
+            pd_log_error("BUG: kv connector: command %d among the events", (int)m->kind);
+            kv_msg_free(m);
+            break;
+        }
+    }
+}
+
+/* Decode: a load's end is reported: its cancel is not needed any more. */
+static void load_reported(kv_eng_t *e, const char *req_id)
+{
+    kv_cancel_t *cn;
+    pd_list_for_each (cn, &e->loading, msg.link) {
+        if (strcmp(cn->req_id, req_id) == 0) {
+            pd_list_del(&cn->msg.link);
+            free(cn);
+            return;
         }
     }
 }
@@ -269,60 +351,103 @@ static void reported_sweep(kv_conn_t *k)
 pd_status_t kv_get_finished(pd_connector_t *c, pd_connector_finished_t *out)
 {
     kv_conn_t *k = (kv_conn_t *)c;
+    kv_eng_t *e = k->e;
     memset(out, 0, sizeof(*out));
-    k->num_rep_sending = k->num_rep_recving = 0;
-    reported_sweep(k);
-    pthread_mutex_lock(&k->mu);
-    size_t n = pd_list_length(&k->reports);
-    pthread_mutex_unlock(&k->mu);
+    e->num_rep_sending = e->num_rep_recving = 0;
+    reported_sweep(e);
+    kv_eng_take_events(k, 0);
+    size_t n = pd_list_length(&e->ready);
     if (n == 0) {
         return PD_OK;
     }
-    /* room for every report queued now, before taking them: running out of memory leaves them
-     * queued for the next step, nothing is lost */
-    if (pd_array_reserve(&k->rep_sending, &k->cap_rep_sending, n) != PD_OK ||
-        pd_array_reserve(&k->rep_recving, &k->cap_rep_recving, n) != PD_OK ||
-        pd_array_reserve(&k->rep_first, &k->cap_rep_first, n) != PD_OK) {
+    /* room for every ready report before taking them: running out of memory leaves them ready for
+     * the next step, nothing is lost */
+    if (pd_array_reserve(&e->rep_sending, &e->cap_rep_sending, n) != PD_OK ||
+        pd_array_reserve(&e->rep_recving, &e->cap_rep_recving, n) != PD_OK ||
+        pd_array_reserve(&e->rep_first, &e->cap_rep_first, n) != PD_OK) {
         pd_log_error("kv connector: out of memory taking %zu finished transfers; they wait for the next step",
                      n);
         return PD_ERR_NO_MEMORY;
     }
     pd_list_link_t taken;
     pd_list_head_init(&taken);
-    pthread_mutex_lock(&k->mu);
-    for (size_t i = 0; i < n; i++) { /* the ones counted; later ones wait for the next step */
-        pd_list_add_tail(&taken, pd_list_pop_link(&k->reports));
-    }
-    pthread_mutex_unlock(&k->mu);
+    pd_list_splice_tail(&taken, &e->ready);
     kv_stage_finish_loads(k, &taken); /* the KV is on the device before the scheduler hears of it */
     kv_report_t *r;
-    pd_list_for_each (r, &taken, link) {
+    pd_list_for_each (r, &taken, msg.link) {
         if (r->recving) {
-            k->rep_first[k->num_rep_recving] = r->first_token;
-            k->rep_recving[k->num_rep_recving++] = r->req_id;
+            load_reported(e, r->req_id);
+            e->rep_first[e->num_rep_recving] = r->first_token;
+            e->rep_recving[e->num_rep_recving++] = r->req_id;
         } else {
-            k->rep_sending[k->num_rep_sending++] = r->req_id;
+            e->rep_sending[e->num_rep_sending++] = r->req_id;
         }
     }
-    pd_list_splice_tail(&k->reported, &taken);
-    out->sending = k->rep_sending;
-    out->num_sending = k->num_rep_sending;
-    out->recving = k->rep_recving;
-    out->num_recving = k->num_rep_recving;
-    out->recving_first_token = k->rep_first;
+    pd_list_splice_tail(&e->reported, &taken);
+    out->sending = e->rep_sending;
+    out->num_sending = e->num_rep_sending;
+    out->recving = e->rep_recving;
+    out->num_recving = e->num_rep_recving;
+    out->recving_first_token = e->rep_first;
     return PD_OK;
 }
 
-/* The blocks of loads get_finished reported failed (engine thread only: the reports are its). */
+/* The blocks of loads get_finished reported failed. */
 int32_t kv_get_block_ids_with_load_errors(pd_connector_t *c, uint32_t *ids, int32_t max)
 {
     kv_conn_t *k = (kv_conn_t *)c;
     int32_t n = 0;
     kv_report_t *r;
-    pd_list_for_each (r, &k->reported, link) {
+    pd_list_for_each (r, &k->e->reported, msg.link) {
         for (; r->failed && r->errors_taken < r->end - r->first && n < max; r->errors_taken++) {
             ids[n++] = r->blocks[r->first + r->errors_taken];
         }
     }
     return n;
+}
+
+void kv_eng_init(kv_eng_t *e)
+{
+    pd_list_link_t *heads[] = {&e->meta_build.loads, &e->sched_pending, &e->loading, &e->pushes,
+                               &e->offers,           &e->ready,         &e->reported};
+    for (size_t i = 0; i < sizeof(heads) / sizeof(heads[0]); i++) {
+        pd_list_head_init(heads[i]);
+    }
+}
+
+void kv_push_free(kv_push_t *ps)
+{
+    if (ps != NULL) {
+        kv_offer_free(ps->offer);
+        free(ps->take);
+        free(ps->done);
+        free(ps);
+    }
+}
+
+void kv_eng_free(kv_eng_t *e)
+{
+    kv_xfer_t *x;
+    while ((x = pd_list_pop_head(&e->sched_pending, kv_xfer_t, link)) != NULL) {
+        kv_xfer_free(x);
+    }
+    while ((x = pd_list_pop_head(&e->meta_build.loads, kv_xfer_t, link)) != NULL) {
+        kv_xfer_free(x);
+    }
+    free(e->meta_build.saves);
+    kv_push_t *p;
+    while ((p = pd_list_pop_head(&e->pushes, kv_push_t, link)) != NULL) {
+        kv_push_free(p);
+    }
+    pd_list_link_t *msgs[4] = {&e->loading, &e->offers, &e->ready, &e->reported};
+    for (int i = 0; i < 4; i++) {
+        kv_msg_t *m;
+        while ((m = pd_list_pop_head(msgs[i], kv_msg_t, link)) != NULL) {
+            kv_msg_free(m);
+        }
+    }
+    free(e->rep_sending), free(e->rep_recving), free(e->rep_first);
+    if (e->stage_failed.slots != NULL) {
+        pd_strmap_destroy(&e->stage_failed);
+    }
 }

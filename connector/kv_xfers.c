@@ -1,7 +1,7 @@
 /* connector/kv_xfers.c — transfers on the control thread: queued ones find (or dial) their peer
  * and start on the pipe; page completions lead to READ_DONE / WRITE_DONE; write jobs of layer-wise
- * pushes are posted; notices from the engine thread are sent; failures end loads as load errors.
- * Control thread, mu held (pipe callbacks run inside pd_pipe_progress, also with mu held). */
+ * pushes are posted and come back to the engine thread; failures end loads as load errors. Control
+ * thread (pipe callbacks run inside pd_pipe_progress, on it). */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -19,7 +19,7 @@
 
 #include "common/log.h"
 #include "common/time.h"
-#include "connector/kv_internal.h"
+#include "connector/kv_ctl.h"
 
 static void on_pages_done(void *arg, pd_status_t st);
 static void after_pages(kv_conn_t *k, kv_xfer_t *x);
@@ -144,7 +144,7 @@ static void after_pages(kv_conn_t *k, kv_xfer_t *x)
     wd.first_token = x->first_token;
     wd.prompt_sha256.data = x->prompt_hash;
     wd.prompt_sha256.len = sizeof(x->prompt_hash);
-    x->resv->released = true;
+    kv_resv_end(k, x->resv, false);
     if (kv_peer_send(k, x->peer, PD_MSG_WRITE_DONE, &wd.base) != PD_OK) {
         kv_fail_xfer(k, x, "cannot send WRITE_DONE");
         return;
@@ -262,12 +262,14 @@ static void start_xfer(kv_conn_t *k, kv_xfer_t *x)
     }
 }
 
-/* A push save binds the reservation for its transfer id (when one has arrived). */
+/* A push save binds the reservation its stream had taken (x->resv_id), else the first for its
+ * transfer id that arrived and nothing writes into. */
 static bool bind_resv(kv_conn_t *k, kv_xfer_t *x)
 {
     kv_resv_t *rv;
-    pd_list_for_each (rv, &k->resvs, link) {
-        if (rv->taken || rv->released || rv->dead || strcmp(rv->transfer_id, x->remote_req) != 0) {
+    pd_list_for_each (rv, &k->c->resvs, link) {
+        bool mine = x->resv_id != 0 ? rv->id == x->resv_id : !rv->taken;
+        if (!mine || rv->released || rv->dead || strcmp(rv->transfer_id, x->remote_req) != 0) {
             continue;
         }
         /* the copy first: a transfer bound without its block list would write nothing and report
@@ -293,19 +295,18 @@ static bool bind_resv(kv_conn_t *k, kv_xfer_t *x)
     return false;
 }
 
-/* Moves queued transfers on: find or dial their peer, start them when it is ready. Called with
- * mu held; drops it around a dial. */
+/* Moves queued transfers on: find or dial their peer, start them when it is ready. */
 void kv_drive_queued(kv_conn_t *k)
 {
     kv_xfer_t *x;
-    pd_list_for_each (x, &k->xfers, link) {
+    pd_list_for_each (x, &k->c->xfers, link) {
         if (x->state != KV_XS_QUEUED) {
             continue;
         }
         if (x->kind == KV_X_PUSH_SAVE) {
             if (x->resv == NULL && !bind_resv(k, x)) {
                 kv_resv_t *rv;
-                pd_list_for_each (rv, &k->resvs, link) {
+                pd_list_for_each (rv, &k->c->resvs, link) {
                     if (rv->dead && strcmp(rv->transfer_id, x->remote_req) == 0) {
                         kv_fail_xfer(k, x, "the decode that reserved blocks for it is gone");
                         break;
@@ -353,61 +354,29 @@ static void on_job_done(void *arg, pd_status_t st)
 {
     kv_write_job_t *j = arg;
     kv_conn_t *k = j->conn;
-    k->jobs_posted--;
-    if (j->gen == k->gen) {
-        if (st == PD_OK) {
-            k->jobs_done++;
-        } else {
-            k->jobs_failed++;
-        }
-        pthread_cond_broadcast(&k->cv);
-    }
+    k->c->jobs_posted--;
     if (st == PD_OK) {
         pd_metric_inc(k->m.bytes, (double)j->bytes);
         pd_metric_observe(k->m.pages, (double)j->num_pages);
     }
-    free(j->pages);
-    free(j);
+    j->status = st;
+    j->msg.kind = KV_EV_JOB_DONE;
+    kv_mb_emit(&k->mb, &j->msg); /* the engine thread's wait_for_save counts it */
 }
 
-void kv_post_jobs(kv_conn_t *k)
+void kv_post_job(kv_conn_t *k, kv_write_job_t *j)
 {
-    kv_write_job_t *j;
-    while ((j = pd_list_pop_head(&k->jobs, kv_write_job_t, link)) != NULL) {
-        pd_status_t st = PD_ERR_PEER_GONE;
-        k->jobs_posted++;
-        if (j->peer->state == KV_PEER_READY) {
-            st = pd_pipe_write_pages(k->pipe, j->peer->pp, k->region, j->peer->remote, j->pages, j->num_pages,
-                                     on_job_done, j);
-        }
-        if (st != PD_OK) {
-            on_job_done(j, st);
-        }
+    kv_resv_t *rv = kv_resv_find(k, j->resv_id);
+    pd_status_t st = PD_ERR_PEER_GONE;
+    j->conn = k;
+    k->c->jobs_posted++;
+    /* a reservation ended (expired, released, its decode died) takes no more writes: its blocks may
+     * be another request's by now */
+    if (rv != NULL && rv->taken && !rv->released && !rv->dead && rv->peer->state == KV_PEER_READY) {
+        st = pd_pipe_write_pages(k->pipe, rv->peer->pp, k->region, rv->peer->remote, j->pages, j->num_pages,
+                                 on_job_done, j);
     }
-}
-
-void kv_send_notices(kv_conn_t *k)
-{
-    kv_notice_t *n;
-    while ((n = pd_list_pop_head(&k->notices, kv_notice_t, link)) != NULL) {
-        if (n->type == PD_MSG_WRITE_DONE) {
-            Pd__WriteDone wd = PD__WRITE_DONE__INIT;
-            wd.request_id = n->request_id;
-            wd.lease_id = n->lease_id;
-            wd.status = n->status;
-            wd.layers_written = k->geom.num_layers;
-            wd.has_first_token = n->first_token >= 0;
-            wd.first_token = n->first_token;
-            wd.prompt_sha256.data = n->prompt_hash;
-            wd.prompt_sha256.len = sizeof(n->prompt_hash);
-            kv_peer_send(k, n->peer, PD_MSG_WRITE_DONE, &wd.base);
-        } else if (n->type == PD_MSG_ABORT) {
-            Pd__Abort a = PD__ABORT__INIT;
-            a.request_id = n->request_id;
-            a.lease_id = n->lease_id;
-            a.reason = (char *)"request aborted";
-            kv_peer_send(k, n->peer, PD_MSG_ABORT, &a.base);
-        }
-        free(n);
+    if (st != PD_OK) {
+        on_job_done(j, st);
     }
 }

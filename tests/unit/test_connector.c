@@ -24,9 +24,10 @@
 
 #include "common/log.h"
 #include "common/metrics.h"
+#include "common/time.h"
 #include "connector/control.h"
+#include "connector/kv_conn.h" /* kv_params_verify (the reason a decode refuses pull params), the mailbox */
 #include "connector/kv_connector.h"
-#include "connector/kv_internal.h" /* kv_params_verify: the reason a decode refuses pull params */
 #include "http_client.h"
 #include "pipe/pipe.h"
 #include "scheduler/scheduler.h"
@@ -78,7 +79,16 @@ static void node_stop(node_t *n);
 
 /* A connector of role on a fresh KV region filled by fill(), started: PD_OK, or the status of the
  * step that failed with whatever was made undone (the failing-allocator scenario takes that). */
+static pd_status_t node_try_make(node_t *n, const char *role, char tag, const opts_t *o, bool start);
+
 static pd_status_t node_try_start(node_t *n, const char *role, char tag, const opts_t *o)
+{
+    return node_try_make(n, role, tag, o, true);
+}
+
+/* As node_try_start; !start: the KV caches registered and no control thread (the engine half
+ * alone, its commands left in the mailbox). */
+static pd_status_t node_try_make(node_t *n, const char *role, char tag, const opts_t *o, bool start)
 {
     memset(n, 0, sizeof(*n));
     n->tag = tag;
@@ -127,7 +137,7 @@ static pd_status_t node_try_start(node_t *n, const char *role, char tag, const o
         rd.block_size = BS;
         st = n->c->ops->register_kv_caches(n->c, &rd);
     }
-    if (st == PD_OK) {
+    if (st == PD_OK && start) {
         Pd__Fingerprint fp;
         pd_kv_fingerprint("test-model", "fp32", BS, 2, PAGE / (BS * 2 * 2 * 4), LAYERS, &fp);
         st = pd_kv_connector_start(n->c, &fp);
@@ -1398,6 +1408,251 @@ static int fa_push_ucx(void)
     return fa_connector();
 }
 
+/* ------------------------------------------------------------------ each half alone */
+
+/* Takes the commands the engine half sent (no control thread runs: the node was not started). */
+static int take_commands(node_t *n, pd_list_link_t *out)
+{
+    pd_list_head_init(out);
+    kv_mb_take(&((kv_conn_t *)n->c)->mb, false, out, 0, false);
+    return (int)pd_list_length(out);
+}
+
+static kv_msg_t *pop_command(pd_list_link_t *in, kv_msg_kind_t want)
+{
+    kv_msg_t *m = pd_list_pop_head(in, kv_msg_t, link);
+    ck_assert_ptr_nonnull(m);
+    ck_assert_int_eq(m->kind, want);
+    return m;
+}
+
+/* The engine half of a decode, with no control thread: the load it starts is a command naming the
+ * entries to move; a request that ends while it loads holds its blocks and sends a cancel; the
+ * load's end, emitted as the control thread would, is reported once by get_finished (with the
+ * first token it carried), after which the request no longer holds anything. */
+START_TEST(test_decode_engine_half_alone)
+{
+    opts_t o = {"push", "tcp", NULL, 0, 0, 0};
+    node_t d;
+    ck_assert_int_eq(node_try_make(&d, "decode", 'd', &o, false), PD_OK);
+    kv_conn_t *k = (kv_conn_t *)d.c;
+    pd_request_t *r = decode_load(&d, "req-a", push_params_out("t-a", 9), D_BLOCKS);
+    pd_list_link_t in;
+    ck_assert_int_eq(take_commands(&d, &in), 1);
+    kv_xfer_t *x = pd_container_of(pop_command(&in, KV_CMD_LOAD), kv_xfer_t, msg);
+    ck_assert_int_eq(x->kind, KV_X_PUSH_LOAD);
+    ck_assert_str_eq(x->req_id, "req-a");
+    ck_assert_str_eq(x->remote_req, "t-a");
+    ck_assert_str_eq(x->dial, "127.0.0.1:9");
+    ck_assert_int_eq(x->first_block, 0);
+    ck_assert_int_eq(x->end_block, NEED);
+    ck_assert_ptr_null(x->cancel); /* the engine keeps it */
+
+    void *out = NULL;
+    r->state = PD_REQ_FINISHED_ABORTED;
+    ck_assert(d.c->ops->request_finished(d.c, r, D_BLOCKS, NEED + 1, &out)); /* a peer may still write */
+    json_decref(out);
+    ck_assert_int_eq(take_commands(&d, &in), 1);
+    kv_cancel_t *cn = pd_container_of(pop_command(&in, KV_CMD_CANCEL), kv_cancel_t, msg);
+    ck_assert_str_eq(cn->req_id, "req-a");
+    kv_msg_free(&cn->msg);
+
+    /* the control thread ends the load (cancelled: no load errors) and emits its report */
+    x->report->recving = true;
+    x->report->first_token = 7;
+    kv_mb_emit(&k->mb, &x->report->msg);
+    x->report = NULL;
+    kv_xfer_free(x);
+    pd_connector_finished_t f;
+    ck_assert_int_eq(d.c->ops->get_finished(d.c, &f), PD_OK);
+    ck_assert_int_eq(f.num_recving, 1);
+    ck_assert_int_eq(f.num_sending, 0);
+    ck_assert_str_eq(f.recving[0], "req-a");
+    ck_assert_int_eq(f.recving_first_token[0], 7);
+    uint32_t ids[8];
+    ck_assert_int_eq(d.c->ops->get_block_ids_with_load_errors(d.c, ids, 8), 0);
+    ck_assert_int_eq(d.c->ops->get_finished(d.c, &f), PD_OK);
+    ck_assert_int_eq(f.num_recving, 0);
+    /* reported: ending it again holds nothing and sends nothing */
+    ck_assert(!d.c->ops->request_finished(d.c, r, D_BLOCKS, NEED + 1, &out));
+    json_decref(out);
+    ck_assert_int_eq(take_commands(&d, &in), 0);
+    pd_request_free(r);
+    node_stop(&d);
+}
+END_TEST
+
+/* The engine half of a push prefill, with no control thread: a reservation offered before the
+ * request's first step binds at layer 0 (a take command), each layer's pages go out as write jobs
+ * addressed into the offer's blocks, wait_for_save returns once the step's jobs come back done, and
+ * the finished request ends its stream (WRITE_DONE, status 0, its prompt's hash) and frees its
+ * blocks at once. A request without a reservation by its end holds them for a late write. */
+START_TEST(test_prefill_engine_half_alone)
+{
+    opts_t o = {"push", "tcp", NULL, 0, 0, 0};
+    node_t p;
+    ck_assert_int_eq(node_try_make(&p, "prefill", 'p', &o, false), PD_OK);
+    kv_conn_t *k = (kv_conn_t *)p.c;
+    kv_offer_t *of = calloc(1, sizeof(*of));
+    of->msg.kind = KV_EV_OFFER;
+    of->resv_id = 42;
+    snprintf(of->transfer_id, sizeof(of->transfer_id), "t-s");
+    of->blocks = malloc((NEED + 1) * sizeof(uint32_t));
+    memcpy(of->blocks, D_BLOCKS, sizeof(D_BLOCKS));
+    of->num_blocks = NEED;
+    of->page_bytes = PAGE;
+    for (int l = 0; l < LAYERS; l++) {
+        of->layer_offset[l] = (uint64_t)l * BLOCKS * PAGE + 1000000; /* the decode's layout */
+    }
+    kv_mb_emit(&k->mb, &of->msg);
+
+    pd_request_t *r = request("req-s", push_params_in("t-s"));
+    r->block_ids = malloc((NEED + 1) * sizeof(uint32_t));
+    memcpy(r->block_ids, P_BLOCKS, sizeof(P_BLOCKS));
+    r->num_blocks = NEED + 1;
+    pd_sched_item_t item = {r, PROMPT};
+    pd_scheduler_output_t so;
+    memset(&so, 0, sizeof(so));
+    so.items = &item;
+    so.num_items = 1;
+    so.total_tokens = PROMPT;
+    ck_assert_int_eq(p.c->ops->bind_connector_metadata(p.c, p.c->ops->build_connector_meta(p.c, &so)), PD_OK);
+    pd_list_link_t in;
+    for (int l = 0; l < LAYERS; l++) {
+        ck_assert_int_eq(p.c->ops->save_kv_layer(p.c, l), PD_OK);
+        ck_assert_int_eq(take_commands(&p, &in), l == 0 ? 2 : 1);
+        if (l == 0) {
+            kv_msg_t *t = pop_command(&in, KV_CMD_TAKE_RESV);
+            ck_assert_int_eq(pd_container_of(t, kv_resv_ref_t, msg)->resv_id, 42);
+            kv_msg_free(t);
+        }
+        kv_write_job_t *j = pd_container_of(pop_command(&in, KV_CMD_WRITE_JOB), kv_write_job_t, msg);
+        ck_assert_int_eq(j->resv_id, 42);
+        ck_assert_int_eq(j->num_pages, NEED); /* the last token's block stays */
+        for (int i = 0; i < NEED; i++) {
+            ck_assert_uint_eq(j->pages[i].local_off,
+                              (uint64_t)l * BLOCKS * PAGE + (uint64_t)P_BLOCKS[i] * PAGE);
+            ck_assert_uint_eq(j->pages[i].remote_off,
+                              (uint64_t)l * BLOCKS * PAGE + 1000000 + (uint64_t)D_BLOCKS[i] * PAGE);
+        }
+        j->status = PD_OK; /* written, as the control thread reports it */
+        j->msg.kind = KV_EV_JOB_DONE;
+        kv_mb_emit(&k->mb, &j->msg);
+    }
+    ck_assert_int_eq(p.c->ops->wait_for_save(p.c), PD_OK);
+
+    r->state = PD_REQ_FINISHED_LENGTH;
+    r->num_computed_tokens = PROMPT;
+    void *out = NULL;
+    ck_assert(!p.c->ops->request_finished(p.c, r, P_BLOCKS, NEED + 1, &out)); /* streamed: nothing held */
+    ck_assert_int_eq(take_commands(&p, &in), 1);
+    kv_notice_t *n = pd_container_of(pop_command(&in, KV_CMD_WRITE_DONE), kv_notice_t, msg);
+    ck_assert_int_eq(n->resv_id, 42);
+    ck_assert_int_eq(n->status, 0);
+    ck_assert_int_eq(n->first_token, -1);
+    uint8_t hash[32];
+    kv_prompt_hash(r->tokens, r->num_prompt_tokens, hash);
+    ck_assert(memcmp(n->prompt_hash, hash, 32) == 0);
+    kv_msg_free(&n->msg);
+    pd_request_free(r);
+
+    /* no reservation by its end: a late whole-prompt write holds the blocks */
+    bool hold = false;
+    json_decref(prefill_finish(&p, "req-late", push_params_in("t-late"), P_BLOCKS, &hold));
+    ck_assert(hold);
+    ck_assert_int_eq(take_commands(&p, &in), 1);
+    kv_xfer_t *x = pd_container_of(pop_command(&in, KV_CMD_PUSH_SAVE), kv_xfer_t, msg);
+    ck_assert_str_eq(x->remote_req, "t-late");
+    ck_assert_int_eq(x->resv_id, 0);
+    kv_xfer_free(x);
+    node_stop(&p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ the mailbox (kv_mail.h) */
+
+/* Answers every call (releases) it takes until a STOP, as the control thread does. */
+static void *mb_answerer(void *arg)
+{
+    kv_mb_t *mb = arg;
+    for (;;) {
+        pd_list_link_t in;
+        pd_list_head_init(&in);
+        kv_mb_take(mb, false, &in, 0, false);
+        kv_msg_t *m;
+        while ((m = pd_list_pop_head(&in, kv_msg_t, link)) != NULL) {
+            if (m->kind == KV_CMD_STOP) {
+                return NULL;
+            }
+            pd_container_of(m, kv_release_t, msg)->released = true;
+            kv_mb_emit(mb, m);
+        }
+        struct timespec nap = {0, 1000 * 1000};
+        nanosleep(&nap, NULL);
+    }
+}
+
+/* Commands and events keep their order; a call is answered; one nobody answers in time is
+ * abandoned (the answerer frees it: no leak, no double free under ASan); closing answers the calls
+ * still queued and every later call at once. */
+START_TEST(test_mailbox)
+{
+    kv_mb_t mb;
+    kv_mb_init(&mb);
+    for (int i = 0; i < 3; i++) {
+        kv_report_t *r = kv_report_new(i == 0 ? "a" : i == 1 ? "b" : "c", false);
+        ck_assert_ptr_nonnull(r);
+        kv_mb_emit(&mb, &r->msg);
+    }
+    pd_list_link_t got;
+    pd_list_head_init(&got);
+    kv_mb_take(&mb, true, &got, pd_time_now_s() + 1, false);
+    ck_assert_int_eq((int)pd_list_length(&got), 3);
+    const char *want[3] = {"a", "b", "c"};
+    for (int i = 0; i < 3; i++) {
+        kv_report_t *r = pd_container_of(pd_list_pop_link(&got), kv_report_t, msg.link);
+        ck_assert_str_eq(r->req_id, want[i]);
+        kv_report_free(r);
+    }
+    double t0 = pd_time_now_s();
+    kv_mb_take(&mb, true, &got, t0 + 0.05, false); /* nothing queued: waits until the deadline */
+    ck_assert(pd_list_is_empty(&got) && pd_time_now_s() - t0 >= 0.04);
+
+    /* a call nobody answers is abandoned; answered later, it is freed by the answerer */
+    kv_release_t *late = calloc(1, sizeof(*late));
+    late->msg.kind = KV_CMD_RELEASE;
+    ck_assert(!kv_mb_send(&mb, &late->msg, 0.02));
+    kv_mb_take(&mb, false, &got, 0, false);
+    ck_assert_int_eq((int)pd_list_length(&got), 1);
+    ck_assert_ptr_eq(pd_list_pop_link(&got), &late->msg.link);
+    kv_mb_emit(&mb, &late->msg);
+
+    /* answered by another thread */
+    pthread_t th;
+    ck_assert_int_eq(pthread_create(&th, NULL, mb_answerer, &mb), 0);
+    for (int i = 0; i < 20; i++) {
+        kv_release_t *r = calloc(1, sizeof(*r));
+        r->msg.kind = KV_CMD_RELEASE;
+        ck_assert(kv_mb_send(&mb, &r->msg, 5.0));
+        ck_assert(r->released);
+        free(r);
+    }
+    kv_msg_t stop = {KV_CMD_STOP, KV_CALL_NONE, {NULL, NULL}};
+    kv_mb_send(&mb, &stop, 0);
+    pthread_join(th, NULL);
+
+    /* closed: queued calls and later ones are answered at once, unreleased */
+    kv_release_t *r = calloc(1, sizeof(*r));
+    r->msg.kind = KV_CMD_RELEASE;
+    kv_mb_take(&mb, false, &got, 0, true);
+    ck_assert(pd_list_is_empty(&got));
+    ck_assert(kv_mb_send(&mb, &r->msg, 5.0));
+    ck_assert(!r->released);
+    free(r);
+    kv_mb_destroy(&mb);
+}
+END_TEST
+
 static const tu_fa_scenario_t FA_SCENARIOS[] = {
     {"connector_pull_tcp", fa_pull_tcp, NULL},
     {"connector_pull_ucx", fa_pull_ucx, NULL},
@@ -1438,6 +1693,9 @@ int main(void)
     tcase_add_loop_test(tc, test_hostile_authenticated_peer, 0, np);
     tcase_add_loop_test(tc, test_peer_deaths_leave_nothing, 0, np);
     tcase_add_loop_test(tc, test_control_listener_emfile_backoff, 0, np);
+    tcase_add_test(tc, test_mailbox);
+    tcase_add_test(tc, test_decode_engine_half_alone);
+    tcase_add_test(tc, test_prefill_engine_half_alone);
     suite_add_tcase(s, tc);
     tu_fail_alloc_add(s, test_fail_alloc, FA_NUM);
     return tu_run_suite(s);

@@ -48,7 +48,8 @@ static void start_at(node_t *n, const char *bin, const char *tag, const char *mo
 {
     char port_file[512], path[512], port_s[16];
     snprintf(port_file, sizeof(port_file), "%s/%s.port", g_dir, tag);
-    snprintf(n->log, sizeof(n->log), "%s/%s.log", g_dir, tag);
+    static int started; /* each start its own log (PD_TEST_KEEP_LOGS keeps them all; a test is a process) */
+    snprintf(n->log, sizeof(n->log), "%s/%d-%03d-%s.log", g_dir, (int)getpid(), started++, tag);
     snprintf(path, sizeof(path), "%s/bin/%s", tu_binary_dir(), bin);
     snprintf(port_s, sizeof(port_s), "%d", port);
     unlink(port_file);
@@ -326,7 +327,12 @@ static void suite_teardown(void)
         free(g_prompts[i]);
         free(g_ref[0][i]), free(g_ref[1][i]);
     }
-    tu_rmrf(g_model), tu_rmrf(g_model2), tu_rmrf(g_dir);
+    tu_rmrf(g_model), tu_rmrf(g_model2);
+    if (getenv("PD_TEST_KEEP_LOGS") != NULL) { /* the nodes' logs, to read after a failure */
+        fprintf(stderr, "test_pd: the nodes' logs are kept in %s\n", g_dir);
+    } else {
+        tu_rmrf(g_dir);
+    }
     free(g_model), free(g_model2), free(g_dir);
 }
 
@@ -361,8 +367,12 @@ static void equivalence(const char *mode, const char *pipe, bool staged)
     const char *kind = strcmp(mode, "pull") == 0 ? "pd:kv_transfers_completed_total{kind=\"pull_load\"}"
                                                  : "pd:kv_transfers_completed_total{kind=\"push_load\"}";
     double done = metric(c.d.port, kind);
-    ck_assert_msg(done == 2 * NUM_PROMPTS, "%s/%s: %.0f transfers completed, want %d", mode, pipe, done,
-                  2 * NUM_PROMPTS);
+    ck_assert_msg(done == 2 * NUM_PROMPTS,
+                  "%s/%s: %.0f transfers completed, want %d (%.0f failed, %.0f params refused)", mode, pipe,
+                  done, 2 * NUM_PROMPTS,
+                  metric(c.d.port, strstr(kind, "pull") ? "pd:kv_transfers_failed_total{kind=\"pull_load\"}"
+                                                        : "pd:kv_transfers_failed_total{kind=\"push_load\"}"),
+                  metric(c.d.port, "pd:kv_params_refused_total"));
     ck_assert_int_eq((int)metric(c.d.port, "pd:kv_transfers_failed_total{kind=\"pull_load\"}"), 0);
     ck_assert_int_eq((int)metric(c.d.port, "pd:kv_transfers_failed_total{kind=\"push_load\"}"), 0);
     ck_assert_msg(metric(c.d.port, "pd:kv_transfer_bytes_total") > 0 || strcmp(mode, "push") == 0,
