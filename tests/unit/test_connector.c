@@ -1569,6 +1569,67 @@ START_TEST(test_prefill_engine_half_alone)
 }
 END_TEST
 
+/* Takes the events the control thread emitted, waiting up to 2 s for the first. */
+static int take_events(node_t *n, pd_list_link_t *out)
+{
+    pd_list_head_init(out);
+    kv_mb_take(&((kv_conn_t *)n->c)->mb, true, out, tu_now() + 2, false);
+    return (int)pd_list_length(out);
+}
+
+/* The control half of a prefill, driven by commands alone (no scheduler or worker call): a lease
+ * sent to it is released by the proxy's call and its report comes back as an event; a write job
+ * for a reservation it never had comes back failed; a cancel of a load it does not know, and a
+ * stream's end for an unknown reservation, change nothing. */
+START_TEST(test_prefill_control_half_alone)
+{
+    opts_t o = {"pull", PIPES[_i], NULL, 0, 0, 0};
+    node_t p;
+    node_start(&p, "prefill", 'p', &o);
+    kv_conn_t *k = (kv_conn_t *)p.c;
+    kv_lease_t *l = calloc(1, sizeof(*l));
+    l->msg.kind = KV_CMD_LEASE;
+    snprintf(l->req_id, sizeof(l->req_id), "req-l");
+    snprintf(l->transfer_id, sizeof(l->transfer_id), "t-l");
+    l->lease_id = 77;
+    l->expires = tu_now() + 30;
+    l->report = kv_report_new("req-l", false);
+    kv_mb_send(&k->mb, &l->msg, 0);
+    kv_cancel_t *cn = calloc(1, sizeof(*cn));
+    cn->msg.kind = KV_CMD_CANCEL;
+    snprintf(cn->req_id, sizeof(cn->req_id), "nobody");
+    kv_mb_send(&k->mb, &cn->msg, 0);
+    kv_notice_t *nd = calloc(1, sizeof(*nd));
+    nd->msg.kind = KV_CMD_WRITE_DONE;
+    nd->resv_id = 12345;
+    kv_mb_send(&k->mb, &nd->msg, 0);
+    ck_assert(!pd_kv_connector_release(p.c, "req-l", 78, NULL)); /* another lease id */
+    ck_assert(pd_kv_connector_release(p.c, "req-l", 77, NULL));
+    pd_list_link_t in;
+    ck_assert_int_eq(take_events(&p, &in), 1);
+    kv_msg_t *m = pd_list_pop_head(&in, kv_msg_t, link);
+    ck_assert_int_eq(m->kind, KV_EV_REPORT);
+    kv_report_t *r = pd_container_of(m, kv_report_t, msg);
+    ck_assert_str_eq(r->req_id, "req-l");
+    ck_assert(!r->recving);
+    kv_report_free(r);
+
+    kv_write_job_t *j = calloc(1, sizeof(*j));
+    j->msg.kind = KV_CMD_WRITE_JOB;
+    j->resv_id = 999;
+    j->pages = calloc(1, sizeof(*j->pages));
+    j->num_pages = 1;
+    kv_mb_send(&k->mb, &j->msg, 0);
+    ck_assert_int_eq(take_events(&p, &in), 1);
+    m = pd_list_pop_head(&in, kv_msg_t, link);
+    ck_assert_int_eq(m->kind, KV_EV_JOB_DONE);
+    ck_assert_int_eq(pd_container_of(m, kv_write_job_t, msg)->status, PD_ERR_PEER_GONE);
+    kv_msg_free(m);
+    ck_assert_int_eq(take_events(&p, &in), 0); /* nothing else came */
+    node_stop(&p);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ the mailbox (kv_mail.h) */
 
 /* Answers every call (releases) it takes until a STOP, as the control thread does. */
@@ -1696,6 +1757,7 @@ int main(void)
     tcase_add_test(tc, test_mailbox);
     tcase_add_test(tc, test_decode_engine_half_alone);
     tcase_add_test(tc, test_prefill_engine_half_alone);
+    tcase_add_loop_test(tc, test_prefill_control_half_alone, 0, np);
     suite_add_tcase(s, tc);
     tu_fail_alloc_add(s, test_fail_alloc, FA_NUM);
     return tu_run_suite(s);
