@@ -269,8 +269,8 @@ static bool refuse_unimplemented(json_t *root, bool chat, pd_http_error_t *err)
             (tcs == NULL || (strcmp(tcs, "none") != 0 && strcmp(tcs, "auto") != 0))) {
             return pd_http_error_set(
                 err, 400, "BadRequestError", "tool_choice",
-                "tool_choice must be \"none\" or \"auto\": pdserve renders tools into the "
-                "prompt but does not parse or force tool calls yet");
+                "tool_choice must be \"none\": pdserve renders tools into the prompt but does not "
+                "parse or force tool calls yet");
         }
         if (json_is_true(json_object_get(root, "echo"))) {
             return pd_http_error_set(err, 400, "BadRequestError", "echo",
@@ -682,6 +682,28 @@ bool pd_openai_parse_completion(const char *body, size_t len, const pd_tokenizer
     return ok;
 }
 
+/* tool_choice "auto" — what a request with tools means when it names no choice, as vLLM reads it —
+ * asks the server to parse tool calls out of the reply, which needs a tool-call parser (vLLM:
+ * --enable-auto-tool-choice --tool-call-parser). pdserve has none yet: such a request is refused
+ * rather than answered with tool calls left in the text; "none" renders the tools into the prompt
+ * and leaves the reply as text. Checked after the tools themselves were validated (pd_chat_render). */
+static bool auto_tool_choice_refused(const json_t *root, pd_http_error_t *err)
+{
+    const json_t *tools = json_object_get(root, "tools");
+    const json_t *tc = json_object_get(root, "tool_choice");
+    bool choice_auto =
+        tc == NULL || json_is_null(tc) || (json_is_string(tc) && strcmp(json_string_value(tc), "auto") == 0);
+    if (json_array_size(tools) > 0 && choice_auto) {
+        pd_http_error_set(err, 400, "BadRequestError", "tool_choice",
+                          "\"auto\" tool choice (the default with tools) needs a tool-call parser (vLLM's "
+                          "--enable-auto-tool-choice --tool-call-parser), which pdserve does not have "
+                          "yet: send \"tool_choice\": \"none\" to have the tools rendered into the "
+                          "prompt and the reply returned as text");
+        return true;
+    }
+    return false;
+}
+
 bool pd_openai_parse_chat(const char *body, size_t len, const pd_tokenizer_t *tok, const pd_chat_t *chat,
                           const pd_openai_limits_t *lim, pd_completion_req_t *out, pd_http_error_t *err)
 {
@@ -704,7 +726,7 @@ bool pd_openai_parse_chat(const char *body, size_t len, const pd_tokenizer_t *to
     if (ok && cr.messages == NULL) {
         ok = pd_http_error_set(err, 400, "BadRequestError", "messages", "'messages' is required");
     }
-    ok = ok && pd_chat_render(chat, &cr, &prompt, &plen, err);
+    ok = ok && pd_chat_render(chat, &cr, &prompt, &plen, err) && !auto_tool_choice_refused(root, err);
     if (ok) {
         size_t n = 0;
         int32_t *ids = NULL;

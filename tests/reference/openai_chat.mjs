@@ -28,7 +28,9 @@ const messages = [
   { role: 'tool', tool_call_id: 'call_1', content: '{"temp_c": 21}' },
   { role: 'user', content: [{ type: 'text', text: 'And should I take an umbrella?' }] },
 ];
-const req = { model, messages, tools, max_tokens: Number(maxTokens), temperature: 0 };
+// tool_choice "none": the tools are rendered into the prompt and the reply is text (pdserve has no
+// tool-call parser yet, so "auto", the default with tools, is refused as vLLM refuses it without one)
+const req = { model, messages, tools, tool_choice: 'none', max_tokens: Number(maxTokens), temperature: 0 };
 const r = await client.chat.completions.create(req);
 const stream = await client.chat.completions.create({ ...req, stream: true, stream_options: { include_usage: true } });
 let streamText = '';

@@ -506,6 +506,19 @@ START_TEST(test_refusals_name_the_parameter)
     expect_400(g_port, c, b, "continue_final_message", "Cannot set both");
     snprintf(b, sizeof(b), "{%s, \"tool_choice\": \"required\"}", m);
     expect_400(g_port, c, b, "tool_choice", "tool_choice");
+    /* tools with "auto" (said, or the default with tools, as vLLM reads it) need a tool-call parser,
+     * which pdserve does not have: refused, not answered with the calls left in the text */
+    static const char *tool = "\"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"f\", "
+                              "\"parameters\": {\"type\": \"object\"}}}]";
+    snprintf(b, sizeof(b), "{%s, %s}", m, tool);
+    expect_400(g_port, c, b, "tool_choice", "tool-call parser");
+    snprintf(b, sizeof(b), "{%s, %s, \"tool_choice\": \"auto\"}", m, tool);
+    expect_400(g_port, c, b, "tool_choice", "tool-call parser");
+    snprintf(b, sizeof(b), "{%s, %s, \"tool_choice\": \"none\", \"max_tokens\": 2}", m, tool);
+    int tst;
+    json_t *tr = post(g_port, c, b, &tst);
+    ck_assert_int_eq(tst, 200); /* "none": rendered, answered as text */
+    json_decref(tr);
     snprintf(b, sizeof(b), "{%s, \"n\": 2, \"temperature\": 0}", m);
     expect_400(g_port, c, b, "n", "greedy");
     expect_400(g_port, p, "{\"prompt\": [\"a\", \"b\"], \"n\": 100}", "n", "choices");
@@ -1106,7 +1119,8 @@ static char *reference_chat(int port, int max_tokens)
     char body[2048];
     snprintf(
         body, sizeof(body),
-        "{\"model\": \"m\", \"max_tokens\": %d, \"temperature\": 0, \"tools\": [{\"type\": \"function\", "
+        "{\"model\": \"m\", \"max_tokens\": %d, \"temperature\": 0, \"tool_choice\": \"none\", "
+        "\"tools\": [{\"type\": \"function\", "
         "\"function\": {\"name\": \"get_weather\", \"description\": \"Get the current weather for a city.\", "
         "\"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}, "
         "\"required\": "
