@@ -20,6 +20,7 @@
 #include "common/log.h"
 #include "common/time.h"
 #include "server/http_internal.h"
+#include "server/tool_calls.h"
 
 typedef struct choice {
     creq_t *parent;
@@ -45,6 +46,7 @@ typedef struct choice {
     char *error; /* the engine's reason when it ended with "error" and no token */
     bool oom;    /* an id or text could not be kept (out of memory): the reply is a 500, not a short text */
     bool handed_over; /* a prefill's first-token handover: a decode node goes on (no finish_reason) */
+    size_t streamed;  /* tool parsing, streaming: bytes of text sent as content so far */
 } choice_t;
 
 struct creq {
@@ -408,6 +410,35 @@ static void start_stream(creq_t *c)
     }
 }
 
+/* Tool parsing (c->in.tool_parser), streaming: the delta of this output — the content that cannot
+ * be part of a tool call any more; at the end the rest, and the calls the whole reply holds
+ * (then *finish is "tool_calls", as vLLM reports them). */
+static json_t *tool_delta(choice_t *h, pd_tool_parser_t p, bool finished, const char **finish)
+{
+    size_t upto = pd_tool_calls_safe_prefix(p, h->text, h->text_len);
+    json_t *calls = NULL;
+    if (finished) {
+        calls = pd_tool_calls_parse(p, h->text, h->text_len, &upto);
+    }
+    json_t *delta = json_object();
+    if (upto > h->streamed) {
+        json_object_set_new(delta, "content",
+                            pd_json_string_lossy(h->text + h->streamed, upto - h->streamed));
+        h->streamed = upto;
+    }
+    if (calls != NULL) {
+        size_t i;
+        json_t *call;
+        json_array_foreach(calls, i, call)
+        {
+            json_object_set_new(call, "index", json_integer((json_int_t)i));
+        }
+        json_object_set_new(delta, "tool_calls", calls);
+        *finish = "tool_calls";
+    }
+    return delta;
+}
+
 /* The SSE chunk of one engine output of choice h. */
 static json_t *output_chunk(creq_t *c, choice_t *h, const pd_engine_output_t *o, size_t offset, bool finished)
 {
@@ -421,11 +452,14 @@ static json_t *output_chunk(creq_t *c, choice_t *h, const pd_engine_output_t *o,
             json_decref(lp);
             lp = json_pack("{s:o}", "content", content);
         }
-        json_t *delta = o->text_len > 0
+        const char *finish = o->finish_reason;
+        json_t *delta = c->in.tool_parser != PD_TOOL_PARSER_NONE
+                            ? tool_delta(h, (pd_tool_parser_t)c->in.tool_parser, finished, &finish)
+                        : o->text_len > 0
                             ? json_pack("{s:o}", "content", pd_json_string_lossy(o->text, o->text_len))
                             : json_object();
         choice = json_pack("{s:i, s:o, s:o, s:o}", "index", h->index, "delta", delta, "logprobs", lp,
-                           "finish_reason", finished ? json_string(o->finish_reason) : json_null());
+                           "finish_reason", finished ? json_string(finish) : json_null());
     } else {
         json_t *lp = json_null();
         if (c->in.logprobs >= 0) {
@@ -525,11 +559,20 @@ static json_t *final_choice(const creq_t *c, const choice_t *h)
 {
     json_t *choice;
     if (c->in.chat) {
-        json_t *msg = json_pack("{s:s, s:o, s:[]}", "role", "assistant", "content",
-                                pd_json_string_lossy(h->text, h->text_len), "tool_calls");
+        size_t content_len = h->text_len;
+        json_t *calls =
+            c->in.tool_parser != PD_TOOL_PARSER_NONE
+                ? pd_tool_calls_parse((pd_tool_parser_t)c->in.tool_parser, h->text, h->text_len, &content_len)
+                : NULL;
+        /* with calls, the content is the text before them (null when none: vLLM's shape) */
+        json_t *content =
+            calls != NULL && content_len == 0 ? json_null() : pd_json_string_lossy(h->text, content_len);
+        json_t *msg = json_pack("{s:s, s:o, s:o}", "role", "assistant", "content", content, "tool_calls",
+                                calls != NULL ? calls : json_array());
         choice = json_pack("{s:i, s:o, s:o, s:o, s:o}", "index", h->index, "message", msg, "logprobs",
                            h->lp != NULL ? json_pack("{s:O}", "content", h->lp) : json_null(),
-                           "finish_reason", finish_reason_json(h), "stop_reason", stop_reason_json(h));
+                           "finish_reason", calls != NULL ? json_string("tool_calls") : finish_reason_json(h),
+                           "stop_reason", stop_reason_json(h));
     } else {
         const pd_prompt_t *pr = &c->in.prompts[h->prompt];
         json_t *text;
@@ -791,7 +834,8 @@ void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bo
                               mc->vocab_size,
                               pd_engine_max_model_len(s->engine),
                               s->cfg.max_json_depth,
-                              pd_engine_generation_config(s->engine)};
+                              pd_engine_generation_config(s->engine),
+                              s->tool_parser};
     const pd_tokenizer_t *tok = pd_engine_tokenizer(s->engine);
     bool ok = c != NULL && (chat ? pd_openai_parse_chat(body, len, tok, s->chat, &lim, &c->in, &err)
                                  : pd_openai_parse_completion(body, len, tok, &lim, &c->in, &err));

@@ -36,6 +36,7 @@ struct pd_http_server {
     int num_aliases;
     pd_engine_t *engine;
     pd_chat_t *chat; /* the model's chat template (may have none) */
+    int tool_parser; /* --enable-auto-tool-choice --tool-call-parser: a pd_tool_parser_t, 0 = none */
     pd_metrics_t *metrics;
     srv_metrics_t m;
     struct event_base *base;

@@ -31,6 +31,7 @@
 #include "common/version.h"
 #include "model/generation_config.h"
 #include "server/http_internal.h"
+#include "server/tool_calls.h"
 
 void pd_http_config_defaults(pd_http_config_t *c)
 {
@@ -68,6 +69,14 @@ size_t pd_http_flags(pd_http_config_t *c, pd_flag_t *out, size_t max)
          "chat template: a file, or the template text (default: chat_template.jinja, then "
          "tokenizer_config.json in the model directory)",
          NULL},
+        {"enable-auto-tool-choice", PD_FLAG_BOOL, &c->enable_auto_tool_choice,
+         "chat requests with tools and tool_choice \"auto\" (the default with tools) get the tool calls of "
+         "the reply as tool_calls (needs --tool-call-parser; without it they are a 400)",
+         NULL},
+        {"tool-call-parser", PD_FLAG_CHOICE, &c->tool_call_parser,
+         "the format the model writes tool calls in: hermes (<tool_call>, Hermes/Qwen), llama3_json (Llama "
+         "3.x JSON), mistral ([TOOL_CALLS])",
+         "hermes|llama3_json|mistral"},
     };
     size_t n = sizeof(f) / sizeof(f[0]);
     memcpy(out, f, (n < max ? n : max) * sizeof(f[0]));
@@ -535,11 +544,22 @@ pd_status_t pd_http_server_create(const pd_http_config_t *cfg, pd_engine_t *engi
         evthread_use_pthreads(); /* event_active from the engine thread */
         threads_enabled = true;
     }
+    if (cfg->enable_auto_tool_choice &&
+        pd_tool_parser_by_name(cfg->tool_call_parser) == PD_TOOL_PARSER_NONE) {
+        pd_log_error("--enable-auto-tool-choice requires --tool-call-parser (%s)", pd_tool_parser_names());
+        return PD_ERR_INVALID_ARG;
+    }
     pd_http_server_t *s = calloc(1, sizeof(*s));
     if (s == NULL) {
         return PD_ERR_NO_MEMORY;
     }
     s->cfg = *cfg;
+    /* as vLLM: the parser reads calls only with --enable-auto-tool-choice (alone it is inert) */
+    s->tool_parser = cfg->enable_auto_tool_choice ? (int)pd_tool_parser_by_name(cfg->tool_call_parser) : 0;
+    if (s->tool_parser != PD_TOOL_PARSER_NONE) {
+        pd_log_info("chat: tool_choice \"auto\" reads tool calls out of replies (--tool-call-parser %s)",
+                    cfg->tool_call_parser);
+    }
     s->engine = engine;
     s->metrics = metrics;
     s->started_at = (int64_t)time(NULL);

@@ -25,8 +25,10 @@ typedef struct pd_http_config {
     pd_flag_strs_t served_model_names; /* the first names the model in answers, all are accepted
                                         * (default: the model directory's name) */
     int max_json_depth;
-    const char *info_json;     /* P/D nodes: served at GET /pd/info (role, engine id, KV address) */
-    const char *chat_template; /* --chat-template: a file or the template text (NULL: the model's) */
+    const char *info_json;        /* P/D nodes: served at GET /pd/info (role, engine id, KV address) */
+    const char *chat_template;    /* --chat-template: a file or the template text (NULL: the model's) */
+    bool enable_auto_tool_choice; /* --enable-auto-tool-choice: tool_choice "auto" reads tool calls */
+    const char *tool_call_parser; /* --tool-call-parser: which format (tool_calls.h) */
     /* P/D prefill nodes: POST /pd/release {"remote_request_id", "lease_id"} or {"transfer_id"} gives
      * up the KV held for a decode that will not come (pd_kv_connector_release); NULL: no route */
     bool (*release_kv)(void *ctx, const char *request_id, uint64_t lease_id, const char *transfer_id);

@@ -10,6 +10,7 @@
 #include "common/json.h"
 #include "model/generation_config.h"
 #include "server/chat.h"
+#include "server/tool_calls.h"
 
 json_t *pd_openai_error_json(const pd_http_error_t *err)
 {
@@ -683,23 +684,42 @@ bool pd_openai_parse_completion(const char *body, size_t len, const pd_tokenizer
 }
 
 /* tool_choice "auto" — what a request with tools means when it names no choice, as vLLM reads it —
- * asks the server to parse tool calls out of the reply, which needs a tool-call parser (vLLM:
- * --enable-auto-tool-choice --tool-call-parser). pdserve has none yet: such a request is refused
- * rather than answered with tool calls left in the text; "none" renders the tools into the prompt
- * and leaves the reply as text. Checked after the tools themselves were validated (pd_chat_render). */
-static bool auto_tool_choice_refused(const json_t *root, pd_http_error_t *err)
+ * asks the server to read tool calls out of the reply: with a parser (--enable-auto-tool-choice
+ * --tool-call-parser) the request gets it (out->tool_parser, and the special tokens the calls are
+ * written with are kept in the text for hermes and mistral, as vLLM's parsers ask); without one it
+ * is refused, as vLLM refuses it, rather than answered with the calls left in the text. "none"
+ * renders the tools into the prompt and leaves the reply as text. Checked after the tools
+ * themselves were validated (pd_chat_render). */
+static bool auto_tool_choice_refused(const json_t *root, const pd_openai_limits_t *lim,
+                                     pd_completion_req_t *out, pd_http_error_t *err)
 {
     const json_t *tools = json_object_get(root, "tools");
     const json_t *tc = json_object_get(root, "tool_choice");
     bool choice_auto =
         tc == NULL || json_is_null(tc) || (json_is_string(tc) && strcmp(json_string_value(tc), "auto") == 0);
-    if (json_array_size(tools) > 0 && choice_auto) {
+    if (json_array_size(tools) == 0 || !choice_auto) {
+        return false;
+    }
+    if (lim->tool_parser == PD_TOOL_PARSER_NONE) {
         pd_http_error_set(err, 400, "BadRequestError", "tool_choice",
-                          "\"auto\" tool choice (the default with tools) needs a tool-call parser (vLLM's "
-                          "--enable-auto-tool-choice --tool-call-parser), which pdserve does not have "
-                          "yet: send \"tool_choice\": \"none\" to have the tools rendered into the "
-                          "prompt and the reply returned as text");
+                          "\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to "
+                          "be set (it is the default with tools): send \"tool_choice\": \"none\" to have "
+                          "the tools rendered into the prompt and the reply returned as text");
         return true;
+    }
+    /* through P/D with the first-token handover, this node sees only part of the reply (the prefill
+     * streams the first token, the decode the rest): no node could read the calls whole */
+    if (json_is_true(json_object_get(json_object_get(root, "kv_transfer_params"), "first_token"))) {
+        pd_http_error_set(
+            err, 400, "BadRequestError", "tool_choice",
+            "tool calls are read out of a whole reply, and with the first-token handover no node "
+            "generates the whole reply: run pd-proxy with --no-first-token-from-prefill for "
+            "requests with tools and tool_choice \"auto\"");
+        return true;
+    }
+    out->tool_parser = lim->tool_parser;
+    if (lim->tool_parser != PD_TOOL_PARSER_LLAMA3_JSON) {
+        out->params.keep_special_tokens = true; /* <tool_call> / [TOOL_CALLS] may be special tokens */
     }
     return false;
 }
@@ -726,7 +746,8 @@ bool pd_openai_parse_chat(const char *body, size_t len, const pd_tokenizer_t *to
     if (ok && cr.messages == NULL) {
         ok = pd_http_error_set(err, 400, "BadRequestError", "messages", "'messages' is required");
     }
-    ok = ok && pd_chat_render(chat, &cr, &prompt, &plen, err) && !auto_tool_choice_refused(root, err);
+    ok = ok && pd_chat_render(chat, &cr, &prompt, &plen, err) &&
+         !auto_tool_choice_refused(root, lim, out, err);
     if (ok) {
         size_t n = 0;
         int32_t *ids = NULL;

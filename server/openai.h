@@ -36,6 +36,8 @@ typedef struct pd_completion_req {
     bool return_token_ids;
     int32_t logprobs;           /* -1 = none (null); chat: top_logprobs when logprobs is true */
     bool chat;                  /* a /v1/chat/completions request (chat response shapes) */
+    int tool_parser;            /* chat with tools and tool_choice "auto": the server's
+                                 * pd_tool_parser_t, which reads tool calls out of the reply; else 0 */
     json_t *kv_transfer_params; /* owned reference or NULL */
 } pd_completion_req_t;
 
@@ -46,6 +48,7 @@ typedef struct pd_openai_limits {
     int32_t max_model_len;
     int max_depth;                          /* JSON nesting limit */
     const struct pd_generation_config *gen; /* defaults of omitted sampling fields, or NULL */
+    int tool_parser; /* --enable-auto-tool-choice --tool-call-parser: a pd_tool_parser_t, 0 = none */
 } pd_openai_limits_t;
 
 /* Parses and validates a /v1/completions body. Returns false with *err filled (status 400/404) on any

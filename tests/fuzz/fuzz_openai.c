@@ -28,7 +28,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         return 0;
     }
     static const char *const names[] = {"m"};
-    pd_openai_limits_t lim = {names, 1, pd_tokenizer_vocab_size(g_tok), 256, 32, NULL};
+    pd_openai_limits_t lim = {names, 1, pd_tokenizer_vocab_size(g_tok), 256, 32, NULL, 0};
     pd_completion_req_t req;
     pd_http_error_t err;
     memset(&req, 0, sizeof(req));

@@ -511,9 +511,9 @@ START_TEST(test_refusals_name_the_parameter)
     static const char *tool = "\"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"f\", "
                               "\"parameters\": {\"type\": \"object\"}}}]";
     snprintf(b, sizeof(b), "{%s, %s}", m, tool);
-    expect_400(g_port, c, b, "tool_choice", "tool-call parser");
+    expect_400(g_port, c, b, "tool_choice", "--tool-call-parser");
     snprintf(b, sizeof(b), "{%s, %s, \"tool_choice\": \"auto\"}", m, tool);
-    expect_400(g_port, c, b, "tool_choice", "tool-call parser");
+    expect_400(g_port, c, b, "tool_choice", "--tool-call-parser");
     snprintf(b, sizeof(b), "{%s, %s, \"tool_choice\": \"none\", \"max_tokens\": 2}", m, tool);
     int tst;
     json_t *tr = post(g_port, c, b, &tst);
@@ -1073,6 +1073,115 @@ END_TEST
 
 /* ------------------------------------------------------------------ the official openai client */
 
+/* The concatenated content, the finish_reason and the tool_calls deltas of a chat stream. */
+static char *stream_chat(int port, const char *body, const char **finish, int *num_tool_deltas, int *held)
+{
+    http_resp_t r;
+    ck_assert_int_eq(http_request(port, "POST", "/v1/chat/completions", NULL, body, &r, 60000), 0);
+    ck_assert_int_eq(r.status, 200);
+    bool done;
+    json_t *ev = sse_events(r.body, &done);
+    ck_assert(done);
+    char *text = calloc(1, 8192);
+    size_t n = 0;
+    static char fin[32];
+    *num_tool_deltas = 0;
+    *held = 0;
+    for (size_t i = 0; i < json_array_size(ev); i++) {
+        json_t *ch = json_array_get(json_object_get(json_array_get(ev, i), "choices"), 0);
+        json_t *d = json_object_get(ch, "delta");
+        const char *c = json_string_value(json_object_get(d, "content"));
+        if (c != NULL && n + strlen(c) < 8192) {
+            memcpy(text + n, c, strlen(c));
+            n += strlen(c);
+        } else if (c == NULL && json_object_get(d, "role") == NULL) {
+            (*held)++; /* a token whose text was held back */
+        }
+        *num_tool_deltas += json_object_get(d, "tool_calls") != NULL;
+        if (json_is_string(json_object_get(ch, "finish_reason"))) {
+            snprintf(fin, sizeof(fin), "%s", json_string_value(json_object_get(ch, "finish_reason")));
+            *finish = fin;
+        }
+    }
+    json_decref(ev);
+    http_resp_free(&r);
+    return text;
+}
+
+/* --enable-auto-tool-choice --tool-call-parser: tools with tool_choice "auto" are served (the
+ * parsers' formats are test_server's test_tool_call_parsers; a random-weight model writes no call):
+ * a reply without a call is the same text as with "none", streamed or not, with "tool_calls": [] and
+ * its own finish_reason; a reply that starts like a Llama 3 call ("{", forced by logit_bias) is held
+ * back while it streams and sent whole as text once it turns out not to be one. The flag alone does
+ * not start a server, and the first-token handover is refused (no node sees the whole reply). */
+START_TEST(test_auto_tool_choice)
+{
+    int port;
+    char *alone[] = {"--enable-auto-tool-choice", NULL};
+    pid_t pid = start_bin("pd-serve", g_model, "tools-noparser", alone, &port, false);
+    int rc = tu_stop(pid, 30);
+    ck_assert_msg(port <= 0 && rc != 0, "--enable-auto-tool-choice without a parser started (rc %d)", rc);
+    char logp[600];
+    snprintf(logp, sizeof(logp), "%s/tools-noparser.log", g_dir);
+    size_t ll = 0;
+    char *log = tu_read_file(logp, &ll);
+    ck_assert_ptr_nonnull(strstr(log, "requires --tool-call-parser"));
+    free(log);
+
+    char *with[] = {"--enable-auto-tool-choice", "--tool-call-parser", "llama3_json", NULL};
+    pid = start_bin("pd-serve", g_model, "tools", with, &port, true);
+    static const char *head =
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"weather in Paris?\"}], \"max_tokens\": 6, "
+        "\"temperature\": 0, \"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", "
+        "\"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}}}}]";
+    char body[2048];
+    int st;
+    snprintf(body, sizeof(body), "%s, \"tool_choice\": \"none\"}", head);
+    json_t *none = post(port, "/v1/chat/completions", body, &st);
+    ck_assert_int_eq(st, 200);
+    snprintf(body, sizeof(body), "%s}", head); /* "auto": the default with tools */
+    json_t *aut = post(port, "/v1/chat/completions", body, &st);
+    ck_assert_int_eq(st, 200);
+    json_t *ch = json_array_get(json_object_get(aut, "choices"), 0);
+    ck_assert_str_eq(chat_content(aut), chat_content(none));
+    ck_assert_uint_eq(json_array_size(json_object_get(json_object_get(ch, "message"), "tool_calls")), 0);
+    ck_assert_str_eq(json_string_value(json_object_get(ch, "finish_reason")), "length");
+    const char *finish = NULL;
+    int tool_deltas = 0, held = 0;
+    snprintf(body, sizeof(body), "%s, \"stream\": true}", head);
+    char *streamed = stream_chat(port, body, &finish, &tool_deltas, &held);
+    ck_assert_str_eq(streamed, chat_content(aut));
+    ck_assert_str_eq(finish, "length");
+    ck_assert_int_eq(tool_deltas, 0);
+    free(streamed);
+    json_decref(none), json_decref(aut);
+
+    /* a reply that starts with "{" may be a Llama 3 call: held back, then text */
+    json_t *tk = post(port, "/tokenize", "{\"prompt\": \"{\", \"add_special_tokens\": false}", &st);
+    ck_assert_int_eq(st, 200);
+    json_int_t brace = json_integer_value(json_array_get(json_object_get(tk, "tokens"), 0));
+    json_decref(tk);
+    snprintf(body, sizeof(body), "%s, \"logit_bias\": {\"%lld\": 100}}", head, (long long)brace);
+    aut = post(port, "/v1/chat/completions", body, &st);
+    ck_assert_int_eq(st, 200);
+    const char *text = chat_content(aut);
+    ck_assert_msg(text != NULL && text[0] == '{', "the forced reply starts with '%s'", text);
+    snprintf(body, sizeof(body), "%s, \"logit_bias\": {\"%lld\": 100}, \"stream\": true}", head,
+             (long long)brace);
+    streamed = stream_chat(port, body, &finish, &tool_deltas, &held);
+    ck_assert_str_eq(streamed, text);
+    ck_assert_int_ge(held, 5); /* every token but the last came without text */
+    ck_assert_int_eq(tool_deltas, 0);
+    free(streamed);
+    json_decref(aut);
+
+    snprintf(body, sizeof(body),
+             "%s, \"kv_transfer_params\": {\"do_remote_decode\": true, \"first_token\": true}}", head);
+    expect_400(port, "/v1/chat/completions", body, "tool_choice", "first-token handover");
+    tu_stop(pid, 30);
+}
+END_TEST
+
 /* Installs openai@SPEC into build/npm-openai-TAG once; returns the node_modules dir. */
 static void npm_openai(const char *tag, const char *spec, char *modules, size_t cap)
 {
@@ -1266,6 +1375,7 @@ int main(void)
     tcase_add_test(tc, test_echo_with_logprobs);
     tcase_add_test(tc, test_api_endpoints);
     tcase_add_test(tc, test_seeds_ids_and_nul);
+    tcase_add_test(tc, test_auto_tool_choice);
     tcase_add_test(tc, test_openai_client_chat_pd_serve);
     tcase_add_test(tc, test_openai_client_chat_through_pd_proxy);
     suite_add_tcase(s, tc);

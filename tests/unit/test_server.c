@@ -21,6 +21,7 @@
 #include "engine/engine.h"
 #include "kernels/paged_impl.h"
 #include "model/model.h"
+#include "server/tool_calls.h"
 
 static char *g_model;
 static char *g_dir;
@@ -1151,6 +1152,116 @@ START_TEST(test_openai_npm_client)
 }
 END_TEST
 
+/* ------------------------------------------------------------------ tool calls (server/tool_calls.h) */
+
+static json_t *parse_calls(pd_tool_parser_t p, const char *text, size_t *content_len)
+{
+    return pd_tool_calls_parse(p, text, strlen(text), content_len);
+}
+
+static void expect_call(json_t *calls, size_t i, const char *name, const char *arguments)
+{
+    json_t *c = json_array_get(calls, i);
+    ck_assert_ptr_nonnull(c);
+    const char *id = json_string_value(json_object_get(c, "id"));
+    ck_assert_msg(id != NULL && strncmp(id, "chatcmpl-tool-", 14) == 0 && strlen(id) == 14 + 32, "id %s", id);
+    ck_assert_str_eq(json_string_value(json_object_get(c, "type")), "function");
+    json_t *f = json_object_get(c, "function");
+    ck_assert_str_eq(json_string_value(json_object_get(f, "name")), name);
+    ck_assert_str_eq(json_string_value(json_object_get(f, "arguments")), arguments);
+}
+
+/* vLLM's three formats: Hermes/Qwen <tool_call> (text before the calls is the content, the last call
+ * may be cut off by the stop), Llama 3 JSON (the reply is the calls; "parameters" or "arguments",
+ * several separated by ";", an optional <|python_tag|>), Mistral [TOOL_CALLS] (a list); a call that
+ * does not parse leaves the reply text; arguments are written as Python's json.dumps writes them
+ * (", " and ": ", UTF-8 kept: checked against python3). While streaming, text that is or may become
+ * a call is held back. */
+START_TEST(test_tool_call_parsers)
+{
+    ck_assert_int_eq(pd_tool_parser_by_name("hermes"), PD_TOOL_PARSER_HERMES);
+    ck_assert_int_eq(pd_tool_parser_by_name("llama3_json"), PD_TOOL_PARSER_LLAMA3_JSON);
+    ck_assert_int_eq(pd_tool_parser_by_name("mistral"), PD_TOOL_PARSER_MISTRAL);
+    ck_assert_int_eq(pd_tool_parser_by_name("pythonic"), PD_TOOL_PARSER_NONE);
+    size_t cl = 0;
+    json_t *calls =
+        parse_calls(PD_TOOL_PARSER_HERMES,
+                    "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": "
+                    "\"Zürich\", \"days\": [1, 2]}}\n</tool_call>\n<tool_call>{\"name\": \"now\", "
+                    "\"arguments\": {}}",
+                    &cl);
+    ck_assert_uint_eq(json_array_size(calls), 2);
+    ck_assert_uint_eq(cl, strlen("Let me check.\n"));
+    expect_call(calls, 0, "get_weather", "{\"city\": \"Zürich\", \"days\": [1, 2]}");
+    expect_call(calls, 1, "now", "{}");
+    ck_assert_str_ne(json_string_value(json_object_get(json_array_get(calls, 0), "id")),
+                     json_string_value(json_object_get(json_array_get(calls, 1), "id")));
+    json_decref(calls);
+    /* the same arguments as Python writes them */
+    char out[256] = "";
+    FILE *py =
+        popen("python3 -c 'import json; print(json.dumps({\"city\": \"Z\\u00fcrich\", \"days\": [1, 2]}, "
+              "ensure_ascii=False))'",
+              "r");
+    ck_assert_ptr_nonnull(py);
+    ck_assert_ptr_nonnull(fgets(out, sizeof(out), py));
+    pclose(py);
+    out[strcspn(out, "\n")] = '\0';
+    ck_assert_str_eq(out, "{\"city\": \"Zürich\", \"days\": [1, 2]}");
+    ck_assert_ptr_null(parse_calls(PD_TOOL_PARSER_HERMES, "no calls here", &cl));
+    ck_assert_uint_eq(cl, strlen("no calls here"));
+    ck_assert_ptr_null(
+        parse_calls(PD_TOOL_PARSER_HERMES, "<tool_call>{\"name\": \"f\", \"argu</tool_call>", &cl));
+    ck_assert_ptr_null(parse_calls(PD_TOOL_PARSER_HERMES, "<tool_call>{\"arguments\": {}}</tool_call>", &cl));
+
+    calls =
+        parse_calls(PD_TOOL_PARSER_LLAMA3_JSON,
+                    "{\"name\": \"a\", \"parameters\": {\"x\": 1}}; {\"name\": \"b\", \"arguments\": {\"y\": "
+                    "\"z\"}}",
+                    &cl);
+    ck_assert_uint_eq(json_array_size(calls), 2);
+    ck_assert_uint_eq(cl, 0);
+    expect_call(calls, 0, "a", "{\"x\": 1}");
+    expect_call(calls, 1, "b", "{\"y\": \"z\"}");
+    json_decref(calls);
+    calls =
+        parse_calls(PD_TOOL_PARSER_LLAMA3_JSON, "<|python_tag|>{\"name\": \"a\", \"parameters\": {}}", &cl);
+    ck_assert_uint_eq(json_array_size(calls), 1);
+    json_decref(calls);
+    ck_assert_ptr_null(
+        parse_calls(PD_TOOL_PARSER_LLAMA3_JSON, "Sure: {\"name\": \"a\", \"parameters\": {}}", &cl));
+    ck_assert_ptr_null(parse_calls(PD_TOOL_PARSER_LLAMA3_JSON, "{{{{", &cl));
+    ck_assert_ptr_null(parse_calls(PD_TOOL_PARSER_LLAMA3_JSON, "{\"name\": \"a\"} trailing words", &cl));
+
+    calls = parse_calls(
+        PD_TOOL_PARSER_MISTRAL,
+        "Checking. [TOOL_CALLS][{\"name\": \"f\", \"arguments\": {\"q\": \"v\"}}, {\"name\": \"g\", "
+        "\"arguments\": {}}]",
+        &cl);
+    ck_assert_uint_eq(json_array_size(calls), 2);
+    ck_assert_uint_eq(cl, strlen("Checking. "));
+    expect_call(calls, 0, "f", "{\"q\": \"v\"}");
+    expect_call(calls, 1, "g", "{}");
+    json_decref(calls);
+    ck_assert_ptr_null(parse_calls(PD_TOOL_PARSER_MISTRAL, "[TOOL_CALLS][]", &cl));
+    ck_assert_ptr_null(parse_calls(PD_TOOL_PARSER_NONE, "<tool_call>{\"name\": \"f\"}</tool_call>", &cl));
+
+    /* streaming: what may still become a call is held back */
+    const char *t = "Hello <tool_ca";
+    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_HERMES, t, strlen(t)), strlen("Hello "));
+    t = "Hello <tool_call>{\"na";
+    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_HERMES, t, strlen(t)), strlen("Hello "));
+    t = "Hello <b>";
+    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_HERMES, t, strlen(t)), strlen(t));
+    t = "ok [TOOL";
+    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_MISTRAL, t, strlen(t)), 3);
+    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_LLAMA3_JSON, "", 0), 0);
+    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_LLAMA3_JSON, "{\"na", 4), 0);
+    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_LLAMA3_JSON, "<|pyth", 6), 0);
+    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_LLAMA3_JSON, "Sure", 4), 4);
+}
+END_TEST
+
 int main(void)
 {
     tu_probe_tools(TU_NODE);
@@ -1158,6 +1269,7 @@ int main(void)
     TCase *tc = tcase_create("http");
     tcase_add_unchecked_fixture(tc, suite_setup, suite_teardown);
     tcase_set_timeout(tc, 300);
+    tcase_add_test(tc, test_tool_call_parsers);
     tcase_add_test(tc, test_completion_equals_engine_greedy);
     tcase_add_test(tc, test_completion_equals_engine_seeded);
     tcase_add_test(tc, test_logprobs_match_recomputed);

@@ -1,0 +1,216 @@
+/* server/tool_calls.c — tool calls parsed out of a chat reply (tool_calls.h). */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+
+#include "common/time.h"
+#include "server/tool_calls.h"
+
+#define HERMES_START  "<tool_call>"
+#define HERMES_END    "</tool_call>"
+#define MISTRAL_START "[TOOL_CALLS]"
+#define PYTHON_TAG    "<|python_tag|>"
+
+pd_tool_parser_t pd_tool_parser_by_name(const char *name)
+{
+    if (name == NULL) {
+        return PD_TOOL_PARSER_NONE;
+    }
+    if (strcmp(name, "hermes") == 0) {
+        return PD_TOOL_PARSER_HERMES;
+    }
+    if (strcmp(name, "llama3_json") == 0) {
+        return PD_TOOL_PARSER_LLAMA3_JSON;
+    }
+    if (strcmp(name, "mistral") == 0) {
+        return PD_TOOL_PARSER_MISTRAL;
+    }
+    return PD_TOOL_PARSER_NONE;
+}
+
+const char *pd_tool_parser_names(void)
+{
+    return "hermes|llama3_json|mistral";
+}
+
+static const char *find(const char *s, size_t len, const char *what)
+{
+    return memmem(s, len, what, strlen(what));
+}
+
+/* One OpenAI tool call of the object {"name", "arguments" (or "parameters")}; NULL when it is not one. */
+static json_t *call_json(const json_t *obj)
+{
+    const char *name = json_string_value(json_object_get(obj, "name"));
+    const json_t *args = json_object_get(obj, "arguments");
+    if (args == NULL) {
+        args = json_object_get(obj, "parameters"); /* Llama 3's name for them */
+    }
+    if (!json_is_object(obj) || name == NULL) {
+        return NULL;
+    }
+    /* as vLLM: json.dumps(arguments, ensure_ascii=False) — ", " and ": " separators, UTF-8 kept; a
+     * string is kept as it came (a model that wrote the arguments as a JSON string) */
+    char *a = json_is_string(args) ? strdup(json_string_value(args))
+              : args != NULL       ? json_dumps(args, JSON_ENCODE_ANY | JSON_PRESERVE_ORDER)
+                                   : strdup("{}");
+    uint8_t r[16];
+    if (getrandom(r, sizeof(r), 0) != (ssize_t)sizeof(r)) {
+        uint64_t t = pd_time_now_ns() * 0x9E3779B97F4A7C15ull;
+        memcpy(r, &t, 8), memcpy(r + 8, &t, 8);
+    }
+    char id[64] = "chatcmpl-tool-";
+    for (int i = 0; i < 16; i++) {
+        snprintf(id + 14 + 2 * i, 3, "%02x", r[i]);
+    }
+    json_t *c = a != NULL ? json_pack("{s:s, s:s, s:{s:s, s:s}}", "id", id, "type", "function", "function",
+                                      "name", name, "arguments", a)
+                          : NULL;
+    free(a);
+    return c;
+}
+
+/* Appends the call of JSON text[len] to calls; false when it does not parse as one. */
+static bool add_call(json_t *calls, const char *text, size_t len)
+{
+    json_t *obj = json_loadb(text, len, JSON_DECODE_ANY, NULL);
+    json_t *c = obj != NULL ? call_json(obj) : NULL;
+    json_decref(obj);
+    return c != NULL && json_array_append_new(calls, c) == 0;
+}
+
+static json_t *parse_hermes(const char *text, size_t len, size_t *content_len)
+{
+    const char *first = find(text, len, HERMES_START);
+    if (first == NULL) {
+        return NULL;
+    }
+    json_t *calls = json_array();
+    const char *p = first, *end = text + len;
+    while (calls != NULL && p != NULL) {
+        const char *body = p + strlen(HERMES_START);
+        const char *close = find(body, (size_t)(end - body), HERMES_END);
+        const char *body_end = close != NULL ? close : end; /* the last may be cut off at the stop */
+        if (!add_call(calls, body, (size_t)(body_end - body))) {
+            json_decref(calls); /* as vLLM: a call that does not parse leaves the reply text */
+            return NULL;
+        }
+        p = close != NULL ? find(close, (size_t)(end - close), HERMES_START) : NULL;
+    }
+    *content_len = (size_t)(first - text);
+    return calls;
+}
+
+static json_t *parse_mistral(const char *text, size_t len, size_t *content_len)
+{
+    const char *at = find(text, len, MISTRAL_START);
+    if (at == NULL) {
+        return NULL;
+    }
+    const char *body = at + strlen(MISTRAL_START);
+    json_t *list = json_loadb(body, (size_t)(text + len - body), JSON_DECODE_ANY, NULL);
+    json_t *calls = json_array();
+    if (list != NULL && json_is_object(list)) { /* a single call without its list */
+        json_t *one = json_pack("[O]", list);
+        json_decref(list);
+        list = one;
+    }
+    size_t i;
+    json_t *obj;
+    bool ok = json_is_array(list) && json_array_size(list) > 0 && calls != NULL;
+    json_array_foreach(list, i, obj)
+    {
+        json_t *c = ok ? call_json(obj) : NULL;
+        ok = c != NULL && json_array_append_new(calls, c) == 0;
+    }
+    json_decref(list);
+    if (!ok) {
+        json_decref(calls);
+        return NULL;
+    }
+    *content_len = (size_t)(at - text);
+    return calls;
+}
+
+/* Llama 3: the reply is the calls — one JSON object, or several separated by ";" (vLLM decodes
+ * them one after another). */
+static json_t *parse_llama3(const char *text, size_t len, size_t *content_len)
+{
+    size_t off = 0;
+    if (len >= strlen(PYTHON_TAG) && memcmp(text, PYTHON_TAG, strlen(PYTHON_TAG)) == 0) {
+        off = strlen(PYTHON_TAG);
+    } else if (len == 0 || text[0] != '{') {
+        return NULL;
+    }
+    json_t *calls = json_array();
+    while (calls != NULL && off < len) {
+        while (off < len &&
+               (text[off] == ' ' || text[off] == '\n' || text[off] == '\t' || text[off] == ';')) {
+            off++;
+        }
+        if (off == len) {
+            break;
+        }
+        json_error_t je;
+        json_t *obj = json_loadb(text + off, len - off, JSON_DISABLE_EOF_CHECK, &je);
+        json_t *c = obj != NULL ? call_json(obj) : NULL;
+        json_decref(obj);
+        if (c == NULL || json_array_append_new(calls, c) != 0) {
+            json_decref(calls);
+            return NULL;
+        }
+        off += (size_t)je.position; /* DISABLE_EOF_CHECK: where the object ended */
+    }
+    if (calls != NULL && json_array_size(calls) == 0) {
+        json_decref(calls);
+        return NULL;
+    }
+    *content_len = 0;
+    return calls;
+}
+
+json_t *pd_tool_calls_parse(pd_tool_parser_t p, const char *text, size_t len, size_t *content_len)
+{
+    *content_len = len;
+    switch (p) {
+    case PD_TOOL_PARSER_HERMES: return parse_hermes(text, len, content_len);
+    case PD_TOOL_PARSER_LLAMA3_JSON: return parse_llama3(text, len, content_len);
+    case PD_TOOL_PARSER_MISTRAL: return parse_mistral(text, len, content_len);
+    case PD_TOOL_PARSER_NONE: break;
+    }
+    return NULL;
+}
+
+/* Bytes of text before marker, or before the longest tail of text that begins it. */
+static size_t before_marker(const char *text, size_t len, const char *marker)
+{
+    const char *at = find(text, len, marker);
+    if (at != NULL) {
+        return (size_t)(at - text);
+    }
+    size_t m = strlen(marker);
+    for (size_t k = m - 1 < len ? m - 1 : len; k > 0; k--) {
+        if (memcmp(text + len - k, marker, k) == 0) {
+            return len - k;
+        }
+    }
+    return len;
+}
+
+size_t pd_tool_calls_safe_prefix(pd_tool_parser_t p, const char *text, size_t len)
+{
+    switch (p) {
+    case PD_TOOL_PARSER_HERMES: return before_marker(text, len, HERMES_START);
+    case PD_TOOL_PARSER_MISTRAL: return before_marker(text, len, MISTRAL_START);
+    case PD_TOOL_PARSER_LLAMA3_JSON: {
+        /* calls only at the very start: hold the reply while it is (or may become) one */
+        size_t t = strlen(PYTHON_TAG);
+        bool may_be_tag = memcmp(text, PYTHON_TAG, len < t ? len : t) == 0;
+        return len == 0 || text[0] == '{' || may_be_tag ? 0 : len;
+    }
+    case PD_TOOL_PARSER_NONE: break;
+    }
+    return len;
+}

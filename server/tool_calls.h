@@ -1,0 +1,44 @@
+/* server/tool_calls.h — tool calls parsed out of a chat reply's text, as vLLM's tool parsers read
+ * them (--enable-auto-tool-choice --tool-call-parser NAME), for requests with tools and
+ * tool_choice "auto":
+ *
+ *   hermes       <tool_call>{"name": ..., "arguments": {...}}</tool_call>, one or more, after any
+ *                text (Hermes 2/3, Qwen 2.5/3); the text before the first is the content
+ *   llama3_json  a reply that starts with {"name": ..., "parameters"|"arguments": {...}} (or with
+ *                <|python_tag|>), several separated by ";" (Llama 3.1-3.3); no content
+ *   mistral      [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...] after any text (Mistral,
+ *                Mistral-Nemo); the text before it is the content
+ *
+ * A reply whose calls do not parse is text, as in vLLM. Each call gets an id
+ * ("chatcmpl-tool-" + 32 hex digits) and its arguments as a JSON string (json.dumps's spacing, not
+ * ASCII-escaped, as vLLM writes them). */
+#ifndef PD_SERVER_TOOL_CALLS_H
+#define PD_SERVER_TOOL_CALLS_H
+
+#include <jansson.h>
+#include <stdbool.h>
+#include <stddef.h>
+
+typedef enum pd_tool_parser {
+    PD_TOOL_PARSER_NONE = 0,
+    PD_TOOL_PARSER_HERMES,
+    PD_TOOL_PARSER_LLAMA3_JSON,
+    PD_TOOL_PARSER_MISTRAL,
+} pd_tool_parser_t;
+
+/* The parser of that name (vLLM's names), or PD_TOOL_PARSER_NONE when there is none. */
+pd_tool_parser_t pd_tool_parser_by_name(const char *name);
+
+/* The names this build knows, for --help and errors ("hermes|llama3_json|mistral"). */
+const char *pd_tool_parser_names(void);
+
+/* The tool calls in text[len] as an OpenAI tool_calls array (owned by the caller), with
+ * *content_len the bytes of text before them (the reply's content); NULL when the text holds no
+ * call that parses (then the whole text is content). */
+json_t *pd_tool_calls_parse(pd_tool_parser_t p, const char *text, size_t len, size_t *content_len);
+
+/* Streaming: how many leading bytes of text[len] are content for sure — the rest may be (the start
+ * of) a tool call, held back until more text or the end decides. */
+size_t pd_tool_calls_safe_prefix(pd_tool_parser_t p, const char *text, size_t len);
+
+#endif
