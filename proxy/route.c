@@ -34,6 +34,16 @@
 
 /* ------------------------------------------------------------------ client replies */
 
+/* A chat request whose reply the decode reads tool calls out of: tools, and tool_choice "auto"
+ * (said, or the default with tools, as vLLM reads it). */
+static bool reads_tool_calls(const json_t *body)
+{
+    const json_t *tc = json_object_get(body, "tool_choice");
+    return json_object_get(body, "messages") != NULL && json_array_size(json_object_get(body, "tools")) > 0 &&
+           (tc == NULL || json_is_null(tc) ||
+            (json_is_string(tc) && strcmp(json_string_value(tc), "auto") == 0));
+}
+
 static void reply_json(struct evhttp_request *req, int status, json_t *body)
 {
     char *text = json_dumps(body, JSON_COMPACT);
@@ -413,6 +423,10 @@ bool px_start_prefill(preq_t *q)
         json_object_set_new(body, "max_tokens", json_integer(1));
         json_object_del(body, "max_completion_tokens");
         json_object_set_new(body, "stream", json_false());
+        if (reads_tool_calls(body)) { /* its one token is no reply: only a decode needs a tool-call parser
+                                       * (the tools render the same prompt either way) */
+            json_object_set_new(body, "tool_choice", json_string("none"));
+        }
         json_object_del(body, "stream_options");
         json_object_del(body, "logprobs");
         json_object_del(body, "top_logprobs");
@@ -533,8 +547,11 @@ static void handle_completions(proxy_t *px, struct evhttp_request *req, const ch
     json_t *pr = json_object_get(body, "prompt");
     bool batched = json_is_array(pr) && json_array_size(pr) > 0 && !json_is_integer(json_array_get(pr, 0)) &&
                    json_array_size(pr) != 1;
+    /* ... and no tool calls to read: a decode reads them out of the whole reply (server/tool_calls.h),
+     * so it samples the first token itself */
     q->ft = px->cfg.first_token_from_prefill && q->stream &&
-            (nc == NULL || json_is_null(nc) || json_integer_value(nc) == 1) && !batched;
+            (nc == NULL || json_is_null(nc) || json_integer_value(nc) == 1) && !batched &&
+            !reads_tool_calls(body);
     json_object_del(body, "kv_transfer_params"); /* the proxy owns the transfer */
     /* affinity key (prefix-affinity only): the start of the prompt (text or token ids) or of the
      * chat messages */

@@ -1223,12 +1223,12 @@ static void check_openai_result(json_t *res, const char *want_text, int max_toke
 }
 
 /* The same request as openai_chat.mjs, sent by us: the reference text. */
-static char *reference_chat(int port, int max_tokens)
+/* The request of openai_chat.mjs with max_tokens and extra fields ("\"tool_choice\": \"none\", "). */
+static void chat_body(char *body, size_t cap, int max_tokens, const char *extra)
 {
-    char body[2048];
     snprintf(
-        body, sizeof(body),
-        "{\"model\": \"m\", \"max_tokens\": %d, \"temperature\": 0, \"tool_choice\": \"none\", "
+        body, cap,
+        "{\"model\": \"m\", \"max_tokens\": %d, \"temperature\": 0, %s"
         "\"tools\": [{\"type\": \"function\", "
         "\"function\": {\"name\": \"get_weather\", \"description\": \"Get the current weather for a city.\", "
         "\"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}, "
@@ -1240,7 +1240,13 @@ static char *reference_chat(int port, int max_tokens)
         "\"tool\", "
         "\"tool_call_id\": \"call_1\", \"content\": \"{\\\"temp_c\\\": 21}\"}, {\"role\": \"user\", "
         "\"content\": [{\"type\": \"text\", \"text\": \"And should I take an umbrella?\"}]}]}",
-        max_tokens);
+        max_tokens, extra);
+}
+
+static char *reference_chat(int port, int max_tokens)
+{
+    char body[2048];
+    chat_body(body, sizeof(body), max_tokens, "\"tool_choice\": \"none\", ");
     int st;
     json_t *r = post(port, "/v1/chat/completions", body, &st);
     ck_assert_int_eq(st, 200);
@@ -1299,7 +1305,14 @@ START_TEST(test_openai_client_chat_through_pd_proxy)
         snprintf(tag, sizeof(tag), "p-%s", modes[m]);
         pid_t p = start_bin("pd-prefill", g_model, tag, kv, &pp, true);
         snprintf(tag, sizeof(tag), "d-%s", modes[m]);
-        pid_t d = start_bin("pd-decode", g_model, tag, kv, &dp, true);
+        /* the decode reads tool calls (tool_choice "auto"); the prefill needs no parser */
+        char *dkv[16] = {NULL};
+        int nk = 0;
+        for (; kv[nk] != NULL; nk++) {
+            dkv[nk] = kv[nk];
+        }
+        dkv[nk++] = "--enable-auto-tool-choice", dkv[nk++] = "--tool-call-parser", dkv[nk++] = "llama3_json";
+        pid_t d = start_bin("pd-decode", g_model, tag, dkv, &dp, true);
         char pre[64], dec[64];
         snprintf(pre, sizeof(pre), "http://127.0.0.1:%d", pp);
         snprintf(dec, sizeof(dec), "http://127.0.0.1:%d", dp);
@@ -1335,6 +1348,17 @@ START_TEST(test_openai_client_chat_through_pd_proxy)
         ck_assert_str_eq(a[0], b[0]);
         ck_assert_str_eq(a[1], b[1]);
         json_decref(pdr), json_decref(ref);
+        /* tools with tool_choice "auto" (the default) through P/D, streamed: no first-token handover (the
+         * decode reads the calls out of the whole reply), the prefill's leg "none"; the text is the
+         * same as "none" gives on pd-serve (a random model writes no call) */
+        char tb[2048];
+        chat_body(tb, sizeof(tb), 8, "\"stream\": true, ");
+        const char *fin = NULL;
+        int tool_deltas = 0, held = 0;
+        char *streamed = stream_chat(xp, tb, &fin, &tool_deltas, &held);
+        ck_assert_str_eq(streamed, want);
+        ck_assert_int_eq(tool_deltas, 0);
+        free(streamed);
         /* the proxy serves the API endpoints too */
         ck_assert_int_eq(http_request(xp, "POST", "/tokenize", NULL, "{\"prompt\": \"hi\"}", &r, 5000), 0);
         ck_assert_int_eq(r.status, 200);
