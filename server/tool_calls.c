@@ -11,6 +11,7 @@
 #define HERMES_START  "<tool_call>"
 #define HERMES_END    "</tool_call>"
 #define MISTRAL_START "[TOOL_CALLS]"
+#define MISTRAL_ARGS  "[ARGS]"
 #define PYTHON_TAG    "<|python_tag|>"
 
 pd_tool_parser_t pd_tool_parser_by_name(const char *name)
@@ -103,6 +104,39 @@ static json_t *parse_hermes(const char *text, size_t len, size_t *content_len)
     return calls;
 }
 
+/* Mistral's v11 form: [TOOL_CALLS]name[ARGS]{json}, one per call (the first [TOOL_CALLS] skipped). */
+static json_t *parse_mistral_args(const char *body, const char *end)
+{
+    json_t *calls = json_array();
+    while (calls != NULL && body < end) {
+        const char *args = find(body, (size_t)(end - body), MISTRAL_ARGS);
+        const char *next = args != NULL ? find(args, (size_t)(end - args), MISTRAL_START) : NULL;
+        const char *stop = next != NULL ? next : end;
+        size_t nl = args != NULL ? (size_t)(args - body) : 0;
+        json_t *obj = nl > 0 && nl < 256 ? json_object() : NULL;
+        char name[256];
+        if (obj != NULL) {
+            memcpy(name, body, nl);
+            name[nl] = '\0';
+            const char *a = args + strlen(MISTRAL_ARGS);
+            json_t *av = json_loadb(a, (size_t)(stop - a), JSON_DECODE_ANY, NULL);
+            if (av == NULL || json_object_set_new(obj, "name", json_string(name)) != 0 ||
+                json_object_set_new(obj, "arguments", av) != 0) {
+                json_decref(obj);
+                obj = NULL;
+            }
+        }
+        json_t *c = obj != NULL ? call_json(obj) : NULL;
+        json_decref(obj);
+        if (c == NULL || json_array_append_new(calls, c) != 0) {
+            json_decref(calls);
+            return NULL;
+        }
+        body = next != NULL ? next + strlen(MISTRAL_START) : end;
+    }
+    return calls;
+}
+
 static json_t *parse_mistral(const char *text, size_t len, size_t *content_len)
 {
     const char *at = find(text, len, MISTRAL_START);
@@ -110,6 +144,13 @@ static json_t *parse_mistral(const char *text, size_t len, size_t *content_len)
         return NULL;
     }
     const char *body = at + strlen(MISTRAL_START);
+    if (body < text + len && *body != '[' && *body != '{') { /* v11: name[ARGS]{...} */
+        json_t *calls = parse_mistral_args(body, text + len);
+        if (calls != NULL) {
+            *content_len = (size_t)(at - text);
+        }
+        return calls;
+    }
     json_t *list = json_loadb(body, (size_t)(text + len - body), JSON_DECODE_ANY, NULL);
     json_t *calls = json_array();
     if (list != NULL && json_is_object(list)) { /* a single call without its list */

@@ -7,7 +7,8 @@
  *   llama3_json  a reply that starts with {"name": ..., "parameters"|"arguments": {...}} (or with
  *                <|python_tag|>), several separated by ";" (Llama 3.1-3.3); no content
  *   mistral      [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...] after any text (Mistral,
- *                Mistral-Nemo); the text before it is the content
+ *                Mistral-Nemo), or the v11 tokenizers' [TOOL_CALLS]name[ARGS]{...} per call; the text
+ *                before the first is the content
  *
  * A reply whose calls do not parse is text, as in vLLM. Each call gets an id
  * ("chatcmpl-tool-" + 32 hex digits) and its arguments as a JSON string (json.dumps's spacing, not

@@ -1244,6 +1244,16 @@ START_TEST(test_tool_call_parsers)
     expect_call(calls, 1, "g", "{}");
     json_decref(calls);
     ck_assert_ptr_null(parse_calls(PD_TOOL_PARSER_MISTRAL, "[TOOL_CALLS][]", &cl));
+    /* the v11 tokenizers' form: [TOOL_CALLS]name[ARGS]{...} per call */
+    calls = parse_calls(PD_TOOL_PARSER_MISTRAL,
+                        "ok[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Paris\"}[TOOL_CALLS]now[ARGS]{}", &cl);
+    ck_assert_uint_eq(json_array_size(calls), 2);
+    ck_assert_uint_eq(cl, 2);
+    expect_call(calls, 0, "get_weather", "{\"city\": \"Paris\"}");
+    expect_call(calls, 1, "now", "{}");
+    json_decref(calls);
+    ck_assert_ptr_null(parse_calls(PD_TOOL_PARSER_MISTRAL, "[TOOL_CALLS]f[ARGS]{\"a\": ", &cl));
+    ck_assert_ptr_null(parse_calls(PD_TOOL_PARSER_MISTRAL, "[TOOL_CALLS]no args here", &cl));
     ck_assert_ptr_null(parse_calls(PD_TOOL_PARSER_NONE, "<tool_call>{\"name\": \"f\"}</tool_call>", &cl));
 
     /* streaming: what may still become a call is held back */
