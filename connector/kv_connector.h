@@ -12,8 +12,9 @@
  *
  * Threads: the scheduler and worker halves run on the engine thread; one control thread
  * ("kv-ctl") owns the pipe, the control connections (handshake, heartbeats, notifications) and
- * every timeout. They share state under one mutex; the control thread wakes the engine through
- * pd_connector_t.wake when transfers finish.
+ * every timeout. They share nothing but a mailbox (kv_mail.h: commands one way, events the
+ * other; kv_conn.h names each thread's state); the control thread wakes the engine through
+ * pd_connector_t.wake when it queues an event (a transfer finished).
  *
  * Staging: when the pipe cannot register the KV's memory (device KV over ucx/tcp), or with
  * --kv-staging always, the pipe allocates a host mirror of the KV region (same layout, page-locked
