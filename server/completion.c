@@ -415,7 +415,7 @@ static void start_stream(creq_t *c)
  * (then *finish is "tool_calls", as vLLM reports them). */
 static json_t *tool_delta(choice_t *h, pd_tool_parser_t p, bool finished, const char **finish)
 {
-    size_t upto = pd_tool_calls_safe_prefix(p, h->text, h->text_len);
+    size_t upto = pd_tool_calls_safe_prefix(p, h->text, h->text_len, h->streamed);
     json_t *calls = NULL;
     if (finished) {
         calls = pd_tool_calls_parse(p, h->text, h->text_len, &upto);

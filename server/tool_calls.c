@@ -44,13 +44,13 @@ static const char *find(const char *s, size_t len, const char *what)
 /* One OpenAI tool call of the object {"name", "arguments" (or "parameters")}; NULL when it is not one. */
 static json_t *call_json(const json_t *obj)
 {
-    const char *name = json_string_value(json_object_get(obj, "name"));
+    const char *name = json_string_value(json_object_get(obj, "name")); /* NULL for a non-object too */
+    if (name == NULL) {
+        return NULL;
+    }
     const json_t *args = json_object_get(obj, "arguments");
     if (args == NULL) {
         args = json_object_get(obj, "parameters"); /* Llama 3's name for them */
-    }
-    if (!json_is_object(obj) || name == NULL) {
-        return NULL;
     }
     /* as vLLM: json.dumps(arguments, ensure_ascii=False) — ", " and ": " separators, UTF-8 kept; a
      * string is kept as it came (a model that wrote the arguments as a JSON string) */
@@ -240,13 +240,17 @@ static size_t before_marker(const char *text, size_t len, const char *marker)
     return len;
 }
 
-size_t pd_tool_calls_safe_prefix(pd_tool_parser_t p, const char *text, size_t len)
+size_t pd_tool_calls_safe_prefix(pd_tool_parser_t p, const char *text, size_t len, size_t from)
 {
+    /* a marker cannot begin before from: the text up to there held no marker nor the start of one */
     switch (p) {
-    case PD_TOOL_PARSER_HERMES: return before_marker(text, len, HERMES_START);
-    case PD_TOOL_PARSER_MISTRAL: return before_marker(text, len, MISTRAL_START);
+    case PD_TOOL_PARSER_HERMES: return from + before_marker(text + from, len - from, HERMES_START);
+    case PD_TOOL_PARSER_MISTRAL: return from + before_marker(text + from, len - from, MISTRAL_START);
     case PD_TOOL_PARSER_LLAMA3_JSON: {
         /* calls only at the very start: hold the reply while it is (or may become) one */
+        if (from > 0) {
+            return len; /* it began as text */
+        }
         size_t t = strlen(PYTHON_TAG);
         bool may_be_tag = memcmp(text, PYTHON_TAG, len < t ? len : t) == 0;
         return len == 0 || text[0] == '{' || may_be_tag ? 0 : len;

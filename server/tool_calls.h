@@ -39,7 +39,8 @@ const char *pd_tool_parser_names(void);
 json_t *pd_tool_calls_parse(pd_tool_parser_t p, const char *text, size_t len, size_t *content_len);
 
 /* Streaming: how many leading bytes of text[len] are content for sure — the rest may be (the start
- * of) a tool call, held back until more text or the end decides. */
-size_t pd_tool_calls_safe_prefix(pd_tool_parser_t p, const char *text, size_t len);
+ * of) a tool call, held back until more text or the end decides. text[0, from) is what an earlier
+ * call returned (only the text after it is looked at: a stream costs one pass, not one per token). */
+size_t pd_tool_calls_safe_prefix(pd_tool_parser_t p, const char *text, size_t len, size_t from);
 
 #endif

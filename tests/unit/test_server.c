@@ -1258,17 +1258,22 @@ START_TEST(test_tool_call_parsers)
 
     /* streaming: what may still become a call is held back */
     const char *t = "Hello <tool_ca";
-    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_HERMES, t, strlen(t)), strlen("Hello "));
+    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_HERMES, t, strlen(t), 0), strlen("Hello "));
     t = "Hello <tool_call>{\"na";
-    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_HERMES, t, strlen(t)), strlen("Hello "));
+    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_HERMES, t, strlen(t), 0), strlen("Hello "));
     t = "Hello <b>";
-    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_HERMES, t, strlen(t)), strlen(t));
+    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_HERMES, t, strlen(t), 0), strlen(t));
     t = "ok [TOOL";
-    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_MISTRAL, t, strlen(t)), 3);
-    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_LLAMA3_JSON, "", 0), 0);
-    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_LLAMA3_JSON, "{\"na", 4), 0);
-    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_LLAMA3_JSON, "<|pyth", 6), 0);
-    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_LLAMA3_JSON, "Sure", 4), 4);
+    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_MISTRAL, t, strlen(t), 0), 3);
+    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_LLAMA3_JSON, "", 0, 0), 0);
+    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_LLAMA3_JSON, "{\"na", 4, 0), 0);
+    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_LLAMA3_JSON, "<|pyth", 6, 0), 0);
+    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_LLAMA3_JSON, "Sure", 4, 0), 4);
+    /* from an earlier answer on: only the text after it is looked at */
+    t = "Hello <b> and <tool_ca";
+    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_HERMES, t, strlen(t), 9),
+                      strlen("Hello <b> and "));
+    ck_assert_uint_eq(pd_tool_calls_safe_prefix(PD_TOOL_PARSER_LLAMA3_JSON, "Sure {", 6, 4), 6);
 }
 END_TEST
 
