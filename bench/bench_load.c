@@ -112,6 +112,39 @@ pd_status_t pd_bench_dataset_repeat(uint64_t seed, size_t n, int32_t input_len, 
     return PD_OK;
 }
 
+pd_status_t pd_bench_dataset_multi_turn(uint64_t seed, size_t n, int32_t turns, int32_t system_len,
+                                        int32_t user_len, int32_t output_len, int32_t vocab,
+                                        pd_bench_dataset_t *out)
+{
+    if (n == 0 || turns < 1 || system_len < 0 || user_len < 1 || output_len < 1 || vocab < 2) {
+        pd_log_error("multi-turn dataset: need turns, user and output lengths >= 1");
+        return PD_ERR_INVALID_ARG;
+    }
+    pd_status_t st = prompts_alloc(out, n * (size_t)turns, system_len + user_len, output_len);
+    if (st != PD_OK) {
+        return st;
+    }
+    pd_rng_t rng;
+    pd_rng_seed(&rng, seed ^ 0x6d756c7469ull);
+    int32_t *system = out->prompts[0].ids;
+    for (int32_t t = 0; t < system_len; t++) {
+        system[t] = (int32_t)pd_rng_below(&rng, (uint64_t)vocab);
+    }
+    for (size_t i = 0; i < out->n; i++) {
+        pd_bench_prompt_t *p = &out->prompts[i];
+        p->follows = i % (size_t)turns != 0;
+        int32_t off = p->follows ? 0 : system_len;
+        if (off > 0 && i > 0) {
+            memcpy(p->ids, system, (size_t)system_len * sizeof(int32_t));
+        }
+        for (int32_t t = 0; t < user_len; t++) {
+            p->ids[off + t] = (int32_t)pd_rng_below(&rng, (uint64_t)vocab);
+        }
+        p->num_ids = p->input_len = off + user_len;
+    }
+    return PD_OK;
+}
+
 pd_status_t pd_bench_dataset_mix(uint64_t seed, pd_bench_dataset_t *a, pd_bench_dataset_t *b, double b_share,
                                  pd_bench_dataset_t *out)
 {

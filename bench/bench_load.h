@@ -17,6 +17,8 @@ typedef struct pd_bench_prompt {
     char *text;
     int32_t input_len; /* tokens (ids: exact; text: the dataset's estimate) */
     int32_t output_len;
+    bool follows; /* multi-turn: the next turn of the previous prompt's conversation: it is sent after
+                   * that turn's answer, as that turn's prompt + its answer's ids + these ids */
 } pd_bench_prompt_t;
 
 typedef struct pd_bench_dataset {
@@ -48,6 +50,14 @@ pd_status_t pd_bench_dataset_mix(uint64_t seed, pd_bench_dataset_t *a, pd_bench_
  * its drafts); output_len tokens each. */
 pd_status_t pd_bench_dataset_repeat(uint64_t seed, size_t n, int32_t input_len, int32_t phrase_len,
                                     int32_t output_len, int32_t vocab, pd_bench_dataset_t *out);
+
+/* multi-turn: n conversations of turns turns each (n × turns prompts, a conversation's turns in
+ * order): every conversation opens with one system prompt of system_len ids shared by all, each
+ * turn adds a user message of user_len random ids (its ids; follows set from the second turn on)
+ * and asks for output_len tokens. The history grows with the answers the server gives. */
+pd_status_t pd_bench_dataset_multi_turn(uint64_t seed, size_t n, int32_t turns, int32_t system_len,
+                                        int32_t user_len, int32_t output_len, int32_t vocab,
+                                        pd_bench_dataset_t *out);
 
 /* Counts the tokens of text as the server will (the model's tokenizer, special tokens added as
  * for a completion prompt); -1 when it cannot. */

@@ -24,6 +24,7 @@ typedef struct pd_bench_record {
     int32_t num_chunks;
     double end; /* last byte */
     char error[128];
+    int32_t cached_len; /* prompt tokens the server found cached (usage.prompt_tokens_details) */
 } pd_bench_record_t;
 
 typedef struct pd_bench_slo {

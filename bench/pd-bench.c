@@ -59,6 +59,8 @@ typedef struct cfg {
     double wait_ready_s;
     const char *kv_metrics_url;
     const char *tokenizer; /* --tokenizer DIR: count ShareGPT tokens locally */
+    int mt_turns, mt_system_len, mt_user_len;
+    double mt_think_time;
 } cfg_t;
 
 typedef struct run run_t;
@@ -73,6 +75,8 @@ typedef struct req {
     int32_t server_prompt_tokens;
     bool got_done;
     int status;
+    int32_t *sent_ids, num_sent; /* multi-turn: the prompt as sent, and the answer's ids */
+    int32_t *out_ids, num_out, cap_out;
 } req_t;
 
 struct run {
@@ -83,7 +87,12 @@ struct run {
     pd_bench_dataset_t data;
     pd_bench_record_t *recs;
     size_t n, next, done, in_flight;
-    double *arrivals; /* offsets from t0, s */
+    double *arrivals; /* when each request may be sent, offsets from t0 (s); a later turn of a
+                       * conversation: INFINITY until the turn before it ends */
+    bool *sent;
+    bool multi;     /* some prompts follow others (multi-turn) */
+    int32_t **hist; /* [n] multi-turn: the history a following prompt continues, once known */
+    int32_t *num_hist;
     double t0;
     struct event *arrival_ev, *progress_ev;
     bool warmup;
@@ -113,8 +122,18 @@ static void handle_event(req_t *q, const char *data, size_t len)
         }
         rec->chunk_times[rec->num_chunks++] = pd_time_now_s();
     }
+    json_t *ids = json_object_get(json_array_get(choices, 0), "token_ids");
+    for (size_t k = 0; q->run->multi && k < json_array_size(ids); k++) {
+        if (q->num_out == q->cap_out) {
+            q->cap_out = q->cap_out ? 2 * q->cap_out : 256;
+            q->out_ids = realloc(q->out_ids, (size_t)q->cap_out * sizeof(int32_t));
+        }
+        q->out_ids[q->num_out++] = (int32_t)json_integer_value(json_array_get(ids, k));
+    }
     json_t *usage = json_object_get(j, "usage");
     if (json_is_object(usage)) {
+        q->rec->cached_len = (int32_t)json_integer_value(
+            json_object_get(json_object_get(usage, "prompt_tokens_details"), "cached_tokens"));
         q->rec->output_len = (int32_t)json_integer_value(json_object_get(usage, "completion_tokens"));
         q->server_prompt_tokens = (int32_t)json_integer_value(json_object_get(usage, "prompt_tokens"));
     }
@@ -163,6 +182,34 @@ static void free_conn(evutil_socket_t fd, short what, void *arg)
     evhttp_connection_free(arg);
 }
 
+/* Multi-turn: when q's turn ended, the conversation's next turn may be sent --multi-turn-think-time
+ * later, continuing the prompt q sent and the answer it got; after a failed turn the conversation's
+ * remaining turns fail unsent. */
+static void next_turn(run_t *r, req_t *q)
+{
+    size_t i = (size_t)q->idx + 1;
+    if (!r->multi || i >= r->n || !r->data.prompts[i].follows) {
+        return;
+    }
+    double now = pd_time_now_s();
+    if (q->rec->success) {
+        r->num_hist[i] = q->num_sent + q->num_out;
+        r->hist[i] = malloc((size_t)(r->num_hist[i] > 0 ? r->num_hist[i] : 1) * sizeof(int32_t));
+        memcpy(r->hist[i], q->sent_ids, (size_t)q->num_sent * sizeof(int32_t));
+        if (q->num_out > 0) {
+            memcpy(r->hist[i] + q->num_sent, q->out_ids, (size_t)q->num_out * sizeof(int32_t));
+        }
+        r->arrivals[i] = now - r->t0 + r->cfg->mt_think_time;
+        return;
+    }
+    for (; i < r->n && r->data.prompts[i].follows; i++) {
+        r->sent[i] = true;
+        r->recs[i].send = r->recs[i].end = now;
+        snprintf(r->recs[i].error, sizeof(r->recs[i].error), "an earlier turn of its conversation failed");
+        r->done++;
+    }
+}
+
 static void on_done(struct evhttp_request *hr, void *arg)
 {
     req_t *q = arg;
@@ -189,9 +236,12 @@ static void on_done(struct evhttp_request *hr, void *arg)
     if (rec->success) {
         r->server_prompt_tokens += q->server_prompt_tokens;
     }
+    next_turn(r, q);
     struct timeval tv = {0, 0};
     event_base_once(r->base, -1, EV_TIMEOUT, free_conn, q->conn, &tv);
     evbuffer_free(q->sse);
+    free(q->sent_ids);
+    free(q->out_ids);
     free(q);
     r->done++;
     r->in_flight--;
@@ -212,7 +262,22 @@ static void send_request(run_t *r, size_t i)
     q->rec->input_len = p->input_len;
     q->sse = evbuffer_new();
     json_t *prompt;
-    if (p->ids != NULL) {
+    if (r->multi) { /* the history first (a later turn), then this turn's ids; kept for the next turn */
+        int32_t h = p->follows ? r->num_hist[i] : 0;
+        q->num_sent = h + p->num_ids;
+        q->sent_ids = malloc((size_t)q->num_sent * sizeof(int32_t));
+        if (h > 0) {
+            memcpy(q->sent_ids, r->hist[i], (size_t)h * sizeof(int32_t));
+        }
+        memcpy(q->sent_ids + h, p->ids, (size_t)p->num_ids * sizeof(int32_t));
+        free(r->hist[i]);
+        r->hist[i] = NULL;
+        q->rec->input_len = q->num_sent;
+        prompt = json_array();
+        for (int32_t t = 0; t < q->num_sent; t++) {
+            json_array_append_new(prompt, json_integer(q->sent_ids[t]));
+        }
+    } else if (p->ids != NULL) {
         prompt = json_array();
         for (int32_t t = 0; t < p->num_ids; t++) {
             json_array_append_new(prompt, json_integer(p->ids[t]));
@@ -223,6 +288,9 @@ static void send_request(run_t *r, size_t i)
     json_t *body = json_pack("{s:s, s:o, s:i, s:f, s:b, s:b, s:{s:b}}", "model", c->model, "prompt", prompt,
                              "max_tokens", p->output_len, "temperature", c->temperature, "stream", 1,
                              "ignore_eos", c->ignore_eos, "stream_options", "include_usage", 1);
+    if (r->multi) { /* vLLM's return_token_ids: the answer's ids continue the conversation exactly */
+        json_object_set_new(body, "return_token_ids", json_true());
+    }
     char *text = json_dumps(body, JSON_COMPACT);
     json_decref(body);
     q->conn = evhttp_connection_base_new(r->base, NULL, r->host, (ev_uint16_t)r->port);
@@ -244,8 +312,10 @@ static void send_request(run_t *r, size_t i)
         snprintf(q->rec->error, sizeof(q->rec->error), "cannot send the request");
         r->in_flight--;
         r->done++;
+        next_turn(r, q);
         evbuffer_free(q->sse);
         evhttp_connection_free(q->conn);
+        free(q->sent_ids);
         free(q);
     }
 }
@@ -255,11 +325,28 @@ static void start_next(run_t *r)
 {
     double now = pd_time_now_s() - r->t0;
     size_t cap = r->cfg->max_concurrency > 0 ? (size_t)r->cfg->max_concurrency : (size_t)-1;
-    while (r->next < r->n && r->arrivals[r->next] <= now + 1e-6 && r->in_flight < cap) {
-        send_request(r, r->next++);
+    /* in index order, the first unsent request whose time has come; without multi-turn the times
+     * grow with the index, so the scan stops at the first that has not come */
+    double first = INFINITY;
+    for (size_t i = r->next; i < r->n && r->in_flight < cap; i++) {
+        if (r->sent[i]) {
+            continue;
+        }
+        if (r->arrivals[i] > now + 1e-6) {
+            first = r->arrivals[i] < first ? r->arrivals[i] : first;
+            if (!r->multi) {
+                break;
+            }
+            continue;
+        }
+        r->sent[i] = true;
+        send_request(r, i);
     }
-    if (r->next < r->n && r->in_flight < cap) {
-        double wait = r->arrivals[r->next] - now;
+    while (r->next < r->n && r->sent[r->next]) {
+        r->next++;
+    }
+    if (isfinite(first) && r->in_flight < cap) {
+        double wait = first - now > 0 ? first - now : 0;
         struct timeval tv = {(time_t)wait, (suseconds_t)((wait - floor(wait)) * 1e6)};
         evtimer_add(r->arrival_ev, &tv);
     }
@@ -302,6 +389,63 @@ static void on_progress(evutil_socket_t fd, short what, void *arg)
     fflush(stderr);
 }
 
+static void print_dist(const char *title, const char *name, const pd_bench_dist_t *d,
+                       const pd_bench_summary_t *s);
+static void put_dist(json_t *o, const char *name, const pd_bench_dist_t *d, const pd_bench_summary_t *s);
+
+/* Frees what run_load allocated but the records. */
+static void run_free_bufs(run_t *r)
+{
+    for (size_t i = 0; i < r->n; i++) {
+        free(r->hist[i]);
+    }
+    free(r->recs), free(r->arrivals), free(r->sent), free(r->hist), free(r->num_hist);
+}
+
+/* Multi-turn: what the later turns of a conversation got from the prefix cache, and their TTFT
+ * (the figure an offload tier or a peer's prefix moves); also into the result JSON when o. */
+static void print_turns(const run_t *r, const double *pcts, int npct, json_t *o)
+{
+    pd_bench_record_t *later = calloc(r->n + 1, sizeof(*later));
+    size_t m = 0;
+    int64_t in_later = 0, cached_later = 0, in_all = 0, cached_all = 0;
+    for (size_t i = 0; i < r->n; i++) {
+        const pd_bench_record_t *rec = &r->recs[i];
+        if (!rec->success) {
+            continue;
+        }
+        in_all += rec->input_len;
+        cached_all += rec->cached_len;
+        if (r->data.prompts[i].follows) {
+            later[m++] = *rec;
+            in_later += rec->input_len;
+            cached_later += rec->cached_len;
+        }
+    }
+    pd_bench_summary_t s;
+    pd_bench_summarize(later, m, 0, NULL, pcts, npct, &s);
+    if (o == NULL) {
+        print_dist("TTFT of turns >= 2", "TTFT", &s.ttft, &s);
+        printf("%-40s %-10lld\n", "Turns >= 2 completed:", (long long)m);
+        printf("%-40s %-10lld\n", "Input tokens, turns >= 2:", (long long)in_later);
+        printf("%-40s %-10lld\n", "Cached input tokens, turns >= 2:", (long long)cached_later);
+        printf("%-40s %-10lld\n", "Computed input tokens (all turns):", (long long)(in_all - cached_all));
+        printf("%-40s %-10.3f\n",
+               "Prefix hit rate (all turns):", in_all > 0 ? (double)cached_all / (double)in_all : 0.0);
+        printf("%s\n", "==================================================");
+    } else {
+        json_t *t = json_object();
+        put_dist(t, "ttft", &s.ttft, &s);
+        json_object_set_new(t, "completed", json_integer((json_int_t)m));
+        json_object_set_new(t, "input_tokens", json_integer(in_later));
+        json_object_set_new(t, "cached_input_tokens", json_integer(cached_later));
+        json_object_set_new(o, "later_turns", t);
+        json_object_set_new(o, "computed_input_tokens", json_integer(in_all - cached_all));
+        json_object_set_new(o, "cached_input_tokens", json_integer(cached_all));
+    }
+    free(later);
+}
+
 /* Runs the requests of r->data; fills r->recs. */
 static double run_load(run_t *r, bool progress)
 {
@@ -309,12 +453,15 @@ static double run_load(run_t *r, bool progress)
     r->n = r->data.n;
     r->recs = calloc(r->n + 1, sizeof(pd_bench_record_t));
     r->arrivals = calloc(r->n + 1, sizeof(double));
+    r->sent = calloc(r->n + 1, sizeof(bool));
+    r->hist = calloc(r->n + 1, sizeof(int32_t *));
+    r->num_hist = calloc(r->n + 1, sizeof(int32_t));
     pd_rng_t rng;
     pd_rng_seed(&rng, (uint64_t)c->seed ^ 0xA5A5u);
     double t = 0;
-    for (size_t i = 0; i < r->n; i++) {
-        r->arrivals[i] = t;
-        t += pd_bench_next_gap(&rng, c->request_rate, c->burstiness);
+    for (size_t i = 0; i < r->n; i++) { /* multi-turn: the rate is the conversations' */
+        r->arrivals[i] = r->data.prompts[i].follows ? INFINITY : t;
+        t += r->data.prompts[i].follows ? 0 : pd_bench_next_gap(&rng, c->request_rate, c->burstiness);
     }
     r->next = r->done = r->in_flight = 0;
     r->arrival_ev = evtimer_new(r->base, on_arrival, r);
@@ -453,6 +600,9 @@ static int save_result(const cfg_t *c, const run_t *r, const pd_bench_summary_t 
     json_object_set_new(o, "itls", itls);
     json_object_set_new(o, "e2els", e2els);
     json_object_set_new(o, "errors", errs);
+    if (r->multi) {
+        print_turns(r, s->percentiles, s->num_percentiles, o);
+    }
     char name[512];
     if (c->result_filename != NULL) {
         snprintf(name, sizeof(name), "%s", c->result_filename);
@@ -861,12 +1011,16 @@ int main(int argc, char **argv)
     c.request_rate = INFINITY;
     c.burstiness = 1.0;
     c.metric_percentiles = "99";
+    c.mt_turns = 4;
+    c.mt_system_len = 512;
+    c.mt_user_len = 128;
+    c.mt_think_time = 1.0;
     const pd_flag_t flags[] = {
         {"base-url", PD_FLAG_STR, &c.base_url, "server to benchmark (http://HOST:PORT)", NULL},
         {"endpoint", PD_FLAG_STR, &c.endpoint, "completions path", NULL},
         {"model", PD_FLAG_STR, &c.model, "model name (default: the server's first)", NULL},
         {"dataset-name", PD_FLAG_CHOICE, &c.dataset_name, "workload",
-         "random|prefix-repetition|repeat|sharegpt|mixed"},
+         "random|prefix-repetition|repeat|sharegpt|mixed|multi-turn"},
         {"dataset-path", PD_FLAG_STR, &c.dataset_path, "ShareGPT JSON file", NULL},
         {"num-prompts", PD_FLAG_INT, &c.num_prompts, "requests to send", NULL},
         {"random-input-len", PD_FLAG_INT, &c.random_input_len, "random: prompt tokens", NULL},
@@ -889,6 +1043,15 @@ int main(int argc, char **argv)
          "mixed: the share of prompts that are random (--random-* lengths; fresh, long) among "
          "prefix-repetition ones (--prefix-repetition-*: chat turns over shared prefixes)",
          NULL},
+        {"multi-turn-turns", PD_FLAG_INT, &c.mt_turns,
+         "multi-turn: turns per conversation (--num-prompts conversations; each turn asks "
+         "--random-output-len tokens)",
+         NULL},
+        {"multi-turn-system-len", PD_FLAG_INT, &c.mt_system_len,
+         "multi-turn: tokens of the system prompt every conversation opens with", NULL},
+        {"multi-turn-user-len", PD_FLAG_INT, &c.mt_user_len, "multi-turn: tokens of each user message", NULL},
+        {"multi-turn-think-time", PD_FLAG_DOUBLE, &c.mt_think_time,
+         "multi-turn: seconds between an answer and the next turn", NULL},
         {"sharegpt-output-len", PD_FLAG_INT, &c.sharegpt_output_len,
          "sharegpt: fixed output length (0 = dataset's)", NULL},
         {"vocab-size", PD_FLAG_INT, &c.vocab_size,
@@ -922,7 +1085,8 @@ int main(int argc, char **argv)
     int first = 0;
     pd_status_t st = pd_flags_parse(
         flags, sizeof(flags) / sizeof(flags[0]), argc, argv,
-        "usage: pd-bench [--base-url URL] [--dataset-name random|prefix-repetition|repeat|sharegpt|mixed] "
+        "usage: pd-bench [--base-url URL] [--dataset-name "
+        "random|prefix-repetition|repeat|sharegpt|mixed|multi-turn] "
         "[options]\n       pd-bench plot OUT_DIR RESULT.json...\n       pd-bench table RESULT.json...\n"
         "Benchmarks an OpenAI-compatible completions server (vLLM's serving metrics).",
         &first);
@@ -998,6 +1162,17 @@ int main(int argc, char **argv)
             pd_bench_dataset_free(&a);
             pd_bench_dataset_free(&b);
         }
+    } else if (strcmp(c.dataset_name, "multi-turn") == 0) {
+        if (c.num_warmups > 0 || c.dataset_path != NULL) { /* not silently dropped */
+            pd_log_error("multi-turn: --num-warmups and --dataset-path (ShareGPT conversations) are not "
+                         "supported yet");
+            st = PD_ERR_INVALID_ARG;
+        } else {
+            st = pd_bench_dataset_multi_turn((uint64_t)c.seed, (size_t)c.num_prompts, c.mt_turns,
+                                             c.mt_system_len, c.mt_user_len, c.random_output_len,
+                                             c.vocab_size, &r.data);
+            r.multi = true;
+        }
     } else if (strcmp(c.dataset_name, "repeat") == 0) {
         st = pd_bench_dataset_repeat((uint64_t)c.seed, n, c.random_input_len, c.repeat_phrase_len,
                                      c.random_output_len, c.vocab_size, &r.data);
@@ -1034,7 +1209,7 @@ int main(int argc, char **argv)
         for (size_t i = 0; i < w.n; i++) {
             free(w.recs[i].chunk_times);
         }
-        free(w.recs), free(w.arrivals);
+        run_free_bufs(&w);
         r.data.prompts = all.prompts + c.num_warmups;
         r.data.n = all.n - (size_t)c.num_warmups;
     }
@@ -1048,6 +1223,9 @@ int main(int argc, char **argv)
     pd_bench_summary_t s;
     pd_bench_summarize(r.recs, r.n, dur, c.goodput != NULL ? &slo : NULL, pcts, npct, &s);
     print_summary(&c, &s, c.goodput != NULL);
+    if (r.multi) {
+        print_turns(&r, pcts, npct, NULL);
+    }
     if (c.kv_metrics_url != NULL) {
         kv1 = read_kv_metrics(r.base, c.kv_metrics_url);
         print_kv_metrics(&kv0, &kv1);
@@ -1067,7 +1245,7 @@ int main(int argc, char **argv)
     for (size_t i = 0; i < r.n; i++) {
         free(r.recs[i].chunk_times);
     }
-    free(r.recs), free(r.arrivals);
+    run_free_bufs(&r);
     pd_bench_dataset_free(&all);
     event_base_free(r.base);
     free(model);

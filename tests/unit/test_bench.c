@@ -18,9 +18,9 @@ START_TEST(test_metric_formulas)
     double ta[] = {0.10, 0.15, 0.25}, tb[] = {1.2};
     pd_bench_record_t r[3];
     memset(r, 0, sizeof(r));
-    r[0] = (pd_bench_record_t){true, 10, 3, 0.0, ta, 3, 0.25, ""};
-    r[1] = (pd_bench_record_t){true, 5, 1, 1.0, tb, 1, 1.2, ""};
-    r[2] = (pd_bench_record_t){false, 7, 0, 0.2, NULL, 0, 0.3, "HTTP 503"};
+    r[0] = (pd_bench_record_t){true, 10, 3, 0.0, ta, 3, 0.25, "", 0};
+    r[1] = (pd_bench_record_t){true, 5, 1, 1.0, tb, 1, 1.2, "", 0};
+    r[2] = (pd_bench_record_t){false, 7, 0, 0.2, NULL, 0, 0.3, "HTTP 503", 0};
     double pct[] = {50, 99};
     pd_bench_summary_t s;
     pd_bench_summarize(r, 3, 2.0, NULL, pct, 2, &s);
@@ -202,6 +202,22 @@ START_TEST(test_datasets)
     }
     ck_assert_msg(fresh > 30 && fresh < 70, "%d of 200 fresh prompts for a share of 0.25", fresh);
     pd_bench_dataset_free(&d);
+    /* multi-turn: 3 conversations × 4 turns; each opens with the one 10-id system prompt and a 6-id
+     * user message, later turns carry only their user message */
+    ck_assert_int_eq(pd_bench_dataset_multi_turn(8, 3, 4, 10, 6, 5, 500, &d), PD_OK);
+    ck_assert_int_eq((int)d.n, 12);
+    for (size_t i = 0; i < d.n; i++) {
+        bool first = i % 4 == 0;
+        ck_assert_int_eq(d.prompts[i].follows, !first);
+        ck_assert_int_eq(d.prompts[i].num_ids, first ? 16 : 6);
+        ck_assert_int_eq(d.prompts[i].output_len, 5);
+        if (first && i > 0) {
+            ck_assert_int_eq(memcmp(d.prompts[i].ids, d.prompts[0].ids, 10 * sizeof(int32_t)), 0);
+            ck_assert_int_ne(memcmp(d.prompts[i].ids + 10, d.prompts[0].ids + 10, 6 * sizeof(int32_t)), 0);
+        }
+    }
+    pd_bench_dataset_free(&d);
+    ck_assert_int_eq(pd_bench_dataset_multi_turn(8, 3, 0, 10, 6, 5, 500, &d), PD_ERR_INVALID_ARG);
     tu_rmrf(dir);
     free(dir);
 }
@@ -267,6 +283,32 @@ START_TEST(test_end_to_end_against_pd_serve)
                       local ? "--tokenizer" : "/tokenize", (long long)mine, (long long)server);
         json_decref(sj);
     }
+    /* multi-turn: each turn continues the previous prompt and the ids the server answered (its
+     * return_token_ids), so turn k sends 48 + 24·k tokens, all the server's count; the later
+     * turns find their history in the prefix cache */
+    char mt[600];
+    snprintf(mt, sizeof(mt), "%s/mt.json", dir);
+    int mrc =
+        tu_run(120,
+               "%s/bin/pd-bench --base-url http://127.0.0.1:%d --dataset-name multi-turn --num-prompts 3 "
+               "--multi-turn-turns 3 --multi-turn-system-len 32 --multi-turn-user-len 16 "
+               "--random-output-len 8 --multi-turn-think-time 0.05 --ignore-eos --no-progress --save-result "
+               "--result-filename %s > %s/mt.out 2>&1",
+               tu_binary_dir(), port, mt, dir);
+    ck_assert_msg(mrc == 0, "pd-bench multi-turn failed; see %s/mt.out", dir);
+    json_t *mj = json_load_file(mt, 0, NULL);
+    ck_assert_ptr_nonnull(mj);
+    ck_assert_int_eq(json_integer_value(json_object_get(mj, "completed")), 9);
+    for (size_t i = 0; i < 9; i++) {
+        ck_assert_int_eq(json_integer_value(json_array_get(json_object_get(mj, "input_lens"), i)),
+                         48 + 24 * (json_int_t)(i % 3));
+    }
+    ck_assert_int_eq(json_integer_value(json_object_get(mj, "server_input_tokens")),
+                     json_integer_value(json_object_get(mj, "total_input_tokens")));
+    json_t *later = json_object_get(mj, "later_turns");
+    ck_assert_int_eq(json_integer_value(json_object_get(later, "completed")), 6);
+    ck_assert_int_ge(json_integer_value(json_object_get(later, "cached_input_tokens")), 6 * 48);
+    json_decref(mj);
     ck_assert_int_eq(tu_stop(pid, 30), 0);
     ck_assert_msg(rc == 0, "pd-bench failed; see %s/bench.out", dir);
     json_error_t e;
