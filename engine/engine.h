@@ -39,6 +39,9 @@ typedef struct pd_engine_config {
     const char *quantization; /* --quantization: none | int8 (linear layers, per-channel scales, CPU) */
     size_t kv_cache_memory;   /* CPU: bytes to plan the KV cache in; 0 = physical RAM */
     bool enable_prefix_caching;
+    const char *kv_offload_tier; /* --kv-offload-tier: none | host | disk (engine/kv_offload.h) */
+    size_t kv_offload_size;      /* its capacity in bytes */
+    const char *kv_offload_path; /* disk: the file */
     bool enable_chunked_prefill;
     const char *load_failure_policy; /* recompute | fail */
     double load_share_wait;          /* s a pull load may wait for another's of its prefix; 0 = never */
@@ -183,6 +186,13 @@ typedef struct pd_engine_stats {
     uint64_t load_waits; /* remote loads put off for another request's (scheduler stats) */
     uint64_t prompt_tokens, generation_tokens, steps, requests_finished;
     uint64_t spec_drafts, spec_draft_tokens, spec_accepted; /* speculative decoding (scheduler stats) */
+    /* --kv-offload-tier: blocks looked up past a pool hit and found (loaded), saved, refused by a
+     * checksum, written and read bytes, slots in use of how many */
+    bool offload;
+    uint64_t offload_queries, offload_hits, offload_saved, offload_corrupt, offload_bytes_written,
+        offload_bytes_read;
+    double offload_read_seconds;
+    uint32_t offload_used, offload_slots;
     double last_step_s, last_forward_s;
 } pd_engine_stats_t;
 

@@ -14,6 +14,7 @@
 
 #include "common/log.h"
 #include "common/time.h"
+#include "engine/kv_offload.h"
 #include "engine/model_runner.h"
 #include "kernels/cpu/isa.h"
 #include "model/generation_config.h"
@@ -34,6 +35,7 @@ void pd_engine_config_defaults(pd_engine_config_t *c)
     c->dtype = "auto";
     c->quantization = "none";
     c->enable_prefix_caching = true;
+    c->kv_offload_tier = "none";
     c->enable_chunked_prefill = true;
     c->load_failure_policy = "recompute";
     c->load_share_wait = 1.0;
@@ -88,6 +90,15 @@ size_t pd_engine_flags(pd_engine_config_t *c, pd_flag_t *out, size_t max)
          "auto|fp32|fp16|bf16"},
         {"enable-prefix-caching", PD_FLAG_BOOL, &c->enable_prefix_caching,
          "reuse KV blocks of equal prefixes", NULL},
+        {"kv-offload-tier", PD_FLAG_CHOICE, &c->kv_offload_tier,
+         "a second KV tier behind the block pool: cached blocks the pool evicts are copied there and a "
+         "later prefix hit loads them back instead of recomputing (host: memory; disk: --kv-offload-path)",
+         "none|host|disk"},
+        {"kv-offload-size", PD_FLAG_SIZE, &c->kv_offload_size, "capacity of --kv-offload-tier (e.g. 8G)",
+         NULL},
+        {"kv-offload-path", PD_FLAG_STR, &c->kv_offload_path,
+         "the file of --kv-offload-tier disk (created; kept across restarts, checksummed; one node per file)",
+         NULL},
         {"num-blocks-override", PD_FLAG_INT, &c->num_blocks_override,
          "use this many KV blocks instead of the profiled number (0 = profile)", NULL},
         {"Scheduler", PD_FLAG_GROUP, NULL, NULL, NULL},
@@ -390,6 +401,81 @@ static pd_status_t make_scheduler(pd_engine_t *e)
     return st;
 }
 
+/* The offload tier's callbacks for the scheduler (engine/kv_offload.h). */
+static bool tier_contains(void *ctx, pd_hash128_t key)
+{
+    return pd_kv_offload_contains(ctx, key);
+}
+
+static pd_status_t tier_load(void *ctx, pd_hash128_t key, uint32_t block)
+{
+    return pd_kv_offload_load(ctx, key, block);
+}
+
+static void tier_save(void *ctx, pd_hash128_t key, uint32_t block)
+{
+    pd_kv_offload_save(ctx, key, block); /* a failed save was logged: the block is just not kept */
+}
+
+/* --kv-offload-tier: the tier behind the block pool. Its file's fingerprint names everything that
+ * changes the KV a block holds: the model's files and weight dtype, the KV dtype and geometry, the
+ * matmul precision and the CPU kernels' level. */
+static pd_status_t make_offload(pd_engine_t *e)
+{
+    const pd_engine_config_t *cfg = &e->cfg;
+    const char *tier = cfg->kv_offload_tier != NULL ? cfg->kv_offload_tier : "none";
+    if (strcmp(tier, "none") == 0) {
+        return PD_OK;
+    }
+    if (cfg->kv_offload_size == 0) {
+        pd_log_error("engine: --kv-offload-tier %s needs --kv-offload-size (e.g. 8G)", tier);
+        return PD_ERR_INVALID_ARG;
+    }
+    if (!e->be->host_memory || e->draft_model != NULL) {
+        pd_log_error("engine: --kv-offload-tier needs a host-memory KV cache without a draft model's (%s)",
+                     e->draft_model != NULL ? "a draft model's pages would not be offloaded"
+                                            : "the cuda backend's "
+                                              "KV is not yet staged "
+                                              "to a tier");
+        return PD_ERR_UNSUPPORTED;
+    }
+    const pd_kv_cache_config_t *kc = &e->kv->cfg;
+    pd_kv_offload_config_t oc;
+    memset(&oc, 0, sizeof(oc));
+    oc.medium = strcmp(tier, "disk") == 0 ? PD_KV_OFFLOAD_DISK : PD_KV_OFFLOAD_HOST;
+    oc.size_bytes = cfg->kv_offload_size;
+    oc.path = cfg->kv_offload_path;
+    oc.base = e->kv->region;
+    oc.num_tensors = kc->num_tensors;
+    oc.page_bytes = kc->tensors[0].page_bytes;
+    oc.num_blocks = kc->num_blocks;
+    for (int32_t t = 0; t < kc->num_tensors; t++) {
+        oc.tensor_offset[t] = kc->tensors[t].offset;
+        if (kc->tensors[t].page_bytes != oc.page_bytes) {
+            pd_log_error("engine: --kv-offload-tier needs KV tensors of one page size");
+            return PD_ERR_UNSUPPORTED;
+        }
+    }
+    char id[512], layout[128];
+    pd_status_t st = pd_model_fingerprint(cfg->model_dir, id, 160);
+    if (st != PD_OK) {
+        return st;
+    }
+    pd_kv_cache_config_layout(kc, layout, sizeof(layout));
+    size_t n = strlen(id);
+    snprintf(id + n, sizeof(id) - n, "|%s|%s|bs%d|%zu×%d|%s|mm%d|%s", e->weights_name,
+             pd_engine_kv_dtype_name(e), kc->block_size, oc.page_bytes, oc.num_tensors, layout,
+             (int)e->be->matmul_precision,
+             e->be->host_memory ? pd_cpu_isa_name(pd_cpu_isa_level()) : "device");
+    oc.fingerprint = pd_hash64(id, strlen(id), 0x6b766f66666c6f61ull);
+    st = pd_kv_offload_create(&oc, &e->offload);
+    if (st != PD_OK) {
+        return st;
+    }
+    e->tier = (pd_kv_tier_t){e->offload, tier_contains, tier_load, tier_save};
+    return pd_kv_manager_set_tier(pd_scheduler_kv(e->sched), &e->tier);
+}
+
 /* vLLM's spec_decode counters (only with --speculative-config, as vLLM registers them). */
 static void add_spec_metrics(pd_engine_t *e, pd_metrics_t *m)
 {
@@ -459,6 +545,7 @@ pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine
     st = st == PD_OK ? load_model(e) : st;
     st = st == PD_OK ? make_kv_cache(e) : st;
     st = st == PD_OK ? make_scheduler(e) : st;
+    st = st == PD_OK ? make_offload(e) : st;
     if (st != PD_OK) {
         pd_engine_destroy(e);
         return st;
@@ -513,6 +600,7 @@ void pd_engine_destroy(pd_engine_t *e)
     }
     pd_kv_events_pub_destroy(e->kv_pub);
     pd_scheduler_destroy(e->sched);
+    pd_kv_offload_destroy(e->offload);
     if (e->draft.tok != NULL) {
         pd_spec_draft_destroy(&e->draft);
     }

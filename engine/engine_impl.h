@@ -8,6 +8,7 @@
 
 #include "engine/engine.h"
 #include "engine/kv_events_pub.h"
+#include "engine/kv_offload.h"
 #include "engine/model_runner.h"
 #include "engine/spec_decode.h"
 #include "engine/spec_draft.h"
@@ -58,6 +59,8 @@ struct pd_engine {
     pd_kv_events_pub_t *kv_pub; /* --kv-events-config: the prefix cache's events after each step */
     pd_model_t *draft_model;    /* method draft_model: the draft, its KV (the target's block ids) */
     pd_kv_cache_t *draft_kv;
+    struct pd_kv_offload *offload; /* --kv-offload-tier, or NULL; the scheduler reaches it through tier */
+    pd_kv_tier_t tier;
     pd_spec_draft_t draft;
     pd_request_t **spec_reqs; /* [max_num_seqs] requests the draft model proposes for, and how many */
     int32_t *spec_want;

@@ -42,6 +42,21 @@ static void snapshot_stats(pd_engine_t *e)
     o->spec_drafts = ss.spec_drafts;
     o->spec_draft_tokens = ss.spec_draft_tokens;
     o->spec_accepted = ss.spec_accepted;
+    if (e->offload != NULL) {
+        const pd_kv_cache_manager_t *kvm = pd_scheduler_kv(e->sched);
+        pd_kv_offload_stats_t os;
+        pd_kv_offload_get_stats(e->offload, &os);
+        o->offload = true;
+        o->offload_queries = kvm->tier_queries;
+        o->offload_hits = kvm->tier_hits;
+        o->offload_saved = os.saved;
+        o->offload_corrupt = os.corrupt;
+        o->offload_bytes_written = os.bytes_written;
+        o->offload_bytes_read = os.bytes_read;
+        o->offload_read_seconds = os.read_seconds;
+        o->offload_used = os.used_slots;
+        o->offload_slots = os.num_slots;
+    }
     o->prompt_tokens = e->prompt_tokens;
     o->generation_tokens = e->generation_tokens;
     o->steps = e->steps;

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/key_map.h"
 #include "common/log.h"
 #include "scheduler/kv_events.h"
 
@@ -16,13 +17,6 @@ typedef struct block {
     pd_hash128_t hash;
 } block_t;
 
-/* Open addressing, linear probing, backward-shift deletion (no tombstones, so churn does not
- * degrade lookups). Slot value NIL = empty. */
-typedef struct hash_slot {
-    pd_hash128_t key;
-    uint32_t block;
-} hash_slot_t;
-
 struct pd_block_pool {
     block_t *blocks;
     uint32_t num_blocks;
@@ -30,45 +24,12 @@ struct pd_block_pool {
     uint32_t head, tail; /* free queue */
     uint32_t num_free_total;
     uint32_t num_cached_free;
-    hash_slot_t *table;
-    uint32_t table_cap; /* power of two, >= 2 × num_blocks */
+    pd_key_map_t table; /* hash → block id of every cached block */
     uint64_t evictions;
     pd_kv_event_log_t *events; /* BlockRemoved of evicted hashes, or NULL */
+    void (*on_evict)(void *arg, uint32_t id, pd_hash128_t hash);
+    void *on_evict_arg;
 };
-
-static uint32_t slot_of(const pd_block_pool_t *p, pd_hash128_t h)
-{
-    return (uint32_t)(h.lo ^ (h.hi * 0x9e3779b97f4a7c15ull)) & (p->table_cap - 1);
-}
-
-static uint32_t table_find(const pd_block_pool_t *p, pd_hash128_t h)
-{
-    uint32_t i = slot_of(p, h);
-    while (p->table[i].block != NIL && !pd_hash128_eq(p->table[i].key, h)) {
-        i = (i + 1) & (p->table_cap - 1);
-    }
-    return i;
-}
-
-static void table_delete(pd_block_pool_t *p, uint32_t i)
-{
-    uint32_t mask = p->table_cap - 1;
-    p->table[i].block = NIL;
-    uint32_t j = i;
-    for (;;) {
-        j = (j + 1) & mask;
-        if (p->table[j].block == NIL) {
-            return;
-        }
-        uint32_t home = slot_of(p, p->table[j].key);
-        /* move j back to i if its home is not in the cyclic range (i, j] */
-        if ((i <= j) ? (home <= i || home > j) : (home <= i && home > j)) {
-            p->table[i] = p->table[j];
-            p->table[j].block = NIL;
-            i = j;
-        }
-    }
-}
 
 pd_status_t pd_block_pool_create(uint32_t num_blocks, bool enable_caching, pd_block_pool_t **pool_out)
 {
@@ -81,18 +42,10 @@ pd_status_t pd_block_pool_create(uint32_t num_blocks, bool enable_caching, pd_bl
         return PD_ERR_NO_MEMORY;
     }
     p->blocks = calloc(num_blocks, sizeof(block_t));
-    p->table_cap = 16;
-    while (p->table_cap < 2 * num_blocks) {
-        p->table_cap <<= 1;
-    }
-    p->table = malloc((size_t)p->table_cap * sizeof(hash_slot_t));
-    if (p->blocks == NULL || p->table == NULL) {
+    if (p->blocks == NULL || pd_key_map_init(&p->table, num_blocks) != PD_OK) {
         pd_block_pool_destroy(p);
         pd_log_error("block pool: cannot allocate bookkeeping for %u blocks", num_blocks);
         return PD_ERR_NO_MEMORY;
-    }
-    for (uint32_t i = 0; i < p->table_cap; i++) {
-        p->table[i].block = NIL;
     }
     p->num_blocks = num_blocks;
     p->caching = enable_caching;
@@ -116,7 +69,7 @@ void pd_block_pool_destroy(pd_block_pool_t *p)
         return;
     }
     free(p->blocks);
-    free(p->table);
+    pd_key_map_free(&p->table);
     free(p);
 }
 
@@ -163,9 +116,10 @@ static void evict_hash(pd_block_pool_t *p, uint32_t id)
     if (!b->has_hash) {
         return;
     }
-    uint32_t i = table_find(p, b->hash);
-    if (p->table[i].block == id) {
-        table_delete(p, i);
+    if (p->on_evict != NULL) { /* the content is still there: the block is reused after this */
+        p->on_evict(p->on_evict_arg, id, b->hash);
+    }
+    if (pd_key_map_remove(&p->table, b->hash, id)) {
         if (p->events != NULL) {
             pd_kv_event_removed(p->events, pd_kv_event_hash(b->hash));
         }
@@ -230,17 +184,21 @@ void pd_block_pool_set_event_log(pd_block_pool_t *p, pd_kv_event_log_t *log)
     p->events = log;
 }
 
+void pd_block_pool_set_evict_hook(pd_block_pool_t *p, void (*fn)(void *arg, uint32_t id, pd_hash128_t hash),
+                                  void *arg)
+{
+    p->on_evict = fn;
+    p->on_evict_arg = arg;
+}
+
 bool pd_block_pool_cache(pd_block_pool_t *p, uint32_t id, pd_hash128_t hash)
 {
     if (!p->caching || id == 0 || id >= p->num_blocks || p->blocks[id].has_hash) {
         return false;
     }
-    uint32_t i = table_find(p, hash);
-    if (p->table[i].block != NIL) {
+    if (!pd_key_map_insert(&p->table, hash, id)) {
         return false; /* the same content is cached in another block already */
     }
-    p->table[i].key = hash;
-    p->table[i].block = id;
     block_t *b = &p->blocks[id];
     b->hash = hash;
     b->has_hash = true;
@@ -255,8 +213,8 @@ int64_t pd_block_pool_lookup(const pd_block_pool_t *p, pd_hash128_t hash)
     if (!p->caching) {
         return -1;
     }
-    uint32_t i = table_find(p, hash);
-    return p->table[i].block == NIL ? -1 : (int64_t)p->table[i].block;
+    uint32_t id = pd_key_map_get(&p->table, hash);
+    return id == PD_KEY_MAP_NONE ? -1 : (int64_t)id;
 }
 
 bool pd_block_pool_is_cached(const pd_block_pool_t *p, uint32_t id)
@@ -320,14 +278,11 @@ pd_status_t pd_block_pool_check(const pd_block_pool_t *p)
         }
         if (p->blocks[id].has_hash) {
             hashed++;
-            uint32_t i = table_find(p, p->blocks[id].hash);
-            if (p->table[i].block != id) {
+            if (pd_key_map_get(&p->table, p->blocks[id].hash) != id) {
                 return PD_ERR_INTERNAL;
             }
         }
     }
-    for (uint32_t i = 0; i < p->table_cap; i++) {
-        in_table += p->table[i].block != NIL;
-    }
+    in_table = p->table.count;
     return zero == n && hashed == in_table ? PD_OK : PD_ERR_INTERNAL;
 }

@@ -44,6 +44,11 @@ struct pd_kv_event_log;
 /* Hashes that leave the cache from now on are logged as BlockRemoved events (NULL: none). */
 void pd_block_pool_set_event_log(pd_block_pool_t *pool, struct pd_kv_event_log *log);
 
+/* Calls fn(arg, id, hash) when a cached block is popped for reuse, before its hash leaves the cache
+ * and before anything overwrites its pages (the KV offload tier copies it out). NULL: none. */
+void pd_block_pool_set_evict_hook(pd_block_pool_t *pool,
+                                  void (*fn)(void *arg, uint32_t id, pd_hash128_t hash), void *arg);
+
 /* Block id holding hash, or -1. */
 int64_t pd_block_pool_lookup(const pd_block_pool_t *pool, pd_hash128_t hash);
 

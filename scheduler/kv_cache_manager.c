@@ -28,6 +28,8 @@ void pd_kv_manager_destroy(pd_kv_cache_manager_t *m)
 {
     pd_block_pool_destroy(m->pool);
     m->pool = NULL;
+    free(m->tier_ids);
+    m->tier_ids = NULL;
 }
 
 static bool grow(void **p, int32_t *cap, int32_t need, size_t elem)
@@ -147,6 +149,80 @@ int32_t pd_kv_manager_get_computed_blocks(pd_kv_cache_manager_t *m, pd_request_t
     }
     *num_tokens_out = n * bs;
     return n;
+}
+
+/* The pool's eviction hook: the block's pages go to the tier before they are overwritten. */
+static void save_evicted(void *arg, uint32_t id, pd_hash128_t hash)
+{
+    const pd_kv_tier_t *t = ((pd_kv_cache_manager_t *)arg)->tier;
+    t->save(t->ctx, hash, id);
+}
+
+pd_status_t pd_kv_manager_set_tier(pd_kv_cache_manager_t *m, const pd_kv_tier_t *tier)
+{
+    if (tier != NULL && (!m->caching || m->num_groups != 1)) {
+        pd_log_error("kv offload: needs prefix caching and one KV cache group (this cache has %d%s)",
+                     m->num_groups, m->caching ? "" : ", prefix caching off");
+        return PD_ERR_UNSUPPORTED;
+    }
+    m->tier = tier;
+    pd_block_pool_set_evict_hook(m->pool, tier != NULL ? save_evicted : NULL, m);
+    return PD_OK;
+}
+
+int32_t pd_kv_manager_promote(pd_kv_cache_manager_t *m, pd_request_t *req, const uint32_t *hits,
+                              int32_t n_hits, int32_t max)
+{
+    const pd_kv_tier_t *t = m->tier;
+    int32_t bs = m->block_size, full = (req->num_tokens - 1) / bs; /* the last token is computed */
+    if (t == NULL || full > max) {
+        full = t == NULL ? 0 : max;
+    }
+    if (n_hits >= full || !ensure_hashes(m, req, full)) {
+        return 0;
+    }
+    int32_t k = 0;
+    while (n_hits + k < full && t->contains(t->ctx, req->block_hashes[n_hits + k])) {
+        k++;
+    }
+    m->tier_queries += (uint64_t)(full - n_hits);
+    if (k == 0 || !grow((void **)&m->tier_ids, &m->cap_tier_ids, k, sizeof(uint32_t))) {
+        return 0;
+    }
+    /* the pool hit is pinned while blocks are taken (a take evicts from the front of the free queue),
+     * and the blocks the rest of the prompt will need stay free */
+    pd_block_pool_touch(m->pool, hits, (uint32_t)n_hits);
+    int64_t room = (int64_t)pd_block_pool_num_free(m->pool) + pd_block_pool_num_cached_free(m->pool) -
+                   ((int64_t)req->num_tokens - (int64_t)(n_hits + k) * bs + bs - 1) / bs;
+    k = room < k ? (int32_t)(room > 0 ? room : 0) : k;
+    int32_t done = 0;
+    for (; done < k; done++) {
+        int32_t b = n_hits + done;
+        uint32_t id;
+        /* a take may evict a cached block into the tier, which may evict this one from it */
+        if (!t->contains(t->ctx, req->block_hashes[b]) || pd_block_pool_take(m->pool, 1, &id) != PD_OK) {
+            break;
+        }
+        if (t->load(t->ctx, req->block_hashes[b], id) != PD_OK) {
+            pd_block_pool_free(m->pool, &id, 1);
+            break;
+        }
+        m->tier_ids[done] = id;
+        if (pd_block_pool_cache(m->pool, id, req->block_hashes[b]) && m->events != NULL) {
+            pd_kv_event_stored(m->events, pd_kv_event_hash(req->block_hashes[b]), b > 0,
+                               b > 0 ? pd_kv_event_hash(req->block_hashes[b - 1]) : 0,
+                               req->tokens + (size_t)b * bs);
+        }
+    }
+    /* back to the free queue, the prompt's tail first (evicted first), the pool hit last */
+    for (int32_t i = done - 1; i >= 0; i--) {
+        pd_block_pool_free(m->pool, &m->tier_ids[i], 1);
+    }
+    for (int32_t i = n_hits - 1; i >= 0; i--) {
+        pd_block_pool_free(m->pool, &hits[i], 1);
+    }
+    m->tier_hits += (uint64_t)done;
+    return done;
 }
 
 void pd_kv_manager_count_lookup(pd_kv_cache_manager_t *m, const pd_request_t *req, int32_t hit_tokens)

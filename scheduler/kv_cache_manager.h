@@ -18,6 +18,19 @@
 
 #define PD_KV_MANAGER_MAX_GROUPS 32
 
+/* A second tier behind the pool (engine/kv_offload.h, --kv-offload-tier): a cached block the pool
+ * evicts is saved to it first, and a prefix that misses the pool continues from it
+ * (pd_kv_manager_promote). The callbacks run on the scheduler's thread. */
+typedef struct pd_kv_tier {
+    void *ctx;
+    bool (*contains)(void *ctx, pd_hash128_t key);
+    /* Fills block's pages with key's KV; any failure (missing, corrupt, I/O) leaves the tokens to
+     * be recomputed. */
+    pd_status_t (*load)(void *ctx, pd_hash128_t key, uint32_t block);
+    /* Copies block's pages out under key; called before the block is overwritten. */
+    void (*save)(void *ctx, pd_hash128_t key, uint32_t block);
+} pd_kv_tier_t;
+
 typedef struct pd_kv_cache_manager {
     pd_block_pool_t *pool;
     int32_t block_size;
@@ -27,6 +40,11 @@ typedef struct pd_kv_cache_manager {
     uint64_t prefix_queries;                  /* prompt tokens looked up */
     uint64_t prefix_hits;                     /* of which found in the cache */
     struct pd_kv_event_log *events;           /* BlockStored of group 0's new hashes, or NULL */
+    const pd_kv_tier_t *tier;                 /* pd_kv_manager_set_tier, or NULL */
+    uint64_t tier_queries;                    /* blocks looked up in the tier past a pool hit */
+    uint64_t tier_hits;                       /* of which loaded into the pool */
+    uint32_t *tier_ids;                       /* promote's scratch */
+    int32_t cap_tier_ids;
 } pd_kv_cache_manager_t;
 
 /* num_groups groups with windows[g] (0 = full attention); windows NULL = one full group. */
@@ -42,6 +60,20 @@ void pd_kv_manager_destroy(pd_kv_cache_manager_t *m);
  * Counts the lookup in prefix_queries/prefix_hits when count_stats. */
 int32_t pd_kv_manager_get_computed_blocks(pd_kv_cache_manager_t *m, pd_request_t *req, uint32_t *blocks_out,
                                           int32_t max, bool count_stats, int32_t *num_tokens_out);
+/* Puts tier behind the pool (NULL: none): every cached block the pool evicts from now on is saved
+ * to it. PD_ERR_UNSUPPORTED (logged) without prefix caching or with more than one KV cache group
+ * (a sliding-window group's blocks are not offloaded). */
+pd_status_t pd_kv_manager_set_tier(pd_kv_cache_manager_t *m, const pd_kv_tier_t *tier);
+
+/* Continues req's pool hit of n_hits blocks (hits[n_hits], from pd_kv_manager_get_computed_blocks)
+ * from the tier: the next full blocks the tier holds, up to max logical blocks and leaving the last
+ * prompt token to compute, are loaded into pool blocks and cached there (free, at the back of the
+ * LRU queue, so the request's lookup that follows finds them as prefix hits). Takes no block the
+ * rest of the prompt needs; stops at the first block the tier lacks or fails to load. Returns the
+ * number of blocks loaded. */
+int32_t pd_kv_manager_promote(pd_kv_cache_manager_t *m, pd_request_t *req, const uint32_t *hits,
+                              int32_t n_hits, int32_t max);
+
 /* Counts one lookup of req that found hit_tokens cached in prefix_queries/prefix_hits (for a caller
  * that decides after the lookup whether it counts: the scheduler counts the one that admits). */
 void pd_kv_manager_count_lookup(pd_kv_cache_manager_t *m, const pd_request_t *req, int32_t hit_tokens);

@@ -86,6 +86,7 @@ struct pd_request {
     int32_t num_draft_computed;  /* tokens whose KV the draft model holds (draft_model speculation;
                                   * its pages share this request's block ids) */
     int32_t num_cached_tokens;   /* prefix-cache hit when first scheduled, -1 before */
+    int32_t num_offload_tokens;  /* of the prefix hits: tokens the KV offload tier loaded into the pool */
 
     uint32_t *block_ids; /* [cap_blocks] this request's KV blocks in order */
     int32_t num_blocks, cap_blocks;

@@ -394,6 +394,14 @@ static void schedule_waiting(pd_scheduler_t *s, int32_t *budget)
         if (fresh && !scored) {
             n_hits =
                 pd_kv_manager_get_computed_blocks(&s->kv, r, s->hits, s->max_blocks_per_req, false, &local);
+            int32_t promoted = s->kv.tier != NULL
+                                   ? pd_kv_manager_promote(&s->kv, r, s->hits, n_hits, s->max_blocks_per_req)
+                                   : 0;
+            if (promoted > 0) { /* the tier's blocks are in the pool now: the lookup finds them */
+                r->num_offload_tokens += promoted * s->kv.block_size;
+                n_hits = pd_kv_manager_get_computed_blocks(&s->kv, r, s->hits, s->max_blocks_per_req, false,
+                                                           &local);
+            }
             if (s->conn != NULL) {
                 pd_status_t st =
                     s->conn->ops->get_num_new_matched_tokens(s->conn, r, local, &external, &async);

@@ -27,6 +27,10 @@ typedef struct srv_metrics {
     pd_metric_t *waiting_remote, *blocks_free, *blocks_cached, *blocks_used, *http_errors,
         *load_waits; /* pd: */
     uint64_t seen_prefix_queries, seen_prefix_hits, seen_prompt, seen_gen, seen_preempt, seen_load_waits;
+    /* --kv-offload-tier: pd:kv_offload_{queries,hits,saved_blocks,corrupt_blocks,bytes_written,
+     * bytes_read,read_seconds}_total, then the blocks held and the capacity (NULL without a tier) */
+    pd_metric_t *offload[9];
+    double seen_offload[7];
 } srv_metrics_t;
 
 struct pd_http_server {

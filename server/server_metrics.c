@@ -31,8 +31,11 @@ static pd_metric_t *histogram(pd_metrics_t *r, const char *name, const char *hel
 static void cache_config_info(pd_http_server_t *s)
 {
     const pd_engine_config_t *cfg = pd_engine_config(s->engine);
-    char blocks[16], bsize[16], util[32];
+    char blocks[16], bsize[16], util[32], cpu_blocks[16];
     snprintf(blocks, sizeof(blocks), "%u", pd_engine_kv(s->engine)->cfg.num_blocks);
+    pd_engine_stats_t st;
+    pd_engine_get_stats(s->engine, &st);
+    snprintf(cpu_blocks, sizeof(cpu_blocks), "%u", st.offload_slots); /* the offload tier's blocks */
     snprintf(bsize, sizeof(bsize), "%d", cfg->block_size);
     snprintf(util, sizeof(util), "%g", cfg->memory_utilization);
     pd_metric_label_t l[6] = {
@@ -41,7 +44,7 @@ static void cache_config_info(pd_http_server_t *s)
         {"enable_prefix_caching", cfg->enable_prefix_caching ? "True" : "False"},
         {"gpu_memory_utilization", util},
         {"num_gpu_blocks", blocks},
-        {"num_cpu_blocks", "0"},
+        {"num_cpu_blocks", cpu_blocks},
     };
     pd_metric_t *g = pd_metrics_add_labels(s->metrics, PD_METRIC_GAUGE, "vllm:cache_config_info",
                                            "Information of the LLMEngine CacheConfig", l, 6, NULL, 0);
@@ -124,6 +127,28 @@ void pd_http_metrics_register(pd_http_server_t *s)
         gauge(r, "pd:kv_blocks_cached_free", "Free KV blocks that still hold a cached prefix.");
     m->blocks_used = gauge(r, "pd:kv_blocks_used", "KV blocks referenced by requests.");
     m->http_errors = counter(r, "pd:http_errors_total", "Requests answered with an error.");
+    pd_engine_stats_t st;
+    pd_engine_get_stats(s->engine, &st);
+    if (st.offload) {
+        static const char *names[9][2] = {
+            {"pd:kv_offload_queries_total",
+             "KV blocks looked up in the offload tier past a prefix-cache hit."},
+            {"pd:kv_offload_hits_total",
+             "KV blocks the offload tier loaded back into the pool (prefix hits)."},
+            {"pd:kv_offload_saved_blocks_total", "Evicted KV blocks written to the offload tier."},
+            {"pd:kv_offload_corrupt_blocks_total",
+             "Offload tier blocks refused by their checksum (dropped; their tokens recomputed)."},
+            {"pd:kv_offload_bytes_written_total", "Bytes of KV written to the offload tier."},
+            {"pd:kv_offload_bytes_read_total", "Bytes of KV read back from the offload tier."},
+            {"pd:kv_offload_read_seconds_total",
+             "Seconds the engine spent loading blocks from the offload tier."},
+            {"pd:kv_offload_blocks", "KV blocks the offload tier holds."},
+            {"pd:kv_offload_capacity_blocks", "KV blocks the offload tier can hold."},
+        };
+        for (int i = 0; i < 9; i++) {
+            m->offload[i] = i < 7 ? counter(r, names[i][0], names[i][1]) : gauge(r, names[i][0], names[i][1]);
+        }
+    }
     m->load_waits = counter(r, "pd:kv_load_waits_total",
                             "Remote KV loads put off while another request loaded the same prefix (then read "
                             "from the local prefix cache).");
@@ -155,6 +180,18 @@ void pd_http_metrics_refresh(pd_http_server_t *s)
     m->seen_prompt = st.prompt_tokens;
     m->seen_gen = st.generation_tokens;
     m->seen_preempt = st.preemptions;
+    if (m->offload[0] != NULL) {
+        double now[7] = {(double)st.offload_queries,       (double)st.offload_hits,
+                         (double)st.offload_saved,         (double)st.offload_corrupt,
+                         (double)st.offload_bytes_written, (double)st.offload_bytes_read,
+                         st.offload_read_seconds};
+        for (int i = 0; i < 7; i++) {
+            pd_metric_inc(m->offload[i], now[i] - m->seen_offload[i]);
+            m->seen_offload[i] = now[i];
+        }
+        pd_metric_set(m->offload[7], st.offload_used);
+        pd_metric_set(m->offload[8], st.offload_slots);
+    }
 }
 
 void pd_http_metrics_admitted(pd_http_server_t *s, int32_t n, int32_t max_tokens)

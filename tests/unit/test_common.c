@@ -12,10 +12,12 @@
 
 #include "common/arena.h"
 #include "common/array.h"
+#include "common/checksum.h"
 #include "common/copy.h"
 #include "common/flags.h"
 #include "common/hash.h"
 #include "common/json.h"
+#include "common/key_map.h"
 #include "common/list.h"
 #include "common/log.h"
 #include "common/metrics.h"
@@ -41,6 +43,72 @@ START_TEST(test_log_level_parse)
     ck_assert_int_eq(pd_log_level_parse("WARN"), PD_LOG_WARN);
     ck_assert_int_eq(pd_log_level_parse("off"), PD_LOG_OFF);
     ck_assert_int_eq(pd_log_level_parse("loud"), -1);
+}
+END_TEST
+
+/* Every checksum variant this CPU runs equals the library's XXH3 on every length and alignment the
+ * vector loops split differently (stripes of 64, blocks of 1024, tails); the others are named. */
+START_TEST(test_checksum_variants)
+{
+    enum { MAX = 70000 };
+    uint8_t *buf = malloc(MAX + 64);
+    pd_rng_t r;
+    pd_rng_seed(&r, 17);
+    for (size_t i = 0; i < MAX + 64; i++) {
+        buf[i] = (uint8_t)pd_rng_below(&r, 256);
+    }
+    static const char *names[] = {"sse2", "avx2", "avx512"};
+    static const size_t lens[] = {0,   1,    3,    16,   17,   128,   129,   240,
+                                  241, 1023, 1024, 1025, 8192, 65536, 69568, MAX};
+    int ran = 0;
+    for (int v = 0; v < 3; v++) {
+        pd_checksum_fn f = pd_checksum64_variant(names[v]);
+        if (f == NULL) {
+            fprintf(stderr, "test_checksum_variants: %s not run (this CPU or build lacks it)\n", names[v]);
+            continue;
+        }
+        ran++;
+        for (size_t k = 0; k < sizeof(lens) / sizeof(lens[0]); k++) {
+            for (size_t off = 0; off < 64; off += 13) {
+                uint64_t seed = k * 1000 + off;
+                ck_assert_msg(f(buf + off, lens[k], seed) == pd_hash64(buf + off, lens[k], seed),
+                              "%s: len %zu off %zu", names[v], lens[k], off);
+            }
+        }
+    }
+    ck_assert_int_ge(ran, 1);
+    ck_assert(pd_checksum64_variant("neon") == NULL);
+    ck_assert_uint_eq(pd_checksum64(buf, 5000, 9), pd_hash64(buf, 5000, 9));
+    ck_assert(pd_checksum64_variant(pd_checksum64_name()) != NULL);
+    free(buf);
+}
+END_TEST
+
+/* The 128-bit key map: inserts, lookups, removals that shift entries back over a full probe run. */
+START_TEST(test_key_map)
+{
+    pd_key_map_t m;
+    ck_assert_int_eq(pd_key_map_init(&m, 100), PD_OK);
+    ck_assert_uint_eq(m.cap, 256);
+    for (uint32_t i = 0; i < 100; i++) {
+        /* low halves that collide in the home slot: one long probe run */
+        ck_assert(pd_key_map_insert(&m, (pd_hash128_t){(uint64_t)i << 40, 0}, i));
+    }
+    ck_assert(!pd_key_map_insert(&m, (pd_hash128_t){5ull << 40, 0}, 7)); /* present */
+    ck_assert(!pd_key_map_insert(&m, (pd_hash128_t){1, 1}, PD_KEY_MAP_NONE));
+    ck_assert(!pd_key_map_remove(&m, (pd_hash128_t){5ull << 40, 0}, 6)); /* another value */
+    for (uint32_t i = 0; i < 100; i += 2) {
+        ck_assert(pd_key_map_remove(&m, (pd_hash128_t){(uint64_t)i << 40, 0}, i));
+    }
+    ck_assert_uint_eq(m.count, 50);
+    for (uint32_t i = 0; i < 100; i++) {
+        ck_assert_uint_eq(pd_key_map_get(&m, (pd_hash128_t){(uint64_t)i << 40, 0}),
+                          i % 2 ? i : PD_KEY_MAP_NONE);
+    }
+    ck_assert(pd_key_map_remove(&m, (pd_hash128_t){3ull << 40, 0}, PD_KEY_MAP_NONE)); /* any value */
+    ck_assert_uint_eq(pd_key_map_get(&m, (pd_hash128_t){3ull << 40, 0}), PD_KEY_MAP_NONE);
+    pd_key_map_free(&m);
+    ck_assert_uint_eq(pd_key_map_get(&m, (pd_hash128_t){1, 1}), PD_KEY_MAP_NONE);
 }
 END_TEST
 
@@ -700,6 +768,8 @@ int main(void)
     tcase_add_test(tc, test_status_names);
     tcase_add_test(tc, test_log_level_parse);
     tcase_add_test(tc, test_hash_chain);
+    tcase_add_test(tc, test_checksum_variants);
+    tcase_add_test(tc, test_key_map);
     tcase_add_test(tc, test_arena);
     tcase_add_test(tc, test_list);
     tcase_add_test(tc, test_array_reserve);

@@ -1,0 +1,481 @@
+/* engine/kv_offload.c — the KV offload tier: slots of one block, an LRU over them, a host arena
+ * or a file behind them. */
+#define _GNU_SOURCE /* preadv, pwritev */
+#include "engine/kv_offload.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "common/checksum.h"
+#include "common/key_map.h"
+#include "common/log.h"
+#include "common/time.h"
+
+#define NIL               UINT32_MAX
+#define SLOT_MAGIC        0x424b4450u /* "PDKB" */
+#define FORMAT_VERSION    1u
+#define FILE_HEADER_BYTES 4096u
+#define SLOT_ALIGN        4096u
+
+/* A slot's header, written in front of its pages (one write with them). */
+typedef struct slot_header {
+    uint32_t magic;
+    uint32_t version;
+    uint64_t fingerprint;
+    uint64_t key_lo, key_hi;
+    uint64_t data_sum; /* checksum of the pages (data_checksum) */
+    uint64_t seq;      /* write order: the LRU order a reopened file starts from */
+    uint64_t reserved;
+    uint64_t header_sum; /* pd_hash64 of the bytes above */
+} slot_header_t;
+_Static_assert(sizeof(slot_header_t) == 64, "slot header is 64 bytes");
+
+/* The file's first FILE_HEADER_BYTES: what a reopened file must match to be kept. */
+typedef struct file_header {
+    char magic[8]; /* "PDKVTIER" */
+    uint32_t version;
+    uint32_t reserved;
+    uint64_t fingerprint;
+    uint64_t slot_bytes;
+    uint64_t num_slots;
+    uint64_t header_sum;
+} file_header_t;
+
+typedef struct slot {
+    pd_hash128_t key;
+    uint64_t seq;
+    uint32_t prev, next; /* LRU links when used, the free list (next) when not */
+    bool used;
+} slot_t;
+
+struct pd_kv_offload {
+    pd_kv_offload_config_t cfg;
+    size_t data_bytes; /* num_tensors × page_bytes */
+    size_t slot_bytes; /* header + data, rounded up to SLOT_ALIGN */
+    uint32_t num_slots;
+    slot_t *slots;
+    pd_key_map_t index; /* key → slot */
+    uint32_t lru_head;  /* least recently used */
+    uint32_t lru_tail;  /* most recently used */
+    uint32_t free_head;
+    uint64_t next_seq;
+    uint8_t *arena;    /* host: num_slots × slot_bytes */
+    int fd;            /* disk: the file, flock'ed; -1 */
+    struct iovec *iov; /* [1 + num_tensors] */
+    bool warned_write, warned_read;
+    pd_kv_offload_stats_t st;
+};
+
+const char *pd_kv_offload_medium_name(pd_kv_offload_medium_t m)
+{
+    return m == PD_KV_OFFLOAD_DISK ? "disk" : "host";
+}
+
+/* ------------------------------------------------------------------ LRU and free list */
+
+static void lru_unlink(pd_kv_offload_t *o, uint32_t i)
+{
+    slot_t *s = &o->slots[i];
+    if (s->prev != NIL) {
+        o->slots[s->prev].next = s->next;
+    } else {
+        o->lru_head = s->next;
+    }
+    if (s->next != NIL) {
+        o->slots[s->next].prev = s->prev;
+    } else {
+        o->lru_tail = s->prev;
+    }
+    s->prev = s->next = NIL;
+}
+
+static void lru_append(pd_kv_offload_t *o, uint32_t i)
+{
+    slot_t *s = &o->slots[i];
+    s->next = NIL;
+    s->prev = o->lru_tail;
+    if (o->lru_tail != NIL) {
+        o->slots[o->lru_tail].next = i;
+    } else {
+        o->lru_head = i;
+    }
+    o->lru_tail = i;
+}
+
+/* Forgets slot i's block (used → free). */
+static void slot_drop(pd_kv_offload_t *o, uint32_t i)
+{
+    slot_t *s = &o->slots[i];
+    pd_key_map_remove(&o->index, s->key, i);
+    lru_unlink(o, i);
+    s->used = false;
+    s->next = o->free_head;
+    o->free_head = i;
+    o->st.used_slots--;
+}
+
+/* A slot to write: a free one, else the least recently used one's (evicted). */
+static uint32_t slot_take(pd_kv_offload_t *o)
+{
+    if (o->free_head == NIL) {
+        o->st.evicted++;
+        slot_drop(o, o->lru_head);
+    }
+    uint32_t i = o->free_head;
+    o->free_head = o->slots[i].next;
+    return i;
+}
+
+/* Records slot i as holding key (most recently used). */
+static void slot_set(pd_kv_offload_t *o, uint32_t i, pd_hash128_t key, uint64_t seq)
+{
+    slot_t *s = &o->slots[i];
+    s->key = key;
+    s->seq = seq;
+    s->used = true;
+    pd_key_map_insert(&o->index, key, i);
+    lru_append(o, i);
+    o->st.used_slots++;
+}
+
+/* ------------------------------------------------------------------ I/O */
+
+static uint64_t header_sum(const slot_header_t *h)
+{
+    return pd_hash64(h, offsetof(slot_header_t, header_sum), 0);
+}
+
+/* The checksum of block's pages (after a load: of what arrived). */
+static uint64_t data_checksum(const pd_kv_offload_t *o, pd_hash128_t key, uint32_t block)
+{
+    uint64_t c = o->cfg.fingerprint ^ key.lo;
+    for (int32_t t = 0; t < o->cfg.num_tensors; t++) {
+        c = pd_checksum64(o->cfg.base + o->cfg.tensor_offset[t] + (size_t)block * o->cfg.page_bytes,
+                          o->cfg.page_bytes, c);
+    }
+    return c;
+}
+
+static off_t slot_offset(const pd_kv_offload_t *o, uint32_t i)
+{
+    return (off_t)FILE_HEADER_BYTES + (off_t)i * (off_t)o->slot_bytes;
+}
+
+/* Points o->iov at hdr and block's pages. */
+static int build_iov(pd_kv_offload_t *o, slot_header_t *hdr, uint32_t block)
+{
+    o->iov[0] = (struct iovec){hdr, sizeof(*hdr)};
+    for (int32_t t = 0; t < o->cfg.num_tensors; t++) {
+        o->iov[1 + t] = (struct iovec){
+            o->cfg.base + o->cfg.tensor_offset[t] + (size_t)block * o->cfg.page_bytes, o->cfg.page_bytes};
+    }
+    return 1 + o->cfg.num_tensors;
+}
+
+/* Moves iov[n] to (write) or from slot i. Host: memcpy; disk: preadv/pwritev until every byte moved
+ * (a short transfer that makes no progress — end of file, full disk — is an error). */
+static pd_status_t slot_io(pd_kv_offload_t *o, uint32_t i, struct iovec *iov, int n, bool write)
+{
+    if (o->arena != NULL) {
+        uint8_t *p = o->arena + (size_t)i * o->slot_bytes;
+        for (int k = 0; k < n; k++) {
+            write ? memcpy(p, iov[k].iov_base, iov[k].iov_len) : memcpy(iov[k].iov_base, p, iov[k].iov_len);
+            p += iov[k].iov_len;
+        }
+        return PD_OK;
+    }
+    off_t off = slot_offset(o, i);
+    while (n > 0) {
+        ssize_t r = write ? pwritev(o->fd, iov, n, off) : preadv(o->fd, iov, n, off);
+        if (r < 0 && errno == EINTR) {
+            continue;
+        }
+        if (r <= 0) {
+            if (r == 0) {
+                errno = write ? ENOSPC : ENODATA;
+            }
+            return PD_ERR_IO;
+        }
+        off += r;
+        while (n > 0 && (size_t)r >= iov->iov_len) { /* skip what moved */
+            r -= (ssize_t)iov->iov_len;
+            iov++;
+            n--;
+        }
+        if (n > 0) {
+            iov->iov_base = (uint8_t *)iov->iov_base + r;
+            iov->iov_len -= (size_t)r;
+        }
+    }
+    return PD_OK;
+}
+
+bool pd_kv_offload_contains(const pd_kv_offload_t *o, pd_hash128_t key)
+{
+    return pd_key_map_get(&o->index, key) != PD_KEY_MAP_NONE;
+}
+
+pd_status_t pd_kv_offload_save(pd_kv_offload_t *o, pd_hash128_t key, uint32_t block)
+{
+    if (block == 0 || block >= o->cfg.num_blocks) {
+        return PD_ERR_OUT_OF_RANGE;
+    }
+    uint32_t i = pd_key_map_get(&o->index, key);
+    if (i != PD_KEY_MAP_NONE) { /* equal keys hold equal KV: only its recency changes */
+        lru_unlink(o, i);
+        lru_append(o, i);
+        o->st.already++;
+        return PD_OK;
+    }
+    i = slot_take(o);
+    slot_header_t hdr = {SLOT_MAGIC, FORMAT_VERSION, o->cfg.fingerprint, key.lo, key.hi, 0, o->next_seq++, 0,
+                         0};
+    hdr.data_sum = data_checksum(o, key, block);
+    hdr.header_sum = header_sum(&hdr);
+    int n = build_iov(o, &hdr, block);
+    if (slot_io(o, i, o->iov, n, true) != PD_OK) {
+        if (!o->warned_write) {
+            o->warned_write = true;
+            pd_log_warn("kv offload: writing a block to %s failed (%s); blocks that cannot be written are "
+                        "dropped (logged once)",
+                        o->cfg.path, strerror(errno));
+        }
+        o->st.write_errors++;
+        o->slots[i].next = o->free_head;
+        o->free_head = i;
+        return PD_ERR_IO;
+    }
+    slot_set(o, i, key, hdr.seq);
+    o->st.saved++;
+    o->st.bytes_written += o->data_bytes;
+    return PD_OK;
+}
+
+pd_status_t pd_kv_offload_load(pd_kv_offload_t *o, pd_hash128_t key, uint32_t block)
+{
+    if (block == 0 || block >= o->cfg.num_blocks) {
+        return PD_ERR_OUT_OF_RANGE;
+    }
+    uint32_t i = pd_key_map_get(&o->index, key);
+    if (i == PD_KEY_MAP_NONE) {
+        return PD_ERR_NOT_FOUND;
+    }
+    double t0 = pd_time_now_s();
+    slot_header_t hdr;
+    int n = build_iov(o, &hdr, block);
+    pd_status_t st = slot_io(o, i, o->iov, n, false);
+    if (st != PD_OK) {
+        o->st.read_seconds += pd_time_now_s() - t0;
+        if (!o->warned_read) {
+            o->warned_read = true;
+            pd_log_warn("kv offload: reading a block from %s failed (%s); its tokens are recomputed (logged "
+                        "once)",
+                        o->cfg.path, strerror(errno));
+        }
+        slot_drop(o, i);
+        return PD_ERR_IO;
+    }
+    if (hdr.magic != SLOT_MAGIC || hdr.version != FORMAT_VERSION || hdr.fingerprint != o->cfg.fingerprint ||
+        hdr.key_lo != key.lo || hdr.key_hi != key.hi || hdr.header_sum != header_sum(&hdr) ||
+        hdr.data_sum != data_checksum(o, key, block)) {
+        o->st.read_seconds += pd_time_now_s() - t0;
+        pd_log_warn(
+            "kv offload: slot %u of the %s tier failed its checksum (torn, stale or corrupt); dropped, "
+            "its tokens are recomputed",
+            i, pd_kv_offload_medium_name(o->cfg.medium));
+        o->st.corrupt++;
+        slot_drop(o, i);
+        return PD_ERR_PARSE;
+    }
+    o->st.read_seconds += pd_time_now_s() - t0; /* the read and its checksum */
+    lru_unlink(o, i);
+    lru_append(o, i);
+    o->st.loaded++;
+    o->st.bytes_read += o->data_bytes;
+    return PD_OK;
+}
+
+void pd_kv_offload_get_stats(const pd_kv_offload_t *o, pd_kv_offload_stats_t *out)
+{
+    *out = o->st;
+}
+
+/* ------------------------------------------------------------------ open */
+
+static uint64_t file_header_sum(const file_header_t *h)
+{
+    return pd_hash64(h, offsetof(file_header_t, header_sum), 0);
+}
+
+static int by_seq(const void *a, const void *b)
+{
+    const slot_t *x = *(slot_t *const *)a, *y = *(slot_t *const *)b;
+    return x->seq < y->seq ? -1 : x->seq > y->seq;
+}
+
+/* A file that matches this tier keeps its blocks: every valid slot header enters the index, in
+ * write order (the LRU order it had). */
+static pd_status_t read_back(pd_kv_offload_t *o)
+{
+    slot_t **order = malloc((size_t)o->num_slots * sizeof(*order));
+    if (order == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < o->num_slots; i++) {
+        slot_header_t h;
+        if (pread(o->fd, &h, sizeof(h), slot_offset(o, i)) != (ssize_t)sizeof(h) || h.magic != SLOT_MAGIC ||
+            h.version != FORMAT_VERSION || h.fingerprint != o->cfg.fingerprint ||
+            h.header_sum != header_sum(&h)) {
+            continue;
+        }
+        o->slots[i].key = (pd_hash128_t){h.key_lo, h.key_hi};
+        o->slots[i].seq = h.seq;
+        order[n++] = &o->slots[i];
+    }
+    qsort(order, n, sizeof(*order), by_seq);
+    o->free_head = NIL;
+    for (uint32_t k = 0; k < n; k++) {
+        uint32_t i = (uint32_t)(order[k] - o->slots);
+        if (!pd_key_map_insert(&o->index, order[k]->key, i)) {
+            continue; /* a key twice (an older copy): that slot stays free */
+        }
+        order[k]->used = true;
+        lru_append(o, i);
+        o->st.used_slots++;
+        o->next_seq = order[k]->seq + 1;
+    }
+    for (uint32_t i = o->num_slots; i-- > 0;) {
+        if (!o->slots[i].used) {
+            o->slots[i].next = o->free_head;
+            o->free_head = i;
+        }
+    }
+    free(order);
+    o->st.kept = o->st.used_slots;
+    return PD_OK;
+}
+
+static pd_status_t open_file(pd_kv_offload_t *o)
+{
+    o->fd = open(o->cfg.path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (o->fd < 0) {
+        pd_log_error("kv offload: cannot open %s: %s", o->cfg.path, strerror(errno));
+        return PD_ERR_IO;
+    }
+    if (flock(o->fd, LOCK_EX | LOCK_NB) != 0) {
+        pd_log_error("kv offload: %s is in use by another process (%s); give each node its own "
+                     "--kv-offload-path",
+                     o->cfg.path, strerror(errno));
+        return PD_ERR_IO;
+    }
+    file_header_t want;
+    memset(&want, 0, sizeof(want));
+    memcpy(want.magic, "PDKVTIER", 8);
+    want.version = FORMAT_VERSION;
+    want.fingerprint = o->cfg.fingerprint;
+    want.slot_bytes = o->slot_bytes;
+    want.num_slots = o->num_slots;
+    want.header_sum = file_header_sum(&want);
+    file_header_t have;
+    off_t size = slot_offset(o, o->num_slots);
+    struct stat sb;
+    if (fstat(o->fd, &sb) == 0 && sb.st_size == size &&
+        pread(o->fd, &have, sizeof(have), 0) == sizeof(have) && memcmp(&have, &want, sizeof(want)) == 0) {
+        return read_back(o);
+    }
+    /* a new file, or one of another model or geometry: it starts empty (zeros: no valid header) */
+    if (ftruncate(o->fd, 0) != 0 || ftruncate(o->fd, size) != 0 ||
+        pwrite(o->fd, &want, sizeof(want), 0) != (ssize_t)sizeof(want)) {
+        pd_log_error("kv offload: cannot size %s to %lld bytes: %s", o->cfg.path, (long long)size,
+                     strerror(errno));
+        return PD_ERR_IO;
+    }
+    return PD_OK;
+}
+
+pd_status_t pd_kv_offload_create(const pd_kv_offload_config_t *cfg, pd_kv_offload_t **out)
+{
+    if (cfg->num_tensors < 1 || cfg->num_tensors > PD_MAX_LAYERS || cfg->page_bytes == 0) {
+        pd_log_error("kv offload: %d KV tensors of %zu-byte pages", cfg->num_tensors, cfg->page_bytes);
+        return PD_ERR_INVALID_ARG;
+    }
+    if (cfg->medium == PD_KV_OFFLOAD_DISK && (cfg->path == NULL || cfg->path[0] == '\0')) {
+        pd_log_error("kv offload: --kv-offload-tier disk needs --kv-offload-path (a file)");
+        return PD_ERR_INVALID_ARG;
+    }
+    size_t data = (size_t)cfg->num_tensors * cfg->page_bytes;
+    size_t slot_bytes = (sizeof(slot_header_t) + data + SLOT_ALIGN - 1) / SLOT_ALIGN * SLOT_ALIGN;
+    size_t num = cfg->size_bytes / slot_bytes;
+    if (num < 1 || num >= (1u << 30)) {
+        pd_log_error(
+            "kv offload: --kv-offload-size %zu bytes holds %zu blocks of %zu bytes (1 .. 2^30 needed)",
+            cfg->size_bytes, num, slot_bytes);
+        return PD_ERR_INVALID_ARG;
+    }
+    pd_kv_offload_t *o = calloc(1, sizeof(*o));
+    if (o == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
+    o->cfg = *cfg;
+    o->fd = -1;
+    o->data_bytes = data;
+    o->slot_bytes = slot_bytes;
+    o->num_slots = (uint32_t)num;
+    o->lru_head = o->lru_tail = NIL;
+    o->st.num_slots = o->num_slots;
+    o->st.slot_bytes = slot_bytes;
+    o->slots = calloc(num, sizeof(slot_t));
+    o->iov = calloc((size_t)cfg->num_tensors + 1, sizeof(struct iovec));
+    pd_status_t st = PD_ERR_NO_MEMORY;
+    if (o->slots == NULL || o->iov == NULL || pd_key_map_init(&o->index, o->num_slots) != PD_OK) {
+        pd_log_error("kv offload: cannot allocate the index of %zu slots", num);
+        goto err;
+    }
+    for (uint32_t i = 0; i < o->num_slots; i++) {
+        o->slots[i].prev = NIL;
+        o->slots[i].next = i + 1 < o->num_slots ? i + 1 : NIL;
+    }
+    o->free_head = 0;
+    if (cfg->medium == PD_KV_OFFLOAD_HOST) {
+        o->arena = malloc(num * slot_bytes);
+        if (o->arena == NULL) {
+            pd_log_error("kv offload: cannot allocate the %zu-byte host tier", num * slot_bytes);
+            goto err;
+        }
+    } else if ((st = open_file(o)) != PD_OK) {
+        goto err;
+    }
+    pd_log_info("kv offload: %s tier%s%s: %u blocks of %zu bytes (%.1f MiB), %s checksums",
+                pd_kv_offload_medium_name(cfg->medium), o->fd >= 0 ? " " : "", o->fd >= 0 ? cfg->path : "",
+                o->num_slots, slot_bytes, (double)num * (double)slot_bytes / 1048576.0, pd_checksum64_name());
+    if (o->st.kept > 0) {
+        pd_log_info("kv offload: %u blocks kept from the file's last run", o->st.kept);
+    }
+    *out = o;
+    return PD_OK;
+err:
+    pd_kv_offload_destroy(o);
+    return st;
+}
+
+void pd_kv_offload_destroy(pd_kv_offload_t *o)
+{
+    if (o == NULL) {
+        return;
+    }
+    if (o->fd >= 0) {
+        close(o->fd); /* drops the lock */
+    }
+    free(o->arena);
+    free(o->slots);
+    free(o->iov);
+    pd_key_map_free(&o->index);
+    free(o);
+}

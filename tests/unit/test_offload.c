@@ -1,0 +1,439 @@
+/* tests/unit/test_offload.c — the KV offload tier (engine/kv_offload.h): a block saved comes back
+ * byte for byte from memory and from a file, the least recently used block makes room, a corrupt or
+ * torn slot is refused and dropped, a reopened file keeps its blocks (another model's does not), two
+ * processes never share a file; and in the engine: a prefix the pool evicted is loaded from the tier
+ * instead of recomputed, with outputs identical to an engine without a tier (greedy and seeded), the
+ * pool's accounting whole, and a corrupted tier file costing a recompute, never a wrong answer. */
+#include "test_util.h"
+
+#include <check.h>
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "common/log.h"
+#include "common/rng.h"
+#include "engine/engine.h"
+#include "engine/kv_offload.h"
+#include "scheduler/block_pool.h"
+
+#include "engine_driver.h"
+
+static char *g_model;
+static char *g_dir; /* files of the disk tiers */
+
+/* ------------------------------------------------------------------ the tier on a fake region */
+
+enum { T = 3, PAGE = 1000, NB = 8 };
+
+typedef struct region {
+    uint8_t *base;
+    pd_kv_offload_config_t cfg;
+} region_t;
+
+static void region_init(region_t *r, pd_kv_offload_medium_t medium, size_t slots, const char *file)
+{
+    r->base = calloc(T * PAGE, NB); /* tensor t at t × NB × PAGE */
+    memset(&r->cfg, 0, sizeof(r->cfg));
+    r->cfg.medium = medium;
+    r->cfg.size_bytes = slots * 4096; /* a 64-byte header + 3000 bytes: one 4096-byte slot */
+    static char path[512];
+    snprintf(path, sizeof(path), "%s/%s", g_dir, file);
+    r->cfg.path = path;
+    r->cfg.fingerprint = 0x1234;
+    r->cfg.base = r->base;
+    r->cfg.num_tensors = T;
+    r->cfg.page_bytes = PAGE;
+    r->cfg.num_blocks = NB;
+    for (int t = 0; t < T; t++) {
+        r->cfg.tensor_offset[t] = (size_t)t * NB * PAGE;
+    }
+}
+
+static uint8_t *page(region_t *r, int t, uint32_t block)
+{
+    return r->base + r->cfg.tensor_offset[t] + (size_t)block * PAGE;
+}
+
+static void fill(region_t *r, uint32_t block, uint8_t v)
+{
+    for (int t = 0; t < T; t++) {
+        for (int i = 0; i < PAGE; i++) {
+            page(r, t, block)[i] = (uint8_t)(v + t * 7 + i);
+        }
+    }
+}
+
+static bool holds(region_t *r, uint32_t block, uint8_t v)
+{
+    for (int t = 0; t < T; t++) {
+        for (int i = 0; i < PAGE; i++) {
+            if (page(r, t, block)[i] != (uint8_t)(v + t * 7 + i)) {
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
+static pd_hash128_t key(int i)
+{
+    return (pd_hash128_t){0x9e37u * (uint64_t)(i + 1), (uint64_t)i};
+}
+
+static void round_trip_and_lru(pd_kv_offload_medium_t medium)
+{
+    region_t r;
+    region_init(&r, medium, 3, "lru.kv");
+    unlink(r.cfg.path);
+    pd_kv_offload_t *o = NULL;
+    ck_assert_int_eq(pd_kv_offload_create(&r.cfg, &o), PD_OK);
+    pd_kv_offload_stats_t st;
+    pd_kv_offload_get_stats(o, &st);
+    ck_assert_uint_eq(st.num_slots, 3);
+    ck_assert_uint_eq(st.slot_bytes, 4096);
+    for (int i = 0; i < 3; i++) {
+        fill(&r, 1 + (uint32_t)i, (uint8_t)(10 * i));
+        ck_assert_int_eq(pd_kv_offload_save(o, key(i), 1 + (uint32_t)i), PD_OK);
+    }
+    ck_assert_int_eq(pd_kv_offload_save(o, key(0), 1), PD_OK); /* held: only used again (0 is newest) */
+    memset(r.base, 0, (size_t)T * PAGE * NB);
+    ck_assert_int_eq(pd_kv_offload_load(o, key(1), 5), PD_OK);
+    ck_assert(holds(&r, 5, 10));
+    ck_assert(!holds(&r, 6, 10));
+    /* full: a fourth block evicts the least recently used, key 2 (0 saved again, 1 loaded) */
+    fill(&r, 7, 77);
+    ck_assert_int_eq(pd_kv_offload_save(o, key(3), 7), PD_OK);
+    ck_assert(!pd_kv_offload_contains(o, key(2)));
+    ck_assert(pd_kv_offload_contains(o, key(0)) && pd_kv_offload_contains(o, key(1)));
+    ck_assert_int_eq(pd_kv_offload_load(o, key(2), 5), PD_ERR_NOT_FOUND);
+    ck_assert_int_eq(pd_kv_offload_load(o, key(0), 6), PD_OK);
+    ck_assert(holds(&r, 6, 0));
+    ck_assert_int_eq(pd_kv_offload_load(o, key(3), 4), PD_OK);
+    ck_assert(holds(&r, 4, 77));
+    ck_assert_int_eq(pd_kv_offload_save(o, key(9), 0), PD_ERR_OUT_OF_RANGE);  /* the null block */
+    ck_assert_int_eq(pd_kv_offload_load(o, key(0), NB), PD_ERR_OUT_OF_RANGE); /* outside the pool */
+    pd_kv_offload_get_stats(o, &st);
+    ck_assert_uint_eq(st.saved, 4);
+    ck_assert_uint_eq(st.already, 1);
+    ck_assert_uint_eq(st.loaded, 3);
+    ck_assert_uint_eq(st.evicted, 1);
+    ck_assert_uint_eq(st.used_slots, 3);
+    ck_assert_uint_eq(st.bytes_written, 4 * T * PAGE);
+    pd_kv_offload_destroy(o);
+    free(r.base);
+    unlink(r.cfg.path);
+}
+
+START_TEST(test_host_round_trip_and_lru)
+{
+    round_trip_and_lru(PD_KV_OFFLOAD_HOST);
+}
+END_TEST
+
+START_TEST(test_disk_round_trip_and_lru)
+{
+    round_trip_and_lru(PD_KV_OFFLOAD_DISK);
+}
+END_TEST
+
+/* Overwrites one byte of the file at off. */
+static void poke(const char *path, off_t off)
+{
+    int fd = open(path, O_RDWR);
+    ck_assert_int_ge(fd, 0);
+    uint8_t b;
+    ck_assert_int_eq(pread(fd, &b, 1, off), 1);
+    b ^= 0x5a;
+    ck_assert_int_eq(pwrite(fd, &b, 1, off), 1);
+    close(fd);
+}
+
+START_TEST(test_disk_checksums_and_restart)
+{
+    region_t r;
+    region_init(&r, PD_KV_OFFLOAD_DISK, 4, "restart.kv");
+    unlink(r.cfg.path);
+    pd_kv_offload_t *o = NULL;
+    ck_assert_int_eq(pd_kv_offload_create(&r.cfg, &o), PD_OK);
+    for (int i = 0; i < 4; i++) {
+        fill(&r, 1 + (uint32_t)i, (uint8_t)(3 * i + 1));
+        ck_assert_int_eq(pd_kv_offload_save(o, key(i), 1 + (uint32_t)i), PD_OK);
+    }
+    /* a second process cannot open the file while this one has it */
+    pid_t pid = fork();
+    if (pid == 0) {
+        pd_kv_offload_t *o2 = NULL;
+        _exit(pd_kv_offload_create(&r.cfg, &o2) == PD_ERR_IO ? 0 : 1);
+    }
+    int status = 0;
+    ck_assert_int_eq(waitpid(pid, &status, 0), pid);
+    ck_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    pd_kv_offload_destroy(o);
+
+    /* reopened: every block is there, in the same LRU order; slot 1's data and slot 2's header are
+     * then corrupted (a torn write, a bit flip) */
+    ck_assert_int_eq(pd_kv_offload_create(&r.cfg, &o), PD_OK);
+    pd_kv_offload_stats_t st;
+    pd_kv_offload_get_stats(o, &st);
+    ck_assert_uint_eq(st.kept, 4);
+    for (int i = 0; i < 4; i++) {
+        ck_assert(pd_kv_offload_contains(o, key(i)));
+    }
+    poke(r.cfg.path, 4096 + 1 * 4096 + 64 + 2500); /* slot 1: a byte of its third page */
+    poke(r.cfg.path, 4096 + 2 * 4096 + 8);         /* slot 2: its header's fingerprint */
+    memset(r.base, 0, (size_t)T * PAGE * NB);
+    ck_assert_int_eq(pd_kv_offload_load(o, key(0), 5), PD_OK);
+    ck_assert(holds(&r, 5, 1));
+    ck_assert_int_eq(pd_kv_offload_load(o, key(1), 5), PD_ERR_PARSE);
+    ck_assert(!pd_kv_offload_contains(o, key(1))); /* dropped */
+    ck_assert_int_eq(pd_kv_offload_load(o, key(2), 5), PD_ERR_PARSE);
+    ck_assert_int_eq(pd_kv_offload_load(o, key(3), 6), PD_OK);
+    ck_assert(holds(&r, 6, 10));
+    pd_kv_offload_get_stats(o, &st);
+    ck_assert_uint_eq(st.corrupt, 2);
+    ck_assert_uint_eq(st.used_slots, 2);
+    /* the freed slots take new blocks before anything is evicted */
+    fill(&r, 7, 99);
+    ck_assert_int_eq(pd_kv_offload_save(o, key(8), 7), PD_OK);
+    pd_kv_offload_get_stats(o, &st);
+    ck_assert_uint_eq(st.evicted, 0);
+    pd_kv_offload_destroy(o);
+
+    /* a restart with a bad header skips that slot; another model's file starts empty */
+    poke(r.cfg.path, 4096 + 0 * 4096 + 60);
+    ck_assert_int_eq(pd_kv_offload_create(&r.cfg, &o), PD_OK);
+    ck_assert(!pd_kv_offload_contains(o, key(0)));
+    ck_assert(pd_kv_offload_contains(o, key(3)) && pd_kv_offload_contains(o, key(8)));
+    pd_kv_offload_destroy(o);
+    r.cfg.fingerprint = 0x4321;
+    ck_assert_int_eq(pd_kv_offload_create(&r.cfg, &o), PD_OK);
+    pd_kv_offload_get_stats(o, &st);
+    ck_assert_uint_eq(st.kept, 0);
+    ck_assert(!pd_kv_offload_contains(o, key(3)));
+    pd_kv_offload_destroy(o);
+    free(r.base);
+    unlink(r.cfg.path);
+}
+END_TEST
+
+START_TEST(test_bad_configs)
+{
+    region_t r;
+    region_init(&r, PD_KV_OFFLOAD_HOST, 0, "none.kv");
+    pd_kv_offload_t *o = NULL;
+    r.cfg.size_bytes = 4095; /* under one slot */
+    ck_assert_int_eq(pd_kv_offload_create(&r.cfg, &o), PD_ERR_INVALID_ARG);
+    r.cfg.size_bytes = 1 << 20;
+    r.cfg.medium = PD_KV_OFFLOAD_DISK;
+    r.cfg.path = NULL;
+    ck_assert_int_eq(pd_kv_offload_create(&r.cfg, &o), PD_ERR_INVALID_ARG);
+    r.cfg.path = "/nonexistent-dir/x.kv";
+    ck_assert_int_eq(pd_kv_offload_create(&r.cfg, &o), PD_ERR_IO);
+    ck_assert_ptr_null(o);
+    free(r.base);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ the engine */
+
+typedef struct prompt {
+    int32_t ids[120];
+    int32_t n;
+} prompt_t;
+
+static pd_engine_t *make_engine(int num_blocks, const char *tier, const char *path)
+{
+    pd_engine_config_t c;
+    pd_engine_config_defaults(&c);
+    c.model_dir = g_model;
+    c.threads = 2;
+    c.kv_cache_memory = 256u << 20;
+    c.max_num_batched_tokens = 256;
+    c.max_num_seqs = 4;
+    c.max_model_len = 128;
+    c.num_blocks_override = num_blocks;
+    c.kv_offload_tier = tier;
+    c.kv_offload_size = 4u << 20;
+    c.kv_offload_path = path;
+    pd_engine_t *e = NULL;
+    ck_assert_int_eq(pd_engine_create(&c, &e), PD_OK);
+    return e;
+}
+
+static void run(pd_engine_t *e, const prompt_t *p, int i, float temperature, gen_t *g)
+{
+    char id[32], err[256];
+    snprintf(id, sizeof(id), "r%d", i);
+    memset(g, 0, sizeof(*g));
+    pd_engine_request_t rq;
+    memset(&rq, 0, sizeof(rq));
+    rq.id = id;
+    rq.prompt = p->ids;
+    rq.num_prompt = p->n;
+    rq.params.max_tokens = 12;
+    rq.params.ignore_eos = true;
+    rq.params.sampling = (pd_sampling_params_t){temperature, 0, 1.0f, 0.0f};
+    rq.params.has_seed = true;
+    rq.params.seed = 77 + (uint64_t)i;
+    rq.user = g;
+    ck_assert_msg(pd_engine_add(e, &rq, err, sizeof(err)) == PD_OK, "%s", err);
+    tu_engine_run_until_idle(e, 5000);
+    ck_assert_str_eq(g->finish, "length");
+}
+
+static void assert_same(const gen_t *a, const gen_t *b, const char *what)
+{
+    ck_assert_msg(a->n == b->n, "%s: %d vs %d tokens", what, a->n, b->n);
+    for (int k = 0; k < a->n; k++) {
+        ck_assert_msg(a->tokens[k] == b->tokens[k], "%s: token %d: %d vs %d", what, k, a->tokens[k],
+                      b->tokens[k]);
+    }
+}
+
+/* Prompts A, B, C of 113 tokens (7 full blocks + 1) in a pool of 12 usable blocks: each evicts the
+ * one before, so A's second turn (A + its reply + a question) finds its prefix only in the tier. */
+static void turns(pd_engine_t *e, prompt_t *p, float temperature, gen_t *out /* [4] */)
+{
+    for (int i = 0; i < 3; i++) {
+        run(e, &p[i], i, temperature, &out[i]);
+    }
+    prompt_t next = p[0];
+    for (int k = 0; k < out[0].n && next.n < 120; k++) {
+        next.ids[next.n++] = out[0].tokens[k];
+    }
+    run(e, &next, 3, temperature, &out[3]);
+}
+
+static void make_prompts(prompt_t *p, int vocab)
+{
+    pd_rng_t r;
+    pd_rng_seed(&r, 99);
+    for (int i = 0; i < 3; i++) {
+        p[i].n = 100;
+        for (int k = 0; k < p[i].n; k++) {
+            p[i].ids[k] = (int32_t)pd_rng_below(&r, (uint64_t)vocab - 2);
+        }
+    }
+}
+
+static void engine_tier(const char *tier, float temperature)
+{
+    char path[512];
+    snprintf(path, sizeof(path), "%s/engine.kv", g_dir);
+    unlink(path);
+    pd_engine_t *plain = make_engine(13, "none", NULL);
+    prompt_t p[3];
+    make_prompts(p, pd_engine_model_config(plain)->vocab_size);
+    gen_t ref[4], got[4];
+    turns(plain, p, temperature, ref);
+    ck_assert_int_eq(ref[3].cached, 0); /* the pool alone lost A */
+    tu_engine_assert_pool_free(plain);
+    pd_engine_destroy(plain);
+
+    pd_engine_t *e = make_engine(13, tier, path);
+    turns(e, p, temperature, got);
+    for (int i = 0; i < 4; i++) {
+        assert_same(&got[i], &ref[i], "tier vs none");
+    }
+    ck_assert_int_eq(got[3].cached, 6 * 16); /* A's 6 full prompt blocks, from the tier */
+    pd_engine_stats_t st;
+    pd_engine_get_stats(e, &st);
+    ck_assert(st.offload);
+    ck_assert_uint_eq(st.offload_hits, 6);
+    ck_assert_uint_ge(st.offload_saved, 6);
+    ck_assert_uint_eq(st.offload_corrupt, 0);
+    ck_assert_uint_eq(st.prefix_hits, 6 * 16);
+    tu_engine_assert_pool_free(e);
+    ck_assert_int_eq(pd_block_pool_check(pd_engine_block_pool(e)), PD_OK);
+    pd_engine_destroy(e);
+    if (strcmp(tier, "disk") != 0) {
+        return;
+    }
+    /* a restarted node keeps its file: A's next turn loads from it at once; then every slot's data
+     * is corrupted and the same turn is recomputed, still identical */
+    e = make_engine(13, tier, path);
+    run(e, &p[0], 0, temperature, &got[0]);
+    assert_same(&got[0], &ref[0], "restart");
+    ck_assert_int_eq(got[0].cached, 6 * 16);
+    pd_engine_destroy(e);
+    size_t len = 0;
+    uint8_t *f = tu_read_file(path, &len);
+    ck_assert_ptr_nonnull(f);
+    for (size_t off = 4096 + 64; off < len; off += 4096) {
+        f[off] ^= 0xff; /* each 4096-byte stretch of the file: every slot's data is hit */
+    }
+    ck_assert_int_eq(tu_write_file(path, f, len), 0);
+    free(f);
+    e = make_engine(13, tier, path);
+    run(e, &p[0], 0, temperature, &got[0]);
+    assert_same(&got[0], &ref[0], "corrupt file");
+    ck_assert_int_eq(got[0].cached, 0);
+    pd_engine_get_stats(e, &st);
+    ck_assert_uint_eq(st.offload_corrupt, 1); /* the first block failed: nothing past it was tried */
+    tu_engine_assert_pool_free(e);
+    pd_engine_destroy(e);
+    unlink(path);
+}
+
+START_TEST(test_engine_host_tier_greedy)
+{
+    engine_tier("host", 0.0f);
+}
+END_TEST
+
+START_TEST(test_engine_disk_tier_seeded)
+{
+    engine_tier("disk", 0.9f);
+}
+END_TEST
+
+START_TEST(test_engine_refusals)
+{
+    pd_engine_config_t c;
+    pd_engine_config_defaults(&c);
+    c.model_dir = g_model;
+    c.threads = 1;
+    c.kv_cache_memory = 256u << 20;
+    c.max_model_len = 128;
+    c.num_blocks_override = 13;
+    c.kv_offload_tier = "host"; /* no size */
+    pd_engine_t *e = NULL;
+    ck_assert_int_eq(pd_engine_create(&c, &e), PD_ERR_INVALID_ARG);
+    c.kv_offload_size = 1 << 20;
+    c.enable_prefix_caching = false; /* nothing to key blocks by */
+    ck_assert_int_eq(pd_engine_create(&c, &e), PD_ERR_UNSUPPORTED);
+    c.enable_prefix_caching = true;
+    c.kv_offload_tier = "disk"; /* no path */
+    ck_assert_int_eq(pd_engine_create(&c, &e), PD_ERR_INVALID_ARG);
+    ck_assert_ptr_null(e);
+}
+END_TEST
+
+int main(void)
+{
+    pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_ERROR);
+    g_model = tu_make_model("--preset tiny --arch llama");
+    g_dir = tu_mkdtemp("offload");
+    if (g_model == NULL || g_dir == NULL) {
+        fprintf(stderr, "cannot make the tiny model or a directory\n");
+        return 1;
+    }
+    Suite *s = suite_create("offload");
+    TCase *tc = tcase_create("offload");
+    tcase_set_timeout(tc, 300);
+    tcase_add_test(tc, test_host_round_trip_and_lru);
+    tcase_add_test(tc, test_disk_round_trip_and_lru);
+    tcase_add_test(tc, test_disk_checksums_and_restart);
+    tcase_add_test(tc, test_bad_configs);
+    tcase_add_test(tc, test_engine_host_tier_greedy);
+    tcase_add_test(tc, test_engine_disk_tier_seeded);
+    tcase_add_test(tc, test_engine_refusals);
+    suite_add_tcase(s, tc);
+    int rc = tu_run_suite(s);
+    tu_rmrf(g_model);
+    tu_rmrf(g_dir);
+    free(g_model);
+    free(g_dir);
+    return rc;
+}
