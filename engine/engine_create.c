@@ -417,6 +417,16 @@ static void tier_save(void *ctx, pd_hash128_t key, uint32_t block)
     pd_kv_offload_save(ctx, key, block); /* a failed save was logged: the block is just not kept */
 }
 
+/* The tier's changes as KV events (--kv-events-config), in its medium. */
+static void tier_event(void *arg, pd_hash128_t key, bool stored)
+{
+    pd_engine_t *e = arg;
+    pd_kv_event_tier(pd_scheduler_kv_events(e->sched),
+                     pd_kv_offload_medium(e->offload) == PD_KV_OFFLOAD_DISK ? PD_KV_MEDIUM_DISK_TIER
+                                                                            : PD_KV_MEDIUM_HOST_TIER,
+                     pd_kv_event_hash(key), stored);
+}
+
 /* --kv-offload-tier: the tier behind the block pool. Its file's fingerprint names everything that
  * changes the KV a block holds: the model's files and weight dtype, the KV dtype and geometry, the
  * matmul precision and the CPU kernels' level. */
@@ -473,6 +483,9 @@ static pd_status_t make_offload(pd_engine_t *e)
         return st;
     }
     e->tier = (pd_kv_tier_t){e->offload, tier_contains, tier_load, tier_save};
+    if (pd_scheduler_kv_events(e->sched) != NULL) { /* a reopened file's blocks are announced now */
+        pd_kv_offload_set_listener(e->offload, tier_event, e);
+    }
     return pd_kv_manager_set_tier(pd_scheduler_kv(e->sched), &e->tier);
 }
 

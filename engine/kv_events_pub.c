@@ -127,18 +127,21 @@ static void pack_str(msgpack_packer *pk, const char *s)
     msgpack_pack_str_body(pk, s, n);
 }
 
-/* The end of the run of events starting at i that forms one event on the wire: stored blocks that
- * chain onto each other, consecutive removals, or one clear. */
+/* The end of the run of events starting at i that forms one event on the wire: stored pool blocks
+ * that chain onto each other, a tier's consecutive stores, consecutive removals from one medium, or
+ * one clear. */
 static size_t run_end(const pd_kv_event_log_t *log, size_t i)
 {
     size_t j = i + 1;
-    if (log->ev[i].kind == PD_KV_EV_STORED) {
-        while (j < log->num && log->ev[j].kind == PD_KV_EV_STORED && log->ev[j].has_parent &&
-               log->ev[j].parent == log->ev[j - 1].hash) {
+    const pd_kv_event_t *e = &log->ev[i];
+    if (e->kind == PD_KV_EV_STORED) {
+        while (j < log->num && log->ev[j].kind == PD_KV_EV_STORED && log->ev[j].medium == e->medium &&
+               (e->medium != PD_KV_MEDIUM_POOL ||
+                (log->ev[j].has_parent && log->ev[j].parent == log->ev[j - 1].hash))) {
             j++;
         }
-    } else if (log->ev[i].kind == PD_KV_EV_REMOVED) {
-        while (j < log->num && log->ev[j].kind == PD_KV_EV_REMOVED) {
+    } else if (e->kind == PD_KV_EV_REMOVED) {
+        while (j < log->num && log->ev[j].kind == PD_KV_EV_REMOVED && log->ev[j].medium == e->medium) {
             j++;
         }
     }
@@ -153,7 +156,7 @@ static void pack_run(msgpack_packer *pk, const pd_kv_event_log_t *log, size_t i,
         pack_str(pk, "AllBlocksCleared");
         return;
     }
-    bool stored = e->kind == PD_KV_EV_STORED;
+    bool stored = e->kind == PD_KV_EV_STORED, pool = e->medium == PD_KV_MEDIUM_POOL;
     msgpack_pack_array(pk, stored ? 7 : 3);
     pack_str(pk, stored ? "BlockStored" : "BlockRemoved");
     msgpack_pack_array(pk, (uint32_t)(j - i));
@@ -166,9 +169,9 @@ static void pack_run(msgpack_packer *pk, const pd_kv_event_log_t *log, size_t i,
         } else {
             msgpack_pack_nil(pk);
         }
-        size_t bs = (size_t)log->block_size;
+        size_t bs = pool ? (size_t)log->block_size : 0; /* a tier's stores carry no token ids */
         msgpack_pack_array(pk, (uint32_t)((j - i) * bs));
-        for (size_t k = i; k < j; k++) {
+        for (size_t k = i; k < j && bs > 0; k++) {
             for (size_t t = 0; t < bs; t++) {
                 msgpack_pack_int32(pk, log->tokens[log->ev[k].token_off + t]);
             }
@@ -176,7 +179,7 @@ static void pack_run(msgpack_packer *pk, const pd_kv_event_log_t *log, size_t i,
         msgpack_pack_int32(pk, log->block_size);
         msgpack_pack_nil(pk); /* lora_id */
     }
-    pack_str(pk, medium);
+    pack_str(pk, pool ? medium : e->medium == PD_KV_MEDIUM_HOST_TIER ? "CPU_TIER" : "DISK");
 }
 
 /* [ts, [event, ...]] into a malloc'd buffer. */

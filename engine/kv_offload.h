@@ -4,8 +4,9 @@
  * OffloadingConnector CPU/file tiers, SGLang HiCache's L2/L3 with its write-back policy).
  *
  * Storage: slots of one block each, bounded by --kv-offload-size, least recently used evicted. A
- * slot is a 64-byte header (magic, fingerprint, key, checksum of the data, write sequence, checksum
- * of the header) followed by every KV tensor's page of the block, in tensor order.
+ * slot is every KV tensor's page of the block, in tensor order, then a 64-byte header (magic,
+ * fingerprint, key, checksum of the data, write sequence, checksum of the header), rounded up to
+ * 4 KiB (the pages start page-aligned in the file).
  *   host: one malloc'd arena (a slot copied with memcpy).
  *   disk: one file, --kv-offload-path, read and written with preadv/pwritev straight between the
  *         file and the KV pages (writes land in the page cache: the device write-back is the
@@ -83,7 +84,15 @@ pd_status_t pd_kv_offload_save(pd_kv_offload_t *o, pd_hash128_t key, uint32_t bl
  * PD_ERR_IO when the read fails. */
 pd_status_t pd_kv_offload_load(pd_kv_offload_t *o, pd_hash128_t key, uint32_t block);
 
+/* Calls fn(arg, key, stored) whenever the tier starts holding a block (a save of a new key) or stops
+ * (an eviction, a slot dropped by its checksum or a failed read), and at once for every block it
+ * holds now (a reopened file's): the KV events' tier medium. fn NULL: none. */
+void pd_kv_offload_set_listener(pd_kv_offload_t *o, void (*fn)(void *arg, pd_hash128_t key, bool stored),
+                                void *arg);
+
 void pd_kv_offload_get_stats(const pd_kv_offload_t *o, pd_kv_offload_stats_t *out);
+
+pd_kv_offload_medium_t pd_kv_offload_medium(const pd_kv_offload_t *o);
 
 /* "host" or "disk". */
 const char *pd_kv_offload_medium_name(pd_kv_offload_medium_t m);

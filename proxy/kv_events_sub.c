@@ -83,15 +83,19 @@ static bool apply_payload(px_kv_sub_t *s, const char *data, size_t len)
             f[4].via.u64 > 0 && f[4].via.u64 <= 4096) {
             s->px->kv_block_size = (int)f[4].via.u64; /* one model behind a proxy: one block size */
         }
+        /* the medium, last: a node's offload tier ("CPU_TIER", "DISK") is indexed apart from its pool */
+        const msgpack_object *m = &f[e->via.array.size - 1];
+        bool tier = e->via.array.size >= 3 && (str_is(m, "CPU_TIER") || str_is(m, "DISK"));
         for (uint32_t k = 0; k < f[1].via.array.size; k++) {
             const msgpack_object *h = &f[1].via.array.ptr[k];
             if (h->type != MSGPACK_OBJECT_POSITIVE_INTEGER) {
                 continue;
             }
+            uint64_t key = tier ? px_kv_tier_key(h->via.u64) : h->via.u64;
             if (stored) {
-                px_kv_index_add(idx, h->via.u64, s->node);
+                px_kv_index_add(idx, key, s->node);
             } else {
-                px_kv_index_remove(idx, h->via.u64, s->node);
+                px_kv_index_remove(idx, key, s->node);
             }
         }
     }

@@ -133,7 +133,8 @@ int px_kv_index_prefix(const px_kv_index_t *idx, const uint64_t *keys, int n, in
     }
     uint64_t bit = 1ull << node;
     int k = 0;
-    while (k < n && (idx->masks[find(idx, keys[k])] & bit)) {
+    while (k < n && ((idx->masks[find(idx, keys[k])] & bit) ||
+                     (idx->masks[find(idx, px_kv_tier_key(keys[k]))] & bit))) {
         k++;
     }
     return k;

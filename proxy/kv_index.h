@@ -26,7 +26,15 @@ void px_kv_index_remove(px_kv_index_t *idx, uint64_t key, int node);
 /* node holds nothing (AllBlocksCleared, a restart, a node that left). O(capacity). */
 void px_kv_index_clear_node(px_kv_index_t *idx, int node);
 
-/* How many of keys[0..n) node holds as an unbroken prefix. */
+/* The key a block held in a node's offload tier (events of medium "CPU_TIER" or "DISK") is recorded
+ * under: the node may hold a block in its pool, its tier, or both, and each leaves on its own. */
+static inline uint64_t px_kv_tier_key(uint64_t key)
+{
+    return key ^ 0x7469657221b10c5full;
+}
+
+/* How many of keys[0..n) node holds as an unbroken prefix, each block in its pool or its offload
+ * tier (a tier's blocks load back instead of being recomputed). */
 int px_kv_index_prefix(const px_kv_index_t *idx, const uint64_t *keys, int n, int node);
 
 #endif

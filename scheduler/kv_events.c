@@ -50,6 +50,15 @@ void pd_kv_event_removed(pd_kv_event_log_t *log, uint64_t hash)
     }
 }
 
+void pd_kv_event_tier(pd_kv_event_log_t *log, pd_kv_medium_t medium, uint64_t hash, bool stored)
+{
+    pd_kv_event_t *e = add(log, stored ? PD_KV_EV_STORED : PD_KV_EV_REMOVED);
+    if (e != NULL) {
+        e->hash = hash;
+        e->medium = medium;
+    }
+}
+
 void pd_kv_event_cleared(pd_kv_event_log_t *log)
 {
     add(log, PD_KV_EV_CLEARED);

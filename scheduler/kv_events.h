@@ -18,8 +18,17 @@ typedef enum pd_kv_event_kind {
     PD_KV_EV_CLEARED, /* every hash left it */
 } pd_kv_event_kind_t;
 
+/* Where a block is held (vLLM's medium field): the pool (named by the publisher: "CPU" or "GPU") or
+ * a tier behind it (engine/kv_offload.h). */
+typedef enum pd_kv_medium {
+    PD_KV_MEDIUM_POOL = 0,
+    PD_KV_MEDIUM_HOST_TIER, /* "CPU_TIER" */
+    PD_KV_MEDIUM_DISK_TIER, /* "DISK" */
+} pd_kv_medium_t;
+
 typedef struct pd_kv_event {
     pd_kv_event_kind_t kind;
+    pd_kv_medium_t medium;
     uint64_t hash;    /* the block's key: pd_kv_event_hash of its chained hash */
     uint64_t parent;  /* stored: the previous block's key (has_parent) */
     bool has_parent;  /* stored: false for a prompt's first block */
@@ -47,6 +56,9 @@ static inline uint64_t pd_kv_event_hash(pd_hash128_t h)
 void pd_kv_event_stored(pd_kv_event_log_t *log, uint64_t hash, bool has_parent, uint64_t parent,
                         const int32_t *tokens);
 void pd_kv_event_removed(pd_kv_event_log_t *log, uint64_t hash);
+/* A tier behind the pool now holds / no longer holds the block with key hash (stored without its
+ * parent or tokens, as vLLM's offloading connector reports its CPU tier). */
+void pd_kv_event_tier(pd_kv_event_log_t *log, pd_kv_medium_t medium, uint64_t hash, bool stored);
 void pd_kv_event_cleared(pd_kv_event_log_t *log);
 
 /* Empties the log (after the engine published it). */

@@ -37,4 +37,6 @@ echo "run-bench: tools/bench-kvaware.sh (proxy policies on 2P+2D: round-robin, p
 tools/bench-kvaware.sh "$build"
 echo "run-bench: tools/bench-conditional.sh (mixed workload: always disaggregate vs conditional vs colocated)"
 tools/bench-conditional.sh "$build"
+echo "run-bench: tools/bench-offload.sh (KV offload tier none vs host vs disk, multi-turn, pool 1/4 of the KV)"
+tools/bench-offload.sh "$build"
 echo "run-bench: results appended to bench/RESULTS.md"

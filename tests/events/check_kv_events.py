@@ -233,11 +233,66 @@ def main():
         again = sub.replay(0)
         assert again[0][0] == 0 and events_of(again[0][1]) == [["AllBlocksCleared"]], again
         sub.close()
-        print("kv events: OK (%d batches, %d hashes live, %d removed)" % (len(seqs) + 1, len(live), removed))
+        stop(p)
+        procs.remove(p)
+
+        # --kv-offload-tier: a block the pool evicts is stored in the tier ("CPU_TIER", no parent,
+        # no token ids, as vLLM's offloading connector reports its CPU tier) and, when a prompt needs
+        # it again, stored in the pool again from there (cached_tokens counts it)
+        p, port = start_node(work, model, "tier", cfg, ["--kv-offload-tier", "host", "--kv-offload-size", "16M"])
+        procs.append(p)
+        sub = Subscriber(ctx, http(port, "/pd/info"))
+        time.sleep(0.3)
+        pool, tier, pool_chains = set(), set(), []
+
+        def apply_media(batches):
+            for s, payload in batches:
+                for ev in events_of(payload):
+                    if ev[0] == "BlockStored":
+                        hashes, parent, toks, bs, lora, medium = ev[1:7]
+                        if medium == "CPU_TIER":
+                            assert parent is None and toks == [] and bs == BS, ev
+                            for h in hashes:
+                                assert h not in tier, "tier stored %d twice" % h
+                                assert h in seen_pool, "the tier stored %d, never in the pool" % h
+                                tier.add(h)
+                        else:
+                            assert medium == "CPU" and len(toks) == BS * len(hashes), ev
+                            pool.update(hashes)
+                            seen_pool.update(hashes)
+                            pool_chains.append(hashes)
+                    elif ev[0] == "BlockRemoved":
+                        hashes, medium = ev[1:3]
+                        live_set = tier if medium == "CPU_TIER" else pool
+                        assert medium in ("CPU", "CPU_TIER"), ev
+                        for h in hashes:
+                            assert h in live_set, "%s removal of %d not stored there" % (medium, h)
+                            live_set.discard(h)
+
+        seen_pool = set()
+        apply_media(sub.replay(0))
+        first = [9 + (i * 5) % 240 for i in range(40)]
+        complete(port, first)
+        apply_media(sub.poll(5))
+        first_chain = [h for c in pool_chains for h in c][:2]
+        for k in range(12):
+            complete(port, [7 + (k * 31 + i * 13) % 240 for i in range(40)])
+            apply_media(sub.poll(5))
+        assert set(first_chain) <= tier and not set(first_chain) & pool, "the first prompt's blocks are not in the tier only"
+        r = complete(port, first)
+        apply_media(sub.poll(5))
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 2 * BS, r["usage"]
+        assert set(first_chain) <= pool, "the tier's blocks were not stored in the pool again"
+        metrics = urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=30).read().decode()
+        hits = [float(l.split()[1]) for l in metrics.splitlines() if l.startswith("pd:kv_offload_hits_total ")]
+        assert hits and hits[0] >= 2, hits
+        sub.close()
+        print("kv events: OK (%d batches, %d hashes live, %d removed; tier: %d held)" %
+              (len(seqs) + 1, len(live), removed, len(tier)))
     finally:
         for p in procs:
             stop(p)
-        ctx.term()
+        ctx.destroy(linger=0)  # an assertion may leave sockets open: term() would wait on them
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -36,7 +36,7 @@ static void region_init(region_t *r, pd_kv_offload_medium_t medium, size_t slots
     r->base = calloc(T * PAGE, NB); /* tensor t at t × NB × PAGE */
     memset(&r->cfg, 0, sizeof(r->cfg));
     r->cfg.medium = medium;
-    r->cfg.size_bytes = slots * 4096; /* a 64-byte header + 3000 bytes: one 4096-byte slot */
+    r->cfg.size_bytes = slots * 4096; /* 3000 bytes + a 64-byte header: one 4096-byte slot */
     static char path[512];
     snprintf(path, sizeof(path), "%s/%s", g_dir, file);
     r->cfg.path = path;
@@ -180,8 +180,8 @@ START_TEST(test_disk_checksums_and_restart)
     for (int i = 0; i < 4; i++) {
         ck_assert(pd_kv_offload_contains(o, key(i)));
     }
-    poke(r.cfg.path, 4096 + 1 * 4096 + 64 + 2500); /* slot 1: a byte of its third page */
-    poke(r.cfg.path, 4096 + 2 * 4096 + 8);         /* slot 2: its header's fingerprint */
+    poke(r.cfg.path, 4096 + 1 * 4096 + 2500);     /* slot 1: a byte of its third page */
+    poke(r.cfg.path, 4096 + 2 * 4096 + 3000 + 8); /* slot 2: its header's fingerprint */
     memset(r.base, 0, (size_t)T * PAGE * NB);
     ck_assert_int_eq(pd_kv_offload_load(o, key(0), 5), PD_OK);
     ck_assert(holds(&r, 5, 1));
@@ -201,7 +201,7 @@ START_TEST(test_disk_checksums_and_restart)
     pd_kv_offload_destroy(o);
 
     /* a restart with a bad header skips that slot; another model's file starts empty */
-    poke(r.cfg.path, 4096 + 0 * 4096 + 60);
+    poke(r.cfg.path, 4096 + 0 * 4096 + 3000 + 60);
     ck_assert_int_eq(pd_kv_offload_create(&r.cfg, &o), PD_OK);
     ck_assert(!pd_kv_offload_contains(o, key(0)));
     ck_assert(pd_kv_offload_contains(o, key(3)) && pd_kv_offload_contains(o, key(8)));
@@ -361,7 +361,8 @@ static void engine_tier(const char *tier, float temperature)
     uint8_t *f = tu_read_file(path, &len);
     ck_assert_ptr_nonnull(f);
     for (size_t off = 4096 + 64; off < len; off += 4096) {
-        f[off] ^= 0xff; /* each 4096-byte stretch of the file: every slot's data is hit */
+        f[off] ^= 0xff; /* 64 bytes into each 4 KiB of the slots: every slot's first page is hit (its
+                         * header sits at 8192 of a 12288-byte slot, untouched) */
     }
     ck_assert_int_eq(tu_write_file(path, f, len), 0);
     free(f);

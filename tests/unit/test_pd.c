@@ -1236,6 +1236,55 @@ START_TEST(test_prefix_hit_moves_only_missing_blocks)
 }
 END_TEST
 
+/* A decode node with an offload tier (its pool of 39 blocks holds 5 of these prompts' 7 blocks): a
+ * prompt whose blocks the decode's pool evicted is found in its tier, so its KV moves from the
+ * prefill once; the answer equals the first one (pull and push). */
+START_TEST(test_decode_offload_tier_saves_transfers)
+{
+    const char *pages = "pd:kv_transfer_pages_sum";
+    for (int m = 0; m < 2; m++) {
+        const char *mode = m == 0 ? "pull" : "push";
+        cluster_t c;
+        char *dext[] = {
+            "--num-blocks-override", "40", "--kv-offload-tier", "host", "--kv-offload-size", "16M", NULL};
+        cluster_start(&c, mode, "tcp", NULL, dext);
+        int32_t a[97];
+        for (int i = 0; i < 97; i++) {
+            a[i] = 5 + (i * 7) % 200;
+        }
+        int st;
+        char *body = ids_body(a, 97);
+        char *first = complete(c.x.port, body, &st);
+        ck_assert_int_eq(st, 200);
+        for (int k = 0; k < 6; k++) { /* 6 × 7 blocks through 39: a's blocks leave the decode's pool */
+            int32_t o[97];
+            for (int i = 0; i < 97; i++) {
+                o[i] = 3 + (i * 11 + k * 37) % 190;
+            }
+            char *ob = ids_body(o, 97);
+            free(complete(c.x.port, ob, &st));
+            free(ob);
+            ck_assert_int_eq(st, 200);
+        }
+        double moved = metric(c.d.port, pages);
+        char *again = complete(c.x.port, body, &st);
+        free(body);
+        ck_assert_int_eq(st, 200);
+        ck_assert_msg(metric(c.d.port, pages) == moved,
+                      "%s: a's KV moved again though the decode's tier has it", mode);
+        ck_assert_msg(metric(c.d.port, "pd:kv_offload_hits_total") >= 6, "%s: no tier hits", mode);
+        json_t *ids = json_loads(first, 0, NULL);
+        ck_assert_msg(json_array_size(ids) == 4 && strcmp(first, again) == 0, "%s: %s vs %s", mode, first,
+                      again);
+        json_decref(ids);
+        free(first), free(again);
+        assert_pool_free(c.p.port, "the prefill");
+        assert_pool_free(c.d.port, "the decode");
+        cluster_stop(&c);
+    }
+}
+END_TEST
+
 /* ------------------------------------------------------------------ faults */
 
 /* POSTs body (a JSON object, consumed) to port; returns the HTTP status and the parsed answer. */
@@ -2319,6 +2368,7 @@ int main(void)
     tcase_add_test(eq, test_speculative_equivalence);
     tcase_add_test(eq, test_nccl_with_host_kv_refused);
     tcase_add_test(eq, test_prefix_hit_moves_only_missing_blocks);
+    tcase_add_test(eq, test_decode_offload_tier_saves_transfers);
     TCase *handover = tcase_create("handover");
     tcase_add_loop_test(handover, test_first_token_handover, 0, (int)(sizeof(FT) / sizeof(FT[0])));
     TCase *faults = tcase_create("faults");

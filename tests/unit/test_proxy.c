@@ -98,6 +98,20 @@ START_TEST(test_kv_index_prefix)
     ck_assert_int_eq(px_kv_index_prefix(&idx, chain, 4, 2), 0);
     ck_assert_int_eq(px_kv_index_prefix(&idx, chain, 4, 3), 1);
     ck_assert_uint_eq(idx.used, 1);
+    /* a node's offload tier continues its pool: 11 pooled, 22 and 33 in the tier, 44 pooled */
+    px_kv_index_add(&idx, 11, 5);
+    px_kv_index_add(&idx, px_kv_tier_key(22), 5);
+    px_kv_index_add(&idx, px_kv_tier_key(33), 5);
+    px_kv_index_add(&idx, 44, 5);
+    ck_assert_int_eq(px_kv_index_prefix(&idx, chain, 4, 5), 4);
+    px_kv_index_remove(&idx, 33, 5); /* the pool never held it: the tier still does */
+    ck_assert_int_eq(px_kv_index_prefix(&idx, chain, 4, 5), 4);
+    px_kv_index_remove(&idx, px_kv_tier_key(33), 5);
+    ck_assert_int_eq(px_kv_index_prefix(&idx, chain, 4, 5), 2);
+    ck_assert_int_eq(px_kv_index_prefix(&idx, chain, 4, 3), 1); /* another node's tier is not this one's */
+    px_kv_index_clear_node(&idx, 5);                            /* a restart empties both */
+    ck_assert_int_eq(px_kv_index_prefix(&idx, chain, 4, 5), 0);
+    ck_assert_uint_eq(idx.used, 1);
     px_kv_index_free(&idx);
 }
 END_TEST
