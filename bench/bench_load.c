@@ -291,6 +291,85 @@ pd_status_t pd_bench_dataset_sharegpt(const char *path, uint64_t seed, size_t n,
     return PD_OK;
 }
 
+pd_status_t pd_bench_dataset_sharegpt_multi_turn(const char *path, uint64_t seed, size_t n, int32_t turns,
+                                                 int32_t output_len, pd_bench_count_fn count, void *count_ctx,
+                                                 pd_bench_dataset_t *out)
+{
+    json_error_t err;
+    json_t *root = json_load_file(path, 0, &err);
+    if (!json_is_array(root) || turns < 1) {
+        pd_log_error("%s:%d:%d: not a ShareGPT JSON list (%s)", path, err.line, err.column,
+                     root == NULL ? err.text
+                     : turns < 1  ? "turns < 1"
+                                  : "top level is not a list");
+        json_decref(root);
+        return PD_ERR_PARSE;
+    }
+    size_t total = json_array_size(root), cap = n * (size_t)turns;
+    size_t *order = malloc((total + 1) * sizeof(size_t));
+    memset(out, 0, sizeof(*out));
+    out->prompts = calloc(cap + 1, sizeof(pd_bench_prompt_t));
+    if (order == NULL || out->prompts == NULL) {
+        free(order);
+        free(out->prompts);
+        json_decref(root);
+        return PD_ERR_NO_MEMORY;
+    }
+    for (size_t i = 0; i < total; i++) {
+        order[i] = i;
+    }
+    pd_rng_t rng;
+    pd_rng_seed(&rng, seed);
+    for (size_t i = total; i > 1; i--) {
+        size_t j = (size_t)pd_rng_below(&rng, i);
+        size_t t = order[i - 1];
+        order[i - 1] = order[j];
+        order[j] = t;
+    }
+    pd_status_t st = PD_OK;
+    size_t convs = 0;
+    for (size_t k = 0; k < total && convs < n && st == PD_OK; k++) {
+        json_t *conv = json_object_get(json_array_get(root, order[k]), "conversations");
+        int32_t got = 0;
+        for (size_t t = 0; t + 1 < json_array_size(conv) && got < turns; t++) {
+            json_t *h = json_array_get(conv, t), *g = json_array_get(conv, t + 1);
+            const char *q = json_string_value(json_object_get(h, "value"));
+            const char *a = json_string_value(json_object_get(g, "value"));
+            const char *from = json_string_value(json_object_get(h, "from"));
+            if (q == NULL || a == NULL || from == NULL || strcmp(from, "human") != 0) {
+                continue;
+            }
+            int32_t ol = output_len > 0  ? output_len
+                         : count != NULL ? count(count_ctx, a)
+                                         : estimate_tokens(a);
+            int32_t ql = count != NULL ? count(count_ctx, q) : estimate_tokens(q);
+            if (ol < 0 || ql < 0) {
+                pd_log_error("%s: cannot count the tokens of conversation %zu", path, order[k]);
+                st = PD_ERR_IO;
+                break;
+            }
+            pd_bench_prompt_t *p = &out->prompts[out->n++];
+            p->text = strdup(q);
+            p->input_len = ql; /* this turn's message; the sent prompt's length is the server's count */
+            p->output_len = ol < 4 ? 4 : ol > 1024 ? 1024 : ol;
+            p->follows = got > 0;
+            got++;
+            t++; /* past the answer */
+        }
+        convs += got > 0;
+    }
+    free(order);
+    json_decref(root);
+    if (st == PD_OK && out->n == 0) {
+        pd_log_error("%s: no conversation with a human turn and an answer", path);
+        st = PD_ERR_PARSE;
+    }
+    if (st != PD_OK) {
+        pd_bench_dataset_free(out);
+    }
+    return st;
+}
+
 double pd_bench_gamma(pd_rng_t *rng, double shape)
 {
     if (shape < 1) {

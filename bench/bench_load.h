@@ -72,6 +72,16 @@ typedef int32_t (*pd_bench_count_fn)(void *ctx, const char *text);
 pd_status_t pd_bench_dataset_sharegpt(const char *path, uint64_t seed, size_t n, int32_t output_len,
                                       pd_bench_count_fn count, void *count_ctx, pd_bench_dataset_t *out);
 
+/* multi-turn over ShareGPT conversations: n conversations (shuffled with seed) with at least one
+ * human turn followed by an answer; up to turns of their human turns each, in order (text; follows
+ * set from the second on: sent after the previous answer, as the previous prompt + the server's
+ * answer + "\n" + this turn). A turn asks for its answer's length in the file (count, or 4 bytes a
+ * token; clipped to 4 .. 1024), or output_len > 0. PD_ERR_PARSE (logged) for a malformed file or
+ * no usable conversation. */
+pd_status_t pd_bench_dataset_sharegpt_multi_turn(const char *path, uint64_t seed, size_t n, int32_t turns,
+                                                 int32_t output_len, pd_bench_count_fn count, void *count_ctx,
+                                                 pd_bench_dataset_t *out);
+
 /* Filters one ShareGPT pair (token counts): whether vLLM's sample_sharegpt_requests keeps it. */
 bool pd_bench_sharegpt_keep(int32_t prompt_len, int32_t output_len);
 

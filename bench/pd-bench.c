@@ -77,6 +77,8 @@ typedef struct req {
     int status;
     int32_t *sent_ids, num_sent; /* multi-turn: the prompt as sent, and the answer's ids */
     int32_t *out_ids, num_out, cap_out;
+    char *sent_text, *out_text; /* multi-turn over text (ShareGPT): the prompt sent, the answer's text */
+    size_t out_len, out_cap;
 } req_t;
 
 struct run {
@@ -90,8 +92,9 @@ struct run {
     double *arrivals; /* when each request may be sent, offsets from t0 (s); a later turn of a
                        * conversation: INFINITY until the turn before it ends */
     bool *sent;
-    bool multi;     /* some prompts follow others (multi-turn) */
-    int32_t **hist; /* [n] multi-turn: the history a following prompt continues, once known */
+    bool multi;       /* some prompts follow others (multi-turn) */
+    int32_t **hist;   /* [n] multi-turn: the history a following prompt continues, once known */
+    char **hist_text; /* [n] the same for text prompts (ShareGPT conversations) */
     int32_t *num_hist;
     double t0;
     struct event *arrival_ev, *progress_ev;
@@ -121,6 +124,16 @@ static void handle_event(req_t *q, const char *data, size_t len)
             rec->chunk_times = realloc(rec->chunk_times, (size_t)q->cap_chunks * sizeof(double));
         }
         rec->chunk_times[rec->num_chunks++] = pd_time_now_s();
+    }
+    const char *piece = json_string_value(json_object_get(json_array_get(choices, 0), "text"));
+    if (q->run->multi && q->sent_text != NULL && piece != NULL) { /* the answer continues the history */
+        size_t n = strlen(piece);
+        if (q->out_len + n + 1 > q->out_cap) {
+            q->out_cap = (q->out_len + n + 1) * 2;
+            q->out_text = realloc(q->out_text, q->out_cap);
+        }
+        memcpy(q->out_text + q->out_len, piece, n + 1);
+        q->out_len += n;
     }
     json_t *ids = json_object_get(json_array_get(choices, 0), "token_ids");
     for (size_t k = 0; q->run->multi && k < json_array_size(ids); k++) {
@@ -192,6 +205,14 @@ static void next_turn(run_t *r, req_t *q)
         return;
     }
     double now = pd_time_now_s();
+    if (q->rec->success && q->sent_text != NULL) {
+        size_t a = strlen(q->sent_text);
+        r->hist_text[i] = malloc(a + q->out_len + 1);
+        memcpy(r->hist_text[i], q->sent_text, a);
+        memcpy(r->hist_text[i] + a, q->out_text != NULL ? q->out_text : "", q->out_len + 1);
+        r->arrivals[i] = now - r->t0 + r->cfg->mt_think_time;
+        return;
+    }
     if (q->rec->success) {
         r->num_hist[i] = q->num_sent + q->num_out;
         r->hist[i] = malloc((size_t)(r->num_hist[i] > 0 ? r->num_hist[i] : 1) * sizeof(int32_t));
@@ -235,6 +256,9 @@ static void on_done(struct evhttp_request *hr, void *arg)
     }
     if (rec->success) {
         r->server_prompt_tokens += q->server_prompt_tokens;
+        if (q->sent_text != NULL && q->server_prompt_tokens > 0) {
+            rec->input_len = q->server_prompt_tokens; /* a text history: the server's count */
+        }
     }
     next_turn(r, q);
     struct timeval tv = {0, 0};
@@ -242,6 +266,8 @@ static void on_done(struct evhttp_request *hr, void *arg)
     evbuffer_free(q->sse);
     free(q->sent_ids);
     free(q->out_ids);
+    free(q->sent_text);
+    free(q->out_text);
     free(q);
     r->done++;
     r->in_flight--;
@@ -262,7 +288,21 @@ static void send_request(run_t *r, size_t i)
     q->rec->input_len = p->input_len;
     q->sse = evbuffer_new();
     json_t *prompt;
-    if (r->multi) { /* the history first (a later turn), then this turn's ids; kept for the next turn */
+    if (r->multi && p->text != NULL) { /* text: the history, a newline, this turn's message */
+        const char *h = p->follows && r->hist_text[i] != NULL ? r->hist_text[i] : "";
+        size_t hl = strlen(h), tl = strlen(p->text);
+        q->sent_text = malloc(hl + tl + 2);
+        memcpy(q->sent_text, h, hl);
+        size_t o = hl;
+        if (hl > 0) {
+            q->sent_text[o++] = '\n';
+        }
+        memcpy(q->sent_text + o, p->text, tl + 1);
+        free(r->hist_text[i]);
+        r->hist_text[i] = NULL;
+        prompt = json_string(q->sent_text);
+    } else if (
+        r->multi) { /* the history first (a later turn), then this turn's ids; kept for the next turn */
         int32_t h = p->follows ? r->num_hist[i] : 0;
         q->num_sent = h + p->num_ids;
         q->sent_ids = malloc((size_t)q->num_sent * sizeof(int32_t));
@@ -316,6 +356,7 @@ static void send_request(run_t *r, size_t i)
         evbuffer_free(q->sse);
         evhttp_connection_free(q->conn);
         free(q->sent_ids);
+        free(q->sent_text);
         free(q);
     }
 }
@@ -398,8 +439,9 @@ static void run_free_bufs(run_t *r)
 {
     for (size_t i = 0; i < r->n; i++) {
         free(r->hist[i]);
+        free(r->hist_text[i]);
     }
-    free(r->recs), free(r->arrivals), free(r->sent), free(r->hist), free(r->num_hist);
+    free(r->recs), free(r->arrivals), free(r->sent), free(r->hist), free(r->num_hist), free(r->hist_text);
 }
 
 /* Multi-turn: what the later turns of a conversation got from the prefix cache, and their TTFT
@@ -456,6 +498,7 @@ static double run_load(run_t *r, bool progress)
     r->sent = calloc(r->n + 1, sizeof(bool));
     r->hist = calloc(r->n + 1, sizeof(int32_t *));
     r->num_hist = calloc(r->n + 1, sizeof(int32_t));
+    r->hist_text = calloc(r->n + 1, sizeof(char *));
     pd_rng_t rng;
     pd_rng_seed(&rng, (uint64_t)c->seed ^ 0xA5A5u);
     double t = 0;
@@ -1021,7 +1064,10 @@ int main(int argc, char **argv)
         {"model", PD_FLAG_STR, &c.model, "model name (default: the server's first)", NULL},
         {"dataset-name", PD_FLAG_CHOICE, &c.dataset_name, "workload",
          "random|prefix-repetition|repeat|sharegpt|mixed|multi-turn"},
-        {"dataset-path", PD_FLAG_STR, &c.dataset_path, "ShareGPT JSON file", NULL},
+        {"dataset-path", PD_FLAG_STR, &c.dataset_path,
+         "ShareGPT JSON file (sharegpt; multi-turn: its conversations' human turns, the server's answers "
+         "between them)",
+         NULL},
         {"num-prompts", PD_FLAG_INT, &c.num_prompts, "requests to send", NULL},
         {"random-input-len", PD_FLAG_INT, &c.random_input_len, "random: prompt tokens", NULL},
         {"random-output-len", PD_FLAG_INT, &c.random_output_len, "random: output tokens", NULL},
@@ -1162,17 +1208,23 @@ int main(int argc, char **argv)
             pd_bench_dataset_free(&a);
             pd_bench_dataset_free(&b);
         }
-    } else if (strcmp(c.dataset_name, "multi-turn") == 0) {
-        if (c.num_warmups > 0 || c.dataset_path != NULL) { /* not silently dropped */
-            pd_log_error("multi-turn: --num-warmups and --dataset-path (ShareGPT conversations) are not "
-                         "supported yet");
-            st = PD_ERR_INVALID_ARG;
-        } else {
-            st = pd_bench_dataset_multi_turn((uint64_t)c.seed, (size_t)c.num_prompts, c.mt_turns,
-                                             c.mt_system_len, c.mt_user_len, c.random_output_len,
-                                             c.vocab_size, &r.data);
-            r.multi = true;
+    } else if (strcmp(c.dataset_name, "multi-turn") == 0 && c.num_warmups > 0) { /* not silently dropped */
+        pd_log_error("multi-turn: --num-warmups is not supported (a warm-up would cut conversations)");
+        st = PD_ERR_INVALID_ARG;
+    } else if (strcmp(c.dataset_name, "multi-turn") == 0 && c.dataset_path != NULL) {
+        /* ShareGPT conversations: their human turns in order, the server's answers between them */
+        counter_t cnt = {tok, &r, c.model};
+        pd_bench_count_fn fn = tok != NULL ? count_local : count_remote;
+        if (tok == NULL && count_remote(&cnt, "probe") < 0) {
+            fn = NULL; /* the output lengths are estimated (4 bytes a token) */
         }
+        st = pd_bench_dataset_sharegpt_multi_turn(c.dataset_path, (uint64_t)c.seed, (size_t)c.num_prompts,
+                                                  c.mt_turns, c.sharegpt_output_len, fn, &cnt, &r.data);
+        r.multi = true;
+    } else if (strcmp(c.dataset_name, "multi-turn") == 0) {
+        st = pd_bench_dataset_multi_turn((uint64_t)c.seed, (size_t)c.num_prompts, c.mt_turns, c.mt_system_len,
+                                         c.mt_user_len, c.random_output_len, c.vocab_size, &r.data);
+        r.multi = true;
     } else if (strcmp(c.dataset_name, "repeat") == 0) {
         st = pd_bench_dataset_repeat((uint64_t)c.seed, n, c.random_input_len, c.repeat_phrase_len,
                                      c.random_output_len, c.vocab_size, &r.data);

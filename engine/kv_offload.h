@@ -16,7 +16,8 @@
  *         whose header or data checksum fails when it is loaded (a torn write, a stale or corrupt
  *         file) is dropped and the load fails: its tokens are recomputed, never served.
  *
- * What is checked on each load is the slot's own checksum; the key is the block's chained hash,
+ * What is checked on each load is the slot's header and, on disk, its data checksum (the host tier's
+ * memory neither tears nor goes stale: its data is not checksummed); the key is the block's chained hash,
  * which covers every token before it (and the cache salt), so equal keys hold equal KV.
  *
  * Engine thread only (the scheduler reaches it through pd_kv_tier_t). The KV must be host memory

@@ -461,6 +461,13 @@ static void schedule_waiting(pd_scheduler_t *s, int32_t *budget)
         }
         if (r->num_cached_tokens < 0) {
             r->num_cached_tokens = local;
+            if (fresh && !scored) { /* where its prefix comes from (PD_LOG_LEVEL=debug) */
+                pd_log_debug(
+                    "request %s: %d prompt tokens, prefix %d from the pool (%d of them loaded from the "
+                    "offload tier), %d from a peer%s, %d to compute",
+                    r->id, r->num_tokens, local, r->num_offload_tokens, external, async ? " (loading)" : "",
+                    r->num_tokens - local - external);
+            }
         }
         if (async) {
             r->num_computed_tokens = local;

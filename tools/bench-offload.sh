@@ -5,8 +5,8 @@
 # tier none vs host vs disk, each on a fresh server (greedy, ignore_eos). Per run: TTFT p50/p99 of
 # the turns >= 2, the input tokens computed, the prefix hit rate, TPOT p50, and the tier's blocks
 # loaded with their read bandwidth (pd:kv_offload_bytes_read_total / pd:kv_offload_read_seconds_total)
-# against the same run's baselines: memcpy of 256 MiB (host) and a page-cache read of the tier file
-# with dd in slot-sized reads (disk). Appends to bench/RESULTS.md.
+# against the same run's baselines: memcpy of 256 MiB (host) and a page-cache read of the tier file's
+# written slots with dd in slot-sized reads (disk). Appends to bench/RESULTS.md.
 # PD_OFFLOAD_CONVS (24), PD_OFFLOAD_TURNS (4), PD_OFFLOAD_BLOCKS (480), PD_OFFLOAD_SEED (1).
 set -euo pipefail
 build=${1:-build}
@@ -44,7 +44,7 @@ print(round(t["median_ttft_ms"]), round(t["p99_ttft_ms"]), j["computed_input_tok
       "%.3f" % (j["cached_input_tokens"] / inp), "%.2f" % j["median_tpot_ms"], j["failed"])
 EOF
 )
-  loads="-" bw="-" base="-" ratio="-"
+  loads="-" bw="-" base="-" ratio="-" dev="-"
   if [[ $tier != none ]]; then
     loads=$(metric pd:kv_offload_hits_total)
     bw=$(awk -v b="$(metric pd:kv_offload_bytes_read_total)" -v s="$(metric pd:kv_offload_read_seconds_total)" \
@@ -55,13 +55,21 @@ a = np.ones(256 << 20, np.uint8); b = np.empty_like(a); np.copyto(b, a)
 t = time.perf_counter(); [np.copyto(b, a) for _ in range(8)]; print('%.2f' % (8 * a.nbytes / (time.perf_counter() - t) / 1e9))")
     else
       slot=$(( ( (64 + 8 * 2 * 16 * 2 * 64 * 2) + 4095 ) / 4096 * 4096 )) # the demo model: 8 layers, 2 kv heads of 64, bf16
-      cat "$work/tier.kv" >/dev/null # in the page cache, as the tier's reads were
-      base=$(dd if="$work/tier.kv" of=/dev/null bs="$slot" 2>&1 | awk '/copied/{for (i = 1; i <= NF; i++) if ($i ~ /^s,?$/) {print $(i-1)}}' |
-        awk -v f="$(stat -c %s "$work/tier.kv")" '{printf "%.2f", f / $1 / 1e9}')
+      # the slots written (the first ones: the file is sparse past them, and a hole reads as fast as
+      # zeros), twice: the second from the page cache, as the tier's loads read them
+      n=$(awk -v a="$(metric pd:kv_offload_saved_blocks_total)" -v b="$(metric pd:kv_offload_capacity_blocks)" \
+        'BEGIN{printf "%d", (a < b ? a : b)}')
+      dd if="$work/tier.kv" of=/dev/null bs="$slot" skip=4096 iflag=skip_bytes count="$n" 2>/dev/null
+      base=$(dd if="$work/tier.kv" of=/dev/null bs="$slot" skip=4096 iflag=skip_bytes count="$n" 2>&1 |
+        awk '/copied/{for (i = 1; i <= NF; i++) if ($i ~ /^s,?$/) {print $1 / $(i-1) / 1e9}}' | awk '{printf "%.2f", $1}')
+      # the device itself (O_DIRECT: what a tier larger than the page cache reads at), for context
+      dev=$(dd if="$work/tier.kv" of=/dev/null bs="$slot" skip=4096 iflag=skip_bytes,direct count="$n" 2>&1 |
+        awk '/copied/{for (i = 1; i <= NF; i++) if ($i ~ /^s,?$/) {print $1 / $(i-1) / 1e9}}' | awk '{printf "%.2f", $1}')
+      dev=${dev:--}
     fi
     ratio=$(awk -v a="$bw" -v b="$base" 'BEGIN{printf "%.2f", (b > 0 ? a / b : 0)}')
   fi
-  rows+=("| $tier | $p50 | $p99 | $computed | $hit | $tpot | $loads | $bw | $base | $ratio | $failed |")
+  rows+=("| $tier | $p50 | $p99 | $computed | $hit | $tpot | $loads | $bw | $base | $ratio | $dev | $failed |")
 done
 {
   echo
@@ -71,9 +79,10 @@ done
   echo "$convs conversations × $turns turns (512-token shared system prompt, 256-token messages, 64-token answers,"
   echo "1 s think time, 8 in flight), greedy; $(nproc) cores: $(lscpu | sed -n 's/^Model name: *//p')."
   echo "Bandwidth: the tier's loads (bytes read / seconds in loads) vs the same run's baseline (host: numpy"
-  echo "memcpy of 256 MiB; disk: dd of the tier file from the page cache in slot-sized reads)."
+  echo "memcpy of 256 MiB; disk: dd of the tier file's written slots from the page cache in slot-sized reads;"
+  echo "the device column: the same slots read with O_DIRECT, what a tier larger than the page cache gets)."
   echo
-  echo "| tier | TTFT p50 turns≥2 (ms) | TTFT p99 turns≥2 (ms) | input tokens computed | prefix hit rate | TPOT p50 (ms) | blocks loaded | load GB/s | baseline GB/s | ratio | failed |"
-  echo "|---|---|---|---|---|---|---|---|---|---|---|"
+  echo "| tier | TTFT p50 turns≥2 (ms) | TTFT p99 turns≥2 (ms) | input tokens computed | prefix hit rate | TPOT p50 (ms) | blocks loaded | load GB/s | baseline GB/s | ratio | device GB/s (O_DIRECT dd) | failed |"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
   printf '%s\n' "${rows[@]}"
 } | tee -a "$results"

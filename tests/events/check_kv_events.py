@@ -286,6 +286,8 @@ def main():
         metrics = urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=30).read().decode()
         hits = [float(l.split()[1]) for l in metrics.splitlines() if l.startswith("pd:kv_offload_hits_total ")]
         assert hits and hits[0] >= 2, hits
+        loads = [float(l.split()[1]) for l in metrics.splitlines() if l.startswith("pd:kv_offload_load_seconds_count ")]
+        assert loads and loads[0] == hits[0], (loads, hits)  # one latency observed per block loaded
         sub.close()
         print("kv events: OK (%d batches, %d hashes live, %d removed; tier: %d held)" %
               (len(seqs) + 1, len(live), removed, len(tier)))

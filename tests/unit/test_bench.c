@@ -309,6 +309,52 @@ START_TEST(test_end_to_end_against_pd_serve)
     ck_assert_int_eq(json_integer_value(json_object_get(later, "completed")), 6);
     ck_assert_int_ge(json_integer_value(json_object_get(later, "cached_input_tokens")), 6 * 48);
     json_decref(mj);
+    /* multi-turn over ShareGPT conversations: their human turns in order with the server's answers
+     * between them, as text; each turn's prompt holds the one before, so it is longer and later
+     * turns find the history cached; a conversation of one gpt turn first is skipped to its human */
+    json_t *convs = json_array();
+    for (int i = 0; i < 3; i++) {
+        json_t *turns = json_array();
+        if (i == 2) {
+            json_array_append_new(turns,
+                                  json_pack("{s:s,s:s}", "from", "gpt", "value", "Hello, how can I help?"));
+        }
+        for (int t = 0; t < 3; t++) {
+            char q[200];
+            snprintf(q, sizeof(q),
+                     "Conversation %d, question %d: why do prefill and decode pools share KV blocks?", i, t);
+            json_array_append_new(turns, json_pack("{s:s,s:s}", "from", "human", "value", q));
+            json_array_append_new(turns,
+                                  json_pack("{s:s,s:s}", "from", "gpt", "value", "Because of leases."));
+        }
+        json_array_append_new(convs, json_pack("{s:o}", "conversations", turns));
+    }
+    snprintf(mt, sizeof(mt), "%s/mt-sharegpt.json", dir);
+    ck_assert_int_eq(json_dump_file(convs, mt, 0), 0);
+    json_decref(convs);
+    char mtr[600];
+    snprintf(mtr, sizeof(mtr), "%s/mt-sharegpt-result.json", dir);
+    mrc = tu_run(120,
+                 "%s/bin/pd-bench --base-url http://127.0.0.1:%d --dataset-name multi-turn --dataset-path %s "
+                 "--num-prompts 3 --multi-turn-turns 3 --sharegpt-output-len 6 --multi-turn-think-time 0.05 "
+                 "--ignore-eos --no-progress --save-result --result-filename %s > %s/mt-sharegpt.out 2>&1",
+                 tu_binary_dir(), port, mt, mtr, dir);
+    ck_assert_msg(mrc == 0, "pd-bench multi-turn ShareGPT failed; see %s/mt-sharegpt.out", dir);
+    mj = json_load_file(mtr, 0, NULL);
+    ck_assert_ptr_nonnull(mj);
+    ck_assert_int_eq(json_integer_value(json_object_get(mj, "completed")), 9);
+    for (size_t c = 0; c < 3; c++) {
+        json_t *lens = json_object_get(mj, "input_lens");
+        for (size_t t = 1; t < 3; t++) {
+            ck_assert_int_gt(json_integer_value(json_array_get(lens, c * 3 + t)),
+                             json_integer_value(json_array_get(lens, c * 3 + t - 1)) + 6);
+        }
+    }
+    ck_assert_int_eq(json_integer_value(json_object_get(mj, "server_input_tokens")),
+                     json_integer_value(json_object_get(mj, "total_input_tokens")));
+    ck_assert_int_gt(
+        json_integer_value(json_object_get(json_object_get(mj, "later_turns"), "cached_input_tokens")), 0);
+    json_decref(mj);
     ck_assert_int_eq(tu_stop(pid, 30), 0);
     ck_assert_msg(rc == 0, "pd-bench failed; see %s/bench.out", dir);
     json_error_t e;

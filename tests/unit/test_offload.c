@@ -19,6 +19,8 @@
 
 #include "engine_driver.h"
 
+#include "fail_alloc.h"
+
 static char *g_model;
 static char *g_dir; /* files of the disk tiers */
 
@@ -411,9 +413,174 @@ START_TEST(test_engine_refusals)
 }
 END_TEST
 
+/* ------------------------------------------------------------------ allocation failures */
+
+/* Both tiers from nothing back to nothing, any allocation failing: create fails cleanly or the tier
+ * works (a save that worked loads back byte for byte); a disk tier reopened keeps what was saved. */
+static int fa_tiers(void)
+{
+    int wrong = 0;
+    for (int m = 0; m < 2; m++) {
+        region_t r;
+        region_init(&r, m == 0 ? PD_KV_OFFLOAD_HOST : PD_KV_OFFLOAD_DISK, 3, "fa.kv");
+        if (r.base == NULL) {
+            continue; /* the fake region itself */
+        }
+        unlink(r.cfg.path);
+        for (int round = 0; round < 2; round++) { /* the disk tier: created, then reopened */
+            pd_kv_offload_t *o = NULL;
+            if (pd_kv_offload_create(&r.cfg, &o) != PD_OK) {
+                if (o != NULL) {
+                    fprintf(stderr, "fa_tiers: a failed create set its output\n");
+                    wrong++;
+                }
+                continue;
+            }
+            fill(&r, 1, 42);
+            if (pd_kv_offload_save(o, key(1), 1) == PD_OK) {
+                memset(page(&r, 0, 2), 0, PAGE);
+                if (pd_kv_offload_load(o, key(1), 2) != PD_OK || !holds(&r, 2, 42)) {
+                    fprintf(stderr, "fa_tiers: %s round %d: a saved block did not load back\n",
+                            m == 0 ? "host" : "disk", round);
+                    wrong++;
+                }
+            }
+            pd_kv_offload_destroy(o);
+        }
+        unlink(r.cfg.path);
+        free(r.base);
+    }
+    return wrong;
+}
+
+/* An engine with a host tier, a prompt evicted and asked again: any allocation failing, the engine
+ * fails to start cleanly or answers, and a request that ran to its length got the tokens it gets
+ * without failures; the pool ends whole. */
+static gen_t g_fa_ref;
+
+/* tu_engine_collect without Check's asserts (a fail-alloc child runs outside a test). */
+static void fa_collect(pd_engine_output_t *outs)
+{
+    for (pd_engine_output_t *o = outs; o != NULL; o = o->next) {
+        gen_t *g = o->user;
+        if (o->token >= 0 && g->n < 256) {
+            g->tokens[g->n++] = o->token;
+        }
+        if (o->finish_reason != NULL) {
+            g->finish = o->finish_reason;
+            g->cached = o->cached_tokens;
+        }
+    }
+}
+
+static int fa_engine_run(gen_t *out)
+{
+    pd_engine_config_t c;
+    pd_engine_config_defaults(&c);
+    c.model_dir = g_model;
+    c.threads = 1;
+    c.kv_cache_memory = 256u << 20;
+    c.max_num_batched_tokens = 256;
+    c.max_num_seqs = 4;
+    c.max_model_len = 128;
+    c.num_blocks_override = 13;
+    c.kv_offload_tier = "host";
+    c.kv_offload_size = 1u << 20;
+    pd_engine_t *e = NULL;
+    if (pd_engine_create(&c, &e) != PD_OK) {
+        return 0;
+    }
+    prompt_t p[3];
+    make_prompts(p, pd_engine_model_config(e)->vocab_size);
+    int wrong = 0;
+    for (int i = 0; i < 4; i++) {
+        char id[16], err[256];
+        snprintf(id, sizeof(id), "r%d", i);
+        gen_t scratch;
+        gen_t *g = i == 3 ? out : &scratch;
+        memset(g, 0, sizeof(*g));
+        pd_engine_request_t rq;
+        memset(&rq, 0, sizeof(rq));
+        rq.id = id;
+        rq.prompt = p[i % 3].ids;
+        rq.num_prompt = p[i % 3].n;
+        rq.params.max_tokens = 4;
+        rq.params.ignore_eos = true;
+        rq.params.sampling = (pd_sampling_params_t){0.0f, 0, 1.0f, 0.0f};
+        rq.user = g;
+        if (pd_engine_add(e, &rq, err, sizeof(err)) != PD_OK) {
+            continue;
+        }
+        for (int steps = 0; steps < 2000; steps++) { /* then once more: it releases the request */
+            bool more = pd_engine_has_work(e);
+            pd_engine_output_t *outs = NULL;
+            pd_engine_step(e, &outs); /* a failed step fails its requests: they end "error" */
+            fa_collect(outs);
+            pd_engine_output_free(outs);
+            if (!more) {
+                break;
+            }
+        }
+    }
+    pd_engine_stats_t st;
+    pd_engine_get_stats(e, &st);
+    if (pd_engine_has_work(e) || st.blocks_used != 0 ||
+        st.blocks_free + st.blocks_cached_free != st.num_blocks - 1) {
+        fprintf(stderr, "fa_engine: after the run: work left %d, blocks used %u\n", pd_engine_has_work(e),
+                (unsigned)st.blocks_used);
+        wrong++;
+    }
+    pd_engine_destroy(e);
+    return wrong;
+}
+
+static int fa_engine_prepare(void)
+{
+    memset(&g_fa_ref, 0, sizeof(g_fa_ref));
+    /* without failures the evicted prompt's 6 full blocks come from the tier */
+    return fa_engine_run(&g_fa_ref) != 0 || g_fa_ref.n != 4 || g_fa_ref.cached != 6 * 16;
+}
+
+static int fa_engine(void)
+{
+    gen_t got;
+    memset(&got, 0, sizeof(got));
+    int wrong = fa_engine_run(&got);
+    bool whole = got.finish != NULL && strcmp(got.finish, "length") == 0 && got.n == 4;
+    if (whole && memcmp(got.tokens, g_fa_ref.tokens, sizeof(int32_t) * 4) != 0) {
+        fprintf(stderr, "fa_engine: the evicted prompt ran to its length with other tokens\n");
+        wrong++;
+    }
+    if (!tu_fail_alloc_hit() && !whole) {
+        fprintf(stderr, "fa_engine: with nothing failing, the evicted prompt did not run to its length\n");
+        wrong++;
+    }
+    return wrong;
+}
+
+static const tu_fa_scenario_t FA_SCENARIOS[] = {{"tiers", fa_tiers, NULL},
+                                                {"engine", fa_engine, fa_engine_prepare}};
+
+START_TEST(test_fail_alloc)
+{
+    setenv("PD_FAIL_ALLOC_DIR", g_dir, 1);
+    if (_i == 0) {
+        tu_fail_alloc_loop("tiers", 200, 30); /* every allocation of both tiers */
+    } else {
+        setenv("PD_FAIL_ALLOC_MODEL", g_model, 1); /* the children use this process's model */
+        tu_fail_alloc_sites("engine", 2000, 60);   /* one run per call site */
+    }
+}
+END_TEST
+
 int main(void)
 {
     pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_ERROR);
+    if (getenv("PD_FAIL_ALLOC_SCENARIO") != NULL) { /* a child: this process's model and directory */
+        g_model = getenv("PD_FAIL_ALLOC_MODEL");
+        g_dir = getenv("PD_FAIL_ALLOC_DIR");
+        tu_fail_alloc_child(FA_SCENARIOS, 2);
+    }
     g_model = tu_make_model("--preset tiny --arch llama");
     g_dir = tu_mkdtemp("offload");
     if (g_model == NULL || g_dir == NULL) {
@@ -431,6 +598,7 @@ int main(void)
     tcase_add_test(tc, test_engine_disk_tier_seeded);
     tcase_add_test(tc, test_engine_refusals);
     suite_add_tcase(s, tc);
+    tu_fail_alloc_add(s, test_fail_alloc, 2);
     int rc = tu_run_suite(s);
     tu_rmrf(g_model);
     tu_rmrf(g_dir);
