@@ -221,6 +221,22 @@ static int32_t estimate_tokens(const char *s)
     return (int32_t)((n + 3) / 4);
 }
 
+/* order[total] := 0 .. total − 1 shuffled with seed (Fisher–Yates): the ShareGPT loaders' sample. */
+static void shuffle_order(size_t *order, size_t total, uint64_t seed)
+{
+    for (size_t i = 0; i < total; i++) {
+        order[i] = i;
+    }
+    pd_rng_t rng;
+    pd_rng_seed(&rng, seed);
+    for (size_t i = total; i > 1; i--) {
+        size_t j = (size_t)pd_rng_below(&rng, i);
+        size_t t = order[i - 1];
+        order[i - 1] = order[j];
+        order[j] = t;
+    }
+}
+
 pd_status_t pd_bench_dataset_sharegpt(const char *path, uint64_t seed, size_t n, int32_t output_len,
                                       pd_bench_count_fn count, void *count_ctx, pd_bench_dataset_t *out)
 {
@@ -240,17 +256,7 @@ pd_status_t pd_bench_dataset_sharegpt(const char *path, uint64_t seed, size_t n,
         json_decref(root);
         return PD_ERR_NO_MEMORY;
     }
-    for (size_t i = 0; i < total; i++) {
-        order[i] = i;
-    }
-    pd_rng_t rng;
-    pd_rng_seed(&rng, seed);
-    for (size_t i = total; i > 1; i--) {
-        size_t j = (size_t)pd_rng_below(&rng, i);
-        size_t t = order[i - 1];
-        order[i - 1] = order[j];
-        order[j] = t;
-    }
+    shuffle_order(order, total, seed);
     size_t kept = 0;
     for (size_t k = 0; k < total && kept < n; k++) {
         json_t *conv = json_object_get(json_array_get(root, order[k]), "conversations");
@@ -315,17 +321,7 @@ pd_status_t pd_bench_dataset_sharegpt_multi_turn(const char *path, uint64_t seed
         json_decref(root);
         return PD_ERR_NO_MEMORY;
     }
-    for (size_t i = 0; i < total; i++) {
-        order[i] = i;
-    }
-    pd_rng_t rng;
-    pd_rng_seed(&rng, seed);
-    for (size_t i = total; i > 1; i--) {
-        size_t j = (size_t)pd_rng_below(&rng, i);
-        size_t t = order[i - 1];
-        order[i - 1] = order[j];
-        order[j] = t;
-    }
+    shuffle_order(order, total, seed);
     pd_status_t st = PD_OK;
     size_t convs = 0;
     for (size_t k = 0; k < total && convs < n && st == PD_OK; k++) {
