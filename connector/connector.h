@@ -4,7 +4,9 @@
  * with no connector (NULL) and then never enters WAITING_FOR_REMOTE_KV.
  *
  * Contracts:
- *  - get_num_new_matched_tokens has no side effects and may be called repeatedly for a request.
+ *  - get_num_new_matched_tokens has no side effects and may be called repeatedly for a request;
+ *    PD_ERR_REJECTED ends the request with an error before it is computed (a lend whose prefix this
+ *    node no longer holds), any other error counts as no external tokens.
  *  - update_state_after_alloc follows a successful allocation for that request, with all its
  *    block ids and how many tokens the connector will load. It may refuse (out of memory, where
  *    vLLM's would raise): the scheduler then ends the request with an error rather than let it
@@ -135,6 +137,10 @@ struct pd_connector {
      * engine with nothing runnable sleeps instead of polling. */
     void (*wake)(void *arg);
     void *wake_arg;
+    /* Set by the engine thread after each step that computed prompt tokens: its prefill rate in
+     * tokens per second (an EWMA; 0 until measured). The connector's scheduler half (same thread)
+     * weighs fetching a prefix from a peer against computing it. */
+    double compute_tok_s;
 };
 
 #endif

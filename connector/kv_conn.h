@@ -17,6 +17,7 @@
 #define PD_CONNECTOR_KV_CONN_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -55,6 +56,11 @@ typedef struct kv_conn {
     char fp_model[160], fp_dtype[16], fp_layout[160];
     char group_layout[128]; /* from register_kv_caches (pd_kv_cache_config_layout) */
     kv_metrics_t m;
+    /* kv_cost.c: the pull loads' measured cost (written by the control thread, read by the scheduler
+     * half: atomics, relaxed) and --kv-prefix-fetch */
+    _Atomic double cost_bw, cost_overhead_s;
+    _Atomic uint64_t cost_loads;
+    enum { KV_PREFIX_FETCH_AUTO, KV_PREFIX_FETCH_ALWAYS, KV_PREFIX_FETCH_NEVER } prefix_fetch;
 
     /* the pipe and this engine's KV region (the pipe is the control thread's once it runs: the
      * engine thread only registered the region before) */
@@ -94,6 +100,12 @@ void kv_count_policy_action(kv_conn_t *k);
 bool kv_jbool(const json_t *o, const char *key);
 const char *kv_jstr(const json_t *o, const char *key);
 uint64_t kv_random_u52(void);
+
+/* kv_cost.c: a completed pull load moved bytes in moved_s, in total_s from its start (control
+ * thread); whether fetching a prefix of tokens from a peer beats computing it here, with both
+ * estimates (engine thread). */
+void kv_cost_observe(kv_conn_t *k, size_t bytes, double moved_s, double total_s);
+bool kv_cost_fetch(const kv_conn_t *k, int32_t tokens, double *fetch_s, double *compute_s);
 
 /* kv_sign.c: SHA-256 of a prompt's token ids (int32 little-endian). */
 void kv_prompt_hash(const int32_t *tokens, int32_t n, uint8_t out[32]);

@@ -38,6 +38,7 @@ void pd_kv_connector_config_defaults(pd_kv_connector_config_t *c)
     c->load_failure_policy = "recompute";
     c->prefault = true;
     c->staging = "auto";
+    c->prefix_fetch = "auto";
 }
 
 size_t pd_kv_connector_flags(pd_kv_connector_config_t *c, pd_flag_t *out, size_t max)
@@ -108,6 +109,12 @@ size_t pd_kv_connector_flags(pd_kv_connector_config_t *c, pd_flag_t *out, size_t
          "auto: copy KV through a host mirror only when the pipe cannot register the KV's memory (device KV "
          "over ucx/tcp); always: also for host KV (tests the GPU path's copies on a CPU)",
          "auto|always"},
+        {"kv-prefix-fetch", PD_FLAG_CHOICE, &c->prefix_fetch,
+         "a prefill asked to load a prompt's prefix from the peer that holds it "
+         "(kv_transfer_params.kv_prefix, "
+         "set by pd-proxy): auto = when the measured transfer beats computing it at the measured prefill "
+         "rate (logged per request); always; never (computes it)",
+         "auto|always|never"},
     };
     size_t n = sizeof(f) / sizeof(f[0]);
     memcpy(out, f, (n < max ? n : max) * sizeof(f[0]));
@@ -441,6 +448,11 @@ pd_status_t pd_kv_connector_create(const pd_kv_connector_config_t *cfg, pd_metri
                      "host pipes (ucx, tcp)");
         return PD_ERR_INVALID_ARG;
     }
+    const char *pf = cfg->prefix_fetch != NULL ? cfg->prefix_fetch : "auto";
+    if (strcmp(pf, "auto") != 0 && strcmp(pf, "always") != 0 && strcmp(pf, "never") != 0) {
+        pd_log_error("kv connector: --kv-prefix-fetch '%s' is none of auto, always, never", pf);
+        return PD_ERR_INVALID_ARG;
+    }
     kv_conn_t *k = calloc(1, sizeof(*k));
     if (k == NULL) {
         return PD_ERR_NO_MEMORY;
@@ -463,6 +475,9 @@ pd_status_t pd_kv_connector_create(const pd_kv_connector_config_t *cfg, pd_metri
     k->cfg = *cfg;
     k->is_prefill = prefill;
     k->push = strcmp(cfg->mode, "push") == 0;
+    k->prefix_fetch = strcmp(pf, "always") == 0  ? KV_PREFIX_FETCH_ALWAYS
+                      : strcmp(pf, "never") == 0 ? KV_PREFIX_FETCH_NEVER
+                                                 : KV_PREFIX_FETCH_AUTO;
     char port[16] = "";
     if (sscanf(cfg->listen, "%63[^:]:%15s", k->listen_host, port) != 2 || atoi(port) < 0 ||
         atoi(port) > 65535) {

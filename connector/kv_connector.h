@@ -58,6 +58,7 @@ typedef struct pd_kv_connector_config {
     bool prefault;                   /* touch the KV region's pages in a background thread */
     const char *staging;             /* auto | always (--kv-staging) */
     const char *transfer_config;     /* vLLM's --kv-transfer-config JSON (pd_kv_transfer_config_apply) */
+    const char *prefix_fetch;        /* auto | always | never (--kv-prefix-fetch, kv_cost.c) */
 } pd_kv_connector_config_t;
 
 void pd_kv_connector_config_defaults(pd_kv_connector_config_t *cfg);
@@ -117,6 +118,12 @@ void pd_kv_connector_destroy(pd_connector_t *c);
  * was released (an id not seen yet counts: it is remembered). */
 bool pd_kv_connector_release(pd_connector_t *c, const char *request_id, uint64_t lease_id,
                              const char *transfer_id);
+
+/* The fetch-or-compute model (kv_cost.c): fetching bytes of a prefix of tokens costs overhead_s +
+ * bytes / bytes_per_s, computing it tokens / tok_per_s (either rate 0: unknown, taken as endless);
+ * true when fetching is cheaper. Both estimates are written out. */
+bool pd_kv_fetch_pays(double bytes, double tokens, double overhead_s, double bytes_per_s, double tok_per_s,
+                      double *fetch_s, double *compute_s);
 
 /* The compatibility fingerprint of a model (model_id from pd_model_fingerprint; the strings are
  * referenced, not copied) served with these KV settings. pd_kv_connector_start adds the KV cache

@@ -185,10 +185,8 @@ void kv_on_message(kv_conn_t *k, kv_peer_t *p, const pd_ctl_msg_t *msg)
     switch (msg->type) {
     case PD_MSG_HEARTBEAT: break;
     case PD_MSG_REGIONS: kv_on_regions(k, p, (const Pd__Regions *)msg->msg); break;
-    case PD_MSG_READ_DONE:
-        if (k->is_prefill) {
-            on_read_done_msg(k, p, (const Pd__ReadDone *)msg->msg);
-        }
+    case PD_MSG_READ_DONE: /* a prefill's lease, or any node's prefix lend (kv_lend) */
+        on_read_done_msg(k, p, (const Pd__ReadDone *)msg->msg);
         break;
     case PD_MSG_TRANSFER_ACK: {
         const Pd__TransferAck *a = (const Pd__TransferAck *)msg->msg;
@@ -245,7 +243,7 @@ void kv_on_message(kv_conn_t *k, kv_peer_t *p, const pd_ctl_msg_t *msg)
     }
     case PD_MSG_ABORT: {
         const Pd__Abort *a = (const Pd__Abort *)msg->msg;
-        kv_lease_t *l = k->is_prefill ? find_lease(k, a->request_id, a->lease_id) : NULL;
+        kv_lease_t *l = find_lease(k, a->request_id, a->lease_id); /* a decode's too: its lends */
         bool lease = l != NULL;
         if (l != NULL && !l->expired) {
             l->expired = true;

@@ -17,20 +17,55 @@
 #include "connector/kv_engine.h"
 #include "scheduler/scheduler.h"
 
-static bool remote_prefill_ok(const kv_conn_t *k, const pd_request_t *req, const json_t *p);
-static bool finished_decode(kv_conn_t *k, pd_request_t *req, void **params_out);
+static bool remote_prefill_ok(kv_conn_t *k, const pd_request_t *req, const json_t *p);
 static bool finished_push(kv_conn_t *k, pd_request_t *req, const uint32_t *block_ids, int32_t num_blocks,
                           bool ok);
 static bool finished_pull(kv_conn_t *k, pd_request_t *req, const uint32_t *block_ids, int32_t num_blocks,
                           void **params_out);
 
-/* A decode request's remote-prefill parameters are usable: where to load from and what. */
-static bool remote_prefill_ok(const kv_conn_t *k, const pd_request_t *req, const json_t *p)
+/* Why pull params p (a prefill's for a decode, or a peer's lend for a prefix) cannot load the KV
+ * of the first num_hashed prompt tokens of req into need entries of its block list, or NULL: where
+ * to read, what, and (kv_sign.c) issued by a node of this cluster for exactly those tokens. */
+static const char *pull_params_why(const kv_conn_t *k, const pd_request_t *req, const json_t *p,
+                                   int32_t num_hashed, int32_t need)
+{
+    const json_t *b = json_object_get(p, "remote_block_ids");
+    const char *rid = kv_jstr(p, "remote_request_id");
+    if (!json_is_array(b) || rid == NULL || strlen(rid) >= PD_REQ_ID_MAX) {
+        return "remote_block_ids/remote_request_id missing";
+    }
+    for (size_t i = 0; i < json_array_size(b); i++) {
+        json_int_t v = json_integer_value(json_array_get(b, i));
+        if (!json_is_integer(json_array_get(b, i)) || v < 0 || v > UINT32_MAX) {
+            return "remote_block_ids holds a non-block value";
+        }
+    }
+    if ((int32_t)json_array_size(b) < need) {
+        return "remote_block_ids has fewer blocks than the prompt needs";
+    }
+    return kv_params_verify(k, p, req->tokens, num_hashed);
+}
+
+/* Where p says to dial is a host and a port. */
+static bool dial_ok(const json_t *p)
 {
     json_int_t port = json_integer_value(json_object_get(p, "remote_port"));
     const char *host = kv_jstr(p, "remote_host");
+    return host != NULL && host[0] != '\0' && port > 0 && port <= 65535;
+}
+
+static void params_refused(kv_conn_t *k, const pd_request_t *req, const char *what, const char *why)
+{
+    pd_metric_inc(k->m.params_refused, 1);
+    pd_log_warn("kv connector: request %s: %s unusable (%s); computing the prompt locally", req->id, what,
+                why);
+}
+
+/* A decode request's remote-prefill parameters are usable: where to load from and what. */
+static bool remote_prefill_ok(kv_conn_t *k, const pd_request_t *req, const json_t *p)
+{
     const char *why = NULL;
-    if (host == NULL || host[0] == '\0' || port <= 0 || port > 65535) {
+    if (!dial_ok(p)) {
         why = "remote_host/remote_port missing or invalid";
     } else if (kv_wants_push(k, p)) {
         const char *tid = kv_jstr(p, "transfer_id");
@@ -38,40 +73,90 @@ static bool remote_prefill_ok(const kv_conn_t *k, const pd_request_t *req, const
             why = "transfer_id missing or too long";
         }
     } else {
-        const json_t *b = json_object_get(p, "remote_block_ids");
-        const char *rid = kv_jstr(p, "remote_request_id");
         json_int_t nt = json_integer_value(json_object_get(p, "remote_num_tokens"));
-        if (!json_is_array(b) || rid == NULL || strlen(rid) >= PD_REQ_ID_MAX) {
-            why = "remote_block_ids/remote_request_id missing";
-        } else if (nt != 0 && nt != req->num_prompt_tokens) {
+        if (nt != 0 && nt != req->num_prompt_tokens) {
             why = "the prefill computed a different prompt length";
         } else {
-            for (size_t i = 0; i < json_array_size(b); i++) {
-                json_int_t v = json_integer_value(json_array_get(b, i));
-                if (!json_is_integer(json_array_get(b, i)) || v < 0 || v > UINT32_MAX) {
-                    why = "remote_block_ids holds a non-block value";
-                    break;
-                }
-            }
             /* the KV of every token but the last (a handed-over request's last is its first output) */
             int32_t need = kv_entry(&k->geom, (req->num_tokens - 1 + k->block_size - 1) / k->block_size);
-            if (why == NULL && (int32_t)json_array_size(b) < need) {
-                why = "remote_block_ids has fewer blocks than the prompt needs";
-            }
-            /* issued by a prefill of this cluster for this very prompt, unaltered (kv_sign.c) */
-            if (why == NULL) {
-                why = kv_params_verify(k, p, req->tokens, req->num_prompt_tokens);
-            }
+            why = pull_params_why(k, req, p, req->num_prompt_tokens, need);
         }
     }
     if (why != NULL) {
-        pd_metric_inc(k->m.params_refused, 1);
-        pd_log_warn(
-            "kv connector: request %s: kv_transfer_params unusable (%s); computing the prompt locally",
-            req->id, why);
+        params_refused(k, req, "kv_transfer_params", why);
         return false;
     }
     return true;
+}
+
+/* Peer-to-peer prefix fetch (issue 52). Two kv_transfer_params, both set by pd-proxy:
+ *  - "kv_lend": true, with do_remote_decode and transfer_mode pull, on any node (prefill or decode):
+ *    the request's prompt is a prefix another node wants; its answer carries pull params leasing
+ *    the prompt's blocks, as a prefill's do, and it computes only what its prefix cache (and tier)
+ *    lacks. With "kv_lend_min_tokens": M it is refused (ends with an error, nothing computed) when
+ *    its cache holds fewer than M of the prompt's tokens: the asker then computes them itself.
+ *  - "kv_prefix": {a lend's params}, on a prefill's request: the lend's prompt is this prompt's
+ *    first remote_num_tokens tokens (the signature binds them); the prefill loads the full blocks
+ *    of it past its own prefix hit from that peer when kv_cost says fetching beats computing, then
+ *    computes the rest. A failed fetch is a failed load: the failure policy recomputes. */
+
+/* Where the part of req's prompt a kv_prefix of nt tokens provides ends: full blocks only, and the
+ * last prompt token is computed here for its logits. */
+static int32_t prefix_end(const kv_conn_t *k, const pd_request_t *req, json_int_t nt)
+{
+    int32_t end = (int32_t)(nt < req->num_tokens - 1 ? nt : req->num_tokens - 1);
+    return end / k->block_size * k->block_size;
+}
+
+/* The tokens of req's prompt a prefill loads from the peer its kv_prefix names, past its local hit
+ * of num_computed tokens; 0 when none (no kv_prefix, nothing past the hit, unusable params, or
+ * computing is cheaper: logged). */
+static int32_t prefix_fetch_tokens(kv_conn_t *k, const pd_request_t *req, int32_t num_computed)
+{
+    const json_t *x = json_object_get(req->kv_transfer_params, "kv_prefix");
+    if (!json_is_object(x)) {
+        return 0;
+    }
+    json_int_t nt = json_integer_value(json_object_get(x, "remote_num_tokens"));
+    if (nt <= 0 || nt > req->num_prompt_tokens) {
+        params_refused(k, req, "kv_transfer_params.kv_prefix", "remote_num_tokens is not a prefix's length");
+        return 0;
+    }
+    int32_t end = prefix_end(k, req, nt);
+    if (end <= num_computed) {
+        return 0; /* this node's own prefix cache has it all */
+    }
+    const char *why = dial_ok(x)
+                          ? pull_params_why(k, req, x, (int32_t)nt, kv_entry(&k->geom, end / k->block_size))
+                          : "remote_host/remote_port missing or invalid";
+    if (why != NULL) {
+        params_refused(k, req, "kv_transfer_params.kv_prefix", why);
+        return 0;
+    }
+    double fetch_s, compute_s;
+    if (!kv_cost_fetch(k, end - num_computed, &fetch_s, &compute_s)) {
+        pd_log_info(
+            "kv connector: request %s: %d prefix tokens held by %s:%lld: fetch ~%.2f ms, compute ~%.2f "
+            "ms: computing them",
+            req->id, end - num_computed, kv_jstr(x, "remote_host"),
+            (long long)json_integer_value(json_object_get(x, "remote_port")), fetch_s * 1e3, compute_s * 1e3);
+        return 0;
+    }
+    return end - num_computed;
+}
+
+/* A lend asked for at least kv_lend_min_tokens of cached prefix: PD_ERR_REJECTED when the node's
+ * cache holds fewer (num_computed), so it computes nothing for it. */
+static pd_status_t lend_check(const pd_request_t *req, const json_t *p, int32_t num_computed)
+{
+    json_int_t min = json_integer_value(json_object_get(p, "kv_lend_min_tokens"));
+    if (num_computed < min) {
+        pd_log_info("kv connector: request %s: asked to lend a prefix of at least %lld cached tokens; this "
+                    "node holds %d: refused (the asker computes it)",
+                    req->id, (long long)min, num_computed);
+        return PD_ERR_REJECTED;
+    }
+    return PD_OK;
 }
 
 pd_status_t kv_get_num_new_matched_tokens(pd_connector_t *c, const pd_request_t *req, int32_t num_computed,
@@ -81,7 +166,16 @@ pd_status_t kv_get_num_new_matched_tokens(pd_connector_t *c, const pd_request_t 
     *num_external_out = 0;
     *load_async_out = false;
     const json_t *p = req->kv_transfer_params;
-    if (k->is_prefill || p == NULL || !kv_jbool(p, "do_remote_prefill") || num_computed >= req->num_tokens) {
+    if (p != NULL && kv_jbool(p, "kv_lend")) {
+        return lend_check(req, p, num_computed);
+    }
+    if (k->is_prefill) {
+        int32_t n = p != NULL ? prefix_fetch_tokens(k, req, num_computed) : 0;
+        *num_external_out = n;
+        *load_async_out = n > 0;
+        return PD_OK;
+    }
+    if (p == NULL || !kv_jbool(p, "do_remote_prefill") || num_computed >= req->num_tokens) {
         return PD_OK;
     }
     if (!remote_prefill_ok(k, req, p)) {
@@ -92,12 +186,28 @@ pd_status_t kv_get_num_new_matched_tokens(pd_connector_t *c, const pd_request_t 
     return PD_OK;
 }
 
-/* The connector's params_error (connector.h): each role refuses the other's parameters. */
+/* The connector's params_error (connector.h): each role refuses the other's parameters; a lend is
+ * any node's, a prefix fetch a prefill's. */
 const char *kv_params_error(pd_connector_t *c, const void *kv_transfer_params)
 {
     const kv_conn_t *k = (const kv_conn_t *)c;
     const json_t *p = kv_transfer_params;
-    if (!k->is_prefill && kv_jbool(p, "do_remote_decode")) {
+    bool lend = kv_jbool(p, "kv_lend");
+    if (lend) {
+        const json_t *min = json_object_get(p, "kv_lend_min_tokens");
+        if (!kv_jbool(p, "do_remote_decode") || kv_wants_push(k, p) || kv_jbool(p, "first_token")) {
+            return "kv_transfer_params.kv_lend leases a prompt's KV for a peer to read: it needs "
+                   "do_remote_decode and transfer_mode pull, without first_token";
+        }
+        if (min != NULL && (!json_is_integer(min) || json_integer_value(min) < 0)) {
+            return "kv_transfer_params.kv_lend_min_tokens must be a non-negative integer";
+        }
+        if (!k->is_prefill && k->staged) {
+            return "kv_transfer_params.kv_lend: this decode's KV is staged through a host mirror that holds "
+                   "only what it loaded; it cannot lend";
+        }
+    }
+    if (!k->is_prefill && !lend && kv_jbool(p, "do_remote_decode")) {
         return "kv_transfer_params.do_remote_decode asks for a prefill, and this node is a decode "
                "(kv_consumer)";
     }
@@ -105,47 +215,51 @@ const char *kv_params_error(pd_connector_t *c, const void *kv_transfer_params)
         return "kv_transfer_params.do_remote_prefill asks for a decode, and this node is a prefill "
                "(kv_producer)";
     }
+    const json_t *x = json_object_get(p, "kv_prefix");
+    if (x != NULL && (!k->is_prefill || lend || !json_is_object(x))) {
+        return "kv_transfer_params.kv_prefix (a prefix to fetch from a peer: the kv_transfer_params of its "
+               "kv_lend answer) is for a prefill's request";
+    }
     return NULL;
 }
 
 /* A pull load reads from the prefill's leased blocks whenever the decode starts it (by default the
  * lease, hold_timeout 120 s, outlasts a load, load_timeout 60 s; a load started after its lease
  * ended fails and the prompt is computed here); a push load's blocks are the target of the
- * prefill's writes, reserved when the request is admitted, so it never waits. */
+ * prefill's writes, reserved when the request is admitted, so it never waits. A prefill's prefix
+ * fetch is a pull. */
 bool kv_load_may_wait(pd_connector_t *c, const pd_request_t *req)
 {
     kv_conn_t *k = (kv_conn_t *)c;
     const json_t *p = req->kv_transfer_params;
-    return !k->is_prefill && p != NULL && kv_jbool(p, "do_remote_prefill") && !kv_wants_push(k, p);
+    if (k->is_prefill) {
+        return p != NULL && json_is_object(json_object_get(p, "kv_prefix"));
+    }
+    return p != NULL && kv_jbool(p, "do_remote_prefill") && !kv_wants_push(k, p);
 }
 
-pd_status_t kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, const uint32_t *block_ids,
-                                        int32_t num_blocks, int32_t num_external)
+/* Queues the load of req's tokens [from, to) into its blocks block_ids[num_blocks] from the peer src
+ * names (pull: its leased blocks; push: the prefill writes into ours). PD_ERR_NO_MEMORY (logged). */
+static pd_status_t queue_load(kv_conn_t *k, pd_request_t *req, const json_t *src, bool push,
+                              const uint32_t *block_ids, int32_t num_blocks, int32_t from, int32_t to)
 {
-    kv_conn_t *k = (kv_conn_t *)c;
-    json_t *p = req->kv_transfer_params;
-    if (k->is_prefill || p == NULL || num_external <= 0 || !kv_jbool(p, "do_remote_prefill")) {
-        return PD_OK;
-    }
     kv_xfer_t *x = calloc(1, sizeof(*x));
     if (x == NULL || (x->report = kv_report_new(req->id, true)) == NULL ||
-        (x->cancel = calloc(1, sizeof(*x->cancel))) == NULL ||
-        json_object_set_new(p, "do_remote_prefill", json_false()) != 0) { /* loaded at most once */
+        (x->cancel = calloc(1, sizeof(*x->cancel))) == NULL) {
         goto err_nomem;
     }
-    bool push = kv_wants_push(k, p);
     x->msg.kind = KV_CMD_LOAD;
     x->cancel->msg.kind = KV_CMD_CANCEL;
     snprintf(x->cancel->req_id, sizeof(x->cancel->req_id), "%s", req->id);
     x->kind = push ? KV_X_PUSH_LOAD : KV_X_PULL_LOAD;
     snprintf(x->req_id, sizeof(x->req_id), "%s", req->id);
     snprintf(x->remote_req, sizeof(x->remote_req), "%s",
-             push ? kv_jstr(p, "transfer_id") : kv_jstr(p, "remote_request_id"));
-    snprintf(x->dial, sizeof(x->dial), "%s:%lld", kv_jstr(p, "remote_host"),
-             (long long)json_integer_value(json_object_get(p, "remote_port")));
-    const char *eng = kv_jstr(p, "remote_engine_id");
+             push ? kv_jstr(src, "transfer_id") : kv_jstr(src, "remote_request_id"));
+    snprintf(x->dial, sizeof(x->dial), "%s:%lld", kv_jstr(src, "remote_host"),
+             (long long)json_integer_value(json_object_get(src, "remote_port")));
+    const char *eng = kv_jstr(src, "remote_engine_id");
     snprintf(x->remote_engine, sizeof(x->remote_engine), "%s", eng != NULL ? eng : "");
-    x->lease_id = (uint64_t)json_integer_value(json_object_get(p, "lease_id"));
+    x->lease_id = (uint64_t)json_integer_value(json_object_get(src, "lease_id"));
     x->num_tokens = req->num_tokens;
     kv_prompt_hash(req->tokens, req->num_prompt_tokens, x->prompt_hash); /* push: WRITE_DONE must name it */
     x->local_blocks = malloc((size_t)(num_blocks > 0 ? num_blocks : 1) * sizeof(uint32_t));
@@ -154,14 +268,10 @@ pd_status_t kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, co
     }
     memcpy(x->local_blocks, block_ids, (size_t)num_blocks * sizeof(uint32_t));
     x->num_local = num_blocks;
-    int32_t local = req->num_tokens - num_external;             /* block-aligned prefix hit */
-    x->first_block = kv_entry(&k->geom, local / k->block_size); /* entries of the block list */
-    /* the KV of every token but the last, which is computed here for its logits; a push handover's
-     * first token arrives with WRITE_DONE, so every prompt token's KV comes */
-    int32_t moved = req->num_tokens - (push && kv_jbool(p, "first_token") ? 0 : 1);
-    x->end_block = kv_entry(&k->geom, (moved + k->block_size - 1) / k->block_size);
+    x->first_block = kv_entry(&k->geom, from / k->block_size); /* entries of the block list */
+    x->end_block = kv_entry(&k->geom, (to + k->block_size - 1) / k->block_size);
     if (!push) {
-        const json_t *b = json_object_get(p, "remote_block_ids");
+        const json_t *b = json_object_get(src, "remote_block_ids");
         x->num_remote = (int32_t)json_array_size(b);
         x->remote_blocks = malloc((size_t)(x->num_remote > 0 ? x->num_remote : 1) * sizeof(uint32_t));
         if (x->remote_blocks == NULL) {
@@ -180,6 +290,49 @@ err_nomem:
     pd_log_error("kv connector: request %s: out of memory starting its KV load", req->id);
     kv_xfer_free(x);
     return PD_ERR_NO_MEMORY;
+}
+
+pd_status_t kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, const uint32_t *block_ids,
+                                        int32_t num_blocks, int32_t num_external)
+{
+    kv_conn_t *k = (kv_conn_t *)c;
+    json_t *p = req->kv_transfer_params;
+    if (p == NULL || num_external <= 0) {
+        return PD_OK;
+    }
+    int32_t local = req->num_tokens - num_external; /* decode: the block-aligned prefix hit */
+    if (k->is_prefill) {
+        json_t *x = json_incref(json_object_get(p, "kv_prefix"));
+        if (!json_is_object(x)) {
+            json_decref(x);
+            return PD_OK;
+        }
+        /* the prefix's full blocks past the local hit, as prefix_fetch_tokens counted them */
+        int32_t end = prefix_end(k, req, json_integer_value(json_object_get(x, "remote_num_tokens")));
+        local = end - num_external;
+        pd_status_t st = queue_load(k, req, x, false, block_ids, num_blocks, local, end);
+        if (st == PD_OK) {
+            pd_log_info("kv connector: request %s: fetching prefix tokens [%d, %d) from %s:%lld (engine %s)",
+                        req->id, local, end, kv_jstr(x, "remote_host"),
+                        (long long)json_integer_value(json_object_get(x, "remote_port")),
+                        kv_jstr(x, "remote_engine_id") ? kv_jstr(x, "remote_engine_id") : "?");
+            json_object_del(p, "kv_prefix"); /* loaded at most once */
+        }
+        json_decref(x);
+        return st;
+    }
+    if (!kv_jbool(p, "do_remote_prefill")) {
+        return PD_OK;
+    }
+    bool push = kv_wants_push(k, p);
+    /* the KV of every token but the last, which is computed here for its logits; a push handover's
+     * first token arrives with WRITE_DONE, so every prompt token's KV comes */
+    int32_t moved = req->num_tokens - (push && kv_jbool(p, "first_token") ? 0 : 1);
+    pd_status_t st = queue_load(k, req, p, push, block_ids, num_blocks, local, moved);
+    if (st == PD_OK) {
+        json_object_set_new(p, "do_remote_prefill", json_false()); /* loaded at most once */
+    }
+    return st;
 }
 
 void *kv_build_connector_meta(pd_connector_t *c, const pd_scheduler_output_t *out)
@@ -220,11 +373,11 @@ void *kv_build_connector_meta(pd_connector_t *c, const pd_scheduler_output_t *ou
     return m;
 }
 
-/* Decode: a load not yet handed over dies with the request; one sent keeps the blocks until
- * get_finished reports it (the control thread ends it as cancelled, or it had ended already). */
-static bool finished_decode(kv_conn_t *k, pd_request_t *req, void **params_out)
+/* A load not yet handed over dies with the request; one sent keeps the blocks until get_finished
+ * reports it (the control thread ends it as cancelled, or it had ended already): returns whether
+ * req's blocks must wait for that (a decode's load, or a prefill's prefix fetch). */
+static bool cancel_load(kv_conn_t *k, const pd_request_t *req)
 {
-    bool hold = false;
     kv_xfer_t *x;
     pd_list_for_each (x, &k->e->sched_pending, link) {
         if (strcmp(x->req_id, req->id) == 0) {
@@ -238,14 +391,10 @@ static bool finished_decode(kv_conn_t *k, pd_request_t *req, void **params_out)
         if (strcmp(cn->req_id, req->id) == 0) {
             pd_list_del(&cn->msg.link);
             kv_mb_send(&k->mb, &cn->msg, 0);
-            hold = true;
-            break;
+            return true;
         }
     }
-    if (req->kv_transfer_params != NULL) {
-        *params_out = json_null(); /* a decode hands nothing on (as vLLM's decode answers) */
-    }
-    return hold;
+    return false;
 }
 
 /* Prefill, push: the stream of ps ends with status (its WRITE_DONE; the control thread ends the
@@ -378,8 +527,16 @@ bool kv_request_finished(pd_connector_t *c, pd_request_t *req, const uint32_t *b
     kv_conn_t *k = (kv_conn_t *)c;
     const json_t *p = req->kv_transfer_params;
     bool ok = req->state == PD_REQ_FINISHED_STOPPED || req->state == PD_REQ_FINISHED_LENGTH;
-    if (!k->is_prefill) {
-        return finished_decode(k, req, params_out);
+    bool loading = cancel_load(k, req);
+    bool lend = p != NULL && kv_jbool(p, "kv_lend");
+    if (!k->is_prefill && !lend) {
+        if (p != NULL) {
+            *params_out = json_null(); /* a decode hands nothing on (as vLLM's decode answers) */
+        }
+        return loading;
+    }
+    if (loading) {
+        return true; /* a prefill's prefix fetch was in flight: it ended before any KV to hand on */
     }
     if (p == NULL || !kv_jbool(p, "do_remote_decode")) {
         return false;

@@ -35,6 +35,7 @@ void kv_observe_done(kv_conn_t *k, kv_xfer_t *x)
         if (x->kind == KV_X_PULL_LOAD && x->t_moved > 0) {
             pd_metric_observe(k->m.phase_transfer, x->t_moved - x->t_posted);
             pd_metric_observe(k->m.phase_notify, now - x->t_moved);
+            kv_cost_observe(k, x->bytes, x->t_moved - x->t_posted, now - x->started);
         } else if (x->kind == KV_X_PUSH_LOAD) {
             pd_metric_observe(k->m.phase_remote, now - x->t_posted);
         }

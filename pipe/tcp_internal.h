@@ -35,7 +35,8 @@
 #define TCP_MAGIC           0x50445450u /* "PDTP" */
 #define TCP_MAX_PAGES       (1u << 20)
 #define TCP_RCV_TIMEOUT_S   30
-#define TCP_HELLO_TIMEOUT_S 5 /* an accepted connection must send its HELLO within this */
+#define TCP_HELLO_TIMEOUT_S 5   /* an accepted connection must send its HELLO within this */
+#define TCP_HELLO_RACE_S    0.5 /* one whose MAC proves none of its id's sessions: the wait for its record */
 #define TCP_CONNECT_TIMEOUT_MS                                                                               \
     2000                   /* a data connection's connect (no thread waits on it: its peer dies then) */
 #define TCP_MAX_PENDING 64 /* accepted connections still without a HELLO; the oldest is dropped */

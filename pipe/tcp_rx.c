@@ -358,8 +358,8 @@ static void pending_wait(tcp_pipe_t *t, pending_in_t *c)
 /* c's HELLO (header + authentication, read into c->hello as it arrives) is usable: the magic, a
  * peer this side connected to, and a MAC under that peer's session (of the live records claiming
  * its pipe id, the one whose session the MAC matches: *peer_out). 1 yes (*h filled), 0 not yet (more
- * bytes to come, or no such peer so far: c waits), -1 drop it (garbled, unauthenticated, or closed
- * first). */
+ * bytes to come, or no record whose session it proves so far: c waits, until its deadline drops an
+ * unauthenticated one), -1 drop it (garbled, or closed first). */
 static int hello_check(tcp_pipe_t *t, pending_in_t *c, hdr_t *h, pd_pipe_peer_t **peer_out)
 {
     while (c->got < sizeof(c->hello)) {
@@ -397,18 +397,21 @@ static int hello_check(tcp_pipe_t *t, pending_in_t *c, hdr_t *h, pd_pipe_peer_t 
         }
     }
     pthread_mutex_unlock(&t->mu);
-    if (!claimed) {
+    if (peer == NULL) {
+        /* no record of this id yet, or none whose session the MAC matches: two engines that each
+         * dial the other at once (a prefill reading a decode's lent prefix while that decode
+         * reserves blocks with it) hold two records of one id, and a HELLO may come a moment before
+         * its own record; it waits for the next connect, an impostor's at most TCP_HELLO_RACE_S */
         struct pollfd pf = {c->fd, POLLRDHUP, 0};
         if (poll(&pf, 1, 0) > 0 && (pf.revents & (POLLRDHUP | POLLHUP | POLLERR))) {
             return -1; /* the dialer gave up waiting */
         }
+        if (claimed && !c->waiting) {
+            double race = pd_time_now_s() + TCP_HELLO_RACE_S;
+            c->deadline = c->deadline < race ? c->deadline : race;
+        }
         pending_wait(t, c);
         return 0;
-    }
-    if (peer == NULL) {
-        pd_log_warn("tcp pipe: refused a data connection claiming to be peer %016llx (wrong session proof)",
-                    (unsigned long long)h->op_id);
-        return -1;
     }
     *peer_out = peer;
     return 1;

@@ -25,13 +25,16 @@
 static bool wants_tokens(const proxy_t *px)
 {
     return strcmp(px->cfg.policy, "kv-aware") == 0 || px->cfg.local_prefill_threshold > 0 ||
-           px->cfg.local_prefill_hit_ratio > 0;
+           px->cfg.local_prefill_hit_ratio > 0 || px->cfg.prefix_fetch_min_blocks > 0;
 }
 
 /* q's prompt is toks[n]: its length and (block size known from the events) its full blocks' keys. */
 static void set_tokens(preq_t *q, const int32_t *toks, size_t n)
 {
     q->num_tokens = (int32_t)n;
+    if (q->px->cfg.prefix_fetch_min_blocks > 0 && (q->toks = malloc(n * sizeof(int32_t))) != NULL) {
+        memcpy(q->toks, toks, n * sizeof(int32_t)); /* a lend asks for a prefix of them (kv_fetch.c) */
+    }
     int bs = q->px->kv_block_size;
     if (bs <= 0 || n < (size_t)bs) {
         return;

@@ -94,6 +94,13 @@ size_t pd_proxy_flags(pd_proxy_config_t *c, pd_flag_t *out, size_t max)
          "conditional disaggregation: the decode node also prefills locally when it holds at least this "
          "share (0..1] of the prompt's tokens as cached blocks (0: off); implies --kv-events",
          NULL},
+        {"pd-prefix-fetch-min-blocks", PD_FLAG_INT, &c->prefix_fetch_min_blocks,
+         "peer-to-peer prefix fetch: when another node (prefill or decode) holds at least this many more "
+         "of the prompt's full blocks than the chosen prefill (by the KV index), that node lends them (a "
+         "1-token request with kv_transfer_params.kv_lend) and the prefill reads them over the KV pipe "
+         "before computing the rest, if its cost model says reading is faster (--kv-prefix-fetch); 0: off. "
+         "Implies --kv-events",
+         NULL},
         {"kv-aware-recent-seconds", PD_FLAG_DOUBLE, &c->kv_aware_recent_s,
          "kv-aware and the local-prefill rules: a prompt sent to a node counts as held there for this "
          "long, until its KV events say so (a burst over a new prefix then stays on one node; 0: the "
@@ -205,6 +212,18 @@ static void metrics_register(proxy_t *px)
                                        "Requests by where their prompt was computed: on the decode node "
                                        "(--pd-local-prefill-*) or on a prefill node.",
                                        "where=remote", NULL, 0);
+    static const char *fh = "Peer-to-peer prefix fetches asked of a node holding a longer prefix than the "
+                            "chosen prefill (--pd-prefix-fetch-min-blocks), by its answer: lent (pull "
+                            "parameters for the prefill), refused (it no longer holds them), failed.";
+    pm->fetch[0] =
+        pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:prefix_fetches_total", fh, "result=lent", NULL, 0);
+    pm->fetch[1] =
+        pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:prefix_fetches_total", fh, "result=refused", NULL, 0);
+    pm->fetch[2] =
+        pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:prefix_fetches_total", fh, "result=failed", NULL, 0);
+    pm->fetch_s = pd_metrics_add(m, PD_METRIC_HISTOGRAM, "pd_proxy:prefix_lend_seconds",
+                                 "A prefix fetch's lend request: sent to answered.", NULL, PD_LATENCY_BUCKETS,
+                                 PD_LATENCY_NUM_BUCKETS);
     pm->tokenize_failed =
         pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:tokenize_failures_total",
                        "Text or chat prompts a node's /tokenize did not tokenize (routed by the load alone).",
@@ -259,8 +278,12 @@ pd_status_t pd_proxy_run(const pd_proxy_config_t *cfg)
         st = PD_ERR_INVALID_ARG;
     }
     if (strcmp(cfg->policy, "kv-aware") == 0 || cfg->local_prefill_threshold > 0 ||
-        cfg->local_prefill_hit_ratio > 0) {
+        cfg->local_prefill_hit_ratio > 0 || cfg->prefix_fetch_min_blocks > 0) {
         px->cfg.kv_events = true; /* the policy and the local-prefill rules read the index */
+    }
+    if (cfg->prefix_fetch_min_blocks < 0) {
+        pd_log_error("proxy: --pd-prefix-fetch-min-blocks must be >= 0");
+        st = PD_ERR_INVALID_ARG;
     }
     if (cfg->local_prefill_threshold < 0 || cfg->local_prefill_hit_ratio < 0 ||
         cfg->local_prefill_hit_ratio > 1) {

@@ -39,6 +39,8 @@ typedef struct pd_proxy_config {
     double kv_aware_recent_s;       /* a prompt sent to a node counts as held there this long (0: off) */
     int local_prefill_threshold;    /* the decode prefills prompts with fewer uncached tokens (0: never) */
     double local_prefill_hit_ratio; /* ... or of which it holds this share (0: off) */
+    int prefix_fetch_min_blocks;    /* another node holds this many more prefix blocks than the chosen
+                                     * prefill: it lends them (kv_fetch.c; 0: off) */
     double health_interval;
     double upstream_timeout; /* s an upstream request may take */
     int affinity_prefix_chars;

@@ -55,7 +55,16 @@ struct preq {
                 1]; /* X-Request-Id of both legs: the client's, or the transfer id's random part */
     uint64_t *keys; /* the prompt's full blocks' keys (pd_kv_event_hash chain), or NULL (kv_route.c) */
     int num_keys;
-    int32_t num_tokens;                 /* the prompt's tokens (0: unknown) */
+    int32_t num_tokens; /* the prompt's tokens (0: unknown) */
+    int32_t *toks;      /* them, when known (malloc'd; kv_fetch.c asks for a prefix) */
+    /* peer-to-peer prefix fetch (kv_fetch.c): the node asked to lend the prompt's prefix, its request
+     * while it runs, its answer's kv_transfer_params (the prefill's kv_prefix) */
+    node_t *lender;
+    struct evhttp_connection *lend_conn;
+    json_t *kv_prefix;
+    bool fetch_asked;   /* one lend per request: a retried prefill leg goes without */
+    bool lend_released; /* the lender was told to drop its lease */
+    double t_lend;
     struct evhttp_connection *tok_conn; /* the prompt's /tokenize while it runs */
     node_t *tok_node;                   /* where it runs */
     bool local;                         /* the decode prefills it itself (no prefill leg) */
@@ -87,8 +96,9 @@ typedef struct proxy_metrics {
     pd_metric_t *ok, *failed, *client_gone, *retry_p, *retry_d, *prefill_s, *decode_ttft_s, *e2e_s;
     pd_metric_t *handovers, *first_token_s;
     pd_metric_t *routed_local, *routed_remote, *tokenize_failed, *tokenize_s; /* kv_route.c */
-    pd_metric_t *kv_gaps, *kv_malformed, *kv_entries;                         /* --kv-events */
-    pd_metric_t *pool_nodes[2];                                               /* decode, prefill */
+    pd_metric_t *fetch[3], *fetch_s;                  /* kv_fetch.c: lent, refused, failed */
+    pd_metric_t *kv_gaps, *kv_malformed, *kv_entries; /* --kv-events */
+    pd_metric_t *pool_nodes[2];                       /* decode, prefill */
 } proxy_metrics_t;
 
 struct proxy {
@@ -124,6 +134,13 @@ void px_release_prefill(preq_t *q);
 void px_start_decode(preq_t *q);
 /* Sends the prefill leg; false when q ended (and was freed) instead. */
 bool px_start_prefill(preq_t *q);
+/* Sends q's prefill leg to q->p (chosen by px_start_prefill); false when q ended instead. */
+bool px_send_prefill(preq_t *q);
+/* kv_fetch.c: asks a node holding a longer prefix of q's prompt than q->p to lend it; true when the
+ * ask went out (its answer sends the prefill leg). px_fetch_end: the prefill leg ended (or q ends):
+ * the lend's lease is released. */
+bool px_fetch_begin(preq_t *q);
+void px_fetch_end(preq_t *q);
 /* Starts the client's event stream (once; nothing when the client is gone). */
 void px_start_client_stream(preq_t *q);
 

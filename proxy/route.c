@@ -85,6 +85,12 @@ void px_preq_free(preq_t *q)
     if (q->tok_conn != NULL) {
         evhttp_connection_free(q->tok_conn); /* its callback does not run */
     }
+    if (q->lend_conn != NULL) {
+        evhttp_connection_free(q->lend_conn); /* the lender aborts it; a lease it granted meanwhile: */
+    }
+    px_fetch_end(q); /* ... released */
+    json_decref(q->kv_prefix);
+    free(q->toks);
     json_decref(q->body);
     json_decref(q->ktp);
     free(q->auth);
@@ -332,6 +338,7 @@ static void on_p_done(struct evhttp_request *r, void *arg)
     px_release_conn(px, q->p_conn);
     q->p_conn = NULL;
     q->p->inflight--;
+    px_fetch_end(q); /* the prefill read the lent prefix at admission, or never will */
     int code = r != NULL ? evhttp_request_get_response_code(r) : 0;
     if (q->ft) {
         if (r != NULL) { /* what the last chunk callback did not see */
@@ -411,6 +418,16 @@ bool px_start_prefill(preq_t *q)
     q->tried_p[p - px->nodes] = true;
     q->p = p;
     px_note_route(px, p, q->keys, q->num_keys);
+    if (px_fetch_begin(q)) {
+        return true; /* a node holding more of the prompt lends it first; then px_send_prefill */
+    }
+    return px_send_prefill(q);
+}
+
+bool px_send_prefill(preq_t *q)
+{
+    proxy_t *px = q->px;
+    node_t *p = q->p;
     /* first-token handover: the client's body as it is (the parameters set while px_upstream
      * serialises it); else a copy with the fields a 1-token prefill must not see */
     json_t *body = q->ft ? q->body : json_deep_copy(q->body);
@@ -439,6 +456,9 @@ bool px_start_prefill(preq_t *q)
     /* push: the decode names it in its reservation; both: the proxy releases what the prefill holds
      * for the request with it, even before the prefill answered (its client left) */
     json_object_set_new(ktp, "transfer_id", json_string(q->transfer_id));
+    if (q->kv_prefix != NULL) { /* kv_fetch.c: the prefix a peer lent, for the prefill to read */
+        json_object_set(ktp, "kv_prefix", q->kv_prefix);
+    }
     json_object_set_new(body, "kv_transfer_params", ktp);
     q->p_conn = px_upstream(px, p, EVHTTP_REQ_POST, q->path, q->auth, q->req_id, body, on_p_done,
                             q->ft ? px_ft_on_p_chunk : NULL, NULL, q);

@@ -405,6 +405,13 @@ static void schedule_waiting(pd_scheduler_t *s, int32_t *budget)
             if (s->conn != NULL) {
                 pd_status_t st =
                     s->conn->ops->get_num_new_matched_tokens(s->conn, r, local, &external, &async);
+                if (st == PD_ERR_REJECTED) {
+                    /* the connector refuses to run it here (a lend of a prefix this node no longer
+                     * holds): it ends with an error before anything is computed (logged there) */
+                    finish_request(s, r, PD_REQ_FINISHED_ERROR);
+                    r = next;
+                    continue;
+                }
                 if (st != PD_OK || external < 0) {
                     external = 0;
                     async = false;

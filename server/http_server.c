@@ -391,7 +391,8 @@ static void handle_info(pd_http_server_t *s, struct evhttp_request *req)
     evbuffer_free(buf);
 }
 
-/* POST /pd/release: the proxy gives up a prefill's held KV whose decode leg failed. */
+/* POST /pd/release: the proxy gives up a prefill's held KV whose decode leg failed, or a node's
+ * prefix lend the prefill did not read. */
 static void handle_release(pd_http_server_t *s, struct evhttp_request *req)
 {
     struct evbuffer *in = evhttp_request_get_input_buffer(req);

@@ -14,7 +14,7 @@
 #include "engine/engine.h"
 #include "server/http_server.h"
 
-/* POST /pd/release → the connector (prefill nodes). */
+/* POST /pd/release → the connector (a prefill's held KV; a decode's lends). */
 static bool release_kv(void *ctx, const char *request_id, uint64_t lease_id, const char *transfer_id)
 {
     return pd_kv_connector_release(ctx, request_id, lease_id, transfer_id);
@@ -110,10 +110,8 @@ int pd_node_main(int argc, char **argv, const char *role)
         info = json_dumps(j, JSON_COMPACT);
         json_decref(j);
         hcfg.info_json = info;
-        if (strcmp(role, "prefill") == 0) {
-            hcfg.release_kv = release_kv;
-            hcfg.release_ctx = conn;
-        }
+        hcfg.release_kv = release_kv; /* a prefill's leases, and any node's prefix lends (kv_lend) */
+        hcfg.release_ctx = conn;
         st = pd_http_server_create(&hcfg, e, metrics, &srv);
     }
     if (st == PD_OK) {

@@ -39,4 +39,6 @@ echo "run-bench: tools/bench-conditional.sh (mixed workload: always disaggregate
 tools/bench-conditional.sh "$build"
 echo "run-bench: tools/bench-offload.sh (KV offload tier none vs host vs disk, multi-turn, pool 1/4 of the KV)"
 tools/bench-offload.sh "$build"
+echo "run-bench: tools/bench-p2p.sh (peer-to-peer prefix fetch off vs on, multi-turn, 2P+2D, round-robin and kv-aware)"
+tools/bench-p2p.sh "$build"
 echo "run-bench: results appended to bench/RESULTS.md"

@@ -1482,6 +1482,61 @@ START_TEST(test_decode_engine_half_alone)
 }
 END_TEST
 
+/* Peer-to-peer prefix fetch: which node takes which kv_transfer_params (a lend is any node's, pull
+ * only; a kv_prefix a prefill's), and the fetch-or-compute model's arithmetic. */
+START_TEST(test_prefix_fetch_params)
+{
+    opts_t o = {"pull", "tcp", NULL, 0, 0, 0};
+    node_t p, d;
+    ck_assert_int_eq(node_try_make(&p, "prefill", 'p', &o, false), PD_OK);
+    ck_assert_int_eq(node_try_make(&d, "decode", 'd', &o, false), PD_OK);
+    struct {
+        const char *params;
+        bool prefill_ok, decode_ok;
+    } cases[] = {
+        {"{\"do_remote_decode\": true, \"kv_lend\": true, \"kv_lend_min_tokens\": 32}", true, true},
+        {"{\"do_remote_decode\": true, \"kv_lend\": true, \"transfer_mode\": \"push\"}", false, false},
+        {"{\"do_remote_decode\": true, \"kv_lend\": true, \"first_token\": true}", false, false},
+        {"{\"kv_lend\": true}", false, false},
+        {"{\"do_remote_decode\": true, \"kv_lend\": true, \"kv_lend_min_tokens\": -1}", false, false},
+        {"{\"do_remote_decode\": true, \"kv_lend\": true, \"kv_lend_min_tokens\": \"32\"}", false, false},
+        {"{\"do_remote_decode\": true, \"kv_prefix\": {\"remote_host\": \"127.0.0.1\"}}", true, false},
+        {"{\"do_remote_decode\": true, \"kv_prefix\": 7}", false, false},
+        {"{\"do_remote_decode\": true, \"kv_lend\": true, \"kv_prefix\": {}}", false, false},
+        {"{\"do_remote_prefill\": true, \"kv_prefix\": {}}", false, false},
+        {"{\"do_remote_decode\": true}", true, false},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        json_t *j = json_loads(cases[i].params, 0, NULL);
+        ck_assert_ptr_nonnull(j);
+        const char *pe = p.c->ops->params_error(p.c, j), *de = d.c->ops->params_error(d.c, j);
+        ck_assert_msg((pe == NULL) == cases[i].prefill_ok, "prefill, %s: %s", cases[i].params,
+                      pe ? pe : "ok");
+        ck_assert_msg((de == NULL) == cases[i].decode_ok, "decode, %s: %s", cases[i].params, de ? de : "ok");
+        json_decref(j);
+    }
+    /* a lend the node's cache cannot cover is refused before anything is computed */
+    pd_request_t *r = request("lend-a", json_pack("{s:b, s:b, s:s, s:i}", "do_remote_decode", 1, "kv_lend", 1,
+                                                  "transfer_mode", "pull", "kv_lend_min_tokens", 48));
+    int32_t ext = -1;
+    bool async = true;
+    ck_assert_int_eq(d.c->ops->get_num_new_matched_tokens(d.c, r, 32, &ext, &async), PD_ERR_REJECTED);
+    ck_assert_int_eq(d.c->ops->get_num_new_matched_tokens(d.c, r, 48, &ext, &async), PD_OK);
+    ck_assert(ext == 0 && !async);
+    pd_request_free(r);
+    /* fetch = overhead + bytes / bandwidth against compute = tokens / rate */
+    double f, c;
+    ck_assert(pd_kv_fetch_pays(64e6, 4096, 1e-3, 10e9, 20000, &f, &c)); /* 7.4 ms vs 205 ms */
+    ck_assert_double_eq_tol(f, 1e-3 + 6.4e-3, 1e-12);
+    ck_assert_double_eq_tol(c, 4096 / 20000.0, 1e-12);
+    ck_assert(!pd_kv_fetch_pays(64e6, 64, 1e-3, 1e9, 1e6, &f, &c)); /* 65 ms vs 64 µs */
+    ck_assert(pd_kv_fetch_pays(1e6, 64, 1e-3, 1e9, 0, &f, &c));     /* rate unknown: fetch */
+    ck_assert(!pd_kv_fetch_pays(1e6, 64, 1e-3, 0, 1e3, &f, &c));    /* bandwidth unknown */
+    node_stop(&d);
+    node_stop(&p);
+}
+END_TEST
+
 /* The engine half of a push prefill, with no control thread: a reservation offered before the
  * request's first step binds at layer 0 (a take command), each layer's pages go out as write jobs
  * addressed into the offer's blocks, wait_for_save returns once the step's jobs come back done, and
@@ -1757,6 +1812,7 @@ int main(void)
     tcase_add_test(tc, test_mailbox);
     tcase_add_test(tc, test_decode_engine_half_alone);
     tcase_add_test(tc, test_prefill_engine_half_alone);
+    tcase_add_test(tc, test_prefix_fetch_params);
     tcase_add_loop_test(tc, test_prefill_control_half_alone, 0, np);
     suite_add_tcase(s, tc);
     tu_fail_alloc_add(s, test_fail_alloc, FA_NUM);

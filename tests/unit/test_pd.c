@@ -1317,6 +1317,204 @@ static json_t *body_with(int i, int max_tokens, json_t *ktp)
     return j;
 }
 
+/* ------------------------------------------------------------------ peer-to-peer prefix fetch */
+
+/* A greedy completion of ids[n] (max_tokens, ignore_eos) with kv_transfer_params ktp (consumed; NULL:
+ * none). */
+static json_t *ids_req(const int32_t *ids, int n, int max_tokens, json_t *ktp)
+{
+    json_t *a = json_array();
+    for (int i = 0; i < n; i++) {
+        json_array_append_new(a, json_integer(ids[i]));
+    }
+    json_t *b = json_pack("{s:s, s:o, s:i, s:f, s:b, s:b}", "model", MODEL_NAME, "prompt", a, "max_tokens",
+                          max_tokens, "temperature", 0.0, "return_token_ids", 1, "ignore_eos", 1);
+    if (ktp != NULL) {
+        json_object_set_new(b, "kv_transfer_params", ktp);
+    }
+    return b;
+}
+
+/* The token ids of a completion answer (compact JSON, caller frees), or NULL. */
+static char *answer_ids(const json_t *resp)
+{
+    json_t *ids = json_object_get(json_array_get(json_object_get(resp, "choices"), 0), "token_ids");
+    return ids != NULL ? json_dumps(ids, JSON_COMPACT) : NULL;
+}
+
+/* Asks port to lend the KV of ids[n] (kv_lend, at least min cached tokens); its status, and its
+ * kv_transfer_params (a new reference, or NULL). */
+static int lend(int port, const int32_t *ids, int n, int min, const char *tid, json_t **params)
+{
+    json_t *resp = NULL;
+    int st = post_json(port,
+                       ids_req(ids, n, 1,
+                               json_pack("{s:b, s:b, s:s, s:b, s:i, s:s}", "do_remote_decode", 1,
+                                         "do_remote_prefill", 0, "transfer_mode", "pull", "kv_lend", 1,
+                                         "kv_lend_min_tokens", min, "transfer_id", tid)),
+                       &resp);
+    json_t *p = json_object_get(resp, "kv_transfer_params");
+    *params = json_is_object(p) ? json_incref(p) : NULL;
+    json_decref(resp);
+    return st;
+}
+
+/* Prompt ids[n] in P/D by hand: the prefill (with kv_prefix when not NULL: consumed) then the decode
+ * (pull); the decode's token ids. */
+static char *pd_with_prefix(int pport, int dport, const int32_t *ids, int n, json_t *kv_prefix)
+{
+    json_t *ktp =
+        json_pack("{s:b, s:b, s:s}", "do_remote_decode", 1, "do_remote_prefill", 0, "transfer_mode", "pull");
+    if (kv_prefix != NULL) {
+        json_object_set_new(ktp, "kv_prefix", kv_prefix);
+    }
+    json_t *resp = NULL;
+    int st = post_json(pport, ids_req(ids, n, 1, ktp), &resp);
+    ck_assert_msg(st == 200, "prefill: HTTP %d: %s", st,
+                  json_string_value(resp) ? json_string_value(resp) : "");
+    json_t *dk = json_incref(json_object_get(resp, "kv_transfer_params"));
+    json_decref(resp);
+    ck_assert_ptr_nonnull(dk);
+    st = post_json(dport, ids_req(ids, n, 8, dk), &resp);
+    ck_assert_int_eq(st, 200);
+    char *out = answer_ids(resp);
+    json_decref(resp);
+    ck_assert_ptr_nonnull(out);
+    return out;
+}
+
+/* Peer-to-peer prefix fetch (kv_transfer_params kv_lend / kv_prefix), in pull- and push-mode clusters
+ * (the fetch itself is a read). A decode that computed prompt a lends b's first 49 tokens (a's first
+ * 48, its 3 cached blocks, then one token it computes), as pd-proxy asks; a prefill asked to compute
+ * b with that lend as kv_prefix reads the 3 blocks (6 pages) instead of computing them, and the
+ * answer for b equals pd-serve's. A node that
+ * holds less than asked refuses to lend and computes nothing; a lend of another prompt's tokens is
+ * refused by the prefill (b computed, nothing read) and released by its transfer id; a lender that
+ * stops before the read fails it, and the prompt is recomputed, still right; afterwards every pool is free and
+ * no lease is held. */
+START_TEST(test_prefix_fetch_by_hand)
+{
+    int32_t a[97], b[97];
+    for (int i = 0; i < 97; i++) {
+        a[i] = b[i] = 5 + (i * 7) % 200;
+    }
+    for (int i = 48; i < 97; i++) {
+        b[i] = 9 + (i * 3) % 180;
+    }
+    int32_t e[113]; /* a's 6 blocks, then others: the prefill will hold only its first 3 */
+    memcpy(e, a, sizeof(a));
+    for (int i = 97; i < 113; i++) {
+        e[i] = 11 + (i * 5) % 170;
+    }
+    node_t serve;
+    start(&serve, "pd-serve", "serve", g_model, NULL);
+    json_t *resp = NULL;
+    ck_assert_int_eq(post_json(serve.port, ids_req(b, 97, 8, NULL), &resp), 200);
+    char *ref = answer_ids(resp);
+    json_decref(resp);
+    ck_assert_int_eq(post_json(serve.port, ids_req(e, 113, 8, NULL), &resp), 200);
+    char *ref_e = answer_ids(resp);
+    json_decref(resp);
+    stop(&serve);
+    const char *pages = "pd:kv_transfer_pages_sum";
+    for (int m = 0; m < 2; m++) {
+        const char *mode = m == 0 ? "pull" : "push";
+        cluster_t c;
+        char *fetch[] = {"--kv-prefix-fetch", "always", NULL};
+        cluster_start(&c, mode, "tcp", fetch, NULL);
+        /* the decode computes a itself (no kv_transfer_params): its pool caches a's 6 full blocks */
+        ck_assert_int_eq(post_json(c.d.port, ids_req(a, 97, 4, NULL), &resp), 200);
+        json_decref(resp);
+        /* the prefill holds none of a: asked to lend 48 cached tokens, it refuses and computes nothing */
+        json_t *lent = NULL;
+        int st = lend(c.p.port, b, 49, 48, "t-refused", &lent);
+        ck_assert_msg(st != 200 && lent == NULL, "%s: a node without the prefix lent it (HTTP %d)", mode, st);
+        ck_assert_msg(metric(c.p.port, "pd:kv_blocks_used") == 0, "%s: the refused lend holds blocks", mode);
+        /* the decode lends b's first 49 tokens: 3 blocks cached (a's), one it computes */
+        st = lend(c.d.port, b, 49, 48, "t-lend-1", &lent);
+        ck_assert_msg(st == 200 && lent != NULL, "%s: the decode did not lend (HTTP %d)", mode, st);
+        ck_assert_int_eq(json_integer_value(json_object_get(lent, "remote_num_tokens")), 49);
+        ck_assert_int_eq(metric(c.d.port, "pd:kv_leases_held"), 1);
+        double p0 = metric(c.p.port, pages);
+        char *got = pd_with_prefix(c.p.port, c.d.port, b, 97, lent);
+        ck_assert_msg(metric(c.p.port, pages) - p0 == 3 * 2, "%s: the prefill read %.0f pages, want 6", mode,
+                      metric(c.p.port, pages) - p0);
+        ck_assert_msg(strcmp(got, ref) == 0, "%s: b through a fetched prefix: %s != pd-serve %s", mode, got,
+                      ref);
+        free(got);
+        /* a lend of b's prefix is not another prompt's: the prefill refuses it (signed for b's tokens) */
+        int32_t other[97];
+        memcpy(other, b, sizeof(other));
+        other[3] = 250; /* b with one token of its first block changed */
+        st = lend(c.d.port, b, 49, 48, "t-lend-2", &lent);
+        ck_assert_int_eq(st, 200);
+        double refused = metric(c.p.port, "pd:kv_params_refused_total");
+        p0 = metric(c.p.port, pages);
+        free(pd_with_prefix(c.p.port, c.d.port, other, 97, lent));
+        ck_assert_msg(metric(c.p.port, "pd:kv_params_refused_total") == refused + 1,
+                      "%s: a prefix of other tokens was not refused", mode);
+        ck_assert_msg(metric(c.p.port, pages) == p0, "%s: the refused prefix was read", mode);
+        /* the unread lend is released by its transfer id, as pd-proxy releases one */
+        http_resp_t r;
+        ck_assert_int_eq(http_request(c.d.port, "POST", "/pd/release", "Content-Type: application/json\r\n",
+                                      "{\"transfer_id\": \"t-lend-2\"}", &r, 5000),
+                         0);
+        ck_assert_msg(r.status == 200 && strstr(r.body, "true") != NULL, "%s: release: %d %s", mode, r.status,
+                      r.body);
+        http_resp_free(&r);
+        /* the lender stops (SIGSTOP, a peer dying as far as anyone can tell) before the prefill reads
+         * e's blocks 3..5 (it holds 0..2, a's): the read fails when its heartbeats stop, the failure
+         * policy recomputes e on the prefill, and once the decode runs again its answer is pd-serve's */
+        st = lend(c.d.port, e, 97, 96, "t-lend-3", &lent);
+        ck_assert_int_eq(st, 200);
+        const char *recomputed = "pd:kv_load_failure_policy_actions_total{policy=\"recompute\"}";
+        double rc0 = metric(c.p.port, recomputed);
+        kill(c.d.pid, SIGSTOP);
+        json_t *ktp = json_pack("{s:b, s:b, s:s, s:o}", "do_remote_decode", 1, "do_remote_prefill", 0,
+                                "transfer_mode", "pull", "kv_prefix", lent);
+        st = post_json(c.p.port, ids_req(e, 113, 1, ktp), &resp);
+        kill(c.d.pid, SIGCONT);
+        ck_assert_msg(st == 200, "%s: the prefill failed with its lender stopped: %d", mode, st);
+        ck_assert_msg(metric(c.p.port, recomputed) == rc0 + 1, "%s: the failed read was not recomputed",
+                      mode);
+        json_t *dk = json_incref(json_object_get(resp, "kv_transfer_params"));
+        json_decref(resp);
+        ck_assert_int_eq(post_json(c.d.port, ids_req(e, 113, 8, dk), &resp), 200);
+        got = answer_ids(resp);
+        json_decref(resp);
+        ck_assert_msg(got != NULL && strcmp(got, ref_e) == 0, "%s: e after a failed fetch: %s != pd-serve %s",
+                      mode, got, ref_e);
+        free(got);
+        ck_assert_int_eq(http_request(c.d.port, "POST", "/pd/release", "Content-Type: application/json\r\n",
+                                      "{\"transfer_id\": \"t-lend-3\"}", &r, 5000),
+                         0);
+        http_resp_free(&r);
+        assert_pool_free(c.p.port, "the prefill");
+        assert_pool_free(c.d.port, "the decode");
+        ck_assert_int_eq(metric(c.d.port, "pd:kv_leases_held"), 0);
+        cluster_stop(&c);
+    }
+    free(ref), free(ref_e);
+}
+END_TEST
+
+/* The token ids of a greedy completion of ids[n] (max_tokens) through port; *len_out: how many. */
+static int32_t *complete_ids(int port, const int32_t *ids, int n, int max_tokens, int *len_out)
+{
+    json_t *resp = NULL;
+    int st = post_json(port, ids_req(ids, n, max_tokens, NULL), &resp);
+    ck_assert_msg(st == 200, "HTTP %d on :%d", st, port);
+    json_t *a = json_object_get(json_array_get(json_object_get(resp, "choices"), 0), "token_ids");
+    int k = (int)json_array_size(a);
+    int32_t *out = malloc((size_t)(k > 0 ? k : 1) * sizeof(int32_t));
+    for (int i = 0; i < k; i++) {
+        out[i] = (int32_t)json_integer_value(json_array_get(a, (size_t)i));
+    }
+    json_decref(resp);
+    *len_out = k;
+    return out;
+}
+
 /* Sends a pull prefill directly and returns its kv_transfer_params (JSON text). */
 static char *prefill_only(int port, int i)
 {
@@ -1812,6 +2010,86 @@ static double served(int port)
 {
     return metric(port, "vllm:request_success_total{finished_reason=\"length\"}");
 }
+
+/* Through pd-proxy (--pd-prefix-fetch-min-blocks 1, round-robin over 2 prefills, every node
+ * publishing its KV events), pull and push: turn 2 of a conversation (turn 1, its 40-token answer,
+ * 10 new tokens) goes to a prefill; the decode that produced turn 1's answer holds its blocks (6),
+ * more than either prefill, so it lends them and that prefill reads them instead of computing them.
+ * Both turns equal pd-serve's answers; afterwards every pool is free and the decode holds no lease. */
+START_TEST(test_prefix_fetch_through_proxy)
+{
+    int32_t t[128];
+    for (int i = 0; i < 60; i++) {
+        t[i] = 4 + (i * 13) % 230;
+    }
+    node_t serve;
+    start(&serve, "pd-serve", "serve", g_model, NULL);
+    int n1 = 0, n2 = 0;
+    int32_t *ref1 = complete_ids(serve.port, t, 60, 40, &n1);
+    ck_assert_int_eq(n1, 40);
+    memcpy(t + 60, ref1, 40 * sizeof(int32_t));
+    for (int i = 100; i < 110; i++) {
+        t[i] = 7 + (i * 5) % 200;
+    }
+    int32_t *ref2 = complete_ids(serve.port, t, 110, 8, &n2);
+    stop(&serve);
+    for (int m = 0; m < 2; m++) {
+        const char *mode = m == 0 ? "pull" : "push";
+        pool2_t c;
+        memset(&c, 0, sizeof(c));
+        char *a[] = {"--kv-transfer-mode", (char *)mode, "--kv-pipe",         "tcp",    FAST_TIMEOUTS,
+                     "--kv-events-config", EVENTS_CFG,   "--kv-prefix-fetch", "always", NULL};
+        start(&c.p[0], "pd-prefill", "prefill0", g_model, a);
+        start(&c.p[1], "pd-prefill", "prefill1", g_model, a);
+        start(&c.d, "pd-decode", "decode", g_model, a);
+        char pre[160], dec[64];
+        snprintf(pre, sizeof(pre), "http://127.0.0.1:%d,http://127.0.0.1:%d", c.p[0].port, c.p[1].port);
+        snprintf(dec, sizeof(dec), "http://127.0.0.1:%d", c.d.port);
+        char *x[] = {"--prefill",
+                     pre,
+                     "--decode",
+                     dec,
+                     "--health-interval",
+                     "0.2",
+                     "--policy",
+                     "round-robin",
+                     "--pd-prefix-fetch-min-blocks",
+                     "1",
+                     NULL};
+        start(&c.x, "pd-proxy", "proxy", NULL, x);
+        usleep(600 * 1000);
+        int k1 = 0, k2 = 0;
+        int32_t *got1 = complete_ids(c.x.port, t, 60, 40, &k1);
+        ck_assert_msg(k1 == 40 && memcmp(got1, ref1, sizeof(int32_t) * 40) == 0, "%s: turn 1 differs", mode);
+        /* the decode computed turn 1's answer: 99 tokens' KV, 6 full blocks, in its events */
+        ck_assert_msg(await_blocks(c.x.port, c.d.port, 6, false) >= 6,
+                      "%s: the decode's blocks are not indexed", mode);
+        double pages0 =
+            metric(c.p[0].port, "pd:kv_transfer_pages_sum") + metric(c.p[1].port, "pd:kv_transfer_pages_sum");
+        int32_t *got2 = complete_ids(c.x.port, t, 110, 8, &k2);
+        ck_assert_msg(k2 == n2 && memcmp(got2, ref2, sizeof(int32_t) * (size_t)n2) == 0,
+                      "%s: turn 2 through a fetched prefix differs from pd-serve's", mode);
+        double pages = metric(c.p[0].port, "pd:kv_transfer_pages_sum") +
+                       metric(c.p[1].port, "pd:kv_transfer_pages_sum") - pages0;
+        ck_assert_msg(metric(c.x.port, "pd_proxy:prefix_fetches_total{result=\"lent\"}") == 1,
+                      "%s: no lend was asked of the decode", mode);
+        /* the prefill held 0 or 3 of turn 2's blocks (which one got it) and read the rest of the 6 in
+         * one load (push: it also wrote the 7th block to the decode) */
+        const char *loads = "pd:kv_transfer_phase_seconds_count{phase=\"transfer\"}"; /* reads it made */
+        ck_assert_msg(metric(c.p[0].port, loads) + metric(c.p[1].port, loads) == 1, "%s: no prefix load",
+                      mode);
+        ck_assert_msg(pages - (m == 1 ? 2 : 0) == 6 * 2 || pages - (m == 1 ? 2 : 0) == 3 * 2,
+                      "%s: the prefills moved %.0f pages", mode, pages);
+        free(got1), free(got2);
+        assert_pool_free(c.p[0].port, "prefill 0");
+        assert_pool_free(c.p[1].port, "prefill 1");
+        assert_pool_free(c.d.port, "the decode");
+        ck_assert_int_eq(metric(c.d.port, "pd:kv_leases_held"), 0);
+        pool2_stop(&c);
+    }
+    free(ref1), free(ref2);
+}
+END_TEST
 
 START_TEST(test_proxy_prefix_affinity_and_failover)
 {
@@ -2369,6 +2647,9 @@ int main(void)
     tcase_add_test(eq, test_nccl_with_host_kv_refused);
     tcase_add_test(eq, test_prefix_hit_moves_only_missing_blocks);
     tcase_add_test(eq, test_decode_offload_tier_saves_transfers);
+    TCase *p2p = tcase_create("p2p");
+    tcase_add_test(p2p, test_prefix_fetch_by_hand);
+    tcase_add_test(p2p, test_prefix_fetch_through_proxy);
     TCase *handover = tcase_create("handover");
     tcase_add_loop_test(handover, test_first_token_handover, 0, (int)(sizeof(FT) / sizeof(FT[0])));
     TCase *faults = tcase_create("faults");
@@ -2397,7 +2678,7 @@ int main(void)
     tcase_add_test(proxy, test_proxy_local_prefill_round_robin);
     tcase_add_test(proxy, test_proxy_index_after_node_restart);
     tcase_add_test(proxy, test_dns_discovery_and_prefill_restart);
-    TCase *cases[] = {eq, handover, faults, hostile, proxy};
+    TCase *cases[] = {eq, handover, faults, hostile, proxy, p2p};
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         tcase_add_unchecked_fixture(cases[i], suite_setup, suite_teardown);
         tcase_set_timeout(cases[i], 300);

@@ -808,8 +808,9 @@ static bool closed_by_peer(int fd, double timeout_s)
 }
 
 /* tcp: the pipe id is not an identity. A data connection that claims a real peer's id without the
- * session's MAC (a guessed one, or one under the all-zero key of a pipe with no secret) is closed at
- * once, and the real peer's transfers go on; HELLOs for ids this side never connected to wait
+ * session's MAC (a guessed one, or one under the all-zero key of a pipe with no secret) is closed
+ * within TCP_HELLO_RACE_S (it may be the peer's second session, whose record is a moment away when
+ * two engines dial each other), and the real peer's transfers go on; HELLOs for ids this side never connected to wait
  * without creating a peer, capped like any pending connection, and cost no fd once closed. */
 static void run_impostor_data_connections(void)
 {

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# tools/bench-p2p.sh BUILD_DIR — peer-to-peer prefix fetch (pd-proxy --pd-prefix-fetch-min-blocks) on
+# 2 prefills + 2 decodes (pull over ucx, the demo model, every node publishing its KV cache events):
+# pd-bench --dataset-name multi-turn through pd-proxy, routing round-robin (a conversation's turns go
+# to either prefill) and kv-aware, each with the fetch off and on, each on freshly started nodes.
+# Per run: TTFT p50/p99 of the turns >= 2, TPOT p50, the prompt tokens the prefills computed
+# (vllm:prompt_tokens_total - vllm:prefix_cache_hits_total - the tokens they read from peers), the
+# proxy's lends, and the prefills' reads from peers (bytes / seconds while pages moved) against the
+# same run's baseline: the decodes' reads from the prefills over the same pipe. Appends to
+# bench/RESULTS.md. PD_P2P_CONVS (16), PD_P2P_TURNS (4), PD_P2P_SEED (1), PD_P2P_MIN_BLOCKS (4).
+set -euo pipefail
+build=${1:-build}
+cd "$(dirname "$0")/.."
+bin="$build/bin"
+models="$build/models"
+results=bench/RESULTS.md
+source tools/bench-procs.sh
+demo_setup p2p
+convs=${PD_P2P_CONVS:-16}
+turns=${PD_P2P_TURNS:-4}
+seed=${PD_P2P_SEED:-1}
+minb=${PD_P2P_MIN_BLOCKS:-4}
+node=(--model "$models/demo" --served-model-name demo --kv-cache-memory 1G --max-model-len 2048
+      --max-num-batched-tokens 512 --threads 1 --kv-pipe ucx --kv-transfer-mode pull --kv-listen 127.0.0.1:0
+      --kv-events-config "$events")
+workload=(--dataset-name multi-turn --num-prompts "$convs" --multi-turn-turns "$turns" --multi-turn-system-len 512
+          --multi-turn-user-len 256 --random-output-len 64 --multi-turn-think-time 0.5 --max-concurrency 4
+          --temperature 0 --ignore-eos --seed "$seed" --vocab-size "$vocab" --metric-percentiles 50,99 --no-progress)
+# the demo model's KV per token, all layers (8 layers × K and V × 2 heads × 64 × bf16)
+per_token=$((8 * 2 * 2 * 64 * 2))
+sum_metric() { # sum_metric NAME PORT... : a series summed over the nodes
+  local name=$1 p; shift
+  for p in "$@"; do curl -s "http://127.0.0.1:$p/metrics"; done | awk -v n="$name" '$1 == n {s += $2} END{printf "%.6f", s}'
+}
+rows=()
+for run in "round-robin 0" "round-robin $minb" "kv-aware 0" "kv-aware $minb"; do
+  set -- $run
+  policy=$1 fetch=$2
+  echo "bench-p2p: $policy, prefix fetch min blocks $fetch, $convs conversations × $turns turns"
+  start p0 pd-prefill "${node[@]}"; p0=$port
+  start p1 pd-prefill "${node[@]}"; p1=$port
+  start d0 pd-decode "${node[@]}"; d0=$port
+  start d1 pd-decode "${node[@]}"; d1=$port
+  start proxy pd-proxy --health-interval 0.5 --policy "$policy" --kv-events --pd-prefix-fetch-min-blocks "$fetch" \
+    --prefill "http://127.0.0.1:$p0,http://127.0.0.1:$p1" --decode "http://127.0.0.1:$d0,http://127.0.0.1:$d1"
+  x=$port
+  f="$work/$policy-$fetch.json"
+  "$bin/pd-bench" --base-url "http://127.0.0.1:$x" --wait-ready 60 "${workload[@]}" --save-result \
+    --result-filename "$f" --label "$policy fetch $fetch" >"$work/$policy-$fetch.out"
+  read -r p50 p99 tpot failed < <(python3 - "$f" <<'EOF'
+import json, sys
+j = json.load(open(sys.argv[1]))
+t = j["later_turns"]
+print(round(t["median_ttft_ms"]), round(t["p99_ttft_ms"]), "%.2f" % j["median_tpot_ms"], j["failed"])
+EOF
+)
+  prompt=$(sum_metric 'vllm:prompt_tokens_total{model_name="demo",engine="0"}' "$p0" "$p1")
+  hits=$(sum_metric 'vllm:prefix_cache_hits_total{model_name="demo",engine="0"}' "$p0" "$p1")
+  pbytes=$(sum_metric pd:kv_transfer_bytes_total "$p0" "$p1")
+  ps=$(sum_metric 'pd:kv_transfer_phase_seconds_sum{phase="transfer"}' "$p0" "$p1")
+  dbytes=$(sum_metric pd:kv_transfer_bytes_total "$d0" "$d1")
+  ds=$(sum_metric 'pd:kv_transfer_phase_seconds_sum{phase="transfer"}' "$d0" "$d1")
+  lent=$(sum_metric 'pd_proxy:prefix_fetches_total{result="lent"}' "$x")
+  refused=$(sum_metric 'pd_proxy:prefix_fetches_total{result="refused"}' "$x")
+  read -r fetched computed fgbs dgbs ratio < <(awk -v pr="$prompt" -v h="$hits" -v pb="$pbytes" -v ps="$ps" \
+    -v db="$dbytes" -v ds="$ds" -v pt="$per_token" 'BEGIN{
+      f = pb / pt; fg = ps > 0 ? pb / ps / 1e9 : 0; dg = ds > 0 ? db / ds / 1e9 : 0
+      printf "%d %d %.2f %.2f %s\n", f, pr - h - f, fg, dg, (fg > 0 && dg > 0 ? sprintf("%.2f", fg / dg) : "-")}')
+  rows+=("| $policy | $([[ $fetch == 0 ]] && echo off || echo "on (≥ $fetch blocks)") | $p50 | $p99 | $tpot | $computed | $fetched | ${lent%.*} / ${refused%.*} | $fgbs | $dgbs | $ratio | $failed |")
+  stop_all
+done
+{
+  echo
+  echo "### Peer-to-peer prefix fetch: multi-turn on 2 prefills + 2 decodes ($(date -u +%Y-%m-%d))"
+  echo
+  echo "\`tools/bench-p2p.sh $build\` — demo model (8 layers, bf16 KV, 4 KiB per token), every node --threads 1"
+  echo "(4 nodes, the proxy and pd-bench on $(nproc) cores: $(lscpu | sed -n 's/^Model name: *//p')), pull over ucx, KV events on"
+  echo "every node, fresh nodes per run. $convs conversations × $turns turns (512-token shared system prompt,"
+  echo "256-token messages, 64-token answers, 0.5 s think time, 4 in flight), greedy. Prefill tokens computed ="
+  echo "the prefills' prompt tokens − their prefix-cache hits − the tokens they read from peers. Read GB/s: the"
+  echo "prefills' reads from peers (bytes / seconds while pages moved); baseline: the decodes' reads from the"
+  echo "prefills over the same pipe in the same run."
+  echo
+  echo "| routing | prefix fetch | TTFT p50 turns≥2 (ms) | TTFT p99 turns≥2 (ms) | TPOT p50 (ms) | prefill tokens computed | tokens read from peers | lends ok / refused | peer read GB/s | decode read GB/s (baseline) | ratio | failed |"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
+  printf '%s\n' "${rows[@]}"
+} | tee -a "$results"
