@@ -7,7 +7,8 @@
 # (vllm:prompt_tokens_total - vllm:prefix_cache_hits_total - the tokens they read from peers), the
 # proxy's lends, and the prefills' reads from peers (bytes / seconds while pages moved) against the
 # same run's baseline: the decodes' reads from the prefills over the same pipe. Appends to
-# bench/RESULTS.md. PD_P2P_CONVS (16), PD_P2P_TURNS (4), PD_P2P_SEED (1), PD_P2P_MIN_BLOCKS (4).
+# bench/RESULTS.md. PD_P2P_CONVS (16), PD_P2P_TURNS (4), PD_P2P_SEED (1), PD_P2P_MIN_BLOCKS (2),
+# PD_P2P_SYSTEM (512: the shared system prompt's tokens), PD_P2P_USER (256: each message's tokens).
 set -euo pipefail
 build=${1:-build}
 cd "$(dirname "$0")/.."
@@ -19,12 +20,14 @@ demo_setup p2p
 convs=${PD_P2P_CONVS:-16}
 turns=${PD_P2P_TURNS:-4}
 seed=${PD_P2P_SEED:-1}
-minb=${PD_P2P_MIN_BLOCKS:-4}
+minb=${PD_P2P_MIN_BLOCKS:-2}
+system=${PD_P2P_SYSTEM:-512}
+user=${PD_P2P_USER:-256}
 node=(--model "$models/demo" --served-model-name demo --kv-cache-memory 1G --max-model-len 2048
       --max-num-batched-tokens 512 --threads 1 --kv-pipe ucx --kv-transfer-mode pull --kv-listen 127.0.0.1:0
       --kv-events-config "$events")
-workload=(--dataset-name multi-turn --num-prompts "$convs" --multi-turn-turns "$turns" --multi-turn-system-len 512
-          --multi-turn-user-len 256 --random-output-len 64 --multi-turn-think-time 0.5 --max-concurrency 4
+workload=(--dataset-name multi-turn --num-prompts "$convs" --multi-turn-turns "$turns" --multi-turn-system-len "$system"
+          --multi-turn-user-len "$user" --random-output-len 64 --multi-turn-think-time 0.5 --max-concurrency 4
           --temperature 0 --ignore-eos --seed "$seed" --vocab-size "$vocab" --metric-percentiles 50,99 --no-progress)
 # the demo model's KV per token, all layers (8 layers × K and V × 2 heads × 64 × bf16)
 per_token=$((8 * 2 * 2 * 64 * 2))
@@ -73,10 +76,10 @@ done
   echo
   echo "### Peer-to-peer prefix fetch: multi-turn on 2 prefills + 2 decodes ($(date -u +%Y-%m-%d))"
   echo
-  echo "\`tools/bench-p2p.sh $build\` — demo model (8 layers, bf16 KV, 4 KiB per token), every node --threads 1"
+  echo "\`PD_P2P_CONVS=$convs PD_P2P_TURNS=$turns PD_P2P_SYSTEM=$system PD_P2P_USER=$user PD_P2P_MIN_BLOCKS=$minb tools/bench-p2p.sh $build\` — demo model (8 layers, bf16 KV, 4 KiB per token), every node --threads 1"
   echo "(4 nodes, the proxy and pd-bench on $(nproc) cores: $(lscpu | sed -n 's/^Model name: *//p')), pull over ucx, KV events on"
-  echo "every node, fresh nodes per run. $convs conversations × $turns turns (512-token shared system prompt,"
-  echo "256-token messages, 64-token answers, 0.5 s think time, 4 in flight), greedy. Prefill tokens computed ="
+  echo "every node, fresh nodes per run. $convs conversations × $turns turns ($system-token shared system prompt,"
+  echo "$user-token messages, 64-token answers, 0.5 s think time, 4 in flight), greedy. Prefill tokens computed ="
   echo "the prefills' prompt tokens − their prefix-cache hits − the tokens they read from peers. Read GB/s: the"
   echo "prefills' reads from peers (bytes / seconds while pages moved); baseline: the decodes' reads from the"
   echo "prefills over the same pipe in the same run."
