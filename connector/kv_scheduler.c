@@ -507,6 +507,17 @@ static bool finished_pull(kv_conn_t *k, pd_request_t *req, const uint32_t *block
         kv_lease_free(l);
         return false;
     }
+    /* where its prompt's KV came from (not signed: for a reader to see, no node acts on it) */
+    int32_t cached = req->num_cached_tokens > 0 ? req->num_cached_tokens : 0;
+    json_t *src = json_pack("{s:i, s:i, s:i, s:i}", "pool", cached - req->num_offload_tokens, "offload_tier",
+                            req->num_offload_tokens, "peer", req->num_loaded_tokens, "computed",
+                            req->num_prompt_tokens - cached - req->num_loaded_tokens);
+    if (src == NULL || json_object_set_new(out, "prefix_source", src) != 0) {
+        pd_log_error("kv connector: request %s: out of memory building its kv_transfer_params", req->id);
+        json_decref(out);
+        kv_lease_free(l);
+        return false;
+    }
     if (kv_params_sign(k, out, req->tokens, req->num_prompt_tokens) != PD_OK) {
         pd_log_error("kv connector: request %s: cannot sign its kv_transfer_params (out of memory)", req->id);
         json_decref(out);

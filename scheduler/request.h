@@ -87,6 +87,8 @@ struct pd_request {
                                   * its pages share this request's block ids) */
     int32_t num_cached_tokens;   /* prefix-cache hit when first scheduled, -1 before */
     int32_t num_offload_tokens;  /* of the prefix hits: tokens the KV offload tier loaded into the pool */
+    int32_t num_loaded_tokens;   /* prompt tokens whose KV a connector load brought from another node (a
+                                  * decode's from its prefill, a prefill's prefix from a peer) */
 
     uint32_t *block_ids; /* [cap_blocks] this request's KV blocks in order */
     int32_t num_blocks, cap_blocks;

@@ -338,6 +338,7 @@ static void finish_remote_wait(pd_scheduler_t *s, pd_request_t *r)
     if (computed >= r->num_tokens) {
         computed = r->num_tokens - 1; /* the last prompt token is recomputed for its logits */
     }
+    r->num_loaded_tokens += computed > r->num_computed_tokens ? computed - r->num_computed_tokens : 0;
     r->num_computed_tokens = computed;
     r->num_external_tokens = 0;
     pd_kv_manager_cache_blocks(&s->kv, r, computed);

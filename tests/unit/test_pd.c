@@ -1361,7 +1361,7 @@ static int lend(int port, const int32_t *ids, int n, int min, const char *tid, j
 
 /* Prompt ids[n] in P/D by hand: the prefill (with kv_prefix when not NULL: consumed) then the decode
  * (pull); the decode's token ids. */
-static char *pd_with_prefix(int pport, int dport, const int32_t *ids, int n, json_t *kv_prefix)
+static char *pd_with_prefix(int pport, int dport, const int32_t *ids, int n, json_t *kv_prefix, int want_peer)
 {
     json_t *ktp =
         json_pack("{s:b, s:b, s:s}", "do_remote_decode", 1, "do_remote_prefill", 0, "transfer_mode", "pull");
@@ -1375,6 +1375,11 @@ static char *pd_with_prefix(int pport, int dport, const int32_t *ids, int n, jso
     json_t *dk = json_incref(json_object_get(resp, "kv_transfer_params"));
     json_decref(resp);
     ck_assert_ptr_nonnull(dk);
+    /* where the prefill's KV came from: peer tokens read, the rest computed (nothing cached here) */
+    json_t *src = json_object_get(dk, "prefix_source");
+    ck_assert_msg(json_integer_value(json_object_get(src, "peer")) == want_peer &&
+                      json_integer_value(json_object_get(src, "computed")) == n - want_peer,
+                  "prefix_source %s, want %d from the peer", json_dumps(src, JSON_COMPACT), want_peer);
     st = post_json(dport, ids_req(ids, n, 8, dk), &resp);
     ck_assert_int_eq(st, 200);
     char *out = answer_ids(resp);
@@ -1434,9 +1439,14 @@ START_TEST(test_prefix_fetch_by_hand)
         st = lend(c.d.port, b, 49, 48, "t-lend-1", &lent);
         ck_assert_msg(st == 200 && lent != NULL, "%s: the decode did not lend (HTTP %d)", mode, st);
         ck_assert_int_eq(json_integer_value(json_object_get(lent, "remote_num_tokens")), 49);
-        ck_assert_int_eq(metric(c.d.port, "pd:kv_leases_held"), 1);
+        double held = -1; /* the control thread takes the lease a moment after the answer */
+        for (double end = tu_now() + 5;
+             tu_now() < end && (held = metric(c.d.port, "pd:kv_leases_held")) != 1;) {
+            usleep(20 * 1000);
+        }
+        ck_assert_msg(held == 1, "%s: the decode holds %.0f leases, want 1", mode, held);
         double p0 = metric(c.p.port, pages);
-        char *got = pd_with_prefix(c.p.port, c.d.port, b, 97, lent);
+        char *got = pd_with_prefix(c.p.port, c.d.port, b, 97, lent, 48);
         ck_assert_msg(metric(c.p.port, pages) - p0 == 3 * 2, "%s: the prefill read %.0f pages, want 6", mode,
                       metric(c.p.port, pages) - p0);
         ck_assert_msg(strcmp(got, ref) == 0, "%s: b through a fetched prefix: %s != pd-serve %s", mode, got,
@@ -1450,7 +1460,7 @@ START_TEST(test_prefix_fetch_by_hand)
         ck_assert_int_eq(st, 200);
         double refused = metric(c.p.port, "pd:kv_params_refused_total");
         p0 = metric(c.p.port, pages);
-        free(pd_with_prefix(c.p.port, c.d.port, other, 97, lent));
+        free(pd_with_prefix(c.p.port, c.d.port, other, 97, lent, 0));
         ck_assert_msg(metric(c.p.port, "pd:kv_params_refused_total") == refused + 1,
                       "%s: a prefix of other tokens was not refused", mode);
         ck_assert_msg(metric(c.p.port, pages) == p0, "%s: the refused prefix was read", mode);
