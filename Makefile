@@ -56,6 +56,7 @@ bench: build
 faults: build
 	python3 tests/faults/run_faults.py $(BUILD_DIR)/bin $(FAULTS_ARGS)
 	python3 tests/faults/run_faults.py $(BUILD_DIR)/bin --conditional 48 $(FAULTS_ARGS)
+	python3 tests/faults/run_faults.py $(BUILD_DIR)/bin --p2p $(FAULTS_ARGS)
 
 # 1 prefill + 1 decode + proxy just under saturation for SOAK_SECONDS, hostile connections on the side
 # (tests/faults/run_soak.py; a 20 s form is in `make check`)

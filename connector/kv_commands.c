@@ -188,7 +188,7 @@ bool kv_release_push(kv_conn_t *k, const char *transfer_id)
 
 /* POST /pd/release: the pull lease of request_id with lease_id, or whatever is held for
  * transfer_id (pd_kv_connector_release). */
-static bool on_release(kv_conn_t *k, const kv_release_t *r)
+static bool on_release(kv_conn_t *k, kv_release_t *r)
 {
     kv_lease_t *l;
     pd_list_for_each (l, &k->c->leases, link) {
@@ -197,6 +197,7 @@ static bool on_release(kv_conn_t *k, const kv_release_t *r)
         if (!l->expired && (by_lease || by_transfer)) {
             l->expired = true; /* a late READ_DONE is answered STALE */
             kv_report_sending(k, &l->report);
+            r->lend = l->lend;
             return true;
         }
     }
@@ -239,7 +240,10 @@ void kv_ctl_commands(kv_conn_t *k)
         case KV_CMD_RELEASE: {
             kv_release_t *r = pd_container_of(m, kv_release_t, msg);
             r->released = on_release(k, r);
-            if (r->released) {
+            if (r->released && r->lend) { /* pd-proxy releases every lend once its prefill answered */
+                pd_log_debug("kv connector: released the lend %s (its prefill did not read it)",
+                             r->transfer_id);
+            } else if (r->released) {
                 pd_log_info(
                     "kv connector: released the KV of %s at the proxy's request (its decode failed or "
                     "its client left)",

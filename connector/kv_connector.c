@@ -345,6 +345,11 @@ static void metrics_register(kv_conn_t *k, pd_metrics_t *m)
         "issued for their prompt by a prefill of the cluster: another prompt, altered, unsigned); their "
         "prompts were computed locally.",
         NULL, NULL, 0);
+    k->m.prefix_fetches = pd_metrics_add(
+        m, PD_METRIC_COUNTER, "pd:kv_prefix_fetches_total",
+        "Prefill requests that read a prompt prefix a peer lent (kv_transfer_params.kv_prefix) instead of "
+        "computing it; the rest computed it (--kv-prefix-fetch, logged at debug).",
+        NULL, NULL, 0);
     k->m.policy_recompute =
         pd_metrics_add(m, PD_METRIC_COUNTER, "pd:kv_load_failure_policy_actions_total",
                        "KV load failures handed to the failure policy.", "policy=recompute", NULL, 0);

@@ -193,6 +193,7 @@ typedef struct kv_lease {
     uint64_t lease_id;
     double expires;
     bool expired;        /* blocks released; kept a while to answer STALE */
+    bool lend;           /* a prefix lent to a peer (kv_lend): released unread as a matter of course */
     kv_report_t *report; /* the blocks' release, for get_finished (NULL once reported) */
     pd_list_link_t link;
 } kv_lease_t;
@@ -246,6 +247,7 @@ typedef struct kv_release {
     uint64_t lease_id;
     char transfer_id[PD_REQ_ID_MAX];
     bool released; /* the answer */
+    bool lend;     /* what it released was a lend (control thread: for its log line) */
 } kv_release_t;
 
 /* A report node for req_id (engine thread); NULL when out of memory (logged by the caller). */

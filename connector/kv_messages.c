@@ -73,6 +73,11 @@ static void on_read_done_msg(kv_conn_t *k, kv_peer_t *p, const Pd__ReadDone *m)
 {
     double now = pd_time_now_s();
     kv_lease_t *l = find_lease(k, m->request_id, m->lease_id);
+    pd_log_debug("kv connector: peer %s read the KV of %s (lease %s)", p->engine_id,
+                 m->request_id != NULL ? m->request_id : "?",
+                 l == NULL                        ? "unknown"
+                 : l->expired || now > l->expires ? "stale"
+                                                  : "held");
     if (l != NULL) {
         if (l->expired || now > l->expires) {
             send_ack(k, p, m->request_id, m->lease_id, PD__TRANSFER_ACK__RESULT__STALE);
@@ -192,6 +197,8 @@ void kv_on_message(kv_conn_t *k, kv_peer_t *p, const pd_ctl_msg_t *msg)
         const Pd__TransferAck *a = (const Pd__TransferAck *)msg->msg;
         kv_xfer_t *x = find_waiting(k, p, KV_X_PULL_LOAD, a->request_id, a->lease_id);
         if (x == NULL) {
+            pd_log_debug("kv connector: peer %s acknowledged a read of %s that no load waits for",
+                         p->engine_id, a->request_id != NULL ? a->request_id : "?");
             break;
         }
         if (a->result == PD__TRANSFER_ACK__RESULT__OK) {

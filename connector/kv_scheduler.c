@@ -135,7 +135,7 @@ static int32_t prefix_fetch_tokens(kv_conn_t *k, const pd_request_t *req, int32_
     }
     double fetch_s, compute_s;
     if (!kv_cost_fetch(k, end - num_computed, &fetch_s, &compute_s)) {
-        pd_log_info(
+        pd_log_debug(
             "kv connector: request %s: %d prefix tokens held by %s:%lld: fetch ~%.2f ms, compute ~%.2f "
             "ms: computing them",
             req->id, end - num_computed, kv_jstr(x, "remote_host"),
@@ -312,10 +312,11 @@ pd_status_t kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, co
         local = end - num_external;
         pd_status_t st = queue_load(k, req, x, false, block_ids, num_blocks, local, end);
         if (st == PD_OK) {
-            pd_log_info("kv connector: request %s: fetching prefix tokens [%d, %d) from %s:%lld (engine %s)",
-                        req->id, local, end, kv_jstr(x, "remote_host"),
-                        (long long)json_integer_value(json_object_get(x, "remote_port")),
-                        kv_jstr(x, "remote_engine_id") ? kv_jstr(x, "remote_engine_id") : "?");
+            pd_metric_inc(k->m.prefix_fetches, 1);
+            pd_log_debug("kv connector: request %s: fetching prefix tokens [%d, %d) from %s:%lld (engine %s)",
+                         req->id, local, end, kv_jstr(x, "remote_host"),
+                         (long long)json_integer_value(json_object_get(x, "remote_port")),
+                         kv_jstr(x, "remote_engine_id") ? kv_jstr(x, "remote_engine_id") : "?");
             json_object_del(p, "kv_prefix"); /* loaded at most once */
         }
         json_decref(x);
@@ -483,6 +484,7 @@ static bool finished_pull(kv_conn_t *k, pd_request_t *req, const uint32_t *block
     /* (an id too long to keep whole names no lease: a release by a truncated one could match another) */
     snprintf(l->transfer_id, sizeof(l->transfer_id), "%s",
              tid != NULL && strlen(tid) < PD_REQ_ID_MAX ? tid : "");
+    l->lend = kv_jbool(req->kv_transfer_params, "kv_lend");
     l->lease_id = kv_random_u52();
     l->expires = pd_time_now_s() + k->cfg.hold_timeout;
     json_t *blocks = json_array();

@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/time.h>
 
 #include "common/log.h"
 #include "common/metrics.h"
@@ -51,11 +52,12 @@ static void on_lend_done(struct evhttp_request *r, void *arg)
                      (long long)json_integer_value(json_object_get(ktp, "remote_num_tokens")), q->p->url);
     } else {
         /* an answer without parameters: the lender holds less than asked (evicted since its events
-         * said so) and computed nothing; no answer: it failed */
+         * said so) and computed nothing; no answer within --pd-prefix-fetch-timeout: it failed, and
+         * may have leased the blocks meanwhile (px_fetch_end releases them) */
         pd_metric_inc(px->m.fetch[code == 0 ? 2 : 1], 1);
-        pd_log_info("proxy: %s did not lend the prefix (%d); the prefill on %s computes it", q->lender->url,
-                    code, q->p->url);
-        q->lend_released = true; /* nothing held */
+        pd_log_debug("proxy: %s did not lend the prefix (%d); the prefill on %s computes it", q->lender->url,
+                     code, q->p->url);
+        q->lend_released = code != 0; /* answered: nothing held */
     }
     json_decref(resp);
     px_send_prefill(q);
@@ -114,6 +116,12 @@ bool px_fetch_begin(preq_t *q)
         q->lend_released = true;
         return false;
     }
+    /* a lend is one token over a cached prefix: a lender that takes longer (stopped, overloaded) is
+     * not waited for */
+    struct timeval tv = {
+        (time_t)px->cfg.prefix_fetch_timeout,
+        (suseconds_t)((px->cfg.prefix_fetch_timeout - (double)(time_t)px->cfg.prefix_fetch_timeout) * 1e6)};
+    evhttp_connection_set_timeout_tv(q->lend_conn, &tv);
     pd_log_debug("proxy: asking %s to lend %d prefix blocks (the prefill on %s holds %d)", lender->url, best,
                  q->p->url, mine);
     return true;

@@ -37,6 +37,7 @@ void pd_proxy_config_defaults(pd_proxy_config_t *c)
     c->health_interval = 1.0;
     c->discover_interval = 5.0;
     c->upstream_timeout = 600;
+    c->prefix_fetch_timeout = 1.0;
     c->affinity_prefix_chars = 256;
     c->first_token_from_prefill = true;
     c->kv_index_max_blocks = 1 << 20;
@@ -100,6 +101,9 @@ size_t pd_proxy_flags(pd_proxy_config_t *c, pd_flag_t *out, size_t max)
          "1-token request with kv_transfer_params.kv_lend) and the prefill reads them over the KV pipe "
          "before computing the rest, if its cost model says reading is faster (--kv-prefix-fetch); 0: off. "
          "Implies --kv-events",
+         NULL},
+        {"pd-prefix-fetch-timeout", PD_FLAG_DOUBLE, &c->prefix_fetch_timeout,
+         "seconds a lend may take (a stopped or overloaded lender); past it the prefill computes the prefix",
          NULL},
         {"kv-aware-recent-seconds", PD_FLAG_DOUBLE, &c->kv_aware_recent_s,
          "kv-aware and the local-prefill rules: a prompt sent to a node counts as held there for this "
@@ -281,8 +285,8 @@ pd_status_t pd_proxy_run(const pd_proxy_config_t *cfg)
         cfg->local_prefill_hit_ratio > 0 || cfg->prefix_fetch_min_blocks > 0) {
         px->cfg.kv_events = true; /* the policy and the local-prefill rules read the index */
     }
-    if (cfg->prefix_fetch_min_blocks < 0) {
-        pd_log_error("proxy: --pd-prefix-fetch-min-blocks must be >= 0");
+    if (cfg->prefix_fetch_min_blocks < 0 || cfg->prefix_fetch_timeout <= 0) {
+        pd_log_error("proxy: --pd-prefix-fetch-min-blocks must be >= 0 and --pd-prefix-fetch-timeout > 0");
         st = PD_ERR_INVALID_ARG;
     }
     if (cfg->local_prefill_threshold < 0 || cfg->local_prefill_hit_ratio < 0 ||

@@ -41,6 +41,7 @@ typedef struct pd_proxy_config {
     double local_prefill_hit_ratio; /* ... or of which it holds this share (0: off) */
     int prefix_fetch_min_blocks;    /* another node holds this many more prefix blocks than the chosen
                                      * prefill: it lends them (kv_fetch.c; 0: off) */
+    double prefix_fetch_timeout;    /* s a lend may take before the prefill leg goes without it */
     double health_interval;
     double upstream_timeout; /* s an upstream request may take */
     int affinity_prefix_chars;

@@ -378,6 +378,10 @@ static bool shares_inflight_load(pd_scheduler_t *s, const pd_request_t *r, int32
 static void schedule_waiting(pd_scheduler_t *s, int32_t *budget)
 {
     pd_request_t *r = s->wait_head;
+    /* a fresh request that could not get its blocks: no fresh request behind it goes ahead of it
+     * (FCFS), but those that already hold theirs (their remote KV arrived) still run, since theirs
+     * are what it may be waiting for */
+    bool fresh_blocked = false;
     while (r != NULL && *budget > 0 && s->num_running < s->cfg.max_num_seqs) {
         pd_request_t *next = r->next;
         if (r->state == PD_REQ_WAITING_FOR_REMOTE_KV) {
@@ -388,6 +392,10 @@ static void schedule_waiting(pd_scheduler_t *s, int32_t *budget)
             finish_remote_wait(s, r);
         }
         bool fresh = r->num_blocks == 0;
+        if (fresh && fresh_blocked) {
+            r = next;
+            continue;
+        }
         int32_t n_hits = 0, local = 0, external = 0;
         bool async = false;
         /* prompt logprobs need every prompt position computed here: no prefix hit, no remote KV */
@@ -456,7 +464,12 @@ static void schedule_waiting(pd_scheduler_t *s, int32_t *budget)
         bool ok = fresh ? pd_kv_manager_allocate_slots(&s->kv, r, num_new, s->hits, n_hits, external, async)
                         : pd_kv_manager_allocate_slots(&s->kv, r, num_new, NULL, 0, 0, false);
         if (!ok) {
-            break; /* FCFS: nothing behind it jumps the queue for space */
+            if (!fresh) {
+                break; /* FCFS: nothing behind it jumps the queue for space */
+            }
+            fresh_blocked = true;
+            r = next;
+            continue;
         }
         if (fresh && s->conn != NULL &&
             s->conn->ops->update_state_after_alloc(s->conn, r, r->block_ids, r->num_blocks * s->kv.num_groups,

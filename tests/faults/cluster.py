@@ -328,9 +328,15 @@ class Relay:
         self.lsock.close()
 
 
+def own(argv, tag):
+    """argv with "{node}" replaced by a node's tag."""
+    return [a.replace("{node}", tag) for a in argv]
+
+
 class Cluster:
     """nprefill prefills, ndecode decodes (each prefill dialled through a Relay) and pd-proxy.
-    hold_timeouts[i] is prefill i's --kv-hold-timeout; extra goes to every node, proxy_extra to the proxy."""
+    hold_timeouts[i] is prefill i's --kv-hold-timeout; extra goes to every node ("{node}" in an argument
+    becomes the node's tag: a file of its own), proxy_extra to the proxy."""
 
     def __init__(self, bindir, tmp, model, mode, pipe, fast, nprefill=2, ndecode=2, hold_timeouts=None,
                  extra=(), tag=None, proxy_extra=()):
@@ -349,10 +355,12 @@ class Cluster:
             relay = Relay(kv)
             hold = ["--kv-hold-timeout", str(hold_timeouts[i])] if hold_timeouts else []
             self.relays.append(relay)
-            self.prefills.append(Node(tmp, "%s-prefill%d" % (tag, i), [os.path.join(bindir, "pd-prefill")] + common +
+            t = "%s-prefill%d" % (tag, i)
+            self.prefills.append(Node(tmp, t, [os.path.join(bindir, "pd-prefill")] + own(common, t) +
                                       hold + ["--kv-listen", "127.0.0.1:%d" % kv, "--kv-advertise-port",
                                               str(relay.port)]))
-        self.decodes = [Node(tmp, "%s-decode%d" % (tag, i), [os.path.join(bindir, "pd-decode")] + common)
+        self.decodes = [Node(tmp, "%s-decode%d" % (tag, i),
+                             [os.path.join(bindir, "pd-decode")] + own(common, "%s-decode%d" % (tag, i)))
                         for i in range(ndecode)]
         self.proxy = None
         try:

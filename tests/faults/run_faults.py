@@ -66,16 +66,23 @@ EXPIRY_SIGNS = ("pd:kv_leases_expired_total", "pd:kv_stale_reads_total", "pd:kv_
 class Load:
     """Closed-loop clients with unique prompts; every answer checked against pd-serve's."""
 
-    def __init__(self, proxy_port, serve_port, seed, clients=3):
+    def __init__(self, proxy_port, serve_port, seed, clients=3, conversations=False):
         self.proxy_port, self.serve_port = proxy_port, serve_port
         self.rng = random.Random(seed)
+        # conversations: a client's next prompt is its last prompt, pd-serve's answer and a few new
+        # tokens (the history's KV is on the nodes that served it: prefix hits, the offload tier, and
+        # peer-to-peer fetches), a new conversation past 360 tokens
+        self.conversations = conversations
+        self.history = [[] for _ in range(clients)]
         self.lock = threading.Lock()
         self.counts = {"ok": 0, "near-tie": 0, "wrong": 0, "clean failure": 0, "hung": 0}
         self.stopping = False
         self.threads = [threading.Thread(target=self.run, args=(i,)) for i in range(clients)]
 
-    def prompt(self):
+    def prompt(self, i):
         with self.lock:
+            if self.conversations and 0 < len(self.history[i]) < 360:
+                return self.history[i] + [self.rng.randint(3, 250) for _ in range(self.rng.randint(4, 24))]
             n = self.rng.randint(5, 120)
             return [self.rng.randint(3, 250) for _ in range(n)]
 
@@ -112,13 +119,14 @@ class Load:
     def run(self, i):
         n = 0
         while not self.stopping:
-            ids = self.prompt()
+            ids = self.prompt(i)
             body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": MAX_TOKENS, "return_token_ids": True,
                     "ignore_eos": True, "temperature": 0}
             try:
                 ref = json.loads(http(self.serve_port, "/v1/completions", body)[1])["choices"][0]["token_ids"]
             except Exception:
                 continue  # the reference server is never faulted; retry with another prompt
+            self.history[i] = ids + ref  # the next turn (conversations)
             n += 1
             stream = n % 2 == 0  # every other request streamed: the proxy's first-token handover
             t0 = time.time()
@@ -151,13 +159,42 @@ class Load:
             t.join(timeout=120)
 
 
+def tier_corruptions(cluster):
+    return sum(metric_sum(n.port, "pd:kv_offload_corrupt_blocks_total") for n in cluster.nodes())
+
+
+def corrupt_tiers(cluster, tmp, rng):
+    """Overwrites 16 bytes at every 4 KiB of each node's tier file past its header: each slot starts at
+    such an offset (its pages first), so every block held there fails its checksum when read."""
+    for n in cluster.nodes():
+        path = os.path.join(tmp, n.tag + ".tier")
+        if not os.path.exists(path):
+            continue
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            for off in range(4096, os.fstat(fd).st_size, 4096):
+                os.pwrite(fd, bytes(rng.randrange(256) for _ in range(16)), off)
+        finally:
+            os.close(fd)
+
+
 def expiry_signs(cluster):
     return sum(metric_sum(n.port, m) for n in cluster.nodes() for m in EXPIRY_SIGNS)
 
 
-def inject(cluster, fault, rng, spawn, churn):
+def inject(cluster, fault, rng, spawn, churn, tmp):
     """Injects fault (spawn(n) starts n more clients and returns their Load); returns why it did not take
     effect, or None."""
+    if fault == "corrupt-tier":  # --p2p: the nodes' offload tiers are corrupted under load
+        for attempt in range(2):
+            before = tier_corruptions(cluster)
+            corrupt_tiers(cluster, tmp, rng)
+            side = spawn(2)  # more conversations: their histories leave the pools for the tiers and return
+            time.sleep(2.0)
+            side.finish()
+            if tier_corruptions(cluster) > before:
+                return None
+        return "no corrupted tier block was read (two tries)"
     if fault == "churn-decode":  # the prefills see `churn` peer deaths; judged after drain as always
         for _ in range(churn):
             node = rng.choice(cluster.decodes)
@@ -219,6 +256,11 @@ def main():
     ap.add_argument("--conditional", type=int, default=0, metavar="N",
                     help="nodes publish KV events and the proxy routes kv-aware with "
                     "--pd-local-prefill-threshold N: prompts under N tokens are prefilled by a decode alone")
+    ap.add_argument("--p2p", action="store_true",
+                    help="conversations (each turn the last prompt, its answer and new tokens) on nodes with a "
+                    "disk offload tier (a pool of 64 blocks) and KV events, pd-proxy fetching prefixes peer to "
+                    "peer (--pd-prefix-fetch-min-blocks 1); adds corrupt-tier (every tier file overwritten "
+                    "under load), and kill-decode kills lenders")
     ap.add_argument("--no-rss", action="store_true",
                     help="report private RSS but do not judge it (sanitizer builds: ASan's quarantine and "
                     "shadow memory grow with every allocation)")
@@ -229,9 +271,12 @@ def main():
     faults = (["kill-prefill", "stop-decode", "reset-control", "expire-lease"] if args.short else
               ["none", "kill-prefill", "kill-decode", "kill-proxy", "stop-prefill", "stop-decode", "reset-control",
                "expire-lease", "churn-decode"])
+    if args.p2p and not args.faults:
+        faults = ["none", "corrupt-tier", "kill-decode", "stop-decode", "kill-prefill"]
     if args.faults:
         faults = args.faults.split(",")
     node_extra, proxy_extra = [], []
+    tmp = tempfile.mkdtemp(prefix="pd-faults-")
     if args.conditional > 0:
         # the replay ring is bounded by design (vLLM's default of 10000 batches held 55-77 MB here, which
         # tripped the private-RSS check on every prefill, before and after 2026-11-24's changes): a
@@ -241,8 +286,15 @@ def main():
                                                         "replay_endpoint": "tcp://127.0.0.1:*",
                                                         "buffer_steps": 500})]
         proxy_extra = ["--policy", "kv-aware", "--pd-local-prefill-threshold", str(args.conditional)]
+    if args.p2p:
+        node_extra = ["--kv-events-config", json.dumps({"enable_kv_cache_events": True,
+                                                        "endpoint": "tcp://127.0.0.1:*",
+                                                        "replay_endpoint": "tcp://127.0.0.1:*",
+                                                        "buffer_steps": 500}),
+                      "--num-blocks-override", "64", "--kv-offload-tier", "disk", "--kv-offload-size", "16M",
+                      "--kv-offload-path", os.path.join(tmp, "{node}.tier"), "--kv-prefix-fetch", "always"]
+        proxy_extra = ["--pd-prefix-fetch-min-blocks", "1"]
     rng = random.Random(args.seed)
-    tmp = tempfile.mkdtemp(prefix="pd-faults-")
     model = os.path.join(tmp, "model")
     subprocess.run([os.path.join(args.bindir, "pd-mkmodel"), "--preset", "tiny", "--seed", "3", "--out", model],
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -259,24 +311,25 @@ def main():
             c = Cluster(args.bindir, tmp, model, mode, pipe, FAST, hold_timeouts=HOLD, extra=node_extra,
                         proxy_extra=proxy_extra)
             clusters.append(c)
-            warm = Load(c.proxy.port, serve.port, rng.randint(0, 1 << 30))
+            warm = Load(c.proxy.port, serve.port, rng.randint(0, 1 << 30), conversations=args.p2p)
             warm.start()
             time.sleep(1.5)
             warm.finish()
             base = {n.tag: n.figures() for n in c.nodes()}
             rows += [("warm-up", mode, pipe, {"node": n.tag, **base[n.tag]}) for n in c.nodes()]
             for fault in faults:
-                load = Load(c.proxy.port, serve.port, rng.randint(0, 1 << 30))
+                load = Load(c.proxy.port, serve.port, rng.randint(0, 1 << 30), conversations=args.p2p)
                 load.start()
                 time.sleep(rng.uniform(0.3, secs / 2))
                 sides = []
 
                 def spawn(n):
-                    sides.append(Load(c.proxy.port, serve.port, rng.randint(0, 1 << 30), clients=n))
+                    sides.append(Load(c.proxy.port, serve.port, rng.randint(0, 1 << 30), clients=n,
+                                      conversations=args.p2p))
                     sides[-1].start()
                     return sides[-1]
 
-                why = inject(c, fault, rng, spawn, args.churn) if fault != "none" else None
+                why = inject(c, fault, rng, spawn, args.churn, tmp) if fault != "none" else None
                 if why is not None:
                     failed.append("%s %s/%s did not take effect: %s" % (fault, mode, pipe, why))
                 time.sleep(secs / 2)
@@ -290,6 +343,14 @@ def main():
                     failed.append("%s %s/%s: %d wrong, %d hung" % (fault, mode, pipe, load.counts["wrong"],
                                                                   load.counts["hung"]))
                 time.sleep(1.0)  # restarted nodes rejoin the proxy's pools
+            if args.p2p:  # the fetches, the tiers and their corruption all happened (proxy: since its last start)
+                seen = {"lent": metric_sum(c.proxy.port, 'pd_proxy:prefix_fetches_total{result="lent"}'),
+                        "tier hits": sum(metric_sum(n.port, "pd:kv_offload_hits_total") for n in c.nodes()),
+                        "tier corrupt": tier_corruptions(c)}
+                rows.append(("p2p", mode, pipe, seen))
+                if not seen["tier hits"] or not seen["lent"]:
+                    failed.append("%s/%s: %s" % (mode, pipe, "no offload tier hit" if not seen["tier hits"]
+                                                 else "no prefix was lent"))
             if args.conditional > 0:  # both paths ran (counted since the proxy's last start)
                 where = {w: metric_sum(c.proxy.port, 'pd_proxy:prefills_total{where="%s"}' % w)
                          for w in ("local", "remote")}

@@ -857,6 +857,48 @@ START_TEST(test_connector_remote_load_and_delay_free)
 }
 END_TEST
 
+/* A request that cannot get its blocks keeps fresh requests behind it waiting (FCFS), but not the
+ * requests behind it that already hold theirs: remote-a and remote-b loaded their KV into 8 of 15
+ * blocks, and c, preempted to the front of the queue with 8 blocks' worth of tokens, fits only once
+ * they finished. Before, the queue stopped at c and nothing freed a block again (seen in the fault
+ * suite with small pools: a decode request waited for its client's timeout). */
+START_TEST(test_blocked_request_lets_loaded_ones_run)
+{
+    fake_conn_t f;
+    memset(&f, 0, sizeof(f));
+    f.base.ops = &fake_ops;
+    driver_t d = {NULL, &f, 64, 4, 0, 0};
+    pd_scheduler_config_t c = sched_cfg(4, 64, 16); /* 15 usable blocks of 4 tokens */
+    c.max_model_len = 64;
+    ck_assert_int_eq(pd_scheduler_create(&c, &f.base, &d.s), PD_OK);
+    add(d.s, "remote-a", 14, 3, 1);
+    add(d.s, "remote-b", 14, 3, 2);
+    add(d.s, "c", 16, 40, 3);
+    pd_scheduler_update_result_t res;
+    int preempted = 0;
+    for (int k = 0; k < 40 && preempted == 0; k++) { /* c grows into the free blocks, then is preempted */
+        preempted += drive_step(&d, &res)->num_preempted;
+    }
+    ck_assert_int_eq(preempted, 1);
+    pd_request_t *cr = pd_scheduler_find(d.s, "c");
+    ck_assert_int_eq(cr->state, PD_REQ_WAITING);
+    ck_assert_int_gt(cr->num_tokens, 28); /* more than the 7 free blocks hold */
+    for (int i = 0; i < 2; i++) {         /* both loads end */
+        snprintf(f.recving[i], PD_REQ_ID_MAX, "remote-%c", 'a' + i);
+        f.recv_ptrs[i] = f.recving[i];
+    }
+    f.num_recving = 2;
+    while (!pd_scheduler_idle(d.s)) {
+        drive_step(&d, &res);
+        ck_assert_msg(d.steps < 200, "the queue is stuck behind c");
+    }
+    ck_assert_int_eq(d.finished, 3);
+    pd_scheduler_schedule(d.s);
+    assert_pool_clean(d.s);
+    pd_scheduler_destroy(d.s);
+}
+END_TEST
+
 /* A connector that cannot start a request's load (out of memory) refuses it: the request ends
  * with an error at once, its blocks freed, instead of waiting for a load nobody will report; the
  * others go on. */
@@ -1144,6 +1186,7 @@ int main(void)
     tcase_add_test(tc, test_budget_and_max_seqs_random);
     tcase_add_test(tc, test_chunked_prefill);
     tcase_add_test(tc, test_preemption_recomputes);
+    tcase_add_test(tc, test_blocked_request_lets_loaded_ones_run);
     tcase_add_test(tc, test_abort_in_every_state);
     tcase_add_test(tc, test_connector_remote_load_and_delay_free);
     tcase_add_test(tc, test_connector_refused_load_fails_the_request);
