@@ -1508,11 +1508,17 @@ START_TEST(test_prefix_fetch_by_hand)
 }
 END_TEST
 
-/* The token ids of a greedy completion of ids[n] (max_tokens) through port; *len_out: how many. */
-static int32_t *complete_ids(int port, const int32_t *ids, int n, int max_tokens, int *len_out)
+/* The token ids of a completion of ids[n] (max_tokens; greedy, or seeded sampling) through port;
+ * *len_out: how many. */
+static int32_t *complete_ids(int port, const int32_t *ids, int n, int max_tokens, bool seeded, int *len_out)
 {
-    json_t *resp = NULL;
-    int st = post_json(port, ids_req(ids, n, max_tokens, NULL), &resp);
+    json_t *resp = NULL, *body = ids_req(ids, n, max_tokens, NULL);
+    if (seeded) {
+        json_object_set_new(body, "temperature", json_real(0.9));
+        json_object_set_new(body, "top_p", json_real(0.95));
+        json_object_set_new(body, "seed", json_integer(1234));
+    }
+    int st = post_json(port, body, &resp);
     ck_assert_msg(st == 200, "HTTP %d on :%d", st, port);
     json_t *a = json_object_get(json_array_get(json_object_get(resp, "choices"), 0), "token_ids");
     int k = (int)json_array_size(a);
@@ -2025,7 +2031,7 @@ static double served(int port)
  * publishing its KV events), pull and push: turn 2 of a conversation (turn 1, its 40-token answer,
  * 10 new tokens) goes to a prefill; the decode that produced turn 1's answer holds its blocks (6),
  * more than either prefill, so it lends them and that prefill reads them instead of computing them.
- * Both turns equal pd-serve's answers; afterwards every pool is free and the decode holds no lease. */
+ * Both turns equal pd-serve's answers (turn 1 greedy, turn 2 seeded sampling); afterwards every pool is free and the decode holds no lease. */
 START_TEST(test_prefix_fetch_through_proxy)
 {
     int32_t t[128];
@@ -2035,13 +2041,13 @@ START_TEST(test_prefix_fetch_through_proxy)
     node_t serve;
     start(&serve, "pd-serve", "serve", g_model, NULL);
     int n1 = 0, n2 = 0;
-    int32_t *ref1 = complete_ids(serve.port, t, 60, 40, &n1);
+    int32_t *ref1 = complete_ids(serve.port, t, 60, 40, false, &n1);
     ck_assert_int_eq(n1, 40);
     memcpy(t + 60, ref1, 40 * sizeof(int32_t));
     for (int i = 100; i < 110; i++) {
         t[i] = 7 + (i * 5) % 200;
     }
-    int32_t *ref2 = complete_ids(serve.port, t, 110, 8, &n2);
+    int32_t *ref2 = complete_ids(serve.port, t, 110, 8, true, &n2);
     stop(&serve);
     for (int m = 0; m < 2; m++) {
         const char *mode = m == 0 ? "pull" : "push";
@@ -2069,14 +2075,14 @@ START_TEST(test_prefix_fetch_through_proxy)
         start(&c.x, "pd-proxy", "proxy", NULL, x);
         usleep(600 * 1000);
         int k1 = 0, k2 = 0;
-        int32_t *got1 = complete_ids(c.x.port, t, 60, 40, &k1);
+        int32_t *got1 = complete_ids(c.x.port, t, 60, 40, false, &k1);
         ck_assert_msg(k1 == 40 && memcmp(got1, ref1, sizeof(int32_t) * 40) == 0, "%s: turn 1 differs", mode);
         /* the decode computed turn 1's answer: 99 tokens' KV, 6 full blocks, in its events */
         ck_assert_msg(await_blocks(c.x.port, c.d.port, 6, false) >= 6,
                       "%s: the decode's blocks are not indexed", mode);
         double pages0 =
             metric(c.p[0].port, "pd:kv_transfer_pages_sum") + metric(c.p[1].port, "pd:kv_transfer_pages_sum");
-        int32_t *got2 = complete_ids(c.x.port, t, 110, 8, &k2);
+        int32_t *got2 = complete_ids(c.x.port, t, 110, 8, true, &k2);
         ck_assert_msg(k2 == n2 && memcmp(got2, ref2, sizeof(int32_t) * (size_t)n2) == 0,
                       "%s: turn 2 through a fetched prefix differs from pd-serve's", mode);
         double pages = metric(c.p[0].port, "pd:kv_transfer_pages_sum") +
