@@ -113,7 +113,7 @@ size_t pd_kv_connector_flags(pd_kv_connector_config_t *c, pd_flag_t *out, size_t
          "a prefill asked to load a prompt's prefix from the peer that holds it "
          "(kv_transfer_params.kv_prefix, "
          "set by pd-proxy): auto = when the measured transfer beats computing it at the measured prefill "
-         "rate (logged per request); always; never (computes it)",
+         "rate (each choice logged at debug); always; never (computes it)",
          "auto|always|never"},
     };
     size_t n = sizeof(f) / sizeof(f[0]);

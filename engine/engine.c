@@ -501,11 +501,23 @@ static void count_spec(pd_engine_t *e)
 }
 
 /* The connector weighs fetching a prefix from a peer against computing it at this node's prefill
- * rate: an EWMA of prompt tokens per second over steps that were mostly prompt tokens. */
-static void note_prefill_rate(pd_engine_t *e, pd_status_t st, int32_t prompt_tokens, int32_t total, double s)
+ * rate: an EWMA of prompt tokens per second over steps that were mostly prompt tokens. so is the
+ * step that took s, before the scheduler's update (its requests' computed counts are the step's
+ * start). */
+static void note_prefill_rate(pd_engine_t *e, pd_status_t st, const pd_scheduler_output_t *so, double s)
 {
     pd_connector_t *c = e->cfg.connector;
-    if (c == NULL || st != PD_OK || prompt_tokens < 32 || 2 * prompt_tokens < total || s <= 0) {
+    if (c == NULL || st != PD_OK || s <= 0) {
+        return;
+    }
+    int32_t prompt_tokens = 0;
+    for (int32_t i = 0; i < so->num_items; i++) {
+        const pd_request_t *r = so->items[i].req;
+        if (r->num_computed_tokens < r->num_prompt_tokens) {
+            prompt_tokens += so->items[i].num_new_tokens;
+        }
+    }
+    if (prompt_tokens < 32 || 2 * prompt_tokens < so->total_tokens) {
         return;
     }
     double rate = prompt_tokens / s;
@@ -530,17 +542,10 @@ pd_status_t pd_engine_step(pd_engine_t *e, pd_engine_output_t **outputs)
     propose_drafts(e); /* before the schedule releases the last step's finished requests */
     const pd_scheduler_output_t *so = pd_scheduler_schedule(e->sched);
     e->last_items = so->num_items;
-    int32_t prompt_tokens = 0; /* of this step's tokens, how many are prompt tokens (the prefill rate) */
-    for (int32_t i = 0; i < so->num_items; i++) {
-        const pd_request_t *r = so->items[i].req;
-        if (r->num_computed_tokens < r->num_prompt_tokens) {
-            prompt_tokens += so->items[i].num_new_tokens;
-        }
-    }
     double t_run = pd_time_now_s();
     pd_model_output_t mo;
     pd_status_t st = pd_model_runner_execute(&e->runner, so, &mo);
-    note_prefill_rate(e, st, prompt_tokens, so->total_tokens, pd_time_now_s() - t_run);
+    note_prefill_rate(e, st, so, pd_time_now_s() - t_run);
     if (st != PD_OK) {
         /* the step failed as a whole: its requests end with an error, the engine goes on */
         pd_log_error("engine: step failed (%s); failing its %d requests", pd_status_str(st), so->num_items);

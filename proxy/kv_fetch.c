@@ -127,14 +127,6 @@ bool px_fetch_begin(preq_t *q)
     return true;
 }
 
-static void on_lend_release_done(struct evhttp_request *r, void *arg)
-{
-    (void)r;
-    proxy_t *px = ((void **)arg)[0];
-    px_release_conn(px, ((void **)arg)[1]);
-    free(arg);
-}
-
 void px_fetch_end(preq_t *q)
 {
     if (q->lender == NULL || q->lend_released) {
@@ -144,14 +136,6 @@ void px_fetch_end(preq_t *q)
     char tid[sizeof(q->transfer_id) + 8];
     lend_tid(q, tid, sizeof(tid));
     json_t *body = json_pack("{s:s}", "transfer_id", tid);
-    void **ctx = body != NULL ? calloc(2, sizeof(void *)) : NULL;
-    if (ctx != NULL) {
-        ctx[0] = q->px;
-        ctx[1] = px_upstream(q->px, q->lender, EVHTTP_REQ_POST, "/pd/release", q->auth, NULL, body,
-                             on_lend_release_done, NULL, NULL, ctx);
-        if (ctx[1] == NULL) {
-            free(ctx); /* the lease ends at the lender's --kv-hold-timeout */
-        }
-    }
+    px_post_release(q->px, q->lender, q->auth, body);
     json_decref(body);
 }

@@ -130,6 +130,9 @@ void px_fail_request(preq_t *q, int status, const char *msg);
 /* The decode leg failed (or the client left) after the prefill held KV for it: tells the prefill
  * to free it now (pull: its lease; push: the transfer waiting for a reservation). Once. */
 void px_release_prefill(preq_t *q);
+/* POSTs body to node n's /pd/release without waiting for the answer (a failure is logged: the lease
+ * then ends at the node's hold timeout); false when out of memory, nothing sent. */
+bool px_post_release(proxy_t *px, node_t *n, const char *auth, const json_t *body);
 /* Sends the decode leg to a healthy decode node (fails q when there is none). */
 void px_start_decode(preq_t *q);
 /* Sends the prefill leg; false when q ended (and was freed) instead. */

@@ -135,10 +135,25 @@ static void on_release_done(struct evhttp_request *r, void *arg)
     release_ctx_t *c = arg;
     int code = r != NULL ? evhttp_request_get_response_code(r) : 0;
     if (code != 200) {
-        pd_log_warn("proxy: releasing a prefill's KV answered %d (its lease frees it at the timeout)", code);
+        pd_log_warn("proxy: releasing held KV answered %d (its lease frees it at the timeout)", code);
     }
     px_release_conn(c->px, c->conn);
     free(c);
+}
+
+bool px_post_release(proxy_t *px, node_t *n, const char *auth, const json_t *body)
+{
+    release_ctx_t *c = body != NULL ? calloc(1, sizeof(*c)) : NULL;
+    if (c == NULL) {
+        return false;
+    }
+    c->px = px;
+    c->conn =
+        px_upstream(px, n, EVHTTP_REQ_POST, "/pd/release", auth, NULL, body, on_release_done, NULL, NULL, c);
+    if (c->conn == NULL) {
+        free(c); /* the lease ends at the node's --kv-hold-timeout */
+    }
+    return true;
 }
 
 /* The decode leg failed (or the client left) after the prefill held KV for it: tell the prefill
@@ -157,16 +172,7 @@ void px_release_prefill(preq_t *q)
     } else { /* push, or a pull prefill that has not answered yet: the id the proxy gave the request */
         body = json_pack("{s:s}", "transfer_id", q->transfer_id);
     }
-    release_ctx_t *c = body != NULL ? calloc(1, sizeof(*c)) : NULL;
-    if (c != NULL) {
-        c->px = q->px;
-        c->conn = px_upstream(q->px, q->p, EVHTTP_REQ_POST, "/pd/release", q->auth, NULL, body,
-                              on_release_done, NULL, NULL, c);
-        if (c->conn == NULL) {
-            free(c);
-        }
-        q->released = true;
-    }
+    q->released = px_post_release(q->px, q->p, q->auth, body);
     json_decref(body);
 }
 
