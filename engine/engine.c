@@ -28,6 +28,9 @@ void eng_ctx_free(req_ctx_t *c)
     free(c->text);
     free(c->plp);
     free(c->plp_done);
+    if (c->gm.g != NULL) {
+        pd_gmatcher_destroy(&c->gm);
+    }
     free(c);
 }
 
@@ -48,6 +51,7 @@ void eng_cmd_free(cmd_t *c)
         free(c->stop_buf[i]);
     }
     json_decref(c->req.kv_transfer_params);
+    pd_grammar_unref(c->req.grammar);
     free(c);
 }
 
@@ -87,6 +91,12 @@ pd_status_t pd_engine_add(pd_engine_t *e, const pd_engine_request_t *rq, char *e
                  "0 <= logprobs <= 20)");
         return PD_ERR_INVALID_ARG;
     }
+    if (rq->grammar != NULL && p.ignore_eos) {
+        snprintf(err, err_len,
+                 "ignore_eos cannot be combined with a structured output (the grammar ends "
+                 "the reply with EOS)");
+        return PD_ERR_INVALID_ARG;
+    }
     const char *role_err = pd_engine_params_error(e, rq->kv_transfer_params);
     if (role_err != NULL) {
         snprintf(err, err_len, "%s", role_err);
@@ -115,6 +125,16 @@ pd_status_t pd_engine_add(pd_engine_t *e, const pd_engine_request_t *rq, char *e
         return st;
     }
     r->user = ctx;
+    if (rq->grammar != NULL) {
+        if (pd_gmatcher_init(&ctx->gm, rq->grammar) != PD_OK) {
+            snprintf(err, err_len, "out of memory for the request's grammar");
+            r->user = NULL;
+            eng_ctx_free(ctx);
+            pd_request_free(r);
+            return PD_ERR_NO_MEMORY;
+        }
+        r->grammar = &ctx->gm;
+    }
     int32_t first = -1;
     if (rq->kv_transfer_params != NULL) {
         r->kv_transfer_params = json_incref(rq->kv_transfer_params);

@@ -72,7 +72,8 @@ typedef struct pd_engine_request {
     pd_request_params_t params; /* max_tokens 0 = up to max_model_len */
     const char *stop[PD_MAX_STOP_STRINGS];
     int32_t num_stop;
-    void *kv_transfer_params; /* json_t* (a reference is taken), may be NULL */
+    void *kv_transfer_params;   /* json_t* (a reference is taken), may be NULL */
+    struct pd_grammar *grammar; /* structured output (grammar/grammar.h; a reference is taken), or NULL */
     void *user;
 } pd_engine_request_t;
 

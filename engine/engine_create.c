@@ -396,6 +396,7 @@ static pd_status_t make_scheduler(pd_engine_t *e)
     }
     if (st == PD_OK) { /* min_tokens masks every EOS id */
         e->runner.num_eos = sc.num_eos;
+        e->runner.tok = e->tok;
         memcpy(e->runner.eos, sc.eos_token_ids, (size_t)sc.num_eos * sizeof(int32_t));
     }
     return st;

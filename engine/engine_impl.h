@@ -12,6 +12,7 @@
 #include "engine/model_runner.h"
 #include "engine/spec_decode.h"
 #include "engine/spec_draft.h"
+#include "grammar/grammar.h"
 #include "model/generation_config.h"
 #include "scheduler/scheduler.h"
 
@@ -28,6 +29,8 @@ typedef struct req_ctx {
     pd_prompt_logprob_t *plp; /* [num_prompt − 1] prompt_logprobs being gathered, or NULL */
     bool *plp_done;           /* [num_prompt − 1] which are (a preempted request computes again) */
     bool plp_sent;            /* handed to an output */
+    pd_gmatcher_t gm;         /* structured output's matcher (gm.g NULL: none); the request's grammar
+                               * field points here */
 } req_ctx_t;
 
 /* A queued command from another thread. */

@@ -245,6 +245,7 @@ pd_status_t pd_engine_submit(pd_engine_t *e, const pd_engine_request_t *rq)
     if (rq->kv_transfer_params != NULL) {
         json_incref(rq->kv_transfer_params);
     }
+    pd_grammar_ref(rq->grammar); /* eng_cmd_free drops it */
     pthread_mutex_lock(&e->mu);
     int32_t backlog = e->inbox_len + e->stats.num_waiting;
     if (backlog >= e->cfg.max_queue) {

@@ -1,5 +1,7 @@
 /* engine/model_runner.c — one step of the model with the connector's worker hooks. */
 #include "engine/model_runner.h"
+#include "engine/structured.h"
+#include "grammar/grammar.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -65,6 +67,9 @@ void pd_model_runner_destroy(pd_model_runner_t *r)
     free(r->num_sampled), free(r->cands);
     free(r->sampled_logprob), free(r->top_ids), free(r->top_logprobs);
     pd_logits_scratch_destroy(&r->lp_scratch);
+    pd_gvocab_free(r->gvocab);
+    free(r->gmask);
+    r->gvocab = NULL, r->gmask = NULL;
     free(r->plp_logprob), free(r->plp_rank), free(r->plp_top_ids), free(r->plp_top_lp);
     r->logits = NULL;
 }
@@ -177,6 +182,17 @@ static pd_status_t sample_rows(pd_model_runner_t *r, const pd_scheduler_output_t
         }
     }
     pd_status_t st = PD_OK;
+    for (int32_t k0 = 0, k1; st == PD_OK && k0 < b->num_logits; k0 = k1) { /* structured outputs last */
+        k1 = rows_end(b, k0);
+        pd_request_t *req = out->items[b->logits_item[k0]].req;
+        if (req->grammar != NULL) {
+            st = pd_structured_mask_rows(r, req, r->logits + (size_t)k0 * V, k1 - k0);
+        }
+    }
+    if (st != PD_OK) {
+        free(lp_rows);
+        return st;
+    }
     if (!spec) {
         for (int32_t k = 0; k < b->num_logits; k++) {
             const pd_request_t *req = out->items[b->logits_item[k]].req;

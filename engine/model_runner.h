@@ -39,6 +39,11 @@ typedef struct pd_model_runner {
     pd_sample_cand_t *cands;        /* [vocab] the verifier's scratch (when stride > 1) */
     pd_logits_scratch_t lp_scratch; /* logits processors' per-vocabulary scratch */
     int32_t eos[8];                 /* the model's EOS ids (min_tokens masks them) */
+    /* structured outputs (engine/structured.c): the vocabulary's bytes for the masks, made at the
+     * first request with a grammar, and one row's mask */
+    const struct pd_tokenizer *tok;
+    struct pd_gvocab *gvocab;
+    uint32_t *gmask; /* [(vocab + 31) / 32] */
     int32_t num_eos;
     /* prompt logprobs of this step, by plp row: the prompt token's logprob and rank, and the top */
     float *plp_logprob;   /* [max_tokens] */

@@ -706,3 +706,13 @@ bool pd_tokenizer_is_special(const pd_tokenizer_t *t, int32_t id)
 {
     return id >= 0 && id < t->vocab_size && t->id_special[id];
 }
+
+const uint8_t *pd_tokenizer_token_bytes(const pd_tokenizer_t *t, int32_t id, size_t *len_out)
+{
+    *len_out = 0;
+    if (!tok_known(t, id)) {
+        return NULL;
+    }
+    *len_out = t->id_bytes_len[id];
+    return t->id_bytes[id];
+}

@@ -60,6 +60,11 @@ pd_status_t pd_detok_step(const pd_tokenizer_t *tok, pd_detok_t *st, int32_t id,
 /* Flushes held bytes at the end of a stream (as U+FFFD). */
 size_t pd_detok_finish(pd_detok_t *st, char *out, size_t cap);
 
+/* The bytes token id decodes to (byte-level and byte-fallback tokens as their bytes, a metaspace as
+ * a space), *len_out of them, not NUL-terminated; NULL for an unknown id. The grammar masks match
+ * these (engine/structured.c). */
+const uint8_t *pd_tokenizer_token_bytes(const pd_tokenizer_t *tok, int32_t id, size_t *len_out);
+
 /* Longest token, in bytes (sizing pd_detok_step buffers). */
 size_t pd_tokenizer_max_token_bytes(const pd_tokenizer_t *tok);
 

@@ -34,14 +34,13 @@
 
 /* ------------------------------------------------------------------ client replies */
 
-/* A chat request whose reply the decode reads tool calls out of: tools, and tool_choice "auto"
- * (said, or the default with tools, as vLLM reads it). */
+/* A chat request whose reply the decode reads tool calls out of: tools, and any tool_choice but
+ * "none" ("auto", said or the default with tools as vLLM reads it; "required"; a named function). */
 static bool reads_tool_calls(const json_t *body)
 {
     const json_t *tc = json_object_get(body, "tool_choice");
     return json_object_get(body, "messages") != NULL && json_array_size(json_object_get(body, "tools")) > 0 &&
-           (tc == NULL || json_is_null(tc) ||
-            (json_is_string(tc) && strcmp(json_string_value(tc), "auto") == 0));
+           !(json_is_string(tc) && strcmp(json_string_value(tc), "none") == 0);
 }
 
 static void reply_json(struct evhttp_request *req, int status, json_t *body)

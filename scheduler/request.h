@@ -112,9 +112,12 @@ struct pd_request {
     int32_t stop_token; /* the stop_token_ids entry that finished it (vLLM's stop_reason), or -1 */
     int32_t num_preemptions;
     double arrival_time, first_scheduled_time, first_token_time, finish_time;
-    pd_request_t *prev, *next; /* scheduler queue links */
-    int32_t batch_slot;        /* persistent input batch slot, -1 when absent */
-    void *user;                /* frontend context */
+    pd_request_t *prev, *next;   /* scheduler queue links */
+    int32_t batch_slot;          /* persistent input batch slot, -1 when absent */
+    struct pd_gmatcher *grammar; /* structured output: the matcher the engine's model runner masks
+                                  * and advances (engine/structured.c; it lives in the engine's
+                                  * request context), NULL when none */
+    void *user;                  /* frontend context */
 };
 
 /* Creates a request with prompt[n] (n >= 1) whose tokens may grow to max_len (prompt + output).

@@ -46,7 +46,9 @@ typedef struct choice {
     char *error; /* the engine's reason when it ended with "error" and no token */
     bool oom;    /* an id or text could not be kept (out of memory): the reply is a 500, not a short text */
     bool handed_over; /* a prefill's first-token handover: a decode node goes on (no finish_reason) */
-    size_t streamed;  /* tool parsing, streaming: bytes of text sent as content so far */
+    size_t streamed;  /* tool parsing, streaming: bytes of text sent as content (or as a named tool
+                       * choice's arguments) so far */
+    bool call_opened; /* a named tool choice, streaming: the call's first delta (id, name) was sent */
 } choice_t;
 
 struct creq {
@@ -410,15 +412,53 @@ static void start_stream(creq_t *c)
     }
 }
 
+/* The tool calls choice h's reply holds (NULL: none; *content_len the text before them). */
+static json_t *reply_calls(const creq_t *c, const choice_t *h, size_t *content_len)
+{
+    *content_len = h->text_len;
+    if (c->in.tool_parser == PD_TOOL_PARSER_NAMED) {
+        json_t *calls = pd_tool_calls_named(c->in.tool_name, h->text, h->text_len);
+        *content_len = calls != NULL ? 0 : h->text_len;
+        return calls;
+    }
+    return c->in.tool_parser != PD_TOOL_PARSER_NONE
+               ? pd_tool_calls_parse((pd_tool_parser_t)c->in.tool_parser, h->text, h->text_len, content_len)
+               : NULL;
+}
+
+/* finish_reason "tool_calls" for calls the server read or "required" forced; a named function
+ * keeps the generation's own (OpenAI's and vLLM's "stop"). */
+static bool calls_finish(const creq_t *c)
+{
+    return c->in.tool_parser != PD_TOOL_PARSER_NAMED;
+}
+
 /* Tool parsing (c->in.tool_parser), streaming: the delta of this output — the content that cannot
  * be part of a tool call any more; at the end the rest, and the calls the whole reply holds
  * (then *finish is "tool_calls", as vLLM reports them). */
-static json_t *tool_delta(choice_t *h, pd_tool_parser_t p, bool finished, const char **finish)
+static json_t *tool_delta(const creq_t *c, choice_t *h, bool finished, const char **finish)
 {
+    pd_tool_parser_t p = (pd_tool_parser_t)c->in.tool_parser;
+    if (p == PD_TOOL_PARSER_NAMED) { /* the reply is the arguments: streamed as they are written (vLLM) */
+        json_t *delta = json_object(), *calls = NULL;
+        if (!h->call_opened) { /* the first delta: id, type, name and the arguments so far */
+            calls = pd_tool_calls_named(c->in.tool_name, h->text, h->text_len);
+            json_object_set_new(json_array_get(calls, 0), "index", json_integer(0));
+            h->call_opened = true;
+        } else if (h->text_len > h->streamed) {
+            calls = json_pack("[{s:i, s:{s:s%}}]", "index", 0, "function", "arguments", h->text + h->streamed,
+                              h->text_len - h->streamed);
+        }
+        h->streamed = h->text_len;
+        if (calls != NULL) {
+            json_object_set_new(delta, "tool_calls", calls);
+        }
+        return delta;
+    }
     size_t upto = pd_tool_calls_safe_prefix(p, h->text, h->text_len, h->streamed);
     json_t *calls = NULL;
     if (finished) {
-        calls = pd_tool_calls_parse(p, h->text, h->text_len, &upto);
+        calls = reply_calls(c, h, &upto);
     }
     json_t *delta = json_object();
     if (upto > h->streamed) {
@@ -434,7 +474,7 @@ static json_t *tool_delta(choice_t *h, pd_tool_parser_t p, bool finished, const 
             json_object_set_new(call, "index", json_integer((json_int_t)i));
         }
         json_object_set_new(delta, "tool_calls", calls);
-        *finish = "tool_calls";
+        *finish = calls_finish(c) ? "tool_calls" : *finish;
     }
     return delta;
 }
@@ -453,8 +493,7 @@ static json_t *output_chunk(creq_t *c, choice_t *h, const pd_engine_output_t *o,
             lp = json_pack("{s:o}", "content", content);
         }
         const char *finish = o->finish_reason;
-        json_t *delta = c->in.tool_parser != PD_TOOL_PARSER_NONE
-                            ? tool_delta(h, (pd_tool_parser_t)c->in.tool_parser, finished, &finish)
+        json_t *delta = c->in.tool_parser != PD_TOOL_PARSER_NONE ? tool_delta(c, h, finished, &finish)
                         : o->text_len > 0
                             ? json_pack("{s:o}", "content", pd_json_string_lossy(o->text, o->text_len))
                             : json_object();
@@ -559,20 +598,18 @@ static json_t *final_choice(const creq_t *c, const choice_t *h)
 {
     json_t *choice;
     if (c->in.chat) {
-        size_t content_len = h->text_len;
-        json_t *calls =
-            c->in.tool_parser != PD_TOOL_PARSER_NONE
-                ? pd_tool_calls_parse((pd_tool_parser_t)c->in.tool_parser, h->text, h->text_len, &content_len)
-                : NULL;
+        size_t content_len;
+        json_t *calls = reply_calls(c, h, &content_len);
         /* with calls, the content is the text before them (null when none: vLLM's shape) */
         json_t *content =
             calls != NULL && content_len == 0 ? json_null() : pd_json_string_lossy(h->text, content_len);
         json_t *msg = json_pack("{s:s, s:o, s:o}", "role", "assistant", "content", content, "tool_calls",
                                 calls != NULL ? calls : json_array());
-        choice = json_pack("{s:i, s:o, s:o, s:o, s:o}", "index", h->index, "message", msg, "logprobs",
-                           h->lp != NULL ? json_pack("{s:O}", "content", h->lp) : json_null(),
-                           "finish_reason", calls != NULL ? json_string("tool_calls") : finish_reason_json(h),
-                           "stop_reason", stop_reason_json(h));
+        choice =
+            json_pack("{s:i, s:o, s:o, s:o, s:o}", "index", h->index, "message", msg, "logprobs",
+                      h->lp != NULL ? json_pack("{s:O}", "content", h->lp) : json_null(), "finish_reason",
+                      calls != NULL && calls_finish(c) ? json_string("tool_calls") : finish_reason_json(h),
+                      "stop_reason", stop_reason_json(h));
     } else {
         const pd_prompt_t *pr = &c->in.prompts[h->prompt];
         json_t *text;
@@ -806,6 +843,7 @@ static bool submit_choice(creq_t *c, int32_t k)
     rq.num_stop = c->in.num_stop;
     /* the KV parameters belong to one engine request: the first choice of the first prompt */
     rq.kv_transfer_params = k == 0 ? c->in.kv_transfer_params : NULL;
+    rq.grammar = c->in.grammar;
     rq.user = h;
     if (pd_engine_submit(c->srv->engine, &rq) != PD_OK) {
         return false;

@@ -10,6 +10,7 @@
 #include "common/json.h"
 #include "model/generation_config.h"
 #include "server/chat.h"
+#include "server/structured_output.h"
 #include "server/tool_calls.h"
 
 json_t *pd_openai_error_json(const pd_http_error_t *err)
@@ -212,11 +213,8 @@ static bool refuse_unimplemented(json_t *root, bool chat, pd_http_error_t *err)
         {"use_beam_search", "false"},
         {"length_penalty", "1"},
         {"allowed_token_ids", NULL},
-        {"guided_json", NULL},
-        {"guided_regex", NULL},
-        {"guided_choice", NULL},
-        {"guided_grammar", NULL},
-        {"structured_outputs", NULL},
+        {"guided_decoding_backend", NULL},   /* one engine: grammar/ */
+        {"guided_whitespace_pattern", NULL}, /* whitespace is grammar/json_schema.c's */
         {"truncate_prompt_tokens", NULL},
         {"logits_processors", NULL},
         {"spaces_between_special_tokens", "true"},
@@ -249,15 +247,6 @@ static bool refuse_unimplemented(json_t *root, bool chat, pd_http_error_t *err)
         return pd_http_error_set(err, 400, "BadRequestError", params[i].name,
                                  "'%s' is not supported by pdserve yet", params[i].name);
     }
-    json_t *rf = json_object_get(root, "response_format");
-    if (rf != NULL && !json_is_null(rf)) {
-        const char *t = json_string_value(json_object_get(rf, "type"));
-        if (t == NULL || strcmp(t, "text") != 0) {
-            return pd_http_error_set(err, 400, "BadRequestError", "response_format",
-                                     "'response_format' other than {\"type\": \"text\"} is not supported by "
-                                     "pdserve yet");
-        }
-    }
     json_t *so = json_object_get(root, "stream_options");
     if (json_is_true(json_object_get(so, "continuous_usage_stats"))) {
         return pd_http_error_set(err, 400, "BadRequestError", "stream_options",
@@ -266,12 +255,14 @@ static bool refuse_unimplemented(json_t *root, bool chat, pd_http_error_t *err)
     if (chat) {
         json_t *tc = json_object_get(root, "tool_choice");
         const char *tcs = json_string_value(tc);
-        if (tc != NULL && !json_is_null(tc) &&
-            (tcs == NULL || (strcmp(tcs, "none") != 0 && strcmp(tcs, "auto") != 0))) {
-            return pd_http_error_set(
-                err, 400, "BadRequestError", "tool_choice",
-                "tool_choice must be \"none\": pdserve renders tools into the prompt but does not "
-                "parse or force tool calls yet");
+        bool named =
+            json_is_object(tc) && json_is_string(json_object_get(json_object_get(tc, "function"), "name"));
+        if (tc != NULL && !json_is_null(tc) && !named &&
+            (tcs == NULL ||
+             (strcmp(tcs, "none") != 0 && strcmp(tcs, "auto") != 0 && strcmp(tcs, "required") != 0))) {
+            return pd_http_error_set(err, 400, "BadRequestError", "tool_choice",
+                                     "tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": "
+                                     "\"function\", \"function\": {\"name\": ...}}");
         }
         if (json_is_true(json_object_get(root, "echo"))) {
             return pd_http_error_set(err, 400, "BadRequestError", "echo",
@@ -493,8 +484,14 @@ static bool parse_params(json_t *root, bool chat, const pd_tokenizer_t *tok, con
         !pd_api_get_num(root, "top_p", 1e-9, 1, &top_p, err) ||
         !pd_api_get_bool(root, "stream", &out->stream, err) ||
         !pd_api_get_bool(root, "ignore_eos", &p->ignore_eos, err) ||
-        !pd_api_get_bool(root, "return_token_ids", &out->return_token_ids, err)) {
+        !pd_api_get_bool(root, "return_token_ids", &out->return_token_ids, err) ||
+        !pd_structured_output_parse(root, &out->grammar, err)) {
         return false;
+    }
+    if (out->grammar != NULL && p->ignore_eos) {
+        return pd_http_error_set(err, 400, "BadRequestError", "ignore_eos",
+                                 "ignore_eos cannot be combined with a structured output (the grammar ends "
+                                 "the reply with EOS)");
     }
     if (seed != NULL && !json_is_null(seed) &&
         !pd_api_want_type(err, "seed", seed, json_is_integer(seed), "an integer")) {
@@ -724,6 +721,101 @@ static bool auto_tool_choice_refused(const json_t *root, const pd_openai_limits_
     return false;
 }
 
+/* tool_choice "required" or a named function, as vLLM serves them (no server flag needed): the reply
+ * is written under a grammar — for "required" a JSON list of {"name": one of the tools, "parameters":
+ * its schema}, for a named function that function's parameters — and read back as the tool calls.
+ * Checked after the tools were validated (pd_chat_render). */
+static bool forced_tool_choice(const json_t *root, pd_completion_req_t *out, pd_http_error_t *err)
+{
+    const json_t *tools = json_object_get(root, "tools"), *tc = json_object_get(root, "tool_choice");
+    bool required = json_is_string(tc) && strcmp(json_string_value(tc), "required") == 0;
+    const char *name = json_string_value(json_object_get(json_object_get(tc, "function"), "name"));
+    if (!required && name == NULL) {
+        return true;
+    }
+    if (json_array_size(tools) == 0) {
+        return pd_http_error_set(err, 400, "BadRequestError", "tool_choice",
+                                 "tool_choice \"required\" or a named function needs \"tools\"");
+    }
+    if (json_is_true(json_object_get(json_object_get(root, "kv_transfer_params"), "first_token"))) {
+        return pd_http_error_set(
+            err, 400, "BadRequestError", "tool_choice",
+            "tool calls are read out of a whole reply, and with the first-token handover "
+            "no node generates the whole reply: pd-proxy sends such requests without it");
+    }
+    if (out->grammar != NULL) {
+        return pd_http_error_set(err, 400, "BadRequestError", "tool_choice",
+                                 "a forced tool choice writes the reply under its own grammar: it cannot be "
+                                 "combined with response_format, structured_outputs or guided_*");
+    }
+    json_t *schema = NULL, *branches = json_array(), *defs = json_object();
+    size_t i;
+    json_t *t;
+    json_array_foreach(tools, i, t)
+    {
+        const json_t *fn = json_object_get(t, "function");
+        const char *tn = json_string_value(json_object_get(fn, "name"));
+        json_t *params = json_deep_copy(json_object_get(fn, "parameters"));
+        if (params == NULL) { /* a function without parameters takes an empty object */
+            params = json_pack("{s:s, s:{}}", "type", "object", "properties");
+        }
+        json_t *pdefs = json_object_get(params, "$defs"); /* lifted to the root, where $refs point */
+        const char *k;
+        json_t *v;
+        json_object_foreach(pdefs, k, v)
+        {
+            json_t *have = json_object_get(defs, k);
+            if (have != NULL && !json_equal(have, v)) {
+                json_decref(params), json_decref(branches), json_decref(defs), json_decref(schema);
+                return pd_http_error_set(err, 400, "BadRequestError", "tools",
+                                         "tools define $defs '%s' differently", k);
+            }
+            json_object_set(defs, k, v);
+        }
+        json_object_del(params, "$defs");
+        if (name != NULL && tn != NULL && strcmp(tn, name) == 0) {
+            json_decref(schema);
+            schema = params;
+            params = NULL;
+        } else if (required) {
+            json_array_append_new(branches,
+                                  json_pack("{s:s, s:{s:{s:s, s:[s]}, s:o}, s:[s, s], s:b}", "type", "object",
+                                            "properties", "name", "type", "string", "enum",
+                                            tn != NULL ? tn : "", "parameters", params, "required", "name",
+                                            "parameters", "additionalProperties", 0));
+            params = NULL;
+        }
+        json_decref(params);
+    }
+    if (name != NULL && schema == NULL) {
+        json_decref(branches), json_decref(defs);
+        return pd_http_error_set(err, 400, "BadRequestError", "tool_choice",
+                                 "tool_choice names function '%s', which is not in \"tools\"", name);
+    }
+    if (required) {
+        schema = json_pack("{s:s, s:i, s:{s:o}}", "type", "array", "minItems", 1, "items", "anyOf", branches);
+        branches = NULL;
+    }
+    json_decref(branches);
+    if (json_object_size(defs) > 0) {
+        json_object_set(schema, "$defs", defs);
+    }
+    json_decref(defs);
+    json_t *body = json_pack("{s:O}", "guided_json", schema);
+    json_decref(schema);
+    bool ok = pd_structured_output_parse(body, &out->grammar, err);
+    json_decref(body);
+    if (!ok) {
+        err->param = "tools"; /* the schema came from there */
+        return false;
+    }
+    out->tool_parser = required ? PD_TOOL_PARSER_REQUIRED : PD_TOOL_PARSER_NAMED;
+    if (name != NULL && (out->tool_name = strdup(name)) == NULL) {
+        return pd_http_error_set(err, 500, "InternalServerError", NULL, "out of memory");
+    }
+    return true;
+}
+
 bool pd_openai_parse_chat(const char *body, size_t len, const pd_tokenizer_t *tok, const pd_chat_t *chat,
                           const pd_openai_limits_t *lim, pd_completion_req_t *out, pd_http_error_t *err)
 {
@@ -747,7 +839,7 @@ bool pd_openai_parse_chat(const char *body, size_t len, const pd_tokenizer_t *to
         ok = pd_http_error_set(err, 400, "BadRequestError", "messages", "'messages' is required");
     }
     ok = ok && pd_chat_render(chat, &cr, &prompt, &plen, err) &&
-         !auto_tool_choice_refused(root, lim, out, err);
+         !auto_tool_choice_refused(root, lim, out, err) && forced_tool_choice(root, out, err);
     if (ok) {
         size_t n = 0;
         int32_t *ids = NULL;
@@ -788,6 +880,8 @@ void pd_completion_req_free(pd_completion_req_t *r)
         free(r->stop[i]);
     }
     json_decref(r->kv_transfer_params);
+    pd_grammar_unref(r->grammar);
+    free(r->tool_name);
     memset(r, 0, sizeof(*r));
     r->logprobs = -1;
 }

@@ -37,8 +37,11 @@ typedef struct pd_completion_req {
     int32_t logprobs;           /* -1 = none (null); chat: top_logprobs when logprobs is true */
     bool chat;                  /* a /v1/chat/completions request (chat response shapes) */
     int tool_parser;            /* chat with tools and tool_choice "auto": the server's
-                                 * pd_tool_parser_t, which reads tool calls out of the reply; else 0 */
+                                 * pd_tool_parser_t, which reads tool calls out of the reply; "required"
+                                 * or a named function: PD_TOOL_PARSER_REQUIRED / _NAMED; else 0 */
+    char *tool_name;            /* a named tool choice's function (malloc'd), else NULL */
     json_t *kv_transfer_params; /* owned reference or NULL */
+    struct pd_grammar *grammar; /* structured output (server/structured_output.h): owned reference or NULL */
 } pd_completion_req_t;
 
 typedef struct pd_openai_limits {

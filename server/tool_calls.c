@@ -212,6 +212,29 @@ static json_t *parse_llama3(const char *text, size_t len, size_t *content_len)
     return calls;
 }
 
+/* tool_choice "required": [{"name": ..., "parameters": {...}}, ...] (vLLM's form under its grammar). */
+static json_t *parse_required(const char *text, size_t len, size_t *content_len)
+{
+    json_t *list = json_loadb(text, len, JSON_DECODE_ANY, NULL);
+    json_t *calls = json_is_array(list) && json_array_size(list) > 0 ? json_array() : NULL;
+    size_t i;
+    json_t *item;
+    json_array_foreach(list, i, item)
+    {
+        json_t *c = calls != NULL ? call_json(item) : NULL;
+        if (c == NULL || json_array_append_new(calls, c) != 0) {
+            json_decref(calls);
+            calls = NULL;
+            break;
+        }
+    }
+    json_decref(list);
+    if (calls != NULL) {
+        *content_len = 0;
+    }
+    return calls;
+}
+
 json_t *pd_tool_calls_parse(pd_tool_parser_t p, const char *text, size_t len, size_t *content_len)
 {
     *content_len = len;
@@ -219,6 +242,8 @@ json_t *pd_tool_calls_parse(pd_tool_parser_t p, const char *text, size_t len, si
     case PD_TOOL_PARSER_HERMES: return parse_hermes(text, len, content_len);
     case PD_TOOL_PARSER_LLAMA3_JSON: return parse_llama3(text, len, content_len);
     case PD_TOOL_PARSER_MISTRAL: return parse_mistral(text, len, content_len);
+    case PD_TOOL_PARSER_REQUIRED: return parse_required(text, len, content_len);
+    case PD_TOOL_PARSER_NAMED: /* pd_tool_calls_named: the name is the request's */
     case PD_TOOL_PARSER_NONE: break;
     }
     return NULL;
@@ -255,7 +280,31 @@ size_t pd_tool_calls_safe_prefix(pd_tool_parser_t p, const char *text, size_t le
         bool may_be_tag = memcmp(text, PYTHON_TAG, len < t ? len : t) == 0;
         return len == 0 || text[0] == '{' || may_be_tag ? 0 : len;
     }
+    case PD_TOOL_PARSER_REQUIRED:
+    case PD_TOOL_PARSER_NAMED: return 0; /* the whole reply is the calls */
     case PD_TOOL_PARSER_NONE: break;
     }
     return len;
+}
+
+json_t *pd_tool_calls_named(const char *name, const char *text, size_t len)
+{
+    json_t *obj = json_object();
+    json_t *calls = json_array();
+    char *args = strndup(text, len);
+    /* the arguments as written (a string keeps them verbatim in call_json) */
+    if (obj == NULL || calls == NULL || args == NULL ||
+        json_object_set_new(obj, "name", json_string(name)) != 0 ||
+        json_object_set_new(obj, "arguments", json_string(args)) != 0) {
+        json_decref(obj), json_decref(calls), free(args);
+        return NULL;
+    }
+    free(args);
+    json_t *c = call_json(obj);
+    json_decref(obj);
+    if (c == NULL || json_array_append_new(calls, c) != 0) {
+        json_decref(calls);
+        return NULL;
+    }
+    return calls;
 }

@@ -25,6 +25,10 @@ typedef enum pd_tool_parser {
     PD_TOOL_PARSER_HERMES,
     PD_TOOL_PARSER_LLAMA3_JSON,
     PD_TOOL_PARSER_MISTRAL,
+    /* tool_choice forced, the reply written under a grammar (no server flag needed, as in vLLM):
+     * "required": a JSON list of {"name", "parameters"}; a named function: its arguments */
+    PD_TOOL_PARSER_REQUIRED,
+    PD_TOOL_PARSER_NAMED,
 } pd_tool_parser_t;
 
 /* The parser of that name (vLLM's names), or PD_TOOL_PARSER_NONE when there is none. */
@@ -37,6 +41,9 @@ const char *pd_tool_parser_names(void);
  * *content_len the bytes of text before them (the reply's content); NULL when the text holds no
  * call that parses (then the whole text is content). */
 json_t *pd_tool_calls_parse(pd_tool_parser_t p, const char *text, size_t len, size_t *content_len);
+
+/* The one call of a named tool choice: name, and the reply text as its arguments (as vLLM). */
+json_t *pd_tool_calls_named(const char *name, const char *text, size_t len);
 
 /* Streaming: how many leading bytes of text[len] are content for sure — the rest may be (the start
  * of) a tool call, held back until more text or the end decides. text[0, from) is what an earlier

@@ -19,6 +19,7 @@ PKGS=(
   gnuplot-nox                              # benchmark plots
   python3-numpy python3-yaml              # reference implementation; deploy manifest checks
   python3-jinja2                           # reference renders for the chat-template interpreter
+  python3-jsonschema                       # the reference validator for structured outputs (grammar/)
   python3-zmq python3-msgpack              # the reference KV-events subscriber in tests
   prometheus                               # promtool check metrics (the /metrics exposition)
   clang-format                             # make format / format check

@@ -41,4 +41,6 @@ echo "run-bench: tools/bench-offload.sh (KV offload tier none vs host vs disk, m
 tools/bench-offload.sh "$build"
 echo "run-bench: tools/bench-p2p.sh (peer-to-peer prefix fetch off vs on, multi-turn, 2P+2D, round-robin and kv-aware)"
 tools/bench-p2p.sh "$build"
+echo "run-bench: tools/bench-structured.sh (structured outputs at scale: validity and throughput, pd-serve and 1P1D)"
+tools/bench-structured.sh "$build"
 echo "run-bench: results appended to bench/RESULTS.md"

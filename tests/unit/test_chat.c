@@ -70,6 +70,18 @@ static void suite_setup(void)
     g_pid = start_bin("pd-serve", g_model, "main", NULL, &g_port, true);
 }
 
+/* The structured-output case: a longer context (tool definitions render long in this vocabulary). */
+static void structured_setup(void)
+{
+    pd_log_set_level(PD_LOG_WARN);
+    g_model = tu_make_model("--preset tiny --arch llama");
+    g_gpt2 = NULL;
+    g_dir = tu_mkdtemp("chat-so");
+    ck_assert_ptr_nonnull(g_model);
+    char *extra[] = {"--max-model-len", "2048", NULL};
+    g_pid = start_bin("pd-serve", g_model, "main", extra, &g_port, true);
+}
+
 static void suite_teardown(void)
 {
     tu_stop(g_pid, 30);
@@ -453,9 +465,10 @@ START_TEST(test_refusals_name_the_parameter)
     const char *c = "/v1/chat/completions", *p = "/v1/completions";
     const char *m = "\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]";
     char b[512];
-    static const char *const unimpl[] = {
-        "\"best_of\": 2", "\"guided_json\": {}", "\"spaces_between_special_tokens\": false",
-        "\"return_tokens_as_token_ids\": true", "\"response_format\": {\"type\": \"json_object\"}"};
+    static const char *const unimpl[] = {"\"best_of\": 2", "\"guided_decoding_backend\": \"xgrammar\"",
+                                         "\"spaces_between_special_tokens\": false",
+                                         "\"return_tokens_as_token_ids\": true",
+                                         "\"guided_whitespace_pattern\": \" \""};
     for (size_t i = 0; i < sizeof(unimpl) / sizeof(unimpl[0]); i++) {
         char param[64];
         sscanf(unimpl[i], "\"%63[^\"]\"", param);
@@ -505,7 +518,9 @@ START_TEST(test_refusals_name_the_parameter)
     snprintf(b, sizeof(b), "{%s, \"continue_final_message\": true}", m);
     expect_400(g_port, c, b, "continue_final_message", "Cannot set both");
     snprintf(b, sizeof(b), "{%s, \"tool_choice\": \"required\"}", m);
-    expect_400(g_port, c, b, "tool_choice", "tool_choice");
+    expect_400(g_port, c, b, "tool_choice", "needs \"tools\"");
+    snprintf(b, sizeof(b), "{%s, \"tool_choice\": \"sometimes\"}", m);
+    expect_400(g_port, c, b, "tool_choice", "tool_choice must be");
     /* tools with "auto" (said, or the default with tools, as vLLM reads it) need a tool-call parser,
      * which pdserve does not have: refused, not answered with the calls left in the text */
     static const char *tool = "\"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"f\", "
@@ -1183,6 +1198,363 @@ START_TEST(test_auto_tool_choice)
 END_TEST
 
 /* Installs openai@SPEC into build/npm-openai-TAG once; returns the node_modules dir. */
+/* ------------------------------------------------------------------ structured outputs */
+
+/* The text of a generation request's first choice (completions or chat) and its finish reason. */
+static char *gen_text(int port, bool chat, const char *spec, const char *sampling, const char **finish)
+{
+    char body[4096];
+    if (chat) {
+        snprintf(body, sizeof(body),
+                 "{\"messages\": [{\"role\": \"user\", \"content\": \"Give me JSON\"}], \"max_tokens\": 160, "
+                 "%s, %s}",
+                 spec, sampling);
+    } else {
+        snprintf(body, sizeof(body), "{\"prompt\": \"Answer:\", \"max_tokens\": 160, %s, %s}", spec,
+                 sampling);
+    }
+    int st;
+    json_t *j = post(port, chat ? "/v1/chat/completions" : "/v1/completions", body, &st);
+    ck_assert_msg(st == 200, "%s answered %d", body, st);
+    json_t *c = json_array_get(json_object_get(j, "choices"), 0);
+    const char *t = chat ? chat_content(j) : json_string_value(json_object_get(c, "text"));
+    static char fin[32];
+    snprintf(fin, sizeof(fin), "%s", json_string_value(json_object_get(c, "finish_reason")));
+    *finish = fin;
+    char *out = strdup(t != NULL ? t : "");
+    json_decref(j);
+    return out;
+}
+
+/* Every structured-output field, greedy and sampled, on completions and chat: each reply ends
+ * (finish_reason stop) and is what its spec allows (python3-jsonschema, Python's re.fullmatch, the
+ * choice list); a random-weight model writes nothing valid without the grammar. The refusals. */
+START_TEST(test_structured_outputs)
+{
+    if (system("/usr/bin/python3 -c 'import jsonschema' >/dev/null 2>&1") != 0) {
+        ck_assert_msg(getenv("CI") == NULL,
+                      "python3-jsonschema is required (tools/install-deps.sh installs it)");
+        return;
+    }
+    static const char *schemas[] = {
+        "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\",\"maxLength\":12},\"age\":{"
+        "\"type\":"
+        "\"integer\",\"minimum\":0,\"maximum\":120},\"tags\":{\"type\":\"array\",\"items\":{\"enum\":[\"a\","
+        "\"b\"]},"
+        "\"maxItems\":3}},\"required\":[\"name\",\"age\",\"tags\"],\"additionalProperties\":false}",
+        "{\"anyOf\":[{\"type\":\"boolean\"},{\"type\":\"string\",\"format\":\"date\"},{\"type\":\"integer\","
+        "\"exclusiveMaximum\":0,\"minimum\":-999}]}",
+    };
+    json_t *sdoc = json_array(), *mdoc = json_array();
+    const char *fin;
+    int n = 0;
+    for (int chat = 0; chat < 2; chat++) {
+        for (size_t i = 0; i < sizeof(schemas) / sizeof(schemas[0]); i++) {
+            json_t *outs = json_array();
+            for (int k = 0; k < 6; k++) {
+                char spec[2048], samp[128];
+                if (k % 3 == 0) {
+                    snprintf(
+                        spec, sizeof(spec),
+                        "\"response_format\": {\"type\": \"json_schema\", \"json_schema\": {\"name\": \"x\", "
+                        "\"schema\": %s, \"strict\": true}}",
+                        schemas[i]);
+                } else if (k % 3 == 1) {
+                    snprintf(spec, sizeof(spec), "\"structured_outputs\": {\"json\": %s}", schemas[i]);
+                } else {
+                    json_t *str = json_string(schemas[i]); /* guided_json as JSON text */
+                    char *enc = json_dumps(str, JSON_ENCODE_ANY);
+                    snprintf(spec, sizeof(spec), "\"guided_json\": %s", enc);
+                    free(enc);
+                    json_decref(str);
+                }
+                snprintf(samp, sizeof(samp),
+                         k < 2 ? "\"temperature\": 0" : "\"temperature\": 1, \"seed\": %d", k);
+                char *t = gen_text(g_port, chat, spec, samp, &fin);
+                ck_assert_msg(strcmp(fin, "stop") == 0, "'%s' ended by %s", t, fin);
+                json_array_append_new(outs, json_string(t));
+                free(t);
+                n++;
+            }
+            json_array_append_new(
+                sdoc, json_pack("{s:o, s:o}", "schema", json_loads(schemas[i], 0, NULL), "outputs", outs));
+        }
+        static const struct {
+            const char *kind, *spec, *field;
+        } others[] = {
+            {"regex", "[A-Z][a-z]{2,5} (and|or) \\\\d{1,3}\\\\.",
+             "\"structured_outputs\": {\"regex\": \"%s\"}"},
+            {"regex", "(ab|é)+!?", "\"guided_regex\": \"%s\""},
+            {"choice", "[\"yes\", \"no\", \"not sure\"]", "\"structured_outputs\": {\"choice\": %s}"},
+            {"choice", "[\"positive\", \"negative\"]", "\"guided_choice\": %s"},
+            {"grammar_json",
+             "root ::= \\\"[\\\" num (\\\",\\\" num){0,3} \\\"]\\\"\\nnum ::= [1-9] [0-9]{0,2}",
+             "\"structured_outputs\": {\"grammar\": \"%s\"}"},
+        };
+        for (size_t i = 0; i < sizeof(others) / sizeof(others[0]); i++) {
+            json_t *outs = json_array();
+            for (int k = 0; k < 4; k++) {
+                char spec[1024], samp[128];
+                snprintf(spec, sizeof(spec), others[i].field, others[i].spec);
+                snprintf(samp, sizeof(samp),
+                         k == 0 ? "\"temperature\": 0" : "\"temperature\": 1, \"seed\": %d", k);
+                char *t = gen_text(g_port, chat, spec, samp, &fin);
+                ck_assert_msg(strcmp(fin, "stop") == 0, "%s: '%s' ended by %s", spec, t, fin);
+                json_array_append_new(outs, json_string(t));
+                free(t);
+                n++;
+            }
+            json_t *sp;
+            if (strcmp(others[i].kind, "choice") == 0) {
+                sp = json_loads(others[i].spec, 0, NULL);
+            } else { /* the spec as the server received it (JSON-unescaped) */
+                char q[512];
+                snprintf(q, sizeof(q), "\"%s\"", others[i].spec);
+                sp = json_loads(q, JSON_DECODE_ANY, NULL);
+            }
+            ck_assert_ptr_nonnull(sp);
+            json_array_append_new(
+                mdoc, json_pack("{s:s, s:o, s:o}", "kind", others[i].kind, "spec", sp, "outputs", outs));
+        }
+    }
+    char sp[600], mp[600];
+    snprintf(sp, sizeof(sp), "%s/so-schema.json", g_dir);
+    snprintf(mp, sizeof(mp), "%s/so-match.json", g_dir);
+    ck_assert_int_eq(json_dump_file(sdoc, sp, 0), 0);
+    ck_assert_int_eq(json_dump_file(mdoc, mp, 0), 0);
+    json_decref(sdoc), json_decref(mdoc);
+    ck_assert_int_eq(
+        tu_run(60, "/usr/bin/python3 %s/tests/reference/grammar_check.py schema %s", tu_source_dir(), sp), 0);
+    ck_assert_int_eq(
+        tu_run(60, "/usr/bin/python3 %s/tests/reference/grammar_check.py match %s", tu_source_dir(), mp), 0);
+    ck_assert_int_gt(n, 60);
+    /* tool_choice "required" and a named function: the reply is the calls, their arguments valid */
+    /* short tools: the test server's context is 512 tokens and this vocabulary is small */
+    static const char *tools =
+        "\"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"parameters\": "
+        "{\"type\": \"object\", \"properties\": {\"c\": {\"type\": \"string\", \"maxLength\": 6}}, "
+        "\"required\": [\"c\"], \"additionalProperties\": false}}}, {\"type\": \"function\", \"function\": "
+        "{\"name\": \"add\", \"parameters\": {\"type\": \"object\", \"properties\": {\"a\": {\"type\": "
+        "\"integer\", \"minimum\": 0, \"maximum\": 99}}, \"required\": [\"a\"], \"additionalProperties\": "
+        "false}}}]";
+    json_t *params = json_object(); /* name → parameters schema */
+    json_object_set_new(
+        params, "get_weather",
+        json_loads("{\"type\": \"object\", \"properties\": {\"c\": {\"type\": \"string\", "
+                   "\"maxLength\": 6}}, \"required\": [\"c\"], \"additionalProperties\": false}",
+                   0, NULL));
+    json_object_set_new(
+        params, "add",
+        json_loads("{\"type\": \"object\", \"properties\": {\"a\": {\"type\": \"integer\", "
+                   "\"minimum\": 0, \"maximum\": 99}}, \"required\": [\"a\"], \"additionalProperties\": "
+                   "false}",
+                   0, NULL));
+    json_t *tdoc = json_array();
+    int calls_seen = 0;
+    for (int k = 0; k < 8; k++) {
+        char body[3072];
+        const char *choice = k < 4   ? "\"required\""
+                             : k < 6 ? "{\"type\": \"function\", \"function\": {\"name\": \"add\"}}"
+                                     : "{\"type\": \"function\", \"function\": {\"name\": \"get_weather\"}}";
+        snprintf(body, sizeof(body),
+                 "{\"messages\": [{\"role\": \"user\", \"content\": \"w?\"}], \"max_tokens\": 120, %s, "
+                 "\"tool_choice\": %s, %s}",
+                 tools, choice, k % 2 ? "\"temperature\": 1, \"seed\": 5" : "\"temperature\": 0");
+        int st;
+        json_t *j = post(g_port, "/v1/chat/completions", body, &st);
+        ck_assert_msg(st == 200, "%s answered %d", body, st);
+        json_t *ch = json_array_get(json_object_get(j, "choices"), 0), *msg = json_object_get(ch, "message");
+        json_t *calls = json_object_get(msg, "tool_calls");
+        ck_assert_msg(json_array_size(calls) >= 1, "no tool calls in %s", json_dumps(j, 0));
+        ck_assert(json_is_null(json_object_get(msg, "content")));
+        ck_assert_str_eq(json_string_value(json_object_get(ch, "finish_reason")),
+                         k < 4 ? "tool_calls" : "stop");
+        size_t ci;
+        json_t *call;
+        json_array_foreach(calls, ci, call)
+        {
+            const char *fname = json_string_value(json_object_get(json_object_get(call, "function"), "name"));
+            const char *args =
+                json_string_value(json_object_get(json_object_get(call, "function"), "arguments"));
+            ck_assert_ptr_nonnull(args);
+            ck_assert_msg(json_object_get(params, fname) != NULL, "unknown function %s", fname);
+            if (k >= 4) {
+                ck_assert_str_eq(fname, k < 6 ? "add" : "get_weather");
+            }
+            ck_assert_ptr_nonnull(strstr(json_string_value(json_object_get(call, "id")), "chatcmpl-tool-"));
+            json_array_append_new(
+                tdoc, json_pack("{s:O, s:[s]}", "schema", json_object_get(params, fname), "outputs", args));
+            calls_seen++;
+        }
+        json_decref(j);
+    }
+    ck_assert_int_ge(calls_seen, 8);
+    snprintf(sp, sizeof(sp), "%s/so-tools.json", g_dir);
+    ck_assert_int_eq(json_dump_file(tdoc, sp, 0), 0);
+    json_decref(tdoc);
+    json_decref(params);
+    ck_assert_int_eq(
+        tu_run(60, "/usr/bin/python3 %s/tests/reference/grammar_check.py schema %s", tu_source_dir(), sp), 0);
+    /* forced tool choices through P/D (tcp, pull): pd-proxy sends them without the first-token
+     * handover, so the decode writes the whole reply under the grammar; the calls equal pd-serve's */
+    {
+        char tok[600];
+        snprintf(tok, sizeof(tok), "%s/cluster-token", g_dir);
+        ck_assert_int_eq(tu_write_file(tok, "so-cluster\n", 11), 0);
+        char *kv[] = {"--kv-transfer-mode",   "pull", "--kv-pipe",       "tcp",  "--no-kv-prefault",
+                      "--cluster-token-file", tok,    "--max-model-len", "2048", NULL};
+        int pp, dp, xp;
+        pid_t pf = start_bin("pd-prefill", g_model, "so-p", kv, &pp, true);
+        pid_t dc = start_bin("pd-decode", g_model, "so-d", kv, &dp, true);
+        char pre[64], dec[64];
+        snprintf(pre, sizeof(pre), "http://127.0.0.1:%d", pp);
+        snprintf(dec, sizeof(dec), "http://127.0.0.1:%d", dp);
+        char *xa[] = {"--prefill", pre, "--decode", dec, "--health-interval", "0.2", NULL};
+        pid_t x = start_bin("pd-proxy", NULL, "so-x", xa, &xp, true);
+        usleep(500 * 1000);
+        static const char *const choices[] = {"\"required\"",
+                                              "{\"type\": \"function\", \"function\": {\"name\": \"add\"}}"};
+        for (int k = 0; k < 2; k++) {
+            char body[3072];
+            snprintf(body, sizeof(body),
+                     "{\"messages\": [{\"role\": \"user\", \"content\": \"w?\"}], \"max_tokens\": 120, %s, "
+                     "\"tool_choice\": %s, \"temperature\": 0}",
+                     tools, choices[k]);
+            int s1, s2;
+            json_t *one = post(g_port, "/v1/chat/completions", body, &s1);
+            json_t *pd = post(xp, "/v1/chat/completions", body, &s2);
+            ck_assert_int_eq(s1, 200);
+            ck_assert_msg(s2 == 200, "P/D answered %d", s2);
+            json_t *c1 = json_object_get(json_array_get(json_object_get(one, "choices"), 0), "message");
+            json_t *c2 = json_object_get(json_array_get(json_object_get(pd, "choices"), 0), "message");
+            json_t *f1 = json_object_get(json_array_get(json_object_get(c1, "tool_calls"), 0), "function");
+            json_t *f2 = json_object_get(json_array_get(json_object_get(c2, "tool_calls"), 0), "function");
+            ck_assert_ptr_nonnull(f1);
+            ck_assert_msg(json_equal(f1, f2), "P/D call %s against pd-serve's %s", json_dumps(f2, 0),
+                          json_dumps(f1, 0));
+            json_decref(one);
+            json_decref(pd);
+        }
+        tu_stop(x, 30);
+        tu_stop(dc, 30);
+        tu_stop(pf, 30);
+    }
+    /* a named choice streams its arguments as they are written: the first delta opens the call (id,
+     * name), the later ones append to its arguments; joined, they equal the whole answer's */
+    {
+        char body[3072];
+        snprintf(body, sizeof(body),
+                 "{\"messages\": [{\"role\": \"user\", \"content\": \"w?\"}], \"max_tokens\": 120, %s, "
+                 "\"tool_choice\": {\"type\": \"function\", \"function\": {\"name\": \"get_weather\"}}, "
+                 "\"temperature\": 0}",
+                 tools);
+        int st;
+        json_t *whole = post(g_port, "/v1/chat/completions", body, &st);
+        ck_assert_int_eq(st, 200);
+        json_t *wf = json_object_get(
+            json_array_get(
+                json_object_get(
+                    json_object_get(json_array_get(json_object_get(whole, "choices"), 0), "message"),
+                    "tool_calls"),
+                0),
+            "function");
+        snprintf(body, sizeof(body),
+                 "{\"messages\": [{\"role\": \"user\", \"content\": \"w?\"}], \"max_tokens\": 120, %s, "
+                 "\"tool_choice\": {\"type\": \"function\", \"function\": {\"name\": \"get_weather\"}}, "
+                 "\"temperature\": 0, \"stream\": true}",
+                 tools);
+        http_resp_t r;
+        ck_assert_int_eq(http_request(g_port, "POST", "/v1/chat/completions", NULL, body, &r, 60000), 0);
+        bool sdone = false;
+        json_t *ev = sse_events(r.body, &sdone);
+        char args[1024] = "";
+        int opened = 0, deltas = 0;
+        const char *last_finish = NULL;
+        for (size_t i = 0; i < json_array_size(ev); i++) {
+            json_t *ch = json_array_get(json_object_get(json_array_get(ev, i), "choices"), 0);
+            json_t *tc = json_array_get(json_object_get(json_object_get(ch, "delta"), "tool_calls"), 0);
+            if (json_is_string(json_object_get(ch, "finish_reason"))) {
+                last_finish = json_string_value(json_object_get(ch, "finish_reason"));
+            }
+            if (tc == NULL) {
+                continue;
+            }
+            ck_assert_int_eq(json_integer_value(json_object_get(tc, "index")), 0);
+            if (json_object_get(tc, "id") != NULL) {
+                opened++;
+                ck_assert_str_eq(json_string_value(json_object_get(json_object_get(tc, "function"), "name")),
+                                 "get_weather");
+            }
+            deltas++;
+            const char *a = json_string_value(json_object_get(json_object_get(tc, "function"), "arguments"));
+            strncat(args, a != NULL ? a : "", sizeof(args) - strlen(args) - 1);
+        }
+        ck_assert_int_eq(opened, 1);
+        ck_assert_int_gt(deltas, 2);
+        ck_assert_str_eq(args, json_string_value(json_object_get(wf, "arguments")));
+        ck_assert_str_eq(last_finish, "stop");
+        json_decref(ev);
+        http_resp_free(&r);
+        json_decref(whole);
+    }
+    {
+        char body[3072];
+        snprintf(body, sizeof(body),
+                 "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], %s, \"tool_choice\": {\"type\": "
+                 "\"function\", \"function\": {\"name\": \"nope\"}}}",
+                 tools);
+        expect_400(g_port, "/v1/chat/completions", body, "tool_choice", "not in \"tools\"");
+        snprintf(
+            body, sizeof(body),
+            "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], %s, \"tool_choice\": \"required\", "
+            "\"guided_regex\": \"a\"}",
+            tools);
+        expect_400(g_port, "/v1/chat/completions", body, "tool_choice", "cannot be combined");
+    }
+    /* a stream carries the same text */
+    const char *spec = "\"guided_choice\": [\"alpha\", \"beta\"]";
+    char *whole = gen_text(g_port, false, spec, "\"temperature\": 0", &fin);
+    char body[512];
+    snprintf(body, sizeof(body),
+             "{\"prompt\": \"Answer:\", \"max_tokens\": 20, \"temperature\": 0, \"stream\": true, %s}", spec);
+    http_resp_t r;
+    ck_assert_int_eq(http_request(g_port, "POST", "/v1/completions", NULL, body, &r, 60000), 0);
+    bool done = false;
+    json_t *ev = sse_events(r.body, &done);
+    char joined[256] = "";
+    for (size_t i = 0; i < json_array_size(ev); i++) {
+        const char *t = json_string_value(
+            json_object_get(json_array_get(json_object_get(json_array_get(ev, i), "choices"), 0), "text"));
+        strncat(joined, t != NULL ? t : "", sizeof(joined) - strlen(joined) - 1);
+    }
+    ck_assert_str_eq(joined, whole);
+    json_decref(ev);
+    http_resp_free(&r);
+    free(whole);
+    /* refusals */
+    const char *p = "/v1/completions";
+    expect_400(g_port, p,
+               "{\"prompt\": \"hi\", \"guided_json\": {\"type\": \"object\", \"patternProperties\": {}}}",
+               "guided_json", "patternProperties");
+    expect_400(g_port, p, "{\"prompt\": \"hi\", \"guided_regex\": \"(a\"}", "guided_regex", "missing ')'");
+    expect_400(g_port, p,
+               "{\"prompt\": \"hi\", \"structured_outputs\": {\"grammar\": \"root ::= root \\\"x\\\"\"}}",
+               "grammar", "left-recursive");
+    expect_400(g_port, p, "{\"prompt\": \"hi\", \"guided_choice\": [\"a\"], \"guided_regex\": \"b\"}", NULL,
+               "give one structured output");
+    expect_400(g_port, p, "{\"prompt\": \"hi\", \"guided_choice\": [\"a\"], \"ignore_eos\": true}",
+               "ignore_eos", "ignore_eos");
+    expect_400(g_port, p, "{\"prompt\": \"hi\", \"structured_outputs\": {\"structural_tag\": \"x\"}}",
+               "structured_outputs", "structural_tag");
+    expect_400(g_port, p, "{\"prompt\": \"hi\", \"response_format\": {\"type\": \"xml\"}}", "response_format",
+               "'xml' is not supported");
+    expect_400(g_port, "/v1/chat/completions",
+               "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"response_format\": {\"type\": "
+               "\"json_schema\", \"json_schema\": {\"name\": \"x\"}}}",
+               "response_format", "needs \"json_schema\"");
+}
+END_TEST
+
 static void npm_openai(const char *tag, const char *spec, char *modules, size_t cap)
 {
     char dir[1024], pkg[64];
@@ -1359,6 +1731,31 @@ START_TEST(test_openai_client_chat_through_pd_proxy)
         ck_assert_str_eq(streamed, want);
         ck_assert_int_eq(tool_deltas, 0);
         free(streamed);
+        /* structured outputs through P/D: the prefill samples the first token under the grammar and the
+         * decode's matcher takes it up; greedy and seeded replies equal pd-serve's */
+        static const char *const so[] = {
+            "\"response_format\": {\"type\": \"json_schema\", \"json_schema\": {\"name\": \"p\", \"schema\": "
+            "{\"type\": \"object\", \"properties\": {\"k\": {\"type\": \"integer\", \"minimum\": 0, "
+            "\"maximum\": 999}, \"s\": {\"type\": \"string\", \"maxLength\": 6}}, \"required\": [\"k\", "
+            "\"s\"], "
+            "\"additionalProperties\": false}}}",
+            "\"guided_regex\": \"[a-z]{3,6}-[0-9]{2}\""};
+        for (int q = 0; q < 2; q++) {
+            for (int chat = 0; chat < 2; chat++) {
+                const char *samp = q == 0 ? "\"temperature\": 0" : "\"temperature\": 1, \"seed\": 11";
+                const char *f1, *f2;
+                char *one = gen_text(g_port, chat, so[q], samp, &f1);
+                char fa[32];
+                snprintf(fa, sizeof(fa), "%s", f1);
+                char *pd = gen_text(xp, chat, so[q], samp, &f2);
+                ck_assert_msg(strcmp(one, pd) == 0, "P/D %s: '%s' against pd-serve's '%s'", modes[m], pd,
+                              one);
+                ck_assert_str_eq(fa, "stop");
+                ck_assert_str_eq(f2, "stop");
+                free(one);
+                free(pd);
+            }
+        }
         /* the proxy serves the API endpoints too */
         ck_assert_int_eq(http_request(xp, "POST", "/tokenize", NULL, "{\"prompt\": \"hi\"}", &r, 5000), 0);
         ck_assert_int_eq(r.status, 200);
@@ -1402,6 +1799,11 @@ int main(void)
     tcase_add_test(tc, test_auto_tool_choice);
     tcase_add_test(tc, test_openai_client_chat_pd_serve);
     tcase_add_test(tc, test_openai_client_chat_through_pd_proxy);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("structured");
+    tcase_set_timeout(tc, 600);
+    tcase_add_unchecked_fixture(tc, structured_setup, suite_teardown);
+    tcase_add_test(tc, test_structured_outputs);
     suite_add_tcase(s, tc);
     return tu_run_suite(s);
 }

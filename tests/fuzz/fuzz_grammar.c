@@ -1,0 +1,121 @@
+/* tests/fuzz/fuzz_grammar.c — grammars as hostile input. The first byte picks the source: 'g' GBNF,
+ * 'r' a regular expression, 'j' a JSON Schema (any other: GBNF); the rest is the text. It compiles
+ * or is refused with an error, never crashes, and a compiled grammar is then walked: up to 64 steps,
+ * each a mask over a vocabulary of every byte and a few multi-byte tokens, then one allowed token
+ * (chosen by the input's hash), checking that every allowed token is accepted and that the end is
+ * allowed exactly where the matcher says the grammar may end. */
+#define _GNU_SOURCE
+#include <jansson.h>
+#include <stdbool.h>
+#include <string.h>
+
+#include "common/hash.h"
+#include "fuzz.h"
+#include "grammar/grammar.h"
+
+static pd_gvocab_t *vocab(void)
+{
+    static pd_gvocab_t *v;
+    static uint8_t bytes[256];
+    if (v == NULL) {
+        static const char *multi[] = {"{\"", "\":", "true", "null", "12", "é", "\xe6\x97", "ab", "\"}", "  "};
+        enum { N = 256 + 10 + 1 };
+        const uint8_t *p[N];
+        uint32_t l[N];
+        bool ex[N];
+        for (int i = 0; i < 256; i++) {
+            bytes[i] = (uint8_t)i;
+            p[i] = bytes + i, l[i] = 1, ex[i] = false;
+        }
+        for (int i = 0; i < 10; i++) {
+            p[256 + i] = (const uint8_t *)multi[i], l[256 + i] = (uint32_t)strlen(multi[i]),
+                    ex[256 + i] = false;
+        }
+        p[N - 1] = (const uint8_t *)"</s>", l[N - 1] = 4, ex[N - 1] = true; /* the end */
+        if (pd_gvocab_create(N, p, l, ex, &v) != PD_OK) {
+            abort();
+        }
+    }
+    return v;
+}
+
+static const uint8_t *token_bytes(int32_t t, uint32_t *len)
+{
+    static const char *multi[] = {"{\"", "\":", "true", "null", "12", "é", "\xe6\x97", "ab", "\"}", "  "};
+    static uint8_t b[256];
+    if (t < 256) {
+        b[t] = (uint8_t)t;
+        *len = 1;
+        return b + t;
+    }
+    *len = (uint32_t)strlen(multi[t - 256]);
+    return (const uint8_t *)multi[t - 256];
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    if (size < 1 || size > (1u << 16)) {
+        return 0;
+    }
+    pd_log_set_level(PD_LOG_ERROR);
+    char mode = (char)data[0];
+    const char *text = (const char *)data + 1;
+    size_t len = size - 1;
+    char err[256];
+    char *gbnf = NULL;
+    if (mode == 'r') {
+        gbnf = pd_regex_to_gbnf(text, len, err, sizeof(err));
+    } else if (mode == 'j') {
+        json_t *schema = json_loadb(text, len, JSON_REJECT_DUPLICATES, NULL);
+        if (schema != NULL) {
+            gbnf = pd_json_schema_to_gbnf(schema, err, sizeof(err));
+            json_decref(schema);
+        }
+    } else {
+        gbnf = strndup(text, len);
+    }
+    if (gbnf == NULL) {
+        return 0;
+    }
+    pd_grammar_t *g = NULL;
+    if (pd_grammar_from_gbnf(gbnf, strlen(gbnf), &g, err, sizeof(err)) != PD_OK) {
+        free(gbnf);
+        return 0;
+    }
+    free(gbnf);
+    pd_gvocab_t *v = vocab();
+    int32_t n = pd_gvocab_size(v), end = n - 1;
+    uint32_t mask[(256 + 11 + 31) / 32];
+    pd_gmatcher_t m;
+    uint64_t h = pd_hash64(data, size, 7);
+    if (pd_gmatcher_init(&m, g) == PD_OK) {
+        for (int step = 0; step < 64; step++) {
+            if (pd_gmatcher_fill_mask(&m, v, &end, 1, mask) != PD_OK) {
+                break;
+            }
+            bool end_ok = (mask[end >> 5] >> (end & 31)) & 1;
+            if (end_ok != pd_gmatcher_can_end(&m)) {
+                abort(); /* the mask and the matcher disagree on the end */
+            }
+            int32_t allowed[256 + 11], k = 0;
+            for (int32_t t = 0; t < end; t++) {
+                if ((mask[t >> 5] >> (t & 31)) & 1) {
+                    allowed[k++] = t;
+                }
+            }
+            if (k == 0) {
+                break;
+            }
+            h = h * 6364136223846793005ull + 1442695040888963407ull;
+            int32_t t = allowed[(h >> 33) % (uint64_t)k];
+            uint32_t tl;
+            const uint8_t *tb = token_bytes(t, &tl);
+            if (!pd_gmatcher_accept(&m, tb, tl)) {
+                abort(); /* the mask allowed a token the matcher refuses */
+            }
+        }
+        pd_gmatcher_destroy(&m);
+    }
+    pd_grammar_unref(g);
+    return 0;
+}

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# tools/bench-structured.sh BUILD_DIR — structured outputs at scale (tools/structured_validity.py) on
+# the demo model: N JSON Schemas from a seeded generator (the JSON Schema Test Suite's shapes) plus
+# regexes, choices and a GBNF grammar, K requests each (greedy and seeded sampling), first on one
+# pd-serve, then through 1P1D + pd-proxy (tcp, pull, first-token handover). Every reply that ends is
+# checked (python3-jsonschema, re.fullmatch, the choice list); the same requests are sent again
+# without a structured output, each as long as its structured reply (ignore_eos), for the throughput
+# ratio. Appends a table to bench/RESULTS.md. PD_SO_SCHEMAS (100), PD_SO_PER (10), PD_SO_SEED (1).
+set -euo pipefail
+build=${1:-build}
+cd "$(dirname "$0")/.."
+bin="$build/bin"
+models="$build/models"
+results=bench/RESULTS.md
+source tools/bench-procs.sh
+demo_setup structured
+schemas=${PD_SO_SCHEMAS:-100}
+per=${PD_SO_PER:-10}
+seed=${PD_SO_SEED:-1}
+check=(/usr/bin/python3 tools/structured_validity.py --schemas "$schemas" --per "$per" --seed "$seed"
+       --concurrency 8 --max-tokens 400)
+rows=()
+echo "bench-structured: pd-serve, $schemas schemas × $per requests (+ regexes, choices, a grammar)"
+start serve pd-serve --model "$models/demo" --threads 2 --max-model-len 2048
+"${check[@]}" "http://127.0.0.1:$port" >"$work/serve.json"
+stop_all
+rows+=("| pd-serve | $(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(" | ".join(str(d[k]) for k in ("requests","valid","invalid","truncated","tok_s_structured","tok_s_plain","ratio")))' "$work/serve.json") |")
+echo "bench-structured: 1P1D + pd-proxy (tcp, pull)"
+start prefill pd-prefill --model "$models/demo" --threads 1 --max-model-len 2048 --kv-pipe tcp --kv-transfer-mode pull
+pp=$port
+start decode pd-decode --model "$models/demo" --threads 1 --max-model-len 2048 --kv-pipe tcp --kv-transfer-mode pull
+dp=$port
+start proxy pd-proxy --prefill "http://127.0.0.1:$pp" --decode "http://127.0.0.1:$dp" --health-interval 0.2
+sleep 1
+"${check[@]}" "http://127.0.0.1:$port" >"$work/pd.json"
+stop_all
+rows+=("| 1P1D + pd-proxy | $(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(" | ".join(str(d[k]) for k in ("requests","valid","invalid","truncated","tok_s_structured","tok_s_plain","ratio")))' "$work/pd.json") |")
+{
+  echo
+  echo "### Structured outputs at scale ($(date -u +%Y-%m-%d), $(nproc) cores)"
+  echo
+  echo "\`tools/bench-structured.sh $build\` (PD_SO_SCHEMAS=$schemas PD_SO_PER=$per PD_SO_SEED=$seed), demo model:"
+  echo
+  echo "| server | requests | valid | invalid | cut at max_tokens | tok/s structured | tok/s plain | ratio |"
+  echo "|---|---|---|---|---|---|---|---|"
+  printf '%s\n' "${rows[@]}"
+} | tee -a "$results"
