@@ -76,12 +76,12 @@ struct grammar_rt {
     size_t cap_tmp;
     /* masks */
     const pd_gvocab_t *vocab;
-    uint32_t *masks; /* [RT_MASK_SLOTS][words] */
+    uint32_t *masks[RT_MASK_SLOTS]; /* [words] each, allocated when first used */
     int32_t slot_state[RT_MASK_SLOTS];
     uint64_t slot_used[RT_MASK_SLOTS], tick;
     uint32_t *walk; /* [max token length + 1] states of the walk */
     /* truncated states' walks: accepted tokens' bits and the uncertain tokens (sorted positions) */
-    uint32_t *tmasks; /* [RT_TRUNC_SLOTS][words] */
+    uint32_t *tmasks[RT_TRUNC_SLOTS]; /* [words] each, allocated when first used */
     int32_t *tuncertain[RT_TRUNC_SLOTS];
     size_t tn_uncertain[RT_TRUNC_SLOTS], tcap_uncertain[RT_TRUNC_SLOTS];
     int32_t tslot_state[RT_TRUNC_SLOTS];
@@ -89,7 +89,8 @@ struct grammar_rt {
     int32_t *unc; /* a mask's uncertain tokens, merged */
     size_t cap_unc;
     uint64_t masks_computed, masks_cached, masks_truncated, uncertain_walked, resets;
-    bool failed; /* out of memory or too deep: the current operation fails */
+    size_t n_mask_bufs; /* masks and cut-stack walks allocated (each a vocabulary's bits) */
+    bool failed;        /* out of memory or too deep: the current operation fails */
 };
 
 #define ST_CAN_END   1
@@ -164,9 +165,13 @@ static void rt_clear(grammar_rt_t *rt)
 {
     free(rt->npos), free(rt->npar), free(rt->clos_off), free(rt->clos_len), free(rt->busy), free(rt->clos);
     free(rt->set_off), free(rt->set_len), free(rt->mask_slot), free(rt->flags), free(rt->set_nodes);
-    free(rt->tmp), free(rt->masks), free(rt->walk), free(rt->trunc_slot), free(rt->tmasks);
+    free(rt->tmp), free(rt->walk), free(rt->trunc_slot);
     for (int i = 0; i < RT_TRUNC_SLOTS; i++) {
         free(rt->tuncertain[i]);
+        free(rt->tmasks[i]);
+    }
+    for (int i = 0; i < RT_MASK_SLOTS; i++) {
+        free(rt->masks[i]);
     }
     free(rt->unc);
     idtab_free(&rt->node_tab);
@@ -195,7 +200,8 @@ void grammar_rt_free(grammar_rt_t *rt)
 static size_t rt_bytes(const grammar_rt_t *rt)
 {
     return rt->n_nodes * 24 + rt->n_clos * 4 + rt->n_states * 20 + rt->n_set_nodes * 4 + rt->n_dense * 1024 +
-           (size_t)rt->node_tab.cap * 12 + (size_t)rt->state_tab.cap * 12;
+           (size_t)rt->node_tab.cap * 12 + (size_t)rt->state_tab.cap * 12 +
+           rt->n_mask_bufs * (rt->vocab != NULL ? (size_t)(rt->vocab->n + 31) / 8 : 0);
 }
 
 static uint32_t node_get(grammar_rt_t *rt, uint32_t pos, uint32_t par)
@@ -668,7 +674,14 @@ static int32_t trunc_walk(grammar_rt_t *rt, const pd_grammar_t *g, const pd_gvoc
         rt->trunc_slot[rt->tslot_state[ts]] = -1;
     }
     rt->tslot_state[ts] = -1;
-    uint32_t *tm = rt->tmasks + (size_t)ts * words;
+    if (rt->tmasks[ts] == NULL) {
+        if ((rt->tmasks[ts] = malloc(words * 4)) == NULL) {
+            rt->failed = true;
+            return -1;
+        }
+        rt->n_mask_bufs++;
+    }
+    uint32_t *tm = rt->tmasks[ts];
     memset(tm, 0, words * 4);
     rt->tn_uncertain[ts] = 0;
     walk_tokens(rt, g, v, t, NULL, (size_t)v->n_sorted, tm, &rt->tuncertain[ts], &rt->tn_uncertain[ts],
@@ -709,7 +722,7 @@ static void compute_mask(grammar_rt_t *rt, const pd_grammar_t *g, const pd_gvoca
             return;
         }
         rt->tslot_used[ts] = ++rt->tick;
-        const uint32_t *tm = rt->tmasks + (size_t)ts * words;
+        const uint32_t *tm = rt->tmasks[ts];
         for (size_t w = 0; w < words; w++) {
             mask[w] |= tm[w];
         }
@@ -747,13 +760,19 @@ pd_status_t pd_gmatcher_fill_mask(pd_gmatcher_t *m, const pd_gvocab_t *v, const 
     }
     size_t words = (size_t)(v->n + 31) / 32;
     if (rt->vocab != v) { /* the first mask, or another vocabulary: the caches start over */
-        free(rt->masks), free(rt->walk), free(rt->tmasks);
-        rt->masks = malloc(RT_MASK_SLOTS * words * 4);
-        rt->tmasks = malloc(RT_TRUNC_SLOTS * words * 4);
+        for (int i = 0; i < RT_MASK_SLOTS; i++) {
+            free(rt->masks[i]);
+            rt->masks[i] = NULL;
+        }
+        for (int i = 0; i < RT_TRUNC_SLOTS; i++) {
+            free(rt->tmasks[i]);
+            rt->tmasks[i] = NULL;
+        }
+        rt->n_mask_bufs = 0;
+        free(rt->walk);
         rt->walk = malloc(((size_t)v->max_len + 1) * 4);
-        if (rt->masks == NULL || rt->walk == NULL || rt->tmasks == NULL) {
-            free(rt->masks), free(rt->walk), free(rt->tmasks);
-            rt->masks = NULL, rt->walk = NULL, rt->tmasks = NULL, rt->vocab = NULL;
+        if (rt->walk == NULL) {
+            rt->vocab = NULL;
             return PD_ERR_NO_MEMORY;
         }
         for (int i = 0; i < RT_MASK_SLOTS; i++) {
@@ -781,7 +800,13 @@ pd_status_t pd_gmatcher_fill_mask(pd_gmatcher_t *m, const pd_gvocab_t *v, const 
             rt->mask_slot[rt->slot_state[slot]] = -1;
         }
         rt->slot_state[slot] = -1;
-        compute_mask(rt, m->g, v, m->state, rt->masks + (size_t)slot * words);
+        if (rt->masks[slot] == NULL) {
+            if ((rt->masks[slot] = malloc(words * 4)) == NULL) {
+                return PD_ERR_NO_MEMORY;
+            }
+            rt->n_mask_bufs++;
+        }
+        compute_mask(rt, m->g, v, m->state, rt->masks[slot]);
         if (rt->failed) {
             return PD_ERR_NO_MEMORY;
         }
@@ -790,7 +815,7 @@ pd_status_t pd_gmatcher_fill_mask(pd_gmatcher_t *m, const pd_gvocab_t *v, const 
         rt->masks_computed++;
     }
     rt->slot_used[slot] = ++rt->tick;
-    memcpy(mask, rt->masks + (size_t)slot * words, words * 4);
+    memcpy(mask, rt->masks[slot], words * 4);
     if (rt->flags[m->state] & ST_CAN_END) {
         for (int32_t i = 0; i < n_end; i++) {
             if (end_ids[i] >= 0 && end_ids[i] < v->n) {

@@ -21,14 +21,14 @@ check=(/usr/bin/python3 tools/structured_validity.py --schemas "$schemas" --per 
        --concurrency 8 --max-tokens 400)
 rows=()
 echo "bench-structured: pd-serve, $schemas schemas × $per requests (+ regexes, choices, a grammar)"
-start serve pd-serve --model "$models/demo" --threads 2 --max-model-len 2048
+start serve pd-serve --model "$models/demo" --threads 2 --max-model-len 2048 --kv-cache-memory 1G
 "${check[@]}" "http://127.0.0.1:$port" >"$work/serve.json"
 stop_all
 rows+=("| pd-serve | $(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(" | ".join(str(d[k]) for k in ("requests","valid","invalid","truncated","tok_s_structured","tok_s_plain","ratio")))' "$work/serve.json") |")
 echo "bench-structured: 1P1D + pd-proxy (tcp, pull)"
-start prefill pd-prefill --model "$models/demo" --threads 1 --max-model-len 2048 --kv-pipe tcp --kv-transfer-mode pull
+start prefill pd-prefill --model "$models/demo" --threads 1 --max-model-len 2048 --kv-cache-memory 1G --kv-pipe tcp --kv-transfer-mode pull
 pp=$port
-start decode pd-decode --model "$models/demo" --threads 1 --max-model-len 2048 --kv-pipe tcp --kv-transfer-mode pull
+start decode pd-decode --model "$models/demo" --threads 1 --max-model-len 2048 --kv-cache-memory 1G --kv-pipe tcp --kv-transfer-mode pull
 dp=$port
 start proxy pd-proxy --prefill "http://127.0.0.1:$pp" --decode "http://127.0.0.1:$dp" --health-interval 0.2
 sleep 1

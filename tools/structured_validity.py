@@ -163,9 +163,13 @@ def main():
 
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(args.concurrency) as ex:
-        for i, outcome, text, n in ex.map(run, range(len(jobs))):
+        for done, (i, outcome, text, n) in enumerate(ex.map(run, range(len(jobs))), 1):
             counts[outcome + ("s" if outcome == "error" else "")] += 1
             used[i] = n
+            if done % 100 == 0 or done == len(jobs):
+                print("structured_validity: %d/%d replies, %d valid, %d invalid, %d cut, %.0f s" %
+                      (done, len(jobs), counts["valid"], counts["invalid"], counts["truncated"],
+                       time.perf_counter() - t0), file=sys.stderr, flush=True)
             if outcome in ("invalid", "error"):
                 print(outcome.upper(), jobs[i][0], json.dumps(jobs[i][1])[:200], repr(text), file=sys.stderr)
     t_so = time.perf_counter() - t0

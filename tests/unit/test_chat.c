@@ -1200,6 +1200,52 @@ END_TEST
 /* Installs openai@SPEC into build/npm-openai-TAG once; returns the node_modules dir. */
 /* ------------------------------------------------------------------ structured outputs */
 
+static void npm_openai(const char *tag, const char *spec, char *modules, size_t cap);
+
+/* The openai client's structured-output and forced-tool-choice round trips (openai_structured.mjs)
+ * against port: the answers parse, and each stream carries what its whole answer does. */
+static void check_openai_structured(const char *modules, int port)
+{
+    char out[700];
+    snprintf(out, sizeof(out), "%s/openai-structured-%d.json", g_dir, port);
+    int rc = tu_run(
+        180, "node %s/tests/reference/openai_structured.mjs %s http://127.0.0.1:%d/v1 m 120 > %s 2>%s.err",
+        tu_source_dir(), modules, port, out, out);
+    ck_assert_msg(rc == 0, "the openai client failed (exit %d); see %s.err", rc, out);
+    json_t *res = json_load_file(out, 0, NULL);
+    ck_assert_ptr_nonnull(res);
+    const char *st = json_string_value(json_object_get(res, "schema_text"));
+    ck_assert_ptr_nonnull(st);
+    json_t *obj = json_loads(st, 0, NULL);
+    ck_assert_msg(json_is_string(json_object_get(obj, "city")) &&
+                      json_is_integer(json_object_get(obj, "temp")),
+                  "response_format answer '%s'", st);
+    json_decref(obj);
+    ck_assert_str_eq(json_string_value(json_object_get(res, "schema_stream_text")), st);
+    ck_assert_str_eq(json_string_value(json_object_get(res, "schema_finish")), "stop");
+    ck_assert_str_eq(json_string_value(json_object_get(res, "schema_stream_finish")), "stop");
+    json_t *named = json_object_get(res, "named"), *required = json_object_get(res, "required");
+    ck_assert_int_eq(json_array_size(named), 1);
+    ck_assert_str_eq(json_string_value(json_object_get(json_array_get(named, 0), "name")), "get_weather");
+    ck_assert_msg(json_equal(named, json_object_get(res, "named_stream")), "named: streamed calls differ");
+    ck_assert_str_eq(json_string_value(json_object_get(res, "named_finish")), "stop");
+    ck_assert_int_ge(json_array_size(required), 1);
+    ck_assert_msg(json_equal(required, json_object_get(res, "required_stream")),
+                  "required: streamed calls differ");
+    ck_assert_str_eq(json_string_value(json_object_get(res, "required_finish")), "tool_calls");
+    ck_assert_str_eq(json_string_value(json_object_get(res, "required_stream_finish")), "tool_calls");
+    for (size_t i = 0; i < json_array_size(required); i++) {
+        json_t *args =
+            json_loads(json_string_value(json_object_get(json_array_get(required, i), "arguments")), 0, NULL);
+        ck_assert_msg(json_is_object(args), "required call %zu's arguments do not parse", i);
+        json_decref(args);
+    }
+    fprintf(stderr,
+            "openai %s: response_format, a named and a required tool choice, streamed and not, on port %d\n",
+            json_string_value(json_object_get(res, "version")), port);
+    json_decref(res);
+}
+
 /* The text of a generation request's first choice (completions or chat) and its finish reason. */
 static char *gen_text(int port, bool chat, const char *spec, const char *sampling, const char **finish)
 {
@@ -1395,6 +1441,11 @@ START_TEST(test_structured_outputs)
     json_decref(params);
     ck_assert_int_eq(
         tu_run(60, "/usr/bin/python3 %s/tests/reference/grammar_check.py schema %s", tu_source_dir(), sp), 0);
+    char sdk[1100] = "";
+    if (tu_need(TU_NODE)) { /* the official client, both ways, against pd-serve */
+        npm_openai("latest", "latest", sdk, sizeof(sdk));
+        check_openai_structured(sdk, g_port);
+    }
     /* forced tool choices through P/D (tcp, pull): pd-proxy sends them without the first-token
      * handover, so the decode writes the whole reply under the grammar; the calls equal pd-serve's */
     {
@@ -1434,6 +1485,9 @@ START_TEST(test_structured_outputs)
                           json_dumps(f1, 0));
             json_decref(one);
             json_decref(pd);
+        }
+        if (sdk[0] != '\0') { /* and the client through the proxy */
+            check_openai_structured(sdk, xp);
         }
         tu_stop(x, 30);
         tu_stop(dc, 30);

@@ -21,6 +21,7 @@
 #include "scheduler/block_pool.h"
 
 #include "engine_driver.h"
+#include "grammar/grammar.h"
 
 static char *g_model, *g_draft; /* the target; a smaller draft with its vocabulary */
 static int32_t g_vocab;         /* the target's vocabulary size */
@@ -243,6 +244,7 @@ typedef struct req {
     const char *stop;
     int32_t bias_ids[4]; /* logit_bias +bias on these (0 entries: none) */
     float bias;
+    struct pd_grammar *grammar; /* a structured output (then EOS ends it), or NULL */
 } req_t;
 
 static void add(pd_engine_t *e, const req_t *q, int i, gen_t *g)
@@ -255,7 +257,8 @@ static void add(pd_engine_t *e, const req_t *q, int i, gen_t *g)
     rq.prompt = q->prompt;
     rq.num_prompt = q->n;
     rq.params.max_tokens = q->max_tokens;
-    rq.params.ignore_eos = true;
+    rq.params.ignore_eos = q->grammar == NULL;
+    rq.grammar = q->grammar;
     rq.params.sampling = (pd_sampling_params_t){q->temperature, q->top_k, 1.0f, 0.0f};
     rq.params.has_seed = true;
     rq.params.seed = q->seed;
@@ -406,6 +409,52 @@ START_TEST(test_greedy_identical)
         assert_cache_clean(e, q, got, N);
         pd_engine_destroy(e);
     }
+    free(q), free(ref), free(got);
+}
+END_TEST
+
+/* Structured outputs with drafts: the verifier sees the grammar's masks on every draft row, so a
+ * draft the grammar refuses is rejected and greedy outputs equal those without drafts; every
+ * output, greedy or seeded, is in the grammar. */
+START_TEST(test_grammar_with_drafts)
+{
+    enum { N = 24 };
+    static const char gbnf[] = "root ::= [a-z ]{1,200}\n";
+    char err[256];
+    pd_grammar_t *g = NULL;
+    ck_assert_msg(pd_grammar_from_gbnf(gbnf, strlen(gbnf), &g, err, sizeof(err)) == PD_OK, "%s", err);
+    req_t *q = malloc(N * sizeof(req_t));
+    gen_t *ref = malloc(N * sizeof(gen_t)), *got = malloc(N * sizeof(gen_t));
+    make_reqs(q, N, 23);
+    for (int i = 0; i < N; i++) {
+        q[i].grammar = g;
+        q[i].logprobs = 0;
+        q[i].temperature = i % 2 ? 0.8f : 0.0f;
+    }
+    reference(q, N, ref);
+    pd_engine_t *e = make_engine(NGRAM, 256, 0, true);
+    run_all(e, q, N, got);
+    for (int i = 0; i < N; i++) {
+        for (const gen_t *x = &got[i]; x != NULL; x = x == &got[i] ? &ref[i] : NULL) {
+            ck_assert_msg(x->text_len > 0, "request %d: empty", i);
+            for (size_t k = 0; k < x->text_len; k++) {
+                ck_assert_msg((x->text[k] >= 'a' && x->text[k] <= 'z') || x->text[k] == ' ',
+                              "request %d: '%.*s' leaves the grammar", i, (int)x->text_len, x->text);
+            }
+        }
+        if (q[i].temperature == 0) {
+            assert_same(&got[i], &ref[i], i);
+        }
+    }
+    pd_engine_stats_t st;
+    pd_engine_get_stats(e, &st);
+    fprintf(stderr, "grammar + ngram: %lu drafts, %lu draft tokens, %lu accepted\n",
+            (unsigned long)st.spec_drafts, (unsigned long)st.spec_draft_tokens,
+            (unsigned long)st.spec_accepted);
+    ck_assert_uint_gt(st.spec_draft_tokens, 0);
+    ck_assert_uint_lt(st.spec_accepted, st.spec_draft_tokens); /* the grammar refused some */
+    pd_engine_destroy(e);
+    pd_grammar_unref(g);
     free(q), free(ref), free(got);
 }
 END_TEST
@@ -720,6 +769,7 @@ int main(void)
     tcase_add_test(tc, test_verify_greedy);
     tcase_add_test(tc, test_verify_follows_target_distribution);
     tcase_add_test(tc, test_greedy_identical);
+    tcase_add_test(tc, test_grammar_with_drafts);
     tcase_add_test(tc, test_greedy_identical_under_preemption);
     tcase_add_test(tc, test_stop_strings_and_limits);
     tcase_add_test(tc, test_seeded_reproducible);
