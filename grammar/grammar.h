@@ -9,7 +9,8 @@
  *
  * Threads: a pd_grammar_t is built on any thread and is immutable afterwards, except its runtime
  * (the lazily built automaton states and the mask cache, runtime.c), which only the engine thread
- * touches; references are counted atomically. A matcher belongs to its request (engine thread). */
+ * touches (one engine thread at a time: a process with two engines gives each its own grammars);
+ * references are counted atomically. A matcher belongs to its request (engine thread). */
 #ifndef PD_GRAMMAR_GRAMMAR_H
 #define PD_GRAMMAR_GRAMMAR_H
 

@@ -75,7 +75,9 @@ struct grammar_rt {
     uint32_t *tmp;
     size_t cap_tmp;
     /* masks */
-    const pd_gvocab_t *vocab;
+    uint64_t vocab_id; /* the vocabulary the masks are of (pd_gvocab.id; never a pointer: a grammar
+                        * outlives an engine and its vocabulary), 0 before the first */
+    int32_t vocab_n;
     uint32_t *masks[RT_MASK_SLOTS]; /* [words] each, allocated when first used */
     int32_t slot_state[RT_MASK_SLOTS];
     uint64_t slot_used[RT_MASK_SLOTS], tick;
@@ -98,7 +100,8 @@ struct grammar_rt {
 #define ST_OPEN_ONLY 4
 
 struct pd_gvocab {
-    int32_t n; /* vocabulary size */
+    uint64_t id; /* unique in the process (vocab_ids) */
+    int32_t n;   /* vocabulary size */
     int32_t n_sorted;
     int32_t *order; /* [n_sorted] token ids by their bytes */
     uint32_t *lcp;  /* [n_sorted] bytes shared with the previous token */
@@ -201,7 +204,7 @@ static size_t rt_bytes(const grammar_rt_t *rt)
 {
     return rt->n_nodes * 24 + rt->n_clos * 4 + rt->n_states * 20 + rt->n_set_nodes * 4 + rt->n_dense * 1024 +
            (size_t)rt->node_tab.cap * 12 + (size_t)rt->state_tab.cap * 12 +
-           rt->n_mask_bufs * (rt->vocab != NULL ? (size_t)(rt->vocab->n + 31) / 8 : 0);
+           rt->n_mask_bufs * (size_t)(rt->vocab_n + 31) / 8;
 }
 
 static uint32_t node_get(grammar_rt_t *rt, uint32_t pos, uint32_t par)
@@ -730,8 +733,10 @@ static void compute_mask(grammar_rt_t *rt, const pd_grammar_t *g, const pd_gvoca
             rt->failed = true;
             return;
         }
-        memcpy(rt->unc + n_unc, rt->tuncertain[ts], rt->tn_uncertain[ts] * sizeof(int32_t));
-        n_unc += rt->tn_uncertain[ts];
+        if (rt->tn_uncertain[ts] > 0) {
+            memcpy(rt->unc + n_unc, rt->tuncertain[ts], rt->tn_uncertain[ts] * sizeof(int32_t));
+            n_unc += rt->tn_uncertain[ts];
+        }
     }
     if (n_unc == 0 || rt->failed) {
         return;
@@ -759,7 +764,7 @@ pd_status_t pd_gmatcher_fill_mask(pd_gmatcher_t *m, const pd_gvocab_t *v, const 
         return PD_ERR_STALE;
     }
     size_t words = (size_t)(v->n + 31) / 32;
-    if (rt->vocab != v) { /* the first mask, or another vocabulary: the caches start over */
+    if (rt->vocab_id != v->id) { /* the first mask, or another vocabulary: the caches start over */
         for (int i = 0; i < RT_MASK_SLOTS; i++) {
             free(rt->masks[i]);
             rt->masks[i] = NULL;
@@ -772,7 +777,7 @@ pd_status_t pd_gmatcher_fill_mask(pd_gmatcher_t *m, const pd_gvocab_t *v, const 
         free(rt->walk);
         rt->walk = malloc(((size_t)v->max_len + 1) * 4);
         if (rt->walk == NULL) {
-            rt->vocab = NULL;
+            rt->vocab_id = 0;
             return PD_ERR_NO_MEMORY;
         }
         for (int i = 0; i < RT_MASK_SLOTS; i++) {
@@ -786,7 +791,8 @@ pd_status_t pd_gmatcher_fill_mask(pd_gmatcher_t *m, const pd_gvocab_t *v, const 
         for (size_t s = 0; s < rt->n_states; s++) {
             rt->mask_slot[s] = rt->trunc_slot[s] = -1;
         }
-        rt->vocab = v;
+        rt->vocab_id = v->id;
+        rt->vocab_n = v->n;
     }
     int32_t slot = rt->mask_slot[m->state];
     if (slot >= 0) {
@@ -868,6 +874,8 @@ pd_status_t pd_gvocab_create(int32_t n, const uint8_t *const *bytes, const uint3
         pd_gvocab_free(v);
         return PD_ERR_NO_MEMORY;
     }
+    static atomic_uint_fast64_t vocab_ids;
+    v->id = atomic_fetch_add(&vocab_ids, 1) + 1;
     v->n = n;
     size_t off = 0;
     for (int32_t i = 0; i < n; i++) {

@@ -49,6 +49,7 @@ typedef struct choice {
     size_t streamed;  /* tool parsing, streaming: bytes of text sent as content (or as a named tool
                        * choice's arguments) so far */
     bool call_opened; /* a named tool choice, streaming: the call's first delta (id, name) was sent */
+    pd_required_reader_t required; /* tool_choice "required", streaming: where its calls stand */
 } choice_t;
 
 struct creq {
@@ -452,6 +453,17 @@ static json_t *tool_delta(const creq_t *c, choice_t *h, bool finished, const cha
         h->streamed = h->text_len;
         if (calls != NULL) {
             json_object_set_new(delta, "tool_calls", calls);
+        }
+        return delta;
+    }
+    if (p == PD_TOOL_PARSER_REQUIRED) { /* calls open as their names are read, arguments grow */
+        json_t *delta = json_object(),
+               *calls = pd_tool_calls_required_read(&h->required, h->text, h->text_len);
+        if (calls != NULL) {
+            json_object_set_new(delta, "tool_calls", calls);
+        }
+        if (finished && h->required.calls > 0) {
+            *finish = "tool_calls";
         }
         return delta;
     }

@@ -212,23 +212,173 @@ static json_t *parse_llama3(const char *text, size_t len, size_t *content_len)
     return calls;
 }
 
-/* tool_choice "required": [{"name": ..., "parameters": {...}}, ...] (vLLM's form under its grammar). */
+/* A fresh tool-call id: "chatcmpl-tool-" and 32 hex digits. */
+static void call_id(char id[64])
+{
+    uint8_t r[16];
+    if (getrandom(r, sizeof(r), 0) != (ssize_t)sizeof(r)) {
+        uint64_t t = pd_time_now_ns() * 0x9E3779B97F4A7C15ull;
+        memcpy(r, &t, 8), memcpy(r + 8, &t, 8);
+    }
+    strcpy(id, "chatcmpl-tool-");
+    for (int i = 0; i < 16; i++) {
+        snprintf(id + 14 + 2 * i, 3, "%02x", r[i]);
+    }
+}
+
+enum { RQ_LIST, RQ_NAME_KEY, RQ_NAME_WAIT, RQ_NAME, RQ_PARAMS_KEY, RQ_VALUE_WAIT, RQ_VALUE, RQ_OBJ_END };
+
+/* Appends text[from, to) to the arguments of the call being written (a new delta entry for it
+ * when this read has none yet). */
+static void args_append(json_t *deltas, json_t **cur, int32_t index, const char *text, size_t from, size_t to)
+{
+    if (to <= from) {
+        return;
+    }
+    if (*cur == NULL) {
+        *cur = json_pack("{s:i, s:{s:s}}", "index", (int)index, "function", "arguments", "");
+        json_array_append_new(deltas, *cur);
+    }
+    json_t *fn = json_object_get(*cur, "function");
+    const char *have = json_string_value(json_object_get(fn, "arguments"));
+    size_t hl = have != NULL ? strlen(have) : 0;
+    char *joined = malloc(hl + (to - from) + 1);
+    if (joined != NULL) {
+        memcpy(joined, have, hl);
+        memcpy(joined + hl, text + from, to - from);
+        joined[hl + (to - from)] = '\0';
+        json_object_set_new(fn, "arguments", json_string(joined));
+        free(joined);
+    }
+}
+
+json_t *pd_tool_calls_required_read(pd_required_reader_t *r, const char *text, size_t len)
+{
+    json_t *deltas = json_array(), *cur = NULL;
+    size_t args_from = r->state == RQ_VALUE ? r->pos : len;
+    for (; deltas != NULL && r->pos < len; r->pos++) {
+        char c = text[r->pos];
+        bool ws = c == ' ' || c == '\t' || c == '\n' || c == '\r';
+        switch (r->state) {
+        case RQ_LIST: r->state = c == '{' ? RQ_NAME_KEY : RQ_LIST; break;
+        case RQ_NAME_KEY: r->state = c == ':' ? RQ_NAME_WAIT : RQ_NAME_KEY; break; /* past "name" */
+        case RQ_NAME_WAIT:
+            if (c == '"') {
+                r->name_from = r->pos;
+                r->esc = false;
+                r->state = RQ_NAME;
+            }
+            break;
+        case RQ_NAME:
+            if (r->esc) {
+                r->esc = false;
+            } else if (c == '\\') {
+                r->esc = true;
+            } else if (c == '"') { /* the name is read: the call opens */
+                json_t *name =
+                    json_loadb(text + r->name_from, r->pos + 1 - r->name_from, JSON_DECODE_ANY, NULL);
+                char id[64];
+                call_id(id);
+                cur = json_pack("{s:i, s:s, s:s, s:{s:s, s:s}}", "index", (int)r->calls, "id", id, "type",
+                                "function", "function", "name",
+                                json_is_string(name) ? json_string_value(name) : "", "arguments", "");
+                json_decref(name);
+                json_array_append_new(deltas, cur);
+                r->calls++;
+                r->state = RQ_PARAMS_KEY;
+            }
+            break;
+        case RQ_PARAMS_KEY:
+            r->state = c == ':' ? RQ_VALUE_WAIT : RQ_PARAMS_KEY;
+            break; /* past "parameters" */
+        case RQ_VALUE_WAIT:
+            if (ws) {
+                break;
+            }
+            r->state = RQ_VALUE;
+            r->depth = 0;
+            r->in_str = r->esc = false;
+            r->scalar = c != '{' && c != '[';
+            args_from = r->pos;
+            /* fall through: this byte is the value's first */
+            __attribute__((fallthrough));
+        case RQ_VALUE:
+            if (r->in_str) {
+                if (r->esc) {
+                    r->esc = false;
+                } else if (c == '\\') {
+                    r->esc = true;
+                } else if (c == '"') {
+                    r->in_str = false;
+                    if (r->scalar && r->depth == 0) { /* a string value ends here */
+                        args_append(deltas, &cur, r->calls - 1, text, args_from, r->pos + 1);
+                        args_from = len;
+                        r->state = RQ_OBJ_END;
+                    }
+                }
+            } else if (c == '"') {
+                r->in_str = true;
+            } else if (c == '{' || c == '[') {
+                r->depth++;
+            } else if (c == '}' || c == ']' || ((ws || c == ',') && r->scalar && r->depth == 0)) {
+                bool closes = (c == '}' || c == ']') && r->depth > 0;
+                r->depth -= closes;
+                if (r->depth == 0) { /* the value ends: with this bracket, or before this byte */
+                    args_append(deltas, &cur, r->calls - 1, text, args_from, r->pos + (closes ? 1 : 0));
+                    args_from = len;
+                    r->state = closes ? RQ_OBJ_END : c == '}' ? RQ_LIST : RQ_OBJ_END;
+                }
+            }
+            break;
+        case RQ_OBJ_END: r->state = c == '}' ? RQ_LIST : RQ_OBJ_END; break;
+        }
+    }
+    if (r->state == RQ_VALUE) { /* the value goes on: what arrived so far */
+        args_append(deltas, &cur, r->calls - 1, text, args_from, len);
+    }
+    if (json_array_size(deltas) == 0) {
+        json_decref(deltas);
+        return NULL;
+    }
+    return deltas;
+}
+
+/* tool_choice "required": the calls of the whole reply, as its stream's deltas joined. */
 static json_t *parse_required(const char *text, size_t len, size_t *content_len)
 {
     json_t *list = json_loadb(text, len, JSON_DECODE_ANY, NULL);
-    json_t *calls = json_is_array(list) && json_array_size(list) > 0 ? json_array() : NULL;
+    bool is_list = json_is_array(list) && json_array_size(list) > 0;
+    json_decref(list);
+    pd_required_reader_t r = {0};
+    json_t *deltas = is_list ? pd_tool_calls_required_read(&r, text, len) : NULL;
+    json_t *calls = deltas != NULL ? json_array() : NULL;
     size_t i;
-    json_t *item;
-    json_array_foreach(list, i, item)
+    json_t *d;
+    json_array_foreach(deltas, i, d)
     {
-        json_t *c = calls != NULL ? call_json(item) : NULL;
-        if (c == NULL || json_array_append_new(calls, c) != 0) {
-            json_decref(calls);
-            calls = NULL;
-            break;
+        json_int_t idx = json_integer_value(json_object_get(d, "index"));
+        json_t *args = json_object_get(json_object_get(d, "function"), "arguments");
+        if (json_object_get(d, "id") != NULL) { /* an opening entry: the call itself */
+            json_object_del(d, "index");
+            json_array_append(calls, d);
+        } else if ((size_t)idx < json_array_size(calls)) {
+            json_t *fn = json_object_get(json_array_get(calls, (size_t)idx), "function");
+            const char *have = json_string_value(json_object_get(fn, "arguments"));
+            size_t hl = strlen(have), al = strlen(json_string_value(args));
+            char *joined = malloc(hl + al + 1);
+            if (joined != NULL) {
+                memcpy(joined, have, hl);
+                memcpy(joined + hl, json_string_value(args), al + 1);
+                json_object_set_new(fn, "arguments", json_string(joined));
+                free(joined);
+            }
         }
     }
-    json_decref(list);
+    json_decref(deltas);
+    if (calls != NULL && json_array_size(calls) == 0) {
+        json_decref(calls);
+        calls = NULL;
+    }
     if (calls != NULL) {
         *content_len = 0;
     }

@@ -42,6 +42,23 @@ const char *pd_tool_parser_names(void);
  * call that parses (then the whole text is content). */
 json_t *pd_tool_calls_parse(pd_tool_parser_t p, const char *text, size_t len, size_t *content_len);
 
+/* tool_choice "required": where a reader stands in the reply, the list [{"name": ..., "parameters":
+ * ...}, ...] its grammar writes (zeroed to start). */
+typedef struct pd_required_reader {
+    size_t pos; /* bytes read */
+    int state;
+    int depth; /* brackets open inside the parameters value */
+    bool in_str, esc, scalar;
+    size_t name_from; /* where the name's string began */
+    int32_t calls;    /* calls opened so far */
+} pd_required_reader_t;
+
+/* The tool_calls deltas that text[r->pos, len) completes: a call opens ({"index", "id", "type",
+ * "function": {"name", "arguments": ""}}) once its name is read, and its arguments (the "parameters"
+ * value as written) grow by the bytes read; NULL when there are none. The whole reply's calls are
+ * these deltas joined (pd_tool_calls_parse), so a stream and its whole answer agree. */
+json_t *pd_tool_calls_required_read(pd_required_reader_t *r, const char *text, size_t len);
+
 /* The one call of a named tool choice: name, and the reply text as its arguments (as vLLM). */
 json_t *pd_tool_calls_named(const char *name, const char *text, size_t len);
 

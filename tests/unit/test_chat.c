@@ -87,7 +87,13 @@ static void suite_teardown(void)
     tu_stop(g_pid, 30);
     tu_rmrf(g_model);
     tu_rmrf(g_gpt2);
-    tu_rmrf(g_dir);
+    if (getenv("PD_TEST_KEEP_LOGS") == NULL) {
+        tu_rmrf(g_dir);
+    } else {
+        fprintf(stderr, "logs kept in %s\n", g_dir);
+    }
+    free(g_model), free(g_gpt2), free(g_dir); /* a second case's fixture makes its own */
+    g_model = g_gpt2 = g_dir = NULL;
 }
 
 /* POSTs body to path; returns the parsed JSON (NULL for a non-JSON body) and the status. */

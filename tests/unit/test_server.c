@@ -1177,6 +1177,64 @@ static void expect_call(json_t *calls, size_t i, const char *name, const char *a
  * does not parse leaves the reply text; arguments are written as Python's json.dumps writes them
  * (", " and ": ", UTF-8 kept: checked against python3). While streaming, text that is or may become
  * a call is held back. */
+/* tool_choice "required" streamed: fed a piece at a time (one byte, three, the whole), the reader
+ * opens each call once its name is read and grows its arguments as the parameters arrive; joined,
+ * the deltas are the whole reply's calls (names, and arguments as written), whatever the pieces. */
+START_TEST(test_required_tool_calls_stream)
+{
+    static const char reply[] =
+        "[ {\"name\": \"get\\u005fweather\", \"parameters\": {\"c\": \"a}b\\\"[\", \"n\": [1, {\"x\": 2}]}}"
+        ",\n {\"name\":\"add\",\"parameters\":7 } , {\"name\": \"s\", \"parameters\": \"x,}\"}]";
+    size_t len = strlen(reply), content_len = 99;
+    json_t *whole = pd_tool_calls_parse(PD_TOOL_PARSER_REQUIRED, reply, len, &content_len);
+    ck_assert_ptr_nonnull(whole);
+    ck_assert_uint_eq(content_len, 0);
+    ck_assert_int_eq(json_array_size(whole), 3);
+    static const char *names[] = {"get_weather", "add", "s"};
+    static const char *args[] = {"{\"c\": \"a}b\\\"[\", \"n\": [1, {\"x\": 2}]}", "7", "\"x,}\""};
+    for (int k = 0; k < 3; k++) {
+        json_t *fn = json_object_get(json_array_get(whole, (size_t)k), "function");
+        ck_assert_str_eq(json_string_value(json_object_get(fn, "name")), names[k]);
+        ck_assert_str_eq(json_string_value(json_object_get(fn, "arguments")), args[k]);
+    }
+    size_t steps[] = {1, 3, len};
+    for (int s = 0; s < 3; s++) {
+        pd_required_reader_t r = {0};
+        char joined[3][128] = {"", "", ""};
+        int opened = 0, pieces = 0;
+        for (size_t upto = 0; upto < len;) {
+            upto = upto + steps[s] < len ? upto + steps[s] : len;
+            json_t *d = pd_tool_calls_required_read(&r, reply, upto);
+            size_t i;
+            json_t *e;
+            json_array_foreach(d, i, e)
+            {
+                int idx = (int)json_integer_value(json_object_get(e, "index"));
+                ck_assert_int_lt(idx, 3);
+                json_t *fn = json_object_get(e, "function");
+                if (json_object_get(e, "id") != NULL) {
+                    ck_assert_int_eq(idx, opened++); /* calls open in order, each once */
+                    ck_assert_str_eq(json_string_value(json_object_get(fn, "name")), names[idx]);
+                }
+                strcat(joined[idx], json_string_value(json_object_get(fn, "arguments")));
+                pieces++;
+            }
+            json_decref(d);
+        }
+        ck_assert_int_eq(opened, 3);
+        for (int k = 0; k < 3; k++) {
+            ck_assert_str_eq(joined[k], args[k]);
+        }
+        if (steps[s] == 1) {
+            ck_assert_int_gt(pieces, 20); /* the arguments grew byte by byte */
+        }
+    }
+    json_decref(whole);
+    ck_assert_ptr_null(pd_tool_calls_parse(PD_TOOL_PARSER_REQUIRED, "[]", 2, &content_len));
+    ck_assert_ptr_null(pd_tool_calls_parse(PD_TOOL_PARSER_REQUIRED, "[{\"name\"", 8, &content_len));
+}
+END_TEST
+
 START_TEST(test_tool_call_parsers)
 {
     ck_assert_int_eq(pd_tool_parser_by_name("hermes"), PD_TOOL_PARSER_HERMES);
@@ -1285,6 +1343,7 @@ int main(void)
     tcase_add_unchecked_fixture(tc, suite_setup, suite_teardown);
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, test_tool_call_parsers);
+    tcase_add_test(tc, test_required_tool_calls_stream);
     tcase_add_test(tc, test_completion_equals_engine_greedy);
     tcase_add_test(tc, test_completion_equals_engine_seeded);
     tcase_add_test(tc, test_logprobs_match_recomputed);
