@@ -791,7 +791,9 @@ static pd_status_t flatten(builder_t *b, pd_grammar_t *g)
     g->rule_alt[b->n_rules] = k;
     g->num_elems = e;
     g->num_rules = (uint32_t)b->n_rules;
-    memcpy(g->sets, b->sets, b->n_sets * sizeof(g->sets[0]));
+    if (b->n_sets > 0) { /* a grammar of empty strings has none */
+        memcpy(g->sets, b->sets, b->n_sets * sizeof(g->sets[0]));
+    }
     g->num_sets = (uint32_t)b->n_sets;
     return PD_OK;
 }

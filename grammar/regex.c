@@ -431,6 +431,9 @@ static bool parse_atom(rx_t *r)
 /* A quantifier after an atom, copied as GBNF; lazy `?` and possessive `+` suffixes dropped. */
 static bool parse_quant(rx_t *r)
 {
+    if (r->p >= r->end) {
+        return true;
+    }
     char c = *r->p;
     if (c == '*' || c == '+' || c == '?') {
         r->p++;
