@@ -541,7 +541,6 @@ static bool parse_sequence(builder_t *b, uint32_t r, size_t ai, bool nested)
             while (b->p < b->end && *b->p != '"') {
                 uint32_t cp;
                 bool raw;
-                const char *at = b->p;
                 if (!read_char(b, &cp, &raw)) {
                     return false;
                 }
@@ -552,7 +551,6 @@ static bool parse_sequence(builder_t *b, uint32_t r, size_t ai, bool nested)
                 } else {
                     cp_enc(cp, enc);
                 }
-                (void)at;
                 for (int i = 0; i < n; i++) {
                     uint32_t s = set_range(b, enc[i], enc[i]);
                     if (s == UINT32_MAX || !vec_push(b, &b->rules[r].alts[ai], s)) {

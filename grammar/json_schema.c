@@ -223,19 +223,11 @@ static bool digit_range(js_t *j, const char *lo, const char *hi, size_t n)
 static bool uint_range(js_t *j, int64_t lo, int64_t hi)
 {
     bool first = true;
-    emit(j, "(");
-    for (int d = 1; d <= 16; d++) {
-        int64_t dlo = d == 1 ? 0 : 1, dhi = 9;
-        for (int k = 1; k < d; k++) {
-            dlo = d == 1 ? 0 : dlo * 10;
-            dhi = dhi * 10 + 9;
-        }
-        if (d > 1) {
-            dlo = 1;
-            for (int k = 1; k < d; k++) {
-                dlo *= 10;
-            }
-        }
+    if (!emit(j, "(")) {
+        return false;
+    }
+    for (int64_t d = 1, pow10 = 1; d <= 16; d++, pow10 *= 10) { /* the d-digit numbers: [10^(d-1), 10^d) */
+        int64_t dlo = d == 1 ? 0 : pow10, dhi = pow10 * 10 - 1;
         int64_t a = lo > dlo ? lo : dlo, b = hi >= 0 && hi < dhi ? hi : dhi;
         if (a > b) {
             continue;

@@ -38,8 +38,8 @@
 #define RT_MAX_BYTES   (256u << 20)
 #define RT_MASK_SLOTS  64
 #define RT_NONE        UINT32_MAX
-#define RT_MAX_DEPTH   100000
-#define RT_OPEN        1u /* the node standing for a cut-off rest of a stack */
+#define RT_MAX_DEPTH   10000 /* closure recursion: a stack this deep ends its generation */
+#define RT_OPEN        1u    /* the node standing for a cut-off rest of a stack */
 #define RT_TRUNC_DEPTH 3
 #define RT_TRUNC_SLOTS 256 /* cached walks of cut stacks */
 

@@ -41,6 +41,20 @@ static const char *find(const char *s, size_t len, const char *what)
     return memmem(s, len, what, strlen(what));
 }
 
+/* A fresh tool-call id: "chatcmpl-tool-" and 32 hex digits. */
+static void call_id(char id[64])
+{
+    uint8_t r[16];
+    if (getrandom(r, sizeof(r), 0) != (ssize_t)sizeof(r)) {
+        uint64_t t = pd_time_now_ns() * 0x9E3779B97F4A7C15ull;
+        memcpy(r, &t, 8), memcpy(r + 8, &t, 8);
+    }
+    strcpy(id, "chatcmpl-tool-");
+    for (int i = 0; i < 16; i++) {
+        snprintf(id + 14 + 2 * i, 3, "%02x", r[i]);
+    }
+}
+
 /* One OpenAI tool call of the object {"name", "arguments" (or "parameters")}; NULL when it is not one. */
 static json_t *call_json(const json_t *obj)
 {
@@ -57,15 +71,8 @@ static json_t *call_json(const json_t *obj)
     char *a = json_is_string(args) ? strdup(json_string_value(args))
               : args != NULL       ? json_dumps(args, JSON_ENCODE_ANY | JSON_PRESERVE_ORDER)
                                    : strdup("{}");
-    uint8_t r[16];
-    if (getrandom(r, sizeof(r), 0) != (ssize_t)sizeof(r)) {
-        uint64_t t = pd_time_now_ns() * 0x9E3779B97F4A7C15ull;
-        memcpy(r, &t, 8), memcpy(r + 8, &t, 8);
-    }
-    char id[64] = "chatcmpl-tool-";
-    for (int i = 0; i < 16; i++) {
-        snprintf(id + 14 + 2 * i, 3, "%02x", r[i]);
-    }
+    char id[64];
+    call_id(id);
     json_t *c = a != NULL ? json_pack("{s:s, s:s, s:{s:s, s:s}}", "id", id, "type", "function", "function",
                                       "name", name, "arguments", a)
                           : NULL;
@@ -210,20 +217,6 @@ static json_t *parse_llama3(const char *text, size_t len, size_t *content_len)
     }
     *content_len = 0;
     return calls;
-}
-
-/* A fresh tool-call id: "chatcmpl-tool-" and 32 hex digits. */
-static void call_id(char id[64])
-{
-    uint8_t r[16];
-    if (getrandom(r, sizeof(r), 0) != (ssize_t)sizeof(r)) {
-        uint64_t t = pd_time_now_ns() * 0x9E3779B97F4A7C15ull;
-        memcpy(r, &t, 8), memcpy(r + 8, &t, 8);
-    }
-    strcpy(id, "chatcmpl-tool-");
-    for (int i = 0; i < 16; i++) {
-        snprintf(id + 14 + 2 * i, 3, "%02x", r[i]);
-    }
 }
 
 enum { RQ_LIST, RQ_NAME_KEY, RQ_NAME_WAIT, RQ_NAME, RQ_PARAMS_KEY, RQ_VALUE_WAIT, RQ_VALUE, RQ_OBJ_END };

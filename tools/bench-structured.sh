@@ -20,11 +20,15 @@ seed=${PD_SO_SEED:-1}
 check=(/usr/bin/python3 tools/structured_validity.py --schemas "$schemas" --per "$per" --seed "$seed"
        --concurrency 8 --max-tokens 400)
 rows=()
+row() { # "| server | the counts in structured_validity.py's JSON line FILE |"
+  python3 -c 'import json,sys; d=json.load(open(sys.argv[2]))
+print("| %s | %s |" % (sys.argv[1], " | ".join(str(d[k]) for k in ("requests","valid","invalid","truncated","tok_s_structured","tok_s_plain","ratio"))))' "$1" "$2"
+}
 echo "bench-structured: pd-serve, $schemas schemas × $per requests (+ regexes, choices, a grammar)"
 start serve pd-serve --model "$models/demo" --threads 2 --max-model-len 2048 --kv-cache-memory 1G
 "${check[@]}" "http://127.0.0.1:$port" >"$work/serve.json"
 stop_all
-rows+=("| pd-serve | $(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(" | ".join(str(d[k]) for k in ("requests","valid","invalid","truncated","tok_s_structured","tok_s_plain","ratio")))' "$work/serve.json") |")
+rows+=("$(row pd-serve "$work/serve.json")")
 echo "bench-structured: 1P1D + pd-proxy (tcp, pull)"
 start prefill pd-prefill --model "$models/demo" --threads 1 --max-model-len 2048 --kv-cache-memory 1G --kv-pipe tcp --kv-transfer-mode pull
 pp=$port
@@ -34,7 +38,7 @@ start proxy pd-proxy --prefill "http://127.0.0.1:$pp" --decode "http://127.0.0.1
 sleep 1
 "${check[@]}" "http://127.0.0.1:$port" >"$work/pd.json"
 stop_all
-rows+=("| 1P1D + pd-proxy | $(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(" | ".join(str(d[k]) for k in ("requests","valid","invalid","truncated","tok_s_structured","tok_s_plain","ratio")))' "$work/pd.json") |")
+rows+=("$(row "1P1D + pd-proxy" "$work/pd.json")")
 {
   echo
   echo "### Structured outputs at scale ($(date -u +%Y-%m-%d), $(nproc) cores)"

@@ -154,7 +154,7 @@ def main():
         try:
             r = post(args.url, "/v1/completions", body)
         except Exception as e:  # noqa: BLE001
-            return i, "error", str(e)[:200], 0
+            return i, "errors", str(e)[:200], 0
         c = r["choices"][0]
         n = r["usage"]["completion_tokens"]
         if c["finish_reason"] != "stop":
@@ -164,13 +164,13 @@ def main():
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(args.concurrency) as ex:
         for done, (i, outcome, text, n) in enumerate(ex.map(run, range(len(jobs))), 1):
-            counts[outcome + ("s" if outcome == "error" else "")] += 1
+            counts[outcome] += 1
             used[i] = n
             if done % 100 == 0 or done == len(jobs):
                 print("structured_validity: %d/%d replies, %d valid, %d invalid, %d cut, %.0f s" %
                       (done, len(jobs), counts["valid"], counts["invalid"], counts["truncated"],
                        time.perf_counter() - t0), file=sys.stderr, flush=True)
-            if outcome in ("invalid", "error"):
+            if outcome in ("invalid", "errors"):
                 print(outcome.upper(), jobs[i][0], json.dumps(jobs[i][1])[:200], repr(text), file=sys.stderr)
     t_so = time.perf_counter() - t0
     tok = sum(used)
