@@ -40,8 +40,11 @@ typedef struct pd_connector_finished {
     int32_t num_sending;
     const char *const *recving;
     int32_t num_recving;
-    const int32_t *recving_first_token; /* [num_recving] first-token handover in push mode: the token
+    const int32_t *recving_first_token;       /* [num_recving] first-token handover in push mode: the token
                                          * the prefill sampled (WRITE_DONE), else -1; NULL: none */
+    const char *const *recving_grammar_state; /* [num_recving] with that token, a structured output's
+                                               * grammar state after it (pd_gmatcher_export), else
+                                               * NULL; valid until the next get_finished */
 } pd_connector_finished_t;
 
 /* A pipe that needs to own the KV memory (UCX shared-memory puts) provides these; the engine

@@ -28,6 +28,10 @@ void kv_report_recving(kv_conn_t *k, kv_xfer_t *x, bool ok)
     }
     x->report = NULL;
     r->first_token = x->has_first_token && !x->cancelled ? x->first_token : -1;
+    if (r->first_token >= 0) {
+        r->grammar_state = x->grammar_state;
+        x->grammar_state = NULL;
+    }
     /* a cancelled load's blocks are its request's no more: neither load errors nor copied */
     if (!x->cancelled && x->end_block > x->first_block && (!ok || k->staged)) {
         r->blocks = x->local_blocks;
@@ -147,6 +151,9 @@ static void on_write_done(kv_conn_t *k, const kv_notice_t *n)
         wd.layers_written = k->geom.num_layers;
         wd.has_first_token = n->first_token >= 0;
         wd.first_token = n->first_token;
+        if (n->grammar_state != NULL) {
+            wd.grammar_state = n->grammar_state;
+        }
         wd.prompt_sha256.data = (uint8_t *)n->prompt_hash;
         wd.prompt_sha256.len = sizeof(n->prompt_hash);
         kv_peer_send(k, rv->peer, PD_MSG_WRITE_DONE, &wd.base);

@@ -56,7 +56,8 @@ typedef struct kv_eng {
                                    * loads whose errors get_block_ids_with_load_errors has not returned */
     const char **rep_sending, **rep_recving; /* what get_finished returned last (into reported) */
     int32_t *rep_first;                      /* beside rep_recving */
-    size_t cap_rep_sending, cap_rep_recving, cap_rep_first;
+    char **rep_grammar;                      /* beside rep_recving: its report's grammar state */
+    size_t cap_rep_sending, cap_rep_recving, cap_rep_first, cap_rep_grammar;
     int32_t num_rep_sending, num_rep_recving;
     /* write jobs of this step: posted, and back (KV_EV_JOB_DONE of this generation) */
     uint64_t gen;

@@ -154,6 +154,7 @@ void kv_report_free(kv_report_t *r)
 {
     if (r != NULL) {
         free(r->blocks);
+        free(r->grammar_state);
         free(r);
     }
 }
@@ -173,6 +174,7 @@ void kv_xfer_free(kv_xfer_t *x)
         free(x->cancel);
         free(x->local_blocks);
         free(x->remote_blocks);
+        free(x->grammar_state);
         free(x);
     }
 }
@@ -208,8 +210,11 @@ void kv_msg_free(kv_msg_t *m)
     case KV_EV_OFFER: kv_offer_free(pd_container_of(m, kv_offer_t, msg)); break;
     case KV_CMD_STOP: break; /* kv_ctl_t's own */
     case KV_CMD_CANCEL:
-    case KV_CMD_TAKE_RESV:
     case KV_CMD_WRITE_DONE:
+        free(pd_container_of(m, kv_notice_t, msg)->grammar_state);
+        free(m);
+        break;
+    case KV_CMD_TAKE_RESV:
     case KV_CMD_RELEASE:
     case KV_EV_RESV_GONE: free(m); break; /* each heads its allocation and owns nothing else */
     }

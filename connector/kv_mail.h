@@ -14,6 +14,8 @@
 #ifndef PD_CONNECTOR_KV_MAIL_H
 #define PD_CONNECTOR_KV_MAIL_H
 
+#define KV_MAX_GRAMMAR_STATE 65536 /* bytes of a grammar state WRITE_DONE may carry (pd_gmatcher_export) */
+
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -112,6 +114,7 @@ typedef struct kv_report {
     char req_id[PD_REQ_ID_MAX];
     bool recving;
     int32_t first_token; /* recving: the prefill's first token (push handover), else -1 */
+    char *grammar_state; /* with it: the grammar's state after it (malloc'd), or NULL */
     /* recving: the load's block list (taken from its transfer) and the entries [first, end) it
      * covered: failed → load errors; staged → copied from the host mirror in get_finished */
     uint32_t *blocks;
@@ -166,6 +169,8 @@ typedef struct kv_xfer {
      * received with it and reported with the load's end) */
     bool has_first_token;
     int32_t first_token;
+    char
+        *grammar_state; /* with it, a structured output's: the grammar's state after it (malloc'd), or NULL */
     /* push: the prompt's kv_prompt_hash (save: sent with WRITE_DONE; load: what WRITE_DONE must name) */
     uint8_t prompt_hash[32];
     kv_report_t *report; /* its end, for get_finished (NULL once reported) */
@@ -236,6 +241,7 @@ typedef struct kv_notice {
     uint64_t resv_id;
     int32_t status;
     int32_t first_token;     /* a first-token handover: the prefill's first token, else -1 */
+    char *grammar_state;     /* with it: the grammar's state after it (malloc'd), or NULL */
     uint8_t prompt_hash[32]; /* the prompt's kv_prompt_hash */
 } kv_notice_t;
 

@@ -223,6 +223,11 @@ void kv_on_message(kv_conn_t *k, kv_peer_t *p, const pd_ctl_msg_t *msg)
          * recompute the prompt, since a client may have it already (the scheduler checks its range) */
         x->has_first_token = w->has_first_token;
         x->first_token = w->first_token;
+        free(x->grammar_state); /* (a structured output's; a copy that fails is replayed instead) */
+        x->grammar_state = w->has_first_token && w->grammar_state != NULL && w->grammar_state[0] != '\0' &&
+                                   strlen(w->grammar_state) <= KV_MAX_GRAMMAR_STATE
+                               ? strdup(w->grammar_state)
+                               : NULL;
         if (w->status == 0 && (w->prompt_sha256.len != sizeof(x->prompt_hash) ||
                                !pd_ct_equal(w->prompt_sha256.data, x->prompt_hash, sizeof(x->prompt_hash)))) {
             /* the prefill computed another prompt under this transfer id (a caller paired two

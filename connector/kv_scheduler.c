@@ -398,15 +398,29 @@ static bool cancel_load(kv_conn_t *k, const pd_request_t *req)
     return false;
 }
 
+/* A copy of a prefill's grammar state for the decode, or NULL (none, or out of memory: the decode then
+ * replays the first token). */
+static char *handed_state(const char *grammar_state)
+{
+    char *s = grammar_state != NULL ? strdup(grammar_state) : NULL;
+    if (grammar_state != NULL && s == NULL) {
+        pd_log_warn(
+            "kv connector: out of memory copying a grammar state; its decode replays the first token");
+    }
+    return s;
+}
+
 /* Prefill, push: the stream of ps ends with status (its WRITE_DONE; the control thread ends the
  * reservation). */
-static void push_end(kv_conn_t *k, kv_push_t *ps, int32_t status, int32_t first, const uint8_t hash[32])
+static void push_end(kv_conn_t *k, kv_push_t *ps, int32_t status, int32_t first, const char *grammar_state,
+                     const uint8_t hash[32])
 {
     kv_notice_t *n = ps->done;
     ps->done = NULL;
     n->resv_id = ps->offer->resv_id;
     n->status = status;
     n->first_token = first;
+    n->grammar_state = first >= 0 ? handed_state(grammar_state) : NULL;
     memcpy(n->prompt_hash, hash, sizeof(n->prompt_hash));
     pd_metric_inc(status == 0 ? k->m.completed[KV_X_PUSH_SAVE] : k->m.failed[KV_X_PUSH_SAVE], 1);
     kv_mb_send(&k->mb, &n->msg, 0);
@@ -430,7 +444,7 @@ static bool finished_push(kv_conn_t *k, pd_request_t *req, const uint32_t *block
     if (ps != NULL && ps->offer != NULL && (ps->streaming || !ok)) {
         /* every layer of every step was written (or the request died): tell the decode */
         push_end(k, ps, ok && !ps->failed && !ps->offer->gone ? 0 : (ok ? PD_ERR_IO : PD_ERR_CANCELLED),
-                 first, hash);
+                 first, req->grammar_state, hash);
     } else if (ok && tid != NULL && tid[0] != '\0' && strlen(tid) < PD_REQ_ID_MAX && num_blocks > 0) {
         kv_xfer_t *x = calloc(1, sizeof(*x));
         if (x != NULL && (x->local_blocks = malloc((size_t)num_blocks * sizeof(uint32_t))) != NULL &&
@@ -444,6 +458,7 @@ static bool finished_push(kv_conn_t *k, pd_request_t *req, const uint32_t *block
             x->num_tokens = req->num_prompt_tokens + (first >= 0 ? 1 : 0); /* the last token's KV stays */
             x->has_first_token = first >= 0;
             x->first_token = first;
+            x->grammar_state = first >= 0 ? handed_state(req->grammar_state) : NULL;
             memcpy(x->prompt_hash, hash, sizeof(hash));
             x->started = pd_time_now_s();
             x->deadline = x->started + k->cfg.hold_timeout;
@@ -460,7 +475,7 @@ static bool finished_push(kv_conn_t *k, pd_request_t *req, const uint32_t *block
         }
     }
     if (!hold && ps != NULL && ps->offer != NULL && ps->done != NULL) {
-        push_end(k, ps, PD_ERR_NO_MEMORY, -1, hash); /* nothing will write into its reservation */
+        push_end(k, ps, PD_ERR_NO_MEMORY, -1, NULL, hash); /* nothing will write into its reservation */
     }
     kv_push_free(ps);
     return hold;
@@ -504,6 +519,13 @@ static bool finished_pull(kv_conn_t *k, pd_request_t *req, const uint32_t *block
     if (out == NULL || (first_token && /* the decode continues from it */
                         json_object_set_new(out, "first_token_id",
                                             json_integer(req->tokens[req->num_prompt_tokens])) != 0)) {
+        pd_log_error("kv connector: request %s: out of memory building its kv_transfer_params", req->id);
+        json_decref(out);
+        kv_lease_free(l);
+        return false;
+    }
+    if (first_token && req->grammar_state != NULL && /* the decode resumes the grammar's state */
+        json_object_set_new(out, "grammar_state", json_string(req->grammar_state)) != 0) {
         pd_log_error("kv connector: request %s: out of memory building its kv_transfer_params", req->id);
         json_decref(out);
         kv_lease_free(l);

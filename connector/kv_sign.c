@@ -4,7 +4,8 @@
  * A pull prefill puts the SHA-256 of its prompt's token ids into the params it returns
  * (`prompt_sha256`) and, with a cluster token, an HMAC-SHA256 under the token (`pd_sig`) over every
  * field the decode acts on: the engine id, the address it dials, the request and lease it names,
- * the lease's expiry, the prompt length and hash, the first token of a handover and each block id.
+ * the lease's expiry, the prompt length and hash, the first token of a handover and the grammar's
+ * state after it (structured outputs), and each block id.
  * A decode admits a do_remote_prefill pull request only when the hash equals its own prompt's and,
  * with a token, the MAC verifies: a caller who relays another prompt's params, edits a block id or
  * points the decode at another address gets a 400 (test_connector `test_pull_params_bound`).
@@ -80,6 +81,7 @@ static bool params_mac(const kv_conn_t *k, const json_t *p, char sig[65])
     put_int(f, json_object_get(p, "remote_num_tokens"));
     put_int(f, json_object_get(p, "first_token_id"));
     put_str(f, kv_jstr(p, "prompt_sha256"));
+    put_str(f, kv_jstr(p, "grammar_state"));
     const json_t *b = json_object_get(p, "remote_block_ids");
     bool ok = json_is_array(b);
     for (size_t i = 0; ok && i < json_array_size(b); i++) {

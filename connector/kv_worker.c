@@ -364,7 +364,8 @@ pd_status_t kv_get_finished(pd_connector_t *c, pd_connector_finished_t *out)
      * the next step, nothing is lost */
     if (pd_array_reserve(&e->rep_sending, &e->cap_rep_sending, n) != PD_OK ||
         pd_array_reserve(&e->rep_recving, &e->cap_rep_recving, n) != PD_OK ||
-        pd_array_reserve(&e->rep_first, &e->cap_rep_first, n) != PD_OK) {
+        pd_array_reserve(&e->rep_first, &e->cap_rep_first, n) != PD_OK ||
+        pd_array_reserve(&e->rep_grammar, &e->cap_rep_grammar, n) != PD_OK) {
         pd_log_error("kv connector: out of memory taking %zu finished transfers; they wait for the next step",
                      n);
         return PD_ERR_NO_MEMORY;
@@ -378,6 +379,7 @@ pd_status_t kv_get_finished(pd_connector_t *c, pd_connector_finished_t *out)
         if (r->recving) {
             load_reported(e, r->req_id);
             e->rep_first[e->num_rep_recving] = r->first_token;
+            e->rep_grammar[e->num_rep_recving] = r->grammar_state; /* the report lives until the next call */
             e->rep_recving[e->num_rep_recving++] = r->req_id;
         } else {
             e->rep_sending[e->num_rep_sending++] = r->req_id;
@@ -389,6 +391,7 @@ pd_status_t kv_get_finished(pd_connector_t *c, pd_connector_finished_t *out)
     out->recving = e->rep_recving;
     out->num_recving = e->num_rep_recving;
     out->recving_first_token = e->rep_first;
+    out->recving_grammar_state = (const char *const *)e->rep_grammar;
     return PD_OK;
 }
 
@@ -420,6 +423,9 @@ void kv_push_free(kv_push_t *ps)
     if (ps != NULL) {
         kv_offer_free(ps->offer);
         free(ps->take);
+        if (ps->done != NULL) {
+            free(ps->done->grammar_state);
+        }
         free(ps->done);
         free(ps);
     }
@@ -446,7 +452,7 @@ void kv_eng_free(kv_eng_t *e)
             kv_msg_free(m);
         }
     }
-    free(e->rep_sending), free(e->rep_recving), free(e->rep_first);
+    free(e->rep_sending), free(e->rep_recving), free(e->rep_first), free(e->rep_grammar);
     if (e->stage_failed.slots != NULL) {
         pd_strmap_destroy(&e->stage_failed);
     }

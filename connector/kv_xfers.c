@@ -143,6 +143,9 @@ static void after_pages(kv_conn_t *k, kv_xfer_t *x)
     wd.layers_written = k->geom.num_layers;
     wd.has_first_token = x->has_first_token;
     wd.first_token = x->first_token;
+    if (x->grammar_state != NULL) {
+        wd.grammar_state = x->grammar_state;
+    }
     wd.prompt_sha256.data = x->prompt_hash;
     wd.prompt_sha256.len = sizeof(x->prompt_hash);
     kv_resv_end(k, x->resv, false);

@@ -14,6 +14,7 @@
 #include "common/log.h"
 #include "common/time.h"
 #include "engine/model_runner.h"
+#include "engine/structured.h"
 #include "model/generation_config.h"
 #include "scheduler/scheduler.h"
 
@@ -58,6 +59,8 @@ void eng_cmd_free(cmd_t *c)
 /* ------------------------------------------------------------------ admission */
 
 static void continue_from(pd_engine_t *e, pd_request_t *r, int32_t token);
+static pd_status_t resume_grammar(pd_engine_t *e, pd_request_t *r, req_ctx_t *ctx, int32_t first, char *err,
+                                  size_t err_len);
 
 pd_status_t pd_engine_add(pd_engine_t *e, const pd_engine_request_t *rq, char *err, size_t err_len)
 {
@@ -151,6 +154,12 @@ pd_status_t pd_engine_add(pd_engine_t *e, const pd_engine_request_t *rq, char *e
         pd_request_free(r);
         return PD_ERR_INVALID_ARG;
     }
+    if ((st = resume_grammar(e, r, ctx, first, err, err_len)) != PD_OK) {
+        eng_ctx_free(ctx);
+        r->user = NULL;
+        pd_request_free(r);
+        return st;
+    }
     st = pd_scheduler_add_request(e->sched, r);
     if (st != PD_OK) {
         snprintf(err, err_len, "request id '%s' is already in use", rq->id);
@@ -163,6 +172,41 @@ pd_status_t pd_engine_add(pd_engine_t *e, const pd_engine_request_t *rq, char *e
     if (first >= 0) {
         continue_from(e, r, first);
     }
+    return PD_OK;
+}
+
+/* First-token handover, decode side: a structured output resumes the grammar's state after the first
+ * token that its prefill handed over (kv_transfer_params.grammar_state, signed with the rest); without
+ * one the matcher replays the token (engine/structured.c). */
+static pd_status_t resume_grammar(pd_engine_t *e, pd_request_t *r, req_ctx_t *ctx, int32_t first, char *err,
+                                  size_t err_len)
+{
+    const json_t *gs = json_object_get(r->kv_transfer_params, "grammar_state");
+    if (gs == NULL) {
+        return PD_OK;
+    }
+    if (!json_is_string(gs) || r->grammar == NULL || first < 0) {
+        snprintf(err, err_len, "kv_transfer_params.grammar_state %s",
+                 !json_is_string(gs)  ? "must be a string (as a prefill writes it)"
+                 : r->grammar == NULL ? "is given, but the request asks for no structured output"
+                                      : "comes only with a first_token_id (a pull prefill's handover)");
+        return PD_ERR_INVALID_ARG;
+    }
+    pd_gmatcher_t m;
+    char why[160];
+    pd_status_t st = pd_gmatcher_import(&m, ctx->gm.g, json_string_value(gs), why, sizeof(why));
+    if (st == PD_OK && m.consumed != 1) {
+        snprintf(why, sizeof(why), "the state follows %d tokens, not the first one", m.consumed);
+        pd_gmatcher_destroy(&m);
+        st = PD_ERR_INVALID_ARG;
+    }
+    if (st != PD_OK) {
+        snprintf(err, err_len, "kv_transfer_params.grammar_state: %s", why);
+        return st == PD_ERR_NO_MEMORY ? st : PD_ERR_INVALID_ARG;
+    }
+    pd_gmatcher_destroy(&ctx->gm);
+    ctx->gm = m; /* r->grammar points at it */
+    e->runner.grammar_resumed++;
     return PD_OK;
 }
 
@@ -191,6 +235,10 @@ static void continue_from(pd_engine_t *e, pd_request_t *r, int32_t token)
 static void hand_over(pd_engine_t *e, pd_request_t *r, pd_engine_output_t ***tail)
 {
     r->handed_over = true;
+    if (r->grammar != NULL) { /* the decode goes on from the grammar's state after the first token */
+        pd_structured_hand_over(&e->runner, r);
+        e->grammar_handed += r->grammar_state != NULL;
+    }
     pd_scheduler_finish(e->sched, r, PD_REQ_FINISHED_LENGTH);
     if (!json_is_object((json_t *)r->kv_transfer_params)) { /* the proxy fails such a handover */
         pd_log_warn("engine: request %s hands over without kv_transfer_params (its connector ended it as "

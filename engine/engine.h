@@ -186,6 +186,8 @@ typedef struct pd_engine_stats {
     uint64_t prefix_queries, prefix_hits, preemptions;
     uint64_t load_waits; /* remote loads put off for another request's (scheduler stats) */
     uint64_t prompt_tokens, generation_tokens, steps, requests_finished;
+    uint64_t grammar_states_handed, grammar_states_resumed; /* first-token handovers of structured
+                                                             * outputs: prefill, decode side */
     uint64_t spec_drafts, spec_draft_tokens, spec_accepted; /* speculative decoding (scheduler stats) */
     /* --kv-offload-tier: blocks looked up past a pool hit and found (loaded), saved, refused by a
      * checksum, written and read bytes, slots in use of how many */

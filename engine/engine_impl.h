@@ -76,6 +76,7 @@ struct pd_engine {
     int32_t max_model_len;
     size_t max_token_bytes;
     uint64_t prompt_tokens, generation_tokens, steps, finished;
+    uint64_t grammar_handed;          /* grammar states this prefill wrote for its decodes */
     pd_engine_output_t *aborted_head; /* outputs made between steps: aborts' closing outputs, the
                                        * first token of a request a prefill handed over */
     pd_engine_output_t **aborted_tail;

@@ -61,6 +61,8 @@ static void snapshot_stats(pd_engine_t *e)
     o->generation_tokens = e->generation_tokens;
     o->steps = e->steps;
     o->requests_finished = e->finished;
+    o->grammar_states_handed = e->grammar_handed;
+    o->grammar_states_resumed = e->runner.grammar_resumed;
     o->last_step_s = e->last_step_s;
     o->last_forward_s = e->runner.last_forward_s;
 }

@@ -43,7 +43,8 @@ typedef struct pd_model_runner {
      * first request with a grammar, and one row's mask */
     const struct pd_tokenizer *tok;
     struct pd_gvocab *gvocab;
-    uint32_t *gmask; /* [(vocab + 31) / 32] */
+    uint32_t *gmask;          /* [(vocab + 31) / 32] */
+    uint64_t grammar_resumed; /* structured outputs resumed at a prefill's handed-over grammar state */
     int32_t num_eos;
     /* prompt logprobs of this step, by plp row: the prompt token's logprob and rank, and the top */
     float *plp_logprob;   /* [max_tokens] */

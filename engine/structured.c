@@ -59,6 +59,31 @@ static bool accept_token(const pd_model_runner_t *r, pd_gmatcher_t *m, int32_t t
     return b != NULL && len > 0 && pd_gmatcher_accept(m, b, len);
 }
 
+/* A decode's push handover: the matcher goes on from the grammar state the prefill sent with the first
+ * token (WRITE_DONE, on the authenticated control channel); one that does not fit (another build's
+ * grammar) is logged and the token replayed instead. */
+static void resume(pd_model_runner_t *r, pd_request_t *req)
+{
+    pd_gmatcher_t m;
+    char why[160];
+    pd_status_t st = pd_gmatcher_import(&m, req->grammar->g, req->grammar_state, why, sizeof(why));
+    if (st == PD_OK && m.consumed == 1) {
+        pd_gmatcher_destroy(req->grammar);
+        *req->grammar = m;
+        r->grammar_resumed++;
+    } else {
+        if (st == PD_OK) {
+            snprintf(why, sizeof(why), "it follows %d tokens, not the first one", m.consumed);
+            pd_gmatcher_destroy(&m);
+        }
+        pd_log_warn("request %s: the grammar state its prefill handed over does not fit (%s); the first "
+                    "token is replayed instead",
+                    req->id, why);
+    }
+    free(req->grammar_state);
+    req->grammar_state = NULL;
+}
+
 /* Brings req's matcher to its last token; false when a token left the grammar (logged). */
 static bool catch_up(pd_model_runner_t *r, pd_request_t *req)
 {
@@ -73,6 +98,9 @@ static bool catch_up(pd_model_runner_t *r, pd_request_t *req)
         }
     }
     int32_t out = pd_request_num_output(req);
+    if (req->grammar_state != NULL && m->consumed == 0 && out >= 1) { /* a push prefill's handover */
+        resume(r, req);
+    }
     for (; m->consumed < out; m->consumed++) {
         int32_t t = req->tokens[req->num_prompt_tokens + m->consumed];
         if (is_end_id(r, req, t)) {
@@ -88,6 +116,17 @@ static bool catch_up(pd_model_runner_t *r, pd_request_t *req)
         }
     }
     return true;
+}
+
+void pd_structured_hand_over(pd_model_runner_t *r, pd_request_t *req)
+{
+    free(req->grammar_state);
+    req->grammar_state = catch_up(r, req) ? pd_gmatcher_export(req->grammar) : NULL;
+    if (req->grammar_state == NULL) {
+        pd_log_warn("request %s: its grammar state could not be written for the decode node, which "
+                    "replays the first token instead",
+                    req->id);
+    }
 }
 
 static void apply(pd_model_runner_t *r, const uint32_t *mask, float *row)

@@ -87,6 +87,19 @@ pd_status_t pd_gmatcher_fill_mask(pd_gmatcher_t *m, const pd_gvocab_t *v, const 
  * caller replays its tokens from a fresh matcher). */
 bool pd_gmatcher_stale(const pd_gmatcher_t *m);
 
+/* The matcher's state as text for another node (P/D: a prefill hands its decode the state after
+ * the first token): "g1:HASH:TOKENS:STACKS", the grammar's hash, m->consumed and the parse's stacks
+ * (positions in the compiled grammar, which the other node compiles alike from the same request).
+ * malloc'd; NULL when m is stale or dead, its stacks exceed 4096 positions, or out of memory (the
+ * other node then replays the tokens instead). */
+char *pd_gmatcher_export(const pd_gmatcher_t *m);
+
+/* A matcher of g at the state text names (takes a reference; m->consumed from the text).
+ * PD_ERR_REJECTED when the text is of another grammar, PD_ERR_PARSE / PD_ERR_OUT_OF_RANGE when it is
+ * malformed or names positions where no stack can stand (err says which); m is then zeroed. */
+pd_status_t pd_gmatcher_import(pd_gmatcher_t *m, pd_grammar_t *g, const char *text, char *err,
+                               size_t err_len);
+
 /* Runtime statistics of a grammar (tests, benchmarks). */
 typedef struct pd_grammar_stats {
     uint64_t nodes, states;

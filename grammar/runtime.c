@@ -27,6 +27,7 @@
  * Everything here is the engine thread's. When the runtime outgrows RT_MAX_BYTES it is emptied at
  * the next matcher call (a new epoch); matchers of the old epoch are stale and are replayed. */
 #define _GNU_SOURCE /* qsort_r */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -565,6 +566,176 @@ bool pd_gmatcher_can_end(const pd_gmatcher_t *m)
 bool pd_gmatcher_must_end(const pd_gmatcher_t *m)
 {
     return !pd_gmatcher_stale(m) && (m->g->rt->flags[m->state] & ST_MUST_END);
+}
+
+/* ------------------------------------------------------------------ state handover */
+
+/* A handed-over state is text: "g1:HASH:CONSUMED:STACK;STACK;..." with HASH the grammar's hash (16
+ * hex digits), CONSUMED the output tokens it has followed and each STACK its positions from the top
+ * frame down as decimal numbers joined by ',' (an empty STACK: the grammar matched in full). Stacks
+ * are sorted as text, so a state reads the same from every runtime of the grammar, whatever its node
+ * and state numbering. */
+#define RT_HANDOVER_MAX_POSITIONS 4096
+
+static int str_cmp(const void *a, const void *b)
+{
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+char *pd_gmatcher_export(const pd_gmatcher_t *m)
+{
+    if (pd_gmatcher_stale(m) || m->state == 0) {
+        return NULL;
+    }
+    const grammar_rt_t *rt = m->g->rt;
+    uint32_t len = rt->set_len[m->state];
+    const uint32_t *set = rt->set_nodes + rt->set_off[m->state];
+    char **stacks = calloc(len, sizeof(*stacks));
+    char *out = NULL;
+    size_t total = 0, positions = 0;
+    bool ok = stacks != NULL;
+    for (uint32_t i = 0; ok && i < len; i++) {
+        size_t cap = 0, n = 0;
+        char *s = NULL;
+        ok = pd_array_reserve(&s, &cap, 1) == PD_OK;
+        for (uint32_t nd = set[i]; ok && nd > RT_OPEN; nd = rt->npar[nd]) {
+            char num[16];
+            int w = snprintf(num, sizeof(num), "%s%u", n > 0 ? "," : "", rt->npos[nd]);
+            ok = ++positions <= RT_HANDOVER_MAX_POSITIONS &&
+                 pd_array_reserve(&s, &cap, n + (size_t)w + 1) == PD_OK;
+            if (ok) {
+                memcpy(s + n, num, (size_t)w);
+                n += (size_t)w;
+            }
+        }
+        if (s != NULL) {
+            s[n] = '\0';
+        }
+        stacks[i] = s;
+        total += n + 1;
+    }
+    if (ok && (out = malloc(total + 64)) != NULL) {
+        qsort(stacks, len, sizeof(*stacks), str_cmp);
+        size_t n = (size_t)snprintf(out, 64, "g1:%016llx:%d:", (unsigned long long)m->g->hash, m->consumed);
+        for (uint32_t i = 0; i < len; i++) {
+            size_t l = strlen(stacks[i]);
+            memcpy(out + n, stacks[i], l);
+            n += l;
+            out[n++] = i + 1 < len ? ';' : '\0';
+        }
+    }
+    for (uint32_t i = 0; stacks != NULL && i < len; i++) {
+        free(stacks[i]);
+    }
+    free(stacks);
+    return out;
+}
+
+/* Reads a decimal uint32 at *p (advanced); false when there is none or it overflows. */
+static bool read_u32(const char **p, uint32_t *out)
+{
+    uint64_t v = 0;
+    const char *s = *p;
+    if (*s < '0' || *s > '9') {
+        return false;
+    }
+    for (; *s >= '0' && *s <= '9'; s++) {
+        v = v * 10 + (uint64_t)(*s - '0');
+        if (v > UINT32_MAX) {
+            return false;
+        }
+    }
+    *p = s;
+    *out = (uint32_t)v;
+    return true;
+}
+
+pd_status_t pd_gmatcher_import(pd_gmatcher_t *m, pd_grammar_t *g, const char *text, char *err, size_t err_len)
+{
+    memset(m, 0, sizeof(*m));
+    char hash[17];
+    snprintf(hash, sizeof(hash), "%016llx", (unsigned long long)g->hash);
+    if (strncmp(text, "g1:", 3) != 0 || strlen(text) < 21 || text[19] != ':') {
+        snprintf(err, err_len, "not a grammar state (g1:HASH:TOKENS:STACKS)");
+        return PD_ERR_PARSE;
+    }
+    if (strncmp(text + 3, hash, 16) != 0) {
+        snprintf(err, err_len, "the state is of another grammar (hash %.16s, this request's %s)", text + 3,
+                 hash);
+        return PD_ERR_REJECTED;
+    }
+    const char *p = text + 20;
+    uint32_t consumed = 0;
+    if (!read_u32(&p, &consumed) || consumed > INT32_MAX || *p++ != ':') {
+        snprintf(err, err_len, "the grammar state's token count is not a number");
+        return PD_ERR_PARSE;
+    }
+    grammar_rt_t *rt = rt_of(g);
+    if (rt == NULL) {
+        return PD_ERR_NO_MEMORY;
+    }
+    uint32_t *pos = NULL, *nodes = NULL;
+    size_t cap_pos = 0, cap_nodes = 0, n_nodes = 0, total = 0;
+    pd_status_t st = PD_OK;
+    for (bool more = true; more && st == PD_OK;) {
+        size_t n = 0; /* this stack's positions, top first */
+        while (st == PD_OK && *p != ';' && *p != '\0') {
+            uint32_t v;
+            if ((n > 0 && *p++ != ',') || !read_u32(&p, &v) || ++total > RT_HANDOVER_MAX_POSITIONS) {
+                snprintf(err, err_len, "the grammar state's stacks are malformed (at byte %zu)",
+                         (size_t)(p - text));
+                st = PD_ERR_PARSE;
+            } else if (pd_array_reserve(&pos, &cap_pos, n + 1) != PD_OK) {
+                st = PD_ERR_NO_MEMORY;
+            } else {
+                pos[n++] = v;
+            }
+        }
+        more = *p == ';';
+        p += more;
+        /* the top frame is at a byte set; each frame below returns past a rule reference to an
+         * element (a reference that ended its alternative left no frame: a tail call) */
+        for (size_t i = 0; st == PD_OK && i < n; i++) {
+            uint32_t v = pos[i], e = v < g->num_elems ? g->elems[v] : GE_END;
+            bool fits =
+                i == 0 ? e != GE_END && !GE_IS_RULE(e) : e != GE_END && v > 0 && GE_IS_RULE(g->elems[v - 1]);
+            if (!fits) {
+                snprintf(err, err_len, "the grammar state names position %u, where no %s", v,
+                         i == 0 ? "byte is matched" : "rule returns");
+                st = PD_ERR_OUT_OF_RANGE;
+            }
+        }
+        uint32_t nd = 0;
+        for (size_t i = n; st == PD_OK && i-- > 0;) {
+            if ((nd = node_get(rt, pos[i], nd)) == RT_NONE) {
+                st = PD_ERR_NO_MEMORY;
+            }
+        }
+        if (st == PD_OK && pd_array_reserve(&nodes, &cap_nodes, n_nodes + 1) == PD_OK) {
+            nodes[n_nodes++] = nd;
+        } else if (st == PD_OK) {
+            st = PD_ERR_NO_MEMORY;
+        }
+    }
+    uint32_t s = 0;
+    if (st == PD_OK) {
+        n_nodes = sort_unique(nodes, n_nodes);
+        s = state_get(rt, nodes, n_nodes);
+        st = s == RT_NONE || rt->failed ? PD_ERR_NO_MEMORY : PD_OK;
+    }
+    free(pos);
+    free(nodes);
+    if (st != PD_OK) {
+        if (st == PD_ERR_NO_MEMORY) {
+            snprintf(err, err_len, "out of memory for the grammar state");
+        }
+        return st;
+    }
+    m->g = pd_grammar_ref(g);
+    m->state = s;
+    m->epoch = rt->epoch;
+    m->consumed = (int32_t)consumed;
+    return PD_OK;
 }
 
 /* ------------------------------------------------------------------ masks */

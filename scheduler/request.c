@@ -54,6 +54,7 @@ void pd_request_free(pd_request_t *r)
         return;
     }
     json_decref(r->kv_transfer_params);
+    free(r->grammar_state);
     free(r->tokens);
     free(r->block_ids);
     free(r->block_hashes);

@@ -117,6 +117,9 @@ struct pd_request {
     struct pd_gmatcher *grammar; /* structured output: the matcher the engine's model runner masks
                                   * and advances (engine/structured.c; it lives in the engine's
                                   * request context), NULL when none */
+    char *grammar_state;         /* a prefill's handover: the matcher's state after the first token
+                                  * (pd_gmatcher_export), which its connector puts in the decode's
+                                  * kv_transfer_params; malloc'd (engine thread), NULL when none */
     void *user;                  /* frontend context */
 };
 

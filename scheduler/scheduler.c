@@ -751,8 +751,13 @@ void pd_scheduler_update(pd_scheduler_t *s, const pd_scheduler_output_t *out, co
         } else if (r->state == PD_REQ_WAITING_FOR_REMOTE_KV) {
             /* push with first-token handover: the prefill's first token came with its WRITE_DONE */
             const int32_t *first = mo->finished.recving_first_token;
+            const char *const *gs = mo->finished.recving_grammar_state;
             if (first != NULL && first[i] >= 0 && pd_scheduler_add_output_token(s, r, first[i])) {
                 with_push(s, &n_tok, r, 1);
+                if (gs != NULL && gs[i] != NULL && r->grammar != NULL) { /* the matcher resumes it */
+                    free(r->grammar_state);
+                    r->grammar_state = strdup(gs[i]); /* (none: it replays the token) */
+                }
             }
             if (!pd_request_is_finished(r)) {
                 pd_strmap_put(&s->recv_done, r->id, strlen(r->id), 1);

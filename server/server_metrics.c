@@ -149,6 +149,12 @@ void pd_http_metrics_register(pd_http_server_t *s)
             m->offload[i] = i < 7 ? counter(r, names[i][0], names[i][1]) : gauge(r, names[i][0], names[i][1]);
         }
     }
+    m->grammar_handed = counter(r, "pd:grammar_states_handed_over_total",
+                                "Structured outputs handed to a decode node with their grammar's state after "
+                                "the first token (prefill).");
+    m->grammar_resumed = counter(r, "pd:grammar_states_resumed_total",
+                                 "Structured outputs resumed at the grammar state their prefill handed over "
+                                 "(decode).");
     m->load_waits = counter(r, "pd:kv_load_waits_total",
                             "Remote KV loads put off while another request loaded the same prefix (then read "
                             "from the local prefix cache).");
@@ -175,6 +181,10 @@ void pd_http_metrics_refresh(pd_http_server_t *s)
     pd_metric_inc(m->preemptions, (double)(st.preemptions - m->seen_preempt));
     pd_metric_inc(m->load_waits, (double)(st.load_waits - m->seen_load_waits));
     m->seen_load_waits = st.load_waits;
+    pd_metric_inc(m->grammar_handed, (double)(st.grammar_states_handed - m->seen_grammar_handed));
+    pd_metric_inc(m->grammar_resumed, (double)(st.grammar_states_resumed - m->seen_grammar_resumed));
+    m->seen_grammar_handed = st.grammar_states_handed;
+    m->seen_grammar_resumed = st.grammar_states_resumed;
     m->seen_prefix_queries = st.prefix_queries;
     m->seen_prefix_hits = st.prefix_hits;
     m->seen_prompt = st.prompt_tokens;

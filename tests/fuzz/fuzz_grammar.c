@@ -3,7 +3,10 @@
  * or is refused with an error, never crashes, and a compiled grammar is then walked: up to 64 steps,
  * each a mask over a vocabulary of every byte and a few multi-byte tokens, then one allowed token
  * (chosen by the input's hash), checking that every allowed token is accepted and that the end is
- * allowed exactly where the matcher says the grammar may end. */
+ * allowed exactly where the matcher says the grammar may end. Each step's state is also handed over
+ * (pd_gmatcher_export, then pd_gmatcher_import) and must read back the same, and an edited copy of
+ * it (one byte changed, chosen by the hash) is imported as a hostile peer's: refused or walked one
+ * mask, never a crash. */
 #define _GNU_SOURCE
 #include <jansson.h>
 #include <stdbool.h>
@@ -50,6 +53,35 @@ static const uint8_t *token_bytes(int32_t t, uint32_t *len)
     }
     *len = (uint32_t)strlen(multi[t - 256]);
     return (const uint8_t *)multi[t - 256];
+}
+
+/* m's state handed over and read back; then an edited copy, as a hostile peer might send. */
+static void handover(pd_grammar_t *g, const pd_gmatcher_t *m, pd_gvocab_t *v, uint64_t h)
+{
+    char *text = pd_gmatcher_export(m), err[256];
+    if (text == NULL) {
+        return;
+    }
+    pd_gmatcher_t o;
+    if (pd_gmatcher_import(&o, g, text, err, sizeof(err)) != PD_OK) {
+        abort(); /* a state this runtime wrote does not read back */
+    }
+    char *again = pd_gmatcher_export(&o);
+    if (again == NULL || strcmp(again, text) != 0 || pd_gmatcher_can_end(&o) != pd_gmatcher_can_end(m)) {
+        abort();
+    }
+    free(again);
+    pd_gmatcher_destroy(&o);
+    size_t len = strlen(text);
+    static const char subst[] = "0123456789,;:9x";
+    text[(h >> 17) % len] = subst[(h >> 40) % (sizeof(subst) - 1)];
+    if (pd_gmatcher_import(&o, g, text, err, sizeof(err)) == PD_OK) {
+        int32_t end = pd_gvocab_size(v) - 1;
+        uint32_t mask[(256 + 11 + 31) / 32];
+        (void)pd_gmatcher_fill_mask(&o, v, &end, 1, mask);
+        pd_gmatcher_destroy(&o);
+    }
+    free(text);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -113,6 +145,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             if (!pd_gmatcher_accept(&m, tb, tl)) {
                 abort(); /* the mask allowed a token the matcher refuses */
             }
+            handover(g, &m, v, h);
         }
         pd_gmatcher_destroy(&m);
     }

@@ -1253,29 +1253,62 @@ static void check_openai_structured(const char *modules, int port)
 }
 
 /* The text of a generation request's first choice (completions or chat) and its finish reason. */
-static char *gen_text(int port, bool chat, const char *spec, const char *sampling, const char **finish)
+static char *gen_text_as(int port, bool chat, bool stream, const char *spec, const char *sampling,
+                         const char **finish)
 {
     char body[4096];
     if (chat) {
         snprintf(body, sizeof(body),
                  "{\"messages\": [{\"role\": \"user\", \"content\": \"Give me JSON\"}], \"max_tokens\": 160, "
-                 "%s, %s}",
-                 spec, sampling);
+                 "%s, %s%s}",
+                 spec, sampling, stream ? ", \"stream\": true" : "");
     } else {
-        snprintf(body, sizeof(body), "{\"prompt\": \"Answer:\", \"max_tokens\": 160, %s, %s}", spec,
-                 sampling);
+        snprintf(body, sizeof(body), "{\"prompt\": \"Answer:\", \"max_tokens\": 160, %s, %s%s}", spec,
+                 sampling, stream ? ", \"stream\": true" : "");
+    }
+    static char fin[32];
+    const char *path = chat ? "/v1/chat/completions" : "/v1/completions";
+    if (stream) { /* the pieces joined, the last finish_reason */
+        http_resp_t r;
+        ck_assert_int_eq(http_request(port, "POST", path, NULL, body, &r, 60000), 0);
+        ck_assert_msg(r.status == 200, "%s answered %d", body, r.status);
+        bool done;
+        json_t *ev = sse_events(r.body, &done);
+        ck_assert(done);
+        size_t n = 0;
+        char *out = calloc(1, 8192);
+        for (size_t i = 0; i < json_array_size(ev); i++) {
+            json_t *ch = json_array_get(json_object_get(json_array_get(ev, i), "choices"), 0);
+            const char *s = json_string_value(chat ? json_object_get(json_object_get(ch, "delta"), "content")
+                                                   : json_object_get(ch, "text"));
+            if (s != NULL && n + strlen(s) < 8192) {
+                memcpy(out + n, s, strlen(s));
+                n += strlen(s);
+            }
+            if (json_is_string(json_object_get(ch, "finish_reason"))) {
+                snprintf(fin, sizeof(fin), "%s", json_string_value(json_object_get(ch, "finish_reason")));
+            }
+        }
+        *finish = fin;
+        json_decref(ev);
+        http_resp_free(&r);
+        return out;
     }
     int st;
-    json_t *j = post(port, chat ? "/v1/chat/completions" : "/v1/completions", body, &st);
+    json_t *j = post(port, path, body, &st);
     ck_assert_msg(st == 200, "%s answered %d", body, st);
     json_t *c = json_array_get(json_object_get(j, "choices"), 0);
     const char *t = chat ? chat_content(j) : json_string_value(json_object_get(c, "text"));
-    static char fin[32];
     snprintf(fin, sizeof(fin), "%s", json_string_value(json_object_get(c, "finish_reason")));
     *finish = fin;
     char *out = strdup(t != NULL ? t : "");
     json_decref(j);
     return out;
+}
+
+static char *gen_text(int port, bool chat, const char *spec, const char *sampling, const char **finish)
+{
+    return gen_text_as(port, chat, false, spec, sampling, finish);
 }
 
 /* Every structured-output field, greedy and sampled, on completions and chat: each reply ends
@@ -1791,8 +1824,17 @@ START_TEST(test_openai_client_chat_through_pd_proxy)
         ck_assert_str_eq(streamed, want);
         ck_assert_int_eq(tool_deltas, 0);
         free(streamed);
-        /* structured outputs through P/D: the prefill samples the first token under the grammar and the
-         * decode's matcher takes it up; greedy and seeded replies equal pd-serve's */
+        /* structured outputs through P/D, whole and streamed: a stream's prefill samples the first token
+         * under the grammar and hands the grammar's state after it to the decode (kv_transfer_params
+         * or WRITE_DONE), which resumes it; greedy and seeded replies equal pd-serve's */
+        const char *handed = "pd:grammar_states_handed_over_total",
+                   *resumed = "pd:grammar_states_resumed_total";
+        ck_assert_int_eq(http_request(pp, "GET", "/metrics", NULL, NULL, &r, 5000), 0);
+        double handed0 = pd_metrics_text_value(r.body, handed, -1);
+        http_resp_free(&r);
+        ck_assert_int_eq(http_request(dp, "GET", "/metrics", NULL, NULL, &r, 5000), 0);
+        double resumed0 = pd_metrics_text_value(r.body, resumed, -1);
+        http_resp_free(&r);
         static const char *const so[] = {
             "\"response_format\": {\"type\": \"json_schema\", \"json_schema\": {\"name\": \"p\", \"schema\": "
             "{\"type\": \"object\", \"properties\": {\"k\": {\"type\": \"integer\", \"minimum\": 0, "
@@ -1807,15 +1849,26 @@ START_TEST(test_openai_client_chat_through_pd_proxy)
                 char *one = gen_text(g_port, chat, so[q], samp, &f1);
                 char fa[32];
                 snprintf(fa, sizeof(fa), "%s", f1);
-                char *pd = gen_text(xp, chat, so[q], samp, &f2);
-                ck_assert_msg(strcmp(one, pd) == 0, "P/D %s: '%s' against pd-serve's '%s'", modes[m], pd,
-                              one);
+                for (int stream = 0; stream < 2; stream++) {
+                    char *pd = gen_text_as(xp, chat, stream, so[q], samp, &f2);
+                    ck_assert_msg(strcmp(one, pd) == 0, "P/D %s%s: '%s' against pd-serve's '%s'", modes[m],
+                                  stream ? ", streamed" : "", pd, one);
+                    ck_assert_str_eq(f2, "stop");
+                    free(pd);
+                }
                 ck_assert_str_eq(fa, "stop");
-                ck_assert_str_eq(f2, "stop");
                 free(one);
-                free(pd);
             }
         }
+        ck_assert_int_eq(http_request(pp, "GET", "/metrics", NULL, NULL, &r, 5000), 0);
+        double handed1 = pd_metrics_text_value(r.body, handed, -1);
+        http_resp_free(&r);
+        ck_assert_int_eq(http_request(dp, "GET", "/metrics", NULL, NULL, &r, 5000), 0);
+        double resumed1 = pd_metrics_text_value(r.body, resumed, -1);
+        http_resp_free(&r);
+        ck_assert_msg(handed1 - handed0 == 4 && resumed1 - resumed0 == 4,
+                      "%s: 4 structured handovers, %g grammar states written and %g resumed", modes[m],
+                      handed1 - handed0, resumed1 - resumed0);
         /* the proxy serves the API endpoints too */
         ck_assert_int_eq(http_request(xp, "POST", "/tokenize", NULL, "{\"prompt\": \"hi\"}", &r, 5000), 0);
         ck_assert_int_eq(r.status, 200);

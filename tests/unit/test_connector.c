@@ -1010,7 +1010,7 @@ START_TEST(test_pull_params_bound)
     g_prompt_base = 3;
     ck_assert_int_eq((int)metric(&d, "pd:kv_params_refused_total"), 1);
     /* each field the decode acts on, edited; then the signature left out */
-    for (int k = 0; k < 7; k++) {
+    for (int k = 0; k < 8; k++) {
         json_t *t = json_deep_copy(params);
         switch (k) {
         case 0: json_array_set_new(json_object_get(t, "remote_block_ids"), 2, json_integer(3)); break;
@@ -1020,6 +1020,7 @@ START_TEST(test_pull_params_bound)
         case 4: json_object_set_new(t, "lease_id", json_integer(12345)); break;
         case 5: json_object_set_new(t, "first_token_id", json_integer(7)); break;
         case 6: json_object_del(t, "pd_sig"); break;
+        case 7: json_object_set_new(t, "grammar_state", json_string("g1:0123456789abcdef:1:4")); break;
         }
         e = kv_params_verify(dk, t, prompt, PROMPT);
         ck_assert_msg(e != NULL, "edit %d accepted", k);
@@ -1027,7 +1028,7 @@ START_TEST(test_pull_params_bound)
         ck_assert_msg(would_load(&d, t) == 0, "edit %d: would load", k);
         json_decref(t);
     }
-    ck_assert_int_eq((int)metric(&d, "pd:kv_params_refused_total"), 8);
+    ck_assert_int_eq((int)metric(&d, "pd:kv_params_refused_total"), 9);
     /* a prompt hash made to match another prompt is caught by the signature */
     json_t *t = json_deep_copy(params);
     json_object_set_new(t, "prompt_sha256",

@@ -423,6 +423,114 @@ START_TEST(test_masks_exact)
 }
 END_TEST
 
+/* A state handed to another runtime of the grammar (a decode node's, numbered differently) reads
+ * back the same and gives the same masks at every step of random walks; another grammar's state,
+ * malformed text and positions where no stack can stand are refused. */
+START_TEST(test_state_handover)
+{
+    test_vocab_t tv;
+    vocab_make(&tv);
+    pd_rng_t rng;
+    pd_rng_seed(&rng, 99);
+    size_t words = (size_t)(tv.n + 31) / 32;
+    uint32_t *m1 = malloc(words * 4), *m2 = malloc(words * 4);
+    int steps = 0;
+    for (size_t i = 0; i < sizeof(SCHEMAS) / sizeof(SCHEMAS[0]); i++) {
+        json_t *schema = json_loads(SCHEMAS[i], 0, NULL);
+        char err[256];
+        char *gb = pd_json_schema_to_gbnf(schema, err, sizeof(err));
+        json_decref(schema);
+        if (gb == NULL) {
+            continue; /* the refused one */
+        }
+        pd_grammar_t *a = compile(gb), *b = compile(gb);
+        free(walk(b, &tv, &rng, 200, false)); /* b's runtime numbers its nodes and states otherwise */
+        for (int k = 0; k < 4; k++) {
+            pd_gmatcher_t ma;
+            ck_assert_int_eq(pd_gmatcher_init(&ma, a), PD_OK);
+            for (int step = 0; step < 60; step++, steps++) {
+                char *text = pd_gmatcher_export(&ma);
+                ck_assert_msg(text != NULL && strncmp(text, "g1:", 3) == 0, "schema %zu step %d", i, step);
+                pd_gmatcher_t mb;
+                ck_assert_int_eq(pd_gmatcher_import(&mb, b, text, err, sizeof(err)), PD_OK);
+                ck_assert_int_eq(mb.consumed, ma.consumed);
+                char *again = pd_gmatcher_export(&mb);
+                ck_assert_str_eq(again, text);
+                ck_assert_int_eq(pd_gmatcher_fill_mask(&ma, tv.v, &tv.end_id, 1, m1), PD_OK);
+                ck_assert_int_eq(pd_gmatcher_fill_mask(&mb, tv.v, &tv.end_id, 1, m2), PD_OK);
+                ck_assert_msg(memcmp(m1, m2, words * 4) == 0, "schema %zu: masks differ at %s", i, text);
+                ck_assert_int_eq(pd_gmatcher_can_end(&ma), pd_gmatcher_can_end(&mb));
+                free(again);
+                free(text);
+                pd_gmatcher_destroy(&mb);
+                int32_t allowed[512], n = 0;
+                for (int32_t t = 0; t < tv.end_id && n < 512; t++) {
+                    n += (m1[t >> 5] >> (t & 31)) & 1 ? (allowed[n] = t, 1) : 0;
+                }
+                if (n == 0) {
+                    break; /* only the end */
+                }
+                int32_t t = allowed[(int32_t)(pd_rng_uniform(&rng) * n) % n];
+                ck_assert(pd_gmatcher_accept(&ma, (const uint8_t *)tv.tok[t], tv.len[t]));
+                ma.consumed++;
+            }
+            pd_gmatcher_destroy(&ma);
+        }
+        pd_grammar_unref(a);
+        pd_grammar_unref(b);
+        free(gb);
+    }
+    ck_assert_int_gt(steps, 500);
+    free(m1);
+    free(m2);
+
+    /* refusals: the state of another grammar, malformed text, impossible positions */
+    pd_grammar_t *g = compile("root ::= \"a\" x \"b\"\nx ::= [0-9] | \"(\" x \")\"\n");
+    pd_grammar_t *h = compile("root ::= \"a\"\n");
+    pd_gmatcher_t m, o;
+    char err[256];
+    ck_assert_int_eq(pd_gmatcher_init(&m, g), PD_OK);
+    ck_assert(pd_gmatcher_accept(&m, (const uint8_t *)"a((", 3));
+    m.consumed = 3;
+    char *text = pd_gmatcher_export(&m);
+    ck_assert_int_eq(pd_gmatcher_import(&o, h, text, err, sizeof(err)), PD_ERR_REJECTED);
+    ck_assert_msg(strstr(err, "another grammar") != NULL, "%s", err);
+    ck_assert_ptr_null(o.g);
+    ck_assert_int_eq(pd_gmatcher_import(&o, g, text, err, sizeof(err)), PD_OK);
+    ck_assert(pd_gmatcher_accept(&o, (const uint8_t *)"7))b", 4) && pd_gmatcher_must_end(&o));
+    pd_gmatcher_destroy(&o);
+    char hdr[32];
+    snprintf(hdr, sizeof(hdr), "%.20s", text); /* "g1:HASH:" */
+    const char *bad[][2] = {
+        {"", "not a grammar state"},
+        {"g2:0000000000000000:1:", "not a grammar state"},
+        {":x:", "token count"},
+        {":3:1,,2", "malformed"},
+        {":3:99999", "position 99999"},
+        {":3:1", "position 1, where no byte"}, /* x's reference, not a byte set */
+        {":3:0,0", "position 0, where no rule returns"},
+        {":3:99999999999", "malformed"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        char buf[128];
+        if (bad[i][0][0] == ':') {
+            snprintf(buf, sizeof(buf), "%s%s", hdr, bad[i][0] + 1);
+        } else {
+            snprintf(buf, sizeof(buf), "%s", bad[i][0]);
+        }
+        pd_status_t st = pd_gmatcher_import(&o, g, buf, err, sizeof(err));
+        ck_assert_msg(st != PD_OK && strstr(err, bad[i][1]) != NULL, "'%s': %s (%s)", buf, err,
+                      pd_status_str(st));
+        ck_assert_ptr_null(o.g);
+    }
+    free(text);
+    pd_gmatcher_destroy(&m);
+    pd_grammar_unref(g);
+    pd_grammar_unref(h);
+    vocab_free(&tv);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("grammar");
@@ -434,6 +542,7 @@ int main(void)
     tcase_add_test(tc, test_schema_generations_validate);
     tcase_add_test(tc, test_schema_refusals);
     tcase_add_test(tc, test_masks_exact);
+    tcase_add_test(tc, test_state_handover);
     suite_add_tcase(s, tc);
     return tu_run_suite(s);
 }
