@@ -209,11 +209,11 @@ void kv_msg_free(kv_msg_t *m)
     case KV_EV_REPORT: kv_report_free(pd_container_of(m, kv_report_t, msg)); break;
     case KV_EV_OFFER: kv_offer_free(pd_container_of(m, kv_offer_t, msg)); break;
     case KV_CMD_STOP: break; /* kv_ctl_t's own */
-    case KV_CMD_CANCEL:
     case KV_CMD_WRITE_DONE:
         free(pd_container_of(m, kv_notice_t, msg)->grammar_state);
         free(m);
         break;
+    case KV_CMD_CANCEL:
     case KV_CMD_TAKE_RESV:
     case KV_CMD_RELEASE:
     case KV_EV_RESV_GONE: free(m); break; /* each heads its allocation and owns nothing else */

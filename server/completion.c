@@ -50,6 +50,7 @@ typedef struct choice {
                        * choice's arguments) so far */
     bool call_opened; /* a named tool choice, streaming: the call's first delta (id, name) was sent */
     pd_required_reader_t required; /* tool_choice "required", streaming: where its calls stand */
+    pd_auto_reader_t calls;        /* tool_choice "auto", streaming: where its calls stand */
 } choice_t;
 
 struct creq {
@@ -95,6 +96,7 @@ static void creq_free(creq_t *c)
         json_decref(h->lp);
         json_decref(h->plp);
         free(h->text), free(h->ids), free(h->stop_str), free(h->kv_transfer_params), free(h->error);
+        pd_auto_reader_free(&h->calls);
     }
     free(c->ch);
     pd_completion_req_free(&c->in);
@@ -467,27 +469,29 @@ static json_t *tool_delta(const creq_t *c, choice_t *h, bool finished, const cha
         }
         return delta;
     }
+    /* "auto": content until a call's marker; calls open as their names are read and their arguments
+     * grow as written; at the end the whole reply's parse sends what the stream did not */
     size_t upto = pd_tool_calls_safe_prefix(p, h->text, h->text_len, h->streamed);
-    json_t *calls = NULL;
-    if (finished) {
-        calls = reply_calls(c, h, &upto);
-    }
+    json_t *whole = finished ? reply_calls(c, h, &upto) : NULL;
     json_t *delta = json_object();
     if (upto > h->streamed) {
         json_object_set_new(delta, "content",
                             pd_json_string_lossy(h->text + h->streamed, upto - h->streamed));
         h->streamed = upto;
     }
+    json_t *calls = finished ? (whole != NULL ? pd_tool_calls_auto_finish(&h->calls, whole) : NULL)
+                             : pd_tool_calls_auto_read(p, &h->calls, h->text, h->text_len);
     if (calls != NULL) {
-        size_t i;
-        json_t *call;
-        json_array_foreach(calls, i, call)
-        {
-            json_object_set_new(call, "index", json_integer((json_int_t)i));
-        }
         json_object_set_new(delta, "tool_calls", calls);
-        *finish = calls_finish(c) ? "tool_calls" : *finish;
     }
+    if (whole != NULL) {
+        *finish = calls_finish(c) ? "tool_calls" : *finish;
+    } else if (finished && h->calls.calls > 0) {
+        pd_log_warn("request %s: %d tool calls were streamed, but the whole reply does not parse as calls "
+                    "(its text is sent as content)",
+                    c->id, h->calls.calls);
+    }
+    json_decref(whole);
     return delta;
 }
 

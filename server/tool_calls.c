@@ -41,8 +41,7 @@ static const char *find(const char *s, size_t len, const char *what)
     return memmem(s, len, what, strlen(what));
 }
 
-/* A fresh tool-call id: "chatcmpl-tool-" and 32 hex digits. */
-static void call_id(char id[64])
+void pd_tool_call_id(char id[64])
 {
     uint8_t r[16];
     if (getrandom(r, sizeof(r), 0) != (ssize_t)sizeof(r)) {
@@ -72,7 +71,7 @@ static json_t *call_json(const json_t *obj)
               : args != NULL       ? json_dumps(args, JSON_ENCODE_ANY | JSON_PRESERVE_ORDER)
                                    : strdup("{}");
     char id[64];
-    call_id(id);
+    pd_tool_call_id(id);
     json_t *c = a != NULL ? json_pack("{s:s, s:s, s:{s:s, s:s}}", "id", id, "type", "function", "function",
                                       "name", name, "arguments", a)
                           : NULL;
@@ -127,8 +126,11 @@ static json_t *parse_mistral_args(const char *body, const char *end)
             name[nl] = '\0';
             const char *a = args + strlen(MISTRAL_ARGS);
             json_t *av = json_loadb(a, (size_t)(stop - a), JSON_DECODE_ANY, NULL);
-            if (av == NULL || json_object_set_new(obj, "name", json_string(name)) != 0 ||
-                json_object_set_new(obj, "arguments", av) != 0) {
+            if (av == NULL || json_object_set_new(obj, "name", json_string(name)) != 0) { /* (not UTF-8) */
+                json_decref(av);
+                json_decref(obj);
+                obj = NULL;
+            } else if (json_object_set_new(obj, "arguments", av) != 0) {
                 json_decref(obj);
                 obj = NULL;
             }
@@ -271,7 +273,7 @@ json_t *pd_tool_calls_required_read(pd_required_reader_t *r, const char *text, s
                 json_t *name =
                     json_loadb(text + r->name_from, r->pos + 1 - r->name_from, JSON_DECODE_ANY, NULL);
                 char id[64];
-                call_id(id);
+                pd_tool_call_id(id);
                 cur = json_pack("{s:i, s:s, s:s, s:{s:s, s:s}}", "index", (int)r->calls, "id", id, "type",
                                 "function", "function", "name",
                                 json_is_string(name) ? json_string_value(name) : "", "arguments", "");

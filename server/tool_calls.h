@@ -19,6 +19,7 @@
 #include <jansson.h>
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 typedef enum pd_tool_parser {
     PD_TOOL_PARSER_NONE = 0,
@@ -66,5 +67,59 @@ json_t *pd_tool_calls_named(const char *name, const char *text, size_t len);
  * of) a tool call, held back until more text or the end decides. text[0, from) is what an earlier
  * call returned (only the text after it is looked at: a stream costs one pass, not one per token). */
 size_t pd_tool_calls_safe_prefix(pd_tool_parser_t p, const char *text, size_t len, size_t from);
+
+/* A fresh tool-call id: "chatcmpl-tool-" and 32 hex digits. */
+void pd_tool_call_id(char id[64]);
+
+/* ------------------------------------------------------------------ tool_choice "auto", streamed
+ * (tool_stream.c) */
+
+/* A JSON value re-dumped as it arrives, as jansson's dump writes it (", " and ": ", UTF-8 kept,
+ * scalars as their parsed values print), so pieces joined equal the whole value's dump. raw_top: a
+ * top-level string is written as its decoded text (call_json keeps arguments given as a string). */
+typedef struct pd_json_redump {
+    int st, depth;
+    char stack[64];
+    bool in_str, is_key, esc, raw, raw_top, bad;
+    int nhex;         /* digits of a \uXXXX read so far, -1 outside one */
+    uint32_t hex, hi; /* its value; a high surrogate waiting for its pair */
+    char utf8[4];     /* a decoded character's bytes so far */
+    int nutf8;
+    char tok[48]; /* a scalar so far */
+    int ntok;
+} pd_json_redump_t;
+
+void pd_json_redump_init(pd_json_redump_t *d, bool raw_top_string);
+
+/* Reads s[n] until the value ends; the bytes read. out: an out_buf (tool_stream.c) or NULL (the
+ * value is only followed). d->bad when it is not JSON. */
+size_t pd_json_redump_feed(pd_json_redump_t *d, const char *s, size_t n, void *out);
+bool pd_json_redump_done(const pd_json_redump_t *d);
+
+#define PD_AUTO_MAX_CALLS 64
+
+/* Where a streamed reply's calls stand (zeroed to start; pd_auto_reader_free at the end). */
+typedef struct pd_auto_reader {
+    size_t pos; /* bytes read */
+    int state;
+    bool marker_read, in_list, named, in_args, v11, v11_form, esc;
+    int key;           /* the key being read: 1 name, 2 arguments/parameters, 0 another */
+    size_t key_from;   /* where a key, a name or a v11 name began */
+    size_t marker_end; /* where the text after the last call marker begins */
+    pd_json_redump_t rd;
+    int32_t calls; /* calls opened */
+    char *names[PD_AUTO_MAX_CALLS], *args[PD_AUTO_MAX_CALLS];
+    size_t args_len[PD_AUTO_MAX_CALLS];
+} pd_auto_reader_t;
+
+/* The tool_calls deltas that text[r->pos, len) completes (parser p: hermes, llama3_json, mistral): a
+ * call opens once its name is read, its arguments grow as written (re-dumped); NULL when none. */
+json_t *pd_tool_calls_auto_read(pd_tool_parser_t p, pd_auto_reader_t *r, const char *text, size_t len);
+
+/* At the reply's end, the deltas that bring what was streamed to the whole reply's calls
+ * (pd_tool_calls_parse): the rest of each call's arguments, the calls not opened yet; NULL: none. */
+json_t *pd_tool_calls_auto_finish(pd_auto_reader_t *r, const json_t *calls);
+
+void pd_auto_reader_free(pd_auto_reader_t *r);
 
 #endif

@@ -1196,6 +1196,58 @@ START_TEST(test_auto_tool_choice)
     free(streamed);
     json_decref(aut);
 
+    /* a reply a grammar makes a Llama 3 call: streamed, the call opens once its name is read and its
+     * arguments grow as written (re-dumped); joined they equal the whole answer's call */
+    static const char *call_re =
+        "\"guided_regex\": \"\\\\{\\\"name\\\": \\\"get_weather\\\", \\\"parameters\\\": "
+        "\\\\{\\\"city\\\":  ?\\\"[a-z]{2,8}\\\", \\\"n\\\":[0-9]{1,3}\\\\}\\\\}\"";
+    const char *mt = strstr(head, "\"max_tokens\": 6,"); /* room for the call: 90 tokens */
+    snprintf(body, sizeof(body), "%.*s\"max_tokens\": 90,%s, %s}", (int)(mt - head), head,
+             mt + strlen("\"max_tokens\": 6,"), call_re);
+    aut = post(port, "/v1/chat/completions", body, &st);
+    ck_assert_msg(st == 200, "%s", body);
+    ch = json_array_get(json_object_get(aut, "choices"), 0);
+    ck_assert_str_eq(json_string_value(json_object_get(ch, "finish_reason")), "tool_calls");
+    json_t *call = json_array_get(json_object_get(json_object_get(ch, "message"), "tool_calls"), 0);
+    const char *want_args =
+        json_string_value(json_object_get(json_object_get(call, "function"), "arguments"));
+    ck_assert_ptr_nonnull(want_args);
+    ck_assert_ptr_nonnull(strstr(want_args, "\"city\": \"")); /* re-dumped: ": " whatever was written */
+    snprintf(body + strlen(body) - 1, sizeof(body) - strlen(body) + 1, ", \"stream\": true}");
+    http_resp_t sr;
+    ck_assert_int_eq(http_request(port, "POST", "/v1/chat/completions", NULL, body, &sr, 60000), 0);
+    bool done;
+    json_t *ev = sse_events(sr.body, &done);
+    ck_assert(done);
+    char joined[512] = "", name[64] = "";
+    int pieces = 0, opened_at = -1;
+    for (size_t i = 0; i < json_array_size(ev); i++) {
+        json_t *c0 = json_array_get(json_object_get(json_array_get(ev, i), "choices"), 0);
+        json_t *tc = json_array_get(json_object_get(json_object_get(c0, "delta"), "tool_calls"), 0);
+        json_t *fn = json_object_get(tc, "function");
+        if (json_object_get(tc, "id") != NULL) {
+            ck_assert_int_eq(opened_at, -1);
+            opened_at = (int)i;
+            snprintf(name, sizeof(name), "%s", json_string_value(json_object_get(fn, "name")));
+        }
+        const char *a = json_string_value(json_object_get(fn, "arguments"));
+        if (a != NULL && a[0] != '\0' && strlen(joined) + strlen(a) < sizeof(joined)) {
+            strcat(joined, a);
+            pieces++;
+        }
+        if (json_is_string(json_object_get(c0, "finish_reason"))) {
+            ck_assert_str_eq(json_string_value(json_object_get(c0, "finish_reason")), "tool_calls");
+        }
+    }
+    ck_assert_str_eq(name, "get_weather");
+    ck_assert_str_eq(joined, want_args);
+    ck_assert_msg(pieces > 5 && opened_at + 5 < (int)json_array_size(ev),
+                  "the call came late (event %d of %zu) or whole (%d pieces)", opened_at, json_array_size(ev),
+                  pieces);
+    json_decref(ev);
+    http_resp_free(&sr);
+    json_decref(aut);
+
     snprintf(body, sizeof(body),
              "%s, \"kv_transfer_params\": {\"do_remote_decode\": true, \"first_token\": true}}", head);
     expect_400(port, "/v1/chat/completions", body, "tool_choice", "first-token handover");

@@ -18,6 +18,7 @@
 
 #include "common/log.h"
 #include "common/metrics.h"
+#include "common/rng.h"
 #include "engine/engine.h"
 #include "kernels/paged_impl.h"
 #include "model/model.h"
@@ -1235,6 +1236,118 @@ START_TEST(test_required_tool_calls_stream)
 }
 END_TEST
 
+/* tool_choice "auto" streamed: each parser's replies read in pieces (a byte, 3 bytes, random cuts)
+ * open their calls once the names are read and grow the arguments, re-dumped as the whole reply's
+ * parse writes them; with the end's deltas (pd_tool_calls_auto_finish) the joined stream equals
+ * the whole parse: names, arguments, order. */
+START_TEST(test_tool_calls_auto_streamed)
+{
+    static const struct {
+        pd_tool_parser_t p;
+        const char *reply;
+        int calls;
+    } cases[] = {
+        {PD_TOOL_PARSER_HERMES,
+         "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\":\"Par\\u00eds\", "
+         "\"days\" :3,\"units\":[\"c\" , \"f\"],\"x\":1.50,\"y\":-0,\"z\":1e2,\"ok\":true,\"n\":null,"
+         "\"e\":\"\\ud83d\\ude00 tab\\t \\\"q\\\" \\/ "
+         "\\u001f\"}}\n</tool_call>\n<tool_call>\n{\"arguments\": "
+         "{}, \"name\": \"late\"}\n</tool_call>\n<tool_call>{\"name\": \"s\", \"arguments\": \"raw "
+         "\\\"text\\\"\"}",
+         3},
+        {PD_TOOL_PARSER_LLAMA3_JSON,
+         "<|python_tag|>{\"name\": \"a\", \"parameters\": {\"q\": \"日本 and more text here\", \"k\": [1, "
+         "{\"d\": []}]}}; "
+         "{\"name\": \"b\", \"parameters\": {}}",
+         2},
+        {PD_TOOL_PARSER_LLAMA3_JSON, "{\"name\":\"only\",\"parameters\":{\"v\":12345678901,\"w\":0.1}}", 1},
+        {PD_TOOL_PARSER_MISTRAL,
+         "Sure. [TOOL_CALLS][{\"name\": \"m1\", \"arguments\": {\"a\": 1}}, {\"name\": \"m2\", "
+         "\"arguments\": "
+         "{\"b\": [true, false]}}]",
+         2},
+        {PD_TOOL_PARSER_MISTRAL, "[TOOL_CALLS]{\"name\": \"one\", \"arguments\": {\"c\": \"d\"}}", 1},
+        {PD_TOOL_PARSER_MISTRAL, "[TOOL_CALLS]v11a[ARGS]{\"p\": 1}[TOOL_CALLS]v11b[ARGS]{\"q\": [2, 3]}", 2},
+    };
+    pd_rng_t rng;
+    pd_rng_seed(&rng, 5);
+    int total_pieces = 0, total_early = 0;
+    for (size_t ci = 0; ci < sizeof(cases) / sizeof(cases[0]); ci++) {
+        const char *reply = cases[ci].reply;
+        size_t len = strlen(reply), content_len = 0;
+        json_t *whole = pd_tool_calls_parse(cases[ci].p, reply, len, &content_len);
+        ck_assert_msg(whole != NULL && (int)json_array_size(whole) == cases[ci].calls, "case %zu", ci);
+        for (int s = 0; s < 4; s++) {
+            pd_auto_reader_t r = {0};
+            char names[4][64] = {"", "", "", ""}, args[4][512] = {"", "", "", ""};
+            int opened = 0, arg_pieces = 0, opened_early = 0;
+            for (size_t upto = 0; upto < len;) {
+                size_t step = s == 0   ? 1
+                              : s == 1 ? 3
+                              : s == 2 ? 1 + (size_t)(pd_rng_uniform(&rng) * 12)
+                                       : len;
+                upto = upto + step < len ? upto + step : len;
+                json_t *d = pd_tool_calls_auto_read(cases[ci].p, &r, reply, upto);
+                size_t i;
+                json_t *e;
+                json_array_foreach(d, i, e)
+                {
+                    int idx = (int)json_integer_value(json_object_get(e, "index"));
+                    ck_assert_int_lt(idx, 4);
+                    json_t *fn = json_object_get(e, "function");
+                    if (json_object_get(e, "id") != NULL) {
+                        ck_assert_int_eq(idx, opened++); /* calls open in order, each once */
+                        snprintf(names[idx], sizeof(names[idx]), "%s",
+                                 json_string_value(json_object_get(fn, "name")));
+                        opened_early += upto < len;
+                    }
+                    const char *a = json_string_value(json_object_get(fn, "arguments"));
+                    ck_assert_ptr_nonnull(a);
+                    strcat(args[idx], a);
+                    arg_pieces += a[0] != '\0';
+                }
+                json_decref(d);
+            }
+            json_t *d = pd_tool_calls_auto_finish(&r, whole);
+            size_t i;
+            json_t *e;
+            json_array_foreach(d, i, e)
+            {
+                int idx = (int)json_integer_value(json_object_get(e, "index"));
+                json_t *fn = json_object_get(e, "function");
+                if (json_object_get(e, "id") != NULL) {
+                    ck_assert_int_eq(idx, opened++);
+                    snprintf(names[idx], sizeof(names[idx]), "%s",
+                             json_string_value(json_object_get(fn, "name")));
+                }
+                strcat(args[idx], json_string_value(json_object_get(fn, "arguments")));
+            }
+            json_decref(d);
+            ck_assert_int_eq(opened, cases[ci].calls);
+            json_array_foreach(whole, i, e)
+            {
+                json_t *fn = json_object_get(e, "function");
+                ck_assert_str_eq(names[i], json_string_value(json_object_get(fn, "name")));
+                ck_assert_msg(strcmp(args[i], json_string_value(json_object_get(fn, "arguments"))) == 0,
+                              "case %zu call %zu: streamed '%s', whole '%s'", ci, i, args[i],
+                              json_string_value(json_object_get(fn, "arguments")));
+            }
+            total_pieces += arg_pieces;
+            total_early += opened_early;
+            if (s == 0) { /* byte by byte: the first call opened before the end, its arguments grew */
+                ck_assert_msg(opened_early > 0 && arg_pieces > 2, "case %zu: %d opened early, %d pieces", ci,
+                              opened_early, arg_pieces);
+            }
+            pd_auto_reader_free(&r);
+        }
+        json_decref(whole);
+    }
+    fprintf(stderr,
+            "auto tool calls streamed: %d calls opened before their reply ended, %d argument pieces\n",
+            total_early, total_pieces);
+}
+END_TEST
+
 START_TEST(test_tool_call_parsers)
 {
     ck_assert_int_eq(pd_tool_parser_by_name("hermes"), PD_TOOL_PARSER_HERMES);
@@ -1343,6 +1456,7 @@ int main(void)
     tcase_add_unchecked_fixture(tc, suite_setup, suite_teardown);
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, test_tool_call_parsers);
+    tcase_add_test(tc, test_tool_calls_auto_streamed);
     tcase_add_test(tc, test_required_tool_calls_stream);
     tcase_add_test(tc, test_completion_equals_engine_greedy);
     tcase_add_test(tc, test_completion_equals_engine_seeded);
