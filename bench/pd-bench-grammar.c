@@ -56,7 +56,8 @@ int main(int argc, char **argv)
         return 1;
     }
     int32_t eos = 0;
-    double t[sizeof(TEXT)];
+    double t[sizeof(TEXT)], cold[sizeof(TEXT)];
+    size_t n_cold = 0;
     for (int pass = 0; pass < 2; pass++) {
         pd_gmatcher_t m;
         pd_gmatcher_init(&m, g);
@@ -69,10 +70,19 @@ int main(int argc, char **argv)
             sum += t[k];
             pd_gmatcher_accept(&m, (const uint8_t *)TEXT + i, 1);
         }
+        if (pass == 0) { /* kept for the whole run's distribution */
+            memcpy(cold, t, k * sizeof(double));
+            n_cold = k;
+        }
         qsort(t, k, sizeof(double), dbl_cmp);
-        printf("vocab %d, %s: %zu masks, mean %.1f us, p50 %.1f us, p99 %.1f us, max %.1f us\n", n,
-               pass ? "states seen (cached)" : "cold", k, sum / (double)k * 1e6, t[k / 2] * 1e6,
-               t[(size_t)((double)k * 0.99)] * 1e6, t[k - 1] * 1e6);
+        size_t over = 0;
+        for (size_t i = 0; i < k; i++) {
+            over += t[i] > 50e-6;
+        }
+        printf(
+            "vocab %d, %s: %zu masks, mean %.1f us, p50 %.1f us, p99 %.1f us, max %.1f us, %zu over 50 us\n",
+            n, pass ? "states seen (cached)" : "cold", k, sum / (double)k * 1e6, t[k / 2] * 1e6,
+            t[(size_t)((double)k * 0.99)] * 1e6, t[k - 1] * 1e6, over);
         pd_gmatcher_destroy(&m);
     }
     /* then 20 different replies of the same schema: the masks a server computes once the grammar has
@@ -105,6 +115,21 @@ int main(int argc, char **argv)
     qsort(ts, k, sizeof(double), dbl_cmp);
     printf("vocab %d, 20 more replies: %zu masks, mean %.1f us, p50 %.1f us, p99 %.1f us, max %.1f us\n", n,
            k, sum / (double)k * 1e6, ts[k / 2] * 1e6, ts[(size_t)((double)k * 0.99)] * 1e6, ts[k - 1] * 1e6);
+    /* the schema's first 21 replies together (the first one cold): the distribution a server sees */
+    double *all = malloc((k + n_cold) * sizeof(double));
+    memcpy(all, ts, k * sizeof(double));
+    memcpy(all + k, cold, n_cold * sizeof(double));
+    size_t na = k + n_cold, over = 0;
+    qsort(all, na, sizeof(double), dbl_cmp);
+    for (size_t i = 0; i < na; i++) {
+        over += all[i] > 50e-6;
+    }
+    printf("vocab %d, all 21 replies (the first cold): %zu masks, p99 %.1f us, p99.9 %.1f us, max %.1f us, "
+           "%zu over "
+           "50 us\n",
+           n, na, all[(size_t)((double)na * 0.99)] * 1e6, all[(size_t)((double)na * 0.999)] * 1e6,
+           all[na - 1] * 1e6, over);
+    free(all);
     free(ts);
     pd_grammar_stats_t st;
     pd_grammar_get_stats(g, &st);

@@ -132,11 +132,22 @@ void pd_structured_hand_over(pd_model_runner_t *r, pd_request_t *req)
 static void apply(pd_model_runner_t *r, const uint32_t *mask, float *row)
 {
     bool any = false;
-    for (int32_t t = 0; t < r->vocab; t++) {
-        if (!((mask[t >> 5] >> (t & 31)) & 1)) {
-            row[t] = -INFINITY;
-        } else {
-            any |= row[t] > -INFINITY;
+    int32_t V = r->vocab;
+    for (int32_t w = 0; w * 32 < V; w++) { /* a word at a time: masks are mostly runs of 0s or 1s */
+        uint32_t m = mask[w];
+        int32_t t0 = w * 32, n = V - t0 < 32 ? V - t0 : 32;
+        if (m == 0) {
+            for (int32_t j = 0; j < n; j++) {
+                row[t0 + j] = -INFINITY;
+            }
+            continue;
+        }
+        for (int32_t j = 0; j < n; j++) {
+            if (!((m >> j) & 1)) {
+                row[t0 + j] = -INFINITY;
+            } else {
+                any |= row[t0 + j] > -INFINITY;
+            }
         }
     }
     if (!any && r->num_eos > 0) { /* nothing allowed (min_tokens masked the end): the end */

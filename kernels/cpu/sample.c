@@ -242,6 +242,24 @@ int pd_sample_dist(const float *z, int vocab, const pd_sampling_params_t *p, pd_
 {
     float temp = p->temperature;
     int k = p->top_k > 0 && p->top_k < vocab ? p->top_k : vocab;
+    if (k == vocab && !(p->min_p > 0) && !(p->top_p < 1.0f)) {
+        /* nothing is cut, so the sort is moot: the reference's two sorts (by (z desc, id asc), then by
+         * id) leave every token's probability expf(z / t - max) and the id-order sum exactly as here,
+         * without two O(V log V) sorts of the vocabulary (46 ms a token at 128 k) */
+        float zmax = -INFINITY;
+        for (int i = 0; i < vocab; i++) {
+            c[i].z = z[i] / temp;
+            c[i].id = i;
+            zmax = c[i].z > zmax ? c[i].z : zmax;
+        }
+        double t = 0;
+        for (int i = 0; i < vocab; i++) {
+            c[i].z = expf(c[i].z - zmax);
+            t += c[i].z;
+        }
+        *total = t;
+        return vocab;
+    }
     if (k < vocab) { /* the top-k with a heap (O(V log k)) instead of sorting the vocabulary */
         for (int i = 0; i < k; i++) {
             c[i].z = z[i] / temp;
