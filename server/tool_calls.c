@@ -250,8 +250,8 @@ static void args_append(json_t *deltas, json_t **cur, int32_t index, const char 
 json_t *pd_tool_calls_required_read(pd_required_reader_t *r, const char *text, size_t len)
 {
     json_t *deltas = json_array(), *cur = NULL;
-    size_t args_from = r->state == RQ_VALUE ? r->pos : len;
-    for (; deltas != NULL && r->pos < len; r->pos++) {
+    pd_redump_out_t o = {0};
+    while (deltas != NULL && r->pos < len) {
         char c = text[r->pos];
         bool ws = c == ' ' || c == '\t' || c == '\n' || c == '\r';
         switch (r->state) {
@@ -290,47 +290,24 @@ json_t *pd_tool_calls_required_read(pd_required_reader_t *r, const char *text, s
             if (ws) {
                 break;
             }
+            pd_json_redump_init(&r->rd, false); /* as vLLM: json.dumps(parameters) */
             r->state = RQ_VALUE;
-            r->depth = 0;
-            r->in_str = r->esc = false;
-            r->scalar = c != '{' && c != '[';
-            args_from = r->pos;
-            /* fall through: this byte is the value's first */
-            __attribute__((fallthrough));
-        case RQ_VALUE:
-            if (r->in_str) {
-                if (r->esc) {
-                    r->esc = false;
-                } else if (c == '\\') {
-                    r->esc = true;
-                } else if (c == '"') {
-                    r->in_str = false;
-                    if (r->scalar && r->depth == 0) { /* a string value ends here */
-                        args_append(deltas, &cur, r->calls - 1, text, args_from, r->pos + 1);
-                        args_from = len;
-                        r->state = RQ_OBJ_END;
-                    }
-                }
-            } else if (c == '"') {
-                r->in_str = true;
-            } else if (c == '{' || c == '[') {
-                r->depth++;
-            } else if (c == '}' || c == ']' || ((ws || c == ',') && r->scalar && r->depth == 0)) {
-                bool closes = (c == '}' || c == ']') && r->depth > 0;
-                r->depth -= closes;
-                if (r->depth == 0) { /* the value ends: with this bracket, or before this byte */
-                    args_append(deltas, &cur, r->calls - 1, text, args_from, r->pos + (closes ? 1 : 0));
-                    args_from = len;
-                    r->state = closes ? RQ_OBJ_END : c == '}' ? RQ_LIST : RQ_OBJ_END;
-                }
+            continue; /* this byte is the value's first */
+        case RQ_VALUE: {
+            o.n = 0;
+            size_t used = pd_json_redump_feed(&r->rd, text + r->pos, len - r->pos, &o);
+            args_append(deltas, &cur, r->calls - 1, o.s, 0, o.n);
+            r->pos += used;
+            if (pd_json_redump_done(&r->rd) || r->rd.bad) { /* (a value the grammar allowed is JSON) */
+                r->state = RQ_OBJ_END;
             }
-            break;
+            continue;
+        }
         case RQ_OBJ_END: r->state = c == '}' ? RQ_LIST : RQ_OBJ_END; break;
         }
+        r->pos++;
     }
-    if (r->state == RQ_VALUE) { /* the value goes on: what arrived so far */
-        args_append(deltas, &cur, r->calls - 1, text, args_from, len);
-    }
+    free(o.s);
     if (json_array_size(deltas) == 0) {
         json_decref(deltas);
         return NULL;

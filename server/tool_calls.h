@@ -43,37 +43,6 @@ const char *pd_tool_parser_names(void);
  * call that parses (then the whole text is content). */
 json_t *pd_tool_calls_parse(pd_tool_parser_t p, const char *text, size_t len, size_t *content_len);
 
-/* tool_choice "required": where a reader stands in the reply, the list [{"name": ..., "parameters":
- * ...}, ...] its grammar writes (zeroed to start). */
-typedef struct pd_required_reader {
-    size_t pos; /* bytes read */
-    int state;
-    int depth; /* brackets open inside the parameters value */
-    bool in_str, esc, scalar;
-    size_t name_from; /* where the name's string began */
-    int32_t calls;    /* calls opened so far */
-} pd_required_reader_t;
-
-/* The tool_calls deltas that text[r->pos, len) completes: a call opens ({"index", "id", "type",
- * "function": {"name", "arguments": ""}}) once its name is read, and its arguments (the "parameters"
- * value as written) grow by the bytes read; NULL when there are none. The whole reply's calls are
- * these deltas joined (pd_tool_calls_parse), so a stream and its whole answer agree. */
-json_t *pd_tool_calls_required_read(pd_required_reader_t *r, const char *text, size_t len);
-
-/* The one call of a named tool choice: name, and the reply text as its arguments (as vLLM). */
-json_t *pd_tool_calls_named(const char *name, const char *text, size_t len);
-
-/* Streaming: how many leading bytes of text[len] are content for sure — the rest may be (the start
- * of) a tool call, held back until more text or the end decides. text[0, from) is what an earlier
- * call returned (only the text after it is looked at: a stream costs one pass, not one per token). */
-size_t pd_tool_calls_safe_prefix(pd_tool_parser_t p, const char *text, size_t len, size_t from);
-
-/* A fresh tool-call id: "chatcmpl-tool-" and 32 hex digits. */
-void pd_tool_call_id(char id[64]);
-
-/* ------------------------------------------------------------------ tool_choice "auto", streamed
- * (tool_stream.c) */
-
 /* A JSON value re-dumped as it arrives, as jansson's dump writes it (", " and ": ", UTF-8 kept,
  * scalars as their parsed values print), so pieces joined equal the whole value's dump. raw_top: a
  * top-level string is written as its decoded text (call_json keeps arguments given as a string). */
@@ -91,10 +60,49 @@ typedef struct pd_json_redump {
 
 void pd_json_redump_init(pd_json_redump_t *d, bool raw_top_string);
 
-/* Reads s[n] until the value ends; the bytes read. out: an out_buf (tool_stream.c) or NULL (the
- * value is only followed). d->bad when it is not JSON. */
-size_t pd_json_redump_feed(pd_json_redump_t *d, const char *s, size_t n, void *out);
+/* Where re-dumped bytes go: s[n] (NUL-terminated, malloc'd, grown); failed when out of memory. */
+typedef struct pd_redump_out {
+    char *s;
+    size_t n, cap;
+    bool failed;
+} pd_redump_out_t;
+
+/* Reads s[n] until the value ends; the bytes read (a scalar's end is the byte after it, not read).
+ * out: where its dump goes, or NULL (the value is only followed). d->bad when it is not JSON. */
+size_t pd_json_redump_feed(pd_json_redump_t *d, const char *s, size_t n, pd_redump_out_t *out);
 bool pd_json_redump_done(const pd_json_redump_t *d);
+
+/* tool_choice "required": where a reader stands in the reply, the list [{"name": ..., "parameters":
+ * ...}, ...] its grammar writes (zeroed to start). */
+typedef struct pd_required_reader {
+    size_t pos; /* bytes read */
+    int state;
+    bool esc;
+    size_t name_from;    /* where the name's string began */
+    int32_t calls;       /* calls opened so far */
+    pd_json_redump_t rd; /* the parameters value, re-dumped as it is read */
+} pd_required_reader_t;
+
+/* The tool_calls deltas that text[r->pos, len) completes: a call opens ({"index", "id", "type",
+ * "function": {"name", "arguments": ""}}) once its name is read, and its arguments (the "parameters"
+ * value re-dumped as vLLM's json.dumps writes them: ", " and ": ", UTF-8 kept) grow as it is read;
+ * NULL when there are none. The whole reply's calls are
+ * these deltas joined (pd_tool_calls_parse), so a stream and its whole answer agree. */
+json_t *pd_tool_calls_required_read(pd_required_reader_t *r, const char *text, size_t len);
+
+/* The one call of a named tool choice: name, and the reply text as its arguments (as vLLM). */
+json_t *pd_tool_calls_named(const char *name, const char *text, size_t len);
+
+/* Streaming: how many leading bytes of text[len] are content for sure — the rest may be (the start
+ * of) a tool call, held back until more text or the end decides. text[0, from) is what an earlier
+ * call returned (only the text after it is looked at: a stream costs one pass, not one per token). */
+size_t pd_tool_calls_safe_prefix(pd_tool_parser_t p, const char *text, size_t len, size_t from);
+
+/* A fresh tool-call id: "chatcmpl-tool-" and 32 hex digits. */
+void pd_tool_call_id(char id[64]);
+
+/* ------------------------------------------------------------------ tool_choice "auto", streamed
+ * (tool_stream.c) */
 
 #define PD_AUTO_MAX_CALLS 64
 

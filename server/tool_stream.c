@@ -26,11 +26,7 @@
 
 enum { RD_VALUE, RD_VALUE_OR_END, RD_KEY_OR_END, RD_KEY, RD_COLON, RD_AFTER, RD_END };
 
-typedef struct out_buf {
-    char *s;
-    size_t n, cap;
-    bool failed;
-} out_buf_t;
+typedef pd_redump_out_t out_buf_t;
 
 static void out_add(out_buf_t *o, const char *s, size_t n)
 {
@@ -208,9 +204,8 @@ static void string_byte(pd_json_redump_t *d, out_buf_t *o, char c)
     }
 }
 
-size_t pd_json_redump_feed(pd_json_redump_t *d, const char *s, size_t n, void *out)
+size_t pd_json_redump_feed(pd_json_redump_t *d, const char *s, size_t n, pd_redump_out_t *o)
 {
-    out_buf_t *o = out;
     size_t i = 0;
     for (; i < n && !d->bad && d->st != RD_END; i++) {
         char c = s[i];

@@ -1179,12 +1179,14 @@ static void expect_call(json_t *calls, size_t i, const char *name, const char *a
  * (", " and ": ", UTF-8 kept: checked against python3). While streaming, text that is or may become
  * a call is held back. */
 /* tool_choice "required" streamed: fed a piece at a time (one byte, three, the whole), the reader
- * opens each call once its name is read and grows its arguments as the parameters arrive; joined,
- * the deltas are the whole reply's calls (names, and arguments as written), whatever the pieces. */
+ * opens each call once its name is read and grows its arguments as the parameters arrive, re-dumped
+ * as vLLM's json.dumps writes them (", " and ": ", escapes decoded, UTF-8 kept); joined, the deltas
+ * are the whole reply's calls, whatever the pieces. */
 START_TEST(test_required_tool_calls_stream)
 {
     static const char reply[] =
-        "[ {\"name\": \"get\\u005fweather\", \"parameters\": {\"c\": \"a}b\\\"[\", \"n\": [1, {\"x\": 2}]}}"
+        "[ {\"name\": \"get\\u005fweather\", \"parameters\": {\"c\":\"a}b\\\"[\\u00e9\" ,\"n\":[1,{\"x\" "
+        ":2.50}]}}"
         ",\n {\"name\":\"add\",\"parameters\":7 } , {\"name\": \"s\", \"parameters\": \"x,}\"}]";
     size_t len = strlen(reply), content_len = 99;
     json_t *whole = pd_tool_calls_parse(PD_TOOL_PARSER_REQUIRED, reply, len, &content_len);
@@ -1192,7 +1194,7 @@ START_TEST(test_required_tool_calls_stream)
     ck_assert_uint_eq(content_len, 0);
     ck_assert_int_eq(json_array_size(whole), 3);
     static const char *names[] = {"get_weather", "add", "s"};
-    static const char *args[] = {"{\"c\": \"a}b\\\"[\", \"n\": [1, {\"x\": 2}]}", "7", "\"x,}\""};
+    static const char *args[] = {"{\"c\": \"a}b\\\"[é\", \"n\": [1, {\"x\": 2.5}]}", "7", "\"x,}\""};
     for (int k = 0; k < 3; k++) {
         json_t *fn = json_object_get(json_array_get(whole, (size_t)k), "function");
         ck_assert_str_eq(json_string_value(json_object_get(fn, "name")), names[k]);
