@@ -315,6 +315,54 @@ static void bench_attention(pd_backend_t *be, pd_backend_t *ref, double memcpy_b
     }
 }
 
+/* ------------------------------------------------------------------ sampling */
+
+/* One sampled token at a 128 k vocabulary (Llama 3's 128,256), the op against its reference
+ * (cpu-ref: the qsorts the semantics are written in; they draw the same tokens, test_kernels):
+ * nothing cut, top_p, min_p, and a grammar's mask (4 in 5 tokens at -inf) with top_p. */
+static void bench_sampling(pd_backend_t *be, pd_backend_t *ref)
+{
+    const int vocab = 128256, reps = 20;
+    struct {
+        const char *what;
+        pd_sampling_params_t p;
+        bool masked;
+    } cases[] = {
+        {"temperature 1 (nothing cut)", {1.0f, 0, 1.0f, 0.0f}, false},
+        {"top_p 0.9", {1.0f, 0, 0.9f, 0.0f}, false},
+        {"min_p 0.05", {1.0f, 0, 1.0f, 0.05f}, false},
+        {"top_p 0.9, 4/5 masked (a grammar)", {1.0f, 0, 0.9f, 0.0f}, true},
+    };
+    float *logits = malloc((size_t)vocab * sizeof(float)), *work = malloc((size_t)vocab * sizeof(float));
+    pd_rng_t g;
+    pd_rng_seed(&g, 1);
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        for (int i = 0; i < vocab; i++) {
+            logits[i] = cases[c].masked && i % 5 != 0 ? -INFINITY : (float)(pd_rng_uniform(&g) * 8.0 - 4.0);
+        }
+        double t[2][20];
+        for (int b = 0; b < 2; b++) {
+            for (int r = 0; r < reps; r++) {
+                memcpy(work, logits, (size_t)vocab * sizeof(float));
+                pd_rng_t rng;
+                pd_rng_seed(&rng, (uint64_t)r);
+                int32_t tok;
+                double t0 = pd_time_now_s();
+                (b ? ref : be)->ops->sample(b ? ref : be, &tok, work, 1, vocab, &cases[c].p, &rng);
+                t[b][r] = pd_time_now_s() - t0;
+            }
+        }
+        double tf = median_s(t[0], reps), tr = median_s(t[1], reps);
+        char name[96], val[48], base[64];
+        snprintf(name, sizeof(name), "sample 1 token, vocab %d, %s", vocab, cases[c].what);
+        snprintf(val, sizeof(val), "%.3f ms", tf * 1e3);
+        snprintf(base, sizeof(base), "reference %.3f ms", tr * 1e3);
+        add_row(name, val, base, tr / tf);
+    }
+    free(logits);
+    free(work);
+}
+
 /* ------------------------------------------------------------------ matmul */
 
 /* Best time of reps matmuls y[m][n] = x[m][k] · w[n][k]ᵀ with w stored as dt (after one warm-up);
@@ -754,7 +802,7 @@ int main(int argc, char **argv)
 {
     const char *model = NULL, *results = NULL;
     int threads = 0;
-    bool skip_model = false, attention_only = false, model_only = false;
+    bool skip_model = false, attention_only = false, model_only = false, sampling_only = false;
     const char *weights = NULL, *cpu_isa = "auto";
     int batch = 0;
     pd_flag_t flags[] = {
@@ -768,6 +816,8 @@ int main(int argc, char **argv)
         {"skip-model", PD_FLAG_BOOL, &skip_model, "skip the model decode benchmark", NULL},
         {"attention-only", PD_FLAG_BOOL, &attention_only,
          "run only memcpy, the GEMM peaks and paged attention (decode and prefill)", NULL},
+        {"sampling-only", PD_FLAG_BOOL, &sampling_only,
+         "run only memcpy and the sampling op at a 128 k vocabulary against its reference", NULL},
         {"model-only", PD_FLAG_BOOL, &model_only,
          "run only the baselines (memcpy, read, sgemm peak) and the model decode", NULL},
         {"weights", PD_FLAG_CHOICE, &weights,
@@ -812,9 +862,21 @@ int main(int argc, char **argv)
     snprintf(v, sizeof(v), "%.2f GB/s", rbw);
     snprintf(name, sizeof(name), "read 512 MiB, %d threads", threads);
     add_row(name, v, "", 0);
+    if (sampling_only) {
+        progress("sampling");
+        bench_sampling(be, ref);
+        if (results != NULL) {
+            append_results(results, argc, argv, m1, mn, threads);
+        }
+        pd_backend_destroy(ref);
+        pd_backend_destroy(be);
+        return 0;
+    }
     if (!model_only) {
         progress("paged attention decode");
         bench_attention(be, ref, mbw);
+        progress("sampling");
+        bench_sampling(be, ref);
     }
     progress("matmul");
     double bpeak = bf16_gemm_peak(be);

@@ -37,6 +37,61 @@ static int cand_id_cmp(const void *a, const void *b)
     return x->id < y->id ? -1 : (x->id > y->id);
 }
 
+/* The specialisations of the two sorts (tested against cand_cmp / cand_id_cmp's qsort in
+ * test_kernels): stable LSD radix sorts in O(n) instead of O(n log n) comparisons, 20 ms a sampled
+ * token at a 128 k vocabulary. Both orders are total (ties by the unique id), so the result is the
+ * qsort's exactly. */
+
+/* A key whose ascending order is (z desc): the float's bits made monotonic, then reversed; -0 as +0
+ * (cand_cmp finds them equal, so their order must fall to the id). */
+static inline uint32_t desc_key(float z)
+{
+    uint32_t u;
+    z = z == 0.0f ? 0.0f : z;
+    memcpy(&u, &z, sizeof(u));
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ~u;
+}
+
+/* One stable counting pass of src[n] into dst[n] by 8 bits of the key at shift; false (nothing
+ * moved) when every entry has the same digit. */
+static bool radix_pass(const cand_t *src, cand_t *dst, int n, int shift, bool by_id)
+{
+    uint32_t count[257] = {0};
+    for (int i = 0; i < n; i++) {
+        uint32_t k = by_id ? (uint32_t)src[i].id : desc_key(src[i].z);
+        count[((k >> shift) & 255) + 1]++;
+    }
+    for (int b = 0; b < 256; b++) {
+        if (count[b + 1] == (uint32_t)n) {
+            return false;
+        }
+        count[b + 1] += count[b];
+    }
+    for (int i = 0; i < n; i++) {
+        uint32_t k = by_id ? (uint32_t)src[i].id : desc_key(src[i].z);
+        dst[count[(k >> shift) & 255]++] = src[i];
+    }
+    return true;
+}
+
+/* Sorts c[n] by (z desc, id asc) when by_id is false (c must then come in ascending id order: the
+ * passes are stable, so ties keep it), by id when true; tmp has room for n. */
+static void radix_sort(cand_t *c, cand_t *tmp, int n, bool by_id)
+{
+    cand_t *src = c, *dst = tmp;
+    for (int shift = 0; shift < 32; shift += 8) {
+        if (radix_pass(src, dst, n, shift, by_id)) {
+            cand_t *x = src;
+            src = dst;
+            dst = x;
+        }
+    }
+    if (src != c) {
+        memcpy(c, src, (size_t)n * sizeof(cand_t));
+    }
+}
+
 /* The reference argmax: the first index whose value no later one exceeds (lowest id on ties;
  * NaN never wins, and a NaN at 0 stays). */
 static int32_t argmax_row(const float *z, int vocab)
@@ -105,7 +160,8 @@ static int32_t argmax_fast(const float *z, int vocab)
 /* Given kept candidates c[n] sorted by (z desc, id asc): applies top-p and leaves the distribution
  * in c[0, keep) in ascending id order, c[].z replaced by the unnormalised probability; returns keep
  * and the mass in *total. */
-static int dist_from_sorted(cand_t *c, int n, float top_p, double *total)
+/* tmp (room for n): the id sort as a radix sort; NULL: qsort (the reference). */
+static int dist_from_sorted(cand_t *c, int n, float top_p, double *total, cand_t *tmp)
 {
     float zmax = c[0].z;
     double sum = 0;
@@ -127,7 +183,11 @@ static int dist_from_sorted(cand_t *c, int n, float top_p, double *total)
             keep = 1;
         }
     }
-    qsort(c, (size_t)keep, sizeof(cand_t), cand_id_cmp);
+    if (tmp != NULL && keep > 256) {
+        radix_sort(c, tmp, keep, true);
+    } else {
+        qsort(c, (size_t)keep, sizeof(cand_t), cand_id_cmp);
+    }
     double t = 0;
     for (int i = 0; i < keep; i++) {
         t += c[i].z;
@@ -152,7 +212,7 @@ int32_t pd_sample_draw(const pd_sample_cand_t *c, int n, double total, double u)
 static int32_t draw_from_sorted(cand_t *c, int n, float top_p, pd_rng_t *rng)
 {
     double total;
-    int keep = dist_from_sorted(c, n, top_p, &total);
+    int keep = dist_from_sorted(c, n, top_p, &total, NULL);
     return pd_sample_draw(c, keep, total, pd_rng_uniform(rng));
 }
 
@@ -242,6 +302,7 @@ int pd_sample_dist(const float *z, int vocab, const pd_sampling_params_t *p, pd_
 {
     float temp = p->temperature;
     int k = p->top_k > 0 && p->top_k < vocab ? p->top_k : vocab;
+    cand_t *tmp = NULL;
     if (k == vocab && !(p->min_p > 0) && !(p->top_p < 1.0f)) {
         /* nothing is cut, so the sort is moot: the reference's two sorts (by (z desc, id asc), then by
          * id) leave every token's probability expf(z / t - max) and the id-order sum exactly as here,
@@ -282,10 +343,28 @@ int pd_sample_dist(const float *z, int vocab, const pd_sampling_params_t *p, pd_
             c[i].id = i;
         }
         /* the (z desc, id asc) order fixes the summation order, so it is part of the
-         * contract: sort the whole vocabulary as the reference does */
-        qsort(c, (size_t)vocab, sizeof(cand_t), cand_cmp);
+         * contract: the whole vocabulary in the reference's order */
+        tmp = malloc((size_t)vocab * sizeof(cand_t));
+        if (tmp != NULL) {
+            /* tokens at -inf (a grammar's mask) sort last, in id order, and carry no mass: with
+             * something cut (top_p < 1 or min_p) none is kept, so only the others are sorted */
+            int nf = 0, ni = 0;
+            for (int i = 0; i < vocab; i++) {
+                if (c[i].z == -INFINITY) {
+                    tmp[ni++] = c[i];
+                } else {
+                    c[nf++] = c[i];
+                }
+            }
+            memcpy(c + nf, tmp, (size_t)ni * sizeof(cand_t));
+            radix_sort(c, tmp, nf, false);
+        } else {
+            qsort(c, (size_t)vocab, sizeof(cand_t), cand_cmp);
+        }
     }
-    return dist_from_sorted(c, min_p_keep(c, k, p->min_p), p->top_p, total);
+    int n = dist_from_sorted(c, min_p_keep(c, k, p->min_p), p->top_p, total, tmp);
+    free(tmp);
+    return n;
 }
 
 int32_t pd_sample_argmax(const float *z, int vocab)

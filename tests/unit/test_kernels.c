@@ -1471,8 +1471,12 @@ START_TEST(test_sampling_matches_reference)
     };
     for (int trial = 0; trial < 200; trial++) {
         float *logits = rand_buf((size_t)rows * vocab, -6, 6);
-        for (int i = 1; trial % 2 == 1 && i < vocab; i += 2) { /* a grammar's mask on row 1 (no cut) */
+        for (int i = 1; trial % 2 == 1 && i < vocab; i += 2) { /* a grammar's mask on rows 1 and 3 */
             logits[vocab + i] = -INFINITY;
+            logits[3 * vocab + i] = -INFINITY;
+        }
+        for (size_t i = 0; trial % 4 == 2 && i < (size_t)rows * vocab; i++) { /* ties, and -0 beside +0 */
+            logits[i] = roundf(logits[i] * 0.5f) * 2.0f;
         }
         float *l1 = copy_buf(logits, (size_t)rows * vocab), *l2 = copy_buf(logits, (size_t)rows * vocab);
         pd_rng_t r1[8], r2[8];
@@ -1509,6 +1513,61 @@ START_TEST(test_sampling_matches_reference)
         ck_assert(expf(logits[6 * vocab + t1[6]] - zmax) >= 0.3f);
         free(logits), free(l1), free(l2);
     }
+}
+END_TEST
+
+/* The sorts' specialisations (radix sorts) at a vocabulary of 70,000 (3 id digits): rows with top_p,
+ * min_p and none, random and tied logits and a mask of -inf, draw what the reference draws. */
+START_TEST(test_sampling_large_vocab_matches_reference)
+{
+    int vocab = 70000, rows = 4;
+    pd_sampling_params_t params[4] = {
+        {1.0f, 0, 0.9f, 0.0f}, {0.8f, 0, 1.0f, 0.01f}, {1.2f, 0, 0.999f, 0.0f}, {1.0f, 0, 1.0f, 0.0f}};
+    for (int trial = 0; trial < 12; trial++) {
+        float *logits = rand_buf((size_t)rows * vocab, -4, 4);
+        for (size_t i = 0; i < (size_t)rows * vocab; i++) {
+            if (trial % 3 == 1) {
+                logits[i] = roundf(logits[i] * 4.0f) / 4.0f; /* many ties */
+            }
+            if (trial % 3 == 2 && i % 5 != 0) {
+                logits[i] = -INFINITY; /* a grammar's mask */
+            }
+        }
+        float *l1 = copy_buf(logits, (size_t)rows * vocab), *l2 = copy_buf(logits, (size_t)rows * vocab);
+        pd_rng_t r1[4], r2[4];
+        for (int i = 0; i < rows; i++) {
+            pd_rng_seed(&r1[i], (uint64_t)(trial * 10 + i));
+            pd_rng_seed(&r2[i], (uint64_t)(trial * 10 + i));
+        }
+        int32_t t1[4], t2[4];
+        ck_assert_int_eq(pd_cpu_sample(g_be, t1, l1, rows, vocab, params, r1), PD_OK);
+        ck_assert_int_eq(pd_cpu_sample_ref(g_be, t2, l2, rows, vocab, params, r2), PD_OK);
+        for (int i = 0; i < rows; i++) {
+            ck_assert_msg(t1[i] == t2[i], "trial %d row %d: %d against the reference's %d", trial, i, t1[i],
+                          t2[i]);
+            ck_assert(trial % 3 != 2 || t1[i] % 5 == 0); /* never a masked token */
+        }
+        free(logits), free(l1), free(l2);
+    }
+    /* a tie of +0 and -0 logits that top_p cuts through: the kept tokens are the tie's lowest ids,
+     * whatever the sign (cand_cmp finds them equal) */
+    float *z = calloc((size_t)vocab, sizeof(float));
+    for (int i = 0; i < vocab; i++) {
+        z[i] = i < 10 ? 5.0f : (i % 2 ? -0.0f : 0.0f);
+    }
+    pd_sampling_params_t tp = {1.0f, 0, 0.8f, 0.0f};
+    for (int s = 0; s < 50; s++) {
+        float *l1 = copy_buf(z, (size_t)vocab), *l2 = copy_buf(z, (size_t)vocab);
+        pd_rng_t r1, r2;
+        pd_rng_seed(&r1, (uint64_t)s);
+        pd_rng_seed(&r2, (uint64_t)s);
+        int32_t t1, t2;
+        ck_assert_int_eq(pd_cpu_sample(g_be, &t1, l1, 1, vocab, &tp, &r1), PD_OK);
+        ck_assert_int_eq(pd_cpu_sample_ref(g_be, &t2, l2, 1, vocab, &tp, &r2), PD_OK);
+        ck_assert_int_eq(t1, t2);
+        free(l1), free(l2);
+    }
+    free(z);
 }
 END_TEST
 
@@ -1756,6 +1815,7 @@ int main(void)
     tcase_add_test(tc, test_attention_rejects_bad_ids);
     tcase_add_test(tc, test_cache_store_edges);
     tcase_add_test(tc, test_sampling_matches_reference);
+    tcase_add_test(tc, test_sampling_large_vocab_matches_reference);
     tcase_add_test(tc, test_sampling_distribution);
     tcase_add_test(tc, test_sampling_argmax_edges);
     tcase_add_test(tc, test_pages_gather_scatter);
