@@ -1793,6 +1793,16 @@ START_TEST(test_openai_client_chat_pd_serve)
 }
 END_TEST
 
+/* A series' value on the node at port (its /metrics), -1 when absent. */
+static double node_metric(int port, const char *name)
+{
+    http_resp_t r;
+    ck_assert_int_eq(http_request(port, "GET", "/metrics", NULL, NULL, &r, 5000), 0);
+    double v = pd_metrics_text_value(r.body, name, -1);
+    http_resp_free(&r);
+    return v;
+}
+
 START_TEST(test_openai_client_chat_through_pd_proxy)
 {
     if (!tu_need(TU_NODE)) {
@@ -1840,15 +1850,11 @@ START_TEST(test_openai_client_chat_through_pd_proxy)
         const char *done = m == 0 ? "pd:kv_transfers_completed_total{kind=\"pull_load\"}"
                                   : "pd:kv_transfers_completed_total{kind=\"push_load\"}";
         http_resp_t r;
-        ck_assert_int_eq(http_request(dp, "GET", "/metrics", NULL, NULL, &r, 5000), 0);
-        double before = pd_metrics_text_value(r.body, done, -1);
-        http_resp_free(&r);
+        double before = node_metric(dp, done);
         json_t *res = run_openai_chat(m == 0 ? latest : v4, xp, 8); /* both client majors through P/D */
         check_openai_result(res, want, 8);
         json_decref(res);
-        ck_assert_int_eq(http_request(dp, "GET", "/metrics", NULL, NULL, &r, 5000), 0);
-        double after = pd_metrics_text_value(r.body, done, -1);
-        http_resp_free(&r);
+        double after = node_metric(dp, done);
         /* two requests (plain and streamed); the second may hit the decode's own prefix cache */
         ck_assert_msg(after >= before + 1, "%s: the decode loaded no KV (%g -> %g)", modes[m], before, after);
         /* n = 2 through P/D: the decode's choices equal pd-serve's (seed + j each) */
@@ -1881,12 +1887,8 @@ START_TEST(test_openai_client_chat_through_pd_proxy)
          * or WRITE_DONE), which resumes it; greedy and seeded replies equal pd-serve's */
         const char *handed = "pd:grammar_states_handed_over_total",
                    *resumed = "pd:grammar_states_resumed_total";
-        ck_assert_int_eq(http_request(pp, "GET", "/metrics", NULL, NULL, &r, 5000), 0);
-        double handed0 = pd_metrics_text_value(r.body, handed, -1);
-        http_resp_free(&r);
-        ck_assert_int_eq(http_request(dp, "GET", "/metrics", NULL, NULL, &r, 5000), 0);
-        double resumed0 = pd_metrics_text_value(r.body, resumed, -1);
-        http_resp_free(&r);
+        double handed0 = node_metric(pp, handed);
+        double resumed0 = node_metric(dp, resumed);
         static const char *const so[] = {
             "\"response_format\": {\"type\": \"json_schema\", \"json_schema\": {\"name\": \"p\", \"schema\": "
             "{\"type\": \"object\", \"properties\": {\"k\": {\"type\": \"integer\", \"minimum\": 0, "
@@ -1912,12 +1914,8 @@ START_TEST(test_openai_client_chat_through_pd_proxy)
                 free(one);
             }
         }
-        ck_assert_int_eq(http_request(pp, "GET", "/metrics", NULL, NULL, &r, 5000), 0);
-        double handed1 = pd_metrics_text_value(r.body, handed, -1);
-        http_resp_free(&r);
-        ck_assert_int_eq(http_request(dp, "GET", "/metrics", NULL, NULL, &r, 5000), 0);
-        double resumed1 = pd_metrics_text_value(r.body, resumed, -1);
-        http_resp_free(&r);
+        double handed1 = node_metric(pp, handed);
+        double resumed1 = node_metric(dp, resumed);
         ck_assert_msg(handed1 - handed0 == 4 && resumed1 - resumed0 == 4,
                       "%s: 4 structured handovers, %g grammar states written and %g resumed", modes[m],
                       handed1 - handed0, resumed1 - resumed0);
