@@ -19,6 +19,15 @@ void pd_rng_seed(pd_rng_t *rng, uint64_t seed)
     }
 }
 
+void pd_rng_seed_stream(pd_rng_t *rng, uint64_t seed, uint64_t stream)
+{
+    uint64_t x = seed;
+    uint64_t y = splitmix64(&x) ^ (stream * 0xd1b54a32d192ed03ull); /* an odd multiplier: streams apart */
+    for (int i = 0; i < 4; i++) {
+        rng->s[i] = splitmix64(&y);
+    }
+}
+
 static inline uint64_t rotl(uint64_t x, int k)
 {
     return (x << k) | (x >> (64 - k));

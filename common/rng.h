@@ -12,6 +12,10 @@ typedef struct pd_rng {
 /* Seeds the generator; any seed (including 0) is valid. */
 void pd_rng_seed(pd_rng_t *rng, uint64_t seed);
 
+/* Seeds the generator from (seed, stream): distinct streams of one seed are independent sequences
+ * (seeded sampling draws each output position from its own stream: scheduler/request.h). */
+void pd_rng_seed_stream(pd_rng_t *rng, uint64_t seed, uint64_t stream);
+
 /* Next 64 random bits. */
 uint64_t pd_rng_next(pd_rng_t *rng);
 

@@ -12,14 +12,8 @@ typedef struct pd_sampling_params {
     float min_p;       /* keep tokens with p >= min_p * p_max after temperature; 0 = off */
 } pd_sampling_params_t;
 
-/* A temperature below this is greedy: argmax, no draw from the request's generator (every sampler,
- * the speculative verifier and a first token taken over from a prefill node agree on it). */
+/* A temperature below this is greedy: argmax, no draw from the request's generator (every sampler
+ * and the speculative verifier agree on it). */
 #define PD_SAMPLING_EPS 1e-5f
-
-/* Whether sampling with p draws one uniform from the request's generator per token. */
-static inline int pd_sampling_draws(const pd_sampling_params_t *p)
-{
-    return p->temperature >= PD_SAMPLING_EPS;
-}
 
 #endif

@@ -58,7 +58,7 @@ void eng_cmd_free(cmd_t *c)
 
 /* ------------------------------------------------------------------ admission */
 
-static void continue_from(pd_engine_t *e, pd_request_t *r, int32_t token);
+static void continue_from(pd_engine_t *e, pd_request_t *r, const int32_t *toks, int32_t n, bool replayed);
 static pd_status_t resume_grammar(pd_engine_t *e, pd_request_t *r, req_ctx_t *ctx, int32_t first, char *err,
                                   size_t err_len);
 
@@ -146,6 +146,29 @@ pd_status_t pd_engine_add(pd_engine_t *e, const pd_engine_request_t *rq, char *e
             first = pd_kv_params_first_token(r->kv_transfer_params);
         }
     }
+    if (rq->num_resume > 0 && (first >= 0 || rq->resume == NULL || rq->num_resume >= p.max_tokens ||
+                               rq->num_prompt + rq->num_resume >= e->max_model_len)) {
+        snprintf(err, err_len,
+                 first >= 0
+                     ? "resume_token_ids cannot be combined with a first-token handover"
+                     : "resume_token_ids: %d tokens leave nothing to generate (max_tokens %d, context %d)",
+                 rq->num_resume, p.max_tokens, e->max_model_len);
+        eng_ctx_free(ctx);
+        r->user = NULL;
+        pd_request_free(r);
+        return PD_ERR_INVALID_ARG;
+    }
+    for (int32_t i = 0; i < rq->num_resume; i++) {
+        if (rq->resume[i] >= 0 && rq->resume[i] < mc->vocab_size) {
+            continue;
+        }
+        snprintf(err, err_len, "resume_token_ids[%d] = %d is outside the vocabulary [0, %d)", i,
+                 rq->resume[i], mc->vocab_size);
+        eng_ctx_free(ctx);
+        r->user = NULL;
+        pd_request_free(r);
+        return PD_ERR_INVALID_ARG;
+    }
     if (first >= mc->vocab_size) {
         snprintf(err, err_len, "kv_transfer_params.first_token_id %d is outside the vocabulary [0, %d)",
                  first, mc->vocab_size);
@@ -170,7 +193,9 @@ pd_status_t pd_engine_add(pd_engine_t *e, const pd_engine_request_t *rq, char *e
     }
     e->prompt_tokens += (uint64_t)rq->num_prompt;
     if (first >= 0) {
-        continue_from(e, r, first);
+        continue_from(e, r, &first, 1, false);
+    } else if (rq->num_resume > 0) {
+        continue_from(e, r, rq->resume, rq->num_resume, true);
     }
     return PD_OK;
 }
@@ -216,15 +241,29 @@ static void output_finish_fields(pd_engine_output_t *o, const pd_request_t *r);
 static bool emit_token(pd_engine_t *e, pd_request_t *r, int32_t pos, bool last, int64_t lp_at, char *buf,
                        pd_engine_output_t ***tail);
 
-/* First-token handover, decode side (pull): r goes on from the token its prefill sampled. The token
- * is appended as if sampled here and its output made now (text, stop strings; no logprobs: the
- * prefill's output carried them), ahead of any later token's. */
-static void continue_from(pd_engine_t *e, pd_request_t *r, int32_t token)
+/* r goes on from n tokens sampled on another node: a decode's first-token handover (pull: the token
+ * its prefill sampled) or a resumed stream (resume_token_ids, replayed). They are appended as if
+ * sampled here and their outputs made now (text, stop strings; no logprobs: the other node's outputs
+ * carried them), ahead of any later token's. A handed-over token's output is sent (the decode's
+ * stream repeats it, the proxy drops the repeat); replayed ones are marked so, as the client has them,
+ * unless one finishes r. The tokens count as generated where they were sampled. */
+static void continue_from(pd_engine_t *e, pd_request_t *r, const int32_t *toks, int32_t n, bool replayed)
 {
     char *buf = malloc(e->max_token_bytes + 64);
-    if (buf != NULL && pd_scheduler_add_output_token(e->sched, r, token)) {
-        emit_token(e, r, r->num_prompt_tokens, true, -1, buf, &e->aborted_tail);
-        e->generation_tokens++;
+    int32_t added = buf != NULL ? pd_scheduler_add_output_tokens(e->sched, r, toks, n) : -1;
+    pd_engine_output_t **tail = e->aborted_tail;
+    for (int32_t j = 0; j < added; j++) {
+        bool goes_on = emit_token(e, r, r->num_prompt_tokens + j, j == added - 1, -1, buf, &e->aborted_tail);
+        if (tail != e->aborted_tail) { /* its output was made */
+            (*tail)->replayed = replayed && goes_on && !pd_request_is_finished(r);
+            tail = e->aborted_tail;
+        }
+        if (!goes_on) {
+            break;
+        }
+    }
+    if (!replayed && added > 0) {
+        e->generation_tokens += (uint64_t)added;
     }
     free(buf);
 }

@@ -74,6 +74,10 @@ typedef struct pd_engine_request {
     int32_t num_stop;
     void *kv_transfer_params;   /* json_t* (a reference is taken), may be NULL */
     struct pd_grammar *grammar; /* structured output (grammar/grammar.h; a reference is taken), or NULL */
+    const int32_t *resume;      /* [num_resume] output tokens sampled on another node that this request
+                                 * goes on from (resume_token_ids), or NULL: appended at admission, their
+                                 * outputs marked replayed, their KV recomputed with the prompt's */
+    int32_t num_resume;
     void *user;
 } pd_engine_request_t;
 
@@ -109,6 +113,9 @@ struct pd_engine_output {
     int32_t num_prompt_logprobs;
     bool handed_over; /* first-token handover on a prefill node: the request ends here (finish_reason
                        * "length", kv_transfer_params set) and a decode node continues it */
+    bool replayed;    /* a resumed token (pd_engine_request_t.resume): its client has it and the text
+                       * before text, so a frontend records it without sending it (never on the
+                       * output that finishes the request) */
     pd_engine_output_t *next;
 };
 

@@ -233,13 +233,22 @@ pd_status_t pd_engine_submit(pd_engine_t *e, const pd_engine_request_t *rq)
     c->req = *rq;
     snprintf(c->id, sizeof(c->id), "%s", rq->id);
     c->req.id = c->id;
-    c->prompt = malloc((size_t)(rq->num_prompt > 0 ? rq->num_prompt : 1) * sizeof(int32_t));
+    int32_t num_resume = rq->resume != NULL && rq->num_resume > 0 ? rq->num_resume : 0;
+    size_t n = (size_t)(rq->num_prompt > 0 ? rq->num_prompt : 0) + (size_t)num_resume; /* resumed after it */
+    c->prompt = malloc((n > 0 ? n : 1) * sizeof(int32_t));
     if (c->prompt == NULL) {
         free(c);
         return PD_ERR_NO_MEMORY;
     }
     memcpy(c->prompt, rq->prompt, (size_t)rq->num_prompt * sizeof(int32_t));
     c->req.prompt = c->prompt;
+    c->req.resume = NULL;
+    c->req.num_resume = 0;
+    if (num_resume > 0 && rq->num_prompt >= 0) {
+        memcpy(c->prompt + rq->num_prompt, rq->resume, (size_t)num_resume * sizeof(int32_t));
+        c->req.resume = c->prompt + rq->num_prompt;
+        c->req.num_resume = num_resume;
+    }
     for (int32_t i = 0; i < rq->num_stop && i < PD_MAX_STOP_STRINGS; i++) {
         c->stop_buf[i] = rq->stop[i] != NULL ? strdup(rq->stop[i]) : NULL;
         c->req.stop[i] = c->stop_buf[i];

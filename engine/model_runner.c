@@ -197,12 +197,11 @@ static pd_status_t sample_rows(pd_model_runner_t *r, const pd_scheduler_output_t
         for (int32_t k = 0; k < b->num_logits; k++) {
             const pd_request_t *req = out->items[b->logits_item[k]].req;
             r->params[k] = req->params.sampling;
-            r->rngs[k] = req->rng;
+            pd_request_rng_at(req, pd_request_num_output(req), &r->rngs[k]);
         }
         st = r->be->ops->sample(r->be, r->row_tokens, r->logits, b->num_logits, r->vocab, r->params, r->rngs);
         for (int32_t k = 0; st == PD_OK && k < b->num_logits; k++) {
             int32_t item = b->logits_item[k];
-            out->items[item].req->rng = r->rngs[k];
             r->sampled[(size_t)item * r->stride] = r->row_tokens[k];
             r->num_sampled[item] = 1;
         }
@@ -211,15 +210,19 @@ static pd_status_t sample_rows(pd_model_runner_t *r, const pd_scheduler_output_t
             k1 = rows_end(b, k0);
             int32_t item = b->logits_item[k0], s = k1 - k0 - 1;
             pd_request_t *req = out->items[item].req;
-            if (s >= r->stride) {
+            if (s >= r->stride || s > PD_SPEC_MAX_TOKENS) {
                 pd_log_error("model runner: request %s carries %d drafts, at most %d", req->id, s,
                              r->stride - 1);
                 st = PD_ERR_INVALID_ARG;
                 break;
             }
-            r->num_sampled[item] = pd_spec_verify(r->logits + (size_t)k0 * V, r->vocab,
-                                                  req->tokens + req->num_tokens, s, &req->params.sampling,
-                                                  &req->rng, r->cands, r->sampled + (size_t)item * r->stride);
+            pd_rng_t rngs[PD_SPEC_MAX_TOKENS + 1];
+            for (int32_t j = 0; j <= s; j++) {
+                pd_request_rng_at(req, pd_request_num_output(req) + j, &rngs[j]);
+            }
+            r->num_sampled[item] =
+                pd_spec_verify(r->logits + (size_t)k0 * V, r->vocab, req->tokens + req->num_tokens, s,
+                               &req->params.sampling, rngs, r->cands, r->sampled + (size_t)item * r->stride);
         }
     }
     for (int32_t k0 = 0, k1; any_lp && st == PD_OK && k0 < b->num_logits; k0 = k1) {

@@ -20,7 +20,7 @@ static float prob_of(const pd_sample_cand_t *c, int n, int32_t tok)
 }
 
 int32_t pd_spec_verify(const float *rows, int32_t vocab, const int32_t *drafts, int32_t s,
-                       const pd_sampling_params_t *p, pd_rng_t *rng, pd_sample_cand_t *c, int32_t *out)
+                       const pd_sampling_params_t *p, pd_rng_t *rngs, pd_sample_cand_t *c, int32_t *out)
 {
     bool greedy = p->temperature < PD_SAMPLING_EPS;
     for (int32_t j = 0; j <= s; j++) {
@@ -32,6 +32,7 @@ int32_t pd_spec_verify(const float *rows, int32_t vocab, const int32_t *drafts, 
             }
             continue;
         }
+        pd_rng_t *rng = &rngs[j];
         double total;
         int n = pd_sample_dist(row, vocab, p, c, &total);
         if (j == s) { /* every draft held: the bonus token */

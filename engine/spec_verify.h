@@ -21,8 +21,11 @@
 
 /* rows[s + 1][vocab]: processed logits, row j scoring the token after drafts[0, j) (row 0: after
  * the request's last real token). Writes the output tokens to out (room for s + 1) and returns how
- * many (1 + the accepted drafts; out[0, n − 1) are those drafts). scratch holds vocab entries. */
+ * many (1 + the accepted drafts; out[0, n − 1) are those drafts). Row j draws from rngs[j] only (its
+ * output position's generator: the same draws whether the position is verified here or sampled
+ * alone). scratch holds vocab entries. */
 int32_t pd_spec_verify(const float *rows, int32_t vocab, const int32_t *drafts, int32_t s,
-                       const pd_sampling_params_t *p, pd_rng_t *rng, pd_sample_cand_t *scratch, int32_t *out);
+                       const pd_sampling_params_t *p, pd_rng_t *rngs, pd_sample_cand_t *scratch,
+                       int32_t *out);
 
 #endif

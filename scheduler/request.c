@@ -39,7 +39,7 @@ pd_status_t pd_request_create(const char *id, const int32_t *prompt, int32_t n,
             seed = pd_time_now_ns() ^ (uint64_t)(uintptr_t)r;
         }
     }
-    pd_rng_seed(&r->rng, seed);
+    r->seed = seed;
     r->num_cached_tokens = -1;
     r->stop_token = -1;
     r->batch_slot = -1;

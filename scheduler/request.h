@@ -74,7 +74,10 @@ struct pd_request {
     uint64_t arrival_seq; /* admission order (FCFS) */
     pd_request_state_t state;
     pd_request_params_t params;
-    pd_rng_t rng; /* per-request generator: seeded runs do not depend on batching */
+    uint64_t seed; /* its sampling seed (the client's, or drawn from the OS): output position i draws
+                    * from pd_request_rng_at(r, i) alone, so seeded runs depend neither on batching
+                    * nor on which node sampled the tokens before (a prefill's first token, a decode
+                    * that resumes a stream another began) */
 
     int32_t *tokens; /* [cap_tokens]: prompt, then output */
     int32_t num_prompt_tokens;
@@ -134,6 +137,12 @@ void pd_request_free(pd_request_t *req);
 
 /* Appends one output token. PD_ERR_NO_SPACE if the request is at its length limit. */
 pd_status_t pd_request_append_token(pd_request_t *req, int32_t token);
+
+/* The generator output position pos (0: the first output token) of r draws from. */
+static inline void pd_request_rng_at(const pd_request_t *r, int32_t pos, pd_rng_t *out)
+{
+    pd_rng_seed_stream(out, r->seed, (uint64_t)pos);
+}
 
 static inline int32_t pd_request_num_output(const pd_request_t *req)
 {

@@ -619,21 +619,25 @@ static int32_t append_tokens(pd_scheduler_t *s, pd_request_t *r, const int32_t *
     return n;
 }
 
-bool pd_scheduler_add_output_token(pd_scheduler_t *s, pd_request_t *r, int32_t token)
+int32_t pd_scheduler_add_output_tokens(pd_scheduler_t *s, pd_request_t *r, const int32_t *toks, int32_t n)
 {
-    if (token < 0 || (s->cfg.vocab_size > 0 && token >= s->cfg.vocab_size) || pd_request_num_output(r) > 0 ||
-        pd_request_is_finished(r)) {
-        pd_log_warn("request %s: the prefill's first token %d is unusable (outside the vocabulary, or the "
-                    "request has outputs); sampling it here",
-                    r->id, token);
-        return false;
+    bool ok = n >= 1 && pd_request_num_output(r) == 0 && !pd_request_is_finished(r);
+    for (int32_t j = 0; ok && j < n; j++) {
+        ok = toks[j] >= 0 && (s->cfg.vocab_size <= 0 || toks[j] < s->cfg.vocab_size);
     }
-    if (pd_sampling_draws(&r->params.sampling)) {
-        (void)pd_rng_uniform(&r->rng); /* the draw the prefill made for it */
+    if (!ok) {
+        pd_log_warn("request %s: %d output token(s) from another node are unusable (outside the vocabulary, "
+                    "or the request has outputs); sampling here instead",
+                    r->id, n);
+        return -1;
     }
     r->first_token_time = pd_time_now_s();
-    append_tokens(s, r, &token, 1);
-    return true;
+    return append_tokens(s, r, toks, n);
+}
+
+bool pd_scheduler_add_output_token(pd_scheduler_t *s, pd_request_t *r, int32_t token)
+{
+    return pd_scheduler_add_output_tokens(s, r, &token, 1) == 1;
 }
 
 /* Records that r got n tokens in this update (the frontend's outputs). */

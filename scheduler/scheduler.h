@@ -117,11 +117,16 @@ struct pd_kv_event_log;
  * starts with AllBlocksCleared: a subscriber learns that this cache begins empty. */
 struct pd_kv_event_log *pd_scheduler_kv_events(pd_scheduler_t *s);
 
-/* First-token handover, decode side: req's first output token was sampled by the prefill node that
- * handed it over. Appends it as if sampled here: the stop checks run (it may finish req), the first
- * token time is set, and a sampling request's generator skips the one draw that token took, so a
- * seeded request goes on as it would on one node. Only before req has computed anything. Returns
- * false (nothing changed) for a token outside the vocabulary or a request that has outputs. */
+/* Output tokens sampled on another node: a prefill's first token (first-token handover), or the
+ * tokens a decode node streamed before it died or handed the request on (resume_token_ids).
+ * Appends toks[n] to req as if sampled here: the stop checks run after each (one may finish req, and
+ * the rest are dropped), and the first token time is set. Seeded sampling needs nothing more: each
+ * output position draws from its own generator (request.h). Only before req has outputs. Returns
+ * how many were appended, or -1 (nothing changed) for n < 1, a token outside the vocabulary, or a
+ * request that has outputs or has finished. */
+int32_t pd_scheduler_add_output_tokens(pd_scheduler_t *s, pd_request_t *req, const int32_t *toks, int32_t n);
+
+/* The same for one token (the first-token handover): whether it was appended. */
 bool pd_scheduler_add_output_token(pd_scheduler_t *s, pd_request_t *req, int32_t token);
 
 /* Plans one step. The output is owned by the scheduler and valid until the next schedule. */

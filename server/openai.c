@@ -272,6 +272,53 @@ static bool refuse_unimplemented(json_t *root, bool chat, pd_http_error_t *err)
     return true;
 }
 
+/* resume_token_ids (pdserve's own field; pd-proxy sets it when a decode node dies mid-stream, see
+ * README "Migration"): the reply's first tokens, which the client has had from another node. This
+ * node recomputes the prompt and them, and streams what follows: the same tokens as one node would
+ * give (seeded sampling draws per output position), without the role chunk or the text already sent.
+ * A stream of one choice only; not with echo (the prompt went out with the first tokens) or
+ * kv_transfer_params (the KV is recomputed here). */
+static bool parse_resume(const json_t *rt, const pd_openai_limits_t *lim, pd_completion_req_t *out,
+                         pd_http_error_t *err)
+{
+    if (rt == NULL || json_is_null(rt)) {
+        return true;
+    }
+    size_t n = json_array_size(rt);
+    if (!json_is_array(rt) || n < 1 || n >= (size_t)lim->max_model_len) {
+        return pd_http_error_set(err, 400, "BadRequestError", "resume_token_ids",
+                                 "'resume_token_ids' must be a non-empty list of token ids, shorter than the "
+                                 "model's context (%d)",
+                                 lim->max_model_len);
+    }
+    const char *why = !out->stream                       ? "needs stream: true"
+                      : out->n != 1                      ? "needs n = 1"
+                      : out->echo                        ? "cannot be combined with echo"
+                      : out->params.want_prompt_logprobs ? "cannot be combined with prompt_logprobs"
+                      : out->kv_transfer_params != NULL && !json_is_null(out->kv_transfer_params)
+                          ? "cannot be combined with kv_transfer_params (this node recomputes their KV)"
+                          : NULL;
+    if (why != NULL) {
+        return pd_http_error_set(err, 400, "BadRequestError", "resume_token_ids", "'resume_token_ids' %s",
+                                 why);
+    }
+    out->resume_ids = malloc(n * sizeof(int32_t));
+    if (out->resume_ids == NULL) {
+        return pd_http_error_set(err, 500, "InternalServerError", NULL, "out of memory");
+    }
+    for (size_t i = 0; i < n; i++) {
+        const json_t *v = json_array_get(rt, i);
+        json_int_t id = json_is_integer(v) ? json_integer_value(v) : -1;
+        if (id < 0 || id >= lim->vocab_size) {
+            return pd_http_error_set(err, 400, "BadRequestError", "resume_token_ids",
+                                     "resume_token_ids[%zu] is not a token id in [0, %d)", i,
+                                     lim->vocab_size);
+        }
+        out->resume_ids[out->num_resume++] = (int32_t)id;
+    }
+    return true;
+}
+
 /* The request body as a JSON object (depth-limited, duplicates refused, NUL bytes in strings kept). */
 static json_t *parse_root(const char *body, size_t len, const pd_openai_limits_t *lim, pd_http_error_t *err)
 {
@@ -608,6 +655,9 @@ static bool parse_params(json_t *root, bool chat, const pd_tokenizer_t *tok, con
         }
         out->kv_transfer_params = json_incref(ktp);
     }
+    if (!parse_resume(json_object_get(root, "resume_token_ids"), lim, out, err)) {
+        return false;
+    }
     /* vLLM raises temperatures in (0, 0.01) to 0.01 (numerics), and treats seed -1 as no seed */
     p->sampling.temperature = (float)(temperature > 0 && temperature < 0.01 ? 0.01 : temperature);
     p->sampling.top_p = (float)top_p;
@@ -882,6 +932,7 @@ void pd_completion_req_free(pd_completion_req_t *r)
     json_decref(r->kv_transfer_params);
     pd_grammar_unref(r->grammar);
     free(r->tool_name);
+    free(r->resume_ids);
     memset(r, 0, sizeof(*r));
     r->logprobs = -1;
 }

@@ -42,6 +42,9 @@ typedef struct pd_completion_req {
     char *tool_name;            /* a named tool choice's function (malloc'd), else NULL */
     json_t *kv_transfer_params; /* owned reference or NULL */
     struct pd_grammar *grammar; /* structured output (server/structured_output.h): owned reference or NULL */
+    int32_t *resume_ids;        /* resume_token_ids (pdserve's): the reply's first tokens, streamed to the
+                                 * client by another node; this node goes on after them (malloc'd) */
+    int32_t num_resume;
 } pd_completion_req_t;
 
 typedef struct pd_openai_limits {

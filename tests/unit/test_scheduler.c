@@ -1057,7 +1057,8 @@ START_TEST(test_first_token_handover)
     }
     ck_assert_int_eq(ra->num_tokens, 14 + 3); /* max_tokens counts the prefill's token */
 
-    /* a sampling request's generator skips the draw its first token took; a greedy one draws nothing */
+    /* a sampling request draws each output position from that position's own generator: one that got
+     * its first token elsewhere samples its second from the generator a single node would use */
     int32_t toks[5] = {1, 2, 3, 4, 5};
     pd_request_params_t p;
     memset(&p, 0, sizeof(p));
@@ -1072,9 +1073,30 @@ START_TEST(test_first_token_handover)
     ck_assert_int_eq(pd_scheduler_add_request(d.s, rs), PD_OK);
     ck_assert(pd_scheduler_add_output_token(d.s, rs, 9));
     ck_assert(!pd_scheduler_add_output_token(d.s, rs, 9)); /* only the first output */
-    (void)pd_rng_uniform(&twin->rng);
-    ck_assert(pd_rng_uniform(&twin->rng) == pd_rng_uniform(&rs->rng));
+    pd_rng_t g0, g1, t1;
+    pd_request_rng_at(rs, 0, &g0);
+    pd_request_rng_at(rs, 1, &g1);
+    pd_request_rng_at(twin, 1, &t1);
+    uint64_t v1 = pd_rng_next(&g1);
+    ck_assert(v1 == pd_rng_next(&t1));
+    ck_assert(v1 != pd_rng_next(&g0));
     pd_request_free(twin);
+    /* several tokens (a resumed stream): appended with the stop checks, the rest dropped after a stop */
+    add(d.s, "m", 5, 8, 3);
+    pd_request_t *rm = pd_scheduler_find(d.s, "m");
+    int32_t bad[2] = {7, 5000};
+    ck_assert_int_eq(pd_scheduler_add_output_tokens(d.s, rm, bad, 2), -1); /* nothing appended */
+    ck_assert_int_eq(rm->num_tokens, 5);
+    int32_t three[3] = {7, 8, 9};
+    ck_assert_int_eq(pd_scheduler_add_output_tokens(d.s, rm, three, 3), 3);
+    ck_assert_int_eq(rm->num_tokens, 8);
+    ck_assert_int_eq(rm->tokens[7], 9);
+    ck_assert_int_eq(pd_scheduler_add_output_tokens(d.s, rm, three, 1), -1); /* it has outputs */
+    add(d.s, "ms", 5, 8, 3);
+    pd_request_t *ms = pd_scheduler_find(d.s, "ms");
+    int32_t with_eos[3] = {7, 0, 9}; /* EOS (0) ends it: 9 is dropped */
+    ck_assert_int_eq(pd_scheduler_add_output_tokens(d.s, ms, with_eos, 3), 2);
+    ck_assert_int_eq(ms->state, PD_REQ_FINISHED_STOPPED);
     /* EOS as the first token ends the request at once */
     add(d.s, "e", 5, 4, 3);
     pd_request_t *re = pd_scheduler_find(d.s, "e");
@@ -1085,6 +1107,7 @@ START_TEST(test_first_token_handover)
     ck_assert_int_ge(n_fin, 1);
     ck_assert_ptr_eq(fin[n_fin - 1], re);
     pd_scheduler_abort(d.s, "s");
+    pd_scheduler_abort(d.s, "m");
     for (int i = 0; i < 3; i++) {
         drive_step(&d, &res);
     }

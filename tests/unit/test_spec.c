@@ -117,16 +117,18 @@ START_TEST(test_verify_greedy)
     float rows[4][V] = {{0, 1, 9, 2, 0}, {0, 1, 2, 9, 0}, {0, 9, 2, 3, 0}, {0, 1, 2, 3, 9}};
     pd_sampling_params_t p = {0, 0, 1, 0};
     pd_sample_cand_t c[V];
-    pd_rng_t r;
-    pd_rng_seed(&r, 1);
+    pd_rng_t r[4];
+    for (int j = 0; j < 4; j++) {
+        pd_rng_seed_stream(&r[j], 1, (uint64_t)j);
+    }
     int32_t out[4];
     int32_t all[] = {2, 3, 1};
-    ck_assert_int_eq(pd_spec_verify(&rows[0][0], V, all, 3, &p, &r, c, out), 4); /* all + the bonus */
+    ck_assert_int_eq(pd_spec_verify(&rows[0][0], V, all, 3, &p, r, c, out), 4); /* all + the bonus */
     ck_assert(out[0] == 2 && out[1] == 3 && out[2] == 1 && out[3] == 4);
     int32_t second_wrong[] = {2, 0, 1};
-    ck_assert_int_eq(pd_spec_verify(&rows[0][0], V, second_wrong, 3, &p, &r, c, out), 2);
+    ck_assert_int_eq(pd_spec_verify(&rows[0][0], V, second_wrong, 3, &p, r, c, out), 2);
     ck_assert(out[0] == 2 && out[1] == 3);
-    ck_assert_int_eq(pd_spec_verify(&rows[0][0], V, NULL, 0, &p, &r, c, out), 1); /* no drafts */
+    ck_assert_int_eq(pd_spec_verify(&rows[0][0], V, NULL, 0, &p, r, c, out), 1); /* no drafts */
     ck_assert_int_eq(out[0], 2);
 }
 END_TEST
@@ -186,7 +188,10 @@ START_TEST(test_verify_follows_target_distribution)
             pd_sample_cand_t c[V];
             for (int it = 0; it < N; it++) {
                 int32_t draft[1] = {drafts[d]}, out[2];
-                int32_t n = pd_spec_verify(&rows[0][0], V, draft, 1, p, &r, c, out);
+                pd_rng_t pos[2]; /* the two positions' generators, fresh each round */
+                pd_rng_seed_stream(&pos[0], pd_rng_next(&r), 0);
+                pd_rng_seed_stream(&pos[1], pd_rng_next(&r), 1);
+                int32_t n = pd_spec_verify(&rows[0][0], V, draft, 1, p, pos, c, out);
                 first[out[0]]++;
                 if (n == 2) {
                     ck_assert_int_eq(out[0], drafts[d]);
