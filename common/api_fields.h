@@ -53,4 +53,9 @@ const char *pd_api_key_from_env(const char *var, char *buf, size_t cap);
 #define PD_REQUEST_ID_MAX 48
 bool pd_api_request_id_ok(const char *id);
 
+/* pd-proxy's header on a decode leg it can resume elsewhere (--migration-limit): a node that drains
+ * ends such a stream at once, without [DONE], instead of making its client wait for the generation
+ * (the proxy resumes it on another decode node after the tokens its client has). */
+#define PD_RESUMABLE_HEADER "X-PD-Resumable"
+
 #endif

@@ -70,6 +70,16 @@ void kv_resv_end(kv_conn_t *k, kv_resv_t *rv, bool dead)
     }
 }
 
+void kv_resv_refuse(kv_conn_t *k, kv_resv_t *rv, int32_t status)
+{
+    Pd__WriteDone wd = PD__WRITE_DONE__INIT;
+    wd.request_id = rv->transfer_id;
+    wd.lease_id = rv->lease_id;
+    wd.status = status;
+    kv_peer_send(k, rv->peer, PD_MSG_WRITE_DONE, &wd.base);
+    kv_resv_end(k, rv, false);
+}
+
 void kv_resv_free(kv_resv_t *rv)
 {
     if (rv != NULL) {
@@ -211,6 +221,37 @@ static bool on_release(kv_conn_t *k, kv_release_t *r)
     return r->transfer_id[0] && k->is_prefill && kv_release_push(k, r->transfer_id);
 }
 
+/* A prefill's drain, nothing in flight on its HTTP side: no prompt will take a reservation now, so each
+ * untaken one ends at once with a WRITE_DONE that tells its decode to recompute (rather than wait its
+ * --kv-load-timeout); returns what still holds KV for a decode. */
+static int on_drain(kv_conn_t *k)
+{
+    int pending = 0;
+    kv_resv_t *rv;
+    pd_list_for_each (rv, &k->c->resvs, link) {
+        if (rv->released || rv->dead) {
+            continue;
+        }
+        if (rv->taken) {
+            pending++;
+            continue;
+        }
+        pd_log_info("kv connector: draining: reservation %s will not be written (its prompt went to another "
+                    "prefill); its decode recomputes",
+                    rv->transfer_id);
+        kv_resv_refuse(k, rv, PD_ERR_CANCELLED);
+    }
+    kv_lease_t *l;
+    pd_list_for_each (l, &k->c->leases, link) {
+        pending += !l->expired;
+    }
+    kv_xfer_t *x;
+    pd_list_for_each (x, &k->c->xfers, link) {
+        pending += x->state != KV_XS_DONE;
+    }
+    return pending;
+}
+
 void kv_ctl_commands(kv_conn_t *k)
 {
     pd_list_link_t in;
@@ -259,6 +300,10 @@ void kv_ctl_commands(kv_conn_t *k)
             kv_mb_emit(&k->mb, m); /* the answer (or, abandoned, freed) */
             break;
         }
+        case KV_CMD_DRAIN:
+            pd_container_of(m, kv_drain_t, msg)->pending = on_drain(k);
+            kv_mb_emit(&k->mb, m); /* the answer (or, abandoned, freed) */
+            break;
         case KV_CMD_STOP: k->c->stopping = true; break;
         default: /* an event kind never arrives here */
             pd_log_error("BUG: kv connector: event %d among the commands", (int)m->kind);

@@ -614,6 +614,25 @@ json_t *pd_kv_connector_info(const pd_connector_t *c)
                      "pipe", k->cfg.pipe, "kv_staged", k->staged);
 }
 
+int pd_kv_connector_drain_pending(void *c)
+{
+    kv_conn_t *k = c;
+    if (!k->is_prefill) {
+        return 0;
+    }
+    kv_drain_t *d = calloc(1, sizeof(*d));
+    if (d == NULL) {
+        return 0; /* nothing to wait with: the drain ends */
+    }
+    d->msg.kind = KV_CMD_DRAIN;
+    if (!kv_mb_send(&k->mb, &d->msg, 1.0)) {
+        return 1; /* the control thread is busy: ask again at the next tick (it frees d) */
+    }
+    int pending = d->pending;
+    free(d);
+    return pending;
+}
+
 void pd_kv_connector_stop(pd_connector_t *c)
 {
     if (c == NULL) {

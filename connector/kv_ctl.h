@@ -134,6 +134,9 @@ void kv_report_recving(kv_conn_t *k, kv_xfer_t *x, bool ok);
 /* Reservation rv takes no more writes (released; dead: its decode died): the engine hears it
  * once. */
 void kv_resv_end(kv_conn_t *k, kv_resv_t *rv, bool dead);
+/* A reservation no prompt will take (expired; a draining prefill): its decode hears WRITE_DONE with
+ * status (and recomputes), and it ends. */
+void kv_resv_refuse(kv_conn_t *k, kv_resv_t *rv, int32_t status);
 kv_resv_t *kv_resv_find(kv_conn_t *k, uint64_t id);
 void kv_resv_free(kv_resv_t *rv);
 /* Prefill, push: transfer_id's decode gave up before it reserved blocks: the held request frees

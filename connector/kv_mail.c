@@ -216,6 +216,7 @@ void kv_msg_free(kv_msg_t *m)
     case KV_CMD_CANCEL:
     case KV_CMD_TAKE_RESV:
     case KV_CMD_RELEASE:
+    case KV_CMD_DRAIN:
     case KV_EV_RESV_GONE: free(m); break; /* each heads its allocation and owns nothing else */
     }
 }

@@ -35,6 +35,7 @@ typedef enum kv_msg_kind {
     KV_CMD_WRITE_JOB,  /* kv_write_job_t: one layer's pages of a streamed push */
     KV_CMD_WRITE_DONE, /* kv_notice_t: a stream ended (WRITE_DONE to the decode) */
     KV_CMD_RELEASE,    /* kv_release_t: POST /pd/release (a call: the sender waits for the answer) */
+    KV_CMD_DRAIN,      /* kv_drain_t: a prefill's HTTP drain has nothing in flight (a call) */
     KV_CMD_STOP,       /* the control thread returns (kv_ctl_t.stop_cmd) */
     /* events: to the engine thread */
     KV_EV_REPORT,    /* kv_report_t: finished sending or receiving */
@@ -255,6 +256,13 @@ typedef struct kv_release {
     bool released; /* the answer */
     bool lend;     /* what it released was a lend (control thread: for its log line) */
 } kv_release_t;
+
+/* A prefill's drain with no HTTP request in flight (KV_CMD_DRAIN, a call): the reservations no prompt
+ * will take now are ended, and the answer is what the node still holds for decodes. */
+typedef struct kv_drain {
+    kv_msg_t msg;
+    int pending; /* the answer: leases not read or expired, reservations taken, transfers in flight */
+} kv_drain_t;
 
 /* A report node for req_id (engine thread); NULL when out of memory (logged by the caller). */
 kv_report_t *kv_report_new(const char *req_id, bool recving);

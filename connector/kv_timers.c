@@ -120,12 +120,7 @@ static void sweep_reservations(kv_conn_t *k, double now)
         if (!rv->taken && !rv->released && now > rv->expires) {
             pd_log_warn("kv connector: reservation %s expired without a matching prefill request",
                         rv->transfer_id);
-            Pd__WriteDone wd = PD__WRITE_DONE__INIT;
-            wd.request_id = rv->transfer_id;
-            wd.lease_id = rv->lease_id;
-            wd.status = PD_ERR_TIMEOUT;
-            kv_peer_send(k, rv->peer, PD_MSG_WRITE_DONE, &wd.base);
-            kv_resv_end(k, rv, false);
+            kv_resv_refuse(k, rv, PD_ERR_TIMEOUT);
         }
         if (rv->released && !rv->taken && (!rv->dead || now > rv->expires)) {
             pd_list_del(&rv->link);

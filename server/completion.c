@@ -17,6 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/api_fields.h"
 #include "common/log.h"
 #include "common/time.h"
 #include "server/http_internal.h"
@@ -66,6 +67,7 @@ struct creq {
     choice_t *ch;
     double arrival;
     int64_t created;
+    bool resumable;      /* pd-proxy resumes this stream elsewhere if it ends early (PD_RESUMABLE_HEADER) */
     creq_t *prev, *next; /* in-flight list */
 };
 
@@ -140,6 +142,37 @@ static void detach_close_cb(creq_t *c)
             evhttp_connection_set_closecb(conn, NULL, NULL);
         }
     }
+}
+
+int pd_http_hand_off_inflight(pd_http_server_t *s)
+{
+    int n = 0;
+    for (creq_t *c = s->inflight, *next; c != NULL; c = next) {
+        next = c->next;
+        if (!c->resumable || c->req == NULL || c->num_done == c->num_choices) {
+            continue;
+        }
+        pd_log_info("drain: ending stream %s early (pd-proxy resumes it on another node)", c->id);
+        if (!c->started) { /* an empty stream: the proxy resumes from what the prefill gave */
+            struct evkeyvalq *h = evhttp_request_get_output_headers(c->req);
+            evhttp_add_header(h, "Content-Type", "text/event-stream");
+            evhttp_add_header(h, "Cache-Control", "no-cache");
+            evhttp_send_reply_start(c->req, 200, "OK");
+            c->started = true;
+        }
+        detach_close_cb(c);
+        pd_http_track_reply(s, c->req);
+        evhttp_send_reply_end(c->req); /* no [DONE]: the proxy's sign that it ended early */
+        c->req = NULL;
+        unwatch(c);
+        abort_choices(c);
+        pd_metric_inc(s->m.handoffs, 1);
+        n++;
+        if (c->num_done == c->num_choices) {
+            creq_free(c);
+        }
+    }
+    return n;
 }
 
 void pd_http_abort_inflight(pd_http_server_t *s)
@@ -409,7 +442,7 @@ static void start_stream(creq_t *c)
     evhttp_send_reply_start(c->req, 200, "OK");
     c->started = true;
     for (int32_t i = 0; i < c->num_choices; i++) { /* vLLM: every choice's role first */
-        if (c->in.chat) {
+        if (c->in.chat && c->in.num_resume == 0) { /* a resumed stream's client had it */
             open_choice(c, &c->ch[i]);
         }
     }
@@ -718,7 +751,9 @@ static void absorb(pd_http_server_t *s, creq_t *c, choice_t *h, const pd_engine_
         h->plp = prompt_logprobs_json(pd_engine_tokenizer(s->engine), &c->in.prompts[h->prompt], o);
     }
     if (o->token >= 0) {
-        observe_token(s, c, h);
+        if (!o->replayed) {
+            observe_token(s, c, h);
+        }
         if (h->num_ids == h->cap_ids) {
             int32_t cap = h->cap_ids ? 2 * h->cap_ids : 64;
             int32_t *ids = realloc(h->ids, (size_t)cap * sizeof(int32_t));
@@ -780,6 +815,18 @@ static void absorb(pd_http_server_t *s, creq_t *c, choice_t *h, const pd_engine_
     }
 }
 
+/* A resumed stream's token (resume_token_ids), recorded by absorb: its client had the text before it
+ * from the node that sampled it, so nothing is sent; a tool-call parser reads it as it would have,
+ * so that what is streamed next starts where that node's stream stopped. */
+static void replay_output(creq_t *c, choice_t *h)
+{
+    h->opened = true;
+    if (c->in.chat && c->in.tool_parser != PD_TOOL_PARSER_NONE) {
+        const char *finish = NULL;
+        json_decref(tool_delta(c, h, false, &finish));
+    }
+}
+
 static void handle_output(pd_http_server_t *s, const pd_engine_output_t *o)
 {
     choice_t *h = o->user;
@@ -810,7 +857,9 @@ static void handle_output(pd_http_server_t *s, const pd_engine_output_t *o)
         }
         return;
     }
-    if (c->in.stream) {
+    if (o->replayed) {
+        replay_output(c, h);
+    } else if (c->in.stream) {
         stream_output(c, h, o, offset, finished);
     } else if (c->num_done == c->num_choices) {
         reply_final(c);
@@ -860,6 +909,8 @@ static bool submit_choice(creq_t *c, int32_t k)
     /* the KV parameters belong to one engine request: the first choice of the first prompt */
     rq.kv_transfer_params = k == 0 ? c->in.kv_transfer_params : NULL;
     rq.grammar = c->in.grammar;
+    rq.resume = c->in.resume_ids;
+    rq.num_resume = c->in.num_resume;
     rq.user = h;
     if (pd_engine_submit(c->srv->engine, &rq) != PD_OK) {
         return false;
@@ -899,6 +950,12 @@ void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bo
         pd_http_error_set(&err, 400, "BadRequestError", "kv_transfer_params", "%s", role_err);
         pd_completion_req_free(&c->in);
         ok = false;
+    } else if (ok && c->in.num_resume > 0 && c->in.num_prompts != 1) {
+        pd_http_error_set(&err, 400, "BadRequestError", "resume_token_ids",
+                          "'resume_token_ids' continues one prompt's reply, not a batch of %d",
+                          c->in.num_prompts);
+        pd_completion_req_free(&c->in);
+        ok = false;
     }
     if (ok) {
         c->num_choices = c->in.num_prompts * c->in.n;
@@ -924,6 +981,11 @@ void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bo
     pd_http_metrics_admitted(s, c->in.n, max_tokens);
     random_id(chat ? "chatcmpl-" : "cmpl-", c->id, sizeof(c->id));
     snprintf(c->resp_id, sizeof(c->resp_id), "%s", c->id);
+    c->resumable = c->in.stream && c->num_choices == 1 &&
+                   evhttp_find_header(evhttp_request_get_input_headers(req), PD_RESUMABLE_HEADER) != NULL;
+    if (c->in.num_resume > 0) {
+        pd_metric_inc(s->m.resumed, 1);
+    }
     const char *xid = evhttp_find_header(evhttp_request_get_input_headers(req), "X-Request-Id");
     if (pd_api_request_id_ok(xid)) {
         /* vLLM's X-Request-Id: the answer's id (the P/D proxy gives both legs one, so the chunks of

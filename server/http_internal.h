@@ -25,7 +25,7 @@ typedef struct srv_metrics {
     pd_metric_t *req_prompt, *req_gen, *req_max_gen, *req_n, *req_max_tokens;
     pd_metric_t *ttft, *itl, *tpot, *e2e, *queue, *inference, *prefill, *decode;
     pd_metric_t *waiting_remote, *blocks_free, *blocks_cached, *blocks_used, *http_errors, *load_waits,
-        *grammar_handed, *grammar_resumed; /* pd: */
+        *grammar_handed, *grammar_resumed, *handoffs, *resumed; /* pd: */
     uint64_t seen_prefix_queries, seen_prefix_hits, seen_prompt, seen_gen, seen_preempt, seen_load_waits,
         seen_grammar_handed, seen_grammar_resumed;
     /* --kv-offload-tier: pd:kv_offload_{queries,hits,saved_blocks,corrupt_blocks,bytes_written,
@@ -55,6 +55,7 @@ struct pd_http_server {
     bool draining;
     double drain_deadline;
     bool aborted_rest;
+    bool said_pending; /* the drain logged that it waits for KV holds */
     int64_t started_at;
 };
 
@@ -85,6 +86,9 @@ void pd_http_metrics_finished(pd_http_server_t *s, const pd_engine_output_t *o);
 void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bool chat);
 /* Takes the engine's outputs and advances their requests (the wake event's callback). */
 void pd_http_dispatch_outputs(pd_http_server_t *s);
+/* Drain start: ends every stream pd-proxy can resume elsewhere (PD_RESUMABLE_HEADER) at once,
+ * without [DONE], and aborts its engine work. Returns how many. */
+int pd_http_hand_off_inflight(pd_http_server_t *s);
 /* Drain timeout: aborts the engine work of every in-flight request. */
 void pd_http_abort_inflight(pd_http_server_t *s);
 /* Shutdown: frees every in-flight request without answering. */

@@ -496,15 +496,24 @@ static void on_request(struct evhttp_request *req, void *arg)
 static void on_drain_tick(evutil_socket_t fd, short what, void *arg)
 {
     pd_http_server_t *s = arg;
-    if (s->num_inflight == 0 && s->unsent <= 0) {
+    int pending =
+        s->num_inflight == 0 && s->cfg.drain_pending != NULL ? s->cfg.drain_pending(s->cfg.release_ctx) : 0;
+    if (s->num_inflight == 0 && s->unsent <= 0 && pending == 0) {
         pd_log_info("drain complete");
         event_base_loopexit(s->base, NULL);
         return;
     }
     if (s->num_inflight == 0) {
         if (pd_time_now_s() >= s->drain_deadline) {
-            pd_log_warn("drain: %d replies not written by the deadline; exiting", s->unsent);
+            if (s->unsent > 0) {
+                pd_log_warn("drain: %d replies not written by the deadline; exiting", s->unsent);
+            } else {
+                pd_log_warn("drain: %d KV holds for decode nodes not read by the deadline; exiting", pending);
+            }
             event_base_loopexit(s->base, NULL);
+        } else if (pending > 0 && !s->said_pending) {
+            s->said_pending = true;
+            pd_log_info("drain: replies done; waiting for %d KV holds to be read or expire", pending);
         }
         return;
     }
@@ -526,7 +535,10 @@ void pd_http_server_shutdown(pd_http_server_t *s)
     }
     s->draining = true;
     s->drain_deadline = pd_time_now_s() + s->cfg.drain_timeout;
-    pd_log_info("draining: %d requests in flight, up to %.1f s", s->num_inflight, s->cfg.drain_timeout);
+    int handed = pd_http_hand_off_inflight(s);
+    pd_log_info(
+        "draining: %d requests in flight (%d streams ended early for pd-proxy to resume), up to %.1f s",
+        s->num_inflight, handed, s->cfg.drain_timeout);
     struct timeval tv = {0, 50000};
     event_add(s->drain_timer, &tv);
 }

@@ -33,6 +33,9 @@ typedef struct pd_http_config {
      * up the KV held for a decode that will not come (pd_kv_connector_release); NULL: no route */
     bool (*release_kv)(void *ctx, const char *request_id, uint64_t lease_id, const char *transfer_id);
     void *release_ctx;
+    /* P/D prefill nodes: what a drain still waits for after the last reply (the KV it holds for
+     * decodes: leases not yet read or expired, pushes not yet written), or NULL */
+    int (*drain_pending)(void *ctx);
 } pd_http_config_t;
 
 void pd_http_config_defaults(pd_http_config_t *cfg);

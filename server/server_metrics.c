@@ -155,6 +155,10 @@ void pd_http_metrics_register(pd_http_server_t *s)
     m->grammar_resumed = counter(r, "pd:grammar_states_resumed_total",
                                  "Structured outputs resumed at the grammar state their prefill handed over "
                                  "(decode).");
+    m->handoffs = counter(r, "pd:drain_handoffs_total",
+                          "Streams a draining node ended early for pd-proxy to resume on another node.");
+    m->resumed = counter(r, "pd:resumed_requests_total",
+                         "Requests that went on after tokens another node streamed (resume_token_ids).");
     m->load_waits = counter(r, "pd:kv_load_waits_total",
                             "Remote KV loads put off while another request loaded the same prefix (then read "
                             "from the local prefix cache).");

@@ -734,12 +734,13 @@ typedef struct bg_req {
     const char *body;
     http_resp_t resp;
     int rc;
+    const char *headers; /* extra request headers, or NULL */
 } bg_req_t;
 
 static void *bg_post(void *arg)
 {
     bg_req_t *b = arg;
-    b->rc = http_request(b->port, "POST", "/v1/completions", NULL, b->body, &b->resp, 120000);
+    b->rc = http_request(b->port, "POST", "/v1/completions", b->headers, b->body, &b->resp, 120000);
     return NULL;
 }
 
@@ -747,14 +748,14 @@ static void *bg_post(void *arg)
  * while a test acts on it. */
 #define SLOW_MODEL "--preset tiny --arch llama --hidden 512 --layers 6 --intermediate 1408"
 
-/* Waits (bounded by secs) until the server at port runs exactly one request. */
-static bool wait_one_running(int port, double secs)
+/* Waits (bounded by secs) until the server at port runs exactly n requests. */
+static bool wait_running(int port, int n, double secs)
 {
     double until = tu_now() + secs;
     while (tu_now() < until) {
         http_resp_t m;
         http_request(port, "GET", "/metrics", NULL, NULL, &m, 5000);
-        bool one = m.body != NULL && pd_metrics_text_value(m.body, "vllm:num_requests_running", 0) == 1;
+        bool one = m.body != NULL && pd_metrics_text_value(m.body, "vllm:num_requests_running", 0) == n;
         http_resp_free(&m);
         if (one) {
             return true;
@@ -762,6 +763,11 @@ static bool wait_one_running(int port, double secs)
         usleep(10000);
     }
     return false;
+}
+
+static bool wait_one_running(int port, double secs)
+{
+    return wait_running(port, 1, secs);
 }
 
 START_TEST(test_graceful_drain)
@@ -772,7 +778,8 @@ START_TEST(test_graceful_drain)
     int port;
     char *extra[] = {"--drain-timeout", "60", "--threads", "1", NULL};
     pid_t pid = start_server_model(slow, "drain", extra, &port);
-    bg_req_t b = {port, "{\"prompt\": \"drain me\", \"max_tokens\": 300, \"ignore_eos\": true}", {0}, -1};
+    bg_req_t b = {
+        port, "{\"prompt\": \"drain me\", \"max_tokens\": 300, \"ignore_eos\": true}", {0}, -1, NULL};
     pthread_t t;
     pthread_create(&t, NULL, bg_post, &b);
     /* SIGTERM must find it in flight */
@@ -803,6 +810,190 @@ START_TEST(test_graceful_drain)
     ck_assert_int_eq(rc, 0);
     tu_rmrf(slow);
     free(slow);
+}
+END_TEST
+
+/* SIGTERM with streams pd-proxy can resume (its X-PD-Resumable header, set on decode legs under
+ * --migration-limit): such a stream ends at once, 200 without [DONE] (the proxy's sign to resume it
+ * elsewhere), while a stream without the header still runs to its end; the node then exits (0) in
+ * about the time the other stream needs, not the 300 tokens the handed-off one asked for. */
+START_TEST(test_drain_hands_off_resumable_streams)
+{
+    char *slow = tu_make_model(SLOW_MODEL);
+    ck_assert_ptr_nonnull(slow);
+    int port;
+    char *extra[] = {"--drain-timeout", "60", "--threads", "1", NULL};
+    pid_t pid = start_server_model(slow, "handoff", extra, &port);
+    bg_req_t res = {
+        port,
+        "{\"prompt\": \"hand me off\", \"max_tokens\": 300, \"ignore_eos\": true, \"stream\": true}",
+        {0},
+        -1,
+        "X-PD-Resumable: 1\r\n"};
+    bg_req_t own = {port,
+                    "{\"prompt\": \"keep me\", \"max_tokens\": 40, \"ignore_eos\": true, \"stream\": true}",
+                    {0},
+                    -1,
+                    NULL};
+    pthread_t t1, t2;
+    pthread_create(&t1, NULL, bg_post, &res);
+    pthread_create(&t2, NULL, bg_post, &own);
+    ck_assert_msg(wait_running(port, 2, 60), "the two streams never ran together");
+    double t0 = tu_now();
+    kill(pid, SIGTERM);
+    pthread_join(t1, NULL);
+    double handed = tu_now() - t0;
+    ck_assert_int_eq(res.rc, 0);
+    ck_assert_int_eq(res.resp.status, 200);
+    ck_assert_ptr_null(strstr(res.resp.body, "[DONE]"));
+    ck_assert_msg(handed < 5.0, "the resumable stream ended %.1f s after SIGTERM", handed);
+    pthread_join(t2, NULL);
+    ck_assert_int_eq(own.rc, 0);
+    ck_assert_int_eq(own.resp.status, 200);
+    ck_assert_ptr_nonnull(strstr(own.resp.body, "[DONE]"));
+    ck_assert_ptr_null(strstr(own.resp.body, "\"error\""));
+    int events = 0;
+    for (const char *p = own.resp.body; (p = strstr(p, "\"finish_reason\":")) != NULL; p++) {
+        events++;
+    }
+    ck_assert_int_eq(events, 40); /* every token of the stream without the header */
+    http_resp_free(&res.resp);
+    http_resp_free(&own.resp);
+    ck_assert_int_eq(tu_stop(pid, 60), 0);
+    tu_rmrf(slow);
+    free(slow);
+}
+END_TEST
+
+typedef struct sse_events {
+    int n;
+    char *text[512];  /* each event's text (completions) or content (chat), malloc'd */
+    int32_t ids[512]; /* each event's token id, -1 when it carries none */
+    bool role, done;
+} sse_events_t;
+
+/* The events of a streamed completion (one choice, one token id per event). */
+static void sse_parse(const char *body, bool chat, sse_events_t *ev)
+{
+    memset(ev, 0, sizeof(*ev));
+    char *copy = strdup(body);
+    for (char *line = strtok(copy, "\n"); line != NULL; line = strtok(NULL, "\n")) {
+        if (strncmp(line, "data: ", 6) != 0) {
+            continue;
+        }
+        if (strcmp(line + 6, "[DONE]") == 0) {
+            ev->done = true;
+            continue;
+        }
+        json_t *j = json_loads(line + 6, JSON_ALLOW_NUL, NULL);
+        ck_assert_ptr_nonnull(j);
+        json_t *c = json_array_get(json_object_get(j, "choices"), 0);
+        json_t *d = json_object_get(c, "delta");
+        if (chat && json_object_get(d, "role") != NULL) {
+            ev->role = true;
+        } else if (c != NULL) {
+            ck_assert_int_lt(ev->n, 512);
+            const char *t =
+                json_string_value(chat ? json_object_get(d, "content") : json_object_get(c, "text"));
+            ev->text[ev->n] = strdup(t != NULL ? t : "");
+            json_t *ids = json_object_get(c, "token_ids");
+            ev->ids[ev->n] =
+                json_array_size(ids) == 1 ? (int32_t)json_integer_value(json_array_get(ids, 0)) : -1;
+            ev->n++;
+        }
+        json_decref(j);
+    }
+    free(copy);
+}
+
+static void sse_free(sse_events_t *ev)
+{
+    for (int i = 0; i < ev->n; i++) {
+        free(ev->text[i]);
+    }
+}
+
+/* resume_token_ids (what pd-proxy sends when a decode node dies mid-stream): a stream resumed after
+ * its first k tokens is, event for event, the rest of the whole stream (token ids and text, stop
+ * strings and held-back text included), for greedy and seeded sampling with penalties, completions
+ * and chat (no second role event); what it cannot continue is a 400 naming the field. */
+START_TEST(test_resume_token_ids)
+{
+    const char *bodies[][2] = {
+        {"/v1/completions",
+         "{\"prompt\": \"The decode node died\", \"max_tokens\": 40, \"ignore_eos\": true, "
+         "\"temperature\": 0"},
+        {"/v1/completions",
+         "{\"prompt\": \"The decode node died\", \"max_tokens\": 40, \"ignore_eos\": true, "
+         "\"temperature\": 0.9, \"seed\": 77, \"frequency_penalty\": 0.4, \"stop\": [\"zq\", \"e t\"]"},
+        {"/v1/chat/completions",
+         "{\"messages\": [{\"role\": \"user\", \"content\": \"go on\"}], "
+         "\"max_tokens\": 30, \"ignore_eos\": true, \"temperature\": 0.7, \"seed\": 5"},
+    };
+    for (size_t b = 0; b < sizeof(bodies) / sizeof(bodies[0]); b++) {
+        bool chat = strstr(bodies[b][0], "chat") != NULL;
+        char body[1024];
+        snprintf(body, sizeof(body), "%s, \"stream\": true, \"return_token_ids\": true}", bodies[b][1]);
+        http_resp_t r;
+        ck_assert_int_eq(http_request(g_port, "POST", bodies[b][0], NULL, body, &r, 60000), 0);
+        ck_assert_int_eq(r.status, 200);
+        sse_events_t whole;
+        sse_parse(r.body, chat, &whole);
+        http_resp_free(&r);
+        ck_assert(whole.done);
+        ck_assert_int_ge(whole.n, 8);
+        int ks[] = {1, 5, whole.n - 2};
+        for (size_t ki = 0; ki < 3; ki++) {
+            int k = ks[ki];
+            char ids[2048] = "";
+            for (int i = 0; i < k; i++) {
+                snprintf(ids + strlen(ids), sizeof(ids) - strlen(ids), "%s%d", i ? ", " : "", whole.ids[i]);
+            }
+            snprintf(body, sizeof(body),
+                     "%s, \"stream\": true, \"return_token_ids\": true, \"resume_token_ids\": [%s]}",
+                     bodies[b][1], ids);
+            ck_assert_int_eq(http_request(g_port, "POST", bodies[b][0], NULL, body, &r, 60000), 0);
+            ck_assert_int_eq(r.status, 200);
+            sse_events_t rest;
+            sse_parse(r.body, chat, &rest);
+            http_resp_free(&r);
+            ck_assert(rest.done && !rest.role);
+            ck_assert_msg(rest.n == whole.n - k, "body %zu after %d: %d events, the whole stream %d", b, k,
+                          rest.n, whole.n);
+            for (int i = 0; i < rest.n; i++) {
+                ck_assert_int_eq(rest.ids[i], whole.ids[k + i]);
+                ck_assert_str_eq(rest.text[i], whole.text[k + i]);
+            }
+            sse_free(&rest);
+        }
+        sse_free(&whole);
+    }
+    static const char *bad[] = {
+        "{\"prompt\": \"x\", \"max_tokens\": 9, \"resume_token_ids\": [5]}", /* not streamed */
+        "{\"prompt\": \"x\", \"stream\": true, \"n\": 2, \"temperature\": 1, \"resume_token_ids\": [5]}",
+        "{\"prompt\": \"x\", \"stream\": true, \"echo\": true, \"resume_token_ids\": [5]}",
+        "{\"prompt\": \"x\", \"stream\": true, \"resume_token_ids\": [5], \"kv_transfer_params\": {}}",
+        "{\"prompt\": \"x\", \"stream\": true, \"resume_token_ids\": [99999999]}",
+        "{\"prompt\": \"x\", \"stream\": true, \"resume_token_ids\": []}",
+        "{\"prompt\": \"x\", \"stream\": true, \"resume_token_ids\": \"5\"}",
+        "{\"prompt\": [\"x\", \"y\"], \"stream\": true, \"resume_token_ids\": [5]}",
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        http_resp_t e;
+        ck_assert_int_eq(http_request(g_port, "POST", "/v1/completions", NULL, bad[i], &e, 30000), 0);
+        ck_assert_msg(e.status == 400 && strstr(e.body, "resume_token_ids") != NULL, "%s: HTTP %d %s", bad[i],
+                      e.status, e.body);
+        http_resp_free(&e);
+    }
+    /* as many tokens as max_tokens leave nothing to generate: an error, not an empty success */
+    http_resp_t e;
+    ck_assert_int_eq(
+        http_request(g_port, "POST", "/v1/completions", NULL,
+                     "{\"prompt\": \"x\", \"stream\": true, \"max_tokens\": 2, \"resume_token_ids\": [5, 6]}",
+                     &e, 30000),
+        0);
+    ck_assert_msg(strstr(e.body, "nothing to generate") != NULL, "HTTP %d %s", e.status, e.body);
+    http_resp_free(&e);
 }
 END_TEST
 
@@ -1477,6 +1668,8 @@ int main(void)
     tcase_add_test(tc, test_openai_npm_client);
     tcase_add_test(tc, test_api_key_and_queue_limit);
     tcase_add_test(tc, test_graceful_drain);
+    tcase_add_test(tc, test_drain_hands_off_resumable_streams);
+    tcase_add_test(tc, test_resume_token_ids);
     suite_add_tcase(s, tc);
     return tu_run_suite(s);
 }
