@@ -52,8 +52,10 @@ bench: build
 	tools/run-bench.sh $(BUILD_DIR)
 
 # every fault × transfer mode × pipe under load (tests/faults/run_faults.py; a short subset is in `make check`),
-# then again with kv-aware routing and local prefills under 48 tokens
+# then again with kv-aware routing and local prefills under 48 tokens; then migration (decodes killed,
+# restarted one by one and drained, a prefill drained: tests/faults/run_migration.py) on every pipe
 faults: build
+	python3 tests/faults/run_migration.py $(BUILD_DIR)/bin
 	python3 tests/faults/run_faults.py $(BUILD_DIR)/bin $(FAULTS_ARGS)
 	python3 tests/faults/run_faults.py $(BUILD_DIR)/bin --conditional 48 $(FAULTS_ARGS)
 	python3 tests/faults/run_faults.py $(BUILD_DIR)/bin --p2p $(FAULTS_ARGS)

@@ -17,17 +17,18 @@
 #include "common/metrics.h"
 #include "common/time.h"
 
-/* First-token handover: relays the decode's whole events once the prefill's are all out, after
- * dropping its first d_skip (the role and first-token events the prefill's stream gave already). */
-void px_ft_relay_decode(preq_t *q)
+/* Relays the decode's whole events (first-token handover: once the prefill's are all out), after
+ * dropping its first d_skip (the role and first-token events the prefill's stream gave already, or a
+ * resumed leg's role event). */
+void px_relay_decode(preq_t *q)
 {
     char *ev;
-    while (q->p_done && (ev = px_sse_next(q->d_sse)) != NULL) {
+    while ((q->p_done || !q->ft) && (ev = px_sse_next(q->d_sse)) != NULL) {
         if (q->d_skip > 0) {
             q->d_skip--;
         } else if (q->client != NULL) {
             px_start_client_stream(q);
-            px_sse_send(q->client, ev);
+            px_relay_event(q, ev);
             q->d_events++;
         }
         free(ev);
@@ -38,7 +39,14 @@ void px_ft_relay_decode(preq_t *q)
 void px_ft_end(preq_t *q)
 {
     proxy_t *px = q->px;
-    px_ft_relay_decode(q);
+    px_relay_decode(q);
+    if (px_should_resume(q, q->d_code)) { /* the decode broke: another one goes on */
+        if (q->d_code != 200) {
+            px_set_health(q->d, false, q->d_code == 0 ? "connection failed" : "answered 503");
+        }
+        px_resume_decode(q);
+        return;
+    }
     if (q->client != NULL) {
         if (q->d_code == 200 || (q->reply_started && q->d_events > 0)) {
             evhttp_send_reply_end(q->client); /* the decode's last event was its [DONE] */
@@ -105,7 +113,7 @@ void px_ft_on_p_chunk(struct evhttp_request *r, void *arg)
             q->p_bad_handover = true; /* a handover nobody can continue from: not for the client */
         } else if (!(done && q->ktp != NULL) && q->client != NULL) {
             px_start_client_stream(q);
-            px_sse_send(q->client, ev);
+            px_relay_event(q, ev);
             q->p_events += !done;
             q->p_complete |= done; /* no handover: the prefill's stream was the whole answer */
         }
@@ -168,7 +176,7 @@ void px_ft_on_p_done(preq_t *q, int code)
         if (q->d_done) {
             px_ft_end(q);
         } else {
-            px_ft_relay_decode(q);
+            px_relay_decode(q);
         }
         return;
     }

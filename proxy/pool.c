@@ -237,6 +237,16 @@ struct evhttp_connection *px_upstream(proxy_t *px, node_t *n, enum evhttp_cmd_ty
                                       up_done_cb done, void (*chunk)(struct evhttp_request *, void *),
                                       int (*header)(struct evhttp_request *, void *), void *arg)
 {
+    return px_upstream_leg(px, n, method, path, client_auth, request_id, false, body, done, chunk, header,
+                           arg);
+}
+
+struct evhttp_connection *px_upstream_leg(proxy_t *px, node_t *n, enum evhttp_cmd_type method,
+                                          const char *path, const char *client_auth, const char *request_id,
+                                          bool resumable, const json_t *body, up_done_cb done,
+                                          void (*chunk)(struct evhttp_request *, void *),
+                                          int (*header)(struct evhttp_request *, void *), void *arg)
+{
     struct evhttp_connection *c = evhttp_connection_base_new(px->base, NULL, n->host, (ev_uint16_t)n->port);
     if (c == NULL) {
         return NULL;
@@ -262,6 +272,9 @@ struct evhttp_connection *px_upstream(proxy_t *px, node_t *n, enum evhttp_cmd_ty
     }
     if (request_id != NULL) {
         evhttp_add_header(h, "X-Request-Id", request_id);
+    }
+    if (resumable) { /* a draining node may end this stream early: the proxy resumes it elsewhere */
+        evhttp_add_header(h, PD_RESUMABLE_HEADER, "1");
     }
     if (body != NULL) {
         char *text = json_dumps(body, JSON_COMPACT);

@@ -40,6 +40,7 @@ void pd_proxy_config_defaults(pd_proxy_config_t *c)
     c->prefix_fetch_timeout = 1.0;
     c->affinity_prefix_chars = 256;
     c->first_token_from_prefill = true;
+    c->migration_limit = 3;
     c->kv_index_max_blocks = 1 << 20;
     c->kv_aware_load_weight = 0.1;
     c->kv_aware_recent_s = 5;
@@ -75,6 +76,12 @@ size_t pd_proxy_flags(pd_proxy_config_t *c, pd_flag_t *out, size_t max)
          "streamed requests with one choice: the prefill samples the first token, it is streamed to the "
          "client at once, and the decode continues from it (--no-first-token-from-prefill: the decode "
          "samples it, as vLLM's proxies do)",
+         NULL},
+        {"migration-limit", PD_FLAG_INT, &c->migration_limit,
+         "a request whose decode node fails (its connection breaks, or its stream ends without [DONE]: "
+         "killed, or draining) is resumed on another decode node up to this many times: a stream goes on "
+         "after the tokens its client has (that node recomputes the prompt and them), other requests are "
+         "sent again; greedy and seeded answers are unchanged (0: the client gets the error)",
          NULL},
         {"kv-events", PD_FLAG_BOOL, &c->kv_events,
          "subscribe to every node's KV cache events (the endpoints of its /pd/info: nodes started with "
@@ -204,6 +211,15 @@ static void metrics_register(proxy_t *px)
                                    "Streamed requests whose first token came from the prefill and whose "
                                    "decode went on from it (--first-token-from-prefill).",
                                    NULL, NULL, 0);
+    pm->migrations = pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:migrations_total",
+                                    "Decode legs resumed on another decode node after theirs failed "
+                                    "(--migration-limit).",
+                                    NULL, NULL, 0);
+    pm->migration_pause_s =
+        pd_metrics_add(m, PD_METRIC_HISTOGRAM, "pd_proxy:migration_pause_seconds",
+                       "Resumed streams: the gap their client saw, from the last event before the decode "
+                       "failed to the first one from the node that resumed it.",
+                       NULL, PD_LATENCY_BUCKETS, PD_LATENCY_NUM_BUCKETS);
     pm->first_token_s =
         pd_metrics_add(m, PD_METRIC_HISTOGRAM, "pd_proxy:first_token_seconds",
                        "Streamed requests: arrival to the first token's event sent to the client.", NULL,

@@ -88,13 +88,24 @@ struct preq {
     int32_t d_skip, d_events;       /* decode events still to drop (its own first ones), relayed */
     int d_code;                     /* the decode's status once it answered */
     bool first_sent;                /* the first token's event went to the client */
+    bool batched;                   /* a batch of prompts (completions) */
+    /* migration (migrate.c, --migration-limit): a stream of one choice is resumable; the token ids of
+     * the events the client has (the nodes are asked for them; strip_ids: taken out again, the client
+     * did not ask), whether its role and finish events went out, and whether the decode leg's stream
+     * ended with [DONE] */
+    bool resumable, strip_ids, role_sent, finish_sent, d_ended;
+    int32_t *gen;
+    size_t num_gen, cap_gen;
+    int migrations;      /* decode legs resumed on another node so far */
+    bool pause_open;     /* resumed: the next event relayed ends the pause (t_last_event: its start) */
+    double t_last_event; /* when the last event went to the client */
     double t0, t_d_sent, t_first;
     preq_t *prev, *next;
 };
 
 typedef struct proxy_metrics {
     pd_metric_t *ok, *failed, *client_gone, *retry_p, *retry_d, *prefill_s, *decode_ttft_s, *e2e_s;
-    pd_metric_t *handovers, *first_token_s;
+    pd_metric_t *handovers, *first_token_s, *migrations, *migration_pause_s;
     pd_metric_t *routed_local, *routed_remote, *tokenize_failed, *tokenize_s; /* kv_route.c */
     pd_metric_t *fetch[3], *fetch_s;                  /* kv_fetch.c: lent, refused, failed */
     pd_metric_t *kv_gaps, *kv_malformed, *kv_entries; /* --kv-events */
@@ -158,10 +169,26 @@ void px_route_begin(preq_t *q);
 void px_ft_on_p_chunk(struct evhttp_request *r, void *arg);
 /* The prefill leg ended with status code: continue on the decode, end the answer, retry or fail. */
 void px_ft_on_p_done(preq_t *q, int code);
-/* Relays the decode's whole events once the prefill's are out, dropping the first d_skip. */
-void px_ft_relay_decode(preq_t *q);
+/* Relays the decode's whole events (first-token handover: once the prefill's are out), dropping the
+ * first d_skip. */
+void px_relay_decode(preq_t *q);
 /* Ends the answer once both legs are done (the decode's status in q->d_code); may free q. */
 void px_ft_end(preq_t *q);
+
+/* --- migrate.c: requests that outlive their decode node (--migration-limit) --- */
+/* At admission: whether q can be resumed, and the nodes asked for token ids. */
+void px_migrate_prepare(preq_t *q);
+/* Sends one of q's events to its client (started stream), noting the token ids, role and finish it
+ * carries and taking the ids out when the client did not ask for them. */
+void px_relay_event(preq_t *q, const char *ev);
+/* Whether q's decode leg, ended with status code (0: the connection failed), is resumed elsewhere. */
+bool px_should_resume(const preq_t *q, int code);
+/* Resumes q on another healthy decode node (after the tokens its client has); fails q without one. */
+void px_resume_decode(preq_t *q);
+/* route.c's decode-leg callbacks (a resumed leg uses them too). */
+int px_on_d_header(struct evhttp_request *r, void *arg);
+void px_on_d_chunk(struct evhttp_request *r, void *arg);
+void px_on_d_done(struct evhttp_request *r, void *arg);
 
 /* --- kv_events_sub.c (--kv-events) --- */
 typedef struct px_kv_sub px_kv_sub_t;
@@ -204,6 +231,13 @@ struct evhttp_connection *px_upstream(proxy_t *px, node_t *n, enum evhttp_cmd_ty
                                       const char *client_auth, const char *request_id, const json_t *body,
                                       up_done_cb done, void (*chunk)(struct evhttp_request *, void *),
                                       int (*header)(struct evhttp_request *, void *), void *arg);
+/* The same for a decode leg: resumable adds PD_RESUMABLE_HEADER (api_fields.h), so that a draining
+ * node ends the stream early instead of making its client wait (migrate.c resumes it). */
+struct evhttp_connection *px_upstream_leg(proxy_t *px, node_t *n, enum evhttp_cmd_type method,
+                                          const char *path, const char *client_auth, const char *request_id,
+                                          bool resumable, const json_t *body, up_done_cb done,
+                                          void (*chunk)(struct evhttp_request *, void *),
+                                          int (*header)(struct evhttp_request *, void *), void *arg);
 /* Frees an upstream connection after the current callback returns. */
 void px_release_conn(proxy_t *px, struct evhttp_connection *c);
 /* Some node of the pool is healthy. */

@@ -90,6 +90,7 @@ void px_preq_free(preq_t *q)
     px_fetch_end(q); /* ... released */
     json_decref(q->kv_prefix);
     free(q->toks);
+    free(q->gen);
     json_decref(q->body);
     json_decref(q->ktp);
     free(q->auth);
@@ -188,7 +189,7 @@ void px_start_client_stream(preq_t *q)
     q->reply_started = true;
 }
 
-static int on_d_header(struct evhttp_request *r, void *arg)
+int px_on_d_header(struct evhttp_request *r, void *arg)
 {
     preq_t *q = arg;
     int code = evhttp_request_get_response_code(r);
@@ -198,7 +199,7 @@ static int on_d_header(struct evhttp_request *r, void *arg)
     return 0;
 }
 
-static void on_d_chunk(struct evhttp_request *r, void *arg)
+void px_on_d_chunk(struct evhttp_request *r, void *arg)
 {
     preq_t *q = arg;
     struct evbuffer *in = evhttp_request_get_input_buffer(r);
@@ -210,9 +211,9 @@ static void on_d_chunk(struct evhttp_request *r, void *arg)
             pd_metric_observe(q->px->m.first_token_s, q->t_first - q->t0);
         }
     }
-    if (q->ft && evhttp_request_get_response_code(r) == 200) {
-        evbuffer_add_buffer(q->d_sse, in);
-        px_ft_relay_decode(q);
+    if ((q->ft || q->resumable) && evhttp_request_get_response_code(r) == 200) {
+        evbuffer_add_buffer(q->d_sse, in); /* relayed event by event */
+        px_relay_decode(q);
     } else if (q->client != NULL && q->reply_started && !q->ft) {
         evhttp_send_reply_chunk(q->client, in);
     } else {
@@ -220,7 +221,7 @@ static void on_d_chunk(struct evhttp_request *r, void *arg)
     }
 }
 
-static void on_d_done(struct evhttp_request *r, void *arg)
+void px_on_d_done(struct evhttp_request *r, void *arg)
 {
     preq_t *q = arg;
     proxy_t *px = q->px;
@@ -228,7 +229,7 @@ static void on_d_done(struct evhttp_request *r, void *arg)
     q->d_conn = NULL;
     q->d->inflight--;
     int code = r != NULL ? evhttp_request_get_response_code(r) : 0;
-    if (q->ft && code == 0 && q->d_events == 0 && !q->push && q->client != NULL) {
+    if (q->ft && code == 0 && q->d_events == 0 && !q->push && q->client != NULL && q->migrations == 0) {
         /* nothing of this decode reached the client: the prefill's lease lets another one read */
         px_set_health(q->d, false, "connection failed");
         pd_metric_inc(px->m.retry_d, 1);
@@ -254,14 +255,27 @@ static void on_d_done(struct evhttp_request *r, void *arg)
         }
         return;
     }
-    if (code == 0 && !q->reply_started) {
+    if (r != NULL && code == 200 && q->resumable) { /* what the last chunk callback did not see */
+        evbuffer_add_buffer(q->d_sse, evhttp_request_get_input_buffer(r));
+        px_relay_decode(q);
+    }
+    if (code == 0) {
         px_set_health(q->d, false, "connection failed");
-        if (!q->push && q->client != NULL) {
-            /* pull: the prefill still holds the KV under its lease; another decode may read it */
-            pd_metric_inc(px->m.retry_d, 1);
-            px_start_decode(q);
-            return;
+    }
+    if (code == 0 && !q->reply_started && !q->push && q->client != NULL && q->migrations == 0) {
+        /* pull: the prefill still holds the KV under its lease; another decode may read it */
+        pd_metric_inc(px->m.retry_d, 1);
+        px_start_decode(q);
+        return;
+    }
+    if (px_should_resume(q, code)) {
+        if (code == 503) {
+            px_set_health(q->d, false, "answered 503");
         }
+        px_resume_decode(q);
+        return;
+    }
+    if (code == 0 && !q->reply_started) {
         px_release_prefill(q);
         px_fail_request(q, 502, "the decode node failed");
         return;
@@ -323,8 +337,8 @@ void px_start_decode(preq_t *q)
         json_object_set(body, "kv_transfer_params", q->ktp);
     }
     q->t_d_sent = pd_time_now_s();
-    q->d_conn = px_upstream(px, d, EVHTTP_REQ_POST, q->path, q->auth, q->req_id, body, on_d_done, on_d_chunk,
-                            on_d_header, q);
+    q->d_conn = px_upstream_leg(px, d, EVHTTP_REQ_POST, q->path, q->auth, q->req_id, q->resumable, body,
+                                px_on_d_done, px_on_d_chunk, px_on_d_header, q);
     json_object_del(body, "kv_transfer_params");
     if (q->d_conn == NULL) {
         px_release_prefill(q);
@@ -574,10 +588,19 @@ static void handle_completions(proxy_t *px, struct evhttp_request *req, const ch
                    json_array_size(pr) != 1;
     /* ... and no tool calls to read: a decode reads them out of the whole reply (server/tool_calls.h),
      * so it samples the first token itself */
+    q->batched = batched;
     q->ft = px->cfg.first_token_from_prefill && q->stream &&
             (nc == NULL || json_is_null(nc) || json_integer_value(nc) == 1) && !batched &&
             !reads_tool_calls(body);
     json_object_del(body, "kv_transfer_params"); /* the proxy owns the transfer */
+    if (json_object_get(body, "resume_token_ids") != NULL) {
+        /* the proxy sets it on a resumed leg; a client's would be relayed with the proxy's ids */
+        reply_error(req, 400, "BadRequestError",
+                    "'resume_token_ids' is set by the proxy when a decode node fails; send it to a node");
+        px_preq_free(q);
+        return;
+    }
+    px_migrate_prepare(q);
     /* affinity key (prefix-affinity only): the start of the prompt (text or token ids) or of the
      * chat messages */
     json_t *prompt = json_object_get(body, "prompt");

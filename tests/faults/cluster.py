@@ -386,6 +386,18 @@ class Cluster:
             r.close()
 
 
+def report(first, rows, failed, tmp, what):
+    """Prints a run's table ((first column, mode, pipe, {figure: value}) rows) and its failures; returns
+    the exit status (1 when anything failed)."""
+    print("%-16s %-5s %-4s %s" % (first, "mode", "pipe", "outcome"))
+    for cell, mode, pipe, res in rows:
+        print("%-16s %-5s %-4s %s" % (cell, mode, pipe, " ".join("%s=%s" % kv for kv in res.items())))
+    for f in failed:
+        print("FAIL  " + f)
+    print("%s: %d failed (logs in %s)" % (what, len(failed), tmp))
+    return 1 if failed else 0
+
+
 def wait_free(port, secs=20):
     """0 once the node has no block in use and no live request, else the blocks used at the deadline."""
     end = time.time() + secs

@@ -48,8 +48,8 @@ import time
 import urllib.error
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster import (MODEL_NAME, Cluster, Node, http, metric_sum, near_tie, near_tie_selfcheck, socket_fds,  # noqa: E402
-                     wait_free)
+from cluster import (MODEL_NAME, Cluster, Node, http, metric_sum, near_tie, near_tie_selfcheck, report,  # noqa: E402
+                     socket_fds, wait_free)
 
 MAX_TOKENS = 6
 # a lease nobody will read (its decode failed while the prefill was unreachable) ends at the hold
@@ -380,13 +380,7 @@ def main():
         for c in clusters:
             c.stop()
         serve.stop()
-    print("%-14s %-5s %-4s %s" % ("fault", "mode", "pipe", "outcome"))
-    for fault, mode, pipe, res in rows:
-        print("%-14s %-5s %-4s %s" % (fault, mode, pipe, " ".join("%s=%s" % kv for kv in res.items())))
-    for f in failed:
-        print("FAIL  " + f)
-    print("faults: %d failed (logs in %s)" % (len(failed), tmp))
-    return 1 if failed else 0
+    return report("fault", rows, failed, tmp, "faults")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,184 @@
+/* proxy/migrate.c — requests that outlive their decode node (--migration-limit): what the client has
+ * had of a stream (the token ids of every event relayed, asked of the nodes with return_token_ids and
+ * taken out again when the client did not ask for them), and the resumption of a request whose
+ * decode leg broke (its connection failed, or its stream ended without [DONE]: a node killed or
+ * draining) on another decode node. A stream goes on there after the tokens the client has
+ * (resume_token_ids: that node recomputes the prompt and them, and sends only what follows); a
+ * request whose answer had not started is sent again whole. Seeded sampling draws per output
+ * position, so the continuation is the one the first node would have sampled. */
+#define _GNU_SOURCE
+#include "proxy/proxy_impl.h"
+
+#include <event2/buffer.h>
+#include <event2/http.h>
+#include <jansson.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/array.h"
+#include "common/log.h"
+#include "common/metrics.h"
+#include "common/time.h"
+
+void px_migrate_prepare(preq_t *q)
+{
+    json_t *n = json_object_get(q->body, "n");
+    q->resumable = q->px->cfg.migration_limit > 0 && q->stream &&
+                   (n == NULL || json_is_null(n) || json_integer_value(n) == 1) && !q->batched;
+    if (!q->resumable) {
+        return;
+    }
+    q->strip_ids = !json_is_true(json_object_get(q->body, "return_token_ids"));
+    json_object_set_new(q->body, "return_token_ids", json_true());
+}
+
+/* Records what an event tells the client: its token ids, chat's role, a finish reason. */
+static bool note_ids(preq_t *q, json_t *choice)
+{
+    json_t *ids = json_object_get(choice, "token_ids");
+    size_t i;
+    json_t *v;
+    json_array_foreach(ids, i, v)
+    {
+        if (!json_is_integer(v) || pd_array_reserve(&q->gen, &q->cap_gen, q->num_gen + 1) != PD_OK) {
+            return false;
+        }
+        q->gen[q->num_gen++] = (int32_t)json_integer_value(v);
+    }
+    q->role_sent |= json_object_get(json_object_get(choice, "delta"), "role") != NULL;
+    q->finish_sent |= json_is_string(json_object_get(choice, "finish_reason"));
+    return true;
+}
+
+void px_relay_event(preq_t *q, const char *ev)
+{
+    if (!q->resumable) {
+        px_sse_send(q->client, ev);
+        return;
+    }
+    double now = pd_time_now_s();
+    if (q->pause_open) {
+        q->pause_open = false;
+        pd_metric_observe(q->px->m.migration_pause_s, now - q->t_last_event);
+        pd_log_info("proxy: request %s: resumed on %s, %.1f ms after its last event", q->req_id, q->d->url,
+                    1e3 * (now - q->t_last_event));
+    }
+    q->t_last_event = now;
+    if (strcmp(ev, "[DONE]") == 0) {
+        q->d_ended = true;
+        px_sse_send(q->client, ev);
+        return;
+    }
+    json_t *j = json_loads(ev, JSON_ALLOW_NUL, NULL); /* a token's text may hold a NUL (\u0000) */
+    json_t *choices = json_object_get(j, "choices");
+    size_t i;
+    json_t *c;
+    bool ok = j != NULL;
+    json_array_foreach(choices, i, c)
+    {
+        ok = ok && note_ids(q, c);
+        if (q->strip_ids) {
+            json_object_del(c, "token_ids");
+            json_object_del(c, "prompt_token_ids");
+        }
+    }
+    if (!ok) {
+        pd_log_warn(
+            "proxy: request %s: cannot keep its token ids (%s); it is not resumed if its decode fails",
+            q->req_id, j == NULL ? "an event that is not JSON" : "out of memory");
+        q->resumable = false;
+    }
+    char *text = j != NULL && q->strip_ids && choices != NULL ? json_dumps(j, JSON_COMPACT) : NULL;
+    px_sse_send(q->client, text != NULL ? text : ev);
+    free(text);
+    json_decref(j);
+}
+
+bool px_should_resume(const preq_t *q, int code)
+{
+    if (q->client == NULL || q->migrations >= q->px->cfg.migration_limit) {
+        return false;
+    }
+    if (code == 0 || code == 503) {
+        /* the connection failed, or the node refused to start it (draining, its queue full): a stream
+         * resumes, anything else is sent again whole */
+        return !q->stream || q->resumable || !q->reply_started;
+    }
+    /* a stream that ended without [DONE] (a draining node): after its finish, only [DONE] is missing */
+    return code == 200 && q->resumable && !q->d_ended;
+}
+
+/* The answer's last event had come; only [DONE] was missing (usage, when asked, is lost). */
+static void end_after_finish(preq_t *q)
+{
+    proxy_t *px = q->px;
+    pd_log_info(
+        "proxy: request %s: its decode %s ended the stream after the finish without [DONE]; ending it",
+        q->req_id, q->d->url);
+    px_sse_send(q->client, "[DONE]");
+    evhttp_send_reply_end(q->client);
+    pd_metric_inc(px->m.ok, 1);
+    q->client = NULL;
+    q->d_done = true;
+    if (q->p_conn == NULL) {
+        px_preq_free(q);
+    }
+}
+
+void px_resume_decode(preq_t *q)
+{
+    proxy_t *px = q->px;
+    node_t *dead = q->d;
+    if (q->finish_sent) {
+        end_after_finish(q);
+        return;
+    }
+    px_release_prefill(q); /* read already, or nobody will now */
+    q->migrations++;
+    pd_metric_inc(px->m.migrations, 1);
+    memset(q->tried_d, 0, sizeof(q->tried_d)); /* every healthy node but the one that failed */
+    q->tried_d[dead - px->nodes] = true;
+    node_t *d = px_pick(px, false, q->tried_d, q->affinity, q->keys, q->num_keys, false);
+    if (d == NULL) {
+        pd_log_warn("proxy: request %s: its decode %s failed after %zu tokens and no other decode node is "
+                    "healthy",
+                    q->req_id, dead->url, q->num_gen);
+        q->d_done = true;
+        px_fail_request(q, 503, "the decode node failed and no other is healthy");
+        return;
+    }
+    pd_log_info(
+        "proxy: request %s: its decode %s failed after %zu tokens; resuming it on %s (migration %d of %d)",
+        q->req_id, dead->url, q->num_gen, d->url, q->migrations, px->cfg.migration_limit);
+    q->tried_d[d - px->nodes] = true;
+    q->d = d;
+    q->local = true; /* no prefill leg from now on */
+    q->d_done = false;
+    q->d_ended = false;
+    q->d_code = 0;
+    evbuffer_drain(q->d_sse, evbuffer_get_length(q->d_sse)); /* an event cut short went nowhere */
+    evbuffer_drain(q->d_body, evbuffer_get_length(q->d_body));
+    json_t *body = q->body;
+    json_object_del(body, "kv_transfer_params");
+    if (q->num_gen > 0) { /* the node sends what follows the client's tokens, without the role event */
+        json_t *ids = json_array();
+        for (size_t i = 0; i < q->num_gen; i++) {
+            json_array_append_new(ids, json_integer(q->gen[i]));
+        }
+        json_object_set_new(body, "resume_token_ids", ids);
+        json_object_del(body, "echo"); /* the prompt's text went out with the first event */
+        q->d_skip = 0;
+    } else {
+        q->d_skip = q->role_sent ? 1 : 0; /* a chat stream's role event, sent again by the new node */
+    }
+    q->pause_open = q->t_last_event > 0;
+    q->t_d_sent = pd_time_now_s();
+    q->d_conn = px_upstream_leg(px, d, EVHTTP_REQ_POST, q->path, q->auth, q->req_id, q->resumable, body,
+                                px_on_d_done, px_on_d_chunk, px_on_d_header, q);
+    if (q->d_conn == NULL) {
+        q->d_done = true;
+        px_fail_request(q, 502, "cannot reach the decode node");
+        return;
+    }
+    d->inflight++;
+}

@@ -1,0 +1,365 @@
+#!/usr/bin/python3
+"""tests/faults/run_migration.py BIN_DIR [--short] [--seed N] [--modes pull:tcp,push:ucx,...] [--rounds N]
+
+Requests that outlive their decode node (pd-proxy --migration-limit): per transfer mode × pipe, a
+cluster of one prefill, two decodes and pd-proxy on loopback serves long streamed generations
+(prompts of 16-200 tokens, 150-250 output tokens, greedy and seeded sampling with penalties, chat and
+completions, some streams with a stop string, some asking for token ids and some not) while decode
+nodes die under it:
+
+  kill-decode      once every stream in flight has 8 events, SIGKILL of one decode node (then a
+                   restart on the same port): its streams go on, on the other decode, after the tokens
+                   their clients have
+  rolling-restart  the same for each decode node in turn (the restarted one first back in the pool)
+  drain-decode     SIGTERM instead of SIGKILL: the node ends its resumable streams at once (no [DONE];
+                   pd:drain_handoffs_total), pd-proxy resumes them elsewhere, and the node exits in
+                   seconds (asserted under 5 s) instead of after its longest generation
+  drain-prefill    SIGTERM of a prefill under the same load: it takes no new prompt and exits only
+                   once the KV it holds for decodes was read (pull: no decode left with a dangling pull,
+                   asserted by the decodes' pd:kv_transfers_failed_total; push: reported, as a decode
+                   whose reservation named the prefill that refused the prompt recomputes it)
+
+Every answer must be whole and equal to pd-serve's for the same body (token ids, text, finish
+reason): 0 failed requests, 0 missing, duplicated or reordered tokens. A streamed answer whose tokens
+differ from pd-serve's only where greedy meets an fp32 near-tie (cluster.near_tie: the two tokens'
+raw logprobs within 1e-4, the rest what pd-serve continues from there) is a near-tie, not wrong;
+sampled answers must be equal. After the load: the proxy counted at least one migration per kill,
+every node is free of blocks, and the surviving nodes kept their fds. `make faults` runs every mode
+with 2 rounds; CTest migration_short (`make check`) runs pull/tcp and push/ucx with 1 round.
+
+The migration pause is printed per cell: its mean as pd-proxy measures it (pd_proxy:migration_pause_seconds:
+the last event before the decode failed to the first from the node that resumed it) and, as the
+clients saw it, p50/p99 of the longest gap of each stream the proxy logged as resumed (requests
+carry X-Request-Id), beside the inter-token gaps (p50/p99) of all streams; a "gaps around" row gives
+the median gap at each event offset around the pause (offset 0), the ITL around migrations.
+"""
+import argparse
+import http.client
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster import (MODEL_NAME, Cluster, Node, metric_sum, metrics, near_tie, report, socket_fds,  # noqa: E402
+                     wait_free)
+from cluster import http as post  # noqa: E402
+
+FAST = ["--kv-heartbeat-interval", "0.2", "--kv-heartbeat-misses", "5", "--kv-handshake-timeout", "2",
+        "--kv-load-timeout", "10"]
+
+
+def stream(port, path, body, on_event=None, timeout=120, rid=None):
+    """POSTs a streamed body (X-Request-Id rid); returns (status, events [(time, data)]) as they came."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    headers = {"Content-Type": "application/json"}
+    if rid is not None:
+        headers["X-Request-Id"] = rid
+    try:
+        conn.request("POST", path, json.dumps(body), headers)
+        r = conn.getresponse()
+        if r.status != 200:
+            return r.status, [(time.time(), r.read().decode(errors="replace"))]
+        events, buf = [], b""
+        while True:
+            line = r.readline()
+            if not line:
+                break
+            buf += line
+            if line == b"\n":
+                data = "\n".join(l[6:] for l in buf.decode().split("\n") if l.startswith("data: "))
+                buf = b""
+                events.append((time.time(), data))
+                if on_event is not None:
+                    on_event()
+        return 200, events
+    finally:
+        conn.close()
+
+
+def answer(events, chat):
+    """(token ids or None, text, finish reason, whether it ended with [DONE], error) of a stream."""
+    ids, text, finish, done, err, have_ids = [], "", None, False, None, False
+    for _, data in events:
+        if data == "[DONE]":
+            done = True
+            continue
+        j = json.loads(data)
+        if "error" in j:
+            err = j["error"]
+        for c in j.get("choices", []):
+            if "token_ids" in c:
+                have_ids = True
+                ids += c["token_ids"]
+            text += (c.get("delta", {}).get("content") or "") if chat else c.get("text", "")
+            finish = c.get("finish_reason") or finish
+    return (ids if have_ids else None), text, finish, done, err
+
+
+class Load:
+    """Clients each streaming one request after another; the bodies and pd-serve's answers prepared."""
+
+    def __init__(self, proxy_port, serve_port, rng, clients):
+        self.proxy_port, self.serve_port, self.rng = proxy_port, serve_port, rng
+        self.lock = threading.Lock()
+        self.counts = {"ok": 0, "near-tie": 0, "wrong": 0, "failed": 0}
+        self.events = {}  # client -> events so far of its stream in flight
+        self.gaps, self.kills = [], []
+        self.times = {}  # request id -> its events' arrival times (the proxy logs the ids it resumed)
+        self.tag = "r%d" % rng.randrange(1 << 30)
+        self.stopping = False
+        self.threads = [threading.Thread(target=self.run, args=(i,)) for i in range(clients)]
+
+    def body(self, i, n):
+        rng = random.Random(self.rng.random())
+        chat = n % 3 == 2
+        b = {"model": MODEL_NAME, "max_tokens": rng.randint(150, 250), "stream": True}
+        if chat:
+            b["messages"] = [{"role": "user", "content": " ".join("w%d" % rng.randint(0, 999)
+                                                                    for _ in range(rng.randint(8, 60)))}]
+        else:
+            b["prompt"] = [rng.randint(3, 250) for _ in range(rng.randint(16, 200))]
+        if n % 2:
+            b.update(temperature=0.8, top_p=0.95, seed=rng.randint(0, 1 << 30), frequency_penalty=0.3)
+        else:
+            b["temperature"] = 0
+        if n % 4 != 3:
+            b["ignore_eos"] = True
+        if n % 5 == 4:
+            b["stop"] = [" w1", "9"]
+        b["return_token_ids"] = n % 2 == 0 or chat  # the proxy asks for them either way
+        return b, chat
+
+    def run(self, i):
+        n = i
+        while not self.stopping:
+            n += len(self.threads)
+            body, chat = self.body(i, n)
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            ref_body = dict(body, return_token_ids=True)
+            st, ref_ev = stream(self.serve_port, path, ref_body)
+            ref = answer(ref_ev, chat)
+            if st != 200 or not ref[3]:
+                continue  # the reference server is never faulted
+            mine = []
+            with self.lock:
+                self.events[i] = mine
+
+            def note():
+                mine.append(time.time())
+
+            outcome = "failed"
+            rid = "%s-%d-%d" % (self.tag, i, n)
+            try:
+                st, ev = stream(self.proxy_port, path, body, on_event=note, rid=rid)
+                got = answer(ev, chat)
+                with self.lock:
+                    self.events.pop(i, None)
+                    self.times[rid] = [t for t, _ in ev]
+                    self.gaps += [b[0] - a[0] for a, b in zip(ev, ev[1:])]
+                if st == 200 and got[3] and got[4] is None:
+                    same_text = got[1] == ref[1] and got[2] == ref[2]
+                    ids_ok = got[0] is None if not body["return_token_ids"] else got[0] == ref[0]
+                    outcome = "ok" if same_text and ids_ok else "wrong"
+                    if outcome == "wrong" and body["temperature"] == 0 and not chat and got[0] is not None:
+                        outcome = "near-tie" if near_tie(self.serve_port, body["prompt"], ref[0], got[0]) else outcome
+                    if outcome != "ok":
+                        print("%s %s body=%s\n  pd-serve=%r %s\n  proxy   =%r %s\n  events: %s" %
+                              (outcome.upper(), path, json.dumps(body), ref[1], ref[0], got[1], got[0],
+                               " | ".join(d for _, d in ev)), file=sys.stderr, flush=True)
+                else:
+                    print("FAILED %s status %d done=%s error=%s" % (path, st, got[3], got[4]), file=sys.stderr,
+                          flush=True)
+            except Exception as e:  # a reset connection, a timeout
+                print("FAILED %s: %r" % (path, e), file=sys.stderr, flush=True)
+            with self.lock:
+                self.events.pop(i, None)
+                self.counts[outcome] += 1
+
+    def wait_streams(self, events, secs=30):
+        """Waits until every stream in flight (at least one) has `events` events."""
+        end = time.time() + secs
+        while time.time() < end:
+            with self.lock:
+                live = list(self.events.values())
+            if live and all(len(e) >= events for e in live):
+                return True
+            time.sleep(0.01)
+        return False
+
+    def start(self):
+        for t in self.threads:
+            t.start()
+
+    def finish(self):
+        self.stopping = True
+        for t in self.threads:
+            t.join(timeout=300)
+
+
+def migrated_ids(log):
+    """The request ids a proxy log says it resumed on another decode node."""
+    out = set()
+    for line in open(log, errors="replace"):
+        if "; resuming it on " in line:
+            out.add(line.split("request ", 1)[1].split(":", 1)[0])
+    return out
+
+
+def around(load, ids, width=3):
+    """Migrated streams as their clients saw them: each one's longest gap (the migration pause) and the
+    gaps at offsets -width..+width events around it (median per offset over the streams)."""
+    pauses, at = [], {o: [] for o in range(-width, width + 1)}
+    for rid in ids:
+        t = load.times.get(rid)
+        if not t or len(t) < 2:
+            continue
+        gaps = [b - a for a, b in zip(t, t[1:])]
+        m = gaps.index(max(gaps))
+        pauses.append(gaps[m])
+        for o in at:
+            if 0 <= m + o < len(gaps):
+                at[o].append(gaps[m + o])
+    return pauses, {o: pct(v, 50) for o, v in at.items() if v}
+
+
+def pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p / 100.0 * len(xs)))] if xs else float("nan")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("bindir")
+    ap.add_argument("--short", action="store_true", help="the subset make check runs")
+    ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--modes", default=None, help="mode:pipe list (default all four; short pull:tcp,push:ucx)")
+    ap.add_argument("--rounds", type=int, default=None, help="kill-decode and rolling-restart rounds (default 2, short 1)")
+    ap.add_argument("--clients", type=int, default=4)
+    args = ap.parse_args()
+    rounds = args.rounds or (1 if args.short else 2)
+    modes = [m.split(":") for m in (args.modes or ("pull:tcp,push:ucx" if args.short else
+                                                   "pull:tcp,push:tcp,pull:ucx,push:ucx")).split(",")]
+    rng = random.Random(args.seed)
+    tmp = tempfile.mkdtemp(prefix="pd-migration-")
+    model = os.path.join(tmp, "model")
+    subprocess.run([os.path.join(args.bindir, "pd-mkmodel"), "--preset", "tiny", "--seed", "3", "--layers", "8",
+                    "--hidden", "256", "--intermediate", "768", "--out", model],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    serve = Node(tmp, "serve", [os.path.join(args.bindir, "pd-serve"), "--model", model, "--served-model-name",
+                                MODEL_NAME, "--kv-cache-memory", "256M", "--threads", "1", "--max-model-len", "512"])
+    rows, failed, clusters = [], [], []
+    try:
+        serve.start()
+        for mode, pipe in modes:
+            c = Cluster(args.bindir, tmp, model, mode, pipe, FAST, nprefill=2, ndecode=2,
+                        proxy_extra=["--migration-limit", "3"])
+            clusters.append(c)
+            try:  # resume_token_ids is the proxy's to set: a client's is refused
+                post(c.proxy.port, "/v1/completions", {"model": MODEL_NAME, "prompt": [5, 6], "stream": True,
+                                                       "resume_token_ids": [7]})
+                failed.append("%s/%s: the proxy took a client's resume_token_ids" % (mode, pipe))
+            except urllib.error.HTTPError as e:
+                if e.code != 400:
+                    failed.append("%s/%s: a client's resume_token_ids got HTTP %d" % (mode, pipe, e.code))
+            warm = Load(c.proxy.port, serve.port, random.Random(rng.random()), args.clients)
+            warm.start()  # every node's connections are up before the baseline
+            time.sleep(1.5)
+            warm.finish()
+            fds = {n.tag: (n.proc.pid, n.figures(samples=3)["fds"]) for n in c.prefills + c.decodes}
+            for cell in ["kill-decode", "rolling-restart", "drain-decode"] * rounds + ["drain-prefill"]:
+                load = Load(c.proxy.port, serve.port, random.Random(rng.random()), args.clients)
+                before = metric_sum(c.proxy.port, "pd_proxy:migrations_total")
+                pm0 = metrics(c.proxy.port)
+                loads_failed = sum(metric_sum(d.port, "pd:kv_transfers_failed_total") for d in c.decodes)
+                load.start()
+                victims = [0, 1] if cell == "rolling-restart" else [rng.randrange(2)]
+                kills = 0
+                exits = []
+                for v in victims:
+                    end = time.time() + 30
+                    while time.time() < end:  # streams under way, and the victim runs some of them
+                        if not load.wait_streams(8):
+                            break
+                        running = [metrics(d.port).get("vllm:num_requests_running", 0) for d in c.decodes]
+                        if cell == "drain-prefill":
+                            break
+                        if cell != "rolling-restart":  # the decode with the most streams in flight
+                            v = running.index(max(running))
+                        if running[v] > 0:
+                            break
+                    else:
+                        failed.append("%s %s/%s: decode %d ran no stream to kill" % (cell, mode, pipe, v))
+                        break
+                    node = c.prefills[v] if cell == "drain-prefill" else c.decodes[v]
+                    with load.lock:
+                        load.kills.append(time.time())
+                    t = time.time()
+                    if cell.startswith("drain"):
+                        node.stop()  # SIGTERM, then the drain
+                        exits.append(time.time() - t)
+                        if exits[-1] > 5:
+                            failed.append("%s %s/%s: the node took %.1f s to exit" % (cell, mode, pipe, exits[-1]))
+                    else:
+                        node.kill()
+                    kills += cell != "drain-prefill"
+                    node.start()
+                    time.sleep(0.6)  # the proxy's probes see it healthy again
+                time.sleep(0.5)
+                load.finish()
+                migrated = metric_sum(c.proxy.port, "pd_proxy:migrations_total") - before
+                pm1 = metrics(c.proxy.port)
+                pauses, shape = around(load, migrated_ids(os.path.join(tmp, c.proxy.tag + ".log")))
+                pause = lambda k: pm1.get("pd_proxy:migration_pause_seconds_" + k, 0) - pm0.get(
+                    "pd_proxy:migration_pause_seconds_" + k, 0)
+                res = dict(load.counts, kills=kills, migrations=int(migrated),
+                           exit_s=round(max(exits), 2) if exits else "-",
+                           pause_mean_ms=round(1e3 * pause("sum") / pause("count"), 1) if pause("count") else "-",
+                           pause_p50_ms=round(1e3 * pct(pauses, 50), 1) if pauses else "-",
+                           pause_p99_ms=round(1e3 * pct(pauses, 99), 1) if pauses else "-",
+                           itl_p50_ms=round(1e3 * pct(load.gaps, 50), 2), itl_p99_ms=round(1e3 * pct(load.gaps, 99), 2))
+                rows.append((cell, mode, pipe, res))
+                if shape:
+                    rows.append(("  gaps around", mode, pipe, {"offset %+d" % o: "%.1fms" % (1e3 * v)
+                                                                for o, v in sorted(shape.items())}))
+                bad = load.counts["wrong"] + load.counts["failed"]
+                if bad:
+                    failed.append("%s %s/%s: %d wrong, %d failed" % (cell, mode, pipe, load.counts["wrong"],
+                                                                    load.counts["failed"]))
+                if cell == "drain-prefill":  # pull: no decode found its prefill gone mid-pull
+                    now_failed = sum(metric_sum(d.port, "pd:kv_transfers_failed_total") for d in c.decodes)
+                    res["loads_failed"] = int(now_failed - loads_failed)
+                    # push: a decode whose reservation went to the prefill that refused the prompt (503,
+                    # draining) loads nothing and recomputes, as when a prefill leg is retried elsewhere
+                    if now_failed > loads_failed and mode == "pull":
+                        failed.append("%s %s/%s: %d KV loads failed" % (cell, mode, pipe, now_failed - loads_failed))
+                if kills and migrated < kills:
+                    failed.append("%s %s/%s: %d kills, %d migrations" % (cell, mode, pipe, kills, migrated))
+            for n in c.prefills + c.decodes:
+                used = wait_free(n.port)
+                if used != 0:
+                    failed.append("%s: %s blocks still used after the load" % (n.tag, used))
+                pid, base = fds.get(n.tag, (None, None))
+                end = time.time() + 10  # a dead peer's connections close at its heartbeat timeout
+                while pid == n.proc.pid and n.figures(samples=3)["fds"] > base + 4 and time.time() < end:
+                    time.sleep(0.5)
+                if pid == n.proc.pid and n.figures(samples=3)["fds"] > base + 4:
+                    f = n.figures()
+                    failed.append("%s: fds %d -> %d; its TCP sockets now: %s" %
+                                  (n.tag, base, f["fds"], "; ".join(socket_fds(f["pid"]))))
+            c.stop()
+    finally:
+        for c in clusters:
+            c.stop()
+        serve.stop()
+    return report("cell", rows, failed, tmp, "migration")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
