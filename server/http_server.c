@@ -415,6 +415,18 @@ static void handle_release(pd_http_server_t *s, struct evhttp_request *req)
     json_decref(j);
 }
 
+/* POST /admin/migrate: every stream pd-proxy can resume elsewhere (X-PD-Resumable) ends now, as in a
+ * drain, and the node stays up: an operator rebalancing the decode pool, or emptying a node before
+ * maintenance without restarting it. Answers how many streams it handed off. */
+static void handle_migrate(pd_http_server_t *s, struct evhttp_request *req)
+{
+    int n = pd_http_hand_off_inflight(s);
+    pd_log_info("POST /admin/migrate: %d streams ended for pd-proxy to resume on other nodes", n);
+    json_t *j = json_pack("{s:i}", "handed_off", n);
+    pd_http_send_json(s, req, 200, j);
+    json_decref(j);
+}
+
 static void handle_metrics(pd_http_server_t *s, struct evhttp_request *req)
 {
     pd_http_metrics_refresh(s);
@@ -459,10 +471,11 @@ static void on_request(struct evhttp_request *req, void *arg)
         {"/detokenize", POST, handle_detokenize},
         {"/pd/info", GET, handle_info},
         {"/pd/release", POST, handle_release},
+        {"/admin/migrate", POST, handle_migrate},
     };
     /* the key guards every route that tells about the model or runs it (the proxy's too) */
-    bool keyed =
-        strncmp(path, "/v1/", 4) == 0 || strcmp(path, "/tokenize") == 0 || strcmp(path, "/detokenize") == 0;
+    bool keyed = strncmp(path, "/v1/", 4) == 0 || strcmp(path, "/tokenize") == 0 ||
+                 strcmp(path, "/detokenize") == 0 || strncmp(path, "/admin/", 7) == 0;
     if (keyed && !authorized(s, req)) {
         pd_http_reply_error(s, req, 401, "AuthenticationError", NULL, "invalid or missing API key");
         return;

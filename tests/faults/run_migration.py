@@ -14,6 +14,8 @@ nodes die under it:
   drain-decode     SIGTERM instead of SIGKILL: the node ends its resumable streams at once (no [DONE];
                    pd:drain_handoffs_total), pd-proxy resumes them elsewhere, and the node exits in
                    seconds (asserted under 5 s) instead of after its longest generation
+  admin-migrate    POST /admin/migrate on the busiest decode: its resumable streams end at once and
+                   go on on the other decode; the node stays up
   drain-prefill    SIGTERM of a prefill under the same load: it takes no new prompt and exits only
                    once the KV it holds for decodes was read (pull: no decode left with a dangling pull,
                    asserted by the decodes' pd:kv_transfers_failed_total; push: reported, as a decode
@@ -50,6 +52,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cluster import (MODEL_NAME, Cluster, Node, metric_sum, metrics, near_tie, report, socket_fds,  # noqa: E402
                      wait_free)
 from cluster import http as post  # noqa: E402
+
+# request shapes: prompt tokens, chat words, output tokens (--long: the issue's 256-2048 / 256-1024)
+SHAPE = {"prompt": (16, 200), "words": (8, 60), "out": (150, 250)}
+LONG = {"prompt": (256, 2048), "words": (100, 800), "out": (256, 1024)}
 
 FAST = ["--kv-heartbeat-interval", "0.2", "--kv-heartbeat-misses", "5", "--kv-handshake-timeout", "2",
         "--kv-load-timeout", "10"]
@@ -119,12 +125,12 @@ class Load:
     def body(self, i, n):
         rng = random.Random(self.rng.random())
         chat = n % 3 == 2
-        b = {"model": MODEL_NAME, "max_tokens": rng.randint(150, 250), "stream": True}
+        b = {"model": MODEL_NAME, "max_tokens": rng.randint(*SHAPE["out"]), "stream": True}
         if chat:
             b["messages"] = [{"role": "user", "content": " ".join("w%d" % rng.randint(0, 999)
-                                                                    for _ in range(rng.randint(8, 60)))}]
+                                                                    for _ in range(rng.randint(*SHAPE["words"])))}]
         else:
-            b["prompt"] = [rng.randint(3, 250) for _ in range(rng.randint(16, 200))]
+            b["prompt"] = [rng.randint(3, 250) for _ in range(rng.randint(*SHAPE["prompt"]))]
         if n % 2:
             b.update(temperature=0.8, top_p=0.95, seed=rng.randint(0, 1 << 30), frequency_penalty=0.3)
         else:
@@ -242,23 +248,32 @@ def main():
     ap.add_argument("--modes", default=None, help="mode:pipe list (default all four; short pull:tcp,push:ucx)")
     ap.add_argument("--rounds", type=int, default=None, help="kill-decode and rolling-restart rounds (default 2, short 1)")
     ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--long", action="store_true",
+                    help="the issue's shapes: 256-2048-token prompts, 256-1024 output tokens, on the demo-preset "
+                    "model (4096-token context)")
     args = ap.parse_args()
+    if args.long:
+        SHAPE.update(LONG)
     rounds = args.rounds or (1 if args.short else 2)
     modes = [m.split(":") for m in (args.modes or ("pull:tcp,push:ucx" if args.short else
                                                    "pull:tcp,push:tcp,pull:ucx,push:ucx")).split(",")]
     rng = random.Random(args.seed)
     tmp = tempfile.mkdtemp(prefix="pd-migration-")
     model = os.path.join(tmp, "model")
-    subprocess.run([os.path.join(args.bindir, "pd-mkmodel"), "--preset", "tiny", "--seed", "3", "--layers", "8",
-                    "--hidden", "256", "--intermediate", "768", "--out", model],
+    shape = (["--preset", "demo"] if args.long else
+             ["--preset", "tiny", "--layers", "8", "--hidden", "256", "--intermediate", "768"])
+    subprocess.run([os.path.join(args.bindir, "pd-mkmodel")] + shape + ["--seed", "3", "--out", model],
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # the nodes' flags, after the Cluster's own (the last of a flag wins)
+    extra = ["--max-model-len", "4096", "--max-num-batched-tokens", "512", "--kv-cache-memory", "1G"] if args.long else []
     serve = Node(tmp, "serve", [os.path.join(args.bindir, "pd-serve"), "--model", model, "--served-model-name",
-                                MODEL_NAME, "--kv-cache-memory", "256M", "--threads", "1", "--max-model-len", "512"])
+                                MODEL_NAME, "--kv-cache-memory", "256M", "--threads", "1", "--max-model-len", "512"] +
+                 extra)
     rows, failed, clusters = [], [], []
     try:
         serve.start()
         for mode, pipe in modes:
-            c = Cluster(args.bindir, tmp, model, mode, pipe, FAST, nprefill=2, ndecode=2,
+            c = Cluster(args.bindir, tmp, model, mode, pipe, FAST, nprefill=2, ndecode=2, extra=extra,
                         proxy_extra=["--migration-limit", "3"])
             clusters.append(c)
             try:  # resume_token_ids is the proxy's to set: a client's is refused
@@ -273,7 +288,7 @@ def main():
             time.sleep(1.5)
             warm.finish()
             fds = {n.tag: (n.proc.pid, n.figures(samples=3)["fds"]) for n in c.prefills + c.decodes}
-            for cell in ["kill-decode", "rolling-restart", "drain-decode"] * rounds + ["drain-prefill"]:
+            for cell in ["kill-decode", "rolling-restart", "drain-decode", "admin-migrate"] * rounds + ["drain-prefill"]:
                 load = Load(c.proxy.port, serve.port, random.Random(rng.random()), args.clients)
                 before = metric_sum(c.proxy.port, "pd_proxy:migrations_total")
                 pm0 = metrics(c.proxy.port)
@@ -283,9 +298,9 @@ def main():
                 kills = 0
                 exits = []
                 for v in victims:
-                    end = time.time() + 30
+                    end = time.time() + 120
                     while time.time() < end:  # streams under way, and the victim runs some of them
-                        if not load.wait_streams(8):
+                        if not load.wait_streams(8, secs=120):
                             break
                         running = [metrics(d.port).get("vllm:num_requests_running", 0) for d in c.decodes]
                         if cell == "drain-prefill":
@@ -301,6 +316,12 @@ def main():
                     with load.lock:
                         load.kills.append(time.time())
                     t = time.time()
+                    if cell == "admin-migrate":  # the node stays up
+                        handed = json.loads(post(node.port, "/admin/migrate", {})[1])["handed_off"]
+                        kills += handed > 0
+                        if handed < 1:
+                            failed.append("%s %s/%s: /admin/migrate handed off nothing" % (cell, mode, pipe))
+                        continue
                     if cell.startswith("drain"):
                         node.stop()  # SIGTERM, then the drain
                         exits.append(time.time() - t)

@@ -813,10 +813,11 @@ START_TEST(test_graceful_drain)
 }
 END_TEST
 
-/* SIGTERM with streams pd-proxy can resume (its X-PD-Resumable header, set on decode legs under
- * --migration-limit): such a stream ends at once, 200 without [DONE] (the proxy's sign to resume it
- * elsewhere), while a stream without the header still runs to its end; the node then exits (0) in
- * about the time the other stream needs, not the 300 tokens the handed-off one asked for. */
+/* Streams pd-proxy can resume (its X-PD-Resumable header, set on decode legs under --migration-limit):
+ * POST /admin/migrate ends them at once, 200 without [DONE] (the proxy's sign to resume one elsewhere),
+ * and the node stays up; SIGTERM does the same for the next one, while a stream without the header
+ * runs to its end; the node then exits (0) in about the time that stream needs, not the 300 tokens
+ * the handed-off ones asked for. */
 START_TEST(test_drain_hands_off_resumable_streams)
 {
     char *slow = tu_make_model(SLOW_MODEL);
@@ -824,30 +825,39 @@ START_TEST(test_drain_hands_off_resumable_streams)
     int port;
     char *extra[] = {"--drain-timeout", "60", "--threads", "1", NULL};
     pid_t pid = start_server_model(slow, "handoff", extra, &port);
-    bg_req_t res = {
-        port,
-        "{\"prompt\": \"hand me off\", \"max_tokens\": 300, \"ignore_eos\": true, \"stream\": true}",
-        {0},
-        -1,
-        "X-PD-Resumable: 1\r\n"};
+    const char *long_body =
+        "{\"prompt\": \"hand me off\", \"max_tokens\": 300, \"ignore_eos\": true, \"stream\": true}";
+    bg_req_t res[2] = {{port, long_body, {0}, -1, "X-PD-Resumable: 1\r\n"},
+                       {port, long_body, {0}, -1, "X-PD-Resumable: 1\r\n"}};
     bg_req_t own = {port,
-                    "{\"prompt\": \"keep me\", \"max_tokens\": 40, \"ignore_eos\": true, \"stream\": true}",
+                    "{\"prompt\": \"keep me\", \"max_tokens\": 200, \"ignore_eos\": true, \"stream\": true}",
                     {0},
                     -1,
                     NULL};
-    pthread_t t1, t2;
-    pthread_create(&t1, NULL, bg_post, &res);
-    pthread_create(&t2, NULL, bg_post, &own);
-    ck_assert_msg(wait_running(port, 2, 60), "the two streams never ran together");
-    double t0 = tu_now();
-    kill(pid, SIGTERM);
-    pthread_join(t1, NULL);
-    double handed = tu_now() - t0;
-    ck_assert_int_eq(res.rc, 0);
-    ck_assert_int_eq(res.resp.status, 200);
-    ck_assert_ptr_null(strstr(res.resp.body, "[DONE]"));
-    ck_assert_msg(handed < 5.0, "the resumable stream ended %.1f s after SIGTERM", handed);
-    pthread_join(t2, NULL);
+    pthread_t t[2], t_own;
+    pthread_create(&t_own, NULL, bg_post, &own);
+    for (int round = 0; round < 2; round++) { /* 0: POST /admin/migrate, 1: SIGTERM */
+        pthread_create(&t[round], NULL, bg_post, &res[round]);
+        ck_assert_msg(wait_running(port, 2, 60), "round %d: the two streams never ran together", round);
+        double t0 = tu_now();
+        if (round == 0) {
+            http_resp_t m;
+            ck_assert_int_eq(http_request(port, "POST", "/admin/migrate", NULL, "", &m, 10000), 0);
+            ck_assert_int_eq(m.status, 200);
+            ck_assert_ptr_nonnull(strstr(m.body, "\"handed_off\":1"));
+            http_resp_free(&m);
+        } else {
+            kill(pid, SIGTERM);
+        }
+        pthread_join(t[round], NULL);
+        double handed = tu_now() - t0;
+        ck_assert_int_eq(res[round].rc, 0);
+        ck_assert_int_eq(res[round].resp.status, 200);
+        ck_assert_msg(strstr(res[round].resp.body, "[DONE]") == NULL, "round %d ended with [DONE]", round);
+        ck_assert_msg(handed < 5.0, "round %d: the resumable stream ended %.1f s after", round, handed);
+        http_resp_free(&res[round].resp);
+    }
+    pthread_join(t_own, NULL);
     ck_assert_int_eq(own.rc, 0);
     ck_assert_int_eq(own.resp.status, 200);
     ck_assert_ptr_nonnull(strstr(own.resp.body, "[DONE]"));
@@ -856,8 +866,7 @@ START_TEST(test_drain_hands_off_resumable_streams)
     for (const char *p = own.resp.body; (p = strstr(p, "\"finish_reason\":")) != NULL; p++) {
         events++;
     }
-    ck_assert_int_eq(events, 40); /* every token of the stream without the header */
-    http_resp_free(&res.resp);
+    ck_assert_int_eq(events, 200); /* every token of the stream without the header */
     http_resp_free(&own.resp);
     ck_assert_int_eq(tu_stop(pid, 60), 0);
     tu_rmrf(slow);
