@@ -125,6 +125,23 @@ static void end_after_finish(preq_t *q)
     }
 }
 
+/* q cannot be resumed: a stream already under way gets an error event and [DONE] (as a node's own
+ * failure reads), anything else the error reply. */
+static void end_with_error(preq_t *q, int status, const char *msg)
+{
+    if (q->client != NULL && q->reply_started) {
+        json_t *err =
+            json_pack("{s:{s:s, s:s, s:n, s:i}}", "error", "message", msg, "type",
+                      status == 503 ? "ServiceUnavailableError" : "BadGatewayError", "param", "code", status);
+        char *text = err != NULL ? json_dumps(err, JSON_COMPACT) : NULL;
+        px_sse_send(q->client, text != NULL ? text : "{}");
+        px_sse_send(q->client, "[DONE]");
+        free(text);
+        json_decref(err);
+    }
+    px_fail_request(q, status, msg);
+}
+
 void px_resume_decode(preq_t *q)
 {
     proxy_t *px = q->px;
@@ -144,7 +161,7 @@ void px_resume_decode(preq_t *q)
                     "healthy",
                     q->req_id, dead->url, q->num_gen);
         q->d_done = true;
-        px_fail_request(q, 503, "the decode node failed and no other is healthy");
+        end_with_error(q, 503, "the decode node failed and no other is healthy");
         return;
     }
     pd_log_info(
@@ -177,7 +194,7 @@ void px_resume_decode(preq_t *q)
                                 px_on_d_done, px_on_d_chunk, px_on_d_header, q);
     if (q->d_conn == NULL) {
         q->d_done = true;
-        px_fail_request(q, 502, "cannot reach the decode node");
+        end_with_error(q, 502, "cannot reach the decode node");
         return;
     }
     d->inflight++;
