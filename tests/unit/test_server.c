@@ -830,13 +830,16 @@ START_TEST(test_drain_hands_off_resumable_streams)
     bg_req_t res[2] = {{port, long_body, {0}, -1, "X-PD-Resumable: 1\r\n"},
                        {port, long_body, {0}, -1, "X-PD-Resumable: 1\r\n"}};
     bg_req_t own = {port,
-                    "{\"prompt\": \"keep me\", \"max_tokens\": 200, \"ignore_eos\": true, \"stream\": true}",
+                    "{\"prompt\": \"keep me\", \"max_tokens\": 400, \"ignore_eos\": true, \"stream\": true}",
                     {0},
                     -1,
                     NULL};
     pthread_t t[2], t_own;
     pthread_create(&t_own, NULL, bg_post, &own);
     for (int round = 0; round < 2; round++) { /* 0: POST /admin/migrate, 1: SIGTERM */
+        /* only the stream without the header runs (round 1: the first handed-off one has left the
+         * engine's batch), so that two running ones below are it and this round's */
+        ck_assert_msg(wait_running(port, 1, 60), "round %d: the other stream is not running alone", round);
         pthread_create(&t[round], NULL, bg_post, &res[round]);
         ck_assert_msg(wait_running(port, 2, 60), "round %d: the two streams never ran together", round);
         double t0 = tu_now();
@@ -866,7 +869,7 @@ START_TEST(test_drain_hands_off_resumable_streams)
     for (const char *p = own.resp.body; (p = strstr(p, "\"finish_reason\":")) != NULL; p++) {
         events++;
     }
-    ck_assert_int_eq(events, 200); /* every token of the stream without the header */
+    ck_assert_int_eq(events, 400); /* every token of the stream without the header */
     http_resp_free(&own.resp);
     ck_assert_int_eq(tu_stop(pid, 60), 0);
     tu_rmrf(slow);
