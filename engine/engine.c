@@ -62,6 +62,20 @@ static void continue_from(pd_engine_t *e, pd_request_t *r, const int32_t *toks, 
 static pd_status_t resume_grammar(pd_engine_t *e, pd_request_t *r, req_ctx_t *ctx, int32_t first, char *err,
                                   size_t err_len);
 
+/* Whether ids[n] (NULL when n is 0) are all in [0, vocab); else err names the first that is not. */
+static bool ids_in_vocab(const int32_t *ids, int32_t n, int32_t vocab, const char *what, char *err,
+                         size_t err_len)
+{
+    for (int32_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= vocab) {
+            snprintf(err, err_len, "%stoken id %d at position %d is outside the vocabulary [0, %d)", what,
+                     ids[i], i, vocab);
+            return false;
+        }
+    }
+    return true;
+}
+
 pd_status_t pd_engine_add(pd_engine_t *e, const pd_engine_request_t *rq, char *err, size_t err_len)
 {
     const pd_model_config_t *mc = pd_model_config(e->model);
@@ -77,15 +91,24 @@ pd_status_t pd_engine_add(pd_engine_t *e, const pd_engine_request_t *rq, char *e
                  e->max_model_len, rq->num_prompt);
         return PD_ERR_INVALID_ARG;
     }
-    for (int32_t i = 0; i < rq->num_prompt; i++) {
-        if (rq->prompt[i] < 0 || rq->prompt[i] >= mc->vocab_size) {
-            snprintf(err, err_len, "token id %d at position %d is outside the vocabulary [0, %d)",
-                     rq->prompt[i], i, mc->vocab_size);
-            return PD_ERR_INVALID_ARG;
-        }
+    if (!ids_in_vocab(rq->prompt, rq->num_prompt, mc->vocab_size, "", err, err_len) ||
+        !ids_in_vocab(rq->resume, rq->resume != NULL ? rq->num_resume : 0, mc->vocab_size,
+                      "resume_token_ids: ", err, err_len)) {
+        return PD_ERR_INVALID_ARG;
     }
     if (p.max_tokens <= 0) {
         p.max_tokens = e->max_model_len - rq->num_prompt;
+    }
+    if (rq->num_resume > 0 &&
+        (rq->resume == NULL || rq->kv_transfer_params != NULL || rq->num_resume >= p.max_tokens ||
+         rq->num_prompt + rq->num_resume >= e->max_model_len)) {
+        snprintf(
+            err, err_len,
+            rq->kv_transfer_params != NULL
+                ? "resume_token_ids cannot be combined with kv_transfer_params (the node recomputes their KV)"
+                : "resume_token_ids: %d tokens leave nothing to generate (max_tokens %d, context %d)",
+            rq->num_resume, p.max_tokens, e->max_model_len);
+        return PD_ERR_INVALID_ARG;
     }
     if (p.sampling.temperature < 0 || !(p.sampling.top_p > 0 && p.sampling.top_p <= 1) ||
         p.sampling.top_k < -1 || p.logprobs < 0 || p.logprobs > PD_MAX_LOGPROBS) {
@@ -145,29 +168,6 @@ pd_status_t pd_engine_add(pd_engine_t *e, const pd_engine_request_t *rq, char *e
             r->handover_after_first = pd_kv_params_hands_over(r->kv_transfer_params);
             first = pd_kv_params_first_token(r->kv_transfer_params);
         }
-    }
-    if (rq->num_resume > 0 && (first >= 0 || rq->resume == NULL || rq->num_resume >= p.max_tokens ||
-                               rq->num_prompt + rq->num_resume >= e->max_model_len)) {
-        snprintf(err, err_len,
-                 first >= 0
-                     ? "resume_token_ids cannot be combined with a first-token handover"
-                     : "resume_token_ids: %d tokens leave nothing to generate (max_tokens %d, context %d)",
-                 rq->num_resume, p.max_tokens, e->max_model_len);
-        eng_ctx_free(ctx);
-        r->user = NULL;
-        pd_request_free(r);
-        return PD_ERR_INVALID_ARG;
-    }
-    for (int32_t i = 0; i < rq->num_resume; i++) {
-        if (rq->resume[i] >= 0 && rq->resume[i] < mc->vocab_size) {
-            continue;
-        }
-        snprintf(err, err_len, "resume_token_ids[%d] = %d is outside the vocabulary [0, %d)", i,
-                 rq->resume[i], mc->vocab_size);
-        eng_ctx_free(ctx);
-        r->user = NULL;
-        pd_request_free(r);
-        return PD_ERR_INVALID_ARG;
     }
     if (first >= mc->vocab_size) {
         snprintf(err, err_len, "kv_transfer_params.first_token_id %d is outside the vocabulary [0, %d)",

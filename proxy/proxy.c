@@ -81,7 +81,8 @@ size_t pd_proxy_flags(pd_proxy_config_t *c, pd_flag_t *out, size_t max)
          "a request whose decode node fails (its connection breaks, or its stream ends without [DONE]: "
          "killed, or draining) is resumed on another decode node up to this many times: a stream goes on "
          "after the tokens its client has (that node recomputes the prompt and them), other requests are "
-         "sent again; greedy and seeded answers are unchanged (0: the client gets the error)",
+         "sent again; the continuation is the one the first node would sample, up to the rounding of the "
+         "recomputed KV (0: the client gets the error)",
          NULL},
         {"kv-events", PD_FLAG_BOOL, &c->kv_events,
          "subscribe to every node's KV cache events (the endpoints of its /pd/info: nodes started with "
