@@ -526,7 +526,7 @@ static void add_spec_metrics(pd_engine_t *e, pd_metrics_t *m)
     }
 }
 
-pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine_out)
+static pd_status_t engine_create_here(const pd_engine_config_t *cfg, pd_engine_t **engine_out)
 {
     if (cfg->model_dir == NULL) {
         pd_log_error("engine: --model is required");
@@ -706,4 +706,45 @@ const char *pd_engine_model_dir(const pd_engine_t *e)
 const struct pd_generation_config *pd_engine_generation_config(const pd_engine_t *e)
 {
     return &e->gen;
+}
+
+/* Building an engine runs OpenMP regions (laying weights out, the profile run), and libgomp keeps a
+ * thread pool for every thread that ever opened one. It counts the threads of all pools, and once
+ * they outnumber the CPUs its barriers spin 100 times and then sleep on a futex: each of a decode
+ * step's ~50 regions then pays futex wake-ups (2-core VM, demo model: ~100 context switches per
+ * token, steps 0.8 -> 3.2 ms). So the engine is built on a thread that ends, taking its pool with
+ * it, and the thread that steps (the engine thread, or the caller of pd_engine_step) holds the only
+ * pool (issue 53). */
+typedef struct {
+    const pd_engine_config_t *cfg;
+    pd_engine_t **out;
+    pd_status_t st;
+} create_job_t;
+
+static void *create_job(void *arg)
+{
+    create_job_t *j = arg;
+    j->st = engine_create_here(j->cfg, j->out);
+    return NULL;
+}
+
+pd_status_t pd_engine_create(const pd_engine_config_t *cfg, pd_engine_t **engine_out)
+{
+    create_job_t j = {cfg, engine_out, PD_ERR_INTERNAL};
+    pthread_attr_t attr;
+    pthread_t t;
+    bool started = false;
+    if (pthread_attr_init(&attr) == 0) {
+        /* a main thread's stack (ulimit -s, usually 8 MiB); a thread's default may be less */
+        started =
+            pthread_attr_setstacksize(&attr, 8u << 20) == 0 && pthread_create(&t, &attr, create_job, &j) == 0;
+        pthread_attr_destroy(&attr);
+    }
+    if (!started) {
+        pd_log_warn("engine: cannot start a thread to build the engine on; building it here (its OpenMP "
+                    "pool stays, and may slow the engine's steps down)");
+        return engine_create_here(cfg, engine_out);
+    }
+    pthread_join(t, NULL);
+    return j.st;
 }

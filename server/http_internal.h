@@ -7,6 +7,7 @@
 #include <event2/event.h>
 #include <event2/http.h>
 #include <jansson.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 
 #include "common/http_watch.h"
@@ -48,6 +49,8 @@ struct pd_http_server {
     struct evhttp *http;
     struct pd_http_guard *guard; /* slow clients' deadline and the connection cap */
     struct event *wake, *sigterm, *sigint, *drain_timer;
+    int wake_fd;              /* the engine's outputs wake the loop through this eventfd */
+    atomic_bool wake_pending; /* written by the engine thread, cleared by the loop before it takes */
     int port;
     creq_t *inflight; /* generation requests with engine work outstanding */
     int num_inflight;

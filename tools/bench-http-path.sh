@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# tools/bench-http-path.sh [BUILD_DIR] [ROUNDS] — what the HTTP serving path costs per token (issue
+# 53): single-stream decode through pd-serve + pd-bench against the same engine in process
+# (pd-bench-ops --model-only), same weights, same threads, alternated ROUNDS times (default 3) so
+# the VM's drift falls on both alike; the best of each is compared. Per HTTP run it also counts
+# the context switches of all pd-serve's threads per generated token (voluntary: a thread slept and
+# was woken; involuntary: a thread was preempted, on 2 cores mostly a compute thread by the HTTP
+# loop or the client). Models: the demo (64 prompt tokens, 128 out, 16 requests) and the 565 M
+# model (64 in, 64 out, 3 requests), made in BUILD_DIR/models if missing. --threads 2 on both
+# sides; the client shares the 2 cores, as in every test here. PD_HTTP_MODELS picks models
+# (default "demo llama-565m"). Loopback only; stops every server it started.
+set -euo pipefail
+build=$(realpath "${1:-build}")
+rounds=${2:-3}
+cd "$(dirname "$0")/.."
+bin=$build/bin
+models=$build/models
+source tools/bench-procs.sh
+demo_setup bench-http
+if [[ ! -f "$models/llama-565m/config.json" ]]; then # tools/bench-isa.sh's shape
+  "$bin/pd-mkmodel" --preset demo --hidden 1536 --layers 16 --heads 12 --kv-heads 4 --intermediate 5632 \
+    --vocab 16000 --dtype bf16 --out "$models/llama-565m" >/dev/null
+fi
+
+switches() { # voluntary and involuntary context switches of every thread of process $1
+  cat /proc/"$1"/task/*/status 2>/dev/null | awk '/^voluntary_ctxt/{v += $2} /^nonvoluntary_ctxt/{n += $2} END{print v, n}'
+}
+
+echo "bench-http-path: $build, $rounds rounds, --threads 2, $(nproc) CPUs"
+for model in ${PD_HTTP_MODELS:-demo llama-565m}; do
+  if [[ $model == demo ]]; then out=128 num=16; else out=64 num=3; fi
+  best_ops=0 best_http=0
+  for round in $(seq "$rounds"); do
+    ops=$("$bin/pd-bench-ops" --model "$models/$model" --model-only --weights auto --batch 1 --threads 2 2>/dev/null |
+      awk '/^model decode/{for (i = 1; i < NF; i++) if ($(i + 1) == "tok/s") { print $i; exit }}')
+    start serve pd-serve --model "$models/$model" --served-model-name "$model" --threads 2 --kv-cache-memory 4G
+    pid=${pids[-1]}
+    "$bin/pd-bench" --base-url "http://127.0.0.1:$port" --max-concurrency 1 --num-prompts 2 --random-input-len 64 \
+      --random-output-len 8 --ignore-eos --no-progress --wait-ready 300 >/dev/null 2>"$work/bench.log" ||
+      { cat "$work/bench.log" >&2; exit 1; }
+    read -r v0 n0 < <(switches "$pid")
+    "$bin/pd-bench" --base-url "http://127.0.0.1:$port" --max-concurrency 1 --num-prompts "$num" \
+      --random-input-len 64 --random-output-len "$out" --ignore-eos --no-progress --seed "$round" \
+      --save-result --result-filename "$work/r.json" >/dev/null 2>"$work/bench.log" ||
+      { cat "$work/bench.log" >&2; exit 1; }
+    read -r v1 n1 < <(switches "$pid")
+    stop_all
+    read -r http tokens < <(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(r["output_throughput"], r["total_output_tokens"])' "$work/r.json")
+    python3 - "$model" "$round" "$ops" "$http" "$tokens" "$v0" "$n0" "$v1" "$n1" <<'PY'
+import sys
+m, r, ops, http, tok, v0, n0, v1, n1 = sys.argv[1:]
+ops, http, tok = float(ops), float(http), int(tok)
+print("%s r%s: in-process %.1f tok/s, HTTP %.1f tok/s (%.2fx), %.0f us/token more; context switches "
+      "per token: %.2f voluntary, %.2f involuntary" % (m, r, ops, http, http / ops, 1e6 / http - 1e6 / ops,
+      (int(v1) - int(v0)) / tok, (int(n1) - int(n0)) / tok))
+PY
+    best_ops=$(python3 -c "print(max($best_ops, $ops))")
+    best_http=$(python3 -c "print(max($best_http, $http))")
+  done
+  python3 -c "print('%s best of $rounds: in-process %.1f tok/s, HTTP %.1f tok/s: %.2fx' % ('$model', $best_ops, $best_http, $best_http / $best_ops))"
+done
