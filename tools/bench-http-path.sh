@@ -8,7 +8,8 @@
 # loop or the client). Models: the demo (64 prompt tokens, 128 out, 16 requests) and the 565 M
 # model (64 in, 64 out, 3 requests), made in BUILD_DIR/models if missing. --threads 2 on both
 # sides; the client shares the 2 cores, as in every test here. PD_HTTP_MODELS picks models
-# (default "demo llama-565m"). Loopback only; stops every server it started.
+# (default "demo llama-565m"); PD_HTTP_RESULTS=FILE appends the lines to FILE (bench/RESULTS.md)
+# with the command, machine and date. Loopback only; stops every server it started.
 set -euo pipefail
 build=$(realpath "${1:-build}")
 rounds=${2:-3}
@@ -26,6 +27,8 @@ switches() { # voluntary and involuntary context switches of every thread of pro
   cat /proc/"$1"/task/*/status 2>/dev/null | awk '/^voluntary_ctxt/{v += $2} /^nonvoluntary_ctxt/{n += $2} END{print v, n}'
 }
 
+lines=$(mktemp /tmp/pd-http-path-XXXXXX.txt)
+exec > >(tee "$lines")
 echo "bench-http-path: $build, $rounds rounds, --threads 2, $(nproc) CPUs"
 for model in ${PD_HTTP_MODELS:-demo llama-565m}; do
   if [[ $model == demo ]]; then out=128 num=16; else out=64 num=3; fi
@@ -59,3 +62,16 @@ PY
   done
   python3 -c "print('%s best of $rounds: in-process %.1f tok/s, HTTP %.1f tok/s: %.2fx' % ('$model', $best_ops, $best_http, $best_http / $best_ops))"
 done
+if [[ -n "${PD_HTTP_RESULTS:-}" ]]; then
+  exec >&- # the tee finishes writing $lines
+  sleep 0.2
+  {
+    echo
+    echo "## tools/bench-http-path.sh — $(date -u '+%Y-%m-%d %H:%M UTC')"
+    echo
+    echo "Command: \`tools/bench-http-path.sh $build $rounds\`. Machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//'). Single-stream decode through pd-serve + pd-bench against pd-bench-ops --model-only in process, alternated; context switches of all pd-serve's threads per generated token."
+    echo
+    sed "s/^/    /" "$lines"
+  } >>"$PD_HTTP_RESULTS"
+fi
+rm -f "$lines"

@@ -23,6 +23,8 @@ echo "run-bench: pd-bench-ops model decode of the 565 M model (fp32, bf16, int8 
 echo "run-bench: bench/llamacpp-baseline.sh (llama.cpp on the same weights, the demo and the 565 M model)"
 PD_BUILD="$build" bench/llamacpp-baseline.sh "$models/demo" --results bench/RESULTS.md
 PD_BUILD="$build" bench/llamacpp-baseline.sh "$models/llama-565m" --results bench/RESULTS.md
+echo "run-bench: tools/bench-http-path.sh (single-stream decode through HTTP vs in process, context switches per token)"
+PD_HTTP_RESULTS=bench/RESULTS.md tools/bench-http-path.sh "$build" 3
 echo "run-bench: tools/bench-dtype.sh (pd-serve with fp32 vs bf16 weights under load)"
 tools/bench-dtype.sh "$build"
 echo "run-bench: tools/bench-spec.sh (speculative decoding with n-gram drafts vs none)"
