@@ -4,9 +4,12 @@
  * the threaded submit/output path delivers everything. */
 #include "test_util.h"
 
+#include <cblas.h>
 #include <check.h>
+#include <dirent.h>
 #include <jansson.h>
 #include <pthread.h>
+#include <unistd.h>
 
 #include "common/log.h"
 #include "common/rng.h"
@@ -378,6 +381,76 @@ START_TEST(test_threaded_submit)
     }
     pd_engine_destroy(e);
     free(s), free(sync), free(thr);
+}
+END_TEST
+
+/* Threads of this process (the test's forked child). */
+static int count_tasks(void)
+{
+    int n = 0;
+    DIR *d = opendir("/proc/self/task");
+    for (struct dirent *e; d != NULL && (e = readdir(d)) != NULL;) {
+        n += e->d_name[0] != '.';
+    }
+    if (d != NULL) {
+        closedir(d);
+    }
+    return n;
+}
+
+/* Building an engine runs OpenMP regions (weight layout, the profile run). libgomp keeps a thread
+ * pool for every thread that opened one, and with more pool threads than CPUs every barrier of a
+ * step sleeps on a futex (issue 53: pd-serve's steps 4x slower). pd_engine_create builds on a thread
+ * that ends, so nothing of it stays; the thread that steps then holds the only pool: the engine
+ * thread and one OpenMP worker at --threads 2. */
+START_TEST(test_create_leaves_no_thread)
+{
+    openblas_set_num_threads(
+        1); /* OpenBLAS's own server thread (not OpenMP's) starts here, as in the backend */
+    int before = count_tasks();
+    pd_engine_t *e = make_engine(0, false, 4);
+    int after = count_tasks();
+    for (double end = pd_time_now_s() + 3; after != before && pd_time_now_s() < end; after = count_tasks()) {
+        usleep(10 * 1000); /* the ended pool's workers leave on their own */
+    }
+    ck_assert_msg(after == before, "building the engine left %d threads behind", after - before);
+    waiter_t w = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0};
+    ck_assert_int_eq(pd_engine_start(e, notify, &w), PD_OK);
+    int32_t prompt[24];
+    for (int i = 0; i < 24; i++) {
+        prompt[i] = 3 + i;
+    }
+    pd_engine_request_t rq;
+    memset(&rq, 0, sizeof(rq));
+    rq.id = "pool";
+    rq.prompt = prompt;
+    rq.num_prompt = 24;
+    rq.params.max_tokens = 8;
+    rq.params.ignore_eos = true;
+    rq.params.sampling = (pd_sampling_params_t){0, 0, 1, 0};
+    ck_assert_int_eq(pd_engine_submit(e, &rq), PD_OK);
+    bool done = false;
+    for (double end = pd_time_now_s() + 60; !done && pd_time_now_s() < end;) {
+        pd_engine_output_t *outs = pd_engine_take_outputs(e);
+        for (pd_engine_output_t *o = outs; o != NULL; o = o->next) {
+            done = done || o->finish_reason != NULL;
+        }
+        pd_engine_output_free(outs);
+        usleep(5 * 1000);
+    }
+    ck_assert_msg(done, "the request did not finish");
+    int running = count_tasks();
+#if defined(__SANITIZE_THREAD__)
+    int workers = 0; /* TSan builds run ops on one thread */
+#else
+    int workers = 1;
+#endif
+    ck_assert_msg(running == before + 1 + workers,
+                  "stepping on the engine thread: %d threads, expected %d (the engine thread and %d OpenMP "
+                  "worker)",
+                  running, before + 1 + workers, workers);
+    pd_engine_stop(e);
+    pd_engine_destroy(e);
 }
 END_TEST
 
@@ -831,6 +904,7 @@ int main(void)
     tcase_add_test(tc, test_abort_and_stop_strings);
     tcase_add_test(tc, test_bad_requests);
     tcase_add_test(tc, test_threaded_submit);
+    tcase_add_test(tc, test_create_leaves_no_thread);
     tcase_add_test(tc, test_sliding_groups_keep_outputs);
     tcase_add_test(tc, test_kv_cache_dtype_auto_is_the_models);
     tcase_add_test(tc, test_dtype_keeps_checkpoint_precision);
