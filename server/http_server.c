@@ -138,11 +138,10 @@ void pd_http_reply_error(pd_http_server_t *s, struct evhttp_request *req, int st
     pd_http_send_error(s, req, &e);
 }
 
-/* Engine thread → loop thread. */
-/* The engine thread, after a step that made outputs: one write to an eventfd, and only when the
- * loop has taken the previous one. event_active would do the same under libevent's base lock, and
- * the loop, woken by its write, preempts the engine thread and then blocks on that lock: two
- * context switches of each per step instead of one of the loop's (issue 53). */
+/* Engine thread → loop thread, after a step that made outputs: one write to an eventfd, and only
+ * when the loop has taken the previous one. event_active would do the same under libevent's base
+ * lock, and the loop, woken by its write, preempts the engine thread and then blocks on that lock:
+ * two context switches of each per step instead of one of the loop's (issue 53). */
 static void on_engine_notify(void *ctx)
 {
     pd_http_server_t *s = ctx;
