@@ -223,6 +223,29 @@ static void assert_pool_free(int port, const char *who)
     ck_abort_msg("%s's block pool is not free: %.0f blocks used, %.0f requests live", who, used, hold);
 }
 
+/* Waits (up to 15 s) until every KV transfer the node started has ended (completed or failed), so
+ * its page counts are final: a push still being written when a decode gave up on it (under a
+ * loaded make check) would otherwise land in the next measurement. */
+static void await_transfers_ended(int port, const char *who)
+{
+    static const char *const kinds[3] = {"pull_load", "push_load", "push_save"};
+    double open = -1;
+    for (double end = tu_now() + 15; tu_now() < end; usleep(50 * 1000)) {
+        open = 0;
+        for (int i = 0; i < 3; i++) {
+            char s[96], c[96], f[96];
+            snprintf(s, sizeof(s), "pd:kv_transfers_started_total{kind=\"%s\"}", kinds[i]);
+            snprintf(c, sizeof(c), "pd:kv_transfers_completed_total{kind=\"%s\"}", kinds[i]);
+            snprintf(f, sizeof(f), "pd:kv_transfers_failed_total{kind=\"%s\"}", kinds[i]);
+            open += metric(port, s) - metric(port, c) - metric(port, f);
+        }
+        if (open <= 0) {
+            return;
+        }
+    }
+    ck_abort_msg("%s: %.0f KV transfers still open", who, open);
+}
+
 static char *body_for(int i, bool seeded)
 {
     json_t *ids = json_array();
@@ -2080,6 +2103,8 @@ START_TEST(test_prefix_fetch_through_proxy)
         /* the decode computed turn 1's answer: 99 tokens' KV, 6 full blocks, in its events */
         ck_assert_msg(await_blocks(c.x.port, c.d.port, 6, false) >= 6,
                       "%s: the decode's blocks are not indexed", mode);
+        await_transfers_ended(c.p[0].port, "prefill 0");
+        await_transfers_ended(c.p[1].port, "prefill 1");
         double pages0 =
             metric(c.p[0].port, "pd:kv_transfer_pages_sum") + metric(c.p[1].port, "pd:kv_transfer_pages_sum");
         int32_t *got2 = complete_ids(c.x.port, t, 110, 8, true, &k2);
