@@ -156,6 +156,25 @@ def listening_ports(pid):
     return sorted(ports)
 
 
+class ClientThreads:
+    """Client threads, each running self.run(i) until self.stopping; finish() waits join_timeout s each."""
+
+    join_timeout = 120
+
+    def __init__(self, clients):
+        self.stopping = False
+        self.threads = [threading.Thread(target=self.run, args=(i,)) for i in range(clients)]
+
+    def start(self):
+        for t in self.threads:
+            t.start()
+
+    def finish(self):
+        self.stopping = True
+        for t in self.threads:
+            t.join(timeout=self.join_timeout)
+
+
 class Node:
     """One server process with a fixed HTTP port once it has one (restarts reuse it)."""
 

@@ -48,8 +48,8 @@ import time
 import urllib.error
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster import (MODEL_NAME, Cluster, Node, http, metric_sum, near_tie, near_tie_selfcheck, report,  # noqa: E402
-                     socket_fds, wait_free)
+from cluster import (MODEL_NAME, ClientThreads, Cluster, Node, http, metric_sum, near_tie,  # noqa: E402
+                     near_tie_selfcheck, report, socket_fds, wait_free)
 
 MAX_TOKENS = 6
 # a lease nobody will read (its decode failed while the prefill was unreachable) ends at the hold
@@ -63,7 +63,7 @@ HOLD = [5, 0.4]
 EXPIRY_SIGNS = ("pd:kv_leases_expired_total", "pd:kv_stale_reads_total", "pd:kv_transfers_failed_total")
 
 
-class Load:
+class Load(ClientThreads):
     """Closed-loop clients with unique prompts; every answer checked against pd-serve's."""
 
     def __init__(self, proxy_port, serve_port, seed, clients=3, conversations=False):
@@ -76,8 +76,7 @@ class Load:
         self.history = [[] for _ in range(clients)]
         self.lock = threading.Lock()
         self.counts = {"ok": 0, "near-tie": 0, "wrong": 0, "clean failure": 0, "hung": 0}
-        self.stopping = False
-        self.threads = [threading.Thread(target=self.run, args=(i,)) for i in range(clients)]
+        super().__init__(clients)
 
     def prompt(self, i):
         with self.lock:
@@ -148,15 +147,6 @@ class Load:
                 outcome = "hung" if time.time() - t0 >= 59 else "clean failure"
             with self.lock:
                 self.counts[outcome] += 1
-
-    def start(self):
-        for t in self.threads:
-            t.start()
-
-    def finish(self):
-        self.stopping = True
-        for t in self.threads:
-            t.join(timeout=120)
 
 
 def tier_corruptions(cluster):

@@ -53,8 +53,8 @@ import time
 import urllib.error
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster import (MODEL_NAME, Cluster, Node, metric_sum, metrics, near_tie, report, socket_fds,  # noqa: E402
-                     wait_free)
+from cluster import (MODEL_NAME, ClientThreads, Cluster, Node, metric_sum, metrics, near_tie,  # noqa: E402
+                     report, socket_fds, wait_free)
 from cluster import http as post  # noqa: E402
 
 # request shapes: prompt tokens, chat words, output tokens (--long: the issue's 256-2048 / 256-1024)
@@ -112,8 +112,10 @@ def answer(events, chat):
     return (ids if have_ids else None), text, finish, done, err
 
 
-class Load:
+class Load(ClientThreads):
     """Clients each streaming one request after another; the bodies and pd-serve's answers prepared."""
+
+    join_timeout = 300
 
     def __init__(self, proxy_port, serve_port, rng, clients):
         self.proxy_port, self.serve_port, self.rng = proxy_port, serve_port, rng
@@ -123,8 +125,7 @@ class Load:
         self.gaps, self.kills = [], []
         self.times = {}  # request id -> its events' arrival times (the proxy logs the ids it resumed)
         self.tag = "r%d" % rng.randrange(1 << 30)
-        self.stopping = False
-        self.threads = [threading.Thread(target=self.run, args=(i,)) for i in range(clients)]
+        super().__init__(clients)
 
     def body(self, i, n):
         rng = random.Random(self.rng.random())
@@ -202,15 +203,6 @@ class Load:
                 return True
             time.sleep(0.01)
         return False
-
-    def start(self):
-        for t in self.threads:
-            t.start()
-
-    def finish(self):
-        self.stopping = True
-        for t in self.threads:
-            t.join(timeout=300)
 
 
 def migrated_ids(log):

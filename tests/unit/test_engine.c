@@ -6,7 +6,6 @@
 
 #include <cblas.h>
 #include <check.h>
-#include <dirent.h>
 #include <jansson.h>
 #include <pthread.h>
 #include <unistd.h>
@@ -384,33 +383,22 @@ START_TEST(test_threaded_submit)
 }
 END_TEST
 
-/* Threads of this process (the test's forked child). */
-static int count_tasks(void)
-{
-    int n = 0;
-    DIR *d = opendir("/proc/self/task");
-    for (struct dirent *e; d != NULL && (e = readdir(d)) != NULL;) {
-        n += e->d_name[0] != '.';
-    }
-    if (d != NULL) {
-        closedir(d);
-    }
-    return n;
-}
-
 /* Building an engine runs OpenMP regions (weight layout, the profile run). libgomp keeps a thread
  * pool for every thread that opened one, and with more pool threads than CPUs every barrier of a
  * step sleeps on a futex (issue 53: pd-serve's steps 4x slower). pd_engine_create builds on a thread
  * that ends, so nothing of it stays; the thread that steps then holds the only pool: the engine
  * thread and one OpenMP worker at --threads 2. */
+#define TASKS "/proc/self/task" /* this process's threads */
+
 START_TEST(test_create_leaves_no_thread)
 {
-    openblas_set_num_threads(
-        1); /* OpenBLAS's own server thread (not OpenMP's) starts here, as in the backend */
-    int before = count_tasks();
+    /* OpenBLAS's own server thread (not OpenMP's) starts here, as in the backend */
+    openblas_set_num_threads(1);
+    int before = tu_count_entries(TASKS);
     pd_engine_t *e = make_engine(0, false, 4);
-    int after = count_tasks();
-    for (double end = pd_time_now_s() + 3; after != before && pd_time_now_s() < end; after = count_tasks()) {
+    int after = tu_count_entries(TASKS);
+    for (double end = pd_time_now_s() + 3; after != before && pd_time_now_s() < end;
+         after = tu_count_entries(TASKS)) {
         usleep(10 * 1000); /* the ended pool's workers leave on their own */
     }
     ck_assert_msg(after == before, "building the engine left %d threads behind", after - before);
@@ -439,7 +427,7 @@ START_TEST(test_create_leaves_no_thread)
         usleep(5 * 1000);
     }
     ck_assert_msg(done, "the request did not finish");
-    int running = count_tasks();
+    int running = tu_count_entries(TASKS);
 #if defined(__SANITIZE_THREAD__)
     int workers = 0; /* TSan builds run ops on one thread */
 #else
@@ -453,6 +441,7 @@ START_TEST(test_create_leaves_no_thread)
     pd_engine_destroy(e);
 }
 END_TEST
+#undef TASKS
 
 /* Sliding-window KV cache groups: on a Gemma-3-shaped model (local and global layers: two groups)
  * and a Mistral-shaped one (every layer sliding: one group), with a 16-token window and requests

@@ -11,7 +11,6 @@
 
 #include <arpa/inet.h>
 #include <check.h>
-#include <dirent.h>
 #include <jansson.h>
 #include <math.h>
 #include <netinet/in.h>
@@ -1942,14 +1941,7 @@ START_TEST(test_decode_deaths_release_prefill_memory)
             usleep(300 * 1000); /* the dead peer's records are swept on the next ticks */
             char dir[64];
             snprintf(dir, sizeof(dir), "/proc/%d/fd", (int)c.p.pid);
-            int fds = 0;
-            DIR *dd = opendir(dir);
-            for (struct dirent *e; dd != NULL && (e = readdir(dd)) != NULL;) {
-                fds += e->d_name[0] != '.';
-            }
-            if (dd != NULL) {
-                closedir(dd);
-            }
+            int fds = tu_count_entries(dir);
             long rss = rss_kib_of(c.p.pid);
             if (round == 0) {
                 rss0 = rss, fds0 = fds;

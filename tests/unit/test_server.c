@@ -9,7 +9,6 @@
 
 #include <check.h>
 #include <ctype.h>
-#include <dirent.h>
 #include <errno.h>
 #include <jansson.h>
 #include <math.h>
@@ -500,15 +499,7 @@ static int fds_of(pid_t pid)
 {
     char dir[64];
     snprintf(dir, sizeof(dir), "/proc/%d/fd", (int)pid);
-    DIR *d = opendir(dir);
-    int n = 0;
-    for (struct dirent *e; d != NULL && (e = readdir(d)) != NULL;) {
-        n += e->d_name[0] != '.';
-    }
-    if (d != NULL) {
-        closedir(d);
-    }
-    return n;
+    return tu_count_entries(dir);
 }
 
 /* Slow clients against a listener started with --http-request-timeout 1 --http-max-connections 24

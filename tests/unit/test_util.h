@@ -219,18 +219,26 @@ static inline pid_t tu_spawn(char *const argv[], const char *log_path)
     return pid;
 }
 
-/* Open file descriptors of this process. */
-static inline int tu_count_fds(void)
+/* Entries of a directory, . and .. not counted (0 if it cannot be read): a process's fds or threads
+ * under /proc. While it runs, one more fd is open: the directory's own. */
+static inline int tu_count_entries(const char *dir)
 {
     int n = 0;
-    DIR *d = opendir("/proc/self/fd");
+    DIR *d = opendir(dir);
     for (struct dirent *e; d != NULL && (e = readdir(d)) != NULL;) {
         n += e->d_name[0] != '.';
     }
     if (d != NULL) {
         closedir(d);
     }
-    return n - (d != NULL); /* opendir's own */
+    return n;
+}
+
+/* Open file descriptors of this process. */
+static inline int tu_count_fds(void)
+{
+    int n = tu_count_entries("/proc/self/fd");
+    return n > 0 ? n - 1 : 0; /* opendir's own */
 }
 
 /* Seconds of CPU this process uses while the calling thread sleeps for wall_s. */
