@@ -491,6 +491,58 @@ static double socket_rtt_us(bool client_polls, bool server_polls)
     return us;
 }
 
+/* The plain-socket twin of the pipe's request rows: requests of `up` bytes, each answered with
+ * `down` bytes (a write: 16 KiB up, an 8-byte ack down; a read: a 56-byte request up, 16 KiB down),
+ * 4 in flight as pipe_gbps keeps them, the caller blocking for answers as the pipe's caller sleeps
+ * on its wait fd; GB/s of the larger side, about 0.4 s. */
+static double socket_requests_gbps(size_t up, size_t down)
+{
+    struct sockaddr_in a;
+    int ls = loopback_listener(&a);
+    if (ls < 0) {
+        return 0;
+    }
+    size_t big = up > down ? up : down;
+    char *buf = calloc(1, big);
+    int one = 1;
+    pid_t child = fork();
+    if (child == 0) {
+        int c = accept(ls, NULL, NULL);
+        setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        while (xfer_all(c, buf, up, false) == 0 && xfer_all(c, buf, down, true) == 0) {
+        }
+        _exit(0);
+    }
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    double gbps = 0;
+    if (connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+        kill(child, SIGKILL); /* still in accept */
+    } else {
+        int posted = 0, done = 0;
+        double t0 = pd_time_now_s(), end = t0 + 0.4;
+        while (pd_time_now_s() < end || done < posted) {
+            while (posted - done < 4 && pd_time_now_s() < end) {
+                if (xfer_all(fd, buf, up, true) != 0) {
+                    goto out;
+                }
+                posted++;
+            }
+            if (xfer_all(fd, buf, down, false) != 0) {
+                goto out;
+            }
+            done++;
+        }
+        gbps = (double)big * posted / (pd_time_now_s() - t0) / 1e9;
+    }
+out:
+    close(fd);
+    close(ls);
+    waitpid(child, NULL, 0);
+    free(buf);
+    return gbps;
+}
+
 int main(int argc, char **argv)
 {
     const char *results = NULL;
@@ -595,6 +647,14 @@ int main(int argc, char **argv)
                     /* the socket baseline next to each row: this VM's loopback varies ±30% over
                      * a minute, more than the differences being measured */
                     row(name, g, "GB/s", "plain socket", socket_gbps(), false);
+                    if (cases[c].n == 1 && msg <= (1u << 20)) {
+                        /* one request at a time: the socket's twin is requests and answers too */
+                        char n2[128];
+                        snprintf(n2, sizeof(n2), "  vs plain socket %zu KiB %s, 4 in flight", msg / 1024,
+                                 w ? "writes, each acked" : "requests, each answered");
+                        row(n2, g, "GB/s", "socket requests", socket_requests_gbps(w ? msg : 56, w ? 8 : msg),
+                            false); /* 56: a read request */
+                    }
                 }
             }
         }

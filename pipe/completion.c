@@ -62,10 +62,11 @@ void pd_pipe_cq_push(pd_pipe_cq_t *q, const pd_pipe_completion_t *c)
         q->tail->next = n;
     } else {
         q->head = n;
-        if (q->has_fd) { /* empty -> not empty: wake a waiter */
+        if (q->has_fd && !q->quiet && !q->signalled) { /* empty -> not empty: wake a waiter */
             uint64_t one = 1;
             ssize_t r = write(q->efd, &one, sizeof(one));
             (void)r; /* EAGAIN only when the counter is already huge: still readable */
+            q->signalled = true;
         }
     }
     q->tail = n;
@@ -75,10 +76,11 @@ pd_pipe_completion_t *pd_pipe_cq_take(pd_pipe_cq_t *q)
 {
     pd_pipe_completion_t *c = q->head;
     q->head = q->tail = NULL;
-    if (q->has_fd && c != NULL) {
+    if (q->has_fd && q->signalled) {
         uint64_t v;
         ssize_t r = read(q->efd, &v, sizeof(v));
         (void)r; /* EAGAIN: nothing to drain */
+        q->signalled = false;
     }
     return c;
 }

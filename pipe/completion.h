@@ -30,11 +30,15 @@ typedef struct pd_pipe_cq {
     pd_pipe_completion_t *head, *tail;
     pd_pipe_completion_t *spare; /* reserved nodes, one per completion still owed */
     bool has_fd;                 /* efd is readable while the queue is not empty (pd_pipe_cq_open_fd) */
+    bool signalled;              /* efd was written and not read since */
+    bool quiet; /* the thread that takes next is inside its progress call, taking before it returns:
+                 * a push that makes the queue non-empty needs not wake it (two syscalls saved on a
+                 * round trip whose completion progress itself finds) */
     int efd;
 } pd_pipe_cq_t;
 
 /* Gives q an eventfd that polls readable from the push that makes the queue non-empty to the next
- * take: what a backend whose bytes move on its own threads returns as its wait_fd, so a caller can
+ * take (unless q->quiet was set for that push: the taker was already taking): what a backend whose bytes move on its own threads returns as its wait_fd, so a caller can
  * sleep until a completion is queued instead of napping. PD_ERR_IO (logged) when none can be made. */
 pd_status_t pd_pipe_cq_open_fd(pd_pipe_cq_t *q);
 

@@ -93,8 +93,9 @@ typedef struct pd_pipe_ops {
     pd_status_t (*recv_tensor)(pd_pipe_t *p, pd_pipe_peer_t *peer, uint64_t tag, void *hdr, size_t hdr_cap,
                                void *payload, size_t payload_cap, pd_pipe_recv_cb cb, void *arg);
     int (*progress)(pd_pipe_t *p);
-    /* Optional. An fd that polls readable while completions wait for progress, for backends that
-     * move bytes on their own threads (tcp): a caller sleeps in poll() on it instead of napping
+    /* Optional. An fd that polls readable while completions (or what progress turns into them: a
+     * tcp write's ack on its socket) wait for progress, for backends that move bytes on their own
+     * threads (tcp): a caller sleeps in poll() on it instead of napping
      * between progress calls. NULL (pd_pipe_wait_fd: -1) for backends that move bytes inside
      * progress (ucx): progress those continuously while operations are pending. */
     int (*wait_fd)(pd_pipe_t *p);

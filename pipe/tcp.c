@@ -1,9 +1,12 @@
 /* pipe/tcp.c — the TCP pipe: two-sided emulation of page writes/reads over plain sockets.
  *
  * Each peer pair uses two connections, one per direction (A's outgoing socket is B's incoming
- * one). Per pipe, a receiver thread reads every incoming socket and never writes (so it always
- * drains, whatever the other side does), and a sender thread drains a queue of frames (API calls
- * and the receiver's replies enqueue; nothing else writes). The receiver validates every page of
+ * one). Per pipe, a receiver thread reads every incoming socket and never blocks on a write (so it
+ * always drains, whatever the other side does). A frame is written by the thread that makes it when
+ * the socket takes it at once; what it does not take goes to a sender thread's queue, which keeps
+ * each peer's order. A write's ack goes back on the connection the write came in on, and the
+ * writer's progress reads it there (the caller's wait fd polls that socket): the ack wakes the
+ * caller itself, not the receiver thread and then the caller. The receiver validates every page of
  * a write — region exported to that peer with write permission, offset and length inside it —
  * before a byte lands; bad pages are consumed and refused with an error ack.
  *
@@ -24,7 +27,7 @@ static pd_status_t tcp_create(const pd_pipe_config_t *cfg, pd_pipe_t **out)
         return PD_ERR_NO_MEMORY;
     }
     t->base.ops = &pd_pipe_tcp_ops;
-    t->listen_fd = t->epfd = t->wake_fd = -1;
+    t->listen_fd = t->epfd = t->wake_fd = t->wait_ep = -1;
     pd_list_head_init(&t->peers);
     pd_list_head_init(&t->perms);
     pd_list_head_init(&t->ops);
@@ -56,7 +59,10 @@ static pd_status_t tcp_create(const pd_pipe_config_t *cfg, pd_pipe_t **out)
     t->port = ntohs(a.sin_port);
     t->epfd = epoll_create1(EPOLL_CLOEXEC);
     t->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    if (t->epfd < 0 || t->wake_fd < 0 || pd_pipe_cq_open_fd(&t->cq) != PD_OK) {
+    t->wait_ep = epoll_create1(EPOLL_CLOEXEC);
+    struct epoll_event cev = {EPOLLIN, {.ptr = NULL}};
+    if (t->epfd < 0 || t->wake_fd < 0 || t->wait_ep < 0 || pd_pipe_cq_open_fd(&t->cq) != PD_OK ||
+        epoll_ctl(t->wait_ep, EPOLL_CTL_ADD, t->cq.efd, &cev) != 0) {
         pd_log_error("tcp pipe: cannot create its epoll/eventfd descriptors: %s", strerror(errno));
         pd_pipe_tcp_ops.destroy(&t->base);
         return PD_ERR_IO;
@@ -76,42 +82,62 @@ static pd_status_t tcp_create(const pd_pipe_config_t *cfg, pd_pipe_t **out)
     return PD_OK;
 }
 
-/* Takes the write acks already waiting on the incoming sockets, in the caller's thread (mu held
- * on entry and exit). A caller that polls progress then sees its writes complete without the
- * receiver thread waking up for each ack: on this VM a wake-up costs more than the transfer of a
- * page. Only whole ack frames (a header, nothing after it) are taken: everything else, and any
- * socket the receiver thread is reading, is left to the receiver thread. */
-static void take_acks(tcp_pipe_t *t)
+/* Takes the acks waiting on peer's outgoing connection (mu held; out_fd does not block). A write's
+ * ack comes back on the connection the write went out on, and nothing else does: anything else there
+ * is a protocol violation and drops the peer, as its close does. */
+static void read_acks(tcp_pipe_t *t, pd_pipe_peer_t *peer)
 {
-    pd_pipe_peer_t *peer;
-    pd_list_for_each (peer, &t->peers, link) {
-        if (t->writes == 0) {
-            break;
-        }
-        if (peer->dead || peer->reading || peer->in_fd < 0) {
-            continue;
-        }
-        peer->reading = true;
-        pthread_mutex_unlock(&t->mu);
-        int rc = 0, taken = 0;
-        for (; taken < 64; taken++) { /* bounded work per call */
-            hdr_t h;
-            ssize_t k = recv(peer->in_fd, &h, sizeof(h), MSG_PEEK | MSG_DONTWAIT);
-            if (k != (ssize_t)sizeof(h) || h.magic != TCP_MAGIC || h.type != M_WRITE_ACK) {
-                break; /* nothing whole, or a frame for the receiver thread (which also reports errors) */
-            }
-            rc = tcpi_rx_frame(t, peer, peer->in_fd); /* reads the header that is there: does not block */
-            if (rc != 0) {
-                break;
-            }
-        }
-        pthread_mutex_lock(&t->mu);
-        peer->reading = false;
-        peer->in_used |= taken > 0;
-        if (rc != 0) {
+    if (peer->dead || peer->out_fd < 0) {
+        return;
+    }
+    if (peer->connecting) { /* only its failure is reported while it connects */
+        if (tcpi_out_ready(peer) < 0) {
             tcpi_mark_dead(t, peer, PD_ERR_PEER_GONE);
         }
-        tcpi_reap_fds(t, peer);
+        return;
+    }
+    uint8_t buf[64 * sizeof(hdr_t)];
+    memcpy(buf, peer->ack_part, peer->ack_got);
+    ssize_t k = recv(peer->out_fd, buf + peer->ack_got, sizeof(buf) - peer->ack_got, MSG_DONTWAIT);
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+        return;
+    }
+    if (k <= 0) {
+        tcpi_mark_dead(t, peer, PD_ERR_PEER_GONE);
+        return;
+    }
+    size_t have = peer->ack_got + (size_t)k, off = 0;
+    for (; off + sizeof(hdr_t) <= have; off += sizeof(hdr_t)) {
+        hdr_t h;
+        memcpy(&h, buf + off, sizeof(h));
+        if (h.magic != TCP_MAGIC || h.type != M_WRITE_ACK || h.len != 0) {
+            pd_log_warn("tcp pipe: peer %016llx sent a frame other than a write ack back on our data "
+                        "connection; dropping it",
+                        (unsigned long long)peer->id);
+            tcpi_mark_dead(t, peer, PD_ERR_PEER_GONE);
+            return;
+        }
+        op_t *o = tcpi_take_op(t, h.op_id, peer, OP_WRITE);
+        if (o != NULL) {
+            tcpi_complete_op(t, o, (pd_status_t)h.status, 0, 0);
+        }
+    }
+    peer->ack_got = have - off;
+    memcpy(peer->ack_part, buf + off, peer->ack_got);
+}
+
+/* Takes the acks of our writes, in the caller's thread: a caller sleeping on the wait fd is woken by
+ * the ack's arrival itself, and one polling progress finds it, without the receiver thread waking
+ * up in between (on this VM a wake-up costs more than the transfer of a page). One epoll_wait names
+ * the peers with bytes waiting (mu held, so no record it names is freed meanwhile). */
+static void take_acks(tcp_pipe_t *t)
+{
+    struct epoll_event evs[32];
+    int n = epoll_wait(t->wait_ep, evs, 32, 0);
+    for (int i = 0; i < n; i++) {
+        if (evs[i].data.ptr != NULL) { /* (NULL: the completion eventfd, taken by cq_take) */
+            read_acks(t, evs[i].data.ptr);
+        }
     }
 }
 
@@ -119,9 +145,9 @@ static int tcp_progress(pd_pipe_t *p)
 {
     tcp_pipe_t *t = (tcp_pipe_t *)p;
     pthread_mutex_lock(&t->mu);
-    if (t->cq.head == NULL && t->writes > 0) {
-        take_acks(t);
-    }
+    t->cq.quiet = true; /* what take_acks pushes is taken below: no eventfd round */
+    take_acks(t);
+    t->cq.quiet = false;
     pd_pipe_completion_t *c = pd_pipe_cq_take(&t->cq);
     pthread_mutex_unlock(&t->mu);
     return pd_pipe_cq_run(c);
@@ -130,7 +156,7 @@ static int tcp_progress(pd_pipe_t *p)
 static int tcp_wait_fd(pd_pipe_t *p)
 {
     tcp_pipe_t *t = (tcp_pipe_t *)p;
-    return t->cq.has_fd ? t->cq.efd : -1;
+    return t->wait_ep;
 }
 
 /* Stop the sender and receiver threads: shut every socket down so that a thread stuck on one returns. */
@@ -238,6 +264,9 @@ static void tcp_destroy(pd_pipe_t *p)
     if (t->wake_fd >= 0) {
         close(t->wake_fd);
     }
+    if (t->wait_ep >= 0) {
+        close(t->wait_ep);
+    }
     pd_pipe_cq_close(&t->cq);
     pthread_mutex_destroy(&t->mu);
     pthread_cond_destroy(&t->tx_cv);
@@ -336,6 +365,14 @@ static pd_status_t tcp_connect(pd_pipe_t *p, const uint8_t *addr, size_t len, co
         tcpi_job_free(hello);
         close(fd);
         return peer == NULL ? PD_ERR_NO_MEMORY : PD_ERR_INVALID_ARG;
+    }
+    struct epoll_event ev = {EPOLLIN, {.ptr = peer}}; /* its acks (and a failed connect) wake the caller */
+    if (epoll_ctl(t->wait_ep, EPOLL_CTL_ADD, fd, &ev) != 0) {
+        pd_log_error("tcp pipe: cannot watch the connection to %s:%d: %s", host, port, strerror(errno));
+        pthread_mutex_unlock(&t->mu);
+        tcpi_job_free(hello);
+        close(fd);
+        return PD_ERR_IO;
     }
     peer->out_fd = fd;
     peer->connecting = connecting;

@@ -79,6 +79,10 @@ typedef struct desc {
     uint64_t len;
 } desc_t;
 
+/* What the receiver peeks at before reading a frame: its header and up to 64 descriptors, so a
+ * request of that many pages costs one readv (header, descriptors, pages) after the peek. */
+#define TCP_PEEK_BYTES (sizeof(hdr_t) + 64 * sizeof(desc_t))
+
 typedef struct tcp_region {
     struct pd_pipe_region pub;
     uint32_t id;
@@ -142,17 +146,19 @@ struct pd_pipe_peer {
     double connect_deadline; /* ... until then (TCP_CONNECT_TIMEOUT_MS after tcp_connect) */
     char dialled[80];        /* "host:port" of out_fd, for the log */
     bool dead;
-    bool reading; /* a thread is reading a frame from in_fd (the receiver, or progress taking acks) */
+    bool reading; /* the receiver thread is reading a frame from in_fd */
     bool in_used; /* a frame has arrived on in_fd (else it may be a previous incarnation's) */
     uint8_t session[PD_PIPE_SESSION_BYTES]; /* from connect: what its data connection's HELLO is MACed with */
-    bool released;             /* the user gave it up: the rx thread frees it once nothing uses it */
-    pd_list_link_t unexpected; /* unexpected_t, in arrival order */
-    double tx_blocked_since;   /* sender thread: when its socket stopped taking its queued bytes (0: it
+    bool released;                   /* the user gave it up: the rx thread frees it once nothing uses it */
+    pd_list_link_t unexpected;       /* unexpected_t, in arrival order */
+    double tx_blocked_since;         /* sender thread: when its socket stopped taking its queued bytes (0: it
                                 * takes them); past TCP_SEND_STALL_S the peer is dropped */
-    uint64_t tx_blocked_pass;  /* sender thread: the pass of its queue in which its socket was full */
-    size_t unexpected_bytes;   /* their headers and payloads: at most the pipe's max_msg, one
+    uint64_t tx_blocked_pass;        /* sender thread: the pass of its queue in which its socket was full */
+    size_t unexpected_bytes;         /* their headers and payloads: at most the pipe's max_msg, one
                                 * message's worth (past it the peer is dropped: it sends what nobody
                                 * asks for; issue 51 held +196 MiB that way) */
+    uint8_t ack_part[sizeof(hdr_t)]; /* progress: the start of an ack read from out_fd, not whole yet */
+    size_t ack_got;                  /* ... its bytes */
     pd_list_link_t link;
 };
 
@@ -163,6 +169,7 @@ typedef struct job {
     int first;              /* iov entries before this one are written */
     void *owned;            /* freed after sending (header + descriptors) */
     op_t *complete_on_send; /* OP_SEND */
+    bool on_in;             /* a write's ack: written on peer's in_fd, the connection its write came in on */
     pd_list_link_t link;
 } job_t;
 
@@ -176,6 +183,8 @@ typedef struct tcp_pipe {
     char host[64];
     int port;
     int listen_fd, epfd, wake_fd;
+    int wait_ep; /* the caller's wait fd: an epoll set of cq.efd and every peer's out_fd, on which the
+                  * acks of our writes come back (progress reads them: nothing else reads out_fd) */
     size_t max_msg;
     int busy_poll_us;
     pthread_t rx, tx;
@@ -233,10 +242,10 @@ pd_pipe_peer_t *tcpi_peer_by_id(tcp_pipe_t *t, uint64_t id, const uint8_t *sessi
 void tcpi_peer_free(pd_pipe_peer_t *pe);
 void tcpi_pending_drop(tcp_pipe_t *t, pending_in_t *c);
 int tcpi_read_full(int fd, void *buf, size_t n);
-int tcpi_read_pages(int fd, char *base, const desc_t *d, uint32_t n);
+int tcpi_read_pages(int fd, void *skip_buf, size_t skip, char *base, const desc_t *d, uint32_t n);
 void tcpi_reap_fds(tcp_pipe_t *t, pd_pipe_peer_t *peer);
 tcp_region_t *tcpi_region_by_id(tcp_pipe_t *t, uint32_t id);
-int tcpi_rx_frame(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd);
+int tcpi_rx_frame(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, const void *peek, size_t npeek);
 op_t *tcpi_take_op(tcp_pipe_t *t, uint64_t id, pd_pipe_peer_t *peer, int kind);
 void tcpi_tune_socket(int fd);
 int tcpi_writev_full(int fd, struct iovec *iov, int n);

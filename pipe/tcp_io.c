@@ -43,7 +43,7 @@ void tcpi_reap_fds(tcp_pipe_t *t, pd_pipe_peer_t *peer)
         close(peer->out_fd);
         peer->out_fd = -1;
     }
-    if (peer->in_fd >= 0 && !peer->reading) {
+    if (peer->in_fd >= 0 && !peer->reading && !(t->tx_busy && t->tx_peer == peer)) {
         close(peer->in_fd); /* mark_dead took it out of the epoll set */
         peer->in_fd = -1;
     }
@@ -68,6 +68,7 @@ void tcpi_mark_dead(tcp_pipe_t *t, pd_pipe_peer_t *peer, pd_status_t st)
         tcpi_complete(t, c);
     }
     if (peer->out_fd >= 0) {
+        epoll_ctl(t->wait_ep, EPOLL_CTL_DEL, peer->out_fd, NULL); /* (or progress would spin on it) */
         shutdown(peer->out_fd, SHUT_RDWR);
     }
     if (peer->in_fd >= 0) {
@@ -201,11 +202,21 @@ int tcpi_out_ready(pd_pipe_peer_t *peer)
 /* Sends j (mu held). When nothing is queued and the sender thread is idle, the frame is written
  * inline, without blocking (saves two thread hand-offs per operation); whatever the socket does
  * not take at once goes to the sender thread, which keeps the order. */
+/* The socket job j goes out on, or -1 when it cannot be written (yet: *ready 0 while out_fd
+ * connects; -1 for good). mu held. */
+static int job_fd(const job_t *j, int *ready)
+{
+    pd_pipe_peer_t *peer = j->peer;
+    int fd = j->on_in ? peer->in_fd : peer->out_fd;
+    *ready = peer->dead || fd < 0 ? -1 : j->on_in ? 1 : tcpi_out_ready(peer);
+    return fd;
+}
+
 void tcpi_enqueue(tcp_pipe_t *t, job_t *j)
 {
-    if (pd_list_is_empty(&t->jobs) && !t->tx_busy && !j->peer->dead && j->peer->out_fd >= 0 &&
-        tcpi_out_ready(j->peer) == 1) {
-        int r = write_some(j->peer->out_fd, j);
+    int ready, fd = job_fd(j, &ready);
+    if (pd_list_is_empty(&t->jobs) && !t->tx_busy && ready == 1) {
+        int r = write_some(fd, j);
         if (r != 0) {
             if (r < 0) {
                 tcpi_mark_dead(t, j->peer, PD_ERR_PEER_GONE);
@@ -266,18 +277,25 @@ int tcpi_read_full(int fd, void *buf, size_t n)
     return 0;
 }
 
-/* Reads the pages d[n] (offsets into base) in order, up to 64 pages per readv: one syscall per
- * batch instead of per page (a 16 KiB page per read() costs ~30% of the stream rate here). */
-int tcpi_read_pages(int fd, char *base, const desc_t *d, uint32_t n)
+/* Reads `skip` bytes into skip_buf (what is left of the frame's header and descriptors, already
+ * known from a peek: one syscall fewer per frame), then the pages d[n] (offsets into base) in order,
+ * up to 64 pages per readv: one syscall per batch instead of per page (a 16 KiB page per read()
+ * costs ~30% of the stream rate here). */
+int tcpi_read_pages(int fd, void *skip_buf, size_t skip, char *base, const desc_t *d, uint32_t n)
 {
-    struct iovec iov[64];
-    for (uint32_t i = 0; i < n;) {
-        int k = 0;
-        for (; k < 64 && i + (uint32_t)k < n; k++) {
-            iov[k] = (struct iovec){base + d[i + (uint32_t)k].off, d[i + (uint32_t)k].len};
+    struct iovec iov[65];
+    int k0 = 0;
+    if (skip > 0) {
+        iov[k0++] = (struct iovec){skip_buf, skip};
+    }
+    for (uint32_t i = 0; i < n || k0 > 0;) {
+        int k = k0;
+        for (; k < 65 && i < n; k++, i++) {
+            iov[k] = (struct iovec){base + d[i].off, d[i].len};
         }
-        i += (uint32_t)k;
+        k0 = 0;
         struct iovec *v = iov;
+        iov_advance(&v, &k, 0); /* empty pages first: a readv of nothing reads as a closed socket */
         while (k > 0) {
             ssize_t r = readv(fd, v, k);
             if (r < 0 && errno == EINTR) {
@@ -354,8 +372,7 @@ void *tcpi_tx_main(void *arg)
             if (peer->tx_blocked_pass == pass) {
                 continue; /* an earlier job of this peer is waiting: keep the order */
             }
-            int fd = peer->out_fd, rc = -1;
-            int ready = !peer->dead && fd >= 0 ? tcpi_out_ready(peer) : -1;
+            int ready, rc = -1, fd = job_fd(j, &ready);
             if (ready == 0) {
                 rc = 0; /* still connecting: polled for POLLOUT below */
             } else if (ready > 0) {

@@ -19,6 +19,7 @@ static int send_reply(tcp_pipe_t *t, pd_pipe_peer_t *peer, int type, uint64_t op
                      (unsigned long long)peer->id);
         return -1;
     }
+    j->on_in = type == M_WRITE_ACK; /* back on the write's connection, to the writer's progress */
     hdr_t *h = j->owned;
     *h = (hdr_t){TCP_MAGIC, (uint8_t)type, {0}, op_id, 0, status, 0, 0, r != NULL ? total : 0};
     j->iov[0] = (struct iovec){h, sizeof(*h)};
@@ -47,8 +48,10 @@ static bool descs_ok(const tcp_region_t *r, const desc_t *d, uint32_t n, uint64_
  * only around the op list, the region table and replies — never while reading the socket.
  * Returns 0, or -1 when the connection must be dropped. */
 
-/* M_WRITE: pages for one of our regions; refused (and drained) unless the peer may write there. */
-static int rx_write(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, const hdr_t *h, const desc_t *d)
+/* M_WRITE: pages for one of our regions; refused (and drained) unless the peer may write there.
+ * pre: bytes of the frame's header and descriptors still on fd, read (into skip) with the pages. */
+static int rx_write(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, const hdr_t *h, const desc_t *d, void *skip,
+                    size_t pre)
 {
     pthread_mutex_lock(&t->mu);
     tcp_region_t *r = tcpi_region_by_id(t, h->region_id);
@@ -60,9 +63,9 @@ static int rx_write(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, const hdr_t *h,
             "tcp pipe: refused a write of %u pages from peer %016llx (region %u not writable by it or "
             "pages outside it)",
             h->count, (unsigned long long)peer->id, h->region_id);
-        rc = tcpi_discard(fd, h->len);
+        rc = tcpi_discard(fd, pre + h->len);
     } else {
-        rc = tcpi_read_pages(fd, r->pub.base, d, h->count);
+        rc = tcpi_read_pages(fd, skip, pre, r->pub.base, d, h->count);
     }
     if (rc == 0) {
         pthread_mutex_lock(&t->mu);
@@ -104,8 +107,9 @@ static int rx_write_ack(tcp_pipe_t *t, pd_pipe_peer_t *peer, const hdr_t *h)
     return 0;
 }
 
-/* M_READ_RESP: the pages of our read, straight into the local region (or drained on a mismatch). */
-static int rx_read_resp(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, const hdr_t *h)
+/* M_READ_RESP: the pages of our read, straight into the local region (or drained on a mismatch);
+ * pre: bytes of its header still on fd (read into skip). */
+static int rx_read_resp(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, const hdr_t *h, void *skip, size_t pre)
 {
     pthread_mutex_lock(&t->mu);
     op_t *o = tcpi_take_op(t, h->op_id, peer, OP_READ);
@@ -113,10 +117,10 @@ static int rx_read_resp(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, const hdr_t
     pd_status_t st = (pd_status_t)h->status;
     int rc = 0;
     if (o == NULL || (st == PD_OK && h->len != o->total) || (st != PD_OK && h->len != 0)) {
-        rc = tcpi_discard(fd, h->len);
+        rc = tcpi_discard(fd, pre + h->len);
         st = PD_ERR_PARSE;
-    } else if (st == PD_OK) {
-        rc = tcpi_read_pages(fd, o->local->pub.base, o->pages, (uint32_t)o->n);
+    } else if (st == PD_OK || pre > 0) {
+        rc = tcpi_read_pages(fd, skip, pre, o->local->pub.base, o->pages, st == PD_OK ? (uint32_t)o->n : 0);
     }
     if (o != NULL) {
         pthread_mutex_lock(&t->mu);
@@ -215,11 +219,19 @@ static int rx_tensor(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, const hdr_t *h
     return rc;
 }
 
-/* Reads one frame from peer's connection fd and dispatches it by type. */
-int tcpi_rx_frame(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd)
+/* Reads one frame from peer's connection fd and dispatches it by type. `peek` holds the first
+ * npeek bytes waiting on fd (a MSG_PEEK, or nothing): when they hold the header (and a request's
+ * descriptors), those are not read again on their own but with the frame's data, in one readv. */
+int tcpi_rx_frame(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, const void *peek, size_t npeek)
 {
     hdr_t h;
-    if (tcpi_read_full(fd, &h, sizeof(h)) != 0) {
+    uint8_t skip[TCP_PEEK_BYTES]; /* where the known bytes go when read */
+    size_t pre = 0;               /* bytes at the head of fd known from the peek, not read yet */
+    npeek = npeek < sizeof(skip) ? npeek : sizeof(skip);
+    if (npeek >= sizeof(h)) {
+        memcpy(&h, peek, sizeof(h));
+        pre = sizeof(h);
+    } else if (tcpi_read_full(fd, &h, sizeof(h)) != 0) {
         return -1;
     }
     if (h.magic != TCP_MAGIC) {
@@ -233,18 +245,35 @@ int tcpi_rx_frame(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd)
                         (unsigned long long)h.len);
             return -1;
         }
-        d = malloc((size_t)h.count * sizeof(desc_t) + 1);
-        if (d == NULL || tcpi_read_full(fd, d, (size_t)h.count * sizeof(desc_t)) != 0) {
+        size_t dbytes = (size_t)h.count * sizeof(desc_t);
+        d = malloc(dbytes + 1);
+        if (d == NULL) {
+            return -1;
+        }
+        if (pre > 0 && npeek >= pre + dbytes) {
+            memcpy(d, (const char *)peek + pre, dbytes);
+            pre += dbytes;
+        } else if ((pre > 0 && tcpi_discard(fd, pre) != 0) || tcpi_read_full(fd, d, dbytes) != 0) {
+            free(d);
+            return -1;
+        } else {
+            pre = 0;
+        }
+    }
+    /* a write's or a read response's known bytes go with its pages; the other frames take them now */
+    if (pre > 0 && h.type != M_WRITE && h.type != M_READ_RESP) {
+        if (tcpi_discard(fd, pre) != 0) {
             free(d);
             return -1;
         }
+        pre = 0;
     }
     int rc;
     switch (h.type) {
-    case M_WRITE: rc = rx_write(t, peer, fd, &h, d); break;
+    case M_WRITE: rc = rx_write(t, peer, fd, &h, d, skip, pre); break;
     case M_READ_REQ: rc = rx_read_req(t, peer, &h, d); break;
     case M_WRITE_ACK: rc = rx_write_ack(t, peer, &h); break;
-    case M_READ_RESP: rc = rx_read_resp(t, peer, fd, &h); break;
+    case M_READ_RESP: rc = rx_read_resp(t, peer, fd, &h, skip, pre); break;
     case M_TENSOR: rc = rx_tensor(t, peer, fd, &h); break;
     default:
         pd_log_warn("tcp pipe: unknown frame type %u from peer %016llx", h.type,
@@ -439,23 +468,6 @@ static void rx_pending(tcp_pipe_t *t, pending_in_t *c)
         }
         return;
     }
-    pthread_mutex_lock(&t->mu);
-    bool wait = !peer->dead && peer->in_fd >= 0 && !peer->in_used && peer->reading;
-    pthread_mutex_unlock(&t->mu);
-    if (wait) {
-        /* the peer's earlier, unused connection (a previous incarnation's) is being read this
-         * instant (progress taking a frame, a few µs): decide which connection stays once that is
-         * over; the next loop looks again (c waits, recheck set) */
-        sched_yield();
-        c->waiting = true;
-        pthread_mutex_lock(&t->mu);
-        t->recheck = true;
-        pthread_mutex_unlock(&t->mu);
-        uint64_t one = 1;
-        ssize_t w = write(t->wake_fd, &one, sizeof(one)); /* so the next loop does not sleep first */
-        (void)w;
-        return;
-    }
     int fd = c->fd;
     pd_list_del(&c->link);
     t->num_pending--;
@@ -494,31 +506,29 @@ static void pending_expire(tcp_pipe_t *t)
     }
 }
 
-/* peer's incoming connection is readable: serve one frame (unless progress is reading it or the
- * peer died meanwhile). Returns whether it was a request (busy polling follows those). */
+/* peer's incoming connection is readable: serve one frame (unless the peer died meanwhile). Returns whether it was a request (busy polling follows those). */
 static bool rx_peer(tcp_pipe_t *t, pd_pipe_peer_t *peer)
 {
     pthread_mutex_lock(&t->mu);
     bool dead = peer->dead || peer->in_fd < 0; /* declared dead, or its connection dropped, since
                                                 * this event was reported */
-    bool busy = peer->reading;
-    if (!dead && !busy) {
-        peer->reading = true; /* claimed: progress leaves this socket alone */
+    if (!dead) {
+        peer->reading = true; /* nobody closes in_fd meanwhile (tcpi_reap_fds) */
     }
     pthread_mutex_unlock(&t->mu);
     if (dead) {
         return false;
     }
-    if (busy) { /* progress is taking an ack from this socket: a few µs */
-        sched_yield();
-        return false;
-    }
-    /* the socket may have been drained by progress since epoll reported it */
-    hdr_t peek;
-    ssize_t k = recv(peer->in_fd, &peek, sizeof(peek), MSG_PEEK | MSG_DONTWAIT);
+    /* one peek: whether a frame is there (an EAGAIN after all is harmless), and its header and
+     * descriptors, so that the frame costs one more syscall (the readv of it) */
+    union {
+        hdr_t h;
+        uint8_t b[TCP_PEEK_BYTES];
+    } peek;
+    ssize_t k = recv(peer->in_fd, peek.b, sizeof(peek.b), MSG_PEEK | MSG_DONTWAIT);
     int rc = k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
                  ? 0
-                 : tcpi_rx_frame(t, peer, peer->in_fd);
+                 : tcpi_rx_frame(t, peer, peer->in_fd, peek.b, k > 0 ? (size_t)k : 0);
     pthread_mutex_lock(&t->mu);
     peer->reading = false;
     tcpi_reap_fds(t, peer); /* it died while we read */
@@ -536,8 +546,8 @@ static bool rx_peer(tcp_pipe_t *t, pd_pipe_peer_t *peer)
         peer->in_used = true;
     }
     pthread_mutex_unlock(&t->mu);
-    return k == (ssize_t)sizeof(peek) &&
-           (peek.type == M_WRITE || peek.type == M_READ_REQ || peek.type == M_TENSOR);
+    return k >= (ssize_t)sizeof(peek.h) &&
+           (peek.h.type == M_WRITE || peek.h.type == M_READ_REQ || peek.h.type == M_TENSOR);
 }
 
 /* The receiver thread: the data listener and every peer's incoming connection (epoll). */

@@ -73,10 +73,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     shutdown(sv[0], SHUT_WR);
     tcp_pipe_t *t = (tcp_pipe_t *)g_b;
-    for (int frames = 0; frames < 1000 && tcpi_rx_frame(t, g_ba, sv[1]) == 0; frames++) {
+    for (int frames = 0; frames < 1000; frames++) {
+        /* as the rx thread reads: a peek first (every other frame without one, the other path) */
+        uint8_t peek[TCP_PEEK_BYTES];
+        ssize_t k = frames % 2 ? 0 : recv(sv[1], peek, sizeof(peek), MSG_PEEK | MSG_DONTWAIT);
+        if (tcpi_rx_frame(t, g_ba, sv[1], peek, k > 0 ? (size_t)k : 0) != 0) {
+            break;
+        }
     }
     close(sv[0]);
     close(sv[1]);
     pd_pipe_progress(g_b); /* completions of anything the frames finished */
+    pd_pipe_progress(g_a); /* the acks b sent back for the writes among them */
     return 0;
 }

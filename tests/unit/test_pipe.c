@@ -422,7 +422,7 @@ static void run_wait_fd(void)
     for (int round = 0; round < 20; round++) {
         pd_page_xfer_t pg = {(uint64_t)round * 16384, (uint64_t)round * 16384, 16384};
         ck_assert_int_eq(pd_pipe_write_pages(P.a, P.ab, P.ra, P.b_at_a, &pg, 1, on_done, &c), PD_OK);
-        bool woke = fd_readable(fd, 10000); /* b's threads ack; a's receiver queues it */
+        bool woke = fd_readable(fd, 10000); /* b's ack arrives on a's outgoing connection */
         int ran = pd_pipe_progress(P.a);
         bool quiet_after = !fd_readable(fd, 0);
         if (!woke || ran != 1 || !quiet_after) {
@@ -634,6 +634,33 @@ static void run_peer_killed(void)
     pd_pipe_destroy(a);
 }
 
+/* Empty pages are pages too: a write or a read whose list holds zero-length pages (alone, or
+ * among real ones) completes OK and moves the real ones (the tcp receiver once took a readv of
+ * nothing for a closed connection and dropped the peer). */
+static void run_zero_length_pages(void)
+{
+    pair_t P;
+    pair_open(&P, true);
+    fill(P.ra->base, 1 << 20, 31);
+    pd_pipe_t *both[2] = {P.a, P.b};
+    counter_t c = {0, 0, PD_OK};
+    pd_page_xfer_t empty = {4096, 4096, 0};
+    pd_page_xfer_t mixed[3] = {{0, 0, 0}, {16384, 16384, 4096}, {65536, 65536, 0}};
+    ck_assert_int_eq(pd_pipe_write_pages(P.a, P.ab, P.ra, P.b_at_a, &empty, 1, on_done, &c), PD_OK);
+    ck_assert_int_eq(pd_pipe_write_pages(P.a, P.ab, P.ra, P.b_at_a, mixed, 3, on_done, &c), PD_OK);
+    ck_assert_int_eq(pd_pipe_read_pages(P.a, P.ab, P.ra, P.b_at_a, &empty, 1, on_done, &c), PD_OK);
+    wait_for(&c, 3, both, 2, 10);
+    ck_assert_int_eq(c.errors, 0);
+    ck_assert_int_eq(memcmp((uint8_t *)P.rb->base + 16384, (uint8_t *)P.ra->base + 16384, 4096), 0);
+    /* the link still works afterwards */
+    pd_page_xfer_t one = {131072, 131072, 8192};
+    ck_assert_int_eq(pd_pipe_write_pages(P.a, P.ab, P.ra, P.b_at_a, &one, 1, on_done, &c), PD_OK);
+    wait_for(&c, 4, both, 2, 10);
+    ck_assert_int_eq(c.errors, 0);
+    ck_assert_int_eq(memcmp((uint8_t *)P.rb->base + 131072, (uint8_t *)P.ra->base + 131072, 8192), 0);
+    pair_close(&P);
+}
+
 /* Writing into a region exported read-only is refused by the owner, and the writer is told. */
 static void run_permissions(void)
 {
@@ -783,6 +810,19 @@ typedef struct wire_hello {
     uint8_t nonce[16];
     uint8_t mac[32];
 } wire_hello_t;
+
+/* A tcp frame's wire header (pipe/tcp_internal.h's hdr_t), for the raw peers below. */
+typedef struct wire_hdr {
+    uint32_t magic;
+    uint8_t type; /* 2 write, 3 write ack, 5 read response */
+    uint8_t pad[3];
+    uint64_t op_id;
+    uint32_t region_id;
+    int32_t status;
+    uint32_t count;
+    uint32_t pad2;
+    uint64_t len;
+} wire_hdr_t;
 
 /* "tcp:host:PORT:ID" → port and id. */
 static void tcp_addr(pd_pipe_t *p, int *port, uint64_t *id)
@@ -985,6 +1025,7 @@ static bool use_backend(int i, const char *scenario)
     END_TEST
 
 CONFORMANCE(tensors)
+CONFORMANCE(zero_length_pages)
 CONFORMANCE(random_pages)
 CONFORMANCE(in_flight_and_two_peers)
 CONFORMANCE(wait_fd)
@@ -1117,6 +1158,105 @@ START_TEST(test_stalled_peer_delays_only_itself)
     pd_pipe_destroy(cp);
     free(payload);
     close(addr_pipe[0]), close(addr_pipe[1]);
+}
+END_TEST
+
+/* Reads n bytes from fd (which has a receive timeout); false on EOF, error or timeout. */
+static bool read_n(int fd, void *buf, size_t n)
+{
+    for (size_t got = 0; got < n;) {
+        ssize_t k = recv(fd, (char *)buf + got, n - got, 0);
+        if (k <= 0) {
+            return false;
+        }
+        got += (size_t)k;
+    }
+    return true;
+}
+
+static void count_death(void *arg, pd_pipe_peer_t *peer, pd_status_t st)
+{
+    (void)peer, (void)st;
+    (*(int *)arg)++;
+}
+
+/* tcp: a write's ack comes back on the connection the write went out on, and the writer's progress
+ * reads it there (the wait fd polls that socket). Against a raw peer: an ack that arrives in two
+ * pieces completes the write once whole, the wait fd waking for it and quiet again after progress;
+ * a frame other than an ack on that connection (a hostile or confused peer) drops the peer, fails
+ * its pending write, closes the connection and leaves the wait fd quiet (no caller loop spins). */
+START_TEST(test_tcp_acks_on_the_write_connection)
+{
+    int l = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof(sa);
+    ck_assert_int_eq(bind(l, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    ck_assert_int_eq(listen(l, 1), 0);
+    ck_assert_int_eq(getsockname(l, (struct sockaddr *)&sa, &sl), 0);
+    pd_pipe_config_t c;
+    memset(&c, 0, sizeof(c));
+    c.kind = "tcp";
+    pd_pipe_t *a = NULL;
+    ck_assert_int_eq(pd_pipe_create(&c, &a), PD_OK);
+    int deaths = 0;
+    a->ops->set_peer_error_cb(a, count_death, &deaths);
+    char addr[96];
+    int n = snprintf(addr, sizeof(addr), "tcp:127.0.0.1:%d:00000000000000bb", ntohs(sa.sin_port));
+    pd_pipe_peer_t *peer = NULL;
+    ck_assert_int_eq(a->ops->connect(a, (const uint8_t *)addr, (size_t)n, SESSION, &peer), PD_OK);
+    pd_pipe_region_t *ra = NULL;
+    ck_assert_int_eq(a->ops->alloc_region(a, 1 << 20, &ra), PD_OK);
+    uint8_t rkey[12] = {0}; /* region 0 of the raw peer, 1 MiB */
+    uint64_t rlen = 1 << 20;
+    memcpy(rkey + 4, &rlen, 8);
+    pd_pipe_remote_t *rr = NULL;
+    ck_assert_int_eq(a->ops->import_region(a, peer, rkey, sizeof(rkey), &rr), PD_OK);
+    int wfd = pd_pipe_wait_fd(a);
+    counter_t w1 = {0, 0, PD_OK}, w2 = {0, 0, PD_OK};
+    pd_page_xfer_t pg = {0, 0, 4096};
+    ck_assert_int_eq(pd_pipe_write_pages(a, peer, ra, rr, &pg, 1, on_done, &w1), PD_OK);
+    ck_assert(fd_readable(l, 5000));
+    int fd = accept(l, NULL, NULL);
+    ck_assert_int_ge(fd, 0);
+    struct timeval tv = {5, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    wire_hello_t hello;
+    wire_hdr_t h;
+    uint8_t rest[16 + 4096];
+    ck_assert(read_n(fd, &hello, sizeof(hello)) && hello.magic == 0x50445450u && hello.type == 1);
+    ck_assert(read_n(fd, &h, sizeof(h)) && h.type == 2 && h.count == 1 && h.len == 4096); /* the write */
+    ck_assert(read_n(fd, rest, sizeof(rest)));
+    wire_hdr_t ack = {0x50445450u, 3, {0}, h.op_id, 0, PD_OK, 0, 0, 0};
+    ck_assert_int_eq(send(fd, &ack, 10, MSG_NOSIGNAL), 10); /* the first piece */
+    for (double t0 = tu_now(); tu_now() - t0 < 0.05;) {
+        pd_pipe_progress(a);
+    }
+    ck_assert_int_eq(w1.done, 0);
+    ck_assert(!fd_readable(wfd, 0)); /* the piece was taken: nothing waits */
+    ck_assert_int_eq(send(fd, (char *)&ack + 10, sizeof(ack) - 10, MSG_NOSIGNAL), (ssize_t)sizeof(ack) - 10);
+    ck_assert_msg(fd_readable(wfd, 5000), "the wait fd did not wake for the ack");
+    pd_pipe_progress(a);
+    ck_assert_int_eq(w1.done, 1);
+    ck_assert_int_eq(w1.errors, 0);
+    ck_assert(!fd_readable(wfd, 0));
+    /* a second write, answered with a read response on the write's connection */
+    ck_assert_int_eq(pd_pipe_write_pages(a, peer, ra, rr, &pg, 1, on_done, &w2), PD_OK);
+    ck_assert(read_n(fd, &h, sizeof(h)) && h.type == 2 && read_n(fd, rest, sizeof(rest)));
+    wire_hdr_t bad = {0x50445450u, 5, {0}, h.op_id, 0, PD_OK, 0, 0, 0};
+    ck_assert_int_eq(send(fd, &bad, sizeof(bad), MSG_NOSIGNAL), (ssize_t)sizeof(bad));
+    ck_assert(fd_readable(wfd, 5000));
+    for (double t0 = tu_now(); w2.done == 0 && tu_now() - t0 < 5;) {
+        pd_pipe_progress(a);
+    }
+    ck_assert_int_eq(w2.done, 1);
+    ck_assert_int_eq(w2.last, PD_ERR_PEER_GONE);
+    ck_assert_int_eq(deaths, 1);
+    ck_assert(!fd_readable(wfd, 0));
+    ck_assert(closed_by_peer(fd, 5));
+    a->ops->release_remote(a, rr);
+    pd_pipe_destroy(a);
+    close(fd);
+    close(l);
 }
 END_TEST
 
@@ -1358,6 +1498,7 @@ int main(void)
     tcase_add_test(tc, test_unexpected_tensors_bounded);
     tcase_add_test(tc, test_stalled_peer_delays_only_itself);
     tcase_add_test(tc, test_pipe_id_claim_locks_nobody_out);
+    tcase_add_test(tc, test_tcp_acks_on_the_write_connection);
     tcase_add_loop_test(tc, test_tensors, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_random_pages, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_in_flight_and_two_peers, 0, NUM_BACKENDS);
@@ -1365,6 +1506,7 @@ int main(void)
     tcase_add_loop_test(tc, test_fail_peer_idle, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_reconnect_after_fail, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_permissions, 0, NUM_BACKENDS);
+    tcase_add_loop_test(tc, test_zero_length_pages, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_close_during_transfer, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_peer_killed, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_silent_data_connections, 0, NUM_BACKENDS);
