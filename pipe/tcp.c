@@ -4,11 +4,12 @@
  * one). Per pipe, a receiver thread reads every incoming socket and never blocks on a write (so it
  * always drains, whatever the other side does). A frame is written by the thread that makes it when
  * the socket takes it at once; what it does not take goes to a sender thread's queue, which keeps
- * each peer's order. A write's ack goes back on the connection the write came in on, and the
- * writer's progress reads it there (the caller's wait fd polls that socket): the ack wakes the
- * caller itself, not the receiver thread and then the caller. The receiver validates every page of
- * a write — region exported to that peer with write permission, offset and length inside it —
- * before a byte lands; bad pages are consumed and refused with an error ack.
+ * each peer's order. A request's reply (a write's ack, a read's pages) goes back on the connection
+ * the request came in on, and the requester's progress reads it there (the caller's wait fd polls
+ * that socket): the reply wakes the caller itself, not the receiver thread and then the caller.
+ * The receiver validates every page of a write — region exported to that peer with write
+ * permission, offset and length inside it — before a byte lands; bad pages are consumed and
+ * refused with an error ack.
  *
  * Frame: hdr_t, then per type: WRITE count × desc_t + data; READ_REQ count × desc_t; READ_RESP
  * data; TENSOR hdr bytes + payload; HELLO a nonce and its session MAC; WRITE_ACK nothing.
@@ -82,62 +83,188 @@ static pd_status_t tcp_create(const pd_pipe_config_t *cfg, pd_pipe_t **out)
     return PD_OK;
 }
 
-/* Takes the acks waiting on peer's outgoing connection (mu held; out_fd does not block). A write's
- * ack comes back on the connection the write went out on, and nothing else does: anything else there
- * is a protocol violation and drops the peer, as its close does. */
-static void read_acks(tcp_pipe_t *t, pd_pipe_peer_t *peer)
+/* Moves the current read response's position n bytes on, past exhausted and empty pages. */
+static void resp_advance(pd_pipe_peer_t *peer, size_t n)
 {
-    if (peer->dead || peer->out_fd < 0) {
-        return;
-    }
-    if (peer->connecting) { /* only its failure is reported while it connects */
-        if (tcpi_out_ready(peer) < 0) {
-            tcpi_mark_dead(t, peer, PD_ERR_PEER_GONE);
+    const op_t *o = peer->resp_op;
+    peer->resp_left -= n;
+    for (;;) {
+        while (peer->resp_page < (uint32_t)o->n && peer->resp_off == o->pages[peer->resp_page].len) {
+            peer->resp_page++, peer->resp_off = 0;
         }
-        return;
-    }
-    uint8_t buf[64 * sizeof(hdr_t)];
-    memcpy(buf, peer->ack_part, peer->ack_got);
-    ssize_t k = recv(peer->out_fd, buf + peer->ack_got, sizeof(buf) - peer->ack_got, MSG_DONTWAIT);
-    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-        return;
-    }
-    if (k <= 0) {
-        tcpi_mark_dead(t, peer, PD_ERR_PEER_GONE);
-        return;
-    }
-    size_t have = peer->ack_got + (size_t)k, off = 0;
-    for (; off + sizeof(hdr_t) <= have; off += sizeof(hdr_t)) {
-        hdr_t h;
-        memcpy(&h, buf + off, sizeof(h));
-        if (h.magic != TCP_MAGIC || h.type != M_WRITE_ACK || h.len != 0) {
-            pd_log_warn("tcp pipe: peer %016llx sent a frame other than a write ack back on our data "
-                        "connection; dropping it",
-                        (unsigned long long)peer->id);
-            tcpi_mark_dead(t, peer, PD_ERR_PEER_GONE);
+        if (n == 0 || peer->resp_page == (uint32_t)o->n) {
             return;
         }
-        op_t *o = tcpi_take_op(t, h.op_id, peer, OP_WRITE);
-        if (o != NULL) {
-            tcpi_complete_op(t, o, (pd_status_t)h.status, 0, 0);
-        }
+        uint64_t room = o->pages[peer->resp_page].len - peer->resp_off;
+        uint64_t step = room < n ? room : n;
+        peer->resp_off += step;
+        n -= (size_t)step;
     }
-    peer->ack_got = have - off;
-    memcpy(peer->ack_part, buf + off, peer->ack_got);
 }
 
-/* Takes the acks of our writes, in the caller's thread: a caller sleeping on the wait fd is woken by
- * the ack's arrival itself, and one polling progress finds it, without the receiver thread waking
- * up in between (on this VM a wake-up costs more than the transfer of a page). One epoll_wait names
- * the peers with bytes waiting (mu held, so no record it names is freed meanwhile). */
-static void take_acks(tcp_pipe_t *t)
+/* Copies n bytes (no more than the response has left) into the current read response's pages. */
+static void resp_put(pd_pipe_peer_t *peer, const uint8_t *src, size_t n)
+{
+    const op_t *o = peer->resp_op;
+    while (n > 0) {
+        resp_advance(peer, 0);
+        const desc_t *d = &o->pages[peer->resp_page];
+        size_t k = d->len - peer->resp_off < n ? (size_t)(d->len - peer->resp_off) : n;
+        memcpy((char *)o->local->pub.base + d->off + peer->resp_off, src, k);
+        src += k, n -= k;
+        resp_advance(peer, k);
+    }
+}
+
+/* Reads more of the current read response straight into its pages, without blocking: one readv of
+ * up to 64 pages, at most `budget` bytes. Returns bytes read, 0 when none are there, -1 when the
+ * connection failed or closed. */
+static ssize_t resp_readv(pd_pipe_peer_t *peer, size_t budget)
+{
+    const op_t *o = peer->resp_op;
+    struct iovec iov[64];
+    int k = 0;
+    size_t want = 0;
+    uint64_t off = peer->resp_off;
+    for (uint32_t i = peer->resp_page; i < (uint32_t)o->n && k < 64 && want < budget; i++, off = 0) {
+        size_t len = (size_t)(o->pages[i].len - off);
+        len = len < budget - want ? len : budget - want;
+        if (len > 0) {
+            iov[k++] = (struct iovec){(char *)o->local->pub.base + o->pages[i].off + off, len};
+            want += len;
+        }
+    }
+    ssize_t r = readv(peer->out_fd, iov, k);
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+        return 0;
+    }
+    if (r <= 0) {
+        return -1;
+    }
+    resp_advance(peer, (size_t)r);
+    return r;
+}
+
+/* One reply's header, in the reader (mu not held). 0 handled, -1 a protocol violation (logged). A
+ * write's ack completes its write; a read response's header starts the response (its pages follow)
+ * or, refused, completes the read with the responder's status. Only replies to operations this side
+ * posted, of the size they asked for, are taken: anything else drops the peer. */
+static int reply_header(tcp_pipe_t *t, pd_pipe_peer_t *peer, const hdr_t *h)
+{
+    int kind = h->type == M_WRITE_ACK ? OP_WRITE : h->type == M_READ_RESP ? OP_READ : -1;
+    pthread_mutex_lock(&t->mu);
+    op_t *o = h->magic == TCP_MAGIC && kind >= 0 ? tcpi_take_op(t, h->op_id, peer, kind) : NULL;
+    pd_status_t st = (pd_status_t)h->status;
+    bool ok = o != NULL && (kind == OP_WRITE ? h->len == 0 : st == PD_OK ? h->len == o->total : h->len == 0);
+    if (ok && (kind == OP_WRITE || st != PD_OK || h->len == 0)) {
+        tcpi_complete_op(t, o, st, 0, 0);
+    } else if (ok) {
+        peer->resp_op = o;
+        peer->resp_left = h->len;
+        peer->resp_page = 0;
+        peer->resp_off = 0;
+    } else if (o != NULL) {
+        tcpi_complete_op(t, o, PD_ERR_PARSE, 0, 0);
+    }
+    pthread_mutex_unlock(&t->mu);
+    if (!ok) {
+        pd_log_warn("tcp pipe: peer %016llx sent a reply (type %u, %llu bytes) to no request of ours of "
+                    "that size; dropping it",
+                    (unsigned long long)peer->id, h->type, (unsigned long long)h->len);
+        return -1;
+    }
+    return 0;
+}
+
+/* Reads what has come back on peer's outgoing connection (claimed by this progress call: mu not
+ * held; out_fd does not block): write acks, read responses whose pages go straight to the region,
+ * up to TCP_REPLY_BUDGET bytes. 0, or -1 when the peer must be dropped (its connection closed or
+ * failed, or it sent what nobody asked for). */
+static int read_replies(tcp_pipe_t *t, pd_pipe_peer_t *peer)
+{
+    size_t budget = TCP_REPLY_BUDGET;
+    for (;;) {
+        if (peer->resp_op != NULL) { /* a response's pages: from the buffer, then the socket */
+            size_t n = peer->rbuf_len < peer->resp_left ? peer->rbuf_len : (size_t)peer->resp_left;
+            if (n > 0) {
+                resp_put(peer, peer->rbuf, n);
+                memmove(peer->rbuf, peer->rbuf + n, peer->rbuf_len - n);
+                peer->rbuf_len -= n;
+            } else {
+                ssize_t r = resp_readv(peer, budget);
+                if (r <= 0) {
+                    return (int)r;
+                }
+                budget -= budget < (size_t)r ? budget : (size_t)r;
+            }
+            if (peer->resp_left == 0) {
+                pthread_mutex_lock(&t->mu);
+                tcpi_complete_op(t, peer->resp_op, PD_OK, 0, 0);
+                peer->resp_op = NULL;
+                pthread_mutex_unlock(&t->mu);
+            }
+            if (budget == 0) {
+                return 0; /* the rest at the next call (the wait fd stays readable) */
+            }
+            continue;
+        }
+        if (peer->rbuf_len >= sizeof(hdr_t)) {
+            hdr_t h;
+            memcpy(&h, peer->rbuf, sizeof(h));
+            memmove(peer->rbuf, peer->rbuf + sizeof(h), peer->rbuf_len - sizeof(h));
+            peer->rbuf_len -= sizeof(h);
+            if (reply_header(t, peer, &h) != 0) {
+                return -1;
+            }
+            continue;
+        }
+        ssize_t k = recv(peer->out_fd, peer->rbuf + peer->rbuf_len, sizeof(peer->rbuf) - peer->rbuf_len,
+                         MSG_DONTWAIT);
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+            return 0;
+        }
+        if (k <= 0) {
+            return -1;
+        }
+        peer->rbuf_len += (size_t)k;
+    }
+}
+
+/* Takes the replies to our requests, in the caller's thread: a caller sleeping on the wait fd is
+ * woken by the reply's arrival itself, and one polling progress finds it, without the receiver
+ * thread waking up in between (on this VM a wake-up costs more than the transfer of a page). One
+ * epoll_wait names the peers with bytes waiting; each is claimed (out_reading: its record is not
+ * freed nor its socket closed meanwhile) and read without mu. mu held on entry and exit. */
+static void take_replies(tcp_pipe_t *t)
 {
     struct epoll_event evs[32];
-    int n = epoll_wait(t->wait_ep, evs, 32, 0);
+    pd_pipe_peer_t *ready[32];
+    int n = epoll_wait(t->wait_ep, evs, 32, 0), m = 0;
     for (int i = 0; i < n; i++) {
-        if (evs[i].data.ptr != NULL) { /* (NULL: the completion eventfd, taken by cq_take) */
-            read_acks(t, evs[i].data.ptr);
+        pd_pipe_peer_t *peer = evs[i].data.ptr; /* (NULL: the completion eventfd, taken by cq_take) */
+        if (peer == NULL || peer->dead || peer->out_fd < 0 || peer->out_reading) {
+            continue;
         }
+        if (peer->connecting) { /* only its failure is reported while it connects */
+            if (tcpi_out_ready(peer) < 0) {
+                tcpi_mark_dead(t, peer, PD_ERR_PEER_GONE);
+            }
+            continue;
+        }
+        peer->out_reading = true;
+        ready[m++] = peer;
+    }
+    for (int i = 0; i < m; i++) {
+        pd_pipe_peer_t *peer = ready[i];
+        pthread_mutex_unlock(&t->mu);
+        int rc = read_replies(t, peer);
+        pthread_mutex_lock(&t->mu);
+        peer->out_reading = false;
+        if (rc != 0) {
+            tcpi_mark_dead(t, peer, PD_ERR_PEER_GONE);
+        }
+        tcpi_resp_fail(t, peer, PD_ERR_PEER_GONE); /* a response cut short by its death */
+        tcpi_reap_fds(t, peer);
     }
 }
 
@@ -145,8 +272,8 @@ static int tcp_progress(pd_pipe_t *p)
 {
     tcp_pipe_t *t = (tcp_pipe_t *)p;
     pthread_mutex_lock(&t->mu);
-    t->cq.quiet = true; /* what take_acks pushes is taken below: no eventfd round */
-    take_acks(t);
+    t->cq.quiet = true; /* what take_replies pushes is taken below: no eventfd round */
+    take_replies(t);
     t->cq.quiet = false;
     pd_pipe_completion_t *c = pd_pipe_cq_take(&t->cq);
     pthread_mutex_unlock(&t->mu);
@@ -199,6 +326,13 @@ static void cancel_all(tcp_pipe_t *t)
     op_t *o;
     while ((o = pd_list_pop_head(&t->ops, op_t, link)) != NULL) {
         tcpi_complete_op(t, o, PD_ERR_CANCELLED, 0, 0);
+    }
+    pd_pipe_peer_t *pe;
+    pd_list_for_each (pe, &t->peers, link) {
+        if (pe->resp_op != NULL) { /* a read whose response was arriving */
+            tcpi_complete_op(t, pe->resp_op, PD_ERR_CANCELLED, 0, 0);
+            pe->resp_op = NULL;
+        }
     }
     job_t *j;
     while ((j = pd_list_pop_head(&t->jobs, job_t, link)) != NULL) {

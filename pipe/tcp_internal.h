@@ -79,6 +79,13 @@ typedef struct desc {
     uint64_t len;
 } desc_t;
 
+/* Bytes of replies progress reads from an outgoing connection at a time (64 acks; a read response's
+ * pages past its header go straight to the region) */
+#define TCP_REPLY_BUF (64 * sizeof(hdr_t))
+/* Bytes progress moves from one peer's replies per call, so that a large read response does not
+ * keep the caller (the connector's control thread) from its other work: the rest on the next call */
+#define TCP_REPLY_BUDGET (4u << 20)
+
 /* What the receiver peeks at before reading a frame: its header and up to 64 descriptors, so a
  * request of that many pages costs one readv (header, descriptors, pages) after the peek. */
 #define TCP_PEEK_BYTES (sizeof(hdr_t) + 64 * sizeof(desc_t))
@@ -149,16 +156,25 @@ struct pd_pipe_peer {
     bool reading; /* the receiver thread is reading a frame from in_fd */
     bool in_used; /* a frame has arrived on in_fd (else it may be a previous incarnation's) */
     uint8_t session[PD_PIPE_SESSION_BYTES]; /* from connect: what its data connection's HELLO is MACed with */
-    bool released;                   /* the user gave it up: the rx thread frees it once nothing uses it */
-    pd_list_link_t unexpected;       /* unexpected_t, in arrival order */
-    double tx_blocked_since;         /* sender thread: when its socket stopped taking its queued bytes (0: it
+    bool released;             /* the user gave it up: the rx thread frees it once nothing uses it */
+    pd_list_link_t unexpected; /* unexpected_t, in arrival order */
+    double tx_blocked_since;   /* sender thread: when its socket stopped taking its queued bytes (0: it
                                 * takes them); past TCP_SEND_STALL_S the peer is dropped */
-    uint64_t tx_blocked_pass;        /* sender thread: the pass of its queue in which its socket was full */
-    size_t unexpected_bytes;         /* their headers and payloads: at most the pipe's max_msg, one
+    uint64_t tx_blocked_pass;  /* sender thread: the pass of its queue in which its socket was full */
+    size_t unexpected_bytes;   /* their headers and payloads: at most the pipe's max_msg, one
                                 * message's worth (past it the peer is dropped: it sends what nobody
                                 * asks for; issue 51 held +196 MiB that way) */
-    uint8_t ack_part[sizeof(hdr_t)]; /* progress: the start of an ack read from out_fd, not whole yet */
-    size_t ack_got;                  /* ... its bytes */
+    /* The replies to our requests (write acks, read responses) come back on out_fd, and progress
+     * reads them (tcp.c, read_replies): the fields below are the reader's, used by the one progress
+     * call that set out_reading (under mu) until it clears it. */
+    bool out_reading;
+    uint8_t rbuf[TCP_REPLY_BUF]; /* bytes read from out_fd, not parsed yet */
+    size_t rbuf_len;
+    op_t *resp_op;      /* the read whose response's pages are arriving (unlinked from the op list: a
+                          * death or destroy while it is set completes it, see tcpi_mark_dead) */
+    uint64_t resp_left; /* bytes of it still to come */
+    uint32_t resp_page; /* the page of resp_op the next byte goes to */
+    uint64_t resp_off;  /* ... and where in it */
     pd_list_link_t link;
 };
 
@@ -235,6 +251,9 @@ void tcpi_hello_mac(const uint8_t *session, uint64_t from, uint64_t to, const ui
 void tcpi_job_free(job_t *j);
 job_t *tcpi_job_new(pd_pipe_peer_t *peer, int niov, size_t owned_bytes);
 void tcpi_mark_dead(tcp_pipe_t *t, pd_pipe_peer_t *peer, pd_status_t st);
+/* A dead peer's read whose response was arriving fails with st, unless progress is reading it (it
+ * calls this when done) (mu held). */
+void tcpi_resp_fail(tcp_pipe_t *t, pd_pipe_peer_t *peer, pd_status_t st);
 /* The live peer with pipe id `id` (and, session not NULL, that session secret), or a new record
  * (create). A pipe id is only a claim: records are told apart by the session their control handshake
  * derived, so a peer that claims another's id cannot take its place (mu held). */

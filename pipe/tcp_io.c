@@ -39,13 +39,21 @@ void tcpi_reap_fds(tcp_pipe_t *t, pd_pipe_peer_t *peer)
     if (!peer->dead) {
         return;
     }
-    if (peer->out_fd >= 0 && !(t->tx_busy && t->tx_peer == peer)) {
+    if (peer->out_fd >= 0 && !peer->out_reading && !(t->tx_busy && t->tx_peer == peer)) {
         close(peer->out_fd);
         peer->out_fd = -1;
     }
     if (peer->in_fd >= 0 && !peer->reading && !(t->tx_busy && t->tx_peer == peer)) {
         close(peer->in_fd); /* mark_dead took it out of the epoll set */
         peer->in_fd = -1;
+    }
+}
+
+void tcpi_resp_fail(tcp_pipe_t *t, pd_pipe_peer_t *peer, pd_status_t st)
+{
+    if (peer->dead && peer->resp_op != NULL && !peer->out_reading) {
+        tcpi_complete_op(t, peer->resp_op, st, 0, 0);
+        peer->resp_op = NULL;
     }
 }
 
@@ -63,6 +71,7 @@ void tcpi_mark_dead(tcp_pipe_t *t, pd_pipe_peer_t *peer, pd_status_t st)
             tcpi_complete_op(t, o, st, 0, 0);
         }
     }
+    tcpi_resp_fail(t, peer, st);
     if (t->peer_cb != NULL) {
         pd_pipe_completion_t c = {NULL, NULL, t->peer_cb, peer, t->peer_cb_arg, st, 0, 0, 0, NULL};
         tcpi_complete(t, c);

@@ -19,7 +19,7 @@ static int send_reply(tcp_pipe_t *t, pd_pipe_peer_t *peer, int type, uint64_t op
                      (unsigned long long)peer->id);
         return -1;
     }
-    j->on_in = type == M_WRITE_ACK; /* back on the write's connection, to the writer's progress */
+    j->on_in = true; /* back on the request's connection, to the requester's progress */
     hdr_t *h = j->owned;
     *h = (hdr_t){TCP_MAGIC, (uint8_t)type, {0}, op_id, 0, status, 0, 0, r != NULL ? total : 0};
     j->iov[0] = (struct iovec){h, sizeof(*h)};
@@ -91,41 +91,6 @@ static int rx_read_req(tcp_pipe_t *t, pd_pipe_peer_t *peer, const hdr_t *h, cons
     if (!ok) {
         pd_log_warn("tcp pipe: refused a read of region %u by peer %016llx", h->region_id,
                     (unsigned long long)peer->id);
-    }
-    return rc;
-}
-
-/* M_WRITE_ACK: our write to the peer landed (or was refused). */
-static int rx_write_ack(tcp_pipe_t *t, pd_pipe_peer_t *peer, const hdr_t *h)
-{
-    pthread_mutex_lock(&t->mu);
-    op_t *o = tcpi_take_op(t, h->op_id, peer, OP_WRITE);
-    if (o != NULL) {
-        tcpi_complete_op(t, o, (pd_status_t)h->status, 0, 0);
-    }
-    pthread_mutex_unlock(&t->mu);
-    return 0;
-}
-
-/* M_READ_RESP: the pages of our read, straight into the local region (or drained on a mismatch);
- * pre: bytes of its header still on fd (read into skip). */
-static int rx_read_resp(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, const hdr_t *h, void *skip, size_t pre)
-{
-    pthread_mutex_lock(&t->mu);
-    op_t *o = tcpi_take_op(t, h->op_id, peer, OP_READ);
-    pthread_mutex_unlock(&t->mu);
-    pd_status_t st = (pd_status_t)h->status;
-    int rc = 0;
-    if (o == NULL || (st == PD_OK && h->len != o->total) || (st != PD_OK && h->len != 0)) {
-        rc = tcpi_discard(fd, pre + h->len);
-        st = PD_ERR_PARSE;
-    } else if (st == PD_OK || pre > 0) {
-        rc = tcpi_read_pages(fd, skip, pre, o->local->pub.base, o->pages, st == PD_OK ? (uint32_t)o->n : 0);
-    }
-    if (o != NULL) {
-        pthread_mutex_lock(&t->mu);
-        tcpi_complete_op(t, o, rc == 0 ? st : PD_ERR_PEER_GONE, 0, 0);
-        pthread_mutex_unlock(&t->mu);
     }
     return rc;
 }
@@ -219,9 +184,11 @@ static int rx_tensor(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, const hdr_t *h
     return rc;
 }
 
-/* Reads one frame from peer's connection fd and dispatches it by type. `peek` holds the first
- * npeek bytes waiting on fd (a MSG_PEEK, or nothing): when they hold the header (and a request's
- * descriptors), those are not read again on their own but with the frame's data, in one readv. */
+/* Reads one request frame (a write, a read request, a tensor) from peer's connection fd and
+ * dispatches it by type; replies never come this way (the requester's progress reads them on its
+ * own connection), so one here is a protocol violation. `peek` holds the first npeek bytes waiting
+ * on fd (a MSG_PEEK, or nothing): when they hold a write's header and descriptors, those are read
+ * with its pages, in one readv. */
 int tcpi_rx_frame(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, const void *peek, size_t npeek)
 {
     hdr_t h;
@@ -260,8 +227,8 @@ int tcpi_rx_frame(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, const void *peek,
             pre = 0;
         }
     }
-    /* a write's or a read response's known bytes go with its pages; the other frames take them now */
-    if (pre > 0 && h.type != M_WRITE && h.type != M_READ_RESP) {
+    /* a write's known bytes go with its pages; the other frames take them now */
+    if (pre > 0 && h.type != M_WRITE) {
         if (tcpi_discard(fd, pre) != 0) {
             free(d);
             return -1;
@@ -272,11 +239,9 @@ int tcpi_rx_frame(tcp_pipe_t *t, pd_pipe_peer_t *peer, int fd, const void *peek,
     switch (h.type) {
     case M_WRITE: rc = rx_write(t, peer, fd, &h, d, skip, pre); break;
     case M_READ_REQ: rc = rx_read_req(t, peer, &h, d); break;
-    case M_WRITE_ACK: rc = rx_write_ack(t, peer, &h); break;
-    case M_READ_RESP: rc = rx_read_resp(t, peer, fd, &h, skip, pre); break;
     case M_TENSOR: rc = rx_tensor(t, peer, fd, &h); break;
-    default:
-        pd_log_warn("tcp pipe: unknown frame type %u from peer %016llx", h.type,
+    default: /* (replies come back on the request's connection, read by progress: not here) */
+        pd_log_warn("tcp pipe: unexpected frame type %u from peer %016llx", h.type,
                     (unsigned long long)peer->id);
         rc = -1;
     }
@@ -556,7 +521,8 @@ static bool rx_peer(tcp_pipe_t *t, pd_pipe_peer_t *peer)
  * queued job or a pending op. mu held. */
 static bool peer_in_use(tcp_pipe_t *t, const pd_pipe_peer_t *pe)
 {
-    if (pe->out_fd >= 0 || pe->in_fd >= 0 || pe->reading || (t->tx_busy && t->tx_peer == pe)) {
+    if (pe->out_fd >= 0 || pe->in_fd >= 0 || pe->reading || pe->out_reading || pe->resp_op != NULL ||
+        (t->tx_busy && t->tx_peer == pe)) {
         return true;
     }
     const job_t *j;

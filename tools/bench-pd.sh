@@ -11,13 +11,15 @@
 # Results are appended to bench/RESULTS.md with the commands, machine and date.
 # PD_BENCH_QUICK=1 runs a smaller sweep (fewer prompts and rates); PD_BENCH_ONLY=handover|sweep
 # runs one part; PD_BENCH_MODES=pull (or push) runs the handover for one mode;
-# PD_BENCH_HANDOVER_LENS=512,2048 leaves out the 8176-token prompts (70+ s each on one thread).
+# PD_BENCH_HANDOVER_LENS=512,2048 leaves out the 8176-token prompts (70+ s each on one thread);
+# PD_BENCH_PIPE=tcp moves the KV over the tcp pipe instead of ucx.
 set -euo pipefail
 build=${1:-build}
 cd "$(dirname "$0")/.."
 bin="$build/bin"
 models="$build/models"
 results=bench/RESULTS.md
+pipe=${PD_BENCH_PIPE:-ucx}
 mkdir -p bench/plots
 source tools/bench-procs.sh
 demo_setup bench
@@ -27,7 +29,7 @@ model=(--model "$models/demo" --served-model-name demo --kv-cache-memory 3G --ma
 # start_pd MODE — 1 prefill + 1 decode (1 thread each) + proxy; sets pport dport xport
 start_pd() {
   # push: the decode waits for the whole prefill (70+ s for 8k tokens on one thread here)
-  local kv=(--threads 1 --kv-pipe ucx --kv-transfer-mode "$1" --kv-listen 127.0.0.1:0 --kv-load-timeout 600)
+  local kv=(--threads 1 --kv-pipe "$pipe" --kv-transfer-mode "$1" --kv-listen 127.0.0.1:0 --kv-load-timeout 600)
   start prefill pd-prefill "${model[@]}" "${kv[@]}"; pport=$port
   start decode pd-decode "${model[@]}" "${kv[@]}"; dport=$port
   start proxy pd-proxy --health-interval 0.5 --prefill "http://127.0.0.1:$pport" --decode "http://127.0.0.1:$dport"
@@ -48,13 +50,13 @@ machine="$(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | s
 # ---- 1. handover overhead --------------------------------------------------------------------
 for mode in ${PD_BENCH_MODES:-pull push}; do
   [[ ${PD_BENCH_ONLY:-handover} == handover ]] || break
-  echo "bench-pd: handover overhead ($mode, ucx)"
+  echo "bench-pd: handover overhead ($mode, $pipe)"
   start_pd "$mode"
   "$bin/pd-bench" --base-url "http://127.0.0.1:$xport" --wait-ready 60 --num-prompts 1 \
     --random-input-len 16 --random-output-len 1 --no-progress >/dev/null
   "$bin/pd-bench-handover" --proxy "http://127.0.0.1:$xport" --prefill "http://127.0.0.1:$pport" \
     --decode "http://127.0.0.1:$dport" --lens "${PD_BENCH_HANDOVER_LENS:-512,2048,8176}" --repeat "${PD_BENCH_HANDOVER_REPEAT:-2}" --kv-bytes-per-token 8192 \
-    --page-bytes 16384 --pipe ucx --label "($mode, ucx, demo model)" --results "$results" \
+    --page-bytes 16384 --pipe "$pipe" --label "($mode, $pipe, demo model)" --results "$results" \
     --proxy-legacy "http://127.0.0.1:$lport" --stream-lens 512,2048
   stop_all
 done
@@ -91,7 +93,7 @@ for config in colocated pull push; do
 done
 {
   echo
-  echo "## pd-bench: 1P1D (pull, push; ucx) vs colocated pd-serve — $(date -u '+%Y-%m-%d %H:%M UTC')"
+  echo "## pd-bench: 1P1D (pull, push; $pipe) vs colocated pd-serve — $(date -u '+%Y-%m-%d %H:%M UTC')"
   echo
   echo "Command: \`tools/bench-pd.sh\` (\`make bench\`). Machine: $machine. Demo model (8 layers, hidden 512,"
   echo "random bf16 weights, bf16 KV by --kv-cache-dtype auto), same total threads: pd-serve --threads 2 vs prefill 1 + decode 1."

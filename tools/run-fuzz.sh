@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-60}
-targets=(control tokenizer template safetensors config openai tcp_frames grammar tool_calls)
+targets=(control tokenizer template safetensors config openai tcp_frames tcp_replies grammar tool_calls)
 if [[ -n "${FUZZ_TARGETS:-}" ]]; then
   read -r -a targets <<<"$FUZZ_TARGETS" # e.g. FUZZ_TARGETS="openai tcp_frames"
 fi
