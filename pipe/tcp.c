@@ -451,7 +451,7 @@ static int dial_data(tcp_pipe_t *t, const char *host, int port, uint64_t to, con
         return -1;
     }
     hdr_t *h = j->owned;
-    *h = (hdr_t){TCP_MAGIC, M_HELLO, {0}, t->id, 0, 0, 0, 0, TCP_HELLO_AUTH};
+    *h = (hdr_t){TCP_MAGIC, M_HELLO, {0}, t->id, TCP_WIRE_VERSION, 0, 0, 0, TCP_HELLO_AUTH};
     uint8_t *auth = (uint8_t *)(h + 1);
     if (getrandom(auth, TCP_HELLO_NONCE, 0) != TCP_HELLO_NONCE) {
         tcpi_job_free(j);

@@ -46,6 +46,10 @@
  * control handshake with this node (and so holds the session secret) gets its connection read. */
 #define TCP_HELLO_NONCE 16
 #define TCP_HELLO_AUTH  (TCP_HELLO_NONCE + 32)
+/* The wire protocol's version, in a HELLO's region_id (0 before it was sent). 2: a request's reply
+ * comes back on the request's connection (issue 53). A HELLO of another version is refused with a
+ * line that says so: the two nodes cannot move KV over tcp (a pool is upgraded together). */
+#define TCP_WIRE_VERSION 2
 
 enum { M_HELLO = 1, M_WRITE = 2, M_WRITE_ACK = 3, M_READ_REQ = 4, M_READ_RESP = 5, M_TENSOR = 6 };
 

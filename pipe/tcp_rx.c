@@ -407,6 +407,12 @@ static int hello_check(tcp_pipe_t *t, pending_in_t *c, hdr_t *h, pd_pipe_peer_t 
         pending_wait(t, c);
         return 0;
     }
+    if (h->region_id != TCP_WIRE_VERSION) { /* (told only to a peer that proved its session) */
+        pd_log_error("tcp pipe: peer %016llx speaks tcp wire version %u and this node %u: no KV can move "
+                     "between them over tcp (upgrade the pool together); its data connection is refused",
+                     (unsigned long long)h->op_id, h->region_id, TCP_WIRE_VERSION);
+        return -1;
+    }
     *peer_out = peer;
     return 1;
 }

@@ -802,8 +802,8 @@ typedef struct wire_hello {
     uint32_t magic;
     uint8_t type;
     uint8_t pad[3];
-    uint64_t op_id; /* the dialer's pipe id */
-    uint32_t region_id;
+    uint64_t op_id;     /* the dialer's pipe id */
+    uint32_t region_id; /* the wire version, TCP_WIRE_VERSION (2) */
     int32_t status;
     uint32_t count;
     uint32_t pad2;
@@ -1227,6 +1227,7 @@ START_TEST(test_tcp_replies_on_the_request_connection)
     wire_hdr_t h;
     uint8_t rest[16 + 4096];
     ck_assert(read_n(fd, &hello, sizeof(hello)) && hello.magic == 0x50445450u && hello.type == 1);
+    ck_assert_int_eq(hello.region_id, 2); /* the wire version (TCP_WIRE_VERSION) */
     ck_assert(read_n(fd, &h, sizeof(h)) && h.type == 2 && h.count == 1 && h.len == 4096); /* the write */
     ck_assert(read_n(fd, rest, sizeof(rest)));
     wire_hdr_t ack = {0x50445450u, 3, {0}, h.op_id, 0, PD_OK, 0, 0, 0};
@@ -1286,6 +1287,61 @@ START_TEST(test_tcp_replies_on_the_request_connection)
     pd_pipe_destroy(a);
     close(fd);
     close(l);
+}
+END_TEST
+
+/* tcp: a data connection of another wire version (an older node's: region_id 0 or 1 in its HELLO)
+ * whose MAC proves the session is refused, closed at once with a line that names both versions,
+ * instead of failing later at its first reply; the peer of the right version then connects and
+ * moves pages as usual. */
+START_TEST(test_tcp_wire_version_refused)
+{
+    pair_t P;
+    memset(&P, 0, sizeof(P));
+    P.a = mk(), P.b = mk();
+    int bport = 0, aport = 0;
+    uint64_t bid = 0, aid = 0;
+    tcp_addr(P.b, &bport, &bid);
+    tcp_addr(P.a, &aport, &aid);
+    uint8_t aa[PD_PIPE_ADDR_MAX], ba[PD_PIPE_ADDR_MAX];
+    size_t al = sizeof(aa), bl = sizeof(ba);
+    ck_assert_int_eq(P.a->ops->address(P.a, aa, &al), PD_OK);
+    ck_assert_int_eq(P.b->ops->address(P.b, ba, &bl), PD_OK);
+    ck_assert_int_eq(P.b->ops->connect(P.b, aa, al, SESSION, &P.ba), PD_OK); /* b knows a's session */
+    for (uint32_t version = 0; version < 2; version++) {
+        wire_hello_t h;
+        memset(&h, 0, sizeof(h));
+        h.magic = 0x50445450u;
+        h.type = 1;
+        h.op_id = aid;
+        h.region_id = version;
+        h.len = sizeof(h.nonce) + sizeof(h.mac);
+        h.nonce[0] = (uint8_t)(version + 1);
+        uint8_t msg[7 + 8 + 8 + 16];
+        memcpy(msg, "pd-data", 7);
+        memcpy(msg + 7, &aid, 8);
+        memcpy(msg + 15, &bid, 8);
+        memcpy(msg + 23, h.nonce, 16);
+        pd_hmac_sha256(SESSION, sizeof(SESSION), msg, sizeof(msg), h.mac); /* a valid MAC */
+        int fd = http_connect(bport, 1000);
+        ck_assert_int_ge(fd, 0);
+        ck_assert_int_eq(send(fd, &h, sizeof(h), MSG_NOSIGNAL), (ssize_t)sizeof(h));
+        ck_assert_msg(closed_by_peer(fd, 2), "a version %u HELLO was not refused", version);
+        close(fd);
+    }
+    ck_assert_int_eq(P.a->ops->connect(P.a, ba, bl, SESSION, &P.ab), PD_OK);
+    ck_assert_int_eq(P.a->ops->alloc_region(P.a, 1 << 20, &P.ra), PD_OK);
+    ck_assert_int_eq(P.b->ops->alloc_region(P.b, 1 << 20, &P.rb), PD_OK);
+    P.b_at_a = share(P.b, P.rb, P.ba, true, P.a, P.ab);
+    fill(P.ra->base, 1 << 20, 8);
+    counter_t c = {0, 0, PD_OK};
+    pd_page_xfer_t pg = {0, 0, 65536};
+    pd_pipe_t *both[2] = {P.a, P.b};
+    ck_assert_int_eq(pd_pipe_write_pages(P.a, P.ab, P.ra, P.b_at_a, &pg, 1, on_done, &c), PD_OK);
+    wait_for(&c, 1, both, 2, 5);
+    ck_assert_int_eq(c.errors, 0);
+    ck_assert_int_eq(memcmp(P.rb->base, P.ra->base, 65536), 0);
+    pair_close(&P);
 }
 END_TEST
 
@@ -1528,6 +1584,7 @@ int main(void)
     tcase_add_test(tc, test_stalled_peer_delays_only_itself);
     tcase_add_test(tc, test_pipe_id_claim_locks_nobody_out);
     tcase_add_test(tc, test_tcp_replies_on_the_request_connection);
+    tcase_add_test(tc, test_tcp_wire_version_refused);
     tcase_add_loop_test(tc, test_tensors, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_random_pages, 0, NUM_BACKENDS);
     tcase_add_loop_test(tc, test_in_flight_and_two_peers, 0, NUM_BACKENDS);
