@@ -504,6 +504,10 @@ static double socket_requests_gbps(size_t up, size_t down)
     }
     size_t big = up > down ? up : down;
     char *buf = calloc(1, big);
+    if (buf == NULL) {
+        close(ls);
+        return 0;
+    }
     int one = 1;
     pid_t child = fork();
     if (child == 0) {
