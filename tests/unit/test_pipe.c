@@ -848,6 +848,50 @@ static bool closed_by_peer(int fd, double timeout_s)
     return recv(fd, &b, 1, MSG_DONTWAIT) <= 0;
 }
 
+/* A data-port HELLO from pipe id `from` to `to` of wire `version`, its nonce tagged `tag`; its MAC
+ * under `key` (as a dialer holding that session secret sends it), or none (zeros) when key is NULL. */
+static wire_hello_t make_hello(uint64_t from, uint64_t to, uint32_t version, uint8_t tag, const uint8_t *key)
+{
+    wire_hello_t h;
+    memset(&h, 0, sizeof(h));
+    h.magic = 0x50445450u;
+    h.type = 1;
+    h.op_id = from;
+    h.region_id = version;
+    h.len = sizeof(h.nonce) + sizeof(h.mac);
+    h.nonce[0] = tag;
+    if (key != NULL) {
+        uint8_t msg[7 + 8 + 8 + 16];
+        memcpy(msg, "pd-data", 7);
+        memcpy(msg + 7, &from, 8);
+        memcpy(msg + 15, &to, 8);
+        memcpy(msg + 23, h.nonce, 16);
+        pd_hmac_sha256(key, PD_PIPE_SESSION_BYTES, msg, sizeof(msg), h.mac);
+    }
+    return h;
+}
+
+/* P->a (whose record b already has, P->ba) connects to P->b, a 1 MiB region each, b's exported to a:
+ * one 64 KiB page written from a lands in b, byte for byte. */
+static void connect_and_move(pair_t *P, uint64_t seed)
+{
+    uint8_t ba[PD_PIPE_ADDR_MAX];
+    size_t bl = sizeof(ba);
+    ck_assert_int_eq(P->b->ops->address(P->b, ba, &bl), PD_OK);
+    ck_assert_int_eq(P->a->ops->connect(P->a, ba, bl, SESSION, &P->ab), PD_OK);
+    ck_assert_int_eq(P->a->ops->alloc_region(P->a, 1 << 20, &P->ra), PD_OK);
+    ck_assert_int_eq(P->b->ops->alloc_region(P->b, 1 << 20, &P->rb), PD_OK);
+    P->b_at_a = share(P->b, P->rb, P->ba, true, P->a, P->ab);
+    fill(P->ra->base, 1 << 20, seed);
+    counter_t c = {0, 0, PD_OK};
+    pd_page_xfer_t pg = {0, 0, 65536};
+    pd_pipe_t *both[2] = {P->a, P->b};
+    ck_assert_int_eq(pd_pipe_write_pages(P->a, P->ab, P->ra, P->b_at_a, &pg, 1, on_done, &c), PD_OK);
+    wait_for(&c, 1, both, 2, 5);
+    ck_assert_int_eq(c.errors, 0);
+    ck_assert_int_eq(memcmp(P->ra->base, P->rb->base, 65536), 0);
+}
+
 /* tcp: the pipe id is not an identity. A data connection that claims a real peer's id without the
  * session's MAC (a guessed one, or one under the all-zero key of a pipe with no secret) is closed
  * within TCP_HELLO_RACE_S (it may be the peer's second session, whose record is a moment away when
@@ -871,22 +915,10 @@ static void run_impostor_data_connections(void)
     ck_assert_int_eq(P.a->ops->address(P.a, aa, &al), PD_OK);
     ck_assert_int_eq(P.b->ops->connect(P.b, aa, al, SESSION, &P.ba), PD_OK);
     int fds0 = tu_count_fds();
+    static const uint8_t zero[PD_PIPE_SESSION_BYTES] = {0};
     for (int k = 0; k < 2; k++) {
-        wire_hello_t h;
-        memset(&h, 0, sizeof(h));
-        h.magic = 0x50445450u;
-        h.type = 1;
-        h.op_id = aid; /* a's id, learnt as an attacker would */
-        h.len = sizeof(h.nonce) + sizeof(h.mac);
-        h.nonce[0] = (uint8_t)k;
-        if (k == 1) { /* the MAC a pipe without a secret would accept */
-            uint8_t msg[7 + 8 + 8 + 16], zero[PD_PIPE_SESSION_BYTES] = {0};
-            memcpy(msg, "pd-data", 7);
-            memcpy(msg + 7, &aid, 8);
-            memcpy(msg + 15, &bid, 8);
-            memcpy(msg + 23, h.nonce, 16);
-            pd_hmac_sha256(zero, sizeof(zero), msg, sizeof(msg), h.mac);
-        }
+        /* a's id, learnt as an attacker would; k 1: the MAC a pipe without a secret would accept */
+        wire_hello_t h = make_hello(aid, bid, 2, (uint8_t)k, k == 1 ? zero : NULL);
         int fd = http_connect(bport, 1000);
         ck_assert_int_ge(fd, 0);
         ck_assert_int_eq(send(fd, &h, sizeof(h), MSG_NOSIGNAL), (ssize_t)sizeof(h));
@@ -895,32 +927,12 @@ static void run_impostor_data_connections(void)
     }
     int fds[40];
     for (int i = 0; i < 40; i++) { /* ids nobody connected to: pending until their deadline */
-        wire_hello_t h;
-        memset(&h, 0, sizeof(h));
-        h.magic = 0x50445450u;
-        h.type = 1;
-        h.op_id = 0x1000u + (uint64_t)i;
-        h.len = sizeof(h.nonce) + sizeof(h.mac);
+        wire_hello_t h = make_hello(0x1000u + (uint64_t)i, bid, 2, 0, NULL);
         fds[i] = http_connect(bport, 1000);
         ck_assert_int_ge(fds[i], 0);
         ck_assert_int_eq(send(fds[i], &h, sizeof(h), MSG_NOSIGNAL), (ssize_t)sizeof(h));
     }
-    /* now a connects; the real transfer works */
-    uint8_t ba[PD_PIPE_ADDR_MAX];
-    size_t bl = sizeof(ba);
-    ck_assert_int_eq(P.b->ops->address(P.b, ba, &bl), PD_OK);
-    ck_assert_int_eq(P.a->ops->connect(P.a, ba, bl, SESSION, &P.ab), PD_OK);
-    ck_assert_int_eq(P.a->ops->alloc_region(P.a, 1 << 20, &P.ra), PD_OK);
-    ck_assert_int_eq(P.b->ops->alloc_region(P.b, 1 << 20, &P.rb), PD_OK);
-    P.b_at_a = share(P.b, P.rb, P.ba, true, P.a, P.ab);
-    fill(P.ra->base, 1 << 20, 6);
-    counter_t c = {0, 0, PD_OK};
-    pd_page_xfer_t pg = {0, 0, 65536};
-    pd_pipe_t *both[2] = {P.a, P.b};
-    ck_assert_int_eq(pd_pipe_write_pages(P.a, P.ab, P.ra, P.b_at_a, &pg, 1, on_done, &c), PD_OK);
-    wait_for(&c, 1, both, 2, 5);
-    ck_assert_int_eq(c.errors, 0);
-    ck_assert_int_eq(memcmp(P.ra->base, P.rb->base, 65536), 0);
+    connect_and_move(&P, 6); /* now a connects; the real transfer works */
     for (int i = 0; i < 40; i++) {
         close(fds[i]);
     }
@@ -1303,44 +1315,19 @@ START_TEST(test_tcp_wire_version_refused)
     uint64_t bid = 0, aid = 0;
     tcp_addr(P.b, &bport, &bid);
     tcp_addr(P.a, &aport, &aid);
-    uint8_t aa[PD_PIPE_ADDR_MAX], ba[PD_PIPE_ADDR_MAX];
-    size_t al = sizeof(aa), bl = sizeof(ba);
+    uint8_t aa[PD_PIPE_ADDR_MAX];
+    size_t al = sizeof(aa);
     ck_assert_int_eq(P.a->ops->address(P.a, aa, &al), PD_OK);
-    ck_assert_int_eq(P.b->ops->address(P.b, ba, &bl), PD_OK);
     ck_assert_int_eq(P.b->ops->connect(P.b, aa, al, SESSION, &P.ba), PD_OK); /* b knows a's session */
     for (uint32_t version = 0; version < 2; version++) {
-        wire_hello_t h;
-        memset(&h, 0, sizeof(h));
-        h.magic = 0x50445450u;
-        h.type = 1;
-        h.op_id = aid;
-        h.region_id = version;
-        h.len = sizeof(h.nonce) + sizeof(h.mac);
-        h.nonce[0] = (uint8_t)(version + 1);
-        uint8_t msg[7 + 8 + 8 + 16];
-        memcpy(msg, "pd-data", 7);
-        memcpy(msg + 7, &aid, 8);
-        memcpy(msg + 15, &bid, 8);
-        memcpy(msg + 23, h.nonce, 16);
-        pd_hmac_sha256(SESSION, sizeof(SESSION), msg, sizeof(msg), h.mac); /* a valid MAC */
+        wire_hello_t h = make_hello(aid, bid, version, (uint8_t)(version + 1), SESSION); /* a valid MAC */
         int fd = http_connect(bport, 1000);
         ck_assert_int_ge(fd, 0);
         ck_assert_int_eq(send(fd, &h, sizeof(h), MSG_NOSIGNAL), (ssize_t)sizeof(h));
         ck_assert_msg(closed_by_peer(fd, 2), "a version %u HELLO was not refused", version);
         close(fd);
     }
-    ck_assert_int_eq(P.a->ops->connect(P.a, ba, bl, SESSION, &P.ab), PD_OK);
-    ck_assert_int_eq(P.a->ops->alloc_region(P.a, 1 << 20, &P.ra), PD_OK);
-    ck_assert_int_eq(P.b->ops->alloc_region(P.b, 1 << 20, &P.rb), PD_OK);
-    P.b_at_a = share(P.b, P.rb, P.ba, true, P.a, P.ab);
-    fill(P.ra->base, 1 << 20, 8);
-    counter_t c = {0, 0, PD_OK};
-    pd_page_xfer_t pg = {0, 0, 65536};
-    pd_pipe_t *both[2] = {P.a, P.b};
-    ck_assert_int_eq(pd_pipe_write_pages(P.a, P.ab, P.ra, P.b_at_a, &pg, 1, on_done, &c), PD_OK);
-    wait_for(&c, 1, both, 2, 5);
-    ck_assert_int_eq(c.errors, 0);
-    ck_assert_int_eq(memcmp(P.rb->base, P.ra->base, 65536), 0);
+    connect_and_move(&P, 8);
     pair_close(&P);
 }
 END_TEST
