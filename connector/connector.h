@@ -133,6 +133,11 @@ bool pd_kv_params_hands_over(const void *kv_transfer_params);
  * handover), or -1 (none, or not a non-negative integer). */
 int32_t pd_kv_params_first_token(const void *kv_transfer_params);
 
+/* Live migration: whether these kv_transfer_params (json_t*) are a decode's lease of a running
+ * request's KV (POST /admin/migrate, a drain), to go with resume_token_ids: pull parameters for the
+ * first num_tokens tokens of prompt and resumed outputs (all but the last), no first token. */
+bool pd_kv_params_migrates(const void *kv_transfer_params, int32_t num_tokens);
+
 struct pd_connector {
     const pd_connector_ops_t *ops;
     void *impl;

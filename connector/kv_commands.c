@@ -221,12 +221,20 @@ static bool on_release(kv_conn_t *k, kv_release_t *r)
     return r->transfer_id[0] && k->is_prefill && kv_release_push(k, r->transfer_id);
 }
 
-/* A prefill's drain, nothing in flight on its HTTP side: no prompt will take a reservation now, so each
- * untaken one ends at once with a WRITE_DONE that tells its decode to recompute (rather than wait its
- * --kv-load-timeout); returns what still holds KV for a decode. */
-static int on_drain(kv_conn_t *k)
+/* A node's drain, nothing in flight on its HTTP side; returns what still holds KV for a decode. A
+ * prefill: no prompt will take a reservation now, so each untaken one ends at once with a WRITE_DONE
+ * that tells its decode to recompute (rather than wait its --kv-load-timeout). A decode: its leases
+ * (live migrations, lends) not read yet. */
+static int on_drain(kv_conn_t *k, bool decode)
 {
     int pending = 0;
+    kv_lease_t *l;
+    pd_list_for_each (l, &k->c->leases, link) {
+        pending += !l->expired;
+    }
+    if (decode) {
+        return pending; /* its own loads ended with their requests */
+    }
     kv_resv_t *rv;
     pd_list_for_each (rv, &k->c->resvs, link) {
         if (rv->released || rv->dead) {
@@ -240,10 +248,6 @@ static int on_drain(kv_conn_t *k)
                     "prefill); its decode recomputes",
                     rv->transfer_id);
         kv_resv_refuse(k, rv, PD_ERR_CANCELLED);
-    }
-    kv_lease_t *l;
-    pd_list_for_each (l, &k->c->leases, link) {
-        pending += !l->expired;
     }
     kv_xfer_t *x;
     pd_list_for_each (x, &k->c->xfers, link) {
@@ -301,7 +305,8 @@ void kv_ctl_commands(kv_conn_t *k)
             break;
         }
         case KV_CMD_DRAIN:
-            pd_container_of(m, kv_drain_t, msg)->pending = on_drain(k);
+            pd_container_of(m, kv_drain_t, msg)->pending =
+                on_drain(k, pd_container_of(m, kv_drain_t, msg)->decode);
             kv_mb_emit(&k->mb, m); /* the answer (or, abandoned, freed) */
             break;
         case KV_CMD_STOP: k->c->stopping = true; break;

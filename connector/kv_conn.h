@@ -32,7 +32,8 @@
 typedef struct kv_metrics {
     pd_metric_t *started[3], *completed[3], *failed[3]; /* pull_load, push_load, push_save */
     pd_metric_t *bytes, *latency, *pages, *leases_held, *leases_now, *resvs_now, *leases_expired,
-        *handshakes_ok, *handshakes_failed, *params_refused, *imported, *prefix_fetches;
+        *handshakes_ok, *handshakes_failed, *params_refused, *imported, *prefix_fetches, *migrations_lent,
+        *migrations_loaded, *migration_load_s;
     pd_metric_t *policy_recompute, *policy_fail, *stale, *peers;
     pd_metric_t *phase_queue, *phase_transfer, *phase_notify, *phase_remote, *handshake_s;
     pd_metric_t *staged_d2h, *staged_h2d, *staged_seconds;

@@ -350,6 +350,21 @@ static void metrics_register(kv_conn_t *k, pd_metrics_t *m)
         "Prefill requests that read a prompt prefix a peer lent (kv_transfer_params.kv_prefix) instead of "
         "computing it; the rest computed it (--kv-prefix-fetch, logged at debug).",
         NULL, NULL, 0);
+    k->m.migrations_lent = pd_metrics_add(
+        m, PD_METRIC_COUNTER, "pd:kv_migrations_lent_total",
+        "Running requests this decode ended for another to take over (POST /admin/migrate, a drain) with "
+        "their KV leased to it, so it reads the KV instead of recomputing it.",
+        NULL, NULL, 0);
+    k->m.migrations_loaded = pd_metrics_add(
+        m, PD_METRIC_COUNTER, "pd:kv_migrations_loaded_total",
+        "Requests taken over from another decode (resume_token_ids with its lease) whose KV of prompt and "
+        "generated tokens this node started to read from it.",
+        NULL, NULL, 0);
+    k->m.migration_load_s = pd_metrics_add(
+        m, PD_METRIC_HISTOGRAM, "pd:kv_migration_load_seconds",
+        "A live migration's KV load on the node that took the request over, queued to done (what the "
+        "migration pause cannot go below).",
+        NULL, PD_LATENCY_BUCKETS, PD_LATENCY_NUM_BUCKETS);
     k->m.policy_recompute =
         pd_metrics_add(m, PD_METRIC_COUNTER, "pd:kv_load_failure_policy_actions_total",
                        "KV load failures handed to the failure policy.", "policy=recompute", NULL, 0);
@@ -617,14 +632,12 @@ json_t *pd_kv_connector_info(const pd_connector_t *c)
 int pd_kv_connector_drain_pending(void *c)
 {
     kv_conn_t *k = c;
-    if (!k->is_prefill) {
-        return 0;
-    }
     kv_drain_t *d = calloc(1, sizeof(*d));
     if (d == NULL) {
         return 0; /* nothing to wait with: the drain ends */
     }
     d->msg.kind = KV_CMD_DRAIN;
+    d->decode = !k->is_prefill;
     if (!kv_mb_send(&k->mb, &d->msg, 1.0)) {
         return 1; /* the control thread is busy: ask again at the next tick (it frees d) */
     }

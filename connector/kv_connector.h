@@ -102,10 +102,11 @@ const char *pd_kv_connector_engine_id(const pd_connector_t *c);
 /* {role, engine_id, kv_host, kv_port, transfer_mode, pipe} for /pd/info (caller owns). */
 json_t *pd_kv_connector_info(const pd_connector_t *c);
 
-/* A prefill's drain once no HTTP request is in flight (pd_http_config_t.drain_pending, ctx the
- * connector): the reservations no prompt will take now end (their decodes recompute at once), and the
- * answer is the KV it still holds for decodes (leases not read or expired, writes in flight); 0 on a
- * decode. Asks the control thread and waits for it (1 s at most). */
+/* A node's drain once no HTTP request is in flight (pd_http_config_t.drain_pending, ctx the
+ * connector). A prefill: the reservations no prompt will take now end (their decodes recompute at
+ * once), and the answer is the KV it still holds for decodes (leases not read or expired, writes in
+ * flight). A decode: its leases not read or expired (live migrations to the decodes that took its
+ * requests over, prefix lends). Asks the control thread and waits for it (1 s at most). */
 int pd_kv_connector_drain_pending(void *c);
 
 /* Stops the control thread and destroys the pipe (pending transfers complete as cancelled); the

@@ -35,7 +35,7 @@ typedef enum kv_msg_kind {
     KV_CMD_WRITE_JOB,  /* kv_write_job_t: one layer's pages of a streamed push */
     KV_CMD_WRITE_DONE, /* kv_notice_t: a stream ended (WRITE_DONE to the decode) */
     KV_CMD_RELEASE,    /* kv_release_t: POST /pd/release (a call: the sender waits for the answer) */
-    KV_CMD_DRAIN,      /* kv_drain_t: a prefill's HTTP drain has nothing in flight (a call) */
+    KV_CMD_DRAIN,      /* kv_drain_t: a node's HTTP drain has nothing in flight (a call) */
     KV_CMD_STOP,       /* the control thread returns (kv_ctl_t.stop_cmd) */
     /* events: to the engine thread */
     KV_EV_REPORT,    /* kv_report_t: finished sending or receiving */
@@ -168,6 +168,7 @@ typedef struct kv_xfer {
     bool start_counted;       /* push save continuing a stream whose start the metrics already counted */
     /* first-token handover, push: the token the prefill sampled (save: sent with WRITE_DONE; load:
      * received with it and reported with the load's end) */
+    bool migration; /* a decode's load of a live migration's KV (prompt and outputs) */
     bool has_first_token;
     int32_t first_token;
     char
@@ -257,10 +258,12 @@ typedef struct kv_release {
     bool lend;     /* what it released was a lend (control thread: for its log line) */
 } kv_release_t;
 
-/* A prefill's drain with no HTTP request in flight (KV_CMD_DRAIN, a call): the reservations no prompt
- * will take now are ended, and the answer is what the node still holds for decodes. */
+/* A node's drain with no HTTP request in flight (KV_CMD_DRAIN, a call). A prefill: the reservations
+ * no prompt will take now are ended, and the answer is what the node still holds for decodes. A
+ * decode: what it leased to the decodes that took its requests over. */
 typedef struct kv_drain {
     kv_msg_t msg;
+    bool decode; /* a decode's drain: only its leases count (live migrations not read yet) */
     int pending; /* the answer: leases not read or expired, reservations taken, transfers in flight */
 } kv_drain_t;
 

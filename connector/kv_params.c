@@ -2,6 +2,7 @@
  * the connector interface (connector.h) an engine without a connector library links (pd-serve). */
 #include <jansson.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "connector/connector.h"
 
@@ -21,4 +22,15 @@ int32_t pd_kv_params_first_token(const void *kv_transfer_params)
         return -1;
     }
     return (int32_t)json_integer_value(t);
+}
+
+bool pd_kv_params_migrates(const void *kv_transfer_params, int32_t num_tokens)
+{
+    const json_t *p = kv_transfer_params;
+    const json_t *nt = json_object_get(p, "remote_num_tokens");
+    const json_t *mode = json_object_get(p, "transfer_mode");
+    return json_is_true(json_object_get(p, "do_remote_prefill")) && json_is_integer(nt) &&
+           json_integer_value(nt) == num_tokens && json_object_get(p, "first_token_id") == NULL &&
+           json_object_get(p, "grammar_state") == NULL && json_is_string(mode) &&
+           strcmp(json_string_value(mode), "pull") == 0;
 }

@@ -73,13 +73,15 @@ static bool remote_prefill_ok(kv_conn_t *k, const pd_request_t *req, const json_
             why = "transfer_id missing or too long";
         }
     } else {
+        /* the KV of the prompt, or of every token but the last: a handed-over request's last is its
+         * first output, a migrated one's (resume_token_ids) the last its first decode sampled */
         json_int_t nt = json_integer_value(json_object_get(p, "remote_num_tokens"));
-        if (nt != 0 && nt != req->num_prompt_tokens) {
+        if (nt != 0 && nt != req->num_prompt_tokens && nt != req->num_tokens - 1) {
             why = "the prefill computed a different prompt length";
         } else {
-            /* the KV of every token but the last (a handed-over request's last is its first output) */
             int32_t need = kv_entry(&k->geom, (req->num_tokens - 1 + k->block_size - 1) / k->block_size);
-            why = pull_params_why(k, req, p, req->num_prompt_tokens, need);
+            why = pull_params_why(k, req, p,
+                                  nt > req->num_prompt_tokens ? (int32_t)nt : req->num_prompt_tokens, need);
         }
     }
     if (why != NULL) {
@@ -260,6 +262,8 @@ static pd_status_t queue_load(kv_conn_t *k, pd_request_t *req, const json_t *src
     const char *eng = kv_jstr(src, "remote_engine_id");
     snprintf(x->remote_engine, sizeof(x->remote_engine), "%s", eng != NULL ? eng : "");
     x->lease_id = (uint64_t)json_integer_value(json_object_get(src, "lease_id"));
+    x->migration = !k->is_prefill && !push &&
+                   json_integer_value(json_object_get(src, "remote_num_tokens")) > req->num_prompt_tokens;
     x->num_tokens = req->num_tokens;
     kv_prompt_hash(req->tokens, req->num_prompt_tokens, x->prompt_hash); /* push: WRITE_DONE must name it */
     x->local_blocks = malloc((size_t)(num_blocks > 0 ? num_blocks : 1) * sizeof(uint32_t));
@@ -331,6 +335,13 @@ pd_status_t kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, co
     int32_t moved = req->num_tokens - (push && kv_jbool(p, "first_token") ? 0 : 1);
     pd_status_t st = queue_load(k, req, p, push, block_ids, num_blocks, local, moved);
     if (st == PD_OK) {
+        if (json_integer_value(json_object_get(p, "remote_num_tokens")) > req->num_prompt_tokens) {
+            pd_metric_inc(k->m.migrations_loaded, 1); /* a migrated request: its outputs' KV comes too */
+            pd_log_info(
+                "kv connector: request %s: taken over with its KV: reading tokens [%d, %d) from %s:%lld",
+                req->id, local, moved, kv_jstr(p, "remote_host"),
+                (long long)json_integer_value(json_object_get(p, "remote_port")));
+        }
         json_object_set_new(p, "do_remote_prefill", json_false()); /* loaded at most once */
     }
     return st;
@@ -481,12 +492,17 @@ static bool finished_push(kv_conn_t *k, pd_request_t *req, const uint32_t *block
     return hold;
 }
 
-/* Prefill, pull: hold the blocks under a lease and tell the decode where they are. */
+/* Prefill, pull: hold the blocks under a lease and tell the decode where they are. Decode, a live
+ * migration (req->migrating): the same for the KV of its computed tokens (prompt and outputs but the
+ * last), which the node that takes the request over reads; the lease has no transfer id (the proxy
+ * releases it by lease id) and says nothing of a first token or of where the prompt's KV came from. */
 static bool finished_pull(kv_conn_t *k, pd_request_t *req, const uint32_t *block_ids, int32_t num_blocks,
                           void **params_out)
 {
-    bool first_token = kv_jbool(req->kv_transfer_params, "first_token");
-    const char *tid = kv_jstr(req->kv_transfer_params, "transfer_id");
+    bool mig = req->migrating;
+    int32_t num_tokens = mig ? req->num_computed_tokens : req->num_prompt_tokens;
+    bool first_token = !mig && kv_jbool(req->kv_transfer_params, "first_token");
+    const char *tid = mig ? NULL : kv_jstr(req->kv_transfer_params, "transfer_id");
     kv_lease_t *l = calloc(1, sizeof(*l));
     if (l == NULL || (l->report = kv_report_new(req->id, false)) == NULL) {
         pd_log_error("kv connector: request %s: out of memory holding its KV; no kv_transfer_params",
@@ -515,7 +531,7 @@ static bool finished_pull(kv_conn_t *k, pd_request_t *req, const uint32_t *block
         0, "remote_engine_id", k->engine_id, "remote_block_ids", blocks, "remote_host", k->advertise_host,
         "remote_port", k->advertise_port, "remote_request_id", req->id, "lease_id", (json_int_t)l->lease_id,
         "lease_expires_unix_ms", (json_int_t)((double)time(NULL) * 1000 + k->cfg.hold_timeout * 1000),
-        "remote_num_tokens", req->num_prompt_tokens, "transfer_mode", "pull");
+        "remote_num_tokens", num_tokens, "transfer_mode", "pull");
     if (out == NULL || (first_token && /* the decode continues from it */
                         json_object_set_new(out, "first_token_id",
                                             json_integer(req->tokens[req->num_prompt_tokens])) != 0)) {
@@ -533,16 +549,17 @@ static bool finished_pull(kv_conn_t *k, pd_request_t *req, const uint32_t *block
     }
     /* where its prompt's KV came from (not signed: for a reader to see, no node acts on it) */
     int32_t cached = req->num_cached_tokens > 0 ? req->num_cached_tokens : 0;
-    json_t *src = json_pack("{s:i, s:i, s:i, s:i}", "pool", cached - req->num_offload_tokens, "offload_tier",
-                            req->num_offload_tokens, "peer", req->num_loaded_tokens, "computed",
-                            req->num_prompt_tokens - cached - req->num_loaded_tokens);
-    if (src == NULL || json_object_set_new(out, "prefix_source", src) != 0) {
+    json_t *src = mig ? NULL
+                      : json_pack("{s:i, s:i, s:i, s:i}", "pool", cached - req->num_offload_tokens,
+                                  "offload_tier", req->num_offload_tokens, "peer", req->num_loaded_tokens,
+                                  "computed", req->num_prompt_tokens - cached - req->num_loaded_tokens);
+    if (!mig && (src == NULL || json_object_set_new(out, "prefix_source", src) != 0)) {
         pd_log_error("kv connector: request %s: out of memory building its kv_transfer_params", req->id);
         json_decref(out);
         kv_lease_free(l);
         return false;
     }
-    if (kv_params_sign(k, out, req->tokens, req->num_prompt_tokens) != PD_OK) {
+    if (kv_params_sign(k, out, req->tokens, num_tokens) != PD_OK) {
         pd_log_error("kv connector: request %s: cannot sign its kv_transfer_params (out of memory)", req->id);
         json_decref(out);
         kv_lease_free(l);
@@ -552,8 +569,23 @@ static bool finished_pull(kv_conn_t *k, pd_request_t *req, const uint32_t *block
      * it frees the blocks at once); in one thread, a release either finds the lease or is found */
     kv_mb_send(&k->mb, &l->msg, 0);
     pd_metric_inc(k->m.leases_held, 1);
+    if (mig) {
+        pd_metric_inc(k->m.migrations_lent, 1);
+        pd_log_info("kv connector: request %s: migrating: the KV of its %d computed tokens (%d blocks) is "
+                    "leased for %.0f s to the decode that takes it over",
+                    req->id, num_tokens, num_blocks, k->cfg.hold_timeout);
+    }
     *params_out = out;
     return true;
+}
+
+/* Decode, live migration: whether req's KV can be leased to the node that takes it over: it was
+ * decoding (every token but the last sampled one computed), and this node's KV is its own to read
+ * (not a host mirror of device memory that holds only what it loaded). */
+static bool migration_lendable(const kv_conn_t *k, const pd_request_t *req, int32_t num_blocks)
+{
+    return req->migrating && !k->staged && num_blocks > 0 && req->num_computed_tokens > 0 &&
+           req->num_computed_tokens == req->num_tokens - 1 && req->num_tokens > req->num_prompt_tokens;
 }
 
 bool kv_request_finished(pd_connector_t *c, pd_request_t *req, const uint32_t *block_ids, int32_t num_blocks,
@@ -565,6 +597,9 @@ bool kv_request_finished(pd_connector_t *c, pd_request_t *req, const uint32_t *b
     bool loading = cancel_load(k, req);
     bool lend = p != NULL && kv_jbool(p, "kv_lend");
     if (!k->is_prefill && !lend) {
+        if (!loading && migration_lendable(k, req, num_blocks)) {
+            return finished_pull(k, req, block_ids, num_blocks, params_out);
+        }
         if (p != NULL) {
             *params_out = json_null(); /* a decode hands nothing on (as vLLM's decode answers) */
         }

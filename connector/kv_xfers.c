@@ -49,6 +49,9 @@ void kv_observe_done(kv_conn_t *k, kv_xfer_t *x)
     }
     pd_metric_inc(k->m.completed[x->kind], 1);
     pd_metric_observe(k->m.latency, pd_time_now_s() - x->started);
+    if (x->migration) {
+        pd_metric_observe(k->m.migration_load_s, now - x->started);
+    }
     pd_metric_observe(k->m.pages, (double)x->pages);
     pd_metric_inc(k->m.bytes, (double)x->bytes);
 }

@@ -99,15 +99,22 @@ pd_status_t pd_engine_add(pd_engine_t *e, const pd_engine_request_t *rq, char *e
     if (p.max_tokens <= 0) {
         p.max_tokens = e->max_model_len - rq->num_prompt;
     }
+    /* resumed with KV: a live migration's lease on the node that ran it, for all but the last token */
+    bool leased = rq->kv_transfer_params != NULL &&
+                  pd_kv_params_migrates(rq->kv_transfer_params, rq->num_prompt + rq->num_resume - 1);
     if (rq->num_resume > 0 &&
-        (rq->resume == NULL || rq->kv_transfer_params != NULL || rq->num_resume >= p.max_tokens ||
-         rq->num_prompt + rq->num_resume >= e->max_model_len)) {
-        snprintf(
-            err, err_len,
-            rq->kv_transfer_params != NULL
-                ? "resume_token_ids cannot be combined with kv_transfer_params (the node recomputes their KV)"
-                : "resume_token_ids: %d tokens leave nothing to generate (max_tokens %d, context %d)",
-            rq->num_resume, p.max_tokens, e->max_model_len);
+        (rq->resume == NULL || (rq->kv_transfer_params != NULL && !leased) ||
+         rq->num_resume >= p.max_tokens || rq->num_prompt + rq->num_resume >= e->max_model_len)) {
+        if (rq->kv_transfer_params != NULL && !leased) {
+            snprintf(err, err_len,
+                     "resume_token_ids goes with kv_transfer_params only as a live migration's lease (pull "
+                     "parameters for the prompt and every resumed token but the last: remote_num_tokens %d)",
+                     rq->num_prompt + rq->num_resume - 1);
+        } else {
+            snprintf(err, err_len,
+                     "resume_token_ids: %d tokens leave nothing to generate (max_tokens %d, context %d)",
+                     rq->num_resume, p.max_tokens, e->max_model_len);
+        }
         return PD_ERR_INVALID_ARG;
     }
     if (p.sampling.temperature < 0 || !(p.sampling.top_p > 0 && p.sampling.top_p <= 1) ||
@@ -295,9 +302,15 @@ static void hand_over(pd_engine_t *e, pd_request_t *r, pd_engine_output_t ***tai
     eng_push_output(tail, o);
 }
 
-bool pd_engine_abort(pd_engine_t *e, const char *id)
+/* Ends request id as aborted; migrate: its connector leases its KV to the node that takes it over
+ * first (connector/kv_scheduler.c), and the final output carries the parameters. */
+static bool abort_request(pd_engine_t *e, const char *id, bool migrate)
 {
-    pd_request_t *r = pd_scheduler_abort(e->sched, id);
+    pd_request_t *r = pd_scheduler_find(e->sched, id);
+    if (r != NULL && migrate && !pd_request_is_finished(r)) {
+        r->migrating = true;
+    }
+    r = pd_scheduler_abort(e->sched, id);
     if (r == NULL) {
         return false;
     }
@@ -311,6 +324,16 @@ bool pd_engine_abort(pd_engine_t *e, const char *id)
         e->aborted_tail = &o->next;
     }
     return true;
+}
+
+bool pd_engine_abort(pd_engine_t *e, const char *id)
+{
+    return abort_request(e, id, false);
+}
+
+bool pd_engine_migrate(pd_engine_t *e, const char *id)
+{
+    return abort_request(e, id, true);
 }
 
 bool pd_engine_has_work(const pd_engine_t *e)

@@ -162,6 +162,8 @@ pd_status_t pd_engine_add(pd_engine_t *e, const pd_engine_request_t *req, char *
 
 /* Aborts a request (engine thread / offline); its final output says "abort". */
 bool pd_engine_abort(pd_engine_t *e, const char *id);
+/* pd_engine_abort for a live migration (pd_engine_migrate_async, on the engine's own thread). */
+bool pd_engine_migrate(pd_engine_t *e, const char *id);
 
 /* Runs one step; appends this step's outputs to *outputs (caller frees with pd_engine_output_free). */
 pd_status_t pd_engine_step(pd_engine_t *e, pd_engine_output_t **outputs);
@@ -182,6 +184,13 @@ pd_status_t pd_engine_submit(pd_engine_t *e, const pd_engine_request_t *req);
 
 /* Queues an abort by id. */
 void pd_engine_abort_async(pd_engine_t *e, const char *id);
+
+/* Queues a live migration by id: the request ends as an abort, but a decode node's connector first
+ * leases the KV of its computed tokens to whichever node takes it over; its final output's
+ * kv_transfer_params say where (pull parameters covering prompt and outputs but the last), or are
+ * absent when it could not lend (not decoding yet, a staged KV cache, no connector): then that node
+ * recomputes. */
+void pd_engine_migrate_async(pd_engine_t *e, const char *id);
 
 /* Takes every output produced since the last call (NULL if none). */
 pd_engine_output_t *pd_engine_take_outputs(pd_engine_t *e);

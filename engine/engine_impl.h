@@ -34,8 +34,9 @@ typedef struct req_ctx {
 } req_ctx_t;
 
 /* A queued command from another thread. */
+enum { CMD_ABORT = 1, CMD_MIGRATE = 2 };
 typedef struct cmd {
-    int is_abort;
+    int is_abort; /* CMD_ABORT or CMD_MIGRATE (an abort whose KV is leased on); 0: a submission */
     pd_engine_request_t req;
     int32_t *prompt;
     char id[PD_REQ_ID_MAX];

@@ -92,7 +92,9 @@ static void drain_inbox(pd_engine_t *e, pd_engine_output_t **outs)
     }
     while (c != NULL) {
         cmd_t *next = c->next;
-        if (c->is_abort) {
+        if (c->is_abort == CMD_MIGRATE) {
+            pd_engine_migrate(e, c->id);
+        } else if (c->is_abort) {
             pd_engine_abort(e, c->id);
         } else {
             char err[256];
@@ -276,13 +278,15 @@ pd_status_t pd_engine_submit(pd_engine_t *e, const pd_engine_request_t *rq)
     return PD_OK;
 }
 
-void pd_engine_abort_async(pd_engine_t *e, const char *id)
+static void queue_abort(pd_engine_t *e, const char *id, int kind)
 {
     cmd_t *c = calloc(1, sizeof(*c));
     if (c == NULL) {
+        pd_log_error("engine: out of memory queueing the %s of %s",
+                     kind == CMD_MIGRATE ? "migration" : "abort", id);
         return;
     }
-    c->is_abort = 1;
+    c->is_abort = kind;
     snprintf(c->id, sizeof(c->id), "%s", id);
     pthread_mutex_lock(&e->mu);
     if (e->inbox_tail != NULL) {
@@ -294,6 +298,16 @@ void pd_engine_abort_async(pd_engine_t *e, const char *id)
     e->inbox_len++;
     pthread_cond_signal(&e->cv);
     pthread_mutex_unlock(&e->mu);
+}
+
+void pd_engine_abort_async(pd_engine_t *e, const char *id)
+{
+    queue_abort(e, id, CMD_ABORT);
+}
+
+void pd_engine_migrate_async(pd_engine_t *e, const char *id)
+{
+    queue_abort(e, id, CMD_MIGRATE);
 }
 
 pd_engine_output_t *pd_engine_take_outputs(pd_engine_t *e)

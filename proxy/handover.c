@@ -24,7 +24,7 @@ void px_relay_decode(preq_t *q)
 {
     char *ev;
     while ((q->p_done || !q->ft) && (ev = px_sse_next(q->d_sse)) != NULL) {
-        if (q->d_skip > 0) {
+        if (q->d_skip > 0 && !px_is_migration_event(ev)) {
             q->d_skip--;
         } else if (q->client != NULL) {
             px_start_client_stream(q);

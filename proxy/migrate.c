@@ -3,9 +3,12 @@
  * taken out again when the client did not ask for them), and the resumption of a request whose
  * decode leg broke (its connection failed, or its stream ended without [DONE]: a node killed or
  * draining) on another decode node. A stream goes on there after the tokens the client has
- * (resume_token_ids: that node recomputes the prompt and them, and sends only what follows); a
- * request whose answer had not started is sent again whole. Seeded sampling draws per output
- * position, so the continuation is the one the first node would have sampled. */
+ * (resume_token_ids: that node sends only what follows). A draining decode migrates its streams
+ * live: each ends with an event {"pd_migrate": params}, a lease on the KV of its prompt and tokens,
+ * which the next node reads instead of recomputing (the event is not the client's; the lease is
+ * released if that node never took it over). After a kill the next node recomputes. A request
+ * whose answer had not started is sent again whole. Seeded sampling draws per output position, so
+ * the continuation is the one the first node would have sampled. */
 #define _GNU_SOURCE
 #include "proxy/proxy_impl.h"
 
@@ -50,26 +53,79 @@ static bool note_ids(preq_t *q, json_t *choice)
     return true;
 }
 
+void px_migrate_end(preq_t *q)
+{
+    if (q->mig == NULL) {
+        return;
+    }
+    json_t *rid = json_object_get(q->mig, "remote_request_id"), *lid = json_object_get(q->mig, "lease_id");
+    json_t *body = json_is_string(rid) && json_is_integer(lid)
+                       ? json_pack("{s:O, s:O}", "remote_request_id", rid, "lease_id", lid)
+                       : NULL; /* no lease named: nothing to release (it expires) */
+    if (body != NULL) {
+        px_post_release(q->px, q->mig_node, q->auth, body);
+    }
+    json_decref(body);
+    json_decref(q->mig);
+    q->mig = NULL;
+}
+
+/* A draining decode's last event, {"pd_migrate": params}: the lease on the stream's KV, which the
+ * next leg reads (px_resume_decode). Not for the client. */
+static bool take_migration(preq_t *q, json_t *j)
+{
+    json_t *p = json_object_get(j, "pd_migrate");
+    if (p == NULL) {
+        return false;
+    }
+    px_migrate_end(q); /* an earlier migration's lease, read long ago */
+    if (json_is_object(p)) {
+        q->mig = json_incref(p);
+        q->mig_node = q->d;
+    }
+    return true;
+}
+
+bool px_is_migration_event(const char *ev)
+{
+    if (strstr(ev, "\"pd_migrate\"") == NULL) {
+        return false; /* the common case: no parse */
+    }
+    json_t *j = json_loads(ev, JSON_ALLOW_NUL, NULL);
+    bool mig = json_object_get(j, "pd_migrate") != NULL;
+    json_decref(j);
+    return mig;
+}
+
 void px_relay_event(preq_t *q, const char *ev)
 {
     if (!q->resumable) {
         px_sse_send(q->client, ev);
         return;
     }
+    bool done = strcmp(ev, "[DONE]") == 0;
+    json_t *j = done ? NULL : json_loads(ev, JSON_ALLOW_NUL, NULL); /* a token's text may hold a NUL */
+    if (j != NULL && take_migration(q, j)) {
+        json_decref(j);
+        return;
+    }
     double now = pd_time_now_s();
     if (q->pause_open) {
         q->pause_open = false;
+        /* the node that took it over sent a token: it read the leased KV (the read freed it) or
+         * recomputed, so the lease is not released (its node may have exited, a drain done) */
+        json_decref(q->mig);
+        q->mig = NULL;
         pd_metric_observe(q->px->m.migration_pause_s, now - q->t_last_event);
         pd_log_info("proxy: request %s: resumed on %s, %.1f ms after its last event", q->req_id, q->d->url,
                     1e3 * (now - q->t_last_event));
     }
     q->t_last_event = now;
-    if (strcmp(ev, "[DONE]") == 0) {
+    if (done) {
         q->d_ended = true;
         px_sse_send(q->client, ev);
         return;
     }
-    json_t *j = json_loads(ev, JSON_ALLOW_NUL, NULL); /* a token's text may hold a NUL (\u0000) */
     json_t *choices = json_object_get(j, "choices");
     size_t i;
     json_t *c;
@@ -165,8 +221,9 @@ void px_resume_decode(preq_t *q)
         return;
     }
     pd_log_info(
-        "proxy: request %s: its decode %s failed after %zu tokens; resuming it on %s (migration %d of %d)",
-        q->req_id, dead->url, q->num_gen, d->url, q->migrations, px->cfg.migration_limit);
+        "proxy: request %s: its decode %s %s after %zu tokens; resuming it on %s (migration %d of %d)",
+        q->req_id, dead->url, q->mig != NULL && q->mig_node == dead ? "handed it over with its KV" : "failed",
+        q->num_gen, d->url, q->migrations, px->cfg.migration_limit);
     q->tried_d[d - px->nodes] = true;
     q->d = d;
     q->local = true; /* no prefill leg from now on */
@@ -183,6 +240,10 @@ void px_resume_decode(preq_t *q)
             json_array_append_new(ids, json_integer(q->gen[i]));
         }
         json_object_set_new(body, "resume_token_ids", ids);
+        if (q->mig != NULL && q->mig_node == dead) { /* live migration: it reads the KV from there */
+            json_object_set(body, "kv_transfer_params", q->mig);
+            pd_metric_inc(px->m.kv_migrations, 1);
+        }
         json_object_del(body, "echo"); /* the prompt's text went out with the first event */
         q->d_skip = 0;
     } else {

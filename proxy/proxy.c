@@ -216,6 +216,11 @@ static void metrics_register(proxy_t *px)
                                     "Decode legs resumed on another decode node after theirs failed "
                                     "(--migration-limit).",
                                     NULL, NULL, 0);
+    pm->kv_migrations =
+        pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:kv_migrations_total",
+                       "Of those, streams a draining decode handed over with a lease on their "
+                       "KV, which the next decode reads instead of recomputing.",
+                       NULL, NULL, 0);
     pm->migration_pause_s =
         pd_metrics_add(m, PD_METRIC_HISTOGRAM, "pd_proxy:migration_pause_seconds",
                        "Resumed streams: the gap their client saw, from the last event before the decode "

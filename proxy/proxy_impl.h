@@ -97,6 +97,9 @@ struct preq {
     int32_t *gen;
     size_t num_gen, cap_gen;
     int migrations;      /* decode legs resumed on another node so far */
+    json_t *mig;         /* live migration: the lease on the KV a draining decode ended the stream with
+                          * ({"pd_migrate": params}), for the next leg to read, then released */
+    node_t *mig_node;    /* the decode that holds it */
     bool pause_open;     /* resumed: the next event relayed ends the pause (t_last_event: its start) */
     double t_last_event; /* when the last event went to the client */
     double t0, t_d_sent, t_first;
@@ -105,7 +108,7 @@ struct preq {
 
 typedef struct proxy_metrics {
     pd_metric_t *ok, *failed, *client_gone, *retry_p, *retry_d, *prefill_s, *decode_ttft_s, *e2e_s;
-    pd_metric_t *handovers, *first_token_s, *migrations, *migration_pause_s;
+    pd_metric_t *handovers, *first_token_s, *migrations, *kv_migrations, *migration_pause_s;
     pd_metric_t *routed_local, *routed_remote, *tokenize_failed, *tokenize_s; /* kv_route.c */
     pd_metric_t *fetch[3], *fetch_s;                  /* kv_fetch.c: lent, refused, failed */
     pd_metric_t *kv_gaps, *kv_malformed, *kv_entries; /* --kv-events */
@@ -181,6 +184,11 @@ void px_migrate_prepare(preq_t *q);
 /* Sends one of q's events to its client (started stream), noting the token ids, role and finish it
  * carries and taking the ids out when the client did not ask for them. */
 void px_relay_event(preq_t *q, const char *ev);
+/* q ends before the node that took it over sent a token: the lease of a live migration is released
+ * on the node that held it (nobody will read it now). */
+void px_migrate_end(preq_t *q);
+/* Whether event ev is a draining decode's {"pd_migrate": ...} (never one of the events a leg skips). */
+bool px_is_migration_event(const char *ev);
 /* Whether q's decode leg, ended with status code (0: the connection failed), is resumed elsewhere. */
 bool px_should_resume(const preq_t *q, int code);
 /* Resumes q on another healthy decode node (after the tokens its client has); fails q without one. */

@@ -88,6 +88,7 @@ void px_preq_free(preq_t *q)
         evhttp_connection_free(q->lend_conn); /* the lender aborts it; a lease it granted meanwhile: */
     }
     px_fetch_end(q); /* ... released */
+    px_migrate_end(q);
     json_decref(q->kv_prefix);
     free(q->toks);
     free(q->gen);

@@ -111,6 +111,9 @@ struct pd_request {
      * its first output token unless that token ends it, and a decode node continues from there */
     bool handover_after_first;
     bool handed_over; /* it ended that way (FINISHED_LENGTH): its decode node goes on */
+    /* Live migration (POST /admin/migrate, a drain): a decode node ends it (FINISHED_ABORTED) for
+     * another to take over; its connector leases the KV of its computed tokens to that node */
+    bool migrating;
 
     int32_t stop_token; /* the stop_token_ids entry that finished it (vLLM's stop_reason), or -1 */
     int32_t num_preemptions;

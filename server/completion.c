@@ -20,6 +20,7 @@
 #include "common/api_fields.h"
 #include "common/log.h"
 #include "common/time.h"
+#include "connector/connector.h"
 #include "server/http_internal.h"
 #include "server/tool_calls.h"
 
@@ -68,6 +69,8 @@ struct creq {
     double arrival;
     int64_t created;
     bool resumable;      /* pd-proxy resumes this stream elsewhere if it ends early (PD_RESUMABLE_HEADER) */
+    bool migrating;      /* ended for another node to take over: the stream ends with the engine's final
+                          * output (its KV lease for that node, when it could lend) */
     creq_t *prev, *next; /* in-flight list */
 };
 
@@ -144,30 +147,47 @@ static void detach_close_cb(creq_t *c)
     }
 }
 
+/* A handed-off stream that had sent nothing starts bare (no role event): the proxy resumes from what
+ * the prefill gave. */
+static void start_bare(creq_t *c)
+{
+    if (!c->started) {
+        struct evkeyvalq *h = evhttp_request_get_output_headers(c->req);
+        evhttp_add_header(h, "Content-Type", "text/event-stream");
+        evhttp_add_header(h, "Cache-Control", "no-cache");
+        evhttp_send_reply_start(c->req, 200, "OK");
+        c->started = true;
+    }
+}
+
 int pd_http_hand_off_inflight(pd_http_server_t *s)
 {
     int n = 0;
     for (creq_t *c = s->inflight, *next; c != NULL; c = next) {
         next = c->next;
-        if (!c->resumable || c->req == NULL || c->num_done == c->num_choices) {
+        if (!c->resumable || c->req == NULL || c->num_done == c->num_choices || c->migrating) {
+            continue;
+        }
+        pd_metric_inc(s->m.handoffs, 1);
+        n++;
+        if (c->ch[0].submitted) {
+            /* live migration: the engine ends it after its connector leased the KV (if it can lend),
+             * and its final output ends the stream with the lease (end_migrated) */
+            pd_log_info("drain: migrating stream %s (pd-proxy resumes it on another node, which reads its KV "
+                        "from here)",
+                        c->id);
+            c->migrating = true;
+            pd_engine_migrate_async(s->engine, c->ch[0].id);
             continue;
         }
         pd_log_info("drain: ending stream %s early (pd-proxy resumes it on another node)", c->id);
-        if (!c->started) { /* an empty stream: the proxy resumes from what the prefill gave */
-            struct evkeyvalq *h = evhttp_request_get_output_headers(c->req);
-            evhttp_add_header(h, "Content-Type", "text/event-stream");
-            evhttp_add_header(h, "Cache-Control", "no-cache");
-            evhttp_send_reply_start(c->req, 200, "OK");
-            c->started = true;
-        }
+        start_bare(c);
         detach_close_cb(c);
         pd_http_track_reply(s, c->req);
         evhttp_send_reply_end(c->req); /* no [DONE]: the proxy's sign that it ended early */
         c->req = NULL;
         unwatch(c);
         abort_choices(c);
-        pd_metric_inc(s->m.handoffs, 1);
-        n++;
         if (c->num_done == c->num_choices) {
             creq_free(c);
         }
@@ -827,6 +847,33 @@ static void replay_output(creq_t *c, choice_t *h)
     }
 }
 
+/* A migrating stream's engine request ended: the stream ends without [DONE] (pd-proxy's sign to
+ * resume it elsewhere), its last event {"pd_migrate": params} naming the lease on its KV when the
+ * connector could lend it. The final output's text (what a stop string held back) is not sent: the
+ * node that takes over replays the tokens and holds back the same text. */
+static void end_migrated(creq_t *c, const choice_t *h)
+{
+    start_bare(c);
+    json_t *params = h->kv_transfer_params != NULL ? json_loads(h->kv_transfer_params, 0, NULL) : NULL;
+    if (json_is_object(params) && json_is_array(json_object_get(params, "remote_block_ids"))) {
+        json_t *ev = json_pack("{s:O}", "pd_migrate", params);
+        if (ev != NULL) {
+            stream_chunk(c, ev);
+        }
+        json_decref(ev);
+    } else {
+        pd_log_info("drain: stream %s ends without its KV (not decoding yet, or this node cannot lend it); "
+                    "its next node recomputes it",
+                    c->id);
+    }
+    json_decref(params);
+    detach_close_cb(c);
+    pd_http_track_reply(c->srv, c->req);
+    evhttp_send_reply_end(c->req);
+    c->req = NULL;
+    creq_free(c);
+}
+
 static void handle_output(pd_http_server_t *s, const pd_engine_output_t *o)
 {
     choice_t *h = o->user;
@@ -857,7 +904,9 @@ static void handle_output(pd_http_server_t *s, const pd_engine_output_t *o)
         }
         return;
     }
-    if (o->replayed) {
+    if (finished && c->migrating && strcmp(h->finish_reason, "abort") == 0) {
+        end_migrated(c, h);
+    } else if (o->replayed) {
         replay_output(c, h);
     } else if (c->in.stream) {
         stream_output(c, h, o, offset, finished);
@@ -954,6 +1003,17 @@ void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bo
         pd_http_error_set(&err, 400, "BadRequestError", "resume_token_ids",
                           "'resume_token_ids' continues one prompt's reply, not a batch of %d",
                           c->in.num_prompts);
+        pd_completion_req_free(&c->in);
+        ok = false;
+    } else if (ok && c->in.num_resume > 0 && c->in.kv_transfer_params != NULL &&
+               !json_is_null(c->in.kv_transfer_params) &&
+               !pd_kv_params_migrates(c->in.kv_transfer_params,
+                                      c->in.prompts[0].len + c->in.num_resume - 1)) {
+        pd_http_error_set(&err, 400, "BadRequestError", "resume_token_ids",
+                          "'resume_token_ids' goes with kv_transfer_params only as a live migration's lease: "
+                          "pull parameters for the prompt and every resumed token but the last "
+                          "(remote_num_tokens %d)",
+                          c->in.prompts[0].len + c->in.num_resume - 1);
         pd_completion_req_free(&c->in);
         ok = false;
     }

@@ -112,7 +112,7 @@ int pd_node_main(int argc, char **argv, const char *role)
         hcfg.info_json = info;
         hcfg.release_kv = release_kv; /* a prefill's leases, and any node's prefix lends (kv_lend) */
         hcfg.release_ctx = conn;
-        hcfg.drain_pending = pd_kv_connector_drain_pending; /* a prefill exits once its holds are read */
+        hcfg.drain_pending = pd_kv_connector_drain_pending; /* exits once its holds and leases are read */
         st = pd_http_server_create(&hcfg, e, metrics, &srv);
     }
     if (st == PD_OK) {

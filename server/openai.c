@@ -276,8 +276,9 @@ static bool refuse_unimplemented(json_t *root, bool chat, pd_http_error_t *err)
  * README "Migration"): the reply's first tokens, which the client has had from another node. This
  * node recomputes the prompt and them, and streams what follows: the same tokens as one node would
  * give (seeded sampling draws per output position), without the role chunk or the text already sent.
- * A stream of one choice only; not with echo (the prompt went out with the first tokens) or
- * kv_transfer_params (the KV is recomputed here). */
+ * A stream of one choice only; not with echo (the prompt went out with the first tokens). With
+ * kv_transfer_params only when they are a live migration's lease (the node that ran it leased the KV
+ * of the prompt and every resumed token but the last): that KV is read instead of recomputed. */
 static bool parse_resume(const json_t *rt, const pd_openai_limits_t *lim, pd_completion_req_t *out,
                          pd_http_error_t *err)
 {
@@ -291,13 +292,13 @@ static bool parse_resume(const json_t *rt, const pd_openai_limits_t *lim, pd_com
                                  "model's context (%d)",
                                  lim->max_model_len);
     }
-    const char *why = !out->stream                       ? "needs stream: true"
-                      : out->n != 1                      ? "needs n = 1"
-                      : out->echo                        ? "cannot be combined with echo"
-                      : out->params.want_prompt_logprobs ? "cannot be combined with prompt_logprobs"
-                      : out->kv_transfer_params != NULL && !json_is_null(out->kv_transfer_params)
-                          ? "cannot be combined with kv_transfer_params (this node recomputes their KV)"
-                          : NULL;
+    const char *why =
+        !out->stream  ? "needs stream: true"
+        : out->n != 1 ? "needs n = 1"
+        : out->echo   ? "cannot be combined with echo"
+        : out->params.want_prompt_logprobs
+            ? "cannot be combined with prompt_logprobs"
+            : NULL; /* with kv_transfer_params only as a live migration's lease (completion.c) */
     if (why != NULL) {
         return pd_http_error_set(err, 400, "BadRequestError", "resume_token_ids", "'resume_token_ids' %s",
                                  why);

@@ -12,11 +12,16 @@ nodes die under it:
                    restart on the same port): its streams go on, on the other decode, after the tokens
                    their clients have
   rolling-restart  the same for each decode node in turn (the restarted one first back in the pool)
-  drain-decode     SIGTERM instead of SIGKILL: the node ends its resumable streams at once (no [DONE];
-                   pd:drain_handoffs_total), pd-proxy resumes them elsewhere, and the node exits in
-                   seconds (asserted under 5 s) instead of after its longest generation
-  admin-migrate    POST /admin/migrate on the busiest decode: its resumable streams end at once and
-                   go on on the other decode; the node stays up
+  drain-decode     SIGTERM instead of SIGKILL: the node migrates its resumable streams live: each ends
+                   (no [DONE]; pd:drain_handoffs_total) with a lease on its KV, pd-proxy resumes it on
+                   the other decode, which reads that KV (prompt and generated tokens) instead of
+                   recomputing it (asserted: pd_proxy:kv_migrations_total rose and the taker's loads
+                   did not fail), and the node exits in seconds (asserted under 5 s, once its leases
+                   were read) instead of after its longest generation
+  admin-migrate    POST /admin/migrate on the busiest decode: the same live migration; the node stays
+                   up
+  rolling-drain    a rolling update: each decode in turn drained (SIGTERM, live migration) and started
+                   again (not in --short)
   drain-prefill    SIGTERM of a prefill under the same load: it takes no new prompt and exits only
                    once the KV it holds for decodes was read (pull: no decode left with a dangling pull,
                    asserted by the decodes' pd:kv_transfers_failed_total; push: reported, as a decode
@@ -26,10 +31,11 @@ Every answer must be whole and equal to pd-serve's for the same body (token ids,
 reason): 0 failed requests, 0 missing, duplicated or reordered tokens. A streamed answer whose tokens
 differ from pd-serve's only where greedy meets an fp32 near-tie (cluster.near_tie: the two tokens'
 raw logprobs within 1e-4, the rest what pd-serve continues from there) is a near-tie, not wrong;
-sampled answers must be equal. A resumed stream recomputes its tokens' KV in prefill chunks where the
-first node decoded them one by one; the kernels round those differently in the last bits, so with
---long (bf16 weights, 256-2048-token prompts, 256-1024 outputs) a seeded draw near a boundary can
-go the other way after a resumption (measured, bench/RESULTS.md): exact there needs the KV moved.
+sampled answers must be equal. A stream resumed after a kill recomputes its tokens' KV in prefill
+chunks where the first node decoded them one by one; the kernels round those differently in the last
+bits, so with --long (bf16 weights, 256-2048-token prompts, 256-1024 outputs) a seeded draw near a
+boundary can go the other way after a kill (measured, bench/RESULTS.md). A live migration (drains,
+/admin/migrate) moves the KV itself, so its continuation is the first node's.
 After the load: the proxy counted at least one migration per kill, every node is free of blocks, and the surviving nodes kept their fds. `make faults` runs every mode
 with 2 rounds; CTest migration_short (`make check`) runs pull/tcp and push/ucx with 1 round.
 
@@ -38,6 +44,9 @@ the last event before the decode failed to the first from the node that resumed 
 clients saw it, p50/p99 of the longest gap of each stream the proxy logged as resumed (requests
 carry X-Request-Id), beside the inter-token gaps (p50/p99) of all streams; a "gaps around" row gives
 the median gap at each event offset around the pause (offset 0), the ITL around migrations.
+kv_load_ms is the mean of the live migrations' KV loads on the nodes that took them over
+(pd:kv_migration_load_seconds), the floor of their pause: the issue's goal is pause p99 <= the KV
+transfer + 2 ITL.
 """
 import argparse
 import http.client
@@ -287,15 +296,23 @@ def main():
             time.sleep(1.5)
             warm.finish()
             fds = {n.tag: (n.proc.pid, n.figures(samples=3)["fds"]) for n in c.prefills + c.decodes}
-            for cell in ["kill-decode", "rolling-restart", "drain-decode", "admin-migrate"] * rounds + ["drain-prefill"]:
+            cells = ["kill-decode", "rolling-restart", "drain-decode", "admin-migrate"]
+            if not args.short:  # a rolling update as Kubernetes does it: each decode drained in turn
+                cells.append("rolling-drain")
+            live = {k: 0 for k in cells if k in ("drain-decode", "admin-migrate", "rolling-drain")}  # with KV
+            for cell in cells * rounds + ["drain-prefill"]:
                 load = Load(c.proxy.port, serve.port, random.Random(rng.random()), args.clients)
                 before = metric_sum(c.proxy.port, "pd_proxy:migrations_total")
+                kv_before = metric_sum(c.proxy.port, "pd_proxy:kv_migrations_total")
+                loads0 = {d.tag: (d.proc.pid, metric_sum(d.port, "pd:kv_transfers_failed_total")) for d in c.decodes}
                 pm0 = metrics(c.proxy.port)
                 loads_failed = sum(metric_sum(d.port, "pd:kv_transfers_failed_total") for d in c.decodes)
                 load.start()
-                victims = [0, 1] if cell == "rolling-restart" else [rng.randrange(2)]
+                victims = [0, 1] if cell.startswith("rolling") else [rng.randrange(2)]
+                load_s0 = {d.tag: (d.proc.pid, metrics(d.port)) for d in c.decodes}
                 kills = 0
                 exits = []
+                marks = []  # drain-decode, admin-migrate: the victim's log from where the cell began
                 for v in victims:
                     end = time.time() + 120
                     while time.time() < end:  # streams under way, and the victim runs some of them
@@ -304,7 +321,7 @@ def main():
                         running = [metrics(d.port).get("vllm:num_requests_running", 0) for d in c.decodes]
                         if cell == "drain-prefill":
                             break
-                        if cell != "rolling-restart":  # the decode with the most streams in flight
+                        if not cell.startswith("rolling"):  # the decode with the most streams in flight
                             v = running.index(max(running))
                         if running[v] > 0:
                             break
@@ -315,34 +332,62 @@ def main():
                     with load.lock:
                         load.kills.append(time.time())
                     t = time.time()
+                    log = os.path.join(tmp, node.tag + ".log")
+                    mark = os.path.getsize(log)
                     if cell == "admin-migrate":  # the node stays up
                         handed = json.loads(post(node.port, "/admin/migrate", {})[1])["handed_off"]
-                        kills += handed > 0
                         if handed < 1:
                             failed.append("%s %s/%s: /admin/migrate handed off nothing" % (cell, mode, pipe))
+                        marks.append((log, mark))
                         continue
-                    if cell.startswith("drain"):
+                    if cell in ("drain-decode", "rolling-drain"):
+                        marks.append((log, mark))
+                    if cell.startswith("drain") or cell == "rolling-drain":
                         node.stop()  # SIGTERM, then the drain
                         exits.append(time.time() - t)
                         if exits[-1] > 5:
                             failed.append("%s %s/%s: the node took %.1f s to exit" % (cell, mode, pipe, exits[-1]))
                     else:
                         node.kill()
-                    kills += cell != "drain-prefill"
+                    kills += cell in ("kill-decode", "rolling-restart")
                     node.start()
                     time.sleep(0.6)  # the proxy's probes see it healthy again
                 time.sleep(0.5)
                 load.finish()
+                # a live migration: each stream the victim ended for another node (with a lease on
+                # its KV, or without when it was not decoding yet) counts as a kill; a stream that
+                # reached its end while the engine took the migration in finished there, whole
+                leased = 0
+                for log, mark in marks:
+                    with open(log, errors="replace") as f:
+                        f.seek(mark)
+                        text = f.read()
+                    leased += text.count(": migrating: the KV of")
+                    kills += text.count(": migrating: the KV of") + text.count("ends without its KV")
                 migrated = metric_sum(c.proxy.port, "pd_proxy:migrations_total") - before
+                kv_moved = metric_sum(c.proxy.port, "pd_proxy:kv_migrations_total") - kv_before
+                # the decodes that ran the whole cell: none of their loads failed (a taker's read of a
+                # drained node's lease included); how long their live migrations' KV loads took (the
+                # floor of the pause: the goal is pause p99 <= that + 2 ITL)
+                taker_failed = sum(metric_sum(d.port, "pd:kv_transfers_failed_total") - loads0[d.tag][1]
+                                   for d in c.decodes if loads0[d.tag][0] == d.proc.pid)
+                mig_load = [0.0, 0.0]
+                for d in c.decodes:
+                    pid, m0 = load_s0[d.tag]
+                    m1 = metrics(d.port) if pid == d.proc.pid else {}
+                    for i, k in enumerate(("sum", "count")):
+                        key = "pd:kv_migration_load_seconds_" + k
+                        mig_load[i] += m1.get(key, 0) - m0.get(key, 0) if m1 else 0
                 pm1 = metrics(c.proxy.port)
                 pauses, shape = around(load, migrated_ids(os.path.join(tmp, c.proxy.tag + ".log")))
                 pause = lambda k: pm1.get("pd_proxy:migration_pause_seconds_" + k, 0) - pm0.get(
                     "pd_proxy:migration_pause_seconds_" + k, 0)
-                res = dict(load.counts, kills=kills, migrations=int(migrated),
+                res = dict(load.counts, kills=kills, migrations=int(migrated), kv_moved=int(kv_moved),
                            exit_s=round(max(exits), 2) if exits else "-",
                            pause_mean_ms=round(1e3 * pause("sum") / pause("count"), 1) if pause("count") else "-",
                            pause_p50_ms=round(1e3 * pct(pauses, 50), 1) if pauses else "-",
                            pause_p99_ms=round(1e3 * pct(pauses, 99), 1) if pauses else "-",
+                           kv_load_ms=round(1e3 * mig_load[0] / mig_load[1], 1) if mig_load[1] else "-",
                            itl_p50_ms=round(1e3 * pct(load.gaps, 50), 2), itl_p99_ms=round(1e3 * pct(load.gaps, 99), 2))
                 rows.append((cell, mode, pipe, res))
                 if shape:
@@ -359,8 +404,18 @@ def main():
                     # draining) loads nothing and recomputes, as when a prefill leg is retried elsewhere
                     if now_failed > loads_failed and mode == "pull":
                         failed.append("%s %s/%s: %d KV loads failed" % (cell, mode, pipe, now_failed - loads_failed))
+                if cell in live:
+                    live[cell] += int(kv_moved)
+                    if kv_moved < leased:
+                        failed.append("%s %s/%s: %d streams leased their KV, %d taken over with it" %
+                                      (cell, mode, pipe, leased, kv_moved))
+                    if taker_failed > 0:
+                        failed.append("%s %s/%s: %d KV loads failed on the decodes" % (cell, mode, pipe, taker_failed))
                 if kills and migrated < kills:
                     failed.append("%s %s/%s: %d kills, %d migrations" % (cell, mode, pipe, kills, migrated))
+            for cell, moved in live.items():
+                if moved < 1:
+                    failed.append("%s %s/%s: no stream was taken over with its KV" % (cell, mode, pipe))
             for n in c.prefills + c.decodes:
                 used = wait_free(n.port)
                 if used != 0:

@@ -1055,6 +1055,96 @@ START_TEST(test_pull_params_bound)
 }
 END_TEST
 
+/* Live migration (issue 48): a decode ending a running request for another decode to take over
+ * (req->migrating) leases the KV of its computed tokens, prompt and outputs but the last, with
+ * params signed for exactly those tokens; nothing is lent by a request that is not decoding yet or
+ * not migrating. The taker, a request of the same prompt with those outputs resumed, loads every
+ * token but the last into its blocks, as a handed-over request loads its prompt; one output apart,
+ * it refuses the params and computes. */
+#define MIG_OUT 4 /* outputs: 37 + 4 tokens, 40 computed = 10 blocks of 4 */
+
+static pd_request_t *migrating(const char *id, json_t *params, int32_t computed)
+{
+    pd_request_t *r = request(id, params);
+    for (int i = 0; i < MIG_OUT; i++) {
+        ck_assert_int_eq(pd_request_append_token(r, 100 + i), PD_OK);
+    }
+    r->num_computed_tokens = computed;
+    return r;
+}
+
+START_TEST(test_live_migration_lease)
+{
+    const char *dir = tu_mkdtemp("conn");
+    char *tok = token_file(dir, "migration-secret");
+    opts_t o = {"pull", PIPES[_i], tok, 0, 0, 0};
+    node_t s, t;
+    node_start(&s, "decode", 's', &o);
+    node_start(&t, "decode", 't', &o);
+    /* the source: an abort that is no migration, and a migration before decoding, lend nothing */
+    for (int k = 0; k < 2; k++) {
+        pd_request_t *r =
+            migrating("run-s", json_pack("{s:b}", "do_remote_prefill", 0), PROMPT + MIG_OUT - 1 - k);
+        r->migrating = k == 1;
+        r->state = PD_REQ_FINISHED_ABORTED;
+        void *out = NULL;
+        ck_assert(!s.c->ops->request_finished(s.c, r, P_BLOCKS, NEED + 1, &out));
+        ck_assert(out == NULL || json_is_null((json_t *)out));
+        json_decref(out);
+        pd_request_free(r);
+    }
+    pd_request_t *r = migrating("run-s", NULL, PROMPT + MIG_OUT - 1);
+    r->migrating = true;
+    r->state = PD_REQ_FINISHED_ABORTED;
+    void *out = NULL;
+    ck_assert(s.c->ops->request_finished(s.c, r, P_BLOCKS, NEED + 1, &out));
+    json_t *params = out;
+    ck_assert_ptr_nonnull(params);
+    ck_assert_int_eq(json_integer_value(json_object_get(params, "remote_num_tokens")), PROMPT + MIG_OUT - 1);
+    ck_assert(json_object_get(params, "first_token_id") == NULL);
+    ck_assert(pd_kv_params_migrates(params, PROMPT + MIG_OUT - 1));
+    ck_assert(!pd_kv_params_migrates(params, PROMPT + MIG_OUT));
+    ck_assert_ptr_null(kv_params_verify((kv_conn_t *)t.c, params, r->tokens, PROMPT + MIG_OUT - 1));
+    ck_assert_ptr_nonnull(kv_params_verify((kv_conn_t *)t.c, params, r->tokens, PROMPT));
+    pd_request_free(r);
+    ck_assert_int_eq((int)metric(&s, "pd:kv_migrations_lent_total"), 1);
+    /* the taker with another output: refused, computed */
+    pd_request_t *x = migrating("run-x", json_incref(params), 0);
+    x->tokens[PROMPT + 1] += 1;
+    int32_t ext = -1;
+    bool async = true;
+    ck_assert_int_eq(t.c->ops->get_num_new_matched_tokens(t.c, x, 0, &ext, &async), PD_OK);
+    ck_assert_int_eq(ext, 0);
+    ck_assert_int_eq((int)metric(&t, "pd:kv_params_refused_total"), 1);
+    pd_request_free(x);
+    /* the taker: every token's KV but the last, into its 10 blocks */
+    pd_request_t *d = migrating("run-t", params, 0);
+    ck_assert_int_eq(t.c->ops->get_num_new_matched_tokens(t.c, d, 0, &ext, &async), PD_OK);
+    ck_assert(ext == PROMPT + MIG_OUT && async);
+    ck_assert_int_eq(t.c->ops->update_state_after_alloc(t.c, d, D_BLOCKS, NEED + 1, ext), PD_OK);
+    pd_scheduler_output_t so;
+    memset(&so, 0, sizeof(so));
+    ck_assert_int_eq(t.c->ops->bind_connector_metadata(t.c, t.c->ops->build_connector_meta(t.c, &so)), PD_OK);
+    ck_assert_int_eq(t.c->ops->start_load_kv(t.c), PD_OK);
+    int errors = 0;
+    ck_assert(wait_finished(&t, "run-t", false, 3, &errors));
+    ck_assert_int_eq(errors, 0);
+    ck_assert(wait_finished(&s, "run-s", true, 3, NULL)); /* the read freed the source's blocks */
+    for (int l = 0; l < LAYERS; l++) {
+        for (int b = 0; b < NEED + 1; b++) {
+            ck_assert_msg(memcmp(page(&t, l, D_BLOCKS[b]), page(&s, l, P_BLOCKS[b]), PAGE) == 0,
+                          "layer %d block %d: not the source's bytes", l, b);
+        }
+    }
+    ck_assert_int_eq((int)metric(&t, "pd:kv_migrations_loaded_total"), 1);
+    pd_request_free(d);
+    pair_stop(&s, &t);
+    tu_rmrf(dir);
+    free((void *)dir);
+    free(tok);
+}
+END_TEST
+
 /* Push: a decode request paired with a prefill request of another prompt under one transfer id (a
  * caller sending prompt B to the prefill and A to the decode) gets no KV: the prefill's WRITE_DONE
  * names its prompt's hash and the decode discards what was written (load errors: the failure policy
@@ -1803,6 +1893,7 @@ int main(void)
     tcase_add_loop_test(tc, test_abort_waits_for_the_reconnect, 0, np);
     tcase_add_test(tc, test_kv_transfer_config);
     tcase_add_loop_test(tc, test_pull_params_bound, 0, np);
+    tcase_add_loop_test(tc, test_live_migration_lease, 0, np);
     tcase_add_loop_test(tc, test_push_bound_to_prompt, 0, np);
     tcase_add_loop_test(tc, test_relay_cannot_join, 0, np);
     tcase_add_loop_test(tc, test_dead_push_decode_region_released, 0, np);

@@ -976,6 +976,9 @@ START_TEST(test_resume_token_ids)
         "{\"prompt\": \"x\", \"stream\": true, \"n\": 2, \"temperature\": 1, \"resume_token_ids\": [5]}",
         "{\"prompt\": \"x\", \"stream\": true, \"echo\": true, \"resume_token_ids\": [5]}",
         "{\"prompt\": \"x\", \"stream\": true, \"resume_token_ids\": [5], \"kv_transfer_params\": {}}",
+        /* a live migration's lease covers the prompt and every resumed token but the last */
+        "{\"prompt\": [7, 8], \"stream\": true, \"resume_token_ids\": [5, 6], \"kv_transfer_params\": "
+        "{\"do_remote_prefill\": true, \"transfer_mode\": \"pull\", \"remote_num_tokens\": 4}}",
         "{\"prompt\": \"x\", \"stream\": true, \"resume_token_ids\": [99999999]}",
         "{\"prompt\": \"x\", \"stream\": true, \"resume_token_ids\": []}",
         "{\"prompt\": \"x\", \"stream\": true, \"resume_token_ids\": \"5\"}",
