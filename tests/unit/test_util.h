@@ -334,6 +334,23 @@ static inline int tu_wait_port(pid_t pid, const char *port_file, double timeout_
     return -1;
 }
 
+/* Waits up to timeout_s for pid to exit on its own (a drained node): its exit status (or 128 +
+ * signal), or -1 when it still runs (then SIGKILLed and reaped, so nothing is left behind). */
+static inline int tu_wait_exit(pid_t pid, double timeout_s)
+{
+    double end = tu_now() + timeout_s;
+    int status = 0;
+    while (tu_now() < end) {
+        if (waitpid(pid, &status, WNOHANG) == pid) {
+            return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        }
+        usleep(20000);
+    }
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+    return -1;
+}
+
 /* SIGTERM, wait up to timeout_s, then SIGKILL. Returns the exit status (or 128 + signal). */
 static inline int tu_stop(pid_t pid, double timeout_s)
 {
