@@ -255,8 +255,15 @@ pd_status_t pd_engine_submit(pd_engine_t *e, const pd_engine_request_t *rq)
         c->stop_buf[i] = rq->stop[i] != NULL ? strdup(rq->stop[i]) : NULL;
         c->req.stop[i] = c->stop_buf[i];
     }
-    if (rq->kv_transfer_params != NULL) {
-        json_incref(rq->kv_transfer_params);
+    /* the engine's own copy: its connector edits the params (a load starts once), and a jansson
+     * object's reference count is no lock for two threads (TSan saw the HTTP thread's decref race
+     * the engine's) */
+    c->req.kv_transfer_params = NULL;
+    if (rq->kv_transfer_params != NULL &&
+        (c->req.kv_transfer_params = json_deep_copy(rq->kv_transfer_params)) == NULL) {
+        c->req.grammar = NULL; /* not referenced yet */
+        eng_cmd_free(c);
+        return PD_ERR_NO_MEMORY;
     }
     pd_grammar_ref(rq->grammar); /* eng_cmd_free drops it */
     pthread_mutex_lock(&e->mu);
