@@ -80,9 +80,16 @@ size_t pd_proxy_flags(pd_proxy_config_t *c, pd_flag_t *out, size_t max)
         {"migration-limit", PD_FLAG_INT, &c->migration_limit,
          "a request whose decode node fails (its connection breaks, or its stream ends without [DONE]: "
          "killed, or draining) is resumed on another decode node up to this many times: a stream goes on "
-         "after the tokens its client has (that node recomputes the prompt and them), other requests are "
-         "sent again; the continuation is the one the first node would sample, up to the rounding of the "
-         "recomputed KV (0: the client gets the error)",
+         "after the tokens its client has (that node reads their KV from a draining node, which leases "
+         "it, or recomputes it after a kill), other requests are sent again; the continuation is the one "
+         "the first node would sample, up to the rounding of a recomputed KV (0: the client gets the "
+         "error)",
+         NULL},
+        {"rebalance-threshold", PD_FLAG_INT, &c->rebalance_threshold,
+         "keep the decode pool level by live migration: when the healthy decode running the most of this "
+         "proxy's resumable streams runs this many more than the one running the fewest, it is asked to "
+         "migrate half the difference (POST /admin/migrate {\"max\": k}: its newest streams, whose KV "
+         "the next node reads; at most once per --health-interval; 0: never)",
          NULL},
         {"kv-events", PD_FLAG_BOOL, &c->kv_events,
          "subscribe to every node's KV cache events (the endpoints of its /pd/info: nodes started with "
@@ -171,6 +178,7 @@ static void on_tick(evutil_socket_t fd, short what, void *arg)
             px_probe(px, n, 2);
         }
     }
+    px_rebalance(px);
     if (px->stopping && px->inflight == NULL) {
         event_base_loopexit(px->base, NULL);
     }
@@ -221,6 +229,10 @@ static void metrics_register(proxy_t *px)
                        "Of those, streams a draining decode handed over with a lease on their "
                        "KV, which the next decode reads instead of recomputing.",
                        NULL, NULL, 0);
+    pm->rebalances = pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:rebalances_total",
+                                    "Times a decode was asked to migrate streams to level the pool "
+                                    "(--rebalance-threshold).",
+                                    NULL, NULL, 0);
     pm->migration_pause_s =
         pd_metrics_add(m, PD_METRIC_HISTOGRAM, "pd_proxy:migration_pause_seconds",
                        "Resumed streams: the gap their client saw, from the last event before the decode "
@@ -381,6 +393,9 @@ pd_status_t pd_proxy_run(const pd_proxy_config_t *cfg)
             evhttp_connection_free(q->d_conn);
         }
         px_preq_free(q); /* and its /tokenize, if one runs */
+    }
+    if (px->rebalance_conn != NULL) {
+        evhttp_connection_free(px->rebalance_conn); /* its callback does not run */
     }
     px_kv_events_close(px);
     if (px->tick != NULL) {

@@ -34,6 +34,8 @@ typedef struct pd_proxy_config {
     const char *policy;             /* round-robin | least-loaded | prefix-affinity | kv-aware */
     bool first_token_from_prefill;  /* streamed requests: the prefill's first token is streamed at once */
     int migration_limit;            /* times a request is resumed on another decode node (0: never) */
+    int rebalance_threshold;        /* a decode running this many more resumable streams than another
+                                     * migrates half the difference live (0: never) */
     bool kv_events;                 /* subscribe to the nodes' KV cache events and index their blocks */
     int kv_index_max_blocks;        /* block keys the index holds at most */
     double kv_aware_load_weight;    /* kv-aware: what one request of load costs against a full prefix hit */

@@ -108,7 +108,7 @@ struct preq {
 
 typedef struct proxy_metrics {
     pd_metric_t *ok, *failed, *client_gone, *retry_p, *retry_d, *prefill_s, *decode_ttft_s, *e2e_s;
-    pd_metric_t *handovers, *first_token_s, *migrations, *kv_migrations, *migration_pause_s;
+    pd_metric_t *handovers, *first_token_s, *migrations, *kv_migrations, *migration_pause_s, *rebalances;
     pd_metric_t *routed_local, *routed_remote, *tokenize_failed, *tokenize_s; /* kv_route.c */
     pd_metric_t *fetch[3], *fetch_s;                  /* kv_fetch.c: lent, refused, failed */
     pd_metric_t *kv_gaps, *kv_malformed, *kv_entries; /* --kv-events */
@@ -136,6 +136,10 @@ struct proxy {
     px_kv_recent_t kv_recent; /* prompts routed in the last --kv-aware-recent-seconds */
     int kv_block_size;        /* from the nodes' /pd/info or BlockStored events (0: not known yet) */
     struct px_kv_sub *kv_subs[MAX_NODES];
+    /* --rebalance-threshold (rebalance.c): the /admin/migrate in flight, when the last one was sent or
+     * answered */
+    struct evhttp_connection *rebalance_conn;
+    double last_rebalance;
 };
 
 /* --- route.c: the per-request sequence --- */
@@ -177,6 +181,10 @@ void px_ft_on_p_done(preq_t *q, int code);
 void px_relay_decode(preq_t *q);
 /* Ends the answer once both legs are done (the decode's status in q->d_code); may free q. */
 void px_ft_end(preq_t *q);
+
+/* --- rebalance.c: --rebalance-threshold --- */
+/* Each tick: the busiest decode migrates streams when it leads the least busy by the threshold. */
+void px_rebalance(proxy_t *px);
 
 /* --- migrate.c: requests that outlive their decode node (--migration-limit) --- */
 /* At admission: whether q can be resumed, and the nodes asked for token ids. */

@@ -160,12 +160,13 @@ static void start_bare(creq_t *c)
     }
 }
 
-int pd_http_hand_off_inflight(pd_http_server_t *s)
+int pd_http_hand_off_inflight(pd_http_server_t *s, int max)
 {
     int n = 0;
-    for (creq_t *c = s->inflight, *next; c != NULL; c = next) {
-        next = c->next;
-        if (!c->resumable || c->req == NULL || c->num_done == c->num_choices || c->migrating) {
+    for (creq_t *c = s->inflight, *next; c != NULL && (max <= 0 || n < max); c = next) {
+        next = c->next; /* newest first: the least KV to move */
+        if (!c->resumable || c->req == NULL || c->num_done == c->num_choices || c->migrating ||
+            (max > 0 && !c->started)) { /* a partial migration takes streams that are decoding */
             continue;
         }
         pd_metric_inc(s->m.handoffs, 1);

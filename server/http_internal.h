@@ -89,9 +89,11 @@ void pd_http_metrics_finished(pd_http_server_t *s, const pd_engine_output_t *o);
 void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bool chat);
 /* Takes the engine's outputs and advances their requests (the wake event's callback). */
 void pd_http_dispatch_outputs(pd_http_server_t *s);
-/* Drain start: ends every stream pd-proxy can resume elsewhere (PD_RESUMABLE_HEADER) at once,
- * without [DONE], and aborts its engine work. Returns how many. */
-int pd_http_hand_off_inflight(pd_http_server_t *s);
+/* Drain start, POST /admin/migrate: migrates every stream pd-proxy can resume elsewhere
+ * (PD_RESUMABLE_HEADER), or the max newest (max > 0): each ends without [DONE] once the engine ended
+ * it, after leasing its KV for the next node when it can (a stream not submitted yet ends at once).
+ * Returns how many. */
+int pd_http_hand_off_inflight(pd_http_server_t *s, int max);
 /* Drain timeout: aborts the engine work of every in-flight request. */
 void pd_http_abort_inflight(pd_http_server_t *s);
 /* Shutdown: frees every in-flight request without answering. */

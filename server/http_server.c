@@ -431,12 +431,30 @@ static void handle_release(pd_http_server_t *s, struct evhttp_request *req)
     json_decref(j);
 }
 
-/* POST /admin/migrate: every stream pd-proxy can resume elsewhere (X-PD-Resumable) ends now, as in a
- * drain, and the node stays up: an operator rebalancing the decode pool, or emptying a node before
- * maintenance without restarting it. Answers how many streams it handed off. */
+/* POST /admin/migrate: every stream pd-proxy can resume elsewhere (X-PD-Resumable) migrates now, as
+ * in a drain, and the node stays up: an operator emptying a node before maintenance without restarting
+ * it. With {"max": N} only the N newest do (pd-proxy's --rebalance-threshold, or an operator
+ * rebalancing the pool by hand). Answers how many streams it handed off. */
 static void handle_migrate(pd_http_server_t *s, struct evhttp_request *req)
 {
-    int n = pd_http_hand_off_inflight(s);
+    struct evbuffer *in = evhttp_request_get_input_buffer(req);
+    size_t len = evbuffer_get_length(in);
+    json_t *body = len > 0 && len <= 4096
+                       ? json_loadb((const char *)evbuffer_pullup(in, (ev_ssize_t)len), len, 0, NULL)
+                       : NULL;
+    const json_t *mx = json_object_get(body, "max");
+    bool ok = len == 0 || (json_is_object(body) && json_object_size(body) == (mx != NULL ? 1u : 0u) &&
+                           (mx == NULL || (json_is_integer(mx) && json_integer_value(mx) >= 1 &&
+                                           json_integer_value(mx) <= INT32_MAX)));
+    int max = ok && mx != NULL ? (int)json_integer_value(mx) : 0;
+    json_decref(body);
+    if (!ok) {
+        pd_http_reply_error(
+            s, req, 400, "BadRequestError", NULL,
+            "want no body, {} (every resumable stream) or {\"max\": N} (the N newest, N >= 1)");
+        return;
+    }
+    int n = pd_http_hand_off_inflight(s, max);
     pd_log_info("POST /admin/migrate: %d streams ended for pd-proxy to resume on other nodes", n);
     json_t *j = json_pack("{s:i}", "handed_off", n);
     pd_http_send_json(s, req, 200, j);
@@ -564,7 +582,7 @@ void pd_http_server_shutdown(pd_http_server_t *s)
     }
     s->draining = true;
     s->drain_deadline = pd_time_now_s() + s->cfg.drain_timeout;
-    int handed = pd_http_hand_off_inflight(s);
+    int handed = pd_http_hand_off_inflight(s, 0);
     pd_log_info(
         "draining: %d requests in flight (%d streams ended early for pd-proxy to resume), up to %.1f s",
         s->num_inflight, handed, s->cfg.drain_timeout);

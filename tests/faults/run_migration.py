@@ -22,6 +22,10 @@ nodes die under it:
                    up
   rolling-drain    a rolling update: each decode in turn drained (SIGTERM, live migration) and started
                    again (not in --short)
+  rebalance        a second pd-proxy with --rebalance-threshold 2, its decode pool a file naming
+                   decode0 alone while eight clients start 400-470-token streams; then decode1 joins
+                   the file (a scale-out): the proxy has decode0 migrate half its streams live
+                   (asserted: a rebalance, and a stream moved with its KV)
   drain-prefill    SIGTERM of a prefill under the same load: it takes no new prompt and exits only
                    once the KV it holds for decodes was read (pull: no decode left with a dangling pull,
                    asserted by the decodes' pd:kv_transfers_failed_total; push: reported, as a decode
@@ -36,7 +40,8 @@ chunks where the first node decoded them one by one; the kernels round those dif
 bits, so with --long (bf16 weights, 256-2048-token prompts, 256-1024 outputs) a seeded draw near a
 boundary can go the other way after a kill (measured, bench/RESULTS.md). A live migration (drains,
 /admin/migrate) moves the KV itself, so its continuation is the first node's.
-After the load: the proxy counted at least one migration per kill, every node is free of blocks, and the surviving nodes kept their fds. `make faults` runs every mode
+After the load: the proxy counted at least one migration per kill (or a decode leg sent again: one
+killed before its first event is retried on another decode, which reads the prefill's lease), every node is free of blocks, and the surviving nodes kept their fds. `make faults` runs every mode
 with 2 rounds; CTest migration_short (`make check`) runs pull/tcp and push/ucx with 1 round.
 
 The migration pause is printed per cell: its mean as pd-proxy measures it (pd_proxy:migration_pause_seconds:
@@ -240,6 +245,53 @@ def around(load, ids, width=3):
     return pauses, {o: pct(v, 50) for o, v in at.items() if v}
 
 
+def rebalance(args, c, tmp, serve, rng, mode, pipe, rows, failed):
+    """pd-proxy --rebalance-threshold 2 (a second proxy over the same nodes): its decode pool, a file
+    it re-reads every 0.2 s, names decode0 alone while eight clients start long streams, so they all
+    run there; then decode1 joins (a scale-out), and the proxy has decode0 migrate half of its streams
+    live (/admin/migrate {"max": k}); they go on on decode1, reading their KV, and every answer equals
+    pd-serve's."""
+    argv = c.proxy.argv
+    pool = os.path.join(tmp, c.proxy.tag + "-rebalance.pool")
+    d0, d1 = ("http://127.0.0.1:%d" % d.port for d in c.decodes)
+    with open(pool, "w") as f:
+        f.write(d0 + "\n")
+    px = Node(tmp, c.proxy.tag + "-rebalance",
+              [os.path.join(args.bindir, "pd-proxy"), "--prefill", argv[argv.index("--prefill") + 1],
+               "--discover-decode-file", pool, "--discover-interval", "0.2", "--health-interval", "0.2",
+               "--migration-limit", "3", "--rebalance-threshold", "2"])
+    px.start()
+    saved = dict(SHAPE)
+    SHAPE.update(prompt=(16, 32), words=(8, 16), out=(400, 470))  # streams that outlast the scale-out
+    try:
+        load = Load(px.port, serve.port, random.Random(rng.random()), 8)
+        load.start()
+        load.wait_streams(8, secs=120)
+        with open(pool + ".tmp", "w") as f:
+            f.write(d0 + "\n" + d1 + "\n")
+        os.rename(pool + ".tmp", pool)
+        end = time.time() + 30
+        while time.time() < end and metric_sum(px.port, "pd_proxy:kv_migrations_total") < 1:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        load.finish()
+        res = dict(load.counts, rebalances=int(metric_sum(px.port, "pd_proxy:rebalances_total")),
+                   migrations=int(metric_sum(px.port, "pd_proxy:migrations_total")),
+                   kv_moved=int(metric_sum(px.port, "pd_proxy:kv_migrations_total")),
+                   itl_p50_ms=round(1e3 * pct(load.gaps, 50), 2))
+        rows.append(("rebalance", mode, pipe, res))
+        if load.counts["wrong"] + load.counts["failed"]:
+            failed.append("rebalance %s/%s: %d wrong, %d failed" % (mode, pipe, load.counts["wrong"],
+                                                                   load.counts["failed"]))
+        if res["rebalances"] < 1 or res["kv_moved"] < 1:
+            failed.append("rebalance %s/%s: %d rebalances, %d streams moved with their KV" %
+                          (mode, pipe, res["rebalances"], res["kv_moved"]))
+    finally:
+        SHAPE.clear()
+        SHAPE.update(saved)
+        px.stop()
+
+
 def pct(xs, p):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(p / 100.0 * len(xs)))] if xs else float("nan")
@@ -303,6 +355,9 @@ def main():
             for cell in cells * rounds + ["drain-prefill"]:
                 load = Load(c.proxy.port, serve.port, random.Random(rng.random()), args.clients)
                 before = metric_sum(c.proxy.port, "pd_proxy:migrations_total")
+                # a leg killed before its decode's first event is sent again (pull: the prefill's lease
+                # lets another decode read the KV): a retry, not a migration
+                retried0 = metric_sum(c.proxy.port, "pd_proxy:retries_total")
                 kv_before = metric_sum(c.proxy.port, "pd_proxy:kv_migrations_total")
                 loads0 = {d.tag: (d.proc.pid, metric_sum(d.port, "pd:kv_transfers_failed_total")) for d in c.decodes}
                 pm0 = metrics(c.proxy.port)
@@ -318,7 +373,11 @@ def main():
                     while time.time() < end:  # streams under way, and the victim runs some of them
                         if not load.wait_streams(8, secs=120):
                             break
-                        running = [metrics(d.port).get("vllm:num_requests_running", 0) for d in c.decodes]
+                        # the streams pd-proxy has in decode there (the vLLM router's gauge): what a kill
+                        # breaks. The node's own vllm:num_requests_running once counted one that no
+                        # proxy stream was on (a kill then broke nothing; not understood, see the issue)
+                        running = [metric_sum(c.proxy.port, 'vllm:num_decoding_requests{server="http://127.0.0.1:%d"}'
+                                              % d.port) for d in c.decodes]
                         if cell == "drain-prefill":
                             break
                         if not cell.startswith("rolling"):  # the decode with the most streams in flight
@@ -365,6 +424,7 @@ def main():
                     leased += text.count(": migrating: the KV of")
                     kills += text.count(": migrating: the KV of") + text.count("ends without its KV")
                 migrated = metric_sum(c.proxy.port, "pd_proxy:migrations_total") - before
+                retried = metric_sum(c.proxy.port, "pd_proxy:retries_total") - retried0
                 kv_moved = metric_sum(c.proxy.port, "pd_proxy:kv_migrations_total") - kv_before
                 # the decodes that ran the whole cell: none of their loads failed (a taker's read of a
                 # drained node's lease included); how long their live migrations' KV loads took (the
@@ -382,7 +442,8 @@ def main():
                 pauses, shape = around(load, migrated_ids(os.path.join(tmp, c.proxy.tag + ".log")))
                 pause = lambda k: pm1.get("pd_proxy:migration_pause_seconds_" + k, 0) - pm0.get(
                     "pd_proxy:migration_pause_seconds_" + k, 0)
-                res = dict(load.counts, kills=kills, migrations=int(migrated), kv_moved=int(kv_moved),
+                res = dict(load.counts, kills=kills, migrations=int(migrated), retried=int(retried),
+                           kv_moved=int(kv_moved),
                            exit_s=round(max(exits), 2) if exits else "-",
                            pause_mean_ms=round(1e3 * pause("sum") / pause("count"), 1) if pause("count") else "-",
                            pause_p50_ms=round(1e3 * pct(pauses, 50), 1) if pauses else "-",
@@ -411,8 +472,10 @@ def main():
                                       (cell, mode, pipe, leased, kv_moved))
                     if taker_failed > 0:
                         failed.append("%s %s/%s: %d KV loads failed on the decodes" % (cell, mode, pipe, taker_failed))
-                if kills and migrated < kills:
-                    failed.append("%s %s/%s: %d kills, %d migrations" % (cell, mode, pipe, kills, migrated))
+                if kills and migrated + retried < kills:
+                    failed.append("%s %s/%s: %d kills, %d migrations, %d legs sent again" %
+                                  (cell, mode, pipe, kills, migrated, retried))
+            rebalance(args, c, tmp, serve, rng, mode, pipe, rows, failed)
             for cell, moved in live.items():
                 if moved < 1:
                     failed.append("%s %s/%s: no stream was taken over with its KV" % (cell, mode, pipe))

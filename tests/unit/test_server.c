@@ -817,6 +817,15 @@ START_TEST(test_drain_hands_off_resumable_streams)
                     -1,
                     NULL};
     pthread_t t[2], t_own;
+    /* the body is nothing, {} or {"max": N >= 1} */
+    static const char *bad[] = {"{\"max\": 0}", "{\"max\": \"1\"}", "{\"max\": 1, \"all\": true}", "[1]",
+                                "x"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        http_resp_t m;
+        ck_assert_int_eq(http_request(port, "POST", "/admin/migrate", NULL, bad[i], &m, 10000), 0);
+        ck_assert_msg(m.status == 400, "%s: HTTP %d", bad[i], m.status);
+        http_resp_free(&m);
+    }
     pthread_create(&t_own, NULL, bg_post, &own);
     for (int round = 0; round < 2; round++) { /* 0: POST /admin/migrate, 1: SIGTERM */
         /* only the stream without the header runs (round 1: the first handed-off one has left the
