@@ -240,6 +240,14 @@ bool kv_load_may_wait(pd_connector_t *c, const pd_request_t *req)
     return p != NULL && kv_jbool(p, "do_remote_prefill") && !kv_wants_push(k, p);
 }
 
+/* Whether pull params src load req's outputs too (a live migration's lease: remote_num_tokens past
+ * the prompt), on a decode. */
+static bool loads_outputs(const kv_conn_t *k, const pd_request_t *req, const json_t *src, bool push)
+{
+    return !k->is_prefill && !push &&
+           json_integer_value(json_object_get(src, "remote_num_tokens")) > req->num_prompt_tokens;
+}
+
 /* Queues the load of req's tokens [from, to) into its blocks block_ids[num_blocks] from the peer src
  * names (pull: its leased blocks; push: the prefill writes into ours). PD_ERR_NO_MEMORY (logged). */
 static pd_status_t queue_load(kv_conn_t *k, pd_request_t *req, const json_t *src, bool push,
@@ -262,8 +270,7 @@ static pd_status_t queue_load(kv_conn_t *k, pd_request_t *req, const json_t *src
     const char *eng = kv_jstr(src, "remote_engine_id");
     snprintf(x->remote_engine, sizeof(x->remote_engine), "%s", eng != NULL ? eng : "");
     x->lease_id = (uint64_t)json_integer_value(json_object_get(src, "lease_id"));
-    x->migration = !k->is_prefill && !push &&
-                   json_integer_value(json_object_get(src, "remote_num_tokens")) > req->num_prompt_tokens;
+    x->migration = loads_outputs(k, req, src, push);
     x->num_tokens = req->num_tokens;
     kv_prompt_hash(req->tokens, req->num_prompt_tokens, x->prompt_hash); /* push: WRITE_DONE must name it */
     x->local_blocks = malloc((size_t)(num_blocks > 0 ? num_blocks : 1) * sizeof(uint32_t));
@@ -335,7 +342,7 @@ pd_status_t kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, co
     int32_t moved = req->num_tokens - (push && kv_jbool(p, "first_token") ? 0 : 1);
     pd_status_t st = queue_load(k, req, p, push, block_ids, num_blocks, local, moved);
     if (st == PD_OK) {
-        if (json_integer_value(json_object_get(p, "remote_num_tokens")) > req->num_prompt_tokens) {
+        if (loads_outputs(k, req, p, push)) {
             pd_metric_inc(k->m.migrations_loaded, 1); /* a migrated request: its outputs' KV comes too */
             pd_log_info(
                 "kv connector: request %s: taken over with its KV: reading tokens [%d, %d) from %s:%lld",

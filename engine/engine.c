@@ -307,13 +307,11 @@ static void hand_over(pd_engine_t *e, pd_request_t *r, pd_engine_output_t ***tai
 static bool abort_request(pd_engine_t *e, const char *id, bool migrate)
 {
     pd_request_t *r = pd_scheduler_find(e->sched, id);
-    if (r != NULL && migrate && !pd_request_is_finished(r)) {
-        r->migrating = true;
-    }
-    r = pd_scheduler_abort(e->sched, id);
-    if (r == NULL) {
+    if (r == NULL || pd_request_is_finished(r)) {
         return false;
     }
+    r->migrating = migrate;
+    pd_scheduler_finish(e->sched, r, PD_REQ_FINISHED_ABORTED);
     pd_input_batch_remove(&e->runner.batch, r);
     e->finished++;
     pd_engine_output_t *o = output_new(r); /* r stays valid until the next schedule */

@@ -147,6 +147,17 @@ static void detach_close_cb(creq_t *c)
     }
 }
 
+/* The stream's reply is written to its end (the caller sent [DONE] or, handing it off, did not):
+ * the request no longer has a client. */
+static void end_stream(creq_t *c)
+{
+    detach_close_cb(c);
+    pd_http_track_reply(c->srv, c->req);
+    evhttp_send_reply_end(c->req);
+    c->req = NULL;
+    unwatch(c);
+}
+
 /* A handed-off stream that had sent nothing starts bare (no role event): the proxy resumes from what
  * the prefill gave. */
 static void start_bare(creq_t *c)
@@ -183,11 +194,7 @@ int pd_http_hand_off_inflight(pd_http_server_t *s, int max)
         }
         pd_log_info("drain: ending stream %s early (pd-proxy resumes it on another node)", c->id);
         start_bare(c);
-        detach_close_cb(c);
-        pd_http_track_reply(s, c->req);
-        evhttp_send_reply_end(c->req); /* no [DONE]: the proxy's sign that it ended early */
-        c->req = NULL;
-        unwatch(c);
+        end_stream(c); /* no [DONE]: the proxy's sign that it ended early */
         abort_choices(c);
         if (c->num_done == c->num_choices) {
             creq_free(c);
@@ -654,11 +661,7 @@ static void stream_output(creq_t *c, choice_t *h, const pd_engine_output_t *o, s
     evbuffer_add_printf(buf, "data: [DONE]\n\n");
     evhttp_send_reply_chunk(c->req, buf);
     evbuffer_free(buf);
-    detach_close_cb(c);
-    pd_http_track_reply(c->srv, c->req);
-    evhttp_send_reply_end(c->req);
-    c->req = NULL;
-    unwatch(c);
+    end_stream(c);
     creq_free(c);
 }
 
@@ -868,10 +871,7 @@ static void end_migrated(creq_t *c, const choice_t *h)
                     c->id);
     }
     json_decref(params);
-    detach_close_cb(c);
-    pd_http_track_reply(c->srv, c->req);
-    evhttp_send_reply_end(c->req);
-    c->req = NULL;
+    end_stream(c);
     creq_free(c);
 }
 

@@ -233,21 +233,38 @@ static json_t *prefill_finish(node_t *p, const char *id, json_t *in_params, cons
 
 /* Decode: schedules a request with these params into local blocks (as the scheduler would) and
  * starts its load. Returns the request (the caller frees it). */
+static int32_t load_into(node_t *d, pd_request_t *r, const uint32_t *local, bool *async,
+                         pd_status_t *alloc_st);
+
 static pd_request_t *decode_load(node_t *d, const char *id, json_t *params, const uint32_t *local)
 {
     pd_request_t *r = request(id, params);
+    bool async;
+    load_into(d, r, local, &async, NULL);
+    return r;
+}
+
+/* Decode: request r (its params set) scheduled into local blocks[NEED + 1] as the scheduler would,
+ * its load started; returns the tokens the connector said it loads (and whether asynchronously, and
+ * what update_state_after_alloc answered when it ran). */
+static int32_t load_into(node_t *d, pd_request_t *r, const uint32_t *local, bool *async,
+                         pd_status_t *alloc_st)
+{
     int32_t ext = 0;
-    bool async = false;
-    ck_assert_int_eq(d->c->ops->get_num_new_matched_tokens(d->c, r, 0, &ext, &async), PD_OK);
+    *async = false;
+    ck_assert_int_eq(d->c->ops->get_num_new_matched_tokens(d->c, r, 0, &ext, async), PD_OK);
     if (ext > 0) {
-        d->c->ops->update_state_after_alloc(d->c, r, local, NEED + 1, ext);
+        pd_status_t st = d->c->ops->update_state_after_alloc(d->c, r, local, NEED + 1, ext);
+        if (alloc_st != NULL) {
+            *alloc_st = st;
+        }
     }
     pd_scheduler_output_t so;
     memset(&so, 0, sizeof(so));
     void *meta = d->c->ops->build_connector_meta(d->c, &so);
     ck_assert_int_eq(d->c->ops->bind_connector_metadata(d->c, meta), PD_OK);
     ck_assert_int_eq(d->c->ops->start_load_kv(d->c), PD_OK);
-    return r;
+    return ext;
 }
 
 /* Polls get_finished (as the engine does each step) until id is reported (in sending when
@@ -1119,13 +1136,10 @@ START_TEST(test_live_migration_lease)
     pd_request_free(x);
     /* the taker: every token's KV but the last, into its 10 blocks */
     pd_request_t *d = migrating("run-t", params, 0);
-    ck_assert_int_eq(t.c->ops->get_num_new_matched_tokens(t.c, d, 0, &ext, &async), PD_OK);
-    ck_assert(ext == PROMPT + MIG_OUT && async);
-    ck_assert_int_eq(t.c->ops->update_state_after_alloc(t.c, d, D_BLOCKS, NEED + 1, ext), PD_OK);
-    pd_scheduler_output_t so;
-    memset(&so, 0, sizeof(so));
-    ck_assert_int_eq(t.c->ops->bind_connector_metadata(t.c, t.c->ops->build_connector_meta(t.c, &so)), PD_OK);
-    ck_assert_int_eq(t.c->ops->start_load_kv(t.c), PD_OK);
+    pd_status_t alloc_st = PD_ERR_INTERNAL;
+    ck_assert_int_eq(load_into(&t, d, D_BLOCKS, &async, &alloc_st), PROMPT + MIG_OUT);
+    ck_assert(async);
+    ck_assert_int_eq(alloc_st, PD_OK);
     int errors = 0;
     ck_assert(wait_finished(&t, "run-t", false, 3, &errors));
     ck_assert_int_eq(errors, 0);

@@ -892,6 +892,22 @@ static void connect_and_move(pair_t *P, uint64_t seed)
     ck_assert_int_eq(memcmp(P->ra->base, P->rb->base, 65536), 0);
 }
 
+/* tcp: pipes P->a and P->b, b told a's address and session (as after their control handshake) and
+ * a not yet connected to b: the window a data connection claiming a's id would use. Gives b's data
+ * port and both pipe ids. */
+static void half_known_pair(pair_t *P, int *bport, uint64_t *aid, uint64_t *bid)
+{
+    memset(P, 0, sizeof(*P));
+    P->a = mk(), P->b = mk();
+    int aport = 0;
+    tcp_addr(P->b, bport, bid);
+    tcp_addr(P->a, &aport, aid);
+    uint8_t aa[PD_PIPE_ADDR_MAX];
+    size_t al = sizeof(aa);
+    ck_assert_int_eq(P->a->ops->address(P->a, aa, &al), PD_OK);
+    ck_assert_int_eq(P->b->ops->connect(P->b, aa, al, SESSION, &P->ba), PD_OK);
+}
+
 /* tcp: the pipe id is not an identity. A data connection that claims a real peer's id without the
  * session's MAC (a guessed one, or one under the all-zero key of a pipe with no secret) is closed
  * within TCP_HELLO_RACE_S (it may be the peer's second session, whose record is a moment away when
@@ -903,17 +919,9 @@ static void run_impostor_data_connections(void)
         return;
     }
     pair_t P;
-    P.a = mk(), P.b = mk();
-    int bport = 0, aport = 0;
+    int bport = 0;
     uint64_t bid = 0, aid = 0;
-    tcp_addr(P.b, &bport, &bid);
-    tcp_addr(P.a, &aport, &aid);
-    /* b knows a (as after its control handshake), a has not connected to b yet: the window an
-     * impostor claiming a's id would use */
-    uint8_t aa[PD_PIPE_ADDR_MAX];
-    size_t al = sizeof(aa);
-    ck_assert_int_eq(P.a->ops->address(P.a, aa, &al), PD_OK);
-    ck_assert_int_eq(P.b->ops->connect(P.b, aa, al, SESSION, &P.ba), PD_OK);
+    half_known_pair(&P, &bport, &aid, &bid);
     int fds0 = tu_count_fds();
     static const uint8_t zero[PD_PIPE_SESSION_BYTES] = {0};
     for (int k = 0; k < 2; k++) {
@@ -1309,16 +1317,9 @@ END_TEST
 START_TEST(test_tcp_wire_version_refused)
 {
     pair_t P;
-    memset(&P, 0, sizeof(P));
-    P.a = mk(), P.b = mk();
-    int bport = 0, aport = 0;
+    int bport = 0;
     uint64_t bid = 0, aid = 0;
-    tcp_addr(P.b, &bport, &bid);
-    tcp_addr(P.a, &aport, &aid);
-    uint8_t aa[PD_PIPE_ADDR_MAX];
-    size_t al = sizeof(aa);
-    ck_assert_int_eq(P.a->ops->address(P.a, aa, &al), PD_OK);
-    ck_assert_int_eq(P.b->ops->connect(P.b, aa, al, SESSION, &P.ba), PD_OK); /* b knows a's session */
+    half_known_pair(&P, &bport, &aid, &bid);
     for (uint32_t version = 0; version < 2; version++) {
         wire_hello_t h = make_hello(aid, bid, version, (uint8_t)(version + 1), SESSION); /* a valid MAC */
         int fd = http_connect(bport, 1000);

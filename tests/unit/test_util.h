@@ -334,9 +334,9 @@ static inline int tu_wait_port(pid_t pid, const char *port_file, double timeout_
     return -1;
 }
 
-/* Waits up to timeout_s for pid to exit on its own (a drained node): its exit status (or 128 +
- * signal), or -1 when it still runs (then SIGKILLed and reaped, so nothing is left behind). */
-static inline int tu_wait_exit(pid_t pid, double timeout_s)
+/* Waits up to timeout_s for pid to exit: its exit status (or 128 + signal); when it still runs,
+ * SIGKILLs and reaps it (nothing is left behind) and returns killed. */
+static inline int tu_reap(pid_t pid, double timeout_s, int killed)
 {
     double end = tu_now() + timeout_s;
     int status = 0;
@@ -348,7 +348,14 @@ static inline int tu_wait_exit(pid_t pid, double timeout_s)
     }
     kill(pid, SIGKILL);
     waitpid(pid, &status, 0);
-    return -1;
+    return killed;
+}
+
+/* Waits up to timeout_s for pid to exit on its own (a drained node): its exit status (or 128 +
+ * signal), or -1 when it still ran (then SIGKILLed and reaped). */
+static inline int tu_wait_exit(pid_t pid, double timeout_s)
+{
+    return tu_reap(pid, timeout_s, -1);
 }
 
 /* SIGTERM, wait up to timeout_s, then SIGKILL. Returns the exit status (or 128 + signal). */
@@ -358,15 +365,5 @@ static inline int tu_stop(pid_t pid, double timeout_s)
         return -1;
     }
     kill(pid, SIGTERM);
-    double end = tu_now() + timeout_s;
-    int status = 0;
-    while (tu_now() < end) {
-        if (waitpid(pid, &status, WNOHANG) == pid) {
-            return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-        }
-        usleep(20000);
-    }
-    kill(pid, SIGKILL);
-    waitpid(pid, &status, 0);
-    return 128 + SIGKILL;
+    return tu_reap(pid, timeout_s, 128 + SIGKILL);
 }
