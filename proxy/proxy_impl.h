@@ -102,6 +102,10 @@ struct preq {
     node_t *mig_node;    /* the decode that holds it */
     bool pause_open;     /* resumed: the next event relayed ends the pause (t_last_event: its start) */
     double t_last_event; /* when the last event went to the client */
+    /* prompt_logprobs (prompt_scores.c): the client's value (taken out of body), the prefill's
+     * scores ({"choices": [per prompt], "top": chat's}), and a push decode's answer waiting for them */
+    json_t *plp_req, *plp_got;
+    bool d_held;
     double t0, t_d_sent, t_first;
     preq_t *prev, *next;
 };
@@ -201,6 +205,15 @@ bool px_is_migration_event(const char *ev);
 bool px_should_resume(const preq_t *q, int code);
 /* Resumes q on another healthy decode node (after the tokens its client has); fails q without one. */
 void px_resume_decode(preq_t *q);
+/* --- prompt_scores.c: prompt_logprobs through P/D (the prefill's scores in the decode's answer) --- */
+/* At admission: the client's prompt_logprobs taken out of q->body; a 400's message when refused. */
+const char *px_plp_prepare(preq_t *q);
+/* Sets it on a leg's body that computes the prompt (the prefill's, a local decode's). */
+void px_plp_add(const preq_t *q, json_t *body);
+/* Keeps the prefill's scores from its 200 answer. */
+void px_plp_take(preq_t *q, const json_t *resp);
+/* Puts them into the decode's 200 answer (q->d_body); false when they do not fit it. */
+bool px_plp_merge(preq_t *q);
 /* route.c's decode-leg callbacks (a resumed leg uses them too). */
 int px_on_d_header(struct evhttp_request *r, void *arg);
 void px_on_d_chunk(struct evhttp_request *r, void *arg);

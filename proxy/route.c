@@ -63,6 +63,7 @@ static void reply_error(struct evhttp_request *req, int status, const char *type
 }
 
 static void on_client_close(struct evhttp_connection *conn, void *arg);
+static void answer_client(preq_t *q, int code);
 
 void px_preq_free(preq_t *q)
 {
@@ -94,6 +95,8 @@ void px_preq_free(preq_t *q)
     free(q->gen);
     json_decref(q->body);
     json_decref(q->ktp);
+    json_decref(q->plp_req);
+    json_decref(q->plp_got);
     free(q->auth);
     free(q->keys);
     struct evbuffer *bufs[4] = {q->d_body, q->p_sse, q->d_sse, q->p_err};
@@ -287,13 +290,34 @@ void px_on_d_done(struct evhttp_request *r, void *arg)
     if (r != NULL) {
         evbuffer_add_buffer(q->d_body, evhttp_request_get_input_buffer(r));
     }
+    if (code == 200 && q->plp_req != NULL && !q->local && !q->p_done && q->client != NULL) {
+        /* push: the prompt's scores come with the prefill's answer, still on its way */
+        q->d_code = code;
+        q->d_held = true;
+        return;
+    }
+    answer_client(q, code);
+}
+
+/* Sends the decode's answer (q->d_body, status code) to the client, if still there, and ends q's
+ * decode phase (q is freed when its prefill leg is over too). */
+static void answer_client(preq_t *q, int code)
+{
+    proxy_t *px = q->px;
+    q->d_held = false;
     if (q->client != NULL) {
         if (q->reply_started) {
             evhttp_send_reply_end(q->client);
         } else {
-            evhttp_add_header(evhttp_request_get_output_headers(q->client), "Content-Type",
-                              "application/json");
-            pd_http_send_reply(q->client, code, code == 200 ? "OK" : "Error", q->d_body);
+            if (code == 200 && q->plp_req != NULL && !px_plp_merge(q)) {
+                code = 502;
+                reply_error(q->client, code, "BadGatewayError",
+                            "the prefill node's answer had no prompt_logprobs for this request");
+            } else {
+                evhttp_add_header(evhttp_request_get_output_headers(q->client), "Content-Type",
+                                  "application/json");
+                pd_http_send_reply(q->client, code, code == 200 ? "OK" : "Error", q->d_body);
+            }
         }
         pd_metric_inc(code == 200 ? px->m.ok : px->m.failed, 1);
         pd_metric_observe(px->m.e2e_s, pd_time_now_s() - q->t0);
@@ -336,11 +360,14 @@ void px_start_decode(preq_t *q)
         json_object_set_new(body, "kv_transfer_params", ktp);
     } else if (!q->local) {
         json_object_set(body, "kv_transfer_params", q->ktp);
+    } else {
+        px_plp_add(q, body); /* it computes the prompt itself */
     }
     q->t_d_sent = pd_time_now_s();
     q->d_conn = px_upstream_leg(px, d, EVHTTP_REQ_POST, q->path, q->auth, q->req_id, q->resumable, body,
                                 px_on_d_done, px_on_d_chunk, px_on_d_header, q);
     json_object_del(body, "kv_transfer_params");
+    json_object_del(body, "prompt_logprobs");
     if (q->d_conn == NULL) {
         px_release_prefill(q);
         px_fail_request(q, 502, "cannot reach the decode node");
@@ -383,8 +410,11 @@ static void on_p_done(struct evhttp_request *r, void *arg)
                 px_set_health(q->p, false, "connection failed");
             }
         }
+        px_plp_take(q, resp);
         json_decref(resp);
-        if (q->d_conn == NULL) {
+        if (q->d_held) {
+            answer_client(q, q->d_code); /* the decode's answer waited for the prompt's scores */
+        } else if (q->d_conn == NULL) {
             px_preq_free(q); /* the decode phase is over (answered or failed) */
         }
         return;
@@ -422,6 +452,7 @@ static void on_p_done(struct evhttp_request *r, void *arg)
         return;
     }
     q->ktp = json_incref(ktp);
+    px_plp_take(q, resp);
     json_decref(resp);
     px_start_decode(q);
 }
@@ -469,6 +500,7 @@ bool px_send_prefill(preq_t *q)
         json_object_del(body, "top_logprobs");
         json_object_del(body, "min_tokens"); /* the prefill's one token; the decode applies it */
         json_object_del(body, "n");          /* one KV for the decode's choices to share */
+        px_plp_add(q, body);                 /* the prompt is scored where it is computed */
     }
     /* the mode is always named: a node's own default may differ from the proxy's choice (the pool's
      * mode is unknown until a prefill's /pd/info answers, and then this request goes as pull) */
@@ -543,13 +575,13 @@ static void handle_completions(proxy_t *px, struct evhttp_request *req, const ch
         reply_error(req, 400, "BadRequestError", msg);
         return;
     }
-    json_t *plp = json_object_get(body, "prompt_logprobs");
     json_t *lps = json_object_get(body, "logprobs");
-    if ((plp != NULL && !json_is_null(plp)) ||
-        (json_is_true(json_object_get(body, "echo")) && lps != NULL && !json_is_null(lps))) {
-        /* refused before any node holds KV for it: both score the prompt */
+    if (json_is_true(json_object_get(body, "echo")) && lps != NULL && !json_is_null(lps)) {
+        /* refused before any node holds KV for it: the prompt's scores would go in the decode's
+         * logprobs arrays (prompt_logprobs goes through, prompt_scores.c) */
         reply_error(req, 400, "BadRequestError",
-                    "'prompt_logprobs' is not supported through the P/D proxy yet (send it to pd-serve)");
+                    "'echo' with 'logprobs' is not supported through the P/D proxy yet (use prompt_logprobs, "
+                    "or send it to pd-serve)");
         json_decref(body);
         return;
     }
@@ -598,6 +630,12 @@ static void handle_completions(proxy_t *px, struct evhttp_request *req, const ch
         /* the proxy sets it on a resumed leg; a client's would be relayed with the proxy's ids */
         reply_error(req, 400, "BadRequestError",
                     "'resume_token_ids' is set by the proxy when a decode node fails; send it to a node");
+        px_preq_free(q);
+        return;
+    }
+    const char *plp_err = px_plp_prepare(q);
+    if (plp_err != NULL) {
+        reply_error(req, 400, "BadRequestError", plp_err);
         px_preq_free(q);
         return;
     }

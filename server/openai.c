@@ -570,13 +570,14 @@ static bool parse_params(json_t *root, bool chat, const pd_tokenizer_t *tok, con
             return pd_http_error_set(err, 400, "BadRequestError", "prompt_logprobs",
                                      "`prompt_logprobs` are not available when `stream=True`.");
         }
+        /* a prefill (do_remote_decode) scores the prompt it computes, and pd-proxy puts the scores
+         * into the decode's answer; a decode does not compute the prompt */
         json_t *kv = json_object_get(root, "kv_transfer_params");
-        if (json_is_true(json_object_get(kv, "do_remote_prefill")) ||
-            json_is_true(json_object_get(kv, "do_remote_decode"))) {
-            return pd_http_error_set(
-                err, 400, "BadRequestError", "prompt_logprobs",
-                "'prompt_logprobs' is not supported for a disaggregated request yet: the "
-                "prompt's KV comes from another node (send it to pd-serve)");
+        if (json_is_true(json_object_get(kv, "do_remote_prefill"))) {
+            return pd_http_error_set(err, 400, "BadRequestError", "prompt_logprobs",
+                                     "'prompt_logprobs' cannot be computed by a decode node: the prompt's KV "
+                                     "comes from another node (the prefill scores it: send the request to "
+                                     "pd-proxy or pd-serve)");
         }
         p->want_prompt_logprobs = true;
         p->prompt_logprobs = (int32_t)json_integer_value(plp);

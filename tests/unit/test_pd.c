@@ -690,6 +690,116 @@ START_TEST(test_first_token_handover)
 }
 END_TEST
 
+/* prompt_logprobs through P/D (proxy/prompt_scores.c): the prefill scores the prompt it computes
+ * and the proxy puts the scores into the decode's answer. Equal to pd-serve's (entries, ranks,
+ * decoded tokens; logprobs to 2e-3) for one prompt, n = 2 seeded (each choice its prompt's scores),
+ * a batch of two prompts and a chat request (in the choice and at the top level); in push mode the
+ * decode's answer waits for the prefill's. Streamed it is refused (vLLM's 400), and a decode node
+ * asked for it directly says the prefill scores the prompt. Both pools end free. */
+static json_t *post_expect(int port, const char *path, const char *body, int want_status)
+{
+    http_resp_t r;
+    ck_assert_int_eq(http_request(port, "POST", path, "Content-Type: application/json\r\n", body, &r, 60000),
+                     0);
+    ck_assert_msg(r.status == want_status, ":%d %s answered %d, want %d: %.300s", port, path, r.status,
+                  want_status, r.body);
+    json_t *j = json_loads(r.body, JSON_ALLOW_NUL, NULL);
+    ck_assert_ptr_nonnull(j);
+    http_resp_free(&r);
+    return j;
+}
+
+/* Every prompt_logprobs of an answer (each choice's, chat's top level), canonicalised into t. */
+static void prompt_scores(json_t *resp, transcript_t *t)
+{
+    memset(t, 0, sizeof(*t));
+    json_t *all = json_array();
+    size_t i;
+    json_t *c;
+    json_array_foreach(json_object_get(resp, "choices"), i, c)
+    {
+        json_array_append(all, json_object_get(c, "prompt_logprobs"));
+    }
+    if (json_object_get(resp, "prompt_logprobs") != NULL) {
+        json_array_append(all, json_object_get(resp, "prompt_logprobs"));
+    }
+    json_t *copy = json_deep_copy(all);
+    take_reals(copy, t);
+    t->text = json_dumps(copy, JSON_COMPACT | JSON_SORT_KEYS);
+    json_decref(copy);
+    json_decref(all);
+}
+
+START_TEST(test_prompt_logprobs_through_proxy)
+{
+    node_t serve;
+    start(&serve, "pd-serve", "serve-plp", g_model, NULL);
+    cluster_t c;
+    cluster_start(&c, FT[_i].mode, FT[_i].pipe, NULL, NULL);
+    const struct {
+        const char *path, *body;
+        size_t entries; /* prompt_logprobs arrays in the answer (a chat choice has none) */
+    } cases[] = {
+        {"/v1/completions",
+         "{\"model\": \"" MODEL_NAME "\", \"prompt\": \"The cache line size of\", \"max_tokens\": 4, "
+         "\"temperature\": 0, \"prompt_logprobs\": 2}",
+         1},
+        {"/v1/completions",
+         "{\"model\": \"" MODEL_NAME "\", \"prompt\": \"Two choices share a prompt\", \"n\": 2, "
+         "\"max_tokens\": 3, \"temperature\": 0.9, \"seed\": 5, \"prompt_logprobs\": 1}",
+         2},
+        {"/v1/completions",
+         "{\"model\": \"" MODEL_NAME "\", \"prompt\": [\"First prompt here\", \"And a second, longer "
+         "prompt\"], \"max_tokens\": 2, \"temperature\": 0, \"prompt_logprobs\": 0}",
+         2},
+        {"/v1/chat/completions",
+         "{\"model\": \"" MODEL_NAME "\", \"messages\": [{\"role\": \"user\", \"content\": "
+         "\"hi there\"}], \"max_tokens\": 3, \"temperature\": 0, \"prompt_logprobs\": 1}",
+         1}, /* chat: at the top level */
+    };
+    transcript_t *a = malloc(sizeof(*a)), *b = malloc(sizeof(*b));
+    for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
+        json_t *ra = post_expect(serve.port, cases[k].path, cases[k].body, 200);
+        json_t *rb = post_expect(c.x.port, cases[k].path, cases[k].body, 200);
+        prompt_scores(ra, a);
+        prompt_scores(rb, b);
+        ck_assert_msg(strcmp(a->text, b->text) == 0,
+                      "%s/%s case %zu: prompt_logprobs differ\npd-serve: %s\nproxy: %s", FT[_i].mode,
+                      FT[_i].pipe, k, a->text, b->text);
+        json_t *parsed = json_loads(b->text, 0, NULL);
+        ck_assert_int_eq(json_array_size(parsed), cases[k].entries);
+        json_decref(parsed);
+        ck_assert_int_eq(a->n_lp, b->n_lp);
+        ck_assert_int_gt(b->n_lp, 2);
+        for (int i = 0; i < a->n_lp; i++) {
+            ck_assert_msg(fabs(a->lp[i] - b->lp[i]) < 2e-3, "case %zu: logprob %d: %f vs %f", k, i, a->lp[i],
+                          b->lp[i]);
+        }
+        free(a->text), free(b->text);
+        json_decref(ra), json_decref(rb);
+    }
+    free(a), free(b);
+    json_t *e = post_expect(
+        c.x.port, "/v1/completions",
+        "{\"model\": \"" MODEL_NAME "\", \"prompt\": \"x\", \"stream\": true, \"prompt_logprobs\": 0}", 400);
+    ck_assert_ptr_nonnull(
+        strstr(json_string_value(json_object_get(json_object_get(e, "error"), "message")), "stream"));
+    json_decref(e);
+    e = post_expect(c.d.port, "/v1/completions",
+                    "{\"model\": \"" MODEL_NAME
+                    "\", \"prompt\": \"x\", \"prompt_logprobs\": 0, \"kv_transfer_params\": "
+                    "{\"do_remote_prefill\": true, \"remote_host\": \"127.0.0.1\", \"remote_port\": 1}}",
+                    400);
+    ck_assert_ptr_nonnull(
+        strstr(json_string_value(json_object_get(json_object_get(e, "error"), "message")), "prefill"));
+    json_decref(e);
+    assert_pool_free(c.p.port, "the prefill");
+    assert_pool_free(c.d.port, "the decode");
+    cluster_stop(&c);
+    stop(&serve);
+}
+END_TEST
+
 /* pd-proxy --kv-events: the proxy subscribes to both nodes' KV cache events (--kv-events-config,
  * endpoints from /pd/info) and indexes which node caches which block. Distinct prompts of 2 full
  * blocks each: both nodes hold 2 blocks per prompt (the prefill computed them, the decode loaded
@@ -2685,6 +2795,7 @@ int main(void)
     tcase_add_test(p2p, test_prefix_fetch_through_proxy);
     TCase *handover = tcase_create("handover");
     tcase_add_loop_test(handover, test_first_token_handover, 0, (int)(sizeof(FT) / sizeof(FT[0])));
+    tcase_add_loop_test(handover, test_prompt_logprobs_through_proxy, 0, 2); /* pull/tcp, push/ucx */
     TCase *faults = tcase_create("faults");
     tcase_add_test(faults, test_prefill_gone_before_read);
     tcase_add_test(faults, test_lease_expiry_is_stale);
