@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # tools/demo.sh BUILD_DIR — `make demo`: a disaggregated deployment on loopback, through pdctl.
 # deploy/local/pdctl brings up the cluster of deploy/local/demo.yaml (1 pd-prefill + 1 pd-decode
-# with KV over the ucx pipe + pd-proxy on free ports; the demo model, random weights: the text is
-# noise, the system around it is real), pd-bench drives load through the proxy for about 30 s and
-# prints the report, pdctl stops everything (also on failure or Ctrl-C).
+# with KV over the ucx pipe + pd-proxy on free ports; models/sotu-demo, the small Llama trained on the
+# State of the Union addresses by tools/train-demo-model.py), pd-bench drives load through the proxy
+# for about 30 s and prints the report, two sample completions come through the proxy, and pdctl
+# stops everything (also on failure or Ctrl-C).
 # Environment: PD_DEMO_MODE=pull|push, PD_DEMO_PIPE=ucx|tcp, PD_DEMO_PROMPTS, PD_DEMO_RATE.
 set -euo pipefail
 build=${1:-build}
@@ -19,7 +20,6 @@ import os, sys, yaml
 build, work, mode, pipe = sys.argv[1:5]
 cfg = yaml.safe_load(open("deploy/local/demo.yaml"))
 cfg["bin_dir"] = os.path.join(build, "bin")
-cfg["model"] = os.path.join(build, "models", "demo")
 cfg["run_dir"] = os.path.join(work, "run")
 cfg["kv"]["mode"] = mode or cfg["kv"]["mode"]
 cfg["kv"]["pipe"] = pipe or cfg["kv"]["pipe"]
@@ -46,4 +46,18 @@ echo "demo: $prompts requests (256-token prompts, 32 output tokens) at $rate req
   --random-input-len 256 --random-output-len 32 --random-range-ratio 0.25 --num-prompts "$prompts" \
   --request-rate "$rate" --ignore-eos --num-warmups 2 --metric-percentiles 50,90,99 \
   --kv-metrics-url "http://127.0.0.1:$decode_port" --save-result --result-filename "$work/result.json"
+echo
+echo "demo: two completions from models/sotu-demo through the proxy (P/D; temperature 0.7, seeded)"
+python3 - "$proxy_url" <<'EOF'
+import json, sys, textwrap, urllib.request
+for prompt in ("Fellow-Citizens of the Senate and House of Representatives: The state of the Union",
+               "Our economy is"):
+    body = {"model": "sotu-demo", "prompt": prompt, "max_tokens": 64, "temperature": 0.7, "top_p": 0.95,
+            "seed": 7}
+    req = urllib.request.Request(sys.argv[1] + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    text = json.load(urllib.request.urlopen(req, timeout=60))["choices"][0]["text"]
+    print(textwrap.fill(prompt + " \u2192" + text, width=100, initial_indent="  ", subsequent_indent="  "))
+    print()
+EOF
 echo "demo: stopping"

@@ -21,6 +21,7 @@ PKGS=(
   python3-jinja2                           # reference renders for the chat-template interpreter
   python3-jsonschema                       # the reference validator for structured outputs (grammar/)
   python3-zmq python3-msgpack              # the reference KV-events subscriber in tests
+  python3-torch python3-regex              # tools/train-demo-model.py; PyTorch's perplexity beside ours
   prometheus                               # promtool check metrics (the /metrics exposition)
   clang-format                             # make format / format check
   nodejs npm                               # gpt-3-encoder / openai client peers in tests

@@ -29,6 +29,8 @@ echo "run-bench: tools/bench-dtype.sh (pd-serve with fp32 vs bf16 weights under 
 tools/bench-dtype.sh "$build"
 echo "run-bench: tools/bench-spec.sh (speculative decoding with n-gram drafts vs none)"
 tools/bench-spec.sh "$build"
+echo "run-bench: tools/bench-quality.py (the trained demo model: perplexity per dtype, speculation on held-out text)"
+/usr/bin/python3 tools/bench-quality.py "$build"
 echo "run-bench: pd-bench-sched (scheduler step overhead, block pool)"
 "$build/bin/pd-bench-sched" --results bench/RESULTS.md
 echo "run-bench: pd-bench-transfer (pipe throughput and round trip vs memcpy, ucx_perftest, a plain socket)"
