@@ -13,6 +13,9 @@ OUT/logs/. Sections, each bounded in time:
   hf         HF transformers on the GPU as an independent reference: log p(prompt token | prefix) of
              pd-serve (prompt_logprobs) against transformers' on the same safetensors, Llama- and
              Qwen3-shaped
+  quality    held-out perplexity of the trained demo model (models/sotu-demo) through pd-serve --device
+             cuda's prompt_logprobs (tools/eval-ppl.py) against PyTorch's forward of the same weights
+             (fp32 and bf16 math; within 1e-3 in mean NLL)
   bench      same-run ceilings (device-to-device copy, cuBLAS bf16 GEMM through torch), pd-bench
              against pd-serve --device cuda, and the CPU rows if the host has AMX
 
@@ -162,6 +165,10 @@ class Kit:
                                    "--kv-heads", "4", "--intermediate", "5632", "--vocab", "16000", "--dtype",
                                    "bf16"]))
         lines, ok = [], True
+        sotu = os.path.join(ROOT, "models", "sotu-demo")
+        if os.path.exists(os.path.join(sotu, "model.safetensors")):
+            self.models["sotu"] = sotu
+            lines.append("sotu: the trained demo model, models/sotu-demo")
         for name, a in specs:
             d = os.path.join(self.tmp, name)
             rc, out = run([self.b("pd-mkmodel"), "--out", d] + a, self.log("mkmodel-" + name), 120)
@@ -191,7 +198,7 @@ class Kit:
         """pd-serve on loopback; memory: its memory flags (default: a fixed plan, so several share a GPU)"""
         memory = memory or ["--kv-cache-memory", "6G" if model == "565m" else "1G"]
         n = Node(self.tmp, tag, [self.b("pd-serve"), "--model", self.models[model], "--served-model-name", MODEL_NAME,
-                                 "--device", device] + memory + ["--max-model-len", "1024",
+                                 "--device", device] + memory + ["--max-model-len", "512" if model == "sotu" else "1024",
                                  "--max-num-batched-tokens", "64"] + list(extra))
         try:
             n.start()
@@ -358,6 +365,32 @@ class Kit:
                                               worst))
         return status, lines
 
+    def quality(self):
+        if "sotu" not in self.models:
+            return "FAIL (models/sotu-demo is missing)", []
+        lines, status = [], "ok"
+        dev = "cpu" if self.dry else "cuda"
+        for label, extra in (("fp32", []), ("bf16 math", ["--matmul-precision", "bf16"])):
+            node = self.serve("ppl-%s-%s" % (dev, label.replace(" ", "-")), "sotu", dev, extra)
+            try:
+                rc, out = run([sys.executable, os.path.join(ROOT, "tools", "eval-ppl.py"), "--url",
+                               "http://127.0.0.1:%d" % node.port, "--text",
+                               os.path.join(self.models["sotu"], "heldout-sample.txt"), "--model", MODEL_NAME,
+                               "--torch", self.models["sotu"], "--tol", "1e-3", "--label", label],
+                              self.log("ppl-" + label.replace(" ", "-")), 180, env=self.host_env)
+            finally:
+                node.stop()
+            try:
+                r = json.loads(out.strip().splitlines()[-1])
+                lines.append("%s: pd-serve --device %s held-out perplexity %.4f over %d tokens, PyTorch (CPU) %.4f: "
+                             "mean NLL difference %+.2e" % (label, dev, r["ppl"], r["tokens"], r["torch_ppl"],
+                                                             r["nll_diff"]))
+            except (ValueError, KeyError, IndexError):
+                lines.append("%s: eval-ppl exit %d: %s" % (label, rc, out.strip().splitlines()[-1:] or ""))
+            if rc != 0:
+                status = "FAIL"
+        return status, lines
+
     def bench(self):
         lines, status = [], "ok"
         if self.torch and not self.dry:
@@ -394,7 +427,8 @@ class Kit:
 
     def main(self):
         for name, fn in [("machine", self.machine), ("models", self.make_models), ("selftest", self.selftest),
-                         ("greedy", self.greedy), ("pd", self.pd), ("hf", self.hf), ("bench", self.bench)]:
+                         ("greedy", self.greedy), ("pd", self.pd), ("hf", self.hf), ("quality", self.quality),
+                         ("bench", self.bench)]:
             t = time.time()
             if DEADLINE[0] - t < 20:
                 self.rep.add(name, "FAIL (not run: the run's --budget is spent)", [])
