@@ -6,7 +6,7 @@
 
 The text is tokenized by the server (/tokenize, no special tokens) and cut into windows of
 --ctx - 1 tokens; each window is sent as [<bos>] + window with max_tokens 1 and prompt_logprobs 0,
-and every window token's logprob counts. Works against pd-serve, pd-proxy (P/D) and vLLM.
+and every window token's logprob counts (and its rank: top-1 accuracy is the share ranked first). Works against pd-serve, pd-proxy (P/D) and vLLM.
 
 With --torch DIR the same windows are scored by tools/train-demo-model.py's Llama on DIR's bf16
 weights (fp32 compute), and the run fails when the two mean NLLs differ by more than --tol
@@ -87,7 +87,7 @@ def main():
         ids = ids[: args.max_tokens]
     step = args.ctx - 1
     windows = [bos + ids[s : s + step] for s in range(0, len(ids), step)]
-    total, n, t0 = 0.0, 0, time.time()
+    total, n, top1, t0 = 0.0, 0, 0, time.time()
     for w in windows:
         r = post(url, "/v1/completions",
                  {"model": model, "prompt": w, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0},
@@ -100,9 +100,10 @@ def main():
             if lp is None:
                 sys.exit(f"eval-ppl: prompt_logprobs lacks the prompt's own token {tok}")
             total -= lp["logprob"]
+            top1 += lp.get("rank") == 1
             n += 1
     out = {"label": args.label, "model": model, "tokens": n, "windows": len(windows), "ctx": args.ctx,
-           "nll": total / n, "ppl": math.exp(total / n), "seconds": round(time.time() - t0, 2)}
+           "nll": total / n, "ppl": math.exp(total / n), "top1": top1 / n, "seconds": round(time.time() - t0, 2)}
     rc = 0
     if args.torch:
         ref = torch_nll(args.torch, windows) / n
