@@ -31,7 +31,7 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
-echo "demo: pdctl up (deploy/local/demo.yaml; KV ${PD_DEMO_MODE:-pull} over ${PD_DEMO_PIPE:-ucx}), logs in $work/run"
+echo "demo: pdctl up (deploy/local/demo.yaml: models/sotu-demo, the trained demo model; KV ${PD_DEMO_MODE:-pull} over ${PD_DEMO_PIPE:-ucx}), logs in $work/run"
 pdctl up | tee "$work/up.log"
 proxy_url=$(sed -n 's/^PROXY_URL=//p' "$work/up.log")
 decode_port=$(python3 -c 'import json,sys; print([p["port"] for p in json.load(open(sys.argv[1]))["procs"] if p["role"] == "decode"][0])' "$work/run/state.json")
