@@ -3,7 +3,8 @@ independent implementation of the same models (node-llama-cpp's prebuilt CPU bui
 in bench/llamacpp/npm-packages; the models converted by tools/pd-to-gguf.py):
 
   * two pd-mkmodel Llama models: fp32 weights with 4 query heads on 2 KV heads, and bf16 weights
-    with one KV head for 4 query heads and rope_theta 500000;
+    with one KV head for 4 query heads and rope_theta 500000; and the trained demo model
+    (models/sotu-demo: bf16, tied embeddings, head_dim 64);
   * llama.cpp decodes 32 greedy tokens after a 16-token prompt (bench/llamacpp/baseline.mjs);
   * pd-serve (loopback, fp32 math) answers the same token-id prompt with temperature 0;
   * the two must agree on every token, or part only where pdserve's two best candidates are
@@ -123,6 +124,8 @@ def main():
             subprocess.run([os.path.join(BIN, "pd-mkmodel"), "--out", model] + args, check=True,
                            capture_output=True, timeout=120)
             compare(name, model, work)
+        # the trained demo model: real weights, so greedy text has clear winners (few near-ties)
+        compare("sotu-demo", os.path.join(ROOT, "models", "sotu-demo"), work)
     print("%d failed" % len(failures))
     return 1 if failures else 0
 
