@@ -37,6 +37,7 @@ void pd_proxy_config_defaults(pd_proxy_config_t *c)
     c->health_interval = 1.0;
     c->discover_interval = 5.0;
     c->upstream_timeout = 600;
+    c->idle_connections = 4;
     c->prefix_fetch_timeout = 1.0;
     c->affinity_prefix_chars = 256;
     c->first_token_from_prefill = true;
@@ -130,6 +131,10 @@ size_t pd_proxy_flags(pd_proxy_config_t *c, pd_flag_t *out, size_t max)
         {"health-interval", PD_FLAG_DOUBLE, &c->health_interval, "seconds between node probes", NULL},
         {"upstream-timeout", PD_FLAG_DOUBLE, &c->upstream_timeout, "seconds an upstream request may take",
          NULL},
+        {"upstream-idle-connections", PD_FLAG_INT, &c->idle_connections,
+         "connections to a node kept open after their request ended, for the next one (HTTP keep-alive, "
+         "at most 8, each for 2 s; 0: a new connection per request)",
+         NULL},
         {"affinity-prefix-chars", PD_FLAG_INT, &c->affinity_prefix_chars,
          "prompt characters hashed by prefix-affinity", NULL},
         {"max-request-bytes", PD_FLAG_SIZE, &c->max_request_bytes, "largest request body accepted", NULL},
@@ -179,6 +184,7 @@ static void on_tick(evutil_socket_t fd, short what, void *arg)
         }
     }
     px_rebalance(px);
+    px_idle_close(px, PX_IDLE_SECS);
     if (px->stopping && px->inflight == NULL) {
         event_base_loopexit(px->base, NULL);
     }
@@ -323,6 +329,10 @@ pd_status_t pd_proxy_run(const pd_proxy_config_t *cfg)
         pd_log_error("proxy: --pd-prefix-fetch-min-blocks must be >= 0 and --pd-prefix-fetch-timeout > 0");
         st = PD_ERR_INVALID_ARG;
     }
+    if (cfg->idle_connections < 0 || cfg->idle_connections > PX_IDLE_MAX) {
+        pd_log_error("proxy: --upstream-idle-connections must be in [0, %d]", PX_IDLE_MAX);
+        st = PD_ERR_INVALID_ARG;
+    }
     if (cfg->local_prefill_threshold < 0 || cfg->local_prefill_hit_ratio < 0 ||
         cfg->local_prefill_hit_ratio > 1) {
         pd_log_error(
@@ -397,6 +407,7 @@ pd_status_t pd_proxy_run(const pd_proxy_config_t *cfg)
     if (px->rebalance_conn != NULL) {
         evhttp_connection_free(px->rebalance_conn); /* its callback does not run */
     }
+    px_idle_close(px, 0);
     px_kv_events_close(px);
     if (px->tick != NULL) {
         event_free(px->tick);

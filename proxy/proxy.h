@@ -47,6 +47,7 @@ typedef struct pd_proxy_config {
     double prefix_fetch_timeout;    /* s a lend may take before the prefill leg goes without it */
     double health_interval;
     double upstream_timeout; /* s an upstream request may take */
+    int idle_connections;    /* idle upstream connections kept per node for the next request (0: none) */
     int affinity_prefix_chars;
     size_t max_request_bytes;
     double request_timeout;   /* s a client connection has to deliver a whole request (slowloris) */

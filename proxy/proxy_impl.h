@@ -20,6 +20,9 @@
 
 #define MAX_NODES 64
 
+#define PX_IDLE_MAX  8   /* idle upstream connections kept per node at most (--upstream-idle-connections) */
+#define PX_IDLE_SECS 2.0 /* ... for this long: far inside libevent's 50 s server-side idle close */
+
 typedef struct node {
     char url[160];
     char host[128];
@@ -33,6 +36,10 @@ typedef struct node {
     char engine_id[64], kv_host[64], mode[8];
     int kv_port;
     int probes; /* probes in flight */
+    /* upstream keep-alive (pool.c): connections whose request ended, newest last, and since when */
+    struct evhttp_connection *idle[PX_IDLE_MAX];
+    double idle_since[PX_IDLE_MAX];
+    int num_idle;
     pd_metric_t *healthy_g;
     /* vLLM router (production-stack) equivalents, labelled server=URL */
     pd_metric_t *router_healthy, *router_prefill, *router_decoding;
@@ -269,6 +276,8 @@ struct evhttp_connection *px_upstream_leg(proxy_t *px, node_t *n, enum evhttp_cm
                                           int (*header)(struct evhttp_request *, void *), void *arg);
 /* Frees an upstream connection after the current callback returns. */
 void px_release_conn(proxy_t *px, struct evhttp_connection *c);
+/* Closes every node's idle upstream connections older than max_age seconds (0: all). */
+void px_idle_close(proxy_t *px, double max_age);
 /* Some node of the pool is healthy. */
 bool px_pool_ok(const proxy_t *px, bool prefill);
 /* One probe of node n: 0 /health, 1 /pd/info, 2 /metrics (load). */
