@@ -12,7 +12,8 @@
 # PD_BENCH_QUICK=1 runs a smaller sweep (fewer prompts and rates); PD_BENCH_ONLY=handover|sweep
 # runs one part; PD_BENCH_MODES=pull (or push) runs the handover for one mode;
 # PD_BENCH_HANDOVER_LENS=512,2048 leaves out the 8176-token prompts (70+ s each on one thread);
-# PD_BENCH_PIPE=tcp moves the KV over the tcp pipe instead of ucx.
+# PD_BENCH_PIPE=tcp moves the KV over the tcp pipe instead of ucx; PD_BENCH_PROXY_ARGS adds flags
+# to both proxies (e.g. "--upstream-idle-connections 0" for a new connection per leg).
 set -euo pipefail
 build=${1:-build}
 cd "$(dirname "$0")/.."
@@ -32,11 +33,13 @@ start_pd() {
   local kv=(--threads 1 --kv-pipe "$pipe" --kv-transfer-mode "$1" --kv-listen 127.0.0.1:0 --kv-load-timeout 600)
   start prefill pd-prefill "${model[@]}" "${kv[@]}"; pport=$port
   start decode pd-decode "${model[@]}" "${kv[@]}"; dport=$port
-  start proxy pd-proxy --health-interval 0.5 --prefill "http://127.0.0.1:$pport" --decode "http://127.0.0.1:$dport"
+  # shellcheck disable=SC2086 # PD_BENCH_PROXY_ARGS is a list of flags
+  start proxy pd-proxy --health-interval 0.5 --prefill "http://127.0.0.1:$pport" --decode "http://127.0.0.1:$dport" \
+    ${PD_BENCH_PROXY_ARGS:-}
   xport=$port
   # the same nodes behind a proxy where the decode samples the first token (the handover's baseline)
   start proxy-legacy pd-proxy --health-interval 0.5 --prefill "http://127.0.0.1:$pport" \
-    --decode "http://127.0.0.1:$dport" --no-first-token-from-prefill
+    --decode "http://127.0.0.1:$dport" --no-first-token-from-prefill ${PD_BENCH_PROXY_ARGS:-}
   lport=$port
   # measure after both nodes finished pre-faulting their KV regions (a background thread)
   for _ in $(seq 600); do
@@ -56,7 +59,7 @@ for mode in ${PD_BENCH_MODES:-pull push}; do
     --random-input-len 16 --random-output-len 1 --no-progress >/dev/null
   "$bin/pd-bench-handover" --proxy "http://127.0.0.1:$xport" --prefill "http://127.0.0.1:$pport" \
     --decode "http://127.0.0.1:$dport" --lens "${PD_BENCH_HANDOVER_LENS:-512,2048,8176}" --repeat "${PD_BENCH_HANDOVER_REPEAT:-2}" --kv-bytes-per-token 8192 \
-    --page-bytes 16384 --pipe "$pipe" --label "($mode, $pipe, demo model)" --results "$results" \
+    --page-bytes 16384 --pipe "$pipe" --label "($mode, $pipe, demo model${PD_BENCH_PROXY_ARGS:+, proxy $PD_BENCH_PROXY_ARGS})" --results "$results" \
     --proxy-legacy "http://127.0.0.1:$lport" --stream-lens 512,2048
   stop_all
 done
