@@ -306,10 +306,12 @@ static struct evhttp_connection *take_conn(proxy_t *px, node_t *n)
         n->num_idle--;
         struct evhttp_connection *c = n->idle[n->num_idle];
         if (pd_time_now_s() - n->idle_since[n->num_idle] < PX_IDLE_SECS) {
+            pd_metric_inc(px->m.upstream[1], 1);
             return c;
         }
         evhttp_connection_free(c);
     }
+    pd_metric_inc(px->m.upstream[0], 1);
     return evhttp_connection_base_new(px->base, NULL, n->host, (ev_uint16_t)n->port);
 }
 

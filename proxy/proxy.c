@@ -218,6 +218,16 @@ static void metrics_register(proxy_t *px)
     pm->pool_nodes[1] = pd_metrics_add(m, PD_METRIC_GAUGE, "pd_proxy:pool_nodes",
                                        "Nodes the pool routes to (listed, not removed by discovery).",
                                        "pool=prefill", NULL, 0);
+    pm->upstream[0] =
+        pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:upstream_connections_total",
+                       "Upstream requests (legs, probes, releases) by how they got their "
+                       "connection: a new one, or one kept alive (--upstream-idle-connections).",
+                       "connection=new", NULL, 0);
+    pm->upstream[1] =
+        pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:upstream_connections_total",
+                       "Upstream requests (legs, probes, releases) by how they got their "
+                       "connection: a new one, or one kept alive (--upstream-idle-connections).",
+                       "connection=reused", NULL, 0);
     pm->retry_p = pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:retries_total",
                                  "Requests re-sent to another node.", "phase=prefill", NULL, 0);
     pm->retry_d = pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:retries_total",

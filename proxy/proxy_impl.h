@@ -124,6 +124,7 @@ typedef struct proxy_metrics {
     pd_metric_t *fetch[3], *fetch_s;                  /* kv_fetch.c: lent, refused, failed */
     pd_metric_t *kv_gaps, *kv_malformed, *kv_entries; /* --kv-events */
     pd_metric_t *pool_nodes[2];                       /* decode, prefill */
+    pd_metric_t *upstream[2];                         /* pool.c: connections made, reused */
 } proxy_metrics_t;
 
 struct proxy {

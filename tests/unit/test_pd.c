@@ -2521,6 +2521,77 @@ START_TEST(test_proxy_relays_nul_text)
 }
 END_TEST
 
+/* pd-proxy keeps upstream connections alive (--upstream-idle-connections, pool.c): 12 sequential
+ * requests through the default proxy take kept connections for nearly all of their 24 legs (the
+ * probes share the idle lists, so a leg may still open one), and give pd-serve's answers; a second
+ * proxy over the same nodes with --upstream-idle-connections 0 reuses none. A node that restarts
+ * under the proxy (its kept connections closed) is reached again on new ones without a failed
+ * request. */
+static double upstream(int proxy, const char *how)
+{
+    char series[96];
+    snprintf(series, sizeof(series), "pd_proxy:upstream_connections_total{connection=\"%s\"}", how);
+    return metric(proxy, series);
+}
+
+START_TEST(test_proxy_keeps_connections_alive)
+{
+    cluster_t c;
+    cluster_start(&c, "pull", "tcp", NULL, NULL);
+    node_t fresh;
+    char pre[64], dec[64];
+    snprintf(pre, sizeof(pre), "http://127.0.0.1:%d", c.p.port);
+    snprintf(dec, sizeof(dec), "http://127.0.0.1:%d", c.d.port);
+    char *x0[] = {
+        "--prefill", pre, "--decode", dec, "--health-interval", "0.2", "--upstream-idle-connections",
+        "0",         NULL};
+    start(&fresh, "pd-proxy", "proxy-fresh", NULL, x0);
+    usleep(600 * 1000);
+    const int proxies[2] = {c.x.port, fresh.port};
+    for (int k = 0; k < 2; k++) {
+        double new0 = upstream(proxies[k], "new"), reused0 = upstream(proxies[k], "reused");
+        for (int i = 0; i < 12; i++) {
+            char body[160];
+            snprintf(body, sizeof(body),
+                     "{\"model\":\"m\",\"prompt\":[%d,6,7,8],\"max_tokens\":2,\"temperature\":0,\"return_"
+                     "token_ids\":true,"
+                     "\"ignore_eos\":true}",
+                     5 + i);
+            int st = 0;
+            char *got = complete(proxies[k], body, &st);
+            ck_assert_msg(st == 200 && got != NULL, "request %d through proxy %d: HTTP %d", i, k, st);
+            free(got);
+        }
+        double made = upstream(proxies[k], "new") - new0, reused = upstream(proxies[k], "reused") - reused0;
+        if (k == 0) {
+            ck_assert_msg(reused >= 18, "kept alive: %.0f of 24 legs reused a connection (%.0f new)", reused,
+                          made);
+        } else {
+            ck_assert_msg(reused == 0 && made >= 24, "--upstream-idle-connections 0: %.0f reused, %.0f new",
+                          reused, made);
+        }
+    }
+    /* the decode restarts on the same port: the default proxy's kept connections to it were closed */
+    int dport = c.d.port;
+    stop(&c.d);
+    char *dext[] = {"--kv-transfer-mode", "pull", "--kv-pipe", "tcp", FAST_TIMEOUTS, NULL};
+    start_at(&c.d, "pd-decode", "decode2", g_model, dext, dport);
+    usleep(800 * 1000); /* the proxy's probes see it healthy again */
+    for (int i = 0; i < 4; i++) {
+        int st = 0;
+        char *got = complete(c.x.port,
+                             "{\"model\":\"m\",\"prompt\":[9,8,7],\"max_tokens\":2,\"temperature\":0,"
+                             "\"return_token_ids\":true,"
+                             "\"ignore_eos\":true}",
+                             &st);
+        ck_assert_msg(st == 200 && got != NULL, "after the decode's restart, request %d: HTTP %d", i, st);
+        free(got);
+    }
+    stop(&fresh);
+    cluster_stop(&c);
+}
+END_TEST
+
 START_TEST(test_proxy_least_loaded_and_client_disconnect)
 {
     pool2_t c;
@@ -2814,6 +2885,7 @@ int main(void)
     tcase_add_test(proxy, test_proxy_prefix_affinity_and_failover);
     tcase_add_test(proxy, test_proxy_least_loaded_and_client_disconnect);
     tcase_add_test(proxy, test_proxy_relays_nul_text);
+    tcase_add_test(proxy, test_proxy_keeps_connections_alive);
     tcase_add_test(proxy, test_proxy_client_gone_before_decode);
     tcase_add_test(proxy, test_proxy_keyed_cluster);
     tcase_add_test(proxy, test_proxy_kv_events_index);
