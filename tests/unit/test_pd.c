@@ -2455,6 +2455,25 @@ START_TEST(test_proxy_local_prefill)
     ck_assert_int_eq((int)metric(c.x.port, local), 14 + 1 + 1 + 1);
     ck_assert_int_eq((int)metric(c.x.port, remote), 3);
     ck_assert_int_eq((int)metric(c.x.port, "pd_proxy:tokenize_failures_total"), 0);
+    /* prompt_logprobs on a short prompt: the decode prefills it locally and scores it itself
+     * (prompt_scores.c), as pd-serve does */
+    const char *plp = "{\"model\": \"" MODEL_NAME "\", \"prompt\": [5, 9, 11, 13, 17], \"max_tokens\": 2, "
+                      "\"temperature\": 0, \"prompt_logprobs\": 1}";
+    json_t *pa = post_expect(serve.port, "/v1/completions", plp, 200);
+    json_t *pb = post_expect(c.x.port, "/v1/completions", plp, 200);
+    transcript_t *sa = malloc(sizeof(*sa)), *sb = malloc(sizeof(*sb));
+    prompt_scores(pa, sa);
+    prompt_scores(pb, sb);
+    ck_assert_msg(strcmp(sa->text, sb->text) == 0 && sa->n_lp == sb->n_lp && sb->n_lp >= 4,
+                  "local prompt_logprobs differ\npd-serve: %s\nproxy: %s", sa->text, sb->text);
+    for (int i = 0; i < sa->n_lp; i++) {
+        ck_assert_msg(fabs(sa->lp[i] - sb->lp[i]) < 2e-3, "local prompt logprob %d: %f vs %f", i, sa->lp[i],
+                      sb->lp[i]);
+    }
+    free(sa->text), free(sb->text), free(sa), free(sb);
+    json_decref(pa), json_decref(pb);
+    ck_assert_int_eq((int)served(c.p.port), 3);
+    ck_assert_int_eq((int)metric(c.x.port, local), 14 + 1 + 1 + 1 + 1);
     /* an unknown model: /tokenize refuses it, the request goes the P/D way and is refused there */
     http_resp_t r;
     ck_assert_int_eq(
