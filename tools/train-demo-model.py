@@ -203,11 +203,6 @@ class Tokenizer:
             out.extend(self.word(w))
         return out
 
-    def decode(self, ids):
-        u2b = {u: b for b, u in B2U.items()}
-        s = "".join(self.vocab[i] for i in ids if i < len(self.vocab) - len(SPECIALS))
-        return bytes(u2b[c] for c in s).decode("utf-8", errors="replace")
-
     def tokenizer_json(self):
         added = [
             {"id": self.ids[s], "content": s, "single_word": False, "lstrip": False, "rstrip": False,

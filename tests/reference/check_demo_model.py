@@ -12,6 +12,7 @@
   * a greedy completion decodes to text made of words (letters, spaces, punctuation).
 
 Loopback only; every process started here is stopped."""
+import importlib.util
 import json
 import os
 import re
@@ -62,9 +63,6 @@ def serve(tmp, tag, extra=()):
 
 
 def main():
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("tdm", os.path.join(ROOT, "tools", "train-demo-model.py"))
     tdm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tdm)
