@@ -349,6 +349,7 @@ void pd_engine_output_free(pd_engine_output_t *o)
         free(o->kv_transfer_params);
         free(o->stop_str);
         free(o->prompt_logprobs);
+        free(o->rest);
         free(o);
         o = n;
     }

@@ -116,6 +116,14 @@ struct pd_engine_output {
     bool replayed;    /* a resumed token (pd_engine_request_t.resume): its client has it and the text
                        * before text, so a frontend records it without sending it (never on the
                        * output that finishes the request) */
+    /* Set on the engine thread by the output sink (pd_engine_set_output_sink), when it wrote this
+     * output to its client itself: the frontend records it without sending it. rest/rest_len are the
+     * bytes of it the client's socket did not take (a client that is behind): the frontend sends
+     * them before anything else of that stream. delivered_at: when it was written (seconds). */
+    bool delivered;
+    double delivered_at;
+    char *rest;
+    size_t rest_len;
     pd_engine_output_t *next;
 };
 
@@ -175,6 +183,15 @@ bool pd_engine_has_work(const pd_engine_t *e);
 
 /* Starts the engine thread; notify(ctx) is called from it whenever outputs are ready. */
 pd_status_t pd_engine_start(pd_engine_t *e, void (*notify)(void *ctx), void *ctx);
+
+/* A frontend that writes streamed tokens to its clients from the engine thread (issue 53): before
+ * pd_engine_start, sink(ctx, o) is set to be called on the engine thread for each output of a step,
+ * in order, before the outputs are queued. It returns true when it wrote o to the client itself
+ * (and set o->delivered). Every output is queued either way, in order; but a step whose outputs
+ * were all delivered does not call notify, so the frontend is not woken per token: it takes the
+ * delivered outputs with the next notify, which comes with the first output not delivered (every
+ * request ends with one), or after 32 delivered outputs, or 50 ms after the last notify. */
+void pd_engine_set_output_sink(pd_engine_t *e, bool (*sink)(void *ctx, pd_engine_output_t *o), void *ctx);
 
 /* Stops and joins the engine thread (in-flight requests stay as they are). */
 void pd_engine_stop(pd_engine_t *e);

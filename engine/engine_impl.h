@@ -97,6 +97,10 @@ struct pd_engine {
     int32_t last_items; /* requests the last step ran, +1 when it applied connector news */
     void (*notify)(void *);
     void *notify_ctx;
+    bool (*sink)(void *, pd_engine_output_t *); /* the frontend's output sink, or NULL (engine thread) */
+    void *sink_ctx;
+    int32_t unnotified;      /* delivered outputs queued since the last notify (engine thread) */
+    double notified_at;      /* when notify was last called (engine thread) */
     pd_engine_stats_t stats; /* snapshot under mu */
 };
 

@@ -157,6 +157,14 @@ static void *engine_thread(void *arg)
         if (pd_engine_has_work(e) || e->aborted_head != NULL) {
             pd_engine_step(e, &outs);
         }
+        bool wake = false; /* an output the frontend must see now */
+        for (pd_engine_output_t *t = outs; t != NULL; t = t->next) {
+            if (e->sink == NULL || !e->sink(e->sink_ctx, t)) {
+                wake = true;
+            } else {
+                e->unnotified++;
+            }
+        }
         pthread_mutex_lock(&e->mu);
         snapshot_stats(e);
         if (outs != NULL) {
@@ -173,7 +181,12 @@ static void *engine_thread(void *arg)
         }
         pthread_mutex_unlock(&e->mu);
         if (outs != NULL && e->notify != NULL) {
-            e->notify(e->notify_ctx);
+            double now = pd_time_now_s();
+            if (wake || e->unnotified >= 32 || now - e->notified_at >= 0.05) {
+                e->unnotified = 0;
+                e->notified_at = now;
+                e->notify(e->notify_ctx);
+            }
         }
     }
     pd_log_info("engine thread stopped");
@@ -188,6 +201,12 @@ static void engine_wake(void *arg)
     e->woken = true;
     pthread_cond_signal(&e->cv);
     pthread_mutex_unlock(&e->mu);
+}
+
+void pd_engine_set_output_sink(pd_engine_t *e, bool (*sink)(void *ctx, pd_engine_output_t *o), void *ctx)
+{
+    e->sink = sink;
+    e->sink_ctx = ctx;
 }
 
 pd_status_t pd_engine_start(pd_engine_t *e, void (*notify)(void *ctx), void *ctx)

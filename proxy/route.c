@@ -219,7 +219,9 @@ void px_on_d_chunk(struct evhttp_request *r, void *arg)
         evbuffer_add_buffer(q->d_sse, in); /* relayed event by event */
         px_relay_decode(q);
     } else if (q->client != NULL && q->reply_started && !q->ft) {
-        evhttp_send_reply_chunk(q->client, in);
+        size_t len = evbuffer_get_length(in); /* relayed as it came, in one sendmsg when it can be */
+        pd_http_send_chunk(q->client, (const char *)evbuffer_pullup(in, (ev_ssize_t)len), len);
+        evbuffer_drain(in, len);
     } else {
         evbuffer_add_buffer(q->d_body, in);
     }

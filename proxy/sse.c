@@ -3,6 +3,8 @@
 #define _GNU_SOURCE
 #include "proxy/proxy_impl.h"
 
+#include "common/http_reply.h"
+
 #include <event2/buffer.h>
 #include <event2/http.h>
 #include <stdlib.h>
@@ -46,11 +48,14 @@ char *px_sse_next(struct evbuffer *buf)
 
 void px_sse_send(struct evhttp_request *client, const char *data)
 {
-    struct evbuffer *b = evbuffer_new();
-    if (b == NULL) {
+    size_t n = strlen(data);
+    char *ev = malloc(n + 9);
+    if (ev == NULL) {
         return;
     }
-    evbuffer_add_printf(b, "data: %s\n\n", data);
-    evhttp_send_reply_chunk(client, b);
-    evbuffer_free(b);
+    memcpy(ev, "data: ", 6);
+    memcpy(ev + 6, data, n);
+    memcpy(ev + 6 + n, "\n\n", 3);
+    pd_http_send_chunk(client, ev, n + 8); /* one sendmsg when nothing waits before it */
+    free(ev);
 }

@@ -18,9 +18,11 @@
 #include <unistd.h>
 
 #include "common/api_fields.h"
+#include "common/http_reply.h"
 #include "common/log.h"
 #include "common/time.h"
 #include "connector/connector.h"
+#include "server/direct_stream.h"
 #include "server/http_internal.h"
 #include "server/tool_calls.h"
 
@@ -68,10 +70,12 @@ struct creq {
     choice_t *ch;
     double arrival;
     int64_t created;
-    bool resumable;      /* pd-proxy resumes this stream elsewhere if it ends early (PD_RESUMABLE_HEADER) */
-    bool migrating;      /* ended for another node to take over: the stream ends with the engine's final
+    bool resumable; /* pd-proxy resumes this stream elsewhere if it ends early (PD_RESUMABLE_HEADER) */
+    bool migrating; /* ended for another node to take over: the stream ends with the engine's final
                           * output (its KV lease for that node, when it could lend) */
-    creq_t *prev, *next; /* in-flight list */
+    pd_direct_stream_t *direct; /* the engine thread writes this plain stream's tokens (direct_stream.h), or
+                                 * NULL; set before the request is submitted */
+    creq_t *prev, *next;        /* in-flight list */
 };
 
 /* ------------------------------------------------------------------ lifetime */
@@ -105,6 +109,7 @@ static void creq_free(creq_t *c)
     }
     free(c->ch);
     pd_completion_req_free(&c->in);
+    pd_direct_free(c->direct);
     free(c);
 }
 
@@ -129,6 +134,9 @@ static void on_client_close(struct evhttp_connection *conn, void *arg)
         return;
     }
     pd_log_info("client of %s disconnected; aborting it", c->id);
+    if (c->direct != NULL) {
+        pd_direct_close(c->direct); /* before evhttp closes the socket */
+    }
     c->req = NULL;
     unwatch(c);
     abort_choices(c);
@@ -151,6 +159,9 @@ static void detach_close_cb(creq_t *c)
  * the request no longer has a client. */
 static void end_stream(creq_t *c)
 {
+    if (c->direct != NULL) {
+        pd_direct_close(c->direct);
+    }
     detach_close_cb(c);
     pd_http_track_reply(c->srv, c->req);
     evhttp_send_reply_end(c->req);
@@ -435,13 +446,18 @@ static json_t *prompt_logprobs_json(const pd_tokenizer_t *tok, const pd_prompt_t
 static void stream_chunk(creq_t *c, json_t *chunk)
 {
     char *text = json_dumps(chunk, JSON_COMPACT);
-    struct evbuffer *buf = evbuffer_new();
-    evbuffer_add_printf(buf, "data: %s\n\n", text);
-    evhttp_send_reply_chunk(c->req, buf);
-    evbuffer_free(buf);
+    size_t tl = text != NULL ? strlen(text) : 0;
+    char *ev = malloc(tl + 9);
+    if (ev != NULL) {
+        memcpy(ev, "data: ", 6);
+        memcpy(ev + 6, text, tl);
+        memcpy(ev + 6 + tl, "\n\n", 3);
+        pd_http_send_chunk(c->req, ev, tl + 8);
+        pd_metric_inc(c->srv->m.stream_chunks[0], 1);
+    }
+    free(ev);
     free(text);
 }
-
 static json_t *chunk_envelope(const creq_t *c, json_t *choices)
 {
     return json_pack("{s:s, s:s, s:I, s:s, s:o}", "id", c->resp_id, "object",
@@ -623,6 +639,46 @@ static json_t *output_chunk(creq_t *c, choice_t *h, const pd_engine_output_t *o,
     return chunk;
 }
 
+/* The direct writer's template (direct_stream.h): the JSON of the chunk output_chunk makes for a
+ * middle token (with PD_DIRECT_TEXT_MARKER as its text and PD_DIRECT_ID_MARKER as its id), and for
+ * chat the same for a token without text. NULL when out of memory. */
+static char *direct_template(creq_t *c, bool with_text)
+{
+    pd_engine_output_t o;
+    memset(&o, 0, sizeof(o));
+    o.text = with_text ? (char *)PD_DIRECT_TEXT_MARKER : (char *)"";
+    o.text_len = strlen(o.text);
+    o.token = PD_DIRECT_ID_MARKER;
+    o.stop_token = -1;
+    choice_t *h = &c->ch[0];
+    int32_t ids = h->num_ids;
+    h->num_ids = ids > 2 ? ids : 2; /* a middle token's chunk: prompt_token_ids are the first's */
+    json_t *chunk = output_chunk(c, h, &o, 0, false);
+    h->num_ids = ids;
+    char *text = chunk != NULL ? json_dumps(chunk, JSON_COMPACT) : NULL;
+    json_decref(chunk);
+    return text;
+}
+
+/* After the loop wrote an output of a stream the engine thread may write: hands the stream (back)
+ * to the engine's writer when nothing waits before it, or counts the output as handled. */
+static void arm_direct(creq_t *c)
+{
+    if (c->direct == NULL) {
+        return;
+    }
+    bool arm = c->req != NULL && c->started && !c->migrating && c->ch[0].opened && pd_http_drained(c->req);
+    bool chunked = false;
+    int fd = arm ? pd_http_reply_socket(c->req, &chunked) : -1;
+    char *chunk = NULL, *empty = NULL;
+    if (arm && !pd_direct_has_template(c->direct)) {
+        chunk = direct_template(c, true);
+        empty = c->in.chat ? direct_template(c, false) : NULL;
+    }
+    pd_direct_arm(c->direct, arm && fd >= 0, fd, chunked, chunk, empty);
+    free(chunk), free(empty);
+}
+
 static void stream_output(creq_t *c, choice_t *h, const pd_engine_output_t *o, size_t offset, bool finished)
 {
     if (!c->started) {
@@ -649,6 +705,7 @@ static void stream_output(creq_t *c, choice_t *h, const pd_engine_output_t *o, s
         json_decref(chunk);
     }
     if (c->num_done < c->num_choices) {
+        arm_direct(c);
         return;
     }
     if (c->in.include_usage && !c->ch[0].handed_over) {
@@ -657,10 +714,7 @@ static void stream_output(creq_t *c, choice_t *h, const pd_engine_output_t *o, s
         stream_chunk(c, u);
         json_decref(u);
     }
-    struct evbuffer *buf = evbuffer_new();
-    evbuffer_add_printf(buf, "data: [DONE]\n\n");
-    evhttp_send_reply_chunk(c->req, buf);
-    evbuffer_free(buf);
+    pd_http_send_chunk(c->req, "data: [DONE]\n\n", 14);
     end_stream(c);
     creq_free(c);
 }
@@ -756,9 +810,9 @@ static void reply_final(creq_t *c)
 
 /* ------------------------------------------------------------------ outputs */
 
-static void observe_token(pd_http_server_t *s, creq_t *c, choice_t *h)
+/* A token reached the client at `now` (the engine thread's writer notes when it wrote one). */
+static void observe_token(pd_http_server_t *s, creq_t *c, choice_t *h, double now)
 {
-    double now = pd_time_now_s();
     pd_http_metrics_token(s, now - c->arrival, now - h->last_token, h->first_token == 0);
     if (h->first_token == 0) {
         h->first_token = now;
@@ -776,7 +830,7 @@ static void absorb(pd_http_server_t *s, creq_t *c, choice_t *h, const pd_engine_
     }
     if (o->token >= 0) {
         if (!o->replayed) {
-            observe_token(s, c, h);
+            observe_token(s, c, h, o->delivered ? o->delivered_at : pd_time_now_s());
         }
         if (h->num_ids == h->cap_ids) {
             int32_t cap = h->cap_ids ? 2 * h->cap_ids : 64;
@@ -878,13 +932,27 @@ static void end_migrated(creq_t *c, const choice_t *h)
 static void handle_output(pd_http_server_t *s, const pd_engine_output_t *o)
 {
     choice_t *h = o->user;
-    if (h == NULL || h->done) {
+    if (h == NULL) {
         return;
     }
     creq_t *c = h->parent;
+    if (c->direct != NULL && pd_direct_counts(o)) {
+        pd_direct_handled(c->direct); /* the engine's writer waits until this one is written */
+    }
+    if (h->done) {
+        return;
+    }
     /* text_offset counts characters (as vLLM); with echo the prompt tokens' text comes first */
     size_t offset = utf8_chars(h->text, h->text_len) + h->echo_chars;
     absorb(s, c, h, o, offset);
+    if (o->delivered) { /* the engine thread wrote it (direct_stream.h): recorded, and its rest sent */
+        pd_metric_inc(s->m.stream_chunks[1], 1);
+        if (o->rest != NULL && c->req != NULL) {
+            pd_http_send_framed(c->req, o->rest, o->rest_len);
+            arm_direct(c);
+        }
+        return;
+    }
     bool finished = o->finish_reason != NULL;
     if (c->deferred && h->index == 0 && (o->token >= 0 || finished)) {
         /* choice 0 has its prompt's KV (loaded or computed): the siblings now hit those blocks */
@@ -914,6 +982,13 @@ static void handle_output(pd_http_server_t *s, const pd_engine_output_t *o)
     } else if (c->num_done == c->num_choices) {
         reply_final(c);
     }
+}
+
+bool pd_http_output_sink(void *ctx, pd_engine_output_t *o)
+{
+    (void)ctx;
+    const choice_t *h = o->user;
+    return h != NULL && h->parent->direct != NULL && pd_direct_send(h->parent->direct, o);
 }
 
 void pd_http_dispatch_outputs(pd_http_server_t *s)
@@ -1076,6 +1151,10 @@ void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bo
         if (c->in.logprobs >= 0) {
             h->lp = chat ? json_array() : new_logprobs();
         }
+    }
+    if (s->cfg.direct_stream && c->in.stream && c->num_choices == 1 && c->in.logprobs < 0 &&
+        c->in.tool_parser == PD_TOOL_PARSER_NONE && !c->in.echo) {
+        c->direct = pd_direct_new(c->in.chat); /* NULL (out of memory): the loop writes every chunk */
     }
     c->next = s->inflight;
     if (s->inflight != NULL) {

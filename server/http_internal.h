@@ -27,6 +27,7 @@ typedef struct srv_metrics {
     pd_metric_t *ttft, *itl, *tpot, *e2e, *queue, *inference, *prefill, *decode;
     pd_metric_t *waiting_remote, *blocks_free, *blocks_cached, *blocks_used, *http_errors, *load_waits,
         *grammar_handed, *grammar_resumed, *handoffs, *resumed; /* pd: */
+    pd_metric_t *stream_chunks[2]; /* pd:stream_chunks_total{writer="loop"|"engine"} */
     uint64_t seen_prefix_queries, seen_prefix_hits, seen_prompt, seen_gen, seen_preempt, seen_load_waits,
         seen_grammar_handed, seen_grammar_resumed;
     /* --kv-offload-tier: pd:kv_offload_{queries,hits,saved_blocks,corrupt_blocks,bytes_written,
@@ -89,6 +90,9 @@ void pd_http_metrics_finished(pd_http_server_t *s, const pd_engine_output_t *o);
 void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bool chat);
 /* Takes the engine's outputs and advances their requests (the wake event's callback). */
 void pd_http_dispatch_outputs(pd_http_server_t *s);
+/* The engine's output sink (engine thread): writes a plain stream's middle token to its client
+ * (server/direct_stream.h). */
+bool pd_http_output_sink(void *ctx, pd_engine_output_t *o);
 /* Drain start, POST /admin/migrate: migrates every stream pd-proxy can resume elsewhere
  * (PD_RESUMABLE_HEADER), or the max newest (max > 0): each ends without [DONE] once the engine ended
  * it, after leasing its KV for the next node when it can (a stream not submitted yet ends at once).

@@ -44,6 +44,7 @@ void pd_http_config_defaults(pd_http_config_t *c)
     c->drain_timeout = 30.0;
     c->request_timeout = 30.0;
     c->max_json_depth = 32;
+    c->direct_stream = true;
     static char env_key[512]; /* as vLLM: a Secret in the environment, not on the command line */
     c->api_key = pd_api_key_from_env("VLLM_API_KEY", env_key, sizeof(env_key));
 }
@@ -63,6 +64,10 @@ size_t pd_http_flags(pd_http_config_t *c, pd_flag_t *out, size_t max)
          NULL},
         {"http-request-timeout", PD_FLAG_DOUBLE, &c->request_timeout, PD_HTTP_GUARD_TIMEOUT_HELP, NULL},
         {"http-max-connections", PD_FLAG_INT, &c->max_connections, PD_HTTP_GUARD_MAX_CONNS_HELP ")", NULL},
+        {"direct-stream", PD_FLAG_BOOL, &c->direct_stream,
+         "the engine thread writes a plain stream's tokens to the client's socket as its step ends (one "
+         "choice, no logprobs, tool parsing or echo); the HTTP loop writes everything else",
+         NULL},
         {"served-model-name", PD_FLAG_STRS, &c->served_model_names,
          "model name(s) in the API: requests may name any, answers and metrics carry the first (default: "
          "dir name)",
@@ -714,6 +719,7 @@ int pd_http_server_port(const pd_http_server_t *s)
 
 pd_status_t pd_http_server_run(pd_http_server_t *s)
 {
+    pd_engine_set_output_sink(s->engine, s->cfg.direct_stream ? pd_http_output_sink : NULL, s);
     pd_status_t st = pd_engine_start(s->engine, on_engine_notify, s);
     if (st != PD_OK) {
         return st;

@@ -28,6 +28,7 @@ typedef struct pd_http_config {
     const char *info_json;        /* P/D nodes: served at GET /pd/info (role, engine id, KV address) */
     const char *chat_template;    /* --chat-template: a file or the template text (NULL: the model's) */
     bool enable_auto_tool_choice; /* --enable-auto-tool-choice: tool_choice "auto" reads tool calls */
+    bool direct_stream;           /* --direct-stream: the engine thread writes plain streams (issue 53) */
     const char *tool_call_parser; /* --tool-call-parser: which format (tool_calls.h) */
     /* P/D prefill nodes: POST /pd/release {"remote_request_id", "lease_id"} or {"transfer_id"} gives
      * up the KV held for a decode that will not come (pd_kv_connector_release); NULL: no route */

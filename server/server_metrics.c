@@ -159,6 +159,15 @@ void pd_http_metrics_register(pd_http_server_t *s)
                           "Streams a draining node ended early for pd-proxy to resume on another node.");
     m->resumed = counter(r, "pd:resumed_requests_total",
                          "Requests that went on after tokens another node streamed (resume_token_ids).");
+    static const char *writers[2] = {"loop", "engine"};
+    for (int i = 0; i < 2; i++) {
+        pd_metric_label_t w = {"writer", writers[i]};
+        m->stream_chunks[i] = pd_metrics_add_labels(
+            r, PD_METRIC_COUNTER, "pd:stream_chunks_total",
+            "Chunks of streamed replies by the thread that wrote them: the engine thread (a plain stream's "
+            "token, as its step ends) or the HTTP loop (the rest).",
+            &w, 1, NULL, 0);
+    }
     m->load_waits = counter(r, "pd:kv_load_waits_total",
                             "Remote KV loads put off while another request loaded the same prefix (then read "
                             "from the local prefix cache).");

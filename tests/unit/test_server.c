@@ -21,6 +21,7 @@
 #include "engine/engine.h"
 #include "kernels/paged_impl.h"
 #include "model/model.h"
+#include "server/direct_stream.h"
 #include "server/tool_calls.h"
 
 static char *g_model;
@@ -29,6 +30,8 @@ static pid_t g_pid = -1;
 static int g_port = -1;
 
 #define MAX_MODEL_LEN "512"
+/* a model whose steps take long enough that a client can watch one request run */
+#define SLOW_MODEL "--preset tiny --arch llama --hidden 512 --layers 6 --intermediate 1408"
 
 static pid_t start_server_model(const char *model, const char *tag, char *const extra[], int *port_out);
 
@@ -209,6 +212,272 @@ static void check_equivalence(float temp, int64_t seed)
     ck_assert_int_eq(usage_seen, 1);
     http_resp_free(&r);
 }
+
+/* The SSE body of a streamed request, de-chunked, with every "created" zeroed (the only field that
+ * may differ between two servers given the same X-Request-Id and seed). */
+static char *stream_body(int port, const char *path, const char *body)
+{
+    http_resp_t r;
+    ck_assert_int_eq(http_request(port, "POST", path, "X-Request-Id: direct-1\r\n", body, &r, 60000), 0);
+    ck_assert_int_eq(r.status, 200);
+    for (char *p = r.body; (p = strstr(p, "\"created\":")) != NULL;) {
+        for (p += 10; *p >= '0' && *p <= '9'; p++) {
+            *p = '0';
+        }
+    }
+    char *b = r.body;
+    r.body = NULL;
+    http_resp_free(&r);
+    return b;
+}
+
+static double stream_chunks(int port, const char *writer)
+{
+    char name[96];
+    snprintf(name, sizeof(name), "pd:stream_chunks_total{writer=\"%s\"}", writer);
+    http_resp_t m;
+    ck_assert_int_eq(http_request(port, "GET", "/metrics", NULL, NULL, &m, 5000), 0);
+    double v = pd_metrics_text_value(m.body, name, -1);
+    http_resp_free(&m);
+    return v;
+}
+
+/* The texts of an SSE body's events concatenated (completions' "text"; a token may decode to U+0000,
+ * so by length), and the number of [DONE]s; every event must be JSON (a broken chunk framing would
+ * not be). */
+static size_t stream_text(char *body, char *acc, size_t cap, int *done)
+{
+    *done = 0;
+    size_t n = 0;
+    for (char *line = strtok(body, "\n"); line != NULL; line = strtok(NULL, "\n")) {
+        ck_assert_msg(strncmp(line, "data: ", 6) == 0, "not an SSE event: %.80s", line);
+        if (strcmp(line + 6, "[DONE]") == 0) {
+            (*done)++;
+            continue;
+        }
+        json_t *c = json_loads(line + 6, JSON_ALLOW_NUL, NULL);
+        ck_assert_msg(c != NULL, "not JSON: %.120s", line + 6);
+        json_t *t = json_object_get(json_array_get(json_object_get(c, "choices"), 0), "text");
+        size_t tl = json_string_length(t);
+        ck_assert_msg(n + tl < cap, "text too long");
+        memcpy(acc + n, json_string_value(t), tl);
+        n += tl;
+        json_decref(c);
+    }
+    return n;
+}
+
+/* Issue 53: the engine thread writes a plain stream's tokens itself (--direct-stream, the default).
+ * Its chunks are the HTTP loop's byte for byte (completions with token ids and without, chat; against a --no-direct-stream
+ * server), the metrics say which thread wrote them, and a client that reads nothing until the
+ * request has ended still gets every token, in order, in well-formed chunks. */
+START_TEST(test_direct_stream_bytes_and_slow_client)
+{
+    /* a model slow enough that the loop keeps up with the engine (with a tiny one it may be writing
+     * the previous token when the next is made, and then it writes them all, rightly) */
+    char *slow = tu_make_model(SLOW_MODEL);
+    ck_assert_ptr_nonnull(slow);
+    int port1, port2;
+    char *extra[] = {"--no-direct-stream", NULL};
+    pid_t pid1 = start_server_model(slow, "engine-writes", NULL, &port1);
+    pid_t pid2 = start_server_model(slow, "loop-writes", extra, &port2);
+    const char *paths[3] = {"/v1/completions", "/v1/chat/completions", "/v1/completions"};
+    const char *bodies[3] = {
+        "{\"prompt\": \"who writes\", \"max_tokens\": 40, \"ignore_eos\": true, \"temperature\": 1, "
+        "\"seed\": 7, \"stream\": true, \"return_token_ids\": true}",
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"who writes\"}], \"max_tokens\": 40, "
+        "\"ignore_eos\": true, \"temperature\": 1, \"seed\": 7, \"stream\": true, \"stream_options\": "
+        "{\"include_usage\": true}}",
+        "{\"prompt\": \"who writes\", \"max_tokens\": 40, \"ignore_eos\": true, \"temperature\": 0, "
+        "\"stream\": true}"};
+    double engine0 = stream_chunks(port1, "engine");
+    for (int i = 0; i < 3; i++) {
+        char *a = stream_body(port1, paths[i], bodies[i]), *b = stream_body(port2, paths[i], bodies[i]);
+        ck_assert_str_eq(a, b);
+        free(a), free(b);
+    }
+    ck_assert_msg(stream_chunks(port1, "engine") >= engine0 + 90, "the engine thread wrote %g of 120 chunks",
+                  stream_chunks(port1, "engine") - engine0);
+    ck_assert_double_eq(stream_chunks(port2, "engine"), 0);
+    ck_assert_double_ge(stream_chunks(port2, "loop"), 120);
+    ck_assert_int_eq(tu_stop(pid2, 30), 0);
+
+    /* the slow client: a small receive buffer, and nothing read until every token is made */
+    const char *req =
+        "{\"prompt\": \"fill the socket\", \"max_tokens\": 400, \"ignore_eos\": true, \"temperature\": 1, "
+        "\"seed\": 11, \"stream\": true}";
+    double loop0 = stream_chunks(port1, "loop");
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    int small = 2048;
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+    struct timeval tv = {60, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    struct sockaddr_in addr = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port1)};
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ck_assert_int_eq(connect(fd, (struct sockaddr *)&addr, sizeof(addr)), 0);
+    char head[512];
+    int hn = snprintf(head, sizeof(head),
+                      "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+                      "Content-Type: application/json\r\nContent-Length: %zu\r\n\r\n%s",
+                      strlen(req), req);
+    ck_assert_int_eq(write(fd, head, (size_t)hn), hn);
+    double until = tu_now() + 20;
+    while (tu_now() < until) { /* the request has finished when nothing runs */
+        usleep(200 * 1000);
+        http_resp_t m;
+        ck_assert_int_eq(http_request(port1, "GET", "/metrics", NULL, NULL, &m, 5000), 0);
+        double running = pd_metrics_text_value(m.body, "vllm:num_requests_running", -1);
+        double gen =
+            pd_metrics_text_value(m.body, "vllm:request_success_total{finished_reason=\"length\"}", 0);
+        http_resp_free(&m);
+        static double gen0 = -1;
+        if (gen0 < 0) {
+            gen0 = gen;
+        }
+        if (running == 0 && gen > gen0) {
+            break;
+        }
+    }
+    http_resp_t r;
+    ck_assert_int_eq(http_read_response(fd, &r), 0);
+    ck_assert_int_eq(r.status, 200);
+    static char got[65536], want[65536];
+    int done = 0;
+    size_t got_len = stream_text(r.body, got, sizeof(got), &done);
+    ck_assert_int_eq(done, 1);
+    http_resp_free(&r);
+    char plain[512];
+    snprintf(
+        plain, sizeof(plain),
+        "{\"prompt\": \"fill the socket\", \"max_tokens\": 400, \"ignore_eos\": true, \"temperature\": 1, "
+        "\"seed\": 11}");
+    int status;
+    json_t *j = post_json(port1, plain, &status);
+    ck_assert_int_eq(status, 200);
+    json_t *wt = json_object_get(json_array_get(json_object_get(j, "choices"), 0), "text");
+    size_t want_len = json_string_length(wt);
+    ck_assert_uint_lt(want_len, sizeof(want));
+    memcpy(want, json_string_value(wt), want_len);
+    json_decref(j);
+    ck_assert_uint_eq(got_len, want_len);
+    ck_assert_msg(memcmp(got, want, want_len) == 0, "the slow stream's text differs from the plain reply's");
+    /* on loopback the kernel takes MBs before a send would block, so the chunks all fit; a full
+     * socket is test_direct_stream_partial_writes' */
+    ck_assert_double_le(stream_chunks(port1, "loop"), loop0 + 4);
+    ck_assert_int_eq(tu_stop(pid1, 30), 0);
+    tu_rmrf(slow);
+    free(slow);
+}
+END_TEST
+
+/* One plain token for the direct writer: `len` bytes of text. */
+static pd_engine_output_t *direct_token(size_t len, char fill)
+{
+    pd_engine_output_t *o = calloc(1, sizeof(*o));
+    o->token = 100 + (int32_t)len;
+    o->stop_token = -1;
+    o->text = malloc(len + 1);
+    memset(o->text, fill, len);
+    o->text[len] = '\0';
+    o->text_len = len;
+    return o;
+}
+
+/* The frame the writer sends for o: "<hex>\r\ndata: {"t":"<text>","i":[<id>]}\n\n\r\n". */
+static size_t direct_frame(const pd_engine_output_t *o, char *out)
+{
+    char body[8192];
+    int bl = snprintf(body, sizeof(body), "data: {\"t\":\"%s\",\"i\":[%d]}\n\n", o->text, (int)o->token);
+    return (size_t)sprintf(out, "%x\r\n%s\r\n", bl, body);
+}
+
+/* server/direct_stream.c alone, on a socket that fills: a chunk the socket takes only in part is
+ * delivered with its unsent rest for the loop, the writer disarms and counts what the loop must
+ * handle, refuses everything until the loop has handled it and armed it again, never writes a
+ * final output, and writes nothing once closed. What the peer reads plus the rest is every frame,
+ * whole and in order. */
+START_TEST(test_direct_stream_partial_writes)
+{
+    int sv[2];
+    ck_assert_int_eq(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    int small = 4096;
+    setsockopt(sv[0], SOL_SOCKET, SO_SNDBUF, &small, sizeof(small));
+    pd_direct_stream_t *d = pd_direct_new(false);
+    ck_assert_ptr_nonnull(d);
+    pd_engine_output_t *first = direct_token(4, 'a');
+    ck_assert(!pd_direct_send(d, first)); /* not armed yet: the loop writes it */
+    ck_assert(pd_direct_counts(first));
+    pd_direct_handled(d);
+    char chunk[64];
+    snprintf(chunk, sizeof(chunk), "{\"t\":\"\\u0001pd-direct\\u0002\",\"i\":[%d]}", PD_DIRECT_ID_MARKER);
+    pd_direct_arm(d, true, sv[0], true, chunk, NULL);
+    static char want[1 << 20], got[1 << 20];
+    size_t want_len = 0, got_len = 0;
+    pd_engine_output_t *partial = NULL;
+    for (int i = 0; i < 200 && partial == NULL; i++) {
+        pd_engine_output_t *o = direct_token(1000, (char)('b' + i % 20));
+        ck_assert(pd_direct_send(d, o));
+        ck_assert(o->delivered);
+        want_len += direct_frame(o, want + want_len);
+        if (o->rest != NULL) {
+            partial = o;
+        } else {
+            ck_assert(!pd_direct_counts(o));
+            pd_engine_output_free(o);
+        }
+    }
+    ck_assert_msg(partial != NULL, "the socket never filled");
+    ck_assert(pd_direct_counts(partial));
+    pd_engine_output_t *next = direct_token(10, 'z');
+    ck_assert(!pd_direct_send(d, next)); /* disarmed: the loop has the rest to send first */
+    ck_assert(!next->delivered);
+    for (;;) { /* the client reads what was sent */
+        ssize_t r = recv(sv[1], got + got_len, sizeof(got) - got_len, MSG_DONTWAIT);
+        if (r <= 0) {
+            break;
+        }
+        got_len += (size_t)r;
+    }
+    memcpy(got + got_len, partial->rest, partial->rest_len); /* the loop's part, queued first */
+    got_len += partial->rest_len;
+    ck_assert_uint_eq(got_len, want_len);
+    ck_assert(memcmp(got, want, want_len) == 0);
+    pd_direct_arm(d, true, sv[0], true, NULL, NULL);
+    pd_engine_output_t *late = direct_token(3, 'y');
+    ck_assert(!pd_direct_send(d, late)); /* two outputs are still the loop's (and now late too) */
+    pd_direct_handled(d), pd_direct_handled(d);
+    pd_direct_arm(d, true, sv[0], true, NULL, NULL);
+    pd_engine_output_t *probe = direct_token(3, 'p');
+    ck_assert(!pd_direct_send(d, probe)); /* late is not handled yet */
+    pd_direct_handled(d), pd_direct_handled(d);
+    pd_direct_arm(d, false, sv[0], true, NULL, NULL); /* the loop says its connection is busy */
+    ck_assert(!pd_direct_send(d, probe));
+    pd_direct_handled(d);
+    pd_direct_arm(d, true, sv[0], true, NULL, NULL);
+    pd_engine_output_t *fin = direct_token(3, 'f');
+    fin->finish_reason = "length";
+    ck_assert(!pd_direct_send(d, fin)); /* a final output is always the loop's */
+    pd_direct_handled(d);
+    pd_direct_arm(d, true, sv[0], true, NULL, NULL);
+    pd_engine_output_t *again = direct_token(5, 'g');
+    ck_assert(pd_direct_send(d, again));
+    ck_assert_ptr_null(again->rest);
+    char frame[64], in[64];
+    size_t fl = direct_frame(again, frame);
+    ck_assert_int_eq(recv(sv[1], in, sizeof(in), MSG_DONTWAIT), (ssize_t)fl);
+    ck_assert(memcmp(in, frame, fl) == 0);
+    pd_direct_close(d);
+    pd_engine_output_t *after = direct_token(5, 'h');
+    ck_assert(!pd_direct_send(d, after));
+    ck_assert_int_eq(recv(sv[1], in, sizeof(in), MSG_DONTWAIT), -1); /* nothing more came */
+    pd_engine_output_free(first), pd_engine_output_free(partial), pd_engine_output_free(next);
+    pd_engine_output_free(late), pd_engine_output_free(fin), pd_engine_output_free(again);
+    pd_engine_output_free(after), pd_engine_output_free(probe);
+    pd_direct_free(d);
+    close(sv[0]);
+    close(sv[1]);
+}
+END_TEST
 
 START_TEST(test_completion_equals_engine_greedy)
 {
@@ -737,8 +1006,6 @@ static void *bg_post(void *arg)
 
 /* A model slow enough (~100+ ms per 20 tokens here) that a long request is still generating
  * while a test acts on it. */
-#define SLOW_MODEL "--preset tiny --arch llama --hidden 512 --layers 6 --intermediate 1408"
-
 /* Waits (bounded by secs) until the server at port runs exactly n requests. */
 static bool wait_running(int port, int n, double secs)
 {
@@ -1660,6 +1927,8 @@ int main(void)
     tcase_add_test(tc, test_tool_calls_auto_streamed);
     tcase_add_test(tc, test_required_tool_calls_stream);
     tcase_add_test(tc, test_completion_equals_engine_greedy);
+    tcase_add_test(tc, test_direct_stream_bytes_and_slow_client);
+    tcase_add_test(tc, test_direct_stream_partial_writes);
     tcase_add_test(tc, test_completion_equals_engine_seeded);
     tcase_add_test(tc, test_logprobs_match_recomputed);
     tcase_add_test(tc, test_top_logprobs_hold_the_chosen_token);
