@@ -72,7 +72,7 @@ struct creq {
     int64_t created;
     bool resumable; /* pd-proxy resumes this stream elsewhere if it ends early (PD_RESUMABLE_HEADER) */
     bool migrating; /* ended for another node to take over: the stream ends with the engine's final
-                          * output (its KV lease for that node, when it could lend) */
+                     * output (its KV lease for that node, when it could lend) */
     pd_direct_stream_t *direct; /* the engine thread writes this plain stream's tokens (direct_stream.h), or
                                  * NULL; set before the request is submitted */
     creq_t *prev, *next;        /* in-flight list */
@@ -447,7 +447,7 @@ static void stream_chunk(creq_t *c, json_t *chunk)
 {
     char *text = json_dumps(chunk, JSON_COMPACT);
     size_t tl = text != NULL ? strlen(text) : 0;
-    char *ev = malloc(tl + 9);
+    char *ev = text != NULL ? malloc(tl + 9) : NULL; /* out of memory: no chunk rather than a broken one */
     if (ev != NULL) {
         memcpy(ev, "data: ", 6);
         memcpy(ev + 6, text, tl);
@@ -458,6 +458,7 @@ static void stream_chunk(creq_t *c, json_t *chunk)
     free(ev);
     free(text);
 }
+
 static json_t *chunk_envelope(const creq_t *c, json_t *choices)
 {
     return json_pack("{s:s, s:s, s:I, s:s, s:o}", "id", c->resp_id, "object",
@@ -661,7 +662,7 @@ static char *direct_template(creq_t *c, bool with_text)
 }
 
 /* After the loop wrote an output of a stream the engine thread may write: hands the stream (back)
- * to the engine's writer when nothing waits before it, or counts the output as handled. */
+ * to the engine's writer when nothing waits before it, else leaves the writer disarmed. */
 static void arm_direct(creq_t *c)
 {
     if (c->direct == NULL) {
