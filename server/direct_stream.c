@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <jansson.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,6 +40,40 @@ struct pd_direct_stream {
     bool chunked;
     tmpl_t text, empty; /* a token's chunk, and chat's for a token without text (set at the first arming) */
 };
+
+/* Writers holding a dup now, and how many may (process-wide: one HTTP front per process). */
+static atomic_int g_fds;
+static atomic_int g_max_fds = 1024;
+
+void pd_direct_set_max_fds(int n)
+{
+    atomic_store(&g_max_fds, n > 0 ? n : 1);
+}
+
+int pd_direct_fds(void)
+{
+    return atomic_load(&g_fds);
+}
+
+/* A dup of fd within the cap, or -1 (the stream then stays the loop's). */
+static int take_fd(int fd)
+{
+    if (atomic_fetch_add(&g_fds, 1) >= atomic_load(&g_max_fds)) {
+        atomic_fetch_sub(&g_fds, 1);
+        static atomic_bool said;
+        if (!atomic_exchange(&said, true)) {
+            pd_log_info("direct stream: %d streams hold a second descriptor, the cap; further streams are "
+                        "written by the HTTP loop until some end (said once)",
+                        atomic_load(&g_max_fds));
+        }
+        return -1;
+    }
+    int d = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (d < 0) {
+        atomic_fetch_sub(&g_fds, 1);
+    }
+    return d;
+}
 
 pd_direct_stream_t *pd_direct_new(bool chat)
 {
@@ -240,7 +275,7 @@ void pd_direct_arm(pd_direct_stream_t *d, bool arm, int fd, bool chunked, const 
         tmpl_free(&d->text);
         tmpl_free(&d->empty);
         bool ok = split(&d->text, chunk, true) && (!d->chat || split(&d->empty, empty, false));
-        d->fd = ok ? fcntl(fd, F_DUPFD_CLOEXEC, 0) : -1;
+        d->fd = ok ? take_fd(fd) : -1;
         d->chunked = chunked;
     }
     d->armed = d->fd >= 0;
@@ -263,6 +298,7 @@ void pd_direct_close(pd_direct_stream_t *d)
     if (d->fd >= 0) {
         close(d->fd);
         d->fd = -1;
+        atomic_fetch_sub(&g_fds, 1);
     }
     pthread_mutex_unlock(&d->mu);
 }

@@ -61,6 +61,14 @@ bool pd_direct_has_template(pd_direct_stream_t *d);
 /* Loop: the stream ended or its client went away: disarms for good and closes the dup. */
 void pd_direct_close(pd_direct_stream_t *d);
 
+/* The most writers that may hold a dup at once, process-wide (default 1024). Each running direct
+ * stream holds a second descriptor for its socket; past the cap a stream is the loop's (the HTTP
+ * front sets a quarter of the open-file limit, so with --http-max-connections' half of it every
+ * connection stays within the limit). */
+void pd_direct_set_max_fds(int n);
+/* The writers holding a dup now. */
+int pd_direct_fds(void);
+
 /* Loop, after the request's final output. */
 void pd_direct_free(pd_direct_stream_t *d);
 

@@ -32,6 +32,7 @@
 #include "common/time.h"
 #include "common/version.h"
 #include "model/generation_config.h"
+#include "server/direct_stream.h"
 #include "server/http_internal.h"
 #include "server/tool_calls.h"
 
@@ -720,6 +721,7 @@ int pd_http_server_port(const pd_http_server_t *s)
 pd_status_t pd_http_server_run(pd_http_server_t *s)
 {
     pd_engine_set_output_sink(s->engine, s->cfg.direct_stream ? pd_http_output_sink : NULL, s);
+    pd_direct_set_max_fds(pd_http_guard_auto_max() / 2); /* a quarter of the open-file limit */
     pd_status_t st = pd_engine_start(s->engine, on_engine_notify, s);
     if (st != PD_OK) {
         return st;

@@ -479,6 +479,42 @@ START_TEST(test_direct_stream_partial_writes)
 }
 END_TEST
 
+/* The writers' descriptor cap: past it a stream is not armed (the loop writes it), and a writer
+ * that ends gives its place back. */
+START_TEST(test_direct_stream_fd_cap)
+{
+    int sv[2];
+    ck_assert_int_eq(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    char chunk[64];
+    snprintf(chunk, sizeof(chunk), "{\"t\":\"\\u0001pd-direct\\u0002\",\"i\":[%d]}", PD_DIRECT_ID_MARKER);
+    pd_direct_set_max_fds(1);
+    int base = pd_direct_fds();
+    ck_assert_int_eq(base, 0);
+    pd_direct_stream_t *a = pd_direct_new(false), *b = pd_direct_new(false);
+    pd_direct_arm(a, true, sv[0], true, chunk, NULL);
+    pd_direct_arm(b, true, sv[0], true, chunk, NULL);
+    ck_assert_int_eq(pd_direct_fds(), 1);
+    pd_engine_output_t *o = direct_token(3, 'a');
+    ck_assert(pd_direct_send(a, o));
+    pd_engine_output_t *p = direct_token(3, 'b');
+    ck_assert(!pd_direct_send(b, p)); /* over the cap: the loop's */
+    pd_direct_handled(b);
+    pd_direct_close(a);
+    ck_assert_int_eq(pd_direct_fds(), 0);
+    pd_direct_arm(b, true, sv[0], true, chunk, NULL); /* a's place is free now */
+    ck_assert_int_eq(pd_direct_fds(), 1);
+    pd_engine_output_t *q = direct_token(3, 'c');
+    ck_assert(pd_direct_send(b, q));
+    pd_direct_free(b);
+    ck_assert_int_eq(pd_direct_fds(), 0);
+    pd_direct_free(a);
+    ck_assert_int_eq(pd_direct_fds(), 0);
+    pd_engine_output_free(o), pd_engine_output_free(p), pd_engine_output_free(q);
+    close(sv[0]);
+    close(sv[1]);
+}
+END_TEST
+
 START_TEST(test_completion_equals_engine_greedy)
 {
     check_equivalence(0.0f, 0);
@@ -1929,6 +1965,7 @@ int main(void)
     tcase_add_test(tc, test_completion_equals_engine_greedy);
     tcase_add_test(tc, test_direct_stream_bytes_and_slow_client);
     tcase_add_test(tc, test_direct_stream_partial_writes);
+    tcase_add_test(tc, test_direct_stream_fd_cap);
     tcase_add_test(tc, test_completion_equals_engine_seeded);
     tcase_add_test(tc, test_logprobs_match_recomputed);
     tcase_add_test(tc, test_top_logprobs_hold_the_chosen_token);
