@@ -16,6 +16,8 @@
 #include <netinet/tcp.h>
 #include <stdbool.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 
@@ -36,14 +38,20 @@ static inline const char *pd_http_sole_header(struct evhttp_request *req, const 
     return found != NULL ? found->value : NULL;
 }
 
+/* req's connection's bufferevent, or NULL when it has none (the client is gone). */
+static inline struct bufferevent *pd_http_bev(struct evhttp_request *req)
+{
+    struct evhttp_connection *conn = evhttp_request_get_connection(req);
+    return conn != NULL ? evhttp_connection_get_bufferevent(conn) : NULL;
+}
+
 /* Turns Nagle's algorithm off on req's connection (TCP_NODELAY), as uvicorn does for vLLM's
  * server: a streamed token is one small write, and under Nagle a write waits while the previous
  * one is unacknowledged, so with a delayed ACK a token can reach the client only with the next.
  * libevent does not set it on accepted sockets. Call it when a request arrives. */
 static inline void pd_http_no_delay(struct evhttp_request *req)
 {
-    struct evhttp_connection *conn = evhttp_request_get_connection(req);
-    struct bufferevent *bev = conn != NULL ? evhttp_connection_get_bufferevent(conn) : NULL;
+    struct bufferevent *bev = pd_http_bev(req);
     evutil_socket_t fd = bev != NULL ? bufferevent_getfd(bev) : -1;
     if (fd >= 0) {
         int one = 1;
@@ -55,8 +63,7 @@ static inline void pd_http_no_delay(struct evhttp_request *req)
  * send, server/direct_stream.h), queued in order on req's connection. */
 static inline void pd_http_send_framed(struct evhttp_request *req, const char *data, size_t len)
 {
-    struct evhttp_connection *conn = evhttp_request_get_connection(req);
-    struct bufferevent *bev = conn != NULL ? evhttp_connection_get_bufferevent(conn) : NULL;
+    struct bufferevent *bev = pd_http_bev(req);
     if (bev != NULL && len > 0) {
         bufferevent_write(bev, data, len);
     }
@@ -65,21 +72,24 @@ static inline void pd_http_send_framed(struct evhttp_request *req, const char *d
 /* Whether req's connection has nothing queued to write (false without a connection). */
 static inline bool pd_http_drained(struct evhttp_request *req)
 {
-    struct evhttp_connection *conn = evhttp_request_get_connection(req);
-    struct bufferevent *bev = conn != NULL ? evhttp_connection_get_bufferevent(conn) : NULL;
+    struct bufferevent *bev = pd_http_bev(req);
     return bev != NULL && bufferevent_getfd(bev) >= 0 &&
            evbuffer_get_length(bufferevent_get_output(bev)) == 0;
 }
 
-/* req's socket (-1 without one) and whether its reply is chunked (evhttp_send_reply_start said so
- * in Transfer-Encoding: HTTP/1.1 without Content-Length). */
-static inline evutil_socket_t pd_http_reply_socket(struct evhttp_request *req, bool *chunked)
+/* req's socket, or -1 without one. */
+static inline evutil_socket_t pd_http_socket(struct evhttp_request *req)
 {
-    struct evhttp_connection *conn = evhttp_request_get_connection(req);
-    struct bufferevent *bev = conn != NULL ? evhttp_connection_get_bufferevent(conn) : NULL;
-    const char *te = evhttp_find_header(evhttp_request_get_output_headers(req), "Transfer-Encoding");
-    *chunked = te != NULL && evutil_ascii_strcasecmp(te, "chunked") == 0;
+    struct bufferevent *bev = pd_http_bev(req);
     return bev != NULL ? bufferevent_getfd(bev) : -1;
+}
+
+/* Whether req's started reply is chunked (evhttp_send_reply_start said so in Transfer-Encoding:
+ * HTTP/1.1 without Content-Length). */
+static inline bool pd_http_reply_chunked(struct evhttp_request *req)
+{
+    const char *te = evhttp_find_header(evhttp_request_get_output_headers(req), "Transfer-Encoding");
+    return te != NULL && evutil_ascii_strcasecmp(te, "chunked") == 0;
 }
 
 /* One chunk of a started streaming reply (evhttp_send_reply_start), written to the socket at once
@@ -95,8 +105,7 @@ static inline evutil_socket_t pd_http_reply_socket(struct evhttp_request *req, b
  * through its error callback, as before. Loop thread only, as every evhttp call. */
 static inline void pd_http_send_chunk(struct evhttp_request *req, const char *data, size_t len)
 {
-    struct evhttp_connection *conn = evhttp_request_get_connection(req);
-    struct bufferevent *bev = conn != NULL ? evhttp_connection_get_bufferevent(conn) : NULL;
+    struct bufferevent *bev = pd_http_bev(req);
     evutil_socket_t fd = bev != NULL ? bufferevent_getfd(bev) : -1;
     if (fd < 0 || len == 0 || evhttp_request_get_command(req) == EVHTTP_REQ_HEAD ||
         evbuffer_get_length(bufferevent_get_output(bev)) > 0) {
@@ -111,8 +120,7 @@ static inline void pd_http_send_chunk(struct evhttp_request *req, const char *da
         }
         return;
     }
-    bool chunked = false;
-    (void)pd_http_reply_socket(req, &chunked);
+    bool chunked = pd_http_reply_chunked(req);
     char head[24];
     int hl = chunked ? snprintf(head, sizeof(head), "%zx\r\n", len) : 0;
     struct iovec iov[3] = {{head, (size_t)hl}, {(void *)data, len}, {(void *)"\r\n", chunked ? 2u : 0u}};
@@ -126,6 +134,22 @@ static inline void pd_http_send_chunk(struct evhttp_request *req, const char *da
             bufferevent_write(bev, (const char *)iov[i].iov_base + skip, iov[i].iov_len - skip);
         }
     }
+}
+
+/* One server-sent event of a started streaming reply, "data: <data>\n\n", as pd_http_send_chunk
+ * sends it (out of memory: no event rather than a broken one). */
+static inline void pd_http_send_sse(struct evhttp_request *req, const char *data)
+{
+    size_t n = strlen(data);
+    char *ev = (char *)malloc(n + 9);
+    if (ev == NULL) {
+        return;
+    }
+    memcpy(ev, "data: ", 6);
+    memcpy(ev + 6, data, n);
+    memcpy(ev + 6 + n, "\n\n", 3);
+    pd_http_send_chunk(req, ev, n + 8);
+    free(ev);
 }
 
 static inline void pd_http_send_reply(struct evhttp_request *req, int status, const char *reason,

@@ -62,8 +62,8 @@ void px_ft_end(preq_t *q)
                                 "BadGatewayError", "code", 502);
             }
             char *text = json_dumps(err, JSON_COMPACT);
-            px_sse_send(q->client, text != NULL ? text : "{}");
-            px_sse_send(q->client, "[DONE]");
+            pd_http_send_sse(q->client, text != NULL ? text : "{}");
+            pd_http_send_sse(q->client, "[DONE]");
             free(text);
             json_decref(err);
             evhttp_send_reply_end(q->client);
@@ -153,7 +153,7 @@ void px_ft_on_p_done(preq_t *q, int code)
             pd_log_warn("proxy: request %s: the prefill on %s ended its stream after %d events without a "
                         "handover or [DONE]; the answer ends there",
                         q->req_id, q->p->url, q->p_events);
-            px_sse_send(q->client, "[DONE]");
+            pd_http_send_sse(q->client, "[DONE]");
         }
         evhttp_send_reply_end(q->client);
         pd_metric_inc(px->m.ok, 1);

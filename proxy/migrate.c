@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "common/array.h"
+#include "common/http_reply.h"
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/time.h"
@@ -100,7 +101,7 @@ bool px_is_migration_event(const char *ev)
 void px_relay_event(preq_t *q, const char *ev)
 {
     if (!q->resumable) {
-        px_sse_send(q->client, ev);
+        pd_http_send_sse(q->client, ev);
         return;
     }
     bool done = strcmp(ev, "[DONE]") == 0;
@@ -123,7 +124,7 @@ void px_relay_event(preq_t *q, const char *ev)
     q->t_last_event = now;
     if (done) {
         q->d_ended = true;
-        px_sse_send(q->client, ev);
+        pd_http_send_sse(q->client, ev);
         return;
     }
     json_t *choices = json_object_get(j, "choices");
@@ -145,7 +146,7 @@ void px_relay_event(preq_t *q, const char *ev)
         q->resumable = false;
     }
     char *text = j != NULL && q->strip_ids && choices != NULL ? json_dumps(j, JSON_COMPACT) : NULL;
-    px_sse_send(q->client, text != NULL ? text : ev);
+    pd_http_send_sse(q->client, text != NULL ? text : ev);
     free(text);
     json_decref(j);
 }
@@ -171,7 +172,7 @@ static void end_after_finish(preq_t *q)
     pd_log_info(
         "proxy: request %s: its decode %s ended the stream after the finish without [DONE]; ending it",
         q->req_id, q->d->url);
-    px_sse_send(q->client, "[DONE]");
+    pd_http_send_sse(q->client, "[DONE]");
     evhttp_send_reply_end(q->client);
     pd_metric_inc(px->m.ok, 1);
     q->client = NULL;
@@ -190,8 +191,8 @@ static void end_with_error(preq_t *q, int status, const char *msg)
             json_pack("{s:{s:s, s:s, s:n, s:i}}", "error", "message", msg, "type",
                       status == 503 ? "ServiceUnavailableError" : "BadGatewayError", "param", "code", status);
         char *text = err != NULL ? json_dumps(err, JSON_COMPACT) : NULL;
-        px_sse_send(q->client, text != NULL ? text : "{}");
-        px_sse_send(q->client, "[DONE]");
+        pd_http_send_sse(q->client, text != NULL ? text : "{}");
+        pd_http_send_sse(q->client, "[DONE]");
         free(text);
         json_decref(err);
     }

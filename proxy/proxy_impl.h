@@ -240,8 +240,6 @@ void px_kv_events_close(proxy_t *px);
 /* Takes the next whole event off buf and returns its data (malloc'd; the data lines joined), or
  * NULL when no whole event is buffered yet. */
 char *px_sse_next(struct evbuffer *buf);
-/* Sends one event carrying data to a client whose streamed reply has started. */
-void px_sse_send(struct evhttp_request *client, const char *data);
 
 /* --- pool.c --- */
 /* Adds the nodes of a comma-separated URL list (NULL: none) to a pool. */

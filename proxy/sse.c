@@ -1,12 +1,10 @@
-/* proxy/sse.c — server-sent events between the nodes and the client: splitting a node's stream into
- * events, and relaying one. The nodes write each event as one "data: <payload>\n\n". */
+/* proxy/sse.c — server-sent events from the nodes: splitting a node's stream into events (sending
+ * one is common/http_reply.h's pd_http_send_sse). The nodes write each event as one
+ * "data: <payload>\n\n". */
 #define _GNU_SOURCE
 #include "proxy/proxy_impl.h"
 
-#include "common/http_reply.h"
-
 #include <event2/buffer.h>
-#include <event2/http.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -44,18 +42,4 @@ char *px_sse_next(struct evbuffer *buf)
     }
     ev[out] = '\0';
     return ev;
-}
-
-void px_sse_send(struct evhttp_request *client, const char *data)
-{
-    size_t n = strlen(data);
-    char *ev = malloc(n + 9);
-    if (ev == NULL) {
-        return;
-    }
-    memcpy(ev, "data: ", 6);
-    memcpy(ev + 6, data, n);
-    memcpy(ev + 6 + n, "\n\n", 3);
-    pd_http_send_chunk(client, ev, n + 8); /* one sendmsg when nothing waits before it */
-    free(ev);
 }

@@ -446,16 +446,10 @@ static json_t *prompt_logprobs_json(const pd_tokenizer_t *tok, const pd_prompt_t
 static void stream_chunk(creq_t *c, json_t *chunk)
 {
     char *text = json_dumps(chunk, JSON_COMPACT);
-    size_t tl = text != NULL ? strlen(text) : 0;
-    char *ev = text != NULL ? malloc(tl + 9) : NULL; /* out of memory: no chunk rather than a broken one */
-    if (ev != NULL) {
-        memcpy(ev, "data: ", 6);
-        memcpy(ev + 6, text, tl);
-        memcpy(ev + 6 + tl, "\n\n", 3);
-        pd_http_send_chunk(c->req, ev, tl + 8);
+    if (text != NULL) { /* out of memory: no chunk rather than a broken one */
+        pd_http_send_sse(c->req, text);
         pd_metric_inc(c->srv->m.stream_chunks[0], 1);
     }
-    free(ev);
     free(text);
 }
 
@@ -669,14 +663,13 @@ static void arm_direct(creq_t *c)
         return;
     }
     bool arm = c->req != NULL && c->started && !c->migrating && c->ch[0].opened && pd_http_drained(c->req);
-    bool chunked = false;
-    int fd = arm ? pd_http_reply_socket(c->req, &chunked) : -1;
+    int fd = arm ? pd_http_socket(c->req) : -1;
     char *chunk = NULL, *empty = NULL;
     if (arm && !pd_direct_has_template(c->direct)) {
         chunk = direct_template(c, true);
         empty = c->in.chat ? direct_template(c, false) : NULL;
     }
-    pd_direct_arm(c->direct, arm && fd >= 0, fd, chunked, chunk, empty);
+    pd_direct_arm(c->direct, arm && fd >= 0, fd, arm && pd_http_reply_chunked(c->req), chunk, empty);
     free(chunk), free(empty);
 }
 
@@ -715,7 +708,7 @@ static void stream_output(creq_t *c, choice_t *h, const pd_engine_output_t *o, s
         stream_chunk(c, u);
         json_decref(u);
     }
-    pd_http_send_chunk(c->req, "data: [DONE]\n\n", 14);
+    pd_http_send_sse(c->req, "[DONE]");
     end_stream(c);
     creq_free(c);
 }
