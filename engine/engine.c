@@ -13,6 +13,7 @@
 
 #include "common/log.h"
 #include "common/time.h"
+#include "engine/grammar_jobs.h"
 #include "engine/model_runner.h"
 #include "engine/structured.h"
 #include "model/generation_config.h"
@@ -33,6 +34,32 @@ void eng_ctx_free(req_ctx_t *c)
         pd_gmatcher_destroy(&c->gm);
     }
     free(c);
+}
+
+bool eng_admit_ready(void *arg, pd_request_t *r)
+{
+    pd_engine_t *e = arg;
+    if (r->grammar == NULL) {
+        return true;
+    }
+    struct pd_gvocab *v = pd_structured_vocab(&e->runner);
+    if (v == NULL || (e->gjobs == NULL && pd_grammar_jobs_create(v, PD_GRAMMAR_AHEAD_BUDGET_S, eng_wake, e,
+                                                                 &e->gjobs) != PD_OK)) {
+        return true; /* out of memory: walked as it goes (or failed at its mask, logged there) */
+    }
+    if (pd_grammar_jobs_ready(e->gjobs, r->grammar->g)) {
+        return true;
+    }
+    req_ctx_t *c = r->user;
+    if (pd_time_now_s() - r->arrival_time > PD_GRAMMAR_WAIT_MAX_S) {
+        if (c != NULL && !c->grammar_waited_out) {
+            c->grammar_waited_out = true;
+            pd_log_warn("request %s: its grammar is not ready after %.1f s; it goes on, walking as it goes",
+                        r->id, PD_GRAMMAR_WAIT_MAX_S);
+        }
+        return true;
+    }
+    return false;
 }
 
 void eng_on_release(void *arg, pd_request_t *r)

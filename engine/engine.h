@@ -221,6 +221,8 @@ typedef struct pd_engine_stats {
     uint64_t prompt_tokens, generation_tokens, steps, requests_finished;
     uint64_t grammar_states_handed, grammar_states_resumed; /* first-token handovers of structured
                                                              * outputs: prefill, decode side */
+    uint64_t grammars_walked_ahead;    /* grammars made ready off the engine thread (grammar_jobs.h) */
+    double grammar_walk_ahead_seconds; /* the time it took them */
     uint64_t spec_drafts, spec_draft_tokens, spec_accepted; /* speculative decoding (scheduler stats) */
     /* --kv-offload-tier: blocks looked up past a pool hit and found (loaded), saved, refused by a
      * checksum, written and read bytes, slots in use of how many */

@@ -14,6 +14,7 @@
 
 #include "common/log.h"
 #include "common/time.h"
+#include "engine/grammar_jobs.h"
 #include "engine/kv_offload.h"
 #include "engine/model_runner.h"
 #include "kernels/cpu/isa.h"
@@ -373,6 +374,7 @@ static pd_status_t make_scheduler(pd_engine_t *e)
     pd_status_t st = pd_scheduler_create(&sc, cfg->connector, &e->sched);
     if (st == PD_OK) {
         pd_scheduler_set_release_hook(e->sched, eng_on_release, e);
+        pd_scheduler_set_admit_hook(e->sched, eng_admit_ready, e);
         st = pd_model_runner_init(&e->runner, e->model, e->be, e->kv, cfg->connector, cfg->max_num_seqs,
                                   cfg->max_num_batched_tokens, e->max_model_len, e->spec.num_tokens);
     }
@@ -617,6 +619,7 @@ void pd_engine_destroy(pd_engine_t *e)
         return;
     }
     pd_engine_stop(e);
+    pd_grammar_jobs_destroy(e->gjobs); /* before the vocabulary it walks goes (with the runner) */
     for (cmd_t *c = e->inbox_head, *n; c != NULL; c = n) {
         n = c->next;
         eng_cmd_free(c);

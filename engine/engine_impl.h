@@ -31,7 +31,13 @@ typedef struct req_ctx {
     bool plp_sent;            /* handed to an output */
     pd_gmatcher_t gm;         /* structured output's matcher (gm.g NULL: none); the request's grammar
                                * field points here */
+    bool grammar_waited_out;  /* admitted before its grammar's walks were made ahead (logged once) */
 } req_ctx_t;
+
+/* A structured output's grammar is walked ahead for at most PD_GRAMMAR_AHEAD_BUDGET_S (the rest as
+ * its generations go) while its requests wait, at most PD_GRAMMAR_WAIT_MAX_S from their arrival. */
+#define PD_GRAMMAR_AHEAD_BUDGET_S 2.0
+#define PD_GRAMMAR_WAIT_MAX_S     5.0
 
 /* A queued command from another thread. */
 enum { CMD_ABORT = 1, CMD_MIGRATE = 2 };
@@ -78,6 +84,7 @@ struct pd_engine {
     size_t max_token_bytes;
     uint64_t prompt_tokens, generation_tokens, steps, finished;
     uint64_t grammar_handed;          /* grammar states this prefill wrote for its decodes */
+    struct pd_grammar_jobs *gjobs;    /* grammars made ready off this thread (made at the first one) */
     pd_engine_output_t *aborted_head; /* outputs made between steps: aborts' closing outputs, the
                                        * first token of a request a prefill handed over */
     pd_engine_output_t **aborted_tail;
@@ -109,6 +116,11 @@ struct pd_engine {
 void eng_ctx_free(req_ctx_t *c);
 /* The scheduler's release hook: a finished request's blocks are gone, so is its state. */
 void eng_on_release(void *arg, pd_request_t *r);
+/* The scheduler's admit hook: a structured output waits until its grammar's walks are made ahead
+ * (engine/grammar_jobs.c), at most PD_GRAMMAR_WAIT_MAX_S from its arrival. */
+bool eng_admit_ready(void *arg, pd_request_t *r);
+/* Wakes the engine thread to step again (the connector's and the grammar jobs' hook). */
+void eng_wake(void *arg);
 /* Frees a queued command and what it owns. */
 void eng_cmd_free(cmd_t *c);
 /* Appends o to an output list through its tail pointer. */

@@ -14,6 +14,7 @@
 
 #include "common/log.h"
 #include "common/time.h"
+#include "engine/grammar_jobs.h"
 #include "engine/model_runner.h"
 #include "model/generation_config.h"
 #include "scheduler/scheduler.h"
@@ -63,6 +64,10 @@ static void snapshot_stats(pd_engine_t *e)
     o->requests_finished = e->finished;
     o->grammar_states_handed = e->grammar_handed;
     o->grammar_states_resumed = e->runner.grammar_resumed;
+    if (e->gjobs != NULL) {
+        uint64_t failed;
+        pd_grammar_jobs_stats(e->gjobs, &o->grammars_walked_ahead, &o->grammar_walk_ahead_seconds, &failed);
+    }
     o->last_step_s = e->last_step_s;
     o->last_forward_s = e->runner.last_forward_s;
 }
@@ -193,8 +198,9 @@ static void *engine_thread(void *arg)
     return NULL;
 }
 
-/* The connector's wake hook: transfers finished, step again now. */
-static void engine_wake(void *arg)
+/* The connector's and the grammar jobs' wake hook: transfers finished or a grammar is ready, step
+ * again now. */
+void eng_wake(void *arg)
 {
     pd_engine_t *e = arg;
     pthread_mutex_lock(&e->mu);
@@ -212,7 +218,7 @@ void pd_engine_set_output_sink(pd_engine_t *e, bool (*sink)(void *ctx, pd_engine
 pd_status_t pd_engine_start(pd_engine_t *e, void (*notify)(void *ctx), void *ctx)
 {
     if (e->cfg.connector != NULL) {
-        e->cfg.connector->wake = engine_wake;
+        e->cfg.connector->wake = eng_wake;
         e->cfg.connector->wake_arg = e;
     }
     e->notify = notify;

@@ -36,6 +36,14 @@ static pd_status_t make_vocab(pd_model_runner_t *r)
     return st;
 }
 
+struct pd_gvocab *pd_structured_vocab(pd_model_runner_t *r)
+{
+    if (r->gvocab == NULL) {
+        make_vocab(r);
+    }
+    return r->gvocab;
+}
+
 static bool is_end_id(const pd_model_runner_t *r, const pd_request_t *req, int32_t t)
 {
     for (int32_t i = 0; i < r->num_eos; i++) {

@@ -15,6 +15,9 @@
  * keeps EOS only. PD_ERR_NO_MEMORY when the vocabulary or a mask cannot be made. */
 pd_status_t pd_structured_mask_rows(pd_model_runner_t *r, pd_request_t *req, float *rows, int32_t n_rows);
 
+/* The runner's vocabulary for grammars, made at the first call; NULL when out of memory (logged). */
+struct pd_gvocab *pd_structured_vocab(pd_model_runner_t *r);
+
 /* A prefill's handover: req's matcher caught up on its output (the first token) and exported
  * (pd_gmatcher_export) into req->grammar_state; left NULL when the state cannot be written (its
  * decode then replays the token). */

@@ -918,6 +918,7 @@ void pd_grammar_unref(pd_grammar_t *g)
         return;
     }
     grammar_rt_free(g->rt);
+    grammar_pre_free_all(atomic_load(&g->pre));
     free(g->elems);
     free(g->alts);
     free(g->rule_alt);

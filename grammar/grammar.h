@@ -9,12 +9,15 @@
  *
  * Threads: a pd_grammar_t is built on any thread and is immutable afterwards, except its runtime
  * (the lazily built automaton states and the mask cache, runtime.c), which only the engine thread
- * touches (one engine thread at a time: a process with two engines gives each its own grammars);
- * references are counted atomically. A matcher belongs to its request (engine thread). */
+ * touches (one engine thread at a time: a process with two engines gives each its own grammars),
+ * and its walks made ahead (pd_grammar_precompute), which any thread pushes whole, once per
+ * vocabulary, and the engine thread then reads; references are counted atomically. A matcher
+ * belongs to its request (engine thread). */
 #ifndef PD_GRAMMAR_GRAMMAR_H
 #define PD_GRAMMAR_GRAMMAR_H
 
 #include <jansson.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -108,7 +111,35 @@ typedef struct pd_grammar_stats {
     uint64_t masks_truncated;  /* truncated states walked whole (the rest of the computed masks reused one) */
     uint64_t uncertain_walked; /* uncertain tokens walked from full states */
     uint64_t resets;
+    uint64_t walks_ahead_used; /* cut-stack walks taken from pd_grammar_precompute's (not walked here) */
 } pd_grammar_stats_t;
 void pd_grammar_get_stats(const pd_grammar_t *g, pd_grammar_stats_t *out);
+
+/* ------------------------------------------------------------------ walks made ahead */
+
+typedef struct pd_grammar_precompute_opts {
+    double budget_s; /* at most this long: the cut stacks left are walked when a generation meets them */
+    int refine_over; /* a walk leaving more uncertain tokens is refined a frame deeper (0: 64) */
+} pd_grammar_precompute_opts_t;
+
+typedef struct pd_grammar_precompute_stats {
+    size_t cut_stacks; /* the grammar's cut stacks (precompute.c's header), refined ones included */
+    size_t walked;     /* of them walked before the budget ran out */
+    size_t refined;    /* walks refined a frame deeper */
+    size_t bytes;      /* what the walks hold */
+    bool complete;
+    double seconds;
+} pd_grammar_precompute_stats_t;
+
+/* Walks the vocabulary v from every cut stack of g ahead of its generations, so that their masks
+ * take no whole-vocabulary walk (xgrammar's compile; precompute.c). Any thread, reading only g's
+ * compiled form; bounded by opt->budget_s and stopped by *cancel (PD_ERR_CANCELLED, nothing kept).
+ * Done at most once per grammar and vocabulary: PD_OK at once when it was. stats may be NULL. */
+pd_status_t pd_grammar_precompute(pd_grammar_t *g, const pd_gvocab_t *v,
+                                  const pd_grammar_precompute_opts_t *opt, const atomic_bool *cancel,
+                                  pd_grammar_precompute_stats_t *stats);
+
+/* Whether pd_grammar_precompute finished for g and v (any thread). */
+bool pd_grammar_precomputed(const pd_grammar_t *g, const pd_gvocab_t *v);
 
 #endif

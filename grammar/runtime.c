@@ -16,13 +16,15 @@
  *
  * A new state mostly differs from one seen before only deep in its stacks (the same string inside
  * another object), and whether a token fits rarely depends on more than the top frames: as in
- * xgrammar's adaptive token mask cache, each stack of a state is cut to its top RT_TRUNC_DEPTH
+ * xgrammar's adaptive token mask cache, each stack of a state is cut to its top GRAMMAR_CUT_DEPTH
  * frames over node 1, OPEN (an unknown rest: any byte, for ever), and that one-stack state's walk
  * sorts tokens into accepted whatever lies below (a path stayed in the top frames), refused
  * whatever lies below (dead even over OPEN), and uncertain (only OPEN survived). The walks are
  * cached per cut stack (a string's characters are the same cut stacks in every string); a state's
  * mask is the union of its stacks' accepted sets plus their uncertain tokens walked from the state
- * itself.
+ * itself. When the grammar's walks were made ahead (precompute.c: every cut stack it can have, some
+ * refined to deeper cuts with fewer uncertain tokens), a stack's walk is the deepest cut of it found
+ * there, and no mask walks the whole vocabulary; what is not found there is walked here.
  *
  * Everything here is the engine thread's. When the runtime outgrows RT_MAX_BYTES it is emptied at
  * the next matcher call (a new epoch); matchers of the old epoch are stale and are replayed. */
@@ -41,8 +43,7 @@
 #define RT_NONE        UINT32_MAX
 #define RT_MAX_DEPTH   10000 /* closure recursion: a stack this deep ends its generation */
 #define RT_OPEN        1u    /* the node standing for a cut-off rest of a stack */
-#define RT_TRUNC_DEPTH 3
-#define RT_TRUNC_SLOTS 256 /* cached walks of cut stacks */
+#define RT_TRUNC_SLOTS 256   /* cached walks of cut stacks */
 
 /* A growing open-addressing table of uint32 ids keyed by 64-bit hashes; equal hashes are told
  * apart by the caller's check. */
@@ -89,9 +90,11 @@ struct grammar_rt {
     size_t tn_uncertain[RT_TRUNC_SLOTS], tcap_uncertain[RT_TRUNC_SLOTS];
     int32_t tslot_state[RT_TRUNC_SLOTS];
     uint64_t tslot_used[RT_TRUNC_SLOTS];
-    int32_t *unc; /* a mask's uncertain tokens, merged */
+    int32_t *unc;      /* a mask's uncertain tokens, merged */
+    uint32_t *scratch; /* [words] for grammar_pre_union */
     size_t cap_unc;
-    uint64_t masks_computed, masks_cached, masks_truncated, uncertain_walked, resets;
+    const grammar_pre_t *pre; /* the walks made ahead for vocab_id (NULL: none yet; looked up again) */
+    uint64_t masks_computed, masks_cached, masks_truncated, uncertain_walked, resets, walks_ahead;
     size_t n_mask_bufs; /* masks and cut-stack walks allocated (each a vocabulary's bits) */
     bool failed;        /* out of memory or too deep: the current operation fails */
 };
@@ -99,22 +102,6 @@ struct grammar_rt {
 #define ST_CAN_END   1
 #define ST_MUST_END  2
 #define ST_OPEN_ONLY 4
-
-struct pd_gvocab {
-    uint64_t id; /* unique in the process (vocab_ids) */
-    int32_t n;   /* vocabulary size */
-    int32_t n_sorted;
-    int32_t *order; /* [n_sorted] token ids by their bytes */
-    uint32_t *lcp;  /* [n_sorted] bytes shared with the previous token */
-#define VOCAB_JUMPS 4
-    int32_t *jump[VOCAB_JUMPS + 1]; /* jump[d][i]: the first sorted position after i that does not share
-                                     * i's first d bytes (d = 1..VOCAB_JUMPS): a prefix refused at
-                                     * depth d skips every token that shares it in one step */
-    const uint8_t **bytes;
-    uint32_t *lens;
-    uint32_t max_len;
-    uint8_t *blob;
-};
 
 /* ------------------------------------------------------------------ id table */
 
@@ -178,6 +165,7 @@ static void rt_clear(grammar_rt_t *rt)
         free(rt->masks[i]);
     }
     free(rt->unc);
+    free(rt->scratch);
     idtab_free(&rt->node_tab);
     idtab_free(&rt->state_tab);
     for (size_t i = 0; i < rt->n_states && rt->dense != NULL; i++) {
@@ -186,11 +174,11 @@ static void rt_clear(grammar_rt_t *rt)
     free(rt->dense);
     uint32_t epoch = rt->epoch;
     uint64_t c = rt->masks_computed, h = rt->masks_cached, r = rt->resets, tr = rt->masks_truncated,
-             uw = rt->uncertain_walked;
+             uw = rt->uncertain_walked, wa = rt->walks_ahead;
     memset(rt, 0, sizeof(*rt));
     rt->epoch = epoch;
     rt->masks_computed = c, rt->masks_cached = h, rt->resets = r, rt->masks_truncated = tr,
-    rt->uncertain_walked = uw;
+    rt->uncertain_walked = uw, rt->walks_ahead = wa;
 }
 
 void grammar_rt_free(grammar_rt_t *rt)
@@ -201,7 +189,7 @@ void grammar_rt_free(grammar_rt_t *rt)
     }
 }
 
-static size_t rt_bytes(const grammar_rt_t *rt)
+size_t grammar_rt_bytes(const grammar_rt_t *rt)
 {
     return rt->n_nodes * 24 + rt->n_clos * 4 + rt->n_states * 20 + rt->n_set_nodes * 4 + rt->n_dense * 1024 +
            (size_t)rt->node_tab.cap * 12 + (size_t)rt->state_tab.cap * 12 +
@@ -500,9 +488,9 @@ static grammar_rt_t *rt_of(pd_grammar_t *g)
             g->rt = NULL;
             return NULL;
         }
-    } else if (rt_bytes(g->rt) > RT_MAX_BYTES || g->rt->failed) {
+    } else if (grammar_rt_bytes(g->rt) > RT_MAX_BYTES || g->rt->failed) {
         grammar_rt_t *rt = g->rt;
-        pd_log_info("grammar: its automaton reached %zu MiB; emptied (epoch %u)", rt_bytes(rt) >> 20,
+        pd_log_info("grammar: its automaton reached %zu MiB; emptied (epoch %u)", grammar_rt_bytes(rt) >> 20,
                     rt->epoch + 1);
         rt_clear(rt);
         rt->epoch++;
@@ -869,6 +857,52 @@ static int32_t trunc_walk(grammar_rt_t *rt, const pd_grammar_t *g, const pd_gvoc
     return ts;
 }
 
+/* The walk made ahead for stack nd: of its cut to the top GRAMMAR_CUT_DEPTH frames, or of the
+ * deepest cut the walks made ahead refined it to (fewer uncertain tokens); NULL when they hold
+ * none. */
+static const grammar_pre_walk_t *stack_walk_ahead(const grammar_rt_t *rt, uint32_t nd)
+{
+    uint32_t pos[GRAMMAR_CUT_MAX_DEPTH + 1];
+    int len = 0;
+    for (uint32_t x = nd; x > RT_OPEN && len <= GRAMMAR_CUT_MAX_DEPTH; x = rt->npar[x]) {
+        pos[len++] = rt->npos[x]; /* the stack's frames, top first (and one past the deepest cut) */
+    }
+    int d = len < GRAMMAR_CUT_DEPTH ? len : GRAMMAR_CUT_DEPTH;
+    const grammar_pre_walk_t *w = grammar_pre_find(rt->pre, pos, d, len > d), *deeper;
+    for (; w != NULL && grammar_pre_refined(w) && d < len && d < GRAMMAR_CUT_MAX_DEPTH; d++, w = deeper) {
+        if ((deeper = grammar_pre_find(rt->pre, pos, d + 1, len > d + 1)) == NULL) {
+            break; /* not made ahead (the budget ran out): the shallower walk serves */
+        }
+    }
+    return w;
+}
+
+/* ------------------------------------------------------------------ walks for precompute.c */
+
+grammar_rt_t *grammar_rt_scratch(const pd_grammar_t *g, const pd_gvocab_t *v)
+{
+    grammar_rt_t *rt = calloc(1, sizeof(*rt));
+    if (rt == NULL || !rt_start(rt, g) || (rt->walk = malloc(((size_t)v->max_len + 1) * 4)) == NULL) {
+        grammar_rt_free(rt);
+        return NULL;
+    }
+    return rt;
+}
+
+bool grammar_rt_walk_cut(grammar_rt_t *rt, const pd_grammar_t *g, const pd_gvocab_t *v, const uint32_t *pos,
+                         int n, bool open, uint32_t *accepted, int32_t **unc, size_t *n_unc, size_t *cap_unc)
+{
+    uint32_t nd = open ? RT_OPEN : 0;
+    for (int i = n; i-- > 0 && nd != RT_NONE;) {
+        nd = node_get(rt, pos[i], nd);
+    }
+    uint32_t t = nd == RT_NONE ? RT_NONE : state_get(rt, &nd, 1);
+    if (t != RT_NONE && !rt->failed) {
+        walk_tokens(rt, g, v, t, NULL, (size_t)v->n_sorted, accepted, unc, n_unc, cap_unc);
+    }
+    return t != RT_NONE && !rt->failed;
+}
+
 static int i32_cmp(const void *a, const void *b)
 {
     int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
@@ -884,12 +918,28 @@ static void compute_mask(grammar_rt_t *rt, const pd_grammar_t *g, const pd_gvoca
     size_t words = (size_t)(v->n + 31) / 32;
     memset(mask, 0, words * 4);
     size_t n_unc = 0;
+    if (rt->pre == NULL) {
+        rt->pre = grammar_pre_of(g, v); /* made ahead since the last look? */
+    }
     for (uint32_t k = 0; k < rt->set_len[s] && !rt->failed; k++) {
         uint32_t nd = rt->set_nodes[rt->set_off[s] + k];
         if (nd == 0) {
             continue; /* the end: the caller adds the end ids */
         }
-        uint32_t tn = trunc_node(rt, nd, RT_TRUNC_DEPTH);
+        const grammar_pre_walk_t *w = rt->pre != NULL ? stack_walk_ahead(rt, nd) : NULL;
+        if (w != NULL) {
+            if (rt->scratch == NULL && (rt->scratch = malloc(words * 4)) == NULL) {
+                rt->failed = true;
+                return;
+            }
+            if (!grammar_pre_union(w, v, mask, rt->scratch, &rt->unc, &n_unc, &rt->cap_unc)) {
+                rt->failed = true;
+                return;
+            }
+            rt->walks_ahead++;
+            continue;
+        }
+        uint32_t tn = trunc_node(rt, nd, GRAMMAR_CUT_DEPTH);
         uint32_t t = tn == RT_NONE ? RT_NONE : state_get(rt, &tn, 1);
         int32_t ts = t == RT_NONE ? -1 : trunc_walk(rt, g, v, t);
         if (ts < 0) {
@@ -897,8 +947,8 @@ static void compute_mask(grammar_rt_t *rt, const pd_grammar_t *g, const pd_gvoca
         }
         rt->tslot_used[ts] = ++rt->tick;
         const uint32_t *tm = rt->tmasks[ts];
-        for (size_t w = 0; w < words; w++) {
-            mask[w] |= tm[w];
+        for (size_t i = 0; i < words; i++) {
+            mask[i] |= tm[i];
         }
         if (pd_array_reserve(&rt->unc, &rt->cap_unc, n_unc + rt->tn_uncertain[ts]) != PD_OK) {
             rt->failed = true;
@@ -930,7 +980,7 @@ pd_status_t pd_gmatcher_fill_mask(pd_gmatcher_t *m, const pd_gvocab_t *v, const 
         return PD_ERR_STALE;
     }
     grammar_rt_t *rt = m->g->rt;
-    if (rt_bytes(rt) > RT_MAX_BYTES) {
+    if (grammar_rt_bytes(rt) > RT_MAX_BYTES) {
         rt->failed = true; /* emptied at the caller's next pd_gmatcher_init; it replays */
         return PD_ERR_STALE;
     }
@@ -945,6 +995,8 @@ pd_status_t pd_gmatcher_fill_mask(pd_gmatcher_t *m, const pd_gvocab_t *v, const 
             rt->tmasks[i] = NULL;
         }
         rt->n_mask_bufs = 0;
+        free(rt->scratch);
+        rt->scratch = NULL;
         free(rt->walk);
         rt->walk = malloc(((size_t)v->max_len + 1) * 4);
         if (rt->walk == NULL) {
@@ -964,6 +1016,7 @@ pd_status_t pd_gmatcher_fill_mask(pd_gmatcher_t *m, const pd_gvocab_t *v, const 
         }
         rt->vocab_id = v->id;
         rt->vocab_n = v->n;
+        rt->pre = NULL;
     }
     int32_t slot = rt->mask_slot[m->state];
     if (slot >= 0) {
@@ -1014,6 +1067,7 @@ void pd_grammar_get_stats(const pd_grammar_t *g, pd_grammar_stats_t *out)
         out->masks_truncated = g->rt->masks_truncated;
         out->uncertain_walked = g->rt->uncertain_walked;
         out->resets = g->rt->resets;
+        out->walks_ahead_used = g->rt->walks_ahead;
     }
 }
 
@@ -1062,6 +1116,13 @@ pd_status_t pd_gvocab_create(int32_t n, const uint8_t *const *bytes, const uint3
         }
     }
     qsort_r(v->order, (size_t)v->n_sorted, sizeof(int32_t), tok_cmp, v);
+    if ((v->sorted_bits = calloc((size_t)(n + 31) / 32 + 1, sizeof(uint32_t))) == NULL) {
+        pd_gvocab_free(v);
+        return PD_ERR_NO_MEMORY;
+    }
+    for (int32_t i = 0; i < v->n_sorted; i++) {
+        v->sorted_bits[v->order[i] >> 5] |= 1u << (v->order[i] & 31);
+    }
     for (int32_t i = 1; i < v->n_sorted; i++) {
         int32_t a = v->order[i - 1], b = v->order[i];
         uint32_t l = 0, m = v->lens[a] < v->lens[b] ? v->lens[a] : v->lens[b];
@@ -1092,6 +1153,7 @@ void pd_gvocab_free(pd_gvocab_t *v)
         free(v->bytes);
         free(v->lens);
         free(v->blob);
+        free(v->sorted_bits);
         for (int d = 1; d <= VOCAB_JUMPS; d++) {
             free(v->jump[d]);
         }

@@ -35,6 +35,8 @@ struct pd_scheduler {
     uint32_t *hits; /* [max blocks per request] prefix-hit scratch */
     void (*on_release)(void *, pd_request_t *);
     void *on_release_arg;
+    bool (*admit_ready)(void *, pd_request_t *); /* pd_scheduler_set_admit_hook, or NULL */
+    void *admit_arg;
     int32_t max_blocks_per_req;
     pd_scheduler_output_t out;
     pd_kv_event_log_t events; /* cfg.kv_events */
@@ -173,6 +175,12 @@ void pd_scheduler_set_release_hook(pd_scheduler_t *s, void (*fn)(void *arg, pd_r
 {
     s->on_release = fn;
     s->on_release_arg = arg;
+}
+
+void pd_scheduler_set_admit_hook(pd_scheduler_t *s, bool (*ready)(void *arg, pd_request_t *req), void *arg)
+{
+    s->admit_ready = ready;
+    s->admit_arg = arg;
 }
 
 static void release_now(pd_scheduler_t *s, pd_request_t *r)
@@ -392,7 +400,7 @@ static void schedule_waiting(pd_scheduler_t *s, int32_t *budget)
             finish_remote_wait(s, r);
         }
         bool fresh = r->num_blocks == 0;
-        if (fresh && fresh_blocked) {
+        if (fresh && (fresh_blocked || (s->admit_ready != NULL && !s->admit_ready(s->admit_arg, r)))) {
             r = next;
             continue;
         }

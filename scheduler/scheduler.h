@@ -92,6 +92,10 @@ pd_status_t pd_scheduler_create(const pd_scheduler_config_t *cfg, pd_connector_t
  * destroy), so a frontend can free what it attached to req->user. */
 void pd_scheduler_set_release_hook(pd_scheduler_t *s, void (*fn)(void *arg, pd_request_t *req), void *arg);
 
+/* A fresh waiting request is admitted only once ready(arg, req) says so (the engine: its structured
+ * output's grammar is being made ready, vLLM's WAITING_FOR_FSM); requests behind it may go first. */
+void pd_scheduler_set_admit_hook(pd_scheduler_t *s, bool (*ready)(void *arg, pd_request_t *req), void *arg);
+
 /* Frees the scheduler and every request it still owns. */
 void pd_scheduler_destroy(pd_scheduler_t *s);
 

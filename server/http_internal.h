@@ -26,10 +26,11 @@ typedef struct srv_metrics {
     pd_metric_t *req_prompt, *req_gen, *req_max_gen, *req_n, *req_max_tokens;
     pd_metric_t *ttft, *itl, *tpot, *e2e, *queue, *inference, *prefill, *decode;
     pd_metric_t *waiting_remote, *blocks_free, *blocks_cached, *blocks_used, *http_errors, *load_waits,
-        *grammar_handed, *grammar_resumed, *handoffs, *resumed; /* pd: */
+        *grammar_handed, *grammar_resumed, *handoffs, *resumed, *grammar_ahead, *grammar_ahead_s; /* pd: */
     pd_metric_t *stream_chunks[2]; /* pd:stream_chunks_total{writer="loop"|"engine"} */
     uint64_t seen_prefix_queries, seen_prefix_hits, seen_prompt, seen_gen, seen_preempt, seen_load_waits,
-        seen_grammar_handed, seen_grammar_resumed;
+        seen_grammar_handed, seen_grammar_resumed, seen_grammar_ahead;
+    double seen_grammar_ahead_s;
     /* --kv-offload-tier: pd:kv_offload_{queries,hits,saved_blocks,corrupt_blocks,bytes_written,
      * bytes_read,read_seconds}_total, then the blocks held and the capacity (NULL without a tier) */
     pd_metric_t *offload[9];

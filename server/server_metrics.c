@@ -155,6 +155,12 @@ void pd_http_metrics_register(pd_http_server_t *s)
     m->grammar_resumed = counter(r, "pd:grammar_states_resumed_total",
                                  "Structured outputs resumed at the grammar state their prefill handed over "
                                  "(decode).");
+    m->grammar_ahead =
+        counter(r, "pd:grammars_walked_ahead_total",
+                "Structured outputs' grammars whose token masks were prepared before their first "
+                "token, off the engine thread (their requests waited).");
+    m->grammar_ahead_s =
+        counter(r, "pd:grammar_walk_ahead_seconds_total", "Seconds those preparations took.");
     m->handoffs = counter(r, "pd:drain_handoffs_total",
                           "Streams a draining node ended early for pd-proxy to resume on another node.");
     m->resumed = counter(r, "pd:resumed_requests_total",
@@ -198,6 +204,10 @@ void pd_http_metrics_refresh(pd_http_server_t *s)
     pd_metric_inc(m->grammar_resumed, (double)(st.grammar_states_resumed - m->seen_grammar_resumed));
     m->seen_grammar_handed = st.grammar_states_handed;
     m->seen_grammar_resumed = st.grammar_states_resumed;
+    pd_metric_inc(m->grammar_ahead, (double)(st.grammars_walked_ahead - m->seen_grammar_ahead));
+    pd_metric_inc(m->grammar_ahead_s, st.grammar_walk_ahead_seconds - m->seen_grammar_ahead_s);
+    m->seen_grammar_ahead = st.grammars_walked_ahead;
+    m->seen_grammar_ahead_s = st.grammar_walk_ahead_seconds;
     m->seen_prefix_queries = st.prefix_queries;
     m->seen_prefix_hits = st.prefix_hits;
     m->seen_prompt = st.prompt_tokens;

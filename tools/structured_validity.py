@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""tools/structured_validity.py URL [--schemas N] [--per K] [--seed S] [--concurrency C] [--chat]
+"""tools/structured_validity.py URL [--schemas N] [--per K] [--seed S] [--concurrency C] [--chat] [--dump-schemas]
 
 Structured outputs at scale against a running server (pd-serve or pd-proxy): N JSON Schemas made
 from a seeded generator in the JSON Schema Test Suite's shapes (objects with required and optional
@@ -134,9 +134,14 @@ def main():
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--dump-schemas", action="store_true",
+                    help="print the generated JSON Schemas as one JSON list and exit (URL is ignored)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     specs = gen_specs(rng, args.schemas)
+    if args.dump_schemas:
+        print(json.dumps([spec for kind, spec in specs if kind == "schema"]))
+        return
     jobs = []
     for si, (kind, spec) in enumerate(specs):
         for k in range(args.per):

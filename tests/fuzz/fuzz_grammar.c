@@ -6,7 +6,9 @@
  * allowed exactly where the matcher says the grammar may end. Each step's state is also handed over
  * (pd_gmatcher_export, then pd_gmatcher_import) and must read back the same, and an edited copy of
  * it (one byte changed, chosen by the hash) is imported as a hostile peer's: refused or walked one
- * mask, never a crash. */
+ * mask, never a crash. A second compile of the text, its masks' walks made ahead
+ * (pd_grammar_precompute, refining every walk with an uncertain token), is walked alongside: its
+ * masks must equal the first's at every step. */
 #define _GNU_SOURCE
 #include <jansson.h>
 #include <stdbool.h>
@@ -109,21 +111,33 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (gbnf == NULL) {
         return 0;
     }
-    pd_grammar_t *g = NULL;
+    pd_grammar_t *g = NULL, *ga = NULL;
     if (pd_grammar_from_gbnf(gbnf, strlen(gbnf), &g, err, sizeof(err)) != PD_OK) {
         free(gbnf);
         return 0;
     }
+    if (pd_grammar_from_gbnf(gbnf, strlen(gbnf), &ga, err, sizeof(err)) != PD_OK) {
+        abort(); /* the same text compiled once */
+    }
     free(gbnf);
     pd_gvocab_t *v = vocab();
+    pd_grammar_precompute_opts_t opt = {.budget_s = 0.5, .refine_over = 1};
+    if (pd_grammar_precompute(ga, v, &opt, NULL, NULL) != PD_OK) {
+        abort(); /* only out of memory or a cancel fail it */
+    }
     int32_t n = pd_gvocab_size(v), end = n - 1;
-    uint32_t mask[(256 + 11 + 31) / 32];
-    pd_gmatcher_t m;
+    uint32_t mask[(256 + 11 + 31) / 32], mask_a[(256 + 11 + 31) / 32];
+    pd_gmatcher_t m = {0}, ma = {0};
     uint64_t h = pd_hash64(data, size, 7);
-    if (pd_gmatcher_init(&m, g) == PD_OK) {
+    if (pd_gmatcher_init(&m, g) == PD_OK && pd_gmatcher_init(&ma, ga) == PD_OK) {
         for (int step = 0; step < 64; step++) {
-            if (pd_gmatcher_fill_mask(&m, v, &end, 1, mask) != PD_OK) {
+            pd_status_t st = pd_gmatcher_fill_mask(&m, v, &end, 1, mask),
+                        sa = pd_gmatcher_fill_mask(&ma, v, &end, 1, mask_a);
+            if (st != PD_OK || sa != PD_OK) {
                 break;
+            }
+            if (memcmp(mask, mask_a, sizeof(mask)) != 0) {
+                abort(); /* the walks made ahead disagree with the walks made as it goes */
             }
             bool end_ok = (mask[end >> 5] >> (end & 31)) & 1;
             if (end_ok != pd_gmatcher_can_end(&m)) {
@@ -142,13 +156,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             int32_t t = allowed[(h >> 33) % (uint64_t)k];
             uint32_t tl;
             const uint8_t *tb = token_bytes(t, &tl);
-            if (!pd_gmatcher_accept(&m, tb, tl)) {
+            if (!pd_gmatcher_accept(&m, tb, tl) || !pd_gmatcher_accept(&ma, tb, tl)) {
                 abort(); /* the mask allowed a token the matcher refuses */
             }
             handover(g, &m, v, h);
         }
-        pd_gmatcher_destroy(&m);
     }
+    pd_gmatcher_destroy(&m);
+    pd_gmatcher_destroy(&ma);
     pd_grammar_unref(g);
+    pd_grammar_unref(ga);
     return 0;
 }

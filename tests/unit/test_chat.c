@@ -1366,6 +1366,8 @@ static char *gen_text(int port, bool chat, const char *spec, const char *samplin
 /* Every structured-output field, greedy and sampled, on completions and chat: each reply ends
  * (finish_reason stop) and is what its spec allows (python3-jsonschema, Python's re.fullmatch, the
  * choice list); a random-weight model writes nothing valid without the grammar. The refusals. */
+static double node_metric(int port, const char *name);
+
 START_TEST(test_structured_outputs)
 {
     if (system("/usr/bin/python3 -c 'import jsonschema' >/dev/null 2>&1") != 0) {
@@ -1697,6 +1699,11 @@ START_TEST(test_structured_outputs)
                "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"response_format\": {\"type\": "
                "\"json_schema\", \"json_schema\": {\"name\": \"x\"}}}",
                "response_format", "needs \"json_schema\"");
+    /* every grammar above was made ready off the engine thread before its first token (its requests
+     * waited for it), once per grammar: later requests of a schema found it ready */
+    double ahead = node_metric(g_port, "pd:grammars_walked_ahead_total");
+    ck_assert_msg(ahead >= 2 && ahead < n, "%g grammars walked ahead for %d requests", ahead, n);
+    ck_assert(node_metric(g_port, "pd:grammar_walk_ahead_seconds_total") > 0);
 }
 END_TEST
 

@@ -423,6 +423,110 @@ START_TEST(test_masks_exact)
 }
 END_TEST
 
+/* The walks made ahead (pd_grammar_precompute: every cut stack, refined ones too) give the same masks
+ * as walking as the generation goes, at every step of random walks through every schema above, the
+ * any-JSON grammar, a recursive GBNF and a regex: masks of a grammar walked ahead (refining any walk
+ * with an uncertain token, so deep cuts are used too), of one walked ahead under a budget that ran out
+ * at once (every walk made as it goes) and of one never walked ahead are equal, and exact against the
+ * token-by-token check. */
+START_TEST(test_masks_ahead)
+{
+    test_vocab_t tv;
+    vocab_make(&tv);
+    char err[256];
+    size_t n_schemas = sizeof(SCHEMAS) / sizeof(SCHEMAS[0]);
+    uint32_t *ma = malloc((size_t)(tv.n + 31) / 32 * 4), *mb = malloc((size_t)(tv.n + 31) / 32 * 4),
+             *mc = malloc((size_t)(tv.n + 31) / 32 * 4);
+    uint64_t refined_total = 0;
+    for (size_t i = 0; i <= n_schemas + 2; i++) {
+        char *gb = NULL;
+        if (i < n_schemas) {
+            if (strstr(SCHEMAS[i], "maxProperties") != NULL) {
+                continue;
+            }
+            json_t *schema = json_loads(SCHEMAS[i], 0, NULL);
+            gb = pd_json_schema_to_gbnf(schema, err, sizeof(err));
+            json_decref(schema);
+        } else if (i == n_schemas) {
+            gb = pd_json_schema_to_gbnf(NULL, err, sizeof(err));
+        } else if (i == n_schemas + 1) {
+            gb = strdup("root ::= item (\",\" item){0,3}\nitem ::= \"[\" (item | [a-c]+ | \"\") \"]\" | "
+                        "[0-9]{1,3}\n");
+        } else {
+            gb = pd_regex_to_gbnf("(ab|a\\\"b)*[x-z]{2,4}(\\.\\d+)?",
+                                  strlen("(ab|a\\\"b)*[x-z]{2,4}(\\.\\d+)?"), err, sizeof(err));
+        }
+        ck_assert_msg(gb != NULL, "grammar %zu: %s", i, err);
+        pd_grammar_t *ga = compile(gb), *gb2 = compile(gb), *gc = compile(gb);
+        pd_grammar_precompute_opts_t deep = {.budget_s = 60, .refine_over = 1}, none = {.budget_s = 0};
+        pd_grammar_precompute_stats_t st;
+        ck_assert_int_eq(pd_grammar_precompute(ga, tv.v, &deep, NULL, &st), PD_OK);
+        ck_assert_msg(st.complete && st.walked == st.cut_stacks && st.cut_stacks > 0, "grammar %zu", i);
+        ck_assert(pd_grammar_precomputed(ga, tv.v));
+        refined_total += st.refined;
+        ck_assert_int_eq(pd_grammar_precompute(gb2, tv.v, &none, NULL, &st), PD_OK);
+        ck_assert(!st.complete && st.walked == 0);
+        pd_rng_t rng;
+        pd_rng_seed(&rng, 99 + i);
+        for (int k = 0; k < 12; k++) {
+            pd_gmatcher_t a, b, c;
+            ck_assert_int_eq(pd_gmatcher_init(&a, ga), PD_OK);
+            ck_assert_int_eq(pd_gmatcher_init(&b, gb2), PD_OK);
+            ck_assert_int_eq(pd_gmatcher_init(&c, gc), PD_OK);
+            for (int step = 0; step < 60; step++) {
+                ck_assert_int_eq(pd_gmatcher_fill_mask(&a, tv.v, &tv.end_id, 1, ma), PD_OK);
+                ck_assert_int_eq(pd_gmatcher_fill_mask(&b, tv.v, &tv.end_id, 1, mb), PD_OK);
+                ck_assert_int_eq(pd_gmatcher_fill_mask(&c, tv.v, &tv.end_id, 1, mc), PD_OK);
+                ck_assert_msg(memcmp(ma, mc, (size_t)(tv.n + 31) / 32 * 4) == 0 &&
+                                  memcmp(mb, mc, (size_t)(tv.n + 31) / 32 * 4) == 0,
+                              "grammar %zu walk %d step %d: masks differ", i, k, step);
+                if (k < 3) {
+                    check_mask(&a, &tv, ma);
+                }
+                int32_t allowed[1024], n = 0;
+                for (int32_t t = 0; t < tv.n && n < 1024; t++) {
+                    if (((ma[t >> 5] >> (t & 31)) & 1) && t != tv.end_id) {
+                        allowed[n++] = t;
+                    }
+                }
+                if (n == 0 || (pd_gmatcher_can_end(&a) && pd_rng_uniform(&rng) < 0.2)) {
+                    break;
+                }
+                int32_t t = allowed[(int32_t)(pd_rng_uniform(&rng) * n) % n];
+                ck_assert(pd_gmatcher_accept(&a, (const uint8_t *)tv.tok[t], tv.len[t]));
+                ck_assert(pd_gmatcher_accept(&b, (const uint8_t *)tv.tok[t], tv.len[t]));
+                ck_assert(pd_gmatcher_accept(&c, (const uint8_t *)tv.tok[t], tv.len[t]));
+            }
+            pd_gmatcher_destroy(&a);
+            pd_gmatcher_destroy(&b);
+            pd_gmatcher_destroy(&c);
+        }
+        pd_grammar_stats_t sa, sc;
+        pd_grammar_get_stats(ga, &sa);
+        pd_grammar_get_stats(gc, &sc);
+        ck_assert_msg(sa.masks_truncated == 0 && sa.walks_ahead_used > 0, "grammar %zu: %llu walked here", i,
+                      (unsigned long long)sa.masks_truncated);
+        ck_assert(sc.walks_ahead_used == 0 && sc.masks_truncated > 0);
+        pd_grammar_unref(ga);
+        pd_grammar_unref(gb2);
+        pd_grammar_unref(gc);
+        free(gb);
+    }
+    ck_assert_msg(refined_total > 0, "no walk was refined: the deep cuts went untested");
+    /* a cancelled walk keeps nothing */
+    char *gbo = pd_json_schema_to_gbnf(NULL, err, sizeof(err));
+    pd_grammar_t *g = compile(gbo);
+    atomic_bool cancel = true;
+    pd_grammar_precompute_opts_t opt = {.budget_s = 60};
+    ck_assert_int_eq(pd_grammar_precompute(g, tv.v, &opt, &cancel, NULL), PD_ERR_CANCELLED);
+    ck_assert(!pd_grammar_precomputed(g, tv.v));
+    pd_grammar_unref(g);
+    free(gbo);
+    free(ma), free(mb), free(mc);
+    vocab_free(&tv);
+}
+END_TEST
+
 /* A state handed to another runtime of the grammar (a decode node's, numbered differently) reads
  * back the same and gives the same masks at every step of random walks; another grammar's state,
  * malformed text and positions where no stack can stand are refused. */
@@ -542,6 +646,7 @@ int main(void)
     tcase_add_test(tc, test_schema_generations_validate);
     tcase_add_test(tc, test_schema_refusals);
     tcase_add_test(tc, test_masks_exact);
+    tcase_add_test(tc, test_masks_ahead);
     tcase_add_test(tc, test_state_handover);
     suite_add_tcase(s, tc);
     return tu_run_suite(s);

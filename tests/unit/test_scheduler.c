@@ -702,6 +702,44 @@ START_TEST(test_chunked_prefill)
 }
 END_TEST
 
+/* The admit hook holds a fresh request back (a grammar being made ready) while the one behind it
+ * runs; once it says ready, the held one runs, and nothing leaks. */
+static bool hold_ready;
+
+static bool hold_hook(void *arg, pd_request_t *r)
+{
+    (void)arg;
+    return hold_ready || strcmp(r->id, "held") != 0;
+}
+
+START_TEST(test_admit_hook_holds_one_request)
+{
+    driver_t d = {NULL, NULL, 64, 4, 0, 0};
+    pd_scheduler_config_t c = sched_cfg(4, 64, 100);
+    ck_assert_int_eq(pd_scheduler_create(&c, NULL, &d.s), PD_OK);
+    pd_scheduler_set_admit_hook(d.s, hold_hook, NULL);
+    hold_ready = false;
+    add(d.s, "held", 10, 2, 1);
+    add(d.s, "behind", 10, 2, 2);
+    pd_scheduler_update_result_t res;
+    const pd_scheduler_output_t *o = drive_step(&d, &res);
+    ck_assert_int_eq(o->num_items, 1);
+    ck_assert_str_eq(o->items[0].req->id, "behind");
+    ck_assert_int_eq(pd_scheduler_find(d.s, "held")->state, PD_REQ_WAITING);
+    ck_assert_int_eq(pd_scheduler_find(d.s, "held")->num_blocks, 0);
+    hold_ready = true;
+    o = drive_step(&d, &res);
+    ck_assert_int_eq(o->num_items, 2);
+    ck_assert_str_eq(o->items[1].req->id, "held");
+    while (!pd_scheduler_idle(d.s)) {
+        drive_step(&d, &res);
+    }
+    pd_scheduler_schedule(d.s);
+    assert_pool_clean(d.s);
+    pd_scheduler_destroy(d.s);
+}
+END_TEST
+
 START_TEST(test_preemption_recomputes)
 {
     /* 15 usable blocks of 4 tokens: three 16-token prompts fit (12 blocks) but cannot all grow, so
@@ -1208,6 +1246,7 @@ int main(void)
     tcase_add_test(tc, test_sliding_window_block_bound);
     tcase_add_test(tc, test_budget_and_max_seqs_random);
     tcase_add_test(tc, test_chunked_prefill);
+    tcase_add_test(tc, test_admit_hook_holds_one_request);
     tcase_add_test(tc, test_preemption_recomputes);
     tcase_add_test(tc, test_blocked_request_lets_loaded_ones_run);
     tcase_add_test(tc, test_abort_in_every_state);
