@@ -5,8 +5,9 @@
 Requests that outlive their decode node (pd-proxy --migration-limit): per transfer mode × pipe, a
 cluster of two prefills, two decodes and pd-proxy on loopback serves long streamed generations
 (prompts of 16-200 tokens, 150-250 output tokens, greedy and seeded sampling with penalties, chat and
-completions, some streams with a stop string, some asking for token ids and some not) while decode
-nodes die under it:
+completions, some streams with a stop string, some asking for token ids and some not, some under a
+JSON Schema whose grammar goes with the stream to the node that resumes it) while decode nodes die
+under it:
 
   kill-decode      once every stream in flight has 8 events, SIGKILL of one decode node (then a
                    restart on the same port): its streams go on, on the other decode, after the tokens
@@ -32,7 +33,9 @@ nodes die under it:
                    whose reservation named the prefill that refused the prompt recomputes it)
 
 Every answer must be whole and equal to pd-serve's for the same body (token ids, text, finish
-reason): 0 failed requests, 0 missing, duplicated or reordered tokens. A streamed answer whose tokens
+reason): 0 failed requests, 0 missing, duplicated or reordered tokens; at least one stream under a
+JSON Schema (a quarter of them, half in the rebalance cell) must have been resumed on another node
+over the run (structured_moved per cell). A streamed answer whose tokens
 differ from pd-serve's only where greedy meets an fp32 near-tie (cluster.near_tie: the two tokens'
 raw logprobs within 1e-4, the rest what pd-serve continues from there) is a near-tie, not wrong;
 sampled answers must be equal. A stream resumed after a kill recomputes its tokens' KV in prefill
@@ -139,6 +142,8 @@ class Load(ClientThreads):
         self.gaps, self.kills = [], []
         self.times = {}  # request id -> its events' arrival times (the proxy logs the ids it resumed)
         self.tag = "r%d" % rng.randrange(1 << 30)
+        self.structured_every = 4
+        self.structured = set()  # ids of the requests under a JSON Schema
         super().__init__(clients)
 
     def body(self, i, n):
@@ -154,9 +159,13 @@ class Load(ClientThreads):
             b.update(temperature=0.8, top_p=0.95, seed=rng.randint(0, 1 << 30), frequency_penalty=0.3)
         else:
             b["temperature"] = 0
-        if n % 4 != 3:
+        structured = n % self.structured_every == 1  # its grammar goes with it to the node that resumes it
+        if structured:
+            b["response_format"] = {"type": "json_schema", "json_schema": {"name": "notes", "schema": {
+                "type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 60}}}
+        elif n % 4 != 3:
             b["ignore_eos"] = True
-        if n % 5 == 4:
+        if n % 5 == 4 and not structured:
             b["stop"] = [" w1", "9"]
         b["return_token_ids"] = n % 2 == 0 or chat  # the proxy asks for them either way
         return b, chat
@@ -181,6 +190,9 @@ class Load(ClientThreads):
 
             outcome = "failed"
             rid = "%s-%d-%d" % (self.tag, i, n)
+            if "response_format" in body:
+                with self.lock:
+                    self.structured.add(rid)
             try:
                 st, ev = stream(self.proxy_port, path, body, on_event=note, rid=rid)
                 got = answer(ev, chat)
@@ -265,6 +277,7 @@ def rebalance(args, c, tmp, serve, rng, mode, pipe, rows, failed):
     SHAPE.update(prompt=(16, 32), words=(8, 16), out=(400, 470))  # streams that outlast the scale-out
     try:
         load = Load(px.port, serve.port, random.Random(rng.random()), 8)
+        load.structured_every = 2
         load.start()
         load.wait_streams(8, secs=120)
         with open(pool + ".tmp", "w") as f:
@@ -278,6 +291,7 @@ def rebalance(args, c, tmp, serve, rng, mode, pipe, rows, failed):
         res = dict(load.counts, rebalances=int(metric_sum(px.port, "pd_proxy:rebalances_total")),
                    migrations=int(metric_sum(px.port, "pd_proxy:migrations_total")),
                    kv_moved=int(metric_sum(px.port, "pd_proxy:kv_migrations_total")),
+                   structured_moved=len(migrated_ids(os.path.join(tmp, px.tag + ".log")) & load.structured),
                    itl_p50_ms=round(1e3 * pct(load.gaps, 50), 2))
         rows.append(("rebalance", mode, pipe, res))
         if load.counts["wrong"] + load.counts["failed"]:
@@ -439,11 +453,12 @@ def main():
                         key = "pd:kv_migration_load_seconds_" + k
                         mig_load[i] += m1.get(key, 0) - m0.get(key, 0) if m1 else 0
                 pm1 = metrics(c.proxy.port)
-                pauses, shape = around(load, migrated_ids(os.path.join(tmp, c.proxy.tag + ".log")))
+                moved_ids = migrated_ids(os.path.join(tmp, c.proxy.tag + ".log"))
+                pauses, shape = around(load, moved_ids)
                 pause = lambda k: pm1.get("pd_proxy:migration_pause_seconds_" + k, 0) - pm0.get(
                     "pd_proxy:migration_pause_seconds_" + k, 0)
                 res = dict(load.counts, kills=kills, migrations=int(migrated), retried=int(retried),
-                           kv_moved=int(kv_moved),
+                           kv_moved=int(kv_moved), structured_moved=len(moved_ids & load.structured),
                            exit_s=round(max(exits), 2) if exits else "-",
                            pause_mean_ms=round(1e3 * pause("sum") / pause("count"), 1) if pause("count") else "-",
                            pause_p50_ms=round(1e3 * pct(pauses, 50), 1) if pauses else "-",
@@ -496,6 +511,9 @@ def main():
         for c in clusters:
             c.stop()
         serve.stop()
+    moved = sum(r[3].get("structured_moved", 0) for r in rows if isinstance(r[3], dict))
+    if rows and moved < 1:
+        failed.append("no stream under a JSON Schema was resumed on another node: the grammar's move went untested")
     return report("cell", rows, failed, tmp, "migration")
 
 
