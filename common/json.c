@@ -2,6 +2,8 @@
 #include "common/json.h"
 
 #include <errno.h>
+#include <math.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -238,4 +240,191 @@ json_t *pd_json_string_lossy(const char *s, size_t len)
     json_t *j = json_stringn(buf, k); /* NUL bytes survive: "\u0000" */
     free(buf);
     return j != NULL ? j : json_string("");
+}
+
+/* ------------------------------------------------------------------ Python's json.dumps */
+
+void pd_py_float_repr(char *out, size_t cap, double f)
+{
+    if (isnan(f)) {
+        snprintf(out, cap, "nan");
+        return;
+    }
+    if (isinf(f)) {
+        snprintf(out, cap, f < 0 ? "-inf" : "inf");
+        return;
+    }
+    /* shortest digits that round-trip, as Python's repr */
+    char buf[40];
+    int prec;
+    for (prec = 0; prec < 17; prec++) {
+        snprintf(buf, sizeof(buf), "%.*e", prec, f);
+        if (strtod(buf, NULL) == f) {
+            break;
+        }
+    }
+    snprintf(buf, sizeof(buf), "%.*e", prec, f);
+    /* buf: [-]d[.ddd]e±XX */
+    char digits[24];
+    int nd = 0;
+    bool neg = buf[0] == '-';
+    const char *p = buf + (neg ? 1 : 0);
+    for (; *p != 'e'; p++) {
+        if (*p >= '0' && *p <= '9') {
+            digits[nd++] = *p;
+        }
+    }
+    int e = atoi(p + 1);
+    while (nd > 1 && digits[nd - 1] == '0') {
+        nd--;
+    }
+    char o[64];
+    size_t k = 0;
+    if (neg) {
+        o[k++] = '-';
+    }
+    if (e >= -5 + 1 && e < 16) { /* Python's repr: fixed notation for exponents in [-4, 16) */
+        if (e < 0) {
+            o[k++] = '0';
+            o[k++] = '.';
+            for (int i = 0; i < -e - 1; i++) {
+                o[k++] = '0';
+            }
+            for (int i = 0; i < nd; i++) {
+                o[k++] = digits[i];
+            }
+        } else {
+            for (int i = 0; i <= e; i++) {
+                o[k++] = i < nd ? digits[i] : '0';
+            }
+            o[k++] = '.';
+            if (nd > e + 1) {
+                for (int i = e + 1; i < nd; i++) {
+                    o[k++] = digits[i];
+                }
+            } else {
+                o[k++] = '0';
+            }
+        }
+        o[k] = '\0';
+    } else {
+        o[k++] = digits[0];
+        if (nd > 1) {
+            o[k++] = '.';
+            for (int i = 1; i < nd; i++) {
+                o[k++] = digits[i];
+            }
+        }
+        o[k] = '\0';
+        char ex[16];
+        snprintf(ex, sizeof(ex), "e%c%02d", e < 0 ? '-' : '+', e < 0 ? -e : e);
+        snprintf(o + k, sizeof(o) - k, "%s", ex);
+    }
+    snprintf(out, cap, "%s", o);
+}
+
+static bool buf_add(char **b, size_t *n, size_t *cap, const char *s, size_t k)
+{
+    if (*n + k + 1 > *cap) {
+        size_t c = (*n + k + 1) * 2;
+        char *nb = realloc(*b, c);
+        if (nb == NULL) {
+            return false;
+        }
+        *b = nb;
+        *cap = c;
+    }
+    memcpy(*b + *n, s, k);
+    *n += k;
+    (*b)[*n] = '\0';
+    return true;
+}
+
+static bool dump_py(const json_t *v, char **b, size_t *n, size_t *cap, int depth)
+{
+    char num[64];
+    if (depth > 2048) {
+        return false;
+    }
+    switch (json_typeof(v)) {
+    case JSON_OBJECT: {
+        const char *key;
+        json_t *x;
+        bool first = true, ok = buf_add(b, n, cap, "{", 1);
+        json_object_foreach((json_t *)v, key, x)
+        {
+            json_t *k = json_string(key);
+            ok = ok && k != NULL && (first || buf_add(b, n, cap, ", ", 2)) &&
+                 dump_py(k, b, n, cap, depth + 1) && buf_add(b, n, cap, ": ", 2) &&
+                 dump_py(x, b, n, cap, depth + 1);
+            json_decref(k);
+            first = false;
+        }
+        return ok && buf_add(b, n, cap, "}", 1);
+    }
+    case JSON_ARRAY: {
+        bool ok = buf_add(b, n, cap, "[", 1);
+        for (size_t i = 0; ok && i < json_array_size(v); i++) {
+            ok = (i == 0 || buf_add(b, n, cap, ", ", 2)) &&
+                 dump_py(json_array_get(v, i), b, n, cap, depth + 1);
+        }
+        return ok && buf_add(b, n, cap, "]", 1);
+    }
+    case JSON_STRING: { /* ensure_ascii=False: only '"', '\\' and control characters are escaped */
+        const char *s = json_string_value(v);
+        size_t len = json_string_length(v), run = 0;
+        bool ok = buf_add(b, n, cap, "\"", 1);
+        for (size_t i = 0; ok && i <= len; i++) {
+            unsigned char c = i < len ? (unsigned char)s[i] : 0;
+            if (i < len && c >= 0x20 && c != '"' && c != '\\') {
+                continue;
+            }
+            ok = buf_add(b, n, cap, s + run, i - run);
+            run = i + 1;
+            if (!ok || i == len) {
+                break;
+            }
+            const char *e = c == '"'    ? "\\\""
+                            : c == '\\' ? "\\\\"
+                            : c == '\n' ? "\\n"
+                            : c == '\r' ? "\\r"
+                            : c == '\t' ? "\\t"
+                            : c == '\b' ? "\\b"
+                            : c == '\f' ? "\\f"
+                                        : NULL;
+            if (e == NULL) {
+                snprintf(num, sizeof(num), "\\u%04x", c);
+                e = num;
+            }
+            ok = buf_add(b, n, cap, e, strlen(e));
+        }
+        return ok && buf_add(b, n, cap, "\"", 1);
+    }
+    case JSON_INTEGER:
+        snprintf(num, sizeof(num), "%" JSON_INTEGER_FORMAT, json_integer_value(v));
+        return buf_add(b, n, cap, num, strlen(num));
+    case JSON_REAL: {
+        double f = json_real_value(v);
+        if (isnan(f) || isinf(f)) { /* Python's allow_nan spellings */
+            snprintf(num, sizeof(num), "%s", isnan(f) ? "NaN" : f < 0 ? "-Infinity" : "Infinity");
+        } else {
+            pd_py_float_repr(num, sizeof(num), f);
+        }
+        return buf_add(b, n, cap, num, strlen(num));
+    }
+    case JSON_TRUE: return buf_add(b, n, cap, "true", 4);
+    case JSON_FALSE: return buf_add(b, n, cap, "false", 5);
+    default: return buf_add(b, n, cap, "null", 4);
+    }
+}
+
+char *pd_json_dumps_py(const json_t *v)
+{
+    char *b = NULL;
+    size_t n = 0, cap = 0;
+    if (v == NULL || !buf_add(&b, &n, &cap, "", 0) || !dump_py(v, &b, &n, &cap, 0)) {
+        free(b);
+        return NULL;
+    }
+    return b;
 }

@@ -42,6 +42,15 @@ pd_status_t pd_json_opt_str(const json_t *root, const char *doc, const char *pat
  * (they serialise as \u0000). Never NULL. */
 json_t *pd_json_string_lossy(const char *s, size_t len);
 
+/* f as Python's repr() writes it: the shortest digits that read back as f, fixed notation for
+ * exponents in [-4, 16), else d.ddde±XX ("0.1", "100.0", "1e+16", "-1.5e-07", "nan", "inf"). */
+void pd_py_float_repr(char *out, size_t cap, double f);
+
+/* v as Python's json.dumps(v, ensure_ascii=False) writes it (vLLM's tool-call arguments): ", " and
+ * ": " separators, keys in v's order, reals as repr(), strings with only '"', '\\' and control
+ * characters escaped (\n, \u001f). malloc'd; NULL when out of memory or nested over 2048 deep. */
+char *pd_json_dumps_py(const json_t *v);
+
 /* Name of a JSON value's type for messages ("string", "array", ...). */
 const char *pd_json_type_name(const json_t *v);
 

@@ -5,6 +5,7 @@
 #include <string.h>
 #include <sys/random.h>
 
+#include "common/json.h"
 #include "common/time.h"
 #include "server/tool_calls.h"
 
@@ -65,10 +66,11 @@ static json_t *call_json(const json_t *obj)
     if (args == NULL) {
         args = json_object_get(obj, "parameters"); /* Llama 3's name for them */
     }
-    /* as vLLM: json.dumps(arguments, ensure_ascii=False) — ", " and ": " separators, UTF-8 kept; a
-     * string is kept as it came (a model that wrote the arguments as a JSON string) */
+    /* as vLLM: json.dumps(arguments, ensure_ascii=False) — ", " and ": " separators, UTF-8 kept,
+     * reals as Python's repr; a string is kept as it came (a model that wrote the arguments as a JSON
+     * string) */
     char *a = json_is_string(args) ? strdup(json_string_value(args))
-              : args != NULL       ? json_dumps(args, JSON_ENCODE_ANY | JSON_PRESERVE_ORDER)
+              : args != NULL       ? pd_json_dumps_py(args)
                                    : strdup("{}");
     char id[64];
     pd_tool_call_id(id);

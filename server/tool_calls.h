@@ -43,8 +43,9 @@ const char *pd_tool_parser_names(void);
  * call that parses (then the whole text is content). */
 json_t *pd_tool_calls_parse(pd_tool_parser_t p, const char *text, size_t len, size_t *content_len);
 
-/* A JSON value re-dumped as it arrives, as jansson's dump writes it (", " and ": ", UTF-8 kept,
- * scalars as their parsed values print), so pieces joined equal the whole value's dump. raw_top: a
+/* A JSON value re-dumped as it arrives, as Python's json.dumps writes it (pd_json_dumps_py: ", " and
+ * ": ", UTF-8 kept, scalars as their parsed values print, reals as repr), so pieces joined equal the
+ * whole value's dump. raw_top: a
  * top-level string is written as its decoded text (call_json keeps arguments given as a string). */
 typedef struct pd_json_redump {
     int st, depth;

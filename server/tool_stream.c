@@ -2,7 +2,7 @@
  * mistral) read while it is written, as vLLM's streaming tool parsers send them. A call opens
  * ({"index", "id", "type", "function": {"name", "arguments": ""}}) once its name is read, and its
  * arguments grow as they are written, re-dumped on the fly as the whole reply's calls write them
- * (call_json: jansson's dump, ", " and ": " separators, UTF-8 kept; a string value as its text), so
+ * (call_json: Python's json.dumps, pd_json_dumps_py; a string value as its text), so
  * that a stream's arguments joined equal the whole answer's. The whole reply's parse has the last
  * word (pd_tool_calls_auto_finish): what the stream did not send yet is sent at the end.
  *
@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "common/array.h"
+#include "common/json.h"
 #include "common/log.h"
 #include "server/tool_calls.h"
 
@@ -47,7 +48,7 @@ static bool is_ws(char c)
     return c == ' ' || c == '\t' || c == '\n' || c == '\r';
 }
 
-/* A string's decoded bytes, as jansson's dump escapes them (without the quotes); raw: as they are.
+/* A string's decoded bytes, as json.dumps escapes them (without the quotes); raw: as they are.
  * A character's UTF-8 bytes are put together (one cut off at the end waits in d->utf8). */
 static void flush_decoded(pd_json_redump_t *d, out_buf_t *o, const char *buf, size_t k)
 {
@@ -59,7 +60,7 @@ static void flush_decoded(pd_json_redump_t *d, out_buf_t *o, const char *buf, si
         return;
     }
     json_t *js = json_stringn(buf, k);
-    char *q = js != NULL ? json_dumps(js, JSON_ENCODE_ANY) : NULL;
+    char *q = js != NULL ? pd_json_dumps_py(js) : NULL;
     if (q == NULL) {
         d->bad = true; /* not UTF-8: the whole reply does not parse either */
     } else {
@@ -91,11 +92,11 @@ static void put_decoded(pd_json_redump_t *d, out_buf_t *o, const char *s, size_t
     flush_decoded(d, o, buf, k);
 }
 
-/* A scalar (number, true, false, null) ends: dumped as jansson dumps its value. */
+/* A scalar (number, true, false, null) ends: dumped as the whole answer's json.dumps writes it. */
 static void end_scalar(pd_json_redump_t *d, out_buf_t *o)
 {
     json_t *v = json_loadb(d->tok, (size_t)d->ntok, JSON_DECODE_ANY, NULL);
-    char *q = v != NULL ? json_dumps(v, JSON_ENCODE_ANY) : NULL;
+    char *q = v != NULL ? pd_json_dumps_py(v) : NULL;
     if (q == NULL) {
         d->bad = true;
     } else {

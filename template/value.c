@@ -6,6 +6,7 @@
 #include <string.h>
 #include <utf8proc.h>
 
+#include "common/json.h"
 #include "template/tpl_internal.h"
 
 tpl_value_t TPL_UNDEF = {.kind = TV_UNDEF};
@@ -359,81 +360,7 @@ size_t tv_utf8_offset(const char *s, size_t len, size_t cp_index)
 
 void tv_float_repr(char *out, size_t cap, double f)
 {
-    if (isnan(f)) {
-        snprintf(out, cap, "nan");
-        return;
-    }
-    if (isinf(f)) {
-        snprintf(out, cap, f < 0 ? "-inf" : "inf");
-        return;
-    }
-    /* shortest digits that round-trip, as Python's repr */
-    char buf[40];
-    int prec;
-    for (prec = 0; prec < 17; prec++) {
-        snprintf(buf, sizeof(buf), "%.*e", prec, f);
-        if (strtod(buf, NULL) == f) {
-            break;
-        }
-    }
-    snprintf(buf, sizeof(buf), "%.*e", prec, f);
-    /* buf: [-]d[.ddd]e±XX */
-    char digits[24];
-    int nd = 0;
-    bool neg = buf[0] == '-';
-    const char *p = buf + (neg ? 1 : 0);
-    for (; *p != 'e'; p++) {
-        if (*p >= '0' && *p <= '9') {
-            digits[nd++] = *p;
-        }
-    }
-    int e = atoi(p + 1);
-    while (nd > 1 && digits[nd - 1] == '0') {
-        nd--;
-    }
-    char o[64];
-    size_t k = 0;
-    if (neg) {
-        o[k++] = '-';
-    }
-    if (e >= -5 + 1 && e < 16) { /* Python's repr: fixed notation for exponents in [-4, 16) */
-        if (e < 0) {
-            o[k++] = '0';
-            o[k++] = '.';
-            for (int i = 0; i < -e - 1; i++) {
-                o[k++] = '0';
-            }
-            for (int i = 0; i < nd; i++) {
-                o[k++] = digits[i];
-            }
-        } else {
-            for (int i = 0; i <= e; i++) {
-                o[k++] = i < nd ? digits[i] : '0';
-            }
-            o[k++] = '.';
-            if (nd > e + 1) {
-                for (int i = e + 1; i < nd; i++) {
-                    o[k++] = digits[i];
-                }
-            } else {
-                o[k++] = '0';
-            }
-        }
-        o[k] = '\0';
-    } else {
-        o[k++] = digits[0];
-        if (nd > 1) {
-            o[k++] = '.';
-            for (int i = 1; i < nd; i++) {
-                o[k++] = digits[i];
-            }
-        }
-        o[k] = '\0';
-        char ex[16];
-        snprintf(ex, sizeof(ex), "e%c%02d", e < 0 ? '-' : '+', e < 0 ? -e : e);
-        snprintf(o + k, sizeof(o) - k, "%s", ex);
-    }
-    snprintf(out, cap, "%s", o);
+    pd_py_float_repr(out, cap, f);
 }
 
 static bool py_printable(int32_t cp)

@@ -1883,6 +1883,31 @@ START_TEST(test_tool_call_parsers)
     pclose(py);
     out[strcspn(out, "\n")] = '\0';
     ck_assert_str_eq(out, "{\"city\": \"Zürich\", \"days\": [1, 2]}");
+    /* reals, escapes and key order as Python's json.dumps(json.loads(arguments), ensure_ascii=False)
+     * writes them (vLLM's), whole and streamed (the stream's pieces joined) */
+    static const char args_text[] = "{\"x\": 0.1, \"y\": 1e2, \"z\": 2.50, \"w\": 1e16, \"v\": -1.5e-7, "
+                                    "\"s\": \"a\\u001fb\\\"\\/\\n\\u00e9\", \"b\": {\"k\": [1, -0.0, "
+                                    "123456789.125, 1e-5, 0.0001, 5e-324]}, \"a\": true}";
+    char path[] = "/tmp/pd-test-args-XXXXXX", cmd[256], want[512] = "";
+    int fd = mkstemp(path);
+    ck_assert_int_ge(fd, 0);
+    ck_assert_int_eq(write(fd, args_text, strlen(args_text)), (ssize_t)strlen(args_text));
+    close(fd);
+    snprintf(cmd, sizeof(cmd),
+             "python3 -c 'import json; print(json.dumps(json.load(open(\"%s\")), ensure_ascii=False))'",
+             path);
+    py = popen(cmd, "r");
+    ck_assert_ptr_nonnull(py);
+    ck_assert_ptr_nonnull(fgets(want, sizeof(want), py));
+    pclose(py);
+    unlink(path);
+    want[strcspn(want, "\n")] = '\0';
+    char reply[768];
+    snprintf(reply, sizeof(reply), "<tool_call>{\"name\": \"f\", \"arguments\": %s}</tool_call>", args_text);
+    calls = parse_calls(PD_TOOL_PARSER_HERMES, reply, &cl);
+    ck_assert_ptr_nonnull(calls);
+    expect_call(calls, 0, "f", want);
+    json_decref(calls);
     ck_assert_ptr_null(parse_calls(PD_TOOL_PARSER_HERMES, "no calls here", &cl));
     ck_assert_uint_eq(cl, strlen("no calls here"));
     ck_assert_ptr_null(
