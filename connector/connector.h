@@ -138,6 +138,11 @@ int32_t pd_kv_params_first_token(const void *kv_transfer_params);
  * first num_tokens tokens of prompt and resumed outputs (all but the last), no first token. */
 bool pd_kv_params_migrates(const void *kv_transfer_params, int32_t num_tokens);
 
+/* Resumption after a decode died: whether kv_transfer_params go with resume_token_ids as a live
+ * migration's lease (pd_kv_params_migrates) or as only a prompt prefix to fetch ({"kv_prefix": a
+ * lend's params}: the prefill that computed the prompt lent it; the resumed tokens are computed). */
+bool pd_kv_params_resumes(const void *kv_transfer_params, int32_t num_tokens);
+
 struct pd_connector {
     const pd_connector_ops_t *ops;
     void *impl;

@@ -110,8 +110,8 @@ size_t pd_kv_connector_flags(pd_kv_connector_config_t *c, pd_flag_t *out, size_t
          "over ucx/tcp); always: also for host KV (tests the GPU path's copies on a CPU)",
          "auto|always"},
         {"kv-prefix-fetch", PD_FLAG_CHOICE, &c->prefix_fetch,
-         "a prefill asked to load a prompt's prefix from the peer that holds it "
-         "(kv_transfer_params.kv_prefix, "
+         "a node asked to load a prompt's prefix from the peer that holds it (a prefill, or a decode "
+         "resuming a stream after its first decode died; kv_transfer_params.kv_prefix, "
          "set by pd-proxy): auto = when the measured transfer beats computing it at the measured prefill "
          "rate (each choice logged at debug); always; never (computes it)",
          "auto|always|never"},
@@ -347,8 +347,9 @@ static void metrics_register(kv_conn_t *k, pd_metrics_t *m)
         NULL, NULL, 0);
     k->m.prefix_fetches = pd_metrics_add(
         m, PD_METRIC_COUNTER, "pd:kv_prefix_fetches_total",
-        "Prefill requests that read a prompt prefix a peer lent (kv_transfer_params.kv_prefix) instead of "
-        "computing it; the rest computed it (--kv-prefix-fetch, logged at debug).",
+        "Requests that read a prompt prefix a peer lent (kv_transfer_params.kv_prefix: a prefill's, or a "
+        "decode's resumed after its first decode died) instead of computing it; the rest computed it "
+        "(--kv-prefix-fetch, logged at debug).",
         NULL, NULL, 0);
     k->m.migrations_lent = pd_metrics_add(
         m, PD_METRIC_COUNTER, "pd:kv_migrations_lent_total",

@@ -24,6 +24,15 @@ int32_t pd_kv_params_first_token(const void *kv_transfer_params)
     return (int32_t)json_integer_value(t);
 }
 
+bool pd_kv_params_resumes(const void *kv_transfer_params, int32_t num_tokens)
+{
+    const json_t *p = kv_transfer_params;
+    if (pd_kv_params_migrates(p, num_tokens)) {
+        return true;
+    }
+    return json_is_object(p) && json_object_size(p) == 1 && json_is_object(json_object_get(p, "kv_prefix"));
+}
+
 bool pd_kv_params_migrates(const void *kv_transfer_params, int32_t num_tokens)
 {
     const json_t *p = kv_transfer_params;

@@ -97,10 +97,12 @@ static bool remote_prefill_ok(kv_conn_t *k, const pd_request_t *req, const json_
  *    the prompt's blocks, as a prefill's do, and it computes only what its prefix cache (and tier)
  *    lacks. With "kv_lend_min_tokens": M it is refused (ends with an error, nothing computed) when
  *    its cache holds fewer than M of the prompt's tokens: the asker then computes them itself.
- *  - "kv_prefix": {a lend's params}, on a prefill's request: the lend's prompt is this prompt's
- *    first remote_num_tokens tokens (the signature binds them); the prefill loads the full blocks
- *    of it past its own prefix hit from that peer when kv_cost says fetching beats computing, then
- *    computes the rest. A failed fetch is a failed load: the failure policy recomputes. */
+ *  - "kv_prefix": {a lend's params}, on a prefill's request, or on a decode's resumed one (issue 48:
+ *    resume_token_ids after its first decode died; the lend is of its prompt, by the prefill that
+ *    computed it): the lend's prompt is this prompt's first remote_num_tokens tokens (the signature
+ *    binds them); the node loads the full blocks of it past its own prefix hit from that peer when
+ *    kv_cost says fetching beats computing, then computes the rest. A failed fetch is a failed
+ *    load: the failure policy recomputes. */
 
 /* Where the part of req's prompt a kv_prefix of nt tokens provides ends: full blocks only, and the
  * last prompt token is computed here for its logits. */
@@ -110,7 +112,7 @@ static int32_t prefix_end(const kv_conn_t *k, const pd_request_t *req, json_int_
     return end / k->block_size * k->block_size;
 }
 
-/* The tokens of req's prompt a prefill loads from the peer its kv_prefix names, past its local hit
+/* The tokens of req's prompt a node loads from the peer its kv_prefix names, past its local hit
  * of num_computed tokens; 0 when none (no kv_prefix, nothing past the hit, unusable params, or
  * computing is cheaper: logged). */
 static int32_t prefix_fetch_tokens(kv_conn_t *k, const pd_request_t *req, int32_t num_computed)
@@ -171,7 +173,7 @@ pd_status_t kv_get_num_new_matched_tokens(pd_connector_t *c, const pd_request_t 
     if (p != NULL && kv_jbool(p, "kv_lend")) {
         return lend_check(req, p, num_computed);
     }
-    if (k->is_prefill) {
+    if (k->is_prefill || (p != NULL && json_object_get(p, "kv_prefix") != NULL)) {
         int32_t n = p != NULL ? prefix_fetch_tokens(k, req, num_computed) : 0;
         *num_external_out = n;
         *load_async_out = n > 0;
@@ -189,7 +191,7 @@ pd_status_t kv_get_num_new_matched_tokens(pd_connector_t *c, const pd_request_t 
 }
 
 /* The connector's params_error (connector.h): each role refuses the other's parameters; a lend is
- * any node's, a prefix fetch a prefill's. */
+ * any node's, a prefix fetch a prefill's or a decode's without a remote prefill (a resumed request). */
 const char *kv_params_error(pd_connector_t *c, const void *kv_transfer_params)
 {
     const kv_conn_t *k = (const kv_conn_t *)c;
@@ -218,9 +220,9 @@ const char *kv_params_error(pd_connector_t *c, const void *kv_transfer_params)
                "(kv_producer)";
     }
     const json_t *x = json_object_get(p, "kv_prefix");
-    if (x != NULL && (!k->is_prefill || lend || !json_is_object(x))) {
+    if (x != NULL && (lend || !json_is_object(x) || kv_jbool(p, "do_remote_prefill"))) {
         return "kv_transfer_params.kv_prefix (a prefix to fetch from a peer: the kv_transfer_params of its "
-               "kv_lend answer) is for a prefill's request";
+               "kv_lend answer) is for a prefill's request or a decode's without a remote prefill";
     }
     return NULL;
 }
@@ -234,7 +236,7 @@ bool kv_load_may_wait(pd_connector_t *c, const pd_request_t *req)
 {
     kv_conn_t *k = (kv_conn_t *)c;
     const json_t *p = req->kv_transfer_params;
-    if (k->is_prefill) {
+    if (k->is_prefill || (p != NULL && json_object_get(p, "kv_prefix") != NULL)) {
         return p != NULL && json_is_object(json_object_get(p, "kv_prefix"));
     }
     return p != NULL && kv_jbool(p, "do_remote_prefill") && !kv_wants_push(k, p);
@@ -312,7 +314,7 @@ pd_status_t kv_update_state_after_alloc(pd_connector_t *c, pd_request_t *req, co
         return PD_OK;
     }
     int32_t local = req->num_tokens - num_external; /* decode: the block-aligned prefix hit */
-    if (k->is_prefill) {
+    if (k->is_prefill || json_object_get(p, "kv_prefix") != NULL) {
         json_t *x = json_incref(json_object_get(p, "kv_prefix"));
         if (!json_is_object(x)) {
             json_decref(x);

@@ -126,16 +126,18 @@ pd_status_t pd_engine_add(pd_engine_t *e, const pd_engine_request_t *rq, char *e
     if (p.max_tokens <= 0) {
         p.max_tokens = e->max_model_len - rq->num_prompt;
     }
-    /* resumed with KV: a live migration's lease on the node that ran it, for all but the last token */
+    /* resumed with KV: a live migration's lease on the node that ran it, for all but the last token,
+     * or a prompt prefix a prefill lent after the first decode died */
     bool leased = rq->kv_transfer_params != NULL &&
-                  pd_kv_params_migrates(rq->kv_transfer_params, rq->num_prompt + rq->num_resume - 1);
+                  pd_kv_params_resumes(rq->kv_transfer_params, rq->num_prompt + rq->num_resume - 1);
     if (rq->num_resume > 0 &&
         (rq->resume == NULL || (rq->kv_transfer_params != NULL && !leased) ||
          rq->num_resume >= p.max_tokens || rq->num_prompt + rq->num_resume >= e->max_model_len)) {
         if (rq->kv_transfer_params != NULL && !leased) {
             snprintf(err, err_len,
                      "resume_token_ids goes with kv_transfer_params only as a live migration's lease (pull "
-                     "parameters for the prompt and every resumed token but the last: remote_num_tokens %d)",
+                     "parameters for the prompt and every resumed token but the last: remote_num_tokens %d) "
+                     "or as a prompt prefix to fetch ({\"kv_prefix\": ...} alone)",
                      rq->num_prompt + rq->num_resume - 1);
         } else {
             snprintf(err, err_len,

@@ -24,12 +24,6 @@
 #include "common/metrics.h"
 #include "common/time.h"
 
-/* The transfer id of q's lend (the proxy releases the lease by it). */
-static void lend_tid(const preq_t *q, char *out, size_t n)
-{
-    snprintf(out, n, "%s-lend", q->transfer_id);
-}
-
 static void on_lend_done(struct evhttp_request *r, void *arg)
 {
     preq_t *q = arg;
@@ -45,22 +39,51 @@ static void on_lend_done(struct evhttp_request *r, void *arg)
         resp = json_loadb((const char *)evbuffer_pullup(in, (ev_ssize_t)len), len, JSON_ALLOW_NUL, NULL);
     }
     json_t *ktp = json_object_get(resp, "kv_transfer_params");
+    pd_metric_t **res = q->resume_lend ? px->m.resume_lends : px->m.fetch;
     if (json_is_object(ktp) && json_is_array(json_object_get(ktp, "remote_block_ids"))) {
+        json_decref(q->kv_prefix);
         q->kv_prefix = json_incref(ktp);
-        pd_metric_inc(px->m.fetch[0], 1);
+        pd_metric_inc(res[0], 1);
         pd_log_debug("proxy: %s lent %lld prefix tokens for the prefill on %s", q->lender->url,
                      (long long)json_integer_value(json_object_get(ktp, "remote_num_tokens")), q->p->url);
     } else {
         /* an answer without parameters: the lender holds less than asked (evicted since its events
          * said so) and computed nothing; no answer within --pd-prefix-fetch-timeout: it failed, and
          * may have leased the blocks meanwhile (px_fetch_end releases them) */
-        pd_metric_inc(px->m.fetch[code == 0 ? 2 : 1], 1);
-        pd_log_debug("proxy: %s did not lend the prefix (%d); the prefill on %s computes it", q->lender->url,
-                     code, q->p->url);
+        pd_metric_inc(res[code == 0 ? 2 : 1], 1);
+        pd_log_debug("proxy: %s did not lend the prefix (%d); it is computed", q->lender->url, code);
         q->lend_released = code != 0; /* answered: nothing held */
     }
     json_decref(resp);
-    px_send_prefill(q);
+    if (q->resume_lend) {
+        px_send_resumed(q);
+    } else {
+        px_send_prefill(q);
+    }
+}
+
+/* Sends the lend request body to lender (the request's id with -lend); false when it cannot. */
+static bool send_lend(preq_t *q, node_t *lender, const char *path, json_t *body)
+{
+    proxy_t *px = q->px;
+    char rid[PD_REQUEST_ID_MAX + 1];
+    snprintf(rid, sizeof(rid), "%.*s-lend", PD_REQUEST_ID_MAX - 5, q->req_id);
+    q->lender = lender;
+    q->lend_released = false;
+    q->t_lend = pd_time_now_s();
+    q->lend_conn =
+        px_upstream(px, lender, EVHTTP_REQ_POST, path, q->auth, rid, body, on_lend_done, NULL, NULL, q);
+    if (q->lend_conn == NULL) {
+        q->lend_released = true;
+        return false;
+    }
+    /* a lend is one token over a cached prefix: a lender that takes longer (stopped, overloaded) is
+     * not waited for */
+    struct timeval tv = {
+        (time_t)px->cfg.prefix_fetch_timeout,
+        (suseconds_t)((px->cfg.prefix_fetch_timeout - (double)(time_t)px->cfg.prefix_fetch_timeout) * 1e6)};
+    evhttp_connection_set_timeout_tv(q->lend_conn, &tv);
+    return true;
 }
 
 bool px_fetch_begin(preq_t *q)
@@ -95,33 +118,22 @@ bool px_fetch_begin(preq_t *q)
     for (int32_t i = 0; ids != NULL && i < want; i++) {
         json_array_append_new(ids, json_integer(q->toks[i]));
     }
-    char tid[sizeof(q->transfer_id) + 8], rid[PD_REQUEST_ID_MAX + 1];
-    lend_tid(q, tid, sizeof(tid));
-    snprintf(rid, sizeof(rid), "%.*s-lend", PD_REQUEST_ID_MAX - 5, q->req_id);
+    snprintf(q->lend_id, sizeof(q->lend_id), "%s-lend", q->transfer_id);
     json_t *body =
         json_pack("{s:O?, s:o, s:i, s:f, s:{s:b, s:b, s:s, s:b, s:i, s:s}}", "model",
                   json_object_get(q->body, "model"), "prompt", ids, "max_tokens", 1, "temperature", 0.0,
                   "kv_transfer_params", "do_remote_decode", 1, "do_remote_prefill", 0, "transfer_mode",
-                  "pull", "kv_lend", 1, "kv_lend_min_tokens", (mine + 1) * bs, "transfer_id", tid);
+                  "pull", "kv_lend", 1, "kv_lend_min_tokens", (mine + 1) * bs, "transfer_id", q->lend_id);
     if (body == NULL) {
         return false;
     }
-    q->lender = lender;
-    q->t_lend = pd_time_now_s();
-    q->lend_conn = px_upstream(px, lender, EVHTTP_REQ_POST, "/v1/completions", q->auth, rid, body,
-                               on_lend_done, NULL, NULL, q);
+    q->resume_lend = false;
+    bool sent = send_lend(q, lender, "/v1/completions", body);
     json_decref(body);
-    if (q->lend_conn == NULL) {
+    if (!sent) {
         pd_metric_inc(px->m.fetch[2], 1);
-        q->lend_released = true;
         return false;
     }
-    /* a lend is one token over a cached prefix: a lender that takes longer (stopped, overloaded) is
-     * not waited for */
-    struct timeval tv = {
-        (time_t)px->cfg.prefix_fetch_timeout,
-        (suseconds_t)((px->cfg.prefix_fetch_timeout - (double)(time_t)px->cfg.prefix_fetch_timeout) * 1e6)};
-    evhttp_connection_set_timeout_tv(q->lend_conn, &tv);
     pd_log_debug("proxy: asking %s to lend %d prefix blocks (the prefill on %s holds %d)", lender->url, best,
                  q->p->url, mine);
     return true;
@@ -133,9 +145,61 @@ void px_fetch_end(preq_t *q)
         return;
     }
     q->lend_released = true;
-    char tid[sizeof(q->transfer_id) + 8];
-    lend_tid(q, tid, sizeof(tid));
-    json_t *body = json_pack("{s:s}", "transfer_id", tid);
+    json_t *body = json_pack("{s:s}", "transfer_id", q->lend_id);
     px_post_release(q->px, q->lender, q->auth, body);
     json_decref(body);
+}
+
+bool px_fetch_resume(preq_t *q)
+{
+    proxy_t *px = q->px;
+    node_t *p = q->p;
+    if (p == NULL || !p->healthy || p->removed || q->body == NULL) {
+        return false;
+    }
+    px_fetch_end(q); /* a prefix fetch's lend for the prefill leg (read, or not wanted now) */
+    /* the prefill leg's body (the same prompt, one token), as a lend of at least a block of it */
+    json_t *body = json_deep_copy(q->body);
+    if (body == NULL) {
+        return false;
+    }
+    json_object_set_new(body, "max_tokens", json_integer(1));
+    json_object_set_new(body, "stream", json_false());
+    static const char *drop[] = {"max_completion_tokens",
+                                 "stream_options",
+                                 "logprobs",
+                                 "top_logprobs",
+                                 "min_tokens",
+                                 "n",
+                                 "echo",
+                                 "prompt_logprobs",
+                                 "resume_token_ids",
+                                 "response_format",
+                                 "structured_outputs",
+                                 "guided_json",
+                                 "guided_regex",
+                                 "guided_choice",
+                                 "guided_grammar"};
+    for (size_t i = 0; i < sizeof(drop) / sizeof(drop[0]); i++) {
+        json_object_del(body, drop[i]);
+    }
+    if (json_object_get(body, "tools") != NULL) {
+        json_object_set_new(body, "tool_choice", json_string("none")); /* the same prompt, no parser */
+    }
+    snprintf(q->lend_id, sizeof(q->lend_id), "%s-rlend%d", q->transfer_id, q->migrations);
+    int bs = px->kv_block_size > 0 ? px->kv_block_size : 1;
+    json_object_set_new(body, "kv_transfer_params",
+                        json_pack("{s:b, s:b, s:s, s:b, s:i, s:s}", "do_remote_decode", 1,
+                                  "do_remote_prefill", 0, "transfer_mode", "pull", "kv_lend", 1,
+                                  "kv_lend_min_tokens", bs, "transfer_id", q->lend_id));
+    q->resume_lend = true;
+    bool sent = send_lend(q, p, q->path, body);
+    json_decref(body);
+    if (!sent) {
+        pd_metric_inc(px->m.resume_lends[2], 1);
+        return false;
+    }
+    pd_log_debug("proxy: request %s: asking its prefill %s to lend its prompt for the resumed leg", q->req_id,
+                 p->url);
+    return true;
 }

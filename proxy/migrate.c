@@ -6,7 +6,9 @@
  * (resume_token_ids: that node sends only what follows). A draining decode migrates its streams
  * live: each ends with an event {"pd_migrate": params}, a lease on the KV of its prompt and tokens,
  * which the next node reads instead of recomputing (the event is not the client's; the lease is
- * released if that node never took it over). After a kill the next node recomputes. A request
+ * released if that node never took it over). After a kill the prefill that computed the prompt is
+ * asked to lend its KV (kv_fetch.c px_fetch_resume): the next node reads the prompt from it and
+ * recomputes only the tokens (all of it when the lend is refused or fails). A request
  * whose answer had not started is sent again whole. Seeded sampling draws per output position, so
  * the continuation is the one the first node would have sampled. */
 #define _GNU_SOURCE
@@ -118,8 +120,12 @@ void px_relay_event(preq_t *q, const char *ev)
         json_decref(q->mig);
         q->mig = NULL;
         pd_metric_observe(q->px->m.migration_pause_s, now - q->t_last_event);
-        pd_log_info("proxy: request %s: resumed on %s, %.1f ms after its last event", q->req_id, q->d->url,
-                    1e3 * (now - q->t_last_event));
+        pd_log_info("proxy: request %s: resumed on %s, %.1f ms after its last event%s", q->req_id, q->d->url,
+                    1e3 * (now - q->t_last_event),
+                    q->resume_lend && q->kv_prefix != NULL ? " (its prompt's KV read from its prefill)" : "");
+        if (q->resume_lend) {
+            px_fetch_end(q); /* read already, or computed: the prefill's lease is not needed */
+        }
     }
     q->t_last_event = now;
     if (done) {
@@ -233,6 +239,21 @@ void px_resume_decode(preq_t *q)
     q->d_code = 0;
     evbuffer_drain(q->d_sse, evbuffer_get_length(q->d_sse)); /* an event cut short went nowhere */
     evbuffer_drain(q->d_body, evbuffer_get_length(q->d_body));
+    json_decref(q->kv_prefix);
+    q->kv_prefix = NULL;
+    q->t_d_sent = 0; /* not in decode on d until its leg goes (px_refresh_router_gauges, rebalance.c) */
+    bool live = q->mig != NULL && q->mig_node == dead;
+    q->mig_live = live;
+    if (!live && q->num_gen > 0 && px_fetch_resume(q)) {
+        return; /* the prefill that computed the prompt is asked to lend it; its answer sends the leg */
+    }
+    px_send_resumed(q);
+}
+
+void px_send_resumed(preq_t *q)
+{
+    proxy_t *px = q->px;
+    node_t *d = q->d;
     json_t *body = q->body;
     json_object_del(body, "kv_transfer_params");
     if (q->num_gen > 0) { /* the node sends what follows the client's tokens, without the role event */
@@ -241,9 +262,11 @@ void px_resume_decode(preq_t *q)
             json_array_append_new(ids, json_integer(q->gen[i]));
         }
         json_object_set_new(body, "resume_token_ids", ids);
-        if (q->mig != NULL && q->mig_node == dead) { /* live migration: it reads the KV from there */
+        if (q->mig_live) { /* live migration: it reads the KV from there */
             json_object_set(body, "kv_transfer_params", q->mig);
             pd_metric_inc(px->m.kv_migrations, 1);
+        } else if (q->kv_prefix != NULL) { /* after a kill: the prompt's KV, lent by its prefill */
+            json_object_set_new(body, "kv_transfer_params", json_pack("{s:O}", "kv_prefix", q->kv_prefix));
         }
         json_object_del(body, "echo"); /* the prompt's text went out with the first event */
         q->d_skip = 0;

@@ -245,6 +245,15 @@ static void metrics_register(proxy_t *px)
                        "Of those, streams a draining decode handed over with a lease on their "
                        "KV, which the next decode reads instead of recomputing.",
                        NULL, NULL, 0);
+    static const char *rh =
+        "Decode legs resumed after their decode died (not a live migration) whose "
+        "prefill was asked to lend the prompt's KV for the next decode: lent (it reads the "
+        "prompt and computes only the resumed tokens), refused (no longer cached), failed.";
+    static const char *rr[3] = {"result=lent", "result=refused", "result=failed"};
+    for (int i = 0; i < 3; i++) {
+        pm->resume_lends[i] =
+            pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:resume_prompt_lends_total", rh, rr[i], NULL, 0);
+    }
     pm->rebalances = pd_metrics_add(m, PD_METRIC_COUNTER, "pd_proxy:rebalances_total",
                                     "Times a decode was asked to migrate streams to level the pool "
                                     "(--rebalance-threshold).",

@@ -72,6 +72,9 @@ struct preq {
     bool fetch_asked;   /* one lend per request: a retried prefill leg goes without */
     bool lend_released; /* the lender was told to drop its lease */
     double t_lend;
+    char lend_id[96]; /* the lend's transfer id (the lease is released by it) */
+    bool resume_lend; /* the lend is for a resumed decode leg (kv_fetch.c px_fetch_resume) */
+    bool mig_live;    /* the resumed leg reads a live migration's lease (q->mig) */
     struct evhttp_connection *tok_conn; /* the prompt's /tokenize while it runs */
     node_t *tok_node;                   /* where it runs */
     bool local;                         /* the decode prefills it itself (no prefill leg) */
@@ -120,6 +123,7 @@ struct preq {
 typedef struct proxy_metrics {
     pd_metric_t *ok, *failed, *client_gone, *retry_p, *retry_d, *prefill_s, *decode_ttft_s, *e2e_s;
     pd_metric_t *handovers, *first_token_s, *migrations, *kv_migrations, *migration_pause_s, *rebalances;
+    pd_metric_t *resume_lends[3]; /* pd_proxy:resume_prompt_lends_total{result=lent|refused|failed} */
     pd_metric_t *routed_local, *routed_remote, *tokenize_failed, *tokenize_s; /* kv_route.c */
     pd_metric_t *fetch[3], *fetch_s;                  /* kv_fetch.c: lent, refused, failed */
     pd_metric_t *kv_gaps, *kv_malformed, *kv_entries; /* --kv-events */
@@ -174,6 +178,13 @@ bool px_send_prefill(preq_t *q);
  * the lend's lease is released. */
 bool px_fetch_begin(preq_t *q);
 void px_fetch_end(preq_t *q);
+/* After q's decode died (not a live migration): asks q->p, the prefill that computed the prompt, to
+ * lend it (its prefix cache likely still holds it), so that the next decode reads the prompt's KV
+ * (kv_transfer_params.kv_prefix) and computes only the resumed tokens; true when the ask went out
+ * (its answer, lent or not, sends the resumed leg: px_send_resumed). */
+bool px_fetch_resume(preq_t *q);
+/* migrate.c: sends q's resumed decode leg to q->d (chosen by px_resume_decode). */
+void px_send_resumed(preq_t *q);
 /* Starts the client's event stream (once; nothing when the client is gone). */
 void px_start_client_stream(preq_t *q);
 

@@ -1077,12 +1077,11 @@ void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bo
         ok = false;
     } else if (ok && c->in.num_resume > 0 && c->in.kv_transfer_params != NULL &&
                !json_is_null(c->in.kv_transfer_params) &&
-               !pd_kv_params_migrates(c->in.kv_transfer_params,
-                                      c->in.prompts[0].len + c->in.num_resume - 1)) {
+               !pd_kv_params_resumes(c->in.kv_transfer_params, c->in.prompts[0].len + c->in.num_resume - 1)) {
         pd_http_error_set(&err, 400, "BadRequestError", "resume_token_ids",
-                          "'resume_token_ids' goes with kv_transfer_params only as a live migration's lease: "
-                          "pull parameters for the prompt and every resumed token but the last "
-                          "(remote_num_tokens %d)",
+                          "'resume_token_ids' goes with kv_transfer_params only as a live migration's lease "
+                          "(pull parameters for the prompt and every resumed token but the last: "
+                          "remote_num_tokens %d) or as a prompt prefix to fetch ({\"kv_prefix\": ...} alone)",
                           c->in.prompts[0].len + c->in.num_resume - 1);
         pd_completion_req_free(&c->in);
         ok = false;

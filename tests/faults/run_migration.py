@@ -11,7 +11,10 @@ under it:
 
   kill-decode      once every stream in flight has 8 events, SIGKILL of one decode node (then a
                    restart on the same port): its streams go on, on the other decode, after the tokens
-                   their clients have
+                   their clients have; the prefill that computed each prompt is asked to lend its KV,
+                   which the other decode reads (prompt_lent by the prefills, prompt_read by the
+                   surviving decodes; a read asserted at least once over the run)
+                   instead of recomputing the prompt (the tokens after it are recomputed)
   rolling-restart  the same for each decode node in turn (the restarted one first back in the pool)
   drain-decode     SIGTERM instead of SIGKILL: the node migrates its resumable streams live: each ends
                    (no [DONE]; pd:drain_handoffs_total) with a lease on its KV, pd-proxy resumes it on
@@ -159,10 +162,12 @@ class Load(ClientThreads):
             b.update(temperature=0.8, top_p=0.95, seed=rng.randint(0, 1 << 30), frequency_penalty=0.3)
         else:
             b["temperature"] = 0
-        structured = n % self.structured_every == 1  # its grammar goes with it to the node that resumes it
+        # its grammar goes with it to the node that resumes it; at least 256 items, so that it runs to
+        # max_tokens as the ignore_eos streams do (a stream ending as its node is killed breaks nothing)
+        structured = n % self.structured_every == 1
         if structured:
             b["response_format"] = {"type": "json_schema", "json_schema": {"name": "notes", "schema": {
-                "type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 60}}}
+                "type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 256}}}
         elif n % 4 != 3:
             b["ignore_eos"] = True
         if n % 5 == 4 and not structured:
@@ -373,7 +378,10 @@ def main():
                 # lets another decode read the KV): a retry, not a migration
                 retried0 = metric_sum(c.proxy.port, "pd_proxy:retries_total")
                 kv_before = metric_sum(c.proxy.port, "pd_proxy:kv_migrations_total")
+                LENT = 'pd_proxy:resume_prompt_lends_total{result="lent"}'
+                lent0 = metric_sum(c.proxy.port, LENT)
                 loads0 = {d.tag: (d.proc.pid, metric_sum(d.port, "pd:kv_transfers_failed_total")) for d in c.decodes}
+                reads0 = {d.tag: metric_sum(d.port, "pd:kv_prefix_fetches_total") for d in c.decodes}
                 pm0 = metrics(c.proxy.port)
                 loads_failed = sum(metric_sum(d.port, "pd:kv_transfers_failed_total") for d in c.decodes)
                 load.start()
@@ -445,6 +453,9 @@ def main():
                 # floor of the pause: the goal is pause p99 <= that + 2 ITL)
                 taker_failed = sum(metric_sum(d.port, "pd:kv_transfers_failed_total") - loads0[d.tag][1]
                                    for d in c.decodes if loads0[d.tag][0] == d.proc.pid)
+                # the prompts the surviving decodes read from a prefill's lend (resumed after a kill)
+                prompt_read = sum(metric_sum(d.port, "pd:kv_prefix_fetches_total") - reads0[d.tag]
+                                  for d in c.decodes if loads0[d.tag][0] == d.proc.pid)
                 mig_load = [0.0, 0.0]
                 for d in c.decodes:
                     pid, m0 = load_s0[d.tag]
@@ -459,6 +470,7 @@ def main():
                     "pd_proxy:migration_pause_seconds_" + k, 0)
                 res = dict(load.counts, kills=kills, migrations=int(migrated), retried=int(retried),
                            kv_moved=int(kv_moved), structured_moved=len(moved_ids & load.structured),
+                           prompt_lent=int(metric_sum(c.proxy.port, LENT) - lent0), prompt_read=int(prompt_read),
                            exit_s=round(max(exits), 2) if exits else "-",
                            pause_mean_ms=round(1e3 * pause("sum") / pause("count"), 1) if pause("count") else "-",
                            pause_p50_ms=round(1e3 * pct(pauses, 50), 1) if pauses else "-",
@@ -514,6 +526,10 @@ def main():
     moved = sum(r[3].get("structured_moved", 0) for r in rows if isinstance(r[3], dict))
     if rows and moved < 1:
         failed.append("no stream under a JSON Schema was resumed on another node: the grammar's move went untested")
+    read = sum(r[3].get("prompt_read", 0) for r in rows if isinstance(r[3], dict) and r[0] in ("kill-decode",
+                                                                                              "rolling-restart"))
+    if any(r[0] == "kill-decode" for r in rows) and read < 1:
+        failed.append("no stream resumed after a kill read its prompt's KV from its prefill (prompt_read)")
     return report("cell", rows, failed, tmp, "migration")
 
 

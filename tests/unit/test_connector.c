@@ -1588,7 +1588,8 @@ START_TEST(test_decode_engine_half_alone)
 END_TEST
 
 /* Peer-to-peer prefix fetch: which node takes which kv_transfer_params (a lend is any node's, pull
- * only; a kv_prefix a prefill's), and the fetch-or-compute model's arithmetic. */
+ * only; a kv_prefix a prefill's, or a decode's without a remote prefill: a stream resumed after its
+ * decode died), and the fetch-or-compute model's arithmetic. */
 START_TEST(test_prefix_fetch_params)
 {
     opts_t o = {"pull", "tcp", NULL, 0, 0, 0};
@@ -1609,6 +1610,7 @@ START_TEST(test_prefix_fetch_params)
         {"{\"do_remote_decode\": true, \"kv_prefix\": 7}", false, false},
         {"{\"do_remote_decode\": true, \"kv_lend\": true, \"kv_prefix\": {}}", false, false},
         {"{\"do_remote_prefill\": true, \"kv_prefix\": {}}", false, false},
+        {"{\"kv_prefix\": {\"remote_host\": \"127.0.0.1\"}}", true, true},
         {"{\"do_remote_decode\": true}", true, false},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
