@@ -22,6 +22,18 @@
 #define PD_GRAMMAR_MAX_ELEMS  (1u << 20)
 #define PD_GRAMMAR_MAX_REPEAT 10000
 
+/* A growing open-addressing table of uint32 ids keyed by 64-bit hashes (runtime.c's nodes and
+ * states, precompute.c's cut stacks); equal hashes are told apart by the caller's check. A slot is
+ * free when its id is GRAMMAR_ID_NONE; grow when count + 1 exceeds half of cap. */
+#define GRAMMAR_ID_NONE UINT32_MAX
+typedef struct grammar_idtab {
+    uint64_t *hash;
+    uint32_t *id;
+    uint32_t cap, count;
+} grammar_idtab_t;
+bool grammar_idtab_grow(grammar_idtab_t *t); /* doubles cap (1024 at first); false when out of memory */
+void grammar_idtab_free(grammar_idtab_t *t);
+
 typedef struct grammar_rt grammar_rt_t;             /* runtime.c */
 typedef struct grammar_pre grammar_pre_t;           /* precompute.c */
 typedef struct grammar_pre_walk grammar_pre_walk_t; /* one cut stack's, in a grammar_pre_t */

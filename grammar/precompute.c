@@ -37,7 +37,6 @@
 #define PRE_REFINE_UNC 64          /* opt->refine_over's default */
 
 struct grammar_pre_walk {
-    uint64_t hash;
     uint32_t pos[GRAMMAR_CUT_MAX_DEPTH];
     uint8_t n, open, kind, refined; /* refined: its cut stacks a frame deeper are in the table too */
     uint32_t *data;                 /* bits, or ids */
@@ -52,8 +51,7 @@ struct grammar_pre {
     uint64_t vocab_id;
     pre_walk_t *w;
     size_t n, cap;
-    uint32_t *slot; /* open addressing by hash: index + 1, 0 empty */
-    size_t n_slots;
+    grammar_idtab_t tab; /* hash → index in w */
     size_t bytes;
     bool full;       /* PRE_MAX_STACKS or the deadline reached while enumerating */
     double deadline; /* pd_time_now_s() past which the work stops (the budget) */
@@ -70,19 +68,15 @@ static uint64_t walk_hash(const uint32_t *pos, int n, bool open)
 
 static pre_walk_t *pre_find(const grammar_pre_t *p, uint64_t h, const uint32_t *pos, int n, bool open)
 {
-    if (p->n_slots == 0) {
-        return NULL;
-    }
-    for (size_t j = h & (p->n_slots - 1);; j = (j + 1) & (p->n_slots - 1)) {
-        uint32_t k = p->slot[j];
-        if (k == 0) {
-            return NULL;
-        }
-        pre_walk_t *w = &p->w[k - 1];
-        if (w->hash == h && w->n == n && w->open == open && memcmp(w->pos, pos, (size_t)n * 4) == 0) {
+    const grammar_idtab_t *t = &p->tab;
+    for (uint32_t j = t->cap ? (uint32_t)h & (t->cap - 1) : 0; t->cap && t->id[j] != GRAMMAR_ID_NONE;
+         j = (j + 1) & (t->cap - 1)) {
+        pre_walk_t *w = &p->w[t->id[j]];
+        if (t->hash[j] == h && w->n == n && w->open == open && memcmp(w->pos, pos, (size_t)n * 4) == 0) {
             return w;
         }
     }
+    return NULL;
 }
 
 /* Adds the (unwalked) cut stack to p unless it is there; false when out of memory. */
@@ -96,37 +90,23 @@ static bool pre_add(grammar_pre_t *p, const uint32_t *pos, int n, bool open)
         p->full = true; /* the ones enumerated are walked; the rest as generations meet them */
         return true;
     }
-    if ((p->n + 1) * 2 > p->n_slots) {
-        size_t ns = p->n_slots ? p->n_slots * 2 : 256;
-        uint32_t *slot = calloc(ns, sizeof(*slot));
-        if (slot == NULL) {
-            return false;
-        }
-        for (size_t i = 0; i < p->n; i++) {
-            size_t j = p->w[i].hash & (ns - 1);
-            while (slot[j] != 0) {
-                j = (j + 1) & (ns - 1);
-            }
-            slot[j] = (uint32_t)i + 1;
-        }
-        free(p->slot);
-        p->slot = slot;
-        p->n_slots = ns;
-    }
-    if (pd_array_reserve(&p->w, &p->cap, p->n + 1) != PD_OK) {
+    grammar_idtab_t *t = &p->tab;
+    if (((t->count + 1) * 2 > t->cap && !grammar_idtab_grow(t)) ||
+        pd_array_reserve(&p->w, &p->cap, p->n + 1) != PD_OK) {
         return false;
     }
     pre_walk_t *w = &p->w[p->n];
     memset(w, 0, sizeof(*w));
-    w->hash = h;
     memcpy(w->pos, pos, (size_t)n * 4);
     w->n = (uint8_t)n;
     w->open = open;
-    size_t j = h & (p->n_slots - 1);
-    while (p->slot[j] != 0) {
-        j = (j + 1) & (p->n_slots - 1);
+    uint32_t j = (uint32_t)h & (t->cap - 1);
+    while (t->id[j] != GRAMMAR_ID_NONE) {
+        j = (j + 1) & (t->cap - 1);
     }
-    p->slot[j] = (uint32_t)++p->n;
+    t->hash[j] = h;
+    t->id[j] = (uint32_t)p->n++;
+    t->count++;
     return true;
 }
 
@@ -142,7 +122,7 @@ typedef struct shape {
     uint32_t *below_off, *below; /* CSR: frames below rule r (PRE_EMPTY: the empty stack) */
     uint32_t *tail_off, *tail;   /* CSR: rules that end an alternative with a reference to r */
     uint32_t *seen, stamp;       /* [num_rules] a DFS's visit marks */
-    uint32_t *todo;              /* [num_rules] */
+    uint32_t *work;              /* [num_rules] */
 } shape_t;
 
 static void shape_free(shape_t *s)
@@ -151,7 +131,7 @@ static void shape_free(shape_t *s)
         return;
     }
     free(s->rule_of), free(s->reach), free(s->below_off), free(s->below), free(s->tail_off), free(s->tail);
-    free(s->seen), free(s->todo);
+    free(s->seen), free(s->work);
 }
 
 static bool shape_make(shape_t *s, const pd_grammar_t *g)
@@ -166,9 +146,9 @@ static bool shape_make(shape_t *s, const pd_grammar_t *g)
     s->below = malloc(((size_t)E + 2) * 4);
     s->tail = malloc(((size_t)E + 1) * 4);
     s->seen = calloc((size_t)R + 1, 4);
-    s->todo = malloc(((size_t)R + 1) * 4);
+    s->work = malloc(((size_t)R + 1) * 4);
     if (s->rule_of == NULL || s->reach == NULL || s->below_off == NULL || s->tail_off == NULL ||
-        s->below == NULL || s->tail == NULL || s->seen == NULL || s->todo == NULL) {
+        s->below == NULL || s->tail == NULL || s->seen == NULL || s->work == NULL) {
         return false;
     }
     for (uint32_t r = 0; r < R; r++) {
@@ -182,16 +162,16 @@ static bool shape_make(shape_t *s, const pd_grammar_t *g)
         }
     }
     size_t nt = 0;
-    s->todo[nt++] = g->root; /* the rules the root reaches */
+    s->work[nt++] = g->root; /* the rules the root reaches */
     s->reach[g->root] = 1;
     while (nt > 0) {
-        uint32_t r = s->todo[--nt];
+        uint32_t r = s->work[--nt];
         for (uint32_t a = g->rule_alt[r]; a < g->rule_alt[r + 1]; a++) {
             for (uint32_t p = g->alts[a]; g->elems[p] != GE_END; p++) {
                 uint32_t e = g->elems[p];
                 if (GE_IS_RULE(e) && !s->reach[GE_RULE_ID(e)]) {
                     s->reach[GE_RULE_ID(e)] = 1;
-                    s->todo[nt++] = GE_RULE_ID(e);
+                    s->work[nt++] = GE_RULE_ID(e);
                 }
             }
         }
@@ -243,10 +223,10 @@ static bool frames_below(shape_t *s, uint32_t r, uint32_t **out, size_t *n, size
     *n = 0;
     s->stamp++;
     size_t nt = 0;
-    s->todo[nt++] = r;
+    s->work[nt++] = r;
     s->seen[r] = s->stamp;
     while (nt > 0) {
-        uint32_t x = s->todo[--nt];
+        uint32_t x = s->work[--nt];
         size_t k = s->below_off[x + 1] - s->below_off[x];
         if (k > 0 && pd_array_reserve(out, cap, *n + k) != PD_OK) {
             return false;
@@ -259,7 +239,7 @@ static bool frames_below(shape_t *s, uint32_t r, uint32_t **out, size_t *n, size
             uint32_t y = s->tail[i];
             if (s->seen[y] != s->stamp) {
                 s->seen[y] = s->stamp;
-                s->todo[nt++] = y;
+                s->work[nt++] = y;
             }
         }
     }
@@ -387,7 +367,7 @@ static void pre_free(grammar_pre_t *p)
     }
     if (p != NULL) {
         free(p->w);
-        free(p->slot);
+        grammar_idtab_free(&p->tab);
         free(p);
     }
 }

@@ -45,14 +45,6 @@
 #define RT_OPEN        1u    /* the node standing for a cut-off rest of a stack */
 #define RT_TRUNC_SLOTS 256   /* cached walks of cut stacks */
 
-/* A growing open-addressing table of uint32 ids keyed by 64-bit hashes; equal hashes are told
- * apart by the caller's check. */
-typedef struct idtab {
-    uint64_t *hash;
-    uint32_t *id;
-    uint32_t cap, count;
-} idtab_t;
-
 struct grammar_rt {
     uint32_t epoch;
     uint32_t start; /* the start state */
@@ -60,7 +52,7 @@ struct grammar_rt {
     uint32_t *npos, *npar, *clos_off, *clos_len;
     uint8_t *busy;
     size_t n_nodes, cap_nodes, cap_npar, cap_off, cap_len, cap_busy;
-    idtab_t node_tab;
+    grammar_idtab_t node_tab;
     uint32_t *clos; /* closures' node lists */
     size_t n_clos, cap_clos;
     /* states (0: dead) */
@@ -71,7 +63,7 @@ struct grammar_rt {
     size_t n_states, cap_soff, cap_slen, cap_mslot, cap_flags, cap_tslot;
     uint32_t *set_nodes;
     size_t n_set_nodes, cap_set_nodes;
-    idtab_t state_tab;
+    grammar_idtab_t state_tab;
     uint32_t **dense; /* [state] its transitions by byte (RT_NONE: not known yet), made at its first */
     size_t cap_dense, n_dense;
     uint32_t *tmp;
@@ -114,7 +106,7 @@ static uint64_t mix64(uint64_t x)
     return x ^ (x >> 33);
 }
 
-static bool idtab_grow(idtab_t *t)
+bool grammar_idtab_grow(grammar_idtab_t *t)
 {
     uint32_t cap = t->cap ? t->cap * 2 : 1024;
     uint64_t *h = calloc(cap, sizeof(*h));
@@ -126,9 +118,9 @@ static bool idtab_grow(idtab_t *t)
     }
     memset(id, 0xff, (size_t)cap * sizeof(*id));
     for (uint32_t i = 0; i < t->cap; i++) {
-        if (t->id[i] != RT_NONE) {
+        if (t->id[i] != GRAMMAR_ID_NONE) {
             uint32_t j = (uint32_t)t->hash[i] & (cap - 1);
-            while (id[j] != RT_NONE) {
+            while (id[j] != GRAMMAR_ID_NONE) {
                 j = (j + 1) & (cap - 1);
             }
             h[j] = t->hash[i];
@@ -143,7 +135,7 @@ static bool idtab_grow(idtab_t *t)
     return true;
 }
 
-static void idtab_free(idtab_t *t)
+void grammar_idtab_free(grammar_idtab_t *t)
 {
     free(t->hash);
     free(t->id);
@@ -166,8 +158,8 @@ static void rt_clear(grammar_rt_t *rt)
     }
     free(rt->unc);
     free(rt->scratch);
-    idtab_free(&rt->node_tab);
-    idtab_free(&rt->state_tab);
+    grammar_idtab_free(&rt->node_tab);
+    grammar_idtab_free(&rt->state_tab);
     for (size_t i = 0; i < rt->n_states && rt->dense != NULL; i++) {
         free(rt->dense[i]);
     }
@@ -199,7 +191,7 @@ size_t grammar_rt_bytes(const grammar_rt_t *rt)
 static uint32_t node_get(grammar_rt_t *rt, uint32_t pos, uint32_t par)
 {
     uint64_t key = (uint64_t)pos << 32 | par, h = mix64(key);
-    idtab_t *t = &rt->node_tab;
+    grammar_idtab_t *t = &rt->node_tab;
     uint32_t j = t->cap ? (uint32_t)h & (t->cap - 1) : 0;
     for (; t->cap && t->id[j] != RT_NONE; j = (j + 1) & (t->cap - 1)) {
         uint32_t n = t->id[j];
@@ -208,7 +200,7 @@ static uint32_t node_get(grammar_rt_t *rt, uint32_t pos, uint32_t par)
         }
     }
     if ((t->count + 1) * 2 > t->cap) {
-        if (!idtab_grow(t)) {
+        if (!grammar_idtab_grow(t)) {
             rt->failed = true;
             return RT_NONE;
         }
@@ -332,8 +324,8 @@ static uint32_t state_get(grammar_rt_t *rt, const uint32_t *v, size_t n)
         return 0;
     }
     uint64_t h = pd_hash64(v, n * sizeof(*v), 0);
-    idtab_t *t = &rt->state_tab;
-    if ((t->count + 1) * 2 > t->cap && !idtab_grow(t)) {
+    grammar_idtab_t *t = &rt->state_tab;
+    if ((t->count + 1) * 2 > t->cap && !grammar_idtab_grow(t)) {
         rt->failed = true;
         return RT_NONE;
     }

@@ -163,28 +163,12 @@ bool px_fetch_resume(preq_t *q)
     if (body == NULL) {
         return false;
     }
-    json_object_set_new(body, "max_tokens", json_integer(1));
-    json_object_set_new(body, "stream", json_false());
-    static const char *drop[] = {"max_completion_tokens",
-                                 "stream_options",
-                                 "logprobs",
-                                 "top_logprobs",
-                                 "min_tokens",
-                                 "n",
-                                 "echo",
-                                 "prompt_logprobs",
-                                 "resume_token_ids",
-                                 "response_format",
-                                 "structured_outputs",
-                                 "guided_json",
-                                 "guided_regex",
-                                 "guided_choice",
-                                 "guided_grammar"};
+    px_one_token_body(body);
+    static const char *drop[] = {
+        "echo",        "prompt_logprobs", "resume_token_ids", "response_format", "structured_outputs",
+        "guided_json", "guided_regex",    "guided_choice",    "guided_grammar"};
     for (size_t i = 0; i < sizeof(drop) / sizeof(drop[0]); i++) {
         json_object_del(body, drop[i]);
-    }
-    if (json_object_get(body, "tools") != NULL) {
-        json_object_set_new(body, "tool_choice", json_string("none")); /* the same prompt, no parser */
     }
     snprintf(q->lend_id, sizeof(q->lend_id), "%s-rlend%d", q->transfer_id, q->migrations);
     int bs = px->kv_block_size > 0 ? px->kv_block_size : 1;

@@ -171,6 +171,9 @@ bool px_post_release(proxy_t *px, node_t *n, const char *auth, const json_t *bod
 void px_start_decode(preq_t *q);
 /* Sends the prefill leg; false when q ended (and was freed) instead. */
 bool px_start_prefill(preq_t *q);
+/* The client's body made a prefill leg's one-token request (no stream, logprobs, n or min_tokens;
+ * tool_choice none where the decode reads tool calls: the same prompt). */
+void px_one_token_body(json_t *body);
 /* Sends q's prefill leg to q->p (chosen by px_start_prefill); false when q ended instead. */
 bool px_send_prefill(preq_t *q);
 /* kv_fetch.c: asks a node holding a longer prefix of q's prompt than q->p to lend it; true when the

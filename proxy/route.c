@@ -43,6 +43,22 @@ static bool reads_tool_calls(const json_t *body)
            !(json_is_string(tc) && strcmp(json_string_value(tc), "none") == 0);
 }
 
+void px_one_token_body(json_t *body)
+{
+    json_object_set_new(body, "max_tokens", json_integer(1));
+    json_object_del(body, "max_completion_tokens");
+    json_object_set_new(body, "stream", json_false());
+    if (reads_tool_calls(body)) { /* its one token is no reply: only a decode needs a tool-call parser
+                                   * (the tools render the same prompt either way) */
+        json_object_set_new(body, "tool_choice", json_string("none"));
+    }
+    json_object_del(body, "stream_options");
+    json_object_del(body, "logprobs");
+    json_object_del(body, "top_logprobs");
+    json_object_del(body, "min_tokens"); /* the prefill's one token; the decode applies it */
+    json_object_del(body, "n");          /* one KV for the decode's choices to share */
+}
+
 static void reply_json(struct evhttp_request *req, int status, json_t *body)
 {
     char *text = json_dumps(body, JSON_COMPACT);
@@ -490,19 +506,8 @@ bool px_send_prefill(preq_t *q)
          * token unless that token ends it, and the decode goes on from it */
         json_object_set_new(ktp, "first_token", json_true());
     } else {
-        json_object_set_new(body, "max_tokens", json_integer(1));
-        json_object_del(body, "max_completion_tokens");
-        json_object_set_new(body, "stream", json_false());
-        if (reads_tool_calls(body)) { /* its one token is no reply: only a decode needs a tool-call parser
-                                       * (the tools render the same prompt either way) */
-            json_object_set_new(body, "tool_choice", json_string("none"));
-        }
-        json_object_del(body, "stream_options");
-        json_object_del(body, "logprobs");
-        json_object_del(body, "top_logprobs");
-        json_object_del(body, "min_tokens"); /* the prefill's one token; the decode applies it */
-        json_object_del(body, "n");          /* one KV for the decode's choices to share */
-        px_plp_add(q, body);                 /* the prompt is scored where it is computed */
+        px_one_token_body(body);
+        px_plp_add(q, body); /* the prompt is scored where it is computed */
     }
     /* the mode is always named: a node's own default may differ from the proxy's choice (the pool's
      * mode is unknown until a prefill's /pd/info answers, and then this request goes as pull) */
