@@ -53,9 +53,11 @@ bench: build
 
 # every fault × transfer mode × pipe under load (tests/faults/run_faults.py; a short subset is in `make check`),
 # then again with kv-aware routing and local prefills under 48 tokens; then migration (decodes killed,
-# restarted one by one and drained, a prefill drained: tests/faults/run_migration.py) on every pipe
+# restarted one by one and drained, a prefill drained: tests/faults/run_migration.py) on every pipe, and at
+# the issue's long shapes with --batch-invariant nodes, where every answer must equal pd-serve's exactly
 faults: build
 	python3 tests/faults/run_migration.py $(BUILD_DIR)/bin
+	python3 tests/faults/run_migration.py $(BUILD_DIR)/bin --long --modes pull:tcp,push:ucx --rounds 1 --node-args=--batch-invariant
 	python3 tests/faults/run_faults.py $(BUILD_DIR)/bin $(FAULTS_ARGS)
 	python3 tests/faults/run_faults.py $(BUILD_DIR)/bin --conditional 48 $(FAULTS_ARGS)
 	python3 tests/faults/run_faults.py $(BUILD_DIR)/bin --p2p $(FAULTS_ARGS)

@@ -27,6 +27,8 @@ typedef struct pd_engine_config {
     const char *device;           /* "cpu" */
     const char *matmul_precision; /* fp32 | tf32 | bf16 | fp16 (--matmul-precision) */
     const char *cpu_isa;          /* --cpu-isa: auto (PD_CPU_ISA or none) | portable | ... | amx */
+    bool batch_invariant;         /* --batch-invariant (or PD_BATCH_INVARIANT=1): kernels chosen so a
+                                   * request's bits do not depend on its batch or chunking (CPU) */
     int threads;                  /* 0 = all cores */
     int block_size;
     int max_num_seqs;

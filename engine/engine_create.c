@@ -27,6 +27,8 @@ void pd_engine_config_defaults(pd_engine_config_t *c)
     c->device = "auto";
     c->matmul_precision = "fp32";
     c->cpu_isa = "auto";
+    const char *inv = getenv("PD_BATCH_INVARIANT"); /* vLLM's VLLM_BATCH_INVARIANT=1 */
+    c->batch_invariant = inv != NULL && *inv != '\0' && strcmp(inv, "0") != 0;
     c->block_size = 16;
     c->max_num_seqs = 64;
     c->max_num_batched_tokens = 2048;
@@ -74,6 +76,12 @@ size_t pd_engine_flags(pd_engine_config_t *c, pd_flag_t *out, size_t max)
          "input rounding of matmuls, fp32 accumulate (cuda: tensor-core modes; cpu: fp32, or bf16 with "
          "bf16 weights, through oneDNN)",
          "fp32|tf32|bf16|fp16"},
+        {"batch-invariant", PD_FLAG_BOOL, &c->batch_invariant,
+         "the same bits for a request whatever else is in its batch and however its prompt is chunked: "
+         "prefill and decode, pd-serve and P/D, a stream resumed elsewhere (vLLM's VLLM_BATCH_INVARIANT; "
+         "also PD_BATCH_INVARIANT=1). Every matmul row through one kernel at every row count, every query's "
+         "attention as a decode step's; slower prefill (bench/RESULTS.md). CPU only",
+         NULL},
         {"tensor-parallel-size", PD_FLAG_INT, &c->tensor_parallel_size,
          "vLLM's flag; an engine runs on one device: only 1 is accepted", NULL},
         {"Memory and KV cache", PD_FLAG_GROUP, NULL, NULL, NULL},
@@ -192,6 +200,18 @@ static pd_status_t open_backend(pd_engine_t *e)
                               : strcmp(mp, "fp16") == 0 ? PD_MATMUL_FP16
                               : strcmp(mp, "tf32") == 0 ? PD_MATMUL_TF32
                                                         : PD_MATMUL_FP32;
+    if (cfg->batch_invariant && !e->be->host_memory) {
+        pd_log_error("engine: --batch-invariant is not available on the %s backend (its kernels choose by "
+                     "batch size; the CPU backends only)",
+                     device);
+        return PD_ERR_UNSUPPORTED;
+    }
+    e->be->batch_invariant = cfg->batch_invariant;
+    if (cfg->batch_invariant) {
+        pd_log_info("engine: --batch-invariant: every matmul row through one kernel at any row count, every "
+                    "query's attention as a decode step's: a request's bits do not depend on its batch or "
+                    "its prompt's chunks");
+    }
     if (e->be->host_memory &&
         (e->be->matmul_precision == PD_MATMUL_TF32 || e->be->matmul_precision == PD_MATMUL_FP16)) {
         pd_log_error("engine: --matmul-precision %s is not available on the %s backend (fp32, or bf16 "

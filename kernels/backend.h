@@ -211,6 +211,10 @@ struct pd_backend {
      * where it does not */
     bool bf16_math_native;
     pd_matmul_precision_t matmul_precision; /* set before the first op; the CPU backend is always fp32 */
+    /* --batch-invariant (set before the first op): every op gives a row, a query, a token the same bits
+     * whatever else is in its batch, however its prompt was chunked, prefill or decode (the CPU
+     * backends; cuda refuses it) */
+    bool batch_invariant;
     size_t memory_bytes; /* the device's memory the engine plans weights + KV in (0: host RAM, the CPU) */
     size_t bytes_in_use; /* allocator accounting, for memory profiling */
     size_t bytes_peak;

@@ -497,10 +497,17 @@ static pd_status_t attn_run(pd_backend_t *be, float *out, const float *q, const 
     return (pd_status_t)failed;
 }
 
+static pd_status_t attn_prefill_as_decode(pd_backend_t *be, float *out, const float *q,
+                                          const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
+                                          float scale);
+
 pd_status_t pd_cpu_paged_attention_prefill(pd_backend_t *be, float *out, const float *q,
                                            const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
                                            float scale)
 {
+    if (be->batch_invariant) {
+        return attn_prefill_as_decode(be, out, q, kv, meta, num_heads, scale);
+    }
     return attn_run(be, out, q, kv, meta, num_heads, scale);
 }
 
@@ -692,6 +699,9 @@ pd_status_t pd_cpu_paged_attention_decode(pd_backend_t *be, float *out, const fl
     int64_t want_items = 4 * (int64_t)be->num_threads;
     int64_t per_part = total_blocks / want_items;
     per_part = per_part < 8 ? 8 : per_part;
+    if (be->batch_invariant) { /* partitions fixed by position, not by the batch's total */
+        per_part = PD_ATTN_INV_PART_BLOCKS;
+    }
     size_t n_items = 0;
     for (int s = 0; s < S; s++) {
         int64_t pos = meta->seq_lens[s] - 1;
@@ -777,4 +787,54 @@ pd_status_t pd_cpu_paged_attention_decode(pd_backend_t *be, float *out, const fl
     }
     free(items), free(first_item), free(parts), free(scratch);
     return PD_OK;
+}
+
+/* --batch-invariant: every query of a prefill chunk is attended as a decode step attends a sequence's
+ * one new token at that position (each query a sequence of its own, its context its position + 1,
+ * its sequence's block table): the same items of PD_ATTN_INV_PART_BLOCKS blocks, the same kernel and
+ * merge, so a token's attention has the same bits in a prefill chunk of any size and split, in a
+ * decode step, or beside any other sequences (vLLM's batch-invariant mode, by construction rather
+ * than by a second kernel). The keys of the chunk are in the cache already (reshape_and_cache runs
+ * first). Costs a read of a query's keys per query instead of per tile of queries. */
+static pd_status_t attn_prefill_as_decode(pd_backend_t *be, float *out, const float *q,
+                                          const pd_kv_view_t *kv, const pd_attn_meta_t *meta, int num_heads,
+                                          float scale)
+{
+    pd_status_t st = pd_cpu_attn_validate(kv, meta, num_heads, 0);
+    if (st != PD_OK || meta->num_tokens == 0) {
+        return st;
+    }
+    const int T = meta->num_tokens, bs = kv->block_size;
+    int64_t nb = 1;
+    for (int s = 0; s < meta->num_seqs; s++) {
+        int64_t b = pd_blocks_for_tokens(meta->seq_lens[s], bs);
+        nb = b > nb ? b : nb;
+    }
+    int32_t *cu = malloc((size_t)(T + 1) * sizeof(int32_t)), *lens = malloc((size_t)T * sizeof(int32_t));
+    int32_t *tables = malloc((size_t)T * (size_t)nb * sizeof(int32_t));
+    if (cu == NULL || lens == NULL || tables == NULL) {
+        free(cu), free(lens), free(tables);
+        pd_log_error("attention: cannot allocate per-query tables for %d queries", T);
+        return PD_ERR_NO_MEMORY;
+    }
+    for (int s = 0; s < meta->num_seqs; s++) {
+        int q0 = meta->cu_seqlens_q[s], q_len = meta->cu_seqlens_q[s + 1] - q0;
+        for (int i = 0; i < q_len; i++) {
+            int t = q0 + i;
+            cu[t] = t;
+            lens[t] = (int32_t)pd_query_pos(meta->seq_lens[s], q_len, i) + 1;
+            memcpy(tables + (size_t)t * nb, meta->block_tables + (size_t)s * meta->max_blocks_per_seq,
+                   (size_t)pd_blocks_for_tokens(lens[t], bs) * sizeof(int32_t));
+        }
+    }
+    cu[T] = T;
+    pd_attn_meta_t dm = *meta;
+    dm.num_seqs = T;
+    dm.cu_seqlens_q = cu;
+    dm.seq_lens = lens;
+    dm.block_tables = tables;
+    dm.max_blocks_per_seq = (int32_t)nb;
+    st = pd_cpu_paged_attention_decode(be, out, q, kv, &dm, num_heads, scale);
+    free(cu), free(lens), free(tables);
+    return st;
 }

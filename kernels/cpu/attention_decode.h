@@ -14,6 +14,9 @@
 #define PD_ATTN_MAX_HEAD  256 /* head sizes the vector kernel handles (multiples of 8) */
 #define PD_ATTN_MAX_GROUP 16  /* query heads per kv head */
 #define PD_ATTN_MAX_BLOCK 256 /* tokens per block */
+/* --batch-invariant: blocks per decode partition, whatever the batch (otherwise the batch's total
+ * blocks over 4 items per thread, at least 8) */
+#define PD_ATTN_INV_PART_BLOCKS 8
 
 /* A contiguous range of one sequence's blocks, all heads. */
 typedef struct pd_attn_decode_item {

@@ -365,7 +365,8 @@ static pd_status_t matmul_tail(pd_backend_t *be, float *y, const float *x, pd_we
     bool gemv = kind == TAIL_GEMV_X86 || kind == TAIL_GEMV;
     int tile_rows = tile_rows_for(m, k);
     float *tiles = NULL, *xp = NULL;
-    size_t xp_floats = kind == TAIL_GEMV_X86 ? pd_cpu_gemv_lowp_scratch(w.dtype, m, k) : 0;
+    bool inv = be->batch_invariant;
+    size_t xp_floats = kind == TAIL_GEMV_X86 ? pd_cpu_gemv_lowp_scratch(w.dtype, m, k, inv) : 0;
     if (kind == TAIL_TILES) {
         tiles = malloc((size_t)nt * tile_rows * k * sizeof(float));
         if (tiles == NULL) {
@@ -378,7 +379,7 @@ static pd_status_t matmul_tail(pd_backend_t *be, float *y, const float *x, pd_we
             pd_log_error("matmul: cannot allocate %zu floats of GEMV scratch", xp_floats);
             return PD_ERR_NO_MEMORY;
         }
-        pd_cpu_gemv_lowp_prepare(xp, x, w.dtype, m, k);
+        pd_cpu_gemv_lowp_prepare(xp, x, w.dtype, m, k, inv);
     }
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int t = 0; t < nt; t++) {
@@ -387,7 +388,7 @@ static pd_status_t matmul_tail(pd_backend_t *be, float *y, const float *x, pd_we
             continue;
         }
         if (gemv) {
-            pd_cpu_gemv_lowp(y, x, xp, w, bias, m, n, k, n0, n1, kind == TAIL_GEMV_X86);
+            pd_cpu_gemv_lowp(y, x, xp, w, bias, m, n, k, n0, n1, kind == TAIL_GEMV_X86, inv);
             continue;
         }
         float beta = bias_into(y, bias, m, n, n0, n1);
@@ -522,6 +523,8 @@ static pd_status_t bf16_gemv(pd_backend_t *be, float *y, const float *x, pd_weig
 /* The first entry of the table (below) that serves the call in fp32 or bf16 math. */
 static const pd_cpu_matmul_variant_t *choose(bool bf16_math, const pd_backend_t *be, const pd_weight_t *w,
                                              int m, int n, int k);
+static pd_status_t run_variant(const pd_cpu_matmul_variant_t *v, pd_backend_t *be, float *y, const float *x,
+                               pd_weight_t w, const float *bias, int m, int n, int k);
 
 /* --matmul-precision bf16 anywhere else: x rounded to bf16, then the fp32-math part of the table on
  * the rounded x (it computes the same exact products: where oneDNN would emulate bf16 — no
@@ -535,7 +538,7 @@ static pd_status_t bf16_via_fp32(pd_backend_t *be, float *y, const float *x, pd_
     if (xr != NULL) {
         pd_cpu_widen(xr, xb, PD_DTYPE_BF16, (int64_t)m * k);
         const pd_cpu_matmul_variant_t *v = choose(false, be, &w, m, n, k);
-        st = v != NULL ? v->run(be, y, xr, w, bias, m, n, k) : PD_ERR_UNSUPPORTED;
+        st = v != NULL ? run_variant(v, be, y, xr, w, bias, m, n, k) : PD_ERR_UNSUPPORTED;
     } else {
         pd_log_error("matmul: cannot allocate %d x %d rounded inputs", m, k);
     }
@@ -679,37 +682,37 @@ static bool dnnl_bf16(void)
 
 const pd_cpu_matmul_variant_t pd_cpu_matmul_variants[] = {
     /* fp32 math */
-    {"amx_x3", PD_ISA_AMX, false, NULL, s_amx_x3, matmul_amx_x3,
+    {"amx_x3", PD_ISA_AMX, false, NULL, s_amx_x3, matmul_amx_x3, 0,
      "blocked bf16 from 32 rows, blocked int8 above 64: x in three exact bf16 parts on AMX tiles"},
-    {"blocked_outer", PD_ISA_AVX512, false, NULL, s_blocked_outer, run_blocked_outer,
+    {"blocked_outer", PD_ISA_AVX512, false, NULL, s_blocked_outer, run_blocked_outer, PD_BF16P_MAX_M,
      "blocked bf16/int8/fp32 up to 64 rows: the layouts' outer-product kernels"},
-    {"blocked_tiles", PD_ISA_AVX512, false, NULL, s_blocked_tiles, run_blocked_tiles,
+    {"blocked_tiles", PD_ISA_AVX512, false, NULL, s_blocked_tiles, run_blocked_tiles, 0,
      "blocked bf16/int8/fp32, any rows: blocks widened into transposed fp32 tiles + sgemm"},
-    {"bf16x3_dnnl", PD_ISA_AMX, false, dnnl_amx, s_bf16x3_dnnl, run_bf16x3_dnnl,
+    {"bf16x3_dnnl", PD_ISA_AMX, false, dnnl_amx, s_bf16x3_dnnl, run_bf16x3_dnnl, 0,
      "row-major bf16, 24..64 rows of >= 4 M weights: x in three bf16 parts through oneDNN on AMX"},
-    {"w_x512", PD_ISA_AVX512, false, NULL, s_w_x512, matmul_w_x512,
+    {"w_x512", PD_ISA_AVX512, false, NULL, s_w_x512, matmul_w_x512, 0,
      "row-major bf16/fp32, 2..64 rows: register-blocked, widened in registers"},
-    {"bf16x3_gemv", PD_ISA_AVX512_BF16, false, NULL, s_bf16x3_gemv, run_bf16x3_gemv,
+    {"bf16x3_gemv", PD_ISA_AVX512_BF16, false, NULL, s_bf16x3_gemv, run_bf16x3_gemv, PD_BF16X3_MAX_M,
      "row-major bf16 up to 10 rows: x in three exact bf16 parts through the vdpbf16ps GEMV"},
-    {"lowp_gemv_avx2", PD_ISA_AVX2, false, NULL, s_lowp_gemv, run_lowp_gemv_x86,
+    {"lowp_gemv_avx2", PD_ISA_AVX2, false, NULL, s_lowp_gemv, run_lowp_gemv_x86, PD_LOWP_GEMV_MAX_M,
      "row-major bf16/fp16/int8 up to 8 rows: the GEMV widening in AVX2 registers"},
-    {"lowp_gemv", PD_ISA_PORTABLE, false, NULL, s_lowp_gemv, run_lowp_gemv,
+    {"lowp_gemv", PD_ISA_PORTABLE, false, NULL, s_lowp_gemv, run_lowp_gemv, PD_LOWP_GEMV_MAX_M,
      "row-major bf16/fp16/int8 up to 8 rows: the portable GEMV"},
-    {"lowp_tiles", PD_ISA_PORTABLE, false, NULL, s_lowp_tiles, run_lowp_tiles,
+    {"lowp_tiles", PD_ISA_PORTABLE, false, NULL, s_lowp_tiles, run_lowp_tiles, 0,
      "row-major bf16/fp16/int8, any rows: tiles widened into fp32 + sgemm"},
-    {"f32_blas", PD_ISA_PORTABLE, false, NULL, s_f32_blas, run_f32_blas,
+    {"f32_blas", PD_ISA_PORTABLE, false, NULL, s_f32_blas, run_f32_blas, 1,
      "row-major fp32, any rows: OpenBLAS sgemv/sgemm"},
     /* bf16 math (--matmul-precision bf16 on bf16 weights) */
-    {"bf16_dot", PD_ISA_AVX512_BF16, true, NULL, s_bf16_dot, matmul_bf16_dot,
+    {"bf16_dot", PD_ISA_AVX512_BF16, true, NULL, s_bf16_dot, matmul_bf16_dot, 0,
      "blocked bf16, k % 32 == 0, up to the GEMV's rows (32; 16 with AMX) or not in whole AMX blocks: "
      "vdpbf16ps"},
-    {"bf16_amx", PD_ISA_AMX, true, NULL, s_bf16_amx, bf16_amx,
+    {"bf16_amx", PD_ISA_AMX, true, NULL, s_bf16_amx, bf16_amx, 0,
      "blocked bf16 in whole AMX blocks from 17 rows: AMX"},
-    {"bf16_dnnl", PD_ISA_AVX512_BF16, true, dnnl_bf16, s_bf16_dnnl, bf16_dnnl,
+    {"bf16_dnnl", PD_ISA_AVX512_BF16, true, dnnl_bf16, s_bf16_dnnl, bf16_dnnl, 0,
      "row-major or whole-block bf16 above the GEMV's rows: oneDNN"},
-    {"bf16_gemv", PD_ISA_AVX512_BF16, true, NULL, s_bf16_gemv, bf16_gemv,
+    {"bf16_gemv", PD_ISA_AVX512_BF16, true, NULL, s_bf16_gemv, bf16_gemv, 0,
      "row-major bf16 up to the GEMV's rows: the vdpbf16ps GEMV"},
-    {"bf16_via_fp32", PD_ISA_PORTABLE, true, NULL, s_any, bf16_via_fp32,
+    {"bf16_via_fp32", PD_ISA_PORTABLE, true, NULL, s_any, bf16_via_fp32, PD_INV_ROWS_ANY,
      "any bf16: x rounded to bf16, then the fp32-math entries"},
 };
 const int pd_cpu_num_matmul_variants =
@@ -725,11 +728,31 @@ static const pd_cpu_matmul_variant_t *choose(bool bf16_math, const pd_backend_t 
 {
     for (int i = 0; i < pd_cpu_num_matmul_variants; i++) {
         const pd_cpu_matmul_variant_t *v = &pd_cpu_matmul_variants[i];
-        if (v->bf16_math == bf16_math && v->serves(be, w, m, n, k) && pd_cpu_matmul_variant_usable(v)) {
+        if (v->bf16_math != bf16_math || !pd_cpu_matmul_variant_usable(v)) {
+            continue;
+        }
+        if (be->batch_invariant ? v->inv_rows > 0 && v->serves(be, w, 1, n, k) &&
+                                      v->serves(be, w, v->inv_rows < 256 ? v->inv_rows : 256, n, k)
+                                : v->serves(be, w, m, n, k)) {
             return v;
         }
     }
     return NULL;
+}
+
+/* v on m rows; under be->batch_invariant at most v->inv_rows rows a call, so every row is computed as
+ * it is alone (the chunks run one after another, each on every thread). */
+static pd_status_t run_variant(const pd_cpu_matmul_variant_t *v, pd_backend_t *be, float *y, const float *x,
+                               pd_weight_t w, const float *bias, int m, int n, int k)
+{
+    if (!be->batch_invariant || m <= v->inv_rows) {
+        return v->run(be, y, x, w, bias, m, n, k);
+    }
+    for (int i = 0; i < m; i += v->inv_rows) {
+        int r = m - i < v->inv_rows ? m - i : v->inv_rows;
+        PD_TRY(v->run(be, y + (size_t)i * n, x + (size_t)i * k, w, bias, r, n, k));
+    }
+    return PD_OK;
 }
 
 const pd_cpu_matmul_variant_t *pd_cpu_matmul_choose(const pd_backend_t *be, const pd_weight_t *w, int m,
@@ -750,5 +773,5 @@ pd_status_t pd_cpu_matmul(pd_backend_t *be, float *y, const float *x, pd_weight_
                      (int)w.dtype, (int)w.layout, m, n, k);
         return PD_ERR_UNSUPPORTED;
     }
-    return v->run(be, y, x, w, bias, m, n, k);
+    return run_variant(v, be, y, x, w, bias, m, n, k);
 }

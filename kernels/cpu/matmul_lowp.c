@@ -46,16 +46,16 @@ void pd_cpu_widen_rows(float *dst, pd_weight_t w, int64_t row0, int64_t rows, in
     }
 }
 
-size_t pd_cpu_gemv_lowp_scratch(pd_dtype_t dt, int m, int k)
+size_t pd_cpu_gemv_lowp_scratch(pd_dtype_t dt, int m, int k, bool invariant)
 {
-    return pd_cpu_gemv_lowp_x86_wants_xp(dt, m) ? (size_t)m * k : 0;
+    return pd_cpu_gemv_lowp_x86_wants_xp(dt, m, invariant) ? (size_t)m * k : 0;
 }
 
 /* The x86 bf16 GEMV's order: each group of 16 floats of a row as its 8 even then its 8 odd
  * elements (the lanes a 256-bit load of 16 bf16 weights widens into); the k % 16 tail is unused. */
-void pd_cpu_gemv_lowp_prepare(float *xp, const float *x, pd_dtype_t dt, int m, int k)
+void pd_cpu_gemv_lowp_prepare(float *xp, const float *x, pd_dtype_t dt, int m, int k, bool invariant)
 {
-    if (pd_cpu_gemv_lowp_scratch(dt, m, k) == 0) {
+    if (pd_cpu_gemv_lowp_scratch(dt, m, k, invariant) == 0) {
         return;
     }
     for (int i = 0; i < m; i++) {
@@ -71,10 +71,10 @@ void pd_cpu_gemv_lowp_prepare(float *xp, const float *x, pd_dtype_t dt, int m, i
 }
 
 void pd_cpu_gemv_lowp(float *y, const float *x, const float *xp, pd_weight_t w, const float *bias, int m,
-                      int n, int k, int n0, int n1, bool x86)
+                      int n, int k, int n0, int n1, bool x86, bool invariant)
 {
     if (x86) {
-        pd_cpu_gemv_lowp_x86(y, x, xp, w, bias, m, n, k, n0, n1);
+        pd_cpu_gemv_lowp_x86(y, x, xp, w, bias, m, n, k, n0, n1, invariant);
         return;
     }
     for (int i = 0; i < m; i++) {

@@ -29,23 +29,25 @@ static inline void pd_cpu_widen(float *dst, const void *src, pd_dtype_t dt, int6
 }
 
 /* Floats of scratch the x86 GEMV needs for x (0: none), and filling it from x[m][k] — once per
- * matmul, before the threads split the columns. */
-size_t pd_cpu_gemv_lowp_scratch(pd_dtype_t dt, int m, int k);
-void pd_cpu_gemv_lowp_prepare(float *xp, const float *x, pd_dtype_t dt, int m, int k);
+ * matmul, before the threads split the columns. invariant (--batch-invariant): every row of x goes
+ * through the same arithmetic as the first row of a pair (no one-row kernel, no split chains), so a
+ * row comes out bitwise as it does alone or in any batch. */
+size_t pd_cpu_gemv_lowp_scratch(pd_dtype_t dt, int m, int k, bool invariant);
+void pd_cpu_gemv_lowp_prepare(float *xp, const float *x, pd_dtype_t dt, int m, int k, bool invariant);
 
 /* y[i][j] = bias[j] + Σ_p x[i][p] · w[j][p] for i < m, j in [n0, n1) (y is [m][n], x [m][k],
  * w [n][k] of a 16-bit or int8 dtype, bias may be NULL; xp the prepared scratch). x86: the AVX2
  * version (the caller checked pd_cpu_lowp_x86_usable: the matmul variant table), else portable C. */
 void pd_cpu_gemv_lowp(float *y, const float *x, const float *xp, pd_weight_t w, const float *bias, int m,
-                      int n, int k, int n0, int n1, bool x86);
+                      int n, int k, int n0, int n1, bool x86, bool invariant);
 
 /* The x86 versions (matmul_lowp_x86.c), usable when the CPU has AVX2, FMA and F16C. */
 int pd_cpu_lowp_x86_usable(void);
 void pd_cpu_widen_x86(float *dst, const void *src, pd_dtype_t dt, size_t n, float scale);
 void pd_cpu_gemv_lowp_x86(float *y, const float *x, const float *xp, pd_weight_t w, const float *bias, int m,
-                          int n, int k, int n0, int n1);
+                          int n, int k, int n0, int n1, bool invariant);
 /* Whether the x86 GEMV for dt at m rows reads the permuted copy of x (the AVX2 bf16 path). */
-int pd_cpu_gemv_lowp_x86_wants_xp(pd_dtype_t dt, int m);
+int pd_cpu_gemv_lowp_x86_wants_xp(pd_dtype_t dt, int m, bool invariant);
 
 /* fp32 math on bf16 weights widened in AVX-512 registers (matmul_bf16w_x512.c), for up to
  * PD_BF16W_X512_MAX_M rows of x on a CPU with AVX-512 F/BW/VL (2 threads, 8192 × 1536 from L3:

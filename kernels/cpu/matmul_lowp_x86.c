@@ -118,7 +118,7 @@ X86_INLINE void widen16_eo(const uint16_t *p, __m256 *even, __m256 *odd)
 }
 
 X86_INLINE void block4_bf16(float *y, const float *x, const float *xp, const uint16_t *w, const float *bias,
-                            int n, int k, int i, int j, int pair)
+                            int n, int k, int i, int j, int pair, int alike)
 {
     const uint16_t *w0 = w + (size_t)j * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
     const void *const wr[4] = {w0, w1, w2, w3};
@@ -138,12 +138,15 @@ X86_INLINE void block4_bf16(float *y, const float *x, const float *xp, const uin
         widen16_eo(w1 + p, &e1, &o1);
         widen16_eo(w2 + p, &e2, &o2);
         widen16_eo(w3 + p, &e3, &o3);
-        if (pair) { /* 8 chains: a (x row i), b (x row i + 1) */
-            __m256 ye = _mm256_loadu_ps(p1 + p), yo = _mm256_loadu_ps(p1 + p + 8);
+        if (pair || alike) { /* 8 chains: a (x row i), b (x row i + 1); alike: a lone row as row i */
             a0 = _mm256_fmadd_ps(o0, xo, _mm256_fmadd_ps(e0, xe, a0));
             a1 = _mm256_fmadd_ps(o1, xo, _mm256_fmadd_ps(e1, xe, a1));
             a2 = _mm256_fmadd_ps(o2, xo, _mm256_fmadd_ps(e2, xe, a2));
             a3 = _mm256_fmadd_ps(o3, xo, _mm256_fmadd_ps(e3, xe, a3));
+            if (!pair) {
+                continue;
+            }
+            __m256 ye = _mm256_loadu_ps(p1 + p), yo = _mm256_loadu_ps(p1 + p + 8);
             b0 = _mm256_fmadd_ps(o0, yo, _mm256_fmadd_ps(e0, ye, b0));
             b1 = _mm256_fmadd_ps(o1, yo, _mm256_fmadd_ps(e1, ye, b1));
             b2 = _mm256_fmadd_ps(o2, yo, _mm256_fmadd_ps(e2, ye, b2));
@@ -160,7 +163,7 @@ X86_INLINE void block4_bf16(float *y, const float *x, const float *xp, const uin
             b3 = _mm256_fmadd_ps(o3, xo, b3);
         }
     }
-    if (!pair) {
+    if (!pair && !alike) {
         a0 = _mm256_add_ps(a0, b0);
         a1 = _mm256_add_ps(a1, b1);
         a2 = _mm256_add_ps(a2, b2);
@@ -173,7 +176,7 @@ X86_INLINE void block4_bf16(float *y, const float *x, const float *xp, const uin
 /* y rows i (and i + 1 when pair), columns j..j+3: four rows of w (fp16 or int8) against one or two
  * rows of x. */
 X86_INLINE void block4(float *y, const float *x, const void *w, const float *scale, const float *bias, int n,
-                       int k, int i, int j, int pair, int kind)
+                       int k, int i, int j, int pair, int kind, int alike)
 {
     size_t stride = (size_t)k * esize(kind);
     const char *w0 = (const char *)w + (size_t)j * stride, *w1 = w0 + stride, *w2 = w1 + stride,
@@ -183,7 +186,7 @@ X86_INLINE void block4(float *y, const float *x, const void *w, const float *sca
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     int k8 = k & ~7, p0 = 0;
-    if (!pair) { /* two sets of 4 chains over alternate 8-wide steps (FMA latency, as above) */
+    if (!pair && !alike) { /* two sets of 4 chains over alternate 8-wide steps (FMA latency, as above) */
         for (; p0 + 16 <= k8; p0 += 16) {
             prefetch_row(w0, p0, kind);
             prefetch_row(w1, p0, kind);
@@ -243,23 +246,23 @@ X86_INLINE void row1(float *y, const float *x, const void *w, const float *scale
 }
 
 X86_INLINE void gemv(float *y, const float *x, const float *xp, const void *w, const float *scale,
-                     const float *bias, int m, int n, int k, int n0, int n1, int kind)
+                     const float *bias, int m, int n, int k, int n0, int n1, int kind, int alike)
 {
     int j = n0;
     for (; j + 4 <= n1; j += 4) {
         int i = 0;
         for (; i + 2 <= m; i += 2) {
             if (kind == KIND_BF16) {
-                block4_bf16(y, x, xp, w, bias, n, k, i, j, 1);
+                block4_bf16(y, x, xp, w, bias, n, k, i, j, 1, alike);
             } else {
-                block4(y, x, w, scale, bias, n, k, i, j, 1, kind);
+                block4(y, x, w, scale, bias, n, k, i, j, 1, kind, alike);
             }
         }
         if (i < m) {
             if (kind == KIND_BF16) {
-                block4_bf16(y, x, xp, w, bias, n, k, i, j, 0);
+                block4_bf16(y, x, xp, w, bias, n, k, i, j, 0, alike);
             } else {
-                block4(y, x, w, scale, bias, n, k, i, j, 0, kind);
+                block4(y, x, w, scale, bias, n, k, i, j, 0, kind, alike);
             }
         }
     }
@@ -271,21 +274,21 @@ X86_INLINE void gemv(float *y, const float *x, const float *xp, const void *w, c
 }
 
 X86 static void gemv_bf16(float *y, const float *x, const float *xp, const void *w, const float *bias, int m,
-                          int n, int k, int n0, int n1)
+                          int n, int k, int n0, int n1, int alike)
 {
-    gemv(y, x, xp, w, NULL, bias, m, n, k, n0, n1, KIND_BF16);
+    gemv(y, x, xp, w, NULL, bias, m, n, k, n0, n1, KIND_BF16, alike);
 }
 
 X86 static void gemv_f16(float *y, const float *x, const void *w, const float *bias, int m, int n, int k,
-                         int n0, int n1)
+                         int n0, int n1, int alike)
 {
-    gemv(y, x, NULL, w, NULL, bias, m, n, k, n0, n1, KIND_F16);
+    gemv(y, x, NULL, w, NULL, bias, m, n, k, n0, n1, KIND_F16, alike);
 }
 
 X86 static void gemv_i8(float *y, const float *x, const void *w, const float *scale, const float *bias, int m,
-                        int n, int k, int n0, int n1)
+                        int n, int k, int n0, int n1, int alike)
 {
-    gemv(y, x, NULL, w, scale, bias, m, n, k, n0, n1, KIND_I8);
+    gemv(y, x, NULL, w, scale, bias, m, n, k, n0, n1, KIND_I8, alike);
 }
 
 #define X512_ISA    "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
@@ -363,28 +366,30 @@ X512 static void gemv1_512_bf16(float *y, const float *x, const void *w, const f
     gemv1_512(y, x, w, NULL, bias, k, n0, n1, KIND_BF16);
 }
 
-int pd_cpu_gemv_lowp_x86_wants_xp(pd_dtype_t dt, int m)
+int pd_cpu_gemv_lowp_x86_wants_xp(pd_dtype_t dt, int m, bool invariant)
 {
-    return dt == PD_DTYPE_BF16 && !(m == 1 && pd_cpu_avx512_usable()); /* gemv1_512 reads x as it is */
+    return dt == PD_DTYPE_BF16 &&
+           !(m == 1 && !invariant && pd_cpu_avx512_usable()); /* gemv1_512 reads x as it is */
 }
 
 X86 void pd_cpu_gemv_lowp_x86(float *y, const float *x, const float *xp, pd_weight_t w, const float *bias,
-                              int m, int n, int k, int n0, int n1)
+                              int m, int n, int k, int n0, int n1, bool invariant)
 {
+    bool one_row = m == 1 && !invariant;
     /* batch 1 with AVX-512 for int8 and bf16 (L2-resident gate_up: int8 76 → 114, bf16 66–82 → 104
      * GFLOP/s; from DRAM about equal); fp16 stays on F16C at AVX2 width, whose 512 MiB GEMV was
      * as fast or faster (pd-bench-ops A/B, 2026-11-24). bf16 reaches here only on a CPU without
      * AVX512-BF16: with it, matmul.c sends bf16 at small m to the split-x bf16 GEMV (matmul_bf16.h) */
-    if (m == 1 && w.dtype == PD_DTYPE_I8 && pd_cpu_avx512_usable()) {
+    if (one_row && w.dtype == PD_DTYPE_I8 && pd_cpu_avx512_usable()) {
         gemv1_512_i8(y, x, w.data, w.scale, bias, k, n0, n1);
-    } else if (m == 1 && w.dtype == PD_DTYPE_BF16 && pd_cpu_avx512_usable()) {
+    } else if (one_row && w.dtype == PD_DTYPE_BF16 && pd_cpu_avx512_usable()) {
         gemv1_512_bf16(y, x, w.data, bias, k, n0, n1);
     } else if (w.dtype == PD_DTYPE_BF16) {
-        gemv_bf16(y, x, xp, w.data, bias, m, n, k, n0, n1);
+        gemv_bf16(y, x, xp, w.data, bias, m, n, k, n0, n1, invariant);
     } else if (w.dtype == PD_DTYPE_I8) {
-        gemv_i8(y, x, w.data, w.scale, bias, m, n, k, n0, n1);
+        gemv_i8(y, x, w.data, w.scale, bias, m, n, k, n0, n1, invariant);
     } else {
-        gemv_f16(y, x, w.data, bias, m, n, k, n0, n1);
+        gemv_f16(y, x, w.data, bias, m, n, k, n0, n1, invariant);
     }
 }
 

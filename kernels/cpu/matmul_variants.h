@@ -14,6 +14,9 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/isa.h"
 
+/* inv_rows of an entry that hands its rows to other entries (which batch-invariant mode chunks) */
+#define PD_INV_ROWS_ANY (1 << 30)
+
 typedef struct pd_cpu_matmul_variant {
     const char *name;
     pd_cpu_isa_t isa; /* the level it needs (pd_cpu_isa_usable) */
@@ -24,6 +27,10 @@ typedef struct pd_cpu_matmul_variant {
     bool (*serves)(const pd_backend_t *be, const pd_weight_t *w, int m, int n, int k);
     pd_status_t (*run)(pd_backend_t *be, float *y, const float *x, pd_weight_t w, const float *bias, int m,
                        int n, int k);
+    /* --batch-invariant: the most rows one call may have for which every row comes out bitwise as it
+     * does alone (this entry at one row: same products, same order of sums), or 0 when a row's bits
+     * depend on its batch (sgemm, oneDNN, AMX tiles). test_matmul_row_invariant holds each entry to it. */
+    int inv_rows;
     const char *what; /* what it serves and how, for logs and test output */
 } pd_cpu_matmul_variant_t;
 
@@ -33,7 +40,10 @@ extern const int pd_cpu_num_matmul_variants;
 /* Whether this host (and the ISA cap) can run v. */
 bool pd_cpu_matmul_variant_usable(const pd_cpu_matmul_variant_t *v);
 
-/* The entry pd_cpu_matmul runs for these arguments, or NULL (none serves them: PD_ERR_UNSUPPORTED). */
+/* The entry pd_cpu_matmul runs for these arguments, or NULL (none serves them: PD_ERR_UNSUPPORTED).
+ * Under be->batch_invariant it is chosen without looking at m: the first entry with inv_rows that
+ * serves one row and inv_rows rows, which pd_cpu_matmul then runs on at most inv_rows rows at a time,
+ * so a row's result is the same in every batch, chunk and step (vLLM's VLLM_BATCH_INVARIANT). */
 const pd_cpu_matmul_variant_t *pd_cpu_matmul_choose(const pd_backend_t *be, const pd_weight_t *w, int m,
                                                     int n, int k);
 

@@ -27,6 +27,8 @@ static char *g_model;
 static const char *g_dtype = "auto";     /* --dtype of the engines the tests make */
 static int g_logprobs;                   /* add_spec asks for the sampled tokens' logprobs */
 static const char *g_precision = "fp32"; /* their --matmul-precision */
+static bool g_batch_invariant;           /* their --batch-invariant */
+static int g_batched_tokens = 256;       /* their --max-num-batched-tokens */
 
 /* An engine on g_model with the tests' sizes; kv_dtype as --kv-cache-dtype. */
 static pd_engine_t *make_engine_kv(int num_blocks_override, bool prefix, int max_seqs, const char *kv_dtype)
@@ -39,7 +41,8 @@ static pd_engine_t *make_engine_kv(int num_blocks_override, bool prefix, int max
     c.model_dir = g_model;
     c.threads = 2;
     c.kv_cache_memory = 256u << 20;
-    c.max_num_batched_tokens = 256;
+    c.max_num_batched_tokens = g_batched_tokens;
+    c.batch_invariant = g_batch_invariant;
     c.max_num_seqs = max_seqs;
     c.max_model_len = 512;
     c.enable_prefix_caching = prefix;
@@ -679,6 +682,88 @@ START_TEST(test_bf16_math_batch_invariant)
 }
 END_TEST
 
+/* --batch-invariant (vLLM's VLLM_BATCH_INVARIANT): each request's tokens and logprobs are bitwise the
+ * same in a batch of 16 with 256-token steps (prefill chunks beside decode rows, 1-256 matmul rows) as
+ * alone with 16-token prefill chunks, greedy and seeded, for fp32 and bf16 weights (fp32 and bf16
+ * math, a bf16 cache), Qwen3's q/k norms, GPT-2's GELU and Gemma 3's sliding window, at every ISA
+ * level the suite runs this test at. Without the mode the same runs may differ in the last bits
+ * (printed: how far, where the kernels part by row count). */
+START_TEST(test_batch_invariant_mode)
+{
+    char *saved = g_model;
+    const struct {
+        const char *mk, *precision;
+    } models[] = {
+        {"--preset tiny --arch llama", "fp32"},
+        {"--preset tiny --arch llama --dtype bf16", "fp32"},
+        {"--preset tiny --arch llama --dtype bf16", "bf16"},
+        {"--preset tiny --arch qwen3 --head-dim 32 --dtype bf16", "fp32"},
+        {"--preset tiny --arch gpt2 --dtype f16", "fp32"},
+        {"--preset tiny --arch gemma3 --layers 2 --head-dim 32", "fp32"},
+    };
+    enum { N = 16 };
+    static spec_t specs[N];
+    static gen_t together[N], alone[N];
+    for (size_t m = 0; m < sizeof(models) / sizeof(models[0]); m++) {
+        g_model = tu_make_model(models[m].mk);
+        ck_assert_ptr_nonnull(g_model);
+        g_precision = models[m].precision;
+        g_logprobs = 1;
+        for (int inv = 1; inv >= 0; inv--) {
+            memset(together, 0, sizeof(together));
+            memset(alone, 0, sizeof(alone));
+            g_batch_invariant = inv;
+            g_batched_tokens = 256;
+            pd_engine_t *e = make_engine(0, false, N);
+            make_specs(specs, N, 0.8f, pd_engine_model_config(e)->vocab_size);
+            for (int i = 0; i < N; i++) {
+                specs[i].temperature = i % 2 ? 0.8f : 0.0f; /* greedy and seeded */
+                add_spec(e, &specs[i], i, &together[i], NULL, 0);
+            }
+            tu_engine_run_until_idle(e, 20000);
+            tu_engine_assert_pool_free(e);
+            pd_engine_destroy(e);
+            g_batched_tokens = 16; /* every prompt over 16 tokens prefilled in chunks */
+            e = make_engine(0, false, 1);
+            for (int i = 0; i < N; i++) {
+                add_spec(e, &specs[i], i, &alone[i], NULL, 0);
+                tu_engine_run_until_idle(e, 20000);
+            }
+            pd_engine_destroy(e);
+            int parted = 0;
+            double worst = 0;
+            for (int i = 0; i < N; i++) {
+                ck_assert_int_eq(together[i].n, specs[i].max_tokens);
+                bool same =
+                    together[i].n == alone[i].n &&
+                    memcmp(together[i].tokens, alone[i].tokens, (size_t)alone[i].n * sizeof(int32_t)) == 0 &&
+                    memcmp(together[i].logprob, alone[i].logprob, (size_t)alone[i].n * sizeof(float)) == 0;
+                for (int k = 0; k < together[i].n && k < alone[i].n; k++) {
+                    double d = fabs((double)together[i].logprob[k] - alone[i].logprob[k]);
+                    worst = d > worst ? d : worst;
+                }
+                parted += !same;
+                ck_assert_msg(same || !inv,
+                              "%s (%s math), --batch-invariant: request %d (prompt %d, %s) differs "
+                              "batched and alone (logprobs up to %g apart)",
+                              models[m].mk, models[m].precision, i, specs[i].n, i % 2 ? "seeded" : "greedy",
+                              worst);
+            }
+            printf("batch-invariant %s: %s (%s math): %d of %d requests differ batched vs alone, logprobs up "
+                   "to %g apart\n",
+                   inv ? "on " : "off", models[m].mk, models[m].precision, parted, N, worst);
+        }
+        tu_rmrf(g_model);
+        free(g_model);
+    }
+    g_batch_invariant = false;
+    g_batched_tokens = 256;
+    g_precision = "fp32";
+    g_logprobs = 0;
+    g_model = saved;
+}
+END_TEST
+
 /* The memory plan without loading (issue 18): what the loader allocates is what
  * pd_model_plan_weight_bytes says, for every architecture and dtype; by that plan a 7–8 B bf16
  * model fits a 24 GiB node with a KV cache for at least one 32k-token request (the engine's own
@@ -899,6 +984,7 @@ int main(void)
     tcase_add_test(tc, test_dtype_keeps_checkpoint_precision);
     tcase_add_test(tc, test_memory_plan_8b_fits_24gib);
     tcase_add_test(tc, test_bf16_math_batch_invariant);
+    tcase_add_test(tc, test_batch_invariant_mode);
     suite_add_tcase(s, tc);
     tu_fail_alloc_add(s, test_fail_alloc, 1);
     int rc = tu_run_suite(s);

@@ -219,26 +219,28 @@ typedef struct mv_case {
     int ms[12];
 } mv_case_t;
 
+static const mv_case_t mv_cases[] = {
+    /* 100 rows: 3 blocks of 32 and 4 row-major rows past them; k whole blocks of 32 (bf16 math) */
+    {PD_DTYPE_F32, false, false, 100, 96, {1, 2, 7, 33, 64, 65, 130}},
+    {PD_DTYPE_F32, false, true, 100, 96, {1, 2, 33, 64, 65, 130}},
+    {PD_DTYPE_BF16, false, false, 100, 96, {1, 2, 7, 10, 33, 64, 65, 130}},
+    {PD_DTYPE_BF16, false, true, 100, 96, {1, 2, 33, 64, 65, 130}},
+    {PD_DTYPE_BF16, false, true, 96, 64, {31, 32, 64, 65, 130}}, /* whole AMX blocks */
+    {PD_DTYPE_F16, false, false, 100, 96, {1, 3, 8, 9, 65}},
+    {PD_DTYPE_I8, false, false, 100, 96, {1, 3, 8, 9, 65}},
+    {PD_DTYPE_I8, false, true, 96, 64, {1, 3, 64, 65, 130}},
+    {PD_DTYPE_BF16, true, false, 100, 96, {1, 2, 16, 17, 32, 33, 130}},
+    {PD_DTYPE_BF16, true, true, 100, 96, {1, 16, 17, 32, 33, 130}},
+    {PD_DTYPE_BF16, true, true, 96, 64, {1, 16, 17, 32, 33, 130}},
+    {PD_DTYPE_BF16, false, false, 2048, 2048, {24}}, /* >= 4 M weights: oneDNN on AMX */
+};
+
 START_TEST(test_matmul_variants)
 {
-    const mv_case_t cases[] = {
-        /* 100 rows: 3 blocks of 32 and 4 row-major rows past them; k whole blocks of 32 (bf16 math) */
-        {PD_DTYPE_F32, false, false, 100, 96, {1, 2, 7, 33, 64, 65, 130}},
-        {PD_DTYPE_F32, false, true, 100, 96, {1, 2, 33, 64, 65, 130}},
-        {PD_DTYPE_BF16, false, false, 100, 96, {1, 2, 7, 10, 33, 64, 65, 130}},
-        {PD_DTYPE_BF16, false, true, 100, 96, {1, 2, 33, 64, 65, 130}},
-        {PD_DTYPE_BF16, false, true, 96, 64, {31, 32, 64, 65, 130}}, /* whole AMX blocks */
-        {PD_DTYPE_F16, false, false, 100, 96, {1, 3, 8, 9, 65}},
-        {PD_DTYPE_I8, false, false, 100, 96, {1, 3, 8, 9, 65}},
-        {PD_DTYPE_I8, false, true, 96, 64, {1, 3, 64, 65, 130}},
-        {PD_DTYPE_BF16, true, false, 100, 96, {1, 2, 16, 17, 32, 33, 130}},
-        {PD_DTYPE_BF16, true, true, 100, 96, {1, 16, 17, 32, 33, 130}},
-        {PD_DTYPE_BF16, true, true, 96, 64, {1, 16, 17, 32, 33, 130}},
-        {PD_DTYPE_BF16, false, false, 2048, 2048, {24}}, /* >= 4 M weights: oneDNN on AMX */
-    };
+    const mv_case_t *cases = mv_cases;
     int ran[64] = {0};
     ck_assert_int_le(pd_cpu_num_matmul_variants, 64);
-    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+    for (size_t c = 0; c < sizeof(mv_cases) / sizeof(mv_cases[0]); c++) {
         const mv_case_t *cs = &cases[c];
         int n = cs->n, k = cs->k, M = 0;
         for (int i = 0; i < 12 && cs->ms[i] > 0; i++) {
@@ -303,6 +305,87 @@ START_TEST(test_matmul_variants)
         }
         printf("matmul variant %-15s ran on %d shapes\n", var->name, ran[v]);
         ck_assert_msg(ran[v] > 0, "matmul variant %s can run here but no case served it", var->name);
+    }
+}
+END_TEST
+
+/* --batch-invariant (vLLM's VLLM_BATCH_INVARIANT): every entry that promises inv_rows gives each of up
+ * to inv_rows rows bitwise what it gives that row alone, and pd_cpu_matmul in the mode gives every row
+ * of any batch (1-300 rows, chunked) the bits of the row alone, on every case of the table's test,
+ * fp32 and bf16 math, at the levels the host runs. */
+START_TEST(test_matmul_row_invariant)
+{
+    const int ms[] = {2, 3, 7, 8, 10, 33, 64, 65, 130, 300};
+    int ran[64] = {0};
+    g_be->batch_invariant = true;
+    for (size_t c = 0; c < sizeof(mv_cases) / sizeof(mv_cases[0]); c++) {
+        const mv_case_t *cs = &mv_cases[c];
+        int n = cs->n, k = cs->k, M = 300;
+        float *x = rand_buf((size_t)M * k, -1, 1), *w = rand_buf((size_t)n * k, -1, 1);
+        float *scale = NULL;
+        void *wp = cs->dt == PD_DTYPE_I8 ? (void *)quantize_rows(w, n, k, &scale)
+                                         : store_as(w, (size_t)n * k, cs->dt);
+        pd_weight_t wt = {wp, cs->dt, scale, PD_WEIGHT_ROWS, 0};
+        g_be->matmul_precision = cs->bf16_math ? PD_MATMUL_BF16 : PD_MATMUL_FP32;
+        if (cs->pack) {
+            ck_assert_int_eq(pd_cpu_prepare_weight(g_be, &wt, n, k, 0), PD_OK);
+        }
+        bool bf16_math = cs->bf16_math && cs->dt == PD_DTYPE_BF16;
+        float *bias = rand_buf((size_t)n, -1, 1), *alone = malloc((size_t)M * n * sizeof(float));
+        float *y = malloc((size_t)M * n * sizeof(float));
+        for (int v = -1; v < pd_cpu_num_matmul_variants; v++) { /* -1: pd_cpu_matmul, the mode's choice */
+            const pd_cpu_matmul_variant_t *var = v < 0 ? NULL : &pd_cpu_matmul_variants[v];
+            if (var != NULL && (var->bf16_math != bf16_math || var->inv_rows == 0 ||
+                                !pd_cpu_matmul_variant_usable(var) || !var->serves(g_be, &wt, 1, n, k))) {
+                continue;
+            }
+            for (int i = 0; i < M; i++) { /* each row alone */
+                ck_assert_int_eq(
+                    var != NULL
+                        ? var->run(g_be, alone + (size_t)i * n, x + (size_t)i * k, wt, bias, 1, n, k)
+                        : pd_cpu_matmul(g_be, alone + (size_t)i * n, x + (size_t)i * k, wt, bias, 1, n, k),
+                    PD_OK);
+            }
+            for (size_t t = 0; t < sizeof(ms) / sizeof(ms[0]); t++) {
+                int m = ms[t], off = (int)(t * 7) % (M - m + 1); /* a batch starting anywhere */
+                if (var != NULL && (m > var->inv_rows || !var->serves(g_be, &wt, m, n, k))) {
+                    continue;
+                }
+                for (size_t e = 0; e < (size_t)m * n; e++) {
+                    y[e] = NAN;
+                }
+                const float *xm = x + (size_t)off * k;
+                ck_assert_int_eq(var != NULL ? var->run(g_be, y, xm, wt, bias, m, n, k)
+                                             : pd_cpu_matmul(g_be, y, xm, wt, bias, m, n, k),
+                                 PD_OK);
+                for (int i = 0; i < m; i++) {
+                    ck_assert_msg(memcmp(y + (size_t)i * n, alone + (size_t)(off + i) * n,
+                                         (size_t)n * sizeof(float)) == 0,
+                                  "%s: row %d of %d differs from the row alone (dtype %d%s%s, n %d, k %d)",
+                                  var != NULL ? var->name : "pd_cpu_matmul (batch-invariant)", i, m,
+                                  (int)cs->dt, bf16_math ? ", bf16 math" : "",
+                                  wt.layout != PD_WEIGHT_ROWS ? ", blocked" : "", n, k);
+                }
+                ran[v + 1]++;
+            }
+        }
+        g_be->matmul_precision = PD_MATMUL_FP32;
+        free(x), free(w), free(wp), free(scale), free(bias), free(alone), free(y);
+    }
+    g_be->batch_invariant = false;
+    for (int v = 0; v < pd_cpu_num_matmul_variants; v++) {
+        const pd_cpu_matmul_variant_t *var = &pd_cpu_matmul_variants[v];
+        if (var->inv_rows > 0 && !pd_cpu_matmul_variant_usable(var)) {
+            printf("matmul variant %-15s batch-invariant: not run (needs %s)\n", var->name,
+                   pd_cpu_isa_name(var->isa));
+        } else if (var->inv_rows > 0) {
+            char rows[16];
+            snprintf(rows, sizeof(rows), var->inv_rows == PD_INV_ROWS_ANY ? "any" : "%d", var->inv_rows);
+            printf("matmul variant %-15s batch-invariant up to %s rows: checked on %d batches%s\n", var->name,
+                   rows, ran[v + 1], var->inv_rows == 1 ? " (one row a call: pd_cpu_matmul's rows)" : "");
+            ck_assert_msg(ran[v + 1] > 0 || var->inv_rows == 1,
+                          "matmul variant %s promises inv_rows but no case served it", var->name);
+        }
     }
 }
 END_TEST
@@ -1202,6 +1285,43 @@ static void check_attn_bf16(const pd_kv_view_t *kv, const pd_attn_meta_t *meta, 
 /* Builds a random paged cache holding each sequence's history (blocks in shuffled order),
  * writes the new tokens' K/V with reshape_and_cache (plus padding slots), and checks both
  * attention entry points against the reference. */
+/* --batch-invariant: the step's attention (any mix of prefill chunks and decode tokens) near the
+ * reference, and each query's output bitwise what a decode step gives that query alone, its context
+ * its position + 1 (so a token has the same bits however its prompt was chunked and batched). */
+static void check_attn_invariant(const pd_kv_view_t *kv, const pd_attn_meta_t *meta, const float *q, int NH,
+                                 float scale, const float *oref)
+{
+    int T = meta->num_tokens, D = kv->head_size;
+    size_t row = (size_t)NH * D;
+    float *o = rand_buf((size_t)T * row, -5, 5), *one = malloc(row * sizeof(float));
+    g_be->batch_invariant = true;
+    ck_assert_int_eq(pd_cpu_paged_attention_prefill(g_be, o, q, kv, meta, NH, scale), PD_OK);
+    ck_assert_double_lt(max_rel_err(o, oref, (size_t)T * row, 1e-2), 2e-5);
+    for (int s = 0; s < meta->num_seqs; s++) {
+        int q0 = meta->cu_seqlens_q[s], q_len = meta->cu_seqlens_q[s + 1] - q0;
+        for (int i = 0; i < q_len; i++) {
+            int32_t cu1[2] = {0, 1}, len1 = (int32_t)pd_query_pos(meta->seq_lens[s], q_len, i) + 1;
+            pd_attn_meta_t m1 = {1,
+                                 1,
+                                 cu1,
+                                 &len1,
+                                 meta->block_tables + (size_t)s * meta->max_blocks_per_seq,
+                                 meta->max_blocks_per_seq,
+                                 meta->slot_mapping + q0 + i,
+                                 meta->sliding_window,
+                                 NULL};
+            ck_assert_int_eq(
+                pd_cpu_paged_attention_decode(g_be, one, q + (size_t)(q0 + i) * row, kv, &m1, NH, scale),
+                PD_OK);
+            ck_assert_msg(memcmp(one, o + (size_t)(q0 + i) * row, row * sizeof(float)) == 0,
+                          "batch-invariant attention: sequence %d query %d of %d differs from it alone", s, i,
+                          q_len);
+        }
+    }
+    g_be->batch_invariant = false;
+    free(o), free(one);
+}
+
 static void run_attn_case(const attn_case_t *c)
 {
     int bs = c->block_size, H = c->num_kv_heads, D = c->head_size, NH = c->num_heads;
@@ -1307,6 +1427,7 @@ static void run_attn_case(const attn_case_t *c)
     if (c->dtype == PD_DTYPE_BF16) {
         check_attn_bf16(&kv, &meta, q, NH, scale, oref, all_decode);
     }
+    check_attn_invariant(&kv, &meta, q, NH, scale, oref);
     free(kv.base), free(cache_ref), free(perm), free(tables), free(k), free(v), free(slots), free(q), free(o);
     free(oref);
 }
@@ -1798,6 +1919,7 @@ int main(void)
     tcase_add_test(tc, test_index_math);
     tcase_add_test(tc, test_matmul);
     tcase_add_test(tc, test_matmul_variants);
+    tcase_add_test(tc, test_matmul_row_invariant);
     tcase_add_test(tc, test_cpu_isa_cap);
     tcase_add_test(tc, test_matmul_bf16_math);
     tcase_add_test(tc, test_split_bf16x3);
