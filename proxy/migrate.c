@@ -218,7 +218,13 @@ void px_resume_decode(preq_t *q)
     pd_metric_inc(px->m.migrations, 1);
     memset(q->tried_d, 0, sizeof(q->tried_d)); /* every healthy node but the one that failed */
     q->tried_d[dead - px->nodes] = true;
-    node_t *d = px_pick(px, false, q->tried_d, q->affinity, q->keys, q->num_keys, false);
+    /* a stream handed over with its KV (a drain, /admin/migrate, a rebalance) goes to the decode with
+     * the least load: it reads its KV from the lease wherever it lands, and with more than two decodes
+     * the policy's pick (an affinity hash) could put it on one as busy as the node it left (a
+     * rebalance would then move streams again); after a kill the policy picks, as for a new request */
+    bool live = q->mig != NULL && q->mig_node == dead;
+    node_t *d = live ? px_pick_least_loaded(px, false, q->tried_d)
+                     : px_pick(px, false, q->tried_d, q->affinity, q->keys, q->num_keys, false);
     if (d == NULL) {
         pd_log_warn("proxy: request %s: its decode %s failed after %zu tokens and no other decode node is "
                     "healthy",
@@ -242,7 +248,6 @@ void px_resume_decode(preq_t *q)
     json_decref(q->kv_prefix);
     q->kv_prefix = NULL;
     q->t_d_sent = 0; /* not in decode on d until its leg goes (px_refresh_router_gauges, rebalance.c) */
-    bool live = q->mig != NULL && q->mig_node == dead;
     q->mig_live = live;
     if (!live && q->num_gen > 0 && px_fetch_resume(q)) {
         return; /* the prefill that computed the prompt is asked to lend it; its answer sends the leg */

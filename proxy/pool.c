@@ -215,6 +215,19 @@ node_t *px_pick(proxy_t *px, bool prefill, const bool *tried, uint64_t affinity,
     return best;
 }
 
+node_t *px_pick_least_loaded(proxy_t *px, bool prefill, const bool *tried)
+{
+    node_t *best = NULL;
+    for (int i = 0; i < px->num_nodes; i++) {
+        node_t *n = &px->nodes[i];
+        if (n->prefill == prefill && n->healthy && !n->removed && !tried[i] &&
+            (best == NULL || node_load(n) < node_load(best))) {
+            best = n;
+        }
+    }
+    return best;
+}
+
 /* ------------------------------------------------------------------ upstream requests */
 
 /* Upstream keep-alive: a connection whose request ended goes back to its node's idle list (the

@@ -271,6 +271,9 @@ void px_note_route(proxy_t *px, const node_t *node, const uint64_t *keys, int n)
  * round-robin rotation. */
 node_t *px_pick(proxy_t *px, bool prefill, const bool *tried, uint64_t affinity, const uint64_t *keys,
                 int num_keys, bool need_info);
+/* The healthy node of a pool with the least load (legs in flight, or its probed load when higher),
+ * skipping tried[] ones; the first of equals (NULL: none). */
+node_t *px_pick_least_loaded(proxy_t *px, bool prefill, const bool *tried);
 typedef void (*up_done_cb)(struct evhttp_request *, void *);
 /* Sends method path with a JSON body (NULL: none) to node n; done(req, arg) runs with the answer
  * (req NULL when the connection failed), chunk and header (may be NULL) as the body streams in.

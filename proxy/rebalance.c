@@ -3,8 +3,9 @@
  * one that runs the fewest (streams its decode has answered: decoding, not waiting for their KV);
  * when it runs N or more streams more, it is asked to migrate half the difference (POST
  * /admin/migrate {"max": k}: its k newest decoding streams, the least KV to move). Each of them ends
- * with a lease on its KV, and migrate.c resumes it on another decode, which reads that KV (with two
- * decodes, the lighter one; with more, the one the routing policy picks). One request at a time,
+ * with a lease on its KV, and migrate.c resumes it on another decode, which reads that KV: the one
+ * with the least load at that moment (px_pick_least_loaded), so with more than two decodes the moved
+ * streams spread over the lighter ones instead of following the policy's hash. One request at a time,
  * then a tick's pause so that the moved streams are counted where they landed. Loop thread only. A
  * decode that was just started (a scale-out, a restarted node) gets work this way without waiting
  * for the long streams elsewhere to end. */

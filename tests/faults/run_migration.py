@@ -30,6 +30,11 @@ under it:
                    decode0 alone while eight clients start 400-470-token streams; then decode1 joins
                    the file (a scale-out): the proxy has decode0 migrate half its streams live
                    (asserted: a rebalance, and a stream moved with its KV)
+  rebalance-3      the same on a cluster of one prefill and three decodes, decode1 and decode2 joining
+                   at once, the proxy routing by prefix affinity over prompts that all start alike:
+                   each must take moved streams (a stream handed over with its KV goes to the least
+                   loaded decode, not where the hash sends every one; not in --short unless --cells
+                   names it)
   drain-prefill    SIGTERM of a prefill under the same load: it takes no new prompt and exits only
                    once the KV it holds for decodes was read (pull: no decode left with a dangling pull,
                    asserted by the decodes' pd:kv_transfers_failed_total; push: reported, as a decode
@@ -268,21 +273,25 @@ def around(load, ids, width=3):
     return pauses, {o: pct(v, 50) for o, v in at.items() if v}
 
 
-def rebalance(args, c, tmp, serve, rng, mode, pipe, rows, failed):
+def rebalance(args, c, tmp, serve, rng, mode, pipe, rows, failed, cell="rebalance", proxy_args=()):
     """pd-proxy --rebalance-threshold 2 (a second proxy over the same nodes): its decode pool, a file
     it re-reads every 0.2 s, names decode0 alone while eight clients start long streams, so they all
-    run there; then decode1 joins (a scale-out), and the proxy has decode0 migrate half of its streams
-    live (/admin/migrate {"max": k}); they go on on decode1, reading their KV, and every answer equals
-    pd-serve's."""
+    run there; then the other decodes join (a scale-out), and the proxy has decode0 migrate half of its
+    streams live (/admin/migrate {"max": k}); they go on on the others, reading their KV, and every
+    answer equals pd-serve's. With three decodes (cell rebalance-3: --policy prefix-affinity over the
+    prompts' first character, as when every prompt opens with one system prompt) each of the two that
+    joined must take moved streams: a moved stream goes to the least loaded decode, where the
+    policy's hash would send them all to one."""
     argv = c.proxy.argv
     pool = os.path.join(tmp, c.proxy.tag + "-rebalance.pool")
-    d0, d1 = ("http://127.0.0.1:%d" % d.port for d in c.decodes)
+    urls = ["http://127.0.0.1:%d" % d.port for d in c.decodes]
+    d0 = urls[0]
     with open(pool, "w") as f:
         f.write(d0 + "\n")
     px = Node(tmp, c.proxy.tag + "-rebalance",
               [os.path.join(args.bindir, "pd-proxy"), "--prefill", argv[argv.index("--prefill") + 1],
                "--discover-decode-file", pool, "--discover-interval", "0.2", "--health-interval", "0.2",
-               "--migration-limit", "3", "--rebalance-threshold", "2"])
+               "--migration-limit", "3", "--rebalance-threshold", "2"] + list(proxy_args))
     px.start()
     saved = dict(SHAPE)
     SHAPE.update(prompt=(16, 32), words=(8, 16), out=(400, 470))  # streams that outlast the scale-out
@@ -292,25 +301,35 @@ def rebalance(args, c, tmp, serve, rng, mode, pipe, rows, failed):
         load.start()
         load.wait_streams(8, secs=120)
         with open(pool + ".tmp", "w") as f:
-            f.write(d0 + "\n" + d1 + "\n")
+            f.write("".join(u + "\n" for u in urls))
         os.rename(pool + ".tmp", pool)
         end = time.time() + 30
-        while time.time() < end and metric_sum(px.port, "pd_proxy:kv_migrations_total") < 1:
+        while time.time() < end and metric_sum(px.port, "pd_proxy:kv_migrations_total") < len(urls) - 1:
             time.sleep(0.1)
         time.sleep(0.5)
         load.finish()
+        took = {u: 0 for u in urls[1:]}  # streams each joined decode took over
+        for line in open(os.path.join(tmp, px.tag + ".log"), errors="replace"):
+            if "; resuming it on " in line:
+                u = line.split("; resuming it on ", 1)[1].split(" ", 1)[0]
+                if u in took:
+                    took[u] += 1
         res = dict(load.counts, rebalances=int(metric_sum(px.port, "pd_proxy:rebalances_total")),
                    migrations=int(metric_sum(px.port, "pd_proxy:migrations_total")),
                    kv_moved=int(metric_sum(px.port, "pd_proxy:kv_migrations_total")),
                    structured_moved=len(migrated_ids(os.path.join(tmp, px.tag + ".log")) & load.structured),
-                   itl_p50_ms=round(1e3 * pct(load.gaps, 50), 2))
-        rows.append(("rebalance", mode, pipe, res))
+                   itl_p50_ms=round(1e3 * pct(load.gaps, 50), 2),
+                   took="/".join(str(took[u]) for u in urls[1:]))
+        rows.append((cell, mode, pipe, res))
         if load.counts["wrong"] + load.counts["failed"]:
-            failed.append("rebalance %s/%s: %d wrong, %d failed" % (mode, pipe, load.counts["wrong"],
-                                                                   load.counts["failed"]))
+            failed.append("%s %s/%s: %d wrong, %d failed" % (cell, mode, pipe, load.counts["wrong"],
+                                                            load.counts["failed"]))
         if res["rebalances"] < 1 or res["kv_moved"] < 1:
-            failed.append("rebalance %s/%s: %d rebalances, %d streams moved with their KV" %
-                          (mode, pipe, res["rebalances"], res["kv_moved"]))
+            failed.append("%s %s/%s: %d rebalances, %d streams moved with their KV" %
+                          (cell, mode, pipe, res["rebalances"], res["kv_moved"]))
+        if len(urls) > 2 and min(took.values()) < 1:
+            failed.append("%s %s/%s: the decodes that joined took %s moved streams (each should take some)" %
+                          (cell, mode, pipe, res["took"]))
     finally:
         SHAPE.clear()
         SHAPE.update(saved)
@@ -517,6 +536,15 @@ def main():
                                   (cell, mode, pipe, kills, migrated, retried))
             if only is None or "rebalance" in only:
                 rebalance(args, c, tmp, serve, rng, mode, pipe, rows, failed)
+            if (only is None and not args.short) or (only is not None and "rebalance-3" in only):
+                c3 = Cluster(args.bindir, tmp, model, mode, pipe, FAST, nprefill=1, ndecode=3, extra=extra,
+                             tag="%s-%s-3d" % (mode, pipe), proxy_extra=["--migration-limit", "3"])
+                clusters.append(c3)
+                try:
+                    rebalance(args, c3, tmp, serve, rng, mode, pipe, rows, failed, cell="rebalance-3",
+                              proxy_args=["--policy", "prefix-affinity", "--affinity-prefix-chars", "1"])
+                finally:
+                    c3.stop()
             for cell, moved in live.items():
                 if moved < 1:
                     failed.append("%s %s/%s: no stream was taken over with its KV" % (cell, mode, pipe))
