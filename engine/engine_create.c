@@ -459,7 +459,9 @@ static void tier_event(void *arg, pd_hash128_t key, bool stored)
 
 /* --kv-offload-tier: the tier behind the block pool. Its file's fingerprint names everything that
  * changes the KV a block holds: the model's files and weight dtype, the KV dtype and geometry, the
- * matmul precision and the CPU kernels' level. */
+ * matmul precision, the CPU kernels' level and --batch-invariant (its kernels give other last bits:
+ * a block from a node without it would break the mode's promise; named only when on, so files
+ * written before it keep their fingerprint). */
 static pd_status_t make_offload(pd_engine_t *e)
 {
     const pd_engine_config_t *cfg = &e->cfg;
@@ -503,10 +505,11 @@ static pd_status_t make_offload(pd_engine_t *e)
     }
     pd_kv_cache_config_layout(kc, layout, sizeof(layout));
     size_t n = strlen(id);
-    snprintf(id + n, sizeof(id) - n, "|%s|%s|bs%d|%zu×%d|%s|mm%d|%s", e->weights_name,
+    snprintf(id + n, sizeof(id) - n, "|%s|%s|bs%d|%zu×%d|%s|mm%d|%s%s", e->weights_name,
              pd_engine_kv_dtype_name(e), kc->block_size, oc.page_bytes, oc.num_tensors, layout,
              (int)e->be->matmul_precision,
-             e->be->host_memory ? pd_cpu_isa_name(pd_cpu_isa_level()) : "device");
+             e->be->host_memory ? pd_cpu_isa_name(pd_cpu_isa_level()) : "device",
+             e->be->batch_invariant ? "|batch-invariant" : "");
     oc.fingerprint = pd_hash64(id, strlen(id), 0x6b766f66666c6f61ull);
     st = pd_kv_offload_create(&oc, &e->offload);
     if (st != PD_OK) {
