@@ -731,9 +731,12 @@ static const pd_cpu_matmul_variant_t *choose(bool bf16_math, const pd_backend_t 
         if (v->bf16_math != bf16_math || !pd_cpu_matmul_variant_usable(v)) {
             continue;
         }
-        if (be->batch_invariant ? v->inv_rows > 0 && v->serves(be, w, 1, n, k) &&
-                                      v->serves(be, w, v->inv_rows < 256 ? v->inv_rows : 256, n, k)
-                                : v->serves(be, w, m, n, k)) {
+        /* batch-invariant: an entry that serves one row and a whole chunk (an entry of any rows hands
+         * them on, chunked there: one row says it all) */
+        int chunk = v->inv_rows == PD_INV_ROWS_ANY ? 1 : v->inv_rows;
+        if (be->batch_invariant
+                ? v->inv_rows > 0 && v->serves(be, w, 1, n, k) && v->serves(be, w, chunk, n, k)
+                : v->serves(be, w, m, n, k)) {
             return v;
         }
     }
