@@ -41,9 +41,11 @@ typedef struct pd_engine_config {
     const char *quantization; /* --quantization: none | int8 (linear layers, per-channel scales, CPU) */
     size_t kv_cache_memory;   /* CPU: bytes to plan the KV cache in; 0 = physical RAM */
     bool enable_prefix_caching;
-    const char *kv_offload_tier; /* --kv-offload-tier: none | host | disk (engine/kv_offload.h) */
-    size_t kv_offload_size;      /* its capacity in bytes */
-    const char *kv_offload_path; /* disk: the file */
+    const char *kv_offload_tier;  /* --kv-offload-tier: none | host | disk (engine/kv_offload.h) */
+    size_t kv_offload_size;       /* its capacity in bytes */
+    const char *kv_offload_path;  /* disk: the file */
+    const char *kv_offload_load;  /* --kv-offload-load: auto | thread | inline (engine/kv_tier_loader.h) */
+    double kv_offload_read_delay; /* tests (no flag): each tier block's read takes this much longer */
     bool enable_chunked_prefill;
     const char *load_failure_policy; /* recompute | fail */
     double load_share_wait;          /* s a pull load may wait for another's of its prefix; 0 = never */

@@ -16,6 +16,7 @@
 #include "common/time.h"
 #include "engine/grammar_jobs.h"
 #include "engine/kv_offload.h"
+#include "engine/kv_tier_loader.h"
 #include "engine/model_runner.h"
 #include "kernels/cpu/isa.h"
 #include "model/generation_config.h"
@@ -39,6 +40,7 @@ void pd_engine_config_defaults(pd_engine_config_t *c)
     c->quantization = "none";
     c->enable_prefix_caching = true;
     c->kv_offload_tier = "none";
+    c->kv_offload_load = "auto";
     c->enable_chunked_prefill = true;
     c->load_failure_policy = "recompute";
     c->load_share_wait = 1.0;
@@ -108,6 +110,11 @@ size_t pd_engine_flags(pd_engine_config_t *c, pd_flag_t *out, size_t max)
         {"kv-offload-path", PD_FLAG_STR, &c->kv_offload_path,
          "the file of --kv-offload-tier disk (created; kept across restarts, checksummed; one node per file)",
          NULL},
+        {"kv-offload-load", PD_FLAG_CHOICE, &c->kv_offload_load,
+         "where --kv-offload-tier loads run: on a thread of their own while the engine steps other "
+         "requests (the request waits), or inline at admission on the engine thread (auto: thread for "
+         "disk, inline for host, whose copies take microseconds)",
+         "auto|thread|inline"},
         {"num-blocks-override", PD_FLAG_INT, &c->num_blocks_override,
          "use this many KV blocks instead of the profiled number (0 = profile)", NULL},
         {"Scheduler", PD_FLAG_GROUP, NULL, NULL, NULL},
@@ -424,29 +431,6 @@ static pd_status_t make_scheduler(pd_engine_t *e)
     return st;
 }
 
-/* The offload tier's callbacks for the scheduler (engine/kv_offload.h). */
-static bool tier_contains(void *ctx, pd_hash128_t key)
-{
-    return pd_kv_offload_contains(((pd_engine_t *)ctx)->offload, key);
-}
-
-static pd_status_t tier_load(void *ctx, pd_hash128_t key, uint32_t block)
-{
-    pd_engine_t *e = ctx;
-    double t0 = pd_time_now_s();
-    pd_status_t st = pd_kv_offload_load(e->offload, key, block);
-    if (e->offload_hist != NULL) {
-        pd_metric_observe(e->offload_hist, pd_time_now_s() - t0);
-    }
-    return st;
-}
-
-static void tier_save(void *ctx, pd_hash128_t key, uint32_t block)
-{
-    /* a failed save was logged: the block is just not kept */
-    pd_kv_offload_save(((pd_engine_t *)ctx)->offload, key, block);
-}
-
 /* The tier's changes as KV events (--kv-events-config), in its medium. */
 static void tier_event(void *arg, pd_hash128_t key, bool stored)
 {
@@ -515,18 +499,25 @@ static pd_status_t make_offload(pd_engine_t *e)
     if (st != PD_OK) {
         return st;
     }
-    e->tier = (pd_kv_tier_t){e, tier_contains, tier_load, tier_save};
+    pd_kv_tier_loader_config_t lc = {e->offload, oc.medium == PD_KV_OFFLOAD_DISK, eng_wake, e,
+                                     NULL,       cfg->kv_offload_read_delay};
+    const char *mode = cfg->kv_offload_load != NULL ? cfg->kv_offload_load : "auto";
+    lc.thread = strcmp(mode, "auto") == 0 ? lc.thread : strcmp(mode, "thread") == 0;
     if (cfg->metrics != NULL) { /* a block loads in microseconds from memory, milliseconds from a cold disk */
         static const double b[] = {1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.05, 0.25};
-        e->offload_hist =
-            pd_metrics_add(cfg->metrics, PD_METRIC_HISTOGRAM, "pd:kv_offload_load_seconds",
-                           "Time to load one KV block from the offload tier (read and checksum).", NULL, b,
-                           (int)(sizeof(b) / sizeof(b[0])));
+        lc.hist = pd_metrics_add(cfg->metrics, PD_METRIC_HISTOGRAM, "pd:kv_offload_load_seconds",
+                                 "Time to load one KV block from the offload tier (read and checksum).", NULL,
+                                 b, (int)(sizeof(b) / sizeof(b[0])));
     }
+    st = pd_kv_tier_loader_create(&lc, &e->tier_loader);
+    if (st != PD_OK) {
+        return st;
+    }
+    pd_log_info("kv offload: loads run %s", pd_kv_tier_loader_mode(e->tier_loader));
     if (pd_scheduler_kv_events(e->sched) != NULL) { /* a reopened file's blocks are announced now */
         pd_kv_offload_set_listener(e->offload, tier_event, e);
     }
-    return pd_kv_manager_set_tier(pd_scheduler_kv(e->sched), &e->tier);
+    return pd_kv_manager_set_tier(pd_scheduler_kv(e->sched), pd_kv_tier_loader_tier(e->tier_loader));
 }
 
 /* vLLM's spec_decode counters (only with --speculative-config, as vLLM registers them). */
@@ -653,6 +644,7 @@ void pd_engine_destroy(pd_engine_t *e)
         pd_model_runner_destroy(&e->runner);
     }
     pd_kv_events_pub_destroy(e->kv_pub);
+    pd_kv_tier_loader_destroy(e->tier_loader); /* its thread stops before the loads it holds go */
     pd_scheduler_destroy(e->sched);
     pd_kv_offload_destroy(e->offload);
     if (e->draft.tok != NULL) {

@@ -69,9 +69,9 @@ struct pd_engine {
     pd_kv_events_pub_t *kv_pub; /* --kv-events-config: the prefix cache's events after each step */
     pd_model_t *draft_model;    /* method draft_model: the draft, its KV (the target's block ids) */
     pd_kv_cache_t *draft_kv;
-    struct pd_kv_offload *offload; /* --kv-offload-tier, or NULL; the scheduler reaches it through tier */
-    pd_kv_tier_t tier;
-    pd_metric_t *offload_hist; /* pd:kv_offload_load_seconds, or NULL */
+    struct pd_kv_offload
+        *offload; /* --kv-offload-tier, or NULL; the scheduler reaches it through the loader */
+    struct pd_kv_tier_loader *tier_loader;
     pd_spec_draft_t draft;
     pd_request_t **spec_reqs; /* [max_num_seqs] requests the draft model proposes for, and how many */
     int32_t *spec_want;

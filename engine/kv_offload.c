@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
@@ -50,8 +51,10 @@ typedef struct file_header {
 typedef struct slot {
     pd_hash128_t key;
     uint64_t seq;
-    uint32_t prev, next; /* LRU links when used, the free list (next) when not */
+    uint32_t prev, next; /* LRU links when used and not pinned, the free list (next) when not used */
+    uint32_t pins;       /* loads in flight (pd_kv_offload_pin): out of the LRU, never reused */
     bool used;
+    bool forgotten; /* out of the index while pinned (its read failed): freed at the last unpin */
 } slot_t;
 
 struct pd_kv_offload {
@@ -65,10 +68,10 @@ struct pd_kv_offload {
     uint32_t lru_tail;  /* most recently used */
     uint32_t free_head;
     uint64_t next_seq;
-    uint8_t *arena;    /* host: num_slots × slot_bytes */
-    int fd;            /* disk: the file, flock'ed; -1 */
-    struct iovec *iov; /* [1 + num_tensors] */
-    bool warned_write, warned_read;
+    uint8_t *arena; /* host: num_slots × slot_bytes */
+    int fd;         /* disk: the file, flock'ed; -1 */
+    bool warned_write;
+    atomic_bool warned_read; /* pd_kv_offload_read runs on a loader thread */
     void (*listener)(void *arg, pd_hash128_t key, bool stored);
     void *listener_arg;
     pd_kv_offload_stats_t st;
@@ -115,25 +118,42 @@ static void lru_append(pd_kv_offload_t *o, uint32_t i)
     o->lru_tail = i;
 }
 
-/* Forgets slot i's block (used → free). */
-static void slot_drop(pd_kv_offload_t *o, uint32_t i)
+/* Takes slot i's key out of the index (contains and pin no longer find it). */
+static void slot_forget(pd_kv_offload_t *o, uint32_t i)
 {
     slot_t *s = &o->slots[i];
     pd_key_map_remove(&o->index, s->key, i);
     if (o->listener != NULL) {
         o->listener(o->listener_arg, s->key, false);
     }
-    lru_unlink(o, i);
+}
+
+/* Slot i (used, forgotten, unlinked) → the free list. */
+static void slot_free(pd_kv_offload_t *o, uint32_t i)
+{
+    slot_t *s = &o->slots[i];
     s->used = false;
     s->next = o->free_head;
     o->free_head = i;
     o->st.used_slots--;
 }
 
-/* A slot to write: a free one, else the least recently used one's (evicted). */
+/* Forgets unpinned slot i's block (used → free). */
+static void slot_drop(pd_kv_offload_t *o, uint32_t i)
+{
+    slot_forget(o, i);
+    lru_unlink(o, i);
+    slot_free(o, i);
+}
+
+/* A slot to write: a free one, else the least recently used one's (evicted); NIL when every slot
+ * is pinned. */
 static uint32_t slot_take(pd_kv_offload_t *o)
 {
     if (o->free_head == NIL) {
+        if (o->lru_head == NIL) {
+            return NIL;
+        }
         o->st.evicted++;
         slot_drop(o, o->lru_head);
     }
@@ -185,21 +205,21 @@ static off_t slot_offset(const pd_kv_offload_t *o, uint32_t i)
     return (off_t)FILE_HEADER_BYTES + (off_t)i * (off_t)o->slot_bytes;
 }
 
-/* Points o->iov at block's pages, then hdr: the pages start the slot, aligned as the file's pages
- * are (an unaligned start made every page-cache copy straddle two pages: 40 % slower reads). */
-static int build_iov(pd_kv_offload_t *o, slot_header_t *hdr, uint32_t block)
+/* Points iov at block's pages, then hdr: the pages start the slot, aligned as the file's pages are
+ * (an unaligned start made every page-cache copy straddle two pages: 40 % slower reads). */
+static int build_iov(const pd_kv_offload_t *o, struct iovec *iov, slot_header_t *hdr, uint32_t block)
 {
     for (int32_t t = 0; t < o->cfg.num_tensors; t++) {
-        o->iov[t] = (struct iovec){o->cfg.base + o->cfg.tensor_offset[t] + (size_t)block * o->cfg.page_bytes,
-                                   o->cfg.page_bytes};
+        iov[t] = (struct iovec){o->cfg.base + o->cfg.tensor_offset[t] + (size_t)block * o->cfg.page_bytes,
+                                o->cfg.page_bytes};
     }
-    o->iov[o->cfg.num_tensors] = (struct iovec){hdr, sizeof(*hdr)};
+    iov[o->cfg.num_tensors] = (struct iovec){hdr, sizeof(*hdr)};
     return 1 + o->cfg.num_tensors;
 }
 
 /* Moves iov[n] to (write) or from slot i. Host: memcpy; disk: preadv/pwritev until every byte moved
  * (a short transfer that makes no progress — end of file, full disk — is an error). */
-static pd_status_t slot_io(pd_kv_offload_t *o, uint32_t i, struct iovec *iov, int n, bool write)
+static pd_status_t slot_io(const pd_kv_offload_t *o, uint32_t i, struct iovec *iov, int n, bool write)
 {
     if (o->arena != NULL) {
         uint8_t *p = o->arena + (size_t)i * o->slot_bytes;
@@ -246,19 +266,26 @@ pd_status_t pd_kv_offload_save(pd_kv_offload_t *o, pd_hash128_t key, uint32_t bl
         return PD_ERR_OUT_OF_RANGE;
     }
     uint32_t i = pd_key_map_get(&o->index, key);
-    if (i != PD_KEY_MAP_NONE) { /* equal keys hold equal KV: only its recency changes */
-        lru_unlink(o, i);
-        lru_append(o, i);
+    if (i != PD_KEY_MAP_NONE) {      /* equal keys hold equal KV: only its recency changes */
+        if (o->slots[i].pins == 0) { /* (a pinned one is the most recent at its unpin) */
+            lru_unlink(o, i);
+            lru_append(o, i);
+        }
         o->st.already++;
         return PD_OK;
     }
     i = slot_take(o);
+    if (i == NIL) {
+        o->st.skipped++;
+        return PD_ERR_CANCELLED;
+    }
     slot_header_t hdr = {SLOT_MAGIC, FORMAT_VERSION, o->cfg.fingerprint, key.lo, key.hi, 0, o->next_seq++, 0,
                          0};
     hdr.data_sum = data_checksum(o, key, block);
     hdr.header_sum = header_sum(&hdr);
-    int n = build_iov(o, &hdr, block);
-    if (slot_io(o, i, o->iov, n, true) != PD_OK) {
+    struct iovec iov[PD_MAX_LAYERS + 1];
+    int n = build_iov(o, iov, &hdr, block);
+    if (slot_io(o, i, iov, n, true) != PD_OK) {
         if (!o->warned_write) {
             o->warned_write = true;
             pd_log_warn("kv offload: writing a block to %s failed (%s); blocks that cannot be written are "
@@ -276,48 +303,85 @@ pd_status_t pd_kv_offload_save(pd_kv_offload_t *o, pd_hash128_t key, uint32_t bl
     return PD_OK;
 }
 
-pd_status_t pd_kv_offload_load(pd_kv_offload_t *o, pd_hash128_t key, uint32_t block)
+uint32_t pd_kv_offload_pin(pd_kv_offload_t *o, pd_hash128_t key)
 {
-    if (block == 0 || block >= o->cfg.num_blocks) {
-        return PD_ERR_OUT_OF_RANGE;
-    }
     uint32_t i = pd_key_map_get(&o->index, key);
     if (i == PD_KEY_MAP_NONE) {
-        return PD_ERR_NOT_FOUND;
+        return PD_KV_OFFLOAD_NO_SLOT;
     }
-    double t0 = pd_time_now_s();
+    if (o->slots[i].pins++ == 0) {
+        lru_unlink(o, i);
+    }
+    return i;
+}
+
+pd_status_t pd_kv_offload_read(pd_kv_offload_t *o, uint32_t slot, pd_hash128_t key, uint32_t block)
+{
+    if (block == 0 || block >= o->cfg.num_blocks || slot >= o->num_slots) {
+        return PD_ERR_OUT_OF_RANGE;
+    }
     slot_header_t hdr;
-    int n = build_iov(o, &hdr, block);
-    pd_status_t st = slot_io(o, i, o->iov, n, false);
-    if (st != PD_OK) {
-        o->st.read_seconds += pd_time_now_s() - t0;
-        if (!o->warned_read) {
-            o->warned_read = true;
+    struct iovec iov[PD_MAX_LAYERS + 1];
+    int n = build_iov(o, iov, &hdr, block);
+    if (slot_io(o, slot, iov, n, false) != PD_OK) {
+        if (!atomic_exchange(&o->warned_read, true)) {
             pd_log_warn("kv offload: reading a block from %s failed (%s); its tokens are recomputed (logged "
                         "once)",
                         o->cfg.path, strerror(errno));
         }
-        slot_drop(o, i);
         return PD_ERR_IO;
     }
     if (hdr.magic != SLOT_MAGIC || hdr.version != FORMAT_VERSION || hdr.fingerprint != o->cfg.fingerprint ||
         hdr.key_lo != key.lo || hdr.key_hi != key.hi || hdr.header_sum != header_sum(&hdr) ||
         hdr.data_sum != data_checksum(o, key, block)) {
-        o->st.read_seconds += pd_time_now_s() - t0;
         pd_log_warn(
             "kv offload: slot %u of the %s tier failed its checksum (torn, stale or corrupt); dropped, "
             "its tokens are recomputed",
-            i, pd_kv_offload_medium_name(o->cfg.medium));
-        o->st.corrupt++;
-        slot_drop(o, i);
+            slot, pd_kv_offload_medium_name(o->cfg.medium));
         return PD_ERR_PARSE;
     }
-    o->st.read_seconds += pd_time_now_s() - t0; /* the read and its checksum */
-    lru_unlink(o, i);
-    lru_append(o, i);
-    o->st.loaded++;
-    o->st.bytes_read += o->data_bytes;
     return PD_OK;
+}
+
+void pd_kv_offload_unpin(pd_kv_offload_t *o, uint32_t slot, pd_status_t read_status, double seconds)
+{
+    slot_t *s = &o->slots[slot];
+    if (read_status == PD_OK) {
+        o->st.loaded++;
+        o->st.bytes_read += o->data_bytes;
+        o->st.read_seconds += seconds; /* the read and its checksum */
+    } else if (read_status == PD_ERR_PARSE || read_status == PD_ERR_IO) {
+        o->st.read_seconds += seconds;
+        o->st.corrupt += read_status == PD_ERR_PARSE;
+        if (!s->forgotten) { /* never served again; its slot is reused once no read holds it */
+            s->forgotten = true;
+            slot_forget(o, slot);
+        }
+    }
+    if (--s->pins > 0) {
+        return;
+    }
+    if (s->forgotten) {
+        s->forgotten = false;
+        slot_free(o, slot);
+    } else {
+        lru_append(o, slot); /* the most recently used */
+    }
+}
+
+pd_status_t pd_kv_offload_load(pd_kv_offload_t *o, pd_hash128_t key, uint32_t block)
+{
+    if (block == 0 || block >= o->cfg.num_blocks) {
+        return PD_ERR_OUT_OF_RANGE;
+    }
+    uint32_t i = pd_kv_offload_pin(o, key);
+    if (i == PD_KV_OFFLOAD_NO_SLOT) {
+        return PD_ERR_NOT_FOUND;
+    }
+    double t0 = pd_time_now_s();
+    pd_status_t st = pd_kv_offload_read(o, i, key, block);
+    pd_kv_offload_unpin(o, i, st, pd_time_now_s() - t0);
+    return st;
 }
 
 void pd_kv_offload_set_listener(pd_kv_offload_t *o, void (*fn)(void *arg, pd_hash128_t key, bool stored),
@@ -461,9 +525,9 @@ pd_status_t pd_kv_offload_create(const pd_kv_offload_config_t *cfg, pd_kv_offloa
     o->st.num_slots = o->num_slots;
     o->st.slot_bytes = slot_bytes;
     o->slots = calloc(num, sizeof(slot_t));
-    o->iov = calloc((size_t)cfg->num_tensors + 1, sizeof(struct iovec));
+    atomic_init(&o->warned_read, false);
     pd_status_t st = PD_ERR_NO_MEMORY;
-    if (o->slots == NULL || o->iov == NULL || pd_key_map_init(&o->index, o->num_slots) != PD_OK) {
+    if (o->slots == NULL || pd_key_map_init(&o->index, o->num_slots) != PD_OK) {
         pd_log_error("kv offload: cannot allocate the index of %zu slots", num);
         goto err;
     }
@@ -504,7 +568,6 @@ void pd_kv_offload_destroy(pd_kv_offload_t *o)
     }
     free(o->arena);
     free(o->slots);
-    free(o->iov);
     pd_key_map_free(&o->index);
     free(o);
 }

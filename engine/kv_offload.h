@@ -20,8 +20,9 @@
  * memory neither tears nor goes stale: its data is not checksummed); the key is the block's chained hash,
  * which covers every token before it (and the cache salt), so equal keys hold equal KV.
  *
- * Engine thread only (the scheduler reaches it through pd_kv_tier_t). The KV must be host memory
- * (the CPU backend); a device KV would need a staging copy that is not built. */
+ * Engine thread only (the scheduler reaches it through pd_kv_tier_t), but for pd_kv_offload_read,
+ * which a loader thread may run on a pinned slot. The KV must be host memory (the CPU backend); a
+ * device KV would need a staging copy that is not built. */
 #ifndef PD_ENGINE_KV_OFFLOAD_H
 #define PD_ENGINE_KV_OFFLOAD_H
 
@@ -58,6 +59,7 @@ typedef struct pd_kv_offload_stats {
     uint64_t corrupt;      /* loads refused by a checksum (the slot dropped) */
     uint64_t evicted;      /* tier slots reused for another block */
     uint64_t write_errors; /* saves that failed (full disk, I/O error): the block is just gone */
+    uint64_t skipped;      /* saves not made: every slot was pinned by a load */
     uint64_t bytes_written, bytes_read;
     double read_seconds; /* time spent in loads */
     uint32_t used_slots, num_slots;
@@ -77,13 +79,29 @@ bool pd_kv_offload_contains(const pd_kv_offload_t *o, pd_hash128_t key);
 
 /* Copies block's pages into the tier under key (most recently used; the least recently used slot
  * is reused when the tier is full). A key the tier holds already is only marked used. PD_ERR_IO
- * (logged once per kind of failure) when the write fails: the tier simply does not hold it. */
+ * (logged once per kind of failure) when the write fails: the tier simply does not hold it;
+ * PD_ERR_CANCELLED (counted in skipped) when every slot is pinned by a load. */
 pd_status_t pd_kv_offload_save(pd_kv_offload_t *o, pd_hash128_t key, uint32_t block);
 
-/* Copies key's pages into block and marks it used. PD_ERR_NOT_FOUND when the tier does not hold
- * it; PD_ERR_PARSE when its checksum fails (the slot is dropped; block's pages are garbage);
- * PD_ERR_IO when the read fails. */
+/* Copies key's pages into block and marks it used (pin, read and unpin in a row). PD_ERR_NOT_FOUND
+ * when the tier does not hold it; PD_ERR_PARSE when its checksum fails (the slot is dropped; block's
+ * pages are garbage); PD_ERR_IO when the read fails (dropped too). */
 pd_status_t pd_kv_offload_load(pd_kv_offload_t *o, pd_hash128_t key, uint32_t block);
+
+/* A load in three parts, for a loader thread (engine/kv_tier_loader.h):
+ *   pin (engine thread): key's slot, kept from reuse and eviction until its unpin (a save that
+ *     needs a slot while every slot is pinned is skipped); PD_KV_OFFLOAD_NO_SLOT when the tier
+ *     does not hold key.
+ *   read (any thread, while pinned): the slot's pages into block's, checked; PD_ERR_PARSE or
+ *     PD_ERR_IO (logged) as pd_kv_offload_load. It reads nothing the engine thread writes while the
+ *     slot is pinned, and writes only block's pages.
+ *   unpin (engine thread): with read's status and time (PD_ERR_CANCELLED: not read). A slot read
+ *     whole is the most recently used; one that failed is dropped (contains no longer finds it,
+ *     its slot is reused after its last unpin). The stats count here. */
+#define PD_KV_OFFLOAD_NO_SLOT UINT32_MAX
+uint32_t pd_kv_offload_pin(pd_kv_offload_t *o, pd_hash128_t key);
+pd_status_t pd_kv_offload_read(pd_kv_offload_t *o, uint32_t slot, pd_hash128_t key, uint32_t block);
+void pd_kv_offload_unpin(pd_kv_offload_t *o, uint32_t slot, pd_status_t read_status, double seconds);
 
 /* Calls fn(arg, key, stored) whenever the tier starts holding a block (a save of a new key) or stops
  * (an eviction, a slot dropped by its checksum or a failed read), and at once for every block it

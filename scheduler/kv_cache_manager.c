@@ -28,8 +28,11 @@ void pd_kv_manager_destroy(pd_kv_cache_manager_t *m)
 {
     pd_block_pool_destroy(m->pool);
     m->pool = NULL;
-    free(m->tier_ids);
-    m->tier_ids = NULL;
+    for (pd_kv_tier_load_t *l = m->tier_loads, *n; l != NULL; l = n) { /* the tier has stopped */
+        n = l->next_load;
+        free(l);
+    }
+    m->tier_loads = NULL;
 }
 
 static bool grow(void **p, int32_t *cap, int32_t need, size_t elem)
@@ -170,6 +173,36 @@ pd_status_t pd_kv_manager_set_tier(pd_kv_cache_manager_t *m, const pd_kv_tier_t 
     return PD_OK;
 }
 
+/* A load of n blocks after n_hits held ones, its arrays in one allocation. */
+static pd_kv_tier_load_t *load_new(int32_t n_hits, int32_t n, int32_t bs)
+{
+    size_t sz = sizeof(pd_kv_tier_load_t) + (size_t)n * (sizeof(pd_hash128_t) + sizeof(double)) +
+                ((size_t)n_hits + 2 * (size_t)n + (size_t)n * (size_t)bs) * sizeof(uint32_t);
+    pd_kv_tier_load_t *l = calloc(1, sz);
+    if (l == NULL) {
+        return NULL;
+    }
+    l->keys = (pd_hash128_t *)(l + 1);
+    l->seconds = (double *)(l->keys + n);
+    l->hits = (uint32_t *)(l->seconds + n);
+    l->blocks = l->hits + n_hits;
+    l->slots = l->blocks + n;
+    l->tokens = (int32_t *)(l->slots + n);
+    return l;
+}
+
+static bool tier_loading(const pd_kv_cache_manager_t *m, pd_hash128_t key)
+{
+    for (const pd_kv_tier_load_t *l = m->tier_loads; l != NULL; l = l->next_load) {
+        for (int32_t i = 0; i < l->n; i++) {
+            if (pd_hash128_eq(l->keys[i], key)) {
+                return true;
+            }
+        }
+    }
+    return false;
+}
+
 int32_t pd_kv_manager_promote(pd_kv_cache_manager_t *m, pd_request_t *req, const uint32_t *hits,
                               int32_t n_hits, int32_t max)
 {
@@ -181,48 +214,100 @@ int32_t pd_kv_manager_promote(pd_kv_cache_manager_t *m, pd_request_t *req, const
     if (n_hits >= full || !ensure_hashes(m, req, full)) {
         return 0;
     }
-    int32_t k = 0;
-    while (n_hits + k < full && t->contains(t->ctx, req->block_hashes[n_hits + k])) {
+    if (tier_loading(m, req->block_hashes[n_hits])) {
+        return PD_KV_PROMOTE_WAIT;
+    }
+    int32_t k = 0; /* up to a block the tier lacks, or one a load in flight brings */
+    while (n_hits + k < full && t->contains(t->ctx, req->block_hashes[n_hits + k]) &&
+           (k == 0 || !tier_loading(m, req->block_hashes[n_hits + k]))) {
         k++;
     }
-    m->tier_queries += (uint64_t)(full - n_hits);
-    if (k == 0 || !grow((void **)&m->tier_ids, &m->cap_tier_ids, k, sizeof(uint32_t))) {
+    if (!req->tier_counted) { /* a request's first look in the tier (not the one after its load) */
+        req->tier_counted = true;
+        m->tier_queries += (uint64_t)(full - n_hits);
+    }
+    if (k == 0) {
         return 0;
     }
-    /* the pool hit is pinned while blocks are taken (a take evicts from the front of the free queue),
-     * and the blocks the rest of the prompt will need stay free */
+    /* the pool hit is held while the load runs (a take evicts from the front of the free queue, and
+     * a hole in the hit would leave the loaded blocks unreachable), and the blocks the rest of the
+     * prompt will need stay free */
     pd_block_pool_touch(m->pool, hits, (uint32_t)n_hits);
     int64_t room = (int64_t)pd_block_pool_num_free(m->pool) + pd_block_pool_num_cached_free(m->pool) -
                    ((int64_t)req->num_tokens - (int64_t)(n_hits + k) * bs + bs - 1) / bs;
     k = room < k ? (int32_t)(room > 0 ? room : 0) : k;
-    int32_t done = 0;
-    for (; done < k; done++) {
-        int32_t b = n_hits + done;
-        uint32_t id;
+    pd_kv_tier_load_t *l = k > 0 ? load_new(n_hits, k, bs) : NULL;
+    int32_t got = 0;
+    for (; l != NULL && got < k; got++) {
+        int32_t b = n_hits + got;
         /* a take may evict a cached block into the tier, which may evict this one from it */
-        if (!t->contains(t->ctx, req->block_hashes[b]) || pd_block_pool_take(m->pool, 1, &id) != PD_OK) {
+        if (!t->contains(t->ctx, req->block_hashes[b]) ||
+            pd_block_pool_take(m->pool, 1, &l->blocks[got]) != PD_OK) {
             break;
         }
-        if (t->load(t->ctx, req->block_hashes[b], id) != PD_OK) {
-            pd_block_pool_free(m->pool, &id, 1);
-            break;
+        l->keys[got] = req->block_hashes[b];
+        memcpy(l->tokens + (size_t)got * bs, req->tokens + (size_t)b * bs, (size_t)bs * sizeof(int32_t));
+    }
+    if (got == 0) {
+        for (int32_t i = n_hits - 1; i >= 0; i--) {
+            pd_block_pool_free(m->pool, &hits[i], 1);
         }
-        m->tier_ids[done] = id;
-        if (pd_block_pool_cache(m->pool, id, req->block_hashes[b]) && m->events != NULL) {
-            pd_kv_event_stored(m->events, pd_kv_event_hash(req->block_hashes[b]), b > 0,
-                               b > 0 ? pd_kv_event_hash(req->block_hashes[b - 1]) : 0,
-                               req->tokens + (size_t)b * bs);
+        free(l);
+        return 0;
+    }
+    memcpy(l->hits, hits, (size_t)n_hits * sizeof(uint32_t));
+    l->n_hits = n_hits;
+    l->req = req;
+    l->n = got;
+    l->parent = n_hits > 0 ? req->block_hashes[n_hits - 1] : (pd_hash128_t){0, 0};
+    l->next_load = m->tier_loads;
+    m->tier_loads = l;
+    req->tier_load = l;
+    t->load(t->ctx, l);
+    return got;
+}
+
+void pd_kv_manager_poll_tier(pd_kv_cache_manager_t *m)
+{
+    const pd_kv_tier_t *t = m->tier;
+    pd_kv_tier_load_t *l;
+    while (t != NULL && (l = t->finished(t->ctx)) != NULL) {
+        int32_t bs = m->block_size;
+        for (int32_t i = 0; i < l->n_loaded; i++) {
+            if (pd_block_pool_cache(m->pool, l->blocks[i], l->keys[i]) && m->events != NULL) {
+                bool parent = i > 0 || l->n_hits > 0;
+                pd_kv_event_stored(m->events, pd_kv_event_hash(l->keys[i]), parent,
+                                   parent ? pd_kv_event_hash(i > 0 ? l->keys[i - 1] : l->parent) : 0,
+                                   l->tokens + (size_t)i * bs);
+            }
         }
+        /* back to the free queue, the prompt's tail first (evicted first), the pool hit last */
+        for (int32_t i = l->n - 1; i >= 0; i--) {
+            pd_block_pool_free(m->pool, &l->blocks[i], 1);
+        }
+        for (int32_t i = l->n_hits - 1; i >= 0; i--) {
+            pd_block_pool_free(m->pool, &l->hits[i], 1);
+        }
+        m->tier_hits += (uint64_t)l->n_loaded;
+        if (l->req != NULL) {
+            l->req->tier_load = NULL;
+            l->req->num_offload_tokens += l->n_loaded * bs;
+        }
+        pd_kv_tier_load_t **p = &m->tier_loads;
+        while (*p != l) {
+            p = &(*p)->next_load;
+        }
+        *p = l->next_load;
+        free(l);
     }
-    /* back to the free queue, the prompt's tail first (evicted first), the pool hit last */
-    for (int32_t i = done - 1; i >= 0; i--) {
-        pd_block_pool_free(m->pool, &m->tier_ids[i], 1);
+}
+
+void pd_kv_manager_tier_orphan(pd_request_t *req)
+{
+    if (req->tier_load != NULL) {
+        req->tier_load->req = NULL;
+        req->tier_load = NULL;
     }
-    for (int32_t i = n_hits - 1; i >= 0; i--) {
-        pd_block_pool_free(m->pool, &hits[i], 1);
-    }
-    m->tier_hits += (uint64_t)done;
-    return done;
 }
 
 void pd_kv_manager_count_lookup(pd_kv_cache_manager_t *m, const pd_request_t *req, int32_t hit_tokens)

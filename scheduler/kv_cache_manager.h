@@ -18,15 +18,41 @@
 
 #define PD_KV_MANAGER_MAX_GROUPS 32
 
+/* A load from the tier in flight: pool blocks taken for the next blocks of a request's prompt, which
+ * the tier fills. The manager owns it (pd_kv_manager_promote makes it, pd_kv_manager_poll_tier ends
+ * it); the tier writes only n_loaded, status and its own fields, and hands it back through
+ * finished. Its blocks are out of the pool (neither free nor cached) until it ends, when those
+ * loaded are cached under their keys and all go back to the free queue. */
+typedef struct pd_kv_tier_load {
+    struct pd_kv_tier_load *next;      /* the tier's queues */
+    struct pd_kv_tier_load *next_load; /* the manager's loads in flight */
+    pd_request_t *req;                 /* the request it is for; NULL once that request has ended */
+    uint32_t *hits;                    /* [n_hits] the request's pool hit, held until it ends */
+    int32_t n_hits;                    /* = the prompt's logical block that blocks[0] holds */
+    int32_t n;                         /* blocks */
+    pd_hash128_t *keys;                /* [n] the blocks' prefix-cache hashes */
+    uint32_t *blocks;                  /* [n] pool blocks */
+    int32_t *tokens;                   /* [n × block_size] their token ids (the KV events') */
+    pd_hash128_t parent;               /* n_hits > 0: block n_hits − 1's hash */
+    /* the tier's: */
+    int32_t n_loaded;   /* when it ends: blocks [0, n_loaded) hold their keys' KV; it stops at the
+                         * first block it lacks or fails to load */
+    uint32_t *slots;    /* [n] */
+    double *seconds;    /* [n] per block read */
+    pd_status_t status; /* of block n_loaded when that failed */
+} pd_kv_tier_load_t;
+
 /* A second tier behind the pool (engine/kv_offload.h, --kv-offload-tier): a cached block the pool
  * evicts is saved to it first, and a prefix that misses the pool continues from it
  * (pd_kv_manager_promote). The callbacks run on the scheduler's thread. */
 typedef struct pd_kv_tier {
     void *ctx;
     bool (*contains)(void *ctx, pd_hash128_t key);
-    /* Fills block's pages with key's KV; any failure (missing, corrupt, I/O) leaves the tokens to
-     * be recomputed. */
-    pd_status_t (*load)(void *ctx, pd_hash128_t key, uint32_t block);
+    /* Starts filling load's blocks with its keys' KV, in order, on any thread; a load may also end
+     * before this returns. Either way it is reported by finished. */
+    void (*load)(void *ctx, pd_kv_tier_load_t *load);
+    /* A load that has ended (n_loaded set), or NULL; each is returned once. */
+    pd_kv_tier_load_t *(*finished)(void *ctx);
     /* Copies block's pages out under key; called before the block is overwritten. */
     void (*save)(void *ctx, pd_hash128_t key, uint32_t block);
 } pd_kv_tier_t;
@@ -43,8 +69,7 @@ typedef struct pd_kv_cache_manager {
     const pd_kv_tier_t *tier;                 /* pd_kv_manager_set_tier, or NULL */
     uint64_t tier_queries;                    /* blocks looked up in the tier past a pool hit */
     uint64_t tier_hits;                       /* of which loaded into the pool */
-    uint32_t *tier_ids;                       /* promote's scratch */
-    int32_t cap_tier_ids;
+    pd_kv_tier_load_t *tier_loads;            /* in flight */
 } pd_kv_cache_manager_t;
 
 /* num_groups groups with windows[g] (0 = full attention); windows NULL = one full group. */
@@ -66,13 +91,24 @@ int32_t pd_kv_manager_get_computed_blocks(pd_kv_cache_manager_t *m, pd_request_t
 pd_status_t pd_kv_manager_set_tier(pd_kv_cache_manager_t *m, const pd_kv_tier_t *tier);
 
 /* Continues req's pool hit of n_hits blocks (hits[n_hits], from pd_kv_manager_get_computed_blocks)
- * from the tier: the next full blocks the tier holds, up to max logical blocks and leaving the last
- * prompt token to compute, are loaded into pool blocks and cached there (free, at the back of the
- * LRU queue, so the request's lookup that follows finds them as prefix hits). Takes no block the
- * rest of the prompt needs; stops at the first block the tier lacks or fails to load. Returns the
- * number of blocks loaded. */
+ * from the tier: for the next full blocks the tier holds, up to max logical blocks and leaving the
+ * last prompt token to compute, pool blocks are taken and the tier's load into them starts
+ * (req->tier_load); it stops before a block another load in flight brings (read once: req looks up
+ * again after its load). Takes no block the rest of the prompt needs. Returns the number of blocks whose
+ * load started; PD_KV_PROMOTE_WAIT when another request's load in flight brings req's next block
+ * (req then waits for it rather than read it twice). The pool hit is held until the load ends. */
+#define PD_KV_PROMOTE_WAIT (-1)
 int32_t pd_kv_manager_promote(pd_kv_cache_manager_t *m, pd_request_t *req, const uint32_t *hits,
                               int32_t n_hits, int32_t max);
+
+/* Ends the tier's finished loads: the blocks loaded are cached under their keys (BlockStored), then
+ * every block goes back to the free queue (the prompt's tail first, so evicted first; the pool hit
+ * last), and the load's request (if any) is no longer loading: its lookup now finds them. A load
+ * ends whether or not its request is still there. */
+void pd_kv_manager_poll_tier(pd_kv_cache_manager_t *m);
+
+/* req ends while its tier load is in flight: the load goes on without it. */
+void pd_kv_manager_tier_orphan(pd_request_t *req);
 
 /* Counts one lookup of req that found hit_tokens cached in prefix_queries/prefix_hits (for a caller
  * that decides after the lookup whether it counts: the scheduler counts the one that admits). */

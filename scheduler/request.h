@@ -90,7 +90,9 @@ struct pd_request {
                                   * its pages share this request's block ids) */
     int32_t num_cached_tokens;   /* prefix-cache hit when first scheduled, -1 before */
     int32_t num_offload_tokens;  /* of the prefix hits: tokens the KV offload tier loaded into the pool */
-    int32_t num_loaded_tokens;   /* prompt tokens whose KV a connector load brought from another node (a
+    struct pd_kv_tier_load *tier_load; /* the offload tier's load in flight for it, or NULL: it waits */
+    bool tier_counted;                 /* its prefix was looked up in the tier (counted once) */
+    int32_t num_loaded_tokens;         /* prompt tokens whose KV a connector load brought from another node (a
                                   * decode's from its prefill, a prefill's prefix from a peer) */
 
     uint32_t *block_ids; /* [cap_blocks] this request's KV blocks in order */

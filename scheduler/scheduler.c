@@ -200,6 +200,7 @@ void pd_scheduler_destroy(pd_scheduler_t *s)
     for (size_t i = 0; s->by_id.slots != NULL && i < s->by_id.cap; i++) {
         if (s->by_id.slots[i].key != NULL) {
             pd_request_t *r = (pd_request_t *)(intptr_t)s->by_id.slots[i].value;
+            pd_kv_manager_tier_orphan(r);
             pd_kv_manager_free(&s->kv, r);
             if (s->on_release != NULL) {
                 s->on_release(s->on_release_arg, r);
@@ -265,6 +266,7 @@ static void finish_request(pd_scheduler_t *s, pd_request_t *r, pd_request_state_
     }
     r->state = st;
     r->finish_time = pd_time_now_s();
+    pd_kv_manager_tier_orphan(r);
     bool delay = false;
     if (s->conn != NULL) {
         void *params = NULL;
@@ -392,6 +394,10 @@ static void schedule_waiting(pd_scheduler_t *s, int32_t *budget)
     bool fresh_blocked = false;
     while (r != NULL && *budget > 0 && s->num_running < s->cfg.max_num_seqs) {
         pd_request_t *next = r->next;
+        if (r->tier_load != NULL) {
+            r = next;
+            continue; /* its prefix is loading from the offload tier: later requests may go ahead */
+        }
         if (r->state == PD_REQ_WAITING_FOR_REMOTE_KV) {
             if (!pd_strmap_del(&s->recv_done, r->id, strlen(r->id), NULL)) {
                 r = next;
@@ -414,8 +420,13 @@ static void schedule_waiting(pd_scheduler_t *s, int32_t *budget)
             int32_t promoted = s->kv.tier != NULL
                                    ? pd_kv_manager_promote(&s->kv, r, s->hits, n_hits, s->max_blocks_per_req)
                                    : 0;
-            if (promoted > 0) { /* the tier's blocks are in the pool now: the lookup finds them */
-                r->num_offload_tokens += promoted * s->kv.block_size;
+            if (promoted != 0) {
+                pd_kv_manager_poll_tier(&s->kv); /* an inline tier has loaded them already */
+                if (promoted == PD_KV_PROMOTE_WAIT || r->tier_load != NULL) {
+                    r = next; /* until its load, or another's that brings its next block, ends */
+                    continue;
+                }
+                /* the tier's blocks are in the pool now: the lookup finds them */
                 n_hits = pd_kv_manager_get_computed_blocks(&s->kv, r, s->hits, s->max_blocks_per_req, false,
                                                            &local);
             }
@@ -527,6 +538,7 @@ const pd_scheduler_output_t *pd_scheduler_schedule(pd_scheduler_t *s)
     s->num_finished = 0;
     s->out = (pd_scheduler_output_t){s->items, 0, 0, s->preempted, 0, NULL};
     int32_t budget = s->cfg.max_num_batched_tokens;
+    pd_kv_manager_poll_tier(&s->kv); /* loads from the offload tier that ended */
 
     for (int32_t i = 0; i < s->num_running && budget > 0; i++) {
         pd_request_t *r = s->running[i];
@@ -829,7 +841,7 @@ int32_t pd_scheduler_num_running(const pd_scheduler_t *s)
 
 bool pd_scheduler_idle(const pd_scheduler_t *s)
 {
-    return s->num_running == 0 && s->num_waiting == 0 && s->num_holding == 0;
+    return s->num_running == 0 && s->num_waiting == 0 && s->num_holding == 0 && s->kv.tier_loads == NULL;
 }
 
 pd_kv_cache_manager_t *pd_scheduler_kv(pd_scheduler_t *s)

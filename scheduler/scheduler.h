@@ -173,7 +173,7 @@ void pd_scheduler_get_spec_stats(const pd_scheduler_t *s, pd_scheduler_stats_t *
 /* Requests in the running set now. */
 int32_t pd_scheduler_num_running(const pd_scheduler_t *s);
 
-/* True when nothing is waiting, running or held. */
+/* True when nothing is waiting, running or held, and no offload tier load is in flight. */
 bool pd_scheduler_idle(const pd_scheduler_t *s);
 
 /* The KV cache manager (tests and metrics read the pool through it). */

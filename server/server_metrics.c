@@ -141,7 +141,8 @@ void pd_http_metrics_register(pd_http_server_t *s)
             {"pd:kv_offload_bytes_written_total", "Bytes of KV written to the offload tier."},
             {"pd:kv_offload_bytes_read_total", "Bytes of KV read back from the offload tier."},
             {"pd:kv_offload_read_seconds_total",
-             "Seconds the engine spent loading blocks from the offload tier."},
+             "Seconds spent reading blocks from the offload tier (on its loader thread or the engine's: "
+             "--kv-offload-load)."},
             {"pd:kv_offload_blocks", "KV blocks the offload tier holds."},
             {"pd:kv_offload_capacity_blocks", "KV blocks the offload tier can hold."},
         };

@@ -127,6 +127,78 @@ static void round_trip_and_lru(pd_kv_offload_medium_t medium)
     unlink(r.cfg.path);
 }
 
+/* A load's pin keeps its slot: no save reuses it (a save with every slot pinned is skipped), a failed
+ * read drops it from the index at once but frees it only at its last unpin. */
+static void pins(pd_kv_offload_medium_t medium)
+{
+    region_t r;
+    region_init(&r, medium, 2, "pins.kv");
+    unlink(r.cfg.path);
+    pd_kv_offload_t *o = NULL;
+    ck_assert_int_eq(pd_kv_offload_create(&r.cfg, &o), PD_OK);
+    fill(&r, 1, 10);
+    fill(&r, 2, 20);
+    ck_assert_int_eq(pd_kv_offload_save(o, key(0), 1), PD_OK);
+    ck_assert_int_eq(pd_kv_offload_save(o, key(1), 2), PD_OK);
+    uint32_t s0 = pd_kv_offload_pin(o, key(0));
+    ck_assert_uint_ne(s0, PD_KV_OFFLOAD_NO_SLOT);
+    ck_assert_uint_eq(pd_kv_offload_pin(o, key(7)), PD_KV_OFFLOAD_NO_SLOT);
+    /* key 0 is the least recently used, but pinned: key 2 takes key 1's slot */
+    fill(&r, 3, 30);
+    ck_assert_int_eq(pd_kv_offload_save(o, key(2), 3), PD_OK);
+    ck_assert(pd_kv_offload_contains(o, key(0)) && !pd_kv_offload_contains(o, key(1)));
+    uint32_t s2 = pd_kv_offload_pin(o, key(2));
+    fill(&r, 4, 40);
+    ck_assert_int_eq(pd_kv_offload_save(o, key(3), 4), PD_ERR_CANCELLED); /* every slot pinned */
+    ck_assert(!pd_kv_offload_contains(o, key(3)));
+    ck_assert_int_eq(pd_kv_offload_save(o, key(0), 1), PD_OK); /* held: only counted */
+    memset(r.base, 0, (size_t)T * PAGE * NB);
+    ck_assert_int_eq(pd_kv_offload_read(o, s0, key(0), 5), PD_OK);
+    ck_assert(holds(&r, 5, 10));
+    pd_kv_offload_unpin(o, s0, PD_OK, 0.001);
+    /* a read under another key fails its header check: dropped from the index now, its slot
+     * kept while a second pin holds it */
+    ck_assert_uint_eq(pd_kv_offload_pin(o, key(2)), s2);
+    ck_assert_int_eq(pd_kv_offload_read(o, s2, key(5), 6), PD_ERR_PARSE);
+    pd_kv_offload_unpin(o, s2, PD_ERR_PARSE, 0.001);
+    ck_assert(!pd_kv_offload_contains(o, key(2)));
+    ck_assert_uint_eq(pd_kv_offload_pin(o, key(2)), PD_KV_OFFLOAD_NO_SLOT);
+    pd_kv_offload_stats_t st;
+    pd_kv_offload_get_stats(o, &st);
+    ck_assert_uint_eq(st.used_slots, 2);
+    pd_kv_offload_unpin(o, s2, PD_ERR_CANCELLED, 0); /* the last pin: the slot is free */
+    pd_kv_offload_get_stats(o, &st);
+    ck_assert_uint_eq(st.used_slots, 1);
+    fill(&r, 4, 40);
+    ck_assert_int_eq(pd_kv_offload_save(o, key(3), 4), PD_OK); /* into the freed slot, no eviction */
+    memset(r.base, 0, (size_t)T * PAGE * NB);
+    ck_assert_int_eq(pd_kv_offload_load(o, key(3), 6), PD_OK);
+    ck_assert(holds(&r, 6, 40));
+    ck_assert_int_eq(pd_kv_offload_load(o, key(0), 5), PD_OK); /* key 0 back in the LRU, unharmed */
+    ck_assert(holds(&r, 5, 10));
+    pd_kv_offload_get_stats(o, &st);
+    ck_assert_uint_eq(st.skipped, 1);
+    ck_assert_uint_eq(st.evicted, 1);
+    ck_assert_uint_eq(st.corrupt, 1);
+    ck_assert_uint_eq(st.loaded, 3);
+    ck_assert_uint_eq(st.already, 1);
+    pd_kv_offload_destroy(o);
+    free(r.base);
+    unlink(r.cfg.path);
+}
+
+START_TEST(test_host_pins)
+{
+    pins(PD_KV_OFFLOAD_HOST);
+}
+END_TEST
+
+START_TEST(test_disk_pins)
+{
+    pins(PD_KV_OFFLOAD_DISK);
+}
+END_TEST
+
 START_TEST(test_host_round_trip_and_lru)
 {
     round_trip_and_lru(PD_KV_OFFLOAD_HOST);
@@ -244,7 +316,9 @@ typedef struct prompt {
     int32_t n;
 } prompt_t;
 
-static bool g_invariant; /* the engines' --batch-invariant */
+static bool g_invariant;    /* the engines' --batch-invariant */
+static const char *g_load;  /* their --kv-offload-load */
+static double g_read_delay; /* their tier reads' added time */
 
 static pd_engine_t *make_engine(int num_blocks, const char *tier, const char *path)
 {
@@ -261,12 +335,14 @@ static pd_engine_t *make_engine(int num_blocks, const char *tier, const char *pa
     c.kv_offload_size = 4u << 20;
     c.kv_offload_path = path;
     c.batch_invariant = g_invariant;
+    c.kv_offload_load = g_load != NULL ? g_load : "auto";
+    c.kv_offload_read_delay = g_read_delay;
     pd_engine_t *e = NULL;
     ck_assert_int_eq(pd_engine_create(&c, &e), PD_OK);
     return e;
 }
 
-static void run(pd_engine_t *e, const prompt_t *p, int i, float temperature, gen_t *g)
+static void submit(pd_engine_t *e, const prompt_t *p, int i, float temperature, gen_t *g)
 {
     char id[32], err[256];
     snprintf(id, sizeof(id), "r%d", i);
@@ -283,6 +359,11 @@ static void run(pd_engine_t *e, const prompt_t *p, int i, float temperature, gen
     rq.params.seed = 77 + (uint64_t)i;
     rq.user = g;
     ck_assert_msg(pd_engine_add(e, &rq, err, sizeof(err)) == PD_OK, "%s", err);
+}
+
+static void run(pd_engine_t *e, const prompt_t *p, int i, float temperature, gen_t *g)
+{
+    submit(e, p, i, temperature, g);
     tu_engine_run_until_idle(e, 5000);
     ck_assert_str_eq(g->finish, "length");
 }
@@ -397,13 +478,105 @@ static void engine_tier(const char *tier, float temperature)
 
 START_TEST(test_engine_host_tier_greedy)
 {
-    engine_tier("host", 0.0f);
+    engine_tier("host", 0.0f); /* loads inline (auto) */
 }
 END_TEST
 
 START_TEST(test_engine_disk_tier_seeded)
 {
-    engine_tier("disk", 0.9f);
+    engine_tier("disk", 0.9f); /* loads on the loader thread (auto) */
+}
+END_TEST
+
+START_TEST(test_engine_host_tier_thread)
+{
+    g_load = "thread";
+    engine_tier("host", 0.9f);
+    g_load = NULL;
+}
+END_TEST
+
+START_TEST(test_engine_disk_tier_inline)
+{
+    g_load = "inline";
+    engine_tier("disk", 0.0f);
+    g_load = NULL;
+}
+END_TEST
+
+/* A load on the loader thread holds up only its own request: with every block's read 50 ms longer
+ * (6 blocks), a short request sent after it runs to its end before the loaded one has a token, and
+ * the loaded one's answer is still the one computed without a tier. A second request for the same
+ * prefix waits for that load instead of reading the blocks again. A request aborted while its load
+ * runs leaves the load to end: its blocks are cached, the pool's accounting whole. */
+START_TEST(test_engine_threaded_load_overlaps_and_aborts)
+{
+    char path[512];
+    snprintf(path, sizeof(path), "%s/overlap.kv", g_dir);
+    unlink(path);
+    g_load = "thread";
+    g_read_delay = 0.05;
+    pd_engine_t *e = make_engine(13, "disk", path);
+    prompt_t p[3], b = {.n = 12};
+    make_prompts(p, pd_engine_model_config(e)->vocab_size);
+    for (int k = 0; k < b.n; k++) {
+        b.ids[k] = p[1].ids[k] ^ 1;
+    }
+    gen_t g[3], ga, ga2, gb;
+    for (int i = 0; i < 3; i++) { /* A, then B and C: A's blocks go to the tier */
+        run(e, &p[i], i, 0.0f, &g[i]);
+    }
+    submit(e, &p[0], 10, 0.0f, &ga);
+    submit(e, &p[0], 14, 0.0f, &ga2);
+    submit(e, &b, 11, 0.0f, &gb);
+    bool b_first = false;
+    for (int steps = 0; pd_engine_has_work(e); steps++) {
+        pd_engine_output_t *outs = NULL;
+        ck_assert_int_eq(pd_engine_step(e, &outs), PD_OK);
+        if (outs == NULL) {
+            usleep(200);
+        }
+        tu_engine_collect(outs);
+        pd_engine_output_free(outs);
+        b_first = b_first || (gb.finish != NULL && ga.n == 0);
+        ck_assert_int_lt(steps, 20000);
+    }
+    ck_assert_msg(b_first, "the short request waited for the other's tier load");
+    ck_assert_str_eq(gb.finish, "length");
+    assert_same(&ga, &g[0], "loaded on the thread vs computed");
+    assert_same(&ga2, &g[0], "the load's second request");
+    ck_assert_int_eq(ga.cached, 6 * 16);
+    ck_assert_int_eq(ga2.cached, 6 * 16);
+    pd_engine_stats_t st;
+    pd_engine_get_stats(e, &st);
+    ck_assert_uint_eq(st.offload_hits, 6); /* once, for both */
+    tu_engine_assert_pool_free(e);
+
+    run(e, &p[1], 1, 0.0f, &g[1]); /* A's blocks out of the pool again (the tier still holds them) */
+    run(e, &p[2], 2, 0.0f, &g[2]);
+    pd_engine_get_stats(e, &st);
+    uint64_t hits = st.offload_hits;
+    submit(e, &p[0], 12, 0.0f, &ga);
+    pd_engine_output_t *outs = NULL;
+    ck_assert_int_eq(pd_engine_step(e, &outs), PD_OK); /* its load starts; it waits */
+    ck_assert_ptr_null(outs);
+    ck_assert(pd_engine_abort(e, "r12"));
+    tu_engine_run_until_idle(e, 5000);
+    ck_assert_str_eq(ga.finish, "abort");
+    ck_assert_int_eq(ga.n, 0);
+    tu_engine_assert_pool_free(e);
+    ck_assert_int_eq(pd_block_pool_check(pd_engine_block_pool(e)), PD_OK);
+    pd_engine_get_stats(e, &st);
+    ck_assert_uint_eq(st.offload_hits, hits + 6); /* the load went on without its request */
+    run(e, &p[0], 13, 0.0f, &ga);                 /* and left A's blocks in the pool */
+    ck_assert_int_eq(ga.cached, 6 * 16);
+    assert_same(&ga, &g[0], "after the aborted load");
+    pd_engine_get_stats(e, &st);
+    ck_assert_uint_eq(st.offload_hits, hits + 6);
+    pd_engine_destroy(e);
+    g_load = NULL;
+    g_read_delay = 0;
+    unlink(path);
 }
 END_TEST
 
@@ -608,10 +781,15 @@ int main(void)
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, test_host_round_trip_and_lru);
     tcase_add_test(tc, test_disk_round_trip_and_lru);
+    tcase_add_test(tc, test_host_pins);
+    tcase_add_test(tc, test_disk_pins);
     tcase_add_test(tc, test_disk_checksums_and_restart);
     tcase_add_test(tc, test_bad_configs);
     tcase_add_test(tc, test_engine_host_tier_greedy);
     tcase_add_test(tc, test_engine_disk_tier_seeded);
+    tcase_add_test(tc, test_engine_host_tier_thread);
+    tcase_add_test(tc, test_engine_disk_tier_inline);
+    tcase_add_test(tc, test_engine_threaded_load_overlaps_and_aborts);
     tcase_add_test(tc, test_engine_refusals);
     suite_add_tcase(s, tc);
     tu_fail_alloc_add(s, test_fail_alloc, 2);

@@ -1370,15 +1370,23 @@ END_TEST
 
 /* A decode node with an offload tier (its pool of 39 blocks holds 5 of these prompts' 7 blocks): a
  * prompt whose blocks the decode's pool evicted is found in its tier, so its KV moves from the
- * prefill once; the answer equals the first one (pull and push). */
+ * prefill once; the answer equals the first one (pull with the tier's loads inline, push with them on
+ * the loader thread). */
 START_TEST(test_decode_offload_tier_saves_transfers)
 {
     const char *pages = "pd:kv_transfer_pages_sum";
     for (int m = 0; m < 2; m++) {
         const char *mode = m == 0 ? "pull" : "push";
         cluster_t c;
-        char *dext[] = {
-            "--num-blocks-override", "40", "--kv-offload-tier", "host", "--kv-offload-size", "16M", NULL};
+        char *dext[] = {"--num-blocks-override",
+                        "40",
+                        "--kv-offload-tier",
+                        "host",
+                        "--kv-offload-size",
+                        "16M",
+                        "--kv-offload-load",
+                        m == 0 ? "inline" : "thread",
+                        NULL};
         cluster_start(&c, mode, "tcp", NULL, dext);
         int32_t a[97];
         for (int i = 0; i < 97; i++) {

@@ -833,6 +833,115 @@ START_TEST(test_abort_in_every_state)
 }
 END_TEST
 
+/* ------------------------------------------------------------------ the offload tier's loads */
+
+/* A tier that holds every key the pool evicted into it and ends a load only when the test says so. */
+typedef struct fake_tier {
+    pd_kv_tier_t t;
+    pd_hash128_t held[256];
+    int n_held;
+    pd_kv_tier_load_t *started[8];
+    int n_started;
+    pd_kv_tier_load_t *done[8];
+    int n_done;
+} fake_tier_t;
+
+static bool ft_contains(void *ctx, pd_hash128_t key)
+{
+    fake_tier_t *f = ctx;
+    for (int i = 0; i < f->n_held; i++) {
+        if (pd_hash128_eq(f->held[i], key)) {
+            return true;
+        }
+    }
+    return false;
+}
+
+static void ft_load(void *ctx, pd_kv_tier_load_t *l)
+{
+    fake_tier_t *f = ctx;
+    ck_assert_int_lt(f->n_started, 8);
+    f->started[f->n_started++] = l;
+}
+
+static pd_kv_tier_load_t *ft_finished(void *ctx)
+{
+    fake_tier_t *f = ctx;
+    return f->n_done > 0 ? f->done[--f->n_done] : NULL;
+}
+
+static void ft_save(void *ctx, pd_hash128_t key, uint32_t block)
+{
+    fake_tier_t *f = ctx;
+    (void)block;
+    if (!ft_contains(f, key)) {
+        ck_assert_int_lt(f->n_held, 256);
+        f->held[f->n_held++] = key;
+    }
+}
+
+/* A request whose prefix continues in the tier waits while its load runs, and others run; a second
+ * request for the same prefix waits for that load rather than start its own; a load whose request
+ * is aborted goes on, and when it ends its blocks are cached for the one still waiting; the
+ * scheduler is not idle while a load is in flight, and the pool is whole at the end. */
+START_TEST(test_tier_loads_wait_share_and_outlive_their_request)
+{
+    fake_tier_t f;
+    memset(&f, 0, sizeof(f));
+    f.t = (pd_kv_tier_t){&f, ft_contains, ft_load, ft_finished, ft_save};
+    driver_t d = {NULL, NULL, 64, 4, 0, 0};
+    pd_scheduler_config_t c = sched_cfg(4, 64, 12); /* 11 blocks of 4 tokens */
+    ck_assert_int_eq(pd_scheduler_create(&c, NULL, &d.s), PD_OK);
+    ck_assert_int_eq(pd_kv_manager_set_tier(pd_scheduler_kv(d.s), &f.t), PD_OK);
+    pd_scheduler_update_result_t res;
+    const char *fill[] = {"a", "b", "c", "d", "e"}; /* a, then 4 × 5 blocks through 11: a's go to the tier */
+    for (int i = 0; i < 5; i++) {
+        add(d.s, fill[i], 17, 1, 1 + i);
+        while (!pd_scheduler_idle(d.s)) {
+            drive_step(&d, &res);
+            ck_assert_int_lt(d.steps, 100);
+        }
+    }
+    ck_assert_int_ge(f.n_held, 4);
+    ck_assert_int_eq(f.n_started, 0);
+    add(d.s, "a2", 17, 2, 1); /* a's prompt twice, and another request */
+    add(d.s, "a3", 17, 2, 1);
+    add(d.s, "x", 8, 3, 9);
+    const pd_scheduler_output_t *o = drive_step(&d, &res);
+    ck_assert_int_eq(f.n_started, 1); /* one load, for a2; a3 waits for it */
+    pd_kv_tier_load_t *l = f.started[0];
+    ck_assert_int_eq(l->n_hits + l->n, 4);
+    pd_request_t *a2 = pd_scheduler_find(d.s, "a2"), *a3 = pd_scheduler_find(d.s, "a3");
+    ck_assert_ptr_eq(a2->tier_load, l);
+    ck_assert_ptr_eq(l->req, a2);
+    ck_assert_ptr_null(a3->tier_load);
+    ck_assert_int_eq(a2->state, PD_REQ_WAITING);
+    ck_assert_int_eq(a3->state, PD_REQ_WAITING);
+    ck_assert_int_eq(o->num_items, 1); /* x runs meanwhile */
+    ck_assert_str_eq(o->items[0].req->id, "x");
+    drive_step(&d, &res);
+    ck_assert_int_eq(f.n_started, 1);
+    ck_assert_ptr_nonnull(pd_scheduler_abort(d.s, "a2"));
+    ck_assert_ptr_null(l->req); /* the load goes on without it */
+    drive_step(&d, &res);       /* x's last token */
+    o = drive_step(&d, &res);
+    ck_assert_int_eq(o->num_items, 0); /* a3 still waits: nothing runs, but the scheduler is not idle */
+    ck_assert_int_eq(f.n_started, 1);
+    ck_assert(!pd_scheduler_idle(d.s));
+    int32_t n_load = l->n;
+    l->n_loaded = n_load; /* the tier ends the load (and the scheduler frees it) */
+    f.done[f.n_done++] = l;
+    o = drive_step(&d, &res);
+    ck_assert_int_eq(o->num_items, 1); /* a3 finds every block in the pool: one token to compute */
+    ck_assert_ptr_eq(o->items[0].req, a3);
+    ck_assert_int_eq(o->items[0].num_new_tokens, 1);
+    ck_assert_int_eq(a3->num_cached_tokens, 16);
+    ck_assert_uint_eq(pd_scheduler_kv(d.s)->tier_hits, (uint64_t)n_load);
+    ck_assert_int_eq(f.n_started, 1);
+    drain_and_destroy(&d);
+}
+END_TEST
+
 START_TEST(test_connector_remote_load_and_delay_free)
 {
     fake_conn_t f;
@@ -1257,6 +1366,7 @@ int main(void)
     tcase_add_test(tc, test_load_errors_recompute);
     tcase_add_test(tc, test_load_errors_fail);
     tcase_add_test(tc, test_stop_conditions);
+    tcase_add_test(tc, test_tier_loads_wait_share_and_outlive_their_request);
     suite_add_tcase(s, tc);
     return tu_run_suite(s);
 }
