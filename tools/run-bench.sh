@@ -43,6 +43,8 @@ echo "run-bench: tools/bench-conditional.sh (mixed workload: always disaggregate
 tools/bench-conditional.sh "$build"
 echo "run-bench: tools/bench-offload.sh (KV offload tier none vs host vs disk, multi-turn, pool 1/4 of the KV)"
 tools/bench-offload.sh "$build"
+echo "run-bench: tools/bench-tier-load.sh (what a cold or warm tier load costs the running streams: loads inline vs on the loader thread)"
+tools/bench-tier-load.sh "$build"
 echo "run-bench: tools/bench-p2p.sh (peer-to-peer prefix fetch off vs on, multi-turn, 2P+2D, round-robin and kv-aware)"
 tools/bench-p2p.sh "$build"
 echo "run-bench: tools/bench-structured.sh (structured outputs at scale: validity and throughput, pd-serve and 1P1D)"
