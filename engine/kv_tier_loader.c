@@ -109,12 +109,14 @@ static void tier_load(void *ctx, pd_kv_tier_load_t *ld)
         ld->slots[i] = pinned ? pd_kv_offload_pin(l->cfg.offload, ld->keys[i]) : PD_KV_OFFLOAD_NO_SLOT;
         pinned = ld->slots[i] != PD_KV_OFFLOAD_NO_SLOT;
     }
+    if (!l->cfg.thread) {
+        read_load(&l->cfg, ld); /* inline: here, on the engine thread */
+    }
     pthread_mutex_lock(&l->mu);
     if (l->cfg.thread) {
         push(&l->todo_head, &l->todo_tail, ld);
         pthread_cond_signal(&l->cv);
     } else {
-        read_load(&l->cfg, ld);
         push(&l->done_head, &l->done_tail, ld);
     }
     pthread_mutex_unlock(&l->mu);
