@@ -283,7 +283,10 @@ def main():
                                                         "replay_endpoint": "tcp://127.0.0.1:*",
                                                         "buffer_steps": 500}),
                       "--num-blocks-override", "64", "--kv-offload-tier", "disk", "--kv-offload-size", "16M",
-                      "--kv-offload-path", os.path.join(tmp, "{node}.tier"), "--kv-prefix-fetch", "always"]
+                      "--kv-offload-path", os.path.join(tmp, "{node}.tier"), "--kv-prefix-fetch", "always",
+                      # decodes lend too: a lend whose reader was killed before the proxy's release reached
+                      # the lender ends at the hold timeout, 5 s as the prefills' (theirs come after this)
+                      "--kv-hold-timeout", "5"]
         proxy_extra = ["--pd-prefix-fetch-min-blocks", "1"]
     rng = random.Random(args.seed)
     model = os.path.join(tmp, "model")
