@@ -13,8 +13,8 @@ struct pd_kv_tier_loader {
     pd_kv_tier_t tier;
     pthread_mutex_t mu; /* guards the queues and stop */
     pthread_cond_t cv;
-    pd_kv_tier_load_t *todo_head, *todo_tail; /* the thread's */
-    pd_kv_tier_load_t *done_head, *done_tail; /* ended, for finished */
+    pd_kv_tier_load_t *queued_head, *queued_tail; /* the thread's */
+    pd_kv_tier_load_t *done_head, *done_tail;     /* ended, for finished */
     bool started, stop;
     pthread_t thread;
 };
@@ -75,13 +75,13 @@ static void *loader_thread(void *arg)
     pd_kv_tier_loader_t *l = arg;
     pthread_mutex_lock(&l->mu);
     for (;;) {
-        while (!l->stop && l->todo_head == NULL) {
+        while (!l->stop && l->queued_head == NULL) {
             pthread_cond_wait(&l->cv, &l->mu); /* woken by a load or by destroy */
         }
         if (l->stop) {
             break;
         }
-        pd_kv_tier_load_t *ld = pop(&l->todo_head, &l->todo_tail);
+        pd_kv_tier_load_t *ld = pop(&l->queued_head, &l->queued_tail);
         pthread_mutex_unlock(&l->mu);
         read_load(&l->cfg, ld);
         pthread_mutex_lock(&l->mu);
@@ -114,7 +114,7 @@ static void tier_load(void *ctx, pd_kv_tier_load_t *ld)
     }
     pthread_mutex_lock(&l->mu);
     if (l->cfg.thread) {
-        push(&l->todo_head, &l->todo_tail, ld);
+        push(&l->queued_head, &l->queued_tail, ld);
         pthread_cond_signal(&l->cv);
     } else {
         push(&l->done_head, &l->done_tail, ld);

@@ -33,6 +33,7 @@ void pd_kv_manager_destroy(pd_kv_cache_manager_t *m)
         free(l);
     }
     m->tier_loads = NULL;
+    pd_key_map_free(&m->tier_keys);
 }
 
 static bool grow(void **p, int32_t *cap, int32_t need, size_t elem)
@@ -168,6 +169,12 @@ pd_status_t pd_kv_manager_set_tier(pd_kv_cache_manager_t *m, const pd_kv_tier_t 
                      m->num_groups, m->caching ? "" : ", prefix caching off");
         return PD_ERR_UNSUPPORTED;
     }
+    /* the keys of loads in flight: at most one per pool block */
+    if (tier != NULL && m->tier_keys.slots == NULL &&
+        pd_key_map_init(&m->tier_keys, pd_block_pool_num_blocks(m->pool)) != PD_OK) {
+        pd_log_error("kv offload: cannot allocate the index of loads in flight");
+        return PD_ERR_NO_MEMORY;
+    }
     m->tier = tier;
     pd_block_pool_set_evict_hook(m->pool, tier != NULL ? save_evicted : NULL, m);
     return PD_OK;
@@ -193,14 +200,7 @@ static pd_kv_tier_load_t *load_new(int32_t n_hits, int32_t n, int32_t bs)
 
 static bool tier_loading(const pd_kv_cache_manager_t *m, pd_hash128_t key)
 {
-    for (const pd_kv_tier_load_t *l = m->tier_loads; l != NULL; l = l->next_load) {
-        for (int32_t i = 0; i < l->n; i++) {
-            if (pd_hash128_eq(l->keys[i], key)) {
-                return true;
-            }
-        }
-    }
-    return false;
+    return pd_key_map_get(&m->tier_keys, key) != PD_KEY_MAP_NONE;
 }
 
 int32_t pd_kv_manager_promote(pd_kv_cache_manager_t *m, pd_request_t *req, const uint32_t *hits,
@@ -260,6 +260,9 @@ int32_t pd_kv_manager_promote(pd_kv_cache_manager_t *m, pd_request_t *req, const
     l->req = req;
     l->n = got;
     l->parent = n_hits > 0 ? req->block_hashes[n_hits - 1] : (pd_hash128_t){0, 0};
+    for (int32_t i = 0; i < got; i++) { /* unique: a load stops before a key in flight */
+        pd_key_map_insert(&m->tier_keys, l->keys[i], l->blocks[i]);
+    }
     l->next_load = m->tier_loads;
     m->tier_loads = l;
     req->tier_load = l;
@@ -283,6 +286,7 @@ void pd_kv_manager_poll_tier(pd_kv_cache_manager_t *m)
         }
         /* back to the free queue, the prompt's tail first (evicted first), the pool hit last */
         for (int32_t i = l->n - 1; i >= 0; i--) {
+            pd_key_map_remove(&m->tier_keys, l->keys[i], l->blocks[i]);
             pd_block_pool_free(m->pool, &l->blocks[i], 1);
         }
         for (int32_t i = l->n_hits - 1; i >= 0; i--) {

@@ -13,6 +13,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "common/key_map.h"
 #include "scheduler/block_pool.h"
 #include "scheduler/request.h"
 
@@ -70,6 +71,7 @@ typedef struct pd_kv_cache_manager {
     uint64_t tier_queries;                    /* blocks looked up in the tier past a pool hit */
     uint64_t tier_hits;                       /* of which loaded into the pool */
     pd_kv_tier_load_t *tier_loads;            /* in flight */
+    pd_key_map_t tier_keys;                   /* their keys → their block ids (each key in one load) */
 } pd_kv_cache_manager_t;
 
 /* num_groups groups with windows[g] (0 = full attention); windows NULL = one full group. */
