@@ -43,11 +43,18 @@ bool eng_admit_ready(void *arg, pd_request_t *r)
         return true;
     }
     struct pd_gvocab *v = pd_structured_vocab(&e->runner);
-    if (v == NULL || (e->gjobs == NULL && pd_grammar_jobs_create(v, PD_GRAMMAR_AHEAD_BUDGET_S, eng_wake, e,
-                                                                 &e->gjobs) != PD_OK)) {
+    if (v == NULL ||
+        (e->gjobs == NULL && pd_grammar_jobs_create(v, PD_GRAMMAR_AHEAD_BUDGET_S, e->cfg.grammar_walk_delay,
+                                                    eng_wake, e, &e->gjobs) != PD_OK)) {
         return true; /* out of memory: walked as it goes (or failed at its mask, logged there) */
     }
     if (pd_grammar_jobs_ready(e->gjobs, r->grammar->g)) {
+        return true;
+    }
+    if (pd_request_num_output(r) > 0) {
+        /* its client is in the middle of the stream (a migrated or resumed stream, a first token
+         * from the prefill): waiting for the walk (0.1-1 s) would be a gap in it, so it walks as it
+         * goes while the job runs (the walk stays queued, for later requests of the grammar) */
         return true;
     }
     req_ctx_t *c = r->user;

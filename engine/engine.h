@@ -46,6 +46,7 @@ typedef struct pd_engine_config {
     const char *kv_offload_path;  /* disk: the file */
     const char *kv_offload_load;  /* --kv-offload-load: auto | thread | inline (engine/kv_tier_loader.h) */
     double kv_offload_read_delay; /* tests (no flag): each tier block's read takes this much longer */
+    double grammar_walk_delay;    /* tests (no flag): each grammar's walk ahead starts this much later */
     bool enable_chunked_prefill;
     const char *load_failure_policy; /* recompute | fail */
     double load_share_wait;          /* s a pull load may wait for another's of its prefix; 0 = never */

@@ -1,6 +1,8 @@
 /* engine/grammar_jobs.c — see grammar_jobs.h. */
+#include <errno.h>
 #include <pthread.h>
 #include <stdlib.h>
+#include <time.h>
 
 #include "common/log.h"
 #include "engine/grammar_jobs.h"
@@ -15,6 +17,7 @@ typedef struct job {
 struct pd_grammar_jobs {
     const pd_gvocab_t *v;
     double budget_s;
+    double delay_s; /* tests: each walk starts this much later */
     void (*done)(void *arg);
     void *arg;
     pthread_mutex_t mu; /* guards everything below */
@@ -37,6 +40,15 @@ static void *jobs_thread(void *arg)
     for (;;) {
         while (!j->stop && j->head == NULL) {
             pthread_cond_wait(&j->cv, &j->mu); /* woken by a job or by destroy */
+        }
+        if (j->delay_s > 0) { /* destroy still ends the wait at once */
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until);
+            long ns = until.tv_nsec + (long)((j->delay_s - (double)(long)j->delay_s) * 1e9);
+            until.tv_sec += (time_t)j->delay_s + ns / 1000000000L;
+            until.tv_nsec = ns % 1000000000L;
+            while (!j->stop && pthread_cond_timedwait(&j->cv, &j->mu, &until) != ETIMEDOUT) {
+            }
         }
         if (j->stop) {
             break;
@@ -80,8 +92,8 @@ static void *jobs_thread(void *arg)
     return NULL;
 }
 
-pd_status_t pd_grammar_jobs_create(const pd_gvocab_t *v, double budget_s, void (*done)(void *arg), void *arg,
-                                   pd_grammar_jobs_t **out)
+pd_status_t pd_grammar_jobs_create(const pd_gvocab_t *v, double budget_s, double delay_s,
+                                   void (*done)(void *arg), void *arg, pd_grammar_jobs_t **out)
 {
     pd_grammar_jobs_t *j = calloc(1, sizeof(*j));
     if (j == NULL) {
@@ -89,6 +101,7 @@ pd_status_t pd_grammar_jobs_create(const pd_gvocab_t *v, double budget_s, void (
     }
     j->v = v;
     j->budget_s = budget_s;
+    j->delay_s = delay_s;
     j->done = done;
     j->arg = arg;
     pthread_mutex_init(&j->mu, NULL);

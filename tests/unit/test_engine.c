@@ -15,6 +15,7 @@
 #include "common/time.h"
 #include "engine/engine.h"
 #include "engine/kv_init.h"
+#include "grammar/grammar.h"
 #include "model/config.h"
 #include "model/model.h"
 
@@ -29,6 +30,7 @@ static int g_logprobs;                   /* add_spec asks for the sampled tokens
 static const char *g_precision = "fp32"; /* their --matmul-precision */
 static bool g_batch_invariant;           /* their --batch-invariant */
 static int g_batched_tokens = 256;       /* their --max-num-batched-tokens */
+static double g_grammar_walk_delay;      /* their grammar walks start this much later (tests only) */
 
 /* An engine on g_model with the tests' sizes; kv_dtype as --kv-cache-dtype. */
 static pd_engine_t *make_engine_kv(int num_blocks_override, bool prefix, int max_seqs, const char *kv_dtype)
@@ -43,6 +45,7 @@ static pd_engine_t *make_engine_kv(int num_blocks_override, bool prefix, int max
     c.kv_cache_memory = 256u << 20;
     c.max_num_batched_tokens = g_batched_tokens;
     c.batch_invariant = g_batch_invariant;
+    c.grammar_walk_delay = g_grammar_walk_delay;
     c.max_num_seqs = max_seqs;
     c.max_model_len = 512;
     c.enable_prefix_caching = prefix;
@@ -513,6 +516,80 @@ START_TEST(test_sliding_groups_keep_outputs)
 }
 END_TEST
 
+/* A structured output waits for its grammar's walk ahead (vLLM's WAITING_FOR_FSM), but not a request
+ * whose client is already in its stream (resume_token_ids: a stream migrated or resumed from another
+ * node): that one goes on at once while the walk runs, walking as it goes, and its tokens are those
+ * of the same request on an engine whose walk was made ahead. */
+static void add_structured(pd_engine_t *e, const char *id, const int32_t *prompt, int32_t n, pd_grammar_t *g,
+                           const int32_t *resume, int32_t num_resume, gen_t *out)
+{
+    char err[256];
+    pd_engine_request_t rq;
+    memset(&rq, 0, sizeof(rq));
+    rq.id = id;
+    rq.prompt = prompt;
+    rq.num_prompt = n;
+    rq.params.max_tokens = 14;
+    rq.params.sampling = (pd_sampling_params_t){0.0f, 0, 1.0f, 0.0f};
+    rq.grammar = g;
+    rq.resume = resume;
+    rq.num_resume = num_resume;
+    rq.user = out;
+    ck_assert_msg(pd_engine_add(e, &rq, err, sizeof(err)) == PD_OK, "%s", err);
+}
+
+START_TEST(test_resumed_stream_does_not_wait_for_its_grammar)
+{
+    static const char gbnf[] = "root ::= [a-z]{6,12}\n";
+    const double delay = 3.0;
+    char err[256];
+    pd_grammar_t *g = NULL;
+    ck_assert_msg(pd_grammar_from_gbnf(gbnf, strlen(gbnf), &g, err, sizeof(err)) == PD_OK, "%s", err);
+    int32_t prompt[20], other[20];
+    for (int i = 0; i < 20; i++) {
+        prompt[i] = 5 + 3 * i;
+        other[i] = 7 + 2 * i;
+    }
+    gen_t ref, fresh, resumed;
+    memset(&ref, 0, sizeof(ref));
+    memset(&fresh, 0, sizeof(fresh));
+    memset(&resumed, 0, sizeof(resumed));
+    pd_engine_t *e = make_engine(0, false, 8);
+    add_structured(e, "ref", prompt, 20, g, NULL, 0, &ref);
+    tu_engine_run_until_idle(e, 20000);
+    pd_engine_destroy(e);
+    ck_assert_int_ge(ref.n, 6);
+
+    g_grammar_walk_delay = delay; /* a new engine's vocabulary: the grammar is walked again, late */
+    e = make_engine(0, false, 8);
+    g_grammar_walk_delay = 0;
+    double t0 = pd_time_now_s();
+    add_structured(e, "fresh", other, 20, g, NULL, 0, &fresh);
+    add_structured(e, "resumed", prompt, 20, g, ref.tokens, 2, &resumed);
+    while (resumed.finish == NULL && pd_time_now_s() - t0 < 30) {
+        pd_engine_output_t *outs = NULL;
+        ck_assert_int_eq(pd_engine_step(e, &outs), PD_OK);
+        tu_engine_collect(outs);
+        pd_engine_output_free(outs);
+        usleep(outs == NULL ? 200 : 0);
+    }
+    double took = pd_time_now_s() - t0;
+    ck_assert_msg(resumed.finish != NULL && took < delay,
+                  "the resumed stream took %.2f s (the walk starts "
+                  "after %.1f s)",
+                  took, delay);
+    ck_assert_msg(fresh.n == 0 && fresh.finish == NULL, "the fresh request did not wait for the walk");
+    tu_engine_run_until_idle(e, 1000000);
+    ck_assert_str_eq(fresh.finish, "stop");
+    ck_assert_msg(pd_time_now_s() - t0 >= delay, "the fresh request ran before its grammar's walk");
+    assert_same(&resumed, &ref, 0); /* the resumed tokens are replayed, then the rest as on an engine that
+                                     * walked ahead */
+    tu_engine_assert_pool_free(e);
+    pd_engine_destroy(e);
+    pd_grammar_unref(g);
+}
+END_TEST
+
 /* --kv-cache-dtype auto is the checkpoint's dtype (vLLM's meaning): a bf16 model gets a bf16 cache
  * (twice the blocks of an fp32 one in the same memory), an fp32 model an fp32 one; an explicit
  * dtype wins. Greedy outputs on the bf16 cache stay what the engine makes alone vs batched. */
@@ -980,6 +1057,7 @@ int main(void)
     tcase_add_test(tc, test_threaded_submit);
     tcase_add_test(tc, test_create_leaves_no_thread);
     tcase_add_test(tc, test_sliding_groups_keep_outputs);
+    tcase_add_test(tc, test_resumed_stream_does_not_wait_for_its_grammar);
     tcase_add_test(tc, test_kv_cache_dtype_auto_is_the_models);
     tcase_add_test(tc, test_dtype_keeps_checkpoint_precision);
     tcase_add_test(tc, test_memory_plan_8b_fits_24gib);
