@@ -49,8 +49,13 @@ void kv_observe_done(kv_conn_t *k, kv_xfer_t *x)
     }
     pd_metric_inc(k->m.completed[x->kind], 1);
     pd_metric_observe(k->m.latency, pd_time_now_s() - x->started);
-    if (x->migration) {
+    if (x->migration) { /* a few per drain: each one's load is the floor of its stream's pause */
         pd_metric_observe(k->m.migration_load_s, now - x->started);
+        pd_log_info(
+            "kv connector: request %s: its migrated KV is in: %d pages (%.1f MiB) in %.1f ms, of which "
+            "%.1f ms queued",
+            x->req_id, x->pages, (double)x->bytes / (1 << 20), 1e3 * (now - x->started),
+            x->t_posted > 0 ? 1e3 * (x->t_posted - x->started) : 0.0);
     }
     pd_metric_observe(k->m.pages, (double)x->pages);
     pd_metric_inc(k->m.bytes, (double)x->bytes);

@@ -23,7 +23,8 @@ under it:
                    did not fail), and the node exits in seconds (asserted under 5 s, once its leases
                    were read) instead of after its longest generation
   admin-migrate    POST /admin/migrate on the busiest decode: the same live migration; the node stays
-                   up
+                   up (asked again, up to 3 times, when the streams it ended had all reached their
+                   end while the engine took the command in: nothing moved then)
   rolling-drain    a rolling update: each decode in turn drained (SIGTERM, live migration) and started
                    again (not in --short)
   rebalance        a second pd-proxy with --rebalance-threshold 2, its decode pool a file naming
@@ -60,14 +61,16 @@ with 2 rounds; CTest migration_short (`make check`) runs pull/tcp and push/ucx w
 
 The migration pause is printed per cell: its mean as pd-proxy measures it (pd_proxy:migration_pause_seconds:
 the last event before the decode failed to the first from the node that resumed it) and, as the
-clients saw it, p50/p99 of the longest gap of each stream the proxy logged as resumed (requests
-carry X-Request-Id), beside the inter-token gaps (p50/p99) of all streams; a "gaps around" row gives
+clients saw it, p50/p99 of the gap at each resumption the proxy logged (requests carry X-Request-Id:
+the gap that ends with the first event after the proxy's "resumed on" line; in the live cells only the
+streams handed over with their KV, the goal's subject), beside the inter-token gaps (p50/p99) of all streams; a "gaps around" row gives
 the median gap at each event offset around the pause (offset 0), the ITL around migrations.
 kv_load_ms is the mean of the live migrations' KV loads on the nodes that took them over
 (pd:kv_migration_load_seconds), the floor of their pause: the issue's goal is pause p99 <= the KV
 transfer + 2 ITL.
 """
 import argparse
+import calendar
 import http.client
 import json
 import os
@@ -247,29 +250,63 @@ class Load(ClientThreads):
         return False
 
 
+def log_says(log, mark, texts, secs):
+    """Whether a node's log, from byte mark on, holds one of texts within secs seconds."""
+    end = time.time() + secs
+    while True:
+        with open(log, errors="replace") as f:
+            f.seek(mark)
+            text = f.read()
+        if any(t in text for t in texts):
+            return True
+        if time.time() >= end:
+            return False
+        time.sleep(0.05)
+
+
+def log_time(line):
+    """A node log line's time stamp (UTC, to the millisecond) as seconds since the epoch."""
+    stamp = line.split(" ", 1)[0]
+    return calendar.timegm(time.strptime(stamp[:19], "%Y-%m-%dT%H:%M:%S")) + float(stamp[19:23])
+
+
 def migrated_ids(log):
-    """The request ids a proxy log says it resumed on another decode node."""
-    out = set()
+    """The request ids a proxy log says it resumed on another decode node, each with its resumptions:
+    (the time, a log stamp, at which the node that took it over sent its first event, whether the
+    stream was handed over with its KV)."""
+    out, kv = {}, {}
     for line in open(log, errors="replace"):
         if "; resuming it on " in line:
-            out.add(line.split("request ", 1)[1].split(":", 1)[0])
+            rid = line.split("request ", 1)[1].split(":", 1)[0]
+            out.setdefault(rid, [])
+            kv[rid] = "handed it over with its KV" in line
+        elif ": resumed on " in line:
+            rid = line.split("request ", 1)[1].split(":", 1)[0]
+            out.setdefault(rid, []).append((log_time(line), kv.pop(rid, False)))
     return out
 
 
-def around(load, ids, width=3):
-    """Migrated streams as their clients saw them: each one's longest gap (the migration pause) and the
-    gaps at offsets -width..+width events around it (median per offset over the streams)."""
+def around(load, ids, kv_only, width=3):
+    """Migrated streams as their clients saw them: the gap at each resumption (only those handed over
+    with their KV when kv_only) from the last event before it to the first event relayed after
+    pd-proxy logged the resumption (its log stamp is truncated to the millisecond; the relay comes
+    after it), and the gaps at offsets -width..+width events around it (median per offset over the
+    resumptions)."""
     pauses, at = [], {o: [] for o in range(-width, width + 1)}
-    for rid in ids:
+    for rid, resumed in ids.items():
         t = load.times.get(rid)
         if not t or len(t) < 2:
             continue
         gaps = [b - a for a, b in zip(t, t[1:])]
-        m = gaps.index(max(gaps))
-        pauses.append(gaps[m])
-        for o in at:
-            if 0 <= m + o < len(gaps):
-                at[o].append(gaps[m + o])
+        for tr, with_kv in resumed:
+            k = next((i for i in range(1, len(t)) if t[i] >= tr), None)
+            if k is None or (kv_only and not with_kv):
+                continue
+            m = k - 1  # gaps[m] ends at the first event after the resumption
+            pauses.append(gaps[m])
+            for o in at:
+                if 0 <= m + o < len(gaps):
+                    at[o].append(gaps[m + o])
     return pauses, {o: pct(v, 50) for o, v in at.items() if v}
 
 
@@ -324,7 +361,7 @@ def rebalance(args, c, tmp, serve, rng, mode, pipe, rows, failed, cell="rebalanc
         res = dict(load.counts, rebalances=int(metric_sum(px.port, "pd_proxy:rebalances_total")),
                    migrations=int(metric_sum(px.port, "pd_proxy:migrations_total")),
                    kv_moved=int(metric_sum(px.port, "pd_proxy:kv_migrations_total")),
-                   structured_moved=len(migrated_ids(os.path.join(tmp, px.tag + ".log")) & load.structured),
+                   structured_moved=len(set(migrated_ids(os.path.join(tmp, px.tag + ".log"))) & load.structured),
                    itl_p50_ms=round(1e3 * pct(load.gaps, 50), 2),
                    took="/".join(str(took[u]) for u in urls[1:]),
                    to_lightest="%d/%d" % (sum(lo in to for lo, to in rounds), len(rounds)))
@@ -453,9 +490,16 @@ def main():
                     log = os.path.join(tmp, node.tag + ".log")
                     mark = os.path.getsize(log)
                     if cell == "admin-migrate":  # the node stays up
-                        handed = json.loads(post(node.port, "/admin/migrate", {})[1])["handed_off"]
-                        if handed < 1:
-                            failed.append("%s %s/%s: /admin/migrate handed off nothing" % (cell, mode, pipe))
+                        for _ in range(3):
+                            handed = json.loads(post(node.port, "/admin/migrate", {})[1])["handed_off"]
+                            if handed < 1:
+                                failed.append("%s %s/%s: /admin/migrate handed off nothing" % (cell, mode, pipe))
+                                break
+                            # a stream that reached its end while the engine took the command in
+                            # finished there, whole, and nothing moved: asked again while streams run
+                            if log_says(log, mark, (": migrating: the KV of", "ends without its KV"), 2.0):
+                                break
+                            load.wait_streams(8, secs=30)
                         marks.append((log, mark))
                         continue
                     if cell in ("drain-decode", "rolling-drain"):
@@ -502,11 +546,11 @@ def main():
                         mig_load[i] += m1.get(key, 0) - m0.get(key, 0) if m1 else 0
                 pm1 = metrics(c.proxy.port)
                 moved_ids = migrated_ids(os.path.join(tmp, c.proxy.tag + ".log"))
-                pauses, shape = around(load, moved_ids)
+                pauses, shape = around(load, moved_ids, cell in live)  # live cells: the KV handovers
                 pause = lambda k: pm1.get("pd_proxy:migration_pause_seconds_" + k, 0) - pm0.get(
                     "pd_proxy:migration_pause_seconds_" + k, 0)
                 res = dict(load.counts, kills=kills, migrations=int(migrated), retried=int(retried),
-                           kv_moved=int(kv_moved), structured_moved=len(moved_ids & load.structured),
+                           kv_moved=int(kv_moved), structured_moved=len(set(moved_ids) & load.structured),
                            prompt_lent=int(metric_sum(c.proxy.port, LENT) - lent0), prompt_read=int(prompt_read),
                            exit_s=round(max(exits), 2) if exits else "-",
                            pause_mean_ms=round(1e3 * pause("sum") / pause("count"), 1) if pause("count") else "-",
