@@ -62,9 +62,10 @@ with 2 rounds; CTest migration_short (`make check`) runs pull/tcp and push/ucx w
 The migration pause is printed per cell: its mean as pd-proxy measures it (pd_proxy:migration_pause_seconds:
 the last event before the decode failed to the first from the node that resumed it) and, as the
 clients saw it, p50/p99 of the gap at each resumption the proxy logged (requests carry X-Request-Id:
-the gap that ends with the first event after the proxy's "resumed on" line; in the live cells only the
-streams handed over with their KV, the goal's subject), beside the inter-token gaps (p50/p99) of all streams; a "gaps around" row gives
-the median gap at each event offset around the pause (offset 0), the ITL around migrations.
+the gap that ends with the first event after the proxy's "resumed on" line; in the live cells only
+the streams handed over with their KV, the goal's subject), beside the inter-token gaps (p50/p99) of
+all streams; a "gaps around" row gives the median gap at each event offset around the pause (offset
+0), the ITL around migrations.
 kv_load_ms is the mean of the live migrations' KV loads on the nodes that took them over
 (pd:kv_migration_load_seconds), the floor of their pause: the issue's goal is pause p99 <= the KV
 transfer + 2 ITL.
