@@ -499,10 +499,14 @@ static pd_status_t make_offload(pd_engine_t *e)
     if (st != PD_OK) {
         return st;
     }
-    pd_kv_tier_loader_config_t lc = {e->offload, oc.medium == PD_KV_OFFLOAD_DISK, eng_wake, e,
-                                     NULL,       cfg->kv_offload_read_delay};
     const char *mode = cfg->kv_offload_load != NULL ? cfg->kv_offload_load : "auto";
-    lc.thread = strcmp(mode, "auto") == 0 ? lc.thread : strcmp(mode, "thread") == 0;
+    pd_kv_tier_loader_config_t lc = {
+        .offload = e->offload,
+        .thread = strcmp(mode, "auto") == 0 ? oc.medium == PD_KV_OFFLOAD_DISK : strcmp(mode, "thread") == 0,
+        .done = eng_wake,
+        .arg = e,
+        .read_delay_s = cfg->kv_offload_read_delay,
+    };
     if (cfg->metrics != NULL) { /* a block loads in microseconds from memory, milliseconds from a cold disk */
         static const double b[] = {1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.05, 0.25};
         lc.hist = pd_metrics_add(cfg->metrics, PD_METRIC_HISTOGRAM, "pd:kv_offload_load_seconds",

@@ -25,8 +25,8 @@ typedef struct pd_kv_tier_loader_config {
     bool thread;              /* loads on the loader thread; false: inline, at admission */
     void (*done)(void *arg);  /* a load on the thread ended */
     void *arg;
-    pd_metric_t
-        *hist; /* per block: its read and checksum, in seconds (pd:kv_offload_load_seconds), or NULL */
+    /* per block: its read and checksum, in seconds (pd:kv_offload_load_seconds), or NULL */
+    pd_metric_t *hist;
     double read_delay_s; /* tests: every block's read takes this much longer */
 } pd_kv_tier_loader_config_t;
 
