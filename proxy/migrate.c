@@ -10,7 +10,10 @@
  * asked to lend its KV (kv_fetch.c px_fetch_resume): the next node reads the prompt from it and
  * recomputes only the tokens (all of it when the lend is refused or fails). A request
  * whose answer had not started is sent again whole. Seeded sampling draws per output position, so
- * the continuation is the one the first node would have sampled. */
+ * the continuation is the one the first node would have sampled. A stream of several choices (n > 1,
+ * a batch of prompts) resumes choice by choice: each goes on after its own tokens, a finished one is
+ * not generated again; it is recomputed (a draining node ends it early: a lease is one engine
+ * request's KV), from its prompt's KV lent by the prefill when it has one prompt. */
 #define _GNU_SOURCE
 #include "proxy/proxy_impl.h"
 
@@ -26,11 +29,24 @@
 #include "common/metrics.h"
 #include "common/time.h"
 
+/* The nodes' cap on a request's choices (prompts x n; server/openai.h PD_MAX_CHOICES). */
+#define PX_MAX_CHOICES 128
+
 void px_migrate_prepare(preq_t *q)
 {
     json_t *n = json_object_get(q->body, "n");
-    q->resumable = q->px->cfg.migration_limit > 0 && q->stream &&
-                   (n == NULL || json_is_null(n) || json_integer_value(n) == 1) && !q->batched;
+    json_int_t choices = n == NULL || json_is_null(n) ? 1 : json_is_integer(n) ? json_integer_value(n) : 0;
+    if (q->batched) {
+        choices *= (json_int_t)json_array_size(json_object_get(q->body, "prompt"));
+    }
+    /* several choices with echo: the ones that had not started would lose their prompt's text */
+    q->resumable = q->px->cfg.migration_limit > 0 && q->stream && choices >= 1 && choices <= PX_MAX_CHOICES &&
+                   (choices == 1 || !json_is_true(json_object_get(q->body, "echo")));
+    if (q->resumable) {
+        q->ch = calloc((size_t)choices, sizeof(px_choice_t));
+        q->resumable = q->ch != NULL;
+        q->num_ch = q->ch != NULL ? (int32_t)choices : 0;
+    }
     if (!q->resumable) {
         return;
     }
@@ -38,21 +54,68 @@ void px_migrate_prepare(preq_t *q)
     json_object_set_new(q->body, "return_token_ids", json_true());
 }
 
-/* Records what an event tells the client: its token ids, chat's role, a finish reason. */
+size_t px_gen_total(const preq_t *q)
+{
+    size_t n = 0;
+    for (int32_t k = 0; k < q->num_ch; k++) {
+        n += q->ch[k].num_gen;
+    }
+    return n;
+}
+
+void px_migrate_free(preq_t *q)
+{
+    for (int32_t k = 0; k < q->num_ch; k++) {
+        free(q->ch[k].gen);
+    }
+    free(q->ch);
+    q->ch = NULL;
+    q->num_ch = 0;
+}
+
+/* Whether the client has had anything of the answer but role events: a token or a finish. */
+static bool answer_started(const preq_t *q)
+{
+    for (int32_t k = 0; k < q->num_ch; k++) {
+        if (q->ch[k].num_gen > 0 || q->ch[k].finish_sent) {
+            return true;
+        }
+    }
+    return false;
+}
+
+static bool all_finished(const preq_t *q)
+{
+    for (int32_t k = 0; k < q->num_ch; k++) {
+        if (!q->ch[k].finish_sent) {
+            return false;
+        }
+    }
+    return q->num_ch > 0;
+}
+
+/* Records what an event tells the client of one choice: its token ids, chat's role, a finish reason.
+ * False for a choice index the request does not have, or out of memory. */
 static bool note_ids(preq_t *q, json_t *choice)
 {
+    json_t *index = json_object_get(choice, "index");
+    json_int_t k = index == NULL ? 0 : json_is_integer(index) ? json_integer_value(index) : -1;
+    if (k < 0 || k >= q->num_ch) {
+        return false;
+    }
+    px_choice_t *h = &q->ch[k];
     json_t *ids = json_object_get(choice, "token_ids");
     size_t i;
     json_t *v;
     json_array_foreach(ids, i, v)
     {
-        if (!json_is_integer(v) || pd_array_reserve(&q->gen, &q->cap_gen, q->num_gen + 1) != PD_OK) {
+        if (!json_is_integer(v) || pd_array_reserve(&h->gen, &h->cap_gen, h->num_gen + 1) != PD_OK) {
             return false;
         }
-        q->gen[q->num_gen++] = (int32_t)json_integer_value(v);
+        h->gen[h->num_gen++] = (int32_t)json_integer_value(v);
     }
-    q->role_sent |= json_object_get(json_object_get(choice, "delta"), "role") != NULL;
-    q->finish_sent |= json_is_string(json_object_get(choice, "finish_reason"));
+    q->roles_sent += json_object_get(json_object_get(choice, "delta"), "role") != NULL;
+    h->finish_sent |= json_is_string(json_object_get(choice, "finish_reason"));
     return true;
 }
 
@@ -148,7 +211,8 @@ void px_relay_event(preq_t *q, const char *ev)
     if (!ok) {
         pd_log_warn(
             "proxy: request %s: cannot keep its token ids (%s); it is not resumed if its decode fails",
-            q->req_id, j == NULL ? "an event that is not JSON" : "out of memory");
+            q->req_id,
+            j == NULL ? "an event that is not JSON" : "a choice it does not have, or out of memory");
         q->resumable = false;
     }
     char *text = j != NULL && q->strip_ids && choices != NULL ? json_dumps(j, JSON_COMPACT) : NULL;
@@ -209,7 +273,7 @@ void px_resume_decode(preq_t *q)
 {
     proxy_t *px = q->px;
     node_t *dead = q->d;
-    if (q->finish_sent) {
+    if (all_finished(q)) {
         end_after_finish(q);
         return;
     }
@@ -228,15 +292,23 @@ void px_resume_decode(preq_t *q)
     if (d == NULL) {
         pd_log_warn("proxy: request %s: its decode %s failed after %zu tokens and no other decode node is "
                     "healthy",
-                    q->req_id, dead->url, q->num_gen);
+                    q->req_id, dead->url, px_gen_total(q));
         q->d_done = true;
         end_with_error(q, 503, "the decode node failed and no other is healthy");
         return;
     }
+    char several[64] = "";
+    if (q->num_ch > 1) {
+        int32_t done = 0;
+        for (int32_t k = 0; k < q->num_ch; k++) {
+            done += q->ch[k].finish_sent;
+        }
+        snprintf(several, sizeof(several), " (%d of its %d choices finished)", done, q->num_ch);
+    }
     pd_log_info(
-        "proxy: request %s: its decode %s %s after %zu tokens; resuming it on %s (migration %d of %d)",
+        "proxy: request %s: its decode %s %s after %zu tokens%s; resuming it on %s (migration %d of %d)",
         q->req_id, dead->url, q->mig != NULL && q->mig_node == dead ? "handed it over with its KV" : "failed",
-        q->num_gen, d->url, q->migrations, px->cfg.migration_limit);
+        px_gen_total(q), several, d->url, q->migrations, px->cfg.migration_limit);
     q->tried_d[d - px->nodes] = true;
     q->d = d;
     q->local = true; /* no prefill leg from now on */
@@ -249,10 +321,35 @@ void px_resume_decode(preq_t *q)
     q->kv_prefix = NULL;
     q->t_d_sent = 0; /* not in decode on d until its leg goes (px_refresh_router_gauges, rebalance.c) */
     q->mig_live = live;
-    if (!live && q->num_gen > 0 && px_fetch_resume(q)) {
+    /* a batch's lend would be of its first prompt only (one engine request carries the parameters) */
+    if (!live && answer_started(q) && !q->batched && px_fetch_resume(q)) {
         return; /* the prefill that computed the prompt is asked to lend it; its answer sends the leg */
     }
     px_send_resumed(q);
+}
+
+/* resume_token_ids: one choice's tokens; several choices' entries, each its tokens or, finished,
+ * {"finished": true, "completion_tokens": K} (server/openai.c parse_resume). */
+static json_t *resume_ids_json(const preq_t *q)
+{
+    json_t *all = q->num_ch > 1 ? json_array() : NULL;
+    for (int32_t k = 0; k < q->num_ch; k++) {
+        const px_choice_t *h = &q->ch[k];
+        json_t *e;
+        if (q->num_ch > 1 && h->finish_sent) {
+            e = json_pack("{s:b, s:I}", "finished", 1, "completion_tokens", (json_int_t)h->num_gen);
+        } else {
+            e = json_array();
+            for (size_t i = 0; i < h->num_gen; i++) {
+                json_array_append_new(e, json_integer(h->gen[i]));
+            }
+        }
+        if (all == NULL) {
+            return e;
+        }
+        json_array_append_new(all, e);
+    }
+    return all;
 }
 
 void px_send_resumed(preq_t *q)
@@ -261,12 +358,8 @@ void px_send_resumed(preq_t *q)
     node_t *d = q->d;
     json_t *body = q->body;
     json_object_del(body, "kv_transfer_params");
-    if (q->num_gen > 0) { /* the node sends what follows the client's tokens, without the role event */
-        json_t *ids = json_array();
-        for (size_t i = 0; i < q->num_gen; i++) {
-            json_array_append_new(ids, json_integer(q->gen[i]));
-        }
-        json_object_set_new(body, "resume_token_ids", ids);
+    if (answer_started(q)) { /* the node sends what follows the client's tokens, without role events */
+        json_object_set_new(body, "resume_token_ids", resume_ids_json(q));
         if (q->mig_live) { /* live migration: it reads the KV from there */
             json_object_set(body, "kv_transfer_params", q->mig);
             pd_metric_inc(px->m.kv_migrations, 1);
@@ -276,7 +369,7 @@ void px_send_resumed(preq_t *q)
         json_object_del(body, "echo"); /* the prompt's text went out with the first event */
         q->d_skip = 0;
     } else {
-        q->d_skip = q->role_sent ? 1 : 0; /* a chat stream's role event, sent again by the new node */
+        q->d_skip = q->roles_sent; /* a chat stream's role events, sent again by the new node */
     }
     q->pause_open = q->t_last_event > 0;
     q->t_d_sent = pd_time_now_s();

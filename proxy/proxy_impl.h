@@ -47,6 +47,13 @@ typedef struct node {
 
 typedef struct proxy proxy_t;
 
+/* What the client has had of one choice of a resumable stream (migrate.c). */
+typedef struct px_choice {
+    int32_t *gen;
+    size_t num_gen, cap_gen;
+    bool finish_sent;
+} px_choice_t;
+
 typedef struct preq preq_t;
 struct preq {
     proxy_t *px;
@@ -99,13 +106,13 @@ struct preq {
     int d_code;                     /* the decode's status once it answered */
     bool first_sent;                /* the first token's event went to the client */
     bool batched;                   /* a batch of prompts (completions) */
-    /* migration (migrate.c, --migration-limit): a stream of one choice is resumable; the token ids of
-     * the events the client has (the nodes are asked for them; strip_ids: taken out again, the client
-     * did not ask), whether its role and finish events went out, and whether the decode leg's stream
-     * ended with [DONE] */
-    bool resumable, strip_ids, role_sent, finish_sent, d_ended;
-    int32_t *gen;
-    size_t num_gen, cap_gen;
+    /* migration (migrate.c, --migration-limit): a stream is resumable; per choice the token ids of the
+     * events the client has (the nodes are asked for them; strip_ids: taken out again, the client did
+     * not ask) and whether its finish went out; the role events that went out (chat: one per choice);
+     * whether the decode leg's stream ended with [DONE] */
+    bool resumable, strip_ids, d_ended;
+    px_choice_t *ch; /* [num_ch]: choice index = prompt x n + j */
+    int32_t num_ch, roles_sent;
     int migrations;      /* decode legs resumed on another node so far */
     json_t *mig;         /* live migration: the lease on the KV a draining decode ended the stream with
                           * ({"pd_migrate": params}), for the next leg to read, then released */
@@ -215,6 +222,10 @@ void px_rebalance(proxy_t *px);
 /* --- migrate.c: requests that outlive their decode node (--migration-limit) --- */
 /* At admission: whether q can be resumed, and the nodes asked for token ids. */
 void px_migrate_prepare(preq_t *q);
+/* The tokens its client has had, over every choice. */
+size_t px_gen_total(const preq_t *q);
+/* q's keeping of what its client had (px_preq_free). */
+void px_migrate_free(preq_t *q);
 /* Sends one of q's events to its client (started stream), noting the token ids, role and finish it
  * carries and taking the ids out when the client did not ask for them. */
 void px_relay_event(preq_t *q, const char *ev);

@@ -108,7 +108,7 @@ void px_preq_free(preq_t *q)
     px_migrate_end(q);
     json_decref(q->kv_prefix);
     free(q->toks);
-    free(q->gen);
+    px_migrate_free(q);
     json_decref(q->body);
     json_decref(q->ktp);
     json_decref(q->plp_req);

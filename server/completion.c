@@ -64,7 +64,9 @@ struct creq {
     char resp_id[72];           /* the answer's id: id, or the prefix + the client's X-Request-Id (vLLM) */
     pd_completion_req_t in;
     bool started;             /* the SSE reply was started */
-    bool deferred;            /* siblings wait for choice 0's first token */
+    bool deferred;            /* siblings wait for the lead choice's first token */
+    int32_t lead;             /* the first choice that runs (a resumed stream's finished ones do not): it
+                               * carries the request's kv_transfer_params */
     pd_client_watch_t *watch; /* EOF on the client's socket while the request runs (http_watch.h) */
     int32_t num_choices, num_done;
     choice_t *ch;
@@ -191,9 +193,12 @@ int pd_http_hand_off_inflight(pd_http_server_t *s, int max)
             (max > 0 && !c->started)) { /* a partial migration takes streams that are decoding */
             continue;
         }
+        if (max > 0 && c->num_choices > 1) {
+            continue; /* a rebalance moves the streams it can move with their KV: one choice each */
+        }
         pd_metric_inc(s->m.handoffs, 1);
         n++;
-        if (c->ch[0].submitted) {
+        if (c->num_choices == 1 && c->ch[0].submitted) {
             /* live migration: the engine ends it after its connector leased the KV (if it can lend),
              * and its final output ends the stream with the lease (end_migrated) */
             pd_log_info("drain: migrating stream %s (pd-proxy resumes it on another node, which reads its KV "
@@ -203,7 +208,8 @@ int pd_http_hand_off_inflight(pd_http_server_t *s, int max)
             pd_engine_migrate_async(s->engine, c->ch[0].id);
             continue;
         }
-        pd_log_info("drain: ending stream %s early (pd-proxy resumes it on another node)", c->id);
+        pd_log_info("drain: ending stream %s early (pd-proxy resumes it on another node%s)", c->id,
+                    c->num_choices > 1 ? ", which recomputes its choices" : "");
         start_bare(c);
         end_stream(c); /* no [DONE]: the proxy's sign that it ended early */
         abort_choices(c);
@@ -481,7 +487,7 @@ static void start_stream(creq_t *c)
     evhttp_send_reply_start(c->req, 200, "OK");
     c->started = true;
     for (int32_t i = 0; i < c->num_choices; i++) { /* vLLM: every choice's role first */
-        if (c->in.chat && c->in.num_resume == 0) { /* a resumed stream's client had it */
+        if (c->in.chat && c->in.resume == NULL) {  /* a resumed stream's client had it */
             open_choice(c, &c->ch[i]);
         }
     }
@@ -948,10 +954,13 @@ static void handle_output(pd_http_server_t *s, const pd_engine_output_t *o)
         return;
     }
     bool finished = o->finish_reason != NULL;
-    if (c->deferred && h->index == 0 && (o->token >= 0 || finished)) {
-        /* choice 0 has its prompt's KV (loaded or computed): the siblings now hit those blocks */
+    if (c->deferred && h->index == c->lead && (o->token >= 0 || finished)) {
+        /* the lead choice has its prompt's KV (loaded or computed): the siblings now hit those blocks */
         c->deferred = false;
-        for (int32_t k = 1; k < c->num_choices; k++) {
+        for (int32_t k = c->lead + 1; k < c->num_choices; k++) {
+            if (c->ch[k].done) {
+                continue; /* finished before this node (resume_token_ids) */
+            }
             if (c->req == NULL || !submit_choice(c, k)) {
                 choice_t *g = &c->ch[k];
                 g->done = true;
@@ -996,6 +1005,34 @@ void pd_http_dispatch_outputs(pd_http_server_t *s)
 
 /* ------------------------------------------------------------------ submission */
 
+/* kv_transfer_params beside resume_token_ids: one choice reads a live migration's lease (the KV of
+ * the prompt and every resumed token but the last) or a prompt prefix a prefill lent; several choices
+ * of one prompt only the prefix (its lead choice loads it, the others hit it); a batch of prompts
+ * none (one engine request carries the parameters, and the prefix is one prompt's). */
+static bool resume_kv_ok(const pd_completion_req_t *in, pd_http_error_t *err)
+{
+    const json_t *p = in->kv_transfer_params;
+    if (in->num_prompts > 1) {
+        return pd_http_error_set(err, 400, "BadRequestError", "resume_token_ids",
+                                 "'resume_token_ids' of a batch of prompts goes without kv_transfer_params");
+    }
+    if (in->n > 1) {
+        return (pd_kv_params_resumes(p, 0) && !pd_kv_params_migrates(p, 0)) ||
+               pd_http_error_set(
+                   err, 400, "BadRequestError", "resume_token_ids",
+                   "'resume_token_ids' of several choices goes with kv_transfer_params only as a "
+                   "prompt prefix to fetch ({\"kv_prefix\": ...} alone)");
+    }
+    int32_t num = in->prompts[0].len + in->resume[0].num_ids - 1;
+    return pd_kv_params_resumes(p, num) ||
+           pd_http_error_set(
+               err, 400, "BadRequestError", "resume_token_ids",
+               "'resume_token_ids' goes with kv_transfer_params only as a live migration's lease "
+               "(pull parameters for the prompt and every resumed token but the last: "
+               "remote_num_tokens %d) or as a prompt prefix to fetch ({\"kv_prefix\": ...} alone)",
+               num);
+}
+
 /* A request id unique across processes: prefix + 128 random bits in hex (vLLM's are random too). */
 static void random_id(const char *prefix, char *out, size_t cap)
 {
@@ -1025,11 +1062,14 @@ static bool submit_choice(creq_t *c, int32_t k)
         rq.stop[i] = c->in.stop[i];
     }
     rq.num_stop = c->in.num_stop;
-    /* the KV parameters belong to one engine request: the first choice of the first prompt */
-    rq.kv_transfer_params = k == 0 ? c->in.kv_transfer_params : NULL;
+    /* the KV parameters belong to one engine request: the first choice that runs (of the first prompt
+     * but for a resumed stream of one prompt whose first choices had finished) */
+    rq.kv_transfer_params = k == c->lead ? c->in.kv_transfer_params : NULL;
     rq.grammar = c->in.grammar;
-    rq.resume = c->in.resume_ids;
-    rq.num_resume = c->in.num_resume;
+    if (c->in.resume != NULL && c->in.resume[k].num_ids > 0) {
+        rq.resume = c->in.resume[k].ids;
+        rq.num_resume = c->in.resume[k].num_ids;
+    }
     rq.user = h;
     if (pd_engine_submit(c->srv->engine, &rq) != PD_OK) {
         return false;
@@ -1069,20 +1109,8 @@ void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bo
         pd_http_error_set(&err, 400, "BadRequestError", "kv_transfer_params", "%s", role_err);
         pd_completion_req_free(&c->in);
         ok = false;
-    } else if (ok && c->in.num_resume > 0 && c->in.num_prompts != 1) {
-        pd_http_error_set(&err, 400, "BadRequestError", "resume_token_ids",
-                          "'resume_token_ids' continues one prompt's reply, not a batch of %d",
-                          c->in.num_prompts);
-        pd_completion_req_free(&c->in);
-        ok = false;
-    } else if (ok && c->in.num_resume > 0 && c->in.kv_transfer_params != NULL &&
-               !json_is_null(c->in.kv_transfer_params) &&
-               !pd_kv_params_resumes(c->in.kv_transfer_params, c->in.prompts[0].len + c->in.num_resume - 1)) {
-        pd_http_error_set(&err, 400, "BadRequestError", "resume_token_ids",
-                          "'resume_token_ids' goes with kv_transfer_params only as a live migration's lease "
-                          "(pull parameters for the prompt and every resumed token but the last: "
-                          "remote_num_tokens %d) or as a prompt prefix to fetch ({\"kv_prefix\": ...} alone)",
-                          c->in.prompts[0].len + c->in.num_resume - 1);
+    } else if (ok && c->in.resume != NULL && c->in.kv_transfer_params != NULL &&
+               !json_is_null(c->in.kv_transfer_params) && !resume_kv_ok(&c->in, &err)) {
         pd_completion_req_free(&c->in);
         ok = false;
     }
@@ -1110,9 +1138,9 @@ void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bo
     pd_http_metrics_admitted(s, c->in.n, max_tokens);
     random_id(chat ? "chatcmpl-" : "cmpl-", c->id, sizeof(c->id));
     snprintf(c->resp_id, sizeof(c->resp_id), "%s", c->id);
-    c->resumable = c->in.stream && c->num_choices == 1 &&
+    c->resumable = c->in.stream &&
                    evhttp_find_header(evhttp_request_get_input_headers(req), PD_RESUMABLE_HEADER) != NULL;
-    if (c->in.num_resume > 0) {
+    if (c->in.resume != NULL) {
         pd_metric_inc(s->m.resumed, 1);
     }
     const char *xid = evhttp_find_header(evhttp_request_get_input_headers(req), "X-Request-Id");
@@ -1145,6 +1173,19 @@ void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bo
             h->lp = chat ? json_array() : new_logprobs();
         }
     }
+    int32_t runs = 0; /* choices left to generate */
+    for (int32_t k = 0; k < c->num_choices; k++) {
+        const pd_resume_choice_t *rc = c->in.resume != NULL ? &c->in.resume[k] : NULL;
+        if (rc == NULL || !rc->finished) {
+            c->lead = runs++ == 0 ? k : c->lead;
+            continue;
+        }
+        choice_t *h = &c->ch[k]; /* its client had its finish from another node: nothing is sent */
+        h->opened = h->done = true;
+        h->finish_reason = "stop";
+        h->completion_tokens = rc->finished_tokens;
+        c->num_done++;
+    }
     if (s->cfg.direct_stream && c->in.stream && c->num_choices == 1 && c->in.logprobs < 0 &&
         c->in.tool_parser == PD_TOOL_PARSER_NONE && !c->in.echo) {
         c->direct = pd_direct_new(c->in.chat); /* NULL (out of memory): the loop writes every chunk */
@@ -1156,11 +1197,13 @@ void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bo
     s->inflight = c;
     s->num_inflight++;
     /* a decode node loading the prompt's KV: the siblings wait for it (they then hit its blocks) */
-    c->deferred = c->in.kv_transfer_params != NULL && c->num_choices > 1;
-    int32_t first = c->deferred ? 1 : c->num_choices;
-    for (int32_t k = 0; k < first; k++) {
+    c->deferred = c->in.kv_transfer_params != NULL && runs > 1;
+    for (int32_t k = c->lead; k < c->num_choices; k++) {
+        if (c->ch[k].done || (c->deferred && k != c->lead)) {
+            continue;
+        }
         if (!submit_choice(c, k)) {
-            if (k == 0) {
+            if (k == c->lead) {
                 c->req = NULL;
                 unwatch(c);
                 c->num_done = c->num_choices; /* nothing was sent */

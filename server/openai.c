@@ -272,50 +272,111 @@ static bool refuse_unimplemented(json_t *root, bool chat, pd_http_error_t *err)
     return true;
 }
 
+/* One choice's list of token ids in resume_token_ids (name: how the error names it). */
+static bool resume_ids(const json_t *list, const char *name, const pd_openai_limits_t *lim,
+                       pd_resume_choice_t *rc, pd_http_error_t *err)
+{
+    size_t n = json_array_size(list);
+    if (!json_is_array(list) || n >= (size_t)lim->max_model_len) {
+        return pd_http_error_set(err, 400, "BadRequestError", "resume_token_ids",
+                                 "'%s' must be a list of token ids, shorter than the model's context (%d)",
+                                 name, lim->max_model_len);
+    }
+    rc->ids = n > 0 ? malloc(n * sizeof(int32_t)) : NULL;
+    if (n > 0 && rc->ids == NULL) {
+        return pd_http_error_set(err, 500, "InternalServerError", NULL, "out of memory");
+    }
+    for (size_t i = 0; i < n; i++) {
+        const json_t *v = json_array_get(list, i);
+        json_int_t id = json_is_integer(v) ? json_integer_value(v) : -1;
+        if (id < 0 || id >= lim->vocab_size) {
+            return pd_http_error_set(err, 400, "BadRequestError", "resume_token_ids",
+                                     "%s[%zu] is not a token id in [0, %d)", name, i, lim->vocab_size);
+        }
+        rc->ids[rc->num_ids++] = (int32_t)id;
+    }
+    return true;
+}
+
 /* resume_token_ids (pdserve's own field; pd-proxy sets it when a decode node dies mid-stream, see
- * README "Migration"): the reply's first tokens, which the client has had from another node. This
- * node recomputes the prompt and them, and streams what follows: the same tokens as one node would
- * give (seeded sampling draws per output position), without the role chunk or the text already sent.
- * A stream of one choice only; not with echo (the prompt went out with the first tokens). With
- * kv_transfer_params only when they are a live migration's lease (the node that ran it leased the KV
- * of the prompt and every resumed token but the last): that KV is read instead of recomputed. */
+ * README "Migration"): what the client has had of the reply from another node. This node recomputes
+ * the prompt and those tokens, and streams what follows: the same tokens as one node would give
+ * (seeded sampling draws per output position), without the role chunks or the text already sent.
+ * - One choice: the list of its first tokens (non-empty).
+ * - Several (n > 1, or a batch of prompts; choice index = prompt x n + j): one entry per choice in
+ *   index order, the list of its tokens ([]: its client had none of them), or {"finished": true,
+ *   "completion_tokens": K} for a choice whose client had its finish (nothing more is generated for
+ *   it; its K tokens count in usage). At least one choice is left to generate.
+ * Streamed only; not with echo (the prompt went out with the first tokens) or prompt_logprobs. With
+ * kv_transfer_params only when they are a live migration's lease (one choice: the node that ran it
+ * leased the KV of the prompt and every resumed token but the last) or a prefix lent by a prefill
+ * (completion.c checks both). */
 static bool parse_resume(const json_t *rt, const pd_openai_limits_t *lim, pd_completion_req_t *out,
                          pd_http_error_t *err)
 {
     if (rt == NULL || json_is_null(rt)) {
         return true;
     }
-    size_t n = json_array_size(rt);
-    if (!json_is_array(rt) || n < 1 || n >= (size_t)lim->max_model_len) {
-        return pd_http_error_set(err, 400, "BadRequestError", "resume_token_ids",
-                                 "'resume_token_ids' must be a non-empty list of token ids, shorter than the "
-                                 "model's context (%d)",
-                                 lim->max_model_len);
-    }
-    const char *why =
-        !out->stream  ? "needs stream: true"
-        : out->n != 1 ? "needs n = 1"
-        : out->echo   ? "cannot be combined with echo"
-        : out->params.want_prompt_logprobs
-            ? "cannot be combined with prompt_logprobs"
-            : NULL; /* with kv_transfer_params only as a live migration's lease (completion.c) */
+    int32_t choices = out->num_prompts * out->n;
+    const char *why = !out->stream                       ? "needs stream: true"
+                      : out->echo                        ? "cannot be combined with echo"
+                      : out->params.want_prompt_logprobs ? "cannot be combined with prompt_logprobs"
+                                                         : NULL;
     if (why != NULL) {
         return pd_http_error_set(err, 400, "BadRequestError", "resume_token_ids", "'resume_token_ids' %s",
                                  why);
     }
-    out->resume_ids = malloc(n * sizeof(int32_t));
-    if (out->resume_ids == NULL) {
+    out->resume = calloc((size_t)choices, sizeof(pd_resume_choice_t));
+    if (out->resume == NULL) {
         return pd_http_error_set(err, 500, "InternalServerError", NULL, "out of memory");
     }
-    for (size_t i = 0; i < n; i++) {
-        const json_t *v = json_array_get(rt, i);
-        json_int_t id = json_is_integer(v) ? json_integer_value(v) : -1;
-        if (id < 0 || id >= lim->vocab_size) {
-            return pd_http_error_set(err, 400, "BadRequestError", "resume_token_ids",
-                                     "resume_token_ids[%zu] is not a token id in [0, %d)", i,
-                                     lim->vocab_size);
+    if (choices == 1) {
+        if (!resume_ids(rt, "resume_token_ids", lim, &out->resume[0], err)) {
+            return false;
         }
-        out->resume_ids[out->num_resume++] = (int32_t)id;
+        if (out->resume[0].num_ids == 0) {
+            return pd_http_error_set(err, 400, "BadRequestError", "resume_token_ids",
+                                     "'resume_token_ids' must be a non-empty list of token ids");
+        }
+        return true;
+    }
+    if (!json_is_array(rt) || json_array_size(rt) != (size_t)choices) {
+        return pd_http_error_set(
+            err, 400, "BadRequestError", "resume_token_ids",
+            "'resume_token_ids' of a request of %d choices (%d prompts x n %d) is a list of "
+            "%d entries, one per choice: its token ids, or {\"finished\": true, "
+            "\"completion_tokens\": K}",
+            choices, out->num_prompts, out->n, choices);
+    }
+    int32_t running = 0;
+    for (int32_t k = 0; k < choices; k++) {
+        const json_t *e = json_array_get(rt, (size_t)k);
+        pd_resume_choice_t *rc = &out->resume[k];
+        char name[40];
+        snprintf(name, sizeof(name), "resume_token_ids[%d]", k);
+        if (json_is_object(e)) {
+            const json_t *ct = json_object_get(e, "completion_tokens");
+            if (!json_is_true(json_object_get(e, "finished")) || json_object_size(e) != 2 ||
+                !json_is_integer(ct) || json_integer_value(ct) < 0 ||
+                json_integer_value(ct) >= lim->max_model_len) {
+                return pd_http_error_set(
+                    err, 400, "BadRequestError", "resume_token_ids",
+                    "%s: a finished choice is {\"finished\": true, \"completion_tokens\": K} "
+                    "with 0 <= K < %d",
+                    name, lim->max_model_len);
+            }
+            rc->finished = true;
+            rc->finished_tokens = (int32_t)json_integer_value(ct);
+            continue;
+        }
+        if (!resume_ids(e, name, lim, rc, err)) {
+            return false;
+        }
+        running++;
+    }
+    if (running == 0) {
+        return pd_http_error_set(err, 400, "BadRequestError", "resume_token_ids",
+                                 "'resume_token_ids': every choice is finished, nothing is left to generate");
     }
     return true;
 }
@@ -657,9 +718,6 @@ static bool parse_params(json_t *root, bool chat, const pd_tokenizer_t *tok, con
         }
         out->kv_transfer_params = json_incref(ktp);
     }
-    if (!parse_resume(json_object_get(root, "resume_token_ids"), lim, out, err)) {
-        return false;
-    }
     /* vLLM raises temperatures in (0, 0.01) to 0.01 (numerics), and treats seed -1 as no seed */
     p->sampling.temperature = (float)(temperature > 0 && temperature < 0.01 ? 0.01 : temperature);
     p->sampling.top_p = (float)top_p;
@@ -674,8 +732,8 @@ static bool parse_params(json_t *root, bool chat, const pd_tokenizer_t *tok, con
 }
 
 /* The prompt + max_tokens against max_model_len, then the engine fields. */
-static bool finish_request(const pd_openai_limits_t *lim, int64_t max_tokens, pd_completion_req_t *out,
-                           pd_http_error_t *err)
+static bool finish_request(const json_t *root, const pd_openai_limits_t *lim, int64_t max_tokens,
+                           pd_completion_req_t *out, pd_http_error_t *err)
 {
     for (int32_t i = 0; i < out->num_prompts; i++) {
         int32_t np = out->prompts[i].len;
@@ -707,7 +765,7 @@ static bool finish_request(const pd_openai_limits_t *lim, int64_t max_tokens, pd
                                  (long long)max_tokens, out->params.min_tokens);
     }
     out->params.max_tokens = (int32_t)max_tokens;
-    return true;
+    return parse_resume(json_object_get(root, "resume_token_ids"), lim, out, err);
 }
 
 bool pd_openai_parse_completion(const char *body, size_t len, const pd_tokenizer_t *tok,
@@ -724,7 +782,7 @@ bool pd_openai_parse_completion(const char *body, size_t len, const pd_tokenizer
     bool ok = parse_params(root, false, tok, lim, &max_tokens, out, err) &&
               pd_api_get_bool(root, "add_special_tokens", &add_special, err) &&
               parse_prompt(json_object_get(root, "prompt"), tok, add_special, lim, out, err) &&
-              finish_request(lim, max_tokens, out, err);
+              finish_request(root, lim, max_tokens, out, err);
     json_decref(root);
     if (!ok) {
         pd_completion_req_free(out);
@@ -913,7 +971,7 @@ bool pd_openai_parse_chat(const char *body, size_t len, const pd_tokenizer_t *to
             max_tokens = 1; /* finish_request reports the overflow */
         }
     }
-    ok = ok && finish_request(lim, max_tokens, out, err);
+    ok = ok && finish_request(root, lim, max_tokens, out, err);
     json_decref(root);
     if (!ok) {
         pd_completion_req_free(out);
@@ -934,7 +992,10 @@ void pd_completion_req_free(pd_completion_req_t *r)
     json_decref(r->kv_transfer_params);
     pd_grammar_unref(r->grammar);
     free(r->tool_name);
-    free(r->resume_ids);
+    for (int32_t k = 0; r->resume != NULL && k < r->num_prompts * r->n; k++) {
+        free(r->resume[k].ids);
+    }
+    free(r->resume);
     memset(r, 0, sizeof(*r));
     r->logprobs = -1;
 }

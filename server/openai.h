@@ -23,6 +23,16 @@ typedef struct pd_prompt {
     size_t text_len;
 } pd_prompt_t;
 
+/* One choice of a resumed stream (resume_token_ids): the tokens its client had from another node,
+ * after which this node goes on, or, finished, the count of a choice whose client had its finish
+ * (nothing more is generated for it; its tokens count in usage). */
+typedef struct pd_resume_choice {
+    int32_t *ids; /* malloc'd, or NULL */
+    int32_t num_ids;
+    bool finished;
+    int32_t finished_tokens;
+} pd_resume_choice_t;
+
 typedef struct pd_completion_req {
     pd_prompt_t *prompts; /* [num_prompts]: one for chat, several for batched completions */
     int32_t num_prompts;
@@ -42,9 +52,8 @@ typedef struct pd_completion_req {
     char *tool_name;            /* a named tool choice's function (malloc'd), else NULL */
     json_t *kv_transfer_params; /* owned reference or NULL */
     struct pd_grammar *grammar; /* structured output (server/structured_output.h): owned reference or NULL */
-    int32_t *resume_ids;        /* resume_token_ids (pdserve's): the reply's first tokens, streamed to the
-                                 * client by another node; this node goes on after them (malloc'd) */
-    int32_t num_resume;
+    pd_resume_choice_t *resume; /* resume_token_ids (pdserve's): per choice (num_prompts x n, index
+                                 * order), what its client had from another node; NULL: not resumed */
 } pd_completion_req_t;
 
 typedef struct pd_openai_limits {

@@ -6,8 +6,8 @@ Requests that outlive their decode node (pd-proxy --migration-limit): per transf
 cluster of two prefills, two decodes and pd-proxy on loopback serves long streamed generations
 (prompts of 16-200 tokens, 150-250 output tokens, greedy and seeded sampling with penalties, chat and
 completions, some streams with a stop string, some asking for token ids and some not, some under a
-JSON Schema whose grammar goes with the stream to the node that resumes it) while decode nodes die
-under it:
+JSON Schema whose grammar goes with the stream to the node that resumes it, some of several choices:
+n = 2, or a batch of two prompts) while decode nodes die under it:
 
   kill-decode      once every stream in flight has 8 events, SIGKILL of one decode node (then a
                    restart on the same port): its streams go on, on the other decode, after the tokens
@@ -44,7 +44,9 @@ under it:
 Every answer must be whole and equal to pd-serve's for the same body (token ids, text, finish
 reason): 0 failed requests, 0 missing, duplicated or reordered tokens; at least one stream under a
 JSON Schema (a quarter of them, half in the rebalance cell) must have been resumed on another node
-over the run (structured_moved per cell). A streamed answer whose tokens
+over the run (structured_moved per cell), and at least one of several choices (several_moved; they
+resume after each choice's own tokens, recomputed: a draining node ends them early, not with a lease,
+and a rebalance leaves them where they are). A streamed answer whose tokens
 differ from pd-serve's only where greedy meets an fp32 near-tie (cluster.near_tie: the two tokens'
 raw logprobs within 1e-4, the rest what pd-serve continues from there) is a near-tie, not wrong;
 sampled answers must be equal. A stream resumed after a kill recomputes its tokens' KV in prefill
@@ -128,8 +130,9 @@ def stream(port, path, body, on_event=None, timeout=120, rid=None):
 
 
 def answer(events, chat):
-    """(token ids or None, text, finish reason, whether it ended with [DONE], error) of a stream."""
-    ids, text, finish, done, err, have_ids = [], "", None, False, None, False
+    """(token ids or None, text, finish reason, whether it ended with [DONE], error) of a stream; with
+    several choices (n > 1, a batch of prompts) ids, text and finish are lists by choice index."""
+    ids, text, finish, done, err, have_ids = {}, {}, {}, False, None, False
     for _, data in events:
         if data == "[DONE]":
             done = True
@@ -138,12 +141,28 @@ def answer(events, chat):
         if "error" in j:
             err = j["error"]
         for c in j.get("choices", []):
+            k = c.get("index", 0)
             if "token_ids" in c:
                 have_ids = True
-                ids += c["token_ids"]
-            text += (c.get("delta", {}).get("content") or "") if chat else c.get("text", "")
-            finish = c.get("finish_reason") or finish
+                ids[k] = ids.get(k, []) + c["token_ids"]
+            text[k] = text.get(k, "") + ((c.get("delta", {}).get("content") or "") if chat else c.get("text", ""))
+            finish[k] = c.get("finish_reason") or finish.get(k)
+    by = lambda d, empty: [d.get(k, empty) for k in range(max(text, default=0) + 1)]
+    ids, text, finish = by(ids, []), by(text, ""), by(finish, None)
+    if len(text) == 1:
+        ids, text, finish = ids[0], text[0], finish[0]
     return (ids if have_ids else None), text, finish, done, err
+
+
+def near_ties(port, body, ref, got):
+    """Whether a greedy completion's token ids differ from pd-serve's only at near-ties (each choice of
+    several against its prompt)."""
+    if not isinstance(ref[0], list):
+        return near_tie(port, body["prompt"], ref, got)
+    prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
+    n = body.get("n", 1)
+    return len(ref) == len(got) and all(r == g or near_tie(port, prompts[k // n], r, g)
+                                        for k, (r, g) in enumerate(zip(ref, got)))
 
 
 class Load(ClientThreads):
@@ -161,6 +180,7 @@ class Load(ClientThreads):
         self.tag = "r%d" % rng.randrange(1 << 30)
         self.structured_every = 4
         self.structured = set()  # ids of the requests under a JSON Schema
+        self.several = set()  # ids of the requests of several choices (n > 1, a batch of prompts)
         super().__init__(clients)
 
     def body(self, i, n):
@@ -186,6 +206,11 @@ class Load(ClientThreads):
             b["ignore_eos"] = True
         if n % 5 == 4 and not structured:
             b["stop"] = [" w1", "9"]
+        # several choices: each resumes after its own tokens (a finished one is not generated again)
+        if n % 6 == 1:  # sampled: greedy n > 1 is a 400 (as vLLM)
+            b.update(n=2, temperature=0.8, top_p=0.95, seed=rng.randint(0, 1 << 30))
+        elif n % 6 == 3 and not chat:
+            b["prompt"] = [b["prompt"], [rng.randint(3, 250) for _ in range(rng.randint(*SHAPE["prompt"]))]]
         b["return_token_ids"] = n % 2 == 0 or chat  # the proxy asks for them either way
         return b, chat
 
@@ -198,6 +223,17 @@ class Load(ClientThreads):
             ref_body = dict(body, return_token_ids=True)
             st, ref_ev = stream(self.serve_port, path, ref_body)
             ref = answer(ref_ev, chat)
+            if st == 200 and ref[3] and isinstance(ref[1], list) and "stop_token_ids" not in body:
+                # a batch of prompts: its second choice stops at its 4th token (one its first choice
+                # never samples), so that a decode dying under it finds that choice finished, which
+                # the node that resumes it must not generate again
+                other = set(ref[0][0])
+                stop = [t for t in ref[0][1][3:6] if t not in other]
+                if stop:
+                    body["stop_token_ids"] = stop[:1]
+                    ref_body = dict(body, return_token_ids=True)
+                    st, ref_ev = stream(self.serve_port, path, ref_body)
+                    ref = answer(ref_ev, chat)
             if st != 200 or not ref[3]:
                 continue  # the reference server is never faulted
             mine = []
@@ -212,6 +248,9 @@ class Load(ClientThreads):
             if "response_format" in body:
                 with self.lock:
                     self.structured.add(rid)
+            if body.get("n", 1) > 1 or (not chat and isinstance(body["prompt"][0], list)):
+                with self.lock:
+                    self.several.add(rid)
             try:
                 st, ev = stream(self.proxy_port, path, body, on_event=note, rid=rid)
                 got = answer(ev, chat)
@@ -225,7 +264,7 @@ class Load(ClientThreads):
                     outcome = "ok" if same_text and ids_ok else "wrong"
                     if (outcome == "wrong" and body["temperature"] == 0 and not chat and got[0] is not None
                             and not STRICT):
-                        outcome = "near-tie" if near_tie(self.serve_port, body["prompt"], ref[0], got[0]) else outcome
+                        outcome = "near-tie" if near_ties(self.serve_port, body, ref[0], got[0]) else outcome
                     if outcome != "ok":
                         print("%s %s request %s body=%s\n  pd-serve=%r %s\n  proxy   =%r %s\n  events: %s" %
                               (outcome.upper(), path, rid, json.dumps(body), ref[1], ref[0], got[1], got[0],
@@ -285,6 +324,15 @@ def migrated_ids(log):
             rid = line.split("request ", 1)[1].split(":", 1)[0]
             out.setdefault(rid, []).append((log_time(line), kv.pop(rid, False)))
     return out
+
+
+def finished_choices(log, mark):
+    """Resumptions (in a proxy log from byte mark on) of streams of several choices, one of which had
+    finished: the node that took it over was given that choice as finished."""
+    with open(log, errors="replace") as f:
+        f.seek(mark)
+        return sum(1 for line in f if "; resuming it on " in line and " choices finished)" in line
+                   and " (0 of its " not in line)
 
 
 def around(load, ids, kv_only, width=3):
@@ -458,6 +506,7 @@ def main():
                 loads0 = {d.tag: (d.proc.pid, metric_sum(d.port, "pd:kv_transfers_failed_total")) for d in c.decodes}
                 reads0 = {d.tag: metric_sum(d.port, "pd:kv_prefix_fetches_total") for d in c.decodes}
                 pm0 = metrics(c.proxy.port)
+                marks0 = os.path.getsize(os.path.join(tmp, c.proxy.tag + ".log"))
                 loads_failed = sum(metric_sum(d.port, "pd:kv_transfers_failed_total") for d in c.decodes)
                 load.start()
                 victims = [0, 1] if cell.startswith("rolling") else [rng.randrange(2)]
@@ -552,6 +601,8 @@ def main():
                     "pd_proxy:migration_pause_seconds_" + k, 0)
                 res = dict(load.counts, kills=kills, migrations=int(migrated), retried=int(retried),
                            kv_moved=int(kv_moved), structured_moved=len(set(moved_ids) & load.structured),
+                           several_moved=len(set(moved_ids) & load.several),
+                           choice_finished=finished_choices(os.path.join(tmp, c.proxy.tag + ".log"), marks0),
                            prompt_lent=int(metric_sum(c.proxy.port, LENT) - lent0), prompt_read=int(prompt_read),
                            exit_s=round(max(exits), 2) if exits else "-",
                            pause_mean_ms=round(1e3 * pause("sum") / pause("count"), 1) if pause("count") else "-",
@@ -619,6 +670,9 @@ def main():
     moved = sum(r[3].get("structured_moved", 0) for r in rows if isinstance(r[3], dict))
     if rows and moved < 1 and args.cells is None:
         failed.append("no stream under a JSON Schema was resumed on another node: the grammar's move went untested")
+    several = sum(r[3].get("several_moved", 0) for r in rows if isinstance(r[3], dict))
+    if rows and several < 1 and args.cells is None:
+        failed.append("no stream of several choices (n > 1, a batch of prompts) was resumed on another node")
     read = sum(r[3].get("prompt_read", 0) for r in rows if isinstance(r[3], dict) and r[0] in ("kill-decode",
                                                                                               "rolling-restart"))
     if any(r[0] == "kill-decode" for r in rows) and read < 1 and args.cells is None:

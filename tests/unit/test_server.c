@@ -1180,10 +1180,27 @@ typedef struct sse_events {
     bool role, done;
 } sse_events_t;
 
-/* The events of a streamed completion (one choice, one token id per event). */
-static void sse_parse(const char *body, bool chat, sse_events_t *ev)
+static void sse_free(sse_events_t *ev)
+{
+    for (int i = 0; i < ev->n; i++) {
+        free(ev->text[i]);
+    }
+}
+
+/* The events of a streamed request of several choices, per choice index: each event's token id
+ * (-1: none) and text, whether a role event came, the usage's completion tokens. */
+typedef struct choice_events {
+    sse_events_t ch[8];
+    int num_choices;
+    int roles;
+    json_int_t usage_completion; /* -1: no usage chunk */
+    bool done;
+} choice_events_t;
+
+static void choice_events_parse(const char *body, bool chat, choice_events_t *ev)
 {
     memset(ev, 0, sizeof(*ev));
+    ev->usage_completion = -1;
     char *copy = strdup(body);
     for (char *line = strtok(copy, "\n"); line != NULL; line = strtok(NULL, "\n")) {
         if (strncmp(line, "data: ", 6) != 0) {
@@ -1195,30 +1212,57 @@ static void sse_parse(const char *body, bool chat, sse_events_t *ev)
         }
         json_t *j = json_loads(line + 6, JSON_ALLOW_NUL, NULL);
         ck_assert_ptr_nonnull(j);
-        json_t *c = json_array_get(json_object_get(j, "choices"), 0);
-        json_t *d = json_object_get(c, "delta");
-        if (chat && json_object_get(d, "role") != NULL) {
-            ev->role = true;
-        } else if (c != NULL) {
-            ck_assert_int_lt(ev->n, 512);
+        json_t *u = json_object_get(j, "usage");
+        if (json_is_object(u)) {
+            ev->usage_completion = json_integer_value(json_object_get(u, "completion_tokens"));
+        }
+        size_t i;
+        json_t *c;
+        json_array_foreach(json_object_get(j, "choices"), i, c)
+        {
+            int idx = (int)json_integer_value(json_object_get(c, "index"));
+            ck_assert(idx >= 0 && idx < 8);
+            ev->num_choices = idx + 1 > ev->num_choices ? idx + 1 : ev->num_choices;
+            sse_events_t *e = &ev->ch[idx];
+            json_t *d = json_object_get(c, "delta");
+            if (chat && json_object_get(d, "role") != NULL) {
+                ev->roles++;
+                continue;
+            }
+            ck_assert_int_lt(e->n, 512);
             const char *t =
                 json_string_value(chat ? json_object_get(d, "content") : json_object_get(c, "text"));
-            ev->text[ev->n] = strdup(t != NULL ? t : "");
+            e->text[e->n] = strdup(t != NULL ? t : "");
             json_t *ids = json_object_get(c, "token_ids");
-            ev->ids[ev->n] =
+            e->ids[e->n] =
                 json_array_size(ids) == 1 ? (int32_t)json_integer_value(json_array_get(ids, 0)) : -1;
-            ev->n++;
+            e->n++;
         }
         json_decref(j);
     }
     free(copy);
 }
 
-static void sse_free(sse_events_t *ev)
+static void choice_events_free(choice_events_t *ev)
 {
-    for (int i = 0; i < ev->n; i++) {
-        free(ev->text[i]);
+    for (int k = 0; k < 8; k++) {
+        sse_free(&ev->ch[k]);
     }
+}
+
+/* The events of a streamed completion of one choice (one token id per event). */
+static void sse_parse(const char *body, bool chat, sse_events_t *ev)
+{
+    choice_events_t *all = malloc(sizeof(*all));
+    ck_assert_ptr_nonnull(all);
+    choice_events_parse(body, chat, all);
+    *ev = all->ch[0]; /* its texts move to ev */
+    ev->role = all->roles > 0;
+    ev->done = all->done;
+    for (int k = 1; k < 8; k++) {
+        sse_free(&all->ch[k]);
+    }
+    free(all);
 }
 
 /* resume_token_ids (what pd-proxy sends when a decode node dies mid-stream): a stream resumed after
@@ -1305,6 +1349,129 @@ START_TEST(test_resume_token_ids)
         0);
     ck_assert_msg(strstr(e.body, "nothing to generate") != NULL, "HTTP %d %s", e.status, e.body);
     http_resp_free(&e);
+}
+END_TEST
+
+/* resume_token_ids for several choices (n > 1, a batch of prompts): one entry per choice, its tokens
+ * or {"finished": true, "completion_tokens": K}. Each choice's events after the resumption are, event
+ * for event, the rest of its events in the whole stream (seeded sampling: seed + j per choice); a
+ * finished choice sends nothing, a choice with [] starts from its first token; no role events; the
+ * usage counts every choice's tokens. What the node cannot continue is a 400 naming the field. */
+START_TEST(test_resume_several_choices)
+{
+    const char *bodies[][2] = {
+        {"/v1/completions",
+         "{\"prompt\": \"The decode node died\", \"n\": 3, \"max_tokens\": 24, \"ignore_eos\": true, "
+         "\"temperature\": 0.9, \"seed\": 11, \"presence_penalty\": 0.5"},
+        {"/v1/completions",
+         "{\"prompt\": [\"a b c\", \"The decode\"], \"n\": 2, \"max_tokens\": 20, \"ignore_eos\": true, "
+         "\"temperature\": 0.7, \"seed\": 3"},
+        {"/v1/chat/completions",
+         "{\"messages\": [{\"role\": \"user\", \"content\": \"go on\"}], \"n\": 2, "
+         "\"max_tokens\": 18, \"ignore_eos\": true, \"temperature\": 0.8, \"seed\": 5"},
+    };
+    for (size_t b = 0; b < sizeof(bodies) / sizeof(bodies[0]); b++) {
+        bool chat = strstr(bodies[b][0], "chat") != NULL;
+        char body[8192];
+        snprintf(body, sizeof(body),
+                 "%s, \"stream\": true, \"return_token_ids\": true, \"stream_options\": {\"include_usage\": "
+                 "true}}",
+                 bodies[b][1]);
+        http_resp_t r;
+        ck_assert_int_eq(http_request(g_port, "POST", bodies[b][0], NULL, body, &r, 60000), 0);
+        ck_assert_int_eq(r.status, 200);
+        choice_events_t whole;
+        choice_events_parse(r.body, chat, &whole);
+        http_resp_free(&r);
+        ck_assert(whole.done && whole.num_choices >= 2 && whole.usage_completion > 0);
+        ck_assert_int_eq(whole.roles, chat ? whole.num_choices : 0);
+        /* cut 0: each choice at its own point, one of them at none of its tokens; cut 1: choice 0
+         * finished, the others at their middle */
+        for (int cut = 0; cut < 2; cut++) {
+            int ks[8];
+            char entries[6144] = "";
+            for (int k = 0; k < whole.num_choices; k++) {
+                const sse_events_t *e = &whole.ch[k];
+                ck_assert_int_ge(e->n, 6);
+                ks[k] = cut == 0 ? (k == 1 ? 0 : (3 * k + 2) % (e->n - 1) + 1) : (k == 0 ? e->n : e->n / 2);
+                size_t at = strlen(entries);
+                if (cut == 1 && k == 0) {
+                    snprintf(entries + at, sizeof(entries) - at,
+                             "{\"finished\": true, \"completion_tokens\": %d}", e->n);
+                } else {
+                    snprintf(entries + at, sizeof(entries) - at, "[");
+                    for (int i = 0; i < ks[k]; i++) {
+                        ck_assert_int_ge(e->ids[i], 0);
+                        at = strlen(entries);
+                        snprintf(entries + at, sizeof(entries) - at, "%s%d", i ? ", " : "", e->ids[i]);
+                    }
+                    at = strlen(entries);
+                    snprintf(entries + at, sizeof(entries) - at, "]");
+                }
+                at = strlen(entries);
+                snprintf(entries + at, sizeof(entries) - at, "%s", k + 1 < whole.num_choices ? ", " : "");
+            }
+            snprintf(
+                body, sizeof(body),
+                "%s, \"stream\": true, \"return_token_ids\": true, \"stream_options\": {\"include_usage\": "
+                "true}, \"resume_token_ids\": [%s]}",
+                bodies[b][1], entries);
+            ck_assert_int_eq(http_request(g_port, "POST", bodies[b][0], NULL, body, &r, 60000), 0);
+            ck_assert_msg(r.status == 200, "body %zu cut %d: HTTP %d %s", b, cut, r.status, r.body);
+            choice_events_t rest;
+            choice_events_parse(r.body, chat, &rest);
+            http_resp_free(&r);
+            ck_assert(rest.done);
+            ck_assert_int_eq(rest.roles, 0);
+            ck_assert_int_eq(rest.usage_completion, whole.usage_completion);
+            for (int k = 0; k < whole.num_choices; k++) {
+                const sse_events_t *w = &whole.ch[k], *g = &rest.ch[k];
+                ck_assert_msg(g->n == w->n - ks[k],
+                              "body %zu cut %d choice %d after %d: %d events, the whole %d", b, cut, k, ks[k],
+                              g->n, w->n);
+                for (int i = 0; i < g->n; i++) {
+                    ck_assert_int_eq(g->ids[i], w->ids[ks[k] + i]);
+                    ck_assert_str_eq(g->text[i], w->text[ks[k] + i]);
+                }
+            }
+            choice_events_free(&rest);
+        }
+        choice_events_free(&whole);
+    }
+    static const char *bad[] = {
+        /* one entry per choice */
+        "{\"prompt\": \"x\", \"stream\": true, \"n\": 2, \"temperature\": 1, \"resume_token_ids\": [[5]]}",
+        "{\"prompt\": \"x\", \"stream\": true, \"n\": 2, \"temperature\": 1, \"resume_token_ids\": [5, 6]}",
+        "{\"prompt\": [\"x\", \"y\"], \"stream\": true, \"resume_token_ids\": [[5], [6], [7]]}",
+        /* nothing left to generate */
+        "{\"prompt\": \"x\", \"stream\": true, \"n\": 2, \"temperature\": 1, \"resume_token_ids\": "
+        "[{\"finished\": true, \"completion_tokens\": 3}, {\"finished\": true, \"completion_tokens\": 1}]}",
+        /* a finished entry's shape */
+        "{\"prompt\": \"x\", \"stream\": true, \"n\": 2, \"temperature\": 1, \"resume_token_ids\": "
+        "[{\"finished\": true}, [5]]}",
+        "{\"prompt\": \"x\", \"stream\": true, \"n\": 2, \"temperature\": 1, \"resume_token_ids\": "
+        "[{\"finished\": false, \"completion_tokens\": 2}, [5]]}",
+        "{\"prompt\": \"x\", \"stream\": true, \"n\": 2, \"temperature\": 1, \"resume_token_ids\": "
+        "[{\"finished\": true, \"completion_tokens\": -1}, [5]]}",
+        "{\"prompt\": \"x\", \"stream\": true, \"n\": 2, \"temperature\": 1, \"resume_token_ids\": "
+        "[[99999999], []]}",
+        /* a batch's KV parameters, several choices' lease */
+        "{\"prompt\": [\"x\", \"y\"], \"stream\": true, \"resume_token_ids\": [[5], []], "
+        "\"kv_transfer_params\": "
+        "{\"kv_prefix\": {}}}",
+        "{\"prompt\": [7, 8], \"stream\": true, \"n\": 2, \"temperature\": 1, \"resume_token_ids\": [[5, 6], "
+        "[5]], "
+        "\"kv_transfer_params\": {\"do_remote_prefill\": true, \"transfer_mode\": \"pull\", "
+        "\"remote_num_tokens\": "
+        "3}}",
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        http_resp_t e;
+        ck_assert_int_eq(http_request(g_port, "POST", "/v1/completions", NULL, bad[i], &e, 30000), 0);
+        ck_assert_msg(e.status == 400 && strstr(e.body, "resume_token_ids") != NULL, "%s: HTTP %d %s", bad[i],
+                      e.status, e.body);
+        http_resp_free(&e);
+    }
 }
 END_TEST
 
@@ -2009,6 +2176,7 @@ int main(void)
     tcase_add_test(tc, test_graceful_drain);
     tcase_add_test(tc, test_drain_hands_off_resumable_streams);
     tcase_add_test(tc, test_resume_token_ids);
+    tcase_add_test(tc, test_resume_several_choices);
     suite_add_tcase(s, tc);
     return tu_run_suite(s);
 }
