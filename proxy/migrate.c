@@ -12,8 +12,9 @@
  * whose answer had not started is sent again whole. Seeded sampling draws per output position, so
  * the continuation is the one the first node would have sampled. A stream of several choices (n > 1,
  * a batch of prompts) resumes choice by choice: each goes on after its own tokens, a finished one is
- * not generated again; it is recomputed (a draining node ends it early: a lease is one engine
- * request's KV), from its prompt's KV lent by the prefill when it has one prompt. */
+ * not generated again; a draining node's event then holds a lease per choice ({"choices": [...]},
+ * passed on as they are), and after a kill its prompt's KV is lent by the prefill when it has one
+ * prompt. */
 #define _GNU_SOURCE
 #include "proxy/proxy_impl.h"
 
@@ -119,19 +120,34 @@ static bool note_ids(preq_t *q, json_t *choice)
     return true;
 }
 
+/* Releases the lease pull parameters p name on node n. */
+static void release_lease(preq_t *q, node_t *n, const json_t *p)
+{
+    json_t *rid = json_object_get(p, "remote_request_id"), *lid = json_object_get(p, "lease_id");
+    json_t *body = json_is_string(rid) && json_is_integer(lid)
+                       ? json_pack("{s:O, s:O}", "remote_request_id", rid, "lease_id", lid)
+                       : NULL; /* no lease named: nothing to release (it expires) */
+    if (body != NULL) {
+        px_post_release(q->px, n, q->auth, body);
+    }
+    json_decref(body);
+}
+
 void px_migrate_end(preq_t *q)
 {
     if (q->mig == NULL) {
         return;
     }
-    json_t *rid = json_object_get(q->mig, "remote_request_id"), *lid = json_object_get(q->mig, "lease_id");
-    json_t *body = json_is_string(rid) && json_is_integer(lid)
-                       ? json_pack("{s:O, s:O}", "remote_request_id", rid, "lease_id", lid)
-                       : NULL; /* no lease named: nothing to release (it expires) */
-    if (body != NULL) {
-        px_post_release(q->px, q->mig_node, q->auth, body);
+    json_t *each = json_object_get(q->mig, "choices"); /* several choices: a lease each (or null) */
+    size_t k;
+    json_t *p;
+    json_array_foreach(each, k, p)
+    {
+        release_lease(q, q->mig_node, p);
     }
-    json_decref(body);
+    if (each == NULL) {
+        release_lease(q, q->mig_node, q->mig);
+    }
     json_decref(q->mig);
     q->mig = NULL;
 }

@@ -44,9 +44,7 @@ void px_rebalance(proxy_t *px)
     int streams[MAX_NODES] = {0};
     const char *auth[MAX_NODES] = {NULL}; /* a client's key the node takes, when no --node-api-key */
     for (const preq_t *q = px->inflight; q != NULL; q = q->next) {
-        /* a node moves streams of one choice only, with their KV (server/completion.c) */
-        if (q->resumable && q->num_ch == 1 && q->d != NULL && q->d_conn != NULL && q->client != NULL &&
-            q->d_events > 0) {
+        if (q->resumable && q->d != NULL && q->d_conn != NULL && q->client != NULL && q->d_events > 0) {
             int i = (int)(q->d - px->nodes);
             streams[i]++;
             auth[i] = q->auth;

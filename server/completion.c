@@ -50,6 +50,7 @@ typedef struct choice {
     char *error; /* the engine's reason when it ended with "error" and no token */
     bool oom;    /* an id or text could not be kept (out of memory): the reply is a 500, not a short text */
     bool handed_over; /* a prefill's first-token handover: a decode node goes on (no finish_reason) */
+    bool migrated;    /* ended by a live migration ("abort" while migrating): another node goes on */
     size_t streamed;  /* tool parsing, streaming: bytes of text sent as content (or as a named tool
                        * choice's arguments) so far */
     bool call_opened; /* a named tool choice, streaming: the call's first delta (id, name) was sent */
@@ -193,23 +194,29 @@ int pd_http_hand_off_inflight(pd_http_server_t *s, int max)
             (max > 0 && !c->started)) { /* a partial migration takes streams that are decoding */
             continue;
         }
-        if (max > 0 && c->num_choices > 1) {
-            continue; /* a rebalance moves the streams it can move with their KV: one choice each */
-        }
         pd_metric_inc(s->m.handoffs, 1);
         n++;
-        if (c->num_choices == 1 && c->ch[0].submitted) {
-            /* live migration: the engine ends it after its connector leased the KV (if it can lend),
-             * and its final output ends the stream with the lease (end_migrated) */
+        if (c->ch[c->lead].submitted) {
+            /* live migration: the engine ends each running choice after its connector leased the KV
+             * (if it can lend), and the last final output ends the stream with the leases
+             * (end_migrated); a sibling still deferred has nothing to move: it starts on the next node */
             pd_log_info("drain: migrating stream %s (pd-proxy resumes it on another node, which reads its KV "
                         "from here)",
                         c->id);
             c->migrating = true;
-            pd_engine_migrate_async(s->engine, c->ch[0].id);
+            for (int32_t k = 0; k < c->num_choices; k++) {
+                choice_t *h = &c->ch[k];
+                if (h->submitted && !h->done) {
+                    pd_engine_migrate_async(s->engine, h->id);
+                } else if (!h->done) {
+                    h->done = h->migrated = true;
+                    h->finish_reason = "abort";
+                    c->num_done++;
+                }
+            }
             continue;
         }
-        pd_log_info("drain: ending stream %s early (pd-proxy resumes it on another node%s)", c->id,
-                    c->num_choices > 1 ? ", which recomputes its choices" : "");
+        pd_log_info("drain: ending stream %s early (pd-proxy resumes it on another node)", c->id);
         start_bare(c);
         end_stream(c); /* no [DONE]: the proxy's sign that it ended early */
         abort_choices(c);
@@ -679,6 +686,69 @@ static void arm_direct(creq_t *c)
     free(chunk), free(empty);
 }
 
+/* The lease on choice h's KV its final output named (a live migration), or NULL. */
+static json_t *migrated_lease(const choice_t *h)
+{
+    json_t *p =
+        h->migrated && h->kv_transfer_params != NULL ? json_loads(h->kv_transfer_params, 0, NULL) : NULL;
+    if (json_is_object(p) && json_is_array(json_object_get(p, "remote_block_ids"))) {
+        return p;
+    }
+    json_decref(p);
+    return NULL;
+}
+
+/* A migrating stream's engine requests ended: the stream ends without [DONE] (pd-proxy's sign to
+ * resume it elsewhere), its last event {"pd_migrate": params} naming the lease on its KV when the
+ * connector could lend it; with several choices {"pd_migrate": {"choices": [...]}}, one lease per
+ * choice, null for a choice that finished, was not running or could not be lent (the next node
+ * recomputes it). The final outputs' text (what a stop string held back) is not sent: the node that
+ * takes over replays the tokens and holds back the same text. */
+static void end_migrated(creq_t *c)
+{
+    start_bare(c);
+    json_t *params = NULL;
+    if (c->num_choices == 1) {
+        params = migrated_lease(&c->ch[0]);
+    } else {
+        json_t *each = json_array();
+        int leased = 0;
+        for (int32_t k = 0; each != NULL && k < c->num_choices; k++) {
+            json_t *p = migrated_lease(&c->ch[k]);
+            leased += p != NULL;
+            json_array_append_new(each, p != NULL ? p : json_null());
+        }
+        params = leased > 0 ? json_pack("{s:o}", "choices", each) : NULL;
+        if (leased == 0) {
+            json_decref(each);
+        }
+    }
+    if (params != NULL) {
+        json_t *ev = json_pack("{s:o}", "pd_migrate", params);
+        if (ev != NULL) {
+            stream_chunk(c, ev);
+        }
+        json_decref(ev);
+    } else {
+        pd_log_info("drain: stream %s ends without its KV (not decoding yet, or this node cannot lend it); "
+                    "its next node recomputes it",
+                    c->id);
+    }
+    end_stream(c);
+    creq_free(c);
+}
+
+/* Whether a choice of migrating stream c ended for another node to go on (end_migrated ends it). */
+static bool any_migrated(const creq_t *c)
+{
+    for (int32_t k = 0; c->migrating && k < c->num_choices; k++) {
+        if (c->ch[k].migrated) {
+            return true;
+        }
+    }
+    return false;
+}
+
 static void stream_output(creq_t *c, choice_t *h, const pd_engine_output_t *o, size_t offset, bool finished)
 {
     if (!c->started) {
@@ -706,6 +776,10 @@ static void stream_output(creq_t *c, choice_t *h, const pd_engine_output_t *o, s
     }
     if (c->num_done < c->num_choices) {
         arm_direct(c);
+        return;
+    }
+    if (any_migrated(c)) { /* the last choice running finished here, the others go on elsewhere */
+        end_migrated(c);
         return;
     }
     if (c->in.include_usage && !c->ch[0].handed_over) {
@@ -905,30 +979,6 @@ static void replay_output(creq_t *c, choice_t *h)
     }
 }
 
-/* A migrating stream's engine request ended: the stream ends without [DONE] (pd-proxy's sign to
- * resume it elsewhere), its last event {"pd_migrate": params} naming the lease on its KV when the
- * connector could lend it. The final output's text (what a stop string held back) is not sent: the
- * node that takes over replays the tokens and holds back the same text. */
-static void end_migrated(creq_t *c, const choice_t *h)
-{
-    start_bare(c);
-    json_t *params = h->kv_transfer_params != NULL ? json_loads(h->kv_transfer_params, 0, NULL) : NULL;
-    if (json_is_object(params) && json_is_array(json_object_get(params, "remote_block_ids"))) {
-        json_t *ev = json_pack("{s:O}", "pd_migrate", params);
-        if (ev != NULL) {
-            stream_chunk(c, ev);
-        }
-        json_decref(ev);
-    } else {
-        pd_log_info("drain: stream %s ends without its KV (not decoding yet, or this node cannot lend it); "
-                    "its next node recomputes it",
-                    c->id);
-    }
-    json_decref(params);
-    end_stream(c);
-    creq_free(c);
-}
-
 static void handle_output(pd_http_server_t *s, const pd_engine_output_t *o)
 {
     choice_t *h = o->user;
@@ -977,7 +1027,10 @@ static void handle_output(pd_http_server_t *s, const pd_engine_output_t *o)
         return;
     }
     if (finished && c->migrating && strcmp(h->finish_reason, "abort") == 0) {
-        end_migrated(c, h);
+        h->migrated = true;
+        if (c->num_done == c->num_choices) {
+            end_migrated(c);
+        }
     } else if (o->replayed) {
         replay_output(c, h);
     } else if (c->in.stream) {
@@ -1005,6 +1058,36 @@ void pd_http_dispatch_outputs(pd_http_server_t *s)
 
 /* ------------------------------------------------------------------ submission */
 
+/* kv_transfer_params {"choices": [...]} beside resume_token_ids: a live migration of a stream of
+ * several choices, one entry per choice, the lease on its KV (prompt and every resumed token but the
+ * last, as for one choice) or null (recomputed: it finished, was not running, could not be lent). */
+static bool per_choice_leases_ok(const pd_completion_req_t *in, const json_t *each, pd_http_error_t *err)
+{
+    int32_t choices = in->num_prompts * in->n;
+    if (json_object_size(in->kv_transfer_params) != 1 || !json_is_array(each) ||
+        json_array_size(each) != (size_t)choices) {
+        return pd_http_error_set(
+            err, 400, "BadRequestError", "kv_transfer_params",
+            "kv_transfer_params.choices (a live migration's leases) is alone and has one "
+            "entry per choice (%d), a lease or null",
+            choices);
+    }
+    for (int32_t k = 0; k < choices; k++) {
+        const json_t *e = json_array_get(each, (size_t)k);
+        const pd_resume_choice_t *rc = &in->resume[k];
+        int32_t num = in->prompts[k / in->n].len + rc->num_ids - 1;
+        if (!json_is_null(e) && (rc->finished || rc->num_ids == 0 || !pd_kv_params_migrates(e, num))) {
+            return pd_http_error_set(
+                err, 400, "BadRequestError", "kv_transfer_params",
+                "kv_transfer_params.choices[%d] is not a live migration's lease of choice "
+                "%d's prompt and resumed tokens but the last (pull parameters, "
+                "remote_num_tokens %d)",
+                k, k, num);
+        }
+    }
+    return true;
+}
+
 /* kv_transfer_params beside resume_token_ids: one choice reads a live migration's lease (the KV of
  * the prompt and every resumed token but the last) or a prompt prefix a prefill lent; several choices
  * of one prompt only the prefix (its lead choice loads it, the others hit it); a batch of prompts
@@ -1012,6 +1095,10 @@ void pd_http_dispatch_outputs(pd_http_server_t *s)
 static bool resume_kv_ok(const pd_completion_req_t *in, pd_http_error_t *err)
 {
     const json_t *p = in->kv_transfer_params;
+    const json_t *each = json_object_get(p, "choices");
+    if (each != NULL) {
+        return per_choice_leases_ok(in, each, err);
+    }
     if (in->num_prompts > 1) {
         return pd_http_error_set(err, 400, "BadRequestError", "resume_token_ids",
                                  "'resume_token_ids' of a batch of prompts goes without kv_transfer_params");
@@ -1063,8 +1150,13 @@ static bool submit_choice(creq_t *c, int32_t k)
     }
     rq.num_stop = c->in.num_stop;
     /* the KV parameters belong to one engine request: the first choice that runs (of the first prompt
-     * but for a resumed stream of one prompt whose first choices had finished) */
-    rq.kv_transfer_params = k == c->lead ? c->in.kv_transfer_params : NULL;
+     * but for a resumed stream of one prompt whose first choices had finished); a live migration's
+     * leases, one per choice, each to its own (the engine copies them) */
+    json_t *each = json_object_get(c->in.kv_transfer_params, "choices");
+    json_t *mine = json_array_get(each, (size_t)k);
+    rq.kv_transfer_params = json_is_array(each) ? (json_is_object(mine) ? mine : NULL)
+                            : k == c->lead      ? c->in.kv_transfer_params
+                                                : NULL;
     rq.grammar = c->in.grammar;
     if (c->in.resume != NULL && c->in.resume[k].num_ids > 0) {
         rq.resume = c->in.resume[k].ids;
@@ -1105,8 +1197,19 @@ void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bo
                                  : pd_openai_parse_completion(body, len, tok, &lim, &c->in, &err));
     free(body);
     const char *role_err = ok ? pd_engine_params_error(s->engine, c->in.kv_transfer_params) : NULL;
+    const json_t *each = ok ? json_object_get(c->in.kv_transfer_params, "choices") : NULL;
+    for (size_t k = 0; role_err == NULL && k < json_array_size(each); k++) { /* a migration's leases */
+        const json_t *e = json_array_get(each, k);
+        role_err = json_is_null(e) ? NULL : pd_engine_params_error(s->engine, e);
+    }
     if (role_err != NULL) {
         pd_http_error_set(&err, 400, "BadRequestError", "kv_transfer_params", "%s", role_err);
+        pd_completion_req_free(&c->in);
+        ok = false;
+    } else if (ok && c->in.resume == NULL && each != NULL) {
+        pd_http_error_set(
+            &err, 400, "BadRequestError", "kv_transfer_params",
+            "kv_transfer_params.choices (a live migration's leases) goes with resume_token_ids");
         pd_completion_req_free(&c->in);
         ok = false;
     } else if (ok && c->in.resume != NULL && c->in.kv_transfer_params != NULL &&
@@ -1197,7 +1300,8 @@ void pd_http_handle_generate(pd_http_server_t *s, struct evhttp_request *req, bo
     s->inflight = c;
     s->num_inflight++;
     /* a decode node loading the prompt's KV: the siblings wait for it (they then hit its blocks) */
-    c->deferred = c->in.kv_transfer_params != NULL && runs > 1;
+    c->deferred = c->in.kv_transfer_params != NULL && runs > 1 &&
+                  json_object_get(c->in.kv_transfer_params, "choices") == NULL; /* each loads its own */
     for (int32_t k = c->lead; k < c->num_choices; k++) {
         if (c->ch[k].done || (c->deferred && k != c->lead)) {
             continue;

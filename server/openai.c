@@ -308,9 +308,9 @@ static bool resume_ids(const json_t *list, const char *name, const pd_openai_lim
  *   "completion_tokens": K} for a choice whose client had its finish (nothing more is generated for
  *   it; its K tokens count in usage). At least one choice is left to generate.
  * Streamed only; not with echo (the prompt went out with the first tokens) or prompt_logprobs. With
- * kv_transfer_params only when they are a live migration's lease (one choice: the node that ran it
- * leased the KV of the prompt and every resumed token but the last) or a prefix lent by a prefill
- * (completion.c checks both). */
+ * kv_transfer_params only when they are a live migration's lease (the node that ran it leased the KV
+ * of the prompt and every resumed token but the last; several choices: {"choices": [...]}, a lease
+ * or null each) or a prefix lent by a prefill (completion.c checks them). */
 static bool parse_resume(const json_t *rt, const pd_openai_limits_t *lim, pd_completion_req_t *out,
                          pd_http_error_t *err)
 {

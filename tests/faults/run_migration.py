@@ -45,8 +45,8 @@ Every answer must be whole and equal to pd-serve's for the same body (token ids,
 reason): 0 failed requests, 0 missing, duplicated or reordered tokens; at least one stream under a
 JSON Schema (a quarter of them, half in the rebalance cell) must have been resumed on another node
 over the run (structured_moved per cell), and at least one of several choices (several_moved; they
-resume after each choice's own tokens, recomputed: a draining node ends them early, not with a lease,
-and a rebalance leaves them where they are). A streamed answer whose tokens
+resume after each choice's own tokens), one of them in a live migration, which moves each running
+choice's KV (several_kv). A streamed answer whose tokens
 differ from pd-serve's only where greedy meets an fp32 near-tie (cluster.near_tie: the two tokens'
 raw logprobs within 1e-4, the rest what pd-serve continues from there) is a near-tie, not wrong;
 sampled answers must be equal. A stream resumed after a kill recomputes its tokens' KV in prefill
@@ -78,6 +78,7 @@ import http.client
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -154,17 +155,6 @@ def answer(events, chat):
     return (ids if have_ids else None), text, finish, done, err
 
 
-def near_ties(port, body, ref, got):
-    """Whether a greedy completion's token ids differ from pd-serve's only at near-ties (each choice of
-    several against its prompt)."""
-    if not isinstance(ref[0], list):
-        return near_tie(port, body["prompt"], ref, got)
-    prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
-    n = body.get("n", 1)
-    return len(ref) == len(got) and all(r == g or near_tie(port, prompts[k // n], r, g)
-                                        for k, (r, g) in enumerate(zip(ref, got)))
-
-
 class Load(ClientThreads):
     """Clients each streaming one request after another; the bodies and pd-serve's answers prepared."""
 
@@ -206,10 +196,11 @@ class Load(ClientThreads):
             b["ignore_eos"] = True
         if n % 5 == 4 and not structured:
             b["stop"] = [" w1", "9"]
-        # several choices: each resumes after its own tokens (a finished one is not generated again)
-        if n % 6 == 1:  # sampled: greedy n > 1 is a 400 (as vLLM)
+        # half the streams of several choices, so that every victim runs some: each resumes after its
+        # own tokens (a finished one is not generated again); all sampled (odd n; greedy n > 1 is a 400)
+        if n % 6 in (1, 5):
             b.update(n=2, temperature=0.8, top_p=0.95, seed=rng.randint(0, 1 << 30))
-        elif n % 6 == 3 and not chat:
+        elif n % 6 == 3:
             b["prompt"] = [b["prompt"], [rng.randint(3, 250) for _ in range(rng.randint(*SHAPE["prompt"]))]]
         b["return_token_ids"] = n % 2 == 0 or chat  # the proxy asks for them either way
         return b, chat
@@ -264,7 +255,7 @@ class Load(ClientThreads):
                     outcome = "ok" if same_text and ids_ok else "wrong"
                     if (outcome == "wrong" and body["temperature"] == 0 and not chat and got[0] is not None
                             and not STRICT):
-                        outcome = "near-tie" if near_ties(self.serve_port, body, ref[0], got[0]) else outcome
+                        outcome = "near-tie" if near_tie(self.serve_port, body["prompt"], ref[0], got[0]) else outcome
                     if outcome != "ok":
                         print("%s %s request %s body=%s\n  pd-serve=%r %s\n  proxy   =%r %s\n  events: %s" %
                               (outcome.upper(), path, rid, json.dumps(body), ref[1], ref[0], got[1], got[0],
@@ -407,10 +398,13 @@ def rebalance(args, c, tmp, serve, rng, mode, pipe, rows, failed, cell="rebalanc
                     took[u] += 1
                 if rounds:
                     rounds[-1][1].add(u)
+        ids = migrated_ids(os.path.join(tmp, px.tag + ".log"))
         res = dict(load.counts, rebalances=int(metric_sum(px.port, "pd_proxy:rebalances_total")),
                    migrations=int(metric_sum(px.port, "pd_proxy:migrations_total")),
                    kv_moved=int(metric_sum(px.port, "pd_proxy:kv_migrations_total")),
-                   structured_moved=len(set(migrated_ids(os.path.join(tmp, px.tag + ".log"))) & load.structured),
+                   structured_moved=len(set(ids) & load.structured),
+                   several_moved=len(set(ids) & load.several),
+                   several_kv=sum(1 for r in set(ids) & load.several if any(k for _, k in ids[r])),
                    itl_p50_ms=round(1e3 * pct(load.gaps, 50), 2),
                    took="/".join(str(took[u]) for u in urls[1:]),
                    to_lightest="%d/%d" % (sum(lo in to for lo, to in rounds), len(rounds)))
@@ -574,8 +568,11 @@ def main():
                     with open(log, errors="replace") as f:
                         f.seek(mark)
                         text = f.read()
-                    leased += text.count(": migrating: the KV of")
-                    kills += text.count(": migrating: the KV of") + text.count("ends without its KV")
+                    # a stream of several choices leases each choice's KV (engine ids ID-k): one stream
+                    streams = len(set(re.findall(r"request ((?:chat)?cmpl-[0-9a-f]{32})(?:-\d+)?: migrating: the KV of",
+                                                 text)))
+                    leased += streams
+                    kills += streams + text.count("ends without its KV")
                 migrated = metric_sum(c.proxy.port, "pd_proxy:migrations_total") - before
                 retried = metric_sum(c.proxy.port, "pd_proxy:retries_total") - retried0
                 kv_moved = metric_sum(c.proxy.port, "pd_proxy:kv_migrations_total") - kv_before
@@ -602,6 +599,7 @@ def main():
                 res = dict(load.counts, kills=kills, migrations=int(migrated), retried=int(retried),
                            kv_moved=int(kv_moved), structured_moved=len(set(moved_ids) & load.structured),
                            several_moved=len(set(moved_ids) & load.several),
+                           several_kv=sum(1 for r in set(moved_ids) & load.several if any(k for _, k in moved_ids[r])),
                            choice_finished=finished_choices(os.path.join(tmp, c.proxy.tag + ".log"), marks0),
                            prompt_lent=int(metric_sum(c.proxy.port, LENT) - lent0), prompt_read=int(prompt_read),
                            exit_s=round(max(exits), 2) if exits else "-",
@@ -673,6 +671,8 @@ def main():
     several = sum(r[3].get("several_moved", 0) for r in rows if isinstance(r[3], dict))
     if rows and several < 1 and args.cells is None:
         failed.append("no stream of several choices (n > 1, a batch of prompts) was resumed on another node")
+    if rows and sum(r[3].get("several_kv", 0) for r in rows if isinstance(r[3], dict)) < 1 and args.cells is None:
+        failed.append("no stream of several choices was handed over with its KV (a lease per choice)")
     read = sum(r[3].get("prompt_read", 0) for r in rows if isinstance(r[3], dict) and r[0] in ("kill-decode",
                                                                                               "rolling-restart"))
     if any(r[0] == "kill-decode" for r in rows) and read < 1 and args.cells is None:

@@ -1356,7 +1356,8 @@ END_TEST
  * or {"finished": true, "completion_tokens": K}. Each choice's events after the resumption are, event
  * for event, the rest of its events in the whole stream (seeded sampling: seed + j per choice); a
  * finished choice sends nothing, a choice with [] starts from its first token; no role events; the
- * usage counts every choice's tokens. What the node cannot continue is a 400 naming the field. */
+ * usage counts every choice's tokens. What the node cannot continue is a 400 naming the field, and
+ * so are leases of a live migration (kv_transfer_params.choices) that do not fit their choices. */
 START_TEST(test_resume_several_choices)
 {
     const char *bodies[][2] = {
@@ -1472,6 +1473,39 @@ START_TEST(test_resume_several_choices)
                       e.status, e.body);
         http_resp_free(&e);
     }
+    /* a live migration's leases, one per choice: each the pull parameters of its prompt and its
+     * resumed tokens but the last, or null; alone in kv_transfer_params */
+#define LEASE(nt) "{\"do_remote_prefill\": true, \"transfer_mode\": \"pull\", \"remote_num_tokens\": " #nt "}"
+    static const char *bad_leases[] = {
+        "[" LEASE(3) "]",                          /* one entry for two choices */
+        "[" LEASE(3) ", " LEASE(2) ", null]",      /* three */
+        "[" LEASE(4) ", null]",                    /* prompt 2 + 2 tokens - 1 is 3 */
+        "[null, " LEASE(2) "]",                    /* choice 1 has no tokens to go with a lease */
+        "[{\"kv_prefix\": {}}, null]",             /* not a migration's lease */
+        "[" LEASE(3) ", null], \"kv_prefix\": {}", /* not alone */
+    };
+#undef LEASE
+    for (size_t i = 0; i < sizeof(bad_leases) / sizeof(bad_leases[0]); i++) {
+        char body[1024];
+        snprintf(body, sizeof(body),
+                 "{\"prompt\": [7, 8], \"stream\": true, \"n\": 2, \"temperature\": 1, \"resume_token_ids\": "
+                 "[[5, 6], []], \"kv_transfer_params\": {\"choices\": %s}}",
+                 bad_leases[i]);
+        http_resp_t e;
+        ck_assert_int_eq(http_request(g_port, "POST", "/v1/completions", NULL, body, &e, 30000), 0);
+        ck_assert_msg(e.status == 400 && strstr(e.body, "kv_transfer_params.choices") != NULL,
+                      "%s: HTTP %d %s", body, e.status, e.body);
+        http_resp_free(&e);
+    }
+    http_resp_t e;
+    ck_assert_int_eq(http_request(g_port, "POST", "/v1/completions", NULL,
+                                  "{\"prompt\": [7, 8], \"stream\": true, \"n\": 2, \"temperature\": 1, "
+                                  "\"kv_transfer_params\": {\"choices\": [null, null]}}",
+                                  &e, 30000),
+                     0);
+    ck_assert_msg(e.status == 400 && strstr(e.body, "goes with resume_token_ids") != NULL, "HTTP %d %s",
+                  e.status, e.body);
+    http_resp_free(&e);
 }
 END_TEST
 
