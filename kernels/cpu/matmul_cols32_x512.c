@@ -94,7 +94,8 @@ X512_INLINE void block(float *y, const float *xt, const void *w, const float *sc
         for (size_t l = 0; l < 2 * col_bytes; l += 64) {
             _mm_prefetch(wb + IP_PREFETCH_COLUMNS * col_bytes + l, _MM_HINT_T0);
         }
-        for (size_t l = 0; l < col_bytes / 64; l++) { /* 2 lines (fp32) or 1: pf_step <= this */
+        for (size_t l = 0; pf_step > 0 && l < col_bytes / 64;
+             l++) { /* 2 lines (fp32) or 1: pf_step <= this */
             _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
         }
         pf += pf_step;
@@ -155,9 +156,14 @@ X512_INLINE void blocks(float *y, const float *xt, const void *w, const float *s
     /* With G row groups the first streams the block from memory and the others read it from L2;
      * so every group also prefetches 1/G of the next block into L2, step bytes per column pair,
      * and memory is read during every group, not only the first. Prefetches past the weights do
-     * not fault. (Group 1 of 3 fetching it all read 16.5 GB/s at 32 rows of a 384 MiB matrix.) */
+     * not fault. (Group 1 of 3 fetching it all read 16.5 GB/s at 32 rows of a 384 MiB matrix.)
+     * One row of x against fp32 weights (single-stream decode) reads each block once, and the
+     * prefetch 48 columns ahead keeps its one stream going: a second stream into the next block only
+     * costs line-fill buffers (the 565 M model at batch 1 on a 2-core Xeon: 9.3-10.6 -> 10.9-11.7
+     * tok/s at avx512 and amx, alternated; int8 weights, a quarter of the bytes, within the noise
+     * either way, so kept; at batch 8 it pays: fp32 75 tok/s with it, 65 without). */
     int G = (m + IP_R - 1) / IP_R;
-    size_t step = (((F32 ? 256 : 64) / (size_t)G) + 3) & ~(size_t)3;
+    size_t step = F32 && m == 1 ? 0 : (((F32 ? 256 : 64) / (size_t)G) + 3) & ~(size_t)3;
     int j = n0;
     for (; j < n1 && j < n_packed; j += 32) {
         const char *pf = (const char *)w + (size_t)(j + 32) * k * (F32 ? 4 : 1);
