@@ -348,7 +348,7 @@ static bool parse_resume(const json_t *rt, const pd_openai_limits_t *lim, pd_com
             "\"completion_tokens\": K}",
             choices, out->num_prompts, out->n, choices);
     }
-    int32_t running = 0;
+    int32_t running = 0, had = 0; /* choices left to generate; choices the client had something of */
     for (int32_t k = 0; k < choices; k++) {
         const json_t *e = json_array_get(rt, (size_t)k);
         pd_resume_choice_t *rc = &out->resume[k];
@@ -367,16 +367,22 @@ static bool parse_resume(const json_t *rt, const pd_openai_limits_t *lim, pd_com
             }
             rc->finished = true;
             rc->finished_tokens = (int32_t)json_integer_value(ct);
+            had++;
             continue;
         }
         if (!resume_ids(e, name, lim, rc, err)) {
             return false;
         }
         running++;
+        had += rc->num_ids > 0;
     }
-    if (running == 0) {
+    if (running == 0 || had == 0) {
         return pd_http_error_set(err, 400, "BadRequestError", "resume_token_ids",
-                                 "'resume_token_ids': every choice is finished, nothing is left to generate");
+                                 running == 0
+                                     ? "'resume_token_ids': every choice is finished, nothing is left "
+                                       "to generate"
+                                     : "'resume_token_ids': no choice has a token or a finish to go "
+                                       "on from (send the request without it)");
     }
     return true;
 }

@@ -1444,7 +1444,8 @@ START_TEST(test_resume_several_choices)
         "{\"prompt\": \"x\", \"stream\": true, \"n\": 2, \"temperature\": 1, \"resume_token_ids\": [[5]]}",
         "{\"prompt\": \"x\", \"stream\": true, \"n\": 2, \"temperature\": 1, \"resume_token_ids\": [5, 6]}",
         "{\"prompt\": [\"x\", \"y\"], \"stream\": true, \"resume_token_ids\": [[5], [6], [7]]}",
-        /* nothing left to generate */
+        /* nothing to go on from, nothing left to generate */
+        "{\"prompt\": \"x\", \"stream\": true, \"n\": 2, \"temperature\": 1, \"resume_token_ids\": [[], []]}",
         "{\"prompt\": \"x\", \"stream\": true, \"n\": 2, \"temperature\": 1, \"resume_token_ids\": "
         "[{\"finished\": true, \"completion_tokens\": 3}, {\"finished\": true, \"completion_tokens\": 1}]}",
         /* a finished entry's shape */
