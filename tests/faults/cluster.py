@@ -12,6 +12,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -384,7 +385,7 @@ class Cluster:
         self.proxy = None
         try:
             for n in self.prefills + self.decodes:
-                n.start()
+                self.start_node(n)
             urls = lambda ns: ",".join("http://127.0.0.1:%d" % n.port for n in ns)
             self.proxy = Node(tmp, tag + "-proxy",
                               [os.path.join(bindir, "pd-proxy"), "--prefill", urls(self.prefills), "--decode",
@@ -395,6 +396,29 @@ class Cluster:
             raise
         time.sleep(0.8)  # the proxy's first probe round
 
+
+    def start_node(self, n):
+        """Starts n. A prefill's KV port is picked (free_port) before the node binds it, and a socket of
+        another process can take it in between (seen once: "Address already in use"): it gets another
+        one, its relay the new target, up to 3 tries."""
+        for attempt in range(3):
+            log = os.path.join(n.tmp, n.tag + ".log")
+            mark = os.path.getsize(log) if os.path.exists(log) else 0
+            try:
+                n.start()
+                return
+            except RuntimeError:
+                with open(log, errors="replace") as f:
+                    f.seek(mark)
+                    taken = "Address already in use" in f.read()
+                if n not in self.prefills or not taken or attempt == 2:
+                    raise
+            kv = free_port()
+            self.relays[self.prefills.index(n)].target = kv
+            at = n.argv.index("--kv-listen") + 1
+            print("%s: its KV port was taken before it bound it; starting it again on %d" % (n.tag, kv),
+                  file=sys.stderr, flush=True)
+            n.argv[at] = "127.0.0.1:%d" % kv
     def nodes(self):
         return self.prefills + self.decodes
 
