@@ -37,7 +37,7 @@ void px_migrate_prepare(preq_t *q)
 {
     json_t *n = json_object_get(q->body, "n");
     json_int_t choices = n == NULL || json_is_null(n) ? 1 : json_is_integer(n) ? json_integer_value(n) : 0;
-    if (q->batched) {
+    if (q->batched && choices >= 1 && choices <= PX_MAX_CHOICES) { /* the client's n: no overflow */
         choices *= (json_int_t)json_array_size(json_object_get(q->body, "prompt"));
     }
     /* several choices with echo: the ones that had not started would lose their prompt's text */
