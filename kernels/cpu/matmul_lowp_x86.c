@@ -17,8 +17,11 @@
 #include "kernels/cpu/matmul_lowp.h"
 #include "kernels/cpu/simd.h"
 
+#ifndef BF16_PF
+#define BF16_PF 3
+#endif
 #define X86 __attribute__((target("avx2,fma,f16c")))
-/* How far ahead of the FMAs each w row stream is prefetched. */
+/* How far ahead of the FMAs each w row stream of the AVX-512 batch-1 GEMV is prefetched. */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 512
 #endif
@@ -64,6 +67,21 @@ X86_INLINE float widen1(const void *row, int idx, int kind)
 X86_INLINE void prefetch_row(const void *row, int idx, int kind)
 {
     _mm_prefetch((const char *)row + (size_t)idx * esize(kind) + PREFETCH_BYTES, _MM_HINT_T0);
+}
+
+/* The AVX2 blocks' prefetch: the next block of four rows, at the pace this block is read. A block's
+ * four rows are contiguous (4·k elements) and a step over columns [p, p + cols) reads 4·cols of them,
+ * so the same stretch of the next block, next + 4·p elements on, is asked for in that step: it is in
+ * L1 when its turn comes, one sequential stream instead of four. Prefetching each row a fixed 512
+ * bytes ahead (before) left the head of every next block's rows to demand misses (rows of 1.5–3 KiB
+ * here), and a step of the pair loop had none: on a Zen 3 (AVX2 only) a 4-row int8 GEMV at batch 1
+ * read 9.6–10.9 GB/s that way, 19.3–19.6 this way (2 threads, 16 GB/s plain read). */
+X86_INLINE void prefetch_next(const char *next, int p, int cols, int kind)
+{
+    const char *a = next + (size_t)4 * (size_t)p * (size_t)esize(kind);
+    for (int off = 0; off < 4 * cols * esize(kind); off += 64) {
+        _mm_prefetch(a + off, _MM_HINT_T0);
+    }
 }
 
 /* The sums of the 8 lanes of a0..a3, in that order. */
@@ -128,10 +146,7 @@ X86_INLINE void block4_bf16(float *y, const float *x, const float *xp, const uin
     __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     int k16 = k & ~15;
     for (int p = 0; p < k16; p += 16) {
-        _mm_prefetch((const char *)(w0 + p) + PREFETCH_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)(w1 + p) + PREFETCH_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)(w2 + p) + PREFETCH_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)(w3 + p) + PREFETCH_BYTES, _MM_HINT_T0);
+        prefetch_next((const char *)(w3 + k), p, 16, KIND_BF16);
         __m256 xe = _mm256_loadu_ps(p0 + p), xo = _mm256_loadu_ps(p0 + p + 8);
         __m256 e0, o0, e1, o1, e2, o2, e3, o3;
         widen16_eo(w0 + p, &e0, &o0);
@@ -188,10 +203,7 @@ X86_INLINE void block4(float *y, const float *x, const void *w, const float *sca
     int k8 = k & ~7, p0 = 0;
     if (!pair && !alike) { /* two sets of 4 chains over alternate 8-wide steps (FMA latency, as above) */
         for (; p0 + 16 <= k8; p0 += 16) {
-            prefetch_row(w0, p0, kind);
-            prefetch_row(w1, p0, kind);
-            prefetch_row(w2, p0, kind);
-            prefetch_row(w3, p0, kind);
+            prefetch_next(w3 + stride, p0, 16, kind);
             __m256 xv = _mm256_loadu_ps(x0 + p0), xw = _mm256_loadu_ps(x0 + p0 + 8);
             a0 = _mm256_fmadd_ps(widen8(w0, p0, kind), xv, a0);
             a1 = _mm256_fmadd_ps(widen8(w1, p0, kind), xv, a1);
@@ -208,6 +220,7 @@ X86_INLINE void block4(float *y, const float *x, const void *w, const float *sca
         a3 = _mm256_add_ps(a3, b3);
     }
     for (int p = p0; p < k8; p += 8) {
+        prefetch_next(w3 + stride, p, 8, kind);
         __m256 xv = _mm256_loadu_ps(x0 + p);
         __m256 v0 = widen8(w0, p, kind), v1 = widen8(w1, p, kind);
         __m256 v2 = widen8(w2, p, kind), v3 = widen8(w3, p, kind);
