@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "common/checksum.h"
+#include "common/copy.h"
 #include "common/key_map.h"
 #include "common/log.h"
 #include "common/time.h"
@@ -217,14 +218,19 @@ static int build_iov(const pd_kv_offload_t *o, struct iovec *iov, slot_header_t 
     return 1 + o->cfg.num_tensors;
 }
 
-/* Moves iov[n] to (write) or from slot i. Host: memcpy; disk: preadv/pwritev until every byte moved
- * (a short transfer that makes no progress — end of file, full disk — is an error). */
+/* Moves iov[n] to (write) or from slot i. Host: streaming stores (pd_copy_stream), both ways: a
+ * block's pages are scattered over the pool's tensors, a page apiece (4 KiB on the demo model), and
+ * memcpy read each destination line before writing it; on a Zen 3 such page copies ran at 4.1–5.1
+ * GB/s that way and 8.2–10.1 streamed, against 9–11.7 for one 256 MiB memcpy. Disk: preadv/pwritev
+ * until every byte moved (a short transfer that makes no progress — end of file, full disk — is an
+ * error). */
 static pd_status_t slot_io(const pd_kv_offload_t *o, uint32_t i, struct iovec *iov, int n, bool write)
 {
     if (o->arena != NULL) {
         uint8_t *p = o->arena + (size_t)i * o->slot_bytes;
         for (int k = 0; k < n; k++) {
-            write ? memcpy(p, iov[k].iov_base, iov[k].iov_len) : memcpy(iov[k].iov_base, p, iov[k].iov_len);
+            write ? pd_copy_stream(p, iov[k].iov_base, iov[k].iov_len)
+                  : pd_copy_stream(iov[k].iov_base, p, iov[k].iov_len);
             p += iov[k].iov_len;
         }
         return PD_OK;
