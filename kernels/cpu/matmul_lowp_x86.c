@@ -17,9 +17,6 @@
 #include "kernels/cpu/matmul_lowp.h"
 #include "kernels/cpu/simd.h"
 
-#ifndef BF16_PF
-#define BF16_PF 3
-#endif
 #define X86 __attribute__((target("avx2,fma,f16c")))
 /* How far ahead of the FMAs each w row stream of the AVX-512 batch-1 GEMV is prefetched. */
 #ifndef PREFETCH_BYTES
