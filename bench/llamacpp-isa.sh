@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # bench/llamacpp-isa.sh LLAMA_CPP_SRC [BUILD_DIR] [--results FILE] — issue 45: pdserve and llama.cpp at
 # the same instruction-set level, on the same weights, on this machine, one run. llama.cpp is built
-# from a source checkout (LLAMA_CPP_SRC; GGML_NATIVE=OFF) once per level into
+# from a source checkout (LLAMA_CPP_SRC; GGML_NATIVE=OFF; where GitHub's 1.4 GB repository cannot be
+# fetched, the npm package of bench/llamacpp/npm-packages carries one: `npm pack node-llama-cpp@3.22.1`,
+# then `git clone package/llama/gitRelease.bundle LLAMA_CPP_SRC`) once per level into
 # BUILD_DIR/llamacpp-isa/<level> (llama-bench, llama-quantize), with what a CPU of that level has:
 #   avx2     AVX2, FMA, F16C                                  (pdserve: --cpu-isa avx2)
 #   avx512   the above + AVX-512 F/BW/DQ/VL and VNNI: a Cascade Lake, no BF16, no AMX
