@@ -89,13 +89,15 @@ X512_INLINE void block(float *y, const float *xt, const void *w, const float *sc
     const float *xc = xt + i0, *xn = xt + m + i0; /* columns p and p + 1: two bases, so each x is
                                                     * one base plus a constant (one base and m
                                                     * spilled 5 index registers at 12 rows) */
+    /* lines of the next block into L2 per column pair: 2 (fp32) or 1 (pf_step <= this), none when
+     * blocks() asks for no such stream (pf_step 0) */
+    const size_t pf_lines = pf_step > 0 ? col_bytes / 64 : 0;
     int p = 0;
     for (; p + 2 <= k; p += 2, wb += 2 * col_bytes, xc += 2 * (size_t)m, xn += 2 * (size_t)m) {
         for (size_t l = 0; l < 2 * col_bytes; l += 64) {
             _mm_prefetch(wb + IP_PREFETCH_COLUMNS * col_bytes + l, _MM_HINT_T0);
         }
-        for (size_t l = 0; pf_step > 0 && l < col_bytes / 64;
-             l++) { /* 2 lines (fp32) or 1: pf_step <= this */
+        for (size_t l = 0; l < pf_lines; l++) {
             _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
         }
         pf += pf_step;

@@ -396,7 +396,6 @@ class Cluster:
             raise
         time.sleep(0.8)  # the proxy's first probe round
 
-
     def start_node(self, n):
         """Starts n. A prefill's KV port is picked (free_port) before the node binds it, and a socket of
         another process can take it in between (seen once: "Address already in use"): it gets another
@@ -419,6 +418,7 @@ class Cluster:
             print("%s: its KV port was taken before it bound it; starting it again on %d" % (n.tag, kv),
                   file=sys.stderr, flush=True)
             n.argv[at] = "127.0.0.1:%d" % kv
+
     def nodes(self):
         return self.prefills + self.decodes
 
