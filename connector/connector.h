@@ -32,6 +32,7 @@
 
 typedef struct pd_connector pd_connector_t;
 struct pd_scheduler_output;
+struct pd_prefill_cost;
 
 /* Request ids completed since the last get_finished (arrays owned by the connector, valid until
  * the next call). */
@@ -150,10 +151,10 @@ struct pd_connector {
      * engine with nothing runnable sleeps instead of polling. */
     void (*wake)(void *arg);
     void *wake_arg;
-    /* Set by the engine thread after each step that computed prompt tokens: its prefill rate in
-     * tokens per second (an EWMA; 0 until measured). The connector's scheduler half (same thread)
-     * weighs fetching a prefix from a peer against computing it. */
-    double compute_tok_s;
+    /* Set by the engine: what computing prompt tokens costs on this node, which the engine thread
+     * fits to its steps (scheduler/prefill_cost.h; NULL: unknown). The connector's scheduler half
+     * (same thread) weighs fetching a prefix from a peer against computing it. */
+    const struct pd_prefill_cost *compute_cost;
 };
 
 #endif

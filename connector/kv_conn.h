@@ -103,10 +103,10 @@ const char *kv_jstr(const json_t *o, const char *key);
 uint64_t kv_random_u52(void);
 
 /* kv_cost.c: a completed pull load moved bytes in moved_s, in total_s from its start (control
- * thread); whether fetching a prefix of tokens from a peer beats computing it here, with both
- * estimates (engine thread). */
+ * thread); whether fetching a prompt's positions [from, to) from a peer beats computing them here,
+ * with both estimates (engine thread; compute 0: unknown). */
 void kv_cost_observe(kv_conn_t *k, size_t bytes, double moved_s, double total_s);
-bool kv_cost_fetch(const kv_conn_t *k, int32_t tokens, double *fetch_s, double *compute_s);
+bool kv_cost_fetch(const kv_conn_t *k, int32_t from, int32_t to, double *fetch_s, double *compute_s);
 
 /* kv_sign.c: SHA-256 of a prompt's token ids (int32 little-endian). */
 void kv_prompt_hash(const int32_t *tokens, int32_t n, uint8_t out[32]);

@@ -126,11 +126,10 @@ void pd_kv_connector_destroy(pd_connector_t *c);
 bool pd_kv_connector_release(pd_connector_t *c, const char *request_id, uint64_t lease_id,
                              const char *transfer_id);
 
-/* The fetch-or-compute model (kv_cost.c): fetching bytes of a prefix of tokens costs overhead_s +
- * bytes / bytes_per_s, computing it tokens / tok_per_s (either rate 0: unknown, taken as endless);
- * true when fetching is cheaper. Both estimates are written out. */
-bool pd_kv_fetch_pays(double bytes, double tokens, double overhead_s, double bytes_per_s, double tok_per_s,
-                      double *fetch_s, double *compute_s);
+/* The fetch-or-compute choice (kv_cost.c): fetching bytes of a prefix costs overhead_s + bytes /
+ * bytes_per_s (written to *fetch_s; bandwidth 0: unknown, taken as endless); true when that beats
+ * computing it, compute_s (scheduler/prefill_cost.h's estimate; 0: unknown, so fetch). */
+bool pd_kv_fetch_pays(double bytes, double overhead_s, double bytes_per_s, double compute_s, double *fetch_s);
 
 /* The compatibility fingerprint of a model (model_id from pd_model_fingerprint; the strings are
  * referenced, not copied) served with these KV settings. pd_kv_connector_start adds the KV cache

@@ -138,7 +138,7 @@ static int32_t prefix_fetch_tokens(kv_conn_t *k, const pd_request_t *req, int32_
         return 0;
     }
     double fetch_s, compute_s;
-    if (!kv_cost_fetch(k, end - num_computed, &fetch_s, &compute_s)) {
+    if (!kv_cost_fetch(k, num_computed, end, &fetch_s, &compute_s)) {
         pd_log_debug(
             "kv connector: request %s: %d prefix tokens held by %s:%lld: fetch ~%.2f ms, compute ~%.2f "
             "ms: computing them",

@@ -665,28 +665,35 @@ static void count_spec(pd_engine_t *e)
     *was = now;
 }
 
-/* The connector weighs fetching a prefix from a peer against computing it at this node's prefill
- * rate: an EWMA of prompt tokens per second over steps that were mostly prompt tokens. so is the
- * step that took s, before the scheduler's update (its requests' computed counts are the step's
- * start). */
-static void note_prefill_rate(pd_engine_t *e, pd_status_t st, const pd_scheduler_output_t *so, double s)
+/* What prompt tokens cost here (pd_prefill_cost, fitted to the steps that were mostly prompt tokens;
+ * the connector weighs fetching a prefix from a peer against it; tools/bench-prefill-cost.sh reads
+ * the debug line). so is the step that took s, before the scheduler's update (its requests'
+ * computed counts are the step's start). */
+static void note_prefill_cost(pd_engine_t *e, pd_status_t st, const pd_scheduler_output_t *so, double s)
 {
-    pd_connector_t *c = e->cfg.connector;
-    if (c == NULL || st != PD_OK || s <= 0) {
+    if (st != PD_OK || s <= 0) {
         return;
     }
     int32_t prompt_tokens = 0;
+    double positions = 0;
     for (int32_t i = 0; i < so->num_items; i++) {
         const pd_request_t *r = so->items[i].req;
-        if (r->num_computed_tokens < r->num_prompt_tokens) {
-            prompt_tokens += so->items[i].num_new_tokens;
+        int32_t from = r->num_computed_tokens, n = so->items[i].num_new_tokens;
+        if (from < r->num_prompt_tokens) {
+            prompt_tokens += n;
         }
+        positions += pd_prefill_cost_positions(&e->prefill_cost, from, from + n);
     }
     if (prompt_tokens < 32 || 2 * prompt_tokens < so->total_tokens) {
         return;
     }
-    double rate = prompt_tokens / s;
-    c->compute_tok_s = c->compute_tok_s > 0 ? c->compute_tok_s + 0.25 * (rate - c->compute_tok_s) : rate;
+    double predicted;
+    bool known = pd_prefill_cost_step(&e->prefill_cost, so->total_tokens, positions, &predicted);
+    pd_prefill_cost_observe(&e->prefill_cost, so->total_tokens, positions, s);
+    pd_log_debug("engine: prefill cost: a step of %d tokens over %.0f attended positions took %.2f ms, "
+                 "predicted %.2f ms; now %.3g s/token + %.3g s/position",
+                 so->total_tokens, positions, s * 1e3, known ? predicted * 1e3 : -1.0, e->prefill_cost.alpha,
+                 e->prefill_cost.beta);
 }
 
 pd_status_t pd_engine_step(pd_engine_t *e, pd_engine_output_t **outputs)
@@ -710,7 +717,7 @@ pd_status_t pd_engine_step(pd_engine_t *e, pd_engine_output_t **outputs)
     double t_run = pd_time_now_s();
     pd_model_output_t mo;
     pd_status_t st = pd_model_runner_execute(&e->runner, so, &mo);
-    note_prefill_rate(e, st, so, pd_time_now_s() - t_run);
+    note_prefill_cost(e, st, so, pd_time_now_s() - t_run);
     if (st != PD_OK) {
         /* the step failed as a whole: its requests end with an error, the engine goes on */
         pd_log_error("engine: step failed (%s); failing its %d requests", pd_status_str(st), so->num_items);

@@ -369,6 +369,43 @@ static pd_status_t make_kv_cache(pd_engine_t *e)
     return cfg->connector->ops->register_kv_caches(cfg->connector, &rd);
 }
 
+/* What prompt tokens cost here (scheduler/prefill_cost.h), for the connector's fetch-or-compute
+ * choice: the ratio of attention to matmul work from the model's shape, the first figures from the
+ * memory profile's forward (prompts from position 0; a cold run, so an over-estimate the steps soon
+ * replace). */
+static void make_prefill_cost(pd_engine_t *e)
+{
+    const pd_model_config_t *mc = pd_model_config(e->model);
+    double d = mc->hidden_size, q = (double)mc->num_heads * mc->head_size,
+           kv = (double)mc->num_kv_heads * mc->head_size;
+    double mlp = (mc->arch == PD_ARCH_GPT2 ? 2.0 : 3.0) * d * mc->intermediate_size;
+    int32_t sliding = 0;
+    for (int32_t l = 0; l < mc->num_layers; l++) {
+        sliding += mc->sliding_window > 0 && mc->sliding_layer[l];
+    }
+    pd_prefill_cost_init(&e->prefill_cost,
+                         pd_prefill_cost_flop_ratio(mc->num_heads, mc->head_size, d * (2 * q + 2 * kv) + mlp),
+                         mc->sliding_window, mc->num_layers > 0 ? (double)sliding / mc->num_layers : 0);
+    const pd_kv_profile_t *p = &e->kv->profile;
+    double positions = 0;
+    for (int32_t s = 0, left = p->forward_tokens; s < p->forward_seqs && left > 0; s++) {
+        int32_t len = left < p->forward_seq_len ? left : p->forward_seq_len;
+        positions += pd_prefill_cost_positions(&e->prefill_cost, 0, len);
+        left -= len;
+    }
+    pd_prefill_cost_observe(&e->prefill_cost, p->forward_tokens, positions, p->forward_s);
+    if (p->forward_s > 0) {
+        pd_log_info(
+            "prefill cost: the profile's forward of %d tokens took %.3f s: at first %.3g s/token + %.3g "
+            "s/position (attention per position / matmuls per token: %.3g from the model's shape)",
+            p->forward_tokens, p->forward_s, e->prefill_cost.alpha, e->prefill_cost.beta,
+            e->prefill_cost.gamma);
+    }
+    if (e->cfg.connector != NULL) {
+        e->cfg.connector->compute_cost = &e->prefill_cost;
+    }
+}
+
 /* The scheduler over the KV cache's blocks and groups, every EOS id stopping, and the model runner. */
 static pd_status_t make_scheduler(pd_engine_t *e)
 {
@@ -592,6 +629,9 @@ static pd_status_t engine_create_here(const pd_engine_config_t *cfg, pd_engine_t
     pd_status_t st = open_backend(e);
     st = st == PD_OK ? load_model(e) : st;
     st = st == PD_OK ? make_kv_cache(e) : st;
+    if (st == PD_OK) {
+        make_prefill_cost(e);
+    }
     st = st == PD_OK ? make_scheduler(e) : st;
     st = st == PD_OK ? make_offload(e) : st;
     if (st != PD_OK) {
@@ -637,6 +677,9 @@ void pd_engine_destroy(pd_engine_t *e)
         return;
     }
     pd_engine_stop(e);
+    if (e->cfg.connector != NULL && e->cfg.connector->compute_cost == &e->prefill_cost) {
+        e->cfg.connector->compute_cost = NULL; /* the connector may outlive the engine */
+    }
     pd_grammar_jobs_destroy(e->gjobs); /* before the vocabulary it walks goes (with the runner) */
     for (cmd_t *c = e->inbox_head, *n; c != NULL; c = n) {
         n = c->next;

@@ -14,6 +14,7 @@
 #include "engine/spec_draft.h"
 #include "grammar/grammar.h"
 #include "model/generation_config.h"
+#include "scheduler/prefill_cost.h"
 #include "scheduler/scheduler.h"
 
 /* Engine-side state of a request (req->user points here). */
@@ -89,6 +90,8 @@ struct pd_engine {
                                        * first token of a request a prefill handed over */
     pd_engine_output_t **aborted_tail;
     double last_step_s;
+    pd_prefill_cost_t prefill_cost; /* what prompt tokens cost here, from the prompt-heavy steps (the
+                                     * connector's fetch-or-compute reads it) */
     pd_metric_t *step_hist,
         *iteration_tokens; /* pd:engine_step_duration_seconds, vllm:iteration_tokens_total */
     /* threading: mu guards the inbox, the output queue, running/stop/woken and the stats snapshot;

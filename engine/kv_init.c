@@ -116,11 +116,14 @@ pd_status_t pd_kv_profile_available(pd_model_t *model, pd_backend_t *be, const p
     pd_backend_reset_peak(be);
     pd_batch_t batch = {T, ids, pos};
     pd_attn_meta_t meta = {S, T, cu, lens, tables, max_blocks, slots, mc->sliding_window, NULL};
+    uint64_t tf = pd_time_now_ns();
     st = pd_model_forward(model, &batch, views, &meta, lidx, S, NULL, logits);
     if (st != PD_OK) {
         pd_log_error("profile run failed: %s", pd_status_str(st));
         goto out;
     }
+    prof.forward_s = (double)(pd_time_now_ns() - tf) * 1e-9;
+    prof.forward_seqs = S, prof.forward_seq_len = per_seq, prof.forward_tokens = T;
     prof.peak_activation_bytes = be->bytes_peak - be_before;
 out:
     for (int32_t l = 0; views != NULL && l < mc->num_layers; l++) {

@@ -40,6 +40,10 @@ typedef struct pd_kv_profile {
     size_t weight_bytes, peak_activation_bytes, non_allocator_bytes;
     size_t available_bytes;
     double seconds;
+    /* the profile's forward: forward_seqs prompts of forward_seq_len tokens (the last one shorter:
+     * forward_tokens in all) from position 0 took forward_s (0: no profile run) */
+    int32_t forward_seqs, forward_seq_len, forward_tokens;
+    double forward_s;
 } pd_kv_profile_t;
 
 typedef struct pd_kv_cache {

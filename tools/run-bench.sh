@@ -47,6 +47,8 @@ echo "run-bench: tools/bench-tier-load.sh (what a cold or warm tier load costs t
 tools/bench-tier-load.sh "$build"
 echo "run-bench: tools/bench-p2p.sh (peer-to-peer prefix fetch off vs on, multi-turn, 2P+2D, round-robin and kv-aware)"
 tools/bench-p2p.sh "$build"
+echo "run-bench: tools/bench-prefill-cost.sh (a node's estimate of a prompt's compute: the fitted prefill cost vs a tokens/s rate)"
+tools/bench-prefill-cost.sh "$build"
 echo "run-bench: tools/bench-structured.sh (structured outputs at scale: validity and throughput, pd-serve and 1P1D)"
 tools/bench-structured.sh "$build"
 echo "run-bench: results appended to bench/RESULTS.md"

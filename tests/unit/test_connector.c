@@ -1631,14 +1631,13 @@ START_TEST(test_prefix_fetch_params)
     ck_assert_int_eq(d.c->ops->get_num_new_matched_tokens(d.c, r, 48, &ext, &async), PD_OK);
     ck_assert(ext == 0 && !async);
     pd_request_free(r);
-    /* fetch = overhead + bytes / bandwidth against compute = tokens / rate */
-    double f, c;
-    ck_assert(pd_kv_fetch_pays(64e6, 4096, 1e-3, 10e9, 20000, &f, &c)); /* 7.4 ms vs 205 ms */
+    /* fetch = overhead + bytes / bandwidth against the engine's compute estimate */
+    double f;
+    ck_assert(pd_kv_fetch_pays(64e6, 1e-3, 10e9, 0.205, &f)); /* 7.4 ms vs 205 ms */
     ck_assert_double_eq_tol(f, 1e-3 + 6.4e-3, 1e-12);
-    ck_assert_double_eq_tol(c, 4096 / 20000.0, 1e-12);
-    ck_assert(!pd_kv_fetch_pays(64e6, 64, 1e-3, 1e9, 1e6, &f, &c)); /* 65 ms vs 64 µs */
-    ck_assert(pd_kv_fetch_pays(1e6, 64, 1e-3, 1e9, 0, &f, &c));     /* rate unknown: fetch */
-    ck_assert(!pd_kv_fetch_pays(1e6, 64, 1e-3, 0, 1e3, &f, &c));    /* bandwidth unknown */
+    ck_assert(!pd_kv_fetch_pays(64e6, 1e-3, 1e9, 64e-6, &f)); /* 65 ms vs 64 µs */
+    ck_assert(pd_kv_fetch_pays(1e6, 1e-3, 1e9, 0, &f));       /* compute unknown: fetch */
+    ck_assert(!pd_kv_fetch_pays(1e6, 1e-3, 0, 1.0, &f));      /* bandwidth unknown */
     node_stop(&d);
     node_stop(&p);
 }

@@ -14,6 +14,7 @@
 #include "scheduler/block_pool.h"
 #include "scheduler/kv_cache_manager.h"
 #include "scheduler/kv_cache_spec.h"
+#include "scheduler/prefill_cost.h"
 #include "scheduler/scheduler.h"
 
 /* ------------------------------------------------------------------ block pool */
@@ -1339,6 +1340,86 @@ START_TEST(test_stop_conditions)
 }
 END_TEST
 
+/* The positions a prompt's tokens attend to: p + 1 at position p, at most the window on a sliding
+ * layer, averaged over the layers by their share; the closed forms equal a plain sum. */
+START_TEST(test_prefill_cost_positions)
+{
+    pd_prefill_cost_t c;
+    pd_prefill_cost_init(&c, 1e-3, 0, 0);
+    ck_assert_double_eq(pd_prefill_cost_positions(&c, 0, 4), 10); /* 1 + 2 + 3 + 4 */
+    ck_assert_double_eq(pd_prefill_cost_positions(&c, 2, 4), 7);
+    ck_assert_double_eq(pd_prefill_cost_positions(&c, 4, 4), 0);
+    pd_prefill_cost_init(&c, 1e-3, 4, 1);
+    ck_assert_double_eq(pd_prefill_cost_positions(&c, 0, 8), 26); /* 1 + 2 + 3 + 4 × 5 */
+    ck_assert_double_eq(pd_prefill_cost_positions(&c, 5, 8), 12);
+    const int32_t windows[] = {1, 3, 16, 100};
+    const double shares[] = {0.25, 0.5, 5.0 / 6, 1};
+    for (int i = 0; i < 4; i++) {
+        pd_prefill_cost_init(&c, 1e-3, windows[i], shares[i]);
+        for (int64_t from = 0; from < 40; from += 3) {
+            for (int64_t to = from; to < 130; to += 7) {
+                double want = 0;
+                for (int64_t p = from; p < to; p++) {
+                    double slide = p + 1 < windows[i] ? (double)(p + 1) : windows[i];
+                    want += (1 - shares[i]) * (double)(p + 1) + shares[i] * slide;
+                }
+                ck_assert_double_eq_tol(pd_prefill_cost_positions(&c, from, to), want, 1e-9 * (want + 1));
+            }
+        }
+    }
+}
+END_TEST
+
+/* The fit: steps of one shape keep the ratio and fit the scale; steps of different shapes (a long
+ * prompt in chunks) teach both terms exactly; a fit with a negative term is not taken; nothing is
+ * known before the first step. */
+START_TEST(test_prefill_cost_fit)
+{
+    const double alpha = 4e-4, beta = 2e-7, prior = 3.6e-4; /* beta / alpha = 5e-4: the prior is off */
+    pd_prefill_cost_t c;
+    pd_prefill_cost_init(&c, prior, 0, 0);
+    double s;
+    ck_assert(!pd_prefill_cost_estimate(&c, 0, 100, &s));
+    ck_assert_double_eq(s, 0);
+    /* one shape (a 2048-token prompt from position 0, over and over): only the scale is learned */
+    double n = 2048, a = pd_prefill_cost_positions(&c, 0, 2048);
+    for (int i = 0; i < 5; i++) {
+        pd_prefill_cost_observe(&c, n, a, alpha * n + beta * a);
+    }
+    ck_assert(!c.learned);
+    ck_assert_double_eq_tol(c.beta / c.alpha, prior, 1e-12);
+    ck_assert(pd_prefill_cost_step(&c, n, a, &s));
+    ck_assert_double_eq_tol(s, alpha * n + beta * a, 1e-9); /* that shape is predicted right */
+    /* an 8 k prompt in chunks of 2048: both terms, exactly */
+    for (int64_t from = 0; from < 8192; from += 2048) {
+        double pos = pd_prefill_cost_positions(&c, from, from + 2048);
+        pd_prefill_cost_observe(&c, 2048, pos, alpha * 2048 + beta * pos);
+    }
+    ck_assert(c.learned);
+    ck_assert_double_eq_tol(c.alpha, alpha, alpha * 1e-6);
+    ck_assert_double_eq_tol(c.beta, beta, beta * 1e-6);
+    /* the same 1024 tokens cost more deep in a prompt than at its start */
+    double head, deep;
+    ck_assert(pd_prefill_cost_estimate(&c, 0, 1024, &head));
+    ck_assert(pd_prefill_cost_estimate(&c, 7168, 8192, &deep));
+    ck_assert_double_eq_tol(deep, alpha * 1024 + beta * pd_prefill_cost_positions(&c, 7168, 8192), 1e-9);
+    ck_assert(deep > 2.5 * head);
+    /* the deeper chunk ran faster (noise, another load): a negative beta is not taken, the ratio
+     * stays and the scale follows */
+    pd_prefill_cost_t d;
+    pd_prefill_cost_init(&d, prior, 0, 0);
+    pd_prefill_cost_observe(&d, 2048, pd_prefill_cost_positions(&d, 0, 2048), 1.0);
+    pd_prefill_cost_observe(&d, 2048, pd_prefill_cost_positions(&d, 2048, 4096), 0.5);
+    ck_assert(!d.learned);
+    ck_assert(d.alpha > 0);
+    ck_assert_double_eq_tol(d.beta / d.alpha, prior, 1e-12);
+    /* a zero or negative figure is no step */
+    pd_prefill_cost_observe(&d, 0, 10, 1.0);
+    pd_prefill_cost_observe(&d, 10, 10, -1.0);
+    ck_assert_int_eq(d.steps, 2);
+}
+END_TEST
+
 int main(void)
 {
     pd_log_set_level(getenv("PD_LOG_LEVEL") ? pd_log_level() : PD_LOG_ERROR);
@@ -1367,6 +1448,8 @@ int main(void)
     tcase_add_test(tc, test_load_errors_fail);
     tcase_add_test(tc, test_stop_conditions);
     tcase_add_test(tc, test_tier_loads_wait_share_and_outlive_their_request);
+    tcase_add_test(tc, test_prefill_cost_positions);
+    tcase_add_test(tc, test_prefill_cost_fit);
     suite_add_tcase(s, tc);
     return tu_run_suite(s);
 }
