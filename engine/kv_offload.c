@@ -15,6 +15,7 @@
 
 #include "common/checksum.h"
 #include "common/copy.h"
+#include "common/huge_alloc.h"
 #include "common/key_map.h"
 #include "common/log.h"
 #include "common/time.h"
@@ -543,7 +544,7 @@ pd_status_t pd_kv_offload_create(const pd_kv_offload_config_t *cfg, pd_kv_offloa
     }
     o->free_head = 0;
     if (cfg->medium == PD_KV_OFFLOAD_HOST) {
-        o->arena = malloc(num * slot_bytes);
+        o->arena = pd_huge_alloc(num * slot_bytes, 64); /* slot copies hop between 4 KiB pages */
         if (o->arena == NULL) {
             pd_log_error("kv offload: cannot allocate the %zu-byte host tier", num * slot_bytes);
             goto err;

@@ -17,6 +17,7 @@
  * This file is the pd_pipe_ops_t API; tcp_io.c holds the helpers under the lock, socket I/O and the
  * sender thread, tcp_rx.c the receiver thread, tcp_internal.h the representation. */
 #define _GNU_SOURCE
+#include "common/huge_alloc.h"
 #include "pipe/tcp_internal.h"
 
 /* ------------------------------------------------------------------ API */
@@ -550,8 +551,8 @@ static pd_status_t add_region(tcp_pipe_t *t, void *base, size_t len, bool owned,
 
 static pd_status_t tcp_alloc_region(pd_pipe_t *p, size_t len, pd_pipe_region_t **out)
 {
-    void *base = NULL;
-    if (posix_memalign(&base, 4096, len ? len : 1) != 0) {
+    void *base = pd_huge_alloc(len, 4096); /* a KV pool: its pages are read in no order */
+    if (base == NULL) {
         return PD_ERR_NO_MEMORY;
     }
     pd_status_t st = add_region((tcp_pipe_t *)p, base, len, true, out);

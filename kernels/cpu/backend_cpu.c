@@ -5,8 +5,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
+#include "common/huge_alloc.h"
 #include "common/log.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/isa.h"
@@ -63,25 +63,17 @@ static void log_kernels(void)
  * memory profiler reads (bytes_in_use / bytes_peak). */
 #define CPU_ALLOC_HEADER 64
 
-/* Allocations of at least this size are 2 MiB-aligned and asked to be backed by transparent huge
- * pages (weights, KV cache, big workspaces): a batch-1 decode streams every weight once per token,
- * and with 4 KiB pages the TLB misses of four interleaved row streams cost ~10 % of the bandwidth.
- * The kernel's THP mode is often "madvise", so we ask. */
-#define CPU_HUGE_MIN ((size_t)2 << 20)
-
+/* Allocations of at least PD_HUGE_PAGE are asked to be backed by transparent huge pages (weights,
+ * KV cache, big workspaces; common/huge_alloc.h): a batch-1 decode streams every weight once per
+ * token, and with 4 KiB pages the TLB misses of four interleaved row streams cost ~10 % of the
+ * bandwidth. */
 static pd_status_t cpu_alloc(pd_backend_t *be, size_t bytes, void **ptr_out)
 {
-    void *p = NULL;
-    size_t align = bytes >= CPU_HUGE_MIN ? CPU_HUGE_MIN : 64;
-    if (bytes > SIZE_MAX - CPU_ALLOC_HEADER || posix_memalign(&p, align, bytes + CPU_ALLOC_HEADER) != 0) {
+    void *p = bytes > SIZE_MAX - CPU_ALLOC_HEADER ? NULL : pd_huge_alloc(bytes + CPU_ALLOC_HEADER, 64);
+    if (p == NULL) {
         pd_log_error("cpu backend: cannot allocate %zu bytes", bytes);
         return PD_ERR_NO_MEMORY;
     }
-#ifdef MADV_HUGEPAGE
-    if (align == CPU_HUGE_MIN) {
-        (void)madvise(p, (bytes + CPU_ALLOC_HEADER + CPU_HUGE_MIN - 1) & ~(CPU_HUGE_MIN - 1), MADV_HUGEPAGE);
-    }
-#endif
     *(size_t *)p = bytes;
     size_t in_use = __atomic_add_fetch(&be->bytes_in_use, bytes, __ATOMIC_RELAXED);
     size_t peak = __atomic_load_n(&be->bytes_peak, __ATOMIC_RELAXED);
