@@ -494,12 +494,15 @@ static pd_status_t make_offload(pd_engine_t *e)
         pd_log_error("engine: --kv-offload-tier %s needs --kv-offload-size (e.g. 8G)", tier);
         return PD_ERR_INVALID_ARG;
     }
-    if (!e->be->host_memory || e->draft_model != NULL) {
-        pd_log_error("engine: --kv-offload-tier needs a host-memory KV cache without a draft model's (%s)",
-                     e->draft_model != NULL ? "a draft model's pages would not be offloaded"
-                                            : "the cuda backend's "
-                                              "KV is not yet staged "
-                                              "to a tier");
+    if (e->draft_model != NULL) {
+        pd_log_error("engine: --kv-offload-tier with a draft model: its pages would not be offloaded");
+        return PD_ERR_UNSUPPORTED;
+    }
+    const char *mode = cfg->kv_offload_load != NULL ? cfg->kv_offload_load : "auto";
+    if (!e->be->host_memory && strcmp(mode, "thread") == 0) {
+        pd_log_error(
+            "engine: --kv-offload-load thread needs a host-memory KV: a device KV's tier copies run on "
+            "the engine's stream (auto or inline)");
         return PD_ERR_UNSUPPORTED;
     }
     const pd_kv_cache_config_t *kc = &e->kv->cfg;
@@ -512,6 +515,7 @@ static pd_status_t make_offload(pd_engine_t *e)
     oc.num_tensors = kc->num_tensors;
     oc.page_bytes = kc->tensors[0].page_bytes;
     oc.num_blocks = kc->num_blocks;
+    oc.device = e->be->host_memory ? NULL : e->be;
     for (int32_t t = 0; t < kc->num_tensors; t++) {
         oc.tensor_offset[t] = kc->tensors[t].offset;
         if (kc->tensors[t].page_bytes != oc.page_bytes) {
@@ -536,7 +540,6 @@ static pd_status_t make_offload(pd_engine_t *e)
     if (st != PD_OK) {
         return st;
     }
-    const char *mode = cfg->kv_offload_load != NULL ? cfg->kv_offload_load : "auto";
     pd_kv_tier_loader_config_t lc = {
         .offload = e->offload,
         .thread = strcmp(mode, "auto") == 0 ? oc.medium == PD_KV_OFFLOAD_DISK : strcmp(mode, "thread") == 0,

@@ -19,6 +19,7 @@
 #include "common/key_map.h"
 #include "common/log.h"
 #include "common/time.h"
+#include "kernels/backend.h"
 
 #define NIL               UINT32_MAX
 #define SLOT_MAGIC        0x424b4450u /* "PDKB" */
@@ -71,6 +72,7 @@ struct pd_kv_offload {
     uint32_t free_head;
     uint64_t next_seq;
     uint8_t *arena; /* host: num_slots × slot_bytes */
+    bool pinned;    /* the arena is page-locked by cfg.device */
     int fd;         /* disk: the file, flock'ed; -1 */
     bool warned_write;
     atomic_bool warned_read; /* pd_kv_offload_read runs on a loader thread */
@@ -225,8 +227,34 @@ static int build_iov(const pd_kv_offload_t *o, struct iovec *iov, slot_header_t 
  * GB/s that way and 8.2–10.1 streamed, against 9–11.7 for one 256 MiB memcpy. Disk: preadv/pwritev
  * until every byte moved (a short transfer that makes no progress — end of file, full disk — is an
  * error). */
+/* A device KV's slot i (iov[n]: its pages in the device region, then the header): the backend
+ * gathers the pages into the arena slot back to back (write) or scatters them from it, and the
+ * CPU copies the header. */
+static pd_status_t slot_io_device(const pd_kv_offload_t *o, uint32_t i, const struct iovec *iov, int n,
+                                  bool write)
+{
+    pd_backend_t *be = o->cfg.device;
+    uint8_t *p = o->arena + (size_t)i * o->slot_bytes;
+    pd_page_range_t r[PD_MAX_LAYERS];
+    for (int k = 0; k < n - 1; k++) {
+        r[k] = (pd_page_range_t){(uint64_t)((uint8_t *)iov[k].iov_base - o->cfg.base), iov[k].iov_len};
+    }
+    pd_status_t st = write ? be->ops->gather_pages(be, p, o->cfg.base, r, n - 1)
+                           : be->ops->scatter_pages(be, o->cfg.base, p, r, n - 1);
+    if (st != PD_OK) {
+        errno = EIO;
+        return PD_ERR_IO;
+    }
+    write ? memcpy(p + o->data_bytes, iov[n - 1].iov_base, iov[n - 1].iov_len)
+          : memcpy(iov[n - 1].iov_base, p + o->data_bytes, iov[n - 1].iov_len);
+    return PD_OK;
+}
+
 static pd_status_t slot_io(const pd_kv_offload_t *o, uint32_t i, struct iovec *iov, int n, bool write)
 {
+    if (o->arena != NULL && o->cfg.device != NULL) {
+        return slot_io_device(o, i, iov, n, write);
+    }
     if (o->arena != NULL) {
         uint8_t *p = o->arena + (size_t)i * o->slot_bytes;
         for (int k = 0; k < n; k++) {
@@ -510,6 +538,13 @@ pd_status_t pd_kv_offload_create(const pd_kv_offload_config_t *cfg, pd_kv_offloa
         pd_log_error("kv offload: --kv-offload-tier disk needs --kv-offload-path (a file)");
         return PD_ERR_INVALID_ARG;
     }
+    if (cfg->device != NULL && (cfg->medium != PD_KV_OFFLOAD_HOST || cfg->device->ops->gather_pages == NULL ||
+                                cfg->device->ops->scatter_pages == NULL)) {
+        pd_log_error("kv offload: a %s KV's tier is page-locked host memory (--kv-offload-tier host); a disk "
+                     "tier behind it would need a bounce buffer, which is not built",
+                     cfg->device->ops->name);
+        return PD_ERR_UNSUPPORTED;
+    }
     size_t data = (size_t)cfg->num_tensors * cfg->page_bytes;
     size_t slot_bytes = (sizeof(slot_header_t) + data + SLOT_ALIGN - 1) / SLOT_ALIGN * SLOT_ALIGN;
     size_t num = cfg->size_bytes / slot_bytes;
@@ -549,6 +584,16 @@ pd_status_t pd_kv_offload_create(const pd_kv_offload_config_t *cfg, pd_kv_offloa
             pd_log_error("kv offload: cannot allocate the %zu-byte host tier", num * slot_bytes);
             goto err;
         }
+        pd_backend_t *be = cfg->device;
+        if (be != NULL && be->ops->pin_host != NULL) { /* DMA to and from it at full speed */
+            o->pinned = be->ops->pin_host(be, o->arena, num * slot_bytes) == PD_OK;
+            if (!o->pinned) {
+                pd_log_warn(
+                    "kv offload: the %s backend cannot page-lock the %zu-byte host tier; its copies run "
+                    "through the driver's staging (slower)",
+                    be->ops->name, num * slot_bytes);
+            }
+        }
     } else if ((st = open_file(o)) != PD_OK) {
         goto err;
     }
@@ -572,6 +617,9 @@ void pd_kv_offload_destroy(pd_kv_offload_t *o)
     }
     if (o->fd >= 0) {
         close(o->fd); /* drops the lock */
+    }
+    if (o->pinned) {
+        o->cfg.device->ops->unpin_host(o->cfg.device, o->arena);
     }
     free(o->arena);
     free(o->slots);

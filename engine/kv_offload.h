@@ -7,7 +7,8 @@
  * slot is every KV tensor's page of the block, in tensor order, then a 64-byte header (magic,
  * fingerprint, key, checksum of the data, write sequence, checksum of the header), rounded up to
  * 4 KiB (the pages start page-aligned in the file).
- *   host: one malloc'd arena (a slot copied with memcpy).
+ *   host: one arena on huge pages (a slot copied with streaming stores; a device KV's by the
+ *         backend, into the arena page-locked).
  *   disk: one file, --kv-offload-path, read and written with preadv/pwritev straight between the
  *         file and the KV pages (writes land in the page cache: the device write-back is the
  *         kernel's, off the engine thread). The file is flock'ed (two nodes never share one) and
@@ -20,9 +21,14 @@
  * memory neither tears nor goes stale: its data is not checksummed); the key is the block's chained hash,
  * which covers every token before it (and the cache salt), so equal keys hold equal KV.
  *
+ * A device KV (the cuda backend's) has a host tier only: its arena is page-locked by the backend
+ * (pin_host), and a slot's pages move with the backend's gather_pages / scatter_pages (one async
+ * copy per page on the compute stream, so after the kernels that wrote them, then one sync); its
+ * header is the CPU's. A disk tier behind a device KV would need a bounce buffer: not built.
+ *
  * Engine thread only (the scheduler reaches it through pd_kv_tier_t), but for pd_kv_offload_read,
- * which a loader thread may run on a pinned slot. The KV must be host memory (the CPU backend); a
- * device KV would need a staging copy that is not built. */
+ * which a loader thread may run on a pinned slot (host-memory KV only: a device KV's copies run
+ * on the engine's stream, so its loads are inline). */
 #ifndef PD_ENGINE_KV_OFFLOAD_H
 #define PD_ENGINE_KV_OFFLOAD_H
 
@@ -50,6 +56,10 @@ typedef struct pd_kv_offload_config {
     size_t tensor_offset[PD_MAX_LAYERS];
     size_t page_bytes;
     uint32_t num_blocks;
+    /* NULL: base is host memory, copied by the CPU. Else the backend that owns base (device memory):
+     * slots move with its gather_pages / scatter_pages, and its pin_host locks the arena (host
+     * medium only) */
+    struct pd_backend *device;
 } pd_kv_offload_config_t;
 
 typedef struct pd_kv_offload_stats {

@@ -15,6 +15,7 @@
 #include "common/rng.h"
 #include "engine/engine.h"
 #include "engine/kv_offload.h"
+#include "kernels/backend.h"
 #include "scheduler/block_pool.h"
 
 #include "engine_driver.h"
@@ -83,10 +84,46 @@ static pd_hash128_t key(int i)
     return (pd_hash128_t){0x9e37u * (uint64_t)(i + 1), (uint64_t)i};
 }
 
-static void round_trip_and_lru(pd_kv_offload_medium_t medium)
+/* A device KV's tier (cfg.device): the CPU backend stands in for the device, its gather_pages /
+ * scatter_pages counted, so the same cases run through the backend's page copies. */
+static pd_backend_t *g_dev;
+static pd_backend_ops_t g_dev_ops;
+static const pd_backend_ops_t *g_cpu_ops;
+static int g_gathers, g_scatters;
+
+static pd_status_t count_gather(pd_backend_t *be, void *dst, const void *region, const pd_page_range_t *r,
+                                int n)
+{
+    g_gathers++;
+    return g_cpu_ops->gather_pages(be, dst, region, r, n);
+}
+
+static pd_status_t count_scatter(pd_backend_t *be, void *region, const void *src, const pd_page_range_t *r,
+                                 int n)
+{
+    g_scatters++;
+    return g_cpu_ops->scatter_pages(be, region, src, r, n);
+}
+
+static pd_backend_t *device(void)
+{
+    if (g_dev == NULL) {
+        ck_assert_int_eq(pd_backend_create("cpu", 1, &g_dev), PD_OK);
+        g_cpu_ops = g_dev->ops;
+        g_dev_ops = *g_dev->ops;
+        g_dev_ops.gather_pages = count_gather;
+        g_dev_ops.scatter_pages = count_scatter;
+        g_dev->ops = &g_dev_ops;
+    }
+    g_gathers = g_scatters = 0;
+    return g_dev;
+}
+
+static void round_trip_and_lru(pd_kv_offload_medium_t medium, pd_backend_t *dev)
 {
     region_t r;
     region_init(&r, medium, 3, "lru.kv");
+    r.cfg.device = dev;
     unlink(r.cfg.path);
     pd_kv_offload_t *o = NULL;
     ck_assert_int_eq(pd_kv_offload_create(&r.cfg, &o), PD_OK);
@@ -122,6 +159,10 @@ static void round_trip_and_lru(pd_kv_offload_medium_t medium)
     ck_assert_uint_eq(st.evicted, 1);
     ck_assert_uint_eq(st.used_slots, 3);
     ck_assert_uint_eq(st.bytes_written, 4 * T * PAGE);
+    if (dev != NULL) { /* every save and load went through the backend */
+        ck_assert_int_eq(g_gathers, 4);
+        ck_assert_int_eq(g_scatters, 3);
+    }
     pd_kv_offload_destroy(o);
     free(r.base);
     unlink(r.cfg.path);
@@ -129,10 +170,11 @@ static void round_trip_and_lru(pd_kv_offload_medium_t medium)
 
 /* A load's pin keeps its slot: no save reuses it (a save with every slot pinned is skipped), a failed
  * read drops it from the index at once but frees it only at its last unpin. */
-static void pins(pd_kv_offload_medium_t medium)
+static void pins(pd_kv_offload_medium_t medium, pd_backend_t *dev)
 {
     region_t r;
     region_init(&r, medium, 2, "pins.kv");
+    r.cfg.device = dev;
     unlink(r.cfg.path);
     pd_kv_offload_t *o = NULL;
     ck_assert_int_eq(pd_kv_offload_create(&r.cfg, &o), PD_OK);
@@ -189,25 +231,46 @@ static void pins(pd_kv_offload_medium_t medium)
 
 START_TEST(test_host_pins)
 {
-    pins(PD_KV_OFFLOAD_HOST);
+    pins(PD_KV_OFFLOAD_HOST, NULL);
 }
 END_TEST
 
 START_TEST(test_disk_pins)
 {
-    pins(PD_KV_OFFLOAD_DISK);
+    pins(PD_KV_OFFLOAD_DISK, NULL);
 }
 END_TEST
 
 START_TEST(test_host_round_trip_and_lru)
 {
-    round_trip_and_lru(PD_KV_OFFLOAD_HOST);
+    round_trip_and_lru(PD_KV_OFFLOAD_HOST, NULL);
+}
+END_TEST
+
+/* A device KV's host tier: the same cases through the backend's page copies (a read under another
+ * key is still refused: the header is checked on the CPU); a disk tier behind it is refused. */
+START_TEST(test_device_host_tier)
+{
+    round_trip_and_lru(PD_KV_OFFLOAD_HOST, device());
+    pins(PD_KV_OFFLOAD_HOST, device());
+    ck_assert_int_gt(g_gathers, 0);
+    ck_assert_int_gt(g_scatters, 0);
+    region_t r;
+    region_init(&r, PD_KV_OFFLOAD_DISK, 4, "device.kv");
+    r.cfg.device = device();
+    pd_kv_offload_t *o = NULL;
+    ck_assert_int_eq(pd_kv_offload_create(&r.cfg, &o), PD_ERR_UNSUPPORTED);
+    ck_assert_ptr_null(o);
+    free(r.base);
+    g_dev->ops = g_cpu_ops;
+    pd_backend_destroy(g_dev);
+    g_dev = NULL;
 }
 END_TEST
 
 START_TEST(test_disk_round_trip_and_lru)
 {
-    round_trip_and_lru(PD_KV_OFFLOAD_DISK);
+    round_trip_and_lru(PD_KV_OFFLOAD_DISK, NULL);
 }
 END_TEST
 
@@ -781,6 +844,7 @@ int main(void)
     TCase *tc = tcase_create("offload");
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, test_host_round_trip_and_lru);
+    tcase_add_test(tc, test_device_host_tier);
     tcase_add_test(tc, test_disk_round_trip_and_lru);
     tcase_add_test(tc, test_host_pins);
     tcase_add_test(tc, test_disk_pins);
