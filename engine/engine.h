@@ -237,6 +237,9 @@ typedef struct pd_engine_stats {
     double offload_read_seconds;
     uint32_t offload_used, offload_slots;
     double last_step_s, last_forward_s;
+    /* what prompt tokens cost here (scheduler/prefill_cost.h): seconds per token and per attended
+     * position, 0 before the first measured step */
+    double prefill_s_per_token, prefill_s_per_position;
 } pd_engine_stats_t;
 
 /* A consistent snapshot (thread-safe). */

@@ -58,6 +58,8 @@ static void snapshot_stats(pd_engine_t *e)
         o->offload_used = os.used_slots;
         o->offload_slots = os.num_slots;
     }
+    o->prefill_s_per_token = e->prefill_cost.alpha;
+    o->prefill_s_per_position = e->prefill_cost.beta;
     o->prompt_tokens = e->prompt_tokens;
     o->generation_tokens = e->generation_tokens;
     o->steps = e->steps;

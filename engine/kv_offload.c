@@ -221,12 +221,6 @@ static int build_iov(const pd_kv_offload_t *o, struct iovec *iov, slot_header_t 
     return 1 + o->cfg.num_tensors;
 }
 
-/* Moves iov[n] to (write) or from slot i. Host: streaming stores (pd_copy_stream), both ways: a
- * block's pages are scattered over the pool's tensors, a page apiece (4 KiB on the demo model), and
- * memcpy read each destination line before writing it; on a Zen 3 such page copies ran at 4.1–5.1
- * GB/s that way and 8.2–10.1 streamed, against 9–11.7 for one 256 MiB memcpy. Disk: preadv/pwritev
- * until every byte moved (a short transfer that makes no progress — end of file, full disk — is an
- * error). */
 /* A device KV's slot i (iov[n]: its pages in the device region, then the header): the backend
  * gathers the pages into the arena slot back to back (write) or scatters them from it, and the
  * CPU copies the header. */
@@ -250,6 +244,12 @@ static pd_status_t slot_io_device(const pd_kv_offload_t *o, uint32_t i, const st
     return PD_OK;
 }
 
+/* Moves iov[n] to (write) or from slot i. Host: streaming stores (pd_copy_stream), both ways: a
+ * block's pages are scattered over the pool's tensors, a page apiece (4 KiB on the demo model), and
+ * memcpy read each destination line before writing it; on a Zen 3 such page copies ran at 4.1–5.1
+ * GB/s that way and 8.2–10.1 streamed, against 9–11.7 for one 256 MiB memcpy. Disk: preadv/pwritev
+ * until every byte moved (a short transfer that makes no progress — end of file, full disk — is an
+ * error). */
 static pd_status_t slot_io(const pd_kv_offload_t *o, uint32_t i, struct iovec *iov, int n, bool write)
 {
     if (o->arena != NULL && o->cfg.device != NULL) {

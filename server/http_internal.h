@@ -28,6 +28,7 @@ typedef struct srv_metrics {
     pd_metric_t *waiting_remote, *blocks_free, *blocks_cached, *blocks_used, *http_errors, *load_waits,
         *grammar_handed, *grammar_resumed, *handoffs, *resumed, *grammar_ahead, *grammar_ahead_s; /* pd: */
     pd_metric_t *stream_chunks[2]; /* pd:stream_chunks_total{writer="loop"|"engine"} */
+    pd_metric_t *prefill_cost[2];  /* pd:prefill_cost_seconds_per_{token,position} */
     uint64_t seen_prefix_queries, seen_prefix_hits, seen_prompt, seen_gen, seen_preempt, seen_load_waits,
         seen_grammar_handed, seen_grammar_resumed, seen_grammar_ahead;
     double seen_grammar_ahead_s;

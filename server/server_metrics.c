@@ -126,6 +126,12 @@ void pd_http_metrics_register(pd_http_server_t *s)
     m->blocks_cached =
         gauge(r, "pd:kv_blocks_cached_free", "Free KV blocks that still hold a cached prefix.");
     m->blocks_used = gauge(r, "pd:kv_blocks_used", "KV blocks referenced by requests.");
+    m->prefill_cost[0] = gauge(r, "pd:prefill_cost_seconds_per_token",
+                               "What computing a prompt token costs this node, before attention's share "
+                               "(fitted to its prompt-heavy steps; 0: not measured yet).");
+    m->prefill_cost[1] =
+        gauge(r, "pd:prefill_cost_seconds_per_position",
+              "What each position a prompt token attends to adds to its cost (the same fit).");
     m->http_errors = counter(r, "pd:http_errors_total", "Requests answered with an error.");
     pd_engine_stats_t st;
     pd_engine_get_stats(s->engine, &st);
@@ -193,6 +199,8 @@ void pd_http_metrics_refresh(pd_http_server_t *s)
     pd_metric_set(m->blocks_free, st.blocks_free);
     pd_metric_set(m->blocks_cached, st.blocks_cached_free);
     pd_metric_set(m->blocks_used, st.blocks_used);
+    pd_metric_set(m->prefill_cost[0], st.prefill_s_per_token);
+    pd_metric_set(m->prefill_cost[1], st.prefill_s_per_position);
     /* engine counters are monotonic: add what is new since the last scrape */
     pd_metric_inc(m->prefix_queries, (double)(st.prefix_queries - m->seen_prefix_queries));
     pd_metric_inc(m->prefix_hits, (double)(st.prefix_hits - m->seen_prefix_hits));

@@ -1742,6 +1742,9 @@ START_TEST(test_metrics_parse_and_monotonic)
     ck_assert_double_ge(
         pd_metrics_text_value(b.body, "vllm:time_to_first_token_seconds_bucket{le=\"+Inf\"}", 0), 1);
     ck_assert_ptr_nonnull(json_object_get(sb, "pd:engine_step_duration_seconds_count"));
+    /* the node's prefill cost is known from start-up (the memory profile's forward) */
+    ck_assert_double_gt(pd_metrics_text_value(a.body, "pd:prefill_cost_seconds_per_token", 0), 0);
+    ck_assert_double_gt(pd_metrics_text_value(a.body, "pd:prefill_cost_seconds_per_position", 0), 0);
     json_decref(sa), json_decref(sb);
     http_resp_free(&a), http_resp_free(&b);
 }
