@@ -675,17 +675,17 @@ static void note_prefill_cost(pd_engine_t *e, pd_status_t st, const pd_scheduler
         return;
     }
     int32_t prompt_tokens = 0;
-    double positions = 0;
     for (int32_t i = 0; i < so->num_items; i++) {
         const pd_request_t *r = so->items[i].req;
-        int32_t from = r->num_computed_tokens, n = so->items[i].num_new_tokens;
-        if (from < r->num_prompt_tokens) {
-            prompt_tokens += n;
-        }
-        positions += pd_prefill_cost_positions(&e->prefill_cost, from, from + n);
+        prompt_tokens += r->num_computed_tokens < r->num_prompt_tokens ? so->items[i].num_new_tokens : 0;
     }
     if (prompt_tokens < 32 || 2 * prompt_tokens < so->total_tokens) {
-        return;
+        return; /* decode steps (most steps) stop here */
+    }
+    double positions = 0;
+    for (int32_t i = 0; i < so->num_items; i++) {
+        int32_t from = so->items[i].req->num_computed_tokens;
+        positions += pd_prefill_cost_positions(&e->prefill_cost, from, from + so->items[i].num_new_tokens);
     }
     double predicted;
     bool known = pd_prefill_cost_step(&e->prefill_cost, so->total_tokens, positions, &predicted);
